@@ -1,0 +1,155 @@
+//! The error type of the comm layer.
+
+use std::time::Duration;
+
+use crate::types::OpCtx;
+
+/// Everything that can go wrong in a communicator.
+///
+/// Every variant produced by an operation carries the [`OpCtx`] (op, communicator, rank, seq),
+/// so a message alone tells what failed and where. `CommError` is `Clone` because one failure
+/// (a timeout, an abort, a desync) is reported to every pending operation of the communicator.
+#[non_exhaustive]
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CommError {
+    /// Some ranks did not join a collective (or did not send a message) within the timeout.
+    #[error("{ctx}: timed out after {timeout:?} waiting for ranks {missing:?}")]
+    Timeout {
+        /// Where.
+        ctx: OpCtx,
+        /// How long the operation waited.
+        timeout: Duration,
+        /// The communicator-relative ranks that never arrived.
+        missing: Vec<usize>,
+    },
+    /// The communicator was aborted (explicitly, or because a peer failed or an earlier op
+    /// timed out); pending and future operations fail with this.
+    #[error("{ctx}: communicator aborted: {reason}")]
+    Aborted {
+        /// Where.
+        ctx: OpCtx,
+        /// Why the communicator is unusable.
+        reason: String,
+    },
+    /// Two ranks issued different operations (or different dtypes / sizes) at the same place in
+    /// the sequence of collectives.
+    #[error("{ctx}: desync at collective #{collective}: rank {rank_a} issued {op_a} but rank {rank_b} issued {op_b}")]
+    Desync {
+        /// Where (the rank that reports it).
+        ctx: OpCtx,
+        /// The collective index (0-based, per communicator) at which the ranks disagree.
+        collective: u64,
+        /// One side.
+        rank_a: usize,
+        /// What that side issued.
+        op_a: String,
+        /// The other side.
+        rank_b: usize,
+        /// What that side issued.
+        op_b: String,
+    },
+    /// A caller-side argument is wrong (rank out of range, sizes that do not divide, ...).
+    #[error("{ctx}: invalid argument: {reason}")]
+    InvalidArgument {
+        /// Where.
+        ctx: OpCtx,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The dtype is not supported by this op or backend.
+    #[error("{ctx}: unsupported dtype {dtype:?}: {reason}")]
+    UnsupportedDType {
+        /// Where.
+        ctx: OpCtx,
+        /// The dtype.
+        dtype: candle_core::DType,
+        /// Why.
+        reason: String,
+    },
+    /// The backend does not implement this operation.
+    #[error("{op}: not supported by backend \"{backend}\"")]
+    Unsupported {
+        /// The backend name.
+        backend: String,
+        /// The operation.
+        op: String,
+    },
+    /// The backend exists but was not compiled in.
+    #[error("backend \"{backend}\" is not compiled in; rebuild with cargo feature `{feature}`")]
+    NotCompiled {
+        /// The backend name.
+        backend: String,
+        /// The cargo feature that enables it.
+        feature: String,
+    },
+    /// `new_comm` was asked for a backend nobody registered.
+    #[error("unknown backend \"{name}\"; registered backends: {available:?}")]
+    UnknownBackend {
+        /// The requested name.
+        name: String,
+        /// What is registered.
+        available: Vec<String>,
+    },
+    /// Creating a communicator failed (rendezvous, registry, environment).
+    #[error("bootstrap of comm \"{comm}\": {reason}")]
+    Bootstrap {
+        /// The communicator being created.
+        comm: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A candle operation inside the comm layer failed.
+    #[error("{ctx}: candle: {message}")]
+    Candle {
+        /// Where.
+        ctx: OpCtx,
+        /// The candle error, rendered.
+        message: String,
+    },
+}
+
+impl CommError {
+    /// The operation context, for the variants produced by an operation.
+    pub fn ctx(&self) -> Option<&OpCtx> {
+        match self {
+            CommError::Timeout { ctx, .. }
+            | CommError::Aborted { ctx, .. }
+            | CommError::Desync { ctx, .. }
+            | CommError::InvalidArgument { ctx, .. }
+            | CommError::UnsupportedDType { ctx, .. }
+            | CommError::Candle { ctx, .. } => Some(ctx),
+            _ => None,
+        }
+    }
+
+    /// Whether this error means the communicator is unusable from now on (timeout, abort, desync).
+    pub fn is_fatal(&self) -> bool {
+        matches!(
+            self,
+            CommError::Timeout { .. } | CommError::Aborted { .. } | CommError::Desync { .. }
+        )
+    }
+
+    pub(crate) fn invalid(ctx: &OpCtx, reason: impl Into<String>) -> Self {
+        CommError::InvalidArgument {
+            ctx: ctx.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn candle(ctx: &OpCtx, err: candle_core::Error) -> Self {
+        CommError::Candle {
+            ctx: ctx.clone(),
+            message: err.to_string(),
+        }
+    }
+}
+
+/// `Result` with [`CommError`].
+pub type Result<T, E = CommError> = std::result::Result<T, E>;
+
+impl From<CommError> for candle_core::Error {
+    fn from(e: CommError) -> Self {
+        candle_core::Error::wrap(e)
+    }
+}

@@ -1,0 +1,961 @@
+//! `LocalBackend`: one rank of one local communicator, with its own progress thread.
+//!
+//! Issuing an op assigns it the next collective index and queues it; the progress thread runs
+//! queued ops one at a time, in issue order, so ops on one communicator are ordered while ops
+//! on different communicators (different threads) overlap. An idle progress thread sleeps on a
+//! condvar: nothing spins.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use candle_core::{DType, Device, Shape, Tensor};
+
+use super::group::{Failure, Group, GroupKey, Message, OpDesc, Post, ShapeRule};
+use super::kernels::{detached_copy, read_view, reduce_into, write_into, OutBuf};
+use super::window::{LocalWindow, WindowShared};
+use crate::backend::{dtype_names, Backend, Capabilities, CommOptions};
+use crate::error::{CommError, Result};
+use crate::types::{OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES};
+use crate::window::WindowBackend;
+use crate::work::{InlineRun, Work};
+
+/// Inputs up to this many bytes per rank are copied into the collective at arrival, so the
+/// collective needs a single barrier and no departure wait (lower latency for small messages).
+const EAGER_BYTES: usize = 64 * 1024;
+
+type Task = Box<dyn FnOnce() + Send>;
+
+struct QueueState {
+    tasks: VecDeque<(u64, Task)>,
+    next_task: u64,
+    running: bool,
+    shutdown: bool,
+    next_coll: u64,
+}
+
+struct Queue {
+    state: Mutex<QueueState>,
+    cv: Condvar,
+}
+
+impl Queue {
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn run(self: Arc<Self>) {
+        loop {
+            let task = {
+                let mut q = self.lock();
+                loop {
+                    // `running` may be set by a waiter running the head task inline.
+                    if !q.running {
+                        if let Some((_, t)) = q.tasks.pop_front() {
+                            q.running = true;
+                            break t;
+                        }
+                        if q.shutdown {
+                            return;
+                        }
+                    }
+                    q = self.cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            task();
+            self.lock().running = false;
+            self.cv.notify_all();
+        }
+    }
+}
+
+impl InlineRun for Queue {
+    /// Runs task `id` on the calling thread if it is next in line and nothing is running:
+    /// a caller that waits right after issuing saves two thread hand-offs (the latency of small
+    /// collectives is dominated by them on a loaded machine), and issue order is kept.
+    fn try_run(&self, id: u64) -> bool {
+        let task = {
+            let mut q = self.lock();
+            if q.running || q.tasks.front().map(|(i, _)| *i) != Some(id) {
+                return false;
+            }
+            q.running = true;
+            q.tasks.pop_front().map(|(_, t)| t)
+        };
+        if let Some(t) = task {
+            t();
+        }
+        self.lock().running = false;
+        self.cv.notify_all();
+        true
+    }
+}
+
+/// What an op body gets to run with.
+pub(crate) struct Exec<'a> {
+    pub group: &'a Arc<Group>,
+    pub rank: usize,
+    pub coll: u64,
+    pub ctx: &'a OpCtx,
+    pub deadline: Instant,
+}
+
+/// The shared core of a local backend (also used by its windows).
+pub(crate) struct Core {
+    pub group: Arc<Group>,
+    pub rank: usize,
+    device: Device,
+    queue: Arc<Queue>,
+}
+
+/// One rank of a local communicator.
+pub(crate) struct LocalBackend {
+    core: Arc<Core>,
+}
+
+impl Drop for LocalBackend {
+    fn drop(&mut self) {
+        // The progress thread drains what is queued (peers may need it) and then exits.
+        let mut q = self.core.queue.lock();
+        q.shutdown = true;
+        drop(q);
+        self.core.queue.cv.notify_all();
+    }
+}
+
+pub(crate) fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic payload".to_string()
+    }
+}
+
+pub(crate) use panic_message as panic_msg;
+
+impl LocalBackend {
+    pub(crate) fn new(group: Arc<Group>, rank: usize, name: &str) -> Result<Arc<LocalBackend>> {
+        let queue = Arc::new(Queue {
+            state: Mutex::new(QueueState {
+                tasks: VecDeque::new(),
+                running: false,
+                next_task: 0,
+                shutdown: false,
+                next_coll: 0,
+            }),
+            cv: Condvar::new(),
+        });
+        let q = queue.clone();
+        std::thread::Builder::new()
+            .name(format!("cdt-{name}-r{rank}"))
+            .spawn(move || q.run())
+            .map_err(|e| CommError::Bootstrap {
+                comm: name.to_string(),
+                reason: format!("could not start the progress thread: {e}"),
+            })?;
+        Ok(Arc::new(LocalBackend {
+            core: Arc::new(Core {
+                group,
+                rank,
+                device: Device::Cpu,
+                queue,
+            }),
+        }))
+    }
+}
+
+impl Core {
+    /// Queues `body` as the next op. `collective` ops take the next collective index.
+    pub(crate) fn submit<T: Send + 'static>(
+        &self,
+        ctx: OpCtx,
+        collective: bool,
+        body: impl FnOnce(&Exec) -> Result<T> + Send + 'static,
+    ) -> Result<Work<T>> {
+        let mut q = self.queue.lock();
+        if q.shutdown {
+            return Err(CommError::Aborted {
+                ctx,
+                reason: "the communicator was dropped".into(),
+            });
+        }
+        let coll = if collective {
+            q.next_coll += 1;
+            q.next_coll - 1
+        } else {
+            u64::MAX
+        };
+        let ahead = q.tasks.len() + usize::from(q.running);
+        let id = q.next_task;
+        q.next_task += 1;
+        let (mut work, completer) = Work::pending(ctx.clone(), ahead);
+        work.set_inline(self.queue.clone(), id);
+        let group = self.group.clone();
+        let rank = self.rank;
+        q.tasks.push_back((
+            id,
+            Box::new(move || {
+                completer.start();
+                let exec = Exec {
+                    group: &group,
+                    rank,
+                    coll,
+                    ctx: &ctx,
+                    deadline: Instant::now() + ctx.timeout,
+                };
+                let r = match catch_unwind(AssertUnwindSafe(|| body(&exec))) {
+                    Ok(r) => r,
+                    Err(p) => {
+                        let reason = format!("internal panic in {}: {}", ctx.op, panic_message(p));
+                        tracing::error!(%ctx, %reason, "local backend op panicked");
+                        group.fail(Failure::Aborted {
+                            by: rank,
+                            reason: reason.clone(),
+                        });
+                        Err(CommError::Aborted {
+                            ctx: ctx.clone(),
+                            reason,
+                        })
+                    }
+                };
+                completer.complete(r);
+            }),
+        ));
+        drop(q);
+        self.queue.cv.notify_one();
+        Ok(work)
+    }
+
+    /// Runs a collective body and waits for it (used by split, new_window, fence).
+    pub(crate) fn run_sync<T: Send + 'static>(
+        &self,
+        ctx: OpCtx,
+        body: impl FnOnce(&Exec) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        self.submit(ctx, true, body)?.wait()
+    }
+}
+
+fn to_candle_err(ctx: &OpCtx) -> impl Fn(candle_core::Error) -> CommError + '_ {
+    move |e| CommError::candle(ctx, e)
+}
+
+fn view_err(ctx: &OpCtx) -> impl Fn(String) -> CommError + '_ {
+    move |e| CommError::invalid(ctx, e)
+}
+
+/// A fresh output buffer, or an error in the op's context.
+fn out_buf(ctx: &OpCtx, dtype: DType, elems: usize) -> Result<OutBuf> {
+    OutBuf::new(dtype, elems).map_err(view_err(ctx))
+}
+
+/// The input a rank posts: an eager copy for small inputs, the tensor itself otherwise.
+/// Returns the post input and whether peers read this rank's own memory (departure must wait).
+fn post_input(ctx: &OpCtx, input: &Tensor) -> Result<(Tensor, bool)> {
+    let bytes = input.elem_count() * input.dtype().size_in_bytes();
+    if bytes <= EAGER_BYTES {
+        Ok((detached_copy(input).map_err(view_err(ctx))?, false))
+    } else {
+        Ok((input.clone(), true))
+    }
+}
+
+fn input_of<'a>(ctx: &OpCtx, posts: &'a [Post], r: usize) -> Result<&'a Tensor> {
+    posts[r]
+        .input
+        .as_ref()
+        .ok_or_else(|| CommError::invalid(ctx, format!("rank {r} posted no input")))
+}
+
+/// Writes a collective's result: into `output` when the caller gave one (checked for dtype
+/// and size), else into a fresh buffer that becomes a new tensor of `shape` without a copy.
+/// `fill` gets the destination's first byte and must write all `elems` elements.
+fn produce(
+    ctx: &OpCtx,
+    output: Option<Tensor>,
+    dtype: DType,
+    shape: Shape,
+    fill: impl FnOnce(*mut u8) -> Result<()> + Send,
+) -> Result<Tensor> {
+    let elems = shape.elem_count();
+    match output {
+        None => {
+            let out = out_buf(ctx, dtype, elems)?;
+            fill(out.ptr())?;
+            // SAFETY: `fill` wrote every element (its contract).
+            unsafe { out.into_tensor(shape) }.map_err(to_candle_err(ctx))
+        }
+        Some(t) => {
+            if t.dtype() != dtype || t.elem_count() != elems {
+                return Err(CommError::invalid(
+                    ctx,
+                    format!(
+                        "output is {:?} {:?} but the result is {:?} {:?}",
+                        t.dims(),
+                        t.dtype(),
+                        shape.dims(),
+                        dtype
+                    ),
+                ));
+            }
+            let mut err = None;
+            write_into(&t, |ptr, len| {
+                if len != elems * dtype.size_in_bytes() {
+                    return Err(format!(
+                        "output holds {len} bytes, expected {}",
+                        elems * dtype.size_in_bytes()
+                    ));
+                }
+                fill(ptr).map_err(|e| {
+                    let m = e.to_string();
+                    err = Some(e);
+                    m
+                })
+            })
+            .map_err(|m| err.take().unwrap_or_else(|| CommError::invalid(ctx, m)))?;
+            Ok(t)
+        }
+    }
+}
+
+fn all_reduce(e: &Exec, input: Tensor, op: ReduceOp, output: Option<Tensor>) -> Result<Tensor> {
+    let ctx = e.ctx;
+    let n = e.group.size();
+    let (dtype, elems, es) = (
+        input.dtype(),
+        input.elem_count(),
+        input.dtype().size_in_bytes(),
+    );
+    let desc = OpDesc {
+        reduce: Some(op),
+        ..OpDesc::tensor(OpName::AllReduce, &input)
+    };
+    let shape = input.shape().clone();
+    let (mine, lent) = post_input(ctx, &input)?;
+    if !lent {
+        // Small: one barrier, then every rank reduces everything (in rank order, so identically).
+        let post = Post {
+            input: Some(mine),
+            ..Post::default()
+        };
+        let posts = e
+            .group
+            .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+        let out = produce(ctx, output, dtype, shape, |dst| {
+            let views = (0..n)
+                .map(|r| read_view(input_of(ctx, &posts, r)?).map_err(view_err(ctx)))
+                .collect::<Result<Vec<_>>>()?;
+            let srcs: Vec<&[u8]> = views.iter().map(|v| v.bytes()).collect();
+            // SAFETY: `dst` holds `elems` elements of `dtype`, exclusively ours.
+            unsafe { reduce_into(dtype, op, &srcs, dst, n) };
+            Ok(())
+        })?;
+        drop(posts);
+        e.group.depart(ctx, e.coll, e.rank, false, e.deadline)?;
+        return Ok(out);
+    }
+    // Large: rank r reduces chunk r of every input into a private chunk buffer (reduce-scatter),
+    // barrier (after which no input is read again, so `output` may alias `input`), then every
+    // rank copies all chunks into its output (all-gather): 2(n-1)/n of the data crosses per rank,
+    // and no peer ever touches a rank's output.
+    let chunk = elems.div_ceil(n);
+    let range = |r: usize| (r * chunk).min(elems)..((r + 1) * chunk).min(elems);
+    let mine_range = range(e.rank);
+    let part = Arc::new(out_buf(ctx, dtype, mine_range.len())?);
+    let post = Post {
+        input: Some(mine),
+        out: Some(part.clone()),
+        ..Post::default()
+    };
+    let posts = e
+        .group
+        .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    {
+        let views = (0..n)
+            .map(|r| read_view(input_of(ctx, &posts, r)?).map_err(view_err(ctx)))
+            .collect::<Result<Vec<_>>>()?;
+        let srcs: Vec<&[u8]> = views
+            .iter()
+            .map(|v| &v.bytes()[mine_range.start * es..mine_range.end * es])
+            .collect();
+        // SAFETY: `part` holds exactly this chunk and only this thread writes it.
+        unsafe { reduce_into(dtype, op, &srcs, part.ptr(), n) };
+    }
+    e.group.sync(ctx, e.coll, e.rank, 2, e.deadline)?;
+    let out = produce(ctx, output, dtype, shape, |dst| {
+        for (j, p) in posts.iter().enumerate() {
+            let peer = p
+                .out
+                .as_ref()
+                .ok_or_else(|| CommError::invalid(ctx, format!("rank {j} posted no chunk")))?;
+            let r = range(j);
+            // SAFETY: rank j finished writing its chunk before the stage-2 barrier and never
+            // writes it again; the Arc keeps it alive while we read.
+            let src = unsafe { std::slice::from_raw_parts(peer.ptr(), r.len() * es) };
+            // SAFETY: chunk j of `dst` is in bounds and exclusively ours.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.as_ptr(), dst.add(r.start * es), src.len())
+            };
+        }
+        Ok(())
+    })?;
+    drop(posts);
+    e.group.depart(ctx, e.coll, e.rank, false, e.deadline)?;
+    Ok(out)
+}
+
+/// The common shape of the copy collectives: post, arrive, fill the output from the posts,
+/// depart (waiting for peers when they read this rank's own input).
+fn copy_collective(
+    e: &Exec,
+    desc: OpDesc,
+    input: &Tensor,
+    output: Option<Tensor>,
+    out_dtype: DType,
+    out_shape: Shape,
+    fill: impl FnOnce(&[Post], *mut u8) -> Result<()> + Send,
+) -> Result<Tensor> {
+    let (mine, lent) = post_input(e.ctx, input)?;
+    let post = Post {
+        input: Some(mine),
+        ..Post::default()
+    };
+    let posts = e
+        .group
+        .arrive(e.ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    let out = produce(e.ctx, output, out_dtype, out_shape, |dst| fill(&posts, dst));
+    drop(posts);
+    let departed = e.group.depart(e.ctx, e.coll, e.rank, lent, e.deadline);
+    let out = out?;
+    departed?;
+    Ok(out)
+}
+
+/// Copies `src` to `dst + offset`.
+///
+/// # Safety
+///
+/// The destination range must be in bounds of an allocation we exclusively write.
+unsafe fn put_bytes(dst: *mut u8, offset: usize, src: &[u8]) {
+    // SAFETY: per the function contract; `src` is another allocation.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.add(offset), src.len()) }
+}
+
+fn all_gather(e: &Exec, input: Tensor, output: Option<Tensor>) -> Result<Tensor> {
+    let n = e.group.size();
+    let ctx = e.ctx;
+    let bytes = input.elem_count() * input.dtype().size_in_bytes();
+    let mut dims = input.dims().to_vec();
+    match dims.first_mut() {
+        Some(d0) => *d0 *= n,
+        None => dims.push(n),
+    }
+    let desc = OpDesc::tensor(OpName::AllGatherSingle, &input);
+    copy_collective(
+        e,
+        desc,
+        &input,
+        output,
+        input.dtype(),
+        Shape::from_dims(&dims),
+        |posts, dst| {
+            for r in 0..n {
+                let v = read_view(input_of(ctx, posts, r)?).map_err(view_err(ctx))?;
+                // SAFETY: piece r of `bytes` bytes lies within the n * bytes output.
+                unsafe { put_bytes(dst, r * bytes, v.bytes()) };
+            }
+            Ok(())
+        },
+    )
+}
+
+fn reduce_scatter(e: &Exec, input: Tensor, op: ReduceOp, output: Option<Tensor>) -> Result<Tensor> {
+    let n = e.group.size();
+    let ctx = e.ctx;
+    let (dtype, es) = (input.dtype(), input.dtype().size_in_bytes());
+    let chunk = input.elem_count() / n;
+    let mut dims = input.dims().to_vec();
+    dims[0] /= n;
+    let desc = OpDesc {
+        reduce: Some(op),
+        ..OpDesc::tensor(OpName::ReduceScatterSingle, &input)
+    };
+    let rank = e.rank;
+    copy_collective(
+        e,
+        desc,
+        &input,
+        output,
+        dtype,
+        Shape::from_dims(&dims),
+        |posts, dst| {
+            let views = (0..n)
+                .map(|r| read_view(input_of(ctx, posts, r)?).map_err(view_err(ctx)))
+                .collect::<Result<Vec<_>>>()?;
+            let srcs: Vec<&[u8]> = views
+                .iter()
+                .map(|v| &v.bytes()[rank * chunk * es..(rank + 1) * chunk * es])
+                .collect();
+            // SAFETY: `dst` holds `chunk` elements, exclusively ours.
+            unsafe { reduce_into(dtype, op, &srcs, dst, n) };
+            Ok(())
+        },
+    )
+}
+
+fn all_to_all(e: &Exec, input: Tensor, output: Option<Tensor>) -> Result<Tensor> {
+    let n = e.group.size();
+    let ctx = e.ctx;
+    let cb = input.elem_count() / n * input.dtype().size_in_bytes();
+    let desc = OpDesc::tensor(OpName::AllToAllSingle, &input);
+    let rank = e.rank;
+    copy_collective(
+        e,
+        desc,
+        &input,
+        output,
+        input.dtype(),
+        input.shape().clone(),
+        |posts, dst| {
+            for j in 0..n {
+                let v = read_view(input_of(ctx, posts, j)?).map_err(view_err(ctx))?;
+                // SAFETY: chunk j of the output is in bounds and exclusively ours.
+                unsafe { put_bytes(dst, j * cb, &v.bytes()[rank * cb..(rank + 1) * cb]) };
+            }
+            Ok(())
+        },
+    )
+}
+
+fn all_to_all_v(
+    e: &Exec,
+    input: Tensor,
+    out_splits: Vec<usize>,
+    in_splits: Vec<usize>,
+) -> Result<Tensor> {
+    let ctx = e.ctx;
+    let dims = input.dims().to_vec();
+    let rows: Vec<usize> = dims.iter().skip(1).copied().collect();
+    let row_bytes = rows.iter().product::<usize>() * input.dtype().size_in_bytes();
+    let desc = OpDesc {
+        shape: ShapeRule::Rows(rows.clone()),
+        ..OpDesc::tensor(OpName::AllToAllVSingle, &input)
+    };
+    let (mine, lent) = post_input(ctx, &input)?;
+    let post = Post {
+        input: Some(mine),
+        splits: Some((out_splits.clone(), in_splits.clone())),
+        ..Post::default()
+    };
+    let posts = e
+        .group
+        .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    for (j, p) in posts.iter().enumerate() {
+        let sent = p.splits.as_ref().map(|s| s.1[e.rank]).unwrap_or(0);
+        if sent != out_splits[j] {
+            let reason = format!(
+                "rank {j} sends {sent} slices to rank {} but rank {} expects {} from it",
+                e.rank, e.rank, out_splits[j]
+            );
+            e.group.fail(Failure::Mismatch {
+                collective: e.coll,
+                reason: reason.clone(),
+            });
+            return Err(CommError::invalid(ctx, reason));
+        }
+    }
+    let total: usize = out_splits.iter().sum();
+    let out = out_buf(
+        ctx,
+        input.dtype(),
+        total * row_bytes / input.dtype().size_in_bytes().max(1),
+    )?;
+    let mut off = 0;
+    for (j, p) in posts.iter().enumerate() {
+        let v = read_view(input_of(ctx, &posts, j)?).map_err(view_err(ctx))?;
+        let splits = p.splits.as_ref().map(|s| &s.1[..]).unwrap_or(&[]);
+        let start: usize = splits[..e.rank].iter().sum::<usize>() * row_bytes;
+        let len = out_splits[j] * row_bytes;
+        // SAFETY: the output has room for the sum of out_splits rows; written only here.
+        unsafe { out.write(off, &v.bytes()[start..start + len]) };
+        off += len;
+    }
+    drop(posts);
+    e.group.depart(ctx, e.coll, e.rank, lent, e.deadline)?;
+    let mut out_dims = vec![total];
+    out_dims.extend(rows);
+    // SAFETY: `off` reached the full output size.
+    unsafe { out.into_tensor(Shape::from_dims(&out_dims)) }.map_err(to_candle_err(ctx))
+}
+
+fn broadcast(e: &Exec, tensor: Tensor, root: usize) -> Result<Tensor> {
+    let ctx = e.ctx;
+    let desc = OpDesc {
+        root: Some(root),
+        ..OpDesc::tensor(OpName::Broadcast, &tensor)
+    };
+    if e.rank == root {
+        let (mine, lent) = post_input(ctx, &tensor)?;
+        let post = Post {
+            input: Some(mine),
+            ..Post::default()
+        };
+        let posts = e
+            .group
+            .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+        drop(posts);
+        e.group.depart(ctx, e.coll, e.rank, lent, e.deadline)?;
+        return Ok(tensor);
+    }
+    let posts = e
+        .group
+        .arrive(ctx, e.coll, e.rank, desc, Post::default(), e.deadline)?;
+    let copy = detached_copy(input_of(ctx, &posts, root)?).map_err(view_err(ctx))?;
+    drop(posts);
+    e.group.depart(ctx, e.coll, e.rank, false, e.deadline)?;
+    Ok(copy)
+}
+
+fn reduce(e: &Exec, input: Tensor, root: usize, op: ReduceOp) -> Result<Option<Tensor>> {
+    let n = e.group.size();
+    let ctx = e.ctx;
+    let desc = OpDesc {
+        root: Some(root),
+        reduce: Some(op),
+        ..OpDesc::tensor(OpName::Reduce, &input)
+    };
+    let (dtype, elems, shape) = (input.dtype(), input.elem_count(), input.shape().clone());
+    let (mine, lent) = post_input(ctx, &input)?;
+    let post = Post {
+        input: Some(mine),
+        ..Post::default()
+    };
+    let posts = e
+        .group
+        .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    let result = if e.rank == root {
+        let out = out_buf(ctx, dtype, elems)?;
+        {
+            let views = (0..n)
+                .map(|r| read_view(input_of(ctx, &posts, r)?).map_err(view_err(ctx)))
+                .collect::<Result<Vec<_>>>()?;
+            let srcs: Vec<&[u8]> = views.iter().map(|v| v.bytes()).collect();
+            // SAFETY: `out` holds `elems` elements, private to this thread.
+            unsafe { reduce_into(dtype, op, &srcs, out.ptr(), n) };
+        }
+        // SAFETY: fully written.
+        Some(unsafe { out.into_tensor(shape) }.map_err(to_candle_err(ctx))?)
+    } else {
+        None
+    };
+    drop(posts);
+    e.group.depart(ctx, e.coll, e.rank, lent, e.deadline)?;
+    Ok(result)
+}
+
+fn gather(e: &Exec, input: Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
+    let ctx = e.ctx;
+    let desc = OpDesc {
+        root: Some(root),
+        shape: ShapeRule::Any,
+        ..OpDesc::tensor(OpName::Gather, &input)
+    };
+    let (mine, lent) = post_input(ctx, &input)?;
+    let post = Post {
+        input: Some(mine),
+        ..Post::default()
+    };
+    let posts = e
+        .group
+        .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    let result = if e.rank == root {
+        Some(
+            (0..e.group.size())
+                .map(|r| detached_copy(input_of(ctx, &posts, r)?).map_err(view_err(ctx)))
+                .collect::<Result<Vec<_>>>()?,
+        )
+    } else {
+        None
+    };
+    drop(posts);
+    e.group.depart(ctx, e.coll, e.rank, lent, e.deadline)?;
+    Ok(result)
+}
+
+fn scatter(e: &Exec, inputs: Vec<Tensor>, root: usize) -> Result<Tensor> {
+    let ctx = e.ctx;
+    let desc = OpDesc {
+        root: Some(root),
+        ..OpDesc::new(OpName::Scatter)
+    };
+    let mut lent = false;
+    let post = if e.rank == root {
+        let mut posted = Vec::with_capacity(inputs.len());
+        for t in &inputs {
+            let (p, l) = post_input(ctx, t)?;
+            lent |= l;
+            posted.push(p);
+        }
+        Post {
+            inputs: posted,
+            ..Post::default()
+        }
+    } else {
+        Post::default()
+    };
+    let posts = e
+        .group
+        .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    let src = posts[root].inputs.get(e.rank).ok_or_else(|| {
+        CommError::invalid(
+            ctx,
+            format!("root {root} posted no piece for rank {}", e.rank),
+        )
+    })?;
+    let out = detached_copy(src).map_err(view_err(ctx))?;
+    drop(posts);
+    e.group.depart(ctx, e.coll, e.rank, lent, e.deadline)?;
+    Ok(out)
+}
+
+fn batch_p2p(e: &Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
+    let ctx = e.ctx;
+    let mut received = Vec::new();
+    for op in &ops {
+        if let P2POp::Send { tensor, peer } = op {
+            let copy = detached_copy(tensor).map_err(view_err(ctx))?;
+            e.group
+                .post_message(e.rank, *peer, Message { tensor: copy });
+        }
+    }
+    for op in ops {
+        if let P2POp::Recv { peer, shape, dtype } = op {
+            let m = e.group.take_message(ctx, peer, e.rank, e.deadline)?;
+            if m.tensor.shape() != &shape || m.tensor.dtype() != dtype {
+                return Err(CommError::invalid(
+                    ctx,
+                    format!(
+                        "recv from rank {peer}: expected {:?} {:?} but rank {peer} sent {:?} {:?}",
+                        shape.dims(),
+                        dtype,
+                        m.tensor.dims(),
+                        m.tensor.dtype()
+                    ),
+                ));
+            }
+            received.push(m.tensor);
+        }
+    }
+    Ok(received)
+}
+
+impl Backend for LocalBackend {
+    fn backend_name(&self) -> &'static str {
+        "local"
+    }
+
+    fn rank(&self) -> usize {
+        self.core.rank
+    }
+
+    fn size(&self) -> usize {
+        self.core.group.size()
+    }
+
+    fn device(&self) -> &Device {
+        &self.core.device
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            rma_put: true,
+            rma_get: true,
+            rma_signal: true,
+            abort: true,
+            dtypes: dtype_names(&SUPPORTED_DTYPES),
+        }
+    }
+
+    fn all_reduce(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        op: ReduceOp,
+        output: Option<Tensor>,
+    ) -> Result<Work<Tensor>> {
+        self.core
+            .submit(ctx, true, move |e| all_reduce(e, input, op, output))
+    }
+
+    fn all_gather_single(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        output: Option<Tensor>,
+    ) -> Result<Work<Tensor>> {
+        self.core
+            .submit(ctx, true, move |e| all_gather(e, input, output))
+    }
+
+    fn reduce_scatter_single(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        op: ReduceOp,
+        output: Option<Tensor>,
+    ) -> Result<Work<Tensor>> {
+        self.core
+            .submit(ctx, true, move |e| reduce_scatter(e, input, op, output))
+    }
+
+    fn all_to_all_single(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        output: Option<Tensor>,
+    ) -> Result<Work<Tensor>> {
+        self.core
+            .submit(ctx, true, move |e| all_to_all(e, input, output))
+    }
+
+    fn all_to_all_v_single(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        output_split_sizes: Vec<usize>,
+        input_split_sizes: Vec<usize>,
+    ) -> Result<Work<Tensor>> {
+        self.core.submit(ctx, true, move |e| {
+            all_to_all_v(e, input, output_split_sizes, input_split_sizes)
+        })
+    }
+
+    fn broadcast(&self, ctx: OpCtx, tensor: Tensor, root: usize) -> Result<Work<Tensor>> {
+        self.core
+            .submit(ctx, true, move |e| broadcast(e, tensor, root))
+    }
+
+    fn reduce(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<Work<Option<Tensor>>> {
+        self.core
+            .submit(ctx, true, move |e| reduce(e, input, root, op))
+    }
+
+    fn gather(&self, ctx: OpCtx, input: Tensor, root: usize) -> Result<Work<Option<Vec<Tensor>>>> {
+        self.core.submit(ctx, true, move |e| gather(e, input, root))
+    }
+
+    fn scatter(&self, ctx: OpCtx, inputs: Vec<Tensor>, root: usize) -> Result<Work<Tensor>> {
+        self.core
+            .submit(ctx, true, move |e| scatter(e, inputs, root))
+    }
+
+    fn barrier(&self, ctx: OpCtx) -> Result<Work<()>> {
+        self.core.submit(ctx, true, |e| {
+            e.group.arrive(
+                e.ctx,
+                e.coll,
+                e.rank,
+                OpDesc::new(OpName::Barrier),
+                Post::default(),
+                e.deadline,
+            )?;
+            e.group.depart(e.ctx, e.coll, e.rank, false, e.deadline)
+        })
+    }
+
+    fn batch_p2p(&self, ctx: OpCtx, ops: Vec<P2POp>) -> Result<Work<Vec<Tensor>>> {
+        self.core.submit(ctx, false, move |e| batch_p2p(e, ops))
+    }
+
+    fn split(
+        &self,
+        ctx: OpCtx,
+        ranks: &[usize],
+        name: &str,
+        _options: &CommOptions,
+    ) -> Result<Option<Arc<dyn Backend>>> {
+        let ranks = ranks.to_vec();
+        let name = name.to_string();
+        let core = self.core.clone();
+        self.core.run_sync(ctx, move |e| {
+            let post = Post {
+                ranks: Some(ranks.clone()),
+                ..Post::default()
+            };
+            let posts = e
+                .group
+                .arrive(e.ctx, e.coll, e.rank, OpDesc::new(OpName::Split), post, e.deadline)?;
+            // Every member of my new group must have passed the same list.
+            let mut mismatch = None;
+            for &r in &ranks {
+                let theirs = posts[r].ranks.clone().unwrap_or_default();
+                if theirs != ranks {
+                    mismatch = Some(format!(
+                        "split lists disagree: rank {} passes {ranks:?} but rank {r} passes {theirs:?}",
+                        e.rank
+                    ));
+                    break;
+                }
+            }
+            drop(posts);
+            e.group.depart(e.ctx, e.coll, e.rank, false, e.deadline)?;
+            if let Some(reason) = mismatch {
+                return Err(CommError::invalid(e.ctx, reason));
+            }
+            if ranks.is_empty() {
+                return Ok(None);
+            }
+            let color = ranks.iter().copied().min().unwrap_or(0);
+            let members: Vec<usize> = ranks.iter().map(|&r| e.group.members[r]).collect();
+            let key = GroupKey::Split {
+                parent: e.group.id,
+                coll: e.coll,
+                color,
+            };
+            let child = e.group.world.rendezvous(key, || members);
+            let my = ranks.iter().position(|&r| r == core.rank).unwrap_or(0);
+            let b = LocalBackend::new(child, my, &name)?;
+            Ok(Some(b as Arc<dyn Backend>))
+        })
+    }
+
+    fn new_window(&self, ctx: OpCtx, bytes: usize) -> Result<Arc<dyn WindowBackend>> {
+        let core = self.core.clone();
+        self.core.run_sync(ctx, move |e| {
+            let desc = OpDesc {
+                bytes: Some(bytes),
+                ..OpDesc::new(OpName::NewWindow)
+            };
+            e.group
+                .arrive(e.ctx, e.coll, e.rank, desc, Post::default(), e.deadline)?;
+            let shared = WindowShared::get_or_create(e.group, e.coll, bytes);
+            e.group.depart(e.ctx, e.coll, e.rank, false, e.deadline)?;
+            Ok(Arc::new(LocalWindow::new(shared, core)) as Arc<dyn WindowBackend>)
+        })
+    }
+
+    fn abort(&self, reason: &str) {
+        self.core.group.fail(Failure::Aborted {
+            by: self.core.rank,
+            reason: reason.to_string(),
+        });
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.core.group.failure().is_some()
+    }
+
+    fn pending(&self) -> usize {
+        let q = self.core.queue.lock();
+        q.tasks.len() + usize::from(q.running)
+    }
+}

@@ -1,0 +1,586 @@
+//! The shared state of the local backend: the world (all rank threads of one
+//! [`LocalWorld`](super::LocalWorld) launch) and groups (one per communicator, shared by its
+//! members).
+//!
+//! A collective is a *slot* keyed by the communicator's collective index. Each rank arrives
+//! with a descriptor (checked against the first arrival: that is the desync detection) and a
+//! [`Post`] (its input tensor, or an eager copy of it); once every rank has arrived, each reads
+//! its peers' posts directly (shared memory, no serialization, no funnel through one thread).
+//! Collectives whose peers read a rank's *own* buffers end with a departure barrier, so no rank
+//! returns (and lets its caller mutate its input) while a peer still reads it. Buffers are
+//! reference-counted, so even a rank that gives up on a timeout never frees memory a peer is
+//! reading. One mutex and condvar per group coordinate it all; waiting ranks sleep.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::Instant;
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{CommError, Result};
+use crate::types::{OpCtx, OpName, ReduceOp};
+
+/// Why a group (communicator) is unusable.
+#[derive(Debug, Clone)]
+pub(crate) enum Failure {
+    /// `abort()` was called by `by` (a communicator rank).
+    Aborted { by: usize, reason: String },
+    /// Collective `collective` timed out waiting for `missing`.
+    Timeout {
+        collective: u64,
+        op: OpName,
+        missing: Vec<usize>,
+    },
+    /// Two ranks issued different collectives at index `collective`.
+    Desync {
+        collective: u64,
+        rank_a: usize,
+        op_a: String,
+        rank_b: usize,
+        op_b: String,
+    },
+    /// A rank thread of the world failed (returned an error or panicked).
+    RankFailed { world_rank: usize, reason: String },
+    /// Ranks passed arguments of collective `collective` that do not fit together.
+    Mismatch { collective: u64, reason: String },
+}
+
+impl Failure {
+    /// The error an operation at collective index `coll` reports for this failure.
+    pub(crate) fn to_error(&self, ctx: &OpCtx, coll: Option<u64>) -> CommError {
+        match self {
+            Failure::Timeout {
+                collective,
+                missing,
+                ..
+            } if Some(*collective) == coll => CommError::Timeout {
+                ctx: ctx.clone(),
+                timeout: ctx.timeout,
+                missing: missing.clone(),
+            },
+            Failure::Desync {
+                collective,
+                rank_a,
+                op_a,
+                rank_b,
+                op_b,
+            } if Some(*collective) == coll => CommError::Desync {
+                ctx: ctx.clone(),
+                collective: *collective,
+                rank_a: *rank_a,
+                op_a: op_a.clone(),
+                rank_b: *rank_b,
+                op_b: op_b.clone(),
+            },
+            Failure::Mismatch { collective, reason } if Some(*collective) == coll => {
+                CommError::InvalidArgument {
+                    ctx: ctx.clone(),
+                    reason: reason.clone(),
+                }
+            }
+            other => CommError::Aborted {
+                ctx: ctx.clone(),
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Aborted { by, reason } => write!(f, "aborted by rank {by}: {reason}"),
+            Failure::Timeout {
+                collective,
+                op,
+                missing,
+            } => write!(
+                f,
+                "an earlier {op} (collective #{collective}) timed out waiting for ranks {missing:?}"
+            ),
+            Failure::Desync {
+                collective,
+                rank_a,
+                op_a,
+                rank_b,
+                op_b,
+            } => write!(
+                f,
+                "desync at collective #{collective}: rank {rank_a} issued {op_a} but rank {rank_b} issued {op_b}"
+            ),
+            Failure::RankFailed { world_rank, reason } => {
+                write!(f, "rank {world_rank} of the local world failed: {reason}")
+            }
+            Failure::Mismatch { collective, reason } => {
+                write!(f, "collective #{collective} had mismatched arguments: {reason}")
+            }
+        }
+    }
+}
+
+/// How shapes must agree across ranks for an op.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ShapeRule {
+    /// Identical shapes.
+    Exact(Vec<usize>),
+    /// Identical dims after dim 0 (all_to_all_v).
+    Rows(Vec<usize>),
+    /// Anything.
+    Any,
+}
+
+/// What a rank issued at a collective index; compared across ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OpDesc {
+    pub op: OpName,
+    pub dtype: Option<DType>,
+    pub shape: ShapeRule,
+    pub root: Option<usize>,
+    pub reduce: Option<ReduceOp>,
+    pub bytes: Option<usize>,
+}
+
+impl OpDesc {
+    pub(crate) fn new(op: OpName) -> Self {
+        OpDesc {
+            op,
+            dtype: None,
+            shape: ShapeRule::Any,
+            root: None,
+            reduce: None,
+            bytes: None,
+        }
+    }
+
+    pub(crate) fn tensor(op: OpName, t: &Tensor) -> Self {
+        OpDesc {
+            dtype: Some(t.dtype()),
+            shape: ShapeRule::Exact(t.dims().to_vec()),
+            ..OpDesc::new(op)
+        }
+    }
+}
+
+impl fmt::Display for OpDesc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}(", self.op)?;
+        let mut parts: Vec<String> = Vec::new();
+        if let Some(r) = self.reduce {
+            parts.push(r.to_string());
+        }
+        if let Some(d) = self.dtype {
+            parts.push(d.as_str().to_string());
+        }
+        match &self.shape {
+            ShapeRule::Exact(s) => parts.push(format!("{s:?}")),
+            ShapeRule::Rows(s) => parts.push(format!("[*, {s:?}]")),
+            ShapeRule::Any => {}
+        }
+        if let Some(r) = self.root {
+            parts.push(format!("root {r}"));
+        }
+        if let Some(b) = self.bytes {
+            parts.push(format!("{b} bytes"));
+        }
+        write!(f, "{})", parts.join(", "))
+    }
+}
+
+/// A rank's contribution to a collective, readable by its peers.
+#[derive(Clone, Default)]
+pub(crate) struct Post {
+    /// The input (the caller's tensor, or an eager copy).
+    pub input: Option<Tensor>,
+    /// Scatter inputs (root only).
+    pub inputs: Vec<Tensor>,
+    /// The rank's output buffer, when peers read from it (large all_reduce).
+    pub out: Option<Arc<super::kernels::OutBuf>>,
+    /// all_to_all_v split sizes: (output, input).
+    pub splits: Option<(Vec<usize>, Vec<usize>)>,
+    /// split: the caller's new group.
+    pub ranks: Option<Vec<usize>>,
+}
+
+/// Per-rank progress inside one slot.
+const ARRIVED: u8 = 1;
+/// Departed (finished reading peers' buffers).
+pub(crate) const DONE: u8 = u8::MAX;
+
+struct Slot {
+    desc: Option<(usize, OpDesc)>,
+    posts: Vec<Option<Post>>,
+    stage: Vec<u8>,
+}
+
+/// A queued point-to-point message.
+pub(crate) struct Message {
+    pub tensor: Tensor,
+}
+
+pub(crate) struct GroupState {
+    failure: Option<Failure>,
+    slots: HashMap<u64, Slot>,
+    /// (src, dst) -> messages in send order.
+    mail: HashMap<(usize, usize), VecDeque<Message>>,
+    /// window id -> signal counts [dst * n + src] and consumed counts.
+    pub(crate) signals: HashMap<u64, (Vec<u64>, Vec<u64>)>,
+    pub(crate) windows: HashMap<u64, Weak<super::window::WindowShared>>,
+}
+
+/// One communicator's shared state.
+pub(crate) struct Group {
+    pub id: u64,
+    pub world: Arc<World>,
+    /// World ranks, indexed by communicator rank.
+    pub members: Vec<usize>,
+    state: Mutex<GroupState>,
+    cv: Condvar,
+}
+
+/// Keys under which ranks find the same new group.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum GroupKey {
+    Split {
+        parent: u64,
+        coll: u64,
+        color: usize,
+    },
+    NewComm {
+        name: String,
+        index: u64,
+    },
+}
+
+/// All rank threads of one local launch.
+pub(crate) struct World {
+    pub size: usize,
+    groups: Mutex<Vec<Weak<Group>>>,
+    rendezvous: Mutex<HashMap<GroupKey, Weak<Group>>>,
+    failure: Mutex<Option<Failure>>,
+    /// The first rank whose closure failed, and why (the root cause).
+    pub(crate) first_failure: Mutex<Option<(usize, String)>>,
+    next_id: AtomicU64,
+}
+
+impl World {
+    pub(crate) fn new(size: usize) -> Arc<World> {
+        Arc::new(World {
+            size,
+            groups: Mutex::new(Vec::new()),
+            rendezvous: Mutex::new(HashMap::new()),
+            failure: Mutex::new(None),
+            first_failure: Mutex::new(None),
+            next_id: AtomicU64::new(0),
+        })
+    }
+
+    fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Creates a group over `members` (world ranks).
+    pub(crate) fn new_group(self: &Arc<Self>, members: Vec<usize>) -> Arc<Group> {
+        let failure = Self::lock(&self.failure).clone();
+        let g = Arc::new(Group {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            world: self.clone(),
+            members,
+            state: Mutex::new(GroupState {
+                failure,
+                slots: HashMap::new(),
+                mail: HashMap::new(),
+                signals: HashMap::new(),
+                windows: HashMap::new(),
+            }),
+            cv: Condvar::new(),
+        });
+        let mut groups = Self::lock(&self.groups);
+        groups.retain(|w| w.strong_count() > 0);
+        groups.push(Arc::downgrade(&g));
+        g
+    }
+
+    /// The group registered under `key`, created with `members` by the first rank to ask.
+    pub(crate) fn rendezvous(
+        self: &Arc<Self>,
+        key: GroupKey,
+        members: impl FnOnce() -> Vec<usize>,
+    ) -> Arc<Group> {
+        let mut reg = Self::lock(&self.rendezvous);
+        reg.retain(|_, w| w.strong_count() > 0);
+        if let Some(g) = reg.get(&key).and_then(Weak::upgrade) {
+            return g;
+        }
+        let g = self.new_group(members());
+        reg.insert(key, Arc::downgrade(&g));
+        g
+    }
+
+    /// Fails every group of the world (a rank failed). The first call records the root cause.
+    pub(crate) fn fail(&self, world_rank: usize, reason: String) {
+        {
+            let mut first = Self::lock(&self.first_failure);
+            if first.is_none() {
+                *first = Some((world_rank, reason.clone()));
+            }
+        }
+        let failure = Failure::RankFailed { world_rank, reason };
+        {
+            let mut f = Self::lock(&self.failure);
+            if f.is_none() {
+                *f = Some(failure.clone());
+            }
+        }
+        let groups: Vec<Arc<Group>> = Self::lock(&self.groups)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for g in groups {
+            g.fail(failure.clone());
+        }
+    }
+}
+
+impl Group {
+    pub(crate) fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, GroupState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn notify(&self) {
+        self.cv.notify_all();
+    }
+
+    /// Marks the group failed (first failure wins) and wakes every waiter.
+    pub(crate) fn fail(&self, failure: Failure) {
+        let mut st = self.lock();
+        if st.failure.is_none() {
+            st.failure = Some(failure);
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    pub(crate) fn failure_locked(&self, st: &GroupState) -> Option<Failure> {
+        st.failure.clone()
+    }
+
+    pub(crate) fn failure(&self) -> Option<Failure> {
+        self.lock().failure.clone()
+    }
+
+    /// Waits on the condvar until `deadline`; returns the guard and whether time ran out.
+    pub(crate) fn wait<'a>(
+        &self,
+        guard: MutexGuard<'a, GroupState>,
+        deadline: Instant,
+    ) -> (MutexGuard<'a, GroupState>, bool) {
+        let now = Instant::now();
+        if now >= deadline {
+            return (guard, true);
+        }
+        let (g, _) = self
+            .cv
+            .wait_timeout(guard, deadline - now)
+            .unwrap_or_else(|e| e.into_inner());
+        (g, false)
+    }
+
+    /// Arrives at collective `coll` with `desc` and `post`; waits until every rank has arrived
+    /// and returns all posts in rank order.
+    pub(crate) fn arrive(
+        &self,
+        ctx: &OpCtx,
+        coll: u64,
+        rank: usize,
+        desc: OpDesc,
+        post: Post,
+        deadline: Instant,
+    ) -> Result<Vec<Post>> {
+        let n = self.size();
+        let mut st = self.lock();
+        if let Some(f) = &st.failure {
+            return Err(f.to_error(ctx, Some(coll)));
+        }
+        let slot = st.slots.entry(coll).or_insert_with(|| Slot {
+            desc: None,
+            posts: vec![None; n],
+            stage: vec![0; n],
+        });
+        match &slot.desc {
+            Some((r0, d0)) if !compatible(d0, &desc) => {
+                let failure = Failure::Desync {
+                    collective: coll,
+                    rank_a: *r0,
+                    op_a: d0.to_string(),
+                    rank_b: rank,
+                    op_b: desc.to_string(),
+                };
+                st.failure = Some(failure.clone());
+                drop(st);
+                self.cv.notify_all();
+                return Err(failure.to_error(ctx, Some(coll)));
+            }
+            Some(_) => {}
+            None => slot.desc = Some((rank, desc)),
+        }
+        slot.posts[rank] = Some(post);
+        slot.stage[rank] = ARRIVED;
+        self.cv.notify_all();
+        let mut st = self.wait_stage(st, ctx, coll, ARRIVED, deadline)?;
+        let slot = st
+            .slots
+            .get_mut(&coll)
+            .ok_or_else(|| CommError::invalid(ctx, "collective slot vanished"))?;
+        Ok(slot
+            .posts
+            .iter()
+            .map(|p| p.clone().unwrap_or_default())
+            .collect())
+    }
+
+    /// Marks this rank at `stage` of collective `coll` and waits until every rank reached it.
+    pub(crate) fn sync(
+        &self,
+        ctx: &OpCtx,
+        coll: u64,
+        rank: usize,
+        stage: u8,
+        deadline: Instant,
+    ) -> Result<()> {
+        let mut st = self.lock();
+        if let Some(slot) = st.slots.get_mut(&coll) {
+            slot.stage[rank] = stage;
+        }
+        self.cv.notify_all();
+        self.wait_stage(st, ctx, coll, stage, deadline).map(|_| ())
+    }
+
+    /// Leaves collective `coll`. With `wait_all`, waits until every rank has left (so buffers
+    /// this rank lent to peers are no longer read). The last rank to leave frees the slot.
+    pub(crate) fn depart(
+        &self,
+        ctx: &OpCtx,
+        coll: u64,
+        rank: usize,
+        wait_all: bool,
+        deadline: Instant,
+    ) -> Result<()> {
+        let mut st = self.lock();
+        let all_done = match st.slots.get_mut(&coll) {
+            Some(slot) => {
+                // Posts stay until the slot is freed: a slower peer may not have read them yet.
+                slot.stage[rank] = DONE;
+                slot.stage.iter().all(|&s| s == DONE)
+            }
+            None => true,
+        };
+        if all_done {
+            st.slots.remove(&coll);
+            drop(st);
+            self.cv.notify_all();
+            return Ok(());
+        }
+        self.cv.notify_all();
+        if wait_all {
+            drop(self.wait_stage(st, ctx, coll, DONE, deadline)?);
+        }
+        Ok(())
+    }
+
+    /// Waits until every rank of slot `coll` is at `stage` or beyond (a missing slot means every
+    /// rank already left). On timeout, records the failure naming the ranks still behind.
+    fn wait_stage<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, GroupState>,
+        ctx: &OpCtx,
+        coll: u64,
+        stage: u8,
+        deadline: Instant,
+    ) -> Result<MutexGuard<'a, GroupState>> {
+        loop {
+            if let Some(f) = &st.failure {
+                return Err(f.to_error(ctx, Some(coll)));
+            }
+            let behind: Vec<usize> = match st.slots.get(&coll) {
+                Some(slot) => (0..slot.stage.len())
+                    .filter(|&r| slot.stage[r] < stage)
+                    .collect(),
+                None => Vec::new(),
+            };
+            if behind.is_empty() {
+                return Ok(st);
+            }
+            let (g, timed_out) = self.wait(st, deadline);
+            st = g;
+            if timed_out {
+                let failure = Failure::Timeout {
+                    collective: coll,
+                    op: ctx.op,
+                    missing: behind,
+                };
+                if st.failure.is_none() {
+                    st.failure = Some(failure.clone());
+                }
+                drop(st);
+                self.cv.notify_all();
+                return Err(failure.to_error(ctx, Some(coll)));
+            }
+        }
+    }
+
+    /// Queues a message from `src` to `dst`.
+    pub(crate) fn post_message(&self, src: usize, dst: usize, msg: Message) {
+        let mut st = self.lock();
+        st.mail.entry((src, dst)).or_default().push_back(msg);
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    /// Takes the next message from `src` to `dst`, waiting until `deadline`.
+    pub(crate) fn take_message(
+        &self,
+        ctx: &OpCtx,
+        src: usize,
+        dst: usize,
+        deadline: Instant,
+    ) -> Result<Message> {
+        let mut st = self.lock();
+        loop {
+            if let Some(m) = st.mail.get_mut(&(src, dst)).and_then(VecDeque::pop_front) {
+                return Ok(m);
+            }
+            if let Some(f) = &st.failure {
+                return Err(f.to_error(ctx, None));
+            }
+            let (g, timed_out) = self.wait(st, deadline);
+            st = g;
+            if timed_out {
+                return Err(CommError::Timeout {
+                    ctx: ctx.clone(),
+                    timeout: ctx.timeout,
+                    missing: vec![src],
+                });
+            }
+        }
+    }
+}
+
+fn compatible(a: &OpDesc, b: &OpDesc) -> bool {
+    if a.op != b.op || a.root != b.root || a.reduce != b.reduce || a.bytes != b.bytes {
+        return false;
+    }
+    // Scatter: only the root knows the dtype.
+    if a.op != OpName::Scatter && a.dtype != b.dtype {
+        return false;
+    }
+    match (&a.shape, &b.shape) {
+        (ShapeRule::Any, _) | (_, ShapeRule::Any) => true,
+        (x, y) => x == y,
+    }
+}

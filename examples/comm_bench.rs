@@ -1,0 +1,306 @@
+//! Collective bandwidth and latency of the local backend, reported like nccl-tests.
+//!
+//! ```text
+//! cargo run --release --example comm_bench -- --world 4 --size 64MiB \
+//!     --ops all_reduce,all_gather,reduce_scatter,all_to_all --json
+//! ```
+//!
+//! For each op and size it prints `op`, `world`, `bytes` (the nccl-tests buffer size S),
+//! `median_ms`, `algbw_gbps` (S / t), `busbw_gbps` (algbw x 2(n-1)/n for all_reduce, x (n-1)/n
+//! for the others), `floor_ms` and `efficiency` (= floor_ms / median_ms). `floor_ms` is the time
+//! the bytes that must cross between ranks (all_reduce 2(n-1)/n S per rank, the others (n-1)/n S
+//! per rank, summed over ranks) take at the aggregate copy rate of n threads each running memcpy
+//! concurrently, measured in the same run: the figure calibrates to the machine it runs on.
+//! Sizes up to 64 KiB are timed as back-to-back ops (latency); larger ones one op at a time
+//! between barriers.
+#![allow(clippy::print_stdout)]
+
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use candle_dtensor::comm::{Comm, LocalWorld, ReduceOp};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "Collective bandwidth of the local backend (nccl-tests style)")]
+struct Args {
+    /// Number of ranks (threads).
+    #[arg(long, default_value_t = 4)]
+    world: usize,
+    /// Buffer sizes S, comma separated (e.g. 4,1MiB,64MiB; suffixes B, KiB, MiB, GiB).
+    #[arg(long, default_value = "4,64MiB")]
+    size: String,
+    /// Ops, comma separated: all_reduce, all_gather, reduce_scatter, all_to_all.
+    #[arg(
+        long,
+        default_value = "all_reduce,all_gather,reduce_scatter,all_to_all"
+    )]
+    ops: String,
+    /// Timed iterations for bandwidth sizes.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Output buffers: `into` (preallocated and reused, as nccl-tests measure), `alloc` (a fresh
+    /// output tensor per call, the allocating API), or `both`.
+    #[arg(long, default_value = "both")]
+    mode: String,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = if let Some(n) = s.strip_suffix("GiB") {
+        (n, 1usize << 30)
+    } else if let Some(n) = s.strip_suffix("MiB") {
+        (n, 1 << 20)
+    } else if let Some(n) = s.strip_suffix("KiB") {
+        (n, 1 << 10)
+    } else if let Some(n) = s.strip_suffix('B') {
+        (n, 1)
+    } else {
+        (s, 1)
+    };
+    let n: usize = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("bad size {s:?} (use e.g. 4, 1MiB, 64MiB)"))?;
+    Ok(n * mult)
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Op {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+}
+
+impl Op {
+    fn parse(s: &str) -> Result<Op, String> {
+        Ok(match s.trim() {
+            "all_reduce" => Op::AllReduce,
+            "all_gather" => Op::AllGather,
+            "reduce_scatter" => Op::ReduceScatter,
+            "all_to_all" => Op::AllToAll,
+            other => return Err(format!(
+                "unknown op {other:?}; ops are all_reduce, all_gather, reduce_scatter, all_to_all"
+            )),
+        })
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::AllGather => "all_gather",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::AllToAll => "all_to_all",
+        }
+    }
+    /// nccl-tests bus bandwidth factor.
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            _ => (n - 1.0) / n,
+        }
+    }
+    /// Elements of the per-rank input for a buffer of `elems` (nccl-tests S).
+    fn input_elems(self, elems: usize, n: usize) -> usize {
+        match self {
+            Op::AllGather => elems / n,
+            _ => elems,
+        }
+    }
+    /// Elements of the per-rank output.
+    fn output_elems(self, elems: usize, n: usize) -> usize {
+        match self {
+            Op::ReduceScatter => elems / n,
+            _ => elems,
+        }
+    }
+    /// Runs the op, into `out` when given (preallocated, as nccl-tests measure), else into a
+    /// fresh tensor.
+    fn run(self, comm: &Comm, x: &Tensor, out: Option<&Tensor>) -> candle_core::Result<Tensor> {
+        Ok(match (self, out) {
+            (Op::AllReduce, None) => comm.all_reduce(x, ReduceOp::Sum)?.wait()?,
+            (Op::AllGather, None) => comm.all_gather_single(x)?.wait()?,
+            (Op::ReduceScatter, None) => comm.reduce_scatter_single(x, ReduceOp::Sum)?.wait()?,
+            (Op::AllToAll, None) => comm.all_to_all_single(x)?.wait()?,
+            (Op::AllReduce, Some(o)) => comm.all_reduce_into(o, x, ReduceOp::Sum)?.wait()?,
+            (Op::AllGather, Some(o)) => comm.all_gather_single_into(o, x)?.wait()?,
+            (Op::ReduceScatter, Some(o)) => comm
+                .reduce_scatter_single_into(o, x, ReduceOp::Sum)?
+                .wait()?,
+            (Op::AllToAll, Some(o)) => comm.all_to_all_single_into(o, x)?.wait()?,
+        })
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Aggregate memcpy rate (bytes/s) of `n` threads each copying `bytes` concurrently.
+fn copy_rate(n: usize, bytes: usize) -> f64 {
+    let bytes = bytes.max(1 << 20);
+    let srcs: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; bytes]).collect();
+    let mut dsts: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; bytes]).collect();
+    let mut rates = Vec::new();
+    for _ in 0..5 {
+        let barrier = std::sync::Barrier::new(n);
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            for (src, dst) in srcs.iter().zip(dsts.iter_mut()) {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    dst.copy_from_slice(src);
+                });
+            }
+        });
+        rates.push((n * bytes) as f64 / t0.elapsed().as_secs_f64());
+    }
+    median(rates)
+}
+
+#[derive(serde::Serialize)]
+struct Row {
+    op: &'static str,
+    world: usize,
+    bytes: usize,
+    dtype: &'static str,
+    median_ms: f64,
+    algbw_gbps: f64,
+    busbw_gbps: f64,
+    floor_ms: f64,
+    efficiency: f64,
+    copy_rate_gbps: f64,
+    timing: &'static str,
+    output: &'static str,
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    if args.world == 0 {
+        return Err("--world must be at least 1".into());
+    }
+    let sizes = args
+        .size
+        .split(',')
+        .map(parse_size)
+        .collect::<Result<Vec<_>, _>>()?;
+    let ops = args
+        .ops
+        .split(',')
+        .map(Op::parse)
+        .collect::<Result<Vec<_>, _>>()?;
+    let n = args.world;
+    let modes: Vec<bool> = match args.mode.as_str() {
+        "into" => vec![true],
+        "alloc" => vec![false],
+        "both" => vec![true, false],
+        other => return Err(format!("--mode must be into, alloc or both; got {other:?}").into()),
+    };
+    let max_bytes = sizes.iter().copied().max().unwrap_or(0);
+    let rate = copy_rate(n, max_bytes);
+    let mut rows = Vec::new();
+    for &bytes in &sizes {
+        // f32 buffers; sizes under 4 bytes become one element. Round so every op divides.
+        let elems = (bytes / 4).max(1);
+        let elems = if elems >= n { elems / n * n } else { elems };
+        let small = elems * 4 <= 64 * 1024;
+        for (&op, &into) in ops.iter().flat_map(|o| modes.iter().map(move |m| (o, m))) {
+            if op != Op::AllReduce && elems % n != 0 {
+                continue;
+            }
+            let iters = args.iters.max(1);
+            let times = LocalWorld::new(n)
+                .with_timeout(Duration::from_secs(120))
+                .launch(|comm| {
+                    let x = Tensor::ones(op.input_elems(elems, n), DType::F32, &Device::Cpu)?;
+                    let out = Tensor::zeros(op.output_elems(elems, n), DType::F32, &Device::Cpu)?;
+                    let out = into.then_some(&out);
+                    for _ in 0..2 {
+                        op.run(&comm, &x, out)?;
+                    }
+                    let mut times = Vec::new();
+                    if small {
+                        let batch = 200;
+                        for _ in 0..10 {
+                            comm.barrier()?.wait()?;
+                            let t0 = Instant::now();
+                            for _ in 0..batch {
+                                op.run(&comm, &x, out)?;
+                            }
+                            times.push(t0.elapsed().as_secs_f64() / batch as f64);
+                        }
+                    } else {
+                        for _ in 0..iters {
+                            comm.barrier()?.wait()?;
+                            let t0 = Instant::now();
+                            op.run(&comm, &x, out)?;
+                            times.push(t0.elapsed().as_secs_f64());
+                        }
+                    }
+                    // Per iteration, the slowest rank decides.
+                    let t = Tensor::new(times.as_slice(), &Device::Cpu)?;
+                    let t = comm.all_reduce(&t, ReduceOp::Max)?.wait()?;
+                    Ok::<_, candle_core::Error>(t.to_vec1::<f64>()?)
+                })?;
+            let t = median(times[0].clone());
+            let s = (elems * 4) as f64;
+            let crossing = s * op.bus_factor(n) * n as f64;
+            let floor = crossing / rate;
+            rows.push(Row {
+                op: op.name(),
+                world: n,
+                bytes: elems * 4,
+                dtype: "f32",
+                median_ms: t * 1e3,
+                algbw_gbps: s / t / 1e9,
+                busbw_gbps: s / t / 1e9 * op.bus_factor(n),
+                floor_ms: floor * 1e3,
+                efficiency: if t > 0.0 { floor / t } else { 0.0 },
+                copy_rate_gbps: rate / 1e9,
+                timing: if small { "latency" } else { "bandwidth" },
+                output: if into { "into" } else { "alloc" },
+            });
+        }
+    }
+    if args.json {
+        for r in &rows {
+            println!("{}", serde_json::to_string(r)?);
+        }
+    } else {
+        println!(
+            "world {n}, aggregate memcpy rate of {n} threads: {:.2} GB/s",
+            rate / 1e9
+        );
+        println!(
+            "{:<16} {:>6} {:>12} {:>11} {:>11} {:>11} {:>10} {:>10}",
+            "op",
+            "output",
+            "bytes",
+            "median_ms",
+            "algbw_GB/s",
+            "busbw_GB/s",
+            "floor_ms",
+            "efficiency"
+        );
+        for r in &rows {
+            println!(
+                "{:<16} {:>6} {:>12} {:>11.4} {:>11.3} {:>11.3} {:>10.3} {:>10.2}",
+                r.op,
+                r.output,
+                r.bytes,
+                r.median_ms,
+                r.algbw_gbps,
+                r.busbw_gbps,
+                r.floor_ms,
+                r.efficiency
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,1 @@
+//! The sharding compiler (work in progress).
