@@ -188,7 +188,7 @@ impl Comm {
     /// Non-blocking and safe to call from any thread (a watchdog, a signal handler thread).
     pub fn abort(&self, reason: &str) {
         self.inner.backend.abort(reason);
-        let ctx = self.ctx_with(OpName::Barrier, self.seq());
+        let ctx = self.ctx_with(OpName::Abort, self.seq());
         self.fail_once(&CommError::Aborted {
             ctx,
             reason: reason.to_string(),
@@ -203,6 +203,16 @@ impl Comm {
     /// Operations issued and not yet finished on this rank.
     pub fn pending(&self) -> usize {
         self.inner.backend.pending()
+    }
+
+    /// Fires the abort hooks if `r` is a fatal error (for ops that bypass `issue`).
+    pub(crate) fn observe<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            if e.is_fatal() {
+                self.fail_once(e);
+            }
+        }
+        r
     }
 
     fn fail_once(&self, err: &CommError) {
@@ -793,8 +803,10 @@ impl Comm {
     ///
     /// # Errors
     ///
-    /// Ranks out of range or repeated, a non-empty list without the caller, or ranks whose lists
-    /// for the same group disagree (reported on every member).
+    /// Ranks out of range or repeated, a non-empty list without the caller (reported by that
+    /// rank alone; the others then time out waiting for it), or lists that disagree (a rank
+    /// lists a peer that passed a different list): reported on every rank, so a split either
+    /// succeeds everywhere or fails everywhere.
     ///
     /// # Blocking
     ///

@@ -41,12 +41,13 @@ pub enum CommError {
         collective: u64,
         /// One side.
         rank_a: usize,
-        /// What that side issued.
-        op_a: String,
+        /// What that side issued. (`Box<str>` rather than `String` keeps `CommError` within
+        /// clippy's `result_large_err` limit: it travels in every `Result` of the crate.)
+        op_a: Box<str>,
         /// The other side.
         rank_b: usize,
         /// What that side issued.
-        op_b: String,
+        op_b: Box<str>,
     },
     /// A caller-side argument is wrong (rank out of range, sizes that do not divide, ...).
     #[error("{ctx}: invalid argument: {reason}")]

@@ -78,6 +78,7 @@ pub enum OpName {
     WindowSignal,
     WindowWaitSignal,
     WindowFence,
+    Abort,
 }
 
 impl OpName {
@@ -105,6 +106,7 @@ impl OpName {
             OpName::WindowSignal => "window_signal",
             OpName::WindowWaitSignal => "window_wait_signal",
             OpName::WindowFence => "window_fence",
+            OpName::Abort => "abort",
         }
     }
 

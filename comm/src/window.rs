@@ -100,7 +100,7 @@ impl Window {
         let ctx = self.comm.next_ctx(OpName::WindowPut);
         let data = self.comm.prepare_input(&ctx, data)?;
         let start = self.check_range(&ctx, dst, offset, data.elem_count(), data.dtype())?;
-        self.backend.put(&ctx, &data, dst, start)
+        self.comm.observe(self.backend.put(&ctx, &data, dst, start))
     }
 
     /// Reads `len` elements of `dtype` from `src`'s window starting at element `offset`.
@@ -114,14 +114,15 @@ impl Window {
                 reason: "windows hold f32, f64, bf16, f16, i64, u32 or u8".into(),
             });
         }
-        self.backend.get(&ctx, src, start, len, dtype)
+        self.comm
+            .observe(self.backend.get(&ctx, src, start, len, dtype))
     }
 
     /// Signals `peer` (it can consume the signal with [`Window::wait_signal`]).
     pub fn signal(&self, peer: usize) -> Result<()> {
         let ctx = self.comm.next_ctx(OpName::WindowSignal);
         self.check_range(&ctx, peer, 0, 0, DType::U8)?;
-        self.backend.signal(&ctx, peer)
+        self.comm.observe(self.backend.signal(&ctx, peer))
     }
 
     /// Waits for one signal from `peer`.
@@ -133,7 +134,7 @@ impl Window {
     pub fn wait_signal(&self, peer: usize) -> Result<()> {
         let ctx = self.comm.next_ctx(OpName::WindowWaitSignal);
         self.check_range(&ctx, peer, 0, 0, DType::U8)?;
-        self.backend.wait_signal(&ctx, peer)
+        self.comm.observe(self.backend.wait_signal(&ctx, peer))
     }
 
     /// Collective barrier over the window's ranks.
@@ -143,6 +144,6 @@ impl Window {
     /// Blocks until every rank arrives or the communicator's timeout passes.
     pub fn fence(&self) -> Result<()> {
         let ctx = self.comm.next_ctx(OpName::WindowFence);
-        self.backend.fence(&ctx)
+        self.comm.observe(self.backend.fence(&ctx))
     }
 }

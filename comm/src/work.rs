@@ -352,17 +352,17 @@ impl<T: Send + 'static> WorkCompleter<T> {
             t.finished = Some(now);
             t.error = err.as_ref().map(|e| e.to_string());
         }
+        // The callback is taken on success too and dropped here: it holds a handle of the
+        // communicator, and observers (the flight recorder) keep this work's state alive, so a
+        // callback left in place would keep the communicator, and its progress thread, alive
+        // forever.
         let callback = {
             let mut slot = self.core.on_error.lock().unwrap_or_else(|e| e.into_inner());
             let mut r = self.core.result.lock().unwrap_or_else(|e| e.into_inner());
             *r = Some(result.map(|t| Box::new(t) as AnyBox));
             self.core.status.store(status as u8, Ordering::Release);
             self.core.cv.notify_all();
-            if err.is_some() {
-                slot.take()
-            } else {
-                None
-            }
+            slot.take()
         };
         if let (Some(cb), Some(e)) = (callback, err) {
             cb(&e);

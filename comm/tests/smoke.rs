@@ -1,3 +1,5 @@
+//! Smoke test: a few collectives on a world of 4.
+
 use candle_core::{Device, Tensor};
 use candle_dtensor_comm::{LocalWorld, ReduceOp};
 use std::time::Duration;

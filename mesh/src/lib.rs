@@ -26,6 +26,7 @@
 
 pub mod layout;
 
+use std::any::Any;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
@@ -107,7 +108,11 @@ enum DimRef {
 pub struct DeviceMesh {
     shared: Arc<Shared>,
     dims: SmallVec<[DimRef; 4]>,
+    /// Values upper layers cache per mesh handle ([`DeviceMesh::extension`]).
+    ext: Extensions,
 }
+
+type Extensions = Arc<Mutex<Vec<Arc<dyn Any + Send + Sync>>>>;
 
 impl DeviceMesh {
     /// Lays the ranks of `root` out row-major over `dims` and splits one communicator per dim.
@@ -167,7 +172,11 @@ impl DeviceMesh {
             flattened: Mutex::new(Vec::new()),
         });
         let dims = (0..dims.len()).map(DimRef::Root).collect();
-        Ok(DeviceMesh { shared, dims })
+        Ok(DeviceMesh {
+            shared,
+            dims,
+            ext: Extensions::default(),
+        })
     }
 
     /// The number of mesh dims.
@@ -291,6 +300,7 @@ impl DeviceMesh {
         Ok(DeviceMesh {
             shared: self.shared.clone(),
             dims,
+            ext: Extensions::default(),
         })
     }
 
@@ -334,6 +344,7 @@ impl DeviceMesh {
             return Ok(DeviceMesh {
                 shared: self.shared.clone(),
                 dims: SmallVec::from_elem(DimRef::Flat(f.clone()), 1),
+                ext: Extensions::default(),
             });
         }
         if flats.iter().any(|f| f.name == name) {
@@ -356,6 +367,7 @@ impl DeviceMesh {
         Ok(DeviceMesh {
             shared: self.shared.clone(),
             dims: SmallVec::from_elem(DimRef::Flat(f), 1),
+            ext: Extensions::default(),
         })
     }
 
@@ -405,6 +417,22 @@ impl DeviceMesh {
             }
         }
         out
+    }
+
+    /// The value of type `T` an upper layer cached on this mesh handle (and its clones) with
+    /// [`DeviceMesh::set_extension`], if any. This is how the DTensor runtime keeps per-mesh
+    /// state without a global registry.
+    pub fn extension<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        let ext = self.ext.lock().unwrap_or_else(|e| e.into_inner());
+        ext.iter().find_map(|v| v.clone().downcast::<T>().ok())
+    }
+
+    /// Caches `value` on this mesh handle (replacing an earlier value of the same type). The
+    /// value must not hold this `DeviceMesh` (that would be a reference cycle).
+    pub fn set_extension<T: Any + Send + Sync>(&self, value: Arc<T>) {
+        let mut ext = self.ext.lock().unwrap_or_else(|e| e.into_inner());
+        ext.retain(|v| !v.is::<T>());
+        ext.push(value);
     }
 
     /// Whether two handles describe the same mesh (same root state and dims).

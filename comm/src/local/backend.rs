@@ -553,12 +553,21 @@ fn all_to_all_v(
     let posts = e
         .group
         .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
-    for (j, p) in posts.iter().enumerate() {
-        let sent = p.splits.as_ref().map(|s| s.1[e.rank]).unwrap_or(0);
-        if sent != out_splits[j] {
+    // Every rank checks every (sender, receiver) pair, not only its own receives, so all ranks
+    // reach the same verdict before anyone reads a peer's buffer: a rank whose own counts
+    // agree must not return data while another rank fails the collective.
+    let n = posts.len();
+    let count = |p: &Post, out: bool, peer: usize| {
+        p.splits
+            .as_ref()
+            .map(|s| if out { s.0[peer] } else { s.1[peer] })
+            .unwrap_or(0)
+    };
+    for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
+        let (sent, expected) = (count(&posts[i], false, j), count(&posts[j], true, i));
+        if sent != expected {
             let reason = format!(
-                "rank {j} sends {sent} slices to rank {} but rank {} expects {} from it",
-                e.rank, e.rank, out_splits[j]
+                "rank {i} sends {sent} slices to rank {j} but rank {j} expects {expected} from it"
             );
             e.group.fail(Failure::Mismatch {
                 collective: e.coll,
@@ -723,6 +732,10 @@ fn scatter(e: &Exec, inputs: Vec<Tensor>, root: usize) -> Result<Tensor> {
 
 fn batch_p2p(e: &Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
     let ctx = e.ctx;
+    // Sends never wait, so without this check they would "succeed" on a failed communicator.
+    if let Some(f) = e.group.failure() {
+        return Err(f.to_error(ctx, None));
+    }
     let mut received = Vec::new();
     for op in &ops {
         if let P2POp::Send { tensor, peer } = op {
@@ -891,21 +904,29 @@ impl Backend for LocalBackend {
                 ranks: Some(ranks.clone()),
                 ..Post::default()
             };
-            let posts = e
-                .group
-                .arrive(e.ctx, e.coll, e.rank, OpDesc::new(OpName::Split), post, e.deadline)?;
-            // Every member of my new group must have passed the same list.
-            let mut mismatch = None;
-            for &r in &ranks {
-                let theirs = posts[r].ranks.clone().unwrap_or_default();
-                if theirs != ranks {
-                    mismatch = Some(format!(
-                        "split lists disagree: rank {} passes {ranks:?} but rank {r} passes {theirs:?}",
-                        e.rank
-                    ));
-                    break;
-                }
-            }
+            let posts = e.group.arrive(
+                e.ctx,
+                e.coll,
+                e.rank,
+                OpDesc::new(OpName::Split),
+                post,
+                e.deadline,
+            )?;
+            // Every member of every new group must have passed that group's list. Checked over
+            // all posts, so every rank reaches the same verdict: a split fails on all ranks or
+            // on none (a rank listed by a peer it disagrees with must hear of it too).
+            let lists: Vec<Vec<usize>> = posts
+                .iter()
+                .map(|p| p.ranks.clone().unwrap_or_default())
+                .collect();
+            let mismatch = lists.iter().enumerate().find_map(|(s, list)| {
+                list.iter().find(|&&r| lists[r] != *list).map(|&r| {
+                    format!(
+                        "split lists disagree: rank {s} passes {list:?} but rank {r} passes {:?}",
+                        lists[r]
+                    )
+                })
+            });
             drop(posts);
             e.group.depart(e.ctx, e.coll, e.rank, false, e.deadline)?;
             if let Some(reason) = mismatch {

@@ -70,9 +70,9 @@ impl Failure {
                 ctx: ctx.clone(),
                 collective: *collective,
                 rank_a: *rank_a,
-                op_a: op_a.clone(),
+                op_a: op_a.as_str().into(),
                 rank_b: *rank_b,
-                op_b: op_b.clone(),
+                op_b: op_b.as_str().into(),
             },
             Failure::Mismatch { collective, reason } if Some(*collective) == coll => {
                 CommError::InvalidArgument {
@@ -92,6 +92,13 @@ impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Failure::Aborted { by, reason } => write!(f, "aborted by rank {by}: {reason}"),
+            Failure::Timeout {
+                collective,
+                op,
+                missing,
+            } if *collective == u64::MAX => {
+                write!(f, "an earlier {op} timed out waiting for ranks {missing:?}")
+            }
             Failure::Timeout {
                 collective,
                 op,
@@ -504,17 +511,19 @@ impl Group {
         deadline: Instant,
     ) -> Result<MutexGuard<'a, GroupState>> {
         loop {
-            if let Some(f) = &st.failure {
-                return Err(f.to_error(ctx, Some(coll)));
-            }
             let behind: Vec<usize> = match st.slots.get(&coll) {
                 Some(slot) => (0..slot.stage.len())
                     .filter(|&r| slot.stage[r] < stage)
                     .collect(),
                 None => Vec::new(),
             };
+            // Completion first: a failure recorded by peers that already moved on to a later
+            // collective must not fail this one, which every rank has reached.
             if behind.is_empty() {
                 return Ok(st);
+            }
+            if let Some(f) = &st.failure {
+                return Err(f.to_error(ctx, Some(coll)));
             }
             let (g, timed_out) = self.wait(st, deadline);
             st = g;
@@ -561,6 +570,17 @@ impl Group {
             let (g, timed_out) = self.wait(st, deadline);
             st = g;
             if timed_out {
+                // A peer that never sends breaks the communicator like a missed collective.
+                let failure = Failure::Timeout {
+                    collective: u64::MAX,
+                    op: ctx.op,
+                    missing: vec![src],
+                };
+                if st.failure.is_none() {
+                    st.failure = Some(failure);
+                }
+                drop(st);
+                self.cv.notify_all();
                 return Err(CommError::Timeout {
                     ctx: ctx.clone(),
                     timeout: ctx.timeout,

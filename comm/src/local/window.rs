@@ -122,6 +122,12 @@ impl WindowBackend for LocalWindow {
             let (guard, timed_out) = g.wait(st, deadline);
             st = guard;
             if timed_out {
+                drop(st);
+                g.fail(super::group::Failure::Timeout {
+                    collective: u64::MAX,
+                    op: ctx.op,
+                    missing: vec![peer],
+                });
                 return Err(CommError::Timeout {
                     ctx: ctx.clone(),
                     timeout: ctx.timeout,
