@@ -1,0 +1,281 @@
+//! matmul / broadcast_matmul / linear: rows from one einsum-style generator.
+//!
+//! Each einsum index gives one row: an index kept in the output shards the output and every
+//! input that has it (`S·R→S` for the lhs free dim, `R·S→S` for the rhs free dim,
+//! `S(b)·S(b)→S(b)` for batch dims); a contracted index gives `S(k)·S(k)→P(sum)` when every input
+//! has it. Linearity adds `P·R→P` and `R·P→P` for `sum` and `avg`.
+//!
+//! `linear` with a bias: the contracted (row-parallel) row is NOT offered — `P(sum) + R` would add
+//! the bias n times. The runtime runs a row-parallel linear as `linear(bias=false)` followed by the
+//! bias add after the reduction. For the same reason only the `avg` linearity rows are offered
+//! (`avg_r(x_r w^T + b) = x w^T + b`).
+
+use smallvec::SmallVec;
+
+use super::{broadcast_shapes, expect_same_dtype, meta, p, s, R};
+use crate::error::{Result, StrategyError};
+use crate::op::Op;
+use crate::placement::{Placement, ReduceOp};
+use crate::spec::{shape_str, Shape, TensorMeta};
+use crate::strategy::StrategyRow;
+
+pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
+    let (x, w) = (inputs[0], inputs[1]);
+    expect_same_dtype(op, x, w)?;
+    if !x.dtype.is_float() {
+        return Err(StrategyError::shape(
+            op,
+            format!("needs float inputs, got {}", x.dtype),
+        ));
+    }
+    let (xs, ws) = (&x.shape, &w.shape);
+    match op {
+        Op::Linear { bias } => {
+            if xs.is_empty() || ws.len() != 2 {
+                return Err(StrategyError::shape(
+                    op,
+                    format!(
+                        "expects x [.., in] and w [out, in], got {} and {}",
+                        shape_str(xs),
+                        shape_str(ws)
+                    ),
+                ));
+            }
+            if xs[xs.len() - 1] != ws[1] {
+                return Err(StrategyError::shape(
+                    op,
+                    format!(
+                        "in features differ: x {} vs w {}",
+                        shape_str(xs),
+                        shape_str(ws)
+                    ),
+                ));
+            }
+            if *bias {
+                let b = inputs[2];
+                expect_same_dtype(op, x, b)?;
+                if b.shape.as_slice() != [ws[0]] {
+                    return Err(StrategyError::shape(
+                        op,
+                        format!("bias must be [{}], got {}", ws[0], shape_str(&b.shape)),
+                    ));
+                }
+            }
+            let mut out = xs.clone();
+            let last = out.len() - 1;
+            out[last] = ws[0];
+            Ok(vec![meta(&out, x.dtype)])
+        }
+        _ => {
+            if xs.len() < 2 || ws.len() < 2 {
+                return Err(StrategyError::shape(
+                    op,
+                    format!(
+                        "needs >= 2-d inputs, got {} x {}",
+                        shape_str(xs),
+                        shape_str(ws)
+                    ),
+                ));
+            }
+            let (xn, wn) = (xs.len(), ws.len());
+            if xs[xn - 1] != ws[wn - 2] {
+                return Err(StrategyError::shape(
+                    op,
+                    format!("inner dims differ: {} x {}", shape_str(xs), shape_str(ws)),
+                ));
+            }
+            let batch: Shape = if matches!(op, Op::Matmul) {
+                if xs[..xn - 2] != ws[..wn - 2] {
+                    return Err(StrategyError::shape(
+                        op,
+                        format!(
+                            "batch dims differ: {} x {} (use broadcast_matmul)",
+                            shape_str(xs),
+                            shape_str(ws)
+                        ),
+                    ));
+                }
+                Shape::from_slice(&xs[..xn - 2])
+            } else {
+                broadcast_shapes(op, &[&xs[..xn - 2], &ws[..wn - 2]])?
+            };
+            let mut out = batch;
+            out.push(xs[xn - 2]);
+            out.push(ws[wn - 1]);
+            Ok(vec![meta(&out, x.dtype)])
+        }
+    }
+}
+
+/// One einsum index: its dim in the output (if kept) and in each input (if present and not
+/// broadcast).
+struct Index {
+    out: Option<usize>,
+    ins: SmallVec<[Option<usize>; 3]>,
+}
+
+fn einsum_rows(indices: &[Index], n_in: usize) -> Vec<StrategyRow> {
+    let mut rows = Vec::new();
+    for idx in indices {
+        let ins: SmallVec<[Placement; 4]> =
+            (0..n_in).map(|i| idx.ins[i].map(s).unwrap_or(R)).collect();
+        match idx.out {
+            Some(o) => {
+                if ins.iter().any(|p| p.is_shard()) {
+                    rows.push(StrategyRow::new(&[s(o)], &ins));
+                }
+            }
+            None => {
+                if idx.ins.iter().all(|d| d.is_some()) {
+                    rows.push(StrategyRow::new(&[p(ReduceOp::Sum)], &ins));
+                }
+            }
+        }
+    }
+    rows
+}
+
+fn linearity_rows(n_in: usize, linear_inputs: &[usize], ops: &[ReduceOp]) -> Vec<StrategyRow> {
+    let mut rows = Vec::new();
+    for &op in ops {
+        for &i in linear_inputs {
+            let mut ins: SmallVec<[Placement; 4]> = smallvec::smallvec![R; n_in];
+            ins[i] = p(op);
+            rows.push(StrategyRow::new(&[p(op)], &ins));
+        }
+    }
+    rows
+}
+
+pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], outs: &[TensorMeta]) -> Vec<StrategyRow> {
+    let (xs, ws) = (&inputs[0].shape, &inputs[1].shape);
+    let out = &outs[0].shape;
+    let (xn, wn, on) = (xs.len(), ws.len(), out.len());
+    let mut idx: Vec<Index> = Vec::new();
+    match op {
+        Op::Linear { bias } => {
+            let n_in = 2 + *bias as usize;
+            let mk = |out: Option<usize>, x: Option<usize>, w: Option<usize>, b: Option<usize>| {
+                let mut ins: SmallVec<[Option<usize>; 3]> = smallvec::smallvec![x, w];
+                if *bias {
+                    ins.push(b);
+                }
+                Index { out, ins }
+            };
+            for d in 0..xn - 1 {
+                idx.push(mk(Some(d), Some(d), None, None));
+            }
+            idx.push(mk(Some(on - 1), None, Some(0), Some(0)));
+            idx.push(mk(None, Some(xn - 1), Some(1), None));
+            let mut rows = einsum_rows(&idx, n_in);
+            let ops: &[ReduceOp] = if *bias {
+                &[ReduceOp::Avg]
+            } else {
+                &[ReduceOp::Sum, ReduceOp::Avg]
+            };
+            rows.extend(linearity_rows(n_in, &[0, 1], ops));
+            rows
+        }
+        _ => {
+            // Batch dims, right-aligned to the output batch; a broadcast input stays R.
+            let nb = on - 2;
+            for b in 0..nb {
+                let map = |shape: &[usize], n: usize| -> Option<usize> {
+                    let off = nb.checked_sub(n - 2)?;
+                    let d = b.checked_sub(off)?;
+                    (shape[d] == out[b]).then_some(d)
+                };
+                idx.push(Index {
+                    out: Some(b),
+                    ins: smallvec::smallvec![map(xs, xn), map(ws, wn)],
+                });
+            }
+            idx.push(Index {
+                out: Some(on - 2),
+                ins: smallvec::smallvec![Some(xn - 2), None],
+            });
+            idx.push(Index {
+                out: Some(on - 1),
+                ins: smallvec::smallvec![None, Some(wn - 1)],
+            });
+            idx.push(Index {
+                out: None,
+                ins: smallvec::smallvec![Some(xn - 1), Some(wn - 2)],
+            });
+            let mut rows = einsum_rows(&idx, 2);
+            rows.extend(linearity_rows(2, &[0, 1], &[ReduceOp::Sum, ReduceOp::Avg]));
+            rows
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{single_dim_strategies, DType, Op, TensorMeta};
+
+    fn table(op: &Op, shapes: &[&[usize]]) -> Vec<String> {
+        let metas: Vec<TensorMeta> = shapes
+            .iter()
+            .map(|s| TensorMeta::new(s, DType::F32))
+            .collect();
+        let refs: Vec<&TensorMeta> = metas.iter().collect();
+        single_dim_strategies(op, &refs)
+            .unwrap()
+            .iter()
+            .map(|r| r.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn mm_table() {
+        assert_eq!(
+            table(&Op::Matmul, &[&[64, 32], &[32, 16]]),
+            vec![
+                "S(0) <- S(0), R",
+                "S(1) <- R, S(1)",
+                "P(sum) <- S(1), S(0)",
+                "P(sum) <- P(sum), R",
+                "P(sum) <- R, P(sum)",
+                "P(avg) <- P(avg), R",
+                "P(avg) <- R, P(avg)",
+            ]
+        );
+    }
+
+    #[test]
+    fn bmm_and_broadcast_batch() {
+        let t = table(&Op::Matmul, &[&[4, 8, 16], &[4, 16, 2]]);
+        assert_eq!(t[0], "S(0) <- S(0), S(0)");
+        let t = table(&Op::BroadcastMatmul, &[&[4, 8, 16], &[16, 2]]);
+        assert_eq!(t[0], "S(0) <- S(0), R");
+        assert_eq!(t[3], "P(sum) <- S(2), S(0)");
+    }
+
+    #[test]
+    fn linear_rows() {
+        let t = table(&Op::Linear { bias: true }, &[&[8, 4, 16], &[32, 16], &[32]]);
+        assert_eq!(
+            t,
+            vec![
+                "S(0) <- S(0), R, R",
+                "S(1) <- S(1), R, R",
+                "S(2) <- R, S(0), S(0)",
+                "P(avg) <- P(avg), R, R",
+                "P(avg) <- R, P(avg), R",
+            ]
+        );
+        let t = table(&Op::Linear { bias: false }, &[&[8, 16], &[32, 16]]);
+        assert!(t.contains(&"P(sum) <- S(1), S(1)".to_string()), "{t:?}");
+    }
+
+    #[test]
+    fn shape_errors() {
+        let x = TensorMeta::new(&[8, 16], DType::F32);
+        let w = TensorMeta::new(&[12, 4], DType::F32);
+        let e = Op::Matmul.output_metas(&[&x, &w]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "matmul: inner dims differ: [8, 16] x [12, 4]"
+        );
+    }
+}
