@@ -1,0 +1,546 @@
+//! Collectives on local pieces, as differentiable candle ops whose backward is the adjoint.
+//!
+//! Every function takes this rank's local piece and an [`Axis`] (the communicator of one mesh
+//! dim, or of several merged dims) and handles torch.chunk padding: pieces are padded to
+//! `ceil(L/n)` along the sharded dim for the collective and unpadded after. The `*_raw`
+//! functions move data only (used for untracked tensors and inside backward passes); the others
+//! also record a graph node ([`crate::node`]) with the adjoint as its backward:
+//!
+//! | forward | backward |
+//! |---|---|
+//! | all_gather `S->R` | chunk (or reduce_scatter when fused with a gradient sync) |
+//! | reduce_scatter `P->S` | all_gather (`avg`: then divide by n) |
+//! | all_reduce `P->R` | identity (`sum`), `/n` (`avg`), masked to the owners of the extreme, ties split (`max`/`min`) |
+//! | all_to_all `S(i)->S(j)` | all_to_all `S(j)->S(i)` |
+//! | chunk `R->S` (local) | all_gather |
+//! | partition `R->P` (local) | identity (`sum`, forward divides by n), `x n` (`avg`, `max`, `min`) |
+//! | grad sync (identity) | all_reduce(sum) |
+
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+use candle_dtensor_comm::{Comm, ReduceOp};
+use candle_dtensor_strategies::layout::shard_size_and_offset;
+
+use crate::debug::record;
+use crate::node::{node, Backward};
+use crate::storage::{copy_rows, with_bytes, with_bytes_mut, Cut};
+
+type CResult<T> = candle_core::Result<T>;
+
+fn msg(s: impl Into<String>) -> candle_core::Error {
+    candle_core::Error::Msg(s.into())
+}
+
+/// The communicator of one mesh dim (or of several merged dims) as seen by this rank.
+#[derive(Clone)]
+pub(crate) struct Axis {
+    /// The communicator.
+    pub comm: Comm,
+    /// Its size.
+    pub n: usize,
+    /// This rank's index in it (its rank).
+    pub coord: usize,
+    /// The mesh dim name(s), for CommDebugMode (`dp+tp` when merged).
+    pub name: Arc<str>,
+}
+
+fn elem_bytes(t: &Tensor) -> usize {
+    t.dtype().size_in_bytes()
+}
+
+fn zeros_like_dims(dims: &[usize], dtype: DType, t: &Tensor) -> CResult<Tensor> {
+    Tensor::zeros(dims, dtype, t.device())
+}
+
+/// Copies `src` (contiguous) into `dest` (same element count).
+pub(crate) fn fill_from(dest: &Tensor, src: &Tensor) -> CResult<()> {
+    let src = src.contiguous()?;
+    if src.elem_count() != dest.elem_count() || src.dtype() != dest.dtype() {
+        return Err(msg(format!(
+            "fill: {:?} {:?} into {:?} {:?}",
+            src.dims(),
+            src.dtype(),
+            dest.dims(),
+            dest.dtype()
+        )));
+    }
+    with_bytes(&src, |s| with_bytes_mut(dest, |d| d.copy_from_slice(s)))?
+}
+
+fn check_piece(op: &str, x: &Tensor, dim: usize, expect: usize) -> CResult<Cut> {
+    if dim >= x.rank() {
+        return Err(msg(format!(
+            "{op}: dim {dim} out of range for shape {:?}",
+            x.dims()
+        )));
+    }
+    let cut = Cut::new(x.dims(), dim);
+    if cut.len != expect {
+        return Err(msg(format!(
+            "{op}: local piece {:?} has {} rows on dim {dim}, expected {expect}",
+            x.dims(),
+            cut.len
+        )));
+    }
+    Ok(cut)
+}
+
+/// `S(dim) -> R` data path: every rank's piece of a dim of logical length `l`, concatenated.
+pub(crate) fn gather_raw(
+    x: &Tensor,
+    ax: &Axis,
+    dim: usize,
+    l: usize,
+    dest: Option<&Tensor>,
+) -> CResult<Tensor> {
+    let n = ax.n;
+    let (me, _) = shard_size_and_offset(l, n, ax.coord);
+    let cut = check_piece("all_gather", x, dim, me)?;
+    let es = elem_bytes(x);
+    let full = l.div_ceil(n.max(1));
+    let mut out_dims = x.dims().to_vec();
+    out_dims[dim] = l;
+    record(
+        "all_gather",
+        &ax.name,
+        (n * full * cut.pre * cut.post * es) as u64,
+    );
+    let x = x.contiguous()?;
+    let send = if me == full {
+        x.flatten_all()?
+    } else {
+        let buf = Tensor::zeros(cut.pre * full * cut.post, x.dtype(), x.device())?;
+        with_bytes(&x, |xb| {
+            with_bytes_mut(&buf, |bb| {
+                copy_rows(xb, me, 0, bb, full, 0, cut.pre, me, cut.post * es)
+            })
+        })??;
+        buf
+    };
+    if cut.pre == 1 && l % n == 0 {
+        return match dest {
+            Some(d) => {
+                ax.comm
+                    .all_gather_single_into(&d.flatten_all()?, &send)?
+                    .wait()?;
+                Ok(d.clone())
+            }
+            None => ax.comm.all_gather_single(&send)?.wait()?.reshape(out_dims),
+        };
+    }
+    let g = ax.comm.all_gather_single(&send)?.wait()?;
+    let out = match dest {
+        Some(d) => d.clone(),
+        None => zeros_like_dims(&out_dims, x.dtype(), &x)?,
+    };
+    let block = cut.pre * full * cut.post * es;
+    with_bytes(&g, |gb| {
+        with_bytes_mut(&out, |ob| {
+            for r in 0..n {
+                let (s, off) = shard_size_and_offset(l, n, r);
+                copy_rows(
+                    &gb[r * block..(r + 1) * block],
+                    full,
+                    0,
+                    ob,
+                    l,
+                    off,
+                    cut.pre,
+                    s,
+                    cut.post * es,
+                );
+            }
+        })
+    })??;
+    Ok(out)
+}
+
+/// `P -> S(dim)` data path: reduce over ranks and keep this rank's piece of dim `dim`
+/// (logical length `l`).
+pub(crate) fn reduce_scatter_raw(
+    x: &Tensor,
+    ax: &Axis,
+    dim: usize,
+    l: usize,
+    op: ReduceOp,
+    dest: Option<&Tensor>,
+) -> CResult<Tensor> {
+    let n = ax.n;
+    let cut = check_piece("reduce_scatter", x, dim, l)?;
+    let es = elem_bytes(x);
+    let full = l.div_ceil(n.max(1));
+    let (me, _) = shard_size_and_offset(l, n, ax.coord);
+    let mut out_dims = x.dims().to_vec();
+    out_dims[dim] = me;
+    record(
+        "reduce_scatter",
+        &ax.name,
+        (n * full * cut.pre * cut.post * es) as u64,
+    );
+    let x = x.contiguous()?;
+    let send = if cut.pre == 1 && l % n == 0 {
+        x.flatten_all()?
+    } else {
+        let buf = Tensor::zeros(n * cut.pre * full * cut.post, x.dtype(), x.device())?;
+        let block = cut.pre * full * cut.post * es;
+        with_bytes(&x, |xb| {
+            with_bytes_mut(&buf, |bb| {
+                for r in 0..n {
+                    let (s, off) = shard_size_and_offset(l, n, r);
+                    copy_rows(
+                        xb,
+                        l,
+                        off,
+                        &mut bb[r * block..(r + 1) * block],
+                        full,
+                        0,
+                        cut.pre,
+                        s,
+                        cut.post * es,
+                    );
+                }
+            })
+        })??;
+        buf
+    };
+    if me == full {
+        return match dest {
+            Some(d) => {
+                ax.comm
+                    .reduce_scatter_single_into(&d.flatten_all()?, &send, op)?
+                    .wait()?;
+                Ok(d.clone())
+            }
+            None => ax
+                .comm
+                .reduce_scatter_single(&send, op)?
+                .wait()?
+                .reshape(out_dims),
+        };
+    }
+    let recv = ax.comm.reduce_scatter_single(&send, op)?.wait()?;
+    let out = match dest {
+        Some(d) => d.clone(),
+        None => zeros_like_dims(&out_dims, x.dtype(), &x)?,
+    };
+    with_bytes(&recv, |rb| {
+        with_bytes_mut(&out, |ob| {
+            copy_rows(rb, full, 0, ob, me, 0, cut.pre, me, cut.post * es)
+        })
+    })??;
+    Ok(out)
+}
+
+/// `P -> R` data path.
+pub(crate) fn all_reduce_raw(
+    x: &Tensor,
+    ax: &Axis,
+    op: ReduceOp,
+    dest: Option<&Tensor>,
+) -> CResult<Tensor> {
+    record(
+        "all_reduce",
+        &ax.name,
+        (x.elem_count() * elem_bytes(x)) as u64,
+    );
+    let x = x.contiguous()?;
+    match dest {
+        Some(d) => Ok(ax.comm.all_reduce_into(d, &x, op)?.wait()?),
+        None => Ok(ax.comm.all_reduce(&x, op)?.wait()?),
+    }
+}
+
+/// `S(i) -> S(j)` data path: `x` holds this rank's piece of dim `i` (logical `li`) and all of
+/// dim `j` (logical `lj`); the result holds all of dim `i` and this rank's piece of dim `j`.
+pub(crate) fn all_to_all_raw(
+    x: &Tensor,
+    ax: &Axis,
+    i: usize,
+    j: usize,
+    li: usize,
+    lj: usize,
+    dest: Option<&Tensor>,
+) -> CResult<Tensor> {
+    let n = ax.n;
+    let (me_i, _) = shard_size_and_offset(li, n, ax.coord);
+    check_piece("all_to_all", x, i, me_i)?;
+    check_piece("all_to_all", x, j, lj)?;
+    let (full_i, full_j) = (li.div_ceil(n.max(1)), lj.div_ceil(n.max(1)));
+    let pad = |t: Tensor, d: usize, to: usize| -> CResult<Tensor> {
+        let have = t.dim(d)?;
+        if have == to {
+            return Ok(t);
+        }
+        let mut zd = t.dims().to_vec();
+        zd[d] = to - have;
+        let z = Tensor::zeros(zd, t.dtype(), t.device())?;
+        Tensor::cat(&[&t, &z], d)
+    };
+    let x = pad(pad(x.clone(), j, n * full_j)?, i, full_i)?;
+    let chunks = (0..n)
+        .map(|r| x.narrow(j, r * full_j, full_j))
+        .collect::<CResult<Vec<_>>>()?;
+    let send = Tensor::stack(&chunks, 0)?.contiguous()?;
+    let piece_dims = send.dims()[1..].to_vec();
+    record(
+        "all_to_all",
+        &ax.name,
+        (send.elem_count() * elem_bytes(&send)) as u64,
+    );
+    let recv = ax.comm.all_to_all_single(&send.flatten_all()?)?.wait()?;
+    let recv = recv.reshape([&[n][..], &piece_dims[..]].concat())?;
+    let parts = (0..n)
+        .map(|r| {
+            let (s, _) = shard_size_and_offset(li, n, r);
+            recv.get(r)?.narrow(i, 0, s)
+        })
+        .collect::<CResult<Vec<_>>>()?;
+    let (me_j, _) = shard_size_and_offset(lj, n, ax.coord);
+    let out = Tensor::cat(&parts, i)?.narrow(j, 0, me_j)?.contiguous()?;
+    match dest {
+        Some(d) => {
+            fill_from(d, &out)?;
+            Ok(d.clone())
+        }
+        None => Ok(out),
+    }
+}
+
+/// Records a node for `x` with `backward` when `x` tracks gradients, then produces the data
+/// (into the node's output); untracked inputs get the plain data path.
+fn emit(
+    x: &Tensor,
+    name: &'static str,
+    out_dims: &[usize],
+    backward: impl Fn(&Tensor, &Tensor, &Tensor) -> CResult<Tensor> + Send + Sync + 'static,
+    produce: impl FnOnce(Option<&Tensor>) -> CResult<Tensor>,
+) -> CResult<Tensor> {
+    if !x.track_op() {
+        return produce(None);
+    }
+    let bwd: Backward = Arc::new(backward);
+    let y = node(x, name, out_dims, bwd)?;
+    produce(Some(&y))?;
+    Ok(y)
+}
+
+/// What the backward of an all_gather does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GatherGrad {
+    /// The gradient arriving is replicated: keep this rank's chunk.
+    Chunk,
+    /// The gradient arriving is a per-rank partial sum (the gathered value fed an op whose
+    /// output is sharded or partial on this mesh dim): reduce_scatter it.
+    ReduceScatter,
+}
+
+/// Differentiable `S(dim) -> R`.
+pub(crate) fn all_gather(
+    x: &Tensor,
+    ax: &Axis,
+    dim: usize,
+    l: usize,
+    grad: GatherGrad,
+) -> CResult<Tensor> {
+    let mut out_dims = x.dims().to_vec();
+    if dim >= out_dims.len() {
+        return Err(msg(format!(
+            "all_gather: dim {dim} out of range for {:?}",
+            x.dims()
+        )));
+    }
+    out_dims[dim] = l;
+    let bx = ax.clone();
+    emit(
+        x,
+        "all_gather",
+        &out_dims,
+        move |_, _, g| match grad {
+            GatherGrad::Chunk => {
+                let (s, off) = shard_size_and_offset(l, bx.n, bx.coord);
+                g.narrow(dim, off, s)
+            }
+            GatherGrad::ReduceScatter => reduce_scatter_raw(g, &bx, dim, l, ReduceOp::Sum, None),
+        },
+        |dest| gather_raw(x, ax, dim, l, dest),
+    )
+}
+
+/// Differentiable `P(op) -> S(dim)` (`sum` and `avg`; the planner routes `max`/`min` through
+/// `R`).
+pub(crate) fn reduce_scatter(
+    x: &Tensor,
+    ax: &Axis,
+    dim: usize,
+    l: usize,
+    op: ReduceOp,
+) -> CResult<Tensor> {
+    if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) && x.track_op() {
+        return Err(msg(format!(
+            "reduce_scatter of a Partial({op}) value has no gradient rule; go through Replicate"
+        )));
+    }
+    let (me, _) = shard_size_and_offset(l, ax.n, ax.coord);
+    let mut out_dims = x.dims().to_vec();
+    if dim >= out_dims.len() {
+        return Err(msg(format!(
+            "reduce_scatter: dim {dim} out of range for {:?}",
+            x.dims()
+        )));
+    }
+    out_dims[dim] = me;
+    let bx = ax.clone();
+    emit(
+        x,
+        "reduce_scatter",
+        &out_dims,
+        move |_, _, g| {
+            let full = gather_raw(g, &bx, dim, l, None)?;
+            match op {
+                ReduceOp::Avg => full.affine(1.0 / bx.n as f64, 0.0),
+                _ => Ok(full),
+            }
+        },
+        |dest| reduce_scatter_raw(x, ax, dim, l, op, dest),
+    )
+}
+
+/// Differentiable `P(op) -> R`.
+pub(crate) fn all_reduce(x: &Tensor, ax: &Axis, op: ReduceOp) -> CResult<Tensor> {
+    let bx = ax.clone();
+    emit(
+        x,
+        "all_reduce",
+        x.dims(),
+        move |arg, res, g| match op {
+            ReduceOp::Sum => Ok(g.clone()),
+            ReduceOp::Avg => g.affine(1.0 / bx.n as f64, 0.0),
+            ReduceOp::Max | ReduceOp::Min => {
+                // The gradient goes to the ranks holding the extreme, split among ties.
+                let owner = arg.eq(res)?.to_dtype(g.dtype())?;
+                let count = all_reduce_raw(&owner, &bx, ReduceOp::Sum, None)?;
+                g.mul(&owner)?.div(&count)
+            }
+            ReduceOp::Product => g.mul(res)?.div(arg),
+        },
+        |dest| all_reduce_raw(x, ax, op, dest),
+    )
+}
+
+/// Differentiable `S(i) -> S(j)`.
+pub(crate) fn all_to_all(
+    x: &Tensor,
+    ax: &Axis,
+    i: usize,
+    j: usize,
+    li: usize,
+    lj: usize,
+) -> CResult<Tensor> {
+    let mut out_dims = x.dims().to_vec();
+    if i >= out_dims.len() || j >= out_dims.len() {
+        return Err(msg(format!(
+            "all_to_all: dims {i}, {j} out of range for {:?}",
+            x.dims()
+        )));
+    }
+    out_dims[i] = li;
+    out_dims[j] = shard_size_and_offset(lj, ax.n, ax.coord).0;
+    let bx = ax.clone();
+    emit(
+        x,
+        "all_to_all",
+        &out_dims,
+        move |_, _, g| all_to_all_raw(g, &bx, j, i, lj, li, None),
+        |dest| all_to_all_raw(x, ax, i, j, li, lj, dest),
+    )
+}
+
+/// Differentiable `R -> S(dim)`: keeps this rank's chunk; the backward all_gathers.
+pub(crate) fn chunk(x: &Tensor, ax: &Axis, dim: usize) -> CResult<Tensor> {
+    if dim >= x.rank() {
+        return Err(msg(format!(
+            "chunk: dim {dim} out of range for {:?}",
+            x.dims()
+        )));
+    }
+    let l = x.dim(dim)?;
+    let (s, off) = shard_size_and_offset(l, ax.n, ax.coord);
+    let mut out_dims = x.dims().to_vec();
+    out_dims[dim] = s;
+    let bx = ax.clone();
+    emit(
+        x,
+        "chunk",
+        &out_dims,
+        move |_, _, g| gather_raw(g, &bx, dim, l, None),
+        |dest| {
+            let piece = x.narrow(dim, off, s)?.contiguous()?;
+            match dest {
+                Some(d) => {
+                    fill_from(d, &piece)?;
+                    Ok(d.clone())
+                }
+                None => Ok(piece),
+            }
+        },
+    )
+}
+
+/// Differentiable `R -> P(op)`: `sum` splits the value evenly (`x / n` on every rank), the
+/// others keep it.
+pub(crate) fn partition(x: &Tensor, n: usize, op: ReduceOp) -> CResult<Tensor> {
+    if op == ReduceOp::Product {
+        return Err(msg("Replicate -> Partial(product) is not supported"));
+    }
+    emit(
+        x,
+        "partition",
+        x.dims(),
+        move |_, _, g| match op {
+            ReduceOp::Sum => Ok(g.clone()),
+            _ => g.affine(n as f64, 0.0),
+        },
+        |dest| {
+            let v = match op {
+                ReduceOp::Sum => x.affine(1.0 / n as f64, 0.0)?,
+                _ => x.copy()?,
+            };
+            match dest {
+                Some(d) => {
+                    fill_from(d, &v)?;
+                    Ok(d.clone())
+                }
+                None => Ok(v),
+            }
+        },
+    )
+}
+
+/// Identity forward, all_reduce(sum) of the gradient over `axes` backward: applied to a
+/// Replicate input of an op whose output is Shard or Partial on those mesh dims, where each
+/// rank's local gradient is only a partial sum.
+pub(crate) fn grad_sync(x: &Tensor, axes: Vec<Axis>) -> CResult<Tensor> {
+    if axes.is_empty() || !x.track_op() {
+        return Ok(x.clone());
+    }
+    emit(
+        x,
+        "grad_sync",
+        x.dims(),
+        move |_, _, g| {
+            let mut g = g.clone();
+            for ax in &axes {
+                g = all_reduce_raw(&g, ax, ReduceOp::Sum, None)?;
+            }
+            Ok(g)
+        },
+        |dest| {
+            if let Some(d) = dest {
+                fill_from(d, x)?;
+                return Ok(d.clone());
+            }
+            Ok(x.clone())
+        },
+    )
+}

@@ -1,0 +1,88 @@
+//! Graph nodes for collectives.
+//!
+//! candle only lets user code add graph nodes through `CustomOp`s, and a `CustomOp`'s forward
+//! must return a freshly owned storage. A collective's output, however, is written by the
+//! communicator into a tensor. So a collective becomes two steps: [`node`] records the graph node
+//! (its forward returns a zeroed output of the right shape, its backward runs the adjoint
+//! collective), then the communicator writes the real data into that output in place. For large
+//! outputs the zeroing is free (fresh pages); the data lands once, where it stays.
+//! An input that does not track gradients gets no node at all.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+
+/// The backward of a node: `(input, output, gradient of the output)` in, the gradient of the
+/// input out.
+pub(crate) type Backward =
+    Arc<dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
+
+struct Node {
+    name: &'static str,
+    shape: Shape,
+    backward: Backward,
+    /// The CommDebugMode label active when the forward ran (for the backward's records).
+    label: Option<Arc<str>>,
+}
+
+fn zeros(dtype: DType, n: usize) -> candle_core::Result<CpuStorage> {
+    use half::{bf16, f16};
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(vec![0f32; n]),
+        DType::F64 => CpuStorage::F64(vec![0f64; n]),
+        DType::BF16 => CpuStorage::BF16(vec![bf16::ZERO; n]),
+        DType::F16 => CpuStorage::F16(vec![f16::ZERO; n]),
+        DType::I64 => CpuStorage::I64(vec![0i64; n]),
+        DType::U32 => CpuStorage::U32(vec![0u32; n]),
+        DType::U8 => CpuStorage::U8(vec![0u8; n]),
+        other => {
+            return Err(candle_core::Error::Msg(format!(
+                "collectives do not support dtype {other:?}"
+            )))
+        }
+    })
+}
+
+impl CustomOp1 for Node {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        _layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        Ok((
+            zeros(storage.dtype(), self.shape.elem_count())?,
+            self.shape.clone(),
+        ))
+    }
+
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let _phase = crate::debug::enter_backward_labeled(self.label.clone());
+        (self.backward)(arg, res, grad_res).map(Some)
+    }
+}
+
+/// A zeroed tensor of `shape` recorded in the graph as a function of `x` whose gradient is
+/// `backward(grad)`. The caller fills it in place.
+pub(crate) fn node(
+    x: &Tensor,
+    name: &'static str,
+    shape: impl Into<Shape>,
+    backward: Backward,
+) -> candle_core::Result<Tensor> {
+    x.apply_op1(Node {
+        name,
+        shape: shape.into(),
+        backward,
+        label: crate::debug::current_label(),
+    })
+}

@@ -1,0 +1,80 @@
+//! Matrix products: `matmul` (mm / bmm), `broadcast_matmul`, `linear`.
+
+use candle_core::Tensor;
+use candle_dtensor_strategies::{Op, Placement};
+
+use crate::dispatch::{run1, run1_with};
+use crate::error::Result;
+use crate::tensor::DTensor;
+
+/// `x @ w^T (+ b)` on local pieces, flattening leading dims into one GEMM like candle-nn.
+pub(crate) fn linear_local(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+) -> candle_core::Result<Tensor> {
+    let wt = w.t()?;
+    let y = match x.dims() {
+        [_, _] => x.matmul(&wt)?,
+        dims if dims.len() > 2 && x.is_contiguous() => {
+            let inner = dims[dims.len() - 1];
+            let lead: Vec<usize> = dims[..dims.len() - 1].to_vec();
+            let y = x.reshape(((), inner))?.matmul(&wt)?;
+            let mut out = lead;
+            out.push(w.dim(0)?);
+            y.reshape(out)?
+        }
+        _ => x.broadcast_matmul(&wt)?,
+    };
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+impl DTensor {
+    /// `[..b, m, k] @ [..b, k, n]` with equal batch dims.
+    pub fn matmul(&self, rhs: &DTensor) -> Result<DTensor> {
+        run1(&Op::Matmul, &[self, rhs], |p| {
+            p.locals[0].matmul(&p.locals[1])
+        })
+    }
+
+    /// Like [`DTensor::matmul`] with numpy-broadcast batch dims.
+    pub fn broadcast_matmul(&self, rhs: &DTensor) -> Result<DTensor> {
+        run1(&Op::BroadcastMatmul, &[self, rhs], |p| {
+            p.locals[0].broadcast_matmul(&p.locals[1])
+        })
+    }
+
+    /// `x @ w^T + b` with `w: [out, in]`, `b: [out]`, `x: [.., in]` (as `candle_nn::Linear`).
+    ///
+    /// A row-parallel linear (`x` sharded on `in`, `w` on dim 1) produces a Partial sum; a
+    /// replicated bias must be added after it is reduced, so with a bias the compiler reduces
+    /// first. Row-parallel layers therefore call `linear(w, None)` and add the bias to the
+    /// reduced output.
+    pub fn linear(&self, w: &DTensor, b: Option<&DTensor>) -> Result<DTensor> {
+        self.linear_with_layout(w, b, None)
+    }
+
+    /// [`DTensor::linear`] with the placements `x` must have for the product fixed by the caller
+    /// (a tensor-parallel style's input layout, e.g. Replicate for a column-parallel linear fed a
+    /// sequence-sharded activation). Dispatch then redistributes `x` itself, so its all_gather
+    /// fuses with the gradient sync: one all_gather forward, one reduce_scatter backward.
+    pub fn linear_with_layout(
+        &self,
+        w: &DTensor,
+        b: Option<&DTensor>,
+        input_layout: Option<&[Placement]>,
+    ) -> Result<DTensor> {
+        let op = Op::Linear { bias: b.is_some() };
+        match b {
+            Some(b) => run1_with(&op, &[self, w, b], &[input_layout], |p| {
+                linear_local(&p.locals[0], &p.locals[1], Some(&p.locals[2]))
+            }),
+            None => run1_with(&op, &[self, w], &[input_layout], |p| {
+                linear_local(&p.locals[0], &p.locals[1], None)
+            }),
+        }
+    }
+}

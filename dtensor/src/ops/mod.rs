@@ -1,0 +1,23 @@
+//! DTensor ops by family. Each method propagates placements with the compiler, redistributes
+//! its inputs, runs the local candle op on the local pieces, and wraps the result.
+
+mod index;
+mod matrix;
+pub mod nn;
+pub mod pointwise;
+mod reduction;
+mod view;
+
+use candle_dtensor_strategies::layout::local_shape;
+use smallvec::SmallVec;
+
+use crate::dispatch::Prepared;
+
+/// The local dims of output `k` of a prepared op at this rank's coordinate.
+pub(crate) fn local_dims(p: &Prepared, k: usize) -> candle_core::Result<SmallVec<[usize; 6]>> {
+    let spec = &p.sharding.output_specs[k];
+    let ctx = p.ctx();
+    local_shape(&spec.meta.shape, &ctx.shape, &ctx.coord, &spec.placements)
+        .map(|s| s.into_iter().collect())
+        .map_err(candle_core::Error::wrap)
+}

@@ -1,0 +1,125 @@
+//! Reductions over dims: `sum`, `mean`, `max`, `min`, `argmax`.
+//!
+//! A reduced dim that is sharded yields a Partial output (`sum` -> `P(sum)`, `max` -> `P(max)`,
+//! `mean` -> `P(avg)` only when the dim divides evenly: the mean of uneven pieces' means is not
+//! the mean).
+
+use candle_core::Tensor;
+use candle_dtensor_strategies::{Dims, Op};
+
+use crate::dispatch::run1;
+use crate::error::{invalid, Result};
+use crate::tensor::DTensor;
+
+type CResult<T> = candle_core::Result<T>;
+
+fn extreme(x: &Tensor, dims: &[usize], keepdim: bool, max: bool) -> CResult<Tensor> {
+    let mut r = x.clone();
+    for &d in dims {
+        r = if max {
+            r.max_keepdim(d)?
+        } else {
+            r.min_keepdim(d)?
+        };
+    }
+    if !keepdim {
+        let mut sorted = dims.to_vec();
+        sorted.sort_unstable_by(|a, b| b.cmp(a));
+        for d in sorted {
+            r = r.squeeze(d)?;
+        }
+    }
+    Ok(r)
+}
+
+impl DTensor {
+    fn check_dims(&self, op: &str, dims: &[usize]) -> Result<Dims> {
+        let mut out = Dims::new();
+        for &d in dims {
+            if d >= self.rank() {
+                return Err(invalid(
+                    op,
+                    self.mesh_rank(),
+                    format!("dim {d} out of range for shape {:?}", self.shape()),
+                ));
+            }
+            if out.contains(&d) {
+                return Err(invalid(
+                    op,
+                    self.mesh_rank(),
+                    format!("dim {d} repeated in {dims:?}"),
+                ));
+            }
+            out.push(d);
+        }
+        Ok(out)
+    }
+
+    /// Sums over `dims`.
+    pub fn sum(&self, dims: &[usize], keepdim: bool) -> Result<DTensor> {
+        let d = self.check_dims("sum", dims)?;
+        let v = d.to_vec();
+        run1(&Op::Sum { dims: d, keepdim }, &[self], move |p| {
+            if keepdim {
+                p.locals[0].sum_keepdim(v)
+            } else {
+                p.locals[0].sum(v)
+            }
+        })
+    }
+
+    /// Sums every element into a scalar.
+    pub fn sum_all(&self) -> Result<DTensor> {
+        let all: Vec<usize> = (0..self.rank()).collect();
+        self.sum(&all, false)
+    }
+
+    /// Means over `dims`.
+    pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<DTensor> {
+        let d = self.check_dims("mean", dims)?;
+        let v = d.to_vec();
+        run1(&Op::Mean { dims: d, keepdim }, &[self], move |p| {
+            if keepdim {
+                p.locals[0].mean_keepdim(v)
+            } else {
+                p.locals[0].mean(v)
+            }
+        })
+    }
+
+    /// The mean of every element (a scalar).
+    pub fn mean_all(&self) -> Result<DTensor> {
+        let all: Vec<usize> = (0..self.rank()).collect();
+        self.mean(&all, false)
+    }
+
+    /// Maximum over `dims`.
+    pub fn max(&self, dims: &[usize], keepdim: bool) -> Result<DTensor> {
+        let d = self.check_dims("max", dims)?;
+        let v = d.to_vec();
+        run1(&Op::Max { dims: d, keepdim }, &[self], move |p| {
+            extreme(&p.locals[0], &v, keepdim, true)
+        })
+    }
+
+    /// Minimum over `dims`.
+    pub fn min(&self, dims: &[usize], keepdim: bool) -> Result<DTensor> {
+        let d = self.check_dims("min", dims)?;
+        let v = d.to_vec();
+        run1(&Op::Min { dims: d, keepdim }, &[self], move |p| {
+            extreme(&p.locals[0], &v, keepdim, false)
+        })
+    }
+
+    /// Index of the maximum along `dim` (`u32`).
+    pub fn argmax(&self, dim: usize, keepdim: bool) -> Result<DTensor> {
+        self.check_dims("argmax", &[dim])?;
+        run1(&Op::ArgMax { dim, keepdim }, &[self], move |p| {
+            if keepdim {
+                p.locals[0].argmax_keepdim(dim)
+            } else {
+                p.locals[0].argmax(dim)
+            }
+        })
+    }
+}

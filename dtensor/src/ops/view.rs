@@ -1,0 +1,121 @@
+//! View and shape ops: reshape, transpose, permute, narrow, squeeze, unsqueeze, broadcast_as,
+//! flatten, cat, stack. They never communicate on their own: when a view cannot keep the
+//! current sharding (a flattened dim sharded on a later input dim, a narrow across shards), the
+//! compiler plans the redistribution first and says so.
+
+use candle_core::Tensor;
+use candle_dtensor_strategies::{Dims, Op, Shape};
+
+use super::local_dims;
+use crate::dispatch::{prepare, run1};
+use crate::error::{invalid, Context, Result};
+use crate::tensor::{mesh_mismatch, DTensor};
+
+impl DTensor {
+    /// Reshapes to `shape` (same number of elements).
+    pub fn reshape(&self, shape: &[usize]) -> Result<DTensor> {
+        let op = Op::Reshape {
+            shape: Shape::from_slice(shape),
+        };
+        run1(&op, &[self], |p| {
+            let dims = local_dims(p, 0)?;
+            p.locals[0].reshape(dims.as_slice())
+        })
+    }
+
+    /// Swaps two dims.
+    pub fn transpose(&self, dim0: usize, dim1: usize) -> Result<DTensor> {
+        run1(&Op::Transpose { dim0, dim1 }, &[self], |p| {
+            p.locals[0].transpose(dim0, dim1)
+        })
+    }
+
+    /// The matrix transpose of the last two dims.
+    pub fn t(&self) -> Result<DTensor> {
+        let n = self.rank();
+        if n < 2 {
+            return Err(invalid(
+                "t",
+                self.mesh_rank(),
+                format!("needs 2 dims, got {:?}", self.shape()),
+            ));
+        }
+        self.transpose(n - 2, n - 1)
+    }
+
+    /// Reorders dims (`dims[i]` is the source of output dim `i`).
+    pub fn permute(&self, dims: &[usize]) -> Result<DTensor> {
+        let d: Vec<usize> = dims.to_vec();
+        run1(
+            &Op::Permute {
+                dims: Dims::from_slice(dims),
+            },
+            &[self],
+            move |p| p.locals[0].permute(d),
+        )
+    }
+
+    /// `len` elements of `dim` starting at `start`.
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<DTensor> {
+        run1(&Op::Narrow { dim, start, len }, &[self], |p| {
+            p.locals[0].narrow(dim, start, len)
+        })
+    }
+
+    /// Removes a size-1 dim.
+    pub fn squeeze(&self, dim: usize) -> Result<DTensor> {
+        run1(&Op::Squeeze { dim }, &[self], |p| p.locals[0].squeeze(dim))
+    }
+
+    /// Inserts a size-1 dim.
+    pub fn unsqueeze(&self, dim: usize) -> Result<DTensor> {
+        run1(&Op::Unsqueeze { dim }, &[self], |p| {
+            p.locals[0].unsqueeze(dim)
+        })
+    }
+
+    /// Broadcasts to `shape` (numpy rules).
+    pub fn broadcast_as(&self, shape: &[usize]) -> Result<DTensor> {
+        let op = Op::BroadcastAs {
+            shape: Shape::from_slice(shape),
+        };
+        run1(&op, &[self], |p| {
+            let dims = local_dims(p, 0)?;
+            p.locals[0].broadcast_as(dims.as_slice())
+        })
+    }
+
+    /// Merges dims `start..=end` into one.
+    pub fn flatten(&self, start: usize, end: usize) -> Result<DTensor> {
+        run1(&Op::Flatten { start, end }, &[self], |p| {
+            let dims = local_dims(p, 0)?;
+            p.locals[0].reshape(dims.as_slice())
+        })
+    }
+
+    /// Concatenates along `dim`.
+    pub fn cat(tensors: &[&DTensor], dim: usize) -> Result<DTensor> {
+        Self::join(tensors, Op::Cat { dim }, |ts| Tensor::cat(ts, dim))
+    }
+
+    /// Stacks along a new dim `dim`.
+    pub fn stack(tensors: &[&DTensor], dim: usize) -> Result<DTensor> {
+        Self::join(tensors, Op::Stack { dim }, |ts| Tensor::stack(ts, dim))
+    }
+
+    fn join(
+        tensors: &[&DTensor],
+        op: Op,
+        f: impl FnOnce(&[Tensor]) -> candle_core::Result<Tensor>,
+    ) -> Result<DTensor> {
+        let first = tensors
+            .first()
+            .ok_or_else(|| invalid(op.name(), usize::MAX, "needs at least one tensor"))?;
+        if let Some(other) = tensors.iter().find(|t| !t.mesh().same_mesh(first.mesh())) {
+            return Err(mesh_mismatch(op.name(), first, other));
+        }
+        let p = prepare(&op, tensors)?;
+        let out = f(&p.locals).ctx(op.name(), first.mesh_rank())?;
+        p.finish1(&op, out)
+    }
+}

@@ -1,0 +1,131 @@
+//! The redistribute executor: walks a compiler plan step by step on this rank's local piece.
+//!
+//! Each step runs one differentiable collective (or local op) from [`crate::collectives`] over
+//! the step's mesh dim (or the flattened communicator of merged dims), with padding computed from
+//! the logical shape this rank's group sees. When the dispatcher asks for a gradient sync on some
+//! mesh dims (the input is Replicate there but the op's output is not), an all_gather that is the
+//! last step on those dims is fused with it: all_gather forward, reduce_scatter backward (half
+//! the bytes of chunk + all_reduce). Dims left over get an identity / all_reduce-backward op.
+
+use candle_core::Tensor;
+use candle_dtensor_comm::ReduceOp;
+use candle_dtensor_strategies::{CollectiveKind, Placement, RedistributePlan};
+use smallvec::SmallVec;
+
+use crate::collectives::{self, GatherGrad};
+use crate::convert::comm_reduce;
+use crate::tensor::DTensor;
+
+/// Mesh dims on which an input needs its gradient all-reduced.
+pub(crate) type GradMask = SmallVec<[usize; 4]>;
+
+type CResult<T> = candle_core::Result<T>;
+
+fn msg(s: impl Into<String>) -> candle_core::Error {
+    candle_core::Error::Msg(s.into())
+}
+
+/// Runs `plan` on `x`'s local piece, then applies the gradient sync of `grad_mask`.
+pub(crate) fn execute(
+    x: &DTensor,
+    plan: &RedistributePlan,
+    grad_mask: &GradMask,
+) -> CResult<Tensor> {
+    let ctx = x.ctx();
+    let mesh = x.mesh();
+    let global = x.shape();
+    let mut t = x.to_local().clone();
+    let mut pending: GradMask = grad_mask.clone();
+    for (i, step) in plan.steps.iter().enumerate() {
+        if step.kind == CollectiveKind::Noop {
+            continue;
+        }
+        let axis = ctx
+            .axis(mesh, &step.mesh_dims)
+            .map_err(candle_core::Error::wrap)?;
+        let logical = step
+            .logical_shape_at(global, &ctx.shape, &ctx.coord)
+            .map_err(candle_core::Error::wrap)?;
+        let permute_unsupported = || {
+            msg(format!(
+                "redistribute {plan}: step {step} reorders a StridedShard layout, which the executor does not run yet; \
+                 redistribute through Replicate"
+            ))
+        };
+        t = match (step.kind, step.from, step.to) {
+            (CollectiveKind::LocalChunk, Placement::Replicate, Placement::Shard(d)) => {
+                collectives::chunk(&t, &axis, d)?
+            }
+            (CollectiveKind::LocalPartition, Placement::Replicate, Placement::Partial(op)) => {
+                collectives::partition(&t, axis.n, comm_reduce(op))?
+            }
+            (CollectiveKind::AllGather, Placement::Shard(d), Placement::Replicate) => {
+                // Fuse with the gradient sync when this is the last step touching these dims.
+                let last = !plan.steps[i + 1..]
+                    .iter()
+                    .any(|s| s.mesh_dims.iter().any(|m| step.mesh_dims.contains(m)));
+                let fuse = last && step.mesh_dims.iter().all(|m| pending.contains(m));
+                if fuse {
+                    pending.retain(|m| !step.mesh_dims.contains(m));
+                }
+                let grad = if fuse {
+                    GatherGrad::ReduceScatter
+                } else {
+                    GatherGrad::Chunk
+                };
+                collectives::all_gather(&t, &axis, d, logical[d], grad)?
+            }
+            (CollectiveKind::AllReduce, Placement::Partial(op), Placement::Replicate) => {
+                collectives::all_reduce(&t, &axis, comm_reduce(op))?
+            }
+            (CollectiveKind::AllReduce, Placement::MaskPartial { .. }, Placement::Replicate) => {
+                collectives::all_reduce(&t, &axis, ReduceOp::Sum)?
+            }
+            (CollectiveKind::ReduceScatter, from, Placement::Shard(d)) => {
+                let op = match from {
+                    Placement::Partial(op) => comm_reduce(op),
+                    Placement::MaskPartial { .. } => ReduceOp::Sum,
+                    other => return Err(msg(format!("reduce_scatter from {other}"))),
+                };
+                if matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
+                    collectives::reduce_scatter(&t, &axis, d, logical[d], op)?
+                } else {
+                    // max/min/product have no reduce_scatter adjoint: reduce, then keep the chunk.
+                    let full = collectives::all_reduce(&t, &axis, op)?;
+                    collectives::chunk(&full, &axis, d)?
+                }
+            }
+            (CollectiveKind::AllToAll, Placement::Shard(i), Placement::Shard(j)) => {
+                collectives::all_to_all(&t, &axis, i, j, logical[i], logical[j])?
+            }
+            (_, Placement::StridedShard { .. }, _) | (_, _, Placement::StridedShard { .. }) => {
+                return Err(permute_unsupported())
+            }
+            (kind, from, to) => {
+                return Err(msg(format!(
+                    "redistribute {plan}: the executor has no rule for {kind} {from} -> {to}"
+                )))
+            }
+        };
+    }
+    if !pending.is_empty() && t.track_op() {
+        let axes = pending
+            .iter()
+            .map(|&m| ctx.axis(mesh, &[m]))
+            .collect::<crate::error::Result<Vec<_>>>()
+            .map_err(candle_core::Error::wrap)?;
+        t = collectives::grad_sync(&t, axes)?;
+    }
+    Ok(t)
+}
+
+/// Applies only the gradient sync of `mask` to `x`'s local piece (no redistribution needed).
+pub(crate) fn grad_sync_only(x: &DTensor, mask: &GradMask) -> CResult<Tensor> {
+    let ctx = x.ctx();
+    let axes = mask
+        .iter()
+        .map(|&m| ctx.axis(x.mesh(), &[m]))
+        .collect::<crate::error::Result<Vec<_>>>()
+        .map_err(candle_core::Error::wrap)?;
+    collectives::grad_sync(x.to_local(), axes)
+}

@@ -1,0 +1,556 @@
+//! `DTensor`: a candle tensor (this rank's local piece) plus its placements on a mesh.
+
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor};
+use candle_dtensor_mesh::DeviceMesh;
+use candle_dtensor_strategies::layout::{local_shape, shard_size_and_offset, strided_indices};
+use candle_dtensor_strategies::{
+    format_placements, plan_redistribute, DTensorSpec, Placement, Placements,
+};
+use smallvec::SmallVec;
+
+use crate::collectives;
+use crate::convert::{comm_reduce, sdtype};
+use crate::error::{invalid, Context, DTensorError, Result};
+use crate::mesh_ctx::MeshCtx;
+use crate::redistribute::{execute, GradMask};
+
+struct Inner {
+    local: Tensor,
+    spec: DTensorSpec,
+    mesh: DeviceMesh,
+    ctx: Arc<MeshCtx>,
+}
+
+/// A distributed tensor: this rank's local piece (a candle [`Tensor`]) plus its placements on a
+/// [`DeviceMesh`] and its global shape.
+///
+/// Ops on DTensors (see the methods in this crate's `ops` modules) decide where collectives go
+/// with the sharding compiler, run the local candle op, and stay differentiable with candle's
+/// autograd: `loss.backward()` yields, on every rank, the local pieces of the single-device
+/// gradients. Cloning is cheap.
+#[derive(Clone)]
+pub struct DTensor {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for DTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DTensor({} on {}, local {:?})",
+            self.inner.spec,
+            self.inner.mesh,
+            self.inner.local.dims()
+        )
+    }
+}
+
+fn check_placements(
+    op: &str,
+    rank: usize,
+    placements: &[Placement],
+    ndim: usize,
+    mesh: &DeviceMesh,
+) -> Result<()> {
+    if placements.len() != mesh.ndim() {
+        return Err(invalid(
+            op,
+            rank,
+            format!(
+                "{} placements ({}) for a {}-d mesh {mesh}",
+                placements.len(),
+                format_placements(placements),
+                mesh.ndim()
+            ),
+        ));
+    }
+    for p in placements {
+        if let Some(d) = p.shard_dim() {
+            if d >= ndim {
+                return Err(invalid(
+                    op,
+                    rank,
+                    format!("{p} on a {ndim}-d tensor: shard dim out of range"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn spec_for(
+    op: &str,
+    rank: usize,
+    shape: &[usize],
+    dtype: DType,
+    placements: &[Placement],
+) -> Result<DTensorSpec> {
+    let d = sdtype(dtype).ok_or_else(|| {
+        invalid(
+            op,
+            rank,
+            format!(
+                "dtype {dtype:?} is not supported by DTensor (f32, f64, bf16, f16, i64, u32, u8)"
+            ),
+        )
+    })?;
+    Ok(DTensorSpec::new(shape, d, placements))
+}
+
+impl DTensor {
+    /// Wraps a local piece whose spec the caller guarantees.
+    pub(crate) fn from_parts(
+        local: Tensor,
+        spec: DTensorSpec,
+        mesh: DeviceMesh,
+        ctx: Arc<MeshCtx>,
+    ) -> DTensor {
+        DTensor {
+            inner: Arc::new(Inner {
+                local,
+                spec,
+                mesh,
+                ctx,
+            }),
+        }
+    }
+
+    /// Builds a DTensor from this rank's local piece, assuming even sharding: the global size of
+    /// a sharded dim is the local size times the number of shards. Use
+    /// [`DTensor::from_local_with_shape`] for uneven pieces.
+    ///
+    /// The result shares `local`'s graph: gradients flow back to it.
+    pub fn from_local(
+        local: &Tensor,
+        mesh: &DeviceMesh,
+        placements: &[Placement],
+    ) -> Result<DTensor> {
+        let ctx = MeshCtx::of(mesh)?;
+        let rank = ctx.rank();
+        check_placements("from_local", rank, placements, local.rank(), mesh)?;
+        let mut global = local.dims().to_vec();
+        for (m, p) in placements.iter().enumerate() {
+            if let Some(d) = p.shard_dim() {
+                global[d] *= ctx.shape[m];
+            }
+        }
+        Self::from_local_with_shape(local, mesh, placements, &global)
+    }
+
+    /// Builds a DTensor from this rank's local piece of a tensor of shape `global` (torch.chunk
+    /// layout, so uneven and empty pieces are fine).
+    ///
+    /// # Errors
+    ///
+    /// `local`'s shape differs from this rank's piece of `global` under `placements`.
+    pub fn from_local_with_shape(
+        local: &Tensor,
+        mesh: &DeviceMesh,
+        placements: &[Placement],
+        global: &[usize],
+    ) -> Result<DTensor> {
+        let ctx = MeshCtx::of(mesh)?;
+        let rank = ctx.rank();
+        check_placements("from_local", rank, placements, global.len(), mesh)?;
+        let spec = spec_for("from_local", rank, global, local.dtype(), placements)?;
+        let expect =
+            local_shape(global, &ctx.shape, &ctx.coord, placements).ctx("from_local", rank)?;
+        if expect.as_slice() != local.dims() {
+            return Err(invalid(
+                "from_local",
+                rank,
+                format!(
+                    "local piece {:?} at mesh coordinate {:?} does not match {} of global {:?} (expected {:?})",
+                    local.dims(),
+                    ctx.coord.as_slice(),
+                    format_placements(placements),
+                    global,
+                    expect.as_slice()
+                ),
+            ));
+        }
+        Ok(Self::from_parts(local.clone(), spec, mesh.clone(), ctx))
+    }
+
+    /// Like [`DTensor::from_local_with_shape`] (or [`DTensor::from_local`] when `global` is
+    /// `None`), and also checks across ranks that every rank's piece fits, so a rank whose piece
+    /// is off is named instead of producing a wrong result later. Collective over the mesh.
+    pub fn from_local_checked(
+        local: &Tensor,
+        mesh: &DeviceMesh,
+        placements: &[Placement],
+        global: Option<&[usize]>,
+    ) -> Result<DTensor> {
+        let ctx = MeshCtx::of(mesh)?;
+        let rank = ctx.rank();
+        let root = mesh.root_comm();
+        // Every rank's (rank-of-tensor, dims...) as u32, padded to 9 entries.
+        let mut mine = vec![u32::MAX; 9];
+        mine[0] = local.rank() as u32;
+        for (i, &d) in local.dims().iter().take(8).enumerate() {
+            mine[i + 1] = d as u32;
+        }
+        let t = Tensor::new(mine.as_slice(), &Device::Cpu).ctx("from_local", rank)?;
+        let all = root
+            .all_gather_single(&t)
+            .and_then(|w| w.wait())
+            .ctx("from_local", rank)?
+            .to_vec1::<u32>()
+            .ctx("from_local", rank)?;
+        let this = match global {
+            Some(g) => Self::from_local_with_shape(local, mesh, placements, g),
+            None => Self::from_local(local, mesh, placements),
+        };
+        let reference = this.as_ref().map(|d| d.shape().to_vec()).ok();
+        let mesh_shape = mesh.shape();
+        for r in 0..root.size() {
+            let row = &all[r * 9..(r + 1) * 9];
+            let nd = row[0] as usize;
+            let dims: Vec<usize> = row[1..1 + nd.min(8)].iter().map(|&d| d as usize).collect();
+            let coord = candle_dtensor_mesh::layout::unravel(r, &mesh_shape);
+            let ok = match &reference {
+                Some(g) => local_shape(g, &mesh_shape, &coord, placements)
+                    .map(|e| e.as_slice() == dims.as_slice())
+                    .unwrap_or(false),
+                None => false,
+            };
+            if !ok {
+                return Err(invalid(
+                    "from_local",
+                    rank,
+                    format!(
+                        "rank {r} (mesh coordinate {:?}) holds a piece of shape {dims:?}, which does not fit {} of global {:?}",
+                        coord.as_slice(),
+                        format_placements(placements),
+                        reference.as_deref().unwrap_or(&[])
+                    ),
+                ));
+            }
+        }
+        this
+    }
+
+    /// This rank's local piece.
+    pub fn to_local(&self) -> &Tensor {
+        &self.inner.local
+    }
+
+    /// The placements, one per mesh dim.
+    pub fn placements(&self) -> &[Placement] {
+        &self.inner.spec.placements
+    }
+
+    /// The mesh.
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.inner.mesh
+    }
+
+    /// The compiler's spec (placements, global shape, dtype).
+    pub fn spec(&self) -> &DTensorSpec {
+        &self.inner.spec
+    }
+
+    pub(crate) fn ctx(&self) -> &Arc<MeshCtx> {
+        &self.inner.ctx
+    }
+
+    /// The global shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.inner.spec.meta.shape
+    }
+
+    /// Number of dims.
+    pub fn rank(&self) -> usize {
+        self.shape().len()
+    }
+
+    /// The global size of dim `d`.
+    pub fn dim(&self, d: usize) -> Result<usize> {
+        self.shape().get(d).copied().ok_or_else(|| {
+            invalid(
+                "dim",
+                self.mesh_rank(),
+                format!("dim {d} out of range for shape {:?}", self.shape()),
+            )
+        })
+    }
+
+    /// The dtype.
+    pub fn dtype(&self) -> DType {
+        self.inner.local.dtype()
+    }
+
+    /// The device of the local piece.
+    pub fn device(&self) -> &Device {
+        self.inner.local.device()
+    }
+
+    /// This rank in the mesh's root communicator (for messages).
+    pub fn mesh_rank(&self) -> usize {
+        self.inner.ctx.rank()
+    }
+
+    /// A DTensor with the same spec whose local piece is cut from the graph.
+    pub fn detach(&self) -> DTensor {
+        Self::from_parts(
+            self.inner.local.detach(),
+            self.inner.spec.clone(),
+            self.inner.mesh.clone(),
+            self.inner.ctx.clone(),
+        )
+    }
+
+    /// The same spec around another local piece (the caller guarantees its shape).
+    pub(crate) fn with_local(&self, local: Tensor) -> DTensor {
+        Self::from_parts(
+            local,
+            self.inner.spec.clone(),
+            self.inner.mesh.clone(),
+            self.inner.ctx.clone(),
+        )
+    }
+
+    /// Redistributes to `placements` (differentiable; the gradient of a Partial source comes
+    /// back Replicate, as in PyTorch).
+    ///
+    /// # Errors
+    ///
+    /// Wrong number of placements, a shard dim out of range, or an unsupported transition
+    /// (`Shard -> Partial`).
+    pub fn redistribute(&self, placements: &[Placement]) -> Result<DTensor> {
+        let rank = self.mesh_rank();
+        check_placements("redistribute", rank, placements, self.rank(), self.mesh())?;
+        if placements == self.placements() {
+            return Ok(self.clone());
+        }
+        let plan = plan_redistribute(&self.inner.spec, placements, &self.inner.ctx.topo)
+            .ctx("redistribute", rank)?;
+        let local = execute(self, &plan, &GradMask::new()).ctx("redistribute", rank)?;
+        let mut spec = self.inner.spec.clone();
+        spec.placements = placements.iter().copied().collect();
+        Ok(Self::from_parts(
+            local,
+            spec,
+            self.inner.mesh.clone(),
+            self.inner.ctx.clone(),
+        ))
+    }
+
+    /// Starts [`DTensor::redistribute`] on a helper thread; [`RedistributeHandle::wait`] joins it.
+    /// Useful to overlap a redistribution with unrelated local compute.
+    pub fn redistribute_async(&self, placements: &[Placement]) -> RedistributeHandle {
+        let this = self.clone();
+        let placements: Placements = placements.iter().copied().collect();
+        let handle = std::thread::Builder::new()
+            .name("dtensor-redistribute".into())
+            .spawn(move || this.redistribute(&placements));
+        RedistributeHandle {
+            handle: handle.map_err(|e| e.to_string()),
+            rank: self.mesh_rank(),
+        }
+    }
+
+    /// The full tensor on every rank (differentiable).
+    pub fn full_tensor(&self) -> Result<Tensor> {
+        let all_r: Placements = SmallVec::from_elem(Placement::Replicate, self.mesh().ndim());
+        Ok(self.redistribute(&all_r)?.inner.local.clone())
+    }
+
+    /// Runs candle's backward pass from this value. A non-Replicate value is made Replicate
+    /// first, so every rank seeds the true gradient (a `P(avg)` data-parallel mean gives the
+    /// global gradient, not n times it). Call it on every rank.
+    pub fn backward(&self) -> Result<GradStore> {
+        let rank = self.mesh_rank();
+        let full = if self.placements().iter().all(|p| p.is_replicate()) {
+            self.inner.local.clone()
+        } else {
+            self.full_tensor()?
+        };
+        full.backward().ctx("backward", rank)
+    }
+
+    /// This DTensor's gradient in `grads` (same spec as `self`), for leaves such as parameters.
+    pub fn grad(&self, grads: &GradStore) -> Option<DTensor> {
+        grads
+            .get(&self.inner.local)
+            .map(|g| self.with_local(g.clone()))
+    }
+}
+
+/// The result of [`DTensor::redistribute_async`].
+pub struct RedistributeHandle {
+    handle: std::result::Result<std::thread::JoinHandle<Result<DTensor>>, String>,
+    rank: usize,
+}
+
+impl RedistributeHandle {
+    /// Waits for the redistribution.
+    ///
+    /// # Blocking
+    ///
+    /// Blocks until the helper thread finishes; every collective on it is bounded by its
+    /// communicator's timeout.
+    pub fn wait(self) -> Result<DTensor> {
+        match self.handle {
+            Ok(h) => h.join().unwrap_or_else(|_| {
+                Err(invalid(
+                    "redistribute_async",
+                    self.rank,
+                    "the helper thread panicked",
+                ))
+            }),
+            Err(e) => Err(invalid(
+                "redistribute_async",
+                self.rank,
+                format!("could not start a thread: {e}"),
+            )),
+        }
+    }
+}
+
+/// This rank's piece of `full` under `placements` (every rank passes the same full tensor).
+/// Partial placements split the value (`sum`: divided by the mesh dim size). The result is a
+/// leaf: it does not share `full`'s graph.
+pub fn distribute_tensor(
+    full: &Tensor,
+    mesh: &DeviceMesh,
+    placements: &[Placement],
+) -> Result<DTensor> {
+    let ctx = MeshCtx::of(mesh)?;
+    let rank = ctx.rank();
+    check_placements("distribute_tensor", rank, placements, full.rank(), mesh)?;
+    let spec = spec_for(
+        "distribute_tensor",
+        rank,
+        full.dims(),
+        full.dtype(),
+        placements,
+    )?;
+    let mut x = full.detach();
+    for (m, p) in placements.iter().enumerate() {
+        let (n, c) = (ctx.shape[m], ctx.coord[m]);
+        x = match *p {
+            Placement::Shard(d) => {
+                let (s, off) =
+                    shard_size_and_offset(x.dim(d).ctx("distribute_tensor", rank)?, n, c);
+                x.narrow(d, off, s).ctx("distribute_tensor", rank)?
+            }
+            Placement::StridedShard { dim, split_factor } => {
+                let len = x.dim(dim).ctx("distribute_tensor", rank)?;
+                let idx: Vec<u32> = strided_indices(len, split_factor, n, c)
+                    .iter()
+                    .map(|&i| i as u32)
+                    .collect();
+                let idx = Tensor::new(idx.as_slice(), x.device()).ctx("distribute_tensor", rank)?;
+                x.index_select(&idx, dim).ctx("distribute_tensor", rank)?
+            }
+            Placement::Partial(op) => {
+                collectives::partition(&x, n, comm_reduce(op)).ctx("distribute_tensor", rank)?
+            }
+            Placement::MaskPartial { .. } => {
+                return Err(invalid(
+                    "distribute_tensor",
+                    rank,
+                    "a MaskPartial placement cannot be created from a full tensor",
+                ))
+            }
+            Placement::Replicate => x,
+        };
+    }
+    let x = x.contiguous().ctx("distribute_tensor", rank)?;
+    Ok(DTensor::from_parts(x, spec, mesh.clone(), ctx))
+}
+
+/// Like [`distribute_tensor`], with the full tensor present only on `src` (a rank of the mesh's
+/// root communicator); it is broadcast first. Collective over the mesh.
+pub fn distribute_tensor_from(
+    full: Option<&Tensor>,
+    src: usize,
+    mesh: &DeviceMesh,
+    placements: &[Placement],
+) -> Result<DTensor> {
+    let ctx = MeshCtx::of(mesh)?;
+    let rank = ctx.rank();
+    let root = mesh.root_comm();
+    let op = "distribute_tensor";
+    // Header: [ndim, dtype code, dims...] as u64, fixed length so every rank can post it.
+    let dtypes = [
+        DType::F32,
+        DType::F64,
+        DType::BF16,
+        DType::F16,
+        DType::I64,
+        DType::U32,
+        DType::U8,
+    ];
+    let mut header = vec![0i64; 10];
+    if root.rank() == src {
+        let t = full.ok_or_else(|| {
+            invalid(
+                op,
+                rank,
+                format!("rank {src} is the source but passed no tensor"),
+            )
+        })?;
+        if t.rank() > 8 {
+            return Err(invalid(
+                op,
+                rank,
+                "tensors of more than 8 dims are not supported",
+            ));
+        }
+        header[0] = t.rank() as i64;
+        header[1] =
+            dtypes.iter().position(|d| *d == t.dtype()).ok_or_else(|| {
+                invalid(op, rank, format!("dtype {:?} is not supported", t.dtype()))
+            })? as i64;
+        for (i, &d) in t.dims().iter().enumerate() {
+            header[2 + i] = d as i64;
+        }
+    }
+    let h = Tensor::new(header.as_slice(), &Device::Cpu).ctx(op, rank)?;
+    let h = root
+        .broadcast(&h, src)
+        .and_then(|w| w.wait())
+        .ctx(op, rank)?;
+    let h = h.to_vec1::<i64>().ctx(op, rank)?;
+    let ndim = h[0] as usize;
+    let dtype = *dtypes
+        .get(h[1] as usize)
+        .ok_or_else(|| invalid(op, rank, "bad dtype code in header"))?;
+    let dims: Vec<usize> = h[2..2 + ndim.min(8)].iter().map(|&d| d as usize).collect();
+    let data = match (root.rank() == src, full) {
+        (true, Some(t)) => t.detach().contiguous().ctx(op, rank)?,
+        _ => Tensor::zeros(dims.as_slice(), dtype, &Device::Cpu).ctx(op, rank)?,
+    };
+    let data = root
+        .broadcast(&data, src)
+        .and_then(|w| w.wait())
+        .ctx(op, rank)?;
+    distribute_tensor(&data, mesh, placements)
+}
+
+impl From<DTensor> for Tensor {
+    fn from(d: DTensor) -> Tensor {
+        d.inner.local.clone()
+    }
+}
+
+impl AsRef<Tensor> for DTensor {
+    fn as_ref(&self) -> &Tensor {
+        &self.inner.local
+    }
+}
+
+/// Convenience: the error of an op on DTensors on different meshes.
+pub(crate) fn mesh_mismatch(op: &str, a: &DTensor, b: &DTensor) -> DTensorError {
+    DTensorError::MeshMismatch {
+        op: op.to_string(),
+        rank: a.mesh_rank(),
+        a: a.mesh().to_string(),
+        b: b.mesh().to_string(),
+    }
+}

@@ -1,0 +1,100 @@
+//! Smoke tests of the DTensor runtime.
+use candle_core::{DType, Device, Tensor, Var};
+use candle_dtensor_comm::LocalWorld;
+use candle_dtensor_core::debug::{CommDebugMode, Phase};
+use candle_dtensor_core::{distribute_tensor, DTensor, Placement};
+use candle_dtensor_mesh::DeviceMesh;
+use std::time::Duration;
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+#[test]
+fn megatron_mlp_one_all_reduce_each_way() {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (4, 8), &dev).unwrap();
+    let w1 = Tensor::randn(0f32, 1., (8, 12), &dev).unwrap();
+    let w2 = Tensor::randn(0f32, 1., (12, 8), &dev).unwrap();
+    // Single-device reference.
+    let (vx, v1, v2) = (
+        Var::from_tensor(&x).unwrap(),
+        Var::from_tensor(&w1).unwrap(),
+        Var::from_tensor(&w2).unwrap(),
+    );
+    let y = vx.matmul(&v1).unwrap().gelu().unwrap().matmul(&v2).unwrap();
+    let loss = y.sqr().unwrap().sum_all().unwrap();
+    let g = loss.backward().unwrap();
+    let ref_y = y.to_vec2::<f32>().unwrap();
+    let ref_g1 = g.get(&v1).unwrap().to_vec2::<f32>().unwrap();
+    let ref_gx = g.get(&vx).unwrap().to_vec2::<f32>().unwrap();
+    let out = LocalWorld::new(4)
+        .with_timeout(Duration::from_secs(20))
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, &[("tp", 4)])?;
+            let xd = distribute_tensor(&x, &mesh, &[Placement::Replicate])?;
+            let xv = Var::from_tensor(xd.to_local())?;
+            let xd = DTensor::from_local(xv.as_tensor(), &mesh, &[Placement::Replicate])?;
+            let w1d = distribute_tensor(&w1, &mesh, &[Placement::Shard(1)])?;
+            let w1v = Var::from_tensor(w1d.to_local())?;
+            let w1d = DTensor::from_local(w1v.as_tensor(), &mesh, &[Placement::Shard(1)])?;
+            let w2d = distribute_tensor(&w2, &mesh, &[Placement::Shard(0)])?;
+            let w2v = Var::from_tensor(w2d.to_local())?;
+            let w2d = DTensor::from_local(w2v.as_tensor(), &mesh, &[Placement::Shard(0)])?;
+            let mode = CommDebugMode::start();
+            let h = xd.matmul(&w1d)?.gelu()?;
+            let y = h.matmul(&w2d)?;
+            let y = y.redistribute(&[Placement::Replicate])?;
+            let loss = y.sqr()?.sum_all()?;
+            let grads = loss.backward()?;
+            let g1 = w1d.grad(&grads).unwrap().full_tensor()?;
+            let gx = grads.get(&xv).unwrap().clone();
+            let fwd = mode.count("all_reduce", Phase::Forward);
+            let bwd = mode.count("all_reduce", Phase::Backward);
+            let _ = w2v;
+            Ok((
+                y.to_local().to_vec2::<f32>()?,
+                g1.to_vec2::<f32>()?,
+                gx.to_vec2::<f32>()?,
+                fwd,
+                bwd,
+                mode.table(),
+            ))
+        })
+        .unwrap();
+    for (y, g1, gx, fwd, bwd, table) in out {
+        for (a, b) in y.iter().flatten().zip(ref_y.iter().flatten()) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "y {a} vs {b}");
+        }
+        for (a, b) in g1.iter().flatten().zip(ref_g1.iter().flatten()) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "g1 {a} vs {b}");
+        }
+        for (a, b) in gx.iter().flatten().zip(ref_gx.iter().flatten()) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "gx {a} vs {b}");
+        }
+        assert_eq!((fwd, bwd), (1, 1), "{table}");
+    }
+}
+
+#[test]
+fn uneven_round_trip() {
+    let x = Tensor::arange(0f32, 50., &Device::Cpu)
+        .unwrap()
+        .reshape((5, 10))
+        .unwrap();
+    let out = LocalWorld::new(4)
+        .with_timeout(Duration::from_secs(20))
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, &[("dp", 4)])?;
+            let d = distribute_tensor(&x, &mesh, &[Placement::Shard(0)])?;
+            let local_rows = d.to_local().dim(0)?;
+            let s1 = d.redistribute(&[Placement::Shard(1)])?;
+            let full = s1.full_tensor()?;
+            let _ = DType::F32;
+            Ok((local_rows, full.to_vec2::<f32>()?))
+        })
+        .unwrap();
+    let rows: Vec<usize> = out.iter().map(|o| o.0).collect();
+    assert_eq!(rows, vec![2, 2, 1, 0]);
+    for (_, f) in out {
+        assert_eq!(f, x.to_vec2::<f32>().unwrap());
+    }
+}
