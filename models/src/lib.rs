@@ -1,1 +1,29 @@
-//! placeholder
+//! What trains: DTensor-native layers, a GPT, tensor-parallel plans, deterministic init and
+//! training utilities.
+//!
+//! # Overview
+//!
+//! - [`layers`]: `Linear`, `Embedding`, `LayerNorm`, `RmsNorm`, `Attention`, `Mlp`, `Block`,
+//!   written as for one device on DTensor ops.
+//! - [`TpPlan`] maps module names to [`ParallelStyle`]s (column / row parallel, sequence
+//!   parallel, vocab-parallel embedding; loss-parallel cross-entropy); the styles only declare
+//!   placements and boundary layouts, the compiler derives every collective.
+//! - [`Gpt`]: token + position embedding, pre-norm blocks, final norm, tied or untied head.
+//! - [`init`]: a counter-based initialiser keyed by global index, so any mesh holds exactly
+//!   the single-device parameters for a seed.
+//! - [`train`]: a global gradient-norm clip with one all_reduce; [`data`]: a synthetic corpus.
+
+pub mod data;
+mod error;
+pub mod gpt;
+pub mod init;
+pub mod layers;
+pub mod params;
+pub mod plan;
+pub mod train;
+pub mod trainer;
+
+pub use error::{ModelError, Result};
+pub use gpt::{Gpt, GptConfig, NormKind};
+pub use params::{Param, ParamStore};
+pub use plan::{MeshRoles, ParallelStyle, TpPlan};

@@ -1,0 +1,35 @@
+//! The error type of the models layer.
+
+use candle_dtensor_comm::CommError;
+use candle_dtensor_core::DTensorError;
+use candle_dtensor_mesh::MeshError;
+
+/// Errors of model construction and training.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A bad configuration (mesh vs. model sizes, unknown names, ...).
+    #[error("config: {0}")]
+    Config(String),
+    /// A DTensor op failed.
+    #[error(transparent)]
+    DTensor(#[from] DTensorError),
+    /// A mesh op failed.
+    #[error(transparent)]
+    Mesh(#[from] MeshError),
+    /// A collective failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// A candle op failed.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// `Result` with [`ModelError`].
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+impl From<ModelError> for candle_core::Error {
+    fn from(e: ModelError) -> Self {
+        candle_core::Error::wrap(e)
+    }
+}

@@ -1,0 +1,262 @@
+//! A GPT: token + position embedding, pre-norm blocks, final norm, LM head (tied or untied).
+
+use candle_core::DType;
+use candle_dtensor_core::{DTensor, Placement};
+use candle_dtensor_mesh::DeviceMesh;
+
+use crate::error::{ModelError, Result};
+use crate::init::Init;
+use crate::layers::{Attention, Block, Builder, Embedding, LayerNorm, Linear, Mlp, Norm, RmsNorm};
+use crate::params::ParamStore;
+use crate::plan::{MeshRoles, TpPlan};
+
+/// Which norm the blocks use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormKind {
+    /// LayerNorm with bias.
+    LayerNorm,
+    /// RMSNorm.
+    RmsNorm,
+}
+
+/// GPT hyper-parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptConfig {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Model width.
+    pub d_model: usize,
+    /// Attention heads.
+    pub n_heads: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Context length (position embeddings).
+    pub seq_len: usize,
+    /// MLP hidden size as a multiple of `d_model`.
+    pub mlp_ratio: usize,
+    /// SwiGLU instead of GELU.
+    pub swiglu: bool,
+    /// Tie the LM head to the token embedding.
+    pub tied: bool,
+    /// Norm kind.
+    pub norm: NormKind,
+    /// Norm epsilon.
+    pub eps: f64,
+}
+
+impl GptConfig {
+    /// The `tiny` preset: vocab 512, d_model 256, 4 heads, seq 128, 1 block, 4x GELU MLP,
+    /// pre-LayerNorm, untied head.
+    pub fn tiny() -> Self {
+        GptConfig {
+            vocab: 512,
+            d_model: 256,
+            n_heads: 4,
+            n_layers: 1,
+            seq_len: 128,
+            mlp_ratio: 4,
+            swiglu: false,
+            tied: false,
+            norm: NormKind::LayerNorm,
+            eps: 1e-5,
+        }
+    }
+
+    /// The `small` preset: vocab 1024, d_model 384, 8 heads, seq 128, 4 blocks.
+    pub fn small() -> Self {
+        GptConfig {
+            vocab: 1024,
+            d_model: 384,
+            n_heads: 8,
+            n_layers: 4,
+            ..GptConfig::tiny()
+        }
+    }
+
+    /// A preset by name (`tiny`, `small`).
+    pub fn preset(name: &str) -> Result<Self> {
+        match name {
+            "tiny" => Ok(Self::tiny()),
+            "small" => Ok(Self::small()),
+            other => Err(ModelError::Config(format!(
+                "unknown preset \"{other}\"; presets: tiny, small"
+            ))),
+        }
+    }
+}
+
+/// The GPT; see the module docs.
+pub struct Gpt {
+    /// Hyper-parameters.
+    pub cfg: GptConfig,
+    /// Token embedding.
+    pub tok_emb: Embedding,
+    /// Position embedding `[seq_len, D]` (replicated).
+    pub pos_emb: DTensor,
+    /// The blocks.
+    pub blocks: Vec<Block>,
+    /// Final norm.
+    pub ln_f: Norm,
+    /// Untied LM head `[V, D]`.
+    pub head: Option<Linear>,
+    roles: MeshRoles,
+    plan: TpPlan,
+}
+
+fn norm(b: &mut Builder, name: &str, cfg: &GptConfig) -> Result<Norm> {
+    Ok(match cfg.norm {
+        NormKind::LayerNorm => Norm::Layer(LayerNorm::new(b, name, cfg.d_model, true, cfg.eps)?),
+        NormKind::RmsNorm => Norm::Rms(RmsNorm::new(b, name, cfg.d_model, cfg.eps)?),
+    })
+}
+
+impl Gpt {
+    /// Builds the model on `mesh` with `plan`, initialised from `seed` (the same global values
+    /// on any mesh). Returns the model and its parameter store.
+    pub fn new(
+        cfg: &GptConfig,
+        mesh: &DeviceMesh,
+        plan: &TpPlan,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<(Gpt, ParamStore)> {
+        let mut store = ParamStore::new(mesh, seed, dtype);
+        let roles = MeshRoles::of(mesh)?;
+        let gpt = {
+            let mut b = Builder {
+                store: &mut store,
+                roles: roles.clone(),
+                plan: plan.clone(),
+            };
+            let std = 0.02;
+            let proj_std = 0.02 / ((2 * cfg.n_layers.max(1)) as f64).sqrt();
+            let tok_emb = Embedding::new(&mut b, "tok_emb", cfg.vocab, cfg.d_model, std)?;
+            let pp = b
+                .roles
+                .placements(Placement::Replicate, Placement::Replicate)
+                .to_vec();
+            let pos_emb = b.store.param(
+                "pos_emb.weight",
+                &[cfg.seq_len, cfg.d_model],
+                Init::Normal(std),
+                &pp,
+            )?;
+            let mut blocks = Vec::with_capacity(cfg.n_layers);
+            for i in 0..cfg.n_layers {
+                let p = format!("blocks.{i}");
+                blocks.push(Block {
+                    ln1: norm(&mut b, &format!("{p}.ln1"), cfg)?,
+                    attn: Attention::new(
+                        &mut b,
+                        &format!("{p}.attn"),
+                        cfg.d_model,
+                        cfg.n_heads,
+                        std,
+                        proj_std,
+                    )?,
+                    ln2: norm(&mut b, &format!("{p}.ln2"), cfg)?,
+                    mlp: Mlp::new(
+                        &mut b,
+                        &format!("{p}.mlp"),
+                        cfg.d_model,
+                        cfg.mlp_ratio * cfg.d_model,
+                        cfg.swiglu,
+                        std,
+                        proj_std,
+                    )?,
+                });
+            }
+            let ln_f = norm(&mut b, "ln_f", cfg)?;
+            let head = if cfg.tied {
+                None
+            } else {
+                Some(Linear::new(
+                    &mut b,
+                    "lm_head",
+                    cfg.d_model,
+                    cfg.vocab,
+                    false,
+                    std,
+                )?)
+            };
+            Gpt {
+                cfg: cfg.clone(),
+                tok_emb,
+                pos_emb,
+                blocks,
+                ln_f,
+                head,
+                roles,
+                plan: plan.clone(),
+            }
+        };
+        Ok((gpt, store))
+    }
+
+    /// The mesh roles.
+    pub fn roles(&self) -> &MeshRoles {
+        &self.roles
+    }
+
+    /// Placements of a `[B, T]` batch of ids: batch sharded over the data dims, Replicate on
+    /// the tensor-parallel dim.
+    pub fn batch_placements(&self) -> Vec<Placement> {
+        self.roles
+            .placements(Placement::Replicate, Placement::Shard(0))
+            .to_vec()
+    }
+
+    /// Logits `[B, T, V]` for ids `[B, T]` (vocab-sharded under tensor parallelism with
+    /// loss-parallel; replicated otherwise).
+    pub fn forward(&self, ids: &DTensor) -> Result<DTensor> {
+        let t = ids.dim(1)?;
+        if t > self.cfg.seq_len {
+            return Err(ModelError::Config(format!(
+                "sequence of {t} tokens exceeds the context length {}",
+                self.cfg.seq_len
+            )));
+        }
+        let mut x = {
+            let _l = candle_dtensor_core::debug::label("embed");
+            let x = self.tok_emb.forward(ids)?;
+            let pos = self.pos_emb.narrow(0, 0, t)?;
+            x.add(&pos)?
+        };
+        for (i, blk) in self.blocks.iter().enumerate() {
+            let _l = candle_dtensor_core::debug::label(&format!("blocks.{i}"));
+            x = blk.forward(&x)?;
+        }
+        let _l = candle_dtensor_core::debug::label("head");
+        let x = self.ln_f.forward(&x)?;
+        let logits = match &self.head {
+            Some(h) => h.forward(&x)?,
+            None => {
+                let layout = self.roles.with_tp(x.placements(), Placement::Replicate);
+                x.linear_with_layout(&self.tok_emb.weight, None, Some(&layout))?
+            }
+        };
+        if !self.plan.loss_parallel && self.roles.tp.is_some() {
+            return Ok(logits.redistribute(
+                &self
+                    .roles
+                    .with_tp(logits.placements(), Placement::Replicate),
+            )?);
+        }
+        Ok(logits)
+    }
+
+    /// Mean next-token cross-entropy of ids `[B, T]` against targets `[B, T]`.
+    pub fn loss(&self, ids: &DTensor, targets: &DTensor) -> Result<DTensor> {
+        let logits = self.forward(ids)?;
+        let (b, t, v) = (logits.dim(0)?, logits.dim(1)?, logits.dim(2)?);
+        let _l = candle_dtensor_core::debug::label("loss");
+        let logits = logits.reshape(&[b * t, v])?;
+        let targets = targets.reshape(&[b * t])?;
+        // Loss-parallel: keep the logits where they are (sharded on the vocab dim).
+        let layout = self
+            .plan
+            .loss_parallel
+            .then(|| logits.placements().to_vec());
+        Ok(logits.cross_entropy_with_layout(&targets, layout.as_deref())?)
+    }
+}

@@ -1,0 +1,390 @@
+//! DTensor-native layers: `Linear`, `Embedding`, `LayerNorm`, `RmsNorm`, causal multi-head
+//! `Attention`, `Mlp` (GELU or SwiGLU), and a pre-norm transformer `Block`.
+//!
+//! Each layer is written as for one device; its parameters' placements and its boundary
+//! layouts come from the [`TpPlan`] style of its name. Shapes in the docs are global.
+
+use candle_dtensor_core::{DTensor, Placement};
+
+use crate::error::{ModelError, Result};
+use crate::init::Init;
+use crate::params::ParamStore;
+use crate::plan::{MeshRoles, ParallelStyle, TpPlan};
+
+/// What layers need while being built: the parameter store, the mesh roles and the plan.
+pub struct Builder<'a> {
+    /// Where parameters are created.
+    pub store: &'a mut ParamStore,
+    /// Mesh dim roles.
+    pub roles: MeshRoles,
+    /// The tensor-parallel plan.
+    pub plan: TpPlan,
+}
+
+impl Builder<'_> {
+    fn tp_size(&self) -> usize {
+        self.roles
+            .tp
+            .and_then(|t| self.store.mesh().size(t).ok())
+            .unwrap_or(1)
+    }
+
+    /// Placements of a parameter: `on_tp` on the tensor-parallel dim, Replicate elsewhere.
+    fn param_placements(&self, on_tp: Placement) -> Vec<Placement> {
+        self.roles.placements(on_tp, Placement::Replicate).to_vec()
+    }
+
+    fn check_divisible(&self, what: &str, n: usize) -> Result<()> {
+        let tp = self.tp_size();
+        if n % tp != 0 {
+            return Err(ModelError::Config(format!(
+                "{what} ({n}) is not divisible by the tensor-parallel size {tp}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// `y = x W^T + b` with `W: [out, in]`, `b: [out]`, `x: [.., in]`.
+pub struct Linear {
+    /// `[out, in]`.
+    pub weight: DTensor,
+    /// `[out]`.
+    pub bias: Option<DTensor>,
+    style: ParallelStyle,
+    roles: MeshRoles,
+    sp: bool,
+}
+
+impl Linear {
+    /// Creates `name.weight` (normal, `std`) and `name.bias` (zeros).
+    pub fn new(
+        b: &mut Builder,
+        name: &str,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+        std: f64,
+    ) -> Result<Self> {
+        let style = b.plan.style(name);
+        let (w_tp, b_tp) = match style {
+            ParallelStyle::Colwise => {
+                b.check_divisible(&format!("{name}: out features"), out_dim)?;
+                (Placement::Shard(0), Placement::Shard(0))
+            }
+            ParallelStyle::Rowwise => {
+                b.check_divisible(&format!("{name}: in features"), in_dim)?;
+                (Placement::Shard(1), Placement::Replicate)
+            }
+            _ => (Placement::Replicate, Placement::Replicate),
+        };
+        let wp = b.param_placements(w_tp);
+        let weight = b.store.param(
+            &format!("{name}.weight"),
+            &[out_dim, in_dim],
+            Init::Normal(std),
+            &wp,
+        )?;
+        let bias = if bias {
+            let bp = b.param_placements(b_tp);
+            Some(
+                b.store
+                    .param(&format!("{name}.bias"), &[out_dim], Init::Zeros, &bp)?,
+            )
+        } else {
+            None
+        };
+        Ok(Linear {
+            weight,
+            bias,
+            style,
+            roles: b.roles.clone(),
+            sp: b.plan.sequence_parallel,
+        })
+    }
+
+    /// Applies the layer.
+    pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
+        match (self.style, self.roles.tp) {
+            (ParallelStyle::Colwise, Some(_)) => {
+                let layout = self.roles.with_tp(x.placements(), Placement::Replicate);
+                Ok(x.linear_with_layout(&self.weight, self.bias.as_ref(), Some(&layout))?)
+            }
+            (ParallelStyle::Rowwise, Some(_)) => {
+                let last = x.rank().saturating_sub(1);
+                let layout = self.roles.with_tp(x.placements(), Placement::Shard(last));
+                let y = x.linear_with_layout(&self.weight, None, Some(&layout))?;
+                let out = if self.sp && y.rank() == 3 {
+                    Placement::Shard(1)
+                } else {
+                    Placement::Replicate
+                };
+                let y = y.redistribute(&self.roles.with_tp(y.placements(), out))?;
+                match &self.bias {
+                    Some(b) => Ok(y.add(b)?),
+                    None => Ok(y),
+                }
+            }
+            _ => Ok(x.linear(&self.weight, self.bias.as_ref())?),
+        }
+    }
+}
+
+/// Token embedding `[V, D]`: integer ids `[..]` to `[.., D]`.
+pub struct Embedding {
+    /// `[V, D]`.
+    pub weight: DTensor,
+    style: ParallelStyle,
+    roles: MeshRoles,
+    sp: bool,
+}
+
+impl Embedding {
+    /// Creates `name.weight` (normal, `std`).
+    pub fn new(b: &mut Builder, name: &str, vocab: usize, dim: usize, std: f64) -> Result<Self> {
+        let style = b.plan.style(name);
+        let on_tp = match style {
+            ParallelStyle::VocabParallel => {
+                b.check_divisible(&format!("{name}: vocab"), vocab)?;
+                Placement::Shard(0)
+            }
+            ParallelStyle::Colwise => {
+                b.check_divisible(&format!("{name}: embedding dim"), dim)?;
+                Placement::Shard(1)
+            }
+            _ => Placement::Replicate,
+        };
+        let wp = b.param_placements(on_tp);
+        let weight = b.store.param(
+            &format!("{name}.weight"),
+            &[vocab, dim],
+            Init::Normal(std),
+            &wp,
+        )?;
+        Ok(Embedding {
+            weight,
+            style,
+            roles: b.roles.clone(),
+            sp: b.plan.sequence_parallel,
+        })
+    }
+
+    /// Looks `ids` up; a vocab-parallel table's masked partial output is reduced (to the
+    /// sequence dim under sequence parallelism).
+    pub fn forward(&self, ids: &DTensor) -> Result<DTensor> {
+        let y = ids.embedding_with_layout(&self.weight, Some(self.weight.placements()))?;
+        if self.style == ParallelStyle::VocabParallel && self.roles.tp.is_some() {
+            let out = if self.sp && y.rank() == 3 {
+                Placement::Shard(1)
+            } else {
+                Placement::Replicate
+            };
+            return Ok(y.redistribute(&self.roles.with_tp(y.placements(), out))?);
+        }
+        Ok(y)
+    }
+}
+
+/// Layer norm over the last dim, with weight and optional bias (built from primitives, so it
+/// has a gradient).
+pub struct LayerNorm {
+    /// `[D]`.
+    pub weight: DTensor,
+    /// `[D]`.
+    pub bias: Option<DTensor>,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// Creates `name.weight` (ones) and `name.bias` (zeros).
+    pub fn new(b: &mut Builder, name: &str, dim: usize, bias: bool, eps: f64) -> Result<Self> {
+        let p = b.param_placements(Placement::Replicate);
+        let weight = b
+            .store
+            .param(&format!("{name}.weight"), &[dim], Init::Ones, &p)?;
+        let bias = if bias {
+            Some(
+                b.store
+                    .param(&format!("{name}.bias"), &[dim], Init::Zeros, &p)?,
+            )
+        } else {
+            None
+        };
+        Ok(LayerNorm { weight, bias, eps })
+    }
+
+    /// Applies the layer.
+    pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
+        Ok(x.layer_norm(Some(&self.weight), self.bias.as_ref(), self.eps)?)
+    }
+}
+
+/// RMS norm over the last dim.
+pub struct RmsNorm {
+    /// `[D]`.
+    pub weight: DTensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    /// Creates `name.weight` (ones).
+    pub fn new(b: &mut Builder, name: &str, dim: usize, eps: f64) -> Result<Self> {
+        let p = b.param_placements(Placement::Replicate);
+        let weight = b
+            .store
+            .param(&format!("{name}.weight"), &[dim], Init::Ones, &p)?;
+        Ok(RmsNorm { weight, eps })
+    }
+
+    /// Applies the layer.
+    pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
+        Ok(x.rms_norm(&self.weight, self.eps)?)
+    }
+}
+
+/// A norm layer of either kind.
+pub enum Norm {
+    /// Layer norm.
+    Layer(LayerNorm),
+    /// RMS norm.
+    Rms(RmsNorm),
+}
+
+impl Norm {
+    /// Applies the layer.
+    pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
+        match self {
+            Norm::Layer(n) => n.forward(x),
+            Norm::Rms(n) => n.forward(x),
+        }
+    }
+}
+
+/// Causal multi-head self-attention: a fused `qkv` projection `[3D, D]` whose output features
+/// are ordered (head, {q, k, v}, head dim), so a column-parallel split keeps whole heads on each
+/// rank and attention runs on the local heads; then `proj` `[D, D]`.
+pub struct Attention {
+    /// The fused q/k/v projection.
+    pub qkv: Linear,
+    /// The output projection.
+    pub proj: Linear,
+    n_heads: usize,
+}
+
+impl Attention {
+    /// Creates `name.qkv` and `name.proj`.
+    pub fn new(
+        b: &mut Builder,
+        name: &str,
+        dim: usize,
+        n_heads: usize,
+        std: f64,
+        proj_std: f64,
+    ) -> Result<Self> {
+        if n_heads == 0 || dim % n_heads != 0 {
+            return Err(ModelError::Config(format!(
+                "{name}: model dim {dim} is not divisible by {n_heads} heads"
+            )));
+        }
+        if b.plan.style(&format!("{name}.qkv")) == ParallelStyle::Colwise {
+            b.check_divisible(&format!("{name}: heads"), n_heads)?;
+        }
+        Ok(Attention {
+            qkv: Linear::new(b, &format!("{name}.qkv"), dim, 3 * dim, true, std)?,
+            proj: Linear::new(b, &format!("{name}.proj"), dim, dim, true, proj_std)?,
+            n_heads,
+        })
+    }
+
+    /// `x: [B, T, D]` to `[B, T, D]`.
+    pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
+        let (b, t, d) = (x.dim(0)?, x.dim(1)?, x.dim(2)?);
+        let (h, hd) = (self.n_heads, d / self.n_heads);
+        let qkv = self.qkv.forward(x)?;
+        let qkv = qkv.reshape(&[b, t, h, 3, hd])?.permute(&[3, 0, 2, 1, 4])?;
+        let q = qkv.narrow(0, 0, 1)?.squeeze(0)?;
+        let k = qkv.narrow(0, 1, 1)?.squeeze(0)?;
+        let v = qkv.narrow(0, 2, 1)?.squeeze(0)?;
+        let y = q.sdpa(&k, &v, true, None)?;
+        let y = y.transpose(1, 2)?.reshape(&[b, t, d])?;
+        self.proj.forward(&y)
+    }
+}
+
+/// The feed-forward block: `fc2(gelu(fc1(x)))`, or SwiGLU `fc2(silu(fc1(x)) * fc3(x))`.
+pub struct Mlp {
+    /// `[H, D]`.
+    pub fc1: Linear,
+    /// `[D, H]`.
+    pub fc2: Linear,
+    /// `[H, D]` (SwiGLU gate).
+    pub fc3: Option<Linear>,
+}
+
+impl Mlp {
+    /// Creates `name.fc1`, `name.fc2` (and `name.fc3` for SwiGLU).
+    pub fn new(
+        b: &mut Builder,
+        name: &str,
+        dim: usize,
+        hidden: usize,
+        swiglu: bool,
+        std: f64,
+        proj_std: f64,
+    ) -> Result<Self> {
+        Ok(Mlp {
+            fc1: Linear::new(b, &format!("{name}.fc1"), dim, hidden, true, std)?,
+            fc3: if swiglu {
+                Some(Linear::new(
+                    b,
+                    &format!("{name}.fc3"),
+                    dim,
+                    hidden,
+                    true,
+                    std,
+                )?)
+            } else {
+                None
+            },
+            fc2: Linear::new(b, &format!("{name}.fc2"), hidden, dim, true, proj_std)?,
+        })
+    }
+
+    /// Applies the block.
+    pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
+        let h = self.fc1.forward(x)?;
+        let h = match &self.fc3 {
+            Some(fc3) => h.silu()?.mul(&fc3.forward(x)?)?,
+            None => h.gelu()?,
+        };
+        self.fc2.forward(&h)
+    }
+}
+
+/// A pre-norm transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`.
+pub struct Block {
+    /// First norm.
+    pub ln1: Norm,
+    /// Attention.
+    pub attn: Attention,
+    /// Second norm.
+    pub ln2: Norm,
+    /// Feed-forward.
+    pub mlp: Mlp,
+}
+
+impl Block {
+    /// Applies the block.
+    pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
+        let a = {
+            let _l = candle_dtensor_core::debug::label("attn");
+            self.attn.forward(&self.ln1.forward(x)?)?
+        };
+        let x = x.add(&a)?;
+        let m = {
+            let _l = candle_dtensor_core::debug::label("mlp");
+            self.mlp.forward(&self.ln2.forward(&x)?)?
+        };
+        Ok(x.add(&m)?)
+    }
+}
