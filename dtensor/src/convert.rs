@@ -18,6 +18,19 @@ pub(crate) fn sdtype(d: DType) -> Option<SDType> {
     })
 }
 
+/// The candle dtype for a compiler dtype.
+pub(crate) fn cdtype(d: SDType) -> DType {
+    match d {
+        SDType::F32 => DType::F32,
+        SDType::F64 => DType::F64,
+        SDType::F16 => DType::F16,
+        SDType::BF16 => DType::BF16,
+        SDType::I64 => DType::I64,
+        SDType::U32 => DType::U32,
+        SDType::U8 => DType::U8,
+    }
+}
+
 /// The communicator's reduce op for a compiler reduce op.
 pub(crate) fn comm_reduce(op: SReduce) -> CommReduce {
     match op {

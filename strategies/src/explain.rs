@@ -337,22 +337,23 @@ fn plan_collectives(
     }
 }
 
-/// Runs the request.
-///
-/// ```
-/// use candle_dtensor_strategies::*;
-/// let req = ExplainRequest {
-///     mesh: "dp=2,tp=2".into(), op: "matmul".into(), shapes: "64x32,32x64".into(),
-///     placements: "S(0),R;R,S(1)".into(), ..Default::default()
-/// };
-/// let report = explain(&req).unwrap();
-/// assert_eq!(report.output, "S(0),S(1)");
-/// assert!(report.collectives.is_empty());
-/// ```
+/// What an [`ExplainRequest`] resolves to: the mesh (with its flattened groups), the input
+/// specs (dtypes defaulted per op, e.g. `u32` ids for `embedding`), and the op (`None` for
+/// `redistribute`). The runtime's `explain --run` uses it to build the same inputs.
+pub struct ResolvedRequest {
+    /// The mesh.
+    pub mesh: MeshTopology,
+    /// One spec per input.
+    pub specs: Vec<DTensorSpec>,
+    /// The op, or `None` for `redistribute`.
+    pub op: Option<Op>,
+}
+
+/// Parses and resolves a request; see [`ResolvedRequest`].
 ///
 /// # Errors
-/// Parse errors, unknown ops, shapes the op cannot take, invalid placements.
-pub fn explain(req: &ExplainRequest) -> Result<ExplainReport> {
+/// Malformed mesh, shapes, placements or op arguments.
+pub fn resolve(req: &ExplainRequest) -> Result<ResolvedRequest> {
     let mut mesh = MeshTopology::parse(&req.mesh)?;
     for group in &req.flatten {
         let names: Vec<&str> = group.split([',', '+']).map(str::trim).collect();
@@ -394,6 +395,33 @@ pub fn explain(req: &ExplainRequest) -> Result<ExplainReport> {
             })
             .collect::<Result<_>>()?
     };
+    let op = if op_name == "redistribute" {
+        None
+    } else {
+        let shapes: Vec<Shape> = parsed.iter().map(|p| p.0.clone()).collect();
+        Some(build_op(req, &shapes)?)
+    };
+    Ok(ResolvedRequest { mesh, specs, op })
+}
+
+/// Runs the request.
+///
+/// ```
+/// use candle_dtensor_strategies::*;
+/// let req = ExplainRequest {
+///     mesh: "dp=2,tp=2".into(), op: "matmul".into(), shapes: "64x32,32x64".into(),
+///     placements: "S(0),R;R,S(1)".into(), ..Default::default()
+/// };
+/// let report = explain(&req).unwrap();
+/// assert_eq!(report.output, "S(0),S(1)");
+/// assert!(report.collectives.is_empty());
+/// ```
+///
+/// # Errors
+/// Parse errors, unknown ops, shapes the op cannot take, invalid placements.
+pub fn explain(req: &ExplainRequest) -> Result<ExplainReport> {
+    let ResolvedRequest { mesh, specs, op } = resolve(req)?;
+    let op_name = req.op.trim();
     let mesh_str = mesh.to_string();
     if op_name == "redistribute" {
         let [src] = specs.as_slice() else {
@@ -424,8 +452,7 @@ pub fn explain(req: &ExplainRequest) -> Result<ExplainReport> {
             deferred_us: 0.0,
         });
     }
-    let shapes: Vec<Shape> = parsed.iter().map(|p| p.0.clone()).collect();
-    let op = build_op(req, &shapes)?;
+    let op = op.ok_or_else(|| StrategyError::arg(op_name, "unknown op"))?;
     let refs: Vec<&DTensorSpec> = specs.iter().collect();
     let s = propagate_with(&op, &refs, &mesh, req.method)?;
     let mut collectives = Vec::new();

@@ -69,8 +69,8 @@ pub use cost::{collective_cost_us, wire_bytes, CollectiveKind};
 pub use error::{Result, StrategyError};
 pub use expand::{ExpandMethod, PRODUCT_LIMIT};
 pub use explain::{
-    build_op, explain, parse_dims, parse_shape, parse_shapes, CollectiveReport, ExplainReport,
-    ExplainRequest,
+    build_op, explain, parse_dims, parse_shape, parse_shapes, resolve, CollectiveReport,
+    ExplainReport, ExplainRequest, ResolvedRequest,
 };
 pub use layout::{
     local_indices, local_shape, local_shape_and_offset, pad_amount, padded_chunk_size, padded_size,

@@ -1,6 +1,7 @@
 //! DTensor ops by family. Each method propagates placements with the compiler, redistributes
 //! its inputs, runs the local candle op on the local pieces, and wraps the result.
 
+pub mod generic;
 mod index;
 mod matrix;
 pub mod nn;
