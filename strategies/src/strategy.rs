@@ -55,6 +55,10 @@ pub struct StrategyRow {
     pub requires_even: SmallVec<[(TensorRef, usize); 2]>,
     /// `(tensor, dim)` pairs whose every shard must be non-empty.
     pub requires_nonempty: SmallVec<[(TensorRef, usize); 2]>,
+    /// `(tensor, dim)` pairs that no OTHER mesh dim (of size > 1) may shard in the chosen N-d
+    /// combination (e.g. the one-sided `rma_get` plan fetches rows from the owners along its own
+    /// mesh dim only).
+    pub requires_sole: SmallVec<[(TensorRef, usize); 1]>,
     /// Whether `Shard(d)` may be replaced by `StridedShard { dim: d, sf }` throughout the row
     /// (true when the op does not care about the order of indices along sharded dims).
     pub strided_ok: bool,
@@ -69,6 +73,7 @@ impl StrategyRow {
             internal: SmallVec::new(),
             requires_even: SmallVec::new(),
             requires_nonempty: SmallVec::new(),
+            requires_sole: SmallVec::new(),
             strided_ok: true,
         }
     }
@@ -88,6 +93,12 @@ impl StrategyRow {
     /// Adds a non-empty-shards requirement.
     pub fn nonempty(mut self, tensor: TensorRef, dim: usize) -> Self {
         self.requires_nonempty.push((tensor, dim));
+        self
+    }
+
+    /// Requires that no other mesh dim shards `dim` of `tensor`.
+    pub fn sole(mut self, tensor: TensorRef, dim: usize) -> Self {
+        self.requires_sole.push((tensor, dim));
         self
     }
 

@@ -232,6 +232,16 @@ pub(crate) fn direct_move(
         if merged && ctx.shape[d] % ctx.shard_product(cur, d, dims).max(1) != 0 {
             return None;
         }
+        // That divisibility makes every nesting level even only for plain shards: a
+        // StridedShard of `d` elsewhere cuts uneven pieces (e.g. 8 as SS(sf=3) over 2 is 5 and
+        // 3 rows), which a flattened chunk would lay out differently.
+        if merged
+            && cur.iter().enumerate().any(|(m, p)| {
+                ctx.size(m) > 1 && matches!(p, Placement::StridedShard { dim, .. } if *dim == d)
+            })
+        {
+            return None;
+        }
     }
     // Reduction order.
     if let Some(op) = from.reduce_op() {
@@ -524,6 +534,22 @@ mod tests {
         assert!(direct_move(&uneven, &[ss, Shard(0)], &[0], Replicate).is_none());
         let m = direct_move(&uneven, &[ss, Replicate], &[0], Replicate).unwrap();
         assert!(m.permute);
+    }
+
+    #[test]
+    fn no_merge_under_a_strided_shard() {
+        let mesh = MeshTopology::parse("a=2,b=2,c=2")
+            .unwrap()
+            .with_flattened(&[1, 2])
+            .unwrap();
+        let c = ctx(&[16, 8], &mesh);
+        let ss = StridedShard {
+            dim: 1,
+            split_factor: 3,
+        };
+        assert!(direct_move(&c, &[ss, Shard(1), Shard(1)], &[1, 2], Replicate).is_none());
+        assert!(direct_move(&c, &[Shard(1), Shard(1), Shard(1)], &[1, 2], Replicate).is_some());
+        assert!(direct_move(&c, &[ss, Shard(1), Shard(1)], &[2], Replicate).is_some());
     }
 
     #[test]

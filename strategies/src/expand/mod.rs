@@ -5,8 +5,8 @@
 //! inputs of the cheapest redistribution plan from the current placements to the chosen ones
 //! ([`crate::plan`], bytes tracked per input along the plan), plus the op's internal comms, plus
 //! the all_reduce that will materialize any `MaskPartial` output (so the three index-op plans
-//! compete fairly). Rows with `requires_even` / `requires_nonempty` are checked against the full
-//! combination.
+//! compete fairly). Rows with `requires_even` / `requires_sole` / `requires_nonempty` are checked
+//! against the full combination.
 //!
 //! Stages, all exact for that cost (the minimum over every combination of rows):
 //! 1. fast path: if the current placements already match a row on every mesh dim and that costs
@@ -315,7 +315,7 @@ impl<'a> Problem<'a> {
         }
     }
 
-    /// Checks `requires_even` / `requires_nonempty` of the chosen rows.
+    /// Checks `requires_even` / `requires_sole` / `requires_nonempty` of the chosen rows.
     fn requirements_ok(&self, rows: &[usize]) -> bool {
         for m in 0..self.mesh.ndim() {
             let row = &self.rows[self.row_of(rows, m)];
@@ -338,6 +338,16 @@ impl<'a> Problem<'a> {
                     return false;
                 }
             }
+            for &(t, d) in &row.requires_sole {
+                let pl = self.placements_of(t, rows);
+                let other = pl
+                    .iter()
+                    .enumerate()
+                    .any(|(mm, p)| mm != m && self.mesh.dim_size(mm) > 1 && p.shards(d));
+                if other {
+                    return false;
+                }
+            }
             for &(t, d) in &row.requires_nonempty {
                 let pl = self.placements_of(t, rows);
                 let n = self.tensor_ctx(t).shape.get(d).copied().unwrap_or(0);
@@ -347,13 +357,11 @@ impl<'a> Problem<'a> {
                     if size > 1 && p.shards(d) {
                         let mut next: SmallVec<[usize; 4]> = SmallVec::new();
                         for &l in &sizes {
-                            for c in [0, size - 1] {
-                                let s = shard_size_and_offset(l, size, c).0;
+                            for s in piece_sizes(l, size, p) {
                                 if !next.contains(&s) {
                                     next.push(s);
                                 }
                             }
-                            // The middle chunks are full-sized (= chunk 0).
                         }
                         sizes = next;
                     }
@@ -605,6 +613,87 @@ impl<'a> Problem<'a> {
             inputs: self.srcs.iter().map(|s| format_placements(s)).collect::<Vec<_>>().join(";"),
             reason: "every candidate row needs an unsupported transition or violates an even-sharding requirement"
                 .into(),
+        }
+    }
+}
+
+/// The distinct sizes of the pieces a dim of length `l` is cut into by `p` on a mesh dim of
+/// size `n`. Plain shards: chunk 0 and chunk n-1 (the middle chunks are full-sized, like chunk
+/// 0). A `StridedShard` piece is a sum of sub-chunks, one per split, so its size can differ
+/// anywhere: every coordinate is looked at (up to 256; beyond that the sizes are non-increasing
+/// in the coordinate, so the two ends bound them).
+fn piece_sizes(l: usize, n: usize, p: &Placement) -> SmallVec<[usize; 4]> {
+    let mut out: SmallVec<[usize; 4]> = SmallVec::new();
+    let mut add = |s: usize| {
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    };
+    match *p {
+        Placement::StridedShard { split_factor, .. } => {
+            let sf = split_factor.max(1);
+            let at = |c: usize| -> usize {
+                (0..sf)
+                    .map(|j| shard_size_and_offset(shard_size_and_offset(l, sf, j).0, n, c).0)
+                    .sum()
+            };
+            if n <= 256 {
+                (0..n).for_each(|c| add(at(c)));
+            } else {
+                add(at(0));
+                add(at(n - 1));
+            }
+        }
+        _ => {
+            add(shard_size_and_offset(l, n, 0).0);
+            add(shard_size_and_offset(l, n, n - 1).0);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{global_propagator, parse_placements, DTensorSpec, DType, MeshTopology, Op};
+    use crate::{CollectiveKind, Placement, ReduceOp};
+
+    fn spec(shape: &[usize], dtype: DType, p: &str) -> DTensorSpec {
+        DTensorSpec::new(shape, dtype, &parse_placements(p).unwrap())
+    }
+
+    #[test]
+    fn strided_pieces_must_be_nonempty_for_partial_max() {
+        // [2] as SS(0,3) over 2 ranks: sizes 2 and 0 (plain chunks would be 1 and 1).
+        let mesh = MeshTopology::parse("a=2,b=2").unwrap();
+        let x = spec(&[2], DType::F32, "R,SS(0,3)");
+        let op = Op::Max {
+            dims: smallvec::smallvec![0],
+            keepdim: false,
+        };
+        let s = global_propagator().propagate(&op, &[&x], &mesh).unwrap();
+        assert_ne!(
+            s.output_specs[0].placements[1],
+            Placement::Partial(ReduceOp::Max),
+            "{:?}",
+            s.input_specs[0]
+        );
+    }
+
+    #[test]
+    fn rma_get_only_when_one_mesh_dim_cuts_the_source() {
+        let mesh = MeshTopology::parse("a=2,b=2").unwrap();
+        let src = spec(&[4096, 64], DType::F32, "S(0),S(0)");
+        let ids = spec(&[3], DType::U32, "R,R");
+        let s = global_propagator()
+            .propagate(&Op::IndexSelect { dim: 0 }, &[&src, &ids], &mesh)
+            .unwrap();
+        for (m, c) in &s.internal {
+            if c.kind == CollectiveKind::RmaGet {
+                let cutting: Vec<usize> = (0..2)
+                    .filter(|&mm| s.input_specs[0].placements[mm].shards(0))
+                    .collect();
+                assert_eq!(cutting, vec![*m], "{:?}", s.input_specs[0]);
+            }
         }
     }
 }

@@ -73,19 +73,25 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], outs: &[TensorMeta]) -> Vec<
             rows.push(StrategyRow::new(&[s(dim)], &[R, s(0)]));
         }
         _ => {
+            // Off the gather dim, `out[.., j, ..]` reads `src[.., j, ..]`: the source must be
+            // sharded like the index there (a replicated source would be read at local
+            // positions), which needs equal sizes.
             for d in (0..src.ndim()).filter(|&d| d != dim && src.shape[d] == idx.shape[d]) {
                 rows.push(StrategyRow::new(&[s(d)], &[s(d), s(d)]));
             }
-            for d in 0..idx.ndim() {
-                rows.push(StrategyRow::new(&[s(d)], &[R, s(d)]));
-            }
+            // On the gather dim the index rows are independent lookups into the whole source.
+            rows.push(StrategyRow::new(&[s(dim)], &[R, s(dim)]));
         }
     }
     let size = src.shape[dim];
     rows.push(StrategyRow::new(&[Placement::MaskPartial { dim, size }], &[s(dim), R]).no_strided());
+    // The runtime fetches from the owners along this row's mesh dim only: no other mesh dim
+    // may cut the indexed dim (nested `rma_get`, or `rma_get` next to a masked select, have no
+    // executor).
     rows.push(
         StrategyRow::new(&[R], &[s(dim), R])
             .with_internal(CollectiveKind::RmaGet, out.bytes(), TensorRef::Output(0))
+            .sole(TensorRef::Input(0), dim)
             .no_strided(),
     );
     rows
@@ -111,6 +117,28 @@ mod tests {
                 "S(0) <- R, S(0)",
                 "MP(0,100) <- S(0), R",
                 "R <- S(0), R [+rma_get 320 B]"
+            ]
+        );
+    }
+
+    #[test]
+    fn gather_rows() {
+        // A sharded index off the gather dim needs the source sharded alike: `R, S(1)` would
+        // read source column j_local instead of j.
+        let src = TensorMeta::new(&[6, 4], DType::F32);
+        let idx = TensorMeta::new(&[3, 4], DType::U32);
+        let t: Vec<String> = single_dim_strategies(&Op::Gather { dim: 0 }, &[&src, &idx])
+            .unwrap()
+            .iter()
+            .map(|r| r.to_string())
+            .collect();
+        assert_eq!(
+            t,
+            [
+                "S(1) <- S(1), S(1)",
+                "S(0) <- R, S(0)",
+                "MP(0,6) <- S(0), R",
+                "R <- S(0), R [+rma_get 48 B]"
             ]
         );
     }

@@ -96,8 +96,9 @@ fn norms_attention_loss_index() {
     assert_eq!(
         t,
         [
+            // Not "S(0) <- R, S(0)": off the gather dim the source must be sharded like the
+            // index (a replicated source would be read at local positions).
             "S(0) <- S(0), S(0)",
-            "S(0) <- R, S(0)",
             "S(1) <- R, S(1)",
             "MP(1,6) <- S(1), R",
             "R <- S(1), R [+rma_get 32 B]"
