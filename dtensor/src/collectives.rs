@@ -13,6 +13,8 @@
 //! | all_reduce `P->R` | identity (`sum`), `/n` (`avg`), masked to the owners of the extreme, ties split (`max`/`min`) |
 //! | all_to_all `S(i)->S(j)` | all_to_all `S(j)->S(i)` |
 //! | chunk `R->S` (local) | all_gather |
+//! | strided all_gather `SS(d,sf)->R` | select this rank's strided rows (or strided reduce_scatter when fused) |
+//! | strided select `R->SS(d,sf)` (local) | strided all_gather |
 //! | partition `R->P` (local) | identity (`sum`, forward divides by n), `x n` (`avg`, `max`, `min`) |
 //! | grad sync (identity) | all_reduce(sum) |
 
@@ -20,16 +22,24 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use candle_dtensor_comm::{Comm, ReduceOp};
-use candle_dtensor_strategies::layout::shard_size_and_offset;
+use candle_dtensor_strategies::layout::{shard_size_and_offset, strided_indices};
 
 use crate::debug::record;
 use crate::node::{node, Backward};
-use crate::storage::{copy_rows, with_bytes, with_bytes_mut, Cut};
+use crate::storage::{copy_rows, narrow, with_bytes, with_bytes_mut, Cut};
 
 type CResult<T> = candle_core::Result<T>;
 
 fn msg(s: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(s.into())
+}
+
+/// Waits for `w`, adding the blocked time to the thread's comm-wait counter.
+fn timed<T: Send + 'static>(w: candle_dtensor_comm::Work<T>) -> CResult<T> {
+    let t0 = std::time::Instant::now();
+    let r = w.wait();
+    crate::debug::add_comm_wait(t0.elapsed());
+    Ok(r?)
 }
 
 /// The communicator of one mesh dim (or of several merged dims) as seen by this rank.
@@ -86,6 +96,12 @@ fn check_piece(op: &str, x: &Tensor, dim: usize, expect: usize) -> CResult<Cut> 
     Ok(cut)
 }
 
+/// `dest` unless it is empty: an empty tensor needs no filling, and the communicators refuse to
+/// write into one (its contiguous strides contain zeros).
+fn writable(dest: Option<&Tensor>) -> Option<&Tensor> {
+    dest.filter(|d| d.elem_count() > 0)
+}
+
 /// `S(dim) -> R` data path: every rank's piece of a dim of logical length `l`, concatenated.
 pub(crate) fn gather_raw(
     x: &Tensor,
@@ -94,6 +110,7 @@ pub(crate) fn gather_raw(
     l: usize,
     dest: Option<&Tensor>,
 ) -> CResult<Tensor> {
+    let dest = writable(dest);
     let n = ax.n;
     let (me, _) = shard_size_and_offset(l, n, ax.coord);
     let cut = check_piece("all_gather", x, dim, me)?;
@@ -121,15 +138,13 @@ pub(crate) fn gather_raw(
     if cut.pre == 1 && l % n == 0 {
         return match dest {
             Some(d) => {
-                ax.comm
-                    .all_gather_single_into(&d.flatten_all()?, &send)?
-                    .wait()?;
+                timed(ax.comm.all_gather_single_into(&d.flatten_all()?, &send)?)?;
                 Ok(d.clone())
             }
-            None => ax.comm.all_gather_single(&send)?.wait()?.reshape(out_dims),
+            None => timed(ax.comm.all_gather_single(&send)?)?.reshape(out_dims),
         };
     }
-    let g = ax.comm.all_gather_single(&send)?.wait()?;
+    let g = timed(ax.comm.all_gather_single(&send)?)?;
     let out = match dest {
         Some(d) => d.clone(),
         None => zeros_like_dims(&out_dims, x.dtype(), &x)?,
@@ -166,6 +181,7 @@ pub(crate) fn reduce_scatter_raw(
     op: ReduceOp,
     dest: Option<&Tensor>,
 ) -> CResult<Tensor> {
+    let dest = writable(dest);
     let n = ax.n;
     let cut = check_piece("reduce_scatter", x, dim, l)?;
     let es = elem_bytes(x);
@@ -207,19 +223,16 @@ pub(crate) fn reduce_scatter_raw(
     if me == full {
         return match dest {
             Some(d) => {
-                ax.comm
-                    .reduce_scatter_single_into(&d.flatten_all()?, &send, op)?
-                    .wait()?;
+                timed(
+                    ax.comm
+                        .reduce_scatter_single_into(&d.flatten_all()?, &send, op)?,
+                )?;
                 Ok(d.clone())
             }
-            None => ax
-                .comm
-                .reduce_scatter_single(&send, op)?
-                .wait()?
-                .reshape(out_dims),
+            None => timed(ax.comm.reduce_scatter_single(&send, op)?)?.reshape(out_dims),
         };
     }
-    let recv = ax.comm.reduce_scatter_single(&send, op)?.wait()?;
+    let recv = timed(ax.comm.reduce_scatter_single(&send, op)?)?;
     let out = match dest {
         Some(d) => d.clone(),
         None => zeros_like_dims(&out_dims, x.dtype(), &x)?,
@@ -239,6 +252,7 @@ pub(crate) fn all_reduce_raw(
     op: ReduceOp,
     dest: Option<&Tensor>,
 ) -> CResult<Tensor> {
+    let dest = writable(dest);
     record(
         "all_reduce",
         &ax.name,
@@ -246,8 +260,8 @@ pub(crate) fn all_reduce_raw(
     );
     let x = x.contiguous()?;
     match dest {
-        Some(d) => Ok(ax.comm.all_reduce_into(d, &x, op)?.wait()?),
-        None => Ok(ax.comm.all_reduce(&x, op)?.wait()?),
+        Some(d) => Ok(timed(ax.comm.all_reduce_into(d, &x, op)?)?),
+        None => Ok(timed(ax.comm.all_reduce(&x, op)?)?),
     }
 }
 
@@ -279,7 +293,7 @@ pub(crate) fn all_to_all_raw(
     };
     let x = pad(pad(x.clone(), j, n * full_j)?, i, full_i)?;
     let chunks = (0..n)
-        .map(|r| x.narrow(j, r * full_j, full_j))
+        .map(|r| narrow(&x, j, r * full_j, full_j))
         .collect::<CResult<Vec<_>>>()?;
     let send = Tensor::stack(&chunks, 0)?.contiguous()?;
     let piece_dims = send.dims()[1..].to_vec();
@@ -288,16 +302,16 @@ pub(crate) fn all_to_all_raw(
         &ax.name,
         (send.elem_count() * elem_bytes(&send)) as u64,
     );
-    let recv = ax.comm.all_to_all_single(&send.flatten_all()?)?.wait()?;
+    let recv = timed(ax.comm.all_to_all_single(&send.flatten_all()?)?)?;
     let recv = recv.reshape([&[n][..], &piece_dims[..]].concat())?;
     let parts = (0..n)
         .map(|r| {
             let (s, _) = shard_size_and_offset(li, n, r);
-            recv.get(r)?.narrow(i, 0, s)
+            narrow(&recv.get(r)?, i, 0, s)
         })
         .collect::<CResult<Vec<_>>>()?;
     let (me_j, _) = shard_size_and_offset(lj, n, ax.coord);
-    let out = Tensor::cat(&parts, i)?.narrow(j, 0, me_j)?.contiguous()?;
+    let out = narrow(&Tensor::cat(&parts, i)?, j, 0, me_j)?.contiguous()?;
     match dest {
         Some(d) => {
             fill_from(d, &out)?;
@@ -359,7 +373,7 @@ pub(crate) fn all_gather(
         move |_, _, g| match grad {
             GatherGrad::Chunk => {
                 let (s, off) = shard_size_and_offset(l, bx.n, bx.coord);
-                g.narrow(dim, off, s)
+                narrow(g, dim, off, s)
             }
             GatherGrad::ReduceScatter => reduce_scatter_raw(g, &bx, dim, l, ReduceOp::Sum, None),
         },
@@ -475,7 +489,7 @@ pub(crate) fn chunk(x: &Tensor, ax: &Axis, dim: usize) -> CResult<Tensor> {
         &out_dims,
         move |_, _, g| gather_raw(g, &bx, dim, l, None),
         |dest| {
-            let piece = x.narrow(dim, off, s)?.contiguous()?;
+            let piece = narrow(x, dim, off, s)?.contiguous()?;
             match dest {
                 Some(d) => {
                     fill_from(d, &piece)?;
@@ -541,6 +555,189 @@ pub(crate) fn grad_sync(x: &Tensor, axes: Vec<Axis>) -> CResult<Tensor> {
                 return Ok(d.clone());
             }
             Ok(x.clone())
+        },
+    )
+}
+
+/// The row positions (within a logical piece of `l` rows) every member of `ax` holds under
+/// `StridedShard { split_factor: sf }`, and the largest count (the padded block size).
+fn strided_layout(l: usize, sf: usize, n: usize) -> (Vec<Vec<usize>>, usize) {
+    let idx: Vec<Vec<usize>> = (0..n).map(|r| strided_indices(l, sf, n, r)).collect();
+    let full = idx.iter().map(|v| v.len()).max().unwrap_or(0);
+    (idx, full)
+}
+
+fn u32_ids(v: &[usize], like: &Tensor) -> CResult<Tensor> {
+    let v: Vec<u32> = v.iter().map(|&i| i as u32).collect();
+    let n = v.len();
+    Tensor::from_vec(v, n, like.device())
+}
+
+/// Rows `ids` of `x` along `dim` (an empty list gives an empty piece).
+fn select_rows(x: &Tensor, ids: &[usize], dim: usize) -> CResult<Tensor> {
+    if ids.is_empty() || x.elem_count() == 0 {
+        let mut d = x.dims().to_vec();
+        d[dim] = ids.len();
+        return Tensor::zeros(d, x.dtype(), x.device());
+    }
+    x.contiguous()?.index_select(&u32_ids(ids, x)?, dim)
+}
+
+/// `x` padded with zero rows at the end of `dim` up to `to` rows.
+fn pad_rows(x: &Tensor, dim: usize, to: usize) -> CResult<Tensor> {
+    let have = x.dim(dim)?;
+    if have >= to {
+        return Ok(x.clone());
+    }
+    let mut zd = x.dims().to_vec();
+    zd[dim] = to - have;
+    let z = Tensor::zeros(zd, x.dtype(), x.device())?;
+    if have == 0 {
+        return Ok(z);
+    }
+    Tensor::cat(&[x, &z], dim)
+}
+
+/// `R -> SS(dim, sf)` data path: this rank's strided rows of the (logical) piece `x`.
+pub(crate) fn strided_select_raw(x: &Tensor, ax: &Axis, dim: usize, sf: usize) -> CResult<Tensor> {
+    check_dim("strided select", x, dim)?;
+    let l = x.dim(dim)?;
+    select_rows(x, &strided_indices(l, sf, ax.n, ax.coord), dim)?.contiguous()
+}
+
+/// `SS(dim, sf) -> R` data path: all_gather the pieces (each padded to the largest), then put
+/// every row back at its position in the logical piece of `l` rows.
+pub(crate) fn strided_gather_raw(
+    x: &Tensor,
+    ax: &Axis,
+    dim: usize,
+    l: usize,
+    sf: usize,
+) -> CResult<Tensor> {
+    check_dim("strided all_gather", x, dim)?;
+    let n = ax.n;
+    let (idx, full) = strided_layout(l, sf, n);
+    let me = &idx[ax.coord];
+    let cut = check_piece("strided all_gather", x, dim, me.len())?;
+    record(
+        "all_gather",
+        &ax.name,
+        (n * full * cut.pre * cut.post * elem_bytes(x)) as u64,
+    );
+    let send = pad_rows(&x.contiguous()?, dim, full)?.contiguous()?;
+    let g = ax.comm.all_gather_single(&send.flatten_all()?)?.wait()?;
+    let mut out_dims = x.dims().to_vec();
+    out_dims[dim] = l;
+    // [n, pre, full, post] -> [pre, n * full, post], then pick row `r * full + k` for the
+    // position `idx[r][k]`.
+    let g = g
+        .reshape((n, cut.pre, full, cut.post))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((cut.pre, n * full, cut.post))?;
+    let mut src = vec![0usize; l];
+    for (r, rows) in idx.iter().enumerate() {
+        for (k, &pos) in rows.iter().enumerate() {
+            src[pos] = r * full + k;
+        }
+    }
+    select_rows(&g, &src, 1)?.reshape(out_dims)
+}
+
+/// The adjoint of [`strided_gather_raw`] for a partial-sum gradient `g` (`l` rows on `dim`):
+/// reduce over the group and keep this rank's strided rows.
+pub(crate) fn strided_reduce_scatter_raw(
+    g: &Tensor,
+    ax: &Axis,
+    dim: usize,
+    l: usize,
+    sf: usize,
+) -> CResult<Tensor> {
+    check_dim("strided reduce_scatter", g, dim)?;
+    let n = ax.n;
+    let (idx, full) = strided_layout(l, sf, n);
+    let cut = check_piece("strided reduce_scatter", g, dim, l)?;
+    record(
+        "reduce_scatter",
+        &ax.name,
+        (n * full * cut.pre * cut.post * elem_bytes(g)) as u64,
+    );
+    let blocks = idx
+        .iter()
+        .map(|rows| pad_rows(&select_rows(g, rows, dim)?, dim, full)?.flatten_all())
+        .collect::<CResult<Vec<_>>>()?;
+    let send = Tensor::cat(&blocks, 0)?;
+    let recv = ax
+        .comm
+        .reduce_scatter_single(&send, ReduceOp::Sum)?
+        .wait()?;
+    let mut block = g.dims().to_vec();
+    block[dim] = full;
+    narrow(&recv.reshape(block)?, dim, 0, idx[ax.coord].len())?.contiguous()
+}
+
+fn check_dim(op: &str, x: &Tensor, dim: usize) -> CResult<()> {
+    if dim >= x.rank() {
+        return Err(msg(format!(
+            "{op}: dim {dim} out of range for {:?}",
+            x.dims()
+        )));
+    }
+    Ok(())
+}
+
+/// Differentiable `SS(dim, sf) -> R` over a logical piece of `l` rows. Backward: this rank's
+/// strided rows of the gradient ([`GatherGrad::Chunk`]), or the strided reduce_scatter when the
+/// gradient is a per-rank partial sum ([`GatherGrad::ReduceScatter`]).
+pub(crate) fn strided_all_gather(
+    x: &Tensor,
+    ax: &Axis,
+    dim: usize,
+    l: usize,
+    sf: usize,
+    grad: GatherGrad,
+) -> CResult<Tensor> {
+    check_dim("strided all_gather", x, dim)?;
+    let mut out_dims = x.dims().to_vec();
+    out_dims[dim] = l;
+    let bx = ax.clone();
+    emit(
+        x,
+        "all_gather",
+        &out_dims,
+        move |_, _, g| match grad {
+            GatherGrad::Chunk => strided_select_raw(g, &bx, dim, sf),
+            GatherGrad::ReduceScatter => strided_reduce_scatter_raw(g, &bx, dim, l, sf),
+        },
+        |dest| {
+            let v = strided_gather_raw(x, ax, dim, l, sf)?;
+            if let Some(d) = writable(dest) {
+                fill_from(d, &v)?;
+            }
+            Ok(v)
+        },
+    )
+}
+
+/// Differentiable `R -> SS(dim, sf)` (local): keeps this rank's strided rows; the backward
+/// all_gathers them back into place.
+pub(crate) fn strided_chunk(x: &Tensor, ax: &Axis, dim: usize, sf: usize) -> CResult<Tensor> {
+    check_dim("strided select", x, dim)?;
+    let l = x.dim(dim)?;
+    let mut out_dims = x.dims().to_vec();
+    out_dims[dim] = strided_indices(l, sf, ax.n, ax.coord).len();
+    let bx = ax.clone();
+    emit(
+        x,
+        "chunk",
+        &out_dims,
+        move |_, _, g| strided_gather_raw(g, &bx, dim, l, sf),
+        |dest| {
+            let v = strided_select_raw(x, ax, dim, sf)?;
+            if let Some(d) = writable(dest) {
+                fill_from(d, &v)?;
+            }
+            Ok(v)
         },
     )
 }

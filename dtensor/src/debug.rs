@@ -57,6 +57,18 @@ struct State {
 
 thread_local! {
     static STATE: RefCell<State> = RefCell::new(State::default());
+    static COMM_WAIT: std::cell::Cell<std::time::Duration> = const { std::cell::Cell::new(std::time::Duration::ZERO) };
+}
+
+/// Adds time this thread spent blocked waiting for a collective.
+pub fn add_comm_wait(d: std::time::Duration) {
+    COMM_WAIT.with(|w| w.set(w.get() + d));
+}
+
+/// Returns and resets the time this thread spent blocked on collectives (the runtime's own
+/// collectives and whatever other layers report with [`add_comm_wait`]).
+pub fn take_comm_wait() -> std::time::Duration {
+    COMM_WAIT.with(|w| w.replace(std::time::Duration::ZERO))
 }
 
 /// Records collectives while alive (on the current thread); see the module docs.
@@ -190,8 +202,8 @@ pub(crate) fn current_label() -> Option<Arc<str>> {
 }
 
 /// Marks the current thread as running a backward pass (with the forward op's label) until
-/// the guard drops.
-pub(crate) struct BackwardGuard(());
+/// the guard drops; see [`enter_backward`].
+pub struct BackwardGuard(());
 
 impl Drop for BackwardGuard {
     fn drop(&mut self) {
@@ -203,6 +215,13 @@ impl Drop for BackwardGuard {
     }
 }
 
+/// Marks the current thread as running a backward pass until the guard drops, so collectives
+/// recorded meanwhile count as backward (for layers whose own graph nodes issue collectives in
+/// their backward, such as FSDP), labelled `label` when given.
+pub fn enter_backward(label: Option<&str>) -> BackwardGuard {
+    enter_backward_labeled(label.map(Arc::from))
+}
+
 pub(crate) fn enter_backward_labeled(label: Option<Arc<str>>) -> BackwardGuard {
     STATE.with(|s| {
         let mut s = s.borrow_mut();
@@ -212,8 +231,9 @@ pub(crate) fn enter_backward_labeled(label: Option<Arc<str>>) -> BackwardGuard {
     BackwardGuard(())
 }
 
-/// Records a collective with every active recorder of this thread.
-pub(crate) fn record(kind: &'static str, mesh_dim: &str, bytes: u64) {
+/// Records a collective with every active recorder of this thread (for layers that issue
+/// collectives themselves, such as FSDP).
+pub fn record(kind: &'static str, mesh_dim: &str, bytes: u64) {
     STATE.with(|s| {
         let s = s.borrow();
         if s.recorders.is_empty() {

@@ -23,6 +23,9 @@ pub(crate) struct Prepared {
     pub locals: SmallVec<[Tensor; 4]>,
     pub sharding: Arc<OpSharding>,
     first: DTensor,
+    /// Mesh dims whose gradient every input's owner reduces itself: an op on such tensors only
+    /// (e.g. a view of an FSDP parameter) passes the property to its output.
+    managed: SmallVec<[usize; 4]>,
 }
 
 fn grad_mask(target: &DTensorSpec, sharding: &OpSharding) -> GradMask {
@@ -40,6 +43,53 @@ fn grad_mask(target: &DTensorSpec, sharding: &OpSharding) -> GradMask {
         }
     }
     mask
+}
+
+/// Fails (instead of letting candle panic on a short storage) when `x`'s storage was released,
+/// as FSDP does with unsharded parameters between uses.
+fn check_alive(op: &Op, x: &DTensor) -> Result<()> {
+    let t = x.to_local();
+    if t.elem_count() == 0 {
+        return Ok(());
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let end = layout.start_offset()
+        + layout
+            .dims()
+            .iter()
+            .zip(layout.stride())
+            .map(|(&d, &s)| (d - 1) * s)
+            .sum::<usize>()
+        + 1;
+    if let candle_core::Storage::Cpu(c) = &*storage {
+        if cpu_len(c) < end {
+            return Err(crate::error::invalid(
+                op.name(),
+                x.mesh_rank(),
+                format!(
+                    "input {} has released storage (an FSDP parameter used outside its unit's forward/backward?)",
+                    x.spec()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn cpu_len(c: &candle_core::CpuStorage) -> usize {
+    use candle_core::CpuStorage as S;
+    match c {
+        S::U8(v) => v.len(),
+        S::U32(v) => v.len(),
+        S::I16(v) => v.len(),
+        S::I32(v) => v.len(),
+        S::I64(v) => v.len(),
+        S::BF16(v) => v.len(),
+        S::F16(v) => v.len(),
+        S::F32(v) => v.len(),
+        S::F64(v) => v.len(),
+        _ => usize::MAX,
+    }
 }
 
 /// Propagates `op` over `inputs` and redistributes them; see the module docs.
@@ -66,11 +116,26 @@ pub(crate) fn prepare_with(
     let specs: SmallVec<[&DTensorSpec; 4]> = inputs.iter().map(|x| x.spec()).collect();
     let sharding = global_propagator()
         .propagate_pinned(op, &specs, first.ctx().topology(), layouts)
-        .ctx(op.name(), rank)?;
+        .map_err(|source| crate::error::DTensorError::Strategy {
+            op: op.name().to_string(),
+            rank,
+            inputs: format!(
+                ", inputs {}",
+                specs
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+            source: Box::new(source),
+        })?;
     let mut locals = SmallVec::with_capacity(inputs.len());
     for (i, x) in inputs.iter().enumerate() {
+        check_alive(op, x)?;
         let mask = if x.to_local().track_op() {
-            grad_mask(&sharding.input_specs[i], &sharding)
+            let mut m = grad_mask(&sharding.input_specs[i], &sharding);
+            m.retain(|d| !x.managed_grad_dims().contains(d));
+            m
         } else {
             GradMask::new()
         };
@@ -81,10 +146,15 @@ pub(crate) fn prepare_with(
         };
         locals.push(local);
     }
+    let mut managed: SmallVec<[usize; 4]> = first.managed_grad_dims().iter().copied().collect();
+    for x in &inputs[1..] {
+        managed.retain(|d| x.managed_grad_dims().contains(d));
+    }
     Ok(Prepared {
         locals,
         sharding,
         first: first.clone(),
+        managed,
     })
 }
 
@@ -116,6 +186,7 @@ impl Prepared {
         let ctx = self.first.ctx();
         let mut res = Vec::with_capacity(outs.len());
         for (local, spec) in outs.into_iter().zip(&self.sharding.output_specs) {
+            let local = crate::node::keep_inputs(local, &self.locals).ctx(op.name(), rank)?;
             if cfg!(debug_assertions) {
                 let expect = candle_dtensor_strategies::layout::local_shape(
                     &spec.meta.shape,
@@ -136,12 +207,13 @@ impl Prepared {
                     ));
                 }
             }
-            res.push(DTensor::from_parts(
-                local,
-                spec.clone(),
-                self.first.mesh().clone(),
-                ctx.clone(),
-            ));
+            let out =
+                DTensor::from_parts(local, spec.clone(), self.first.mesh().clone(), ctx.clone());
+            res.push(if self.managed.is_empty() {
+                out
+            } else {
+                out.with_managed_grad_dims(&self.managed)
+            });
         }
         Ok(res)
     }

@@ -11,12 +11,14 @@ use candle_dtensor_strategies::StrategyError;
 pub enum DTensorError {
     /// The sharding compiler rejected the op (no valid strategy, bad placements, shapes the op
     /// cannot take).
-    #[error("{op} (rank {rank}): {source}")]
+    #[error("{op} (rank {rank}{inputs}): {source}")]
     Strategy {
         /// The DTensor op.
         op: String,
         /// The rank (in the mesh's root communicator).
         rank: usize,
+        /// The op's input specs (`, inputs [8, 16] f32 S(0); [12, 4] f32 R`), or empty.
+        inputs: String,
         /// The compiler's error (names the op, the placements and the reason).
         #[source]
         source: Box<StrategyError>,
@@ -53,9 +55,9 @@ pub enum DTensorError {
         op: String,
         /// The rank.
         rank: usize,
-        /// One mesh.
+        /// One input's mesh and placements.
         a: String,
-        /// The other mesh.
+        /// The other input's mesh and placements.
         b: String,
     },
     /// An argument is invalid (shapes that disagree across ranks, local pieces that do not form
@@ -116,6 +118,7 @@ impl<T> Context<T> for std::result::Result<T, StrategyError> {
         self.map_err(|source| DTensorError::Strategy {
             op: op.to_string(),
             rank,
+            inputs: String::new(),
             source: Box::new(source),
         })
     }

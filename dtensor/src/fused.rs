@@ -32,6 +32,10 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> CResult<R> {
         return Err(msg("fused kernel takes f32"));
     }
     with_bytes(t, |b| {
+        if b.is_empty() {
+            // An empty tensor's byte slice need not be f32-aligned.
+            return f(&[]);
+        }
         // SAFETY: the bytes come from an f32 storage at an element-aligned offset.
         let s = unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<f32>(), b.len() / 4) };
         f(s)

@@ -45,6 +45,7 @@ mod mesh_ctx;
 mod node;
 pub mod ops;
 mod redistribute;
+pub mod region;
 mod storage;
 mod tensor;
 

@@ -86,3 +86,67 @@ pub(crate) fn node(
         label: crate::debug::current_label(),
     })
 }
+
+/// Ties `x` into the graph of the EMPTY tensor `out`: forward a copy of `out`, backward the
+/// gradient to `out` and zeros to `x`.
+struct Keep;
+
+impl candle_core::CustomOp2 for Keep {
+    fn name(&self) -> &'static str {
+        "dtensor-keep"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        _s2: &CpuStorage,
+        _l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        if l1.shape().elem_count() != 0 {
+            return Err(candle_core::Error::Msg(
+                "dtensor-keep takes an empty tensor".into(),
+            ));
+        }
+        Ok((zeros(s1.dtype(), 0)?, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _out: &Tensor,
+        x: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(grad.clone()), Some(x.zeros_like()?)))
+    }
+}
+
+/// Makes an empty local result depend on every input that tracks gradients, in order.
+///
+/// candle short-circuits ops whose result has no elements (a binary op returns its left operand,
+/// dropping the right one from the graph). Backward collectives are graph nodes, so a rank whose
+/// piece happens to be empty would otherwise skip the adjoint collectives of the dropped inputs
+/// while the other ranks run them: a desync. Tying the inputs back in keeps every rank's graph
+/// (and the order of its backward collectives) the same.
+pub(crate) fn keep_inputs(out: Tensor, inputs: &[Tensor]) -> candle_core::Result<Tensor> {
+    if out.elem_count() != 0 || !out.dtype().is_float() {
+        return Ok(out);
+    }
+    let mut out = out;
+    for x in inputs {
+        if x.track_op() && x.dtype().is_float() {
+            out = out.apply_op2(x, Keep)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Zeros of `dims` that depend on `x` in the graph (gradient zero). `x * 0.0` would not do:
+/// candle's backward does not walk through an `affine` with multiplier 0, which would drop `x`
+/// (and its adjoint collectives) from this rank's backward only.
+pub(crate) fn graph_zeros(x: &Tensor, dims: &[usize]) -> candle_core::Result<Tensor> {
+    let zero = Tensor::zeros((), x.dtype(), x.device())?;
+    x.sum_all()?.mul(&zero)?.broadcast_as(dims)
+}

@@ -46,11 +46,18 @@ pub(crate) fn execute(
         let logical = step
             .logical_shape_at(global, &ctx.shape, &ctx.coord)
             .map_err(candle_core::Error::wrap)?;
-        let permute_unsupported = || {
-            msg(format!(
-                "redistribute {plan}: step {step} reorders a StridedShard layout, which the executor does not run yet; \
-                 redistribute through Replicate"
-            ))
+        // Fuse an all_gather with the gradient sync when it is the last step touching its dims.
+        let gather_grad = |pending: &mut GradMask| {
+            let last = !plan.steps[i + 1..]
+                .iter()
+                .any(|s| s.mesh_dims.iter().any(|m| step.mesh_dims.contains(m)));
+            let fuse = last && step.mesh_dims.iter().all(|m| pending.contains(m));
+            if fuse {
+                pending.retain(|m| !step.mesh_dims.contains(m));
+                GatherGrad::ReduceScatter
+            } else {
+                GatherGrad::Chunk
+            }
         };
         t = match (step.kind, step.from, step.to) {
             (CollectiveKind::LocalChunk, Placement::Replicate, Placement::Shard(d)) => {
@@ -60,20 +67,41 @@ pub(crate) fn execute(
                 collectives::partition(&t, axis.n, comm_reduce(op))?
             }
             (CollectiveKind::AllGather, Placement::Shard(d), Placement::Replicate) => {
-                // Fuse with the gradient sync when this is the last step touching these dims.
-                let last = !plan.steps[i + 1..]
-                    .iter()
-                    .any(|s| s.mesh_dims.iter().any(|m| step.mesh_dims.contains(m)));
-                let fuse = last && step.mesh_dims.iter().all(|m| pending.contains(m));
-                if fuse {
-                    pending.retain(|m| !step.mesh_dims.contains(m));
-                }
-                let grad = if fuse {
-                    GatherGrad::ReduceScatter
-                } else {
-                    GatherGrad::Chunk
-                };
+                let grad = gather_grad(&mut pending);
                 collectives::all_gather(&t, &axis, d, logical[d], grad)?
+            }
+            // StridedShard: a lone one reorders by strided indices (`permute`); under later
+            // plain shards whose sizes multiply to the split factor (the FSDP-after-TP fast
+            // path, even sizes only) each piece is a plain chunk of the logical piece.
+            (
+                CollectiveKind::AllGather,
+                Placement::StridedShard { dim, split_factor },
+                Placement::Replicate,
+            ) => {
+                let grad = gather_grad(&mut pending);
+                if step.permute {
+                    collectives::strided_all_gather(
+                        &t,
+                        &axis,
+                        dim,
+                        logical[dim],
+                        split_factor,
+                        grad,
+                    )?
+                } else {
+                    collectives::all_gather(&t, &axis, dim, logical[dim], grad)?
+                }
+            }
+            (
+                CollectiveKind::LocalChunk,
+                Placement::Replicate,
+                Placement::StridedShard { dim, split_factor },
+            ) => {
+                if step.permute {
+                    collectives::strided_chunk(&t, &axis, dim, split_factor)?
+                } else {
+                    collectives::chunk(&t, &axis, dim)?
+                }
             }
             (CollectiveKind::AllReduce, Placement::Partial(op), Placement::Replicate) => {
                 collectives::all_reduce(&t, &axis, comm_reduce(op))?
@@ -97,9 +125,6 @@ pub(crate) fn execute(
             }
             (CollectiveKind::AllToAll, Placement::Shard(i), Placement::Shard(j)) => {
                 collectives::all_to_all(&t, &axis, i, j, logical[i], logical[j])?
-            }
-            (_, Placement::StridedShard { .. }, _) | (_, _, Placement::StridedShard { .. }) => {
-                return Err(permute_unsupported())
             }
             (kind, from, to) => {
                 return Err(msg(format!(

@@ -45,7 +45,13 @@ fn msg(s: impl Into<String>) -> candle_core::Error {
 }
 
 /// Runs `f` on the bytes of the contiguous CPU tensor `t` (under its read lock).
+///
+/// An empty tensor gets an empty slice without touching its storage: candle lets an empty view
+/// carry a start offset past the end of its (possibly empty) storage.
 pub(crate) fn with_bytes<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> candle_core::Result<R> {
+    if t.elem_count() == 0 {
+        return Ok(f(&[]));
+    }
     let es = t.dtype().size_in_bytes();
     let (guard, layout) = t.storage_and_layout();
     let (s, e) = layout
@@ -92,13 +98,17 @@ impl<R: Send> candle_core::InplaceOp1 for WriteBytes<'_, R> {
 }
 
 /// Runs `f` on the bytes of the contiguous CPU tensor `t` (under its write lock). This mutates
-/// `t` in place: only for tensors this crate just created.
+/// `t` in place: only for tensors this crate just created. An empty tensor gets an empty slice
+/// (candle refuses in-place ops on it: its contiguous strides contain zeros).
 pub(crate) fn with_bytes_mut<'a, R: Send>(
     t: &Tensor,
     f: impl FnOnce(&mut [u8]) -> R + Send + 'a,
 ) -> candle_core::Result<R> {
     if !t.device().is_cpu() {
         return Err(msg("expected a CPU tensor"));
+    }
+    if t.elem_count() == 0 {
+        return Ok(f(&mut []));
     }
     let op = WriteBytes {
         f: std::sync::Mutex::new(Some(Box::new(f))),
@@ -107,6 +117,29 @@ pub(crate) fn with_bytes_mut<'a, R: Send>(
     t.inplace_op1(&op)?;
     let r = op.out.lock().unwrap_or_else(|e| e.into_inner()).take();
     r.ok_or_else(|| msg("write closure did not run"))
+}
+
+/// `x.narrow(dim, start, len)` that never builds an out-of-bounds view: when the result has no
+/// elements it narrows at offset 0 instead (the values are irrelevant, the graph node and the
+/// shape are the same). candle accepts `narrow` on an empty tensor with any `start <= dim` and
+/// records a start offset past the end of the storage, which its copy kernels later slice and
+/// panic on.
+pub(crate) fn narrow(
+    x: &Tensor,
+    dim: usize,
+    start: usize,
+    len: usize,
+) -> candle_core::Result<Tensor> {
+    let empty = len == 0
+        || x.dims()
+            .iter()
+            .enumerate()
+            .any(|(d, &n)| d != dim && n == 0);
+    if empty {
+        x.narrow(dim, 0, len)
+    } else {
+        x.narrow(dim, start, len)
+    }
 }
 
 /// A `[pre, len, post]` view of a shape cut at `dim` (in elements).

@@ -22,6 +22,8 @@ struct Inner {
     spec: DTensorSpec,
     mesh: DeviceMesh,
     ctx: Arc<MeshCtx>,
+    /// Mesh dims on which the owner of this (leaf) tensor reduces its gradient itself.
+    managed: SmallVec<[usize; 4]>,
 }
 
 /// A distributed tensor: this rank's local piece (a candle [`Tensor`]) plus its placements on a
@@ -114,6 +116,7 @@ impl DTensor {
                 spec,
                 mesh,
                 ctx,
+                managed: SmallVec::new(),
             }),
         }
     }
@@ -178,59 +181,115 @@ impl DTensor {
     /// Like [`DTensor::from_local_with_shape`] (or [`DTensor::from_local`] when `global` is
     /// `None`), and also checks across ranks that every rank's piece fits, so a rank whose piece
     /// is off is named instead of producing a wrong result later. Collective over the mesh.
+    ///
+    /// Without `global`, the global shape is the one (inferred from some rank's piece as
+    /// [`DTensor::from_local`] does) that the most ranks' pieces fit; every rank then reports the
+    /// same offending ranks.
+    ///
+    /// # Errors
+    ///
+    /// A piece (of any rank) that does not fit the global shape under `placements`, or invalid
+    /// placements; every rank returns the error.
     pub fn from_local_checked(
         local: &Tensor,
         mesh: &DeviceMesh,
         placements: &[Placement],
         global: Option<&[usize]>,
     ) -> Result<DTensor> {
+        const MAX_DIMS: usize = 8;
         let ctx = MeshCtx::of(mesh)?;
         let rank = ctx.rank();
+        let op = "from_local";
+        let ndim = global.map_or(local.rank(), |g| g.len());
+        check_placements(op, rank, placements, ndim, mesh)?;
+        if local.rank() > MAX_DIMS {
+            return Err(invalid(
+                op,
+                rank,
+                "pieces of more than 8 dims are not supported",
+            ));
+        }
         let root = mesh.root_comm();
-        // Every rank's (rank-of-tensor, dims...) as u32, padded to 9 entries.
-        let mut mine = vec![u32::MAX; 9];
+        // Every rank's (number of dims, dims...) as u32, padded to 9 entries.
+        let mut mine = vec![u32::MAX; MAX_DIMS + 1];
         mine[0] = local.rank() as u32;
-        for (i, &d) in local.dims().iter().take(8).enumerate() {
+        for (i, &d) in local.dims().iter().enumerate() {
             mine[i + 1] = d as u32;
         }
-        let t = Tensor::new(mine.as_slice(), &Device::Cpu).ctx("from_local", rank)?;
+        let t = Tensor::new(mine.as_slice(), &Device::Cpu).ctx(op, rank)?;
         let all = root
             .all_gather_single(&t)
             .and_then(|w| w.wait())
-            .ctx("from_local", rank)?
+            .ctx(op, rank)?
             .to_vec1::<u32>()
-            .ctx("from_local", rank)?;
-        let this = match global {
-            Some(g) => Self::from_local_with_shape(local, mesh, placements, g),
-            None => Self::from_local(local, mesh, placements),
-        };
-        let reference = this.as_ref().map(|d| d.shape().to_vec()).ok();
+            .ctx(op, rank)?;
         let mesh_shape = mesh.shape();
-        for r in 0..root.size() {
-            let row = &all[r * 9..(r + 1) * 9];
-            let nd = row[0] as usize;
-            let dims: Vec<usize> = row[1..1 + nd.min(8)].iter().map(|&d| d as usize).collect();
-            let coord = candle_dtensor_mesh::layout::unravel(r, &mesh_shape);
-            let ok = match &reference {
-                Some(g) => local_shape(g, &mesh_shape, &coord, placements)
-                    .map(|e| e.as_slice() == dims.as_slice())
-                    .unwrap_or(false),
-                None => false,
-            };
-            if !ok {
-                return Err(invalid(
-                    "from_local",
-                    rank,
-                    format!(
-                        "rank {r} (mesh coordinate {:?}) holds a piece of shape {dims:?}, which does not fit {} of global {:?}",
-                        coord.as_slice(),
-                        format_placements(placements),
-                        reference.as_deref().unwrap_or(&[])
-                    ),
-                ));
+        let pieces: Vec<Vec<usize>> = (0..root.size())
+            .map(|r| {
+                let row = &all[r * (MAX_DIMS + 1)..(r + 1) * (MAX_DIMS + 1)];
+                let nd = (row[0] as usize).min(MAX_DIMS);
+                row[1..1 + nd].iter().map(|&d| d as usize).collect()
+            })
+            .collect();
+        // Candidate global shapes: the given one, or each rank's inference.
+        let candidates: Vec<Vec<usize>> = match global {
+            Some(g) => vec![g.to_vec()],
+            None => {
+                let mut c: Vec<Vec<usize>> = Vec::new();
+                for dims in &pieces {
+                    let mut g = dims.clone();
+                    for (m, p) in placements.iter().enumerate() {
+                        if let Some(d) = p.shard_dim() {
+                            if d < g.len() && m < mesh_shape.len() {
+                                g[d] *= mesh_shape[m];
+                            }
+                        }
+                    }
+                    if !c.contains(&g) {
+                        c.push(g);
+                    }
+                }
+                c
             }
+        };
+        let misfits = |g: &[usize]| -> Vec<usize> {
+            (0..pieces.len())
+                .filter(|&r| {
+                    let coord = candle_dtensor_mesh::layout::unravel(r, &mesh_shape);
+                    local_shape(g, &mesh_shape, &coord, placements)
+                        .map(|e| e.as_slice() != pieces[r].as_slice())
+                        .unwrap_or(true)
+                })
+                .collect()
+        };
+        let (best, bad) = candidates
+            .iter()
+            .map(|g| (g, misfits(g)))
+            .min_by_key(|(_, bad)| bad.len())
+            .ok_or_else(|| invalid(op, rank, "no global shape to check against"))?;
+        if let Some(&r) = bad.first() {
+            let coord = candle_dtensor_mesh::layout::unravel(r, &mesh_shape);
+            let expect = local_shape(best, &mesh_shape, &coord, placements)
+                .map(|e| format!("{:?}", e.as_slice()))
+                .unwrap_or_else(|e| e.to_string());
+            let more = if bad.len() > 1 {
+                format!(" (and {} more: ranks {:?})", bad.len() - 1, &bad[1..])
+            } else {
+                String::new()
+            };
+            return Err(invalid(
+                op,
+                rank,
+                format!(
+                    "rank {r} (mesh coordinate {:?}) holds a piece of shape {:?}, which does not fit {} of global {:?} (expected {expect}){more}",
+                    coord.as_slice(),
+                    pieces[r],
+                    format_placements(placements),
+                    best
+                ),
+            ));
         }
-        this
+        Self::from_local_with_shape(local, mesh, placements, best)
     }
 
     /// This rank's local piece.
@@ -301,6 +360,27 @@ impl DTensor {
             self.inner.mesh.clone(),
             self.inner.ctx.clone(),
         )
+    }
+
+    /// Marks mesh dims on which whoever owns this tensor reduces its gradient itself (FSDP
+    /// reduce-scatters the gradients of the parameters it gathered), so dispatch must not add
+    /// its own gradient all_reduce there. Only for leaves such as parameters.
+    pub fn with_managed_grad_dims(&self, dims: &[usize]) -> DTensor {
+        DTensor {
+            inner: Arc::new(Inner {
+                local: self.inner.local.clone(),
+                spec: self.inner.spec.clone(),
+                mesh: self.inner.mesh.clone(),
+                ctx: self.inner.ctx.clone(),
+                managed: dims.iter().copied().collect(),
+            }),
+        }
+    }
+
+    /// Mesh dims whose gradient reduction the owner handles (see
+    /// [`DTensor::with_managed_grad_dims`]).
+    pub fn managed_grad_dims(&self) -> &[usize] {
+        &self.inner.managed
     }
 
     /// The same spec around another local piece (the caller guarantees its shape).
@@ -436,7 +516,7 @@ pub fn distribute_tensor(
             Placement::Shard(d) => {
                 let (s, off) =
                     shard_size_and_offset(x.dim(d).ctx("distribute_tensor", rank)?, n, c);
-                x.narrow(d, off, s).ctx("distribute_tensor", rank)?
+                crate::storage::narrow(&x, d, off, s).ctx("distribute_tensor", rank)?
             }
             Placement::StridedShard { dim, split_factor } => {
                 let len = x.dim(dim).ctx("distribute_tensor", rank)?;
@@ -445,7 +525,9 @@ pub fn distribute_tensor(
                     .map(|&i| i as u32)
                     .collect();
                 let idx = Tensor::new(idx.as_slice(), x.device()).ctx("distribute_tensor", rank)?;
-                x.index_select(&idx, dim).ctx("distribute_tensor", rank)?
+                x.contiguous()
+                    .and_then(|c| c.index_select(&idx, dim))
+                    .ctx("distribute_tensor", rank)?
             }
             Placement::Partial(op) => {
                 collectives::partition(&x, n, comm_reduce(op)).ctx("distribute_tensor", rank)?
@@ -550,7 +632,7 @@ pub(crate) fn mesh_mismatch(op: &str, a: &DTensor, b: &DTensor) -> DTensorError 
     DTensorError::MeshMismatch {
         op: op.to_string(),
         rank: a.mesh_rank(),
-        a: a.mesh().to_string(),
-        b: b.mesh().to_string(),
+        a: format!("{} [{}]", a.mesh(), format_placements(a.placements())),
+        b: format!("{} [{}]", b.mesh(), format_placements(b.placements())),
     }
 }

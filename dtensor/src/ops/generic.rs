@@ -201,7 +201,11 @@ pub fn reference_apply(op: &Op, inputs: &[Tensor]) -> CResult<Tensor> {
         }
         Op::Linear { bias } => {
             need(inputs, 2, op)?;
-            let y = x.broadcast_matmul(&inputs[1].t()?)?;
+            let y = if x.rank() == 1 {
+                x.unsqueeze(0)?.matmul(&inputs[1].t()?)?.squeeze(0)?
+            } else {
+                x.broadcast_matmul(&inputs[1].t()?)?
+            };
             if *bias {
                 need(inputs, 3, op)?;
                 y.broadcast_add(&inputs[2])?
@@ -346,7 +350,8 @@ pub fn reference_apply(op: &Op, inputs: &[Tensor]) -> CResult<Tensor> {
         }
         Op::Gather { dim } => {
             need(inputs, 2, op)?;
-            x.gather(&inputs[1].to_dtype(DType::U32)?, *dim)?
+            let idx = inputs[1].to_dtype(DType::U32)?;
+            super::index::gather_source(x, &idx, *dim)?.gather(&idx, *dim)?
         }
     })
 }

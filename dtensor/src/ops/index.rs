@@ -172,6 +172,11 @@ fn rma_select(
         "rma_get",
         out_dims,
         Arc::new(move |arg, _res, g| {
+            if local_len == 0 {
+                // This rank owns no rows: nothing to add into (candle refuses to scatter into
+                // an empty dim even with a zero gradient).
+                return arg.zeros_like();
+            }
             let (local, inside) = local_ids(&ids_c, off, local_len)?;
             let mask = inside.reshape(mask_shape.as_slice())?.to_dtype(g.dtype())?;
             scatter_back(arg, &local, &g.broadcast_mul(&mask)?)
@@ -179,6 +184,21 @@ fn rma_select(
     )?;
     fill_from(&y, &value)?;
     Ok(y)
+}
+
+/// `src` cut to `idx`'s extent on every dim but `dim`. `out[.., j, ..]` only reads
+/// `src[.., j, ..]` for `j` below the index's size there, and candle's `gather` is wrong for an
+/// index smaller than the source off the gather dim (it walks the source with the index's
+/// strides) and its backward refuses it.
+pub(crate) fn gather_source(src: &Tensor, idx: &Tensor, dim: usize) -> CResult<Tensor> {
+    let mut s = src.clone();
+    for d in 0..src.rank().min(idx.rank()) {
+        let n = idx.dim(d)?;
+        if d != dim && n < s.dim(d)? {
+            s = crate::storage::narrow(&s, d, 0, n)?.contiguous()?;
+        }
+    }
+    Ok(s)
 }
 
 impl DTensor {
@@ -193,7 +213,7 @@ impl DTensor {
                     let mut out_dims = src.dims().to_vec();
                     out_dims[dim] = idx.dim(0)?;
                     if len == 0 {
-                        return src.sum_all()?.broadcast_as(out_dims.as_slice())? * 0.0;
+                        return crate::node::graph_zeros(src, &out_dims);
                     }
                     let (local, inside) = local_ids(idx, off, len)?;
                     let sel = src.index_select(&local, dim)?;
@@ -226,12 +246,13 @@ impl DTensor {
     /// integer `index` of the same rank.
     pub fn gather(&self, index: &DTensor, dim: usize) -> Result<DTensor> {
         run1(&Op::Gather { dim }, &[self, index], |p| {
-            let (src, idx) = (&p.locals[0], &p.locals[1]);
+            let idx = &p.locals[1];
+            let src = &gather_source(&p.locals[0], idx, dim)?;
             match plan(p, dim)? {
                 Plan::Local => src.gather(&idx.to_dtype(DType::U32)?, dim),
                 Plan::Masked(off, len) => {
                     if len == 0 {
-                        return src.sum_all()?.broadcast_as(idx.dims())? * 0.0;
+                        return crate::node::graph_zeros(src, idx.dims());
                     }
                     let (local, inside) = local_ids(idx, off, len)?;
                     src.gather(&local, dim)?.mul(&inside.to_dtype(src.dtype())?)

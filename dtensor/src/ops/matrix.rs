@@ -15,11 +15,14 @@ pub(crate) fn linear_local(
 ) -> candle_core::Result<Tensor> {
     let wt = w.t()?;
     let y = match x.dims() {
+        [_] => x.unsqueeze(0)?.matmul(&wt)?.squeeze(0)?,
         [_, _] => x.matmul(&wt)?,
         dims if dims.len() > 2 && x.is_contiguous() => {
             let inner = dims[dims.len() - 1];
             let lead: Vec<usize> = dims[..dims.len() - 1].to_vec();
-            let y = x.reshape(((), inner))?.matmul(&wt)?;
+            // Explicit row count: `()` cannot be inferred for an empty piece.
+            let rows: usize = lead.iter().product();
+            let y = x.reshape((rows, inner))?.matmul(&wt)?;
             let mut out = lead;
             out.push(w.dim(0)?);
             y.reshape(out)?

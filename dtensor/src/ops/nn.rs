@@ -22,6 +22,10 @@ type CResult<T> = candle_core::Result<T>;
 
 /// Softmax over `dim` (the fused kernel for f32 over the last dim; primitives otherwise).
 pub fn softmax_local(x: &Tensor, dim: usize) -> CResult<Tensor> {
+    if x.elem_count() == 0 {
+        // An empty piece (uneven sharding of another dim); candle's max refuses empty input.
+        return Ok(x.clone());
+    }
     if fused::applies(x) && dim + 1 == x.rank() {
         return fused::softmax_last(x);
     }
@@ -30,6 +34,9 @@ pub fn softmax_local(x: &Tensor, dim: usize) -> CResult<Tensor> {
 
 /// Log-softmax over `dim` (fused for f32 over the last dim).
 pub fn log_softmax_local(x: &Tensor, dim: usize) -> CResult<Tensor> {
+    if x.elem_count() == 0 {
+        return Ok(x.clone());
+    }
     if fused::applies(x) && dim + 1 == x.rank() {
         return fused::log_softmax_last(x);
     }
@@ -59,10 +66,13 @@ pub fn rms_norm_local(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
 
 /// Scaled dot-product attention on `[B, H, T, d]` pieces (fused scaled causal softmax for f32).
 pub fn sdpa_local(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> CResult<Tensor> {
+    if q.elem_count() == 0 || k.elem_count() == 0 {
+        // An empty batch/head piece: an empty result that keeps the graph (softmax refuses
+        // empty input).
+        return q.matmul(&k.t()?)?.matmul(v);
+    }
     if fused::applies(q) && scale > 0.0 {
-        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-        let att = q.matmul(&k.t()?)?;
-        return fused::scaled_causal_softmax(&att, scale as f32, causal)?.matmul(&v);
+        return crate::region::sdpa(q, k, v, causal, scale as f32);
     }
     reference::sdpa(q, k, v, causal, scale)
 }
@@ -281,7 +291,9 @@ impl DTensor {
                         .reshape(out_dims);
                 }
                 if rows == 0 {
-                    return Tensor::zeros(out_dims, w.dtype(), w.device());
+                    // No rows here: zeros that stay in the graph, so every rank runs the same
+                    // backward collectives.
+                    return crate::node::graph_zeros(w, &out_dims);
                 }
                 let (local, inside) = local_ids(ids, off, rows)?;
                 let looked = w
@@ -331,7 +343,7 @@ impl DTensor {
             // an empty piece contributes zeros that stay in the graph, so every rank runs the
             // same backward collectives.
             let (mut s_all, mut picked) = if cols == 0 {
-                let z = (x.sum_keepdim(1)? * 0.0)?;
+                let z = crate::node::graph_zeros(x, &[n, 1])?;
                 (z.clone(), z)
             } else {
                 let e = x.broadcast_sub(&m)?.exp()?;

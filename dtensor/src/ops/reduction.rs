@@ -13,10 +13,21 @@ use crate::tensor::DTensor;
 
 type CResult<T> = candle_core::Result<T>;
 
+/// Whether a dim other than `d` of `x` is empty (so reducing `d` gives an empty result).
+fn other_dim_empty(x: &Tensor, d: usize) -> bool {
+    x.dims().iter().enumerate().any(|(k, &n)| k != d && n == 0)
+}
+
+/// Max/min over `dims` of a local piece. A piece that is empty on a dim it does not reduce has
+/// an empty result, but candle refuses max/min on empty tensors: that result comes from a sum,
+/// which keeps the graph node (every rank must have the same graph, or its backward collectives
+/// would not match the other ranks').
 fn extreme(x: &Tensor, dims: &[usize], keepdim: bool, max: bool) -> CResult<Tensor> {
     let mut r = x.clone();
     for &d in dims {
-        r = if max {
+        r = if other_dim_empty(&r, d) {
+            r.sum_keepdim(d)?
+        } else if max {
             r.max_keepdim(d)?
         } else {
             r.min_keepdim(d)?
@@ -115,6 +126,17 @@ impl DTensor {
     pub fn argmax(&self, dim: usize, keepdim: bool) -> Result<DTensor> {
         self.check_dims("argmax", &[dim])?;
         run1(&Op::ArgMax { dim, keepdim }, &[self], move |p| {
+            let x = &p.locals[0];
+            if other_dim_empty(x, dim) {
+                // An empty result (another dim is empty); candle refuses argmax on empty input.
+                let mut dims = x.dims().to_vec();
+                if keepdim {
+                    dims[dim] = 1;
+                } else {
+                    dims.remove(dim);
+                }
+                return Tensor::zeros(dims, candle_core::DType::U32, x.device());
+            }
             if keepdim {
                 p.locals[0].argmax_keepdim(dim)
             } else {

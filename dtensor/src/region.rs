@@ -1,0 +1,256 @@
+//! Fused regions: a few candle ops computed on detached tensors and recorded as ONE graph node
+//! with a hand-written backward.
+//!
+//! candle's backward adds every gradient contribution into a fresh `zeros_like` of its target
+//! (two extra passes per graph edge), so a chain like reshape -> matmul -> reshape ->
+//! broadcast_add costs several full passes over the activation on top of the arithmetic. A
+//! region has edges only to its real inputs. Used for `linear` (x, W, b) and the attention core
+//! (q, k, v), the two largest sources of edges in a transformer block.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor};
+
+type CResult<T> = candle_core::Result<T>;
+
+fn msg(s: impl Into<String>) -> candle_core::Error {
+    candle_core::Error::Msg(s.into())
+}
+
+fn storage_len(c: &CpuStorage) -> usize {
+    match c {
+        CpuStorage::F32(v) => v.len(),
+        CpuStorage::F64(v) => v.len(),
+        CpuStorage::BF16(v) => v.len(),
+        CpuStorage::F16(v) => v.len(),
+        _ => usize::MAX,
+    }
+}
+
+/// Takes the precomputed output and returns its data as a fresh storage (one copy).
+fn output_storage(slot: &Mutex<Option<Tensor>>) -> CResult<(CpuStorage, Shape)> {
+    let y = slot
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+        .ok_or_else(|| msg("fused region: output already taken"))?;
+    let n = y.elem_count();
+    let exact = {
+        let (s, l) = y.storage_and_layout();
+        matches!(&*s, Storage::Cpu(c) if l.is_contiguous() && l.start_offset() == 0 && storage_len(c) == n)
+    };
+    // A view (offset or strided) is copied into a tensor of its own first.
+    let y = if exact { y } else { (y.contiguous()? + 0.0)? };
+    let (s, l) = y.storage_and_layout();
+    match &*s {
+        Storage::Cpu(c) => Ok((c.try_clone(l)?, l.shape().clone())),
+        _ => Err(msg("fused regions run on the CPU")),
+    }
+}
+
+/// `dS = scale * P * (dP - rowsum(dP * P))` over the last dim (softmax backward), f32.
+fn softmax_backward(p: &Tensor, dp: &Tensor, scale: f32) -> CResult<Tensor> {
+    let (p, dp) = (p.contiguous()?, dp.contiguous()?);
+    let n = *p
+        .dims()
+        .last()
+        .ok_or_else(|| msg("softmax_backward: scalar"))?;
+    let out = crate::storage::with_bytes(&p, |pb| {
+        crate::storage::with_bytes(&dp, |gb| {
+            // SAFETY: f32 storages at element-aligned offsets.
+            let (pv, gv) = unsafe {
+                (
+                    std::slice::from_raw_parts(pb.as_ptr().cast::<f32>(), pb.len() / 4),
+                    std::slice::from_raw_parts(gb.as_ptr().cast::<f32>(), gb.len() / 4),
+                )
+            };
+            let mut out = vec![0f32; pv.len()];
+            if n > 0 {
+                for ((pr, gr), or) in pv
+                    .chunks_exact(n)
+                    .zip(gv.chunks_exact(n))
+                    .zip(out.chunks_exact_mut(n))
+                {
+                    let s: f32 = pr.iter().zip(gr).map(|(a, b)| a * b).sum();
+                    for ((o, &pp), &gg) in or.iter_mut().zip(pr).zip(gr) {
+                        *o = scale * pp * (gg - s);
+                    }
+                }
+            }
+            out
+        })
+    })??;
+    Tensor::from_vec(out, p.shape(), p.device())
+}
+
+type Bwd2 = Box<dyn Fn(&Tensor, &Tensor, &Tensor) -> CResult<(Tensor, Tensor)> + Send + Sync>;
+type Bwd3 = Box<
+    dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> CResult<(Tensor, Tensor, Tensor)> + Send + Sync,
+>;
+
+struct Region2 {
+    name: &'static str,
+    out: Mutex<Option<Tensor>>,
+    bwd: Bwd2,
+}
+
+impl CustomOp2 for Region2 {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        output_storage(&self.out)
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let (da, db) = (self.bwd)(a, b, g)?;
+        Ok((Some(da), Some(db)))
+    }
+}
+
+struct Region3 {
+    name: &'static str,
+    out: Mutex<Option<Tensor>>,
+    bwd: Bwd3,
+}
+
+impl CustomOp3 for Region3 {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        output_storage(&self.out)
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (da, db, dc) = (self.bwd)(a, b, c, g)?;
+        Ok((Some(da), Some(db), Some(dc)))
+    }
+}
+
+/// Whether a region applies: CPU tensors that track gradients (untracked inputs just run the
+/// plain ops, which record nothing).
+fn tracked(ts: &[&Tensor]) -> bool {
+    ts.iter().all(|t| t.device().is_cpu()) && ts.iter().any(|t| t.track_op())
+}
+
+/// `y = x @ w^T (+ b)` for `x: [.., in]`, `w: [out, in]`, `b: [out]`, as one graph node.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
+    let compute = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| -> CResult<Tensor> {
+        let dims = x.dims().to_vec();
+        let inner = *dims
+            .last()
+            .ok_or_else(|| msg("linear: x needs at least one dim"))?;
+        let x2 = x.reshape(((), inner))?;
+        let y = x2.matmul(&w.t()?)?;
+        let y = match b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let mut out = dims;
+        if let Some(last) = out.last_mut() {
+            *last = w.dim(0)?;
+        }
+        y.reshape(out)
+    };
+    let all: Vec<&Tensor> = [x, w].into_iter().chain(b).collect();
+    if !tracked(&all) || x.rank() < 2 {
+        return compute(x, w, b);
+    }
+    let x = x.contiguous()?;
+    let y = compute(&x.detach(), &w.detach(), b.map(|b| b.detach()).as_ref())?;
+    // dx = g @ w; dw = g^T @ x; db = sum of g over rows.
+    let grads = |x: &Tensor, w: &Tensor, g: &Tensor| -> CResult<(Tensor, Tensor, Tensor)> {
+        let inner = x.dim(candle_core::D::Minus1)?;
+        let out = w.dim(0)?;
+        let g2 = g.contiguous()?.reshape(((), out))?;
+        let x2 = x.reshape(((), inner))?;
+        let dx = g2.matmul(w)?.reshape(x.shape())?;
+        let dw = g2.t()?.matmul(&x2)?;
+        let db = g2.sum(0)?;
+        Ok((dx, dw, db))
+    };
+    match b {
+        Some(b) => {
+            let op = Region3 {
+                name: "fused-linear",
+                out: Mutex::new(Some(y)),
+                bwd: Box::new(move |x, w, _b, g| grads(x, w, g)),
+            };
+            x.apply_op3(w, b, op)
+        }
+        None => {
+            let op = Region2 {
+                name: "fused-linear",
+                out: Mutex::new(Some(y)),
+                bwd: Box::new(move |x, w, g| {
+                    let (dx, dw, _) = grads(x, w, g)?;
+                    Ok((dx, dw))
+                }),
+            };
+            x.apply_op2(w, op)
+        }
+    }
+}
+
+/// Scaled dot-product attention `softmax(scale * q k^T [+ causal mask]) v` on `[B, H, T, d]`
+/// f32 pieces, as one graph node. The backward recomputes the probabilities (one matmul and a
+/// softmax) instead of keeping them, so the `[B, H, T, S]` matrix is never held between passes.
+pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f32) -> CResult<Tensor> {
+    let probs = move |q: &Tensor, k: &Tensor| -> CResult<Tensor> {
+        let s = q.matmul(&k.t()?)?;
+        let s = s.detach();
+        crate::fused::scaled_causal_softmax(&s, scale, causal).map(|p| p.detach())
+    };
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    if !tracked(&[&q, &k, &v]) {
+        return probs(&q, &k)?.matmul(&v);
+    }
+    let y = probs(&q.detach(), &k.detach())?.matmul(&v.detach())?;
+    let op = Region3 {
+        name: "fused-sdpa",
+        out: Mutex::new(Some(y)),
+        bwd: Box::new(move |q, k, v, g| {
+            let g = g.contiguous()?;
+            let p = probs(q, k)?;
+            let dv = p.t()?.matmul(&g)?;
+            let dp = g.matmul(&v.t()?)?;
+            // dS = scale * P * (dP - rowsum(dP * P)); masked entries have P = 0.
+            let ds = softmax_backward(&p, &dp, scale)?;
+            let dq = ds.matmul(k)?;
+            let dk = ds.t()?.matmul(q)?;
+            Ok((dq, dk, dv))
+        }),
+    };
+    q.apply_op3(&k, &v, op)
+}
