@@ -1,8 +1,9 @@
 //! The main job: train a GPT on the embedded local backend.
 //!
 //! ```text
-//! cargo run --release --example train_gpt                      # tp=4 on 4 ranks, tiny preset
-//! cargo run --release --example train_gpt -- --mesh dp=2,tp=2 --sp --steps 50 --check --json
+//! cargo run --release --example train_gpt        # FSDP over dp=2 x tensor parallel tp=2, tiny preset
+//! cargo run --release --example train_gpt -- --mesh tp=4 --sp --steps 50 --check --json
+//! cargo run --release --example train_gpt -- --mesh replicate=2,shard=2 --hsdp
 //! ```
 //!
 //! The data is a synthetic corpus generated from the seed (no downloads); the global batch and
@@ -16,9 +17,10 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use candle_core::DType;
 use candle_dtensor::comm::LocalWorld;
 use candle_dtensor::mesh::DeviceMesh;
-use candle_dtensor::models::trainer::{train_rank, RankReport, TrainConfig};
+use candle_dtensor::models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
 use candle_dtensor::models::{GptConfig, TpPlan};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -29,9 +31,27 @@ struct Args {
     /// Number of ranks (threads). Defaults to the product of --mesh.
     #[arg(long)]
     world: Option<usize>,
-    /// Mesh, e.g. `tp=4`, `dp=2,tp=2`. Dim names: dp, tp, replicate, shard.
-    #[arg(long, default_value = "tp=4")]
+    /// Mesh, e.g. `tp=4`, `dp=2,tp=2`, `replicate=2,shard=2`. Dim names: dp, tp, replicate,
+    /// shard.
+    #[arg(long, default_value = "dp=2,tp=2")]
     mesh: String,
+    /// Shard parameters, gradients and optimizer state over the data-parallel dim (FSDP).
+    /// On by default; `--no-fsdp` replicates them (data parallelism with all-reduced gradients).
+    #[arg(long, overrides_with = "no_fsdp")]
+    fsdp: bool,
+    /// Turn FSDP off.
+    #[arg(long)]
+    no_fsdp: bool,
+    /// HSDP: shard over `shard`, replicate over `replicate` (needs those mesh dims).
+    #[arg(long)]
+    hsdp: bool,
+    /// Give FSDP's reduce_scatter its own communicator (overlaps the all_gathers).
+    #[arg(long)]
+    separate_rs_group: bool,
+    /// FSDP mixed precision: compute dtype of the parameters (`bf16` or `f16`; master shards
+    /// and gradient reduction stay f32).
+    #[arg(long)]
+    mixed_precision: Option<String>,
     /// Sequence parallelism (activations sharded on the sequence dim between blocks).
     #[arg(long)]
     sp: bool,
@@ -136,7 +156,54 @@ fn validate(args: &Args, dims: &[(String, usize)], cfg: &GptConfig) -> Result<us
             cfg.seq_len
         ));
     }
+    if args.hsdp
+        && !(dims.iter().any(|(n, _)| n == "replicate") && dims.iter().any(|(n, _)| n == "shard"))
+    {
+        return Err(
+            "--hsdp needs a mesh with replicate and shard dims, e.g. replicate=2,shard=2".into(),
+        );
+    }
     Ok(world)
+}
+
+/// The FSDP settings the flags ask for (None: no FSDP).
+fn fsdp_spec(args: &Args, dims: &[(String, usize)]) -> Result<Option<FsdpSpec>, String> {
+    let param_dtype = match args.mixed_precision.as_deref() {
+        None | Some("f32") => None,
+        Some("bf16") => Some(DType::BF16),
+        Some("f16") => Some(DType::F16),
+        Some(other) => {
+            return Err(format!(
+                "--mixed-precision: unknown dtype {other:?}; use bf16 or f16"
+            ))
+        }
+    };
+    let has = |n: &str| dims.iter().any(|(d, _)| d == n);
+    if args.hsdp {
+        return Ok(Some(FsdpSpec {
+            shard: "shard".into(),
+            replicate: Some("replicate".into()),
+            separate_rs: args.separate_rs_group,
+            param_dtype,
+            reshard_after_forward: true,
+        }));
+    }
+    if args.no_fsdp || !has("dp") {
+        if param_dtype.is_some() {
+            return Err("--mixed-precision needs FSDP (a dp mesh dim, or --hsdp)".into());
+        }
+        if args.separate_rs_group {
+            return Err("--separate-rs-group needs FSDP (a dp mesh dim, or --hsdp)".into());
+        }
+        return Ok(None);
+    }
+    Ok(Some(FsdpSpec {
+        shard: "dp".into(),
+        replicate: None,
+        separate_rs: args.separate_rs_group,
+        param_dtype,
+        reshard_after_forward: true,
+    }))
 }
 
 fn run(
@@ -236,6 +303,7 @@ fn real_main(args: &Args) -> Result<(), String> {
     let gpt = GptConfig::preset(&args.preset).map_err(|e| e.to_string())?;
     let world = validate(args, &dims, &gpt)?;
     let mut cfg = TrainConfig::new(gpt.clone(), TpPlan::gpt(args.sp));
+    cfg.fsdp = fsdp_spec(args, &dims)?;
     cfg.steps = args.steps;
     cfg.seed = args.seed;
     cfg.batch = args.batch;
@@ -263,10 +331,19 @@ fn real_main(args: &Args) -> Result<(), String> {
         "tokens_per_s": (args.batch * gpt.seq_len) as f64 / (median(&report.step_ms) / 1e3),
         "collectives": report.collectives,
         "params": report.params,
-        "param_bytes_per_rank": report.param_bytes,
+        "fsdp": cfg.fsdp.is_some(),
+        "hsdp": args.hsdp,
+        "separate_rs_group": args.separate_rs_group,
+        "mixed_precision": args.mixed_precision.clone().unwrap_or_else(|| "f32".into()),
+        "param_grad_optim_bytes_per_rank": report.param_grad_optim_bytes,
+        "zero3_theory_bytes_per_rank": report.zero3_theory_bytes,
+        "largest_param_bytes": report.largest_param_bytes,
+        "exposed_comm_ms_per_step": median(&report.exposed_comm_ms),
     });
     if args.check {
-        let reference = run(&[("tp".to_string(), 1)], 1, &cfg, args.timeout, None)?;
+        let mut single = cfg.clone();
+        single.fsdp = None;
+        let reference = run(&[("tp".to_string(), 1)], 1, &single, args.timeout, None)?;
         let max_rel = report
             .losses
             .iter()

@@ -5,6 +5,7 @@ use candle_dtensor_core::{DTensor, Placement};
 use candle_dtensor_mesh::DeviceMesh;
 
 use crate::error::{ModelError, Result};
+use crate::fsdp::Fsdp;
 use crate::init::Init;
 use crate::layers::{Attention, Block, Builder, Embedding, LayerNorm, Linear, Mlp, Norm, RmsNorm};
 use crate::params::ParamStore;
@@ -101,6 +102,11 @@ pub struct Gpt {
     pub head: Option<Linear>,
     roles: MeshRoles,
     plan: TpPlan,
+    fsdp: Option<Fsdp>,
+    /// FSDP units: the embeddings, each block, the final norm and head.
+    block_units: Vec<usize>,
+    embed_unit: Option<usize>,
+    head_unit: Option<usize>,
 }
 
 fn norm(b: &mut Builder, name: &str, cfg: &GptConfig) -> Result<Norm> {
@@ -120,7 +126,29 @@ impl Gpt {
         seed: u64,
         dtype: DType,
     ) -> Result<(Gpt, ParamStore)> {
+        Self::build(cfg, mesh, plan, seed, dtype, None)
+    }
+
+    /// Like [`Gpt::new`], with the parameters sharded by `fsdp` (one unit per block plus a root
+    /// unit for the embeddings, final norm and head).
+    pub fn build(
+        cfg: &GptConfig,
+        mesh: &DeviceMesh,
+        plan: &TpPlan,
+        seed: u64,
+        dtype: DType,
+        fsdp: Option<&Fsdp>,
+    ) -> Result<(Gpt, ParamStore)> {
         let mut store = ParamStore::new(mesh, seed, dtype);
+        // FSDP units in forward order: the embeddings, one per block, then the final norm and
+        // head (kept after forward: backward starts there). A tied head needs the token table
+        // at both ends, so then embeddings and head form one kept unit.
+        let embed_unit =
+            fsdp.map(|f| f.add_unit(if cfg.tied { "root" } else { "embed" }, cfg.tied));
+        if let (Some(f), Some(u)) = (fsdp, embed_unit) {
+            store = store.with_fsdp(f.clone(), u);
+        }
+        let mut block_units = Vec::new();
         let roles = MeshRoles::of(mesh)?;
         let gpt = {
             let mut b = Builder {
@@ -144,6 +172,11 @@ impl Gpt {
             let mut blocks = Vec::with_capacity(cfg.n_layers);
             for i in 0..cfg.n_layers {
                 let p = format!("blocks.{i}");
+                if let Some(f) = fsdp {
+                    let u = f.add_unit(&p, false);
+                    b.store.set_unit(u);
+                    block_units.push(u);
+                }
                 blocks.push(Block {
                     ln1: norm(&mut b, &format!("{p}.ln1"), cfg)?,
                     attn: Attention::new(
@@ -165,6 +198,14 @@ impl Gpt {
                         proj_std,
                     )?,
                 });
+            }
+            let head_unit = match (fsdp, embed_unit) {
+                (Some(_), Some(u)) if cfg.tied => Some(u),
+                (Some(f), _) => Some(f.add_unit("head", true)),
+                _ => None,
+            };
+            if let Some(u) = head_unit {
+                b.store.set_unit(u);
             }
             let ln_f = norm(&mut b, "ln_f", cfg)?;
             let head = if cfg.tied {
@@ -188,6 +229,10 @@ impl Gpt {
                 head,
                 roles,
                 plan: plan.clone(),
+                fsdp: fsdp.cloned(),
+                block_units,
+                embed_unit,
+                head_unit,
             }
         };
         Ok((gpt, store))
@@ -216,17 +261,42 @@ impl Gpt {
                 self.cfg.seq_len
             )));
         }
+        if let (Some(f), Some(u)) = (&self.fsdp, self.embed_unit) {
+            f.pre_forward(u)?;
+        }
         let mut x = {
             let _l = candle_dtensor_core::debug::label("embed");
             let x = self.tok_emb.forward(ids)?;
             let pos = self.pos_emb.narrow(0, 0, t)?;
             x.add(&pos)?
         };
+        if let (Some(f), Some(u)) = (&self.fsdp, self.embed_unit) {
+            let local = f.post_forward(u, x.to_local())?;
+            x = DTensor::from_local_with_shape(&local, x.mesh(), x.placements(), x.shape())?;
+        }
         for (i, blk) in self.blocks.iter().enumerate() {
             let _l = candle_dtensor_core::debug::label(&format!("blocks.{i}"));
-            x = blk.forward(&x)?;
+            match (&self.fsdp, self.block_units.get(i)) {
+                (Some(f), Some(&u)) => {
+                    f.pre_forward(u)?;
+                    let y = blk.forward(&x)?;
+                    let local = f.post_forward(u, y.to_local())?;
+                    x = DTensor::from_local_with_shape(
+                        &local,
+                        y.mesh(),
+                        y.placements(),
+                        y.shape(),
+                    )?;
+                }
+                _ => x = blk.forward(&x)?,
+            }
         }
         let _l = candle_dtensor_core::debug::label("head");
+        if let (Some(f), Some(u)) = (&self.fsdp, self.head_unit) {
+            if Some(u) != self.embed_unit {
+                f.pre_forward(u)?;
+            }
+        }
         let x = self.ln_f.forward(&x)?;
         let logits = match &self.head {
             Some(h) => h.forward(&x)?,
@@ -251,6 +321,12 @@ impl Gpt {
         let (b, t, v) = (logits.dim(0)?, logits.dim(1)?, logits.dim(2)?);
         let _l = candle_dtensor_core::debug::label("loss");
         let logits = logits.reshape(&[b * t, v])?;
+        // Mixed precision: the loss in f32.
+        let logits = if logits.dtype() == DType::F32 {
+            logits
+        } else {
+            logits.to_dtype(DType::F32)?
+        };
         let targets = targets.reshape(&[b * t])?;
         // Loss-parallel: keep the logits where they are (sharded on the vocab dim).
         let layout = self

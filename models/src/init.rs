@@ -18,6 +18,10 @@ pub enum Init {
     Normal(f64),
     /// Uniform in `[lo, hi)`.
     Uniform(f64, f64),
+    /// Every element equal to this value.
+    Const(f64),
+    /// Normal with this mean and standard deviation.
+    NormalMean(f64, f64),
 }
 
 fn splitmix64(mut z: u64) -> u64 {
@@ -46,6 +50,8 @@ pub fn value(init: Init, seed: u64, name: &str, index: u64) -> f64 {
     match init {
         Init::Zeros => 0.0,
         Init::Ones => 1.0,
+        Init::Const(v) => v,
+        Init::NormalMean(mean, std) => mean + value(Init::Normal(std), seed, name, index),
         Init::Uniform(lo, hi) => lo + (hi - lo) * unit(base),
         Init::Normal(std) => {
             let u1 = unit(base).max(f64::MIN_POSITIVE);

@@ -15,6 +15,8 @@
 
 pub mod data;
 mod error;
+pub mod fsdp;
+pub mod fsdp_vb;
 pub mod gpt;
 pub mod init;
 pub mod layers;

@@ -6,6 +6,7 @@ use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_strategies::layout::local_indices;
 
 use crate::error::Result;
+use crate::fsdp::Fsdp;
 use crate::init::{piece, Init};
 
 /// One parameter: its name, the `Var` an optimizer updates (this rank's piece), and the
@@ -20,6 +21,8 @@ pub struct Param {
     pub tensor: DTensor,
     /// How it was initialised.
     pub init: Init,
+    /// How many ranks hold an identical copy of `var` (for the global gradient norm).
+    pub replicas: usize,
 }
 
 /// Creates and owns a model's parameters, initialised deterministically
@@ -29,6 +32,7 @@ pub struct ParamStore {
     seed: u64,
     dtype: DType,
     params: Vec<Param>,
+    fsdp: Option<(Fsdp, usize)>,
 }
 
 impl ParamStore {
@@ -39,7 +43,27 @@ impl ParamStore {
             seed,
             dtype,
             params: Vec::new(),
+            fsdp: None,
         }
+    }
+
+    /// Shards the parameters created from now on with `fsdp`, into `unit` (see
+    /// [`ParamStore::set_unit`]).
+    pub fn with_fsdp(mut self, fsdp: Fsdp, unit: usize) -> Self {
+        self.fsdp = Some((fsdp, unit));
+        self
+    }
+
+    /// The FSDP unit later parameters go into.
+    pub fn set_unit(&mut self, unit: usize) {
+        if let Some((_, u)) = &mut self.fsdp {
+            *u = unit;
+        }
+    }
+
+    /// The FSDP instance, if parameters are sharded.
+    pub fn fsdp(&self) -> Option<&Fsdp> {
+        self.fsdp.as_ref().map(|(f, _)| f)
     }
 
     /// The mesh.
@@ -61,14 +85,37 @@ impl ParamStore {
             .map(|d| local_indices(shape[d], &mesh_shape, &coord, placements, d))
             .collect();
         let local = piece(init, self.seed, name, shape, &idx, self.dtype, &Device::Cpu)?;
-        let var = Var::from_tensor(&local)?;
-        let tensor =
-            DTensor::from_local_with_shape(var.as_tensor(), &self.mesh, placements, shape)?;
+        let replicated = |m: usize| placements[m] == Placement::Replicate;
+        let (var, tensor, replicas) = match &self.fsdp {
+            Some((fsdp, unit)) => {
+                let (shard, full) = fsdp.add_param(*unit, &local)?;
+                let managed = fsdp.managed_dims();
+                let tensor = DTensor::from_local_with_shape(&full, &self.mesh, placements, shape)?
+                    .with_managed_grad_dims(&managed);
+                let shard_dim = fsdp.config().shard_dim;
+                let replicas = (0..mesh_shape.len())
+                    .filter(|&m| replicated(m) && m != shard_dim)
+                    .map(|m| mesh_shape[m])
+                    .product();
+                (shard, tensor, replicas)
+            }
+            None => {
+                let var = Var::from_tensor(&local)?;
+                let tensor =
+                    DTensor::from_local_with_shape(var.as_tensor(), &self.mesh, placements, shape)?;
+                let replicas = (0..mesh_shape.len())
+                    .filter(|&m| replicated(m))
+                    .map(|m| mesh_shape[m])
+                    .product();
+                (var, tensor, replicas)
+            }
+        };
         self.params.push(Param {
             name: name.to_string(),
             var,
             tensor: tensor.clone(),
             init,
+            replicas,
         });
         Ok(tensor)
     }
@@ -78,9 +125,15 @@ impl ParamStore {
         &self.params
     }
 
-    /// The vars (for an optimizer).
+    /// The vars (for an optimizer). Empty pieces (an FSDP rank past the end of a small
+    /// parameter's rows) are left out: there is nothing to update, and candle-nn optimizers
+    /// reject them.
     pub fn vars(&self) -> Vec<Var> {
-        self.params.iter().map(|p| p.var.clone()).collect()
+        self.params
+            .iter()
+            .filter(|p| p.var.elem_count() > 0)
+            .map(|p| p.var.clone())
+            .collect()
     }
 
     /// The parameter called `name`.

@@ -3,7 +3,6 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use candle_dtensor_comm::ReduceOp;
-use candle_dtensor_core::Placement;
 
 use crate::error::Result;
 use crate::params::ParamStore;
@@ -16,20 +15,12 @@ pub fn grad_norm(store: &ParamStore, grads: &GradStore) -> Result<f64> {
     let mut local = 0f64;
     for p in store.params() {
         let Some(g) = grads.get(&p.var) else { continue };
-        let replicas: usize = p
-            .tensor
-            .placements()
-            .iter()
-            .enumerate()
-            .filter(|(_, pl)| **pl == Placement::Replicate)
-            .map(|(m, _)| mesh.size(m).unwrap_or(1))
-            .product();
         let sq = g
             .to_dtype(DType::F64)?
             .sqr()?
             .sum_all()?
             .to_scalar::<f64>()?;
-        local += sq / replicas as f64;
+        local += sq / p.replicas.max(1) as f64;
     }
     let t = Tensor::new(&[local], &candle_core::Device::Cpu)?;
     let total = mesh.root_comm().all_reduce(&t, ReduceOp::Sum)?.wait()?;

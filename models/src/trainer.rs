@@ -12,6 +12,7 @@ use candle_nn::Optimizer;
 
 use crate::data::Corpus;
 use crate::error::Result;
+use crate::fsdp::{Fsdp, FsdpConfig};
 use crate::gpt::{Gpt, GptConfig};
 use crate::plan::TpPlan;
 use crate::train::clip_grad_norm;
@@ -37,6 +38,26 @@ pub struct TrainConfig {
     pub clip: Option<f64>,
     /// Tokens in the synthetic corpus.
     pub corpus_tokens: usize,
+    /// Shard parameters, gradients and optimizer state with FSDP.
+    pub fsdp: Option<FsdpSpec>,
+    /// Plain SGD instead of AdamW (tests: SGD is sensitive to the gradient scale, which AdamW's
+    /// normalisation would hide).
+    pub sgd: bool,
+}
+
+/// FSDP settings by mesh dim name.
+#[derive(Debug, Clone)]
+pub struct FsdpSpec {
+    /// Mesh dim the parameters are sharded over (`dp`, or `shard` for HSDP).
+    pub shard: String,
+    /// HSDP: mesh dim the shards are replicated over (`replicate`).
+    pub replicate: Option<String>,
+    /// A separate reduce-scatter communicator.
+    pub separate_rs: bool,
+    /// Mixed precision: compute dtype of the parameters (f32 master shards and reduction).
+    pub param_dtype: Option<DType>,
+    /// Release non-root units' parameters after forward.
+    pub reshard_after_forward: bool,
 }
 
 impl TrainConfig {
@@ -52,6 +73,8 @@ impl TrainConfig {
             weight_decay: 0.01,
             clip: None,
             corpus_tokens: 1 << 18,
+            fsdp: None,
+            sgd: false,
         }
     }
 }
@@ -82,6 +105,19 @@ pub struct RankReport {
     pub param_bytes: usize,
     /// Global parameter count.
     pub params: usize,
+    /// Time the compute thread waited on collectives, per step (ms).
+    pub exposed_comm_ms: Vec<f64>,
+    /// Peak bytes held in parameters + gradients + optimizer state on this rank (counted from
+    /// the tensors: shards, their gradients, AdamW's two moments, and FSDP's unsharded
+    /// parameters and gradients in flight).
+    pub param_grad_optim_bytes: usize,
+    /// (params + grads + optimizer state) / N + the largest unit's unsharded parameters, from
+    /// the model's sizes (FSDP only; N = the shard group size).
+    pub zero3_theory_bytes: Option<usize>,
+    /// The largest single unsharded parameter (FSDP only): its gradient and its full value
+    /// coexist for a moment at the end of its last consumer's backward, which the theory
+    /// formula leaves out.
+    pub largest_param_bytes: Option<usize>,
 }
 
 /// Trains on `mesh` (every rank of the mesh calls this) and reports per-step losses.
@@ -91,16 +127,41 @@ pub fn train_rank(
     cfg: &TrainConfig,
     mut on_step: impl FnMut(&StepInfo),
 ) -> Result<RankReport> {
-    let (gpt, store) = Gpt::new(&cfg.gpt, mesh, &cfg.plan, cfg.seed, DType::F32)?;
-    let corpus = Corpus::synthetic(cfg.gpt.vocab, cfg.corpus_tokens, cfg.seed ^ 0xC0FFEE);
-    let mut opt = candle_nn::AdamW::new(
-        store.vars(),
-        candle_nn::ParamsAdamW {
-            lr: cfg.lr,
-            weight_decay: cfg.weight_decay,
-            ..Default::default()
-        },
+    let fsdp = match &cfg.fsdp {
+        Some(spec) => {
+            let mut fc = FsdpConfig::new(mesh.dim_index(&spec.shard)?);
+            fc.replicate_dim = match &spec.replicate {
+                Some(r) => Some(mesh.dim_index(r)?),
+                None => None,
+            };
+            fc.separate_reduce_scatter_group = spec.separate_rs;
+            fc.param_dtype = spec.param_dtype;
+            fc.reshard_after_forward = spec.reshard_after_forward;
+            Some(Fsdp::new(mesh, fc)?)
+        }
+        None => None,
+    };
+    let (gpt, store) = Gpt::build(
+        &cfg.gpt,
+        mesh,
+        &cfg.plan,
+        cfg.seed,
+        DType::F32,
+        fsdp.as_ref(),
     )?;
+    let corpus = Corpus::synthetic(cfg.gpt.vocab, cfg.corpus_tokens, cfg.seed ^ 0xC0FFEE);
+    let mut opt = if cfg.sgd {
+        StepOptimizer::Sgd(candle_nn::SGD::new(store.vars(), cfg.lr)?)
+    } else {
+        StepOptimizer::AdamW(candle_nn::AdamW::new(
+            store.vars(),
+            candle_nn::ParamsAdamW {
+                lr: cfg.lr,
+                weight_decay: cfg.weight_decay,
+                ..Default::default()
+            },
+        )?)
+    };
     let placements = gpt.batch_placements();
     let all_r = vec![Placement::Replicate; mesh.ndim()];
     let t = cfg.gpt.seq_len;
@@ -109,6 +170,20 @@ pub fn train_rank(
         params: store.global_numel(),
         ..RankReport::default()
     };
+    // Shards, their gradients and AdamW's two moments, all in the master dtype.
+    let shard_bytes = store.local_bytes();
+    let base_bytes = 4 * shard_bytes;
+    if let Some(f) = &fsdp {
+        let n = mesh.size(f.config().shard_dim)?;
+        let tp_local: usize = store
+            .params()
+            .iter()
+            .map(|p| p.tensor.to_local().elem_count() * 4)
+            .sum();
+        report.zero3_theory_bytes = Some(4 * tp_local / n + f.largest_unit_bytes());
+        report.largest_param_bytes = Some(f.largest_param_bytes());
+    }
+    let _ = candle_dtensor_core::debug::take_comm_wait();
     for step in 0..cfg.steps {
         let t0 = Instant::now();
         let (x, y) = corpus.batch(step as u64, cfg.batch, t, cfg.seed);
@@ -120,6 +195,9 @@ pub fn train_rank(
         let mode = last.then(CommDebugMode::start);
         let loss = gpt.loss(&x, &y)?.redistribute(&all_r)?;
         let mut grads = loss.backward()?;
+        if let Some(f) = &fsdp {
+            f.finish_backward(&mut grads)?;
+        }
         if let Some(c) = cfg.clip {
             clip_grad_norm(&store, &mut grads, c)?;
         }
@@ -140,6 +218,15 @@ pub fn train_rank(
                     .or_insert(0) += n;
             }
         }
+        let mut exposed = candle_dtensor_core::debug::take_comm_wait().as_secs_f64() * 1e3;
+        let mut peak = 0;
+        if let Some(f) = &fsdp {
+            let st = f.take_stats();
+            exposed += st.exposed_comm_ms;
+            peak = st.peak_unsharded_bytes;
+        }
+        report.exposed_comm_ms.push(exposed);
+        report.param_grad_optim_bytes = report.param_grad_optim_bytes.max(base_bytes + peak);
         report.losses.push(value);
         report.step_ms.push(ms);
         on_step(&StepInfo {
@@ -150,4 +237,21 @@ pub fn train_rank(
         });
     }
     Ok(report)
+}
+
+/// The optimizer a training run steps: plain SGD (exact comparisons across
+/// layouts) or AdamW (the default).
+enum StepOptimizer {
+    Sgd(candle_nn::SGD),
+    AdamW(candle_nn::AdamW),
+}
+
+impl StepOptimizer {
+    fn step(&mut self, grads: &candle_core::backprop::GradStore) -> candle_core::Result<()> {
+        use candle_nn::Optimizer;
+        match self {
+            StepOptimizer::Sgd(o) => o.step(grads),
+            StepOptimizer::AdamW(o) => o.step(grads),
+        }
+    }
 }
