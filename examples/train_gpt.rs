@@ -17,8 +17,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use candle_core::DType;
-use candle_dtensor::comm::LocalWorld;
+use candle_core::{DType, Device};
+use candle_dtensor::comm::{new_comm, Comm, CommOptions, LocalWorld};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
 use candle_dtensor::models::{GptConfig, TpPlan};
@@ -26,7 +26,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 #[derive(Parser, Debug, Clone)]
-#[command(about = "Train a GPT with tensor / data parallelism on the local backend")]
+#[command(about = "Train a GPT with tensor / data / fully sharded parallelism")]
 struct Args {
     /// Number of ranks (threads). Defaults to the product of --mesh.
     #[arg(long)]
@@ -85,6 +85,11 @@ struct Args {
     /// Op timeout in seconds.
     #[arg(long, default_value_t = 120)]
     timeout: u64,
+    /// Communication backend. `local` (default) runs every rank as a thread of this process;
+    /// any other registered backend (e.g. `process` under `dtrun`, `mpi` under `mpirun`) makes
+    /// this process one rank of a world started by a launcher, and rank 0 prints the results.
+    #[arg(long, default_value = "local")]
+    backend: String,
 }
 
 fn parse_mesh(s: &str) -> Result<Vec<(String, usize)>, String> {
@@ -206,35 +211,66 @@ fn fsdp_spec(args: &Args, dims: &[(String, usize)]) -> Result<Option<FsdpSpec>, 
     }))
 }
 
+type BoxErr = Box<dyn std::error::Error + Send + Sync>;
+
+/// What one rank does: build the mesh over `comm` and train.
+fn train_on(
+    comm: Comm,
+    dims: &[(String, usize)],
+    cfg: &TrainConfig,
+    bar: Option<&ProgressBar>,
+) -> Result<RankReport, BoxErr> {
+    let d: Vec<(&str, usize)> = dims.iter().map(|(n, s)| (n.as_str(), *s)).collect();
+    let mesh = DeviceMesh::new(comm, &d)?;
+    let rank0 = mesh.rank() == 0;
+    let report = train_rank(&mesh, cfg, |info| {
+        if let (true, Some(bar)) = (rank0, bar) {
+            let tps = info.tokens as f64 / (info.step_ms / 1e3);
+            bar.set_message(format!("loss {:.4}  {:.0} tok/s", info.loss, tps));
+            bar.inc(1);
+        }
+    })?;
+    Ok(report)
+}
+
+/// Trains on `backend` and returns rank 0's report (`None` on the other ranks of a
+/// multi-process world, which have nothing to print).
 fn run(
+    backend: &str,
     dims: &[(String, usize)],
     world: usize,
     cfg: &TrainConfig,
     timeout: u64,
     bar: Option<ProgressBar>,
-) -> Result<RankReport, String> {
-    let reports = LocalWorld::new(world)
-        .with_timeout(Duration::from_secs(timeout))
-        .launch(|comm| {
-            let d: Vec<(&str, usize)> = dims.iter().map(|(n, s)| (n.as_str(), *s)).collect();
-            let mesh = DeviceMesh::new(comm, &d)?;
-            let rank0 = mesh.rank() == 0;
-            let mut tokens_seen = 0usize;
-            let report = train_rank(&mesh, cfg, |info| {
-                if let (true, Some(bar)) = (rank0, &bar) {
-                    tokens_seen += info.tokens;
-                    let tps = info.tokens as f64 / (info.step_ms / 1e3);
-                    bar.set_message(format!("loss {:.4}  {:.0} tok/s", info.loss, tps));
-                    bar.inc(1);
-                }
-            })?;
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(report)
-        })
-        .map_err(|e| e.to_string())?;
-    reports
-        .into_iter()
-        .next()
-        .ok_or_else(|| "no rank reported".to_string())
+) -> Result<Option<RankReport>, String> {
+    if backend == "local" {
+        let reports = LocalWorld::new(world)
+            .with_timeout(Duration::from_secs(timeout))
+            .launch(|comm| train_on(comm, dims, cfg, bar.as_ref()))
+            .map_err(|e| e.to_string())?;
+        return reports
+            .into_iter()
+            .next()
+            .map(Some)
+            .ok_or_else(|| "no rank reported".to_string());
+    }
+    let options = CommOptions::default().with_timeout(Duration::from_secs(timeout));
+    let comm = new_comm(backend, &Device::Cpu, "world", options).map_err(|e| e.to_string())?;
+    if comm.size() != world {
+        return Err(format!(
+            "the launcher started {} ranks but --mesh {} needs {world}",
+            comm.size(),
+            dims.iter()
+                .map(|(n, s)| format!("{n}={s}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        ));
+    }
+    let rank = comm.rank();
+    let bar = bar.filter(|_| rank == 0);
+    let report =
+        train_on(comm, dims, cfg, bar.as_ref()).map_err(|e| format!("rank {rank}: {e}"))?;
+    Ok((rank == 0).then_some(report))
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -317,10 +353,22 @@ fn real_main(args: &Args) -> Result<(), String> {
         ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed_precise}]")
             .map_err(|e| e.to_string())?,
     );
-    let report = run(&dims, world, &cfg, args.timeout, Some(bar.clone()))?;
+    let Some(report) = run(
+        &args.backend,
+        &dims,
+        world,
+        &cfg,
+        args.timeout,
+        Some(bar.clone()),
+    )?
+    else {
+        // Not rank 0 of a multi-process world: rank 0 reports.
+        return Ok(());
+    };
     bar.finish();
     let mut summary = serde_json::json!({
         "world": world,
+        "backend": args.backend,
         "mesh": args.mesh,
         "sp": args.sp,
         "preset": args.preset,
@@ -343,7 +391,15 @@ fn real_main(args: &Args) -> Result<(), String> {
     if args.check {
         let mut single = cfg.clone();
         single.fsdp = None;
-        let reference = run(&[("tp".to_string(), 1)], 1, &single, args.timeout, None)?;
+        let reference = run(
+            "local",
+            &[("tp".to_string(), 1)],
+            1,
+            &single,
+            args.timeout,
+            None,
+        )?
+        .ok_or_else(|| "the single-device reference did not report".to_string())?;
         let max_rel = report
             .losses
             .iter()
