@@ -183,6 +183,7 @@ struct Row {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    candle_dtensor::init_cpu_threads();
     let args = Args::parse();
     if args.world == 0 {
         return Err("--world must be at least 1".into());

@@ -73,6 +73,7 @@ fn time(
 type Bench = Box<dyn Fn(&DeviceMesh) -> candle_core::Result<(f64, f64)> + Send + Sync>;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    candle_dtensor::init_cpu_threads();
     let args = Args::parse();
     let (b, it) = (args.batches, args.iters);
     let cases: Vec<(&'static str, &'static str, Bench)> = vec![

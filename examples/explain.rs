@@ -92,6 +92,7 @@ struct Args {
 }
 
 fn main() {
+    candle_dtensor::init_cpu_threads();
     let a = Args::parse();
     let req = ExplainRequest {
         mesh: a.mesh,

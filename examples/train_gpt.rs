@@ -327,6 +327,7 @@ fn write_svg(path: &PathBuf, losses: &[f32], title: &str) -> std::io::Result<()>
 }
 
 fn main() {
+    candle_dtensor::init_cpu_threads();
     let args = Args::parse();
     if let Err(e) = real_main(&args) {
         eprintln!("train_gpt: error: {e}");
@@ -387,6 +388,9 @@ fn real_main(args: &Args) -> Result<(), String> {
         "zero3_theory_bytes_per_rank": report.zero3_theory_bytes,
         "largest_param_bytes": report.largest_param_bytes,
         "exposed_comm_ms_per_step": median(&report.exposed_comm_ms),
+        "forward_ms_median": median(&report.phase_ms.iter().map(|p| p[0]).collect::<Vec<_>>()),
+        "backward_ms_median": median(&report.phase_ms.iter().map(|p| p[1]).collect::<Vec<_>>()),
+        "optimizer_ms_median": median(&report.phase_ms.iter().map(|p| p[2]).collect::<Vec<_>>()),
     });
     if args.check {
         let mut single = cfg.clone();

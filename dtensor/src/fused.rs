@@ -500,6 +500,87 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
         .apply_op2(&w.contiguous()?, NormAffine(norm))
 }
 
+/// Sums the rows of a contiguous f32 tensor viewed as `[rows, n]`: the gradient of a bias
+/// broadcast over leading dims. candle's `sum(0)` walks that layout with a strided index
+/// (several ns per element); this adds whole rows, which vectorizes. Rows are added in order,
+/// as candle does.
+pub fn row_sum(g: &Tensor, n: usize) -> CResult<Tensor> {
+    if !applies(g) || n == 0 || g.elem_count() % n != 0 {
+        return g.reshape(((), n))?.sum(0);
+    }
+    let g = g.contiguous()?;
+    let acc = with_f32(&g, |gv| {
+        let mut acc = vec![0f32; n];
+        for row in gv.chunks_exact(n) {
+            for (a, &v) in acc.iter_mut().zip(row) {
+                *a += v;
+            }
+        }
+        acc
+    })?;
+    Tensor::from_vec(acc, n, g.device())
+}
+
+/// `x + b` where `b`'s shape is a suffix of `x`'s (a bias or a position table broadcast over
+/// leading dims), as one node: forward is one pass, backward passes `g` through to `x` and
+/// row-sums it for `b` (see [`row_sum`]).
+struct AddRows;
+
+impl CustomOp2 for AddRows {
+    fn name(&self) -> &'static str {
+        "fused-add-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let x = f32_slice(xs, xl, "add_rows")?;
+        let b = f32_slice(bs, bl, "add_rows")?;
+        let n = b.len();
+        let mut y = Vec::with_capacity(x.len());
+        if n > 0 {
+            for row in x.chunks_exact(n) {
+                y.extend(row.iter().zip(b).map(|(&a, &c)| a + c));
+            }
+        }
+        Ok((CpuStorage::F32(y), xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let db = row_sum(g, b.elem_count())?.reshape(b.shape())?;
+        Ok((Some(g.clone()), Some(db)))
+    }
+}
+
+/// `x + b` with numpy broadcasting; when one side's shape is a proper suffix of the other's
+/// and both are f32 CPU tensors, one fused node (see `AddRows`), candle's otherwise.
+pub fn add(x: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    let suffix = |long: &Tensor, short: &Tensor| {
+        short.rank() < long.rank()
+            && short.elem_count() > 0
+            && long.dims().ends_with(short.dims())
+            && applies(long)
+            && applies(short)
+    };
+    if suffix(x, b) {
+        x.contiguous()?.apply_op2(&b.contiguous()?, AddRows)
+    } else if suffix(b, x) {
+        b.contiguous()?.apply_op2(&x.contiguous()?, AddRows)
+    } else {
+        x.broadcast_add(b)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

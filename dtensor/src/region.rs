@@ -28,13 +28,43 @@ fn storage_len(c: &CpuStorage) -> usize {
     }
 }
 
-/// Takes the precomputed output and returns its data as a fresh storage (one copy).
-fn output_storage(slot: &Mutex<Option<Tensor>>) -> CResult<(CpuStorage, Shape)> {
+/// Takes the precomputed output and returns its data as a fresh storage (one copy), adding
+/// `bias` (an f32 row broadcast over the leading dims) on the way when given.
+fn output_storage(
+    slot: &Mutex<Option<Tensor>>,
+    bias: Option<&Tensor>,
+) -> CResult<(CpuStorage, Shape)> {
     let y = slot
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .take()
         .ok_or_else(|| msg("fused region: output already taken"))?;
+    if let Some(b) = bias {
+        let y = y.contiguous()?;
+        let b = b.contiguous()?;
+        let n = b.elem_count();
+        let data = crate::storage::with_bytes(&y, |yb| {
+            crate::storage::with_bytes(&b, |bb| {
+                if yb.is_empty() || bb.is_empty() {
+                    return Vec::new();
+                }
+                // SAFETY: both are f32 storages at element-aligned offsets (checked by the
+                // caller: regions run on f32 CPU tensors).
+                let (yv, bv) = unsafe {
+                    (
+                        std::slice::from_raw_parts(yb.as_ptr().cast::<f32>(), yb.len() / 4),
+                        std::slice::from_raw_parts(bb.as_ptr().cast::<f32>(), bb.len() / 4),
+                    )
+                };
+                let mut out = Vec::with_capacity(yv.len());
+                for row in yv.chunks_exact(n) {
+                    out.extend(row.iter().zip(bv).map(|(&a, &c)| a + c));
+                }
+                out
+            })
+        })??;
+        return Ok((CpuStorage::F32(data), y.shape().clone()));
+    }
     let n = y.elem_count();
     let exact = {
         let (s, l) = y.storage_and_layout();
@@ -92,6 +122,7 @@ type Bwd3 = Box<
 struct Region2 {
     name: &'static str,
     out: Mutex<Option<Tensor>>,
+    bias: Option<Tensor>,
     bwd: Bwd2,
 }
 
@@ -107,7 +138,7 @@ impl CustomOp2 for Region2 {
         _: &CpuStorage,
         _: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        output_storage(&self.out)
+        output_storage(&self.out, self.bias.as_ref())
     }
 
     fn bwd(
@@ -125,6 +156,7 @@ impl CustomOp2 for Region2 {
 struct Region3 {
     name: &'static str,
     out: Mutex<Option<Tensor>>,
+    bias: Option<Tensor>,
     bwd: Bwd3,
 }
 
@@ -142,7 +174,7 @@ impl CustomOp3 for Region3 {
         _: &CpuStorage,
         _: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        output_storage(&self.out)
+        output_storage(&self.out, self.bias.as_ref())
     }
 
     fn bwd(
@@ -164,17 +196,26 @@ fn tracked(ts: &[&Tensor]) -> bool {
     ts.iter().all(|t| t.device().is_cpu()) && ts.iter().any(|t| t.track_op())
 }
 
-/// `y = x @ w^T (+ b)` for `x: [.., in]`, `w: [out, in]`, `b: [out]`, as one graph node.
+/// Whether [`linear`] applies: CPU tensors, one of which tracks gradients, `x` of rank >= 2 and
+/// no empty operand (empty pieces take the plain path, which keeps the graph edges).
+pub fn linear_applies(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> bool {
+    let all: Vec<&Tensor> = [x, w].into_iter().chain(b).collect();
+    tracked(&all) && x.rank() >= 2 && all.iter().all(|t| t.elem_count() > 0)
+}
+
+/// `y = x @ w^T (+ b)` for `x: [.., in]`, `w: [out, in]`, `b: [out]`, as one graph node
+/// (plain candle ops where [`linear_applies`] is false).
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
     let compute = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| -> CResult<Tensor> {
         let dims = x.dims().to_vec();
         let inner = *dims
             .last()
             .ok_or_else(|| msg("linear: x needs at least one dim"))?;
-        let x2 = x.reshape(((), inner))?;
-        let y = x2.matmul(&w.t()?)?;
+        // Explicit row count: `()` cannot be inferred for an empty piece.
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
         let y = match b {
-            Some(b) => y.broadcast_add(b)?,
+            Some(b) => crate::fused::add(&y, b)?,
             None => y,
         };
         let mut out = dims;
@@ -183,12 +224,20 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
         }
         y.reshape(out)
     };
-    let all: Vec<&Tensor> = [x, w].into_iter().chain(b).collect();
-    if !tracked(&all) || x.rank() < 2 {
+    if !linear_applies(x, w, b) {
         return compute(x, w, b);
     }
     let x = x.contiguous()?;
-    let y = compute(&x.detach(), &w.detach(), b.map(|b| b.detach()).as_ref())?;
+    // An f32 bias is added while the output is copied into the node's storage (one pass).
+    let fuse_bias = x.dtype() == candle_core::DType::F32
+        && b.is_some_and(|b| b.dtype() == candle_core::DType::F32);
+    let bias = b.map(|b| b.detach());
+    let y = if fuse_bias {
+        compute(&x.detach(), &w.detach(), None)?
+    } else {
+        compute(&x.detach(), &w.detach(), bias.as_ref())?
+    };
+    let bias = bias.filter(|_| fuse_bias);
     // dx = g @ w; dw = g^T @ x; db = sum of g over rows.
     let grads = |x: &Tensor, w: &Tensor, g: &Tensor| -> CResult<(Tensor, Tensor, Tensor)> {
         let inner = x.dim(candle_core::D::Minus1)?;
@@ -197,7 +246,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
         let x2 = x.reshape(((), inner))?;
         let dx = g2.matmul(w)?.reshape(x.shape())?;
         let dw = g2.t()?.matmul(&x2)?;
-        let db = g2.sum(0)?;
+        let db = crate::fused::row_sum(&g2, out)?;
         Ok((dx, dw, db))
     };
     match b {
@@ -205,6 +254,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
             let op = Region3 {
                 name: "fused-linear",
                 out: Mutex::new(Some(y)),
+                bias,
                 bwd: Box::new(move |x, w, _b, g| grads(x, w, g)),
             };
             x.apply_op3(w, b, op)
@@ -213,6 +263,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
             let op = Region2 {
                 name: "fused-linear",
                 out: Mutex::new(Some(y)),
+                bias: None,
                 bwd: Box::new(move |x, w, g| {
                     let (dx, dw, _) = grads(x, w, g)?;
                     Ok((dx, dw))
@@ -240,6 +291,7 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f32) -> CRe
     let op = Region3 {
         name: "fused-sdpa",
         out: Mutex::new(Some(y)),
+        bias: None,
         bwd: Box::new(move |q, k, v, g| {
             let g = g.contiguous()?;
             let p = probs(q, k)?;

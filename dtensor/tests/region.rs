@@ -98,3 +98,49 @@ fn sdpa_matches() {
         }
     }
 }
+
+#[test]
+fn add_rows_matches_broadcast_add() {
+    use candle_dtensor_core::fused;
+    // (x shape, b shape): a bias, a position table, the swapped order, a scalar-like row and an
+    // equal-shape add (not fused).
+    let cases: [(&[usize], &[usize]); 5] = [
+        (&[6, 5], &[5]),
+        (&[2, 3, 4], &[3, 4]),
+        (&[4], &[3, 4]),
+        (&[3, 1], &[1]),
+        (&[2, 3], &[2, 3]),
+    ];
+    for (xs, bs) in cases {
+        check(
+            &format!("add {xs:?} + {bs:?}"),
+            &[randn(xs), randn(bs)],
+            &|t| fused::add(&t[0], &t[1]).unwrap(),
+            &|t| t[0].broadcast_add(&t[1]).unwrap(),
+        );
+    }
+    // A transposed input and an untracked bias.
+    let x = Var::from_tensor(&randn(&[5, 4]).t().unwrap()).unwrap();
+    let b = randn(&[5]);
+    let y = fused::add(x.as_tensor(), &b).unwrap();
+    close(&y, &x.as_tensor().broadcast_add(&b).unwrap(), "transposed x");
+    let g = y.sum_all().unwrap().backward().unwrap();
+    close(
+        g.get(&x).unwrap(),
+        &Tensor::ones((4, 5), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        "transposed x grad",
+    );
+}
+
+#[test]
+fn row_sum_matches_candle() {
+    use candle_dtensor_core::fused;
+    for (rows, n) in [(1, 7), (9, 3), (128, 64), (0, 4)] {
+        let g = randn(&[rows, n]);
+        close(
+            &fused::row_sum(&g, n).unwrap(),
+            &g.sum(0).unwrap(),
+            &format!("row_sum {rows}x{n}"),
+        );
+    }
+}

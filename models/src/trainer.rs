@@ -107,6 +107,9 @@ pub struct RankReport {
     pub params: usize,
     /// Time the compute thread waited on collectives, per step (ms).
     pub exposed_comm_ms: Vec<f64>,
+    /// Per step: milliseconds in forward (data to loss), backward (including FSDP's gradient
+    /// reduction and clipping) and the optimizer step.
+    pub phase_ms: Vec<[f64; 3]>,
     /// Peak bytes held in parameters + gradients + optimizer state on this rank (counted from
     /// the tensors: shards, their gradients, AdamW's two moments, and FSDP's unsharded
     /// parameters and gradients in flight).
@@ -194,6 +197,7 @@ pub fn train_rank(
         let last = step + 1 == cfg.steps;
         let mode = last.then(CommDebugMode::start);
         let loss = gpt.loss(&x, &y)?.redistribute(&all_r)?;
+        let t_fwd = Instant::now();
         let mut grads = loss.backward()?;
         if let Some(f) = &fsdp {
             f.finish_backward(&mut grads)?;
@@ -201,7 +205,14 @@ pub fn train_rank(
         if let Some(c) = cfg.clip {
             clip_grad_norm(&store, &mut grads, c)?;
         }
+        let t_bwd = Instant::now();
         opt.step(&grads)?;
+        let t_opt = Instant::now();
+        report.phase_ms.push([
+            (t_fwd - t0).as_secs_f64() * 1e3,
+            (t_bwd - t_fwd).as_secs_f64() * 1e3,
+            (t_opt - t_bwd).as_secs_f64() * 1e3,
+        ]);
         let value = loss.to_local().to_scalar::<f32>()?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         if let Some(mode) = mode {

@@ -147,6 +147,7 @@ impl LocalWorld {
                 "a world needs at least one rank".into(),
             ));
         }
+        warn_about_candle_pool(self.size);
         let world = World::new(self.size);
         let group = world.new_group((0..self.size).collect());
         let f = &f;
@@ -290,5 +291,21 @@ impl BackendFactory for LocalFactory {
         };
         backend.barrier(ctx)?.wait()?;
         Ok(backend)
+    }
+}
+
+/// Warns once when several rank threads will share candle's elementwise worker pool, which
+/// serializes its callers and spin-waits (see `candle_dtensor::init_cpu_threads`).
+fn warn_about_candle_pool(ranks: usize) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    if ranks > 1 && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        WARNED.call_once(|| {
+            tracing::warn!(
+                ranks,
+                "CANDLE_NUM_THREADS is not set: candle's CPU worker pool serializes the rank \
+                 threads and spin-waits; set CANDLE_NUM_THREADS=1 or call \
+                 candle_dtensor::init_cpu_threads() at the start of main"
+            );
+        });
     }
 }

@@ -13,6 +13,9 @@ pub(crate) fn linear_local(
     w: &Tensor,
     b: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
+    if crate::region::linear_applies(x, w, b) {
+        return crate::region::linear(x, w, b);
+    }
     let wt = w.t()?;
     let y = match x.dims() {
         [_] => x.unsqueeze(0)?.matmul(&wt)?.squeeze(0)?,
@@ -30,7 +33,7 @@ pub(crate) fn linear_local(
         _ => x.broadcast_matmul(&wt)?,
     };
     match b {
-        Some(b) => y.broadcast_add(b),
+        Some(b) => crate::fused::add(&y, b),
         None => Ok(y),
     }
 }

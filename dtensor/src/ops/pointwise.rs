@@ -146,7 +146,7 @@ impl DTensor {
         run1(&Op::Binary(b), &[self, rhs], |p| {
             let (x, y) = (&p.locals[0], &p.locals[1]);
             match b {
-                BinaryOp::Add => x.broadcast_add(y),
+                BinaryOp::Add => crate::fused::add(x, y),
                 BinaryOp::Sub => x.broadcast_sub(y),
                 BinaryOp::Mul => x.broadcast_mul(y),
                 BinaryOp::Div => x.broadcast_div(y),
