@@ -306,3 +306,76 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f32) -> CRe
     };
     q.apply_op3(&k, &v, op)
 }
+
+/// Splits a packed `[B, T, H, 3, d]` projection into contiguous `q`, `k`, `v` of `[B, H, T, d]`.
+fn unpack_qkv(x: &Tensor) -> CResult<(Tensor, Tensor, Tensor)> {
+    let part = |i: usize| -> CResult<Tensor> {
+        x.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2)?.contiguous()
+    };
+    Ok((part(0)?, part(1)?, part(2)?))
+}
+
+/// Attention on a packed projection `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` (f32 CPU, tracked,
+/// non-empty; see `ops::nn::packed_sdpa_local` for the other cases), as one graph node: the
+/// head split, the transposes and the merge of heads cost no graph edges, and the backward
+/// writes the packed gradient directly.
+pub fn packed_sdpa(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tensor> {
+    let probs = move |q: &Tensor, k: &Tensor| -> CResult<Tensor> {
+        let s = q.matmul(&k.t()?)?;
+        crate::fused::scaled_causal_softmax(&s, scale, causal).map(|p| p.detach())
+    };
+    let forward = move |x: &Tensor| -> CResult<Tensor> {
+        let (q, k, v) = unpack_qkv(x)?;
+        probs(&q, &k)?.matmul(&v)?.transpose(1, 2)?.contiguous()
+    };
+    let x = qkv.contiguous()?;
+    if !tracked(&[&x]) {
+        return forward(&x);
+    }
+    let y = forward(&x.detach())?;
+    x.apply_op1(Region1 {
+        name: "fused-packed-sdpa",
+        out: Mutex::new(Some(y)),
+        bwd: Box::new(move |x, g| {
+            let (q, k, v) = unpack_qkv(x)?;
+            let g = g.transpose(1, 2)?.contiguous()?;
+            let p = probs(&q, &k)?;
+            let dv = p.t()?.matmul(&g)?;
+            let dp = g.matmul(&v.t()?)?;
+            let ds = softmax_backward(&p, &dp, scale)?;
+            let dq = ds.matmul(&k)?;
+            let dk = ds.t()?.matmul(&q)?;
+            // [B, H, T, d] x 3 -> [B, T, H, 3, d].
+            Tensor::stack(
+                &[
+                    dq.transpose(1, 2)?,
+                    dk.transpose(1, 2)?,
+                    dv.transpose(1, 2)?,
+                ],
+                3,
+            )
+        }),
+    })
+}
+
+type Bwd1 = Box<dyn Fn(&Tensor, &Tensor) -> CResult<Tensor> + Send + Sync>;
+
+struct Region1 {
+    name: &'static str,
+    out: Mutex<Option<Tensor>>,
+    bwd: Bwd1,
+}
+
+impl candle_core::CustomOp1 for Region1 {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> CResult<(CpuStorage, Shape)> {
+        output_storage(&self.out, None)
+    }
+
+    fn bwd(&self, a: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
+        (self.bwd)(a, g).map(Some)
+    }
+}

@@ -608,6 +608,30 @@ fn sdpa() {
 }
 
 #[test]
+fn packed_sdpa() {
+    family("packed_sdpa", 22, |rng, i| {
+        let (b, t, h, d) = (
+            rng.range(1, 4),
+            rng.range(1, 6),
+            rng.range(1, 5),
+            rng.range(1, 5),
+        );
+        let scale = if rng.chance(0.5) {
+            None
+        } else {
+            Some(0.3.into())
+        };
+        Spec::new(
+            Op::PackedSdpa {
+                causal: i % 2 == 0,
+                scale,
+            },
+            vec![fin(rng, &[b, t, h, 3, d], Domain::Normal)],
+        )
+    });
+}
+
+#[test]
 fn index_select() {
     family("index_select", 22, |rng, _| {
         let nd = rng.range(1, 3);

@@ -123,7 +123,11 @@ fn add_rows_matches_broadcast_add() {
     let x = Var::from_tensor(&randn(&[5, 4]).t().unwrap()).unwrap();
     let b = randn(&[5]);
     let y = fused::add(x.as_tensor(), &b).unwrap();
-    close(&y, &x.as_tensor().broadcast_add(&b).unwrap(), "transposed x");
+    close(
+        &y,
+        &x.as_tensor().broadcast_add(&b).unwrap(),
+        "transposed x",
+    );
     let g = y.sum_all().unwrap().backward().unwrap();
     close(
         g.get(&x).unwrap(),

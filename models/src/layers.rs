@@ -301,12 +301,10 @@ impl Attention {
         let (b, t, d) = (x.dim(0)?, x.dim(1)?, x.dim(2)?);
         let (h, hd) = (self.n_heads, d / self.n_heads);
         let qkv = self.qkv.forward(x)?;
-        let qkv = qkv.reshape(&[b, t, h, 3, hd])?.permute(&[3, 0, 2, 1, 4])?;
-        let q = qkv.narrow(0, 0, 1)?.squeeze(0)?;
-        let k = qkv.narrow(0, 1, 1)?.squeeze(0)?;
-        let v = qkv.narrow(0, 2, 1)?.squeeze(0)?;
-        let y = q.sdpa(&k, &v, true, None)?;
-        let y = y.transpose(1, 2)?.reshape(&[b, t, d])?;
+        // The QKV weight is laid out head by head ([H, 3, d] rows), so a column shard of the
+        // projection holds whole heads and the packed attention runs on it locally.
+        let y = qkv.reshape(&[b, t, h, 3, hd])?.packed_sdpa(true, None)?;
+        let y = y.reshape(&[b, t, d])?;
         self.proj.forward(&y)
     }
 }

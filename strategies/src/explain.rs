@@ -304,6 +304,10 @@ pub fn build_op(req: &ExplainRequest, shapes: &[Shape]) -> Result<Op> {
             causal: req.causal,
             scale: None,
         },
+        "packed_sdpa" => Op::PackedSdpa {
+            causal: req.causal,
+            scale: None,
+        },
         "index_select" => Op::IndexSelect { dim: one(nd0, 0)? },
         "gather" => Op::Gather { dim: one(nd0, 0)? },
         _ => {

@@ -366,6 +366,16 @@ pub enum Op {
         /// Softmax scale (default `1/sqrt(d)`).
         scale: Option<Scalar>,
     },
+    /// Attention on a packed projection `qkv [B, T, H, 3, d]` (each head's q, k, v side by side,
+    /// as a fused QKV linear lays them out) -> `[B, T, H, d]`. One op instead of the split /
+    /// transpose views, so the local kernel reads q, k, v in place and writes the merged-heads
+    /// layout directly.
+    PackedSdpa {
+        /// Causal mask.
+        causal: bool,
+        /// Softmax scale (default `1/sqrt(d)`).
+        scale: Option<Scalar>,
+    },
     /// `src.index_select(ids, dim)`; `ids` is 1-D integer.
     IndexSelect {
         /// Indexed dim of `src`.
@@ -417,6 +427,7 @@ impl Op {
             Op::MaskedFill { .. } => "masked_fill",
             Op::Dropout { .. } => "dropout",
             Op::Sdpa { .. } => "sdpa",
+            Op::PackedSdpa { .. } => "packed_sdpa",
             Op::IndexSelect { .. } => "index_select",
             Op::Gather { .. } => "gather",
         }
@@ -456,6 +467,7 @@ impl Op {
             "masked_fill",
             "dropout",
             "sdpa",
+            "packed_sdpa",
             "index_select",
             "gather",
         ];

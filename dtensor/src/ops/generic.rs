@@ -126,6 +126,7 @@ pub fn apply(op: &Op, inputs: &[&DTensor]) -> Result<DTensor> {
             arity(op, n, &[3], rank)?;
             x.sdpa(inputs[1], inputs[2], *causal, scale.map(|s| s.get()))
         }
+        Op::PackedSdpa { causal, scale } => x.packed_sdpa(*causal, scale.map(|s| s.get())),
         Op::IndexSelect { dim } => {
             arity(op, n, &[2], rank)?;
             x.index_select(inputs[1], *dim)
@@ -343,6 +344,11 @@ pub fn reference_apply(op: &Op, inputs: &[Tensor]) -> CResult<Tensor> {
             let d = x.dim(3)? as f64;
             let s = scale.map(|s| s.get()).unwrap_or(1.0 / d.sqrt());
             reference::sdpa(x, &inputs[1], &inputs[2], *causal, s)?
+        }
+        Op::PackedSdpa { causal, scale } => {
+            let d = x.dim(4)? as f64;
+            let s = scale.map(|s| s.get()).unwrap_or(1.0 / d.sqrt());
+            reference::packed_sdpa(x, *causal, s)?
         }
         Op::IndexSelect { dim } => {
             need(inputs, 2, op)?;

@@ -77,6 +77,15 @@ pub fn sdpa_local(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) 
     reference::sdpa(q, k, v, causal, scale)
 }
 
+/// Attention on a packed projection `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` (one fused node for
+/// f32; the reference composition otherwise).
+pub fn packed_sdpa_local(qkv: &Tensor, causal: bool, scale: f64) -> CResult<Tensor> {
+    if qkv.elem_count() > 0 && fused::applies(qkv) && scale > 0.0 {
+        return crate::region::packed_sdpa(qkv, causal, scale as f32);
+    }
+    reference::packed_sdpa(qkv, causal, scale)
+}
+
 /// The same ops built from candle primitives only (every dtype; the reference the fused kernels
 /// are tested against).
 pub mod reference {
@@ -142,6 +151,22 @@ pub mod reference {
             att
         };
         softmax(&att, 3)?.matmul(&v)
+    }
+
+    /// Attention on a packed `qkv [B, T, H, 3, d]` -> `[B, T, H, d]`: split, [`sdpa`], merge.
+    pub fn packed_sdpa(qkv: &Tensor, causal: bool, scale: f64) -> CResult<Tensor> {
+        let part =
+            |i: usize| -> CResult<Tensor> { qkv.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2) };
+        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        let y = if q.elem_count() == 0 || k.elem_count() == 0 {
+            // An empty piece keeps the graph (softmax refuses empty input).
+            q.contiguous()?
+                .matmul(&k.contiguous()?.t()?)?
+                .matmul(&v.contiguous()?)?
+        } else {
+            sdpa(&q, &k, &v, causal, scale)?
+        };
+        y.transpose(1, 2)
     }
 
     /// GELU, tanh form (candle's `gelu`).
@@ -259,6 +284,20 @@ impl DTensor {
         run1(&op, &[self, k, v], |p| {
             sdpa_local(&p.locals[0], &p.locals[1], &p.locals[2], causal, s)
         })
+    }
+
+    /// Attention on a packed projection: `self` is `qkv [B, T, H, 3, d]` (each head's q, k, v
+    /// side by side, as `qkv_linear(x).reshape([B, T, H, 3, d])` gives for a QKV weight laid out
+    /// head by head); the output is `[B, T, H, d]`. Shardable on the batch or the heads; one
+    /// graph node for f32 on the CPU instead of the split, transpose and merge views.
+    pub fn packed_sdpa(&self, causal: bool, scale: Option<f64>) -> Result<DTensor> {
+        let d = *self.shape().last().unwrap_or(&1);
+        let s = scale.unwrap_or(1.0 / (d as f64).sqrt());
+        let op = Op::PackedSdpa {
+            causal,
+            scale: scale.map(Into::into),
+        };
+        run1(&op, &[self], |p| packed_sdpa_local(&p.locals[0], causal, s))
     }
 
     /// Embedding lookup: `self` is the integer ids `[..]`, `weight` is `[V, D]`; the output is

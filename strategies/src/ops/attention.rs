@@ -1,5 +1,6 @@
 //! Scaled dot-product attention `q [B, H, T, d]`, `k [B, H, S, d]`, `v [B, H, S, dv]` ->
-//! `[B, H, T, dv]`: shard the batch or the heads on all four tensors alike.
+//! `[B, H, T, dv]`: shard the batch or the heads on all four tensors alike. The packed form
+//! `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` shards the batch (dim 0) or the heads (dim 2).
 
 use super::{expect_same_dtype, meta, s};
 use crate::error::{Result, StrategyError};
@@ -31,5 +32,25 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
 pub(super) fn rows() -> Vec<StrategyRow> {
     (0..2)
         .map(|d| StrategyRow::new(&[s(d)], &[s(d), s(d), s(d)]))
+        .collect()
+}
+
+pub(super) fn packed_metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
+    let x = inputs[0];
+    if x.ndim() != 5 || x.shape[3] != 3 || !x.dtype.is_float() {
+        return Err(StrategyError::shape(
+            op,
+            format!("expects a float packed qkv [B, T, H, 3, d], got {x}"),
+        ));
+    }
+    let out = [x.shape[0], x.shape[1], x.shape[2], x.shape[4]];
+    Ok(vec![meta(&out, x.dtype)])
+}
+
+pub(super) fn packed_rows() -> Vec<StrategyRow> {
+    // Batch or heads; the sequence dim needs every key, and q/k/v (dim 3) belong together.
+    [0, 2]
+        .into_iter()
+        .map(|d| StrategyRow::new(&[s(d)], &[s(d)]))
         .collect()
 }

@@ -56,6 +56,7 @@ pub(crate) fn output_metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<Tensor
         Op::CrossEntropy => loss::metas(op, inputs)?,
         Op::IndexSelect { .. } | Op::Gather { .. } => index::metas(op, inputs)?,
         Op::Sdpa { .. } => attention::metas(op, inputs)?,
+        Op::PackedSdpa { .. } => attention::packed_metas(op, inputs)?,
         Op::Reshape { .. }
         | Op::Transpose { .. }
         | Op::Permute { .. }
@@ -96,6 +97,7 @@ pub(crate) fn rows(
         Op::CrossEntropy => loss::rows(inputs),
         Op::IndexSelect { .. } | Op::Gather { .. } => index::rows(op, inputs, outs),
         Op::Sdpa { .. } => attention::rows(),
+        Op::PackedSdpa { .. } => attention::packed_rows(),
         Op::Reshape { .. }
         | Op::Transpose { .. }
         | Op::Permute { .. }

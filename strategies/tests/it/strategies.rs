@@ -81,6 +81,14 @@ fn norms_attention_loss_index() {
         &[(q, F), (q, F), (q, F)],
     );
     assert_eq!(t, ["S(0) <- S(0), S(0), S(0)", "S(1) <- S(1), S(1), S(1)"]);
+    let t = table(
+        &Op::PackedSdpa {
+            causal: true,
+            scale: None,
+        },
+        &[(&[2, 8, 4, 3, 16], F)],
+    );
+    assert_eq!(t, ["S(0) <- S(0)", "S(2) <- S(2)"]);
     let t = table(&Op::CrossEntropy, &[(&[4, 16], F), (&[4], DType::I64)]);
     assert_eq!(
         t,
@@ -125,6 +133,7 @@ fn every_op_name_builds_and_propagates() {
             "squeeze" => ("4x1x6", Some("1"), None),
             "permute" => ("4x6", Some("1,0"), None),
             "sdpa" => ("2x4x8x16,2x4x8x16,2x4x8x16", None, None),
+            "packed_sdpa" => ("2x8x4x3x16", None, None),
             "layer_norm" => ("4x6,6,6", None, None),
             "rms_norm" => ("4x6,6", None, None),
             "where" => ("4x6:u8,4x6,4x6", None, None),
