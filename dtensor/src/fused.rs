@@ -500,6 +500,186 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
         .apply_op2(&w.contiguous()?, NormAffine(norm))
 }
 
+/// Mean cross-entropy of logits `[N, C]` against class ids (one per row), as one node:
+/// forward `mean(lse_i - x[i, t_i])`, backward `g / N * (softmax(x) - onehot(t))`.
+struct CrossEntropy {
+    targets: Vec<u32>,
+}
+
+impl CustomOp1 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let x = f32_slice(s, l, "cross_entropy")?;
+        let c = last_dim(l.shape(), "cross_entropy")?;
+        let rows = self.targets.len();
+        if c == 0 || rows == 0 || x.len() != rows * c {
+            return Err(msg("cross_entropy: logits/targets shape mismatch"));
+        }
+        let mut total = 0f64;
+        for (xr, &t) in x.chunks_exact(c).zip(&self.targets) {
+            let m = xr.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let sum: f32 = xr.iter().map(|&v| fast_exp(v - m)).sum();
+            let picked = *xr
+                .get(t as usize)
+                .ok_or_else(|| msg(format!("cross_entropy: class id {t} >= {c} classes")))?;
+            total += f64::from(m + sum.ln() - picked);
+        }
+        Ok((
+            CpuStorage::F32(vec![(total / rows as f64) as f32]),
+            Shape::from(()),
+        ))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
+        let c = last_dim(arg.shape(), "cross_entropy")?;
+        let scale = g.to_dtype(DType::F32)?.to_scalar::<f32>()? / self.targets.len() as f32;
+        let dx = with_f32(arg, |x| {
+            let mut dx = vec![0f32; x.len()];
+            for ((xr, dr), &t) in x
+                .chunks_exact(c)
+                .zip(dx.chunks_exact_mut(c))
+                .zip(&self.targets)
+            {
+                let m = xr.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                for (d, &v) in dr.iter_mut().zip(xr) {
+                    *d = fast_exp(v - m);
+                }
+                let inv = scale / dr.iter().sum::<f32>();
+                for d in dr.iter_mut() {
+                    *d *= inv;
+                }
+                if let Some(d) = dr.get_mut(t as usize) {
+                    *d -= scale;
+                }
+            }
+            dx
+        })?;
+        from_vec(dx, arg.shape(), arg).map(Some)
+    }
+}
+
+/// Mean cross-entropy of f32 logits `[N, C]` (N, C > 0) against integer targets `[N]` as one
+/// graph node (see `CrossEntropy`).
+pub fn cross_entropy(x: &Tensor, targets: &Tensor) -> CResult<Tensor> {
+    let targets = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+    x.contiguous()?.apply_op1(CrossEntropy { targets })
+}
+
+/// `sum_j exp(x[i, j] - m[i])` of f32 logits `[N, C]` with a detached row shift `m [N, 1]`, as
+/// one node (`[N, 1]`; backward `g[i] * exp(x[i, j] - m[i])`): the local part of a
+/// class-sharded (loss-parallel) log-sum-exp.
+struct SumExpShifted {
+    m: Vec<f32>,
+}
+
+impl CustomOp1 for SumExpShifted {
+    fn name(&self) -> &'static str {
+        "fused-sum-exp"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let x = f32_slice(s, l, "sum_exp")?;
+        let c = last_dim(l.shape(), "sum_exp")?;
+        let rows = self.m.len();
+        if c == 0 || x.len() != rows * c {
+            return Err(msg("sum_exp: logits/shift shape mismatch"));
+        }
+        let y: Vec<f32> = x
+            .chunks_exact(c)
+            .zip(&self.m)
+            .map(|(xr, &m)| xr.iter().map(|&v| fast_exp(v - m)).sum())
+            .collect();
+        Ok((CpuStorage::F32(y), Shape::from((rows, 1))))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
+        let c = last_dim(arg.shape(), "sum_exp")?;
+        let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let dx = with_f32(arg, |x| {
+            let mut dx = vec![0f32; x.len()];
+            for (((xr, dr), &m), &gv) in x
+                .chunks_exact(c)
+                .zip(dx.chunks_exact_mut(c))
+                .zip(&self.m)
+                .zip(&g)
+            {
+                for (d, &v) in dr.iter_mut().zip(xr) {
+                    *d = gv * fast_exp(v - m);
+                }
+            }
+            dx
+        })?;
+        from_vec(dx, arg.shape(), arg).map(Some)
+    }
+}
+
+/// See `SumExpShifted`; `x` f32 `[N, C]` with C > 0, `m` `[N, 1]` (not differentiated).
+pub fn sum_exp_shifted(x: &Tensor, m: &Tensor) -> CResult<Tensor> {
+    let m = m.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    x.contiguous()?.apply_op1(SumExpShifted { m })
+}
+
+/// `x[i, ids[i]] * inside[i]` of f32 `[N, C]` as one node (`[N, 1]`): the target logit where this
+/// rank owns the target's class, 0 elsewhere. Backward scatters `g` to those positions.
+struct PickMasked {
+    ids: Vec<u32>,
+    inside: Vec<bool>,
+}
+
+impl CustomOp1 for PickMasked {
+    fn name(&self) -> &'static str {
+        "fused-pick"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let x = f32_slice(s, l, "pick")?;
+        let c = last_dim(l.shape(), "pick")?;
+        let rows = self.ids.len();
+        if c == 0 || x.len() != rows * c {
+            return Err(msg("pick: logits/ids shape mismatch"));
+        }
+        let mut y = vec![0f32; rows];
+        for (i, (&id, &inside)) in self.ids.iter().zip(&self.inside).enumerate() {
+            if inside {
+                y[i] = *x
+                    .get(i * c + id as usize)
+                    .filter(|_| (id as usize) < c)
+                    .ok_or_else(|| msg(format!("pick: local class id {id} >= {c}")))?;
+            }
+        }
+        Ok((CpuStorage::F32(y), Shape::from((rows, 1))))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
+        let c = last_dim(arg.shape(), "pick")?;
+        let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut dx = vec![0f32; arg.elem_count()];
+        for (i, ((&id, &inside), &gv)) in self.ids.iter().zip(&self.inside).zip(&g).enumerate() {
+            if inside && (id as usize) < c {
+                dx[i * c + id as usize] = gv;
+            }
+        }
+        from_vec(dx, arg.shape(), arg).map(Some)
+    }
+}
+
+/// See `PickMasked`: `x` f32 `[N, C]` with C > 0, `ids` local class ids `[N]` (u32), `inside`
+/// `[N]` (nonzero where this rank owns the target).
+pub fn pick_masked(x: &Tensor, ids: &Tensor, inside: &Tensor) -> CResult<Tensor> {
+    let ids = ids.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?;
+    let inside = inside
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(|v| v != 0.0)
+        .collect();
+    x.contiguous()?.apply_op1(PickMasked { ids, inside })
+}
+
 /// Sums the rows of a contiguous f32 tensor viewed as `[rows, n]`: the gradient of a bias
 /// broadcast over leading dims. candle's `sum(0)` walks that layout with a strided index
 /// (several ns per element); this adds whole rows, which vectorizes. Rows are added in order,

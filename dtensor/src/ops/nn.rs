@@ -363,6 +363,9 @@ impl DTensor {
             let (x, t) = (&p.locals[0], &p.locals[1]);
             let (cdims, off, cols) = sharded_range(p, &p.sharding.input_specs[0], 1)?;
             if cdims.is_empty() {
+                if fused::applies(x) && x.track_op() && x.dim(0)? > 0 && x.dim(1)? > 0 {
+                    return fused::cross_entropy(x, t);
+                }
                 let lsm = log_softmax_local(x, 1)?;
                 let picked = lsm.gather(&t.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?;
                 return picked.neg()?.mean_all();
@@ -384,6 +387,12 @@ impl DTensor {
             let (mut s_all, mut picked) = if cols == 0 {
                 let z = crate::node::graph_zeros(x, &[n, 1])?;
                 (z.clone(), z)
+            } else if fused::applies(x) && x.track_op() && n > 0 {
+                let (local, inside) = local_ids(t, off, cols)?;
+                (
+                    fused::sum_exp_shifted(x, &m)?,
+                    fused::pick_masked(x, &local, &inside)?,
+                )
             } else {
                 let e = x.broadcast_sub(&m)?.exp()?;
                 let (local, inside) = local_ids(t, off, cols)?;
