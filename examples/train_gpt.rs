@@ -4,7 +4,12 @@
 //! cargo run --release --example train_gpt        # FSDP over dp=2 x tensor parallel tp=2, tiny preset
 //! cargo run --release --example train_gpt -- --mesh tp=4 --sp --steps 50 --check --json
 //! cargo run --release --example train_gpt -- --mesh replicate=2,shard=2 --hsdp
+//! cargo run --release --example train_gpt -- --steps 100 --save-dir ckpt --save-every 25
+//! cargo run --release --example train_gpt -- --steps 200 --save-dir ckpt --resume --mesh dp=4
 //! ```
+//!
+//! With `--save-dir` it writes distributed checkpoints (`models::checkpoint`); `--resume`
+//! continues from the latest one, on any mesh, up to the total `--steps`.
 //!
 //! The data is a synthetic corpus generated from the seed (no downloads); the global batch and
 //! its order depend only on the seed and the step, so every layout trains the same model on
@@ -55,9 +60,25 @@ struct Args {
     /// Sequence parallelism (activations sharded on the sequence dim between blocks).
     #[arg(long)]
     sp: bool,
-    /// Training steps.
+    /// Training steps in total (a resumed run continues from the checkpoint's step up to
+    /// this).
     #[arg(long, default_value_t = 150)]
     steps: usize,
+    /// Directory of distributed checkpoints (one `step-N/` per save). A checkpoint is saved
+    /// after the last step, and every `--save-every` steps.
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
+    /// Save a checkpoint every N steps (needs --save-dir; 0: only after the last step).
+    #[arg(long, default_value_t = 0)]
+    save_every: usize,
+    /// Resume from the latest complete checkpoint in --save-dir (any mesh may have saved it);
+    /// without one, start from step 0.
+    #[arg(long)]
+    resume: bool,
+    /// Start from the parameters of a plain safetensors file (e.g. a consolidated
+    /// checkpoint) instead of the seed's initialisation.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
     /// Model preset: tiny or small.
     #[arg(long, default_value = "tiny")]
     preset: String,
@@ -227,7 +248,7 @@ fn train_on(
         if let (true, Some(bar)) = (rank0, bar) {
             let tps = info.tokens as f64 / (info.step_ms / 1e3);
             bar.set_message(format!("loss {:.4}  {:.0} tok/s", info.loss, tps));
-            bar.inc(1);
+            bar.set_position(info.step as u64 + 1);
         }
     })?;
     Ok(report)
@@ -346,6 +367,13 @@ fn real_main(args: &Args) -> Result<(), String> {
     cfg.batch = args.batch;
     cfg.lr = args.lr;
     cfg.clip = args.clip;
+    if (args.resume || args.save_every > 0) && args.save_dir.is_none() {
+        return Err("--resume and --save-every need --save-dir".into());
+    }
+    cfg.save_dir = args.save_dir.clone();
+    cfg.save_every = args.save_every;
+    cfg.resume = args.resume;
+    cfg.init_from = args.init_from.clone();
     let bar = ProgressBar::new(args.steps as u64);
     if args.json {
         bar.set_draw_target(ProgressDrawTarget::hidden());
@@ -374,6 +402,9 @@ fn real_main(args: &Args) -> Result<(), String> {
         "sp": args.sp,
         "preset": args.preset,
         "steps": args.steps,
+        "start_step": report.start_step,
+        "saved_steps": report.saved_steps,
+        "save_ms": report.save_ms,
         "losses": report.losses,
         "final_loss": report.losses.last(),
         "step_ms_median": median(&report.step_ms),
@@ -395,6 +426,11 @@ fn real_main(args: &Args) -> Result<(), String> {
     if args.check {
         let mut single = cfg.clone();
         single.fsdp = None;
+        // The reference trains from scratch (or from --init-from) without checkpoints; a
+        // resumed run is compared with its steps from `start_step` on.
+        single.save_dir = None;
+        single.save_every = 0;
+        single.resume = false;
         let reference = run(
             "local",
             &[("tp".to_string(), 1)],
@@ -407,7 +443,7 @@ fn real_main(args: &Args) -> Result<(), String> {
         let max_rel = report
             .losses
             .iter()
-            .zip(&reference.losses)
+            .zip(reference.losses.iter().skip(report.start_step))
             .map(|(a, b)| ((a - b).abs() / b.abs().max(1e-12)) as f64)
             .fold(0.0f64, f64::max);
         summary["ref_losses"] = serde_json::json!(reference.losses);
@@ -416,7 +452,7 @@ fn real_main(args: &Args) -> Result<(), String> {
         if !args.json {
             println!(
                 "check: max relative loss difference vs single device over {} steps: {max_rel:.3e}",
-                args.steps
+                report.losses.len()
             );
         }
     }
@@ -426,7 +462,7 @@ fn real_main(args: &Args) -> Result<(), String> {
                 .losses
                 .iter()
                 .enumerate()
-                .map(|(i, l)| format!("{i},{l}\n")),
+                .map(|(i, l)| format!("{},{l}\n", report.start_step + i)),
         )
         .collect();
     let csv_path = args.out.with_extension("csv");
@@ -443,8 +479,9 @@ fn real_main(args: &Args) -> Result<(), String> {
     } else {
         let coll: BTreeMap<String, BTreeMap<String, usize>> = report.collectives.clone();
         println!(
-            "trained {} steps on mesh {}: loss {:.4} -> {:.4}, median step {:.1} ms, {:.0} tokens/s",
-            args.steps,
+            "trained steps {}..{} on mesh {}: loss {:.4} -> {:.4}, median step {:.1} ms, {:.0} tokens/s",
+            report.start_step,
+            report.start_step + report.losses.len(),
             args.mesh,
             report.losses.first().copied().unwrap_or(f32::NAN),
             report.losses.last().copied().unwrap_or(f32::NAN),
@@ -452,6 +489,15 @@ fn real_main(args: &Args) -> Result<(), String> {
             (args.batch * gpt.seq_len) as f64 / (median(&report.step_ms) / 1e3)
         );
         println!("collectives per step: {coll:?}");
+        if !report.saved_steps.is_empty() {
+            println!(
+                "saved checkpoints after steps {:?} in {}",
+                report.saved_steps,
+                args.save_dir
+                    .as_deref()
+                    .map_or_else(String::new, |d| d.display().to_string())
+            );
+        }
         println!("wrote {} and {}", csv_path.display(), svg_path.display());
     }
     Ok(())

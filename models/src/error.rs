@@ -23,6 +23,16 @@ pub enum ModelError {
     /// A candle op failed.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    /// Saving or loading a checkpoint failed (boxed: the integrity errors carry paths and
+    /// names).
+    #[error(transparent)]
+    Checkpoint(Box<crate::checkpoint::CheckpointError>),
+}
+
+impl From<crate::checkpoint::CheckpointError> for ModelError {
+    fn from(e: crate::checkpoint::CheckpointError) -> Self {
+        ModelError::Checkpoint(Box::new(e))
+    }
 }
 
 /// `Result` with [`ModelError`].

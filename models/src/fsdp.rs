@@ -440,6 +440,13 @@ impl Fsdp {
         Ok((shard, full_t))
     }
 
+    /// This rank's rows of a parameter with `rows` rows (dim 0 of its tensor-parallel-local
+    /// piece): `(count, offset)`, torch.chunk over the shard group as [`Fsdp::add_param`] cuts
+    /// them. An empty shard reports `(0, rows)`.
+    pub fn shard_rows(&self, rows: usize) -> (usize, usize) {
+        shard_size_and_offset(rows, self.inner.shard.size(), self.inner.shard.rank())
+    }
+
     /// Number of units.
     pub fn num_units(&self) -> usize {
         self.run().units.len()

@@ -12,7 +12,11 @@
 //! - [`init`]: a counter-based initialiser keyed by global index, so any mesh holds exactly
 //!   the single-device parameters for a seed.
 //! - [`train`]: a global gradient-norm clip with one all_reduce; [`data`]: a synthetic corpus.
+//! - [`optim`]: AdamW with candle-nn's exact math in one fused pass, its state accessible.
+//! - [`checkpoint`]: distributed checkpoints (every rank writes its pieces, one manifest) that
+//!   load into any layout, consolidate into one plain safetensors file, and verify checksums.
 
+pub mod checkpoint;
 pub mod data;
 mod error;
 pub mod fsdp;
@@ -20,6 +24,7 @@ pub mod fsdp_vb;
 pub mod gpt;
 pub mod init;
 pub mod layers;
+pub mod optim;
 pub mod params;
 pub mod plan;
 pub mod train;
@@ -27,5 +32,5 @@ pub mod trainer;
 
 pub use error::{ModelError, Result};
 pub use gpt::{Gpt, GptConfig, NormKind};
-pub use params::{Param, ParamStore};
+pub use params::{Param, ParamStore, VarBox};
 pub use plan::{MeshRoles, ParallelStyle, TpPlan};

@@ -23,6 +23,75 @@ pub struct Param {
     pub init: Init,
     /// How many ranks hold an identical copy of `var` (for the global gradient norm).
     pub replicas: usize,
+    /// Where `var`'s elements sit in the global tensor: one box for every placement this crate
+    /// builds (tensor-parallel `Shard` pieces, composed with FSDP's row shard), several for
+    /// `StridedShard`, none for an empty piece. Checkpoints save and load these regions.
+    pub boxes: Vec<VarBox>,
+    /// Whether this rank writes `var` into checkpoints: replicas write once, from the rank
+    /// whose coordinate is 0 on every mesh dim over which `var` is replicated (every dim with
+    /// a non-sharding placement, except FSDP's shard dim).
+    pub writer: bool,
+}
+
+/// A box of a parameter: `shape` elements starting at `global_offset` in the global tensor,
+/// stored starting at `local_offset` in the rank's `var` (row-major; both offsets per dim).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct VarBox {
+    /// Offset of the box in the rank's var, per dim.
+    pub local_offset: Vec<usize>,
+    /// Offset of the box in the global tensor, per dim.
+    pub global_offset: Vec<usize>,
+    /// Extent of the box, per dim.
+    pub shape: Vec<usize>,
+}
+
+impl VarBox {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The boxes covering a piece whose elements along dim `d` are the global indices
+/// `indices[d]` (in local order): the product of each dim's runs of consecutive indices.
+pub fn boxes_of(indices: &[Vec<usize>]) -> Vec<VarBox> {
+    // Runs per dim: (local start, global start, length).
+    let runs: Vec<Vec<(usize, usize, usize)>> = indices
+        .iter()
+        .map(|idx| {
+            let mut out: Vec<(usize, usize, usize)> = Vec::new();
+            for (l, &g) in idx.iter().enumerate() {
+                match out.last_mut() {
+                    Some((_, gs, n)) if *gs + *n == g => *n += 1,
+                    _ => out.push((l, g, 1)),
+                }
+            }
+            out
+        })
+        .collect();
+    if runs.iter().any(Vec::is_empty) {
+        return Vec::new();
+    }
+    let mut boxes = vec![VarBox {
+        local_offset: Vec::new(),
+        global_offset: Vec::new(),
+        shape: Vec::new(),
+    }];
+    for dim_runs in &runs {
+        boxes = boxes
+            .into_iter()
+            .flat_map(|b| {
+                dim_runs.iter().map(move |&(l, g, n)| {
+                    let mut b = b.clone();
+                    b.local_offset.push(l);
+                    b.global_offset.push(g);
+                    b.shape.push(n);
+                    b
+                })
+            })
+            .collect();
+    }
+    boxes
 }
 
 /// Creates and owns a model's parameters, initialised deterministically
@@ -86,6 +155,31 @@ impl ParamStore {
             .collect();
         let local = piece(init, self.seed, name, shape, &idx, self.dtype, &Device::Cpu)?;
         let replicated = |m: usize| placements[m] == Placement::Replicate;
+        // Mesh dims over which the var is an identical copy (for the checkpoint writer).
+        let copy_dim = |m: usize| {
+            !placements[m].is_shard()
+                && self
+                    .fsdp
+                    .as_ref()
+                    .is_none_or(|(f, _)| f.config().shard_dim != m)
+        };
+        let writer = (0..mesh_shape.len()).all(|m| !copy_dim(m) || coord[m] == 0);
+        let var_indices = match &self.fsdp {
+            // FSDP keeps torch.chunk rows of dim 0 of the tensor-parallel piece.
+            Some((fsdp, _)) if !idx.is_empty() => {
+                let (n, off) = fsdp.shard_rows(idx[0].len());
+                let mut v = idx.clone();
+                v[0] = idx[0]
+                    .get(off..off + n)
+                    .map(<[usize]>::to_vec)
+                    .unwrap_or_default();
+                Some(v)
+            }
+            // A scalar under FSDP: rank 0 holds it.
+            Some((fsdp, _)) => (fsdp.shard_rows(1).0 == 1).then(Vec::new),
+            None => Some(idx.clone()),
+        };
+        let boxes = var_indices.map(|v| boxes_of(&v)).unwrap_or_default();
         let (var, tensor, replicas) = match &self.fsdp {
             Some((fsdp, unit)) => {
                 let (shard, full) = fsdp.add_param(*unit, &local)?;
@@ -116,6 +210,8 @@ impl ParamStore {
             tensor: tensor.clone(),
             init,
             replicas,
+            boxes,
+            writer,
         });
         Ok(tensor)
     }

@@ -1,7 +1,9 @@
 //! The training loop shared by the `train_gpt` example and the tests: one rank's side of
-//! training a [`Gpt`] on the synthetic corpus with candle-nn's AdamW.
+//! training a [`Gpt`] on the synthetic corpus with AdamW ([`crate::optim::AdamW`], candle-nn's
+//! math), with optional distributed checkpoints ([`crate::checkpoint`]) and resumption.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
@@ -10,10 +12,12 @@ use candle_dtensor_core::{distribute_tensor, Placement};
 use candle_dtensor_mesh::DeviceMesh;
 use candle_nn::Optimizer;
 
+use crate::checkpoint::{self, CheckpointError, Which};
 use crate::data::Corpus;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::fsdp::{Fsdp, FsdpConfig};
 use crate::gpt::{Gpt, GptConfig};
+use crate::optim::AdamW;
 use crate::plan::TpPlan;
 use crate::train::clip_grad_norm;
 
@@ -43,6 +47,18 @@ pub struct TrainConfig {
     /// Plain SGD instead of AdamW (tests: SGD is sensitive to the gradient scale, which AdamW's
     /// normalisation would hide).
     pub sgd: bool,
+    /// Directory of distributed checkpoints (`None`: no checkpoints).
+    pub save_dir: Option<PathBuf>,
+    /// Save a checkpoint every this many steps, and after the last step (0: only after the
+    /// last step). Needs `save_dir`.
+    pub save_every: usize,
+    /// Resume from the latest complete checkpoint in `save_dir`: continue from its step up to
+    /// `steps` (the total). Without a checkpoint there, start from step 0.
+    pub resume: bool,
+    /// Start from the parameters of a plain safetensors file (e.g. a consolidated
+    /// checkpoint) instead of the seed's initialisation; not used when resuming from a
+    /// checkpoint.
+    pub init_from: Option<PathBuf>,
 }
 
 /// FSDP settings by mesh dim name.
@@ -75,6 +91,10 @@ impl TrainConfig {
             corpus_tokens: 1 << 18,
             fsdp: None,
             sgd: false,
+            save_dir: None,
+            save_every: 0,
+            resume: false,
+            init_from: None,
         }
     }
 }
@@ -82,7 +102,7 @@ impl TrainConfig {
 /// One finished step, as reported to the progress callback.
 #[derive(Debug, Clone, Copy)]
 pub struct StepInfo {
-    /// 0-based step index.
+    /// 0-based global step index (a resumed run starts at the checkpoint's step).
     pub step: usize,
     /// The global mean loss of the step.
     pub loss: f32,
@@ -95,8 +115,14 @@ pub struct StepInfo {
 /// What one rank saw.
 #[derive(Debug, Clone, Default)]
 pub struct RankReport {
-    /// Global mean loss per step.
+    /// The first step this invocation ran (the checkpoint's step when resuming, else 0).
+    pub start_step: usize,
+    /// Global mean loss per step run in this invocation (steps `start_step..steps`).
     pub losses: Vec<f32>,
+    /// Steps after which a checkpoint was saved.
+    pub saved_steps: Vec<usize>,
+    /// Wall time of each checkpoint save (ms).
+    pub save_ms: Vec<f64>,
     /// Wall time per step (ms).
     pub step_ms: Vec<f64>,
     /// Collectives issued in the last step by (kind, phase) -> count.
@@ -156,7 +182,7 @@ pub fn train_rank(
     let mut opt = if cfg.sgd {
         StepOptimizer::Sgd(candle_nn::SGD::new(store.vars(), cfg.lr)?)
     } else {
-        StepOptimizer::AdamW(candle_nn::AdamW::new(
+        StepOptimizer::AdamW(AdamW::new(
             store.vars(),
             candle_nn::ParamsAdamW {
                 lr: cfg.lr,
@@ -165,10 +191,51 @@ pub fn train_rank(
             },
         )?)
     };
+    // What the data stream depends on, saved with every checkpoint.
+    let extra = serde_json::json!({
+        "seed": cfg.seed,
+        "batch": cfg.batch,
+        "corpus_tokens": cfg.corpus_tokens,
+        "data": "synthetic corpus; batches are a function of (seed, step) only",
+    });
+    if (cfg.resume || cfg.save_every > 0) && cfg.save_dir.is_none() {
+        return Err(ModelError::Config(
+            "resume and save_every need a save_dir".into(),
+        ));
+    }
+    let mut start = 0;
+    let mut resumed = false;
+    if let (true, Some(dir)) = (cfg.resume, &cfg.save_dir) {
+        match checkpoint::load(dir, Which::Latest, &store, opt.adamw_mut()) {
+            Ok(info) => {
+                start = info.step;
+                resumed = true;
+                for key in ["seed", "batch", "corpus_tokens"] {
+                    if info.extra.get(key) != extra.get(key) {
+                        tracing::warn!(
+                            key,
+                            saved = %info.extra.get(key).unwrap_or(&serde_json::Value::Null),
+                            now = %extra.get(key).unwrap_or(&serde_json::Value::Null),
+                            "resuming with a different data setting: the data stream differs"
+                        );
+                    }
+                }
+                tracing::info!(step = start, dir = %info.dir.display(), "resumed");
+            }
+            Err(CheckpointError::NotFound { .. }) => {
+                tracing::info!(dir = %dir.display(), "no checkpoint to resume; starting at step 0");
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if let (false, Some(path)) = (resumed, &cfg.init_from) {
+        store.load_safetensors(path)?;
+    }
     let placements = gpt.batch_placements();
     let all_r = vec![Placement::Replicate; mesh.ndim()];
     let t = cfg.gpt.seq_len;
     let mut report = RankReport {
+        start_step: start,
         param_bytes: store.local_bytes(),
         params: store.global_numel(),
         ..RankReport::default()
@@ -187,7 +254,7 @@ pub fn train_rank(
         report.largest_param_bytes = Some(f.largest_param_bytes());
     }
     let _ = candle_dtensor_core::debug::take_comm_wait();
-    for step in 0..cfg.steps {
+    for step in start..cfg.steps {
         let t0 = Instant::now();
         let (x, y) = corpus.batch(step as u64, cfg.batch, t, cfg.seed);
         let x = Tensor::from_vec(x, (cfg.batch, t), &Device::Cpu)?;
@@ -246,6 +313,15 @@ pub fn train_rank(
             step_ms: ms,
             tokens: cfg.batch * t,
         });
+        let done = step + 1;
+        if let Some(dir) = &cfg.save_dir {
+            if (cfg.save_every > 0 && done % cfg.save_every == 0) || done == cfg.steps {
+                let t0 = Instant::now();
+                checkpoint::save(dir, done, &store, opt.adamw(), &extra)?;
+                report.save_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                report.saved_steps.push(done);
+            }
+        }
     }
     Ok(report)
 }
@@ -254,10 +330,24 @@ pub fn train_rank(
 /// layouts) or AdamW (the default).
 enum StepOptimizer {
     Sgd(candle_nn::SGD),
-    AdamW(candle_nn::AdamW),
+    AdamW(AdamW),
 }
 
 impl StepOptimizer {
+    fn adamw(&self) -> Option<&AdamW> {
+        match self {
+            StepOptimizer::AdamW(o) => Some(o),
+            StepOptimizer::Sgd(_) => None,
+        }
+    }
+
+    fn adamw_mut(&mut self) -> Option<&mut AdamW> {
+        match self {
+            StepOptimizer::AdamW(o) => Some(o),
+            StepOptimizer::Sgd(_) => None,
+        }
+    }
+
     fn step(&mut self, grads: &candle_core::backprop::GradStore) -> candle_core::Result<()> {
         use candle_nn::Optimizer;
         match self {
