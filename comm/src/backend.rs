@@ -225,6 +225,11 @@ fn registry() -> &'static Registry {
             "local".to_string(),
             Arc::new(crate::local::LocalFactory) as Arc<dyn BackendFactory>,
         );
+        m.insert("mpi".to_string(), crate::mpi::factory()); // NotCompiled without feature `mpi`
+        m.insert(
+            "process".to_string(),
+            Arc::new(crate::process::ProcessFactory) as Arc<dyn BackendFactory>,
+        );
         RwLock::new(m)
     })
 }

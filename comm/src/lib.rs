@@ -18,6 +18,10 @@
 //! - Backends implement [`Backend`] and register a [`BackendFactory`] by name
 //!   ([`register_backend`], [`new_comm`]). The built-in `local` backend runs N ranks as threads
 //!   of one process ([`LocalWorld`]).
+//! - Multi-process runs: the built-in `process` backend runs each rank as its own process over
+//!   TCP ([`process`]), started by the `dtrun` launcher; ranks find each other through a
+//!   rendezvous [`store`] hosted by rank 0, reading rank and size from the launcher's
+//!   environment ([`env`](mod@env)).
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
@@ -34,10 +38,16 @@
 
 mod backend;
 mod comm;
+#[cfg(feature = "conformance")]
+pub mod conformance;
+pub mod env;
 mod error;
 mod flight;
 mod hooks;
 pub mod local;
+pub mod mpi;
+pub mod process;
+pub mod store;
 mod types;
 mod window;
 mod work;

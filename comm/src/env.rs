@@ -1,0 +1,382 @@
+//! Rank and world size from the environment a launcher sets.
+//!
+//! [`LaunchEnv::from_env`] reads, in this order of precedence:
+//!
+//! 1. torchrun / `dtrun`: `RANK`, `WORLD_SIZE`, optionally `LOCAL_RANK`;
+//! 2. Open MPI (`mpirun`): `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`,
+//!    `OMPI_COMM_WORLD_LOCAL_RANK`;
+//! 3. PMI (MPICH, Intel MPI, Slurm's PMI): `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`.
+//!
+//! The rendezvous store's address always comes from `MASTER_ADDR` and `MASTER_PORT` (MPI
+//! launchers do not set them; export them yourself). A variable that is set but malformed is an
+//! error naming it and its value; a missing one is an error listing what was looked for.
+//!
+//! ```
+//! use candle_dtensor_comm::env::{EnvSource, LaunchEnv};
+//!
+//! let vars = [("RANK", "1"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
+//! let env = LaunchEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()))?;
+//! assert_eq!((env.rank, env.world_size, env.source), (1, 4, EnvSource::Torchrun));
+//! assert_eq!(env.store_addr()?, "127.0.0.1:29500");
+//! # Ok::<(), candle_dtensor_comm::env::EnvError>(())
+//! ```
+
+use std::fmt;
+
+use crate::error::CommError;
+
+/// Which launcher convention the rank came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnvSource {
+    /// `RANK` / `WORLD_SIZE` (torchrun, `dtrun`).
+    Torchrun,
+    /// `OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE` (Open MPI).
+    OpenMpi,
+    /// `PMI_RANK` / `PMI_SIZE` (MPICH, Intel MPI, Slurm).
+    Pmi,
+}
+
+impl fmt::Display for EnvSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            EnvSource::Torchrun => "RANK/WORLD_SIZE",
+            EnvSource::OpenMpi => "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE",
+            EnvSource::Pmi => "PMI_RANK/PMI_SIZE",
+        })
+    }
+}
+
+/// A malformed or incomplete launch environment.
+#[non_exhaustive]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnvError {
+    /// A required variable is not set. `looked_for` lists the alternatives tried.
+    #[error("launch environment: {what} is not set (looked for {looked_for}); start the program with dtrun, torchrun or mpirun, or set them yourself")]
+    Missing {
+        /// What is missing ("the rank", "the store address", ...).
+        what: &'static str,
+        /// The variables tried, in order.
+        looked_for: String,
+    },
+    /// A variable is set but its value is not valid.
+    #[error("launch environment: {var}={value:?} is invalid: {reason}")]
+    Invalid {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// Why it is invalid.
+        reason: String,
+    },
+    /// The rank is not below the world size.
+    #[error("launch environment ({convention}): rank {rank} is out of range for a world of {world_size}")]
+    RankOutOfRange {
+        /// The rank read.
+        rank: usize,
+        /// The world size read.
+        world_size: usize,
+        /// Which convention they came from.
+        convention: EnvSource,
+    },
+}
+
+impl From<EnvError> for CommError {
+    fn from(e: EnvError) -> Self {
+        CommError::Bootstrap {
+            comm: "world".to_string(),
+            reason: e.to_string(),
+        }
+    }
+}
+
+/// What a launcher told this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// This process's rank in the world.
+    pub rank: usize,
+    /// The number of processes in the world.
+    pub world_size: usize,
+    /// The rank among the processes of this host, when the launcher says.
+    pub local_rank: Option<usize>,
+    /// `MASTER_ADDR`, when set.
+    pub master_addr: Option<String>,
+    /// `MASTER_PORT`, when set.
+    pub master_port: Option<u16>,
+    /// Which convention `rank` / `world_size` came from.
+    pub source: EnvSource,
+}
+
+fn parse<T: std::str::FromStr>(var: &'static str, value: String, what: &str) -> Result<T, EnvError>
+where
+    T::Err: fmt::Display,
+{
+    value.trim().parse::<T>().map_err(|e| EnvError::Invalid {
+        var,
+        value: value.clone(),
+        reason: format!("expected {what}: {e}"),
+    })
+}
+
+impl LaunchEnv {
+    /// Reads the process environment; see the module docs.
+    ///
+    /// # Errors
+    ///
+    /// [`EnvError`] naming the missing or malformed variable.
+    pub fn from_env() -> Result<LaunchEnv, EnvError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Like [`LaunchEnv::from_env`] with variables from `get` (for tests and embedding).
+    ///
+    /// # Errors
+    ///
+    /// [`EnvError`] naming the missing or malformed variable.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, EnvError> {
+        const SCHEMES: [(EnvSource, &str, &str, &[&str]); 3] = [
+            (EnvSource::Torchrun, "RANK", "WORLD_SIZE", &["LOCAL_RANK"]),
+            (
+                EnvSource::OpenMpi,
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                &["OMPI_COMM_WORLD_LOCAL_RANK"],
+            ),
+            (EnvSource::Pmi, "PMI_RANK", "PMI_SIZE", &["MPI_LOCALRANKID"]),
+        ];
+        let found = SCHEMES.iter().find(|(_, r, _, _)| get(r).is_some());
+        let Some(&(source, rank_var, size_var, local_vars)) = found else {
+            return Err(EnvError::Missing {
+                what: "the rank",
+                looked_for: "RANK, OMPI_COMM_WORLD_RANK, PMI_RANK".into(),
+            });
+        };
+        let rank: usize = parse(rank_var, get(rank_var).unwrap_or_default(), "a rank >= 0")?;
+        let world_size: usize = match get(size_var) {
+            Some(v) => parse(size_var, v, "a world size >= 1")?,
+            None => {
+                return Err(EnvError::Missing {
+                    what: "the world size",
+                    looked_for: size_var.to_string(),
+                })
+            }
+        };
+        if world_size == 0 {
+            return Err(EnvError::Invalid {
+                var: size_var,
+                value: "0".into(),
+                reason: "a world needs at least one rank".into(),
+            });
+        }
+        if rank >= world_size {
+            return Err(EnvError::RankOutOfRange {
+                rank,
+                world_size,
+                convention: source,
+            });
+        }
+        let mut local_rank = None;
+        for &v in local_vars {
+            if let Some(val) = get(v) {
+                local_rank = Some(parse(v, val, "a local rank >= 0")?);
+                break;
+            }
+        }
+        let master_addr = get("MASTER_ADDR").filter(|s| !s.trim().is_empty());
+        let master_port = match get("MASTER_PORT") {
+            Some(v) => {
+                let p: u16 = parse("MASTER_PORT", v.clone(), "a TCP port (1-65535)")?;
+                if p == 0 {
+                    return Err(EnvError::Invalid {
+                        var: "MASTER_PORT",
+                        value: v,
+                        reason: "port 0 cannot be dialled".into(),
+                    });
+                }
+                Some(p)
+            }
+            None => None,
+        };
+        Ok(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            master_addr: master_addr.map(|s| s.trim().to_string()),
+            master_port,
+            source,
+        })
+    }
+
+    /// `MASTER_ADDR:MASTER_PORT`, the address of the rendezvous store (IPv6 literals are
+    /// bracketed).
+    ///
+    /// # Errors
+    ///
+    /// [`EnvError::Missing`] if either variable is not set.
+    pub fn store_addr(&self) -> Result<String, EnvError> {
+        let missing = |v: &str| EnvError::Missing {
+            what: "the store address",
+            looked_for: v.to_string(),
+        };
+        let host = self
+            .master_addr
+            .as_deref()
+            .ok_or_else(|| missing("MASTER_ADDR"))?;
+        let port = self.master_port.ok_or_else(|| missing("MASTER_PORT"))?;
+        if host.contains(':') && !host.starts_with('[') {
+            Ok(format!("[{host}]:{port}"))
+        } else {
+            Ok(format!("{host}:{port}"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(vars: &[(&str, &str)]) -> Result<LaunchEnv, EnvError> {
+        let v: Vec<(String, String)> = vars
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
+        LaunchEnv::from_lookup(move |k| v.iter().find(|(n, _)| n == k).map(|(_, x)| x.clone()))
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let e = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "localhost"),
+            ("MASTER_PORT", "1234"),
+        ])
+        .unwrap();
+        assert_eq!(e.rank, 3);
+        assert_eq!(e.world_size, 4);
+        assert_eq!(e.local_rank, Some(1));
+        assert_eq!(e.source, EnvSource::Torchrun);
+        assert_eq!(e.store_addr().unwrap(), "localhost:1234");
+    }
+
+    #[test]
+    fn mpi_and_pmi_variables_and_precedence() {
+        let e = env(&[
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "3"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+        ])
+        .unwrap();
+        assert_eq!((e.rank, e.world_size, e.local_rank), (2, 3, Some(0)));
+        assert_eq!(e.source, EnvSource::OpenMpi);
+        let e = env(&[("PMI_RANK", "0"), ("PMI_SIZE", "2")]).unwrap();
+        assert_eq!((e.rank, e.world_size, e.source), (0, 2, EnvSource::Pmi));
+        // torchrun's variables win over MPI's.
+        let e = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "5"),
+        ])
+        .unwrap();
+        assert_eq!((e.rank, e.world_size), (1, 2));
+        assert!(matches!(
+            e.store_addr(),
+            Err(EnvError::Missing { looked_for, .. }) if looked_for == "MASTER_ADDR"
+        ));
+        let v6 = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "::1"),
+            ("MASTER_PORT", "9"),
+        ])
+        .unwrap();
+        assert_eq!(v6.store_addr().unwrap(), "[::1]:9");
+    }
+
+    #[test]
+    fn missing_and_malformed_values_are_typed_errors() {
+        let e = env(&[]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                EnvError::Missing {
+                    what: "the rank",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("RANK"), "{e}");
+        let e = env(&[("RANK", "0")]).unwrap_err();
+        assert!(
+            matches!(&e, EnvError::Missing { looked_for, .. } if looked_for == "WORLD_SIZE"),
+            "{e}"
+        );
+        let e = env(&[("RANK", "x"), ("WORLD_SIZE", "2")]).unwrap_err();
+        assert!(
+            matches!(&e, EnvError::Invalid { var: "RANK", value, .. } if value == "x"),
+            "{e}"
+        );
+        let e = env(&[("RANK", "-1"), ("WORLD_SIZE", "2")]).unwrap_err();
+        assert!(matches!(e, EnvError::Invalid { var: "RANK", .. }), "{e}");
+        let e = env(&[("RANK", "2"), ("WORLD_SIZE", "2")]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                EnvError::RankOutOfRange {
+                    rank: 2,
+                    world_size: 2,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "0")]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                EnvError::Invalid {
+                    var: "WORLD_SIZE",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", "70000")]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                EnvError::Invalid {
+                    var: "MASTER_PORT",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", "0")]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                EnvError::Invalid {
+                    var: "MASTER_PORT",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "a")]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                EnvError::Invalid {
+                    var: "LOCAL_RANK",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let c: CommError = e.into();
+        assert!(matches!(c, CommError::Bootstrap { .. }));
+    }
+}

@@ -1,0 +1,609 @@
+//! The `process` backend: CPU ranks as separate processes, talking over TCP.
+//!
+//! # Overview
+//!
+//! - Start the processes with `dtrun --nproc N -- prog args` (or torchrun, or mpirun with
+//!   `MASTER_ADDR`/`MASTER_PORT` exported); each calls
+//!   `new_comm("process", &Device::Cpu, "world", CommOptions)` and gets the world communicator.
+//!   Rank and size come from the environment ([`crate::env::LaunchEnv`]); rank 0 hosts the
+//!   rendezvous [`store`](crate::store) on `MASTER_ADDR:MASTER_PORT` for the life of the
+//!   process, every rank connects to it.
+//! - Each communicator owns a full mesh of TCP connections, bootstrapped through the store
+//!   under a namespace of its own (`cdt/new_comm/<name>/<k>` for the k-th `new_comm` of that
+//!   name, `<parent>/split<i>/c<color>` for a split: Gloo's scheme), one reader thread per peer
+//!   and one progress thread that runs its ops in issue order (the local backend's design:
+//!   ops on different communicators overlap).
+//! - Collectives are the classic CPU algorithms (ring all-gather, pairwise reduce-scatter and
+//!   all-to-all, reduce-scatter + ring all-gather all-reduce, binomial broadcast) with
+//!   reductions in rank order, so results are bitwise equal to the local backend's. See
+//!   `ops.rs` for the list and `wire.rs` for the frame format.
+//! - Failures: the op timeout names the ranks that never reached the collective; ranks that
+//!   issue different collectives get a desync error naming both; a peer whose connection
+//!   closes without a goodbye (its process died) fails every pending and later op at once,
+//!   naming it; `abort()` and timeouts are told to every peer, so the whole communicator fails
+//!   with the same cause. RMA windows are not supported ([`Capabilities`] says so).
+//!
+//! [`connect`] builds a communicator from an explicit store, rank and size (ranks may then also
+//! be threads of one process, which is how the unit tests run).
+
+mod bootstrap;
+mod ops;
+mod queue;
+#[cfg(test)]
+mod tests;
+mod transport;
+mod wire;
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+
+use crate::backend::{dtype_names, Backend, BackendFactory, Capabilities, CommOptions};
+use crate::comm::Comm;
+use crate::env::LaunchEnv;
+use crate::error::{CommError, Result};
+use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
+use crate::types::{OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES};
+use crate::work::Work;
+use bootstrap::{connect_mesh, MeshSpec};
+use queue::Queue;
+use transport::{Exec, Transport};
+use wire::Failure;
+
+/// The hint that sets the address peers dial to reach this rank (default: the address this
+/// host uses to reach the store, i.e. 127.0.0.1 for a loopback store).
+pub const HINT_IP: &str = "ip";
+
+/// How a communicator's members find each other: a store (the root of every namespace) and
+/// the address this rank listens on.
+#[derive(Clone)]
+pub(crate) struct Rendezvous {
+    store: Arc<dyn Store>,
+    ip: IpAddr,
+}
+
+/// The world store of this process: created by the first `new_comm("process")` and kept for
+/// the life of the process (rank 0 serves it to every other rank).
+struct WorldStore {
+    addr: String,
+    _server: Option<TcpStoreServer>,
+    client: Arc<TcpStore>,
+}
+
+/// The process's world store and how many communicators of each name `new_comm` created.
+type WorldState = (Option<WorldStore>, HashMap<String, u64>);
+
+fn world_store(env: &LaunchEnv, options: &CommOptions, name: &str) -> Result<(Arc<TcpStore>, u64)> {
+    static WORLD: OnceLock<Mutex<WorldState>> = OnceLock::new();
+    let boot = |reason: String| CommError::Bootstrap {
+        comm: name.to_string(),
+        reason,
+    };
+    let addr = env.store_addr().map_err(|e| boot(e.to_string()))?;
+    let mut g = WORLD
+        .get_or_init(|| Mutex::new((None, HashMap::new())))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let client = match &g.0 {
+        Some(w) if w.addr == addr => w.client.clone(),
+        Some(w) => {
+            return Err(boot(format!(
+                "this process already rendezvoused through the store at {}; MASTER_ADDR/MASTER_PORT now say {addr}",
+                w.addr
+            )))
+        }
+        None => {
+            let server = if env.rank == 0 {
+                Some(TcpStoreServer::bind(&addr).map_err(|e| boot(format!("rank 0: {e}")))?)
+            } else {
+                None
+            };
+            let client = Arc::new(
+                TcpStore::connect(&addr, options.bootstrap_timeout)
+                    .map_err(|e| boot(format!("rank {}: {e}", env.rank)))?,
+            );
+            g.0 = Some(WorldStore {
+                addr,
+                _server: server,
+                client: client.clone(),
+            });
+            client
+        }
+    };
+    let count = g.1.entry(name.to_string()).or_insert(0);
+    *count += 1;
+    Ok((client, *count))
+}
+
+/// The factory behind `new_comm("process", ...)`.
+pub(crate) struct ProcessFactory;
+
+impl BackendFactory for ProcessFactory {
+    fn create(
+        &self,
+        device: &Device,
+        name: &str,
+        options: &CommOptions,
+    ) -> Result<Arc<dyn Backend>> {
+        check_cpu(device, name)?;
+        let env = LaunchEnv::from_env().map_err(|e| CommError::Bootstrap {
+            comm: name.to_string(),
+            reason: e.to_string(),
+        })?;
+        let (client, index) = world_store(&env, options, name)?;
+        let ip = match options.hints.get(HINT_IP) {
+            Some(ip) => parse_ip(ip, name)?,
+            None => client.local_ip().map_err(|e| CommError::Bootstrap {
+                comm: name.to_string(),
+                reason: e.to_string(),
+            })?,
+        };
+        let rdv = Rendezvous { store: client, ip };
+        let ns = format!("cdt/new_comm/{name}/{index}");
+        let b = ProcessBackend::bootstrap(rdv, ns, env.rank, env.world_size, name, options, None)?;
+        Ok(b)
+    }
+}
+
+fn check_cpu(device: &Device, name: &str) -> Result<()> {
+    if device.is_cpu() {
+        return Ok(());
+    }
+    Err(CommError::Bootstrap {
+        comm: name.to_string(),
+        reason: format!(
+            "the process backend runs on the CPU; got {:?}",
+            device.location()
+        ),
+    })
+}
+
+fn parse_ip(s: &str, name: &str) -> Result<IpAddr> {
+    s.parse().map_err(|e| CommError::Bootstrap {
+        comm: name.to_string(),
+        reason: format!("hint {HINT_IP}={s:?} is not an IP address: {e}"),
+    })
+}
+
+/// Creates rank `rank` of a `size`-rank process communicator named `name` whose members
+/// rendezvous through `store` (which must be namespaced for this communicator alone: a
+/// [`PrefixStore`] with a fresh prefix per creation). Collective: every rank calls it.
+///
+/// Ranks may be processes or threads; the address peers dial is the `"ip"` hint (default
+/// 127.0.0.1).
+///
+/// # Errors
+///
+/// [`CommError::Timeout`] naming the ranks that did not show up within
+/// `options.bootstrap_timeout`; [`CommError::Bootstrap`] for store or socket failures.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use candle_core::{Device, Tensor};
+/// use candle_dtensor_comm::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
+/// use candle_dtensor_comm::{process, CommOptions, ReduceOp};
+///
+/// let server = TcpStoreServer::bind("127.0.0.1:0")?;
+/// let addr = server.local_addr().to_string();
+/// let sums = std::thread::scope(|s| {
+///     let handles: Vec<_> = (0..2).map(|rank| {
+///         let addr = addr.clone();
+///         s.spawn(move || -> Result<Vec<f32>, Box<dyn std::error::Error + Send + Sync>> {
+///             let store: Arc<dyn Store> = Arc::new(TcpStore::connect(&addr, Duration::from_secs(10))?);
+///             let ns = Arc::new(PrefixStore::new("doc", store));
+///             let comm = process::connect(ns, rank, 2, "world", CommOptions::default())?;
+///             let x = Tensor::full(rank as f32 + 1.0, 3, &Device::Cpu)?;
+///             Ok(comm.all_reduce(&x, ReduceOp::Sum)?.wait()?.to_vec1::<f32>()?)
+///         })
+///     }).collect();
+///     handles.into_iter().map(|h| h.join().unwrap()).collect::<Result<Vec<_>, _>>()
+/// }).map_err(|e| e.to_string())?;
+/// assert_eq!(sums[1], vec![3.0; 3]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn connect(
+    store: Arc<dyn Store>,
+    rank: usize,
+    size: usize,
+    name: &str,
+    options: CommOptions,
+) -> Result<Comm> {
+    if size == 0 || rank >= size {
+        return Err(CommError::Bootstrap {
+            comm: name.to_string(),
+            reason: format!("rank {rank} out of range for a communicator of size {size}"),
+        });
+    }
+    let ip = match options.hints.get(HINT_IP) {
+        Some(ip) => parse_ip(ip, name)?,
+        None => IpAddr::V4(Ipv4Addr::LOCALHOST),
+    };
+    let rdv = Rendezvous { store, ip };
+    let b = ProcessBackend::bootstrap(rdv, String::new(), rank, size, name, &options, None)?;
+    Ok(Comm::from_backend(b, name, options))
+}
+
+struct Core {
+    t: Arc<Transport>,
+    queue: Arc<Queue>,
+    device: Device,
+    /// Set by the progress thread once it has said goodbye.
+    closed: Mutex<bool>,
+    closed_cv: Condvar,
+}
+
+/// One rank of a process communicator.
+pub(crate) struct ProcessBackend {
+    core: Arc<Core>,
+}
+
+/// How long dropping a communicator waits for its queue to drain and its goodbyes to go out.
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
+impl Drop for ProcessBackend {
+    /// The progress thread drains what is queued (peers may need it), says goodbye to every
+    /// peer and exits.
+    ///
+    /// # Blocking
+    ///
+    /// Waits for that, up to 5 s, unless an op of this communicator is running right now (the
+    /// drop may then happen on that very op's thread). Without the wait, a process that returns
+    /// from `main` right after its last collective could exit before its goodbye, and a peer
+    /// still finishing that collective would take it for a crash.
+    fn drop(&mut self) {
+        let mut q = self.core.queue.lock();
+        q.shutdown = true;
+        let running = q.running;
+        drop(q);
+        self.core.queue.cv.notify_all();
+        if running {
+            return;
+        }
+        let deadline = Instant::now() + CLOSE_WAIT;
+        let mut closed = self.core.closed.lock().unwrap_or_else(|e| e.into_inner());
+        while !*closed {
+            let now = Instant::now();
+            if now >= deadline {
+                tracing::warn!(comm = %self.core.t.name, rank = self.core.t.rank, "communicator still closing after {CLOSE_WAIT:?}");
+                return;
+            }
+            closed = self
+                .core
+                .closed_cv
+                .wait_timeout(closed, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+impl ProcessBackend {
+    /// Connects the mesh under namespace `ns` of `rdv.store` (the empty namespace: the store
+    /// itself) and starts the threads. `parent_ctx` is the split op creating it, if any, and
+    /// `names` maps new ranks to the ranks errors should name.
+    fn bootstrap(
+        rdv: Rendezvous,
+        ns: String,
+        rank: usize,
+        size: usize,
+        name: &str,
+        options: &CommOptions,
+        parent: Option<(&OpCtx, &[usize])>,
+    ) -> Result<Arc<ProcessBackend>> {
+        let own_ctx;
+        let (ctx, names): (&OpCtx, Option<&[usize]>) = match parent {
+            Some((c, names)) => (c, Some(names)),
+            None => {
+                own_ctx = OpCtx {
+                    op: OpName::NewComm,
+                    comm: Arc::from(name),
+                    rank,
+                    seq: 0,
+                    timeout: options.bootstrap_timeout,
+                };
+                (&own_ctx, None)
+            }
+        };
+        let scoped: Arc<dyn Store> = if ns.is_empty() {
+            rdv.store.clone()
+        } else {
+            Arc::new(PrefixStore::new(ns.clone(), rdv.store.clone()))
+        };
+        let name_rank = |r: usize| names.and_then(|n| n.get(r).copied()).unwrap_or(r);
+        let spec = MeshSpec {
+            store: &*scoped,
+            ns: &ns,
+            rank,
+            size,
+            ip: rdv.ip,
+            ctx,
+            deadline: Instant::now() + options.bootstrap_timeout,
+            name_rank: &name_rank,
+        };
+        let streams = connect_mesh(&spec)?;
+        let t = Transport::start(rank, streams, name, ns, rdv)?;
+        let queue = Queue::new();
+        let core = Arc::new(Core {
+            t: t.clone(),
+            queue: queue.clone(),
+            device: Device::Cpu,
+            closed: Mutex::new(false),
+            closed_cv: Condvar::new(),
+        });
+        // The thread holds the core weakly: the backend (and its `Drop`) owns it.
+        let weak = Arc::downgrade(&core);
+        std::thread::Builder::new()
+            .name(format!("cdt-{name}-r{rank}"))
+            .spawn(move || {
+                queue.run(move || {
+                    t.close();
+                    if let Some(core) = weak.upgrade() {
+                        *core.closed.lock().unwrap_or_else(|e| e.into_inner()) = true;
+                        core.closed_cv.notify_all();
+                    }
+                })
+            })
+            .map_err(|e| CommError::Bootstrap {
+                comm: name.to_string(),
+                reason: format!("could not start the progress thread: {e}"),
+            })?;
+        Ok(Arc::new(ProcessBackend { core }))
+    }
+}
+
+impl Core {
+    /// Queues `body` as the next op; collectives take the next collective index.
+    fn submit<T: Send + 'static>(
+        &self,
+        ctx: OpCtx,
+        collective: bool,
+        body: impl FnOnce(&mut Exec) -> Result<T> + Send + 'static,
+    ) -> Result<Work<T>> {
+        let mut q = self.queue.lock();
+        if q.shutdown {
+            return Err(CommError::Aborted {
+                ctx,
+                reason: "the communicator was dropped".into(),
+            });
+        }
+        let coll = if collective {
+            q.next_coll += 1;
+            q.next_coll - 1
+        } else {
+            u64::MAX
+        };
+        let ahead = q.tasks.len() + usize::from(q.running);
+        let id = q.next_task;
+        q.next_task += 1;
+        let (mut work, completer) = Work::pending(ctx.clone(), ahead);
+        work.set_inline(self.queue.clone(), id);
+        let t = self.t.clone();
+        q.tasks.push_back((
+            id,
+            Box::new(move || {
+                completer.start();
+                let mut exec = Exec {
+                    t: &t,
+                    ctx: &ctx,
+                    coll,
+                    deadline: Instant::now() + ctx.timeout,
+                    desc: None,
+                    greeting: Vec::new(),
+                    greeted: Vec::new(),
+                };
+                let r = match catch_unwind(AssertUnwindSafe(|| body(&mut exec))) {
+                    Ok(r) => r,
+                    Err(p) => {
+                        let msg = p
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| p.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "unknown panic payload".into());
+                        let reason = format!("internal panic in {}: {msg}", ctx.op);
+                        tracing::error!(%ctx, %reason, "process backend op panicked");
+                        let f = t.fail(
+                            Failure::Aborted {
+                                by: t.rank,
+                                reason: reason.clone(),
+                                after: t.completed(),
+                            },
+                            true,
+                        );
+                        Err(f.to_error(&ctx, None))
+                    }
+                };
+                if collective {
+                    t.finish(coll, r.is_ok());
+                }
+                completer.complete(r);
+            }),
+        ));
+        drop(q);
+        self.queue.cv.notify_one();
+        Ok(work)
+    }
+}
+
+impl Backend for ProcessBackend {
+    fn backend_name(&self) -> &'static str {
+        "process"
+    }
+
+    fn rank(&self) -> usize {
+        self.core.t.rank
+    }
+
+    fn size(&self) -> usize {
+        self.core.t.size
+    }
+
+    fn device(&self) -> &Device {
+        &self.core.device
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            rma_put: false,
+            rma_get: false,
+            rma_signal: false,
+            abort: true,
+            dtypes: dtype_names(&SUPPORTED_DTYPES),
+        }
+    }
+
+    fn all_reduce(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        op: ReduceOp,
+        output: Option<Tensor>,
+    ) -> Result<Work<Tensor>> {
+        self.core
+            .submit(ctx, true, move |x| ops::all_reduce(x, input, op, output))
+    }
+
+    fn all_gather_single(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        output: Option<Tensor>,
+    ) -> Result<Work<Tensor>> {
+        self.core
+            .submit(ctx, true, move |x| ops::all_gather(x, input, output))
+    }
+
+    fn reduce_scatter_single(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        op: ReduceOp,
+        output: Option<Tensor>,
+    ) -> Result<Work<Tensor>> {
+        self.core.submit(ctx, true, move |x| {
+            ops::reduce_scatter(x, input, op, output)
+        })
+    }
+
+    fn all_to_all_single(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        output: Option<Tensor>,
+    ) -> Result<Work<Tensor>> {
+        self.core
+            .submit(ctx, true, move |x| ops::all_to_all(x, input, output))
+    }
+
+    fn all_to_all_v_single(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        output_split_sizes: Vec<usize>,
+        input_split_sizes: Vec<usize>,
+    ) -> Result<Work<Tensor>> {
+        self.core.submit(ctx, true, move |x| {
+            ops::all_to_all_v(x, input, output_split_sizes, input_split_sizes)
+        })
+    }
+
+    fn broadcast(&self, ctx: OpCtx, tensor: Tensor, root: usize) -> Result<Work<Tensor>> {
+        self.core
+            .submit(ctx, true, move |x| ops::broadcast(x, tensor, root))
+    }
+
+    fn reduce(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<Work<Option<Tensor>>> {
+        self.core
+            .submit(ctx, true, move |x| ops::reduce(x, input, root, op))
+    }
+
+    fn gather(&self, ctx: OpCtx, input: Tensor, root: usize) -> Result<Work<Option<Vec<Tensor>>>> {
+        self.core
+            .submit(ctx, true, move |x| ops::gather(x, input, root))
+    }
+
+    fn scatter(&self, ctx: OpCtx, inputs: Vec<Tensor>, root: usize) -> Result<Work<Tensor>> {
+        self.core
+            .submit(ctx, true, move |x| ops::scatter(x, inputs, root))
+    }
+
+    fn barrier(&self, ctx: OpCtx) -> Result<Work<()>> {
+        self.core.submit(ctx, true, ops::barrier)
+    }
+
+    fn batch_p2p(&self, ctx: OpCtx, ops: Vec<P2POp>) -> Result<Work<Vec<Tensor>>> {
+        self.core
+            .submit(ctx, false, move |x| ops::batch_p2p(x, ops))
+    }
+
+    fn split(
+        &self,
+        ctx: OpCtx,
+        ranks: &[usize],
+        name: &str,
+        options: &CommOptions,
+    ) -> Result<Option<Arc<dyn Backend>>> {
+        let ranks = ranks.to_vec();
+        let name = name.to_string();
+        let options = options.clone();
+        let work = self.core.submit(ctx, true, move |x| {
+            ops::exchange_split_lists(x, &ranks)?;
+            if ranks.is_empty() {
+                return Ok(None);
+            }
+            let color = ranks.iter().copied().min().unwrap_or(0);
+            let my = ranks.iter().position(|&r| r == x.t.rank).unwrap_or(0);
+            // Gloo's scheme: the parent's namespace, the split's collective index, the color.
+            let ns = if x.t.key.is_empty() {
+                format!("split{}/c{color}", x.coll)
+            } else {
+                format!("{}/split{}/c{color}", x.t.key, x.coll)
+            };
+            let opts = CommOptions {
+                bootstrap_timeout: x.deadline.saturating_duration_since(Instant::now()),
+                ..options
+            };
+            let b = ProcessBackend::bootstrap(
+                x.t.rdv.clone(),
+                ns,
+                my,
+                ranks.len(),
+                &name,
+                &opts,
+                Some((x.ctx, &ranks)),
+            )?;
+            Ok(Some(b as Arc<dyn Backend>))
+        })?;
+        work.wait()
+    }
+
+    fn abort(&self, reason: &str) {
+        self.core.t.fail(
+            Failure::Aborted {
+                by: self.core.t.rank,
+                reason: reason.to_string(),
+                after: self.core.t.completed(),
+            },
+            true,
+        );
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.core.t.failure().is_some()
+    }
+
+    fn pending(&self) -> usize {
+        let q = self.core.queue.lock();
+        q.tasks.len() + usize::from(q.running)
+    }
+}

@@ -1,0 +1,688 @@
+//! The collectives of the process backend. Each op first announces its descriptor to every
+//! peer (HELLO: desync detection, and the arrival record that names missing ranks on a
+//! timeout), then moves data, and ends by making sure every peer announced it (so an op
+//! completes only once every rank has reached it, as in the local backend).
+//!
+//! Algorithms (n ranks, S bytes per rank):
+//!
+//! - `all_reduce`: up to 64 KiB, every rank sends its input to every peer and reduces all n
+//!   inputs (one step). Above, a pairwise reduce-scatter (rank r receives chunk r of every
+//!   input and reduces it) followed by a ring all-gather of the reduced chunks (n - 1 steps):
+//!   2(n-1)/n S sent per rank, as the ring all-reduce.
+//! - `reduce_scatter_single`: pairwise (chunk j to rank j), (n-1)/n S per rank.
+//! - `all_gather_single`: ring, n - 1 steps, (n-1) S per rank.
+//! - `all_to_all_single` / `_v`: pairwise; `_v` first exchanges every rank's split sizes so all
+//!   ranks check every (sender, receiver) pair and agree on the verdict.
+//! - `broadcast`: binomial tree from the root (ceil(log2 n) steps).
+//! - `reduce`, `gather`: direct to the root; `scatter`: direct from the root.
+//!
+//! Every reduction combines the ranks' values in rank order 0, 1, ..., n-1 with the local
+//! backend's kernel, so every rank, and the local backend, get the same bits for the same
+//! inputs (a pairwise reduce-scatter rather than a ring one keeps that order: the bytes on the
+//! wire are the same, n-1 concurrent transfers instead of n-1 sequential steps).
+
+use candle_core::{DType, Shape, Tensor};
+
+use super::transport::Exec;
+use super::wire::{
+    decode_tensor, decode_usizes, encode_usizes, tensor_preamble, Desc, Failure, Payload, ShapeRule,
+};
+use crate::error::{CommError, Result};
+use crate::local::kernels::{detached_copy, read_view, reduce_into, write_into, OutBuf};
+use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
+
+/// Inputs up to this size take the one-step all_reduce.
+const EAGER_BYTES: usize = 64 * 1024;
+
+fn view_err(ctx: &OpCtx) -> impl Fn(String) -> CommError + '_ {
+    move |e| CommError::invalid(ctx, e)
+}
+
+fn candle_err(ctx: &OpCtx) -> impl Fn(candle_core::Error) -> CommError + '_ {
+    move |e| CommError::candle(ctx, e)
+}
+
+fn peers(x: &Exec) -> impl Iterator<Item = usize> {
+    let (me, n) = (x.t.rank, x.t.size);
+    (0..n).filter(move |&p| p != me)
+}
+
+/// A new CPU tensor holding a copy of `bytes`.
+fn tensor_from(ctx: &OpCtx, dtype: DType, dims: &[usize], bytes: &[u8]) -> Result<Tensor> {
+    let shape = Shape::from_dims(dims);
+    let want = shape.elem_count() * dtype.size_in_bytes();
+    if bytes.len() != want {
+        return Err(CommError::invalid(
+            ctx,
+            format!(
+                "received {} bytes for a {dims:?} {dtype:?} tensor ({want} bytes)",
+                bytes.len()
+            ),
+        ));
+    }
+    let out = OutBuf::new(dtype, shape.elem_count()).map_err(view_err(ctx))?;
+    // SAFETY: the buffer holds exactly `bytes.len()` bytes and is private to this thread; after
+    // the write every byte is initialised.
+    unsafe {
+        out.write(0, bytes);
+        out.into_tensor(shape)
+    }
+    .map_err(candle_err(ctx))
+}
+
+/// Writes a result: into `output` when the caller gave one (under its storage's write lock;
+/// the caller must hold no read view of that storage), else into a fresh tensor of `shape`.
+/// `fill` gets the destination's first byte and must write all its bytes.
+fn produce(
+    ctx: &OpCtx,
+    output: Option<Tensor>,
+    dtype: DType,
+    shape: Shape,
+    fill: impl FnOnce(*mut u8) -> Result<()> + Send,
+) -> Result<Tensor> {
+    let elems = shape.elem_count();
+    match output {
+        None => {
+            let out = OutBuf::new(dtype, elems).map_err(view_err(ctx))?;
+            fill(out.ptr())?;
+            // SAFETY: `fill` wrote every element (its contract).
+            unsafe { out.into_tensor(shape) }.map_err(candle_err(ctx))
+        }
+        Some(t) => {
+            if t.dtype() != dtype || t.elem_count() != elems {
+                return Err(CommError::invalid(
+                    ctx,
+                    format!(
+                        "output is {:?} {:?} but the result is {:?} {:?}",
+                        t.dims(),
+                        t.dtype(),
+                        shape.dims(),
+                        dtype
+                    ),
+                ));
+            }
+            let mut err = None;
+            write_into(&t, |ptr, len| {
+                if len != elems * dtype.size_in_bytes() {
+                    return Err(format!(
+                        "output holds {len} bytes, expected {}",
+                        elems * dtype.size_in_bytes()
+                    ));
+                }
+                fill(ptr).map_err(|e| {
+                    let m = e.to_string();
+                    err = Some(e);
+                    m
+                })
+            })
+            .map_err(|m| err.take().unwrap_or_else(|| CommError::invalid(ctx, m)))?;
+            Ok(t)
+        }
+    }
+}
+
+/// Copies `src` to `dst + offset`.
+///
+/// # Safety
+///
+/// `[offset, offset + src.len())` must lie within an allocation `dst` points into that only
+/// this thread writes, and `src` must not overlap it.
+unsafe fn put(dst: *mut u8, offset: usize, src: &[u8]) {
+    // SAFETY: per the function contract.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.add(offset), src.len()) }
+}
+
+/// Reduces `srcs` (rank order) into a fresh aligned buffer of `elems` elements.
+fn reduce_fresh(
+    ctx: &OpCtx,
+    dtype: DType,
+    op: ReduceOp,
+    srcs: &[&[u8]],
+    elems: usize,
+    n: usize,
+) -> Result<OutBuf> {
+    let out = OutBuf::new(dtype, elems).map_err(view_err(ctx))?;
+    if elems > 0 {
+        // SAFETY: `out` holds `elems` elements of `dtype`, private to this thread; every source
+        // holds `elems` elements (checked by the receives) and is aligned for `dtype` (tensor
+        // storage or an 8-byte aligned payload).
+        unsafe { reduce_into(dtype, op, srcs, out.ptr(), n) };
+    }
+    Ok(out)
+}
+
+fn out_bytes(b: &OutBuf) -> &[u8] {
+    // SAFETY: the buffer was fully written by `reduce_into` (or is empty) and lives as long as `b`.
+    unsafe { std::slice::from_raw_parts(b.ptr(), b.len_bytes()) }
+}
+
+pub(crate) fn all_reduce(
+    x: &mut Exec,
+    input: Tensor,
+    op: ReduceOp,
+    output: Option<Tensor>,
+) -> Result<Tensor> {
+    let ctx = x.ctx;
+    let (me, n) = (x.t.rank, x.t.size);
+    x.hello(Desc {
+        reduce: Some(op.as_str().to_string()),
+        ..Desc::tensor(OpName::AllReduce, &input)
+    })?;
+    let (dtype, elems, es) = (
+        input.dtype(),
+        input.elem_count(),
+        input.dtype().size_in_bytes(),
+    );
+    let shape = input.shape().clone();
+    let bytes = elems * es;
+    if n == 1 || bytes <= EAGER_BYTES {
+        let own = Payload::copy_of(read_view(&input).map_err(view_err(ctx))?.bytes());
+        for p in peers(x) {
+            x.send(p, 0, &[own.bytes()])?;
+        }
+        let mut got: Vec<Option<Payload>> = (0..n).map(|_| None).collect();
+        for p in peers(x) {
+            got[p] = Some(x.recv_exact(p, 0, bytes)?);
+        }
+        let srcs: Vec<&[u8]> = (0..n)
+            .map(|r| {
+                if r == me {
+                    own.bytes()
+                } else {
+                    got[r].as_ref().map_or(&[][..], Payload::bytes)
+                }
+            })
+            .collect();
+        let red = reduce_fresh(ctx, dtype, op, &srcs, elems, n)?;
+        let out = produce(ctx, output, dtype, shape, |dst| {
+            // SAFETY: `dst` holds `bytes` bytes, exclusively ours.
+            unsafe { put(dst, 0, out_bytes(&red)) };
+            Ok(())
+        })?;
+        x.t.wait_hellos(x)?;
+        return Ok(out);
+    }
+    let chunk = elems.div_ceil(n);
+    let range = |r: usize| (r * chunk).min(elems) * es..((r + 1) * chunk).min(elems) * es;
+    // Reduce-scatter: chunk p of the input goes to rank p, which reduces it in rank order.
+    let part = {
+        let v = read_view(&input).map_err(view_err(ctx))?;
+        let b = v.bytes();
+        for p in peers(x) {
+            x.send(p, 0, &[&b[range(p)]])?;
+        }
+        let mut got: Vec<Option<Payload>> = (0..n).map(|_| None).collect();
+        for p in peers(x) {
+            got[p] = Some(x.recv_exact(p, 0, range(me).len())?);
+        }
+        let srcs: Vec<&[u8]> = (0..n)
+            .map(|r| {
+                if r == me {
+                    &b[range(me)]
+                } else {
+                    got[r].as_ref().map_or(&[][..], Payload::bytes)
+                }
+            })
+            .collect();
+        reduce_fresh(ctx, dtype, op, &srcs, range(me).len() / es, n)?
+    };
+    // Ring all-gather of the reduced chunks, straight into the output (the input is no longer
+    // read, so the output may be the input itself).
+    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    let out = produce(ctx, output, dtype, shape, |dst| {
+        // SAFETY: chunk `me` lies within the output, which only this thread writes.
+        unsafe { put(dst, range(me).start, out_bytes(&part)) };
+        for s in 0..n - 1 {
+            let (send_idx, recv_idx) = ((me + n - s) % n, (me + n - s - 1) % n);
+            let r = range(send_idx);
+            // SAFETY: chunk `send_idx` was written before (our own, or received at step s-1).
+            let src = unsafe { std::slice::from_raw_parts(dst.add(r.start), r.len()) };
+            x.send(right, 1 + s as u32, &[src])?;
+            let r = range(recv_idx);
+            let got = x.recv_exact(left, 1 + s as u32, r.len())?;
+            // SAFETY: chunk `recv_idx` lies within the output.
+            unsafe { put(dst, r.start, got.bytes()) };
+        }
+        Ok(())
+    })?;
+    x.t.wait_hellos(x)?;
+    Ok(out)
+}
+
+pub(crate) fn all_gather(x: &mut Exec, input: Tensor, output: Option<Tensor>) -> Result<Tensor> {
+    let ctx = x.ctx;
+    let (me, n) = (x.t.rank, x.t.size);
+    x.hello(Desc::tensor(OpName::AllGatherSingle, &input))?;
+    let piece = input.elem_count() * input.dtype().size_in_bytes();
+    let mut dims = input.dims().to_vec();
+    match dims.first_mut() {
+        Some(d0) => *d0 *= n,
+        None => dims.push(n),
+    }
+    // A copy of our piece: no read lock on the input may be held while the output is written.
+    let own = Payload::copy_of(read_view(&input).map_err(view_err(ctx))?.bytes());
+    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    let out = produce(ctx, output, input.dtype(), Shape::from_dims(&dims), |dst| {
+        // SAFETY: piece `me` lies within the n-piece output, which only this thread writes.
+        unsafe { put(dst, me * piece, own.bytes()) };
+        for s in 0..n.saturating_sub(1) {
+            let (send_idx, recv_idx) = ((me + n - s) % n, (me + n - s - 1) % n);
+            // SAFETY: piece `send_idx` was written before (our own, or received at step s-1).
+            let src = unsafe { std::slice::from_raw_parts(dst.add(send_idx * piece), piece) };
+            x.send(right, s as u32, &[src])?;
+            let got = x.recv_exact(left, s as u32, piece)?;
+            // SAFETY: piece `recv_idx` lies within the output.
+            unsafe { put(dst, recv_idx * piece, got.bytes()) };
+        }
+        Ok(())
+    })?;
+    x.t.wait_hellos(x)?;
+    Ok(out)
+}
+
+pub(crate) fn reduce_scatter(
+    x: &mut Exec,
+    input: Tensor,
+    op: ReduceOp,
+    output: Option<Tensor>,
+) -> Result<Tensor> {
+    let ctx = x.ctx;
+    let (me, n) = (x.t.rank, x.t.size);
+    x.hello(Desc {
+        reduce: Some(op.as_str().to_string()),
+        ..Desc::tensor(OpName::ReduceScatterSingle, &input)
+    })?;
+    let (dtype, es) = (input.dtype(), input.dtype().size_in_bytes());
+    let chunk = input.elem_count() / n;
+    let cb = chunk * es;
+    let mut dims = input.dims().to_vec();
+    dims[0] /= n;
+    let red = {
+        let v = read_view(&input).map_err(view_err(ctx))?;
+        let b = v.bytes();
+        for p in peers(x) {
+            x.send(p, 0, &[&b[p * cb..(p + 1) * cb]])?;
+        }
+        let mut got: Vec<Option<Payload>> = (0..n).map(|_| None).collect();
+        for p in peers(x) {
+            got[p] = Some(x.recv_exact(p, 0, cb)?);
+        }
+        let srcs: Vec<&[u8]> = (0..n)
+            .map(|r| {
+                if r == me {
+                    &b[me * cb..(me + 1) * cb]
+                } else {
+                    got[r].as_ref().map_or(&[][..], Payload::bytes)
+                }
+            })
+            .collect();
+        reduce_fresh(ctx, dtype, op, &srcs, chunk, n)?
+    };
+    let out = match output {
+        // SAFETY: `reduce_fresh` wrote every element.
+        None => unsafe { red.into_tensor(Shape::from_dims(&dims)) }.map_err(candle_err(ctx))?,
+        Some(o) => produce(ctx, Some(o), dtype, Shape::from_dims(&dims), |dst| {
+            // SAFETY: the output holds exactly `cb` bytes, exclusively ours.
+            unsafe { put(dst, 0, out_bytes(&red)) };
+            Ok(())
+        })?,
+    };
+    x.t.wait_hellos(x)?;
+    Ok(out)
+}
+
+pub(crate) fn all_to_all(x: &mut Exec, input: Tensor, output: Option<Tensor>) -> Result<Tensor> {
+    let ctx = x.ctx;
+    let (me, n) = (x.t.rank, x.t.size);
+    x.hello(Desc::tensor(OpName::AllToAllSingle, &input))?;
+    let cb = input.elem_count() / n * input.dtype().size_in_bytes();
+    let mut got: Vec<Option<Payload>> = (0..n).map(|_| None).collect();
+    {
+        let v = read_view(&input).map_err(view_err(ctx))?;
+        let b = v.bytes();
+        for p in peers(x) {
+            x.send(p, 0, &[&b[p * cb..(p + 1) * cb]])?;
+        }
+        got[me] = Some(Payload::copy_of(&b[me * cb..(me + 1) * cb]));
+    }
+    for p in peers(x) {
+        got[p] = Some(x.recv_exact(p, 0, cb)?);
+    }
+    let out = produce(ctx, output, input.dtype(), input.shape().clone(), |dst| {
+        for (j, g) in got.iter().enumerate() {
+            if let Some(g) = g {
+                // SAFETY: chunk j lies within the output, exclusively ours.
+                unsafe { put(dst, j * cb, g.bytes()) };
+            }
+        }
+        Ok(())
+    })?;
+    x.t.wait_hellos(x)?;
+    Ok(out)
+}
+
+pub(crate) fn all_to_all_v(
+    x: &mut Exec,
+    input: Tensor,
+    out_splits: Vec<usize>,
+    in_splits: Vec<usize>,
+) -> Result<Tensor> {
+    let ctx = x.ctx;
+    let (me, n) = (x.t.rank, x.t.size);
+    let rows: Vec<usize> = input.dims().iter().skip(1).copied().collect();
+    x.hello(Desc {
+        shape: ShapeRule::Rows(rows.clone()),
+        ..Desc::tensor(OpName::AllToAllVSingle, &input)
+    })?;
+    let row_bytes = rows.iter().product::<usize>() * input.dtype().size_in_bytes();
+    // Step 0: every rank learns every rank's split sizes, so all reach the same verdict.
+    let mine: Vec<usize> = out_splits.iter().chain(&in_splits).copied().collect();
+    let enc = encode_usizes(&mine);
+    for p in peers(x) {
+        x.send(p, 0, &[&enc])?;
+    }
+    let mut all: Vec<Vec<usize>> = vec![Vec::new(); n];
+    all[me] = mine;
+    for p in peers(x) {
+        let v = decode_usizes(x.recv(p, 0)?.bytes()).map_err(view_err(ctx))?;
+        if v.len() != 2 * n {
+            return Err(CommError::invalid(
+                ctx,
+                format!("rank {p} sent {} split sizes, expected {}", v.len(), 2 * n),
+            ));
+        }
+        all[p] = v;
+    }
+    for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
+        let (sent, expected) = (all[i][n + j], all[j][i]);
+        if sent != expected {
+            let reason = format!(
+                "rank {i} sends {sent} slices to rank {j} but rank {j} expects {expected} from it"
+            );
+            x.t.fail(
+                Failure::Mismatch {
+                    collective: x.coll,
+                    reason: reason.clone(),
+                },
+                false,
+            );
+            return Err(CommError::invalid(ctx, reason));
+        }
+    }
+    // Step 1: the rows.
+    let offsets: Vec<usize> = in_splits
+        .iter()
+        .scan(0, |acc, &s| {
+            let o = *acc;
+            *acc += s;
+            Some(o * row_bytes)
+        })
+        .collect();
+    let mut got: Vec<Option<Payload>> = (0..n).map(|_| None).collect();
+    {
+        let v = read_view(&input).map_err(view_err(ctx))?;
+        let b = v.bytes();
+        for p in peers(x) {
+            x.send(
+                p,
+                1,
+                &[&b[offsets[p]..offsets[p] + in_splits[p] * row_bytes]],
+            )?;
+        }
+        got[me] = Some(Payload::copy_of(
+            &b[offsets[me]..offsets[me] + in_splits[me] * row_bytes],
+        ));
+    }
+    for p in peers(x) {
+        got[p] = Some(x.recv_exact(p, 1, out_splits[p] * row_bytes)?);
+    }
+    let total: usize = out_splits.iter().sum();
+    let mut out_dims = vec![total];
+    out_dims.extend(rows);
+    let out = produce(
+        ctx,
+        None,
+        input.dtype(),
+        Shape::from_dims(&out_dims),
+        |dst| {
+            let mut off = 0;
+            for g in got.iter().flatten() {
+                // SAFETY: the output has room for the sum of out_splits rows; written only here.
+                unsafe { put(dst, off, g.bytes()) };
+                off += g.len();
+            }
+            Ok(())
+        },
+    )?;
+    x.t.wait_hellos(x)?;
+    Ok(out)
+}
+
+pub(crate) fn broadcast(x: &mut Exec, tensor: Tensor, root: usize) -> Result<Tensor> {
+    let ctx = x.ctx;
+    let (me, n) = (x.t.rank, x.t.size);
+    x.hello(Desc {
+        root: Some(root),
+        ..Desc::tensor(OpName::Broadcast, &tensor)
+    })?;
+    let bytes = tensor.elem_count() * tensor.dtype().size_in_bytes();
+    let vr = (me + n - root) % n;
+    let real = |v: usize| (v + root) % n;
+    // Binomial tree: receive from the parent at our lowest set bit, then send to the children
+    // below it.
+    let mut mask = 1;
+    let mut received = None;
+    while mask < n {
+        if vr & mask != 0 {
+            received = Some(x.recv_exact(real(vr - mask), 0, bytes)?);
+            break;
+        }
+        mask <<= 1;
+    }
+    mask >>= 1;
+    let out = match received {
+        None => {
+            let v = read_view(&tensor).map_err(view_err(ctx))?;
+            while mask > 0 {
+                if vr + mask < n {
+                    x.send(real(vr + mask), 0, &[v.bytes()])?;
+                }
+                mask >>= 1;
+            }
+            tensor.clone()
+        }
+        Some(p) => {
+            while mask > 0 {
+                if vr + mask < n {
+                    x.send(real(vr + mask), 0, &[p.bytes()])?;
+                }
+                mask >>= 1;
+            }
+            tensor_from(ctx, tensor.dtype(), tensor.dims(), p.bytes())?
+        }
+    };
+    x.t.wait_hellos(x)?;
+    Ok(out)
+}
+
+pub(crate) fn reduce(
+    x: &mut Exec,
+    input: Tensor,
+    root: usize,
+    op: ReduceOp,
+) -> Result<Option<Tensor>> {
+    let ctx = x.ctx;
+    let (me, n) = (x.t.rank, x.t.size);
+    x.hello(Desc {
+        root: Some(root),
+        reduce: Some(op.as_str().to_string()),
+        ..Desc::tensor(OpName::Reduce, &input)
+    })?;
+    let (dtype, elems) = (input.dtype(), input.elem_count());
+    let bytes = elems * dtype.size_in_bytes();
+    let v = read_view(&input).map_err(view_err(ctx))?;
+    let result = if me != root {
+        x.send(root, 0, &[v.bytes()])?;
+        None
+    } else {
+        let mut got: Vec<Option<Payload>> = (0..n).map(|_| None).collect();
+        for p in peers(x) {
+            got[p] = Some(x.recv_exact(p, 0, bytes)?);
+        }
+        let srcs: Vec<&[u8]> = (0..n)
+            .map(|r| {
+                if r == me {
+                    v.bytes()
+                } else {
+                    got[r].as_ref().map_or(&[][..], Payload::bytes)
+                }
+            })
+            .collect();
+        let red = reduce_fresh(ctx, dtype, op, &srcs, elems, n)?;
+        // SAFETY: `reduce_fresh` wrote every element.
+        Some(unsafe { red.into_tensor(input.shape().clone()) }.map_err(candle_err(ctx))?)
+    };
+    drop(v);
+    x.t.wait_hellos(x)?;
+    Ok(result)
+}
+
+pub(crate) fn gather(x: &mut Exec, input: Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
+    let ctx = x.ctx;
+    let (me, n) = (x.t.rank, x.t.size);
+    x.hello(Desc {
+        root: Some(root),
+        shape: ShapeRule::Any,
+        ..Desc::tensor(OpName::Gather, &input)
+    })?;
+    let result = if me != root {
+        let pre = tensor_preamble(input.dtype(), input.dims()).map_err(view_err(ctx))?;
+        let v = read_view(&input).map_err(view_err(ctx))?;
+        x.send(root, 0, &[&pre, v.bytes()])?;
+        None
+    } else {
+        let mut out = Vec::with_capacity(n);
+        for r in 0..n {
+            if r == me {
+                out.push(detached_copy(&input).map_err(view_err(ctx))?);
+            } else {
+                let p = x.recv(r, 0)?;
+                let (dtype, dims, data) = decode_tensor(p.bytes())
+                    .map_err(|e| CommError::invalid(ctx, format!("from rank {r}: {e}")))?;
+                out.push(tensor_from(ctx, dtype, &dims, data)?);
+            }
+        }
+        Some(out)
+    };
+    x.t.wait_hellos(x)?;
+    Ok(result)
+}
+
+pub(crate) fn scatter(x: &mut Exec, inputs: Vec<Tensor>, root: usize) -> Result<Tensor> {
+    let ctx = x.ctx;
+    let me = x.t.rank;
+    x.hello(Desc {
+        root: Some(root),
+        ..Desc::new(OpName::Scatter)
+    })?;
+    let out = if me == root {
+        for (r, t) in inputs.iter().enumerate() {
+            if r != me {
+                let pre = tensor_preamble(t.dtype(), t.dims()).map_err(view_err(ctx))?;
+                let v = read_view(t).map_err(view_err(ctx))?;
+                x.send(r, 0, &[&pre, v.bytes()])?;
+            }
+        }
+        let own = inputs.get(me).ok_or_else(|| {
+            CommError::invalid(ctx, format!("root {root} has no piece for itself"))
+        })?;
+        detached_copy(own).map_err(view_err(ctx))?
+    } else {
+        let p = x.recv(root, 0)?;
+        let (dtype, dims, data) = decode_tensor(p.bytes())
+            .map_err(|e| CommError::invalid(ctx, format!("from root {root}: {e}")))?;
+        tensor_from(ctx, dtype, &dims, data)?
+    };
+    x.t.wait_hellos(x)?;
+    Ok(out)
+}
+
+pub(crate) fn barrier(x: &mut Exec) -> Result<()> {
+    x.hello(Desc::new(OpName::Barrier))?;
+    x.t.wait_hellos(x)
+}
+
+pub(crate) fn batch_p2p(x: &mut Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
+    let ctx = x.ctx;
+    // Sends never wait, so without this check they would "succeed" on a failed communicator.
+    x.t.check(ctx, None)?;
+    for op in &ops {
+        if let P2POp::Send { tensor, peer } = op {
+            let pre = tensor_preamble(tensor.dtype(), tensor.dims()).map_err(view_err(ctx))?;
+            let v = read_view(tensor).map_err(view_err(ctx))?;
+            x.send_p2p(*peer, &[&pre, v.bytes()])?;
+        }
+    }
+    let mut received = Vec::new();
+    for op in ops {
+        if let P2POp::Recv { peer, shape, dtype } = op {
+            let p = x.t.recv_p2p(x, peer)?;
+            let (got_dtype, dims, data) = decode_tensor(p.bytes())
+                .map_err(|e| CommError::invalid(ctx, format!("recv from rank {peer}: {e}")))?;
+            if dims != shape.dims() || got_dtype != dtype {
+                return Err(CommError::invalid(
+                    ctx,
+                    format!(
+                        "recv from rank {peer}: expected {:?} {:?} but rank {peer} sent {:?} {:?}",
+                        shape.dims(),
+                        dtype,
+                        dims,
+                        got_dtype
+                    ),
+                ));
+            }
+            received.push(tensor_from(ctx, dtype, &dims, data)?);
+        }
+    }
+    Ok(received)
+}
+
+/// The split step on the parent: every rank learns every rank's list; returns the verdict
+/// (the same on every rank).
+pub(crate) fn exchange_split_lists(x: &mut Exec, ranks: &[usize]) -> Result<()> {
+    let ctx = x.ctx;
+    let (me, n) = (x.t.rank, x.t.size);
+    x.hello(Desc::new(OpName::Split))?;
+    let enc = encode_usizes(ranks);
+    for p in peers(x) {
+        x.send(p, 0, &[&enc])?;
+    }
+    let mut lists: Vec<Vec<usize>> = vec![Vec::new(); n];
+    lists[me] = ranks.to_vec();
+    for p in peers(x) {
+        lists[p] = decode_usizes(x.recv(p, 0)?.bytes()).map_err(view_err(ctx))?;
+        if lists[p].iter().any(|&r| r >= n) {
+            return Err(CommError::invalid(
+                ctx,
+                format!(
+                    "rank {p} sent split list {:?} with ranks out of range",
+                    lists[p]
+                ),
+            ));
+        }
+    }
+    x.t.wait_hellos(x)?;
+    // Every member of every new group must have passed that group's list.
+    let mismatch = lists.iter().enumerate().find_map(|(s, list)| {
+        list.iter().find(|&&r| lists[r] != *list).map(|&r| {
+            format!(
+                "split lists disagree: rank {s} passes {list:?} but rank {r} passes {:?}",
+                lists[r]
+            )
+        })
+    });
+    match mismatch {
+        Some(reason) => Err(CommError::invalid(ctx, reason)),
+        None => Ok(()),
+    }
+}

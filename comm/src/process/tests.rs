@@ -1,0 +1,555 @@
+//! Unit tests of the process backend with ranks as threads of this process (each with its own
+//! TCP connections): every collective against the local backend, bit for bit; splits; and the
+//! failure paths. The multi-process tests (dtrun, kill -9) live in the facade's `tests/`.
+
+use std::error::Error;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+
+use super::*;
+use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
+use crate::{LocalWorld, P2POp};
+
+type R<T> = std::result::Result<T, Box<dyn Error + Send + Sync>>;
+type Out = (Vec<usize>, Vec<u64>);
+
+fn server() -> &'static (TcpStoreServer, String) {
+    static S: OnceLock<(TcpStoreServer, String)> = OnceLock::new();
+    S.get_or_init(|| {
+        let s = TcpStoreServer::bind("127.0.0.1:0").expect("bind a store");
+        let a = s.local_addr().to_string();
+        (s, a)
+    })
+}
+
+fn opts(op_ms: u64, boot_ms: u64) -> CommOptions {
+    CommOptions::default()
+        .with_timeout(Duration::from_millis(op_ms))
+        .with_bootstrap_timeout(Duration::from_millis(boot_ms))
+}
+
+/// Runs `f` on `n` thread-ranks of a fresh process communicator; returns each rank's result.
+fn run<T: Send>(n: usize, options: CommOptions, f: impl Fn(Comm) -> R<T> + Sync) -> Vec<R<T>> {
+    static JOB: AtomicU64 = AtomicU64::new(0);
+    let job = JOB.fetch_add(1, Ordering::Relaxed);
+    let addr = &server().1;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let (f, options) = (&f, options.clone());
+                s.spawn(move || -> R<T> {
+                    let store: Arc<dyn Store> =
+                        Arc::new(TcpStore::connect(addr, Duration::from_secs(10))?);
+                    let ns = Arc::new(PrefixStore::new(format!("test{job}"), store));
+                    let comm = connect(ns, rank, n, "world", options)?;
+                    f(comm)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("rank panicked".into())))
+            .collect()
+    })
+}
+
+fn all_ok<T>(v: Vec<R<T>>) -> Vec<T> {
+    v.into_iter()
+        .enumerate()
+        .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+        .collect()
+}
+
+fn out(t: &Tensor) -> R<Out> {
+    let v = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    Ok((t.dims().to_vec(), v.iter().map(|x| x.to_bits()).collect()))
+}
+
+fn vals(rank: usize, len: usize, salt: usize, dt: DType) -> R<Vec<f64>> {
+    Ok((0..len)
+        .map(|i| {
+            let b = ((rank * 7 + i * 3 + salt) % 16) as f64;
+            // Fractions make float sums order-sensitive, so rank order is really tested.
+            let b = if dt.is_float() {
+                b + 0.1 * ((i + rank) % 7) as f64
+            } else {
+                b
+            };
+            if matches!(dt, DType::U8 | DType::U32) {
+                b.floor()
+            } else {
+                b - 8.0
+            }
+        })
+        .collect())
+}
+
+fn t(rank: usize, shape: &[usize], salt: usize, dt: DType) -> R<Tensor> {
+    let n: usize = shape.iter().product();
+    Ok(Tensor::from_vec(vals(rank, n, salt, dt)?, shape, &Device::Cpu)?.to_dtype(dt)?)
+}
+
+/// Every collective once or more, recording every output.
+fn workload(c: &Comm) -> R<Vec<Out>> {
+    let (me, n) = (c.rank(), c.size());
+    let mut o = Vec::new();
+    let dts = [
+        DType::F32,
+        DType::F64,
+        DType::BF16,
+        DType::F16,
+        DType::I64,
+        DType::U32,
+        DType::U8,
+    ];
+    for (k, &dt) in dts.iter().enumerate() {
+        for (j, op) in [
+            ReduceOp::Sum,
+            ReduceOp::Avg,
+            ReduceOp::Max,
+            ReduceOp::Min,
+            ReduceOp::Product,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            if !op.supports(dt) {
+                continue;
+            }
+            let shape: &[usize] = match (k + j) % 4 {
+                0 => &[0],
+                1 => &[1],
+                2 => &[13, 3],
+                _ => &[70_000],
+            };
+            let x = t(me, shape, k + j, dt)?;
+            o.push(out(&c.all_reduce(&x, op)?.wait()?)?);
+        }
+        let x = t(me, &[n * 3, 2], k, dt)?;
+        o.push(out(&c.reduce_scatter_single(&x, ReduceOp::Sum)?.wait()?)?);
+        o.push(out(&c.all_gather_single(&x)?.wait()?)?);
+        o.push(out(&c.all_to_all_single(&x)?.wait()?)?);
+    }
+    // Large: the two-phase all_reduce (in place), reduce_scatter and all_gather into outputs.
+    let big = t(me, &[n, 40_000], 3, DType::F32)?;
+    let w = c.all_reduce_into(&big, &big, ReduceOp::Sum)?.wait()?;
+    o.push(out(&w)?);
+    let dst = Tensor::zeros(40_000, DType::F32, &Device::Cpu)?;
+    o.push(out(&c
+        .reduce_scatter_single_into(&dst, &big, ReduceOp::Max)?
+        .wait()?)?);
+    let gathered = Tensor::zeros((n * n, 40_000), DType::F32, &Device::Cpu)?;
+    o.push(out(&c.all_gather_single_into(&gathered, &big)?.wait()?)?);
+    // Scalars and empty pieces.
+    let s = Tensor::new(me as f32, &Device::Cpu)?;
+    o.push(out(&c.all_gather_single(&s)?.wait()?)?);
+    o.push(out(&c
+        .all_gather_single(&Tensor::zeros((0, 3), DType::F32, &Device::Cpu)?)?
+        .wait()?)?);
+    // all_to_all_v with uneven splits: rank i sends (i + j) % 3 rows to rank j.
+    let ins: Vec<usize> = (0..n).map(|j| (me + j) % 3).collect();
+    let outs: Vec<usize> = (0..n).map(|j| (j + me) % 3).collect();
+    let x = t(me, &[ins.iter().sum::<usize>(), 2], 9, DType::F32)?;
+    o.push(out(&c.all_to_all_v_single(&x, &outs, &ins)?.wait()?)?);
+    for root in 0..n {
+        let x = t(me, &[5, 7], root, DType::F64)?;
+        o.push(out(&c.broadcast(&x, root)?.wait()?)?);
+        let r = c.reduce(&x, root, ReduceOp::Sum)?.wait()?;
+        if let Some(r) = r {
+            o.push(out(&r)?);
+        }
+    }
+    let ragged = t(me, &[me + 1, 2], 4, DType::U8)?;
+    if let Some(g) = c.gather(&ragged, n - 1)?.wait()? {
+        for x in &g {
+            o.push(out(x)?);
+        }
+    }
+    let pieces: Vec<Tensor> = if me == 0 {
+        (0..n)
+            .map(|r| t(r, &[r + 2], 5, DType::I64))
+            .collect::<R<_>>()?
+    } else {
+        Vec::new()
+    };
+    o.push(out(&c.scatter(&pieces, 0)?.wait()?)?);
+    // Point to point: a ring, all pairs in one batch (sends to self included).
+    let x = t(me, &[4], 6, DType::F32)?;
+    c.send(&x, (me + 1) % n)?.wait()?;
+    o.push(out(&c.recv((me + n - 1) % n, 4, DType::F32)?.wait()?)?);
+    let mut ops = Vec::new();
+    for p in 0..n {
+        ops.push(P2POp::Send {
+            tensor: t(me, &[p + 1], p, DType::BF16)?,
+            peer: p,
+        });
+    }
+    for p in 0..n {
+        ops.push(P2POp::Recv {
+            peer: p,
+            shape: (me + 1).into(),
+            dtype: DType::BF16,
+        });
+    }
+    for r in c.batch_p2p(ops)?.wait()? {
+        o.push(out(&r)?);
+    }
+    c.barrier()?.wait()?;
+    Ok(o)
+}
+
+#[test]
+fn every_collective_matches_the_local_backend_bit_for_bit() {
+    for n in 1..=4 {
+        let local = LocalWorld::new(n)
+            .with_timeout(Duration::from_secs(20))
+            .launch(|c| workload(&c))
+            .unwrap_or_else(|e| panic!("local world {n}: {e}"));
+        let procs = all_ok(run(n, opts(20_000, 10_000), |c| workload(&c)));
+        for r in 0..n {
+            assert_eq!(local[r].len(), procs[r].len(), "world {n} rank {r}");
+            for (i, (a, b)) in local[r].iter().zip(&procs[r]).enumerate() {
+                assert_eq!(a, b, "world {n} rank {r} output {i}");
+            }
+        }
+    }
+}
+
+#[test]
+fn splits_into_rows_and_columns_with_non_members() {
+    let got = all_ok(run(4, opts(10_000, 10_000), |c| {
+        let me = c.rank();
+        let row: Vec<usize> = if me < 2 { vec![0, 1] } else { vec![2, 3] };
+        let col: Vec<usize> = if me % 2 == 0 { vec![0, 2] } else { vec![3, 1] };
+        let r = c.split(&row, "row")?.ok_or("row member")?;
+        let k = c.split(&col, "col")?.ok_or("col member")?;
+        let odd: Vec<usize> = if me % 2 == 1 { vec![1, 3] } else { vec![] };
+        let o = c.split(&odd, "odd")?;
+        let x = Tensor::new(&[me as f32], &Device::Cpu)?;
+        let rs = r.all_gather_single(&x)?.wait()?.to_vec1::<f32>()?;
+        let ks = k.all_gather_single(&x)?.wait()?.to_vec1::<f32>()?;
+        let os = match &o {
+            Some(o) => Some((
+                o.rank(),
+                o.all_reduce(&x, ReduceOp::Sum)?.wait()?.to_vec1::<f32>()?,
+            )),
+            None => None,
+        };
+        // A split of a split.
+        let solo = r.split(&[r.rank()], "solo")?.ok_or("solo member")?;
+        assert_eq!(solo.size(), 1);
+        Ok((r.rank(), rs, k.rank(), ks, os))
+    }));
+    assert_eq!(got[0].1, vec![0.0, 1.0]);
+    assert_eq!(got[3].1, vec![2.0, 3.0]);
+    // The column list [3, 1] makes rank 3 the new rank 0.
+    assert_eq!((got[1].2, got[3].2), (1, 0));
+    assert_eq!(got[1].3, vec![3.0, 1.0]);
+    assert_eq!(got[0].4, None);
+    assert_eq!(got[3].4, Some((1, vec![4.0])));
+}
+
+#[test]
+fn disagreeing_split_lists_fail_on_every_rank() {
+    let got = run(3, opts(5_000, 5_000), |c| {
+        let list: Vec<usize> = if c.rank() == 2 {
+            vec![1, 2]
+        } else {
+            vec![0, 1, 2]
+        };
+        Ok(c.split(&list, "bad").map(|o| o.is_some()))
+    });
+    for (r, g) in got.into_iter().enumerate() {
+        let e = g.unwrap().expect_err("lists disagree");
+        assert!(
+            matches!(e, CommError::InvalidArgument { .. }),
+            "rank {r}: {e}"
+        );
+        assert!(
+            e.to_string().contains("split lists disagree"),
+            "rank {r}: {e}"
+        );
+    }
+}
+
+#[test]
+fn a_skipped_collective_times_out_naming_the_missing_rank() {
+    let got = run(3, opts(400, 5_000), |c| {
+        c.barrier()?.wait()?;
+        if c.rank() == 2 {
+            // Alive but never joins: keeps its comm open past the others' timeout.
+            std::thread::sleep(Duration::from_millis(900));
+            return Ok(None);
+        }
+        let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
+        let t0 = Instant::now();
+        let e = c
+            .all_reduce(&x, ReduceOp::Sum)?
+            .wait()
+            .expect_err("rank 2 skips it");
+        let took = t0.elapsed();
+        let later = c.barrier().and_then(|w| w.wait()).expect_err("comm failed");
+        Ok(Some((e, took, later)))
+    });
+    for (rank, g) in got.into_iter().enumerate().take(2) {
+        let (e, took, later) = g.unwrap().expect("ranks 0 and 1 report");
+        match &e {
+            CommError::Timeout { ctx, missing, .. } => {
+                assert_eq!(missing, &vec![2], "rank {rank}: {e}");
+                assert_eq!((ctx.seq, ctx.op.as_str()), (2, "all_reduce"), "{e}");
+            }
+            other => panic!("rank {rank}: expected a timeout, got {other}"),
+        }
+        assert!(
+            took >= Duration::from_millis(380) && took < Duration::from_secs(2),
+            "{took:?}"
+        );
+        assert!(matches!(later, CommError::Aborted { .. }), "{later}");
+        assert!(later.to_string().contains("timed out"), "{later}");
+    }
+}
+
+#[test]
+fn different_collectives_at_one_index_are_a_desync_on_every_rank() {
+    let t0 = Instant::now();
+    let got = run(3, opts(3_000, 5_000), |c| {
+        c.barrier()?.wait()?;
+        let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
+        let r = if c.rank() == 2 {
+            c.all_gather_single(&x)?.wait().map(drop)
+        } else {
+            c.all_reduce(&x, ReduceOp::Sum)?.wait().map(drop)
+        };
+        Ok(r.expect_err("desync"))
+    });
+    assert!(
+        t0.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        t0.elapsed()
+    );
+    for (rank, e) in got.into_iter().enumerate() {
+        let e = e.unwrap();
+        match &e {
+            CommError::Desync {
+                rank_a,
+                op_a,
+                rank_b,
+                op_b,
+                collective,
+                ..
+            } => {
+                assert_eq!(*collective, 1, "{e}");
+                let sides = [(*rank_a, &**op_a), (*rank_b, &**op_b)];
+                let theirs = sides.iter().find(|s| s.0 == 2).expect("rank 2 is a side");
+                let ours = sides.iter().find(|s| s.0 != 2).expect("a peer is a side");
+                assert!(theirs.1.contains("all_gather_single"), "{e}");
+                assert!(ours.1.contains("all_reduce"), "{e}");
+            }
+            other => panic!("rank {rank}: expected a desync, got {other}"),
+        }
+    }
+}
+
+#[test]
+fn abort_reaches_every_rank_with_its_reason() {
+    let got = run(3, opts(5_000, 5_000), |c| {
+        let watchdog = (c.rank() == 0).then(|| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(150));
+                c.abort("operator pulled the plug");
+            })
+        });
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(400));
+        }
+        let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
+        let t0 = Instant::now();
+        let e = c
+            .all_reduce(&x, ReduceOp::Sum)?
+            .wait()
+            .expect_err("aborted");
+        let took = t0.elapsed();
+        let later = c
+            .send(&x, 0)
+            .and_then(|w| w.wait())
+            .expect_err("after abort");
+        if let Some(w) = watchdog {
+            w.join().map_err(|_| "watchdog panicked")?;
+        }
+        Ok((e, took, later, c.is_aborted()))
+    });
+    for (rank, g) in got.into_iter().enumerate() {
+        let (e, took, later, aborted) = g.unwrap();
+        assert!(aborted, "rank {rank}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("aborted by rank 0") && msg.contains("operator pulled the plug"),
+            "{msg}"
+        );
+        assert!(took < Duration::from_millis(1500), "rank {rank}: {took:?}");
+        assert!(
+            later.to_string().contains("operator pulled the plug"),
+            "{later}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_never_connects_is_named_by_the_bootstrap_timeout() {
+    static JOB: AtomicU64 = AtomicU64::new(1_000_000);
+    let job = JOB.fetch_add(1, Ordering::Relaxed);
+    let addr = server().1.clone();
+    let t0 = Instant::now();
+    let errs: Vec<CommError> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let addr = addr.clone();
+                s.spawn(move || {
+                    let store: Arc<dyn Store> =
+                        Arc::new(TcpStore::connect(&addr, Duration::from_secs(5)).expect("store"));
+                    let ns = Arc::new(PrefixStore::new(format!("boot{job}"), store));
+                    connect(ns, rank, 3, "world", opts(1_000, 500)).expect_err("rank 2 never comes")
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("no panic"))
+            .collect()
+    });
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    for e in errs {
+        match &e {
+            CommError::Timeout { ctx, missing, .. } => {
+                assert_eq!(missing, &vec![2], "{e}");
+                assert_eq!(ctx.op, OpName::NewComm, "{e}");
+            }
+            other => panic!("expected a bootstrap timeout, got {other}"),
+        }
+    }
+}
+
+#[test]
+fn a_peer_whose_connections_break_fails_pending_ops_naming_it() {
+    let got = run(3, opts(10_000, 5_000), |world| {
+        let c = world.split(&[0, 1, 2], "severme")?.ok_or("member")?;
+        c.barrier()?.wait()?;
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(100));
+            // What the kernel does when a process is killed: every socket closes, no goodbye.
+            sever(&c);
+            std::thread::sleep(Duration::from_millis(300));
+            return Ok(None);
+        }
+        let x = Tensor::ones(70_000, DType::F32, &Device::Cpu)?;
+        let t0 = Instant::now();
+        let e = c
+            .all_reduce(&x, ReduceOp::Sum)?
+            .wait()
+            .expect_err("peer lost");
+        Ok(Some((e, t0.elapsed())))
+    });
+    for (rank, g) in got.into_iter().enumerate() {
+        if rank == 1 {
+            continue;
+        }
+        let (e, took) = g.unwrap().expect("survivors report");
+        let msg = e.to_string();
+        assert!(matches!(e, CommError::Aborted { .. }), "rank {rank}: {msg}");
+        assert!(msg.contains("peer rank 1 was lost"), "rank {rank}: {msg}");
+        assert!(took < Duration::from_secs(2), "rank {rank}: {took:?}");
+    }
+}
+
+/// Closes every socket of `c`'s transport at once, as a killed process would. `c` must have a
+/// name no other live communicator of this test binary has.
+pub(crate) fn sever(c: &Comm) {
+    let t = LIVE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .find(|t| t.rank == c.rank() && t.name == c.name());
+    t.expect("a live transport of that name").sever();
+}
+
+/// Transports created by this test binary (weak), so tests can sever one.
+pub(crate) static LIVE: Mutex<Vec<std::sync::Weak<Transport>>> = Mutex::new(Vec::new());
+
+#[test]
+fn an_op_on_one_comm_completes_while_another_waits_for_a_late_rank() {
+    let got = all_ok(run(2, opts(5_000, 5_000), |c| {
+        let other = c.split(&[0, 1], "other")?.ok_or("member")?;
+        let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
+        if c.rank() == 1 {
+            let y = other.all_reduce(&x, ReduceOp::Sum)?.wait()?;
+            std::thread::sleep(Duration::from_millis(300));
+            c.all_reduce(&x, ReduceOp::Sum)?.wait()?;
+            return Ok((y.to_vec1::<f32>()?, Duration::ZERO));
+        }
+        let late = c.all_reduce(&x, ReduceOp::Sum)?;
+        let t0 = Instant::now();
+        let y = other.all_reduce(&x, ReduceOp::Sum)?.wait()?;
+        let took = t0.elapsed();
+        late.wait()?;
+        Ok((y.to_vec1::<f32>()?, took))
+    }));
+    assert_eq!(got[0].0, vec![2.0; 4]);
+    assert!(got[0].1 < Duration::from_millis(250), "{:?}", got[0].1);
+}
+
+#[test]
+fn no_thread_outlives_its_communicator() {
+    fn threads(prefix: &str) -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+                    .filter(|c| c.starts_with(prefix))
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+    if !cfg!(target_os = "linux") {
+        return;
+    }
+    all_ok(run(3, opts(5_000, 5_000), |c| {
+        let sub = c.split(&[0, 1, 2], "leakp")?.ok_or("member")?;
+        let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
+        sub.all_reduce(&x, ReduceOp::Sum)?.wait()?;
+        Ok(())
+    }));
+    let t0 = Instant::now();
+    while threads("cdt-leakp") > 0 && t0.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        threads("cdt-leakp"),
+        0,
+        "progress or reader threads left behind"
+    );
+}
+
+/// The backend-neutral conformance suite on thread-ranks of the process backend (the
+/// multi-process run under dtrun is in the facade's tests).
+#[cfg(feature = "conformance")]
+#[test]
+fn the_conformance_suite_passes_on_thread_ranks() {
+    use crate::conformance::{run as conform, Selection};
+    // Not 2: `faults::abort_from_another_thread` needs a late third rank (with two, the
+    // all_reduce it expects to be aborted completes first; the local suite runs it on 3).
+    for n in [3, 4] {
+        // A bootstrap timeout well under the op timeout: a case where one rank never joins a
+        // split must end (bootstrap timeout) before its peers give up on the verdict (op timeout).
+        let reports = run(n, opts(10_000, 1_500), |c| {
+            conform(&c, &Selection::default()).map_err(|e| e.to_string().into())
+        });
+        for (r, rep) in reports.into_iter().enumerate() {
+            let rep = rep.unwrap_or_else(|e| panic!("world {n} rank {r}: {e}"));
+            assert_eq!(rep.failed(), 0, "world {n} rank {r}: {rep}");
+            assert!(rep.passed() > 20, "world {n} rank {r}: {rep}");
+        }
+    }
+}

@@ -1,0 +1,473 @@
+//! What travels between two ranks of a process communicator: frame headers, op descriptors
+//! (compared across ranks: desync detection), failures, and tensors with their shape.
+//!
+//! A frame is a 24-byte header followed by `len` payload bytes:
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0 | kind: HELLO = 1, DATA = 2, P2P = 3, FAIL = 4, BYE = 5 |
+//! | 1..4 | zero |
+//! | 4..8 | step `u32` (DATA: which message of the collective) |
+//! | 8..16 | tag `u64` (HELLO, DATA: the collective index) |
+//! | 16..24 | len `u64` |
+//!
+//! All integers are little-endian. HELLO carries the sender's [`Desc`] of collective `tag` as
+//! JSON; DATA carries raw element bytes (or an encoded tensor, see [`encode_tensor`]); P2P
+//! carries an encoded tensor; FAIL carries a [`Failure`] as JSON; BYE is empty (the sender
+//! closed the communicator on purpose).
+
+use std::fmt;
+
+use candle_core::{DType, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::CommError;
+use crate::types::{OpCtx, SUPPORTED_DTYPES};
+
+/// Header size in bytes.
+pub(crate) const HEADER: usize = 24;
+/// Frame kinds.
+pub(crate) const HELLO: u8 = 1;
+pub(crate) const DATA: u8 = 2;
+pub(crate) const P2P: u8 = 3;
+pub(crate) const FAIL: u8 = 4;
+pub(crate) const BYE: u8 = 5;
+/// The largest payload accepted (a garbage length must not allocate).
+pub(crate) const MAX_PAYLOAD: u64 = 1 << 40;
+
+/// A decoded frame header.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Header {
+    pub kind: u8,
+    pub step: u32,
+    pub tag: u64,
+    pub len: u64,
+}
+
+impl Header {
+    pub(crate) fn encode(&self) -> [u8; HEADER] {
+        let mut h = [0u8; HEADER];
+        h[0] = self.kind;
+        h[4..8].copy_from_slice(&self.step.to_le_bytes());
+        h[8..16].copy_from_slice(&self.tag.to_le_bytes());
+        h[16..24].copy_from_slice(&self.len.to_le_bytes());
+        h
+    }
+
+    pub(crate) fn decode(h: &[u8; HEADER]) -> Result<Header, String> {
+        let kind = h[0];
+        if !(HELLO..=BYE).contains(&kind) {
+            return Err(format!("unknown frame kind {kind}"));
+        }
+        let step = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+        let mut t = [0u8; 8];
+        t.copy_from_slice(&h[8..16]);
+        let tag = u64::from_le_bytes(t);
+        t.copy_from_slice(&h[16..24]);
+        let len = u64::from_le_bytes(t);
+        if len > MAX_PAYLOAD {
+            return Err(format!("implausible payload length {len}"));
+        }
+        Ok(Header {
+            kind,
+            step,
+            tag,
+            len,
+        })
+    }
+}
+
+/// How shapes must agree across ranks for an op (as in the local backend).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum ShapeRule {
+    /// Identical shapes.
+    Exact(Vec<usize>),
+    /// Identical dims after dim 0 (all_to_all_v).
+    Rows(Vec<usize>),
+    /// Anything.
+    Any,
+}
+
+/// What a rank issued at a collective index; compared across ranks (desync detection).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Desc {
+    pub op: String,
+    pub dtype: Option<String>,
+    pub shape: ShapeRule,
+    pub root: Option<usize>,
+    pub reduce: Option<String>,
+}
+
+impl Desc {
+    pub(crate) fn new(op: crate::types::OpName) -> Desc {
+        Desc {
+            op: op.as_str().to_string(),
+            dtype: None,
+            shape: ShapeRule::Any,
+            root: None,
+            reduce: None,
+        }
+    }
+
+    pub(crate) fn tensor(op: crate::types::OpName, t: &Tensor) -> Desc {
+        Desc {
+            dtype: Some(t.dtype().as_str().to_string()),
+            shape: ShapeRule::Exact(t.dims().to_vec()),
+            ..Desc::new(op)
+        }
+    }
+
+    /// Whether two ranks issuing `self` and `other` at the same index are in step.
+    pub(crate) fn compatible(&self, other: &Desc) -> bool {
+        if self.op != other.op || self.root != other.root || self.reduce != other.reduce {
+            return false;
+        }
+        // Scatter: only the root knows the dtype.
+        if self.op != "scatter" && self.dtype != other.dtype {
+            return false;
+        }
+        match (&self.shape, &other.shape) {
+            (ShapeRule::Any, _) | (_, ShapeRule::Any) => true,
+            (x, y) => x == y,
+        }
+    }
+}
+
+impl fmt::Display for Desc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}(", self.op)?;
+        let mut parts: Vec<String> = Vec::new();
+        if let Some(r) = &self.reduce {
+            parts.push(r.clone());
+        }
+        if let Some(d) = &self.dtype {
+            parts.push(d.clone());
+        }
+        match &self.shape {
+            ShapeRule::Exact(s) => parts.push(format!("{s:?}")),
+            ShapeRule::Rows(s) => parts.push(format!("[*, {s:?}]")),
+            ShapeRule::Any => {}
+        }
+        if let Some(r) = self.root {
+            parts.push(format!("root {r}"));
+        }
+        write!(f, "{})", parts.join(", "))
+    }
+}
+
+/// Why a process communicator is unusable. Travels in FAIL frames, so every rank reports the
+/// same cause.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) enum Failure {
+    /// `abort()` was called by rank `by`, which had completed `after` collectives then (every
+    /// rank reached those, so they may still complete).
+    Aborted {
+        by: usize,
+        reason: String,
+        after: u64,
+    },
+    /// Collective `collective` timed out waiting for `missing`.
+    Timeout {
+        collective: u64,
+        op: String,
+        missing: Vec<usize>,
+    },
+    /// Two ranks issued different collectives at index `collective`.
+    Desync {
+        collective: u64,
+        rank_a: usize,
+        op_a: String,
+        rank_b: usize,
+        op_b: String,
+    },
+    /// Ranks passed arguments of collective `collective` that do not fit together.
+    Mismatch { collective: u64, reason: String },
+    /// The connection to `rank` broke without a goodbye: its process died or was killed.
+    PeerLost { rank: usize, reason: String },
+}
+
+impl Failure {
+    /// Whether this failure stops an op at collective index `coll` (`None`: point to point).
+    ///
+    /// A failure at a later collective does not: some rank got past `coll`, so every rank
+    /// announced `coll` and its data is on the way (a notice from one peer can overtake
+    /// another peer's frames). Such an op completes, or fails on its own deadline or a lost
+    /// peer; the next op fails.
+    pub(crate) fn blocks(&self, coll: Option<u64>) -> bool {
+        let at = match self {
+            Failure::Timeout { collective, .. }
+            | Failure::Desync { collective, .. }
+            | Failure::Mismatch { collective, .. } => Some(*collective),
+            Failure::Aborted { after, .. } => Some(*after),
+            Failure::PeerLost { .. } => None,
+        };
+        match (at, coll) {
+            (Some(k), Some(j)) if k != u64::MAX => j >= k,
+            _ => true,
+        }
+    }
+
+    /// The error an operation at collective index `coll` reports for this failure.
+    pub(crate) fn to_error(&self, ctx: &OpCtx, coll: Option<u64>) -> CommError {
+        match self {
+            Failure::Timeout {
+                collective,
+                missing,
+                ..
+            } if Some(*collective) == coll => CommError::Timeout {
+                ctx: ctx.clone(),
+                timeout: ctx.timeout,
+                missing: missing.clone(),
+            },
+            Failure::Desync {
+                collective,
+                rank_a,
+                op_a,
+                rank_b,
+                op_b,
+            } if Some(*collective) == coll => CommError::Desync {
+                ctx: ctx.clone(),
+                collective: *collective,
+                rank_a: *rank_a,
+                op_a: op_a.as_str().into(),
+                rank_b: *rank_b,
+                op_b: op_b.as_str().into(),
+            },
+            Failure::Mismatch { collective, reason } if Some(*collective) == coll => {
+                CommError::InvalidArgument {
+                    ctx: ctx.clone(),
+                    reason: reason.clone(),
+                }
+            }
+            other => CommError::Aborted {
+                ctx: ctx.clone(),
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Aborted { by, reason, .. } => write!(f, "aborted by rank {by}: {reason}"),
+            Failure::Timeout {
+                collective,
+                op,
+                missing,
+            } if *collective == u64::MAX => {
+                write!(f, "an earlier {op} timed out waiting for ranks {missing:?}")
+            }
+            Failure::Timeout {
+                collective,
+                op,
+                missing,
+            } => write!(
+                f,
+                "an earlier {op} (collective #{collective}) timed out waiting for ranks {missing:?}"
+            ),
+            Failure::Desync {
+                collective,
+                rank_a,
+                op_a,
+                rank_b,
+                op_b,
+            } => write!(
+                f,
+                "desync at collective #{collective}: rank {rank_a} issued {op_a} but rank {rank_b} issued {op_b}"
+            ),
+            Failure::Mismatch { collective, reason } => {
+                write!(f, "collective #{collective} had mismatched arguments: {reason}")
+            }
+            Failure::PeerLost { rank, reason } => {
+                write!(f, "peer rank {rank} was lost: {reason}")
+            }
+        }
+    }
+}
+
+/// A received payload, 8-byte aligned (so it can be read as any supported element type).
+pub(crate) struct Payload {
+    buf: Vec<u64>,
+    len: usize,
+}
+
+impl Payload {
+    /// `len` zero bytes.
+    pub(crate) fn zeroed(len: usize) -> Payload {
+        Payload {
+            buf: vec![0u64; len.div_ceil(8)],
+            len,
+        }
+    }
+
+    /// `len` zero bytes, or `None` if they cannot be allocated (a peer announcing an absurd
+    /// payload must not abort the process).
+    pub(crate) fn try_zeroed(len: usize) -> Option<Payload> {
+        let words = len.div_ceil(8);
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(words).ok()?;
+        buf.resize(words, 0u64);
+        Some(Payload { buf, len })
+    }
+
+    /// A copy of `b`.
+    pub(crate) fn copy_of(b: &[u8]) -> Payload {
+        let mut p = Payload::zeroed(b.len());
+        p.bytes_mut().copy_from_slice(b);
+        p
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: `buf` holds at least `len` initialised bytes (ceil(len / 8) u64s), and u8 has
+        // no alignment requirement.
+        unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<u8>(), self.len) }
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, and `&mut self` makes the borrow exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().cast::<u8>(), self.len) }
+    }
+}
+
+/// The wire code of a supported dtype (its index in [`SUPPORTED_DTYPES`]).
+pub(crate) fn dtype_code(d: DType) -> Option<u8> {
+    SUPPORTED_DTYPES
+        .iter()
+        .position(|&x| x == d)
+        .map(|i| i as u8)
+}
+
+fn dtype_of(code: u8) -> Option<DType> {
+    SUPPORTED_DTYPES.get(code as usize).copied()
+}
+
+/// The preamble of a tensor on the wire: `dtype: u8 | ndims: u8 | dims: u64 * ndims`,
+/// followed by the element bytes.
+pub(crate) fn tensor_preamble(dtype: DType, dims: &[usize]) -> Result<Vec<u8>, String> {
+    let code = dtype_code(dtype).ok_or_else(|| format!("dtype {dtype:?} cannot travel"))?;
+    if dims.len() > u8::MAX as usize {
+        return Err(format!("{} dims are too many", dims.len()));
+    }
+    let mut b = Vec::with_capacity(2 + 8 * dims.len());
+    b.push(code);
+    b.push(dims.len() as u8);
+    for &d in dims {
+        b.extend_from_slice(&(d as u64).to_le_bytes());
+    }
+    Ok(b)
+}
+
+/// Splits an encoded tensor into (dtype, dims, element bytes), checking the byte count.
+pub(crate) fn decode_tensor(p: &[u8]) -> Result<(DType, Vec<usize>, &[u8]), String> {
+    if p.len() < 2 {
+        return Err("truncated tensor frame".into());
+    }
+    let dtype = dtype_of(p[0]).ok_or_else(|| format!("unknown dtype code {}", p[0]))?;
+    let nd = p[1] as usize;
+    let head = 2 + 8 * nd;
+    if p.len() < head {
+        return Err("truncated tensor dims".into());
+    }
+    let dims: Vec<usize> = (0..nd)
+        .map(|i| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&p[2 + 8 * i..10 + 8 * i]);
+            u64::from_le_bytes(a) as usize
+        })
+        .collect();
+    let elems = dims
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or("tensor dims overflow")?;
+    let want = elems
+        .checked_mul(dtype.size_in_bytes())
+        .ok_or("tensor size overflows")?;
+    let data = &p[head..];
+    if data.len() != want {
+        return Err(format!(
+            "tensor frame of {dims:?} {dtype:?} carries {} bytes, expected {want}",
+            data.len()
+        ));
+    }
+    Ok((dtype, dims, data))
+}
+
+/// Encodes a split list or split sizes (`u64` each).
+pub(crate) fn encode_usizes(v: &[usize]) -> Vec<u8> {
+    v.iter().flat_map(|&x| (x as u64).to_le_bytes()).collect()
+}
+
+/// Decodes [`encode_usizes`].
+pub(crate) fn decode_usizes(b: &[u8]) -> Result<Vec<usize>, String> {
+    if b.len() % 8 != 0 {
+        return Err(format!("{} bytes is not a list of u64", b.len()));
+    }
+    Ok(b.chunks_exact(8)
+        .map(|c| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(c);
+            u64::from_le_bytes(a) as usize
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::OpName;
+
+    #[test]
+    fn headers_round_trip_and_garbage_is_refused() {
+        let h = Header {
+            kind: DATA,
+            step: 7,
+            tag: 1 << 40,
+            len: 12345,
+        };
+        let d = Header::decode(&h.encode()).unwrap();
+        assert_eq!((d.kind, d.step, d.tag, d.len), (DATA, 7, 1 << 40, 12345));
+        let mut bad = h.encode();
+        bad[0] = 99;
+        assert!(Header::decode(&bad).is_err());
+        let mut huge = h.encode();
+        huge[23] = 0xff;
+        assert!(Header::decode(&huge).is_err());
+    }
+
+    #[test]
+    fn descs_compare_like_the_local_backend() {
+        let t = Tensor::zeros(4, DType::F32, &candle_core::Device::Cpu).unwrap();
+        let a = Desc::tensor(OpName::AllReduce, &t);
+        let mut b = a.clone();
+        assert!(a.compatible(&b));
+        b.dtype = Some("f64".into());
+        assert!(!a.compatible(&b));
+        let s1 = Desc::new(OpName::Scatter);
+        let s2 = Desc {
+            dtype: Some("f32".into()),
+            ..Desc::new(OpName::Scatter)
+        };
+        assert!(s1.compatible(&s2));
+        assert_eq!(a.to_string(), "all_reduce(f32, [4])");
+        let j = serde_json::to_vec(&a).unwrap();
+        assert_eq!(serde_json::from_slice::<Desc>(&j).unwrap(), a);
+    }
+
+    #[test]
+    fn tensors_round_trip() {
+        let mut p = tensor_preamble(DType::BF16, &[2, 3]).unwrap();
+        p.extend_from_slice(&[0u8; 12]);
+        let (d, dims, data) = decode_tensor(&p).unwrap();
+        assert_eq!((d, dims, data.len()), (DType::BF16, vec![2, 3], 12));
+        assert!(decode_tensor(&p[..p.len() - 1]).is_err());
+        assert_eq!(
+            decode_usizes(&encode_usizes(&[0, 5, 9])).unwrap(),
+            vec![0, 5, 9]
+        );
+    }
+}

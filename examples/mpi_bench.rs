@@ -1,0 +1,246 @@
+//! Collective latency and bandwidth of the `mpi` backend, reported like `comm_bench` (the local
+//! backend's) so the two compare side by side on one machine.
+//!
+//! ```text
+//! cargo build --release --features mpi --example mpi_bench
+//! mpirun --allow-run-as-root --oversubscribe -np 4 target/release/examples/mpi_bench -- \
+//!     --size 4,64MiB --ops all_reduce,all_gather,reduce_scatter,all_to_all
+//! ```
+//!
+//! Sizes are the nccl-tests buffer size S of f32 data. Sizes up to 64 KiB are timed as
+//! back-to-back ops (latency), larger ones one op at a time between barriers; each iteration
+//! counts the slowest rank. Rank 0 prints `op`, `bytes`, `median_ms`, `algbw_gbps` (S / t) and
+//! `busbw_gbps` (algbw x 2(n-1)/n for all_reduce, x (n-1)/n for the others), one JSON object
+//! per line with `--json`.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use candle_dtensor::comm::{new_comm, Comm, CommOptions, ReduceOp};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "Collective bandwidth of the mpi backend (run under mpirun)")]
+struct Args {
+    /// Buffer sizes S, comma separated (e.g. 4,1MiB,64MiB; suffixes B, KiB, MiB, GiB).
+    #[arg(long, default_value = "4,64MiB")]
+    size: String,
+    /// Ops, comma separated: all_reduce, all_gather, reduce_scatter, all_to_all.
+    #[arg(
+        long,
+        default_value = "all_reduce,all_gather,reduce_scatter,all_to_all"
+    )]
+    ops: String,
+    /// Timed iterations for bandwidth sizes.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Back-to-back ops per latency sample.
+    #[arg(long, default_value_t = 200)]
+    batch: usize,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = if let Some(n) = s.strip_suffix("GiB") {
+        (n, 1usize << 30)
+    } else if let Some(n) = s.strip_suffix("MiB") {
+        (n, 1 << 20)
+    } else if let Some(n) = s.strip_suffix("KiB") {
+        (n, 1 << 10)
+    } else if let Some(n) = s.strip_suffix('B') {
+        (n, 1)
+    } else {
+        (s, 1)
+    };
+    let n: usize = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("bad size {s:?} (use e.g. 4, 1MiB, 64MiB)"))?;
+    Ok(n * mult)
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Op {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+}
+
+impl Op {
+    fn parse(s: &str) -> Result<Op, String> {
+        Ok(match s.trim() {
+            "all_reduce" => Op::AllReduce,
+            "all_gather" => Op::AllGather,
+            "reduce_scatter" => Op::ReduceScatter,
+            "all_to_all" => Op::AllToAll,
+            other => return Err(format!("unknown op {other:?}")),
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::AllGather => "all_gather",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::AllToAll => "all_to_all",
+        }
+    }
+
+    fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            _ => (n - 1.0) / n,
+        }
+    }
+
+    fn input_elems(self, elems: usize, n: usize) -> usize {
+        match self {
+            Op::AllGather => elems / n,
+            _ => elems,
+        }
+    }
+
+    fn output_elems(self, elems: usize, n: usize) -> usize {
+        match self {
+            Op::ReduceScatter => elems / n,
+            _ => elems,
+        }
+    }
+
+    fn run(self, comm: &Comm, x: &Tensor, o: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(match self {
+            Op::AllReduce => comm.all_reduce_into(o, x, ReduceOp::Sum)?.wait()?,
+            Op::AllGather => comm.all_gather_single_into(o, x)?.wait()?,
+            Op::ReduceScatter => comm
+                .reduce_scatter_single_into(o, x, ReduceOp::Sum)?
+                .wait()?,
+            Op::AllToAll => comm.all_to_all_single_into(o, x)?.wait()?,
+        })
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+#[derive(serde::Serialize)]
+struct Row {
+    backend: &'static str,
+    op: &'static str,
+    world: usize,
+    bytes: usize,
+    median_ms: f64,
+    algbw_gbps: f64,
+    busbw_gbps: f64,
+    timing: &'static str,
+}
+
+fn main() {
+    candle_dtensor::init_cpu_threads();
+    if let Err(e) = real_main() {
+        eprintln!("mpi_bench: error: {e}");
+        std::process::exit(2);
+    }
+}
+
+fn real_main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let sizes = args
+        .size
+        .split(',')
+        .map(parse_size)
+        .collect::<Result<Vec<_>, _>>()?;
+    let ops = args
+        .ops
+        .split(',')
+        .map(Op::parse)
+        .collect::<Result<Vec<_>, _>>()?;
+    let options = CommOptions::default().with_timeout(Duration::from_secs(120));
+    let comm = new_comm("mpi", &Device::Cpu, "bench", options)?;
+    let n = comm.size();
+    let mut rows = Vec::new();
+    for &bytes in &sizes {
+        let elems = (bytes / 4).max(1);
+        let elems = if elems >= n { elems / n * n } else { elems };
+        let small = elems * 4 <= 64 * 1024;
+        for &op in &ops {
+            if op != Op::AllReduce && elems % n != 0 {
+                continue;
+            }
+            let x = Tensor::ones(op.input_elems(elems, n), DType::F32, &Device::Cpu)?;
+            let o = Tensor::zeros(op.output_elems(elems, n), DType::F32, &Device::Cpu)?;
+            for _ in 0..2 {
+                op.run(&comm, &x, &o)?;
+            }
+            let mut times = Vec::new();
+            if small {
+                for _ in 0..10 {
+                    comm.barrier()?.wait()?;
+                    let t0 = Instant::now();
+                    for _ in 0..args.batch.max(1) {
+                        op.run(&comm, &x, &o)?;
+                    }
+                    times.push(t0.elapsed().as_secs_f64() / args.batch.max(1) as f64);
+                }
+            } else {
+                for _ in 0..args.iters.max(1) {
+                    comm.barrier()?.wait()?;
+                    let t0 = Instant::now();
+                    op.run(&comm, &x, &o)?;
+                    times.push(t0.elapsed().as_secs_f64());
+                }
+            }
+            let t = Tensor::new(times.as_slice(), &Device::Cpu)?;
+            let t = comm
+                .all_reduce(&t, ReduceOp::Max)?
+                .wait()?
+                .to_vec1::<f64>()?;
+            let t = median(t);
+            let s = (elems * 4) as f64;
+            rows.push(Row {
+                backend: "mpi",
+                op: op.name(),
+                world: n,
+                bytes: elems * 4,
+                median_ms: t * 1e3,
+                algbw_gbps: s / t / 1e9,
+                busbw_gbps: s / t / 1e9 * op.bus_factor(n),
+                timing: if small { "latency" } else { "bandwidth" },
+            });
+        }
+    }
+    if comm.rank() != 0 {
+        return Ok(());
+    }
+    if args.json {
+        for r in &rows {
+            println!("{}", serde_json::to_string(r)?);
+        }
+        return Ok(());
+    }
+    println!(
+        "mpi backend, {n} processes ({})",
+        candle_dtensor::comm::mpi::info().map_or("MPI".into(), |i| format!(
+            "{}, {}",
+            i.library, i.thread_level
+        ))
+    );
+    println!(
+        "{:<16} {:>12} {:>11} {:>11} {:>11}",
+        "op", "bytes", "median_ms", "algbw_GB/s", "busbw_GB/s"
+    );
+    for r in &rows {
+        println!(
+            "{:<16} {:>12} {:>11.4} {:>11.3} {:>11.3}",
+            r.op, r.bytes, r.median_ms, r.algbw_gbps, r.busbw_gbps
+        );
+    }
+    Ok(())
+}

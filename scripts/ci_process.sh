@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Multi-process checks of the `process` backend beyond `cargo test --workspace` (which already
+# runs tests/process_backend.rs: conformance on 2 and 4 processes, kill -9, bootstrap and store
+# faults, dtrun): train_gpt on 4 processes under dtrun (dp=2 x tp=2, FSDP x TP) must print the
+# same losses as the local backend (threads), bit for bit (both reduce in rank order), and a
+# 4-process mp_allreduce run checks collectives and DTensor matmuls against one device.
+#
+# Usage: scripts/ci_process.sh   (about a minute after `cargo test --workspace`, whose dev-profile
+#                                 build it reuses)
+# Env:   CDT_CI_PROFILE=release  builds in release instead of dev
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ "${CDT_CI_PROFILE:-dev}" == "release" ]]; then
+    build_flag=(--release)
+    dir=target/release
+else
+    build_flag=()
+    dir=target/debug
+fi
+
+echo "== build (${CDT_CI_PROFILE:-dev}): dtrun, train_gpt, mp_allreduce"
+cargo build "${build_flag[@]}" --bin dtrun --example train_gpt --example mp_allreduce
+
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+tg=$dir/examples/train_gpt
+args=(--mesh dp=2,tp=2 --steps 5 --json --timeout 120)
+
+echo "== train_gpt --backend local"
+"$tg" --backend local "${args[@]}" --out "$out/local" | tail -n 1 > "$out/local.json"
+
+echo "== dtrun --nproc 4 -- train_gpt --backend process"
+"$dir/dtrun" --nproc 4 --timeout 600 -- "$tg" --backend process "${args[@]}" --out "$out/process" \
+  | sed -n 's/^\[rank 0\] \({.*\)$/\1/p' > "$out/process.json"
+
+python3 - "$out/local.json" "$out/process.json" <<'PY'
+import json, sys
+local, proc = (json.load(open(p)) for p in sys.argv[1:3])
+a, b = local["losses"], proc["losses"]
+print("local  :", a)
+print("process:", b)
+assert len(a) == len(b) == 5, (a, b)
+diff = max(abs(x - y) for x, y in zip(a, b))
+assert diff == 0.0, f"process and local losses differ by up to {diff}"
+assert proc["backend"] == "process" and proc["world"] == 4, proc
+print(f"train_gpt: process backend (4 processes) == local backend, bit for bit; "
+      f"step {proc['step_ms_median']:.1f} ms vs {local['step_ms_median']:.1f} ms")
+PY
+
+echo "== dtrun --nproc 4 -- mp_allreduce"
+"$dir/dtrun" --nproc 4 --timeout 300 -- "$dir/examples/mp_allreduce"

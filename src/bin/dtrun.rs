@@ -1,0 +1,442 @@
+//! `dtrun`: starts N ranks of a multi-process job on this host.
+//!
+//! ```text
+//! dtrun --nproc 4 [--master-port P] [--timeout S] [--grace S] -- CMD ARGS...
+//! ```
+//!
+//! Each rank runs `CMD ARGS...` with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+//! `MASTER_ADDR` and `MASTER_PORT` set (what torchrun sets; the `process` backend reads them).
+//! Every line a rank prints is forwarded with a `[rank r] ` prefix (stdout to stdout, stderr
+//! to stderr). When a rank exits non-zero or is killed, dtrun sends SIGTERM to the others,
+//! SIGKILL after the grace period, and exits non-zero naming the rank that failed first and
+//! how (exit status or signal).
+//!
+//! # What dtrun guarantees about processes (Linux)
+//!
+//! - Each rank is the leader of its own process group; signals go to the whole group, so a
+//!   rank's own children are stopped with it, and when a rank exits its group is SIGKILLed
+//!   (nothing it spawned outlives it).
+//! - dtrun exits only after every rank was reaped.
+//! - SIGINT, SIGTERM or SIGHUP to dtrun: the ranks get SIGTERM, then SIGKILL after the grace
+//!   period; dtrun exits with 128 + the signal number.
+//! - SIGKILL to dtrun (which cannot be caught): every rank gets SIGKILL from the kernel
+//!   (`PR_SET_PDEATHSIG`). Processes a rank started get it only if they are in that rank's
+//!   group and die with it; a program that double-forks or starts a new session escapes, as
+//!   under any launcher.
+//! - `--timeout S` bounds the whole job: then the ranks are stopped as above and dtrun exits
+//!   124.
+//!
+//! Exit status: 0 when every rank exits 0; the first failed rank's exit code (128 + signal
+//! when it was killed); 124 on `--timeout`; 2 for usage errors; 127 if a rank cannot start.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+
+/// Command line of dtrun.
+#[derive(Parser, Debug)]
+#[command(
+    name = "dtrun",
+    args_override_self = true,
+    about = "Start N ranks of a multi-process candle-dtensor job on this host",
+    after_help = "Example: dtrun --nproc 4 -- target/release/examples/train_gpt --backend process --mesh dp=2,tp=2"
+)]
+struct Args {
+    /// Number of ranks (processes) to start.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    nproc: u32,
+    /// Address of rank 0's rendezvous store (MASTER_ADDR).
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the rendezvous store (MASTER_PORT); default: a free port.
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// Stop the job (exit 124) if it runs longer than this many seconds.
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Seconds between SIGTERM and SIGKILL when stopping ranks.
+    #[arg(long, default_value_t = 3.0)]
+    grace: f64,
+    /// The program to run and its arguments (after `--`).
+    #[arg(last = true, required = true, num_args = 1..)]
+    cmd: Vec<String>,
+}
+
+/// The last signal dtrun received (0: none).
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+
+#[cfg(unix)]
+extern "C" fn on_signal(sig: libc::c_int) {
+    // Async-signal-safe: one atomic store.
+    SIGNALLED.store(sig, Ordering::SeqCst);
+}
+
+#[cfg(unix)]
+fn install_signal_handlers() {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: `on_signal` only stores to an atomic, which is async-signal-safe; the
+        // function pointer cast is the form `signal` expects.
+        unsafe {
+            libc::signal(
+                sig,
+                on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn install_signal_handlers() {}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        11 => "SIGSEGV",
+        13 => "SIGPIPE",
+        14 => "SIGALRM",
+        15 => "SIGTERM",
+        _ => "signal",
+    }
+}
+
+/// How a rank ended, in words, and the exit code dtrun passes on.
+fn describe(status: &ExitStatus) -> (String, i32) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(sig) = status.signal() {
+            return (
+                format!("killed by signal {sig} ({})", signal_name(sig)),
+                128 + sig,
+            );
+        }
+    }
+    match status.code() {
+        Some(c) => (format!("exit status {c}"), c),
+        None => ("ended abnormally".to_string(), 1),
+    }
+}
+
+/// The signal that ended a process, if one did.
+fn signal_of(status: &ExitStatus) -> Option<i32> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        status.signal()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = status;
+        None
+    }
+}
+
+/// Whether `status` is a death by a signal dtrun did not send: anything but SIGTERM, and
+/// SIGKILL only before dtrun escalated to it (`stopping` = (deadline, SIGKILL sent)).
+fn killed_from_outside(status: &ExitStatus, stopping: Option<(Instant, bool)>) -> bool {
+    match signal_of(status) {
+        None => false,
+        Some(SIGTERM) => false,
+        Some(SIGKILL) => !matches!(stopping, Some((_, true))),
+        Some(_) => true,
+    }
+}
+
+/// Sends `sig` to the process group led by `pid` (the rank and whatever it started).
+#[cfg(unix)]
+fn signal_group(pid: u32, sig: i32) {
+    // SAFETY: `kill` has no memory-safety preconditions; a negative pid names a process group.
+    unsafe {
+        libc::kill(-(pid as libc::pid_t), sig);
+    }
+}
+
+#[cfg(not(unix))]
+fn signal_group(_pid: u32, _sig: i32) {}
+
+#[cfg(unix)]
+const SIGTERM: i32 = libc::SIGTERM;
+#[cfg(unix)]
+const SIGKILL: i32 = libc::SIGKILL;
+#[cfg(not(unix))]
+const SIGTERM: i32 = 15;
+#[cfg(not(unix))]
+const SIGKILL: i32 = 9;
+
+/// Makes the child lead its own process group and die with dtrun.
+#[cfg(unix)]
+fn isolate(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs in the forked child before exec and only calls
+    // async-signal-safe functions (setpgid, prctl, getppid, raise).
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setpgid(0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            #[cfg(target_os = "linux")]
+            {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // dtrun may have died between fork and prctl.
+                if libc::getppid() != parent {
+                    libc::raise(libc::SIGKILL);
+                }
+            }
+            let _ = parent;
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(unix))]
+fn isolate(_cmd: &mut Command) {}
+
+/// Copies `src` line by line to stdout or stderr with the rank prefix.
+fn forward(rank: usize, src: impl Read, to_stderr: bool) {
+    let mut r = BufReader::new(src);
+    let mut line = Vec::new();
+    let prefix = format!("[rank {rank}] ");
+    loop {
+        line.clear();
+        match r.read_until(b'\n', &mut line) {
+            Ok(0) => return,
+            Ok(_) => {
+                if line.last() != Some(&b'\n') {
+                    line.push(b'\n');
+                }
+                let mut buf = Vec::with_capacity(prefix.len() + line.len());
+                buf.extend_from_slice(prefix.as_bytes());
+                buf.extend_from_slice(&line);
+                // One write under the lock: lines of different ranks never interleave. A closed
+                // stdout (dtrun piped into `head`) must not stop us reaping the ranks.
+                let _ = if to_stderr {
+                    std::io::stderr().lock().write_all(&buf)
+                } else {
+                    std::io::stdout().lock().write_all(&buf)
+                };
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "dtrun: {msg}");
+}
+
+fn free_port(addr: &str) -> Result<u16, String> {
+    std::net::TcpListener::bind((addr, 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("cannot find a free port on {addr}: {e}"))
+}
+
+enum Event {
+    Exited(usize, ExitStatus),
+    WaitFailed(usize, String),
+}
+
+fn main() {
+    let args = Args::parse();
+    std::process::exit(run(args));
+}
+
+fn run(args: Args) -> i32 {
+    install_signal_handlers();
+    let n = args.nproc as usize;
+    let port = match args.master_port {
+        Some(p) => p,
+        None => match free_port(&args.master_addr) {
+            Ok(p) => p,
+            Err(e) => {
+                say(&e);
+                return 2;
+            }
+        },
+    };
+    let grace = Duration::from_secs_f64(args.grace.max(0.0));
+    let job_deadline = args
+        .timeout
+        .map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
+    let (tx, rx) = mpsc::channel::<Event>();
+    let mut pids: Vec<u32> = Vec::with_capacity(n);
+    let mut outputs = Vec::new();
+    let mut spawn_error = None;
+    for rank in 0..n {
+        let mut cmd = Command::new(&args.cmd[0]);
+        cmd.args(&args.cmd[1..])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", &args.master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        isolate(&mut cmd);
+        let mut child: Child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                spawn_error = Some(format!("cannot start rank {rank} ({}): {e}", args.cmd[0]));
+                break;
+            }
+        };
+        pids.push(child.id());
+        if let Some(out) = child.stdout.take() {
+            outputs.push(std::thread::spawn(move || forward(rank, out, false)));
+        }
+        if let Some(err) = child.stderr.take() {
+            outputs.push(std::thread::spawn(move || forward(rank, err, true)));
+        }
+        let tx = tx.clone();
+        let pid = child.id();
+        std::thread::spawn(move || {
+            let ev = match child.wait() {
+                Ok(st) => {
+                    // Whatever the rank started dies with it.
+                    signal_group(pid, SIGKILL);
+                    Event::Exited(rank, st)
+                }
+                Err(e) => Event::WaitFailed(rank, e.to_string()),
+            };
+            let _ = tx.send(ev);
+        });
+    }
+    drop(tx);
+
+    let started = pids.len();
+    let mut exited = vec![false; started];
+    let mut statuses: Vec<Option<String>> = vec![None; started];
+    let mut first_failure: Option<(usize, String, i32)> = None;
+    // Whether the first failure was a plain non-zero exit (not a signal).
+    let mut first_failure_was_exit = false;
+    let mut code = 0;
+    let mut stopping: Option<(Instant, bool)> = None; // (SIGKILL deadline, SIGKILL sent)
+    let stop = |pids: &[u32], exited: &[bool], sig: i32| {
+        for (r, &pid) in pids.iter().enumerate() {
+            if !exited[r] {
+                signal_group(pid, sig);
+            }
+        }
+    };
+    if let Some(e) = spawn_error {
+        say(&e);
+        code = 127;
+        stop(&pids, &exited, SIGTERM);
+        stopping = Some((Instant::now() + grace, false));
+    }
+    let mut remaining = started;
+    while remaining > 0 {
+        match rx.recv_timeout(Duration::from_millis(20)) {
+            Ok(Event::Exited(rank, st)) => {
+                remaining -= 1;
+                exited[rank] = true;
+                let (what, c) = describe(&st);
+                statuses[rank] = Some(what.clone());
+                if !st.success() && first_failure.is_none() && stopping.is_none() {
+                    let others = exited.iter().filter(|e| !**e).count();
+                    say(&format!(
+                        "rank {rank} (pid {}) failed: {what}; stopping the other {others} rank(s)",
+                        pids[rank]
+                    ));
+                    first_failure = Some((rank, what, c));
+                    stop(&pids, &exited, SIGTERM);
+                    stopping = Some((Instant::now() + grace, false));
+                } else if killed_from_outside(&st, stopping) && first_failure_was_exit {
+                    // Peers of a killed rank exit with an error naming it within milliseconds,
+                    // and their exits can be reaped first. A death by a signal dtrun has not
+                    // sent yet (SIGTERM is dtrun's; SIGKILL only after the grace period) is
+                    // the cause, not a consequence: report it as the first failure.
+                    say(&format!(
+                        "rank {rank} (pid {}) was {what} (not by dtrun): the likely cause",
+                        pids[rank]
+                    ));
+                    first_failure = Some((rank, what, c));
+                }
+                if first_failure.as_ref().is_some_and(|f| f.0 == rank) {
+                    first_failure_was_exit = signal_of(&st).is_none();
+                }
+            }
+            Ok(Event::WaitFailed(rank, e)) => {
+                remaining -= 1;
+                exited[rank] = true;
+                statuses[rank] = Some(format!("could not be waited for: {e}"));
+                if first_failure.is_none() {
+                    first_failure = Some((rank, format!("could not be waited for: {e}"), 1));
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+        let sig = SIGNALLED.swap(0, Ordering::SeqCst);
+        if sig != 0 && code == 0 {
+            say(&format!(
+                "received {}; stopping {remaining} rank(s)",
+                signal_name(sig)
+            ));
+            code = 128 + sig;
+            stop(&pids, &exited, SIGTERM);
+            stopping.get_or_insert((Instant::now() + grace, false));
+        }
+        if let Some(d) = job_deadline {
+            if Instant::now() >= d && stopping.is_none() && code == 0 {
+                let running: Vec<usize> = (0..started).filter(|&r| !exited[r]).collect();
+                say(&format!(
+                    "timed out after {:.1}s; ranks {running:?} still running; stopping them",
+                    args.timeout.unwrap_or(0.0)
+                ));
+                code = 124;
+                stop(&pids, &exited, SIGTERM);
+                stopping = Some((Instant::now() + grace, false));
+            }
+        }
+        if let Some((kill_at, false)) = stopping {
+            if Instant::now() >= kill_at {
+                stop(&pids, &exited, SIGKILL);
+                stopping = Some((kill_at, true));
+            }
+        }
+    }
+    // The output threads end when the ranks' pipes close; do not wait forever for a stray
+    // process that inherited one.
+    let t0 = Instant::now();
+    for h in outputs {
+        while !h.is_finished() && t0.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if h.is_finished() {
+            let _ = h.join();
+        }
+    }
+    if let Some((rank, what, c)) = first_failure {
+        let others: Vec<String> = statuses
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| *r != rank)
+            .map(|(r, s)| format!("rank {r}: {}", s.as_deref().unwrap_or("unknown")))
+            .collect();
+        say(&format!(
+            "job failed: rank {rank} failed first ({what}); {}",
+            others.join(", ")
+        ));
+        if code == 0 {
+            code = if c == 0 { 1 } else { c };
+        }
+    }
+    code
+}

@@ -1,0 +1,329 @@
+//! Multi-process tests: the `process` backend with one rank per process, started by `dtrun`.
+//!
+//! The ranks are this very test binary: `dtrun -- <this binary> worker --exact` runs only the
+//! `worker` test, which reads its role from `CDT_MP_ROLE` (and does nothing without it, so a
+//! plain `cargo test` run passes it by). No other binary has to be built first, so
+//! `cargo test --test process_backend` works on its own.
+//!
+//! - `conformance_*`: the backend-neutral suite (collectives x dtypes x sizes, splits) on
+//!   2 and 4 processes;
+//! - `kill_9_*`: a rank SIGKILLed mid-collective; every other rank fails promptly naming it,
+//!   and dtrun names it;
+//! - `a_rank_that_never_starts_*`: the bootstrap timeout names it;
+//! - `an_unreachable_store_*`: a clear error, fast;
+//! - `dtrun_*`: exit codes, prefixes, the job timeout.
+//!
+//! Everything runs on 127.0.0.1 with timeouts of a few seconds; dtrun's own `--timeout` bounds
+//! every launch.
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use candle_dtensor::comm::conformance::{run as conform, Selection};
+use candle_dtensor::comm::{new_comm, CommError, CommOptions, ReduceOp};
+
+const ROLE: &str = "CDT_MP_ROLE";
+
+/// Runs `n` copies of this binary's `worker` test under dtrun with `role`.
+fn launch(n: usize, role: &str, dtrun_args: &[&str]) -> (Output, Duration) {
+    let exe = std::env::current_exe().expect("test binary path");
+    let t0 = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_dtrun"))
+        .args(["--nproc", &n.to_string(), "--timeout", "60", "--grace", "5"])
+        .args(dtrun_args)
+        .arg("--")
+        .arg(exe)
+        .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("dtrun runs");
+    (out, t0.elapsed())
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// The lines rank `r` printed (dtrun prefixes them).
+fn lines_of(s: &str, r: usize) -> Vec<&str> {
+    let p = format!("[rank {r}] ");
+    s.lines()
+        .filter_map(|l| l.strip_prefix(p.as_str()))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ranks' side.
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn worker() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return; // not launched by one of the tests below
+    };
+    let code = match run_role(&role) {
+        Ok(()) => 0,
+        Err((code, msg)) => {
+            eprintln!("worker error: {msg}");
+            code
+        }
+    };
+    std::process::exit(code);
+}
+
+fn opts(op_s: f64, boot_s: f64) -> CommOptions {
+    CommOptions::default()
+        .with_timeout(Duration::from_secs_f64(op_s))
+        .with_bootstrap_timeout(Duration::from_secs_f64(boot_s))
+}
+
+fn env_rank() -> usize {
+    std::env::var("RANK")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0)
+}
+
+/// dtrun stops the other ranks (SIGTERM) once one fails; the fault tests ignore that so they
+/// see every rank end on its own, with its own error (dtrun's SIGKILL after the grace period
+/// still bounds them).
+fn ignore_sigterm() {
+    // SAFETY: ignoring a signal has no memory-safety preconditions.
+    unsafe {
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
+    }
+}
+
+fn run_role(role: &str) -> Result<(), (i32, String)> {
+    let fail = |code: i32| move |e: CommError| (code, e.to_string());
+    match role {
+        "conformance" => {
+            let world =
+                new_comm("process", &Device::Cpu, "world", opts(10.0, 2.0)).map_err(fail(1))?;
+            let sel = Selection::only(&["collectives", "split"]);
+            let report = conform(&world, &sel).map_err(|e| (1, e.to_string()))?;
+            if world.rank() == 0 {
+                println!("{report}");
+            }
+            Ok(())
+        }
+        "kill" => {
+            ignore_sigterm();
+            let world =
+                new_comm("process", &Device::Cpu, "world", opts(30.0, 10.0)).map_err(fail(1))?;
+            let me = world.rank();
+            if me == 2 {
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    // SAFETY: kill/getpid have no memory-safety preconditions.
+                    unsafe {
+                        libc::kill(libc::getpid(), libc::SIGKILL);
+                    }
+                });
+            }
+            let x =
+                Tensor::ones(1 << 20, DType::F32, &Device::Cpu).map_err(|e| (1, e.to_string()))?;
+            let t0 = Instant::now();
+            for i in 0..100_000 {
+                if let Err(e) = world.all_reduce(&x, ReduceOp::Sum).and_then(|w| w.wait()) {
+                    let took = t0.elapsed();
+                    println!("rank {me} failed at iteration {i} after {took:?}");
+                    return Err((3, e.to_string()));
+                }
+            }
+            Err((1, "the loop ended without noticing the kill".into()))
+        }
+        "skip" => {
+            let n: usize = std::env::var("WORLD_SIZE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1);
+            if env_rank() == n - 1 {
+                return Ok(()); // never starts its communicator
+            }
+            ignore_sigterm();
+            match new_comm("process", &Device::Cpu, "world", opts(10.0, 1.5)) {
+                Ok(_) => Err((1, "bootstrap succeeded without the last rank".into())),
+                Err(e) => Err((4, e.to_string())),
+            }
+        }
+        "unreachable" => match new_comm("process", &Device::Cpu, "world", opts(10.0, 1.0)) {
+            Ok(_) => Err((1, "connected to a store that does not exist".into())),
+            Err(e @ CommError::Bootstrap { .. }) => Err((5, e.to_string())),
+            Err(e) => Err((1, format!("wrong error kind: {e}"))),
+        },
+        "exit7" => {
+            println!("hello from rank {}", env_rank());
+            if env_rank() == 1 {
+                std::thread::sleep(Duration::from_millis(200));
+                return Err((7, "rank 1 gives up".into()));
+            }
+            std::thread::sleep(Duration::from_secs(30));
+            Ok(())
+        }
+        "sleep" => {
+            std::thread::sleep(Duration::from_secs(30));
+            Ok(())
+        }
+        other => Err((2, format!("unknown role {other}"))),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tests.
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn conformance_collectives_and_splits_on_2_and_4_processes() {
+    for n in [2, 4] {
+        let (o, took) = launch(n, "conformance", &[]);
+        let (out, err) = text(&o);
+        assert!(
+            o.status.success(),
+            "{n} processes: {}\n{out}\n{err}",
+            o.status
+        );
+        let summary = lines_of(&out, 0)
+            .into_iter()
+            .find_map(|l| l.find("conformance backend \"process\"").map(|i| &l[i..]))
+            .unwrap_or_else(|| panic!("no summary from rank 0:\n{out}\n{err}"));
+        assert!(
+            summary.contains(&format!("{n} ranks")) && summary.contains(" 0 failed"),
+            "{summary}"
+        );
+        eprintln!("{n} processes: {summary} (launch took {took:?})");
+    }
+}
+
+#[test]
+fn kill_9_of_a_rank_mid_collective_fails_every_peer_promptly_naming_it() {
+    let (o, took) = launch(4, "kill", &[]);
+    let (out, err) = text(&o);
+    assert!(!o.status.success(), "{out}\n{err}");
+    assert_eq!(
+        o.status.code(),
+        Some(128 + 9),
+        "dtrun passes on the SIGKILL\n{err}"
+    );
+    // Op timeout 30 s: ending this fast means the loss was detected, not timed out.
+    assert!(took < Duration::from_secs(10), "took {took:?}\n{err}");
+    assert!(
+        err.contains("dtrun: rank 2 (pid") && err.contains("killed by signal 9 (SIGKILL)"),
+        "dtrun must name rank 2 and the signal:\n{err}"
+    );
+    assert!(err.contains("rank 2 failed first"), "{err}");
+    for r in [0, 1, 3] {
+        let msgs = lines_of(&err, r).join("\n");
+        assert!(
+            msgs.contains("worker error: all_reduce (comm \"world\", rank")
+                && msgs.contains("peer rank 2 was lost"),
+            "rank {r} must fail its op naming rank 2:\n{msgs}\n--- all:\n{err}"
+        );
+        assert!(
+            err.contains(&format!("rank {r}: exit status 3")),
+            "rank {r} ends on its own:\n{err}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_never_starts_is_named_by_the_bootstrap_timeout() {
+    let (o, took) = launch(4, "skip", &[]);
+    let (out, err) = text(&o);
+    assert!(!o.status.success(), "{out}\n{err}");
+    assert!(took < Duration::from_secs(10), "took {took:?}\n{err}");
+    for r in 0..3 {
+        let msgs = lines_of(&err, r).join("\n");
+        // Rank 0 hosts the store and may give up first: the others then name rank 3 while
+        // reporting the store's end.
+        assert!(
+            msgs.contains("waiting for ranks [3]")
+                && (msgs.contains("new_comm (comm \"world\", rank")
+                    || msgs.contains("bootstrap of comm \"world\"")),
+            "rank {r} must name rank 3:\n{msgs}\n--- all:\n{err}"
+        );
+    }
+    assert!(err.contains("rank 3: exit status 0"), "{err}");
+}
+
+#[test]
+fn an_unreachable_store_is_a_clear_error_not_a_hang() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let t0 = Instant::now();
+    let o = Command::new(std::env::current_exe().expect("test binary"))
+        .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
+        .env(ROLE, "unreachable")
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .output()
+        .expect("runs");
+    let took = t0.elapsed();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(5), "{out}\n{err}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    let want = format!("store at 127.0.0.1:{port} unreachable after 1s");
+    assert!(
+        err.contains(&want) && err.contains("bootstrap of comm \"world\""),
+        "{err}"
+    );
+}
+
+#[test]
+fn dtrun_prefixes_lines_stops_the_others_and_passes_on_the_exit_code() {
+    let (o, took) = launch(3, "exit7", &["--grace", "1"]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(7), "{out}\n{err}");
+    assert!(took < Duration::from_secs(8), "{took:?}");
+    for r in 0..3 {
+        let hello = format!("hello from rank {r}");
+        assert!(
+            lines_of(&out, r).iter().any(|l| l.contains(&hello)),
+            "rank {r}'s stdout is prefixed:\n{out}"
+        );
+    }
+    assert!(
+        lines_of(&err, 1)
+            .iter()
+            .any(|l| l.contains("rank 1 gives up")),
+        "{err}"
+    );
+    assert!(
+        err.contains("dtrun: rank 1 (pid") && err.contains("exit status 7"),
+        "{err}"
+    );
+    assert!(
+        err.contains("rank 0: killed by signal 15 (SIGTERM)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn dtrun_timeout_stops_the_job() {
+    let (o, took) = launch(2, "sleep", &["--timeout", "1", "--grace", "1"]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(124), "{err}");
+    assert!(took < Duration::from_secs(6), "{took:?}");
+    assert!(
+        err.contains("timed out after 1.0s; ranks [0, 1] still running"),
+        "{err}"
+    );
+}
+
+#[test]
+fn dtrun_without_a_command_is_a_usage_error() {
+    let o = Command::new(env!("CARGO_BIN_EXE_dtrun"))
+        .args(["--nproc", "2"])
+        .output()
+        .expect("runs");
+    assert_eq!(o.status.code(), Some(2));
+}
