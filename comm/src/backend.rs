@@ -226,6 +226,7 @@ fn registry() -> &'static Registry {
             Arc::new(crate::local::LocalFactory) as Arc<dyn BackendFactory>,
         );
         m.insert("mpi".to_string(), crate::mpi::factory()); // NotCompiled without feature `mpi`
+        m.insert("nccl".to_string(), crate::nccl::factory()); // NotCompiled without feature `nccl`
         m.insert(
             "process".to_string(),
             Arc::new(crate::process::ProcessFactory) as Arc<dyn BackendFactory>,

@@ -22,6 +22,9 @@
 //!   TCP ([`process`]), started by the `dtrun` launcher; ranks find each other through a
 //!   rendezvous [`store`] hosted by rank 0, reading rank and size from the launcher's
 //!   environment ([`env`](mod@env)).
+//! - GPUs: the `nccl` backend (cargo feature `nccl`) runs one rank per GPU on NCCL, with
+//!   nonblocking init, stream-ordered [`Work`], a watchdog and split ([`nccl`]); with feature
+//!   `cuda` the `local` backend also moves CUDA tensors (ranks as threads sharing GPUs).
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
@@ -46,6 +49,7 @@ mod flight;
 mod hooks;
 pub mod local;
 pub mod mpi;
+pub mod nccl;
 pub mod process;
 pub mod store;
 mod types;

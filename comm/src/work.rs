@@ -242,8 +242,9 @@ impl<T: Send + 'static> Work<T> {
             let result = self.core.result.lock().unwrap_or_else(|e| e.into_inner());
             match result.as_ref() {
                 Some(Err(e)) => e.clone(),
-                Some(Ok(_)) => return,
-                None => {
+                // A published value (see `WorkCompleter::publish`) may still fail later.
+                Some(Ok(_)) if self.core.status() == WorkStatus::Completed => return,
+                _ => {
                     *slot = Some(f);
                     return;
                 }
@@ -360,6 +361,51 @@ impl<T: Send + 'static> WorkCompleter<T> {
             let mut slot = self.core.on_error.lock().unwrap_or_else(|e| e.into_inner());
             let mut r = self.core.result.lock().unwrap_or_else(|e| e.into_inner());
             *r = Some(result.map(|t| Box::new(t) as AnyBox));
+            self.core.status.store(status as u8, Ordering::Release);
+            self.core.cv.notify_all();
+            slot.take()
+        };
+        if let (Some(cb), Some(e)) = (callback, err) {
+            cb(&e);
+        }
+    }
+
+    /// Hands `value` to the waiter before the operation has finished, for stream-ordered
+    /// backends (NCCL): the value is safe to use by later work on the device, so
+    /// [`Work::wait`] returns it at once, while the status stays `InProgress` until
+    /// [`WorkCompleter::finish`] reports how the operation really ended. Calling it twice
+    /// replaces a value nobody has taken yet.
+    pub fn publish(&self, value: T) {
+        self.start();
+        let mut r = self.core.result.lock().unwrap_or_else(|e| e.into_inner());
+        *r = Some(Ok(Box::new(value) as AnyBox));
+        drop(r);
+        self.core.cv.notify_all();
+    }
+
+    /// Ends a work whose value was [`published`](WorkCompleter::publish). `Ok` marks it
+    /// completed. An error marks it timed out or failed, replaces the published value if the
+    /// waiter has not taken it yet (so a later [`Work::wait`] returns the error), and runs the
+    /// failure callback, as [`WorkCompleter::complete`] does.
+    pub fn finish(self, outcome: Result<()>) {
+        let status = match &outcome {
+            Ok(()) => WorkStatus::Completed,
+            Err(CommError::Timeout { .. }) => WorkStatus::TimedOut,
+            Err(_) => WorkStatus::Error,
+        };
+        let err = outcome.err();
+        if let Ok(mut t) = self.core.times.lock() {
+            let now = Instant::now();
+            t.started.get_or_insert(now);
+            t.finished = Some(now);
+            t.error = err.as_ref().map(|e| e.to_string());
+        }
+        let callback = {
+            let mut slot = self.core.on_error.lock().unwrap_or_else(|e| e.into_inner());
+            let mut r = self.core.result.lock().unwrap_or_else(|e| e.into_inner());
+            if let (Some(e), Some(_)) = (&err, r.as_ref()) {
+                *r = Some(Err(e.clone()));
+            }
             self.core.status.store(status as u8, Ordering::Release);
             self.core.cv.notify_all();
             slot.take()

@@ -138,6 +138,16 @@ pub(crate) use panic_message as panic_msg;
 
 impl LocalBackend {
     pub(crate) fn new(group: Arc<Group>, rank: usize, name: &str) -> Result<Arc<LocalBackend>> {
+        Self::with_device(group, rank, name, Device::Cpu)
+    }
+
+    /// A rank whose tensors live on `device` (CUDA devices need feature `cuda`).
+    pub(crate) fn with_device(
+        group: Arc<Group>,
+        rank: usize,
+        name: &str,
+        device: Device,
+    ) -> Result<Arc<LocalBackend>> {
         let queue = Arc::new(Queue {
             state: Mutex::new(QueueState {
                 tasks: VecDeque::new(),
@@ -160,7 +170,7 @@ impl LocalBackend {
             core: Arc::new(Core {
                 group,
                 rank,
-                device: Device::Cpu,
+                device,
                 queue,
             }),
         }))
@@ -168,6 +178,12 @@ impl LocalBackend {
 }
 
 impl Core {
+    /// The device this rank's tensors live on.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// Queues `body` as the next op. `collective` ops take the next collective index.
     pub(crate) fn submit<T: Send + 'static>(
         &self,
@@ -175,6 +191,14 @@ impl Core {
         collective: bool,
         body: impl FnOnce(&Exec) -> Result<T> + Send + 'static,
     ) -> Result<Work<T>> {
+        #[cfg(feature = "cuda")]
+        if self.device.is_cuda() {
+            // candle's stream is per thread: the op runs on another thread (the progress
+            // thread), so the issuer's work producing the inputs must be complete first.
+            self.device
+                .synchronize()
+                .map_err(|e| CommError::candle(&ctx, e))?;
+        }
         let mut q = self.queue.lock();
         if q.shutdown {
             return Err(CommError::Aborted {
@@ -799,6 +823,12 @@ impl Backend for LocalBackend {
         op: ReduceOp,
         output: Option<Tensor>,
     ) -> Result<Work<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if self.core.device.is_cuda() {
+            return self.core.submit(ctx, true, move |e| {
+                super::cuda::all_reduce(e, input, op, output)
+            });
+        }
         self.core
             .submit(ctx, true, move |e| all_reduce(e, input, op, output))
     }
@@ -809,6 +839,12 @@ impl Backend for LocalBackend {
         input: Tensor,
         output: Option<Tensor>,
     ) -> Result<Work<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if self.core.device.is_cuda() {
+            return self.core.submit(ctx, true, move |e| {
+                super::cuda::all_gather(e, input, output)
+            });
+        }
         self.core
             .submit(ctx, true, move |e| all_gather(e, input, output))
     }
@@ -820,6 +856,12 @@ impl Backend for LocalBackend {
         op: ReduceOp,
         output: Option<Tensor>,
     ) -> Result<Work<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if self.core.device.is_cuda() {
+            return self.core.submit(ctx, true, move |e| {
+                super::cuda::reduce_scatter(e, input, op, output)
+            });
+        }
         self.core
             .submit(ctx, true, move |e| reduce_scatter(e, input, op, output))
     }
@@ -830,6 +872,12 @@ impl Backend for LocalBackend {
         input: Tensor,
         output: Option<Tensor>,
     ) -> Result<Work<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if self.core.device.is_cuda() {
+            return self.core.submit(ctx, true, move |e| {
+                super::cuda::all_to_all(e, input, output)
+            });
+        }
         self.core
             .submit(ctx, true, move |e| all_to_all(e, input, output))
     }
@@ -841,12 +889,24 @@ impl Backend for LocalBackend {
         output_split_sizes: Vec<usize>,
         input_split_sizes: Vec<usize>,
     ) -> Result<Work<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if self.core.device.is_cuda() {
+            return self.core.submit(ctx, true, move |e| {
+                super::cuda::all_to_all_v(e, input, output_split_sizes, input_split_sizes)
+            });
+        }
         self.core.submit(ctx, true, move |e| {
             all_to_all_v(e, input, output_split_sizes, input_split_sizes)
         })
     }
 
     fn broadcast(&self, ctx: OpCtx, tensor: Tensor, root: usize) -> Result<Work<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if self.core.device.is_cuda() {
+            return self
+                .core
+                .submit(ctx, true, move |e| super::cuda::broadcast(e, tensor, root));
+        }
         self.core
             .submit(ctx, true, move |e| broadcast(e, tensor, root))
     }
@@ -858,15 +918,36 @@ impl Backend for LocalBackend {
         root: usize,
         op: ReduceOp,
     ) -> Result<Work<Option<Tensor>>> {
+        #[cfg(feature = "cuda")]
+        if self.core.device.is_cuda() {
+            return self
+                .core
+                .submit(ctx, true, move |e| super::cuda::reduce(e, input, root, op));
+        }
         self.core
             .submit(ctx, true, move |e| reduce(e, input, root, op))
     }
 
     fn gather(&self, ctx: OpCtx, input: Tensor, root: usize) -> Result<Work<Option<Vec<Tensor>>>> {
+        #[cfg(feature = "cuda")]
+        if self.core.device.is_cuda() {
+            return self
+                .core
+                .submit(ctx, true, move |e| super::cuda::gather(e, input, root));
+        }
         self.core.submit(ctx, true, move |e| gather(e, input, root))
     }
 
     fn scatter(&self, ctx: OpCtx, inputs: Vec<Tensor>, root: usize) -> Result<Work<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if self.core.device.is_cuda() {
+            return {
+                let dev = self.core.device.clone();
+                self.core.submit(ctx, true, move |e| {
+                    super::cuda::scatter(e, inputs, root, &dev)
+                })
+            };
+        }
         self.core
             .submit(ctx, true, move |e| scatter(e, inputs, root))
     }
@@ -886,6 +967,14 @@ impl Backend for LocalBackend {
     }
 
     fn batch_p2p(&self, ctx: OpCtx, ops: Vec<P2POp>) -> Result<Work<Vec<Tensor>>> {
+        #[cfg(feature = "cuda")]
+        if self.core.device.is_cuda() {
+            return {
+                let dev = self.core.device.clone();
+                self.core
+                    .submit(ctx, false, move |e| super::cuda::batch_p2p(e, ops, &dev))
+            };
+        }
         self.core.submit(ctx, false, move |e| batch_p2p(e, ops))
     }
 
@@ -944,7 +1033,7 @@ impl Backend for LocalBackend {
             };
             let child = e.group.world.rendezvous(key, || members);
             let my = ranks.iter().position(|&r| r == core.rank).unwrap_or(0);
-            let b = LocalBackend::new(child, my, &name)?;
+            let b = LocalBackend::with_device(child, my, &name, core.device.clone())?;
             Ok(Some(b as Arc<dyn Backend>))
         })
     }

@@ -10,6 +10,8 @@
 //! launcher reports the rank that failed first and why.
 
 mod backend;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod group;
 pub(crate) mod kernels;
 mod window;
@@ -248,11 +250,18 @@ impl BackendFactory for LocalFactory {
         name: &str,
         options: &CommOptions,
     ) -> Result<Arc<dyn Backend>> {
-        if !device.is_cpu() {
+        // CUDA tensors need feature `cuda` (ranks as threads sharing GPUs: `cuda.rs`).
+        let supported = device.is_cpu() || (cfg!(feature = "cuda") && device.is_cuda());
+        if !supported {
             return Err(CommError::Bootstrap {
                 comm: name.to_string(),
                 reason: format!(
-                    "the local backend runs on the CPU; got {:?}",
+                    "the local backend runs on the CPU{}; got {:?}",
+                    if cfg!(feature = "cuda") {
+                        " or CUDA devices"
+                    } else {
+                        " (CUDA devices need cargo feature `cuda`)"
+                    },
                     device.location()
                 ),
             });
@@ -280,7 +289,7 @@ impl BackendFactory for LocalFactory {
             },
             || (0..size).collect(),
         );
-        let backend = LocalBackend::new(group, rank, name)?;
+        let backend = LocalBackend::with_device(group, rank, name, device.clone())?;
         // Bootstrap: every rank must arrive within the bootstrap timeout.
         let ctx = OpCtx {
             op: OpName::NewComm,

@@ -57,6 +57,13 @@ impl WindowBackend for LocalWindow {
     }
 
     fn put(&self, ctx: &OpCtx, data: &Tensor, dst: usize, offset_bytes: usize) -> Result<()> {
+        // Windows live in host memory; CUDA data is staged through it.
+        #[cfg(feature = "cuda")]
+        let staged = data
+            .to_device(&candle_core::Device::Cpu)
+            .map_err(|e| CommError::candle(ctx, e))?;
+        #[cfg(feature = "cuda")]
+        let data = &staged;
         let view = read_view(data).map_err(|e| CommError::invalid(ctx, e))?;
         let src = view.bytes();
         let mut buf = self.shared.bufs[dst]
@@ -80,11 +87,16 @@ impl WindowBackend for LocalWindow {
             .unwrap_or_else(|e| e.into_inner());
         let n = len * dtype.size_in_bytes();
         // SAFETY: `out` holds exactly `n` bytes and is private to this thread.
-        unsafe {
+        let t = unsafe {
             out.write(0, &buf[offset_bytes..offset_bytes + n]);
             out.into_tensor(Shape::from_dims(&[len]))
         }
-        .map_err(|e| CommError::candle(ctx, e))
+        .map_err(|e| CommError::candle(ctx, e))?;
+        #[cfg(feature = "cuda")]
+        let t = t
+            .to_device(self.core.device())
+            .map_err(|e| CommError::candle(ctx, e))?;
+        Ok(t)
     }
 
     fn signal(&self, ctx: &OpCtx, peer: usize) -> Result<()> {
