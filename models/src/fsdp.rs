@@ -128,9 +128,16 @@ struct Unit {
     state: UnitState,
 }
 
+/// A unit's gradient reduction in flight: the reduce_scatter over the shard dim, then (HSDP)
+/// the all_reduce of its result over the replicate dim.
+enum Reduction {
+    Scatter(Work<Tensor>),
+    Replicate(Work<Tensor>),
+}
+
 struct Run {
     units: Vec<Unit>,
-    pending_rs: Vec<(usize, Work<Tensor>)>,
+    pending_rs: Vec<(usize, Reduction)>,
     stats: FsdpStats,
     unsharded_bytes: usize,
 }
@@ -701,9 +708,57 @@ impl Fsdp {
             let mut run = self.run();
             run.stats.reduce_scatters += 1;
             run.unsharded_bytes = run.unsharded_bytes.saturating_sub(grad_bytes);
-            run.pending_rs.push((unit, work));
+            run.pending_rs.push((unit, Reduction::Scatter(work)));
         }
+        self.start_replicate_reductions(false)?;
         self.reshard(unit)
+    }
+
+    fn grad_reduce_op(&self) -> ReduceOp {
+        match self.inner.cfg.grad_reduce {
+            GradReduce::Sum => ReduceOp::Sum,
+            GradReduce::Avg => ReduceOp::Avg,
+        }
+    }
+
+    /// HSDP: issues the replicate-dim all_reduce of every unit whose reduce_scatter finished
+    /// (all of them, waiting in issue order, when `wait` is set), so the all_reduces run on
+    /// their own communicator while backward continues, instead of one after another at the end.
+    fn start_replicate_reductions(&self, wait: bool) -> Result<()> {
+        let Some(rep) = &self.inner.replicate else {
+            return Ok(());
+        };
+        let op = self.grad_reduce_op();
+        let pending = std::mem::take(&mut self.run().pending_rs);
+        let mut next = Vec::with_capacity(pending.len());
+        let mut waited = 0.0;
+        let mut failed = None;
+        for (unit, r) in pending {
+            match r {
+                Reduction::Scatter(work) if failed.is_none() && (wait || work.is_completed()) => {
+                    let t0 = Instant::now();
+                    let reduced = work.wait();
+                    waited += t0.elapsed().as_secs_f64() * 1e3;
+                    match reduced.and_then(|t| {
+                        debug::record("all_reduce", rep.name(), (t.elem_count() * 4) as u64);
+                        rep.all_reduce(&t, op)
+                    }) {
+                        Ok(w) => next.push((unit, Reduction::Replicate(w))),
+                        Err(e) => failed = Some(e),
+                    }
+                }
+                other => next.push((unit, other)),
+            }
+        }
+        let mut run = self.run();
+        run.stats.exposed_comm_ms += waited;
+        // Reductions issued meanwhile (none today: one compute thread) stay behind ours.
+        next.append(&mut run.pending_rs);
+        run.pending_rs = next;
+        match failed {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
     }
 
     /// After `loss.backward()`: reduces every unit whose gradients are not all in (unused
@@ -721,18 +776,13 @@ impl Fsdp {
                 self.reduce_unit(unit)?;
             }
         }
+        self.start_replicate_reductions(true)?;
         let pending = std::mem::take(&mut self.run().pending_rs);
-        for (unit, work) in pending {
+        for (unit, r) in pending {
             let t0 = Instant::now();
-            let mut reduced = work.wait()?;
-            if let Some(rep) = &self.inner.replicate {
-                let op = match self.inner.cfg.grad_reduce {
-                    GradReduce::Sum => ReduceOp::Sum,
-                    GradReduce::Avg => ReduceOp::Avg,
-                };
-                debug::record("all_reduce", rep.name(), (reduced.elem_count() * 4) as u64);
-                reduced = rep.all_reduce(&reduced, op)?.wait()?;
-            }
+            let reduced = match r {
+                Reduction::Scatter(work) | Reduction::Replicate(work) => work.wait()?,
+            };
             let waited = t0.elapsed().as_secs_f64() * 1e3;
             let mut run = self.run();
             run.stats.exposed_comm_ms += waited;
