@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the project's benchmarks and prints the tables BENCHMARKS.md records.
 #
-#   scripts/bench.sh            # everything (~10 minutes on the 2-core dev box)
+#   scripts/bench.sh            # everything (about 4 minutes on the 2-core dev box, build excluded)
 #   scripts/bench.sh train      # only the train_gpt layouts
 #   ROUNDS=5 scripts/bench.sh   # more interleaved rounds per layout (default 3)
 #
@@ -79,7 +79,7 @@ if [[ "$what" == all || "$what" == comm ]]; then
 import json, sys
 for l in sys.stdin:
     d = json.loads(l)
-    print(f"| {d[\"op\"]} | {d[\"bytes\"]} | {d[\"median_ms\"]:.3f} | {d[\"algbw_gbps\"]:.2f} | {d[\"busbw_gbps\"]:.2f} | {d[\"efficiency\"]:.2f} |")
+    print("| {op} | {bytes} | {median_ms:.3f} | {algbw_gbps:.2f} | {busbw_gbps:.2f} | {efficiency:.2f} |".format(**d))
 '
     echo
 fi
@@ -93,7 +93,7 @@ if [[ "$what" == all || "$what" == dispatch ]]; then
 import json, sys
 for l in sys.stdin:
     d = json.loads(l)
-    print(f"| {d[\"op\"]} | {d[\"shape\"]} | {d[\"placements\"]} | {d[\"candle_us\"]:.2f} | {d[\"dtensor_us\"]:.2f} | {d[\"overhead_us\"]:.2f} |")
+    print("| {op} | {shape} | {placements} | {candle_us:.2f} | {dtensor_us:.2f} | {overhead_us:.2f} |".format(**d))
 '
     echo
 fi
