@@ -23,6 +23,7 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
+use candle_dtensor::comm::env::LaunchEnv;
 use candle_dtensor::comm::{
     nccl, new_comm, Comm, CommError, CommOptions, P2POp, ReduceOp, WorkStatus,
 };
@@ -346,15 +347,14 @@ fn run(args: &Args) -> R<bool> {
     let options = CommOptions::default()
         .with_timeout(t)
         .with_bootstrap_timeout(t);
-    let launched = std::env::var_os("RANK").is_some()
-        || std::env::var_os("OMPI_COMM_WORLD_RANK").is_some()
-        || std::env::var_os("PMI_RANK").is_some();
+    let launched = LaunchEnv::is_launched();
     let gpus = candle_core::cuda_backend::cudarc::driver::CudaContext::device_count()
         .map_err(|e| format!("no CUDA device: {e}"))? as usize;
-    let local = ["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "RANK"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
-        .unwrap_or(0);
+    let local = if launched {
+        LaunchEnv::from_env()?.local_index()
+    } else {
+        0
+    };
     let dev = Device::new_cuda(local % gpus.max(1))?;
     let t0 = Instant::now();
     let world = if launched {

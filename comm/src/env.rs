@@ -127,6 +127,21 @@ impl LaunchEnv {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
 
+    /// Whether a launcher set this process's rank (`RANK`, `OMPI_COMM_WORLD_RANK` or
+    /// `PMI_RANK`), i.e. whether it is one rank of a launched world rather than a plain run.
+    pub fn is_launched() -> bool {
+        ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some())
+    }
+
+    /// This process's index among the processes of its host: the launcher's local rank, else
+    /// the world rank (a single-host launch). The usual choice of GPU is this modulo the
+    /// number of visible devices.
+    pub fn local_index(&self) -> usize {
+        self.local_rank.unwrap_or(self.rank)
+    }
+
     /// Like [`LaunchEnv::from_env`] with variables from `get` (for tests and embedding).
     ///
     /// # Errors
@@ -255,6 +270,7 @@ mod tests {
         assert_eq!(e.rank, 3);
         assert_eq!(e.world_size, 4);
         assert_eq!(e.local_rank, Some(1));
+        assert_eq!(e.local_index(), 1);
         assert_eq!(e.source, EnvSource::Torchrun);
         assert_eq!(e.store_addr().unwrap(), "localhost:1234");
     }
@@ -269,8 +285,10 @@ mod tests {
         .unwrap();
         assert_eq!((e.rank, e.world_size, e.local_rank), (2, 3, Some(0)));
         assert_eq!(e.source, EnvSource::OpenMpi);
-        let e = env(&[("PMI_RANK", "0"), ("PMI_SIZE", "2")]).unwrap();
-        assert_eq!((e.rank, e.world_size, e.source), (0, 2, EnvSource::Pmi));
+        let e = env(&[("PMI_RANK", "1"), ("PMI_SIZE", "2")]).unwrap();
+        assert_eq!((e.rank, e.world_size, e.source), (1, 2, EnvSource::Pmi));
+        // No local rank: one host, the world rank picks the device.
+        assert_eq!((e.local_rank, e.local_index()), (None, 1));
         // torchrun's variables win over MPI's.
         let e = env(&[
             ("RANK", "1"),

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::{CudaDevice, DType, Device, Shape, Tensor};
 
-use super::api::{Call, DataType, DevPtr, NcclApi, RawComm};
+use super::api::{Call, DataType, DevPtr, NcclApi, RawComm, RedOp};
 use super::bootstrap::{exchange_unique_id, mark_joined, missing_ranks};
 use super::config::ConfigSpec;
 use super::cuda::{cuda_device, dev_ptr, CudaStreams, CudarcApi};
@@ -307,6 +307,14 @@ impl NcclBackend {
         })
     }
 
+    fn red_op(ctx: &OpCtx, op: ReduceOp, dtype: DType) -> Result<RedOp> {
+        plan::red_op(op, dtype).map_err(|reason| CommError::UnsupportedDType {
+            ctx: ctx.clone(),
+            dtype,
+            reason,
+        })
+    }
+
     fn ptr(&self, ctx: &OpCtx, t: &Tensor) -> Result<DevPtr> {
         dev_ptr(t, &self.streams.comm).map_err(|e| CommError::invalid(ctx, e))
     }
@@ -502,12 +510,7 @@ impl Backend for NcclBackend {
         output: Option<Tensor>,
     ) -> Result<Work<Tensor>> {
         let dt = Self::dt(&ctx, input.dtype())?;
-        let rop =
-            plan::red_op(op, input.dtype()).map_err(|reason| CommError::UnsupportedDType {
-                ctx: ctx.clone(),
-                dtype: input.dtype(),
-                reason,
-            })?;
+        let rop = Self::red_op(&ctx, op, input.dtype())?;
         let out = self.given_output(&ctx, output, input.shape(), input.dtype())?;
         let count = input.elem_count();
         let calls = if count == 0 {
@@ -571,12 +574,7 @@ impl Backend for NcclBackend {
         output: Option<Tensor>,
     ) -> Result<Work<Tensor>> {
         let dt = Self::dt(&ctx, input.dtype())?;
-        let rop =
-            plan::red_op(op, input.dtype()).map_err(|reason| CommError::UnsupportedDType {
-                ctx: ctx.clone(),
-                dtype: input.dtype(),
-                reason,
-            })?;
+        let rop = Self::red_op(&ctx, op, input.dtype())?;
         let n = self.size();
         let mut dims = input.dims().to_vec();
         if let Some(d0) = dims.first_mut() {
@@ -699,12 +697,7 @@ impl Backend for NcclBackend {
         op: ReduceOp,
     ) -> Result<Work<Option<Tensor>>> {
         let dt = Self::dt(&ctx, input.dtype())?;
-        let rop =
-            plan::red_op(op, input.dtype()).map_err(|reason| CommError::UnsupportedDType {
-                ctx: ctx.clone(),
-                dtype: input.dtype(),
-                reason,
-            })?;
+        let rop = Self::red_op(&ctx, op, input.dtype())?;
         let is_root = self.rank() == root;
         let out = if is_root {
             Some(self.output(&ctx, input.shape(), input.dtype())?)
