@@ -349,6 +349,7 @@ fn write_svg(path: &PathBuf, losses: &[f32], title: &str) -> std::io::Result<()>
 
 fn main() {
     candle_dtensor::init_cpu_threads();
+    candle_dtensor::init_cpu_allocator();
     let args = Args::parse();
     if let Err(e) = real_main(&args) {
         eprintln!("train_gpt: error: {e}");
