@@ -361,6 +361,8 @@ fn real_main(args: &Args) -> Result<(), String> {
     let dims = parse_mesh(&args.mesh)?;
     let gpt = GptConfig::preset(&args.preset).map_err(|e| e.to_string())?;
     let world = validate(args, &dims, &gpt)?;
+    // The local backend runs every rank as a thread of this process; other backends one.
+    candle_dtensor::init_gemm_threads(if args.backend == "local" { world } else { 1 });
     let mut cfg = TrainConfig::new(gpt.clone(), TpPlan::gpt(args.sp));
     cfg.fsdp = fsdp_spec(args, &dims)?;
     cfg.steps = args.steps;

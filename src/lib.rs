@@ -11,21 +11,43 @@ pub use candle_dtensor_strategies as strategies;
 /// Environment variable that sizes candle 0.11's elementwise CPU worker pool.
 pub const CANDLE_NUM_THREADS_ENV: &str = "CANDLE_NUM_THREADS";
 
+/// Environment variable that sizes rayon's global pool, which candle 0.11 also reads as the
+/// number of threads of every CPU matmul (gemm).
+pub const RAYON_NUM_THREADS_ENV: &str = "RAYON_NUM_THREADS";
+
 /// Turns off candle's elementwise CPU worker pool unless the user sized it
 /// (`CANDLE_NUM_THREADS`), and says whether it did.
 ///
 /// Ranks of the local backend are threads that already keep the cores busy. candle 0.11's
 /// pool serializes every caller behind one lock and spin-waits at its barrier, so with several
 /// rank threads they block each other (measured: a 4-rank tensor-parallel step spent ~40% of
-/// its time spinning, and even one rank ran ~2x slower on a 2-core machine). gemm keeps its
-/// own threading. The pool is created on candle's first elementwise op, so call this at the
-/// very start of `main`, before any candle op and before other threads start (it sets a
-/// process environment variable).
+/// its time spinning, and even one rank ran ~2x slower on a 2-core machine). The pool is
+/// created on candle's first elementwise op, so call this at the very start of `main`, before
+/// any candle op and before other threads start (it sets a process environment variable).
+/// Matmuls have their own threads: see [`init_gemm_threads`].
 pub fn init_cpu_threads() -> bool {
     if std::env::var_os(CANDLE_NUM_THREADS_ENV).is_some() {
         return false;
     }
     std::env::set_var(CANDLE_NUM_THREADS_ENV, "1");
+    true
+}
+
+/// When this process runs several rank threads (`ranks_in_process > 1`), makes each rank's
+/// matmuls run on the rank's own thread (`RAYON_NUM_THREADS=1`) unless the user set the
+/// variable; says whether it did.
+///
+/// candle 0.11 gives every CPU matmul `RAYON_NUM_THREADS` threads (default: the physical
+/// cores) from rayon's global pool. Rank threads already occupy the cores, so they queue
+/// behind each other in that shared pool and sleep and wake per matmul: on the 2-core box,
+/// 4-rank train_gpt layouts ran 10-17% faster with one gemm thread per rank, while a single
+/// rank ran 17% slower (it loses the second core), hence the condition (BENCHMARKS.md). candle
+/// reads the variable at every matmul; call this before the rank threads start.
+pub fn init_gemm_threads(ranks_in_process: usize) -> bool {
+    if ranks_in_process <= 1 || std::env::var_os(RAYON_NUM_THREADS_ENV).is_some() {
+        return false;
+    }
+    std::env::set_var(RAYON_NUM_THREADS_ENV, "1");
     true
 }
 
