@@ -23,6 +23,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use candle_core::{DType, Device};
+use candle_dtensor::comm::env::LaunchEnv;
 use candle_dtensor::comm::{new_comm, Comm, CommOptions, LocalWorld};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
@@ -361,8 +362,17 @@ fn real_main(args: &Args) -> Result<(), String> {
     let dims = parse_mesh(&args.mesh)?;
     let gpt = GptConfig::preset(&args.preset).map_err(|e| e.to_string())?;
     let world = validate(args, &dims, &gpt)?;
-    // The local backend runs every rank as a thread of this process; other backends one.
-    candle_dtensor::init_gemm_threads(if args.backend == "local" { world } else { 1 });
+    // The local backend runs every rank as a thread of this process; other backends one per
+    // process, as many per host as the launcher says.
+    if args.backend == "local" {
+        candle_dtensor::init_gemm_threads(world, world);
+    } else {
+        let on_host = LaunchEnv::from_env()
+            .ok()
+            .and_then(|e| e.local_world_size)
+            .unwrap_or(1);
+        candle_dtensor::init_gemm_threads(1, on_host);
+    }
     let mut cfg = TrainConfig::new(gpt.clone(), TpPlan::gpt(args.sp));
     cfg.fsdp = fsdp_spec(args, &dims)?;
     cfg.steps = args.steps;

@@ -33,21 +33,35 @@ pub fn init_cpu_threads() -> bool {
     true
 }
 
-/// When this process runs several rank threads (`ranks_in_process > 1`), makes each rank's
-/// matmuls run on the rank's own thread (`RAYON_NUM_THREADS=1`) unless the user set the
-/// variable; says whether it did.
+/// Sizes the threads of every CPU matmul for this process's share of the host, unless the
+/// user set `RAYON_NUM_THREADS`; says whether it set it.
 ///
 /// candle 0.11 gives every CPU matmul `RAYON_NUM_THREADS` threads (default: the physical
-/// cores) from rayon's global pool. Rank threads already occupy the cores, so they queue
-/// behind each other in that shared pool and sleep and wake per matmul: on the 2-core box,
-/// 4-rank train_gpt layouts ran 10-17% faster with one gemm thread per rank, while a single
-/// rank ran 17% slower (it loses the second core), hence the condition (BENCHMARKS.md). candle
-/// reads the variable at every matmul; call this before the rank threads start.
-pub fn init_gemm_threads(ranks_in_process: usize) -> bool {
-    if ranks_in_process <= 1 || std::env::var_os(RAYON_NUM_THREADS_ENV).is_some() {
+/// cores) from rayon's global pool, which all threads of a process share.
+/// - Several rank threads in this process (`ranks_in_process > 1`, the local backend): one
+///   gemm thread per rank. Ranks already occupy the cores; sharing the pool they queue behind
+///   each other and sleep and wake per matmul (on the 2-core box 4-rank train_gpt layouts ran
+///   10-17% faster with one thread per rank; BENCHMARKS.md).
+/// - One rank per process, `ranks_on_host` processes on this host (dtrun, mpirun): the host's
+///   logical CPUs divided among them, at least one, so the processes do not oversubscribe
+///   the cores with their pools.
+/// - A single rank alone on the host: left alone (it gains from every core; one gemm thread
+///   made the single-device step 17% slower on the 2-core box).
+///
+/// candle reads the variable at every matmul; call this before the rank threads start.
+pub fn init_gemm_threads(ranks_in_process: usize, ranks_on_host: usize) -> bool {
+    if std::env::var_os(RAYON_NUM_THREADS_ENV).is_some() {
         return false;
     }
-    std::env::set_var(RAYON_NUM_THREADS_ENV, "1");
+    let threads = if ranks_in_process > 1 {
+        1
+    } else if ranks_on_host > 1 {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cpus / ranks_on_host).max(1)
+    } else {
+        return false;
+    };
+    std::env::set_var(RAYON_NUM_THREADS_ENV, threads.to_string());
     true
 }
 

@@ -98,6 +98,9 @@ pub struct LaunchEnv {
     pub world_size: usize,
     /// The rank among the processes of this host, when the launcher says.
     pub local_rank: Option<usize>,
+    /// The number of processes on this host, when the launcher says (`LOCAL_WORLD_SIZE`,
+    /// `OMPI_COMM_WORLD_LOCAL_SIZE`, `MPI_LOCALNRANKS`).
+    pub local_world_size: Option<usize>,
     /// `MASTER_ADDR`, when set.
     pub master_addr: Option<String>,
     /// `MASTER_PORT`, when set.
@@ -148,18 +151,32 @@ impl LaunchEnv {
     ///
     /// [`EnvError`] naming the missing or malformed variable.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, EnvError> {
-        const SCHEMES: [(EnvSource, &str, &str, &[&str]); 3] = [
-            (EnvSource::Torchrun, "RANK", "WORLD_SIZE", &["LOCAL_RANK"]),
+        // (source, rank, world size, local rank, local world size)
+        const SCHEMES: [(EnvSource, &str, &str, &str, &str); 3] = [
+            (
+                EnvSource::Torchrun,
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+            ),
             (
                 EnvSource::OpenMpi,
                 "OMPI_COMM_WORLD_RANK",
                 "OMPI_COMM_WORLD_SIZE",
-                &["OMPI_COMM_WORLD_LOCAL_RANK"],
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
             ),
-            (EnvSource::Pmi, "PMI_RANK", "PMI_SIZE", &["MPI_LOCALRANKID"]),
+            (
+                EnvSource::Pmi,
+                "PMI_RANK",
+                "PMI_SIZE",
+                "MPI_LOCALRANKID",
+                "MPI_LOCALNRANKS",
+            ),
         ];
-        let found = SCHEMES.iter().find(|(_, r, _, _)| get(r).is_some());
-        let Some(&(source, rank_var, size_var, local_vars)) = found else {
+        let found = SCHEMES.iter().find(|(_, r, ..)| get(r).is_some());
+        let Some(&(source, rank_var, size_var, local_rank_var, local_size_var)) = found else {
             return Err(EnvError::Missing {
                 what: "the rank",
                 looked_for: "RANK, OMPI_COMM_WORLD_RANK, PMI_RANK".into(),
@@ -189,13 +206,23 @@ impl LaunchEnv {
                 convention: source,
             });
         }
-        let mut local_rank = None;
-        for &v in local_vars {
-            if let Some(val) = get(v) {
-                local_rank = Some(parse(v, val, "a local rank >= 0")?);
-                break;
-            }
-        }
+        let local_rank = match get(local_rank_var) {
+            Some(v) => Some(parse(local_rank_var, v, "a local rank >= 0")?),
+            None => None,
+        };
+        let local_world_size = match get(local_size_var) {
+            Some(v) => match parse(local_size_var, v.clone(), "a local world size >= 1")? {
+                0 => {
+                    return Err(EnvError::Invalid {
+                        var: local_size_var,
+                        value: v,
+                        reason: "a host runs at least this process".into(),
+                    })
+                }
+                n => Some(n),
+            },
+            None => None,
+        };
         let master_addr = get("MASTER_ADDR").filter(|s| !s.trim().is_empty());
         let master_port = match get("MASTER_PORT") {
             Some(v) => {
@@ -215,6 +242,7 @@ impl LaunchEnv {
             rank,
             world_size,
             local_rank,
+            local_world_size,
             master_addr: master_addr.map(|s| s.trim().to_string()),
             master_port,
             source,
@@ -263,6 +291,7 @@ mod tests {
             ("RANK", "3"),
             ("WORLD_SIZE", "4"),
             ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
             ("MASTER_ADDR", "localhost"),
             ("MASTER_PORT", "1234"),
         ])
@@ -271,6 +300,7 @@ mod tests {
         assert_eq!(e.world_size, 4);
         assert_eq!(e.local_rank, Some(1));
         assert_eq!(e.local_index(), 1);
+        assert_eq!(e.local_world_size, Some(2));
         assert_eq!(e.source, EnvSource::Torchrun);
         assert_eq!(e.store_addr().unwrap(), "localhost:1234");
     }
@@ -281,14 +311,17 @@ mod tests {
             ("OMPI_COMM_WORLD_RANK", "2"),
             ("OMPI_COMM_WORLD_SIZE", "3"),
             ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "3"),
         ])
         .unwrap();
         assert_eq!((e.rank, e.world_size, e.local_rank), (2, 3, Some(0)));
+        assert_eq!(e.local_world_size, Some(3));
         assert_eq!(e.source, EnvSource::OpenMpi);
         let e = env(&[("PMI_RANK", "1"), ("PMI_SIZE", "2")]).unwrap();
         assert_eq!((e.rank, e.world_size, e.source), (1, 2, EnvSource::Pmi));
         // No local rank: one host, the world rank picks the device.
         assert_eq!((e.local_rank, e.local_index()), (None, 1));
+        assert_eq!(e.local_world_size, None);
         // torchrun's variables win over MPI's.
         let e = env(&[
             ("RANK", "1"),
@@ -345,6 +378,22 @@ mod tests {
                 EnvError::RankOutOfRange {
                     rank: 2,
                     world_size: 2,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_WORLD_SIZE", "0"),
+        ])
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                EnvError::Invalid {
+                    var: "LOCAL_WORLD_SIZE",
                     ..
                 }
             ),
