@@ -1,22 +1,32 @@
 //! FSDP for unmodified candle-nn modules: a `VarBuilder` whose backend creates sharded
 //! parameters, and a module wrapper that runs the unit hooks.
 //!
-//! ```no_run
-//! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-//! use candle_core::{DType, Module};
+//! ```
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use candle_dtensor_comm::LocalWorld;
+//! use candle_dtensor_mesh::DeviceMesh;
 //! use candle_dtensor_models::fsdp::{Fsdp, FsdpConfig, GradReduce};
 //! use candle_dtensor_models::fsdp_vb::FsdpVarMap;
-//! # let mesh: candle_dtensor_mesh::DeviceMesh = unimplemented!();
-//! let mut cfg = FsdpConfig::new(0);
-//! cfg.grad_reduce = GradReduce::Avg; // each rank's loss is its local mean
-//! let fsdp = Fsdp::new(&mesh, cfg)?;
-//! let map = FsdpVarMap::new(&fsdp, 0);
-//! let vb = map.var_builder(DType::F32);
-//! let l1 = map.wrap("l1", candle_nn::linear(4, 16, vb.pp("l1"))?)?;
-//! let l2 = map.wrap("l2", candle_nn::linear(16, 3, vb.pp("l2"))?)?;
-//! // forward with l1.forward(&x), loss.backward(), fsdp.finish_backward(&mut grads),
-//! // then any candle-nn optimizer over map.all_vars().
-//! # Ok(()) }
+//! use candle_nn::Optimizer;
+//!
+//! LocalWorld::run(2, |comm| {
+//!     let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
+//!     let mut cfg = FsdpConfig::new(0);
+//!     cfg.grad_reduce = GradReduce::Avg; // each rank's loss is its local mean
+//!     let fsdp = Fsdp::new(&mesh, cfg)?;
+//!     let map = FsdpVarMap::new(&fsdp, 0);
+//!     let vb = map.var_builder(DType::F32);
+//!     let l1 = map.wrap("l1", candle_nn::linear(4, 16, vb.pp("l1"))?)?;
+//!     let l2 = map.wrap("l2", candle_nn::linear(16, 3, vb.pp("l2"))?)?;
+//!     let mut opt = candle_nn::SGD::new(map.all_vars(), 0.1)?;
+//!     let x = Tensor::ones((4, 4), DType::F32, &Device::Cpu)?; // this rank's half of the batch
+//!     let loss = l2.forward(&l1.forward(&x)?.relu()?)?.sqr()?.mean_all()?;
+//!     let mut grads = loss.backward()?;
+//!     fsdp.finish_backward(&mut grads)?; // reduce-scattered shard gradients
+//!     opt.step(&grads)?;
+//!     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+//! })?;
+//! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
 //! ```
 
 use std::sync::{Arc, Mutex};
