@@ -154,3 +154,60 @@ impl From<CommError> for candle_core::Error {
         candle_core::Error::wrap(e)
     }
 }
+
+/// Implements `to_error(&self, ctx, coll) -> CommError` for a CPU backend's `Failure` enum
+/// (local, process, mpi). Their `Timeout { collective, missing, .. }`, `Desync { collective,
+/// rank_a, op_a, rank_b, op_b }` and `Mismatch { collective, reason }` variants have the same
+/// fields, and an op meets them the same way: the typed error when the failure is about that
+/// very collective (`coll`), else `Aborted` with the failure's own `Display` text, which is
+/// also what every backend-specific variant gives.
+macro_rules! impl_failure_to_error {
+    ($failure:ident) => {
+        impl $failure {
+            /// The error an operation at collective index `coll` reports for this failure.
+            pub(crate) fn to_error(
+                &self,
+                ctx: &$crate::types::OpCtx,
+                coll: Option<u64>,
+            ) -> $crate::error::CommError {
+                use $crate::error::CommError;
+                match self {
+                    $failure::Timeout {
+                        collective,
+                        missing,
+                        ..
+                    } if Some(*collective) == coll => CommError::Timeout {
+                        ctx: ctx.clone(),
+                        timeout: ctx.timeout,
+                        missing: missing.clone(),
+                    },
+                    $failure::Desync {
+                        collective,
+                        rank_a,
+                        op_a,
+                        rank_b,
+                        op_b,
+                    } if Some(*collective) == coll => CommError::Desync {
+                        ctx: ctx.clone(),
+                        collective: *collective,
+                        rank_a: *rank_a,
+                        op_a: op_a.as_str().into(),
+                        rank_b: *rank_b,
+                        op_b: op_b.as_str().into(),
+                    },
+                    $failure::Mismatch { collective, reason } if Some(*collective) == coll => {
+                        CommError::InvalidArgument {
+                            ctx: ctx.clone(),
+                            reason: reason.clone(),
+                        }
+                    }
+                    other => CommError::Aborted {
+                        ctx: ctx.clone(),
+                        reason: other.to_string(),
+                    },
+                }
+            }
+        }
+    };
+}
+pub(crate) use impl_failure_to_error;

@@ -47,46 +47,7 @@ pub(crate) enum Failure {
     Mismatch { collective: u64, reason: String },
 }
 
-impl Failure {
-    /// The error an operation at collective index `coll` reports for this failure.
-    pub(crate) fn to_error(&self, ctx: &OpCtx, coll: Option<u64>) -> CommError {
-        match self {
-            Failure::Timeout {
-                collective,
-                missing,
-                ..
-            } if Some(*collective) == coll => CommError::Timeout {
-                ctx: ctx.clone(),
-                timeout: ctx.timeout,
-                missing: missing.clone(),
-            },
-            Failure::Desync {
-                collective,
-                rank_a,
-                op_a,
-                rank_b,
-                op_b,
-            } if Some(*collective) == coll => CommError::Desync {
-                ctx: ctx.clone(),
-                collective: *collective,
-                rank_a: *rank_a,
-                op_a: op_a.as_str().into(),
-                rank_b: *rank_b,
-                op_b: op_b.as_str().into(),
-            },
-            Failure::Mismatch { collective, reason } if Some(*collective) == coll => {
-                CommError::InvalidArgument {
-                    ctx: ctx.clone(),
-                    reason: reason.clone(),
-                }
-            }
-            other => CommError::Aborted {
-                ctx: ctx.clone(),
-                reason: other.to_string(),
-            },
-        }
-    }
-}
+crate::error::impl_failure_to_error!(Failure);
 
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -6,8 +6,7 @@ use std::fmt;
 
 use candle_core::DType;
 
-use crate::error::CommError;
-use crate::types::{OpCtx, OpName, ReduceOp, SUPPORTED_DTYPES};
+use crate::types::{OpName, ReduceOp, SUPPORTED_DTYPES};
 
 /// Dims carried in a descriptor; tensors of higher rank are rejected at issue time.
 pub(crate) const MAX_DIMS: usize = 16;
@@ -270,46 +269,9 @@ pub(crate) enum Failure {
     Finalized,
 }
 
-impl Failure {
-    /// The error an operation at collective index `coll` reports for this failure.
-    pub(crate) fn to_error(&self, ctx: &OpCtx, coll: Option<u64>) -> CommError {
-        match self {
-            Failure::Timeout {
-                collective,
-                missing,
-                ..
-            } if Some(*collective) == coll => CommError::Timeout {
-                ctx: ctx.clone(),
-                timeout: ctx.timeout,
-                missing: missing.clone(),
-            },
-            Failure::Desync {
-                collective,
-                rank_a,
-                op_a,
-                rank_b,
-                op_b,
-            } if Some(*collective) == coll => CommError::Desync {
-                ctx: ctx.clone(),
-                collective: *collective,
-                rank_a: *rank_a,
-                op_a: op_a.as_str().into(),
-                rank_b: *rank_b,
-                op_b: op_b.as_str().into(),
-            },
-            Failure::Mismatch { collective, reason } if Some(*collective) == coll => {
-                CommError::InvalidArgument {
-                    ctx: ctx.clone(),
-                    reason: reason.clone(),
-                }
-            }
-            other => CommError::Aborted {
-                ctx: ctx.clone(),
-                reason: other.to_string(),
-            },
-        }
-    }
+crate::error::impl_failure_to_error!(Failure);
 
+impl Failure {
     /// Encodes the failures peers are told about (abort and timeout: every rank detects a
     /// desync or a mismatch by itself).
     pub(crate) fn encode_notice(&self, uid: u64, limit_words: usize) -> Option<Vec<u64>> {
@@ -421,6 +383,8 @@ pub(crate) fn hash_str(s: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::CommError;
+    use crate::types::OpCtx;
     use std::sync::Arc;
     use std::time::Duration;
 

@@ -21,8 +21,7 @@ use std::fmt;
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::error::CommError;
-use crate::types::{OpCtx, SUPPORTED_DTYPES};
+use crate::types::SUPPORTED_DTYPES;
 
 /// Header size in bytes.
 pub(crate) const HEADER: usize = 24;
@@ -186,6 +185,8 @@ pub(crate) enum Failure {
     PeerLost { rank: usize, reason: String },
 }
 
+crate::error::impl_failure_to_error!(Failure);
+
 impl Failure {
     /// Whether this failure stops an op at collective index `coll` (`None`: point to point).
     ///
@@ -204,45 +205,6 @@ impl Failure {
         match (at, coll) {
             (Some(k), Some(j)) if k != u64::MAX => j >= k,
             _ => true,
-        }
-    }
-
-    /// The error an operation at collective index `coll` reports for this failure.
-    pub(crate) fn to_error(&self, ctx: &OpCtx, coll: Option<u64>) -> CommError {
-        match self {
-            Failure::Timeout {
-                collective,
-                missing,
-                ..
-            } if Some(*collective) == coll => CommError::Timeout {
-                ctx: ctx.clone(),
-                timeout: ctx.timeout,
-                missing: missing.clone(),
-            },
-            Failure::Desync {
-                collective,
-                rank_a,
-                op_a,
-                rank_b,
-                op_b,
-            } if Some(*collective) == coll => CommError::Desync {
-                ctx: ctx.clone(),
-                collective: *collective,
-                rank_a: *rank_a,
-                op_a: op_a.as_str().into(),
-                rank_b: *rank_b,
-                op_b: op_b.as_str().into(),
-            },
-            Failure::Mismatch { collective, reason } if Some(*collective) == coll => {
-                CommError::InvalidArgument {
-                    ctx: ctx.clone(),
-                    reason: reason.clone(),
-                }
-            }
-            other => CommError::Aborted {
-                ctx: ctx.clone(),
-                reason: other.to_string(),
-            },
         }
     }
 }
