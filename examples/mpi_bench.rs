@@ -17,8 +17,12 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use candle_dtensor::comm::{new_comm, Comm, CommOptions, ReduceOp};
+use candle_dtensor::comm::{new_comm, CommOptions, ReduceOp};
 use clap::Parser;
+
+#[path = "common/collective_bench.rs"]
+mod collective_bench;
+use collective_bench::{parse_size, Op};
 
 #[derive(Parser, Debug)]
 #[command(about = "Collective bandwidth of the mpi backend (run under mpirun)")]
@@ -41,88 +45,6 @@ struct Args {
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
-}
-
-fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let (num, mult) = if let Some(n) = s.strip_suffix("GiB") {
-        (n, 1usize << 30)
-    } else if let Some(n) = s.strip_suffix("MiB") {
-        (n, 1 << 20)
-    } else if let Some(n) = s.strip_suffix("KiB") {
-        (n, 1 << 10)
-    } else if let Some(n) = s.strip_suffix('B') {
-        (n, 1)
-    } else {
-        (s, 1)
-    };
-    let n: usize = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("bad size {s:?} (use e.g. 4, 1MiB, 64MiB)"))?;
-    Ok(n * mult)
-}
-
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum Op {
-    AllReduce,
-    AllGather,
-    ReduceScatter,
-    AllToAll,
-}
-
-impl Op {
-    fn parse(s: &str) -> Result<Op, String> {
-        Ok(match s.trim() {
-            "all_reduce" => Op::AllReduce,
-            "all_gather" => Op::AllGather,
-            "reduce_scatter" => Op::ReduceScatter,
-            "all_to_all" => Op::AllToAll,
-            other => return Err(format!("unknown op {other:?}")),
-        })
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce",
-            Op::AllGather => "all_gather",
-            Op::ReduceScatter => "reduce_scatter",
-            Op::AllToAll => "all_to_all",
-        }
-    }
-
-    fn bus_factor(self, n: usize) -> f64 {
-        let n = n as f64;
-        match self {
-            Op::AllReduce => 2.0 * (n - 1.0) / n,
-            _ => (n - 1.0) / n,
-        }
-    }
-
-    fn input_elems(self, elems: usize, n: usize) -> usize {
-        match self {
-            Op::AllGather => elems / n,
-            _ => elems,
-        }
-    }
-
-    fn output_elems(self, elems: usize, n: usize) -> usize {
-        match self {
-            Op::ReduceScatter => elems / n,
-            _ => elems,
-        }
-    }
-
-    fn run(self, comm: &Comm, x: &Tensor, o: &Tensor) -> candle_core::Result<Tensor> {
-        Ok(match self {
-            Op::AllReduce => comm.all_reduce_into(o, x, ReduceOp::Sum)?.wait()?,
-            Op::AllGather => comm.all_gather_single_into(o, x)?.wait()?,
-            Op::ReduceScatter => comm
-                .reduce_scatter_single_into(o, x, ReduceOp::Sum)?
-                .wait()?,
-            Op::AllToAll => comm.all_to_all_single_into(o, x)?.wait()?,
-        })
-    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -177,7 +99,7 @@ fn real_main() -> Result<(), Box<dyn std::error::Error>> {
             let x = Tensor::ones(op.input_elems(elems, n), DType::F32, &Device::Cpu)?;
             let o = Tensor::zeros(op.output_elems(elems, n), DType::F32, &Device::Cpu)?;
             for _ in 0..2 {
-                op.run(&comm, &x, &o)?;
+                op.run(&comm, &x, Some(&o))?;
             }
             let mut times = Vec::new();
             if small {
@@ -185,7 +107,7 @@ fn real_main() -> Result<(), Box<dyn std::error::Error>> {
                     comm.barrier()?.wait()?;
                     let t0 = Instant::now();
                     for _ in 0..args.batch.max(1) {
-                        op.run(&comm, &x, &o)?;
+                        op.run(&comm, &x, Some(&o))?;
                     }
                     times.push(t0.elapsed().as_secs_f64() / args.batch.max(1) as f64);
                 }
@@ -193,7 +115,7 @@ fn real_main() -> Result<(), Box<dyn std::error::Error>> {
                 for _ in 0..args.iters.max(1) {
                     comm.barrier()?.wait()?;
                     let t0 = Instant::now();
-                    op.run(&comm, &x, &o)?;
+                    op.run(&comm, &x, Some(&o))?;
                     times.push(t0.elapsed().as_secs_f64());
                 }
             }
