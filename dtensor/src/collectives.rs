@@ -26,7 +26,8 @@ use candle_dtensor_strategies::layout::{shard_size_and_offset, strided_indices};
 
 use crate::debug::record;
 use crate::node::{node, Backward};
-use crate::storage::{copy_rows, narrow, with_bytes, with_bytes_mut, Cut};
+pub(crate) use crate::storage::fill_from;
+use crate::storage::{copy_rows, narrow, Cut};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -61,21 +62,6 @@ fn elem_bytes(t: &Tensor) -> usize {
 
 fn zeros_like_dims(dims: &[usize], dtype: DType, t: &Tensor) -> CResult<Tensor> {
     Tensor::zeros(dims, dtype, t.device())
-}
-
-/// Copies `src` (contiguous) into `dest` (same element count).
-pub(crate) fn fill_from(dest: &Tensor, src: &Tensor) -> CResult<()> {
-    let src = src.contiguous()?;
-    if src.elem_count() != dest.elem_count() || src.dtype() != dest.dtype() {
-        return Err(msg(format!(
-            "fill: {:?} {:?} into {:?} {:?}",
-            src.dims(),
-            src.dtype(),
-            dest.dims(),
-            dest.dtype()
-        )));
-    }
-    with_bytes(&src, |s| with_bytes_mut(dest, |d| d.copy_from_slice(s)))?
 }
 
 fn check_piece(op: &str, x: &Tensor, dim: usize, expect: usize) -> CResult<Cut> {
@@ -128,11 +114,7 @@ pub(crate) fn gather_raw(
         x.flatten_all()?
     } else {
         let buf = Tensor::zeros(cut.pre * full * cut.post, x.dtype(), x.device())?;
-        with_bytes(&x, |xb| {
-            with_bytes_mut(&buf, |bb| {
-                copy_rows(xb, me, 0, bb, full, 0, cut.pre, me, cut.post * es)
-            })
-        })??;
+        copy_rows(&x, me, 0, &buf, full, 0, cut.pre, me, cut.post)?;
         buf
     };
     if cut.pre == 1 && l % n == 0 {
@@ -149,25 +131,22 @@ pub(crate) fn gather_raw(
         Some(d) => d.clone(),
         None => zeros_like_dims(&out_dims, x.dtype(), &x)?,
     };
-    let block = cut.pre * full * cut.post * es;
-    with_bytes(&g, |gb| {
-        with_bytes_mut(&out, |ob| {
-            for r in 0..n {
-                let (s, off) = shard_size_and_offset(l, n, r);
-                copy_rows(
-                    &gb[r * block..(r + 1) * block],
-                    full,
-                    0,
-                    ob,
-                    l,
-                    off,
-                    cut.pre,
-                    s,
-                    cut.post * es,
-                );
-            }
-        })
-    })??;
+    let block = cut.pre * full * cut.post;
+    let g = g.flatten_all()?;
+    for r in 0..n {
+        let (s, off) = shard_size_and_offset(l, n, r);
+        copy_rows(
+            &g.narrow(0, r * block, block)?,
+            full,
+            0,
+            &out,
+            l,
+            off,
+            cut.pre,
+            s,
+            cut.post,
+        )?;
+    }
     Ok(out)
 }
 
@@ -199,25 +178,21 @@ pub(crate) fn reduce_scatter_raw(
         x.flatten_all()?
     } else {
         let buf = Tensor::zeros(n * cut.pre * full * cut.post, x.dtype(), x.device())?;
-        let block = cut.pre * full * cut.post * es;
-        with_bytes(&x, |xb| {
-            with_bytes_mut(&buf, |bb| {
-                for r in 0..n {
-                    let (s, off) = shard_size_and_offset(l, n, r);
-                    copy_rows(
-                        xb,
-                        l,
-                        off,
-                        &mut bb[r * block..(r + 1) * block],
-                        full,
-                        0,
-                        cut.pre,
-                        s,
-                        cut.post * es,
-                    );
-                }
-            })
-        })??;
+        let block = cut.pre * full * cut.post;
+        for r in 0..n {
+            let (s, off) = shard_size_and_offset(l, n, r);
+            copy_rows(
+                &x,
+                l,
+                off,
+                &buf.narrow(0, r * block, block)?,
+                full,
+                0,
+                cut.pre,
+                s,
+                cut.post,
+            )?;
+        }
         buf
     };
     if me == full {
@@ -237,11 +212,7 @@ pub(crate) fn reduce_scatter_raw(
         Some(d) => d.clone(),
         None => zeros_like_dims(&out_dims, x.dtype(), &x)?,
     };
-    with_bytes(&recv, |rb| {
-        with_bytes_mut(&out, |ob| {
-            copy_rows(rb, full, 0, ob, me, 0, cut.pre, me, cut.post * es)
-        })
-    })??;
+    copy_rows(&recv, full, 0, &out, me, 0, cut.pre, me, cut.post)?;
     Ok(out)
 }
 

@@ -45,51 +45,25 @@ fn grad_mask(target: &DTensorSpec, sharding: &OpSharding) -> GradMask {
     mask
 }
 
-/// Fails (instead of letting candle panic on a short storage) when `x`'s storage was released,
-/// as FSDP does with unsharded parameters between uses.
+/// Fails with a typed error naming the input when its storage has been released (an owner
+/// such as an FSDP unit freed it between uses; see the storage seam's invariant). candle would
+/// refuse the op too, but with an error that names neither the tensor nor the op's inputs.
 fn check_alive(op: &Op, x: &DTensor) -> Result<()> {
     let t = x.to_local();
-    if t.elem_count() == 0 {
+    if !crate::storage::is_released(t) {
         return Ok(());
     }
-    let (storage, layout) = t.storage_and_layout();
-    let end = layout.start_offset()
-        + layout
-            .dims()
-            .iter()
-            .zip(layout.stride())
-            .map(|(&d, &s)| (d - 1) * s)
-            .sum::<usize>()
-        + 1;
-    if let candle_core::Storage::Cpu(c) = &*storage {
-        if cpu_len(c) < end {
-            return Err(crate::error::invalid(
-                op.name(),
-                x.mesh_rank(),
-                format!(
-                    "input {} has released storage (an FSDP parameter used outside its unit's forward/backward?)",
-                    x.spec()
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn cpu_len(c: &candle_core::CpuStorage) -> usize {
-    use candle_core::CpuStorage as S;
-    match c {
-        S::U8(v) => v.len(),
-        S::U32(v) => v.len(),
-        S::I16(v) => v.len(),
-        S::I32(v) => v.len(),
-        S::I64(v) => v.len(),
-        S::BF16(v) => v.len(),
-        S::F16(v) => v.len(),
-        S::F32(v) => v.len(),
-        S::F64(v) => v.len(),
-        _ => usize::MAX,
-    }
+    let name = crate::storage::released_name(t)
+        .map(|n| format!(" `{n}`"))
+        .unwrap_or_default();
+    Err(crate::error::invalid(
+        op.name(),
+        x.mesh_rank(),
+        format!(
+            "input{name} {} has released storage: its owner freed it between uses (an FSDP parameter used outside its unit's forward/backward?)",
+            x.spec()
+        ),
+    ))
 }
 
 /// Propagates `op` over `inputs` and redistributes them; see the module docs.

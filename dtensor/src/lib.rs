@@ -40,14 +40,14 @@ mod convert;
 pub mod debug;
 mod dispatch;
 mod error;
-pub mod fused;
 mod mesh_ctx;
 mod node;
 pub mod ops;
 mod redistribute;
-pub mod region;
-mod storage;
 mod tensor;
+
+pub(crate) use candle_dtensor_kernels::storage;
+pub use candle_dtensor_kernels::{fused, region};
 
 pub use candle_dtensor_strategies::{
     format_placements, parse_placements, Placement, Placements, ReduceOp,

@@ -10,7 +10,8 @@
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use candle_core::{CustomOp1, Layout, Shape, Tensor};
+use candle_dtensor_kernels::storage::{zeros_like, DeviceStorage};
 
 /// The backward of a node: `(input, output, gradient of the output)` in, the gradient of the
 /// input out.
@@ -25,22 +26,10 @@ struct Node {
     label: Option<Arc<str>>,
 }
 
-fn zeros(dtype: DType, n: usize) -> candle_core::Result<CpuStorage> {
-    use half::{bf16, f16};
-    Ok(match dtype {
-        DType::F32 => CpuStorage::F32(vec![0f32; n]),
-        DType::F64 => CpuStorage::F64(vec![0f64; n]),
-        DType::BF16 => CpuStorage::BF16(vec![bf16::ZERO; n]),
-        DType::F16 => CpuStorage::F16(vec![f16::ZERO; n]),
-        DType::I64 => CpuStorage::I64(vec![0i64; n]),
-        DType::U32 => CpuStorage::U32(vec![0u32; n]),
-        DType::U8 => CpuStorage::U8(vec![0u8; n]),
-        other => {
-            return Err(candle_core::Error::Msg(format!(
-                "collectives do not support dtype {other:?}"
-            )))
-        }
-    })
+impl Node {
+    fn forward<S: DeviceStorage>(&self, s: &S, _: &Layout) -> candle_core::Result<(S, Shape)> {
+        Ok((zeros_like(s, &self.shape, s.dtype())?, self.shape.clone()))
+    }
 }
 
 impl CustomOp1 for Node {
@@ -48,17 +37,7 @@ impl CustomOp1 for Node {
         self.name
     }
 
-    fn cpu_fwd(
-        &self,
-        storage: &CpuStorage,
-        _layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        Ok((
-            zeros(storage.dtype(), self.shape.elem_count())?,
-            self.shape.clone(),
-        ))
-    }
+    candle_dtensor_kernels::device_fwd1!(forward);
 
     fn bwd(
         &self,
@@ -91,26 +70,29 @@ pub(crate) fn node(
 /// gradient to `out` and zeros to `x`.
 struct Keep;
 
-impl candle_core::CustomOp2 for Keep {
-    fn name(&self) -> &'static str {
-        "dtensor-keep"
-    }
-
-    fn cpu_fwd(
+impl Keep {
+    fn forward<S: DeviceStorage>(
         &self,
-        s1: &CpuStorage,
+        s1: &S,
         l1: &Layout,
-        _s2: &CpuStorage,
-        _l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
+        _: &S,
+        _: &Layout,
+    ) -> candle_core::Result<(S, Shape)> {
         if l1.shape().elem_count() != 0 {
             return Err(candle_core::Error::Msg(
                 "dtensor-keep takes an empty tensor".into(),
             ));
         }
-        Ok((zeros(s1.dtype(), 0)?, l1.shape().clone()))
+        Ok((zeros_like(s1, l1.shape(), s1.dtype())?, l1.shape().clone()))
     }
+}
+
+impl candle_core::CustomOp2 for Keep {
+    fn name(&self) -> &'static str {
+        "dtensor-keep"
+    }
+
+    candle_dtensor_kernels::device_fwd2!(forward);
 
     fn bwd(
         &self,

@@ -5,8 +5,8 @@
 //! memory and a fresh allocation) and keeps its moments private. [`AdamW`] performs the same
 //! f32 / f64 operations, in the same order and with the same constants, element by element in
 //! one pass that updates the parameter and both moments in place: the results are bitwise
-//! identical (tested). Variables of other floating dtypes (bf16, f16) take candle-nn's tensor
-//! path verbatim.
+//! identical (tested). Variables of other floating dtypes (bf16, f16), and variables on a GPU,
+//! take candle-nn's tensor path verbatim.
 //!
 //! ```
 //! # fn main() -> candle_core::Result<()> {
@@ -25,12 +25,12 @@
 //! # Ok(()) }
 //! ```
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::{Add, Div, Mul, Sub};
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, TensorId, Var};
+use candle_core::{DType, Result, Tensor, TensorId, Var};
+use candle_dtensor_kernels::storage::{update_with, Elem as StorageElem};
 use candle_nn::{Optimizer, ParamsAdamW};
 
 /// The moments of one variable.
@@ -92,12 +92,15 @@ struct Consts {
 
 /// An element type of the fused kernel. `cast` is candle's `WithDType::from_f64` (`as`).
 trait Elem:
-    Copy + Mul<Output = Self> + Add<Output = Self> + Sub<Output = Self> + Div<Output = Self>
+    StorageElem
+    + Copy
+    + Mul<Output = Self>
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Div<Output = Self>
 {
     fn cast(v: f64) -> Self;
     fn sqrt(self) -> Self;
-    fn slice_mut(s: &mut CpuStorage) -> Option<&mut Vec<Self>>;
-    fn slice(s: &CpuStorage) -> Option<&Vec<Self>>;
 }
 
 impl Elem for f32 {
@@ -107,18 +110,6 @@ impl Elem for f32 {
     fn sqrt(self) -> Self {
         f32::sqrt(self)
     }
-    fn slice_mut(s: &mut CpuStorage) -> Option<&mut Vec<Self>> {
-        match s {
-            CpuStorage::F32(v) => Some(v),
-            _ => None,
-        }
-    }
-    fn slice(s: &CpuStorage) -> Option<&Vec<Self>> {
-        match s {
-            CpuStorage::F32(v) => Some(v),
-            _ => None,
-        }
-    }
 }
 
 impl Elem for f64 {
@@ -127,18 +118,6 @@ impl Elem for f64 {
     }
     fn sqrt(self) -> Self {
         f64::sqrt(self)
-    }
-    fn slice_mut(s: &mut CpuStorage) -> Option<&mut Vec<Self>> {
-        match s {
-            CpuStorage::F64(v) => Some(v),
-            _ => None,
-        }
-    }
-    fn slice(s: &CpuStorage) -> Option<&Vec<Self>> {
-        match s {
-            CpuStorage::F64(v) => Some(v),
-            _ => None,
-        }
     }
 }
 
@@ -177,45 +156,15 @@ fn update<T: Elem>(theta: &mut [T], g: &[T], m: &mut [T], v: &mut [T], c: Consts
     }
 }
 
-/// The fused update as an in-place op on the parameter's storage, reading the gradient.
-struct Fused<'a, T> {
-    m: RefCell<&'a mut [T]>,
-    v: RefCell<&'a mut [T]>,
+/// The fused update, in place on the parameter's storage, reading the gradient (CPU).
+fn step_fused<T: Elem>(
+    var: &Var,
+    g: &Tensor,
+    m: &mut [T],
+    v: &mut [T],
     consts: Consts,
-}
-
-impl<T: Elem> InplaceOp2 for Fused<'_, T> {
-    fn name(&self) -> &'static str {
-        "adamw-fused"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<()> {
-        let (a, b) = l1
-            .contiguous_offsets()
-            .ok_or_else(|| msg("adamw: the parameter is not contiguous"))?;
-        let (ga, gb) = l2
-            .contiguous_offsets()
-            .ok_or_else(|| msg("adamw: the gradient is not contiguous"))?;
-        let theta = T::slice_mut(s1)
-            .and_then(|v| v.get_mut(a..b))
-            .ok_or_else(|| msg("adamw: unexpected parameter storage"))?;
-        let g = T::slice(s2)
-            .and_then(|v| v.get(ga..gb))
-            .ok_or_else(|| msg("adamw: the gradient's dtype differs from the parameter's"))?;
-        let mut m = self
-            .m
-            .try_borrow_mut()
-            .map_err(|_| msg("adamw: moments busy"))?;
-        let mut v = self
-            .v
-            .try_borrow_mut()
-            .map_err(|_| msg("adamw: moments busy"))?;
+) -> Result<()> {
+    update_with::<T>(var.as_tensor(), g, |theta, g| {
         if g.len() != theta.len() || m.len() != theta.len() || v.len() != theta.len() {
             return Err(msg(format!(
                 "adamw: parameter of {} elements, gradient {}, moments {} / {}",
@@ -225,24 +174,9 @@ impl<T: Elem> InplaceOp2 for Fused<'_, T> {
                 v.len()
             )));
         }
-        update(theta, g, &mut m, &mut v, self.consts);
+        update(theta, g, m, v, consts);
         Ok(())
-    }
-}
-
-fn step_fused<T: Elem>(
-    var: &Var,
-    g: &Tensor,
-    m: &mut [T],
-    v: &mut [T],
-    consts: Consts,
-) -> Result<()> {
-    let op = Fused {
-        m: RefCell::new(m),
-        v: RefCell::new(v),
-        consts,
-    };
-    var.as_tensor().inplace_op2(g, &op)
+    })
 }
 
 impl Optimizer for AdamW {
@@ -254,11 +188,11 @@ impl Optimizer for AdamW {
         for var in vars.into_iter().filter(|v| v.dtype().is_float()) {
             let n = var.elem_count();
             let moments = match var.dtype() {
-                DType::F32 => Moments::F32 {
+                DType::F32 if var.device().is_cpu() => Moments::F32 {
                     m: vec![0.0; n],
                     v: vec![0.0; n],
                 },
-                DType::F64 => Moments::F64 {
+                DType::F64 if var.device().is_cpu() => Moments::F64 {
                     m: vec![0.0; n],
                     v: vec![0.0; n],
                 },

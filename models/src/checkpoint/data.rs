@@ -7,7 +7,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use safetensors::tensor::{Metadata, TensorInfo};
 
 use super::{
@@ -18,41 +18,10 @@ use crate::params::VarBox;
 /// Largest safetensors header accepted (the crate's own limit).
 const MAX_HEADER: u64 = 100_000_000;
 
-pub(super) fn le_bytes<T: Copy, const N: usize>(v: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
-    let mut out = vec![0u8; v.len() * N];
-    for (o, &x) in out.chunks_exact_mut(N).zip(v) {
-        o.copy_from_slice(&f(x));
-    }
-    out
-}
-
-/// A CPU tensor's elements as little-endian bytes (row-major).
+/// A tensor's elements (any device) as little-endian bytes (row-major), staged through host
+/// memory.
 pub(super) fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    let (a, b) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| CheckpointError::Unsupported("a non-contiguous tensor".into()))?;
-    let Storage::Cpu(cpu) = &*storage else {
-        return Err(CheckpointError::Unsupported(
-            "tensors on a non-CPU device".into(),
-        ));
-    };
-    Ok(match cpu {
-        CpuStorage::F32(v) => le_bytes(&v[a..b], f32::to_le_bytes),
-        CpuStorage::F64(v) => le_bytes(&v[a..b], f64::to_le_bytes),
-        CpuStorage::BF16(v) => le_bytes(&v[a..b], half::bf16::to_le_bytes),
-        CpuStorage::F16(v) => le_bytes(&v[a..b], half::f16::to_le_bytes),
-        CpuStorage::U8(v) => v[a..b].to_vec(),
-        CpuStorage::U32(v) => le_bytes(&v[a..b], u32::to_le_bytes),
-        CpuStorage::I64(v) => le_bytes(&v[a..b], i64::to_le_bytes),
-        _ => {
-            return Err(CheckpointError::Unsupported(format!(
-                "dtype {:?}",
-                t.dtype()
-            )))
-        }
-    })
+    Ok(candle_dtensor_kernels::storage::host_bytes(t)?)
 }
 
 pub(super) fn parse_dtype(s: &str, file: &Path, tensor: &str) -> Result<DType> {
@@ -157,68 +126,12 @@ pub(super) fn copy_box(
     Ok(())
 }
 
-pub(super) fn decode<T, const N: usize>(
-    dst: &mut [T],
-    src: &[u8],
-    f: impl Fn([u8; N]) -> T,
-) -> candle_core::Result<()> {
-    if src.len() != dst.len() * N {
-        return Err(candle_core::Error::Msg(format!(
-            "checkpoint: {} bytes for {} elements of {N} bytes",
-            src.len(),
-            dst.len()
-        )));
-    }
-    for (d, c) in dst.iter_mut().zip(src.chunks_exact(N)) {
-        let mut a = [0u8; N];
-        a.copy_from_slice(c);
-        *d = f(a);
-    }
-    Ok(())
-}
-
-/// Decodes little-endian bytes straight into a var's storage (one pass; `Var::set` of a
-/// tensor made from the bytes would take two).
-pub(super) struct SetFromBytes<'a>(&'a [u8]);
-
-impl candle_core::InplaceOp1 for SetFromBytes<'_> {
-    fn name(&self) -> &'static str {
-        "checkpoint-set"
-    }
-
-    fn cpu_fwd(&self, s: &mut CpuStorage, l: &candle_core::Layout) -> candle_core::Result<()> {
-        let (a, b) = l.contiguous_offsets().ok_or_else(|| {
-            candle_core::Error::Msg("checkpoint: cannot set a non-contiguous var".into())
-        })?;
-        match s {
-            CpuStorage::F32(v) => decode(&mut v[a..b], self.0, f32::from_le_bytes),
-            CpuStorage::F64(v) => decode(&mut v[a..b], self.0, f64::from_le_bytes),
-            CpuStorage::BF16(v) => decode(&mut v[a..b], self.0, half::bf16::from_le_bytes),
-            CpuStorage::F16(v) => decode(&mut v[a..b], self.0, half::f16::from_le_bytes),
-            _ => Err(candle_core::Error::Msg(
-                "checkpoint: unexpected dtype".into(),
-            )),
-        }
-    }
-}
-
-/// Sets `var` from its little-endian bytes.
+/// Sets `var` (any device) from its little-endian bytes, in place.
 pub(super) fn set_var(var: &Var, bytes: &[u8]) -> Result<()> {
-    if var.elem_count() == 0 {
-        return Ok(());
-    }
-    match var.dtype() {
-        DType::F32 | DType::F64 | DType::BF16 | DType::F16 => {
-            var.as_tensor().inplace_op1(&SetFromBytes(bytes))?
-        }
-        dtype => var.set(&Tensor::from_raw_buffer(
-            bytes,
-            dtype,
-            var.dims(),
-            &Device::Cpu,
-        )?)?,
-    }
-    Ok(())
+    Ok(candle_dtensor_kernels::storage::set_from_bytes(
+        var.as_tensor(),
+        bytes,
+    )?)
 }
 
 /// The dims of a var as seen by its boxes (an FSDP-sharded scalar is a `[1]` var of a 0-d

@@ -10,7 +10,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
-use crate::storage::with_bytes;
+use crate::storage::{with_slice, Elem};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -19,11 +19,12 @@ fn msg(s: impl Into<String>) -> candle_core::Error {
 }
 
 fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> CResult<&'a [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
-        (CpuStorage::F32(_), None) => Err(msg(format!("{op}: input must be contiguous"))),
-        _ => Err(msg(format!("{op}: fused kernel takes f32"))),
-    }
+    let v = <f32 as Elem>::slice(s).ok_or_else(|| msg(format!("{op}: fused kernel takes f32")))?;
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| msg(format!("{op}: input must be contiguous")))?;
+    v.get(a..b)
+        .ok_or_else(|| msg(format!("{op}: input view outside its storage")))
 }
 
 /// Runs `f` on the f32 data of a contiguous CPU tensor.
@@ -31,15 +32,7 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> CResult<R> {
     if t.dtype() != DType::F32 {
         return Err(msg("fused kernel takes f32"));
     }
-    with_bytes(t, |b| {
-        if b.is_empty() {
-            // An empty tensor's byte slice need not be f32-aligned.
-            return f(&[]);
-        }
-        // SAFETY: the bytes come from an f32 storage at an element-aligned offset.
-        let s = unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<f32>(), b.len() / 4) };
-        f(s)
-    })
+    with_slice::<f32, R>(t, f)
 }
 
 fn from_vec(v: Vec<f32>, shape: &Shape, like: &Tensor) -> CResult<Tensor> {
@@ -47,7 +40,7 @@ fn from_vec(v: Vec<f32>, shape: &Shape, like: &Tensor) -> CResult<Tensor> {
 }
 
 /// Whether the fused path applies: f32 on the CPU.
-pub(crate) fn applies(t: &Tensor) -> bool {
+pub fn applies(t: &Tensor) -> bool {
     t.dtype() == DType::F32 && t.device().is_cpu()
 }
 

@@ -1,6 +1,6 @@
 //! Fused regions (linear, attention core) match candle's own ops, forward and backward.
 use candle_core::{Device, Tensor, Var};
-use candle_dtensor_core::{reference, region};
+use candle_dtensor_kernels::{nn::reference, region};
 
 fn randn(shape: &[usize]) -> Tensor {
     Tensor::randn(0f32, 1., shape, &Device::Cpu).unwrap()
@@ -101,7 +101,7 @@ fn sdpa_matches() {
 
 #[test]
 fn add_rows_matches_broadcast_add() {
-    use candle_dtensor_core::fused;
+    use candle_dtensor_kernels::fused;
     // (x shape, b shape): a bias, a position table, the swapped order, a scalar-like row and an
     // equal-shape add (not fused).
     let cases: [(&[usize], &[usize]); 5] = [
@@ -138,7 +138,7 @@ fn add_rows_matches_broadcast_add() {
 
 #[test]
 fn row_sum_matches_candle() {
-    use candle_dtensor_core::fused;
+    use candle_dtensor_kernels::fused;
     for (rows, n) in [(1, 7), (9, 3), (128, 64), (0, 4)] {
         let g = randn(&[rows, n]);
         close(

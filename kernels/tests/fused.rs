@@ -1,6 +1,6 @@
 //! The fused f32 kernels match the candle-primitive reference, forward and backward.
 use candle_core::{DType, Device, Tensor, Var};
-use candle_dtensor_core::{fused, reference};
+use candle_dtensor_kernels::{fused, nn::reference};
 
 fn close(a: &Tensor, b: &Tensor, tol: f32, what: &str) {
     let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();

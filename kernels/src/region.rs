@@ -9,8 +9,9 @@
 
 use std::sync::Mutex;
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor};
+use candle_core::{CustomOp2, CustomOp3, Layout, Shape, Tensor};
+
+use crate::storage::{from_host_vec, output_of, with_slice, DeviceStorage};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -18,65 +19,36 @@ fn msg(s: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(s.into())
 }
 
-fn storage_len(c: &CpuStorage) -> usize {
-    match c {
-        CpuStorage::F32(v) => v.len(),
-        CpuStorage::F64(v) => v.len(),
-        CpuStorage::BF16(v) => v.len(),
-        CpuStorage::F16(v) => v.len(),
-        _ => usize::MAX,
-    }
-}
-
-/// Takes the precomputed output and returns its data as a fresh storage (one copy), adding
-/// `bias` (an f32 row broadcast over the leading dims) on the way when given.
-fn output_storage(
+/// Takes the precomputed output and returns its data as a fresh storage of the node's backend
+/// (one copy), adding `bias` (an f32 row broadcast over the leading dims) on the way when given.
+fn output_storage<S: DeviceStorage>(
+    like: &S,
     slot: &Mutex<Option<Tensor>>,
     bias: Option<&Tensor>,
-) -> CResult<(CpuStorage, Shape)> {
+) -> CResult<(S, Shape)> {
     let y = slot
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .take()
         .ok_or_else(|| msg("fused region: output already taken"))?;
-    if let Some(b) = bias {
-        let y = y.contiguous()?;
-        let b = b.contiguous()?;
-        let n = b.elem_count();
-        let data = crate::storage::with_bytes(&y, |yb| {
-            crate::storage::with_bytes(&b, |bb| {
-                if yb.is_empty() || bb.is_empty() {
-                    return Vec::new();
-                }
-                // SAFETY: both are f32 storages at element-aligned offsets (checked by the
-                // caller: regions run on f32 CPU tensors).
-                let (yv, bv) = unsafe {
-                    (
-                        std::slice::from_raw_parts(yb.as_ptr().cast::<f32>(), yb.len() / 4),
-                        std::slice::from_raw_parts(bb.as_ptr().cast::<f32>(), bb.len() / 4),
-                    )
-                };
-                let mut out = Vec::with_capacity(yv.len());
+    let Some(b) = bias else {
+        return Ok((output_of::<S>(&y)?, y.shape().clone()));
+    };
+    let y = y.contiguous()?;
+    let b = b.contiguous()?;
+    let n = b.elem_count();
+    let data = with_slice::<f32, _>(&y, |yv| {
+        with_slice::<f32, _>(&b, |bv| {
+            let mut out = Vec::with_capacity(yv.len());
+            if n > 0 {
                 for row in yv.chunks_exact(n) {
                     out.extend(row.iter().zip(bv).map(|(&a, &c)| a + c));
                 }
-                out
-            })
-        })??;
-        return Ok((CpuStorage::F32(data), y.shape().clone()));
-    }
-    let n = y.elem_count();
-    let exact = {
-        let (s, l) = y.storage_and_layout();
-        matches!(&*s, Storage::Cpu(c) if l.is_contiguous() && l.start_offset() == 0 && storage_len(c) == n)
-    };
-    // A view (offset or strided) is copied into a tensor of its own first.
-    let y = if exact { y } else { (y.contiguous()? + 0.0)? };
-    let (s, l) = y.storage_and_layout();
-    match &*s {
-        Storage::Cpu(c) => Ok((c.try_clone(l)?, l.shape().clone())),
-        _ => Err(msg("fused regions run on the CPU")),
-    }
+            }
+            out
+        })
+    })??;
+    Ok((from_host_vec(like, data)?, y.shape().clone()))
 }
 
 /// `dS = scale * P * (dP - rowsum(dP * P))` over the last dim (softmax backward), f32.
@@ -86,15 +58,8 @@ fn softmax_backward(p: &Tensor, dp: &Tensor, scale: f32) -> CResult<Tensor> {
         .dims()
         .last()
         .ok_or_else(|| msg("softmax_backward: scalar"))?;
-    let out = crate::storage::with_bytes(&p, |pb| {
-        crate::storage::with_bytes(&dp, |gb| {
-            // SAFETY: f32 storages at element-aligned offsets.
-            let (pv, gv) = unsafe {
-                (
-                    std::slice::from_raw_parts(pb.as_ptr().cast::<f32>(), pb.len() / 4),
-                    std::slice::from_raw_parts(gb.as_ptr().cast::<f32>(), gb.len() / 4),
-                )
-            };
+    let out = with_slice::<f32, _>(&p, |pv| {
+        with_slice::<f32, _>(&dp, |gv| {
             let mut out = vec![0f32; pv.len()];
             if n > 0 {
                 for ((pr, gr), or) in pv
@@ -126,20 +91,24 @@ struct Region2 {
     bwd: Bwd2,
 }
 
+impl Region2 {
+    fn forward<S: DeviceStorage>(
+        &self,
+        s: &S,
+        _: &Layout,
+        _: &S,
+        _: &Layout,
+    ) -> CResult<(S, Shape)> {
+        output_storage(s, &self.out, self.bias.as_ref())
+    }
+}
+
 impl CustomOp2 for Region2 {
     fn name(&self) -> &'static str {
         self.name
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        output_storage(&self.out, self.bias.as_ref())
-    }
+    crate::device_fwd2!(forward);
 
     fn bwd(
         &self,
@@ -160,22 +129,27 @@ struct Region3 {
     bwd: Bwd3,
 }
 
+impl Region3 {
+    #[allow(clippy::too_many_arguments)]
+    fn forward<S: DeviceStorage>(
+        &self,
+        s: &S,
+        _: &Layout,
+        _: &S,
+        _: &Layout,
+        _: &S,
+        _: &Layout,
+    ) -> CResult<(S, Shape)> {
+        output_storage(s, &self.out, self.bias.as_ref())
+    }
+}
+
 impl CustomOp3 for Region3 {
     fn name(&self) -> &'static str {
         self.name
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        output_storage(&self.out, self.bias.as_ref())
-    }
+    crate::device_fwd3!(forward);
 
     fn bwd(
         &self,
@@ -191,7 +165,8 @@ impl CustomOp3 for Region3 {
 }
 
 /// Whether a region applies: CPU tensors that track gradients (untracked inputs just run the
-/// plain ops, which record nothing).
+/// plain ops, which record nothing). Regions on CUDA tensors would be correct (their nodes
+/// have a CUDA forward) but their backward kernels are CPU ones; CUDA runs the plain ops.
 fn tracked(ts: &[&Tensor]) -> bool {
     ts.iter().all(|t| t.device().is_cpu()) && ts.iter().any(|t| t.track_op())
 }
@@ -366,14 +341,18 @@ struct Region1 {
     bwd: Bwd1,
 }
 
+impl Region1 {
+    fn forward<S: DeviceStorage>(&self, s: &S, _: &Layout) -> CResult<(S, Shape)> {
+        output_storage(s, &self.out, None)
+    }
+}
+
 impl candle_core::CustomOp1 for Region1 {
     fn name(&self) -> &'static str {
         self.name
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> CResult<(CpuStorage, Shape)> {
-        output_storage(&self.out, None)
-    }
+    crate::device_fwd1!(forward);
 
     fn bwd(&self, a: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
         (self.bwd)(a, g).map(Some)

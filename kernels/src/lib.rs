@@ -1,0 +1,20 @@
+//! Kernels for candle-dtensor, knowing nothing about distribution:
+//!
+//! - [`storage`]: the storage seam, the one module above the communicators that touches a
+//!   tensor's memory (byte and typed views, row copies, graph-node outputs on any device, the
+//!   release and refill of a parameter's storage, host staging).
+//! - [`fused`]: one-pass f32 CPU kernels with hand-written backward passes (GELU, norms,
+//!   softmax, log-softmax, cross-entropy and its loss-parallel parts, row-broadcast add).
+//! - [`region`]: a few candle ops computed on detached tensors and recorded as one graph node
+//!   (linear, attention).
+//! - [`nn`]: differentiable neural-network ops on plain tensors, any device: the fused kernel
+//!   for f32 on the CPU, the primitive composition ([`nn::reference`]) otherwise.
+
+#[doc(hidden)]
+pub use candle_core;
+
+pub mod storage;
+
+pub mod fused;
+pub mod nn;
+pub mod region;

@@ -1,0 +1,168 @@
+//! Differentiable neural-network ops on plain candle tensors, any device: softmax,
+//! log_softmax, layer_norm, rms_norm and scaled dot-product attention.
+//!
+//! Each `*_local` function takes the fused kernel ([`crate::fused`], [`crate::region`]) for f32
+//! on the CPU and the primitive composition ([`reference`]) otherwise (other dtypes, CUDA).
+//! Both have backward passes; candle-nn's fused `softmax_last_dim`, `layer_norm`, `rms_norm`
+//! and `sdpa` have none and silently cut the graph (candle#2168, #3011).
+
+use candle_core::Tensor;
+
+use crate::fused;
+
+type CResult<T> = candle_core::Result<T>;
+
+/// Softmax over `dim` (the fused kernel for f32 over the last dim; primitives otherwise).
+pub fn softmax_local(x: &Tensor, dim: usize) -> CResult<Tensor> {
+    if x.elem_count() == 0 {
+        // An empty piece (uneven sharding of another dim); candle's max refuses empty input.
+        return Ok(x.clone());
+    }
+    if fused::applies(x) && dim + 1 == x.rank() {
+        return fused::softmax_last(x);
+    }
+    reference::softmax(x, dim)
+}
+
+/// Log-softmax over `dim` (fused for f32 over the last dim).
+pub fn log_softmax_local(x: &Tensor, dim: usize) -> CResult<Tensor> {
+    if x.elem_count() == 0 {
+        return Ok(x.clone());
+    }
+    if fused::applies(x) && dim + 1 == x.rank() {
+        return fused::log_softmax_last(x);
+    }
+    reference::log_softmax(x, dim)
+}
+
+/// Layer norm over the last dim (fused for f32 with a weight).
+pub fn layer_norm_local(
+    x: &Tensor,
+    w: Option<&Tensor>,
+    b: Option<&Tensor>,
+    eps: f64,
+) -> CResult<Tensor> {
+    match w {
+        Some(w) if fused::applies(x) && w.dtype() == x.dtype() => fused::layer_norm(x, w, b, eps),
+        _ => reference::layer_norm(x, w, b, eps),
+    }
+}
+
+/// RMS norm over the last dim (fused for f32).
+pub fn rms_norm_local(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
+    if fused::applies(x) && w.dtype() == x.dtype() {
+        return fused::rms_norm(x, w, eps);
+    }
+    reference::rms_norm(x, w, eps)
+}
+
+/// Scaled dot-product attention on `[B, H, T, d]` pieces (fused scaled causal softmax for f32).
+pub fn sdpa_local(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> CResult<Tensor> {
+    if q.elem_count() == 0 || k.elem_count() == 0 {
+        // An empty batch/head piece: an empty result that keeps the graph (softmax refuses
+        // empty input).
+        return q.matmul(&k.t()?)?.matmul(v);
+    }
+    if fused::applies(q) && scale > 0.0 {
+        return crate::region::sdpa(q, k, v, causal, scale as f32);
+    }
+    reference::sdpa(q, k, v, causal, scale)
+}
+
+/// Attention on a packed projection `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` (one fused node for
+/// f32; the reference composition otherwise).
+pub fn packed_sdpa_local(qkv: &Tensor, causal: bool, scale: f64) -> CResult<Tensor> {
+    if qkv.elem_count() > 0 && fused::applies(qkv) && scale > 0.0 {
+        return crate::region::packed_sdpa(qkv, causal, scale as f32);
+    }
+    reference::packed_sdpa(qkv, causal, scale)
+}
+
+/// The same ops built from candle primitives only (every dtype; the reference the fused kernels
+/// are tested against).
+pub mod reference {
+    use candle_core::{Tensor, D};
+
+    type CResult<T> = candle_core::Result<T>;
+
+    /// Softmax over `dim` (max subtracted and detached: softmax is shift-invariant).
+    pub fn softmax(x: &Tensor, dim: usize) -> CResult<Tensor> {
+        let m = x.max_keepdim(dim)?.detach();
+        let e = x.broadcast_sub(&m)?.exp()?;
+        e.broadcast_div(&e.sum_keepdim(dim)?)
+    }
+
+    /// Log-softmax over `dim`.
+    pub fn log_softmax(x: &Tensor, dim: usize) -> CResult<Tensor> {
+        let m = x.max_keepdim(dim)?.detach();
+        let s = x.broadcast_sub(&m)?;
+        s.broadcast_sub(&s.exp()?.sum_keepdim(dim)?.log()?)
+    }
+
+    /// Layer norm over the last dim.
+    pub fn layer_norm(
+        x: &Tensor,
+        w: Option<&Tensor>,
+        b: Option<&Tensor>,
+        eps: f64,
+    ) -> CResult<Tensor> {
+        let mu = x.mean_keepdim(D::Minus1)?;
+        let xc = x.broadcast_sub(&mu)?;
+        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+        let mut y = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+        if let Some(w) = w {
+            y = y.broadcast_mul(w)?;
+        }
+        if let Some(b) = b {
+            y = y.broadcast_add(b)?;
+        }
+        Ok(y)
+    }
+
+    /// RMS norm over the last dim.
+    pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
+        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+        x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
+    }
+
+    /// Scaled dot-product attention on `[B, H, T, d]`.
+    pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> CResult<Tensor> {
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        let att = (q.matmul(&k.t()?)? * scale)?;
+        let att = if causal {
+            let (t, s) = (q.dim(2)?, k.dim(2)?);
+            let mask: Vec<u8> = (0..t)
+                .flat_map(|i| (0..s).map(move |j| u8::from(j + t > i + s)))
+                .collect();
+            let mask = Tensor::from_vec(mask, (t, s), q.device())?.broadcast_as(att.shape())?;
+            let ninf = Tensor::new(f32::NEG_INFINITY, q.device())?
+                .to_dtype(att.dtype())?
+                .broadcast_as(att.shape())?;
+            mask.where_cond(&ninf, &att)?
+        } else {
+            att
+        };
+        softmax(&att, 3)?.matmul(&v)
+    }
+
+    /// Attention on a packed `qkv [B, T, H, 3, d]` -> `[B, T, H, d]`: split, [`sdpa`], merge.
+    pub fn packed_sdpa(qkv: &Tensor, causal: bool, scale: f64) -> CResult<Tensor> {
+        let part =
+            |i: usize| -> CResult<Tensor> { qkv.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2) };
+        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        let y = if q.elem_count() == 0 || k.elem_count() == 0 {
+            // An empty piece keeps the graph (softmax refuses empty input).
+            q.contiguous()?
+                .matmul(&k.contiguous()?.t()?)?
+                .matmul(&v.contiguous()?)?
+        } else {
+            sdpa(&q, &k, &v, causal, scale)?
+        };
+        y.transpose(1, 2)
+    }
+
+    /// GELU, tanh form (candle's `gelu`).
+    pub fn gelu(x: &Tensor) -> CResult<Tensor> {
+        x.gelu()
+    }
+}

@@ -1,0 +1,214 @@
+//! The storage seam's invariants, attacked: a released tensor can reach no kernel (every candle
+//! op family refuses it with an error, none panics or reads freed memory), refills only install
+//! storages of exactly the owner's size, and the row copies check their bounds.
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
+use candle_dtensor_kernels::storage;
+
+fn owner(dims: &[usize]) -> Tensor {
+    let n: usize = dims.iter().product();
+    Tensor::arange(0f32, n as f32, &Device::Cpu)
+        .unwrap()
+        .reshape(dims)
+        .unwrap()
+        .contiguous()
+        .unwrap()
+}
+
+/// Every op must return an error, not panic and not succeed.
+fn refused(what: &str, f: impl FnOnce() -> candle_core::Result<Tensor>) {
+    let r = catch_unwind(AssertUnwindSafe(f));
+    match r {
+        Ok(Err(_)) => {}
+        Ok(Ok(t)) => panic!(
+            "{what}: an op on a released tensor succeeded ({:?})",
+            t.dims()
+        ),
+        Err(_) => panic!("{what}: an op on a released tensor panicked"),
+    }
+}
+
+#[test]
+fn every_op_family_refuses_a_released_tensor() {
+    let w = owner(&[16, 8]);
+    let wt = w.t().unwrap(); // a view kept before the release, as modules keep them
+    let freed = storage::release(&w, "w").unwrap();
+    assert_eq!(freed, 16 * 8 * 4);
+    assert!(storage::is_released(&w) && storage::is_released(&wt));
+    assert_eq!(storage::held_bytes(&w), 0);
+    assert_eq!(storage::released_name(&wt).as_deref(), Some("w"));
+    let x = Tensor::ones((4, 16), DType::F32, &Device::Cpu).unwrap();
+    let ids = Tensor::new(&[0u32, 3, 15], &Device::Cpu).unwrap();
+    refused("matmul", || x.matmul(&w));
+    refused("matmul of the view", || x.i((.., ..8))?.matmul(&wt));
+    refused("broadcast_matmul", || x.unsqueeze(0)?.broadcast_matmul(&w));
+    refused("candle_nn::Linear", || {
+        candle_nn::Linear::new(wt.clone(), None).forward(&x.i((.., ..8))?)
+    });
+    refused("add", || w.add(&owner(&[16, 8])));
+    refused("add (released right)", || owner(&[16, 8]).add(&w));
+    refused("broadcast_add", || x.broadcast_add(&w.i(0)?.repeat(2)?));
+    refused("repeat", || w.i(0)?.repeat(2));
+    refused("unary", || w.exp());
+    refused("affine", || w.affine(2.0, 1.0));
+    refused("sqr", || w.sqr());
+    refused("powf", || w.powf(2.0));
+    refused("sum", || w.sum_all());
+    refused("max", || w.max(D::Minus1));
+    refused("to_dtype", || w.to_dtype(DType::F16));
+    refused("contiguous of a view", || wt.contiguous());
+    refused("copy", || w.copy().and_then(|c| c.exp()));
+    refused("cat", || Tensor::cat(&[&w, &owner(&[16, 8])], 0));
+    refused("index_select (embedding)", || w.index_select(&ids, 0));
+    refused("candle_nn::Embedding", || {
+        candle_nn::Embedding::new(w.clone(), 8).forward(&ids)
+    });
+    refused("gather", || {
+        w.gather(
+            &Tensor::zeros((16, 1), DType::U32, &Device::Cpu).unwrap(),
+            1,
+        )
+    });
+    refused("where_cond", || {
+        Tensor::ones((16, 8), DType::U8, &Device::Cpu)
+            .unwrap()
+            .where_cond(&w, &owner(&[16, 8]))
+    });
+    refused("cmp", || w.ge(&owner(&[16, 8])));
+    refused("to_vec", || w.to_vec2::<f32>().map(|_| w.clone()));
+    refused("Var::from_tensor", || {
+        candle_core::Var::from_tensor(&w).map(|v| v.as_tensor().clone())
+    });
+    refused("conv1d", || {
+        Tensor::ones((1, 8, 8), DType::F32, &Device::Cpu)?.conv1d(&w.unsqueeze(2)?, 0, 1, 1, 1)
+    });
+    refused("softmax", || candle_nn::ops::softmax(&w, D::Minus1));
+    refused("rms_norm", || {
+        candle_nn::ops::rms_norm(&x.i((.., ..8))?, &w.i(0)?, 1e-5)
+    });
+    refused("the seam's own slice view", || {
+        storage::with_slice::<f32, _>(&w, |_| ()).map(|_| w.clone())
+    });
+    refused("host staging", || {
+        storage::host_bytes(&w).map(|_| w.clone())
+    });
+    refused("a graph node output", || {
+        storage::output_of::<candle_core::CpuStorage>(&w).map(|_| w.clone())
+    });
+    // Shape-only ops are fine and keep the placeholder.
+    assert!(storage::is_released(&w.reshape((8, 16)).unwrap()));
+    // A refill brings every view back.
+    storage::refill(&w, &owner(&[16, 8])).unwrap();
+    assert!(!storage::is_released(&wt));
+    assert_eq!(storage::released_name(&wt), None);
+    assert_eq!(
+        wt.to_vec2::<f32>().unwrap(),
+        owner(&[16, 8]).t().unwrap().to_vec2::<f32>().unwrap()
+    );
+    assert_eq!(x.matmul(&w).unwrap().dims(), &[4, 8]);
+}
+
+#[test]
+fn refill_installs_only_a_storage_of_the_owners_size() {
+    let w = owner(&[4, 3]);
+    storage::release(&w, "w").unwrap();
+    // Wrong element count, dtype, layout or device: refused, and the tensor stays released.
+    assert!(storage::refill(&w, &owner(&[4, 2])).is_err());
+    assert!(storage::refill(&w, &owner(&[4, 3]).to_dtype(DType::F64).unwrap()).is_err());
+    assert!(storage::refill_from_segments(&w, &owner(&[12]), &[(0, 6), (7, 6)]).is_err());
+    assert!(storage::refill_from_segments(&w, &owner(&[12]), &[(0, 6)]).is_err());
+    assert!(storage::is_released(&w));
+    // Views cannot own a storage: their elements are not the whole buffer.
+    let big = owner(&[8, 3]);
+    let view = big.narrow(0, 2, 4).unwrap();
+    assert!(storage::release(&view, "view").is_err());
+    assert!(storage::refill(&big.t().unwrap(), &owner(&[3, 8])).is_err());
+    // A released source refills nothing.
+    let other = owner(&[4, 3]);
+    storage::release(&other, "other").unwrap();
+    assert!(storage::refill(&w, &other).is_err());
+    // Segments of a gathered buffer, reassembled in order.
+    let flat = owner(&[20]);
+    storage::refill_from_segments(&w, &flat, &[(10, 6), (0, 6)]).unwrap();
+    let got: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+    let want: Vec<f32> = (10..16).chain(0..6).map(|v| v as f32).collect();
+    assert_eq!(got, want);
+    // Releasing twice frees nothing the second time; an empty owner has nothing to free.
+    assert_eq!(storage::release(&w, "w").unwrap(), 12 * 4);
+    assert_eq!(storage::release(&w, "w").unwrap(), 0);
+    assert_eq!(storage::release(&owner(&[0, 3]), "e").unwrap(), 0);
+}
+
+#[test]
+fn copy_rows_checks_bounds_and_aliasing() {
+    let src = owner(&[2, 5, 3]);
+    let dst = Tensor::zeros((2, 7, 3), DType::F32, &Device::Cpu).unwrap();
+    // Rows 1..4 of each of the 2 blocks to rows 3..6.
+    storage::copy_rows(&src, 5, 1, &dst, 7, 3, 2, 3, 3).unwrap();
+    let want = Tensor::zeros((2, 3, 3), DType::F32, &Device::Cpu)
+        .unwrap()
+        .to_vec3::<f32>()
+        .unwrap();
+    assert_eq!(dst.narrow(1, 0, 3).unwrap().to_vec3::<f32>().unwrap(), want);
+    assert_eq!(
+        dst.narrow(1, 3, 3).unwrap().to_vec3::<f32>().unwrap(),
+        src.narrow(1, 1, 3).unwrap().to_vec3::<f32>().unwrap()
+    );
+    // Out of bounds on either side, a dtype mismatch, a shared storage: errors.
+    assert!(storage::copy_rows(&src, 5, 3, &dst, 7, 0, 2, 3, 3).is_err());
+    assert!(storage::copy_rows(&src, 5, 0, &dst, 7, 5, 2, 3, 3).is_err());
+    assert!(storage::copy_rows(&src, 5, 0, &dst, 7, 0, 3, 1, 3).is_err());
+    let f64dst = Tensor::zeros((2, 7, 3), DType::F64, &Device::Cpu).unwrap();
+    assert!(storage::copy_rows(&src, 5, 0, &f64dst, 7, 0, 2, 1, 3).is_err());
+    assert!(storage::copy_rows(&dst, 7, 0, &dst, 7, 1, 2, 1, 3).is_err());
+    // Padding and filling through the same kernel.
+    let padded = storage::pad_dim(&src, 1, 7).unwrap();
+    assert_eq!(padded.dims(), &[2, 7, 3]);
+    assert_eq!(
+        padded.narrow(1, 0, 5).unwrap().to_vec3::<f32>().unwrap(),
+        src.to_vec3::<f32>().unwrap()
+    );
+    assert!(storage::pad_dim(&src, 1, 4).is_err());
+    let dest = Tensor::zeros((3, 10), DType::F32, &Device::Cpu).unwrap();
+    storage::fill_from(&dest, &src.t().unwrap()).unwrap();
+    assert_eq!(
+        dest.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        src.t()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    );
+}
+
+#[test]
+fn host_staging_round_trips_every_dtype() {
+    for dtype in [
+        DType::F32,
+        DType::F64,
+        DType::BF16,
+        DType::F16,
+        DType::U8,
+        DType::U32,
+        DType::I64,
+    ] {
+        let t = owner(&[3, 4]).to_dtype(dtype).unwrap();
+        let bytes = storage::host_bytes(&t.t().unwrap()).unwrap();
+        assert_eq!(bytes.len(), 12 * dtype.size_in_bytes());
+        let back = Tensor::zeros((4, 3), dtype, &Device::Cpu).unwrap();
+        storage::set_from_bytes(&back, &bytes).unwrap();
+        assert_eq!(
+            back.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap(),
+            t.t()
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec2::<f64>()
+                .unwrap(),
+            "{dtype:?}"
+        );
+        assert!(storage::set_from_bytes(&back, &bytes[1..]).is_err());
+    }
+}
