@@ -23,7 +23,7 @@ use candle_core::{DType, Tensor};
 use candle_dtensor::comm::{LocalWorld, ReduceOp};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::checkpoint::{self, Which};
-use candle_dtensor::models::fsdp::{Fsdp, FsdpConfig};
+use candle_dtensor::models::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use candle_dtensor::models::optim::AdamW;
 use candle_dtensor::models::{Gpt, GptConfig, TpPlan};
 use candle_nn::{Optimizer, ParamsAdamW};
@@ -89,7 +89,7 @@ fn build(
     gpt: &GptConfig,
 ) -> Result<(Gpt, candle_dtensor::models::ParamStore, AdamW), BoxErr> {
     let fsdp = match mesh.dim_index("dp") {
-        Ok(d) => Some(Fsdp::new(mesh, FsdpConfig::new(d))?),
+        Ok(d) => Some(Fsdp::new(mesh, FsdpConfig::new(d, GradReduce::Sum))?),
         Err(_) => None,
     };
     let (model, store) = Gpt::build(gpt, mesh, &TpPlan::gpt(false), 0, DType::F32, fsdp.as_ref())?;

@@ -23,6 +23,20 @@ pub enum ModelError {
     /// A candle op failed.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    /// An FSDP unit's forward read a parameter whose storage is released: one used outside
+    /// the unit that owns it (e.g. a tied weight shared by two units).
+    #[error(
+        "FSDP: the forward of unit `{unit}` read a released parameter (candle: {candle}); released now: [{}]. Use every parameter inside the forward of the unit that owns it: put shared (tied) parameters in one unit (e.g. the root), or wrap the module that uses them",
+        released.join(", ")
+    )]
+    ReleasedParameter {
+        /// The unit whose forward failed.
+        unit: String,
+        /// The parameters whose storage was released at that moment.
+        released: Vec<String>,
+        /// candle's error.
+        candle: String,
+    },
     /// Saving or loading a checkpoint failed (boxed: the integrity errors carry paths and
     /// names).
     #[error(transparent)]

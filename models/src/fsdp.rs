@@ -5,35 +5,48 @@
 //!
 //! - Each parameter has a *shard* `Var` (this rank's torch.chunk rows of dim 0, in the master
 //!   dtype; the optimizer updates only these) and a *full* tensor, a graph node over the shard
-//!   created once ([`Unshard`]). The full tensor's storage is released after the unit's forward
-//!   and refilled in place before use, so every view the model keeps of it sees the refill.
-//! - Forward ([`Fsdp::pre_forward`] / [`Fsdp::post_forward`]): one flat all_gather per unit
-//!   (every parameter's padded shard packed into one buffer), the next unit's gather issued
-//!   ahead (prefetch), storage freed after the unit (`reshard_after_forward`), and an identity
-//!   node on the unit's output whose backward re-gathers the unit and prefetches the previous
-//!   one (the pre-backward hook; candle runs it before every node inside the unit).
+//!   created once ([`Unshard`]). The full tensor starts with its initial value (so a module
+//!   that reads a parameter while it is built sees it); its storage is released after its
+//!   unit's forward and refilled in place before use, so every view the model keeps of it sees
+//!   the refill. A released full tensor holds the storage seam's placeholder, which every candle
+//!   op refuses with a typed error: using it outside its unit can never read freed memory
+//!   (`candle_dtensor_kernels::storage`, "the released-storage invariant").
+//! - Forward ([`Fsdp::pre_forward`] / [`Fsdp::post_forward`], or [`Fsdp::forward`] around a
+//!   closure): one flat all_gather per unit (every parameter's padded shard packed into one
+//!   buffer), the next unit's gather issued ahead (prefetch), storage freed after the unit
+//!   (`reshard_after_forward`), and an identity node on the unit's output whose backward
+//!   re-gathers the unit and prefetches the previous one (the pre-backward hook; candle runs it
+//!   before every node inside the unit).
+//! - Units nobody drives (no wrapper calls their hooks, e.g. the per-layer units of a
+//!   candle-transformers model whose blocks cannot be wrapped) are gathered by the first driven
+//!   unit's forward and released as their gradients complete in backward: their gradient
+//!   reduction still overlaps the rest of the backward, but their forward saves no memory.
 //! - Backward: each full parameter's node runs once, after all its consumers, with its complete
 //!   gradient; it stashes it and returns nothing. When a unit's last gradient arrives, one flat
 //!   reduce_scatter is issued asynchronously (on its own communicator with
 //!   `separate_reduce_scatter_group`, so it overlaps the next all_gather instead of queueing
-//!   behind it) and the unit's storage is released. [`Fsdp::finish_backward`] waits for the
-//!   reductions (HSDP: then all_reduces over the replicate dim) and puts each shard's gradient
-//!   into the `GradStore`, where candle-nn optimizers find it.
+//!   behind it) and the unit's storage is released. [`Fsdp::finish_backward`] (or
+//!   [`Fsdp::backward`], which also runs `loss.backward()`) waits for the reductions (HSDP: then
+//!   all_reduces over the replicate dim) and puts each shard's gradient into the `GradStore`,
+//!   where candle-nn optimizers find it. A parameter that got a gradient on no rank gets none
+//!   (as on one device); they are reported once ([`Fsdp::params_without_grad`]).
 //! - Mixed precision: full parameters (and so the compute) in `param_dtype`, shards and the
 //!   gradient reduction in f32.
 //!
-//! Gradient scaling: a DTensor loss is already the global mean (its backward scales each rank's
-//! contribution), so the shards' gradients are the SUM of the contributions
-//! ([`GradReduce::Sum`]); plain candle code whose loss is each rank's local mean uses
-//! [`GradReduce::Avg`] (PyTorch's default).
+//! Gradient scaling is chosen explicitly ([`GradReduce`]): a DTensor loss is already the global
+//! mean (its backward scales each rank's contribution), so its shards' gradients are the SUM of
+//! the contributions; plain candle code whose loss is each rank's local mean averages
+//! (PyTorch's default).
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
+use candle_core::{CustomOp1, DType, Layout, Shape, Tensor, Var};
 use candle_dtensor_comm::{Comm, ReduceOp, Work};
 use candle_dtensor_core::debug;
+use candle_dtensor_kernels::storage::{self, DeviceStorage};
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_strategies::layout::shard_size_and_offset;
 
@@ -64,14 +77,17 @@ pub struct FsdpConfig {
     pub param_dtype: Option<DType>,
     /// Issue the next unit's all_gather before it is needed.
     pub prefetch: bool,
-    /// How gradients are combined.
+    /// How gradients are combined: chosen by the caller, there is no default (a wrong choice
+    /// scales every gradient by the number of ranks).
     pub grad_reduce: GradReduce,
 }
 
 impl FsdpConfig {
-    /// Defaults: reshard after forward, prefetch, no separate reduce-scatter group, no mixed
-    /// precision, summed gradients.
-    pub fn new(shard_dim: usize) -> Self {
+    /// Sharding over mesh dim `shard_dim`, gradients combined by `grad_reduce`
+    /// ([`GradReduce::Sum`] for DTensor losses, [`GradReduce::Avg`] for plain candle losses
+    /// that are each rank's local mean). Defaults: reshard after forward, prefetch, no separate
+    /// reduce-scatter group, no mixed precision.
+    pub fn new(shard_dim: usize, grad_reduce: GradReduce) -> Self {
         FsdpConfig {
             shard_dim,
             replicate_dim: None,
@@ -79,7 +95,7 @@ impl FsdpConfig {
             separate_reduce_scatter_group: false,
             param_dtype: None,
             prefetch: true,
-            grad_reduce: GradReduce::Sum,
+            grad_reduce,
         }
     }
 }
@@ -99,6 +115,7 @@ pub struct FsdpStats {
 
 /// One parameter of a unit.
 struct UParam {
+    name: String,
     /// Full (TP-local) shape.
     shape: Vec<usize>,
     rows: usize,
@@ -115,6 +132,7 @@ struct UParam {
 struct UnitState {
     unsharded: bool,
     pending_ag: Option<Work<Tensor>>,
+    /// This rank's complete gradient of each parameter, once its backward ran.
     grads: Vec<Option<Tensor>>,
     reducing: bool,
 }
@@ -125,6 +143,9 @@ struct Unit {
     block: usize,
     /// Release the full parameters after this unit's forward (re-gathered before backward).
     reshard_after_forward: bool,
+    /// A wrapper calls this unit's forward hooks. Undriven units are gathered by the first
+    /// driven unit's forward (see the module docs).
+    driven: bool,
     state: UnitState,
 }
 
@@ -140,6 +161,14 @@ struct Run {
     pending_rs: Vec<(usize, Reduction)>,
     stats: FsdpStats,
     unsharded_bytes: usize,
+    /// A backward stashed gradients that [`Fsdp::finish_backward`] has not reduced yet.
+    backward_open: bool,
+    /// Parameters of undriven units that got a gradient this step (for the one-time warning).
+    undriven_used: BTreeSet<String>,
+    warned_undriven: bool,
+    /// Parameters that got a gradient on no rank in the last backward.
+    without_grad: Vec<String>,
+    warned_without_grad: bool,
 }
 
 struct Inner {
@@ -157,34 +186,36 @@ pub struct Fsdp {
     inner: Arc<Inner>,
 }
 
-fn msg(s: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(s.into())
+fn check_float(name: &str, dtype: DType) -> Result<()> {
+    if dtype.is_float() {
+        Ok(())
+    } else {
+        Err(ModelError::Config(format!(
+            "FSDP parameter {name}: parameters must be floating point, got {dtype:?}"
+        )))
+    }
 }
 
-fn storage_of(dtype: DType, n: usize) -> candle_core::Result<CpuStorage> {
-    use half::{bf16, f16};
-    Ok(match dtype {
-        DType::F32 => CpuStorage::F32(vec![0f32; n]),
-        DType::F64 => CpuStorage::F64(vec![0f64; n]),
-        DType::BF16 => CpuStorage::BF16(vec![bf16::ZERO; n]),
-        DType::F16 => CpuStorage::F16(vec![f16::ZERO; n]),
-        other => {
-            return Err(msg(format!(
-                "FSDP parameters must be floating point, got {other:?}"
-            )))
-        }
-    })
-}
-
-/// The full parameter as a graph node over its shard: born with released storage; its
+/// The full parameter as a graph node over its shard: born holding its initial value; its
 /// backward hands the complete gradient to FSDP and returns nothing for the shard (FSDP puts
 /// the reduced shard gradient into the `GradStore` itself).
 struct Unshard {
     fsdp: Weak<Inner>,
     unit: usize,
     param: usize,
-    shape: Shape,
-    dtype: DType,
+    initial: Mutex<Option<Tensor>>,
+}
+
+impl Unshard {
+    fn forward<S: DeviceStorage>(&self, _s: &S, _l: &Layout) -> candle_core::Result<(S, Shape)> {
+        let value = self
+            .initial
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("fsdp-unshard: already built".into()))?;
+        Ok((storage::output_of::<S>(&value)?, value.shape().clone()))
+    }
 }
 
 impl CustomOp1 for Unshard {
@@ -192,9 +223,7 @@ impl CustomOp1 for Unshard {
         "fsdp-unshard"
     }
 
-    fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Ok((storage_of(self.dtype, 0)?, self.shape.clone()))
-    }
+    candle_dtensor_kernels::device_fwd1!(forward);
 
     fn bwd(
         &self,
@@ -218,17 +247,18 @@ struct PreBackward {
     unit: usize,
 }
 
+impl PreBackward {
+    fn forward<S: DeviceStorage>(&self, s: &S, l: &Layout) -> candle_core::Result<(S, Shape)> {
+        Ok((storage::owned_copy(s, l)?, l.shape().clone()))
+    }
+}
+
 impl CustomOp1 for PreBackward {
     fn name(&self) -> &'static str {
         "fsdp-pre-backward"
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let mut out = storage_of(s.dtype(), l.shape().elem_count())?;
-        s.copy_strided_src(&mut out, 0, l)?;
-        Ok((out, l.shape().clone()))
-    }
+    candle_dtensor_kernels::device_fwd1!(forward);
 
     fn bwd(
         &self,
@@ -250,77 +280,22 @@ impl CustomOp1 for PreBackward {
 }
 
 /// Releases a full parameter's storage; returns the bytes freed (0 if already released).
-fn release(p: &UParam) -> candle_core::Result<usize> {
-    let held = cpu_len(&p.full) * p.full.dtype().size_in_bytes();
-    if held > 0 {
-        set_storage(&p.full, storage_of(p.full.dtype(), 0)?)?;
-    }
-    Ok(held)
+fn release(p: &UParam) -> Result<usize> {
+    Ok(storage::release(&p.full, &p.name)?)
 }
 
-/// Swaps a tensor's storage for another (release: an empty one; refill: the gathered data).
-struct SetStorage(Mutex<Option<CpuStorage>>);
-
-impl candle_core::InplaceOp1 for SetStorage {
-    fn name(&self) -> &'static str {
-        "fsdp-set-storage"
+/// Whether `e` (or an error it wraps) is candle refusing a released storage's placeholder.
+pub(crate) fn is_released_use(e: &candle_core::Error) -> bool {
+    use candle_core::Error as E;
+    let released = storage::RELEASED_DTYPE;
+    match e {
+        E::DTypeMismatchBinaryOp { lhs, rhs, .. } => *lhs == released || *rhs == released,
+        E::UnsupportedDTypeForOp(d, _) => *d == released,
+        E::WithBacktrace { inner, .. } | E::Context { inner, .. } => is_released_use(inner),
+        E::WithPath { inner, .. } => is_released_use(inner),
+        E::Msg(m) => m.contains("storage has been released"),
+        _ => false,
     }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, _layout: &Layout) -> candle_core::Result<()> {
-        let new = self
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| msg("storage already used"))?;
-        *storage = new;
-        Ok(())
-    }
-}
-
-fn set_storage(t: &Tensor, s: CpuStorage) -> candle_core::Result<()> {
-    t.inplace_op1(&SetStorage(Mutex::new(Some(s))))
-}
-
-fn cpu_len(t: &Tensor) -> usize {
-    let (s, _) = t.storage_and_layout();
-    match &*s {
-        candle_core::Storage::Cpu(c) => match c {
-            CpuStorage::F32(v) => v.len(),
-            CpuStorage::F64(v) => v.len(),
-            CpuStorage::BF16(v) => v.len(),
-            CpuStorage::F16(v) => v.len(),
-            _ => 0,
-        },
-        _ => 0,
-    }
-}
-
-/// Concatenates, for each rank's segment `(start, len)` of `src` (a contiguous tensor), the
-/// elements into a new storage of `dtype` (= `src`'s).
-fn gather_segments(src: &Tensor, segs: &[(usize, usize)]) -> candle_core::Result<CpuStorage> {
-    let (s, layout) = src.storage_and_layout();
-    let base = layout
-        .contiguous_offsets()
-        .ok_or_else(|| msg("expected a contiguous buffer"))?
-        .0;
-    macro_rules! seg {
-        ($v:expr, $variant:ident) => {{
-            let total: usize = segs.iter().map(|s| s.1).sum();
-            let mut out = Vec::with_capacity(total);
-            for &(a, n) in segs {
-                out.extend_from_slice(&$v[base + a..base + a + n]);
-            }
-            CpuStorage::$variant(out)
-        }};
-    }
-    Ok(match &*s {
-        candle_core::Storage::Cpu(CpuStorage::F32(v)) => seg!(v, F32),
-        candle_core::Storage::Cpu(CpuStorage::F64(v)) => seg!(v, F64),
-        candle_core::Storage::Cpu(CpuStorage::BF16(v)) => seg!(v, BF16),
-        candle_core::Storage::Cpu(CpuStorage::F16(v)) => seg!(v, F16),
-        _ => return Err(msg("FSDP buffers must be floating point CPU tensors")),
-    })
 }
 
 impl Fsdp {
@@ -335,6 +310,11 @@ impl Fsdp {
         let names = mesh.dim_names();
         let dim_name = names[cfg.shard_dim].to_string();
         let replicate = match cfg.replicate_dim {
+            Some(d) if d == cfg.shard_dim => {
+                return Err(ModelError::Config(format!(
+                    "FSDP: the replicate dim {d} is also the shard dim"
+                )))
+            }
             Some(d) => Some(mesh.comm(d)?.clone()),
             None => None,
         };
@@ -360,9 +340,19 @@ impl Fsdp {
                     pending_rs: Vec::new(),
                     stats: FsdpStats::default(),
                     unsharded_bytes: 0,
+                    backward_open: false,
+                    undriven_used: BTreeSet::new(),
+                    warned_undriven: false,
+                    without_grad: Vec::new(),
+                    warned_without_grad: false,
                 }),
             }),
         })
+    }
+
+    /// The device of the shard communicator, where parameters and gradients live.
+    pub fn device(&self) -> candle_core::Device {
+        self.inner.shard.device().clone()
     }
 
     /// The configuration.
@@ -381,11 +371,22 @@ impl Fsdp {
         self.inner.run.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Starts a new unit (e.g. one transformer block) and returns its index. Units are
-    /// numbered in forward order (prefetching follows it). `last` marks the unit that runs last
-    /// in forward and first in backward (e.g. the final norm and head): it is kept after its
-    /// forward, as re-gathering it right away would be wasted work.
+    /// Starts a new unit (e.g. one transformer block) whose forward hooks the caller runs
+    /// ([`Fsdp::pre_forward`] / [`Fsdp::post_forward`] or [`Fsdp::forward`]) and returns its
+    /// index. Units are numbered in forward order (prefetching follows it). `last` marks the
+    /// unit that runs last in forward and first in backward (e.g. the final norm and head): it
+    /// is kept after its forward, as re-gathering it right away would be wasted work.
     pub fn add_unit(&self, name: &str, last: bool) -> usize {
+        self.push_unit(name, last, true)
+    }
+
+    /// Starts a unit no wrapper drives yet (see [`Fsdp::set_driven`]); used by
+    /// [`crate::fsdp_vb::FsdpVarMap`], whose modules are wrapped after they are built.
+    pub fn add_undriven_unit(&self, name: &str, last: bool) -> usize {
+        self.push_unit(name, last, false)
+    }
+
+    fn push_unit(&self, name: &str, last: bool, driven: bool) -> usize {
         let mut run = self.run();
         let reshard = self.inner.cfg.reshard_after_forward && !last;
         run.units.push(Unit {
@@ -393,14 +394,43 @@ impl Fsdp {
             params: Vec::new(),
             block: 0,
             reshard_after_forward: reshard,
+            driven,
             state: UnitState::default(),
         });
         run.units.len() - 1
     }
 
-    /// Shards `full` (this rank's whole, e.g. tensor-parallel-local, parameter) into `unit` and
-    /// returns `(shard var, full tensor)`. The full tensor starts released.
-    pub fn add_param(&self, unit: usize, full: &Tensor) -> Result<(Var, Tensor)> {
+    /// Declares that a wrapper runs `unit`'s forward hooks from now on.
+    ///
+    /// # Errors
+    ///
+    /// No such unit.
+    pub fn set_driven(&self, unit: usize) -> Result<()> {
+        let mut run = self.run();
+        let u = run
+            .units
+            .get_mut(unit)
+            .ok_or_else(|| ModelError::Config(format!("FSDP unit {unit} does not exist")))?;
+        u.driven = true;
+        Ok(())
+    }
+
+    /// The index of the unit called `name`.
+    pub fn unit_index(&self, name: &str) -> Option<usize> {
+        self.run().units.iter().position(|u| u.name == name)
+    }
+
+    /// The name of every unit, in forward order.
+    pub fn unit_names(&self) -> Vec<String> {
+        self.run().units.iter().map(|u| u.name.clone()).collect()
+    }
+
+    /// Shards `full` (this rank's whole, e.g. tensor-parallel-local, parameter `name`) into
+    /// `unit` and returns `(shard var, full tensor)`. The full tensor starts holding `full`
+    /// (in the compute dtype), so it can be read while a model is built; FSDP releases it after
+    /// its unit's first forward (or [`Fsdp::reshard_all`]).
+    pub fn add_param(&self, unit: usize, name: &str, full: &Tensor) -> Result<(Var, Tensor)> {
+        check_float(name, full.dtype())?;
         let n = self.inner.shard.size();
         let coord = self.inner.shard.rank();
         let shape = full.dims().to_vec();
@@ -418,6 +448,8 @@ impl Fsdp {
         }
         let shard = Var::from_tensor(&shard.reshape(shard_shape)?.contiguous()?)?;
         let dtype = self.inner.cfg.param_dtype.unwrap_or(full.dtype());
+        check_float(name, dtype)?;
+        let initial = full.to_dtype(dtype)?.contiguous()?;
         let mut run = self.run();
         let u = run
             .units
@@ -428,13 +460,13 @@ impl Fsdp {
             fsdp: Arc::downgrade(&self.inner),
             unit,
             param,
-            shape: Shape::from_dims(&shape),
-            dtype,
+            initial: Mutex::new(Some(initial)),
         };
         let full_t = shard.as_tensor().apply_op1(node)?;
         let offset = u.block;
         u.block += f * row;
         u.params.push(UParam {
+            name: name.to_string(),
             shape,
             rows,
             row,
@@ -444,6 +476,9 @@ impl Fsdp {
             full: full_t.clone(),
         });
         u.state.grads.push(None);
+        u.state.unsharded = true;
+        let held = storage::held_bytes(&full_t);
+        run.unsharded_bytes += held;
         Ok((shard, full_t))
     }
 
@@ -459,17 +494,21 @@ impl Fsdp {
         self.run().units.len()
     }
 
+    /// Every parameter's name with its shard var, in creation order (empty shards included).
+    pub fn named_shards(&self) -> Vec<(String, Var)> {
+        self.run()
+            .units
+            .iter()
+            .flat_map(|u| u.params.iter().map(|p| (p.name.clone(), p.shard.clone())))
+            .collect()
+    }
+
     /// Bytes of unsharded parameter storage currently held by unit `unit` (0 when released).
     pub fn unit_allocated_bytes(&self, unit: usize) -> usize {
         let run = self.run();
         run.units
             .get(unit)
-            .map(|u| {
-                u.params
-                    .iter()
-                    .map(|p| cpu_len(&p.full) * p.full.dtype().size_in_bytes())
-                    .sum()
-            })
+            .map(|u| u.params.iter().map(|p| storage::held_bytes(&p.full)).sum())
             .unwrap_or(0)
     }
 
@@ -565,9 +604,9 @@ impl Fsdp {
                     (r * block + p.offset, s * p.row)
                 })
                 .collect();
-            let storage = gather_segments(&gathered, &segs)?;
-            set_storage(&p.full, storage)?;
-            added += p.rows * p.row * p.full.dtype().size_in_bytes();
+            let before = storage::held_bytes(&p.full);
+            storage::refill_from_segments(&p.full, &gathered, &segs)?;
+            added += storage::held_bytes(&p.full).saturating_sub(before);
         }
         u.state.unsharded = true;
         run.unsharded_bytes += added;
@@ -590,12 +629,76 @@ impl Fsdp {
         Ok(())
     }
 
+    /// Releases every unit's full parameters (e.g. right after building a model whose forward
+    /// drives every unit, so no unit stays gathered until its first use).
+    ///
+    /// # Errors
+    ///
+    /// A failed release.
+    pub fn reshard_all(&self) -> Result<()> {
+        for unit in 0..self.num_units() {
+            self.reshard(unit)?;
+        }
+        self.run().stats.peak_unsharded_bytes = 0;
+        Ok(())
+    }
+
+    /// Gathers every unit no wrapper drives (collective over the shard group, in unit order):
+    /// what their modules read outside any FSDP hook. Called by the first driven forward of a
+    /// step and by [`FsdpOptimizer::step`].
+    ///
+    /// # Errors
+    ///
+    /// A failed collective.
+    pub fn gather_undriven(&self) -> Result<()> {
+        let undriven: Vec<usize> = self
+            .run()
+            .units
+            .iter()
+            .enumerate()
+            .filter(|(_, u)| !u.driven && !u.state.unsharded && !u.params.is_empty())
+            .map(|(i, _)| i)
+            .collect();
+        for &u in &undriven {
+            self.start_gather(u)?;
+        }
+        for &u in &undriven {
+            self.unshard(u)?;
+        }
+        Ok(())
+    }
+
+    fn check_no_open_backward(&self, what: &str) -> Result<()> {
+        if self.run().backward_open {
+            return Err(ModelError::Config(format!(
+                "FSDP: {what} while the previous backward's gradients were never reduced: call \
+                 `fsdp.backward(&loss)` (or `finish_backward(&mut grads)` after `loss.backward()`) \
+                 before the optimizer step"
+            )));
+        }
+        Ok(())
+    }
+
     /// Before `unit`'s forward: gather it (or wait for its prefetch) and prefetch the next one.
+    /// The first forward of a step also gathers every unit no wrapper drives.
+    ///
+    /// # Errors
+    ///
+    /// The previous backward was never finished ([`Fsdp::finish_backward`]), or a collective
+    /// failed.
     pub fn pre_forward(&self, unit: usize) -> Result<()> {
+        self.check_no_open_backward("a forward started")?;
         let _g = debug::label(&self.unit_name(unit));
+        self.gather_undriven()?;
         self.unshard(unit)?;
-        if self.inner.cfg.prefetch && unit + 1 < self.num_units() {
-            self.start_gather(unit + 1)?;
+        if self.inner.cfg.prefetch {
+            let next = {
+                let run = self.run();
+                (unit + 1..run.units.len()).find(|&i| run.units[i].driven)
+            };
+            if let Some(next) = next {
+                self.start_gather(next)?;
+            }
         }
         Ok(())
     }
@@ -630,10 +733,52 @@ impl Fsdp {
         })?)
     }
 
+    /// Runs `f` as `unit`'s forward: [`Fsdp::pre_forward`], `f`, [`Fsdp::post_forward`] on
+    /// its output. A candle error inside `f` caused by a released parameter (one used outside
+    /// its own unit) becomes [`ModelError::ReleasedParameter`], naming what is released.
+    ///
+    /// # Errors
+    ///
+    /// As [`Fsdp::pre_forward`], `f`'s own errors, and the case above.
+    pub fn forward(
+        &self,
+        unit: usize,
+        f: impl FnOnce() -> candle_core::Result<Tensor>,
+    ) -> Result<Tensor> {
+        self.pre_forward(unit)?;
+        let y = match f() {
+            Ok(y) => y,
+            Err(e) if is_released_use(&e) => return Err(self.released_error(unit, &e)),
+            Err(e) => return Err(e.into()),
+        };
+        self.post_forward(unit, &y)
+    }
+
+    fn released_error(&self, unit: usize, e: &candle_core::Error) -> ModelError {
+        let run = self.run();
+        let released: Vec<String> = run
+            .units
+            .iter()
+            .flat_map(|u| u.params.iter())
+            .filter(|p| storage::is_released(&p.full))
+            .map(|p| p.name.clone())
+            .collect();
+        ModelError::ReleasedParameter {
+            unit: run
+                .units
+                .get(unit)
+                .map(|u| u.name.clone())
+                .unwrap_or_default(),
+            released,
+            candle: e.to_string(),
+        }
+    }
+
     /// Called by a full parameter's backward with its complete gradient.
     fn stash_grad(&self, unit: usize, param: usize, grad: &Tensor) -> Result<()> {
         let complete = {
             let mut run = self.run();
+            run.backward_open = true;
             let extra = grad.elem_count() * grad.dtype().size_in_bytes();
             run.unsharded_bytes += extra;
             run.stats.peak_unsharded_bytes =
@@ -643,8 +788,13 @@ impl Fsdp {
             // Every consumer of this parameter has run its backward (candle calls a node's
             // backward after all of them): its full storage can go now, not at the unit's end.
             let freed = release(&u.params[param])?;
+            u.state.unsharded = false;
             let complete = u.state.grads.iter().all(Option::is_some);
+            let undriven = (!u.driven).then(|| u.params[param].name.clone());
             run.unsharded_bytes = run.unsharded_bytes.saturating_sub(freed);
+            if let Some(name) = undriven {
+                run.undriven_used.insert(name);
+            }
             complete
         };
         if complete {
@@ -653,10 +803,13 @@ impl Fsdp {
         Ok(())
     }
 
-    /// Issues the reduce_scatter of `unit`'s stashed gradients (missing ones count as zero)
-    /// and releases its storage.
+    /// Issues the reduce_scatter of `unit`'s stashed gradients. Each rank's block carries, after
+    /// its gradient rows, one flag per parameter (1 where this rank had a gradient), so the
+    /// reduction tells every rank which parameters got a gradient anywhere at no extra cost.
+    /// Missing gradients count as zero in the sum.
     fn reduce_unit(&self, unit: usize) -> Result<()> {
         let n = self.inner.shard.size();
+        let had: Vec<bool>;
         let (send, grad_bytes) = {
             let mut run = self.run();
             let u = &mut run.units[unit];
@@ -665,8 +818,13 @@ impl Fsdp {
             }
             u.state.reducing = true;
             let mut grad_bytes = 0;
-            // Rank-major: for each rank r, every parameter's rows of r padded to its block.
-            let mut parts: Vec<Tensor> = Vec::with_capacity(n * u.params.len() * 2);
+            had = u.state.grads.iter().map(Option::is_some).collect();
+            let device = u.params[0].full.device().clone();
+            let flags: Vec<f32> = had.iter().map(|&h| f32::from(u8::from(h))).collect();
+            let flags = Tensor::from_vec(flags, u.params.len(), &device)?;
+            // Rank-major: for each rank r, every parameter's rows of r padded to its block,
+            // then the flags.
+            let mut parts: Vec<Tensor> = Vec::with_capacity(n * (u.params.len() * 2 + 1));
             let grads: Vec<Tensor> = u
                 .params
                 .iter()
@@ -691,13 +849,11 @@ impl Fsdp {
                         parts.push(Tensor::zeros(pad, DType::F32, g.device())?);
                     }
                 }
+                parts.push(flags.clone());
             }
             (Tensor::cat(&parts, 0)?, grad_bytes)
         };
-        let op = match self.inner.cfg.grad_reduce {
-            GradReduce::Sum => ReduceOp::Sum,
-            GradReduce::Avg => ReduceOp::Avg,
-        };
+        let op = self.grad_reduce_op();
         debug::record(
             "reduce_scatter",
             &self.inner.dim_name,
@@ -711,7 +867,19 @@ impl Fsdp {
             run.pending_rs.push((unit, Reduction::Scatter(work)));
         }
         self.start_replicate_reductions(false)?;
-        self.reshard(unit)
+        // Release what this rank's backward used; a parameter nobody computed a gradient for
+        // keeps its (still current) values until `finish_backward` knows that for all ranks.
+        let mut run = self.run();
+        let mut freed = 0;
+        let u = &mut run.units[unit];
+        for (p, &had) in u.params.iter().zip(&had) {
+            if had {
+                freed += release(p)?;
+            }
+        }
+        u.state.unsharded = u.params.iter().all(|p| !storage::is_released(&p.full));
+        run.unsharded_bytes = run.unsharded_bytes.saturating_sub(freed);
+        Ok(())
     }
 
     fn grad_reduce_op(&self) -> ReduceOp {
@@ -761,9 +929,14 @@ impl Fsdp {
         }
     }
 
-    /// After `loss.backward()`: reduces every unit whose gradients are not all in (unused
-    /// parameters get zero), waits for the reductions (HSDP: all_reduce over the replicate
-    /// dim), and puts each shard's gradient into `grads`.
+    /// After `loss.backward()`: reduces every unit whose gradients are not all in, waits for
+    /// the reductions (HSDP: all_reduce over the replicate dim), and puts each shard's gradient
+    /// into `grads`. A parameter that got a gradient on no rank gets none (candle-nn optimizers
+    /// then skip it, as on one device); those are reported once.
+    ///
+    /// # Errors
+    ///
+    /// A failed collective.
     pub fn finish_backward(&self, grads: &mut GradStore) -> Result<()> {
         let units = self.num_units();
         for unit in 0..units {
@@ -778,6 +951,7 @@ impl Fsdp {
         }
         self.start_replicate_reductions(true)?;
         let pending = std::mem::take(&mut self.run().pending_rs);
+        let mut without = Vec::new();
         for (unit, r) in pending {
             let t0 = Instant::now();
             let reduced = match r {
@@ -786,9 +960,23 @@ impl Fsdp {
             let waited = t0.elapsed().as_secs_f64() * 1e3;
             let mut run = self.run();
             run.stats.exposed_comm_ms += waited;
+            let mut freed = 0;
             let u = &mut run.units[unit];
-            for p in &u.params {
+            let flags = reduced
+                .narrow(0, u.block, u.params.len())?
+                .to_vec1::<f32>()?;
+            for (p, flag) in u.params.iter().zip(flags) {
+                if flag <= 0.0 {
+                    without.push(p.name.clone());
+                    continue;
+                }
+                // Another rank's gradient changes this shard at the next step: values this
+                // rank still holds unsharded would be stale.
+                freed += release(p)?;
                 let len = p.shard.elem_count();
+                if len == 0 {
+                    continue;
+                }
                 let g = reduced
                     .narrow(0, p.offset, len)?
                     .reshape(p.shard.shape())?
@@ -796,12 +984,116 @@ impl Fsdp {
                 grads.insert(&p.shard, g);
             }
             u.state.reducing = false;
+            u.state.unsharded = u.params.iter().all(|p| !storage::is_released(&p.full));
+            run.unsharded_bytes = run.unsharded_bytes.saturating_sub(freed);
         }
+        self.report(without);
         Ok(())
+    }
+
+    /// `loss.backward()` and [`Fsdp::finish_backward`] in one call: the gradients of every
+    /// parameter (reduced shards for FSDP's, local ones for the rest).
+    ///
+    /// # Errors
+    ///
+    /// A failed backward or collective.
+    pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        let mut grads = loss.backward()?;
+        self.finish_backward(&mut grads)?;
+        Ok(grads)
+    }
+
+    /// The one-time warnings of a finished backward.
+    fn report(&self, without: Vec<String>) {
+        let mut run = self.run();
+        run.backward_open = false;
+        if !without.is_empty() && !run.warned_without_grad {
+            run.warned_without_grad = true;
+            tracing::warn!(
+                params = %without.join(", "),
+                "FSDP: {} parameter(s) got no gradient on any rank and get none (as on one \
+                 device). If they should train, the graph was cut: candle-nn's fused \
+                 `ops::rms_norm`, `ops::layer_norm`, `ops::softmax_last_dim`, \
+                 `rotary_emb::rope*` and `ops::sdpa` (used by `RmsNorm`/`LayerNorm::forward` \
+                 and candle-transformers models) have no backward (candle#2168, #3011); use \
+                 the differentiable drop-ins of `candle_dtensor::nn`",
+                without.len()
+            );
+        }
+        run.without_grad = without;
+        if !run.undriven_used.is_empty() && !run.warned_undriven {
+            run.warned_undriven = true;
+            let names: Vec<String> = std::mem::take(&mut run.undriven_used).into_iter().collect();
+            tracing::warn!(
+                params = %names.join(", "),
+                "FSDP: parameters were used outside any wrapped forward. They are released \
+                 after each backward and gathered again only by a wrapped forward \
+                 (`FsdpVarMap::wrap`, `Fsdp::forward`) or an `FsdpOptimizer` step; otherwise \
+                 their next use fails. Their forward saves no memory: wrap the modules that \
+                 use them"
+            );
+        }
+        run.undriven_used.clear();
+    }
+
+    /// Parameters that got a gradient on no rank in the last backward.
+    pub fn params_without_grad(&self) -> Vec<String> {
+        self.run().without_grad.clone()
     }
 
     /// Returns and resets the statistics.
     pub fn take_stats(&self) -> FsdpStats {
         std::mem::take(&mut self.run().stats)
+    }
+
+    /// Wraps `opt` so that each step checks the gradients were reduced and then gathers the
+    /// units no wrapper drives (see [`FsdpOptimizer`]).
+    pub fn optimizer<O: candle_nn::Optimizer>(&self, opt: O) -> FsdpOptimizer<O> {
+        FsdpOptimizer {
+            inner: opt,
+            fsdp: self.clone(),
+        }
+    }
+}
+
+/// A candle-nn optimizer stepping FSDP shards: [`FsdpOptimizer::step`] refuses gradients that
+/// FSDP has not reduced (a forgotten `finish_backward` would otherwise leave the optimizer
+/// doing nothing), and after the step gathers every unit no wrapper drives, so plain candle
+/// modules used outside any wrapper see the updated parameters at their next use.
+pub struct FsdpOptimizer<O> {
+    inner: O,
+    fsdp: Fsdp,
+}
+
+impl<O: candle_nn::Optimizer> FsdpOptimizer<O> {
+    /// One step on `grads` (from [`Fsdp::backward`] or `finish_backward`).
+    ///
+    /// # Errors
+    ///
+    /// Unreduced gradients, or the optimizer's or a collective's failure.
+    pub fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.fsdp.check_no_open_backward("an optimizer step")?;
+        self.inner.step(grads)?;
+        self.fsdp.gather_undriven()
+    }
+
+    /// [`Fsdp::backward`] then [`FsdpOptimizer::step`].
+    ///
+    /// # Errors
+    ///
+    /// As both.
+    pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
+        let grads = self.fsdp.backward(loss)?;
+        self.step(&grads)
+    }
+
+    /// The wrapped optimizer.
+    pub fn inner(&self) -> &O {
+        &self.inner
+    }
+
+    /// The wrapped optimizer, mutably (e.g. to change its learning rate).
+    pub fn inner_mut(&mut self) -> &mut O {
+        &mut self.inner
     }
 }

@@ -235,6 +235,10 @@ impl Gpt {
                 head_unit,
             }
         };
+        // The forward drives every unit: nothing needs to stay gathered until first use.
+        if let Some(f) = fsdp {
+            f.reshard_all()?;
+        }
         Ok((gpt, store))
     }
 

@@ -182,7 +182,7 @@ impl ParamStore {
         let boxes = var_indices.map(|v| boxes_of(&v)).unwrap_or_default();
         let (var, tensor, replicas) = match &self.fsdp {
             Some((fsdp, unit)) => {
-                let (shard, full) = fsdp.add_param(*unit, &local)?;
+                let (shard, full) = fsdp.add_param(*unit, name, &local)?;
                 let managed = fsdp.managed_dims();
                 let tensor = DTensor::from_local_with_shape(&full, &self.mesh, placements, shape)?
                     .with_managed_grad_dims(&managed);

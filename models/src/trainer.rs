@@ -15,7 +15,7 @@ use candle_nn::Optimizer;
 use crate::checkpoint::{self, CheckpointError, Which};
 use crate::data::Corpus;
 use crate::error::{ModelError, Result};
-use crate::fsdp::{Fsdp, FsdpConfig};
+use crate::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use crate::gpt::{Gpt, GptConfig};
 use crate::optim::AdamW;
 use crate::plan::TpPlan;
@@ -158,7 +158,8 @@ pub fn train_rank(
 ) -> Result<RankReport> {
     let fsdp = match &cfg.fsdp {
         Some(spec) => {
-            let mut fc = FsdpConfig::new(mesh.dim_index(&spec.shard)?);
+            // The loss is a DTensor global mean: shard gradients are summed.
+            let mut fc = FsdpConfig::new(mesh.dim_index(&spec.shard)?, GradReduce::Sum);
             fc.replicate_dim = match &spec.replicate {
                 Some(r) => Some(mesh.dim_index(r)?),
                 None => None,

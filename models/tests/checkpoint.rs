@@ -12,7 +12,7 @@ use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::checkpoint::{
     self, consolidate, load, read_manifest, save, CheckpointError, LoadInfo, TensorKind, Which,
 };
-use candle_dtensor_models::fsdp::{Fsdp, FsdpConfig};
+use candle_dtensor_models::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use candle_dtensor_models::init::full;
 use candle_dtensor_models::optim::AdamW;
 use candle_dtensor_models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
@@ -180,7 +180,7 @@ fn build(
 ) -> R<(Gpt, ParamStore, AdamW)> {
     let f = match shard {
         Some((s, r)) => {
-            let mut fc = FsdpConfig::new(mesh.dim_index(s)?);
+            let mut fc = FsdpConfig::new(mesh.dim_index(s)?, GradReduce::Sum);
             fc.replicate_dim = r.map(|r| mesh.dim_index(r)).transpose()?;
             Some(Fsdp::new(mesh, fc)?)
         }
@@ -698,7 +698,7 @@ fn strided_scalar_and_empty_pieces_round_trip() {
                 let mesh = DeviceMesh::new(comm, &dims)?;
                 let mut store = ParamStore::new(&mesh, 1, DType::F32);
                 if with_fsdp {
-                    let f = Fsdp::new(&mesh, FsdpConfig::new(0))?;
+                    let f = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Sum))?;
                     let u = f.add_unit("all", false);
                     store = store.with_fsdp(f, u);
                 }
@@ -733,7 +733,7 @@ fn strided_scalar_and_empty_pieces_round_trip() {
                 for seed in [1, 2] {
                     let mut store = ParamStore::new(&mesh, seed, DType::F32);
                     if with_fsdp {
-                        let f = Fsdp::new(&mesh, FsdpConfig::new(0))?;
+                        let f = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Sum))?;
                         let u = f.add_unit("all", false);
                         store = store.with_fsdp(f, u);
                     }

@@ -86,9 +86,8 @@ fn candle_nn_mlp_under_fsdp_matches_one_device() {
             .with_timeout(Duration::from_secs(20))
             .launch(|comm| -> R<_> {
                 let mesh = DeviceMesh::new(comm, &[("dp", world)])?;
-                let mut cfg = FsdpConfig::new(0);
-                cfg.grad_reduce = GradReduce::Avg; // each rank's loss is its local mean
-                let fsdp = Fsdp::new(&mesh, cfg)?;
+                // Each rank's loss is its local mean.
+                let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
                 let map = FsdpVarMap::new(&fsdp, SEED);
                 let (l1, l2, l3) = mlp(map.var_builder(DType::F32))?;
                 let (l1, l2, l3) = (
@@ -162,7 +161,7 @@ fn released_parameters_give_a_typed_error_not_a_panic() {
         .with_timeout(Duration::from_secs(20))
         .launch(|comm| -> R<_> {
             let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0))?;
+            let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Sum))?;
             let cfg = GptConfig {
                 vocab: 32,
                 d_model: 16,
