@@ -22,10 +22,11 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use candle_core::{DType, Device};
+use candle_core::DType;
 use candle_dtensor::comm::env::LaunchEnv;
 use candle_dtensor::comm::{new_comm, Comm, CommOptions, LocalWorld};
 use candle_dtensor::mesh::DeviceMesh;
+use candle_dtensor::models::device::DeviceSpec;
 use candle_dtensor::models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
 use candle_dtensor::models::{GptConfig, TpPlan};
 use clap::Parser;
@@ -112,6 +113,14 @@ struct Args {
     /// this process one rank of a world started by a launcher, and rank 0 prints the results.
     #[arg(long, default_value = "local")]
     backend: String,
+    /// Device of every rank: `cpu`, `cuda` (rank r on GPU r % gpus) or `cuda:N` (every rank on
+    /// GPU N). CUDA needs a build with `--features cuda` (and `nccl` for `--backend nccl`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Device of the `--check` reference (default: the `--device` of rank 0), e.g. `cpu` to
+    /// compare a GPU run with the CPU.
+    #[arg(long)]
+    check_device: Option<String>,
 }
 
 fn parse_mesh(s: &str) -> Result<Vec<(String, usize)>, String> {
@@ -259,16 +268,29 @@ fn train_on(
 /// multi-process world, which have nothing to print).
 fn run(
     backend: &str,
+    device: DeviceSpec,
     dims: &[(String, usize)],
     world: usize,
     cfg: &TrainConfig,
     timeout: u64,
     bar: Option<ProgressBar>,
 ) -> Result<Option<RankReport>, String> {
+    let options = CommOptions::default().with_timeout(Duration::from_secs(timeout));
     if backend == "local" {
         let reports = LocalWorld::new(world)
             .with_timeout(Duration::from_secs(timeout))
-            .launch(|comm| train_on(comm, dims, cfg, bar.as_ref()))
+            .launch(|comm| {
+                // Rank threads on a GPU get a communicator of the local backend on their
+                // device (collective over the world), rank r on cuda:(r % gpus).
+                let comm = match device {
+                    DeviceSpec::Cpu => comm,
+                    spec => {
+                        let dev = spec.device_for(comm.rank())?;
+                        new_comm("local", &dev, "world_cuda", options.clone())?
+                    }
+                };
+                train_on(comm, dims, cfg, bar.as_ref())
+            })
             .map_err(|e| e.to_string())?;
         return reports
             .into_iter()
@@ -276,8 +298,10 @@ fn run(
             .map(Some)
             .ok_or_else(|| "no rank reported".to_string());
     }
-    let options = CommOptions::default().with_timeout(Duration::from_secs(timeout));
-    let comm = new_comm(backend, &Device::Cpu, "world", options).map_err(|e| e.to_string())?;
+    // One process per rank: its device from the launcher's local rank (one GPU per process).
+    let local_rank = LaunchEnv::from_env().map(|e| e.local_index()).unwrap_or(0);
+    let dev = device.device_for(local_rank).map_err(|e| e.to_string())?;
+    let comm = new_comm(backend, &dev, "world", options).map_err(|e| e.to_string())?;
     if comm.size() != world {
         return Err(format!(
             "the launcher started {} ranks but --mesh {} needs {world}",
@@ -360,6 +384,20 @@ fn main() {
 
 fn real_main(args: &Args) -> Result<(), String> {
     let dims = parse_mesh(&args.mesh)?;
+    let device: DeviceSpec = args.device.parse().map_err(|e| format!("--device: {e}"))?;
+    let check_device: DeviceSpec = match &args.check_device {
+        Some(d) => d.parse().map_err(|e| format!("--check-device: {e}"))?,
+        None => match device {
+            // The reference is one rank: rank 0's device.
+            DeviceSpec::Cuda(None) => DeviceSpec::Cuda(Some(0)),
+            d => d,
+        },
+    };
+    // Fail before starting any rank when the device cannot work at all.
+    device.device_for(0).map_err(|e| format!("--device: {e}"))?;
+    if args.backend == "nccl" && !device.is_cuda() {
+        return Err("--backend nccl needs --device cuda (one GPU per process)".into());
+    }
     let gpt = GptConfig::preset(&args.preset).map_err(|e| e.to_string())?;
     let world = validate(args, &dims, &gpt)?;
     // The local backend runs every rank as a thread of this process; other backends one per
@@ -397,6 +435,7 @@ fn real_main(args: &Args) -> Result<(), String> {
     );
     let Some(report) = run(
         &args.backend,
+        device,
         &dims,
         world,
         &cfg,
@@ -411,6 +450,7 @@ fn real_main(args: &Args) -> Result<(), String> {
     let mut summary = serde_json::json!({
         "world": world,
         "backend": args.backend,
+        "device": device.to_string(),
         "mesh": args.mesh,
         "sp": args.sp,
         "preset": args.preset,
@@ -446,6 +486,7 @@ fn real_main(args: &Args) -> Result<(), String> {
         single.resume = false;
         let reference = run(
             "local",
+            check_device,
             &[("tp".to_string(), 1)],
             1,
             &single,
@@ -462,6 +503,7 @@ fn real_main(args: &Args) -> Result<(), String> {
         summary["ref_losses"] = serde_json::json!(reference.losses);
         summary["max_rel_loss_diff"] = serde_json::json!(max_rel);
         summary["ref_step_ms_median"] = serde_json::json!(median(&reference.step_ms));
+        summary["ref_device"] = serde_json::json!(check_device.to_string());
         if !args.json {
             println!(
                 "check: max relative loss difference vs single device over {} steps: {max_rel:.3e}",

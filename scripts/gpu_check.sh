@@ -1,88 +1,111 @@
 #!/usr/bin/env bash
 # The GPU check: one command on a machine with NVIDIA GPUs, under 8 minutes.
 #
-#   scripts/gpu_check.sh            # build + every step below, a table last
-#   scripts/gpu_check.sh --no-build # reuse the binaries of a previous run
+#   scripts/gpu_check.sh --bin-dir target/gpu/bin        # prebuilt (scripts/build_gpu.sh): the usual way
+#   scripts/gpu_check.sh --bin-tar target/gpu/gpu_bins.tar.xz
+#   scripts/gpu_check.sh                                 # build here first (needs a toolkit; slow)
 #
 # Steps (each bounded by a timeout; a failing step does not stop the others):
-#   build   cargo build --release --features nccl,cuda (nccl_check, nccl_bench, nccl_local_cuda,
-#           train_gpt, dtrun); CUDA_COMPUTE_CAP from nvidia-smi
+#   build   (without --bin-dir/--bin-tar) cargo build --release --features nccl,cuda
+#   libs    every binary's shared libraries resolve (ldd)
 #   a1      nccl_check: every collective of the nccl backend, a world of one, no launcher
 #   a2      dtrun --nproc <GPUs> -- nccl_check (one rank per GPU; --nproc 1 on a single GPU)
-#   b       nccl_local_cuda: the local backend with 4 ranks on the GPUs (threads), collectives
-#           and DTensor matmuls against one device
-#   c       train_gpt --device cuda for a few steps, if train_gpt has a --device option
+#   b       nccl_local_cuda: the local backend with 4 rank threads on the GPUs, collectives and
+#           DTensor matmuls against one device
+#   c0      train_gpt --device cuda on one GPU (tokens/s of the tiny preset)
+#   c1-c3   train_gpt --device cuda --check --check-device cpu for TP=2, FSDP dp=2 and
+#           FSDP x TP dp=2,tp=2 (rank threads sharing the GPU): every step's loss within 1e-4
+#           relative of the same model trained on the CPU
+#   c4      dtrun --nproc 1 -- train_gpt --backend nccl --device cuda (the NCCL backend end to end)
 #   d       nccl_bench: all_gather / all_reduce sweep with algbw/busbw like nccl-tests
 #
-# Toolkit: the machine's own (nvcc matching its driver: PTX from a newer nvcc does not load on
-# an older driver) when one is installed, else the pip wheels of scripts/setup_cuda.sh.
-# Libraries: candle links libcuda, libnccl, libcublas, libcublasLt, libcurand and libnvrtc;
-# pip and driver packages often ship only versioned names (libnccl.so.2, libcuda.so.1), so
-# unversioned symlinks are made in a temporary directory on LIBRARY_PATH and LD_LIBRARY_PATH
-# (cudarc also looks for libnccl.so, not libnccl.so.2).
-# Logs: $CDT_GPU_LOG_DIR (default target/gpu_check/), one file per step.
+# CDT_GPU_CHECK_DEVICE (default cuda) is train_gpt's --device in c0-c3 (`cpu` dry-runs the
+# script's own plumbing on a machine whose nvidia-smi is faked).
+# Writes $CDT_GPU_LOG_DIR (default target/gpu_check/): one log per step, gpu_check.json (one
+# object per step with its result, time and figures) and the table printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 build=1
-for arg in "$@"; do
-    case "$arg" in
+bin=target/release
+bin_tar=""
+while (($#)); do
+    case "$1" in
         --no-build) build=0 ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
-        *) echo "gpu_check.sh: unknown argument $arg" >&2; exit 2 ;;
+        --bin-dir) build=0; bin="$2"; shift ;;
+        --bin-tar) build=0; bin_tar="$2"; shift ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
     esac
+    shift
 done
 
 t_start=$(date +%s)
+dev="${CDT_GPU_CHECK_DEVICE:-cuda}"
 logdir="${CDT_GPU_LOG_DIR:-target/gpu_check}"
 mkdir -p "$logdir"
-declare -a rows=()
-add_row() { rows+=("$(printf '%-6s %-9s %6ss  %s' "$1" "$2" "$3" "$4")"); }
+declare -a rows=() json=()
+add_row() { # step result seconds detail [json-figures]
+    rows+=("$(printf '%-6s %-5s %6ss  %s' "$1" "$2" "$3" "$4")")
+    local detail="${4//\\/\\\\}"
+    detail="${detail//\"/\\\"}"
+    json+=("{\"step\":\"$1\",\"result\":\"$2\",\"seconds\":$3,\"detail\":\"$detail\"${5:+,$5}}")
+}
 
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_check.sh: no GPU visible (nvidia-smi -L failed)" >&2
     exit 1
 fi
 ngpu=$(nvidia-smi -L | grep -c '^GPU ')
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader | sed 's/^/gpu: /'
 
-if ! env_lines="$(scripts/setup_cuda.sh --auto)"; then
-    echo "gpu_check.sh: no CUDA toolkit (see scripts/setup_cuda.sh)" >&2
-    exit 1
+if [[ -n "$bin_tar" ]]; then
+    tmpbin="$(mktemp -d)"
+    tar -C "$tmpbin" -xJf "$bin_tar" || { echo "gpu_check.sh: cannot unpack $bin_tar" >&2; exit 1; }
+    bin="$tmpbin/bin"
 fi
-eval "$env_lines"
-echo "toolkit: $CUDA_HOME ($("$CUDA_HOME/bin/nvcc" --version | grep -o 'release [0-9.]*')), CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP"
+[[ -f "$bin/BUILD_INFO" ]] && sed 's/^/binaries: /' "$bin/BUILD_INFO"
 
-# Unversioned library names for the linker and for cudarc's loader.
+if ((build)); then
+    if ! env_lines="$(scripts/setup_cuda.sh --auto)"; then
+        echo "gpu_check.sh: no CUDA toolkit to build with (see scripts/setup_cuda.sh)" >&2
+        exit 1
+    fi
+    eval "$env_lines"
+fi
+
+# Runtime libraries: unversioned names for cudarc's loader (it looks for libnccl.so), and every
+# directory a pip or system install may use on LD_LIBRARY_PATH.
 libdir="$(mktemp -d)"
-trap 'rm -rf "$libdir"' EXIT
+trap 'rm -rf "$libdir" ${tmpbin:+"$tmpbin"}' EXIT
 search=()
 IFS=: read -r -a extra <<< "${CDT_CUDA_LIB_DIRS:-}"
-search+=("${extra[@]}" "$CUDA_HOME/lib64" "$CUDA_HOME/lib" "$CUDA_HOME/lib64/stubs" /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib)
-missing_libs=()
+search+=("${extra[@]}" "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib)
+if py="$(command -v python3 2>/dev/null)"; then
+    while IFS= read -r d; do [[ -n "$d" ]] && search+=("$d"); done < <("$py" -c '
+import glob, os, site
+roots = list(getattr(site, "getsitepackages", lambda: [])()) + [site.getusersitepackages()]
+for r in roots:
+    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))):
+        print(d)' 2>/dev/null || true)
+fi
+lib_dirs=()
 for lib in cuda nccl cublas cublasLt curand nvrtc cudart; do
-    found=""
     for d in "${search[@]}"; do
         [[ -d "$d" ]] || continue
         f="$(ls -1 "$d"/lib"$lib".so "$d"/lib"$lib".so.[0-9]* 2>/dev/null | head -n 1 || true)"
-        if [[ -n "$f" ]]; then found="$f"; break; fi
+        if [[ -n "$f" ]]; then
+            ln -sf "$f" "$libdir/lib$lib.so"
+            lib_dirs+=("$d")
+            break
+        fi
     done
-    if [[ -z "$found" ]]; then
-        found="$(ldconfig -p 2>/dev/null | awk -v n="lib$lib.so" '$1 ~ "^"n {print $NF; exit}')"
-    fi
-    if [[ -n "$found" ]]; then
-        ln -sf "$found" "$libdir/lib$lib.so"
-    else
-        missing_libs+=("lib$lib.so")
-    fi
 done
-if ((${#missing_libs[@]})); then
-    echo "gpu_check.sh: warning: not found: ${missing_libs[*]} (pip install nvidia-cublas nvidia-curand nvidia-cuda-nvrtc nvidia-nccl-cu13, or scripts/setup_cuda.sh --with-nccl)" >&2
-fi
+dirs="$(printf '%s\n' "${lib_dirs[@]}" | awk '!seen[$0]++' | paste -sd: -)"
 export LIBRARY_PATH="$libdir${LIBRARY_PATH:+:$LIBRARY_PATH}"
-export LD_LIBRARY_PATH="$libdir${CDT_CUDA_LIB_DIRS:+:$CDT_CUDA_LIB_DIRS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$libdir${dirs:+:$dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-bin=target/release
 step() { # name timeout-seconds log command...
     local name="$1" limit="$2" log="$3"
     shift 3
@@ -91,16 +114,12 @@ step() { # name timeout-seconds log command...
     echo "== $name: $*"
     timeout --kill-after=10 "$limit" "$@" > "$logdir/$log" 2>&1
     rc=$?
-    tail -n 15 "$logdir/$log"
+    tail -n 12 "$logdir/$log"
     last_secs=$(( $(date +%s) - t0 ))
     return $rc
 }
 
 if ((build)); then
-    if ! command -v cargo >/dev/null 2>&1; then
-        echo "gpu_check.sh: cargo not found; install Rust, or build elsewhere and run with --no-build" >&2
-        exit 1
-    fi
     if step build 420 build.log cargo build --release --features nccl,cuda \
         --example nccl_check --example nccl_bench --example nccl_local_cuda \
         --example train_gpt --bin dtrun; then
@@ -110,6 +129,24 @@ if ((build)); then
     fi
 fi
 
+# Every binary's libraries resolve.
+missing=""
+for b in nccl_check nccl_bench nccl_local_cuda train_gpt; do
+    f="$bin/$b"; [[ -x "$f" ]] || f="$bin/examples/$b"
+    [[ -x "$f" ]] || continue
+    m="$(ldd "$f" 2>&1 | awk '/not found/ {print $1}' | paste -sd, -)"
+    [[ -n "$m" ]] && missing+="$b: $m; "
+done
+if [[ -n "$missing" ]]; then
+    add_row libs FAIL 0 "unresolved: $missing(install the CUDA 13 runtime libraries and NCCL, or pip nvidia-cublas nvidia-curand nvidia-cuda-nvrtc nvidia-nccl-cu13)"
+else
+    add_row libs PASS 0 "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+fi
+
+exe() { # name -> path of a built binary (prebuilt dir or target/release layout)
+    if [[ -x "$bin/$1" ]]; then echo "$bin/$1"; else echo "$bin/examples/$1"; fi
+}
+
 run_step() { # id summary-grep timeout log command...
     local id="$1" pat="$2" limit="$3" log="$4"
     shift 4
@@ -118,35 +155,70 @@ run_step() { # id summary-grep timeout log command...
         return
     fi
     if step "$id" "$limit" "$log" "$@"; then
-        add_row "$id" PASS "$last_secs" "$(grep -E "$pat" "$logdir/$log" | tail -n 1 | cut -c1-90)"
+        add_row "$id" PASS "$last_secs" "$(grep -E "$pat" "$logdir/$log" | tail -n 1 | cut -c1-100)"
     else
-        add_row "$id" FAIL "$last_secs" "exit $?; $(grep -E 'FAIL|error' "$logdir/$log" | head -n 1 | cut -c1-80)"
+        add_row "$id" FAIL "$last_secs" "exit $?; $(grep -E 'FAIL|error|panick' "$logdir/$log" | head -n 1 | cut -c1-90)"
     fi
 }
 
-run_step a1 'nccl_check:' 120 a1_nccl_check.log "$bin/examples/nccl_check" --timeout 60
-run_step a2 'nccl_check:' 150 a2_nccl_check_dtrun.log "$bin/dtrun" --nproc "$ngpu" --timeout 140 -- \
-    "$bin/examples/nccl_check" --timeout 60
-run_step b 'nccl_local_cuda:' 150 b_local_cuda.log "$bin/examples/nccl_local_cuda" --ranks 4 --timeout 60
-if [[ -x "$bin/examples/train_gpt" ]] && "$bin/examples/train_gpt" --help 2>/dev/null | grep -q -- '--device'; then
-    run_step c 'loss|step' 180 c_train_gpt.log "$bin/examples/train_gpt" --device cuda --steps 5 --json
-else
-    add_row c SKIP 0 "train_gpt has no --device option (see docs/ARCHITECTURE.md, NCCL backend)"
+# A train_gpt step: parse its --json summary (the last line) for the figures and the check.
+num() { grep -o "\"$2\":[-0-9.e+]*" "$1" | tail -n 1 | cut -d: -f2; }
+train_step() { # id limit log mesh extra-args...
+    local id="$1" limit="$2" log="$3" mesh="$4"
+    shift 4
+    local tg; tg="$(exe train_gpt)"
+    if [[ ! -x "$tg" ]]; then add_row "$id" SKIP 0 "train_gpt not built"; return; fi
+    if step "$id" "$limit" "$log" "$tg" --mesh "$mesh" --json "$@"; then
+        local ms diff tps figures verdict=PASS
+        ms="$(num "$logdir/$log" step_ms_median)"
+        tps="$(num "$logdir/$log" tokens_per_s)"
+        diff="$(num "$logdir/$log" max_rel_loss_diff)"
+        figures="\"mesh\":\"$mesh\",\"step_ms_median\":${ms:-null},\"tokens_per_s\":${tps:-null},\"max_rel_loss_diff\":${diff:-null}"
+        if [[ -n "$diff" ]] && ! awk -v d="$diff" 'BEGIN { exit !(d <= 1e-4) }'; then
+            verdict=FAIL
+        fi
+        local show_ms show_tps
+        show_ms="$(printf '%.1f' "${ms:-0}")"
+        show_tps="$(printf '%.0f' "${tps:-0}")"
+        add_row "$id" "$verdict" "$last_secs" "mesh $mesh: $show_ms ms/step, $show_tps tok/s${diff:+, max rel loss diff vs CPU $diff}" "$figures"
+    else
+        add_row "$id" FAIL "$last_secs" "mesh $mesh: exit $?; $(grep -E 'error|panick' "$logdir/$log" | head -n 1 | cut -c1-80)"
+    fi
+}
+
+run_step a1 'nccl_check:' 60 a1_nccl_check.log "$(exe nccl_check)" --timeout 60
+run_step a2 'nccl_check:' 70 a2_nccl_check_dtrun.log "$(exe dtrun)" --nproc "$ngpu" --timeout 65 -- \
+    "$(exe nccl_check)" --timeout 60
+run_step b 'nccl_local_cuda:' 70 b_local_cuda.log "$(exe nccl_local_cuda)" --ranks 4 --timeout 60
+train_step c0 45 c0_train_single.log tp=1 --device "$dev" --no-fsdp --steps 20
+train_step c1 60 c1_train_tp2.log tp=2 --device "$dev" --no-fsdp --steps 10 --check --check-device cpu
+train_step c2 60 c2_train_fsdp2.log dp=2 --device "$dev" --steps 10 --check --check-device cpu
+train_step c3 70 c3_train_fsdp_tp.log dp=2,tp=2 --device "$dev" --steps 10 --check --check-device cpu
+if [[ -x "$(exe dtrun)" && -x "$(exe train_gpt)" ]]; then
+    run_step c4 'final_loss' 45 c4_train_nccl.log "$(exe dtrun)" --nproc 1 --timeout 40 -- \
+        "$(exe train_gpt)" --backend nccl --device cuda --mesh tp=1 --no-fsdp --steps 5 --json
 fi
 if ((ngpu > 1)); then
-    run_step d 'peak busbw' 180 d_nccl_bench.log "$bin/dtrun" --nproc "$ngpu" --timeout 170 -- \
-        "$bin/examples/nccl_bench" --max-bytes 256M
+    run_step d 'peak busbw' 60 d_nccl_bench.log "$(exe dtrun)" --nproc "$ngpu" --timeout 55 -- \
+        "$(exe nccl_bench)" --max-bytes 256M
 else
-    run_step d 'peak' 180 d_nccl_bench.log "$bin/examples/nccl_bench" --max-bytes 256M
+    run_step d 'peak' 60 d_nccl_bench.log "$(exe nccl_bench)" --max-bytes 256M
 fi
 if [[ -f "$logdir/d_nccl_bench.log" ]]; then
     echo "== bandwidth (rank 0)"
     grep -E '^(\[rank 0\] )?(#|  +all_)' "$logdir/d_nccl_bench.log" | sed 's/^\[rank 0\] //'
 fi
 
+total=$(( $(date +%s) - t_start ))
+{
+    printf '{"date":"%s","gpus":%s,"gpu":"%s","seconds":%s,"steps":[' \
+        "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$ngpu" "$gpu_name" "$total"
+    (IFS=,; printf '%s' "${json[*]}")
+    printf ']}\n'
+} > "$logdir/gpu_check.json"
 echo
-echo "== gpu_check: $ngpu GPU(s), $(( $(date +%s) - t_start )) s total, logs in $logdir"
-printf '%-6s %-9s %7s  %s\n' step result time detail
+echo "== gpu_check: $ngpu x $gpu_name, $total s total, logs and gpu_check.json in $logdir"
+printf '%-6s %-5s %7s  %s\n' step result time detail
 for r in "${rows[@]}"; do echo "$r"; done
 if printf '%s\n' "${rows[@]}" | grep -q ' FAIL '; then
     exit 1

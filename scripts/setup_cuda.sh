@@ -26,11 +26,14 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR="${CDT_CUDA_DIR:-$ROOT/.cuda}"
 # The versions DESIGN.md §8 names (verified on PyPI: `pip download --no-deps`). There is no
 # 13.4.x cccl; pip resolves the newest (13.3.5.0.6 when this was written).
+# CDT_CUDA_VERSION picks another release of the same wheels (scripts/build_gpu.sh uses 13.0.88:
+# its PTX then loads on every CUDA 13 driver); use its own CDT_CUDA_DIR.
+CUDA_VERSION="${CDT_CUDA_VERSION:-13.4.92}"
 PACKAGES=(
-    nvidia-cuda-nvcc==13.4.92
-    nvidia-cuda-runtime==13.4.92
-    nvidia-cuda-crt==13.4.92
-    nvidia-nvvm==13.4.92
+    "nvidia-cuda-nvcc==$CUDA_VERSION"
+    "nvidia-cuda-runtime==$CUDA_VERSION"
+    "nvidia-cuda-crt==$CUDA_VERSION"
+    "nvidia-nvvm==$CUDA_VERSION"
     nvidia-cuda-cccl
 )
 NCCL_PACKAGE=nvidia-nccl-cu13

@@ -83,6 +83,23 @@ fn check_placements(
     Ok(())
 }
 
+/// The local piece must live where the mesh's communicators move data.
+fn check_device(op: &str, rank: usize, local: &Tensor, mesh: &DeviceMesh) -> Result<()> {
+    let dev = mesh.root_comm().device();
+    if local.device().same_device(dev) {
+        return Ok(());
+    }
+    Err(invalid(
+        op,
+        rank,
+        format!(
+            "local piece on {:?}, but this rank's mesh communicators are on {:?}",
+            local.device().location(),
+            dev.location()
+        ),
+    ))
+}
+
 fn spec_for(
     op: &str,
     rank: usize,
@@ -158,6 +175,7 @@ impl DTensor {
         let ctx = MeshCtx::of(mesh)?;
         let rank = ctx.rank();
         check_placements("from_local", rank, placements, global.len(), mesh)?;
+        check_device("from_local", rank, local, mesh)?;
         let spec = spec_for("from_local", rank, global, local.dtype(), placements)?;
         let expect =
             local_shape(global, &ctx.shape, &ctx.coord, placements).ctx("from_local", rank)?;
@@ -216,7 +234,7 @@ impl DTensor {
         for (i, &d) in local.dims().iter().enumerate() {
             mine[i + 1] = d as u32;
         }
-        let t = Tensor::new(mine.as_slice(), &Device::Cpu).ctx(op, rank)?;
+        let t = Tensor::new(mine.as_slice(), root.device()).ctx(op, rank)?;
         let all = root
             .all_gather_single(&t)
             .and_then(|w| w.wait())
@@ -493,7 +511,8 @@ impl RedistributeHandle {
 
 /// This rank's piece of `full` under `placements` (every rank passes the same full tensor).
 /// Partial placements split the value (`sum`: divided by the mesh dim size). The result is a
-/// leaf: it does not share `full`'s graph.
+/// leaf: it does not share `full`'s graph, and lives on the device of the mesh's communicators
+/// (`full` is moved there first, as PyTorch's `distribute_tensor` does).
 pub fn distribute_tensor(
     full: &Tensor,
     mesh: &DeviceMesh,
@@ -509,7 +528,11 @@ pub fn distribute_tensor(
         full.dtype(),
         placements,
     )?;
-    let mut x = full.detach();
+    // As PyTorch's distribute_tensor: the value moves to the mesh's device.
+    let mut x = full
+        .detach()
+        .to_device(mesh.root_comm().device())
+        .ctx("distribute_tensor", rank)?;
     for (m, p) in placements.iter().enumerate() {
         let (n, c) = (ctx.shape[m], ctx.coord[m]);
         x = match *p {
@@ -593,7 +616,7 @@ pub fn distribute_tensor_from(
             header[2 + i] = d as i64;
         }
     }
-    let h = Tensor::new(header.as_slice(), &Device::Cpu).ctx(op, rank)?;
+    let h = Tensor::new(header.as_slice(), root.device()).ctx(op, rank)?;
     let h = root
         .broadcast(&h, src)
         .and_then(|w| w.wait())
@@ -606,7 +629,7 @@ pub fn distribute_tensor_from(
     let dims: Vec<usize> = h[2..2 + ndim.min(8)].iter().map(|&d| d as usize).collect();
     let data = match (root.rank() == src, full) {
         (true, Some(t)) => t.detach().contiguous().ctx(op, rank)?,
-        _ => Tensor::zeros(dims.as_slice(), dtype, &Device::Cpu).ctx(op, rank)?,
+        _ => Tensor::zeros(dims.as_slice(), dtype, root.device()).ctx(op, rank)?,
     };
     let data = root
         .broadcast(&data, src)

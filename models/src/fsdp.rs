@@ -270,9 +270,10 @@ impl CustomOp1 for PreBackward {
             let f = Fsdp { inner };
             let _b = debug::enter_backward(Some(&f.unit_name(self.unit)));
             f.unshard(self.unit).map_err(candle_core::Error::wrap)?;
-            if self.unit > 0 && f.inner.cfg.prefetch {
-                f.start_gather(self.unit - 1)
-                    .map_err(candle_core::Error::wrap)?;
+            if f.inner.cfg.prefetch {
+                if let Some(prev) = f.previous_regathered(self.unit) {
+                    f.start_gather(prev).map_err(candle_core::Error::wrap)?;
+                }
             }
         }
         Ok(Some(grad.clone()))
@@ -703,6 +704,16 @@ impl Fsdp {
         Ok(())
     }
 
+    /// The unit before `unit` whose backward re-gathers it (driven and resharded after its
+    /// forward): the one worth prefetching. A gather of any other unit would not be consumed
+    /// in this backward and would hold values from before the optimizer step.
+    fn previous_regathered(&self, unit: usize) -> Option<usize> {
+        let run = self.run();
+        (0..unit)
+            .rev()
+            .find(|&i| run.units[i].driven && run.units[i].reshard_after_forward)
+    }
+
     fn unit_name(&self, unit: usize) -> String {
         self.run()
             .units
@@ -950,6 +961,17 @@ impl Fsdp {
             }
         }
         self.start_replicate_reductions(true)?;
+        // A gather still in flight holds values from before the coming optimizer step: finish
+        // it (every rank issued it) and drop it.
+        let stale: Vec<Work<Tensor>> = self
+            .run()
+            .units
+            .iter_mut()
+            .filter_map(|u| u.state.pending_ag.take())
+            .collect();
+        for w in stale {
+            w.wait()?;
+        }
         let pending = std::mem::take(&mut self.run().pending_rs);
         let mut without = Vec::new();
         for (unit, r) in pending {

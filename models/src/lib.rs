@@ -23,6 +23,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod device;
 mod error;
 pub mod fsdp;
 pub mod fsdp_vb;

@@ -153,7 +153,9 @@ impl ParamStore {
         let idx: Vec<Vec<usize>> = (0..shape.len())
             .map(|d| local_indices(shape[d], &mesh_shape, &coord, placements, d))
             .collect();
-        let local = piece(init, self.seed, name, shape, &idx, self.dtype, &Device::Cpu)?;
+        // Generated on the host (the counter-based init is a CPU loop), then moved.
+        let local = piece(init, self.seed, name, shape, &idx, self.dtype, &Device::Cpu)?
+            .to_device(self.mesh.root_comm().device())?;
         let replicated = |m: usize| placements[m] == Placement::Replicate;
         // Mesh dims over which the var is an identical copy (for the checkpoint writer).
         let copy_dim = |m: usize| {

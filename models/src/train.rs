@@ -22,7 +22,7 @@ pub fn grad_norm(store: &ParamStore, grads: &GradStore) -> Result<f64> {
             .to_scalar::<f64>()?;
         local += sq / p.replicas.max(1) as f64;
     }
-    let t = Tensor::new(&[local], &candle_core::Device::Cpu)?;
+    let t = Tensor::new(&[local], mesh.root_comm().device())?;
     let total = mesh.root_comm().all_reduce(&t, ReduceOp::Sum)?.wait()?;
     Ok(total.to_vec1::<f64>()?[0].sqrt())
 }

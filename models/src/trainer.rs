@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use candle_dtensor_core::debug::{CommDebugMode, Phase};
 use candle_dtensor_core::{distribute_tensor, Placement};
 use candle_dtensor_mesh::DeviceMesh;
@@ -258,8 +258,8 @@ pub fn train_rank(
     for step in start..cfg.steps {
         let t0 = Instant::now();
         let (x, y) = corpus.batch(step as u64, cfg.batch, t, cfg.seed);
-        let x = Tensor::from_vec(x, (cfg.batch, t), &Device::Cpu)?;
-        let y = Tensor::from_vec(y, (cfg.batch, t), &Device::Cpu)?;
+        let x = Tensor::from_vec(x, (cfg.batch, t), mesh.root_comm().device())?;
+        let y = Tensor::from_vec(y, (cfg.batch, t), mesh.root_comm().device())?;
         let x = distribute_tensor(&x, mesh, &placements)?;
         let y = distribute_tensor(&y, mesh, &placements)?;
         let last = step + 1 == cfg.steps;

@@ -1,6 +1,6 @@
 //! The small collectives of save and load: every rank's bytes, and agreeing on success.
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use candle_dtensor_comm::Comm;
 
 use super::{CheckpointError, Result, IO_TIMEOUT};
@@ -8,7 +8,7 @@ use crate::params::ParamStore;
 
 /// Every rank's `bytes`, in rank order (two all_gathers: lengths, then padded payloads).
 pub(super) fn all_gather_bytes(comm: &Comm, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-    let len = Tensor::new(&[bytes.len() as u32], &Device::Cpu)?;
+    let len = Tensor::new(&[bytes.len() as u32], comm.device())?;
     let lens: Vec<u32> = comm.all_gather_single(&len)?.wait()?.to_vec1()?;
     let max = lens.iter().copied().max().unwrap_or(0) as usize;
     if max == 0 {
@@ -17,7 +17,7 @@ pub(super) fn all_gather_bytes(comm: &Comm, bytes: &[u8]) -> Result<Vec<Vec<u8>>
     let mut padded = bytes.to_vec();
     padded.resize(max, 0);
     let all: Vec<u8> = comm
-        .all_gather_single(&Tensor::from_vec(padded, max, &Device::Cpu)?)?
+        .all_gather_single(&Tensor::from_vec(padded, max, comm.device())?)?
         .wait()?
         .to_vec1()?;
     Ok(lens

@@ -288,7 +288,8 @@ pub fn load(
             set_var(&t.var, &t.buf)?;
             continue;
         }
-        let value = Tensor::from_raw_buffer(&t.buf, t.dtype, t.var.dims(), &Device::Cpu)?;
+        let value = Tensor::from_raw_buffer(&t.buf, t.dtype, t.var.dims(), &Device::Cpu)?
+            .to_device(t.var.device())?;
         match t.kind {
             TensorKind::Param => {}
             TensorKind::ExpAvg => {
