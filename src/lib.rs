@@ -6,6 +6,7 @@ pub use candle_dtensor_comm as comm;
 pub use candle_dtensor_core as dtensor;
 pub use candle_dtensor_mesh as mesh;
 pub use candle_dtensor_models as models;
+pub use candle_dtensor_models::nn;
 pub use candle_dtensor_strategies as strategies;
 
 /// Environment variable that sizes candle 0.11's elementwise CPU worker pool.

@@ -120,7 +120,7 @@ fn ops_match_candle_nn() {
         );
         same_as_composition(
             &format!("softmax_last_dim {what}"),
-            &[x.clone()],
+            std::slice::from_ref(&x),
             |t| nn::ops::softmax_last_dim(&t[0]),
             |t| candle_nn::ops::softmax(&t[0], D::Minus1),
         );

@@ -62,6 +62,11 @@ fn snapshot(map: &candle_nn::VarMap) -> Params {
         .collect()
 }
 
+/// The ranges of a whole 1-D parameter.
+fn whole(n: usize) -> Vec<Range<usize>> {
+    std::iter::once(0..n).collect()
+}
+
 /// The elements of `t` at `ranges` (one per dim).
 fn slice(t: &Tensor, ranges: &[Range<usize>]) -> Tensor {
     let mut t = t.clone();
@@ -157,14 +162,13 @@ fn gradients(map: &candle_nn::VarMap, grads: &candle_core::backprop::GradStore) 
 }
 
 /// The tensor-parallel MLP's layers and the global ranges of their pieces.
-fn tp_mlp(
-    tp: &Group,
-    vb: VarBuilder,
-) -> R<(
+type MlpLayers = (
     ColumnParallelLinear,
     RowParallelLinear,
     HashMap<String, Vec<Range<usize>>>,
-)> {
+);
+
+fn tp_mlp(tp: &Group, vb: VarBuilder) -> R<MlpLayers> {
     let fc1 = column_parallel_linear(IN, HID, tp, vb.pp("fc1"))?;
     let fc2 = row_parallel_linear(HID, OUT, tp, vb.pp("fc2"))?;
     let (r1, r2) = (fc1.out_range(), fc2.in_range());
@@ -172,7 +176,7 @@ fn tp_mlp(
         ("fc1.weight".to_string(), vec![r1.clone(), 0..IN]),
         ("fc1.bias".to_string(), vec![r1]),
         ("fc2.weight".to_string(), vec![0..OUT, r2]),
-        ("fc2.bias".to_string(), vec![0..OUT]),
+        ("fc2.bias".to_string(), whole(OUT)),
     ]);
     Ok((fc1, fc2, ranges))
 }
@@ -465,8 +469,14 @@ fn tp_attention_block_matches_one_device() {
                     bias: false,
                     block: HEAD_DIM,
                 };
-                let col = |name: &str| {
-                    ColumnParallelLinear::new(MODEL, MODEL, by_heads, &tp, vb.pp(name))
+                let col = |name: &str| -> R<ColumnParallelLinear> {
+                    Ok(ColumnParallelLinear::new(
+                        MODEL,
+                        MODEL,
+                        by_heads,
+                        &tp,
+                        vb.pp(name),
+                    )?)
                 };
                 let (q, k, v) = (col("q")?, col("k")?, col("v")?);
                 let o_cfg = TpLinearConfig {
@@ -486,7 +496,7 @@ fn tp_attention_block_matches_one_device() {
                     }
                 }
                 ranges.insert("o.weight".into(), vec![0..MODEL, o.in_range()]);
-                ranges.insert("o.bias".into(), vec![0..MODEL]);
+                ranges.insert("o.bias".into(), whole(MODEL));
                 ranges.insert("emb.weight".into(), vec![emb.vocab_range(), 0..MODEL]);
                 let heads = q.out_range().len() / HEAD_DIM;
                 let lm = AttnLm {
