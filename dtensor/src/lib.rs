@@ -21,9 +21,9 @@
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
-//! use candle_dtensor_comm::LocalWorld;
-//! use candle_dtensor_core::{distribute_tensor, Placement};
-//! use candle_dtensor_mesh::DeviceMesh;
+//! use candle_dtensor::comm::LocalWorld;
+//! use candle_dtensor::dtensor::{distribute_tensor, Placement};
+//! use candle_dtensor::mesh::DeviceMesh;
 //!
 //! let out = LocalWorld::run(2, |comm| {
 //!     let mesh = DeviceMesh::new(comm, &[("tp", 2)])?;
