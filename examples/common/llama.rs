@@ -126,28 +126,20 @@ struct Linears<'a> {
     pieces: Pieces,
 }
 
-impl Linears<'_> {
-    /// `linear_no_bias(i, o)`, column-parallel in blocks of `block` under TP.
-    fn column(
-        &mut self,
-        i: usize,
-        o: usize,
-        block: usize,
-        vb: VarBuilder,
-    ) -> candle_core::Result<Box<dyn Module>> {
-        let Some(tp) = self.tp else {
-            return Ok(Box::new(candle_nn::linear_no_bias(i, o, vb)?));
-        };
-        let cfg = TpLinearConfig { bias: false, block };
-        let name = format!("{}.weight", vb.prefix());
-        let l = tp_nn::ColumnParallelLinear::new(i, o, cfg, tp, vb)?;
-        self.pieces.insert(name, vec![l.out_range(), 0..i]);
-        Ok(Box::new(l))
-    }
+/// How a linear's weight is split under tensor parallelism.
+#[derive(Clone, Copy)]
+enum Split {
+    /// By output features (column-parallel).
+    Outputs,
+    /// By input features (row-parallel).
+    Inputs,
+}
 
-    /// `linear_no_bias(i, o)`, row-parallel in blocks of `block` under TP.
-    fn row(
+impl Linears<'_> {
+    /// `linear_no_bias(i, o)`, split in blocks of `block` under TP.
+    fn linear(
         &mut self,
+        split: Split,
         i: usize,
         o: usize,
         block: usize,
@@ -158,9 +150,20 @@ impl Linears<'_> {
         };
         let cfg = TpLinearConfig { bias: false, block };
         let name = format!("{}.weight", vb.prefix());
-        let l = tp_nn::RowParallelLinear::new(i, o, cfg, tp, vb)?;
-        self.pieces.insert(name, vec![0..o, l.in_range()]);
-        Ok(Box::new(l))
+        let (layer, piece): (Box<dyn Module>, _) = match split {
+            Split::Outputs => {
+                let l = tp_nn::ColumnParallelLinear::new(i, o, cfg, tp, vb)?;
+                let piece = vec![l.out_range(), 0..i];
+                (Box::new(l), piece)
+            }
+            Split::Inputs => {
+                let l = tp_nn::RowParallelLinear::new(i, o, cfg, tp, vb)?;
+                let piece = vec![0..o, l.in_range()];
+                (Box::new(l), piece)
+            }
+        };
+        self.pieces.insert(name, piece);
+        Ok(layer)
     }
 }
 
@@ -195,10 +198,10 @@ impl OwnLlama {
         for i in 0..s.layers {
             let b = m.pp(format!("layers.{i}"));
             let a = b.pp("self_attn");
-            let q = lin.column(s.hidden, s.hidden, hd, a.pp("q_proj"))?;
-            let k = lin.column(s.hidden, s.hidden, hd, a.pp("k_proj"))?;
-            let v = lin.column(s.hidden, s.hidden, hd, a.pp("v_proj"))?;
-            let o = lin.row(s.hidden, s.hidden, hd, a.pp("o_proj"))?;
+            let q = lin.linear(Split::Outputs, s.hidden, s.hidden, hd, a.pp("q_proj"))?;
+            let k = lin.linear(Split::Outputs, s.hidden, s.hidden, hd, a.pp("k_proj"))?;
+            let v = lin.linear(Split::Outputs, s.hidden, s.hidden, hd, a.pp("v_proj"))?;
+            let o = lin.linear(Split::Inputs, s.hidden, s.hidden, hd, a.pp("o_proj"))?;
             if let Some(r) = lin.pieces.get(&format!("{}.q_proj.weight", a.prefix())) {
                 heads = r[0].len() / hd;
             }
@@ -218,9 +221,27 @@ impl OwnLlama {
                     EPS,
                     b.pp("post_attention_layernorm"),
                 )?,
-                gate: lin.column(s.hidden, s.intermediate, 1, mlp.pp("gate_proj"))?,
-                up: lin.column(s.hidden, s.intermediate, 1, mlp.pp("up_proj"))?,
-                down: lin.row(s.intermediate, s.hidden, 1, mlp.pp("down_proj"))?,
+                gate: lin.linear(
+                    Split::Outputs,
+                    s.hidden,
+                    s.intermediate,
+                    1,
+                    mlp.pp("gate_proj"),
+                )?,
+                up: lin.linear(
+                    Split::Outputs,
+                    s.hidden,
+                    s.intermediate,
+                    1,
+                    mlp.pp("up_proj"),
+                )?,
+                down: lin.linear(
+                    Split::Inputs,
+                    s.intermediate,
+                    s.hidden,
+                    1,
+                    mlp.pp("down_proj"),
+                )?,
             });
         }
         let norm = rms_norm(s.hidden, EPS, m.pp("norm"))?;

@@ -83,6 +83,16 @@ pub struct TpLinearConfig {
     pub block: usize,
 }
 
+impl TpLinearConfig {
+    /// No bias, split anywhere (`candle_nn::linear_no_bias`).
+    pub fn no_bias() -> Self {
+        TpLinearConfig {
+            bias: false,
+            block: 1,
+        }
+    }
+}
+
 impl Default for TpLinearConfig {
     /// A bias, split anywhere.
     fn default() -> Self {
@@ -487,11 +497,7 @@ pub fn column_parallel_linear_no_bias(
     group: &Group,
     vb: VarBuilder,
 ) -> Result<ColumnParallelLinear> {
-    let cfg = TpLinearConfig {
-        bias: false,
-        ..TpLinearConfig::default()
-    };
-    ColumnParallelLinear::new(in_dim, out_dim, cfg, group, vb)
+    ColumnParallelLinear::new(in_dim, out_dim, TpLinearConfig::no_bias(), group, vb)
 }
 
 /// `candle_nn::linear(in_dim, out_dim, vb)`, split by input features over `group`.
@@ -519,11 +525,7 @@ pub fn row_parallel_linear_no_bias(
     group: &Group,
     vb: VarBuilder,
 ) -> Result<RowParallelLinear> {
-    let cfg = TpLinearConfig {
-        bias: false,
-        ..TpLinearConfig::default()
-    };
-    RowParallelLinear::new(in_dim, out_dim, cfg, group, vb)
+    RowParallelLinear::new(in_dim, out_dim, TpLinearConfig::no_bias(), group, vb)
 }
 
 /// `candle_nn::embedding(vocab, hidden, vb)`, split by vocabulary rows over `group`.

@@ -115,6 +115,14 @@ fn assert_pieces(what: &str, pieces: &Pieces, want: &Params) {
     }
 }
 
+/// Runs `f` on every rank of a `world`-rank tensor-parallel group.
+fn on_tp<T: Send>(world: usize, f: impl Fn(Group) -> R<T> + Send + Sync) -> Vec<T> {
+    LocalWorld::new(world)
+        .with_timeout(Duration::from_secs(30))
+        .launch(|comm| f(Group::new(&comm)))
+        .unwrap()
+}
+
 // ---------------------------------------------------------------- the two-layer MLP
 
 /// The MLP, written once: `fc2(gelu(fc1(x)))`.
@@ -185,41 +193,37 @@ fn tp_mlp(tp: &Group, vb: VarBuilder) -> R<MlpLayers> {
 fn tp_mlp_5_adamw_steps_match_one_device() {
     let (want_losses, _, want_params) = one_device_mlp();
     for world in [1usize, 2, 3, 4] {
-        let out = LocalWorld::new(world)
-            .with_timeout(Duration::from_secs(30))
-            .launch(|comm| -> R<_> {
-                let tp = Group::new(&comm);
-                let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
-                let (fc1, fc2, ranges) = tp_mlp(&tp, vb)?;
-                let mlp = Mlp {
-                    fc1: Box::new(fc1),
-                    fc2: Box::new(fc2),
-                };
-                let mut opt = candle_nn::AdamW::new(map.all_vars(), adamw())?;
-                let mut losses = Vec::new();
-                let mut counts = Vec::new();
-                for step in 0..STEPS {
-                    let (x, y) = batch(step);
-                    let mode = CommDebugMode::start();
-                    let loss = candle_nn::loss::mse(&mlp.forward(&x)?, &y)?;
-                    losses.push(loss.to_scalar::<f32>()?);
-                    opt.backward_step(&loss)?;
-                    counts.push((
-                        mode.count("all_reduce", Phase::Forward),
-                        mode.count("all_reduce", Phase::Backward),
-                        mode.records().len(),
-                    ));
-                }
-                let pieces: Pieces = snapshot(&map)
-                    .into_iter()
-                    .map(|(n, t)| {
-                        let r = ranges[&n].clone();
-                        (n, t, r)
-                    })
-                    .collect();
-                Ok((losses, pieces, counts))
-            })
-            .unwrap();
+        let out = on_tp(world, |tp| {
+            let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+            let (fc1, fc2, ranges) = tp_mlp(&tp, vb)?;
+            let mlp = Mlp {
+                fc1: Box::new(fc1),
+                fc2: Box::new(fc2),
+            };
+            let mut opt = candle_nn::AdamW::new(map.all_vars(), adamw())?;
+            let mut losses = Vec::new();
+            let mut counts = Vec::new();
+            for step in 0..STEPS {
+                let (x, y) = batch(step);
+                let mode = CommDebugMode::start();
+                let loss = candle_nn::loss::mse(&mlp.forward(&x)?, &y)?;
+                losses.push(loss.to_scalar::<f32>()?);
+                opt.backward_step(&loss)?;
+                counts.push((
+                    mode.count("all_reduce", Phase::Forward),
+                    mode.count("all_reduce", Phase::Backward),
+                    mode.records().len(),
+                ));
+            }
+            let pieces: Pieces = snapshot(&map)
+                .into_iter()
+                .map(|(n, t)| {
+                    let r = ranges[&n].clone();
+                    (n, t, r)
+                })
+                .collect();
+            Ok((losses, pieces, counts))
+        });
         for (rank, (losses, pieces, counts)) in out.iter().enumerate() {
             let what = format!("world {world} rank {rank}");
             assert_losses(&what, losses, &want_losses);
@@ -320,10 +324,8 @@ fn fsdp_over_dp_x_tp_mlp_matches_one_device() {
 #[test]
 fn empty_pieces_are_refused_on_every_rank() {
     // 3 heads of 4 over 4 ranks: torch.chunk gives 1, 1, 1, 0 heads.
-    let out = LocalWorld::new(4)
-        .with_timeout(Duration::from_secs(30))
-        .launch(|comm| -> R<_> {
-            let tp = Group::new(&comm);
+    let out =
+        on_tp(4, |tp| {
             let (_m, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
             let cfg = TpLinearConfig {
                 bias: false,
@@ -335,8 +337,7 @@ fn empty_pieces_are_refused_on_every_rank() {
             let e4 = ColumnParallelLinear::new(8, 10, cfg, &tp, vb.pp("odd")).err();
             Ok([e1, e2, e3, e4]
                 .map(|e| e.map(|e| (matches!(e, ModelError::Config(_)), e.to_string()))))
-        })
-        .unwrap();
+        });
     for errs in out {
         let [e1, e2, e3, e4] = errs.map(|e| e.expect("must be refused"));
         for (typed, e) in [&e1, &e2, &e3, &e4] {
@@ -460,87 +461,83 @@ fn tp_attention_block_matches_one_device() {
     // 7 heads: 4 + 3 over 2 ranks, 3 + 3 + 1 over 3, 2 + 2 + 2 + 1 over 4; vocab 11 likewise
     // uneven.
     for world in [1usize, 2, 3, 4] {
-        let out = LocalWorld::new(world)
-            .with_timeout(Duration::from_secs(30))
-            .launch(|comm| -> R<_> {
-                let tp = Group::new(&comm);
-                let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
-                let by_heads = TpLinearConfig {
-                    bias: false,
-                    block: HEAD_DIM,
-                };
-                let col = |name: &str| -> R<ColumnParallelLinear> {
-                    Ok(ColumnParallelLinear::new(
-                        MODEL,
-                        MODEL,
-                        by_heads,
-                        &tp,
-                        vb.pp(name),
-                    )?)
-                };
-                let (q, k, v) = (col("q")?, col("k")?, col("v")?);
-                let o_cfg = TpLinearConfig {
-                    bias: true,
-                    ..by_heads
-                };
-                let o = RowParallelLinear::new(MODEL, MODEL, o_cfg, &tp, vb.pp("o"))?;
-                let emb = vocab_parallel_embedding(VOCAB, MODEL, &tp, vb.pp("emb"))?;
-                let head = column_parallel_linear(MODEL, VOCAB, &tp, vb.pp("head"))?
-                    .with_gather_output(true);
-                let mut ranges: HashMap<String, Vec<Range<usize>>> = HashMap::new();
-                for (n, l) in [("q", &q), ("k", &k), ("v", &v), ("head", &head)] {
-                    let r = l.out_range();
-                    ranges.insert(format!("{n}.weight"), vec![r.clone(), 0..MODEL]);
-                    if l.bias().is_some() {
-                        ranges.insert(format!("{n}.bias"), vec![r]);
+        let out = on_tp(world, |tp| {
+            let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+            let by_heads = TpLinearConfig {
+                bias: false,
+                block: HEAD_DIM,
+            };
+            let col = |name: &str| -> R<ColumnParallelLinear> {
+                Ok(ColumnParallelLinear::new(
+                    MODEL,
+                    MODEL,
+                    by_heads,
+                    &tp,
+                    vb.pp(name),
+                )?)
+            };
+            let (q, k, v) = (col("q")?, col("k")?, col("v")?);
+            let o_cfg = TpLinearConfig {
+                bias: true,
+                ..by_heads
+            };
+            let o = RowParallelLinear::new(MODEL, MODEL, o_cfg, &tp, vb.pp("o"))?;
+            let emb = vocab_parallel_embedding(VOCAB, MODEL, &tp, vb.pp("emb"))?;
+            let head =
+                column_parallel_linear(MODEL, VOCAB, &tp, vb.pp("head"))?.with_gather_output(true);
+            let mut ranges: HashMap<String, Vec<Range<usize>>> = HashMap::new();
+            for (n, l) in [("q", &q), ("k", &k), ("v", &v), ("head", &head)] {
+                let r = l.out_range();
+                ranges.insert(format!("{n}.weight"), vec![r.clone(), 0..MODEL]);
+                if l.bias().is_some() {
+                    ranges.insert(format!("{n}.bias"), vec![r]);
+                }
+            }
+            ranges.insert("o.weight".into(), vec![0..MODEL, o.in_range()]);
+            ranges.insert("o.bias".into(), whole(MODEL));
+            ranges.insert("emb.weight".into(), vec![emb.vocab_range(), 0..MODEL]);
+            let heads = q.out_range().len() / HEAD_DIM;
+            let lm = AttnLm {
+                emb: Box::new(emb),
+                q: Box::new(q),
+                k: Box::new(k),
+                v: Box::new(v),
+                o: Box::new(o),
+                head: Box::new(head),
+                heads,
+            };
+            let mut opt = candle_nn::AdamW::new(map.all_vars(), adamw())?;
+            let mut losses = Vec::new();
+            let mut grads0: Pieces = Vec::new();
+            let mut counts = (0, 0);
+            for step in 0..ASTEPS {
+                let (x, y) = tokens(step);
+                let mode = CommDebugMode::start();
+                let loss = lm.loss(&x, &y)?;
+                losses.push(loss.to_scalar::<f32>()?);
+                let grads = loss.backward()?;
+                if step == 0 {
+                    counts = (
+                        mode.count("all_reduce", Phase::Forward),
+                        mode.count("all_reduce", Phase::Backward),
+                    );
+                    for (name, var) in map.data().lock().unwrap().iter() {
+                        let g = grads.get(var.as_tensor()).cloned();
+                        let g = g.ok_or_else(|| format!("{name}: no gradient"))?;
+                        grads0.push((name.clone(), g, ranges[name].clone()));
                     }
                 }
-                ranges.insert("o.weight".into(), vec![0..MODEL, o.in_range()]);
-                ranges.insert("o.bias".into(), whole(MODEL));
-                ranges.insert("emb.weight".into(), vec![emb.vocab_range(), 0..MODEL]);
-                let heads = q.out_range().len() / HEAD_DIM;
-                let lm = AttnLm {
-                    emb: Box::new(emb),
-                    q: Box::new(q),
-                    k: Box::new(k),
-                    v: Box::new(v),
-                    o: Box::new(o),
-                    head: Box::new(head),
-                    heads,
-                };
-                let mut opt = candle_nn::AdamW::new(map.all_vars(), adamw())?;
-                let mut losses = Vec::new();
-                let mut grads0: Pieces = Vec::new();
-                let mut counts = (0, 0);
-                for step in 0..ASTEPS {
-                    let (x, y) = tokens(step);
-                    let mode = CommDebugMode::start();
-                    let loss = lm.loss(&x, &y)?;
-                    losses.push(loss.to_scalar::<f32>()?);
-                    let grads = loss.backward()?;
-                    if step == 0 {
-                        counts = (
-                            mode.count("all_reduce", Phase::Forward),
-                            mode.count("all_reduce", Phase::Backward),
-                        );
-                        for (name, var) in map.data().lock().unwrap().iter() {
-                            let g = grads.get(var.as_tensor()).cloned();
-                            let g = g.ok_or_else(|| format!("{name}: no gradient"))?;
-                            grads0.push((name.clone(), g, ranges[name].clone()));
-                        }
-                    }
-                    opt.step(&grads)?;
-                }
-                let pieces: Pieces = snapshot(&map)
-                    .into_iter()
-                    .map(|(n, t)| {
-                        let r = ranges[&n].clone();
-                        (n, t, r)
-                    })
-                    .collect();
-                Ok((losses, grads0, pieces, counts))
-            })
-            .unwrap();
+                opt.step(&grads)?;
+            }
+            let pieces: Pieces = snapshot(&map)
+                .into_iter()
+                .map(|(n, t)| {
+                    let r = ranges[&n].clone();
+                    (n, t, r)
+                })
+                .collect();
+            Ok((losses, grads0, pieces, counts))
+        });
         for (rank, (losses, grads0, pieces, counts)) in out.iter().enumerate() {
             let what = format!("world {world} rank {rank}");
             assert_losses(&what, losses, &want_losses);
@@ -558,19 +555,15 @@ fn tp_attention_block_matches_one_device() {
 #[test]
 fn module_errors_cross_into_candle_with_their_type() {
     // A row-parallel layer fed the whole input while it expects its piece.
-    let out = LocalWorld::new(2)
-        .with_timeout(Duration::from_secs(30))
-        .launch(|comm| -> R<_> {
-            let tp = Group::new(&comm);
-            let (_m, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
-            let row = row_parallel_linear(HID, OUT, &tp, vb.pp("fc2"))?;
-            let x = Var::from_tensor(&values(&[2, HID], 0))?;
-            let err = row.forward(x.as_tensor()).err().map(|e| e.to_string());
-            // Scattering the whole input works.
-            let y = row.with_input_is_parallel(false).forward(x.as_tensor())?;
-            Ok((err, y.dims().to_vec()))
-        })
-        .unwrap();
+    let out = on_tp(2, |tp| {
+        let (_m, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+        let row = row_parallel_linear(HID, OUT, &tp, vb.pp("fc2"))?;
+        let x = Var::from_tensor(&values(&[2, HID], 0))?;
+        let err = row.forward(x.as_tensor()).err().map(|e| e.to_string());
+        // Scattering the whole input works.
+        let y = row.with_input_is_parallel(false).forward(x.as_tensor())?;
+        Ok((err, y.dims().to_vec()))
+    });
     for (err, dims) in out {
         let e = err.expect("a whole input to a parallel-input layer");
         assert!(
