@@ -3,6 +3,7 @@
 
 pub use candle_dtensor_comm as comm;
 pub use candle_dtensor_core as dtensor;
+pub use candle_dtensor_kernels as kernels;
 pub use candle_dtensor_mesh as mesh;
 pub use candle_dtensor_models as models;
 pub use candle_dtensor_models::nn;

@@ -149,7 +149,7 @@ pub trait DeviceStorage: BackendStorage + Sized {
     /// Zeros of `shape` and `dtype` on `self`'s device.
     fn zeros(&self, shape: &Shape, dtype: DType) -> Result<Self>;
     /// A host storage moved (CPU) or copied (devices) to `self`'s device.
-    fn from_host(&self, s: CpuStorage) -> Result<Self>;
+    fn upload(&self, s: CpuStorage) -> Result<Self>;
     /// Copies block rows: `d1` blocks of `d2` elements from `self` (block stride `src_s`,
     /// first element `src_o`) into `dst` (stride `dst_s`, first element `dst_o`).
     #[allow(clippy::too_many_arguments)]
@@ -187,7 +187,7 @@ impl DeviceStorage for CpuStorage {
         self.device().zeros_impl(shape, dtype)
     }
 
-    fn from_host(&self, s: CpuStorage) -> Result<Self> {
+    fn upload(&self, s: CpuStorage) -> Result<Self> {
         self.device().storage_from_cpu_storage_owned(s)
     }
 }
@@ -233,7 +233,7 @@ impl DeviceStorage for CudaStorage {
         self.device().zeros_impl(shape, dtype)
     }
 
-    fn from_host(&self, s: CpuStorage) -> Result<Self> {
+    fn upload(&self, s: CpuStorage) -> Result<Self> {
         self.device().storage_from_cpu_storage_owned(s)
     }
 }
@@ -259,7 +259,7 @@ impl DeviceStorage for CudaStorage {
         Err(candle_core::Error::NotCompiledWithCudaSupport)
     }
 
-    fn from_host(&self, _: CpuStorage) -> Result<Self> {
+    fn upload(&self, _: CpuStorage) -> Result<Self> {
         Err(candle_core::Error::NotCompiledWithCudaSupport)
     }
 }
@@ -405,7 +405,7 @@ pub fn zeros_like<S: DeviceStorage>(like: &S, shape: &Shape, dtype: DType) -> Re
 
 /// `v` as a storage of `like`'s backend (moved on the CPU, copied to the device otherwise).
 pub fn from_host_vec<S: DeviceStorage, T: Elem>(like: &S, v: Vec<T>) -> Result<S> {
-    like.from_host(T::into_storage(v))
+    like.upload(T::into_storage(v))
 }
 
 /// A fresh storage holding the elements of `(s, l)` in row-major order.
