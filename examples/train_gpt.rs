@@ -11,30 +11,47 @@
 //! With `--save-dir` it writes distributed checkpoints (`models::checkpoint`); `--resume`
 //! continues from the latest one, on any mesh, up to the total `--steps`.
 //!
-//! The data is a synthetic corpus generated from the seed (no downloads); the global batch and
-//! its order depend only on the seed and the step, so every layout trains the same model on
-//! the same data and the losses (global means) are comparable across layouts. At the end it
-//! writes `train_gpt_loss.csv` and `train_gpt_loss.svg`. With `--check` it also trains the
-//! identical single-device model and compares every step; `--json` prints one summary object.
+//! The data is a synthetic corpus generated from the seed (no downloads), or with `--data
+//! FILE` any UTF-8 text: byte-level tokens (vocabulary 256), or the ids of `--tokenizer
+//! tokenizer.json`. The global batch and its order depend only on the tokens, the seed and the
+//! step, so every layout trains the same model on the same data and the losses (global means)
+//! are comparable across layouts. `--eval-every N` holds out the last `--eval-fraction` of the
+//! tokens and reports the held-out loss every N steps; `--sample N` generates N tokens from the
+//! trained model at the end (greedy, or `--temperature T` with `--sample-seed`). At the end it
+//! writes `train_gpt_loss.csv` and `train_gpt_loss.svg` (train and held-out curves). With
+//! `--check` it also trains the identical single-device model and compares every step (and
+//! every evaluation); `--json` prints one summary object.
+//!
+//! ```text
+//! cargo run --release --example train_gpt -- --data input.txt --eval-every 25 --sample 200
+//! cargo run --release --example train_gpt -- --data input.txt --tokenizer tokenizer.json --sample 50 --temperature 0.8
+//! ```
 #![allow(clippy::print_stdout, clippy::print_stderr)]
+
+#[path = "common/text.rs"]
+pub(crate) mod text;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::DType;
 use candle_dtensor::comm::env::LaunchEnv;
 use candle_dtensor::comm::{new_comm, Comm, CommOptions, LocalWorld};
 use candle_dtensor::mesh::DeviceMesh;
+use candle_dtensor::models::data::Corpus;
 use candle_dtensor::models::device::DeviceSpec;
-use candle_dtensor::models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
+use candle_dtensor::models::trainer::{
+    train_rank, EvalSpec, FsdpSpec, RankReport, SampleSpec, TrainConfig,
+};
 use candle_dtensor::models::{GptConfig, TpPlan};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Train a GPT with tensor / data / fully sharded parallelism")]
-struct Args {
+pub(crate) struct Args {
     /// Number of ranks (threads). Defaults to the product of --mesh.
     #[arg(long)]
     world: Option<usize>,
@@ -113,6 +130,34 @@ struct Args {
     /// this process one rank of a world started by a launcher, and rank 0 prints the results.
     #[arg(long, default_value = "local")]
     backend: String,
+    /// Train on this UTF-8 text file instead of the synthetic corpus (byte-level tokens unless
+    /// --tokenizer is given).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// A Hugging Face tokenizer.json for --data (the model's vocabulary is the tokenizer's,
+    /// rounded up to a multiple of the tensor-parallel size).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Report the loss on held-out tokens after every N steps and after the last (0: no
+    /// held-out split).
+    #[arg(long, default_value_t = 0)]
+    eval_every: usize,
+    /// Fraction of the tokens (the end of the text) held out for --eval-every.
+    #[arg(long, default_value_t = 0.1)]
+    eval_fraction: f64,
+    /// Batches (of --batch sequences) per held-out evaluation.
+    #[arg(long, default_value_t = 4)]
+    eval_batches: usize,
+    /// Generate this many tokens from the trained model at the end, continuing the first
+    /// sequence of the held-out tokens (or of the training tokens).
+    #[arg(long, default_value_t = 0)]
+    sample: usize,
+    /// Sampling temperature for --sample (0: greedy, the most likely token).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Seed of --sample with a temperature (default: --seed).
+    #[arg(long)]
+    sample_seed: Option<u64>,
     /// Device of every rank: `cpu`, `cuda` (rank r on GPU r % gpus) or `cuda:N` (every rank on
     /// GPU N). CUDA needs a build with `--features cuda` (and `nccl` for `--backend nccl`).
     #[arg(long, default_value = "cpu")]
@@ -325,39 +370,71 @@ fn median(v: &[f64]) -> f64 {
     s.get(s.len() / 2).copied().unwrap_or(0.0)
 }
 
-fn write_svg(path: &PathBuf, losses: &[f32], title: &str) -> std::io::Result<()> {
+/// The loss curves: training loss per step (blue) and, when there is one, the held-out loss
+/// (orange, a point after every evaluation). `eval` holds `(steps done, loss)`; the x axis
+/// counts steps from `start`.
+fn write_svg(
+    path: &PathBuf,
+    losses: &[f32],
+    eval: &[(usize, f32)],
+    start: usize,
+    title: &str,
+) -> std::io::Result<()> {
     let (w, h, m) = (640.0, 360.0, 50.0);
-    let max = losses.iter().copied().fold(f32::MIN, f32::max).max(1e-6) as f64;
-    let min = losses
-        .iter()
-        .copied()
-        .fold(f32::MAX, f32::min)
-        .min(max as f32) as f64;
+    let all = losses.iter().chain(eval.iter().map(|(_, l)| l)).copied();
+    let max = all.clone().fold(f32::MIN, f32::max).max(1e-6) as f64;
+    let min = all.fold(f32::MAX, f32::min).min(max as f32) as f64;
     let span = (max - min).max(1e-6);
     let n = losses.len().max(2) - 1;
+    let point = |i: f64, l: f32| {
+        let x = m + (w - 2.0 * m) * i / n as f64;
+        let y = h - m - (h - 2.0 * m) * (l as f64 - min) / span;
+        format!("{x:.1},{y:.1}")
+    };
     let pts: Vec<String> = losses
         .iter()
         .enumerate()
-        .map(|(i, &l)| {
-            let x = m + (w - 2.0 * m) * i as f64 / n as f64;
-            let y = h - m - (h - 2.0 * m) * (l as f64 - min) / span;
-            format!("{x:.1},{y:.1}")
-        })
+        .map(|(i, &l)| point(i as f64, l))
         .collect();
+    // An evaluation after `done` steps sits at the last of those steps.
+    let eval_pts: Vec<String> = eval
+        .iter()
+        .map(|&(done, l)| point(done.saturating_sub(start + 1) as f64, l))
+        .collect();
+    let eval_svg = if eval.is_empty() {
+        String::new()
+    } else {
+        let dots: String = eval_pts
+            .iter()
+            .map(|p| {
+                let (x, y) = p.split_once(',').unwrap_or(("0", "0"));
+                format!("<circle cx=\"{x}\" cy=\"{y}\" r=\"2.5\" fill=\"#ff7f0e\"/>\n")
+            })
+            .collect();
+        format!(
+            "<polyline fill=\"none\" stroke=\"#ff7f0e\" stroke-width=\"1.5\" points=\"{}\"/>\n{dots}\
+             <text x=\"{lx}\" y=\"{ly}\" fill=\"#1f77b4\">train</text>\n\
+             <text x=\"{lx}\" y=\"{ly2}\" fill=\"#ff7f0e\">held-out</text>\n",
+            eval_pts.join(" "),
+            lx = w - m - 60.0,
+            ly = m + 12.0,
+            ly2 = m + 28.0,
+        )
+    };
     let svg = format!(
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
 <text x="{cx}" y="20" text-anchor="middle" font-size="14">{title}</text>
 <line x1="{m}" y1="{b}" x2="{r}" y2="{b}" stroke="black"/>
 <line x1="{m}" y1="{m}" x2="{m}" y2="{b}" stroke="black"/>
-<text x="{m}" y="{tb}" text-anchor="middle">0</text>
+<text x="{m}" y="{tb}" text-anchor="middle">{start}</text>
 <text x="{r}" y="{tb}" text-anchor="middle">{steps}</text>
 <text x="{cx}" y="{tb2}" text-anchor="middle">step</text>
 <text x="{lx}" y="{m}" text-anchor="end">{max:.3}</text>
 <text x="{lx}" y="{b}" text-anchor="end">{min:.3}</text>
 <text x="14" y="{cy}" transform="rotate(-90 14 {cy})" text-anchor="middle">loss</text>
 <polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{pts}"/>
-</svg>
+{eval_svg}</svg>
 "##,
         cx = w / 2.0,
         cy = h / 2.0,
@@ -366,10 +443,70 @@ fn write_svg(path: &PathBuf, losses: &[f32], title: &str) -> std::io::Result<()>
         tb = h - m + 15.0,
         tb2 = h - m + 32.0,
         lx = m - 4.0,
-        steps = losses.len(),
+        steps = start + losses.len(),
         pts = pts.join(" "),
     );
     std::fs::write(path, svg)
+}
+
+/// The CSV of the curves: `step,loss,eval_loss` (the held-out loss on the rows of the steps
+/// after which it was measured, empty elsewhere).
+fn curves_csv(report: &RankReport) -> String {
+    let eval: BTreeMap<usize, f32> = report.eval_losses.iter().copied().collect();
+    std::iter::once("step,loss,eval_loss\n".to_string())
+        .chain(report.losses.iter().enumerate().map(|(i, l)| {
+            let step = report.start_step + i;
+            match eval.get(&(step + 1)) {
+                Some(e) => format!("{step},{l},{e}\n"),
+                None => format!("{step},{l},\n"),
+            }
+        }))
+        .collect()
+}
+
+/// What the data flags ask for: the tokenizer and the training / held-out tokens (`None`
+/// tokens: the synthetic corpus, without a held-out split). Sets the model's vocabulary to the
+/// data's (rounded up to a multiple of the tensor-parallel size).
+struct Data {
+    tokenizer: Option<text::Tokenizer>,
+    train: Option<Arc<Corpus>>,
+    eval: Option<Arc<Corpus>>,
+}
+
+fn load_data(args: &Args, dims: &[(String, usize)], cfg: &mut TrainConfig) -> Result<Data, String> {
+    if args.tokenizer.is_some() && args.data.is_none() {
+        return Err("--tokenizer needs --data".into());
+    }
+    let tp = dims.iter().find(|(n, _)| n == "tp").map_or(1, |(_, s)| *s);
+    let (tokenizer, corpus) = match &args.data {
+        Some(path) => {
+            let tok = text::Tokenizer::load(args.tokenizer.as_deref())?;
+            let corpus = text::corpus(path, &tok)?;
+            cfg.gpt.vocab = corpus.vocab().div_ceil(tp) * tp;
+            (Some(tok), Some(corpus))
+        }
+        None => (None, None),
+    };
+    if args.eval_every == 0 {
+        return Ok(Data {
+            tokenizer,
+            train: corpus.map(Arc::new),
+            eval: None,
+        });
+    }
+    // The held-out split: the end of the text (or of the synthetic corpus).
+    let all = match corpus {
+        Some(c) => c,
+        None => cfg.synthetic_corpus(),
+    };
+    let (train, eval) = all
+        .split(args.eval_fraction, cfg.gpt.seq_len + 1)
+        .map_err(|e| e.to_string())?;
+    Ok(Data {
+        tokenizer,
+        train: Some(Arc::new(train)),
+        eval: Some(Arc::new(eval)),
+    })
 }
 
 fn main() {
@@ -382,7 +519,9 @@ fn main() {
     }
 }
 
-fn real_main(args: &Args) -> Result<(), String> {
+/// Trains as the flags say; rank 0 (or the only process) returns the summary printed with
+/// `--json`.
+pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String> {
     let dims = parse_mesh(&args.mesh)?;
     let device: DeviceSpec = args.device.parse().map_err(|e| format!("--device: {e}"))?;
     let check_device: DeviceSpec = match &args.check_device {
@@ -398,7 +537,12 @@ fn real_main(args: &Args) -> Result<(), String> {
     if args.backend == "nccl" && !device.is_cuda() {
         return Err("--backend nccl needs --device cuda (one GPU per process)".into());
     }
-    let gpt = GptConfig::preset(&args.preset).map_err(|e| e.to_string())?;
+    let mut cfg = TrainConfig::new(
+        GptConfig::preset(&args.preset).map_err(|e| e.to_string())?,
+        TpPlan::gpt(args.sp),
+    );
+    let data = load_data(args, &dims, &mut cfg)?;
+    let gpt = cfg.gpt.clone();
     let world = validate(args, &dims, &gpt)?;
     // The local backend runs every rank as a thread of this process; other backends one per
     // process, as many per host as the launcher says.
@@ -411,7 +555,6 @@ fn real_main(args: &Args) -> Result<(), String> {
             .unwrap_or(1);
         candle_dtensor::init_gemm_threads(1, on_host);
     }
-    let mut cfg = TrainConfig::new(gpt.clone(), TpPlan::gpt(args.sp));
     cfg.fsdp = fsdp_spec(args, &dims)?;
     cfg.steps = args.steps;
     cfg.seed = args.seed;
@@ -425,6 +568,35 @@ fn real_main(args: &Args) -> Result<(), String> {
     cfg.save_every = args.save_every;
     cfg.resume = args.resume;
     cfg.init_from = args.init_from.clone();
+    cfg.data = data.train.clone();
+    cfg.eval = data.eval.as_ref().map(|corpus| EvalSpec {
+        corpus: corpus.clone(),
+        every: args.eval_every,
+        batches: args.eval_batches,
+    });
+    let sample_mode = if args.temperature > 0.0 {
+        format!(
+            "temperature {} (seed {})",
+            args.temperature,
+            args.sample_seed.unwrap_or(args.seed)
+        )
+    } else {
+        "greedy".to_string()
+    };
+    if args.sample > 0 {
+        // Continue the first sequence of the held-out tokens (or of the training tokens).
+        let source = match (&data.eval, &data.train) {
+            (Some(c), _) | (None, Some(c)) => c.clone(),
+            (None, None) => Arc::new(cfg.synthetic_corpus()),
+        };
+        let prompt = source.tokens()[..gpt.seq_len.min(source.len())].to_vec();
+        cfg.sample = Some(SampleSpec {
+            prompt,
+            tokens: args.sample,
+            temperature: args.temperature.max(0.0),
+            seed: args.sample_seed.unwrap_or(args.seed),
+        });
+    }
     let bar = ProgressBar::new(args.steps as u64);
     if args.json {
         bar.set_draw_target(ProgressDrawTarget::hidden());
@@ -444,7 +616,7 @@ fn real_main(args: &Args) -> Result<(), String> {
     )?
     else {
         // Not rank 0 of a multi-process world: rank 0 reports.
-        return Ok(());
+        return Ok(None);
     };
     bar.finish();
     let mut summary = serde_json::json!({
@@ -460,6 +632,10 @@ fn real_main(args: &Args) -> Result<(), String> {
         "save_ms": report.save_ms,
         "losses": report.losses,
         "final_loss": report.losses.last(),
+        "data": args.data.as_ref().map_or_else(|| "synthetic".to_string(), |p| p.display().to_string()),
+        "tokenizer": data.tokenizer.as_ref().map(text::Tokenizer::describe),
+        "vocab": gpt.vocab,
+        "eval_losses": report.eval_losses,
         "step_ms_median": median(&report.step_ms),
         "tokens_per_s": (args.batch * gpt.seq_len) as f64 / (median(&report.step_ms) / 1e3),
         "collectives": report.collectives,
@@ -500,8 +676,17 @@ fn real_main(args: &Args) -> Result<(), String> {
             .zip(reference.losses.iter().skip(report.start_step))
             .map(|(a, b)| ((a - b).abs() / b.abs().max(1e-12)) as f64)
             .fold(0.0f64, f64::max);
+        let max_rel_eval = report
+            .eval_losses
+            .iter()
+            .zip(&reference.eval_losses)
+            .map(|((_, a), (_, b))| ((a - b).abs() / b.abs().max(1e-12)) as f64)
+            .fold(0.0f64, f64::max);
         summary["ref_losses"] = serde_json::json!(reference.losses);
         summary["max_rel_loss_diff"] = serde_json::json!(max_rel);
+        summary["ref_eval_losses"] = serde_json::json!(reference.eval_losses);
+        summary["max_rel_eval_loss_diff"] = serde_json::json!(max_rel_eval);
+        summary["ref_sample_equal"] = serde_json::json!(reference.sample == report.sample);
         summary["ref_step_ms_median"] = serde_json::json!(median(&reference.step_ms));
         summary["ref_device"] = serde_json::json!(check_device.to_string());
         if !args.json {
@@ -509,26 +694,50 @@ fn real_main(args: &Args) -> Result<(), String> {
                 "check: max relative loss difference vs single device over {} steps: {max_rel:.3e}",
                 report.losses.len()
             );
+            if !report.eval_losses.is_empty() {
+                println!(
+                    "check: max relative held-out loss difference over {} evaluations: \
+                     {max_rel_eval:.3e}",
+                    report.eval_losses.len()
+                );
+            }
+            if cfg.sample.is_some() {
+                println!(
+                    "check: the single device generates {} tokens",
+                    if reference.sample == report.sample {
+                        "the same"
+                    } else {
+                        "different"
+                    }
+                );
+            }
         }
     }
-    let csv: String = std::iter::once("step,loss\n".to_string())
-        .chain(
-            report
-                .losses
-                .iter()
-                .enumerate()
-                .map(|(i, l)| format!("{},{l}\n", report.start_step + i)),
-        )
-        .collect();
+    let csv = curves_csv(&report);
     let csv_path = args.out.with_extension("csv");
     let svg_path = args.out.with_extension("svg");
     std::fs::write(&csv_path, csv).map_err(|e| format!("writing {}: {e}", csv_path.display()))?;
     write_svg(
         &svg_path,
         &report.losses,
+        &report.eval_losses,
+        report.start_step,
         &format!("train_gpt {} mesh {}", args.preset, args.mesh),
     )
     .map_err(|e| format!("writing {}: {e}", svg_path.display()))?;
+    let sample_text = data
+        .tokenizer
+        .as_ref()
+        .unwrap_or(&text::Tokenizer::Bytes)
+        .decode(&report.sample);
+    if cfg.sample.is_some() {
+        summary["sample"] = serde_json::json!({
+            "mode": sample_mode,
+            "tokens": report.sample,
+            // Text for --data; the synthetic corpus's ids are not text.
+            "text": data.tokenizer.is_some().then(|| sample_text.clone()),
+        });
+    }
     if args.json {
         println!("{summary}");
     } else {
@@ -553,7 +762,23 @@ fn real_main(args: &Args) -> Result<(), String> {
                     .map_or_else(String::new, |d| d.display().to_string())
             );
         }
+        for (done, l) in &report.eval_losses {
+            println!("held-out loss after {done} steps: {l:.4}");
+        }
+        if let Some(spec) = &cfg.sample {
+            match &data.tokenizer {
+                Some(tok) => println!(
+                    "sample ({sample_mode}, {} tokens) after {:?}:\n{sample_text}",
+                    spec.tokens,
+                    tok.decode(&spec.prompt)
+                ),
+                None => println!(
+                    "sample ({sample_mode}, {} tokens of the synthetic corpus): {:?}",
+                    spec.tokens, report.sample
+                ),
+            }
+        }
         println!("wrote {} and {}", csv_path.display(), svg_path.display());
     }
-    Ok(())
+    Ok(Some(summary))
 }

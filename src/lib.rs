@@ -1,13 +1,15 @@
-//! candle-dtensor: distributed tensors, tensor parallelism and FSDP for candle.
-//!
-//! This facade re-exports the layers of the project; see `docs/ARCHITECTURE.md`.
+// The README is the crate's front page, and its Rust example a doctest.
+#![doc = include_str!("../README.md")]
 
 pub use candle_dtensor_comm as comm;
 pub use candle_dtensor_core as dtensor;
 pub use candle_dtensor_kernels as kernels;
 pub use candle_dtensor_mesh as mesh;
 pub use candle_dtensor_models as models;
+pub use candle_dtensor_models::nn;
 pub use candle_dtensor_strategies as strategies;
+
+pub mod prelude;
 
 /// Environment variable that sizes candle 0.11's elementwise CPU worker pool.
 pub const CANDLE_NUM_THREADS_ENV: &str = "CANDLE_NUM_THREADS";

@@ -36,7 +36,7 @@ struct Inner {
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use candle_dtensor_comm::{LocalWorld, ReduceOp};
+/// use candle_dtensor::comm::{LocalWorld, ReduceOp};
 ///
 /// let sums = LocalWorld::run(4, |comm| {
 ///     let x = Tensor::full(comm.rank() as f32, 3, &Device::Cpu)?;

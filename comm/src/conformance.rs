@@ -25,8 +25,8 @@
 //! The binary must unwind on panic (the default profile does).
 //!
 //! ```
-//! use candle_dtensor_comm::conformance::{run, Selection};
-//! use candle_dtensor_comm::LocalWorld;
+//! use candle_dtensor::comm::conformance::{run, Selection};
+//! use candle_dtensor::comm::LocalWorld;
 //!
 //! let reports = LocalWorld::run(2, |comm| run(&comm, &Selection::only(&["collectives::broadcast"])))?;
 //! assert_eq!(reports[0].passed(), 1);

@@ -12,13 +12,13 @@
 //! error naming it and its value; a missing one is an error listing what was looked for.
 //!
 //! ```
-//! use candle_dtensor_comm::env::{EnvSource, LaunchEnv};
+//! use candle_dtensor::comm::env::{EnvSource, LaunchEnv};
 //!
 //! let vars = [("RANK", "1"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
 //! let env = LaunchEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()))?;
 //! assert_eq!((env.rank, env.world_size, env.source), (1, 4, EnvSource::Torchrun));
 //! assert_eq!(env.store_addr()?, "127.0.0.1:29500");
-//! # Ok::<(), candle_dtensor_comm::env::EnvError>(())
+//! # Ok::<(), candle_dtensor::comm::env::EnvError>(())
 //! ```
 
 use std::fmt;

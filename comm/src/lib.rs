@@ -28,7 +28,7 @@
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
-//! use candle_dtensor_comm::LocalWorld;
+//! use candle_dtensor::comm::LocalWorld;
 //!
 //! let out = LocalWorld::run(2, |comm| {
 //!     let x = Tensor::new(&[comm.rank() as f32], &Device::Cpu)?;

@@ -46,7 +46,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use candle_dtensor_comm::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
+//! use candle_dtensor::comm::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 //!
 //! let server = TcpStoreServer::bind("127.0.0.1:0")?;
 //! let store = Arc::new(TcpStore::connect(&server.local_addr().to_string(), Duration::from_secs(5))?);
@@ -55,7 +55,7 @@
 //! assert_eq!(store.get("job1/ready")?, b"yes");
 //! assert_eq!(ns.add("count", 2)?, 2);
 //! ns.wait(&["ready", "count"], Duration::from_secs(1))?;
-//! # Ok::<(), candle_dtensor_comm::store::StoreError>(())
+//! # Ok::<(), candle_dtensor::comm::store::StoreError>(())
 //! ```
 
 use std::collections::HashMap;

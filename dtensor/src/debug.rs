@@ -6,7 +6,7 @@
 //! the label of the forward op they belong to.
 //!
 //! ```
-//! use candle_dtensor_core::debug::{label, CommDebugMode, Phase};
+//! use candle_dtensor::dtensor::debug::{label, CommDebugMode, Phase};
 //! let mode = CommDebugMode::start();
 //! {
 //!     let _l = label("block0.mlp");

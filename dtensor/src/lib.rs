@@ -15,12 +15,15 @@
 //!   reduce_scatter) where a replicated input feeds a sharded or partial output. So
 //!   `loss.backward()` gives every rank the local pieces of the single-device gradients.
 //! - [`debug::CommDebugMode`] counts the collectives, forward and backward, by label.
+//! - [`functional`]: the same differentiable collectives on plain candle tensors over a
+//!   [`functional::Group`] (Megatron's `f` / `g`, all_gather, reduce_scatter, the
+//!   vocab-parallel lookup), for tensor parallelism in ordinary candle-nn code.
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
-//! use candle_dtensor_comm::LocalWorld;
-//! use candle_dtensor_core::{distribute_tensor, Placement};
-//! use candle_dtensor_mesh::DeviceMesh;
+//! use candle_dtensor::comm::LocalWorld;
+//! use candle_dtensor::dtensor::{distribute_tensor, Placement};
+//! use candle_dtensor::mesh::DeviceMesh;
 //!
 //! let out = LocalWorld::run(2, |comm| {
 //!     let mesh = DeviceMesh::new(comm, &[("tp", 2)])?;
@@ -40,6 +43,7 @@ mod convert;
 pub mod debug;
 mod dispatch;
 mod error;
+pub mod functional;
 mod mesh_ctx;
 mod node;
 pub mod ops;

@@ -12,13 +12,13 @@
 //! The rank arithmetic lives in [`layout`] as pure functions.
 //!
 //! ```
-//! use candle_dtensor_comm::LocalWorld;
-//! use candle_dtensor_mesh::DeviceMesh;
+//! use candle_dtensor::comm::LocalWorld;
+//! use candle_dtensor::mesh::DeviceMesh;
 //!
 //! let coords = LocalWorld::run(4, |root| {
 //!     let mesh = DeviceMesh::new(root, &[("dp", 2), ("tp", 2)])?;
 //!     let tp = mesh.comm_by_name("tp")?;
-//!     Ok::<_, candle_dtensor_mesh::MeshError>((mesh.coordinate().to_vec(), tp.rank(), tp.size()))
+//!     Ok::<_, candle_dtensor::mesh::MeshError>((mesh.coordinate().to_vec(), tp.rank(), tp.size()))
 //! })?;
 //! assert_eq!(coords[3], (vec![1, 1], 1, 2));
 //! # Ok::<(), Box<dyn std::error::Error>>(())

@@ -78,7 +78,8 @@ pub fn init_of(h: NnInit, shape: &Shape) -> Init {
 }
 
 /// The value a parameter `name` of `shape` initialised with `h` gets (the same on every rank
-/// and in a single-device reference).
+/// and in a single-device reference). A tensor-parallel layer of [`crate::tp_nn`] asking for
+/// its piece ([`crate::init::with_piece`]) gets those elements of the global parameter.
 pub fn initial_value(
     h: NnInit,
     seed: u64,
@@ -86,6 +87,18 @@ pub fn initial_value(
     shape: &Shape,
     dtype: DType,
 ) -> candle_core::Result<Tensor> {
+    if let Some(p) = crate::init::take_piece(shape.dims()) {
+        let global = Shape::from(p.global.clone());
+        return crate::init::piece(
+            init_of(h, &global),
+            seed,
+            name,
+            &p.global,
+            &p.indices,
+            dtype,
+            &Device::Cpu,
+        );
+    }
     full(
         init_of(h, shape),
         seed,

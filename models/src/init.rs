@@ -110,6 +110,59 @@ pub fn full(
     piece(init, seed, name, shape, &idx, dtype, device)
 }
 
+thread_local! {
+    static PIECE: std::cell::RefCell<Option<PieceRequest>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A request for a piece of a parameter, made through a candle-nn `VarBuilder` by the
+/// tensor-parallel layers of [`crate::tp_nn`]: the `VarBuilder` API can only ask for a shape,
+/// so the layer states here which global rows/cols the requested shape covers, and the
+/// backends of this crate ([`crate::fsdp_vb::FsdpVarMap`], [`crate::fsdp_vb::reference_var_builder`])
+/// produce exactly those elements of the single-device parameter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PieceRequest {
+    /// The global (single-device) shape.
+    pub global: Vec<usize>,
+    /// The global indices along each dim of the piece.
+    pub indices: Vec<Vec<usize>>,
+}
+
+impl PieceRequest {
+    /// The shape of the piece.
+    pub fn dims(&self) -> Vec<usize> {
+        self.indices.iter().map(Vec::len).collect()
+    }
+}
+
+/// Runs `f`, which creates one parameter through a `VarBuilder`, with `request` pending on
+/// this thread: the first backend of this crate asked for a tensor of the piece's shape takes
+/// it ([`take_piece`]). The request is gone when `f` returns (or panics), taken or not.
+pub fn with_piece<T>(request: PieceRequest, f: impl FnOnce() -> T) -> T {
+    struct Reset(Option<PieceRequest>);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            let prev = self.0.take();
+            PIECE.with(|p| *p.borrow_mut() = prev);
+        }
+    }
+    let prev = PIECE.with(|p| p.borrow_mut().replace(request));
+    let _reset = Reset(prev);
+    f()
+}
+
+/// The pending [`PieceRequest`] of this thread, taken, if its piece has shape `dims` (what a
+/// backend was asked for); `None` otherwise (then the backend creates the whole tensor).
+pub fn take_piece(dims: &[usize]) -> Option<PieceRequest> {
+    PIECE.with(|p| {
+        let mut p = p.borrow_mut();
+        if p.as_ref().is_some_and(|r| r.dims() == dims) {
+            p.take()
+        } else {
+            None
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,6 +176,25 @@ mod tests {
         let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / v.len() as f64;
         assert!(mean.abs() < 0.05, "{mean}");
         assert!((var.sqrt() - 2.0).abs() < 0.05, "{var}");
+    }
+
+    #[test]
+    fn piece_requests_are_taken_once_and_only_by_their_shape() {
+        let req = PieceRequest {
+            global: vec![4, 3],
+            indices: vec![vec![2, 3], vec![0, 1, 2]],
+        };
+        let (wrong, first, second) = with_piece(req.clone(), || {
+            (
+                take_piece(&[4, 3]),
+                take_piece(&[2, 3]),
+                take_piece(&[2, 3]),
+            )
+        });
+        assert_eq!((wrong, first, second), (None, Some(req.clone()), None));
+        // Not taken inside: gone afterwards all the same.
+        with_piece(req, || ());
+        assert_eq!(take_piece(&[2, 3]), None);
     }
 
     #[test]

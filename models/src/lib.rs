@@ -9,6 +9,11 @@
 //!   parallel, vocab-parallel embedding; loss-parallel cross-entropy); the styles only declare
 //!   placements and boundary layouts, the compiler derives every collective.
 //! - [`Gpt`]: token + position embedding, pre-norm blocks, final norm, tied or untied head.
+//! - [`nn`]: differentiable drop-ins for candle-nn's fused norms, softmax and rotary
+//!   embeddings, which cut the autograd graph (candle#2168, #3011).
+//! - [`tp_nn`]: tensor parallelism for candle-nn code: column / row-parallel linears and a
+//!   vocab-parallel embedding on plain tensors (Megatron's collectives), built from a
+//!   `VarBuilder`; composable with FSDP ([`fsdp_vb`]).
 //! - [`init`]: a counter-based initialiser keyed by global index, so any mesh holds exactly
 //!   the single-device parameters for a seed.
 //! - [`train`]: a global gradient-norm clip with one all_reduce; [`data`]: a synthetic corpus.
@@ -25,9 +30,11 @@ pub mod fsdp_vb;
 pub mod gpt;
 pub mod init;
 pub mod layers;
+pub mod nn;
 pub mod optim;
 pub mod params;
 pub mod plan;
+pub mod tp_nn;
 pub mod train;
 pub mod trainer;
 

@@ -11,7 +11,7 @@
 //! ```
 //! # fn main() -> candle_core::Result<()> {
 //! use candle_core::{Device, Tensor, Var};
-//! use candle_dtensor_models::optim::AdamW;
+//! use candle_dtensor::models::optim::AdamW;
 //! use candle_nn::{Optimizer, ParamsAdamW};
 //!
 //! let w = Var::new(&[1.0f32, -2.0], &Device::Cpu)?;

@@ -1,14 +1,16 @@
 //! The training loop shared by the `train_gpt` example and the tests: one rank's side of
-//! training a [`Gpt`] on the synthetic corpus with AdamW ([`crate::optim::AdamW`], candle-nn's
+//! training a [`Gpt`] on a corpus (synthetic by default, or any token stream, with an optional
+//! held-out evaluation and text generation at the end) with AdamW ([`crate::optim::AdamW`], candle-nn's
 //! math), with optional distributed checkpoints ([`crate::checkpoint`]) and resumption.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use candle_dtensor_core::debug::{CommDebugMode, Phase};
-use candle_dtensor_core::{distribute_tensor, Placement};
+use candle_dtensor_core::{distribute_tensor, DTensor, Placement};
 use candle_dtensor_mesh::DeviceMesh;
 use candle_nn::Optimizer;
 
@@ -42,6 +44,13 @@ pub struct TrainConfig {
     pub clip: Option<f64>,
     /// Tokens in the synthetic corpus.
     pub corpus_tokens: usize,
+    /// The training tokens (`None`: the synthetic corpus, [`TrainConfig::synthetic_corpus`]).
+    /// Their vocabulary must fit the model's.
+    pub data: Option<Arc<Corpus>>,
+    /// Evaluate on held-out tokens during training.
+    pub eval: Option<EvalSpec>,
+    /// Generate tokens from the trained model at the end.
+    pub sample: Option<SampleSpec>,
     /// Shard parameters, gradients and optimizer state with FSDP.
     pub fsdp: Option<FsdpSpec>,
     /// Plain SGD instead of AdamW (tests: SGD is sensitive to the gradient scale, which AdamW's
@@ -59,6 +68,34 @@ pub struct TrainConfig {
     /// checkpoint) instead of the seed's initialisation; not used when resuming from a
     /// checkpoint.
     pub init_from: Option<PathBuf>,
+}
+
+/// Held-out evaluation: the mean loss over `batches` fixed batches of `corpus` (forward
+/// only), after every `every` steps and after the last.
+#[derive(Debug, Clone)]
+pub struct EvalSpec {
+    /// The held-out tokens.
+    pub corpus: Arc<Corpus>,
+    /// Evaluate after every this many steps (and after the last).
+    pub every: usize,
+    /// Batches (of the training batch size) per evaluation.
+    pub batches: usize,
+}
+
+/// Text generation at the end of training: `tokens` new tokens after `prompt`, each predicted
+/// from the last `seq_len` tokens (a sliding window).
+#[derive(Debug, Clone)]
+pub struct SampleSpec {
+    /// The prompt (at least one token).
+    pub prompt: Vec<u32>,
+    /// How many tokens to generate.
+    pub tokens: usize,
+    /// 0: greedy (the most likely token, the lowest id among ties); above 0: sampled from
+    /// `softmax(logits / temperature)` with a generator seeded by `seed` (the same choice on
+    /// every rank).
+    pub temperature: f64,
+    /// Seed of the sampling.
+    pub seed: u64,
 }
 
 /// FSDP settings by mesh dim name.
@@ -89,6 +126,9 @@ impl TrainConfig {
             weight_decay: 0.01,
             clip: None,
             corpus_tokens: 1 << 18,
+            data: None,
+            eval: None,
+            sample: None,
             fsdp: None,
             sgd: false,
             save_dir: None,
@@ -96,6 +136,11 @@ impl TrainConfig {
             resume: false,
             init_from: None,
         }
+    }
+
+    /// The synthetic corpus trained on when there is no [`TrainConfig::data`].
+    pub fn synthetic_corpus(&self) -> Corpus {
+        Corpus::synthetic(self.gpt.vocab, self.corpus_tokens, self.seed ^ 0xC0FFEE)
     }
 }
 
@@ -119,6 +164,10 @@ pub struct RankReport {
     pub start_step: usize,
     /// Global mean loss per step run in this invocation (steps `start_step..steps`).
     pub losses: Vec<f32>,
+    /// Held-out loss after `n` steps, as `(n, loss)` ([`TrainConfig::eval`]).
+    pub eval_losses: Vec<(usize, f32)>,
+    /// The generated tokens ([`TrainConfig::sample`]), after the prompt.
+    pub sample: Vec<u32>,
     /// Steps after which a checkpoint was saved.
     pub saved_steps: Vec<usize>,
     /// Wall time of each checkpoint save (ms).
@@ -179,7 +228,21 @@ pub fn train_rank(
         DType::F32,
         fsdp.as_ref(),
     )?;
-    let corpus = Corpus::synthetic(cfg.gpt.vocab, cfg.corpus_tokens, cfg.seed ^ 0xC0FFEE);
+    let corpus = match &cfg.data {
+        Some(c) => c.clone(),
+        None => Arc::new(cfg.synthetic_corpus()),
+    };
+    for (what, c) in std::iter::once(("training", &corpus))
+        .chain(cfg.eval.iter().map(|e| ("held-out", &e.corpus)))
+    {
+        if c.vocab() > cfg.gpt.vocab {
+            return Err(ModelError::Config(format!(
+                "the {what} tokens' vocabulary of {} exceeds the model's {}",
+                c.vocab(),
+                cfg.gpt.vocab
+            )));
+        }
+    }
     let mut opt = if cfg.sgd {
         StepOptimizer::Sgd(candle_nn::SGD::new(store.vars(), cfg.lr)?)
     } else {
@@ -197,7 +260,11 @@ pub fn train_rank(
         "seed": cfg.seed,
         "batch": cfg.batch,
         "corpus_tokens": cfg.corpus_tokens,
-        "data": "synthetic corpus; batches are a function of (seed, step) only",
+        "data": match cfg.data {
+            None => "synthetic corpus; batches are a function of (seed, step) only",
+            Some(_) => "given tokens; batches are a function of (tokens, seed, step) only",
+        },
+        "data_fingerprint": corpus.fingerprint().to_string(),
     });
     if (cfg.resume || cfg.save_every > 0) && cfg.save_dir.is_none() {
         return Err(ModelError::Config(
@@ -211,7 +278,7 @@ pub fn train_rank(
             Ok(info) => {
                 start = info.step;
                 resumed = true;
-                for key in ["seed", "batch", "corpus_tokens"] {
+                for key in ["seed", "batch", "corpus_tokens", "data_fingerprint"] {
                     if info.extra.get(key) != extra.get(key) {
                         tracing::warn!(
                             key,
@@ -232,7 +299,6 @@ pub fn train_rank(
     if let (false, Some(path)) = (resumed, &cfg.init_from) {
         store.load_safetensors(path)?;
     }
-    let placements = gpt.batch_placements();
     let all_r = vec![Placement::Replicate; mesh.ndim()];
     let t = cfg.gpt.seq_len;
     let mut report = RankReport {
@@ -257,11 +323,7 @@ pub fn train_rank(
     let _ = candle_dtensor_core::debug::take_comm_wait();
     for step in start..cfg.steps {
         let t0 = Instant::now();
-        let (x, y) = corpus.batch(step as u64, cfg.batch, t, cfg.seed);
-        let x = Tensor::from_vec(x, (cfg.batch, t), mesh.root_comm().device())?;
-        let y = Tensor::from_vec(y, (cfg.batch, t), mesh.root_comm().device())?;
-        let x = distribute_tensor(&x, mesh, &placements)?;
-        let y = distribute_tensor(&y, mesh, &placements)?;
+        let (x, y) = global_batch(&gpt, mesh, &corpus, step as u64, cfg.batch, cfg.seed)?;
         let last = step + 1 == cfg.steps;
         let mode = last.then(CommDebugMode::start);
         let loss = gpt.loss(&x, &y)?.redistribute(&all_r)?;
@@ -315,6 +377,18 @@ pub fn train_rank(
             tokens: cfg.batch * t,
         });
         let done = step + 1;
+        if let Some(e) = &cfg.eval {
+            if (e.every > 0 && done % e.every == 0) || done == cfg.steps {
+                report
+                    .eval_losses
+                    .push((done, evaluate(&gpt, mesh, cfg, e)?));
+                // Not part of the next step's measurements.
+                let _ = candle_dtensor_core::debug::take_comm_wait();
+                if let Some(f) = &fsdp {
+                    f.take_stats();
+                }
+            }
+        }
         if let Some(dir) = &cfg.save_dir {
             if (cfg.save_every > 0 && done % cfg.save_every == 0) || done == cfg.steps {
                 let t0 = Instant::now();
@@ -324,7 +398,136 @@ pub fn train_rank(
             }
         }
     }
+    if let Some(spec) = &cfg.sample {
+        report.sample = generate(&gpt, mesh, cfg, spec, corpus.vocab())?;
+    }
     Ok(report)
+}
+
+/// Seed of the held-out batches: the same batches at every evaluation.
+const EVAL_SEED: u64 = 0xE7A1;
+
+/// The global batch `(ids, targets)` of `corpus` for `index`, distributed as the model takes
+/// it.
+fn global_batch(
+    gpt: &Gpt,
+    mesh: &DeviceMesh,
+    corpus: &Corpus,
+    index: u64,
+    batch: usize,
+    seed: u64,
+) -> Result<(DTensor, DTensor)> {
+    let t = gpt.cfg.seq_len;
+    let (x, y) = corpus.batch(index, batch, t, seed);
+    let dev = mesh.root_comm().device();
+    let placements = gpt.batch_placements();
+    let x = Tensor::from_vec(x, (batch, t), dev)?;
+    let y = Tensor::from_vec(y, (batch, t), dev)?;
+    Ok((
+        distribute_tensor(&x, mesh, &placements)?,
+        distribute_tensor(&y, mesh, &placements)?,
+    ))
+}
+
+/// The mean held-out loss over `e.batches` fixed batches (forward only; collective).
+fn evaluate(gpt: &Gpt, mesh: &DeviceMesh, cfg: &TrainConfig, e: &EvalSpec) -> Result<f32> {
+    let all_r = vec![Placement::Replicate; mesh.ndim()];
+    let mut sum = 0.0;
+    let n = e.batches.max(1);
+    for k in 0..n {
+        let (x, y) = global_batch(gpt, mesh, &e.corpus, k as u64, cfg.batch, EVAL_SEED)?;
+        let loss = gpt.loss(&x, &y)?.redistribute(&all_r)?;
+        sum += f64::from(loss.to_local().to_scalar::<f32>()?);
+    }
+    Ok((sum / n as f64) as f32)
+}
+
+/// A uniform number in `[0, 1)` from `(seed, i)` (splitmix64).
+fn uniform(seed: u64, i: u64) -> f64 {
+    let mut z = seed ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    for _ in 0..2 {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+    }
+    (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The next token from `logits` (the first `vocab` ids: the data's vocabulary), as
+/// [`SampleSpec`] says.
+fn choose(logits: &[f32], vocab: usize, spec: &SampleSpec, i: u64) -> u32 {
+    let logits = &logits[..vocab.min(logits.len())];
+    let best = logits
+        .iter()
+        .enumerate()
+        .fold((0usize, f32::NEG_INFINITY), |b, (k, &l)| {
+            if l > b.1 {
+                (k, l)
+            } else {
+                b
+            }
+        });
+    if spec.temperature <= 0.0 {
+        return best.0 as u32;
+    }
+    let max = f64::from(best.1);
+    let w: Vec<f64> = logits
+        .iter()
+        .map(|&l| ((f64::from(l) - max) / spec.temperature).exp())
+        .collect();
+    let total: f64 = w.iter().sum();
+    let mut u = uniform(spec.seed, i) * total;
+    for (k, wk) in w.iter().enumerate() {
+        if u < *wk {
+            return k as u32;
+        }
+        u -= wk;
+    }
+    best.0 as u32
+}
+
+/// Generates `spec.tokens` tokens after `spec.prompt` (collective: every rank runs the same
+/// forwards and picks the same tokens from the same gathered logits). The batch has one row per
+/// data-parallel rank, all the same context.
+fn generate(
+    gpt: &Gpt,
+    mesh: &DeviceMesh,
+    cfg: &TrainConfig,
+    spec: &SampleSpec,
+    vocab: usize,
+) -> Result<Vec<u32>> {
+    if spec.prompt.is_empty() {
+        return Err(ModelError::Config(
+            "sampling needs a prompt of at least one token".into(),
+        ));
+    }
+    let placements = gpt.batch_placements();
+    let mut rows = 1;
+    for (d, p) in placements.iter().enumerate() {
+        if *p == Placement::Shard(0) {
+            rows *= mesh.size(d)?;
+        }
+    }
+    let dev = mesh.root_comm().device();
+    let mut ctx = spec.prompt.clone();
+    let mut out = Vec::with_capacity(spec.tokens);
+    for i in 0..spec.tokens {
+        let window = &ctx[ctx.len().saturating_sub(cfg.gpt.seq_len)..];
+        let t = window.len();
+        let ids: Vec<u32> = (0..rows).flat_map(|_| window.iter().copied()).collect();
+        let ids = distribute_tensor(&Tensor::from_vec(ids, (rows, t), dev)?, mesh, &placements)?;
+        let logits = gpt.forward(&ids)?.full_tensor()?;
+        let last = logits
+            .get(0)?
+            .get(t - 1)?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
+        let next = choose(&last, vocab, spec, i as u64);
+        out.push(next);
+        ctx.push(next);
+    }
+    Ok(out)
 }
 
 /// The optimizer a training run steps: plain SGD (exact comparisons across

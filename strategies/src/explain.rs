@@ -411,7 +411,7 @@ pub fn resolve(req: &ExplainRequest) -> Result<ResolvedRequest> {
 /// Runs the request.
 ///
 /// ```
-/// use candle_dtensor_strategies::*;
+/// use candle_dtensor::strategies::*;
 /// let req = ExplainRequest {
 ///     mesh: "dp=2,tp=2".into(), op: "matmul".into(), shapes: "64x32,32x64".into(),
 ///     placements: "S(0),R;R,S(1)".into(), ..Default::default()

@@ -79,7 +79,7 @@ pub fn strided_indices(
 /// dim's global size when the rank holds nothing of it.
 ///
 /// ```
-/// use candle_dtensor_strategies::{local_shape_and_offset, Placement::*};
+/// use candle_dtensor::strategies::{local_shape_and_offset, Placement::*};
 /// // [15, 5] on a (4, 2) mesh, FSDP-after-TP layout: rank (3, 1) holds row 14 only.
 /// let (shape, off) = local_shape_and_offset(
 ///     &[15, 5], &[4, 2], &[3, 1], &[StridedShard { dim: 0, split_factor: 2 }, Shard(0)]).unwrap();

@@ -35,7 +35,7 @@
 //! * Row-parallel `linear` with a bias is not a row: run `linear(bias = false)`, reduce, add the bias.
 //!
 //! ```
-//! use candle_dtensor_strategies::*;
+//! use candle_dtensor::strategies::*;
 //! let mesh = MeshTopology::parse("dp=2,tp=2").unwrap();
 //! // Row-parallel matmul: x sharded on its columns, w on its rows -> a partial sum.
 //! let x = DTensorSpec::new(&[64, 32], DType::F32, &parse_placements("S(0),S(1)").unwrap());

@@ -170,7 +170,7 @@ impl fmt::Display for RedistributePlan {
 /// Plans the redistribution of `src` to `dst` placements on `mesh`.
 ///
 /// ```
-/// use candle_dtensor_strategies::*;
+/// use candle_dtensor::strategies::*;
 /// let mesh = MeshTopology::parse("dp=2,tp=2").unwrap();
 /// let src = DTensorSpec::new(&[8, 4], DType::F32, &parse_placements("S(0),S(0)").unwrap());
 /// let plan = plan_redistribute(&src, &parse_placements("R,S(0)").unwrap(), &mesh).unwrap();

@@ -103,7 +103,7 @@ impl ShardingPropagator {
     /// Cached [`ShardingPropagator::propagate_uncached`].
     ///
     /// ```
-    /// use candle_dtensor_strategies::*;
+    /// use candle_dtensor::strategies::*;
     /// let mesh = MeshTopology::parse("tp=4").unwrap();
     /// let x = DTensorSpec::new(&[8, 16], DType::F32, &[Placement::Replicate]);
     /// let w = DTensorSpec::new(&[16, 32], DType::F32, &[Placement::Shard(1)]);
@@ -129,7 +129,7 @@ impl ShardingPropagator {
     /// Cached like `propagate`, with the pins in the key.
     ///
     /// ```
-    /// use candle_dtensor_strategies::*;
+    /// use candle_dtensor::strategies::*;
     /// let mesh = MeshTopology::parse("tp=4").unwrap();
     /// let ids = DTensorSpec::new(&[4, 16], DType::U32, &[Placement::Replicate]);
     /// let w = DTensorSpec::new(&[512, 64], DType::F32, &[Placement::Shard(0)]);

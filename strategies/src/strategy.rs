@@ -143,7 +143,7 @@ impl fmt::Display for StrategyRow {
 /// The single-dim strategy rows of `op` for these input metas (without the all-Replicate row).
 ///
 /// ```
-/// use candle_dtensor_strategies::*;
+/// use candle_dtensor::strategies::*;
 /// let x = TensorMeta::new(&[64, 32], DType::F32);
 /// let w = TensorMeta::new(&[32, 16], DType::F32);
 /// let rows: Vec<String> = single_dim_strategies(&Op::Matmul, &[&x, &w])

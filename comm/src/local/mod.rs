@@ -60,14 +60,14 @@ pub enum LocalWorldError {
 /// Launches N ranks as threads; see the module docs.
 ///
 /// ```
-/// use candle_dtensor_comm::LocalWorld;
+/// use candle_dtensor::comm::LocalWorld;
 /// use std::time::Duration;
 ///
 /// let ranks = LocalWorld::new(3)
 ///     .with_timeout(Duration::from_secs(10))
-///     .launch(|comm| Ok::<_, candle_dtensor_comm::CommError>((comm.rank(), comm.size())))?;
+///     .launch(|comm| Ok::<_, candle_dtensor::comm::CommError>((comm.rank(), comm.size())))?;
 /// assert_eq!(ranks, vec![(0, 3), (1, 3), (2, 3)]);
-/// # Ok::<(), candle_dtensor_comm::LocalWorldError>(())
+/// # Ok::<(), candle_dtensor::comm::LocalWorldError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct LocalWorld {

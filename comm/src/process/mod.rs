@@ -185,8 +185,8 @@ fn parse_ip(s: &str, name: &str) -> Result<IpAddr> {
 /// use std::sync::Arc;
 /// use std::time::Duration;
 /// use candle_core::{Device, Tensor};
-/// use candle_dtensor_comm::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
-/// use candle_dtensor_comm::{process, CommOptions, ReduceOp};
+/// use candle_dtensor::comm::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
+/// use candle_dtensor::comm::{process, CommOptions, ReduceOp};
 ///
 /// let server = TcpStoreServer::bind("127.0.0.1:0")?;
 /// let addr = server.local_addr().to_string();

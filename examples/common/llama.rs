@@ -1,0 +1,649 @@
+//! Shared by `examples/train_llama.rs` and `tests/llama.rs`: a llama-architecture model written
+//! as a user writes one (candle-nn layers, `candle_dtensor::nn`'s differentiable drop-ins, and
+//! optionally `candle_dtensor::models::tp_nn`'s tensor-parallel layers), candle-transformers'
+//! own llama, and one training loop that runs either on one device or as one rank of FSDP
+//! (x TP), recording losses and every gradient so the two can be compared.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_dtensor::comm::ReduceOp;
+use candle_dtensor::mesh::DeviceMesh;
+use candle_dtensor::models::data::Corpus;
+use candle_dtensor::models::fsdp::{Fsdp, FsdpConfig, GradReduce};
+use candle_dtensor::models::fsdp_vb::{reference_var_builder, FsdpVarMap, ROOT_UNIT};
+use candle_dtensor::models::tp_nn::{self, Group, TpLinearConfig};
+use candle_dtensor::nn::{ops, rms_norm, rotary_emb, RmsNorm};
+use candle_dtensor::strategies::layout::shard_size_and_offset;
+use candle_nn::{Optimizer, ParamsAdamW, VarBuilder};
+
+/// Boxed error of a run.
+pub type BoxErr = Box<dyn std::error::Error + Send + Sync>;
+
+/// Model sizes (shared by both models; no grouped-query attention).
+#[derive(Debug, Clone, Copy)]
+pub struct Sizes {
+    /// Vocabulary.
+    pub vocab: usize,
+    /// Model width.
+    pub hidden: usize,
+    /// MLP width.
+    pub intermediate: usize,
+    /// Blocks.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Longest sequence.
+    pub max_seq: usize,
+}
+
+impl Sizes {
+    /// A tiny llama: vocab 64, width 32, 4 heads, MLP 64, 2 blocks.
+    pub fn tiny() -> Self {
+        Sizes {
+            vocab: 64,
+            hidden: 32,
+            intermediate: 64,
+            layers: 2,
+            heads: 4,
+            max_seq: 64,
+        }
+    }
+
+    fn head_dim(&self) -> usize {
+        self.hidden / self.heads
+    }
+}
+
+const EPS: f64 = 1e-5;
+const ROPE_THETA: f32 = 10_000.0;
+
+/// candle-transformers' llama config for `s`.
+pub fn transformers_config(s: &Sizes) -> candle_transformers::models::llama::Config {
+    candle_transformers::models::llama::Config {
+        hidden_size: s.hidden,
+        intermediate_size: s.intermediate,
+        vocab_size: s.vocab,
+        num_hidden_layers: s.layers,
+        num_attention_heads: s.heads,
+        num_key_value_heads: s.heads,
+        use_flash_attn: false,
+        rms_norm_eps: EPS,
+        rope_theta: ROPE_THETA,
+        bos_token_id: None,
+        eos_token_id: None,
+        rope_scaling: None,
+        max_position_embeddings: s.max_seq,
+        tie_word_embeddings: false,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The user's own llama.
+
+/// Global ranges (per dim) of a rank's piece of each parameter, by name (absent: the whole).
+pub type Pieces = HashMap<String, Vec<Range<usize>>>;
+
+struct Attention {
+    q: Box<dyn Module>,
+    k: Box<dyn Module>,
+    v: Box<dyn Module>,
+    o: Box<dyn Module>,
+    heads: usize,
+    head_dim: usize,
+}
+
+struct Block {
+    input_layernorm: RmsNorm,
+    attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    gate: Box<dyn Module>,
+    up: Box<dyn Module>,
+    down: Box<dyn Module>,
+}
+
+/// A llama written with candle-nn's `linear_no_bias` / `embedding` (or the tensor-parallel
+/// `tp_nn` layers) and `candle_dtensor::nn`'s `rms_norm`, `softmax_last_dim` and `rope`: every
+/// parameter gets its gradient. Parameter names are the Hugging Face ones, as in
+/// candle-transformers (`model.layers.{i}.self_attn.q_proj.weight`, ...).
+pub struct OwnLlama {
+    embed: Box<dyn Module>,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Box<dyn Module>,
+    cos: Tensor,
+    sin: Tensor,
+    /// This rank's pieces of the tensor-parallel parameters.
+    pub pieces: Pieces,
+}
+
+/// Builds linears either as candle-nn's or split over a tensor-parallel group, recording the
+/// pieces.
+struct Linears<'a> {
+    tp: Option<&'a Group>,
+    pieces: Pieces,
+}
+
+/// How a linear's weight is split under tensor parallelism.
+#[derive(Clone, Copy)]
+enum Split {
+    /// By output features (column-parallel).
+    Outputs,
+    /// By input features (row-parallel).
+    Inputs,
+}
+
+impl Linears<'_> {
+    /// `linear_no_bias(i, o)`, split in blocks of `block` under TP.
+    fn linear(
+        &mut self,
+        split: Split,
+        i: usize,
+        o: usize,
+        block: usize,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Box<dyn Module>> {
+        let Some(tp) = self.tp else {
+            return Ok(Box::new(candle_nn::linear_no_bias(i, o, vb)?));
+        };
+        let cfg = TpLinearConfig { bias: false, block };
+        let name = format!("{}.weight", vb.prefix());
+        let (layer, piece): (Box<dyn Module>, _) = match split {
+            Split::Outputs => {
+                let l = tp_nn::ColumnParallelLinear::new(i, o, cfg, tp, vb)?;
+                let piece = vec![l.out_range(), 0..i];
+                (Box::new(l), piece)
+            }
+            Split::Inputs => {
+                let l = tp_nn::RowParallelLinear::new(i, o, cfg, tp, vb)?;
+                let piece = vec![0..o, l.in_range()];
+                (Box::new(l), piece)
+            }
+        };
+        self.pieces.insert(name, piece);
+        Ok(layer)
+    }
+}
+
+impl OwnLlama {
+    /// Builds the model from `vb`; with `tp`, the attention (by heads), the MLP, the embedding
+    /// (by vocabulary rows) and the LM head (output gathered) are split over that group.
+    pub fn new(s: &Sizes, vb: VarBuilder, tp: Option<&Group>) -> candle_core::Result<Self> {
+        let hd = s.head_dim();
+        let mut lin = Linears {
+            tp,
+            pieces: Pieces::new(),
+        };
+        let m = vb.pp("model");
+        let embed: Box<dyn Module> = match tp {
+            None => Box::new(candle_nn::embedding(
+                s.vocab,
+                s.hidden,
+                m.pp("embed_tokens"),
+            )?),
+            Some(tp) => {
+                let e =
+                    tp_nn::vocab_parallel_embedding(s.vocab, s.hidden, tp, m.pp("embed_tokens"))?;
+                lin.pieces.insert(
+                    "model.embed_tokens.weight".into(),
+                    vec![e.vocab_range(), 0..s.hidden],
+                );
+                Box::new(e)
+            }
+        };
+        let mut blocks = Vec::with_capacity(s.layers);
+        let mut heads = s.heads;
+        for i in 0..s.layers {
+            let b = m.pp(format!("layers.{i}"));
+            let a = b.pp("self_attn");
+            let q = lin.linear(Split::Outputs, s.hidden, s.hidden, hd, a.pp("q_proj"))?;
+            let k = lin.linear(Split::Outputs, s.hidden, s.hidden, hd, a.pp("k_proj"))?;
+            let v = lin.linear(Split::Outputs, s.hidden, s.hidden, hd, a.pp("v_proj"))?;
+            let o = lin.linear(Split::Inputs, s.hidden, s.hidden, hd, a.pp("o_proj"))?;
+            if let Some(r) = lin.pieces.get(&format!("{}.q_proj.weight", a.prefix())) {
+                heads = r[0].len() / hd;
+            }
+            let mlp = b.pp("mlp");
+            blocks.push(Block {
+                input_layernorm: rms_norm(s.hidden, EPS, b.pp("input_layernorm"))?,
+                attn: Attention {
+                    q,
+                    k,
+                    v,
+                    o,
+                    heads,
+                    head_dim: hd,
+                },
+                post_attention_layernorm: rms_norm(
+                    s.hidden,
+                    EPS,
+                    b.pp("post_attention_layernorm"),
+                )?,
+                gate: lin.linear(
+                    Split::Outputs,
+                    s.hidden,
+                    s.intermediate,
+                    1,
+                    mlp.pp("gate_proj"),
+                )?,
+                up: lin.linear(
+                    Split::Outputs,
+                    s.hidden,
+                    s.intermediate,
+                    1,
+                    mlp.pp("up_proj"),
+                )?,
+                down: lin.linear(
+                    Split::Inputs,
+                    s.intermediate,
+                    s.hidden,
+                    1,
+                    mlp.pp("down_proj"),
+                )?,
+            });
+        }
+        let norm = rms_norm(s.hidden, EPS, m.pp("norm"))?;
+        let lm_head: Box<dyn Module> = match tp {
+            None => Box::new(candle_nn::linear_no_bias(
+                s.hidden,
+                s.vocab,
+                vb.pp("lm_head"),
+            )?),
+            Some(tp) => {
+                let h =
+                    tp_nn::column_parallel_linear_no_bias(s.hidden, s.vocab, tp, vb.pp("lm_head"))?
+                        .with_gather_output(true);
+                lin.pieces
+                    .insert("lm_head.weight".into(), vec![h.out_range(), 0..s.hidden]);
+                Box::new(h)
+            }
+        };
+        // Rotary tables: position p, frequency theta^(-2j/d).
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|j| ROPE_THETA.powf(-((2 * j) as f32) / hd as f32))
+            .collect();
+        let angles: Vec<f32> = (0..s.max_seq)
+            .flat_map(|p| inv.iter().map(move |f| p as f32 * f))
+            .collect();
+        let angles = Tensor::from_vec(angles, (s.max_seq, hd / 2), vb.device())?;
+        Ok(OwnLlama {
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            cos: angles.cos()?,
+            sin: angles.sin()?,
+            pieces: lin.pieces,
+        })
+    }
+
+    fn block(&self, b: &Block, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (bs, t, _) = x.dims3()?;
+        let a = &b.attn;
+        let h = b.input_layernorm.forward(x)?;
+        let heads = |y: Tensor| -> candle_core::Result<Tensor> {
+            y.reshape((bs, t, a.heads, a.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (cos, sin) = (self.cos.narrow(0, 0, t)?, self.sin.narrow(0, 0, t)?);
+        let q = rotary_emb::rope(&heads(a.q.forward(&h)?)?, &cos, &sin)?;
+        let k = rotary_emb::rope(&heads(a.k.forward(&h)?)?, &cos, &sin)?;
+        let v = heads(a.v.forward(&h)?)?;
+        let scores = (q.matmul(&k.t()?)? / (a.head_dim as f64).sqrt())?;
+        let mask: Vec<f32> = (0..t)
+            .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, t), x.device())?;
+        let att = ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+        let y = att
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((bs, t, a.heads * a.head_dim))?;
+        let x = (x + a.o.forward(&y)?)?;
+        let h = b.post_attention_layernorm.forward(&x)?;
+        let mlp = (b.gate.forward(&h)?.silu()? * b.up.forward(&h)?)?;
+        x + b.down.forward(&mlp)?
+    }
+
+    /// Logits `[B, T, vocab]` of token ids `[B, T]`. With `fsdp`, the forward runs as the
+    /// root unit and each block as its own unit (released after its forward, re-gathered for
+    /// its backward).
+    pub fn forward(&self, ids: &Tensor, fsdp: Option<&FsdpVarMap>) -> candle_core::Result<Tensor> {
+        let body = || -> candle_core::Result<Tensor> {
+            let mut x = self.embed.forward(ids)?;
+            for (i, b) in self.blocks.iter().enumerate() {
+                x = match fsdp {
+                    Some(map) => map.forward(&format!("model.layers.{i}"), || self.block(b, &x))?,
+                    None => self.block(b, &x)?,
+                };
+            }
+            self.lm_head.forward(&self.norm.forward(&x)?)
+        };
+        match fsdp {
+            Some(map) => Ok(map.forward(ROOT_UNIT, body)?),
+            None => body(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One training loop for both models, on one device or as one rank.
+
+/// Which model trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// `candle_transformers::models::llama::Llama`, unmodified: its loss is on the last
+    /// position (its forward returns only those logits).
+    Transformers,
+    /// [`OwnLlama`]: the loss is on every position.
+    Own,
+}
+
+/// What to train.
+#[derive(Debug, Clone)]
+pub struct Run {
+    /// The model.
+    pub arch: Arch,
+    /// Its sizes.
+    pub sizes: Sizes,
+    /// Steps.
+    pub steps: usize,
+    /// Global batch (sequences per step).
+    pub batch: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// AdamW learning rate.
+    pub lr: f64,
+    /// Seed of the parameters and the data.
+    pub seed: u64,
+}
+
+/// What a run saw (on a rank: its shards).
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    /// Global mean loss per step.
+    pub losses: Vec<f32>,
+    /// Per step, the gradient of every parameter that got one (this rank's shard).
+    pub grads: Vec<BTreeMap<String, Tensor>>,
+    /// Global ranges of this rank's tensor-parallel pieces (absent: the whole parameter).
+    pub pieces: Pieces,
+    /// FSDP group size and this rank's index in it (`(1, 0)` on one device).
+    pub dp: (usize, usize),
+    /// Every parameter name.
+    pub params: Vec<String>,
+    /// What FSDP reported without a gradient in the last step.
+    pub without_grad: Vec<String>,
+    /// The FSDP units.
+    pub units: Vec<String>,
+}
+
+/// The global batch of `step`: ids and next-token targets `[batch, seq]`.
+fn batch(run: &Run, corpus: &Corpus, step: usize) -> candle_core::Result<(Tensor, Tensor)> {
+    let (x, y) = corpus.batch(step as u64, run.batch, run.seq, run.seed);
+    Ok((
+        Tensor::from_vec(x, (run.batch, run.seq), &Device::Cpu)?,
+        Tensor::from_vec(y, (run.batch, run.seq), &Device::Cpu)?,
+    ))
+}
+
+fn corpus(run: &Run) -> Corpus {
+    Corpus::synthetic(run.sizes.vocab, 1 << 14, run.seed ^ 0x11A3A)
+}
+
+/// A built model with its forward-to-loss.
+enum Model {
+    Transformers(
+        candle_transformers::models::llama::Llama,
+        candle_transformers::models::llama::Cache,
+    ),
+    Own(OwnLlama),
+}
+
+impl Model {
+    fn build(run: &Run, vb: VarBuilder, tp: Option<&Group>) -> candle_core::Result<Model> {
+        Ok(match run.arch {
+            Arch::Transformers => {
+                let cfg = transformers_config(&run.sizes);
+                let cache = candle_transformers::models::llama::Cache::new(
+                    false,
+                    DType::F32,
+                    &cfg,
+                    vb.device(),
+                )?;
+                Model::Transformers(
+                    candle_transformers::models::llama::Llama::load(vb, &cfg)?,
+                    cache,
+                )
+            }
+            Arch::Own => Model::Own(OwnLlama::new(&run.sizes, vb, tp)?),
+        })
+    }
+
+    fn loss(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        fsdp: Option<&FsdpVarMap>,
+    ) -> candle_core::Result<Tensor> {
+        match self {
+            Model::Transformers(m, cache) => {
+                let t = x.dim(1)?;
+                let logits = match fsdp {
+                    Some(map) => map.forward(ROOT_UNIT, || m.forward(x, 0, cache))?,
+                    None => m.forward(x, 0, cache)?,
+                };
+                candle_nn::loss::cross_entropy(
+                    &logits,
+                    &y.narrow(1, t - 1, 1)?.squeeze(1)?.contiguous()?,
+                )
+            }
+            Model::Own(m) => {
+                let logits = m.forward(x, fsdp)?;
+                candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &y.flatten_all()?)
+            }
+        }
+    }
+
+    fn pieces(&self) -> Pieces {
+        match self {
+            Model::Own(m) => m.pieces.clone(),
+            Model::Transformers(..) => Pieces::new(),
+        }
+    }
+}
+
+fn adamw(run: &Run) -> ParamsAdamW {
+    ParamsAdamW {
+        lr: run.lr,
+        ..ParamsAdamW::default()
+    }
+}
+
+/// Trains on one device with the same initial values as the FSDP runs.
+pub fn train_one_device(run: &Run) -> Result<Report, BoxErr> {
+    let (map, vb) = reference_var_builder(run.seed, DType::F32, &Device::Cpu);
+    let mut model = Model::build(run, vb, None)?;
+    let mut opt = candle_nn::AdamW::new(map.all_vars(), adamw(run))?;
+    let corpus = corpus(run);
+    let vars: Vec<(String, candle_core::Var)> = {
+        let data = map
+            .data()
+            .lock()
+            .map_err(|_| "the VarMap lock is poisoned")?;
+        let mut v: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    let mut report = Report {
+        dp: (1, 0),
+        params: vars.iter().map(|(k, _)| k.clone()).collect(),
+        ..Report::default()
+    };
+    for step in 0..run.steps {
+        let (x, y) = batch(run, &corpus, step)?;
+        let loss = model.loss(&x, &y, None)?;
+        report.losses.push(loss.to_scalar::<f32>()?);
+        let grads = loss.backward()?;
+        report.grads.push(
+            vars.iter()
+                .filter_map(|(k, v)| grads.get(v.as_tensor()).map(|g| (k.clone(), g.clone())))
+                .collect(),
+        );
+        opt.step(&grads)?;
+    }
+    Ok(report)
+}
+
+/// Trains as one rank of a `dp x tp` mesh: FSDP over `dp` with a unit per block (`--arch
+/// own`: each block's forward wrapped; candle-transformers: its whole forward as the root
+/// unit), tensor parallelism over `tp` (own model only). Each dp rank trains on its rows of the
+/// global batch; its loss is their mean, so gradients are averaged.
+pub fn train_rank(mesh: &DeviceMesh, run: &Run) -> Result<Report, BoxErr> {
+    let dp = mesh.size(0)?;
+    let dpc = mesh.coordinate()[0];
+    let tp = match mesh.ndim() {
+        2 => Some(Group::from_mesh(mesh, "tp")?),
+        _ => None,
+    };
+    let fsdp = Fsdp::new(mesh, FsdpConfig::new(0, GradReduce::Avg))?;
+    let map = FsdpVarMap::new(&fsdp, run.seed).with_units(&["model.layers.{i}"])?;
+    let mut model = Model::build(run, map.var_builder(DType::F32), tp.as_ref())?;
+    let mut opt = fsdp.optimizer(candle_nn::AdamW::new(map.all_vars(), adamw(run))?);
+    let corpus = corpus(run);
+    let (rows, off) = shard_size_and_offset(run.batch, dp, dpc);
+    let mut params: Vec<String> = map.named_vars().into_iter().map(|(k, _)| k).collect();
+    params.sort();
+    let mut report = Report {
+        pieces: model.pieces(),
+        dp: (dp, dpc),
+        params,
+        units: map.units().into_iter().map(|(k, _)| k).collect(),
+        ..Report::default()
+    };
+    for step in 0..run.steps {
+        let (x, y) = batch(run, &corpus, step)?;
+        let (x, y) = (x.narrow(0, off, rows)?, y.narrow(0, off, rows)?);
+        let loss = model.loss(&x, &y, Some(&map))?;
+        let global = mesh
+            .comm(0)?
+            .all_reduce(&loss.reshape(1)?, ReduceOp::Avg)?
+            .wait()?;
+        report.losses.push(global.to_vec1::<f32>()?[0]);
+        let grads = fsdp.backward(&loss)?;
+        report.grads.push(
+            map.named_vars()
+                .into_iter()
+                .filter_map(|(k, v)| grads.get(v.as_tensor()).map(|g| (k, g.clone())))
+                .collect(),
+        );
+        opt.step(&grads)?;
+    }
+    report.without_grad = fsdp.params_without_grad();
+    report.without_grad.sort();
+    Ok(report)
+}
+
+/// How a rank's run compares with one device.
+#[derive(Debug, Clone, Default)]
+pub struct Comparison {
+    /// Largest relative loss difference over the steps.
+    pub max_loss_rel: f64,
+    /// Largest gradient difference relative to the gradient's magnitude, over every step and
+    /// parameter both have a gradient for.
+    pub max_grad_rel: f64,
+    /// The parameter and step of that largest difference.
+    pub worst: Option<(String, usize)>,
+    /// The same at the first step only, where both start from the same parameters (later
+    /// steps compare gradients at parameters that drifted apart by f32 rounding).
+    pub first_grad_rel: f64,
+    /// Per step, parameters with a gradient on one device and none here, and the reverse.
+    pub grad_set_mismatch: Vec<(usize, Vec<String>, Vec<String>)>,
+    /// Parameters compared (with a gradient on both, at the last step).
+    pub compared: Vec<String>,
+}
+
+/// The elements of `t` a rank's shard holds: its tensor-parallel piece, then FSDP's
+/// torch.chunk rows of it over `dp`.
+fn shard_of(
+    t: &Tensor,
+    piece: Option<&Vec<Range<usize>>>,
+    dp: (usize, usize),
+) -> candle_core::Result<Tensor> {
+    let ranges: Vec<Range<usize>> = match piece {
+        Some(r) => r.clone(),
+        None => t.dims().iter().map(|&n| 0..n).collect(),
+    };
+    let mut out = t.clone();
+    for (d, r) in ranges.iter().enumerate() {
+        out = out.narrow(d, r.start, r.len())?;
+    }
+    let (s, o) = shard_size_and_offset(out.dim(0)?, dp.0, dp.1);
+    out.narrow(0, o, s)
+}
+
+/// `max |a - b| / max |b|` (with a floor of 1e-6 for gradients that are zero up to rounding).
+fn rel(a: &Tensor, b: &Tensor) -> candle_core::Result<f64> {
+    let diff = (a - b)?
+        .abs()?
+        .max_all()?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?;
+    let scale = b
+        .abs()?
+        .max_all()?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?;
+    Ok(diff / scale.max(1e-6))
+}
+
+/// Compares a rank's report with the one-device report (whose gradients are whole).
+pub fn compare(reference: &Report, rank: &Report) -> Result<Comparison, BoxErr> {
+    let mut c = Comparison::default();
+    for (a, b) in rank.losses.iter().zip(&reference.losses) {
+        c.max_loss_rel = c
+            .max_loss_rel
+            .max(f64::from((a - b).abs() / b.abs().max(1e-12)));
+    }
+    for (step, (want, got)) in reference.grads.iter().zip(&rank.grads).enumerate() {
+        // A shard with no rows holds no gradient: not a mismatch.
+        let empty = |name: &str| -> bool {
+            want.get(name).is_some_and(|t| {
+                shard_of(t, rank.pieces.get(name), rank.dp).is_ok_and(|s| s.elem_count() == 0)
+            })
+        };
+        let missing: Vec<String> = want
+            .keys()
+            .filter(|k| !got.contains_key(*k) && !empty(k))
+            .cloned()
+            .collect();
+        let extra: Vec<String> = got
+            .keys()
+            .filter(|k| !want.contains_key(*k))
+            .cloned()
+            .collect();
+        if !missing.is_empty() || !extra.is_empty() {
+            c.grad_set_mismatch.push((step, missing, extra));
+        }
+        c.compared = got
+            .keys()
+            .filter(|k| want.contains_key(*k))
+            .cloned()
+            .collect();
+        for (name, g) in got {
+            let Some(w) = want.get(name) else { continue };
+            let w = shard_of(w, rank.pieces.get(name), rank.dp)?;
+            let r = rel(g, &w)?;
+            if step == 0 {
+                c.first_grad_rel = c.first_grad_rel.max(r);
+            }
+            if r > c.max_grad_rel {
+                c.max_grad_rel = r;
+                c.worst = Some((name.clone(), step));
+            }
+        }
+    }
+    Ok(c)
+}
