@@ -30,8 +30,8 @@ use candle_dtensor::dtensor::debug::{CommDebugMode, Phase};
 use candle_dtensor::dtensor::{apply, distribute_tensor, reference_apply, DTensor, Placement};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::strategies::{
-    explain, resolve, CollectiveKind, DTensorSpec, ExpandMethod, ExplainReport, ExplainRequest, Op,
-    ScalarOp, UnaryOp,
+    explain, resolve, CollectiveKind, DTensorSpec, ExpandMethod, ExplainReport, ExplainRequest,
+    InputKind, Op, Shape,
 };
 use clap::Parser;
 
@@ -176,27 +176,9 @@ fn unit(seed: u64, i: u64) -> f64 {
     (splitmix64(seed ^ i.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// Valid index range of integer input `i` of `op` (None: not an index).
-fn index_range(op: &Op, specs: &[DTensorSpec], i: usize) -> Option<usize> {
-    match (op, i) {
-        (Op::Embedding, 0) => specs.get(1).map(|w| w.meta.shape[0]),
-        (Op::CrossEntropy, 1) => specs.first().map(|l| l.meta.shape[1]),
-        (Op::IndexSelect { dim } | Op::Gather { dim }, 1) => {
-            specs.first().map(|s| s.meta.shape[*dim])
-        }
-        _ => None,
-    }
-}
-
-fn needs_positive(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Unary(UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Recip) | Op::ScalarOp(ScalarOp::Pow, _)
-    )
-}
-
 /// The full input tensors (the same on every rank).
 fn inputs(op: Option<&Op>, specs: &[DTensorSpec], seed: u64) -> candle_core::Result<Vec<Tensor>> {
+    let shapes: Vec<Shape> = specs.iter().map(|s| s.meta.shape.clone()).collect();
     specs
         .iter()
         .enumerate()
@@ -205,11 +187,12 @@ fn inputs(op: Option<&Op>, specs: &[DTensorSpec], seed: u64) -> candle_core::Res
             let s = seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407);
             let dims = spec.meta.shape.as_slice();
             let dtype = candle_dtensor_dtype(spec);
+            let kind = op.map_or(InputKind::Float, |o| o.input_kind(i, &shapes));
             match dtype {
                 DType::U32 | DType::I64 | DType::U8 => {
-                    let range = match (dtype, op.and_then(|o| index_range(o, specs, i))) {
-                        (DType::U8, _) => 2,
-                        (_, Some(r)) => r.max(1),
+                    let range = match (dtype, kind) {
+                        (DType::U8, _) | (_, InputKind::Mask) => 2,
+                        (_, InputKind::Index { bound }) => bound.max(1),
                         _ => 10,
                     };
                     let v: Vec<u32> = (0..n)
@@ -225,7 +208,7 @@ fn inputs(op: Option<&Op>, specs: &[DTensorSpec], seed: u64) -> candle_core::Res
                             let g = ((-2.0 * u1.ln()).sqrt()
                                 * (2.0 * std::f64::consts::PI * u2).cos())
                                 as f32;
-                            if op.is_some_and(needs_positive) {
+                            if kind == InputKind::Positive {
                                 g.abs() + 0.5
                             } else {
                                 g

@@ -675,3 +675,50 @@ fn gather() {
         )
     });
 }
+
+/// The op table's contract, at runtime ("Adding an op" in docs/ARCHITECTURE.md): every declared
+/// op name, built from its declaration's example (`explain`'s parser), runs on DTensors with
+/// random placements (Partial inputs from distinct summands) on a 1-D and a 2-D mesh and matches
+/// single-device candle, values and gradients. A declaration whose family lacks its kernel or
+/// reference fails here.
+#[test]
+fn every_declared_op_matches_one_device() {
+    use candle_dtensor_strategies::{resolve, ExplainRequest, InputKind, Shape};
+    for mesh in [&[3][..], &[2, 2]] {
+        let mut cases = Vec::new();
+        for decl in Op::declarations() {
+            for (k, name) in decl.names.iter().enumerate() {
+                let req = ExplainRequest {
+                    mesh: "a=2".into(),
+                    op: name.to_string(),
+                    ..Default::default()
+                }
+                .with_example(decl.example)
+                .unwrap();
+                let resolved = resolve(&req).unwrap_or_else(|e| panic!("{name}: {e}"));
+                let op = resolved.op.expect("an op");
+                let shapes: Vec<Shape> = resolved
+                    .specs
+                    .iter()
+                    .map(|s| s.meta.shape.clone())
+                    .collect();
+                let mut rng = Rng::for_name(name, mesh.len() as u64 + k as u64);
+                let inputs = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        let (d, partials) = match op.input_kind(i, &shapes) {
+                            InputKind::Float => (Domain::Normal, ALL_PARTIALS),
+                            InputKind::Positive => (Domain::Positive, ALL_PARTIALS),
+                            InputKind::Index { bound } => (Domain::IdsI64(bound), &[][..]),
+                            InputKind::Mask => (Domain::Mask, &[][..]),
+                        };
+                        (t(&mut rng, s, d), d, partials)
+                    })
+                    .collect();
+                cases.push(prepare(&mut rng, Spec::new(op, inputs), mesh));
+            }
+        }
+        assert_no_failures("declared ops", &run_cases(mesh, &cases));
+    }
+}

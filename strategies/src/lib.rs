@@ -80,7 +80,10 @@ pub use mesh::{
     MeshDim, MeshTopology, DEFAULT_DEVICES_PER_HOST, DEFAULT_LAUNCH_US, INTER_NODE_BANDWIDTH_GBPS,
     INTER_NODE_LATENCY_US, INTRA_NODE_BANDWIDTH_GBPS, INTRA_NODE_LATENCY_US,
 };
-pub use op::{normalize_dim, BinaryOp, CmpOp, Dims, Monotonicity, Op, Scalar, ScalarOp, UnaryOp};
+pub use op::{
+    normalize_dim, BinaryOp, CmpOp, Dims, Family, InputKind, Monotonicity, Op, OpArgs, OpDecl,
+    Scalar, ScalarOp, UnaryOp,
+};
 pub use placement::{
     format_placements, parse_placements, parse_placements_with_ndim, Placement, Placements,
     ReduceOp,

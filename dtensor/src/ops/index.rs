@@ -272,3 +272,25 @@ impl DTensor {
         })
     }
 }
+
+/// The index family on DTensors (dispatched by [`super::generic::apply_all`]).
+pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
+    Ok(vec![match op {
+        Op::IndexSelect { dim } => x[0].index_select(x[1], *dim)?,
+        Op::Gather { dim } => x[0].gather(x[1], *dim)?,
+        _ => return Err(super::wrong_family(op, x)),
+    }])
+}
+
+/// The index family on one device.
+pub(crate) fn reference(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+    let x = &inputs[0];
+    Ok(vec![match op {
+        Op::IndexSelect { dim } => x.index_select(&inputs[1].to_dtype(DType::U32)?, *dim)?,
+        Op::Gather { dim } => {
+            let idx = inputs[1].to_dtype(DType::U32)?;
+            gather_source(x, &idx, *dim)?.gather(&idx, *dim)?
+        }
+        _ => return Err(super::ref_wrong_family(op)),
+    }])
+}

@@ -84,3 +84,34 @@ impl DTensor {
         }
     }
 }
+
+/// The matrix family on DTensors (dispatched by [`super::generic::apply_all`]).
+pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
+    Ok(vec![match op {
+        Op::Matmul => x[0].matmul(x[1])?,
+        Op::BroadcastMatmul => x[0].broadcast_matmul(x[1])?,
+        Op::Linear { .. } => x[0].linear(x[1], x.get(2).copied())?,
+        _ => return Err(super::wrong_family(op, x)),
+    }])
+}
+
+/// The matrix family on one device.
+pub(crate) fn reference(op: &Op, x: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+    Ok(vec![match op {
+        Op::Matmul => x[0].matmul(&x[1])?,
+        Op::BroadcastMatmul => x[0].broadcast_matmul(&x[1])?,
+        Op::Linear { bias } => {
+            let y = if x[0].rank() == 1 {
+                x[0].unsqueeze(0)?.matmul(&x[1].t()?)?.squeeze(0)?
+            } else {
+                x[0].broadcast_matmul(&x[1].t()?)?
+            };
+            if *bias {
+                y.broadcast_add(&x[2])?
+            } else {
+                y
+            }
+        }
+        _ => return Err(super::ref_wrong_family(op)),
+    }])
+}

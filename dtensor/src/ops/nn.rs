@@ -419,3 +419,59 @@ impl DTensor {
         })
     }
 }
+
+/// The norm, embedding, loss and attention families on DTensors (dispatched by
+/// [`super::generic::apply_all`]).
+pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
+    let a = x[0];
+    Ok(vec![match op {
+        Op::Softmax { dim } => a.softmax(*dim)?,
+        Op::LogSoftmax { dim } => a.log_softmax(*dim)?,
+        Op::LayerNorm { eps, .. } => {
+            a.layer_norm(x.get(1).copied(), x.get(2).copied(), eps.get())?
+        }
+        Op::RmsNorm { eps } => a.rms_norm(x[1], eps.get())?,
+        Op::Embedding => a.embedding(x[1])?,
+        Op::CrossEntropy => a.cross_entropy(x[1])?,
+        Op::Sdpa { causal, scale } => a.sdpa(x[1], x[2], *causal, scale.map(|s| s.get()))?,
+        Op::PackedSdpa { causal, scale } => a.packed_sdpa(*causal, scale.map(|s| s.get()))?,
+        _ => return Err(super::wrong_family(op, x)),
+    }])
+}
+
+/// The norm, embedding, loss and attention families on one device.
+pub(crate) fn reference_op(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+    let x = &inputs[0];
+    Ok(vec![match op {
+        Op::Softmax { dim } => reference::softmax(x, *dim)?,
+        Op::LogSoftmax { dim } => reference::log_softmax(x, *dim)?,
+        Op::LayerNorm { eps, .. } => {
+            reference::layer_norm(x, inputs.get(1), inputs.get(2), eps.get())?
+        }
+        Op::RmsNorm { eps } => reference::rms_norm(x, &inputs[1], eps.get())?,
+        Op::Embedding => {
+            let mut dims = x.dims().to_vec();
+            dims.push(inputs[1].dim(1)?);
+            inputs[1]
+                .index_select(&x.flatten_all()?.to_dtype(DType::U32)?, 0)?
+                .reshape(dims)?
+        }
+        Op::CrossEntropy => {
+            let lsm = reference::log_softmax(x, 1)?;
+            lsm.gather(&inputs[1].to_dtype(DType::U32)?.unsqueeze(1)?, 1)?
+                .neg()?
+                .mean_all()?
+        }
+        Op::Sdpa { causal, scale } => {
+            let d = x.dim(3)? as f64;
+            let s = scale.map(|s| s.get()).unwrap_or(1.0 / d.sqrt());
+            reference::sdpa(x, &inputs[1], &inputs[2], *causal, s)?
+        }
+        Op::PackedSdpa { causal, scale } => {
+            let d = x.dim(4)? as f64;
+            let s = scale.map(|s| s.get()).unwrap_or(1.0 / d.sqrt());
+            reference::packed_sdpa(x, *causal, s)?
+        }
+        _ => return Err(super::ref_wrong_family(op)),
+    }])
+}

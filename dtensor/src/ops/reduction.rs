@@ -7,6 +7,7 @@
 use candle_core::Tensor;
 use candle_dtensor_strategies::{Dims, Op};
 
+use super::generic::dims_or_all;
 use crate::dispatch::run1;
 use crate::error::{invalid, Result};
 use crate::tensor::DTensor;
@@ -144,4 +145,66 @@ impl DTensor {
             }
         })
     }
+}
+
+/// The reduction family on DTensors (dispatched by [`super::generic::apply_all`]).
+pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
+    let a = x[0];
+    let all = |dims: &[usize]| dims_or_all(dims, a.rank());
+    Ok(vec![match op {
+        Op::Sum { dims, keepdim } => a.sum(&all(dims), *keepdim)?,
+        Op::Mean { dims, keepdim } => a.mean(&all(dims), *keepdim)?,
+        Op::Max { dims, keepdim } => a.max(&all(dims), *keepdim)?,
+        Op::Min { dims, keepdim } => a.min(&all(dims), *keepdim)?,
+        Op::ArgMax { dim, keepdim } => a.argmax(*dim, *keepdim)?,
+        _ => return Err(super::wrong_family(op, x)),
+    }])
+}
+
+fn extreme_ref(x: &Tensor, dims: &[usize], keepdim: bool, max: bool) -> CResult<Tensor> {
+    let mut r = x.clone();
+    for &d in dims {
+        r = if max {
+            r.max_keepdim(d)?
+        } else {
+            r.min_keepdim(d)?
+        };
+    }
+    squeeze_reduced(r, dims, keepdim)
+}
+
+/// `r` (reduced with keepdim over `dims`) without those dims unless `keepdim`.
+fn squeeze_reduced(mut r: Tensor, dims: &[usize], keepdim: bool) -> CResult<Tensor> {
+    if !keepdim {
+        let mut s = dims.to_vec();
+        s.sort_unstable_by(|a, b| b.cmp(a));
+        for d in s {
+            r = r.squeeze(d)?;
+        }
+    }
+    Ok(r)
+}
+
+/// The reduction family on one device.
+pub(crate) fn reference(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+    let x = &inputs[0];
+    let all = |dims: &[usize]| dims_or_all(dims, x.rank());
+    Ok(vec![match op {
+        Op::Sum { dims, keepdim } => {
+            squeeze_reduced(x.sum_keepdim(all(dims))?, &all(dims), *keepdim)?
+        }
+        Op::Mean { dims, keepdim } => {
+            squeeze_reduced(x.mean_keepdim(all(dims))?, &all(dims), *keepdim)?
+        }
+        Op::Max { dims, keepdim } => extreme_ref(x, &all(dims), *keepdim, true)?,
+        Op::Min { dims, keepdim } => extreme_ref(x, &all(dims), *keepdim, false)?,
+        Op::ArgMax { dim, keepdim } => {
+            if *keepdim {
+                x.argmax_keepdim(*dim)?
+            } else {
+                x.argmax(*dim)?
+            }
+        }
+        _ => return Err(super::ref_wrong_family(op)),
+    }])
 }

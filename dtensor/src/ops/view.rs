@@ -128,3 +128,35 @@ impl DTensor {
         p.finish1(&op, out)
     }
 }
+
+/// The view family on DTensors (dispatched by [`super::generic::apply_all`]).
+pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
+    let a = x[0];
+    Ok(vec![match op {
+        Op::Reshape { shape } => a.reshape(shape)?,
+        Op::Transpose { dim0, dim1 } => a.transpose(*dim0, *dim1)?,
+        Op::Permute { dims } => a.permute(dims)?,
+        Op::Narrow { dim, start, len } => a.narrow(*dim, *start, *len)?,
+        Op::Squeeze { dim } => a.squeeze(*dim)?,
+        Op::Unsqueeze { dim } => a.unsqueeze(*dim)?,
+        Op::BroadcastAs { shape } => a.broadcast_as(shape)?,
+        Op::Flatten { start, end } => a.flatten(*start, *end)?,
+        _ => return Err(super::wrong_family(op, x)),
+    }])
+}
+
+/// The view family on one device.
+pub(crate) fn reference(op: &Op, inputs: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+    let x = &inputs[0];
+    Ok(vec![match op {
+        Op::Reshape { shape } => x.reshape(shape.as_slice())?,
+        Op::Transpose { dim0, dim1 } => x.transpose(*dim0, *dim1)?,
+        Op::Permute { dims } => x.permute(dims.to_vec())?,
+        Op::Narrow { dim, start, len } => x.narrow(*dim, *start, *len)?,
+        Op::Squeeze { dim } => x.squeeze(*dim)?,
+        Op::Unsqueeze { dim } => x.unsqueeze(*dim)?,
+        Op::BroadcastAs { shape } => x.broadcast_as(shape.as_slice())?,
+        Op::Flatten { start, end } => x.flatten(*start, *end)?,
+        _ => return Err(super::ref_wrong_family(op)),
+    }])
+}

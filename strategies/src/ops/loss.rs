@@ -37,7 +37,7 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
     Ok(vec![meta(&[], logits.dtype)])
 }
 
-pub(super) fn rows(inputs: &[&TensorMeta]) -> Vec<StrategyRow> {
+pub(super) fn rows(_op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec<StrategyRow> {
     let logits = inputs[0];
     let n_bytes = (logits.shape[0] * logits.dtype.size_in_bytes()) as u64;
     let mut lp = StrategyRow::new(&[R], &[s(1), R]).no_strided();

@@ -50,7 +50,7 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
     Ok(vec![x.clone()])
 }
 
-pub(super) fn rows(op: &Op, inputs: &[&TensorMeta]) -> Vec<StrategyRow> {
+pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec<StrategyRow> {
     let nd = inputs[0].ndim();
     let n_in = inputs.len();
     let mut rows = Vec::new();

@@ -71,7 +71,7 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
     Ok(vec![meta(&out_shape(&x.shape, &reduced, keepdim), dtype)])
 }
 
-pub(super) fn rows(op: &Op, inputs: &[&TensorMeta]) -> Vec<StrategyRow> {
+pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec<StrategyRow> {
     let x = inputs[0];
     let (dims, keepdim) = parts(op);
     let reduced = reduced_dims(&dims, x.ndim());
