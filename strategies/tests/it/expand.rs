@@ -272,3 +272,24 @@ fn size_one_mesh_dims_are_free() {
     assert_eq!(s.cost_us, 0.0);
     assert_eq!(s.output_specs[0].placements[1].to_string(), "P(sum)");
 }
+
+/// A pin wins over placements that already fit: `x S(0)` fits matmul's batch row for free, but
+/// pinned to `R` it must be gathered (the search's keep-the-current-placements seed used to
+/// ignore pins).
+#[test]
+fn pins_win_over_current_placements() {
+    let mesh = MeshTopology::parse("tp=4").unwrap();
+    let x = spec(&[64, 32], DType::F32, "S(0)");
+    let w = spec(&[32, 16], DType::F32, "R");
+    let pin = parse_placements("R").unwrap();
+    let s = candle_dtensor_strategies::propagate_pinned_with(
+        &Op::Matmul,
+        &[&x, &w],
+        &mesh,
+        ExpandMethod::Auto,
+        &[Some(&pin), None],
+    )
+    .unwrap();
+    assert_eq!(s.input_specs[0].placements.as_slice(), pin.as_slice());
+    assert!(s.cost_us > 0.0);
+}
