@@ -8,10 +8,16 @@
 //! then StridedShard (FSDP-after-TP layouts).
 //!
 //! Gradient semantics of inputs: a Shard/Replicate input's local gradient is its piece of the
-//! full gradient (and the pieces assemble into it with `from_local(..).full_tensor()`); a
-//! Partial input's local gradient is the derivative of the loss with respect to that local
-//! summand: the replicated gradient of the value for `P(sum)`, `/n` for `P(avg)`, and the
-//! gradient masked to the rank holding the extreme for `P(max)`/`P(min)`.
+//! full gradient; a Partial input's local (candle) gradient is the derivative of the loss with
+//! respect to that local summand: the replicated gradient of the value for `P(sum)`, `/n` for
+//! `P(avg)`, and the gradient masked to the rank holding the extreme for `P(max)`/`P(min)`.
+//! Both are checked, and so is the rule users see: every input's gradient read as a DTensor
+//! (`DTensor::grad`) has a local piece that fits its placements and a `full_tensor()` equal to
+//! the single-device gradient, Partial inputs included.
+//!
+//! Planned == executed: every case records its forward collectives with `CommDebugMode` and
+//! compares them (kind and mesh dim) with the compiler's decision for the same inputs (the
+//! redistribution steps and the op's internal comms).
 //!
 //! Tolerance: f32 relative error 1e-5 (`|a - b| <= 1e-5 (1 + |b|)`) for every op. Inputs are
 //! O(1) and reductions short, so the different summation order of sharded reductions stays

@@ -113,11 +113,12 @@ fn rma_rows(ax: &Axis, t: &Tensor, l: usize, wanted: &[usize]) -> CResult<Tensor
         }
         let count = j - i;
         let got = window.get(owner, (g - off) * row, count * row, t.dtype())?;
-        crate::debug::record("rma_get", &ax.name, (count * row * es) as u64);
         pieces.push(got);
         i = j;
     }
     window.fence()?;
+    // One record per op, as the plan has one `rma_get` (however many runs of rows it took).
+    crate::debug::record("rma_get", &ax.name, (wanted.len() * row * es) as u64);
     let mut dims = t.dims().to_vec();
     dims[0] = wanted.len();
     if pieces.is_empty() {

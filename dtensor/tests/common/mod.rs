@@ -6,12 +6,16 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_dtensor_comm::{Comm, LocalWorld};
+use candle_dtensor_core::debug::{CommDebugMode, Phase};
 use candle_dtensor_core::{
-    apply, distribute_tensor, reference_apply, DTensor, Placement, ReduceOp,
+    apply, distribute_tensor, reference_apply, DTensor, MeshCtx, Placement, ReduceOp,
 };
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_strategies::layout::{local_indices, local_shape};
-use candle_dtensor_strategies::{format_placements, Op};
+use candle_dtensor_strategies::{
+    format_placements, global_propagator, DTensorSpec, MeshTopology, Op, OpSharding,
+    RedistributePlan,
+};
 
 /// Boxed error of a rank closure.
 pub type BoxErr = Box<dyn std::error::Error + Send + Sync>;
@@ -687,10 +691,26 @@ fn run_case_inner(mesh: &DeviceMesh, case: &Case, fails: &mut Vec<String>) -> R<
         dts.push(d);
     }
     let refs: Vec<&DTensor> = dts.iter().collect();
+    let specs: Vec<&DTensorSpec> = dts.iter().map(|d| d.spec()).collect();
+    let ctx = MeshCtx::of(mesh)?;
+    let topo = ctx.topology();
+    let planned = global_propagator()
+        .propagate(&case.op, &specs, topo)
+        .map(|s| planned_collectives(&s, topo))
+        .map_err(|e| format!("propagate: {e}"))?;
+    let mode = CommDebugMode::start();
     let out = apply(&case.op, &refs).map_err(|e| format!("apply: {e}"))?;
+    let executed = executed_collectives(&mode);
+    drop(mode);
     let fail = |fails: &mut Vec<String>, what: String| {
         fails.push(format!("rank {rank}: {}: {what}", case.desc));
     };
+    if planned != executed {
+        fail(
+            fails,
+            format!("planned collectives {planned:?} but executed {executed:?}"),
+        );
+    }
     if out.shape() != case.ref_out.dims() {
         fail(
             fails,
@@ -757,19 +777,98 @@ fn run_case_inner(mesh: &DeviceMesh, case: &Case, fails: &mut Vec<String>) -> R<
                 ),
             );
         }
-        // Shard/Replicate inputs: the local gradients assemble into the full gradient.
-        if !inp.placements.iter().any(|p| p.is_partial()) {
-            let assembled =
-                DTensor::from_local_with_shape(&got, mesh, &inp.placements, inp.full.dims())
-                    .and_then(|d| d.full_tensor())
-                    .map_err(|e| format!("assembling grad {k}: {e}"))?;
-            let reference = case.ref_grads[k].as_ref().expect("reference grad");
-            if let Err(e) = close(&assembled, reference, case.tol) {
-                fail(fails, format!("assembled grad of input {k}: {e}"));
+        // The gradient read as a DTensor is the single-device gradient, whatever the input's
+        // placements (Partial ones included), and its placements are truthful.
+        let gd = match dts[k].grad(&grads).map_err(|e| format!("grad {k}: {e}"))? {
+            Some(g) => g,
+            None => {
+                let p: Vec<Placement> = inp
+                    .placements
+                    .iter()
+                    .map(|p| {
+                        if p.is_partial() {
+                            Placement::Replicate
+                        } else {
+                            *p
+                        }
+                    })
+                    .collect();
+                DTensor::from_local_with_shape(&got, mesh, &p, inp.full.dims())?
             }
+        };
+        check_grad_layout(&gd, mesh, &mut |w| {
+            fail(fails, format!("grad of input {k}: {w}"))
+        });
+        let assembled = gd
+            .full_tensor()
+            .map_err(|e| format!("assembling grad {k}: {e}"))?;
+        let reference = case.ref_grads[k].as_ref().expect("reference grad");
+        if let Err(e) = close(&assembled, reference, case.tol) {
+            fail(
+                fails,
+                format!(
+                    "grad of input {k} as a DTensor [{}]: {e}",
+                    format_placements(gd.placements())
+                ),
+            );
         }
     }
     Ok(())
+}
+
+/// `(kind, mesh dim)` of every collective a propagation decision plans for the forward op: its
+/// redistributions' communication steps and the op's internal comms, sorted.
+pub fn planned_collectives(s: &OpSharding, topo: &MeshTopology) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = s
+        .redistributions
+        .iter()
+        .flatten()
+        .flat_map(|p| plan_collectives(p, topo))
+        .collect();
+    v.extend(
+        s.internal
+            .iter()
+            .filter(|(_, c)| c.kind.is_communication())
+            .map(|(m, c)| (c.kind.name().to_string(), topo.group_name(&[*m]))),
+    );
+    v.sort();
+    v
+}
+
+/// `(kind, mesh dim)` of the communication steps of a redistribution plan.
+pub fn plan_collectives(p: &RedistributePlan, topo: &MeshTopology) -> Vec<(String, String)> {
+    p.communication_steps()
+        .map(|st| (st.kind.name().to_string(), topo.group_name(&st.mesh_dims)))
+        .collect()
+}
+
+/// `(kind, mesh dim)` of every forward collective `mode` recorded, sorted.
+pub fn executed_collectives(mode: &CommDebugMode) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = mode
+        .records()
+        .iter()
+        .filter(|r| r.phase == Phase::Forward)
+        .map(|r| (r.kind.to_string(), r.mesh_dim.clone()))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Checks that `d`'s local piece has the shape its placements say at this rank's coordinate.
+pub fn check_grad_layout(d: &DTensor, mesh: &DeviceMesh, fail: &mut dyn FnMut(String)) {
+    let shape = mesh.shape();
+    let coord = coord_of(mesh.rank(), &shape);
+    match local_shape(d.shape(), &shape, &coord, d.placements()) {
+        Ok(s) if s.as_slice() == d.to_local().dims() => {}
+        Ok(s) => fail(format!(
+            "local piece {:?} but [{}] of {:?} needs {:?}",
+            d.to_local().dims(),
+            format_placements(d.placements()),
+            d.shape(),
+            s.as_slice()
+        )),
+        Err(e) => fail(format!("placements do not fit: {e}")),
+    }
 }
 
 /// Runs `cases` (all prepared for `mesh_shape`) in one world; returns every mismatch.
