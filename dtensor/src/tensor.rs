@@ -431,7 +431,7 @@ impl DTensor {
     }
 
     /// Runs candle's backward pass from this value. A non-Replicate value is made Replicate
-    /// first, so every rank seeds the true gradient (a `P(avg)` data-parallel mean gives the
+    /// first, so every rank seeds the true gradient (a `P(sum)` data-parallel mean gives the
     /// global gradient, not n times it). Call it on every rank.
     pub fn backward(&self) -> Result<GradStore> {
         let rank = self.mesh_rank();

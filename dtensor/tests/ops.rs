@@ -29,7 +29,7 @@
 mod common;
 
 use candle_core::Tensor;
-use candle_dtensor_core::ReduceOp;
+use candle_dtensor_core::{Placement, ReduceOp};
 use candle_dtensor_strategies::{BinaryOp, CmpOp, Dims, Op, ScalarOp, Shape, UnaryOp};
 use common::*;
 
@@ -727,4 +727,331 @@ fn every_declared_op_matches_one_device() {
         }
         assert_no_failures("declared ops", &run_cases(mesh, &cases));
     }
+}
+
+/// One layout the compiler must handle without moving data (issue 14 items 4-8): the op, its
+/// inputs with fixed placements, the mesh, the output placements it must choose and the only
+/// collectives allowed in the forward op (the op's own, e.g. softmax's two small all_reduces).
+struct Layout {
+    op: Op,
+    inputs: Vec<(Vec<usize>, Domain, &'static str)>,
+    mesh: &'static [usize],
+    out: &'static str,
+    comms: &'static [&'static str],
+}
+
+fn lay(
+    op: Op,
+    inputs: Vec<(Vec<usize>, Domain, &'static str)>,
+    mesh: &'static [usize],
+    out: &'static str,
+    comms: &'static [&'static str],
+) -> Layout {
+    Layout {
+        op,
+        inputs,
+        mesh,
+        out,
+        comms,
+    }
+}
+
+/// Checks each layout's decision (output placements, no redistribution, only the allowed
+/// collectives), then runs it against one device (values, gradients, planned == executed).
+fn check_layouts(name: &str, layouts: Vec<Layout>) {
+    use candle_dtensor_strategies::{
+        global_propagator, parse_placements, DTensorSpec, MeshTopology,
+    };
+    let mut fails = Vec::new();
+    for (k, l) in layouts.into_iter().enumerate() {
+        let topo = MeshTopology::new(&mesh_dims(l.mesh)).unwrap();
+        let mut rng = Rng::for_name(name, k as u64);
+        let ins: Vec<(Tensor, Domain, Vec<Placement>)> = l
+            .inputs
+            .iter()
+            .map(|(shape, d, p)| {
+                let t = t(&mut rng, shape, *d);
+                (t, *d, parse_placements(p).unwrap().to_vec())
+            })
+            .collect();
+        let specs: Vec<DTensorSpec> = ins
+            .iter()
+            .map(|(t, _, p)| {
+                let dt = match t.dtype() {
+                    candle_core::DType::U32 => candle_dtensor_strategies::DType::U32,
+                    candle_core::DType::I64 => candle_dtensor_strategies::DType::I64,
+                    candle_core::DType::U8 => candle_dtensor_strategies::DType::U8,
+                    _ => candle_dtensor_strategies::DType::F32,
+                };
+                DTensorSpec::new(t.dims(), dt, p)
+            })
+            .collect();
+        let refs: Vec<&DTensorSpec> = specs.iter().collect();
+        let s = global_propagator().propagate(&l.op, &refs, &topo).unwrap();
+        let out = candle_dtensor_strategies::format_placements(&s.output_specs[0].placements);
+        let desc = format!("{:?} on {:?} with {:?}", l.op, l.mesh, l.inputs);
+        if out != l.out {
+            fails.push(format!("{desc}: output {out}, expected {}", l.out));
+        }
+        // Local steps (chunks, the bias's partition) are fine; collectives are not.
+        if s.redistributions
+            .iter()
+            .flatten()
+            .any(|p| p.communication_steps().next().is_some())
+        {
+            fails.push(format!("{desc}: moves inputs: {:?}", s.redistributions));
+        }
+        let internal: Vec<&str> = s.internal.iter().map(|(_, c)| c.kind.name()).collect();
+        if internal != l.comms {
+            fails.push(format!(
+                "{desc}: internal comms {internal:?}, expected {:?}",
+                l.comms
+            ));
+        }
+        let case = case_with_placements(&mut rng, l.op.clone(), ins, true, l.mesh);
+        fails.extend(run_cases(l.mesh, &[case]));
+    }
+    assert_no_failures(name, &fails);
+}
+
+/// Row-parallel linear with a bias: activation and weight sharded on the contracted dim, the
+/// bias replicated (or already `P(sum)`): `P(sum)` out, the bias added once through a free
+/// `R -> P(sum)` partition; 1-3-d meshes, uneven in-features.
+#[test]
+fn row_parallel_linear_with_bias_is_free() {
+    let n = Domain::Normal;
+    check_layouts(
+        "row_parallel_bias",
+        vec![
+            lay(
+                Op::Linear { bias: true },
+                vec![
+                    (vec![6, 10], n, "S(1)"),
+                    (vec![5, 10], n, "S(1)"),
+                    (vec![5], n, "R"),
+                ],
+                &[4],
+                "P(sum)",
+                &[],
+            ),
+            lay(
+                Op::Linear { bias: true },
+                vec![
+                    (vec![3, 4, 7], n, "S(2)"),
+                    (vec![9, 7], n, "S(1)"),
+                    (vec![9], n, "P(sum)"),
+                ],
+                &[3],
+                "P(sum)",
+                &[],
+            ),
+            lay(
+                Op::Linear { bias: true },
+                vec![
+                    (vec![5, 9], n, "S(0),S(1)"),
+                    (vec![4, 9], n, "R,S(1)"),
+                    (vec![4], n, "R,R"),
+                ],
+                &[2, 3],
+                "S(0),P(sum)",
+                &[],
+            ),
+            lay(
+                Op::Linear { bias: true },
+                vec![
+                    (vec![4, 6, 11], n, "S(0),S(1),S(2)"),
+                    (vec![3, 11], n, "R,R,S(1)"),
+                    (vec![3], n, "R,R,R"),
+                ],
+                &[2, 2, 2],
+                "S(0),S(1),P(sum)",
+                &[],
+            ),
+        ],
+    );
+}
+
+/// Means and cross-entropy over unevenly (even emptily) sharded rows: local sums over the
+/// global count, `P(sum)`, nothing moves.
+#[test]
+fn uneven_batch_reductions_move_nothing() {
+    let n = Domain::Normal;
+    let dims = |d: &[usize]| -> Dims { d.iter().copied().collect() };
+    check_layouts(
+        "uneven_batch",
+        vec![
+            lay(
+                Op::CrossEntropy,
+                vec![
+                    (vec![13, 9], n, "S(0)"),
+                    (vec![13], Domain::IdsI64(9), "S(0)"),
+                ],
+                &[4],
+                "P(sum)",
+                &[],
+            ),
+            lay(
+                Op::CrossEntropy,
+                vec![(vec![3, 5], n, "S(0)"), (vec![3], Domain::Ids(5), "S(0)")],
+                &[5],
+                "P(sum)",
+                &[],
+            ),
+            lay(
+                Op::CrossEntropy,
+                vec![
+                    (vec![5, 9], n, "S(0),S(0)"),
+                    (vec![5], Domain::IdsI64(9), "S(0),S(0)"),
+                ],
+                &[2, 3],
+                "P(sum),P(sum)",
+                &[],
+            ),
+            lay(
+                Op::Mean {
+                    dims: dims(&[0]),
+                    keepdim: false,
+                },
+                vec![(vec![7, 3], n, "S(0)")],
+                &[4],
+                "P(sum)",
+                &[],
+            ),
+            lay(
+                Op::Mean {
+                    dims: dims(&[0, 2]),
+                    keepdim: true,
+                },
+                vec![(vec![5, 4, 3], n, "S(0),S(2),S(1)")],
+                &[2, 2, 2],
+                "P(sum),P(sum),S(1)",
+                &[],
+            ),
+        ],
+    );
+}
+
+/// Views the layout can express cost nothing: flattening a sharded later dim keeps a strided
+/// shard (PyTorch's `_StridedShard`), unflattening it back gives the plain shard, and size-1
+/// dims come and go around sharded dims (uneven sizes throughout).
+#[test]
+fn views_the_layout_can_express_are_free() {
+    let n = Domain::Normal;
+    let sh = |v: &[usize]| -> Shape { v.iter().copied().collect() };
+    check_layouts(
+        "free_views",
+        vec![
+            lay(
+                Op::Flatten { start: 0, end: 1 },
+                vec![(vec![3, 7, 2], n, "S(1)")],
+                &[4],
+                "SS(0,3)",
+                &[],
+            ),
+            lay(
+                Op::Reshape {
+                    shape: sh(&[21, 2]),
+                },
+                vec![(vec![3, 7, 2], n, "S(1)")],
+                &[4],
+                "SS(0,3)",
+                &[],
+            ),
+            lay(
+                Op::Reshape {
+                    shape: sh(&[3, 7, 2]),
+                },
+                vec![(vec![21, 2], n, "SS(0,3)")],
+                &[4],
+                "S(1)",
+                &[],
+            ),
+            lay(
+                Op::Flatten { start: 1, end: 2 },
+                vec![(vec![2, 5, 3], n, "S(2)")],
+                &[3],
+                "SS(1,5)",
+                &[],
+            ),
+            lay(
+                Op::Flatten { start: 0, end: 2 },
+                vec![(vec![2, 4, 3], n, "S(1)")],
+                &[2],
+                "SS(0,2)",
+                &[],
+            ),
+            lay(
+                Op::Reshape {
+                    shape: sh(&[6, 1, 5]),
+                },
+                vec![(vec![6, 5], n, "S(1)")],
+                &[4],
+                "S(2)",
+                &[],
+            ),
+            lay(
+                Op::Reshape { shape: sh(&[6, 5]) },
+                vec![(vec![6, 1, 5], n, "S(2)")],
+                &[4],
+                "S(1)",
+                &[],
+            ),
+            lay(
+                Op::Reshape {
+                    shape: sh(&[1, 7, 3]),
+                },
+                vec![(vec![7, 3], n, "S(0)")],
+                &[3],
+                "S(1)",
+                &[],
+            ),
+            lay(
+                Op::Squeeze { dim: 1 },
+                vec![(vec![5, 1, 3], n, "S(2),S(0)")],
+                &[2, 2],
+                "S(1),S(0)",
+                &[],
+            ),
+            lay(
+                Op::Unsqueeze { dim: 2 },
+                vec![(vec![5, 3], n, "S(1),S(0)")],
+                &[2, 2],
+                "S(1),S(0)",
+                &[],
+            ),
+            lay(
+                Op::Reshape { shape: sh(&[6, 4]) },
+                vec![(vec![2, 3, 4], n, "S(1),S(2)")],
+                &[3, 2],
+                "SS(0,2),S(1)",
+                &[],
+            ),
+        ],
+    );
+}
+
+/// Softmax and log-softmax over the sharded dim (uneven vocab) keep the data in place: two
+/// small all_reduces (max, sum of exponentials) of the reduced shape.
+#[test]
+fn softmax_over_a_sharded_dim_keeps_the_data() {
+    let n = Domain::Normal;
+    check_layouts(
+        "sharded_softmax",
+        vec![
+            lay(
+                Op::Softmax { dim: 1 },
+                vec![(vec![512, 8195], n, "S(1)")],
+                &[4],
+                "S(1)",
+                &["all_reduce", "all_reduce"],
+            ),
+            lay(
+                Op::LogSoftmax { dim: 1 },
+                vec![(vec![256, 9001], n, "S(0),S(1)")],
+                &[2, 3],
+                "S(0),S(1)",
+                &["all_reduce", "all_reduce"],
+            ),
+        ],
+    );
 }

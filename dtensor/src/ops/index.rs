@@ -42,8 +42,9 @@ fn plan(p: &Prepared, dim: usize) -> CResult<Plan> {
     let src = &p.sharding.input_specs[0];
     let out = &p.sharding.output_specs[0];
     let ctx = p.ctx();
+    // Mesh dims of size 1 hold the whole dim: nothing to mask or fetch there.
     let mesh_dims: Vec<usize> = (0..src.placements.len())
-        .filter(|&m| src.placements[m].shard_dim() == Some(dim))
+        .filter(|&m| src.placements[m].shard_dim() == Some(dim) && ctx.shape[m] > 1)
         .collect();
     if mesh_dims.is_empty() {
         return Ok(Plan::Local);

@@ -55,10 +55,9 @@ impl DTensor {
 
     /// `x @ w^T + b` with `w: [out, in]`, `b: [out]`, `x: [.., in]` (as `candle_nn::Linear`).
     ///
-    /// A row-parallel linear (`x` sharded on `in`, `w` on dim 1) produces a Partial sum; a
-    /// replicated bias must be added after it is reduced, so with a bias the compiler reduces
-    /// first. Row-parallel layers therefore call `linear(w, None)` and add the bias to the
-    /// reduced output.
+    /// A row-parallel linear (`x` sharded on `in`, `w` on dim 1) produces a `P(sum)` output
+    /// without communication; a replicated bias joins it as `P(sum)` (a free local partition:
+    /// each rank adds `b / n`), so the bias is added once in the reduced value.
     pub fn linear(&self, w: &DTensor, b: Option<&DTensor>) -> Result<DTensor> {
         self.linear_with_layout(w, b, None)
     }

@@ -1,8 +1,8 @@
 //! Reductions over dims: `sum`, `mean`, `max`, `min`, `argmax`.
 //!
 //! A reduced dim that is sharded yields a Partial output (`sum` -> `P(sum)`, `max` -> `P(max)`,
-//! `mean` -> `P(avg)` only when the dim divides evenly: the mean of uneven pieces' means is not
-//! the mean).
+//! `mean` -> `P(sum)`: every rank divides its local sum by the GLOBAL count, so uneven and empty
+//! pieces are fine).
 
 use candle_core::Tensor;
 use candle_dtensor_strategies::{Dims, Op};
@@ -86,16 +86,19 @@ impl DTensor {
         self.sum(&all, false)
     }
 
-    /// Means over `dims`.
+    /// Means over `dims`: the local sum over the global number of reduced elements, whatever
+    /// the local piece holds of them (a mean over a sharded dim is a free `P(sum)`).
     pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<DTensor> {
         let d = self.check_dims("mean", dims)?;
         let v = d.to_vec();
+        let count: usize = v.iter().map(|&k| self.shape()[k]).product();
         run1(&Op::Mean { dims: d, keepdim }, &[self], move |p| {
-            if keepdim {
-                p.locals[0].mean_keepdim(v)
+            let s = if keepdim {
+                p.locals[0].sum_keepdim(v)?
             } else {
-                p.locals[0].mean(v)
-            }
+                p.locals[0].sum(v)?
+            };
+            s.affine(1.0 / count as f64, 0.0)
         })
     }
 

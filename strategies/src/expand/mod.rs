@@ -375,9 +375,11 @@ impl<'a> Problem<'a> {
     }
 
     /// Internal comms of the chosen rows, scaled to local pieces: `(mesh dim, comm, cost)`.
+    /// None on mesh dims of size 1 (a group of one communicates nothing; the runtime skips
+    /// them too).
     pub fn internal(&self, rows: &[usize]) -> Vec<(usize, crate::InternalComm, f64)> {
         let mut out = Vec::new();
-        for m in 0..self.mesh.ndim() {
+        for m in (0..self.mesh.ndim()).filter(|&m| self.mesh.dim_size(m) > 1) {
             let row = &self.rows[self.row_of(rows, m)];
             for c in &row.internal {
                 let mut pl = self.placements_of(c.scale_by, rows);

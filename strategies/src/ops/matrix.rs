@@ -5,10 +5,12 @@
 //! `S(b)·S(b)→S(b)` for batch dims); a contracted index gives `S(k)·S(k)→P(sum)` when every input
 //! has it. Linearity adds `P·R→P` and `R·P→P` for `sum` and `avg`.
 //!
-//! `linear` with a bias: the contracted (row-parallel) row is NOT offered — `P(sum) + R` would add
-//! the bias n times. The runtime runs a row-parallel linear as `linear(bias=false)` followed by the
-//! bias add after the reduction. For the same reason only the `avg` linearity rows are offered
-//! (`avg_r(x_r w^T + b) = x w^T + b`).
+//! `linear` with a bias: a partial output needs a partial bias, or the bias would be added n
+//! times. The contracted (row-parallel) row is `[P(sum)] <- [S(k), S(1), P(sum)]`: the expander
+//! makes a replicated bias `P(sum)` with a free local partition (`b/n` on every rank, PyTorch's
+//! `_partition_value`), so `Σ_r (x_r w_r^T + b/n) = x w^T + b` costs no communication. The
+//! linearity rows pair a `P(sum)` activation or weight with a `P(sum)` bias, and a `P(avg)`
+//! one with an `R` (`avg_r(x_r w^T + b) = x w^T + b`) or `P(avg)` bias.
 
 use smallvec::SmallVec;
 
@@ -168,12 +170,28 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], outs: &[TensorMeta]) -> Vec<
             idx.push(mk(Some(on - 1), None, Some(0), Some(0)));
             idx.push(mk(None, Some(xn - 1), Some(1), None));
             let mut rows = einsum_rows(&idx, n_in);
-            let ops: &[ReduceOp] = if *bias {
-                &[ReduceOp::Avg]
+            if *bias {
+                // The contraction row: the bias joins the partial sum as a partial itself.
+                rows.push(StrategyRow::new(
+                    &[p(ReduceOp::Sum)],
+                    &[s(xn - 1), s(1), p(ReduceOp::Sum)],
+                ));
+                for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                    for i in 0..2 {
+                        let mut ins: SmallVec<[Placement; 4]> = smallvec::smallvec![R; 3];
+                        ins[i] = p(op);
+                        ins[2] = p(op);
+                        rows.push(StrategyRow::new(&[p(op)], &ins));
+                    }
+                }
+                rows.extend(linearity_rows(n_in, &[0, 1], &[ReduceOp::Avg]));
             } else {
-                &[ReduceOp::Sum, ReduceOp::Avg]
-            };
-            rows.extend(linearity_rows(n_in, &[0, 1], ops));
+                rows.extend(linearity_rows(
+                    n_in,
+                    &[0, 1],
+                    &[ReduceOp::Sum, ReduceOp::Avg],
+                ));
+            }
             rows
         }
         _ => {
@@ -260,6 +278,11 @@ mod tests {
                 "S(0) <- S(0), R, R",
                 "S(1) <- S(1), R, R",
                 "S(2) <- R, S(0), S(0)",
+                "P(sum) <- S(2), S(1), P(sum)",
+                "P(sum) <- P(sum), R, P(sum)",
+                "P(sum) <- R, P(sum), P(sum)",
+                "P(avg) <- P(avg), R, P(avg)",
+                "P(avg) <- R, P(avg), P(avg)",
                 "P(avg) <- P(avg), R, R",
                 "P(avg) <- R, P(avg), R",
             ]

@@ -1,8 +1,10 @@
 //! Reductions: sum / mean / max / min over dims (with keepdim), argmax.
 //!
 //! For each input dim `d`: reduced -> `[P(op), S(d)]`, kept -> `[S(d'), S(d)]` (`d'` shifted
-//! when `!keepdim`). `mean -> P(avg)` is only offered with `requires_even` on the reduced dim (the
-//! mean of uneven shards is not the mean of the means, PyTorch #162692); `max`/`min -> P(max|min)`
+//! when `!keepdim`). A mean is a sum divided by the GLOBAL count: `mean` over a sharded dim is
+//! `[P(sum), S(d)]`, each rank dividing its local sum by the global number of reduced elements,
+//! so uneven (even empty) shards need no data movement (the mean of uneven shards' means would
+//! be wrong, PyTorch #162692; PyTorch forces even shards instead). `max`/`min -> P(max|min)`
 //! require non-empty shards (a max over nothing has no value). Linear reductions pass `P(sum)`
 //! and `P(avg)` through; max/min pass their own partial through. `argmax` shards only kept dims
 //! (indices are local).
@@ -76,8 +78,7 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec
     let (dims, keepdim) = parts(op);
     let reduced = reduced_dims(&dims, x.ndim());
     let reduce_op = match op {
-        Op::Sum { .. } => Some(ReduceOp::Sum),
-        Op::Mean { .. } => Some(ReduceOp::Avg),
+        Op::Sum { .. } | Op::Mean { .. } => Some(ReduceOp::Sum),
         Op::Max { .. } => Some(ReduceOp::Max),
         Op::Min { .. } => Some(ReduceOp::Min),
         _ => None, // argmax
@@ -88,10 +89,8 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec
         if reduced.contains(&d) {
             if let Some(rop) = reduce_op {
                 let mut row = StrategyRow::new(&[p(rop)], &[s(d)]);
-                match rop {
-                    ReduceOp::Avg => row = row.even(TensorRef::Input(0), d),
-                    ReduceOp::Max | ReduceOp::Min => row = row.nonempty(TensorRef::Input(0), d),
-                    _ => {}
+                if matches!(rop, ReduceOp::Max | ReduceOp::Min) {
+                    row = row.nonempty(TensorRef::Input(0), d);
                 }
                 rows.push(row);
             }
@@ -118,7 +117,7 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec
 #[cfg(test)]
 mod tests {
     use crate::op::Op;
-    use crate::{single_dim_strategies, DType, TensorMeta, TensorRef};
+    use crate::{single_dim_strategies, DType, TensorMeta};
 
     fn table(op: &Op, shape: &[usize]) -> Vec<String> {
         let m = TensorMeta::new(shape, DType::F32);
@@ -149,12 +148,13 @@ mod tests {
             dims: smallvec::smallvec![1],
             keepdim: true,
         };
+        assert_eq!(table(&op, &[4, 6, 8])[1], "P(sum) <- S(1)");
         assert_eq!(table(&op, &[4, 6, 8])[2], "S(2) <- S(2)");
         let m = TensorMeta::new(&[4, 6, 8], DType::F32);
         let rows = single_dim_strategies(&op, &[&m]).unwrap();
-        assert_eq!(
-            rows[1].requires_even.as_slice(),
-            &[(TensorRef::Input(0), 1)]
+        assert!(
+            rows[1].requires_even.is_empty(),
+            "a mean divides by the global count"
         );
         let all = Op::Sum {
             dims: smallvec::smallvec![],

@@ -127,35 +127,38 @@ fn index_select_plans_compete_by_cost() {
     assert!(s.deferred_us > 0.0 && s.cost_us == 0.0);
 }
 
+/// A mean is a sum over the global count: even or uneven (even empty) shards give a free
+/// `P(sum)` (PyTorch #162692 came from averaging uneven shards' means), and so does a
+/// cross-entropy over unevenly batch-sharded logits (no logits move).
 #[test]
-fn mean_needs_even_shards() {
+fn means_of_uneven_shards_are_free_partial_sums() {
     let mesh = MeshTopology::parse("x=4").unwrap();
     let op = Op::Mean {
         dims: smallvec::smallvec![0],
         keepdim: false,
     };
-    let even = spec(&[8, 3], DType::F32, "S(0)");
-    let s = propagate_with(&op, &[&even], &mesh, ExpandMethod::Auto).unwrap();
-    assert_eq!(s.output_specs[0].to_string(), "[3] f32 P(avg)");
-    let uneven = spec(&[7, 3], DType::F32, "S(0)");
-    let s = propagate_with(&op, &[&uneven], &mesh, ExpandMethod::Auto).unwrap();
-    assert_ne!(
-        s.output_specs[0].placements[0].to_string(),
-        "P(avg)",
-        "uneven mean is not a P(avg)"
-    );
-    // sum has no such restriction.
+    for rows in [8, 7, 3] {
+        let x = spec(&[rows, 3], DType::F32, "S(0)");
+        let s = propagate_with(&op, &[&x], &mesh, ExpandMethod::Auto).unwrap();
+        assert_eq!(
+            s.output_specs[0].to_string(),
+            "[3] f32 P(sum)",
+            "{rows} rows"
+        );
+        assert_eq!(s.cost_us, 0.0);
+    }
+    let mesh = MeshTopology::parse("dp=2,tp=4").unwrap();
+    let logits = spec(&[8191, 50304], DType::F32, "S(0),S(0)");
+    let targets = spec(&[8191], DType::I64, "S(0),S(0)");
     let s = propagate_with(
-        &Op::Sum {
-            dims: smallvec::smallvec![0],
-            keepdim: false,
-        },
-        &[&uneven],
+        &Op::CrossEntropy,
+        &[&logits, &targets],
         &mesh,
         ExpandMethod::Auto,
     )
     .unwrap();
-    assert_eq!(s.output_specs[0].to_string(), "[3] f32 P(sum)");
+    assert_eq!(s.output_specs[0].to_string(), "[] f32 P(sum),P(sum)");
+    assert!(!s.needs_redistribute() && s.cost_us == 0.0);
 }
 
 #[test]

@@ -93,7 +93,7 @@ fn norms_attention_loss_index() {
     assert_eq!(
         t,
         [
-            "P(avg) <- S(0), S(0)",
+            "P(sum) <- S(0), S(0)",
             "R <- S(1), R [+all_reduce 16 B] [+all_reduce 16 B] [+all_reduce 16 B]"
         ]
     );
