@@ -158,6 +158,9 @@ impl<'a> Problem<'a> {
         }
         rows.extend(base);
         rows.extend(strided);
+        if !mesh.rma_get {
+            rows.retain(|r| r.internal.iter().all(|c| c.kind != CollectiveKind::RmaGet));
+        }
 
         let n_in = inputs.len();
         let mut vals: Vec<SmallVec<[Placement; 8]>> = vec![SmallVec::new(); n_in];
