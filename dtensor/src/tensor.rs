@@ -678,7 +678,7 @@ pub(crate) fn mesh_mismatch(op: &str, a: &DTensor, b: &DTensor) -> DTensorError 
     DTensorError::MeshMismatch {
         op: op.to_string(),
         rank: a.mesh_rank(),
-        a: format!("{} [{}]", a.mesh(), format_placements(a.placements())),
-        b: format!("{} [{}]", b.mesh(), format_placements(b.placements())),
+        a: format!("{} on {}", a.spec(), a.mesh()),
+        b: format!("{} on {}", b.spec(), b.mesh()),
     }
 }

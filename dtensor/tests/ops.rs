@@ -788,7 +788,12 @@ fn check_layouts(name: &str, layouts: Vec<Layout>) {
             .collect();
         let refs: Vec<&DTensorSpec> = specs.iter().collect();
         let s = global_propagator().propagate(&l.op, &refs, &topo).unwrap();
-        let out = candle_dtensor_strategies::format_placements(&s.output_specs[0].placements);
+        let out = s
+            .output_specs
+            .iter()
+            .map(|o| candle_dtensor_strategies::format_placements(&o.placements))
+            .collect::<Vec<_>>()
+            .join(";");
         let desc = format!("{:?} on {:?} with {:?}", l.op, l.mesh, l.inputs);
         if out != l.out {
             fails.push(format!("{desc}: output {out}, expected {}", l.out));
@@ -1050,6 +1055,355 @@ fn softmax_over_a_sharded_dim_keeps_the_data() {
                 vec![(vec![256, 9001], n, "S(0),S(1)")],
                 &[2, 3],
                 "S(0),S(1)",
+                &["all_reduce", "all_reduce"],
+            ),
+        ],
+    );
+}
+
+// === The ops of issue 14 item 9 ===
+
+/// Reduced dims whose total count is at least 2 (a variance with correction 1 needs it).
+fn dims_with_count(rng: &mut Rng, shape: &[usize]) -> Dims {
+    for _ in 0..8 {
+        let d = reduce_dims(rng, shape.len());
+        let count: usize = if d.is_empty() {
+            shape.iter().product()
+        } else {
+            d.iter().map(|&k| shape[k]).product()
+        };
+        if count >= 2 {
+            return d;
+        }
+    }
+    Dims::new()
+}
+
+#[test]
+fn norm_logsumexp_var_std() {
+    family("norm_lse_var", 48, |rng, i| {
+        let nd = rng.range(1, 3);
+        let mut shape = rng.shape(nd);
+        if shape.iter().product::<usize>() < 2 {
+            shape[0] = 3;
+        }
+        let keepdim = rng.chance(0.5);
+        match i % 4 {
+            0 => {
+                let (p, d) = rng.pick(&[
+                    (2.0, Domain::Normal),
+                    (1.0, Domain::Normal),
+                    (3.0, Domain::Normal),
+                    (f64::INFINITY, Domain::Normal),
+                    (0.5, Domain::Positive),
+                ]);
+                let dims = reduce_dims(rng, nd);
+                Spec::new(
+                    Op::Norm {
+                        p: p.into(),
+                        dims,
+                        keepdim,
+                    },
+                    vec![fin(rng, &shape, d)],
+                )
+            }
+            1 => Spec::new(
+                Op::LogSumExp {
+                    dims: reduce_dims(rng, nd),
+                    keepdim,
+                },
+                vec![fin(rng, &shape, Domain::Normal)],
+            ),
+            k => {
+                let dims = dims_with_count(rng, &shape);
+                let correction = rng.below(2);
+                let op = if k == 2 {
+                    Op::Var {
+                        dims,
+                        keepdim,
+                        correction,
+                    }
+                } else {
+                    Op::Std {
+                        dims,
+                        keepdim,
+                        correction,
+                    }
+                };
+                // std's backward divides by the (small) standard deviation of a few values.
+                Spec::new(op, vec![fin(rng, &shape, Domain::Normal)]).with_tol(1e-4)
+            }
+        }
+    });
+}
+
+#[test]
+fn prod_and_argmin() {
+    family("prod_argmin", 28, |rng, i| {
+        let nd = rng.range(1, 3);
+        let shape: Vec<usize> = (0..nd).map(|_| rng.range(1, 5)).collect();
+        let keepdim = rng.chance(0.5);
+        if i % 2 == 0 {
+            // Values around 1 (and now and then a zero) keep products of up to 64 values tame.
+            let d = if rng.chance(0.7) {
+                Domain::Positive
+            } else {
+                Domain::Quantized
+            };
+            Spec::new(
+                Op::Prod {
+                    dims: reduce_dims(rng, nd),
+                    keepdim,
+                },
+                vec![fin(rng, &shape, d)],
+            )
+        } else {
+            let x = (
+                t(rng, &shape, Domain::Normal),
+                Domain::Normal,
+                EXACT_PARTIALS,
+            );
+            Spec::new(
+                Op::ArgMin {
+                    dim: rng.below(nd),
+                    keepdim,
+                },
+                vec![x],
+            )
+            .forward_only()
+        }
+    });
+}
+
+#[test]
+fn split_and_unbind() {
+    family("split_unbind", 24, |rng, i| {
+        let nd = rng.range(1, 3);
+        let shape = rng.shape(nd);
+        let dim = rng.below(nd);
+        if i % 2 == 0 {
+            let n = shape[dim];
+            let mut sizes = Vec::new();
+            let mut left = n;
+            while left > 0 {
+                let s = rng.range(1, left);
+                sizes.push(s);
+                left -= s;
+            }
+            if sizes.is_empty() {
+                sizes.push(0);
+            }
+            Spec::new(
+                Op::Split {
+                    dim,
+                    sizes: Shape::from_vec(sizes),
+                },
+                vec![fin(rng, &shape, Domain::Normal)],
+            )
+        } else {
+            Spec::new(Op::Unbind { dim }, vec![fin(rng, &shape, Domain::Normal)])
+        }
+    });
+}
+
+#[test]
+fn topk() {
+    family("topk", 24, |rng, _| {
+        let nd = rng.range(1, 3);
+        let shape = rng.shape(nd);
+        let dim = rng.below(nd);
+        let k = rng.range(0, shape[dim]);
+        Spec::new(
+            Op::TopK {
+                k,
+                dim,
+                largest: rng.chance(0.6),
+            },
+            vec![fin(rng, &shape, Domain::Normal)],
+        )
+    });
+}
+
+#[test]
+fn scatter_add_and_index_put() {
+    family("scatter_index_put", 36, |rng, i| {
+        let nd = rng.range(1, 3);
+        let shape = rng.shape(nd);
+        let dim = rng.below(nd);
+        let mut upd = shape.clone();
+        upd[dim] = rng.range(1, 6);
+        let ids = if rng.chance(0.5) {
+            Domain::IdsI64(shape[dim])
+        } else {
+            Domain::Ids(shape[dim])
+        };
+        let x = fin(rng, &shape, Domain::Normal);
+        match i % 3 {
+            0 => Spec::new(
+                Op::ScatterAdd { dim },
+                vec![x, iin(rng, &upd, ids), fin(rng, &upd, Domain::Normal)],
+            ),
+            k => Spec::new(
+                Op::IndexPut {
+                    dim,
+                    accumulate: k == 1,
+                },
+                vec![
+                    x,
+                    iin(rng, &[upd[dim]], ids),
+                    fin(rng, &upd, Domain::Normal),
+                ],
+            ),
+        }
+    });
+}
+
+#[test]
+fn baddbmm_cumsum_pad() {
+    family("baddbmm_cumsum_pad", 36, |rng, i| match i % 3 {
+        0 => {
+            let (b, n, k, m) = (rng.dim(), rng.dim(), rng.dim(), rng.dim());
+            let bias = broadcastable(rng, &[b, n, m]);
+            Spec::new(
+                Op::Baddbmm {
+                    alpha: rng.pick(&[1.0, 0.5]).into(),
+                    beta: rng.pick(&[1.0, -2.0]).into(),
+                },
+                vec![
+                    fin(rng, &bias, Domain::Normal),
+                    fin(rng, &[b, n, k], Domain::Normal),
+                    fin(rng, &[b, k, m], Domain::Normal),
+                ],
+            )
+        }
+        1 => {
+            let nd = rng.range(1, 3);
+            let shape = rng.shape(nd);
+            Spec::new(
+                Op::Cumsum { dim: rng.below(nd) },
+                vec![fin(rng, &shape, Domain::Normal)],
+            )
+        }
+        _ => {
+            let nd = rng.range(1, 3);
+            let shape = rng.shape(nd);
+            Spec::new(
+                Op::Pad {
+                    dim: rng.below(nd),
+                    before: rng.below(3),
+                    after: rng.below(3),
+                    value: rng.pick(&[0.0, 1.5]).into(),
+                },
+                vec![fin(rng, &shape, Domain::Normal)],
+            )
+        }
+    });
+}
+
+/// Layouts the new ops keep for free: a fused QKV projection sharded head by head
+/// (`SS(d, 3)`) splits into three `S(d)` pieces; token routing (scores sharded over tokens,
+/// topk over experts) and its combine (`index_add` into token-sharded rows, each rank adding
+/// the updates it owns) move nothing; a baddbmm over a sharded contraction is `P(sum)` with the
+/// bias added once; a prod over a sharded dim is `P(product)`; norm, logsumexp and var over
+/// a sharded dim reduce inside the op.
+#[test]
+fn new_ops_keep_their_layouts() {
+    let n = Domain::Normal;
+    let sh = |v: &[usize]| -> Shape { v.iter().copied().collect() };
+    let all = |v: &[usize]| -> Dims { v.iter().copied().collect() };
+    check_layouts(
+        "new_op_layouts",
+        vec![
+            lay(
+                Op::Split {
+                    dim: 2,
+                    sizes: sh(&[5, 5, 5]),
+                },
+                vec![(vec![2, 3, 15], n, "S(0),SS(2,3)")],
+                &[2, 2],
+                "S(0),S(2);S(0),S(2);S(0),S(2)",
+                &[],
+            ),
+            lay(
+                Op::TopK {
+                    k: 2,
+                    dim: 1,
+                    largest: true,
+                },
+                vec![(vec![13, 6], n, "S(0)")],
+                &[4],
+                "S(0);S(0)",
+                &[],
+            ),
+            lay(
+                Op::IndexPut {
+                    dim: 0,
+                    accumulate: true,
+                },
+                vec![
+                    (vec![11, 4], n, "S(0)"),
+                    (vec![7], Domain::IdsI64(11), "R"),
+                    (vec![7, 4], n, "R"),
+                ],
+                &[3],
+                "S(0)",
+                &[],
+            ),
+            lay(
+                Op::ScatterAdd { dim: 0 },
+                vec![
+                    (vec![9, 4], n, "R,S(1)"),
+                    (vec![6, 4], Domain::Ids(9), "S(0),S(1)"),
+                    (vec![6, 4], n, "S(0),S(1)"),
+                ],
+                &[3, 2],
+                "P(sum),S(1)",
+                &[],
+            ),
+            lay(
+                Op::Baddbmm {
+                    alpha: 0.5.into(),
+                    beta: 1.0.into(),
+                },
+                vec![
+                    (vec![1, 5], n, "R"),
+                    (vec![2, 3, 7], n, "S(2)"),
+                    (vec![2, 7, 5], n, "S(1)"),
+                ],
+                &[3],
+                "P(sum)",
+                &[],
+            ),
+            lay(
+                Op::Prod {
+                    dims: all(&[0]),
+                    keepdim: false,
+                },
+                vec![(vec![7, 3], Domain::Positive, "S(0)")],
+                &[3],
+                "P(product)",
+                &[],
+            ),
+            lay(
+                Op::LogSumExp {
+                    dims: all(&[1]),
+                    keepdim: false,
+                },
+                vec![(vec![4096, 1027], n, "R,S(1)")],
+                &[2, 4],
+                // A free local chunk of the rows on the first mesh dim shrinks the all_reduces.
+                "S(0),R",
+                &["all_reduce", "all_reduce"],
+            ),
+            lay(
+                Op::Var {
+                    dims: all(&[0]),
+                    keepdim: true,
+                    correction: 1,
+                },
+                vec![(vec![8191, 600], n, "S(0)")],
+                &[4],
+                "R",
                 &["all_reduce", "all_reduce"],
             ),
         ],

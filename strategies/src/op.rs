@@ -220,8 +220,14 @@ pub enum Family {
     Attention,
     /// Views and shape ops.
     View,
-    /// cat, stack, casts, where, masked_fill, dropout.
+    /// cat, stack, casts, where, masked_fill, dropout, pad.
     Misc,
+    /// scatter_add, index_put (writes at indices).
+    Scatter,
+    /// topk.
+    Sort,
+    /// cumsum.
+    Scan,
 }
 
 /// What values an op input holds, for tools that make inputs (`explain --run`, tests): floats,
@@ -289,6 +295,18 @@ impl OpArgs {
     /// The last dim of the first input (0 for a 0-d input).
     pub fn last(&self) -> usize {
         self.ndim0().saturating_sub(1)
+    }
+
+    /// The scalar argument as a count (`k` of topk, a correction), or `default`.
+    ///
+    /// # Errors
+    /// [`StrategyError::InvalidArgument`] for a negative or fractional value.
+    pub fn count_or(&self, op: &str, default: usize) -> Result<usize> {
+        match self.scalar {
+            None => Ok(default),
+            Some(v) if v >= 0.0 && v.fract() == 0.0 && v < 1e15 => Ok(v as usize),
+            Some(v) => Err(StrategyError::arg(op, format!("{v} is not a count"))),
+        }
     }
 
     /// The scalar argument, or `default`.
@@ -417,6 +435,17 @@ op_table! { name, a, i, shapes;
         name: "matmul", names: &["matmul"], family: Matrix, inputs: Some(2),
         parse: Ok(Op::Matmul),
         example: "--shapes 4x6,6x5";
+    /// `beta * bias + alpha * (a @ b)`: `a [B, n, k]`, `b [B, k, m]`, `bias` broadcastable to
+    /// `[B, n, m]` (inputs `bias, a, b`, as torch.baddbmm).
+    Baddbmm: {
+        /// Scale of the product.
+        alpha: Scalar,
+        /// Scale of the bias.
+        beta: Scalar,
+    } => Op::Baddbmm { .. },
+        name: "baddbmm", names: &["baddbmm"], family: Matrix, inputs: Some(3),
+        parse: Ok(Op::Baddbmm { alpha: a.scalar_or(1.0), beta: Scalar::new(1.0) }),
+        example: "--shapes 2x1x5,2x4x3,2x3x5 --scalar 0.5";
     /// Like `Matmul` with numpy-broadcast batch dims.
     BroadcastMatmul => Op::BroadcastMatmul,
         name: "broadcast_matmul", names: &["broadcast_matmul"], family: Matrix, inputs: Some(2),
@@ -518,6 +547,80 @@ op_table! { name, a, i, shapes;
         name: "min", names: &["min"], family: Reduction, inputs: Some(1),
         parse: Ok(Op::Min { dims: a.norm_dims(a.ndim0())?, keepdim: a.keepdim }),
         example: "--shapes 5x3";
+    /// p-norm over `dims` (empty = all): `(sum |x|^p)^(1/p)`, `max |x|` for `p = inf`.
+    Norm: {
+        /// The order `p > 0` (`inf` allowed).
+        p: Scalar,
+        /// Reduced dims.
+        dims: Dims,
+        /// Keep reduced dims as size 1.
+        keepdim: bool,
+    } => Op::Norm { .. },
+        name: "norm", names: &["norm"], family: Reduction, inputs: Some(1),
+        parse: Ok(Op::Norm { p: a.scalar_or(2.0), dims: a.norm_dims(a.ndim0())?, keepdim: a.keepdim }),
+        example: "--shapes 5x6 --dims 1 --scalar 2";
+    /// `log(sum(exp(x)))` over `dims` (empty = all).
+    LogSumExp: {
+        /// Reduced dims.
+        dims: Dims,
+        /// Keep reduced dims as size 1.
+        keepdim: bool,
+    } => Op::LogSumExp { .. },
+        name: "logsumexp", names: &["logsumexp"], family: Reduction, inputs: Some(1),
+        parse: Ok(Op::LogSumExp { dims: a.norm_dims(a.ndim0())?, keepdim: a.keepdim }),
+        example: "--shapes 5x7 --dims 1";
+    /// Variance over `dims` (empty = all) with `correction` (1: unbiased).
+    Var: {
+        /// Reduced dims.
+        dims: Dims,
+        /// Keep reduced dims as size 1.
+        keepdim: bool,
+        /// Subtracted from the count (Bessel's correction: 1).
+        correction: usize,
+    } => Op::Var { .. },
+        name: "var", names: &["var"], family: Reduction, inputs: Some(1),
+        parse: Ok(Op::Var {
+            dims: a.norm_dims(a.ndim0())?,
+            keepdim: a.keepdim,
+            correction: a.count_or(name, 1)?,
+        }),
+        example: "--shapes 6x5 --dims 0";
+    /// Standard deviation over `dims` (empty = all) with `correction` (1: unbiased).
+    Std: {
+        /// Reduced dims.
+        dims: Dims,
+        /// Keep reduced dims as size 1.
+        keepdim: bool,
+        /// Subtracted from the count (Bessel's correction: 1).
+        correction: usize,
+    } => Op::Std { .. },
+        name: "std", names: &["std"], family: Reduction, inputs: Some(1),
+        parse: Ok(Op::Std {
+            dims: a.norm_dims(a.ndim0())?,
+            keepdim: a.keepdim,
+            correction: a.count_or(name, 1)?,
+        }),
+        example: "--shapes 6x5 --dims 1 --keepdim";
+    /// Product over `dims` (empty = all).
+    Prod: {
+        /// Reduced dims.
+        dims: Dims,
+        /// Keep reduced dims as size 1.
+        keepdim: bool,
+    } => Op::Prod { .. },
+        name: "prod", names: &["prod"], family: Reduction, inputs: Some(1),
+        parse: Ok(Op::Prod { dims: a.norm_dims(a.ndim0())?, keepdim: a.keepdim }),
+        example: "--shapes 4x3 --dims 0";
+    /// Index of the min along `dim` (output `u32`; the first one on ties).
+    ArgMin: {
+        /// Reduced dim.
+        dim: usize,
+        /// Keep it as size 1.
+        keepdim: bool,
+    } => Op::ArgMin { .. },
+        name: "argmin", names: &["argmin"], family: Reduction, inputs: Some(1),
+        parse: Ok(Op::ArgMin { dim: a.dim_or(a.ndim0(), a.last())?, keepdim: a.keepdim }),
+        example: "--shapes 5x3 --dims 0";
     /// Index of the max along `dim` (output `u32`).
     ArgMax: {
         /// Reduced dim.
@@ -671,6 +774,96 @@ op_table! { name, a, i, shapes;
             _ => Err(StrategyError::arg(name, "needs --dims START,END")),
         },
         example: "--shapes 4x3x6 --dims 0,1";
+    /// Splits `dim` into consecutive pieces of `sizes` (one output each).
+    Split: {
+        /// Split dim.
+        dim: usize,
+        /// Piece sizes (summing to the dim's size).
+        sizes: Shape,
+    } => Op::Split { .. },
+        name: "split", names: &["split"], family: View, inputs: Some(1),
+        parse: Ok(Op::Split { dim: a.dim_or(a.ndim0(), 0)?, sizes: a.to_shape(name)? }),
+        example: "--shapes 9x4 --dims 0 --to-shape 2x3x4";
+    /// The slices of `dim`, one output each, without that dim.
+    Unbind: {
+        /// Unbound dim.
+        dim: usize,
+    } => Op::Unbind { .. },
+        name: "unbind", names: &["unbind"], family: View, inputs: Some(1),
+        parse: Ok(Op::Unbind { dim: a.dim_or(a.ndim0(), 0)? }),
+        example: "--shapes 3x4 --dims 0";
+    /// The `k` largest (or smallest) entries along `dim` and their indices (`u32`), in order
+    /// (ties: the lower index first).
+    TopK: {
+        /// How many.
+        k: usize,
+        /// Along which dim.
+        dim: usize,
+        /// Largest (`true`) or smallest.
+        largest: bool,
+    } => Op::TopK { largest, .. },
+        name: if *largest { "topk" } else { "topk_smallest" },
+        names: &["topk", "topk_smallest"], family: Sort, inputs: Some(1),
+        parse: Ok(Op::TopK {
+            k: a.count_or(name, 1)?,
+            dim: a.dim_or(a.ndim0(), a.last())?,
+            largest: name == "topk",
+        }),
+        example: "--shapes 5x7 --dims 1 --scalar 3";
+    /// `x.scatter_add(index, src, dim)`: `out[.., index[i], ..] += src[i]` along `dim`;
+    /// `index` (integer) and `src` have the same shape, equal to `x`'s off `dim`.
+    ScatterAdd: {
+        /// Scatter dim.
+        dim: usize,
+    } => Op::ScatterAdd { dim },
+        name: "scatter_add", names: &["scatter_add"], family: Scatter, inputs: Some(3),
+        parse: Ok(Op::ScatterAdd { dim: a.dim_or(a.ndim0(), 0)? }),
+        kinds: index_or_float(i == 1, shapes, 0, *dim),
+        example: "--shapes 6x4,3x4,3x4 --dims 0";
+    /// `x.index_put(indices, values)` along `dim`: rows `indices` (1-d integer) of `x` become
+    /// (`accumulate`: get added) the rows of `values` (`values` is `x`'s shape with
+    /// `indices.len()` rows on `dim`). Repeated indices add their values in both modes.
+    IndexPut: {
+        /// Indexed dim.
+        dim: usize,
+        /// Add instead of write (`index_add`).
+        accumulate: bool,
+    } => Op::IndexPut { dim, accumulate },
+        name: if *accumulate { "index_add" } else { "index_put" },
+        names: &["index_put", "index_add"], family: Scatter, inputs: Some(3),
+        parse: Ok(Op::IndexPut { dim: a.dim_or(a.ndim0(), 0)?, accumulate: name == "index_add" }),
+        kinds: index_or_float(i == 1, shapes, 0, *dim),
+        example: "--shapes 6x4,3,3x4 --dims 0";
+    /// Cumulative sum along `dim`.
+    Cumsum: {
+        /// Scanned dim.
+        dim: usize,
+    } => Op::Cumsum { .. },
+        name: "cumsum", names: &["cumsum"], family: Scan, inputs: Some(1),
+        parse: Ok(Op::Cumsum { dim: a.dim_or(a.ndim0(), 0)? }),
+        example: "--shapes 5x6 --dims 1";
+    /// Constant padding of `dim`: `before` and `after` entries of `value`.
+    Pad: {
+        /// Padded dim.
+        dim: usize,
+        /// Entries before.
+        before: usize,
+        /// Entries after.
+        after: usize,
+        /// Fill value.
+        value: Scalar,
+    } => Op::Pad { .. },
+        name: "pad", names: &["pad"], family: Misc, inputs: Some(1),
+        parse: match a.dims.as_slice() {
+            [d, b, e] if *b >= 0 && *e >= 0 => Ok(Op::Pad {
+                dim: normalize_dim(*d, a.ndim0())?,
+                before: *b as usize,
+                after: *e as usize,
+                value: a.scalar_or(0.0),
+            }),
+            _ => Err(StrategyError::arg(name, "needs --dims DIM,BEFORE,AFTER")),
+        },
+        example: "--shapes 4x5 --dims 1,2,1 --scalar 0.5";
     /// Concatenate the inputs along `dim`.
     Cat: {
         /// Dim.

@@ -39,6 +39,9 @@ pub fn apply_all(op: &Op, inputs: &[&DTensor]) -> Result<Vec<DTensor>> {
         Family::Index => super::index::apply(op, inputs),
         Family::View => super::view::apply(op, inputs),
         Family::Misc => super::misc::apply(op, inputs),
+        Family::Scatter => super::scatter::apply(op, inputs),
+        Family::Sort => super::sort::apply(op, inputs),
+        Family::Scan => super::scan::apply(op, inputs),
     }
 }
 
@@ -68,6 +71,9 @@ pub fn reference_apply_all(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
         Family::Index => super::index::reference(op, inputs),
         Family::View => super::view::reference(op, inputs),
         Family::Misc => super::misc::reference(op, inputs),
+        Family::Scatter => super::scatter::reference(op, inputs),
+        Family::Sort => super::sort::reference(op, inputs),
+        Family::Scan => super::scan::reference(op, inputs),
     }
 }
 

@@ -38,7 +38,42 @@ pub(crate) fn linear_local(
     }
 }
 
+/// `beta * bias + alpha * (a @ b)` on local pieces.
+fn baddbmm_local(
+    bias: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    alpha: f64,
+    beta: f64,
+) -> candle_core::Result<Tensor> {
+    let prod = a.matmul(b)?;
+    let prod = if alpha == 1.0 {
+        prod
+    } else {
+        prod.affine(alpha, 0.0)?
+    };
+    let bias = if beta == 1.0 {
+        bias.clone()
+    } else {
+        bias.affine(beta, 0.0)?
+    };
+    prod.broadcast_add(&bias)
+}
+
 impl DTensor {
+    /// `beta * self + alpha * (a @ b)` with `a [B, n, k]`, `b [B, k, m]` and `self` (the bias)
+    /// broadcastable to `[B, n, m]` (torch.baddbmm). Contracting over a sharded `k` gives
+    /// `P(sum)` with the bias added once (a free local partition of a replicated bias).
+    pub fn baddbmm(&self, a: &DTensor, b: &DTensor, alpha: f64, beta: f64) -> Result<DTensor> {
+        let op = Op::Baddbmm {
+            alpha: alpha.into(),
+            beta: beta.into(),
+        };
+        run1(&op, &[self, a, b], |p| {
+            baddbmm_local(&p.locals[0], &p.locals[1], &p.locals[2], alpha, beta)
+        })
+    }
+
     /// `[..b, m, k] @ [..b, k, n]` with equal batch dims.
     pub fn matmul(&self, rhs: &DTensor) -> Result<DTensor> {
         run1(&Op::Matmul, &[self, rhs], |p| {
@@ -90,6 +125,7 @@ pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
         Op::Matmul => x[0].matmul(x[1])?,
         Op::BroadcastMatmul => x[0].broadcast_matmul(x[1])?,
         Op::Linear { .. } => x[0].linear(x[1], x.get(2).copied())?,
+        Op::Baddbmm { alpha, beta } => x[0].baddbmm(x[1], x[2], alpha.get(), beta.get())?,
         _ => return Err(super::wrong_family(op, x)),
     }])
 }
@@ -111,6 +147,7 @@ pub(crate) fn reference(op: &Op, x: &[Tensor]) -> candle_core::Result<Vec<Tensor
                 y
             }
         }
+        Op::Baddbmm { alpha, beta } => baddbmm_local(&x[0], &x[1], &x[2], alpha.get(), beta.get())?,
         _ => return Err(super::ref_wrong_family(op)),
     }])
 }

@@ -8,6 +8,9 @@ mod misc;
 pub mod nn;
 pub mod pointwise;
 mod reduction;
+mod scan;
+mod scatter;
+mod sort;
 mod view;
 
 use candle_dtensor_strategies::layout::local_shape;

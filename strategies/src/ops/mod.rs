@@ -12,6 +12,9 @@ mod misc;
 mod norm;
 mod pointwise;
 mod reduction;
+mod scan;
+mod scatter;
+mod sort;
 mod view;
 
 use smallvec::SmallVec;
@@ -54,6 +57,9 @@ pub(crate) fn output_metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<Tensor
         Family::Attention => attention::metas(op, inputs),
         Family::View => view::metas(op, inputs),
         Family::Misc => misc::metas(op, inputs),
+        Family::Scatter => scatter::metas(op, inputs),
+        Family::Sort => sort::metas(op, inputs),
+        Family::Scan => scan::metas(op, inputs),
     }
 }
 
@@ -74,6 +80,9 @@ pub(crate) fn rows(
         Family::Attention => attention::rows(op, inputs, outs),
         Family::View => view::rows(op, inputs, outs)?,
         Family::Misc => misc::rows(op, inputs, outs),
+        Family::Scatter => scatter::rows(op, inputs, outs),
+        Family::Sort => sort::rows(op, inputs, outs),
+        Family::Scan => scan::rows(op, inputs, outs),
     })
 }
 

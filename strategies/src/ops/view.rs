@@ -15,6 +15,11 @@
 //!   mesh dim sharding `d`. So `[B, T, C] S(1) -> [B*T, C] SS(0,B) -> [B, T, C] S(1)` is free.
 //! * `Singleton`, `NewDim`, `Broadcast`: `R`.
 //!
+//! `split` / `unbind` (one output per piece): any other dim passes its sharding to every output;
+//! the split dim itself must be whole, except for an input `SS(d, k)` split into its `k` equal
+//! parts: each part is then exactly `S(d)` (a fused QKV or gate/up projection sharded head by
+//! head splits for free).
+//!
 //! Views never communicate: a sharding that would need hidden communication (PyTorch #179502,
 //! `x [12, 8] S(1) -> view(16, 6)`) is simply not a row, so the expander redistributes the input
 //! first and `explain` shows it. Every `Partial` passes through (views are linear selections).
@@ -289,8 +294,83 @@ fn dim_map(op: &Op, x: &[usize], out: &[usize]) -> Vec<DimSpec> {
     }
 }
 
+/// `split` / `unbind` output metas.
+fn split_metas(op: &Op, x: &TensorMeta) -> Result<Vec<TensorMeta>> {
+    let nd = x.ndim();
+    match op {
+        Op::Split { dim, sizes } => {
+            check_dim(op, *dim, nd)?;
+            if sizes.is_empty() || sizes.iter().sum::<usize>() != x.shape[*dim] {
+                return Err(StrategyError::arg(
+                    op,
+                    format!(
+                        "sizes {:?} do not add up to dim {dim} of {}",
+                        sizes.as_slice(),
+                        shape_str(&x.shape)
+                    ),
+                ));
+            }
+            Ok(sizes
+                .iter()
+                .map(|&n| {
+                    let mut o = x.shape.clone();
+                    o[*dim] = n;
+                    meta(&o, x.dtype)
+                })
+                .collect())
+        }
+        Op::Unbind { dim } => {
+            check_dim(op, *dim, nd)?;
+            if x.shape[*dim] == 0 {
+                return Err(StrategyError::arg(
+                    op,
+                    format!("dim {dim} of {} is empty", shape_str(&x.shape)),
+                ));
+            }
+            let mut o = x.shape.clone();
+            o.remove(*dim);
+            Ok(vec![meta(&o, x.dtype); x.shape[*dim]])
+        }
+        _ => Err(StrategyError::arg(op, "not a split op")),
+    }
+}
+
+/// `split` / `unbind` rows.
+fn split_rows(op: &Op, x: &TensorMeta, n_out: usize) -> Vec<StrategyRow> {
+    let (dim, removed) = match op {
+        Op::Split { dim, .. } => (*dim, false),
+        Op::Unbind { dim } => (*dim, true),
+        _ => return Vec::new(),
+    };
+    let mut rows = Vec::new();
+    for d in (0..x.ndim()).filter(|&d| d != dim) {
+        let o = if removed && d > dim { d - 1 } else { d };
+        rows.push(StrategyRow::new(&vec![s(o); n_out], &[s(d)]));
+    }
+    if let Op::Split { sizes, .. } = op {
+        if n_out > 1 && sizes.iter().all(|&n| n == sizes[0]) {
+            let ss = Placement::StridedShard {
+                dim,
+                split_factor: n_out,
+            };
+            rows.push(
+                StrategyRow::new(&vec![s(dim); n_out], &[ss])
+                    .sole(TensorRef::Input(0), dim)
+                    .no_strided(),
+            );
+        }
+    }
+    for op in ReduceOp::ALL {
+        rows.push(StrategyRow::new(&vec![p(op); n_out], &[p(op)]));
+    }
+    rows
+}
+
 pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
     let x = inputs[0];
+    if matches!(op, Op::Split { .. } | Op::Unbind { .. }) {
+        return split_metas(op, x);
+    }
     let xs = &x.shape;
     let nd = xs.len();
     let out: Shape = match op {
@@ -396,6 +476,9 @@ pub(super) fn rows(
     inputs: &[&TensorMeta],
     outs: &[TensorMeta],
 ) -> Result<Vec<StrategyRow>> {
+    if matches!(op, Op::Split { .. } | Op::Unbind { .. }) {
+        return Ok(split_rows(op, inputs[0], outs.len()));
+    }
     let shape = &inputs[0].shape;
     let specs = dim_map(op, shape, &outs[0].shape);
     let mut rows = Vec::new();
@@ -525,6 +608,31 @@ mod tests {
                 "SS(0,6) <- S(2)"
             ]
         );
+    }
+
+    #[test]
+    fn split_and_unbind() {
+        let x = TensorMeta::new(&[4, 9], DType::F32);
+        let op = Op::Split {
+            dim: 1,
+            sizes: smallvec::smallvec![3, 3, 3],
+        };
+        let t: Vec<String> = single_dim_strategies(&op, &[&x])
+            .unwrap()
+            .iter()
+            .filter(|r| !r.outputs[0].is_partial())
+            .map(|r| r.to_string())
+            .collect();
+        assert_eq!(t, ["S(0),S(0),S(0) <- S(0)", "S(1),S(1),S(1) <- SS(1,3)"]);
+        let op = Op::Unbind { dim: 0 };
+        let rows = single_dim_strategies(&op, &[&x]).unwrap();
+        assert_eq!(rows[0].to_string(), "S(0),S(0),S(0),S(0) <- S(1)");
+        assert!(Op::Split {
+            dim: 1,
+            sizes: smallvec::smallvec![3, 3]
+        }
+        .output_metas(&[&x])
+        .is_err());
     }
 
     #[test]
