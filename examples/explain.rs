@@ -36,8 +36,8 @@ use candle_dtensor::dtensor::{
 };
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::strategies::{
-    explain, resolve, DTensorSpec, ExpandMethod, ExplainReport, ExplainRequest, InputKind, Op,
-    Shape,
+    explain, partials_replicated, resolve, DTensorSpec, ExpandMethod, ExplainReport,
+    ExplainRequest, InputKind, Op, Shape,
 };
 use clap::Parser;
 
@@ -410,17 +410,7 @@ fn run(
                         seed ^ i as u64,
                         positive[i],
                     )?;
-                    let no_partial: Vec<Placement> = spec
-                        .placements
-                        .iter()
-                        .map(|p| {
-                            if p.is_partial() {
-                                Placement::Replicate
-                            } else {
-                                *p
-                            }
-                        })
-                        .collect();
+                    let no_partial = partials_replicated(&spec.placements);
                     let piece = distribute_tensor(&mine, &mesh, &no_partial)?
                         .to_local()
                         .clone();

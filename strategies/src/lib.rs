@@ -90,8 +90,8 @@ pub use op::{
     Scalar, ScalarOp, UnaryOp,
 };
 pub use placement::{
-    format_placements, parse_placements, parse_placements_with_ndim, Placement, Placements,
-    ReduceOp,
+    format_placements, parse_placements, parse_placements_with_ndim, partials_replicated,
+    Placement, Placements, ReduceOp,
 };
 pub use plan::{plan_redistribute, RedistributePlan, Step, MAX_MESH_DIMS};
 pub use propagate::{

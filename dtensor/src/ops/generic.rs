@@ -3,7 +3,7 @@
 //! ground truth tests and `explain --run` compare against). Dropout uses seed 0 in both.
 //!
 //! Both dispatch on the op's family as the op table declares it (`Op::family`); each family
-//! module implements `apply` (the DTensor method) and `reference` (plain candle) for its ops.
+//! module implements `apply` (the DTensor method) and `single_device` (plain candle) for its ops.
 
 use candle_core::Tensor;
 use candle_dtensor_strategies::{Family, Op};
@@ -12,6 +12,28 @@ use crate::error::{invalid, Result};
 use crate::tensor::DTensor;
 
 type CResult<T> = candle_core::Result<T>;
+
+/// Calls family module function `$f(op, inputs)` of `op`'s declared family (every family
+/// module has `apply`, on DTensors, and `single_device`, its plain-candle reference). The
+/// norm, embedding, loss and attention families share `nn`.
+macro_rules! by_family {
+    ($op:expr, $f:ident, $inputs:expr) => {
+        match $op.family() {
+            Family::Matrix => super::matrix::$f($op, $inputs),
+            Family::Pointwise => super::pointwise::$f($op, $inputs),
+            Family::Reduction => super::reduction::$f($op, $inputs),
+            Family::Norm | Family::Embedding | Family::Loss | Family::Attention => {
+                super::nn::$f($op, $inputs)
+            }
+            Family::Index => super::index::$f($op, $inputs),
+            Family::View => super::view::$f($op, $inputs),
+            Family::Misc => super::misc::$f($op, $inputs),
+            Family::Scatter => super::scatter::$f($op, $inputs),
+            Family::Sort => super::sort::$f($op, $inputs),
+            Family::Scan => super::scan::$f($op, $inputs),
+        }
+    };
+}
 
 /// The op table's arity of `op`, checked against `n` inputs.
 fn check_arity(op: &Op, n: usize) -> std::result::Result<(), String> {
@@ -29,20 +51,7 @@ fn check_arity(op: &Op, n: usize) -> std::result::Result<(), String> {
 pub fn apply_all(op: &Op, inputs: &[&DTensor]) -> Result<Vec<DTensor>> {
     let rank = inputs.first().map_or(0, |x| x.mesh_rank());
     check_arity(op, inputs.len()).map_err(|m| invalid(op.name(), rank, m))?;
-    match op.family() {
-        Family::Matrix => super::matrix::apply(op, inputs),
-        Family::Pointwise => super::pointwise::apply(op, inputs),
-        Family::Reduction => super::reduction::apply(op, inputs),
-        Family::Norm | Family::Embedding | Family::Loss | Family::Attention => {
-            super::nn::apply(op, inputs)
-        }
-        Family::Index => super::index::apply(op, inputs),
-        Family::View => super::view::apply(op, inputs),
-        Family::Misc => super::misc::apply(op, inputs),
-        Family::Scatter => super::scatter::apply(op, inputs),
-        Family::Sort => super::sort::apply(op, inputs),
-        Family::Scan => super::scan::apply(op, inputs),
-    }
+    by_family!(op, apply, inputs)
 }
 
 /// Runs a single-output `op` on DTensor `inputs` (see [`apply_all`]).
@@ -61,20 +70,7 @@ pub fn apply(op: &Op, inputs: &[&DTensor]) -> Result<DTensor> {
 /// A wrong number of inputs, and candle's errors.
 pub fn reference_apply_all(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
     check_arity(op, inputs.len()).map_err(|m| candle_core::Error::Msg(format!("{op}: {m}")))?;
-    match op.family() {
-        Family::Matrix => super::matrix::reference(op, inputs),
-        Family::Pointwise => super::pointwise::reference(op, inputs),
-        Family::Reduction => super::reduction::reference(op, inputs),
-        Family::Norm | Family::Embedding | Family::Loss | Family::Attention => {
-            super::nn::reference_op(op, inputs)
-        }
-        Family::Index => super::index::reference(op, inputs),
-        Family::View => super::view::reference(op, inputs),
-        Family::Misc => super::misc::reference(op, inputs),
-        Family::Scatter => super::scatter::reference(op, inputs),
-        Family::Sort => super::sort::reference(op, inputs),
-        Family::Scan => super::scan::reference(op, inputs),
-    }
+    by_family!(op, single_device, inputs)
 }
 
 /// Runs a single-output `op` on one device (see [`reference_apply_all`]).

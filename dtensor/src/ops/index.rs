@@ -285,7 +285,7 @@ pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
 }
 
 /// The index family on one device.
-pub(crate) fn reference(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
     let x = &inputs[0];
     Ok(vec![match op {
         Op::IndexSelect { dim } => x.index_select(&inputs[1].to_dtype(DType::U32)?, *dim)?,

@@ -131,7 +131,7 @@ pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
 }
 
 /// The matrix family on one device.
-pub(crate) fn reference(op: &Op, x: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+pub(crate) fn single_device(op: &Op, x: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
     Ok(vec![match op {
         Op::Matmul => x[0].matmul(&x[1])?,
         Op::BroadcastMatmul => x[0].broadcast_matmul(&x[1])?,

@@ -70,7 +70,7 @@ pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
 }
 
 /// The misc family on one device.
-pub(crate) fn reference(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
     let x = &inputs[0];
     Ok(vec![match op {
         Op::Cat { dim } => Tensor::cat(inputs, *dim)?,

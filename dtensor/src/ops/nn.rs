@@ -501,7 +501,7 @@ pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
 }
 
 /// The norm, embedding, loss and attention families on one device.
-pub(crate) fn reference_op(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
     let x = &inputs[0];
     Ok(vec![match op {
         Op::Softmax { dim } => reference::softmax(x, *dim)?,

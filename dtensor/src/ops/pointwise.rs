@@ -368,7 +368,7 @@ fn unary_ref(u: UnaryOp, x: &Tensor) -> CResult<Tensor> {
 }
 
 /// The pointwise family on one device.
-pub(crate) fn reference(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
     let x = &inputs[0];
     Ok(vec![match op {
         Op::Unary(u) => unary_ref(*u, x)?,

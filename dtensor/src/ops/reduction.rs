@@ -429,7 +429,7 @@ fn extreme_ref(x: &Tensor, dims: &[usize], keepdim: bool, max: bool) -> CResult<
 }
 
 /// The reduction family on one device.
-pub(crate) fn reference(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
     let x = &inputs[0];
     let all = |dims: &[usize]| dims_or_all(dims, x.rank());
     Ok(vec![match op {

@@ -24,7 +24,7 @@ pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
 }
 
 /// The scan family on one device.
-pub(crate) fn reference(op: &Op, inputs: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
     match op {
         Op::Cumsum { dim } => Ok(vec![inputs[0].cumsum(*dim)?]),
         _ => Err(super::ref_wrong_family(op)),

@@ -234,7 +234,7 @@ pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
 }
 
 /// The scatter family on one device.
-pub(crate) fn reference(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
     let (x, i, u) = (&inputs[0], &inputs[1], &inputs[2]);
     Ok(vec![match op {
         Op::ScatterAdd { dim } => scatter_add_local(x, i, u, *dim, x.dim(*dim)?, None)?,

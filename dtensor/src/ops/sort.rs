@@ -90,7 +90,7 @@ pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
 }
 
 /// The sort family on one device.
-pub(crate) fn reference(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
     match op {
         Op::TopK { k, dim, largest } => {
             let idx = topk_indices(&inputs[0], *k, *dim, *largest)?;

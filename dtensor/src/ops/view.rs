@@ -180,7 +180,7 @@ pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
 }
 
 /// The view family on one device.
-pub(crate) fn reference(op: &Op, inputs: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
     let x = &inputs[0];
     Ok(vec![match op {
         Op::Reshape { shape } => x.reshape(shape.as_slice())?,

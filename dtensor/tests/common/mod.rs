@@ -13,8 +13,8 @@ use candle_dtensor_core::{
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_strategies::layout::{local_indices, local_shape};
 use candle_dtensor_strategies::{
-    format_placements, global_propagator, DTensorSpec, MeshTopology, Op, OpSharding,
-    RedistributePlan,
+    format_placements, global_propagator, partials_replicated, DTensorSpec, MeshTopology, Op,
+    OpSharding, RedistributePlan,
 };
 
 /// Boxed error of a rank closure.
@@ -832,20 +832,12 @@ fn run_case_inner(mesh: &DeviceMesh, case: &Case, fails: &mut Vec<String>) -> R<
         // placements (Partial ones included), and its placements are truthful.
         let gd = match dts[k].grad(&grads).map_err(|e| format!("grad {k}: {e}"))? {
             Some(g) => g,
-            None => {
-                let p: Vec<Placement> = inp
-                    .placements
-                    .iter()
-                    .map(|p| {
-                        if p.is_partial() {
-                            Placement::Replicate
-                        } else {
-                            *p
-                        }
-                    })
-                    .collect();
-                DTensor::from_local_with_shape(&got, mesh, &p, inp.full.dims())?
-            }
+            None => DTensor::from_local_with_shape(
+                &got,
+                mesh,
+                &partials_replicated(&inp.placements),
+                inp.full.dims(),
+            )?,
         };
         check_grad_layout(&gd, mesh, &mut |w| {
             fail(fails, format!("grad of input {k}: {w}"))
