@@ -56,13 +56,14 @@ struct Args {
     /// Input placements, inputs separated by `;`, e.g. `S(0),R;R,S(1)` (default: replicated).
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     placements: String,
-    /// Dim arguments, e.g. `0` or `0,1` (negative allowed).
+    /// Dim arguments, e.g. `0` or `0,1` (negative allowed; narrow `DIM,START,LEN`, pad
+    /// `DIM,BEFORE,AFTER`).
     #[arg(long, allow_hyphen_values = true)]
     dims: Option<String>,
     /// Keep reduced dims.
     #[arg(long)]
     keepdim: bool,
-    /// Target shape of reshape / broadcast_as, e.g. `16x6`.
+    /// Target shape of reshape / broadcast_as, e.g. `16x6`; the piece sizes of split.
     #[arg(long)]
     to_shape: Option<String>,
     /// dtype of float inputs (default f32).
@@ -74,7 +75,8 @@ struct Args {
     /// Target dtype of `to_dtype`.
     #[arg(long)]
     to_dtype: Option<String>,
-    /// Scalar argument (scalar ops, affine multiplier, masked_fill value, dropout p).
+    /// Scalar argument (scalar ops, affine multiplier, masked_fill/pad value, dropout p, norm
+    /// p, topk k, var/std correction, baddbmm alpha).
     #[arg(long, allow_hyphen_values = true)]
     scalar: Option<f64>,
     /// Causal attention (sdpa).

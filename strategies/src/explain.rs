@@ -34,7 +34,7 @@ pub struct ExplainRequest {
     pub dims: Option<String>,
     /// keepdim for reductions.
     pub keepdim: bool,
-    /// Target shape of reshape / broadcast_as (`16x6`).
+    /// Target shape of reshape / broadcast_as (`16x6`), or the piece sizes of split.
     pub to_shape: Option<String>,
     /// Default dtype of float inputs (`f32`).
     pub dtype: Option<String>,
@@ -42,7 +42,8 @@ pub struct ExplainRequest {
     pub to: Option<String>,
     /// Target dtype of to_dtype.
     pub to_dtype: Option<String>,
-    /// Scalar argument (scalar ops, affine multiplier, masked_fill value, dropout p).
+    /// Scalar argument (scalar ops, affine multiplier, masked_fill/pad value, dropout p, norm
+    /// p, topk k, var/std correction, baddbmm alpha).
     pub scalar: Option<f64>,
     /// Causal flag of sdpa.
     pub causal: bool,
