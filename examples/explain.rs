@@ -15,11 +15,15 @@
 //! `:dtype` per shape, e.g. `4x16:u32`). Errors go to stderr with a non-zero exit.
 //!
 //! `--run` starts one rank per mesh position (world = mesh size), builds random inputs with
-//! the given shapes and placements (integer inputs hold valid indices), runs the op and the
-//! backward of a random weighting of its output, and compares `full_tensor()` of the output
-//! and of every input gradient with the same computation in plain candle on one device. It adds
-//! `run: {fwd_max_abs_err, bwd_max_abs_err, ok, observed_collectives, matches_plan}` to the
-//! report, the collectives coming from `CommDebugMode` during the forward op.
+//! the given shapes and placements (integer inputs hold valid indices; Partial inputs are split
+//! into DISTINCT summands that reduce to the value), runs the op and the backward of a random
+//! weighting of its outputs, and compares `full_tensor()` of every output and of every input
+//! gradient read as a DTensor (`DTensor::grad`: the single-device gradient of the input's value,
+//! whatever its placements) with the same computation in plain candle on one device. It adds
+//! `run: {fwd_max_abs_err, bwd_max_abs_err, ok, observed_collectives, observed_mesh_dims,
+//! matches_plan}` to the report, the collectives coming from `CommDebugMode` during the forward
+//! op; `ok` needs both errors within 1e-5 of the magnitudes AND the collectives that ran (kind
+//! and mesh dim) equal to the planned ones.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 use std::time::Duration;
@@ -27,11 +31,13 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_dtensor::comm::LocalWorld;
 use candle_dtensor::dtensor::debug::{CommDebugMode, Phase};
-use candle_dtensor::dtensor::{apply, distribute_tensor, reference_apply, DTensor, Placement};
+use candle_dtensor::dtensor::{
+    apply_all, distribute_tensor, reference_apply_all, DTensor, Placement, ReduceOp,
+};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::strategies::{
-    explain, resolve, CollectiveKind, DTensorSpec, ExpandMethod, ExplainReport, ExplainRequest, Op,
-    ScalarOp, UnaryOp,
+    explain, partials_replicated, resolve, DTensorSpec, ExpandMethod, ExplainReport,
+    ExplainRequest, InputKind, Op, Shape,
 };
 use clap::Parser;
 
@@ -50,13 +56,14 @@ struct Args {
     /// Input placements, inputs separated by `;`, e.g. `S(0),R;R,S(1)` (default: replicated).
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     placements: String,
-    /// Dim arguments, e.g. `0` or `0,1` (negative allowed).
+    /// Dim arguments, e.g. `0` or `0,1` (negative allowed; narrow `DIM,START,LEN`, pad
+    /// `DIM,BEFORE,AFTER`).
     #[arg(long, allow_hyphen_values = true)]
     dims: Option<String>,
     /// Keep reduced dims.
     #[arg(long)]
     keepdim: bool,
-    /// Target shape of reshape / broadcast_as, e.g. `16x6`.
+    /// Target shape of reshape / broadcast_as, e.g. `16x6`; the piece sizes of split.
     #[arg(long)]
     to_shape: Option<String>,
     /// dtype of float inputs (default f32).
@@ -68,7 +75,8 @@ struct Args {
     /// Target dtype of `to_dtype`.
     #[arg(long)]
     to_dtype: Option<String>,
-    /// Scalar argument (scalar ops, affine multiplier, masked_fill value, dropout p).
+    /// Scalar argument (scalar ops, affine multiplier, masked_fill/pad value, dropout p, norm
+    /// p, topk k, var/std correction, baddbmm alpha).
     #[arg(long, allow_hyphen_values = true)]
     scalar: Option<f64>,
     /// Causal attention (sdpa).
@@ -176,27 +184,9 @@ fn unit(seed: u64, i: u64) -> f64 {
     (splitmix64(seed ^ i.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// Valid index range of integer input `i` of `op` (None: not an index).
-fn index_range(op: &Op, specs: &[DTensorSpec], i: usize) -> Option<usize> {
-    match (op, i) {
-        (Op::Embedding, 0) => specs.get(1).map(|w| w.meta.shape[0]),
-        (Op::CrossEntropy, 1) => specs.first().map(|l| l.meta.shape[1]),
-        (Op::IndexSelect { dim } | Op::Gather { dim }, 1) => {
-            specs.first().map(|s| s.meta.shape[*dim])
-        }
-        _ => None,
-    }
-}
-
-fn needs_positive(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Unary(UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Recip) | Op::ScalarOp(ScalarOp::Pow, _)
-    )
-}
-
 /// The full input tensors (the same on every rank).
 fn inputs(op: Option<&Op>, specs: &[DTensorSpec], seed: u64) -> candle_core::Result<Vec<Tensor>> {
+    let shapes: Vec<Shape> = specs.iter().map(|s| s.meta.shape.clone()).collect();
     specs
         .iter()
         .enumerate()
@@ -205,11 +195,12 @@ fn inputs(op: Option<&Op>, specs: &[DTensorSpec], seed: u64) -> candle_core::Res
             let s = seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407);
             let dims = spec.meta.shape.as_slice();
             let dtype = candle_dtensor_dtype(spec);
+            let kind = op.map_or(InputKind::Float, |o| o.input_kind(i, &shapes));
             match dtype {
                 DType::U32 | DType::I64 | DType::U8 => {
-                    let range = match (dtype, op.and_then(|o| index_range(o, specs, i))) {
-                        (DType::U8, _) => 2,
-                        (_, Some(r)) => r.max(1),
+                    let range = match (dtype, kind) {
+                        (DType::U8, _) | (_, InputKind::Mask) => 2,
+                        (_, InputKind::Index { bound }) => bound.max(1),
                         _ => 10,
                     };
                     let v: Vec<u32> = (0..n)
@@ -225,7 +216,7 @@ fn inputs(op: Option<&Op>, specs: &[DTensorSpec], seed: u64) -> candle_core::Res
                             let g = ((-2.0 * u1.ln()).sqrt()
                                 * (2.0 * std::f64::consts::PI * u2).cos())
                                 as f32;
-                            if op.is_some_and(needs_positive) {
+                            if kind == InputKind::Positive {
                                 g.abs() + 0.5
                             } else {
                                 g
@@ -270,8 +261,100 @@ fn max_abs(a: &Tensor) -> candle_core::Result<f64> {
         .to_scalar::<f64>()
 }
 
-/// (forward |err|, backward |err|, forward relative, backward relative, observed collectives).
-type RunOut = (f64, f64, f64, f64, Vec<&'static str>);
+/// What `--run` measured on one rank.
+struct RunOut {
+    fwd: f64,
+    bwd: f64,
+    fwd_rel: f64,
+    bwd_rel: f64,
+    /// `(kind, mesh dim)` of every forward collective, in issue order.
+    observed: Vec<(&'static str, String)>,
+}
+
+/// The value this rank holds for `full` before sharding: on every Partial mesh dim (outermost
+/// first, so the innermost dim reduces first) `full` is split into DISTINCT summands that
+/// reduce to it (`sum`: random parts; `avg`: random parts of n times the value; `max`/`min`: a
+/// random owner per element holds the value, the others smaller/larger values; `product`: the
+/// owner holds the value, the others 1), so a wrong propagation rule or adjoint cannot pass by
+/// coincidence. Every rank computes the same split from `seed`.
+fn summand(
+    full: &Tensor,
+    placements: &[Placement],
+    mesh_shape: &[usize],
+    coord: &[usize],
+    seed: u64,
+    positive: bool,
+) -> candle_core::Result<Tensor> {
+    let dtype = full.dtype();
+    let int = !dtype.is_float();
+    let signed = dtype == DType::I64;
+    let mut v: Vec<f64> = full.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+    let mut key = seed ^ 0x5u64.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    for (m, p) in placements.iter().enumerate() {
+        let Placement::Partial(op) = *p else { continue };
+        let (n, c) = (mesh_shape[m], coord[m]);
+        key = splitmix64(key ^ (m as u64 + 1));
+        let level = key;
+        // The next level's split depends on which summand this rank holds here.
+        key = splitmix64(key ^ (c as u64 + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93));
+        if n <= 1 {
+            continue;
+        }
+        let u = |k: usize, e: usize| {
+            unit(
+                level ^ (k as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407),
+                e as u64,
+            )
+        };
+        for (e, x) in v.iter_mut().enumerate() {
+            let owner = (splitmix64(level ^ e as u64) % n as u64) as usize;
+            *x = match op {
+                ReduceOp::Sum | ReduceOp::Avg => {
+                    let target = if op == ReduceOp::Avg {
+                        *x * n as f64
+                    } else {
+                        *x
+                    };
+                    if int {
+                        // Integers: the owner holds it all (exact, and unsigned stays >= 0).
+                        if c == owner {
+                            target
+                        } else {
+                            0.0
+                        }
+                    } else {
+                        let part = |k: usize| (u(k, e) - 0.5) * 0.5 * (1.0 + x.abs());
+                        if c + 1 < n {
+                            part(c)
+                        } else {
+                            target - (0..n - 1).map(part).sum::<f64>()
+                        }
+                    }
+                }
+                ReduceOp::Max | ReduceOp::Min if c == owner => *x,
+                ReduceOp::Max => match (int, positive && *x > 0.0) {
+                    (true, _) if signed => *x - 1.0 - (u(c, e) * 3.0).floor(),
+                    (true, _) => 0f64.min(*x),
+                    (false, true) => *x * (0.3 + 0.6 * u(c, e)),
+                    (false, false) => *x - (0.1 + u(c, e)),
+                },
+                ReduceOp::Min => match (int, positive && *x > 0.0) {
+                    (true, _) => *x + 1.0 + (u(c, e) * 3.0).floor(),
+                    (false, true) => *x * (1.1 + u(c, e)),
+                    (false, false) => *x + (0.1 + u(c, e)),
+                },
+                ReduceOp::Product => {
+                    if c == owner {
+                        *x
+                    } else {
+                        1.0
+                    }
+                }
+            };
+        }
+    }
+    Tensor::from_vec(v, full.dims(), &Device::Cpu)?.to_dtype(dtype)
+}
 
 fn run(
     req: &ExplainRequest,
@@ -289,6 +372,13 @@ fn run(
     let specs = resolved.specs.clone();
     let op = resolved.op.clone();
     let full = inputs(op.as_ref(), &specs, seed).map_err(|e| e.to_string())?;
+    let shapes: Vec<Shape> = specs.iter().map(|s| s.meta.shape.clone()).collect();
+    let positive: Vec<bool> = (0..specs.len())
+        .map(|i| {
+            op.as_ref()
+                .is_some_and(|o| o.input_kind(i, &shapes) == InputKind::Positive)
+        })
+        .collect();
     let dst: Option<Vec<Placement>> = report.chosen_inputs.first().and_then(|c| {
         (op.is_none()).then(|| {
             candle_dtensor::strategies::parse_placements(c)
@@ -308,41 +398,50 @@ fn run(
                     let name = names.join("_");
                     mesh.flatten(&names, &name)?;
                 }
-                // Distributed inputs: float pieces are Vars so their gradients can be read.
-                let mut vars: Vec<Option<Var>> = Vec::new();
+                let coord = mesh.coordinate();
+                let mesh_shape = mesh.shape();
+                // Distributed inputs: this rank's summand, sharded; float pieces are Vars so
+                // their gradients can be read.
                 let mut dts: Vec<DTensor> = Vec::new();
-                for (t, spec) in full.iter().zip(&specs) {
-                    let dt = distribute_tensor(t, &mesh, &spec.placements)?;
-                    if t.dtype().is_float() {
-                        let v = Var::from_tensor(dt.to_local())?;
-                        let dt = DTensor::from_local_with_shape(
-                            v.as_tensor(),
-                            &mesh,
-                            &spec.placements,
-                            &spec.meta.shape,
-                        )?;
-                        vars.push(Some(v));
-                        dts.push(dt);
+                for (i, (t, spec)) in full.iter().zip(&specs).enumerate() {
+                    let mine = summand(
+                        t,
+                        &spec.placements,
+                        &mesh_shape,
+                        &coord,
+                        seed ^ i as u64,
+                        positive[i],
+                    )?;
+                    let no_partial = partials_replicated(&spec.placements);
+                    let piece = distribute_tensor(&mine, &mesh, &no_partial)?
+                        .to_local()
+                        .clone();
+                    let piece = if t.dtype().is_float() {
+                        Var::from_tensor(&piece)?.as_tensor().clone()
                     } else {
-                        vars.push(None);
-                        dts.push(dt);
-                    }
+                        piece
+                    };
+                    dts.push(DTensor::from_local_with_shape(
+                        &piece,
+                        &mesh,
+                        &spec.placements,
+                        &spec.meta.shape,
+                    )?);
                 }
                 let refs: Vec<&DTensor> = dts.iter().collect();
                 let mode = CommDebugMode::start();
-                let y = match (&op, &dst) {
-                    (Some(op), _) => apply(op, &refs)?,
-                    (None, Some(dst)) => refs[0].redistribute(dst)?,
+                let ys = match (&op, &dst) {
+                    (Some(op), _) => apply_all(op, &refs)?,
+                    (None, Some(dst)) => vec![refs[0].redistribute(dst)?],
                     (None, None) => return Err("redistribute needs --to".into()),
                 };
-                let observed: Vec<&'static str> = mode
+                let observed: Vec<(&'static str, String)> = mode
                     .records()
                     .iter()
                     .filter(|r| r.phase == Phase::Forward)
-                    .map(|r| r.kind)
+                    .map(|r| (r.kind, r.mesh_dim.clone()))
                     .collect();
                 drop(mode);
-                let y_full = y.full_tensor()?;
                 // Single-device reference.
                 let ref_vars: Vec<Option<Var>> = full
                     .iter()
@@ -362,18 +461,30 @@ fn run(
                             .unwrap_or_else(|| t.clone())
                     })
                     .collect();
-                let y_ref = match &op {
-                    Some(op) => reference_apply(op, &ref_inputs)?,
-                    None => ref_inputs[0].clone(),
+                let ys_ref = match &op {
+                    Some(op) => reference_apply_all(op, &ref_inputs)?,
+                    None => vec![ref_inputs[0].clone()],
                 };
-                let fwd = max_abs_diff(&y_full, &y_ref)?;
-                let scale = max_abs(&y_ref)?.max(1.0);
+                if ys.len() != ys_ref.len() {
+                    return Err(format!("{} outputs, reference {}", ys.len(), ys_ref.len()).into());
+                }
+                let (mut fwd, mut scale) = (0f64, 1f64);
+                for (y, y_ref) in ys.iter().zip(&ys_ref) {
+                    fwd = fwd.max(max_abs_diff(&y.full_tensor()?, y_ref)?);
+                    scale = scale.max(max_abs(y_ref)?);
+                }
                 let mut bwd = 0f64;
                 let mut gscale = 1f64;
-                if y_ref.dtype().is_float() {
+                // Loss: a random weighting of every float output.
+                let mut loss: Option<DTensor> = None;
+                let mut ref_loss: Option<Tensor> = None;
+                for (k, (y, y_ref)) in ys.iter().zip(&ys_ref).enumerate() {
+                    if !y_ref.dtype().is_float() {
+                        continue;
+                    }
                     let w = Tensor::from_vec(
                         (0..y_ref.elem_count())
-                            .map(|k| unit(seed ^ 0x5EED, k as u64) as f32 - 0.5)
+                            .map(|e| unit(seed ^ 0x5EED ^ (k as u64) << 20, e as u64) as f32 - 0.5)
                             .collect::<Vec<f32>>(),
                         y_ref.dims(),
                         &Device::Cpu,
@@ -381,61 +492,72 @@ fn run(
                     .to_dtype(y_ref.dtype())?;
                     let wd =
                         distribute_tensor(&w, &mesh, &vec![Placement::Replicate; mesh.ndim()])?;
-                    let grads = y.mul(&wd)?.sum_all()?.backward()?;
-                    let ref_grads = y_ref.mul(&w)?.sum_all()?.backward()?;
-                    for ((v, rv), spec) in vars.iter().zip(&ref_vars).zip(&specs) {
-                        let (Some(v), Some(rv)) = (v, rv) else {
-                            continue;
+                    let l = y.mul(&wd)?.sum_all()?;
+                    let rl = y_ref.mul(&w)?.sum_all()?;
+                    loss = Some(match loss {
+                        Some(a) => a.add(&l)?,
+                        None => l,
+                    });
+                    ref_loss = Some(match ref_loss {
+                        Some(a) => (a + rl)?,
+                        None => rl,
+                    });
+                }
+                if let (Some(loss), Some(ref_loss)) = (loss, ref_loss) {
+                    let grads = loss.backward()?;
+                    let ref_grads = ref_loss.backward()?;
+                    for (dt, rv) in dts.iter().zip(&ref_vars) {
+                        let Some(rv) = rv else { continue };
+                        let rg = match ref_grads.get(rv) {
+                            Some(g) => g.clone(),
+                            None => rv.as_tensor().zeros_like()?,
                         };
-                        let (Some(g), Some(rg)) = (grads.get(v), ref_grads.get(rv)) else {
-                            continue;
+                        // The rule of docs/ARCHITECTURE.md: the gradient read as a DTensor is
+                        // the single-device gradient, whatever the input's placements.
+                        let g = match dt.grad(&grads)? {
+                            Some(g) => g.full_tensor()?,
+                            None => rg.zeros_like()?,
                         };
-                        // A Partial input's gradient is the replicated gradient of its value.
-                        let gp: Vec<Placement> = spec
-                            .placements
-                            .iter()
-                            .map(|p| {
-                                if p.is_partial() {
-                                    Placement::Replicate
-                                } else {
-                                    *p
-                                }
-                            })
-                            .collect();
-                        let g = DTensor::from_local_with_shape(g, &mesh, &gp, &spec.meta.shape)?
-                            .full_tensor()?;
-                        bwd = bwd.max(max_abs_diff(&g, rg)?);
-                        gscale = gscale.max(max_abs(rg)?);
+                        bwd = bwd.max(max_abs_diff(&g, &rg)?);
+                        gscale = gscale.max(max_abs(&rg)?);
                     }
                 }
-                Ok((fwd, bwd, fwd / scale, bwd / gscale, observed))
+                Ok(RunOut {
+                    fwd,
+                    bwd,
+                    fwd_rel: fwd / scale,
+                    bwd_rel: bwd / gscale,
+                    observed,
+                })
             },
         )
         .map_err(|e| e.to_string())?;
-    let (fwd, bwd, fwd_rel, bwd_rel, observed) =
-        outs.into_iter().next().ok_or("no rank reported")?;
-    let mut planned: Vec<String> = report
+    let out = outs.into_iter().next().ok_or("no rank reported")?;
+    let mut planned: Vec<(String, String)> = report
         .collectives
         .iter()
-        .filter(|c| c.kind.is_communication() && c.kind != CollectiveKind::RmaGet)
-        .map(|c| c.kind.name().to_string())
+        .filter(|c| c.kind.is_communication())
+        .map(|c| (c.kind.name().to_string(), c.mesh_dim.clone()))
         .collect();
-    let mut seen: Vec<String> = observed
+    let mut seen: Vec<(String, String)> = out
+        .observed
         .iter()
-        .filter(|k| **k != "rma_get")
-        .map(|k| k.to_string())
+        .map(|(k, m)| (k.to_string(), m.clone()))
         .collect();
     planned.sort();
     seen.sort();
-    // f32 tolerance: 1e-5 of the largest magnitude of the output (resp. gradients).
-    let ok = fwd_rel <= 1e-5 && bwd_rel <= 1e-5;
+    let matches_plan = planned == seen;
+    // f32 tolerance: 1e-5 of the largest magnitude of the output (resp. gradients); and the
+    // collectives that ran are the ones planned.
+    let ok = out.fwd_rel <= 1e-5 && out.bwd_rel <= 1e-5 && matches_plan;
     Ok(serde_json::json!({
-        "fwd_max_abs_err": fwd,
-        "bwd_max_abs_err": bwd,
-        "fwd_max_rel_err": fwd_rel,
-        "bwd_max_rel_err": bwd_rel,
+        "fwd_max_abs_err": out.fwd,
+        "bwd_max_abs_err": out.bwd,
+        "fwd_max_rel_err": out.fwd_rel,
+        "bwd_max_rel_err": out.bwd_rel,
         "ok": ok,
-        "observed_collectives": observed,
-        "matches_plan": planned == seen,
+        "observed_collectives": out.observed.iter().map(|(k, _)| *k).collect::<Vec<_>>(),
+        "observed_mesh_dims": out.observed.iter().map(|(_, m)| m.clone()).collect::<Vec<_>>(),
+        "matches_plan": matches_plan,
     }))
 }

@@ -10,7 +10,7 @@
 //! |---|---|
 //! | all_gather `S->R` | chunk (or reduce_scatter when fused with a gradient sync) |
 //! | reduce_scatter `P->S` | all_gather (`avg`: then divide by n) |
-//! | all_reduce `P->R` | identity (`sum`), `/n` (`avg`), masked to the owners of the extreme, ties split (`max`/`min`) |
+//! | all_reduce `P->R` | identity (`sum`), `/n` (`avg`), masked to the owners of the extreme, ties split (`max`/`min`), times the other ranks' values (`product`, one all_gather) |
 //! | all_to_all `S(i)->S(j)` | all_to_all `S(j)->S(i)` |
 //! | chunk `R->S` (local) | all_gather |
 //! | strided all_gather `SS(d,sf)->R` | select this rank's strided rows (or strided reduce_scatter when fused) |
@@ -407,7 +407,16 @@ pub(crate) fn all_reduce(x: &Tensor, ax: &Axis, op: ReduceOp) -> CResult<Tensor>
                 let count = all_reduce_raw(&owner, &bx, ReduceOp::Sum, None)?;
                 g.mul(&owner)?.div(&count)
             }
-            ReduceOp::Product => g.mul(res)?.div(arg),
+            ReduceOp::Product => {
+                // g times the product of the OTHER ranks' values: exact where a value is 0,
+                // unlike `g * res / arg`. One all_gather of the (partial) values.
+                let all = gather_raw(&arg.unsqueeze(0)?, &bx, 0, bx.n, None)?;
+                let mut others = arg.ones_like()?;
+                for r in (0..bx.n).filter(|&r| r != bx.coord) {
+                    others = others.mul(&all.get(r)?)?;
+                }
+                g.mul(&others)
+            }
         },
         |dest| all_reduce_raw(x, ax, op, dest),
     )

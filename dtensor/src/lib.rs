@@ -59,7 +59,7 @@ pub use candle_dtensor_strategies::{
 pub use error::{DTensorError, Result};
 pub use fused::gelu as gelu_local;
 pub use mesh_ctx::MeshCtx;
-pub use ops::generic::{apply, reference_apply};
+pub use ops::generic::{apply, apply_all, reference_apply, reference_apply_all};
 pub use ops::nn::{
     layer_norm_local, log_softmax_local, reference, rms_norm_local, sdpa_local, softmax_local,
 };

@@ -51,6 +51,12 @@ impl MeshCtx {
         for g in &groups {
             topo = topo.with_flattened(g).ctx("device_mesh", rank)?;
         }
+        // One-sided gets only where every mesh dim's communicator offers them.
+        let mut rma = true;
+        for d in 0..names.len() {
+            rma &= mesh.comm(d)?.capabilities().rma_get;
+        }
+        let topo = topo.with_rma_get(rma);
         let coord = mesh.coordinate();
         let mut axes = Vec::with_capacity(dims.len());
         for (d, name) in names.iter().enumerate() {

@@ -115,13 +115,14 @@ pub(crate) fn execute(
                     Placement::MaskPartial { .. } => ReduceOp::Sum,
                     other => return Err(msg(format!("reduce_scatter from {other}"))),
                 };
-                if matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
-                    collectives::reduce_scatter(&t, &axis, d, logical[d], op)?
-                } else {
-                    // max/min/product have no reduce_scatter adjoint: reduce, then keep the chunk.
-                    let full = collectives::all_reduce(&t, &axis, op)?;
-                    collectives::chunk(&full, &axis, d)?
+                if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
+                    // The planner sends max/min/product through Replicate (all_reduce + local
+                    // chunk): executing anything else here would not be the plan.
+                    return Err(msg(format!(
+                        "redistribute {plan}: reduce_scatter of a Partial({op:?}) value is not a planned step"
+                    )));
                 }
+                collectives::reduce_scatter(&t, &axis, d, logical[d], op)?
             }
             (CollectiveKind::AllToAll, Placement::Shard(i), Placement::Shard(j)) => {
                 collectives::all_to_all(&t, &axis, i, j, logical[i], logical[j])?

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_strategies::layout::{local_shape, shard_size_and_offset, strided_indices};
 use candle_dtensor_strategies::{
-    format_placements, plan_redistribute, DTensorSpec, Placement, Placements,
+    format_placements, plan_redistribute, DTensorSpec, Placement, Placements, ReduceOp,
 };
 use smallvec::SmallVec;
 
@@ -401,18 +401,9 @@ impl DTensor {
         &self.inner.managed
     }
 
-    /// The same spec around another local piece (the caller guarantees its shape).
-    pub(crate) fn with_local(&self, local: Tensor) -> DTensor {
-        Self::from_parts(
-            local,
-            self.inner.spec.clone(),
-            self.inner.mesh.clone(),
-            self.inner.ctx.clone(),
-        )
-    }
-
-    /// Redistributes to `placements` (differentiable; the gradient of a Partial source comes
-    /// back Replicate, as in PyTorch).
+    /// Redistributes to `placements` (differentiable; [`DTensor::grad`] reads a Partial
+    /// source's gradient as the gradient of its value, Replicate where every rank holds it, as
+    /// PyTorch's `Redistribute.backward` gives it).
     ///
     /// # Errors
     ///
@@ -458,7 +449,7 @@ impl DTensor {
     }
 
     /// Runs candle's backward pass from this value. A non-Replicate value is made Replicate
-    /// first, so every rank seeds the true gradient (a `P(avg)` data-parallel mean gives the
+    /// first, so every rank seeds the true gradient (a `P(sum)` data-parallel mean gives the
     /// global gradient, not n times it). Call it on every rank.
     pub fn backward(&self) -> Result<GradStore> {
         let rank = self.mesh_rank();
@@ -470,11 +461,66 @@ impl DTensor {
         full.backward().ctx("backward", rank)
     }
 
-    /// This DTensor's gradient in `grads` (same spec as `self`), for leaves such as parameters.
-    pub fn grad(&self, grads: &GradStore) -> Option<DTensor> {
-        grads
-            .get(&self.inner.local)
-            .map(|g| self.with_local(g.clone()))
+    /// This DTensor's gradient in `grads` (for leaves such as parameters), as a DTensor whose
+    /// `full_tensor()` is the single-device gradient of the logical tensor, whatever `self`'s
+    /// placements, with placements that say how it is held (docs/ARCHITECTURE.md, "Gradients
+    /// of Partial values"). `None` when `self` got no gradient.
+    ///
+    /// Shard and Replicate mesh dims keep their placement. On a Partial mesh dim the local
+    /// gradient candle computed is the derivative with respect to this rank's summand, which
+    /// is turned into the gradient of the value without communication:
+    /// * `P(sum)`, `MaskPartial`: every rank already holds the gradient: `Replicate`.
+    /// * `P(avg)`: every rank holds it divided by n: multiplied by n, `Replicate` (PyTorch's
+    ///   `Redistribute.backward` gives every Partial source a Replicate gradient too).
+    /// * `P(max)`, `P(min)`: the ranks holding the extreme hold the gradient (split among ties),
+    ///   the others zeros; these pieces sum to it: `P(sum)`, which `full_tensor()` or a
+    ///   redistribution to `Replicate` reduces with one all_reduce.
+    ///
+    /// # Errors
+    /// A `P(product)` mesh dim: its summands' gradients are the value's gradient times the
+    /// other summands, which a rank does not have; redistribute such a leaf first.
+    pub fn grad(&self, grads: &GradStore) -> Result<Option<DTensor>> {
+        let Some(g) = grads.get(&self.inner.local) else {
+            return Ok(None);
+        };
+        let mut spec = self.inner.spec.clone();
+        let mut scale = 1.0f64;
+        for (m, p) in spec.placements.iter_mut().enumerate() {
+            *p = match *p {
+                Placement::Partial(ReduceOp::Sum) | Placement::MaskPartial { .. } => {
+                    Placement::Replicate
+                }
+                Placement::Partial(ReduceOp::Avg) => {
+                    scale *= self.inner.ctx.shape[m] as f64;
+                    Placement::Replicate
+                }
+                Placement::Partial(ReduceOp::Max | ReduceOp::Min) => {
+                    Placement::Partial(ReduceOp::Sum)
+                }
+                Placement::Partial(ReduceOp::Product) => {
+                    return Err(invalid(
+                        "grad",
+                        self.mesh_rank(),
+                        format!(
+                            "the gradient of a {} value (P(product) on mesh dim {m}) is not held by any rank; redistribute it before the backward pass",
+                            self.inner.spec
+                        ),
+                    ))
+                }
+                other => other,
+            };
+        }
+        let local = if scale == 1.0 {
+            g.clone()
+        } else {
+            g.affine(scale, 0.0).ctx("grad", self.mesh_rank())?
+        };
+        Ok(Some(Self::from_parts(
+            local,
+            spec,
+            self.inner.mesh.clone(),
+            self.inner.ctx.clone(),
+        )))
     }
 }
 
@@ -655,7 +701,7 @@ pub(crate) fn mesh_mismatch(op: &str, a: &DTensor, b: &DTensor) -> DTensorError 
     DTensorError::MeshMismatch {
         op: op.to_string(),
         rank: a.mesh_rank(),
-        a: format!("{} [{}]", a.mesh(), format_placements(a.placements())),
-        b: format!("{} [{}]", b.mesh(), format_placements(b.placements())),
+        a: format!("{} on {}", a.spec(), a.mesh()),
+        b: format!("{} on {}", b.spec(), b.mesh()),
     }
 }

@@ -11,7 +11,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use candle_core::{DType, Device, Tensor};
 use candle_dtensor_comm::Comm;
-use candle_dtensor_core::{apply, distribute_tensor, reference_apply, DTensor, DTensorError};
+use candle_dtensor_core::{
+    apply, apply_all, distribute_tensor, reference_apply, DTensor, DTensorError,
+};
 use candle_dtensor_core::{Placement, ReduceOp};
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_strategies::{format_placements, parse_placements, Op};
@@ -502,4 +504,191 @@ fn fuzz_random_shapes() {
             Err(e) => panic!("fuzz on mesh {mesh:?}: {e}"),
         }
     }
+}
+
+/// The ops of issue 14 item 9 refuse bad input with typed errors naming the op, the rank and
+/// the inputs' shapes and placements: wrong arity, dims out of range, shapes that do not fit,
+/// arguments the op cannot take, inputs on different meshes.
+#[test]
+fn new_ops_refuse_bad_input() {
+    use candle_dtensor_strategies::Shape;
+    let dims = mesh_dims(&[2, 2]);
+    let res = world(4)
+        .launch(|comm: Comm| -> R<Vec<String>> {
+            let mesh = DeviceMesh::new(comm.clone(), &dims)?;
+            let other = DeviceMesh::new(comm, &dims)?;
+            let rank = mesh.rank();
+            let f = |shape: &[usize], pl: &str| distribute_tensor(&zeros(shape), &mesh, &p(pl));
+            let ids = |shape: &[usize], pl: &str| {
+                distribute_tensor(
+                    &Tensor::zeros(shape, DType::I64, &Device::Cpu).unwrap(),
+                    &mesh,
+                    &p(pl),
+                )
+            };
+            let x = f(&[4, 5], "S(0),R")?;
+            let x3 = f(&[2, 4, 3], "R,S(1)")?;
+            let elsewhere = distribute_tensor(&zeros(&[4, 5]), &other, &p("R,R"))?;
+            let first = "[4, 5] f32 S(0),R";
+            let sh = |v: &[usize]| -> Shape { v.iter().copied().collect() };
+            type Outs = Result<Vec<DTensor>, DTensorError>;
+            let cases: Vec<(&str, Outs, Vec<&str>)> = vec![
+                (
+                    "norm",
+                    x.norm(2.0, &[2], false).map(|t| vec![t]),
+                    vec![first, "dim 2"],
+                ),
+                (
+                    "norm",
+                    x.norm(-1.0, &[1], false).map(|t| vec![t]),
+                    vec![first, "p = -1"],
+                ),
+                (
+                    "norm",
+                    ids(&[4], "R,R")?.norm(2.0, &[0], false).map(|t| vec![t]),
+                    vec!["float"],
+                ),
+                (
+                    "logsumexp",
+                    x.logsumexp(&[0, 0], false).map(|t| vec![t]),
+                    vec![first, "repeated"],
+                ),
+                (
+                    "var",
+                    x.var(&[3], false, 1).map(|t| vec![t]),
+                    vec![first, "dim 3"],
+                ),
+                (
+                    "std",
+                    x.std(&[5], true, 0).map(|t| vec![t]),
+                    vec![first, "dim 5"],
+                ),
+                (
+                    "prod",
+                    x.prod(&[2], false).map(|t| vec![t]),
+                    vec![first, "dim 2"],
+                ),
+                (
+                    "argmin",
+                    x.argmin(4, false).map(|t| vec![t]),
+                    vec![first, "dim 4"],
+                ),
+                ("split", x.split(&[2, 2], 1), vec![first, "do not add up"]),
+                ("split", x.split(&[4], 2), vec![first, "out of range"]),
+                ("unbind", x.unbind(2), vec![first, "out of range"]),
+                (
+                    "topk",
+                    x.topk(6, 1, true).map(|(a, b)| vec![a, b]),
+                    vec![first, "k = 6"],
+                ),
+                (
+                    "topk",
+                    x.topk(1, 2, false).map(|(a, b)| vec![a, b]),
+                    vec![first, "out of range"],
+                ),
+                (
+                    "scatter_add",
+                    x.scatter_add(&ids(&[2, 4], "R,R")?, &f(&[2, 5], "R,R")?, 0)
+                        .map(|t| vec![t]),
+                    vec![first, "[2, 4] i64 R,R", "same shape"],
+                ),
+                (
+                    "scatter_add",
+                    x.scatter_add(&f(&[2, 5], "R,R")?, &f(&[2, 5], "R,R")?, 0)
+                        .map(|t| vec![t]),
+                    vec![first, "integer"],
+                ),
+                (
+                    "index_put",
+                    x.index_put(&ids(&[3], "R,R")?, &f(&[2, 5], "R,R")?, 0, false)
+                        .map(|t| vec![t]),
+                    vec![first, "[2, 5] f32 R,R", "indices must be 1-d"],
+                ),
+                (
+                    "index_add",
+                    x.index_add(&ids(&[2], "R,R")?, &f(&[2, 4], "R,R")?, 0)
+                        .map(|t| vec![t]),
+                    vec![first, "x's shape off dim 0"],
+                ),
+                (
+                    "baddbmm",
+                    f(&[4], "R,R")?.baddbmm(&x3, &x3, 1.0, 1.0).map(|t| vec![t]),
+                    vec!["[2, 4, 3] f32 R,S(1)", "expects float a"],
+                ),
+                (
+                    "cumsum",
+                    x.cumsum(2).map(|t| vec![t]),
+                    vec![first, "out of range"],
+                ),
+                (
+                    "cumsum",
+                    ids(&[4], "R,R")?.cumsum(0).map(|t| vec![t]),
+                    vec!["float"],
+                ),
+                (
+                    "pad",
+                    x.pad(3, 1, 1, 0.0).map(|t| vec![t]),
+                    vec![first, "out of range"],
+                ),
+                (
+                    "scatter_add",
+                    x.scatter_add(&ids(&[2, 5], "R,R")?, &elsewhere, 0)
+                        .map(|t| vec![t]),
+                    vec![first, "different meshes"],
+                ),
+                (
+                    "baddbmm",
+                    apply_all(
+                        &Op::Baddbmm {
+                            alpha: 1.0.into(),
+                            beta: 1.0.into(),
+                        },
+                        &[&x, &x],
+                    ),
+                    vec!["takes 3 inputs, got 2"],
+                ),
+                (
+                    "topk",
+                    apply_all(
+                        &Op::TopK {
+                            k: 1,
+                            dim: 0,
+                            largest: true,
+                        },
+                        &[&x, &x],
+                    ),
+                    vec!["takes 1 inputs, got 2"],
+                ),
+                (
+                    "split",
+                    apply(
+                        &Op::Split {
+                            dim: 0,
+                            sizes: sh(&[2, 2]),
+                        },
+                        &[&x],
+                    )
+                    .map(|t| vec![t]),
+                    vec!["2 outputs"],
+                ),
+            ];
+            let mut bad = Vec::new();
+            for (op, r, also) in cases {
+                match expect_err(r, op, rank, &also, op) {
+                    Ok(
+                        DTensorError::Strategy { .. }
+                        | DTensorError::Invalid { .. }
+                        | DTensorError::MeshMismatch { .. },
+                    ) => {}
+                    Ok(e) => bad.push(format!("{op}: unexpected kind of error: {e}")),
+                    Err(e) => bad.push(e),
+                }
+            }
+            Ok(bad)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_no_failures(
+        "new ops' bad input",
+        &res.into_iter().flatten().collect::<Vec<_>>(),
+    );
 }

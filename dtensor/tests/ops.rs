@@ -8,10 +8,16 @@
 //! then StridedShard (FSDP-after-TP layouts).
 //!
 //! Gradient semantics of inputs: a Shard/Replicate input's local gradient is its piece of the
-//! full gradient (and the pieces assemble into it with `from_local(..).full_tensor()`); a
-//! Partial input's local gradient is the derivative of the loss with respect to that local
-//! summand: the replicated gradient of the value for `P(sum)`, `/n` for `P(avg)`, and the
-//! gradient masked to the rank holding the extreme for `P(max)`/`P(min)`.
+//! full gradient; a Partial input's local (candle) gradient is the derivative of the loss with
+//! respect to that local summand: the replicated gradient of the value for `P(sum)`, `/n` for
+//! `P(avg)`, and the gradient masked to the rank holding the extreme for `P(max)`/`P(min)`.
+//! Both are checked, and so is the rule users see: every input's gradient read as a DTensor
+//! (`DTensor::grad`) has a local piece that fits its placements and a `full_tensor()` equal to
+//! the single-device gradient, Partial inputs included.
+//!
+//! Planned == executed: every case records its forward collectives with `CommDebugMode` and
+//! compares them (kind and mesh dim) with the compiler's decision for the same inputs (the
+//! redistribution steps and the op's internal comms).
 //!
 //! Tolerance: f32 relative error 1e-5 (`|a - b| <= 1e-5 (1 + |b|)`) for every op. Inputs are
 //! O(1) and reductions short, so the different summation order of sharded reductions stays
@@ -23,7 +29,7 @@
 mod common;
 
 use candle_core::Tensor;
-use candle_dtensor_core::ReduceOp;
+use candle_dtensor_core::{Placement, ReduceOp};
 use candle_dtensor_strategies::{BinaryOp, CmpOp, Dims, Op, ScalarOp, Shape, UnaryOp};
 use common::*;
 
@@ -674,4 +680,732 @@ fn gather() {
             ],
         )
     });
+}
+
+/// The op table's contract, at runtime ("Adding an op" in docs/ARCHITECTURE.md): every declared
+/// op name, built from its declaration's example (`explain`'s parser), runs on DTensors with
+/// random placements (Partial inputs from distinct summands) on a 1-D and a 2-D mesh and matches
+/// single-device candle, values and gradients. A declaration whose family lacks its kernel or
+/// reference fails here.
+#[test]
+fn every_declared_op_matches_one_device() {
+    use candle_dtensor_strategies::{resolve, ExplainRequest, InputKind, Shape};
+    for mesh in [&[3][..], &[2, 2]] {
+        let mut cases = Vec::new();
+        for decl in Op::declarations() {
+            for (k, name) in decl.names.iter().enumerate() {
+                let req = ExplainRequest {
+                    mesh: "a=2".into(),
+                    op: name.to_string(),
+                    ..Default::default()
+                }
+                .with_example(decl.example)
+                .unwrap();
+                let resolved = resolve(&req).unwrap_or_else(|e| panic!("{name}: {e}"));
+                let op = resolved.op.expect("an op");
+                let shapes: Vec<Shape> = resolved
+                    .specs
+                    .iter()
+                    .map(|s| s.meta.shape.clone())
+                    .collect();
+                let mut rng = Rng::for_name(name, mesh.len() as u64 + k as u64);
+                let inputs = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        let (d, partials) = match op.input_kind(i, &shapes) {
+                            InputKind::Float => (Domain::Normal, ALL_PARTIALS),
+                            InputKind::Positive => (Domain::Positive, ALL_PARTIALS),
+                            InputKind::Index { bound } => (Domain::IdsI64(bound), &[][..]),
+                            InputKind::Mask => (Domain::Mask, &[][..]),
+                        };
+                        (t(&mut rng, s, d), d, partials)
+                    })
+                    .collect();
+                cases.push(prepare(&mut rng, Spec::new(op, inputs), mesh));
+            }
+        }
+        assert_no_failures("declared ops", &run_cases(mesh, &cases));
+    }
+}
+
+/// One layout the compiler must handle without moving data (issue 14 items 4-8): the op, its
+/// inputs with fixed placements, the mesh, the output placements it must choose and the only
+/// collectives allowed in the forward op (the op's own, e.g. softmax's two small all_reduces).
+struct Layout {
+    op: Op,
+    inputs: Vec<(Vec<usize>, Domain, &'static str)>,
+    mesh: &'static [usize],
+    out: &'static str,
+    comms: &'static [&'static str],
+}
+
+fn lay(
+    op: Op,
+    inputs: Vec<(Vec<usize>, Domain, &'static str)>,
+    mesh: &'static [usize],
+    out: &'static str,
+    comms: &'static [&'static str],
+) -> Layout {
+    Layout {
+        op,
+        inputs,
+        mesh,
+        out,
+        comms,
+    }
+}
+
+/// Checks each layout's decision (output placements, no redistribution, only the allowed
+/// collectives), then runs it against one device (values, gradients, planned == executed).
+fn check_layouts(name: &str, layouts: Vec<Layout>) {
+    use candle_dtensor_strategies::{
+        global_propagator, parse_placements, DTensorSpec, MeshTopology,
+    };
+    let mut fails = Vec::new();
+    for (k, l) in layouts.into_iter().enumerate() {
+        let topo = MeshTopology::new(&mesh_dims(l.mesh)).unwrap();
+        let mut rng = Rng::for_name(name, k as u64);
+        let ins: Vec<(Tensor, Domain, Vec<Placement>)> = l
+            .inputs
+            .iter()
+            .map(|(shape, d, p)| {
+                let t = t(&mut rng, shape, *d);
+                (t, *d, parse_placements(p).unwrap().to_vec())
+            })
+            .collect();
+        let specs: Vec<DTensorSpec> = ins
+            .iter()
+            .map(|(t, _, p)| {
+                let dt = match t.dtype() {
+                    candle_core::DType::U32 => candle_dtensor_strategies::DType::U32,
+                    candle_core::DType::I64 => candle_dtensor_strategies::DType::I64,
+                    candle_core::DType::U8 => candle_dtensor_strategies::DType::U8,
+                    _ => candle_dtensor_strategies::DType::F32,
+                };
+                DTensorSpec::new(t.dims(), dt, p)
+            })
+            .collect();
+        let refs: Vec<&DTensorSpec> = specs.iter().collect();
+        let s = global_propagator().propagate(&l.op, &refs, &topo).unwrap();
+        let out = s
+            .output_specs
+            .iter()
+            .map(|o| candle_dtensor_strategies::format_placements(&o.placements))
+            .collect::<Vec<_>>()
+            .join(";");
+        let desc = format!("{:?} on {:?} with {:?}", l.op, l.mesh, l.inputs);
+        if out != l.out {
+            fails.push(format!("{desc}: output {out}, expected {}", l.out));
+        }
+        // Local steps (chunks, the bias's partition) are fine; collectives are not.
+        if s.redistributions
+            .iter()
+            .flatten()
+            .any(|p| p.communication_steps().next().is_some())
+        {
+            fails.push(format!("{desc}: moves inputs: {:?}", s.redistributions));
+        }
+        let internal: Vec<&str> = s.internal.iter().map(|(_, c)| c.kind.name()).collect();
+        if internal != l.comms {
+            fails.push(format!(
+                "{desc}: internal comms {internal:?}, expected {:?}",
+                l.comms
+            ));
+        }
+        let case = case_with_placements(&mut rng, l.op.clone(), ins, true, l.mesh);
+        fails.extend(run_cases(l.mesh, &[case]));
+    }
+    assert_no_failures(name, &fails);
+}
+
+/// Row-parallel linear with a bias: activation and weight sharded on the contracted dim, the
+/// bias replicated (or already `P(sum)`): `P(sum)` out, the bias added once through a free
+/// `R -> P(sum)` partition; 1-3-d meshes, uneven in-features.
+#[test]
+fn row_parallel_linear_with_bias_is_free() {
+    let n = Domain::Normal;
+    check_layouts(
+        "row_parallel_bias",
+        vec![
+            lay(
+                Op::Linear { bias: true },
+                vec![
+                    (vec![6, 10], n, "S(1)"),
+                    (vec![5, 10], n, "S(1)"),
+                    (vec![5], n, "R"),
+                ],
+                &[4],
+                "P(sum)",
+                &[],
+            ),
+            lay(
+                Op::Linear { bias: true },
+                vec![
+                    (vec![3, 4, 7], n, "S(2)"),
+                    (vec![9, 7], n, "S(1)"),
+                    (vec![9], n, "P(sum)"),
+                ],
+                &[3],
+                "P(sum)",
+                &[],
+            ),
+            lay(
+                Op::Linear { bias: true },
+                vec![
+                    (vec![5, 9], n, "S(0),S(1)"),
+                    (vec![4, 9], n, "R,S(1)"),
+                    (vec![4], n, "R,R"),
+                ],
+                &[2, 3],
+                "S(0),P(sum)",
+                &[],
+            ),
+            lay(
+                Op::Linear { bias: true },
+                vec![
+                    (vec![4, 6, 11], n, "S(0),S(1),S(2)"),
+                    (vec![3, 11], n, "R,R,S(1)"),
+                    (vec![3], n, "R,R,R"),
+                ],
+                &[2, 2, 2],
+                "S(0),S(1),P(sum)",
+                &[],
+            ),
+        ],
+    );
+}
+
+/// Means and cross-entropy over unevenly (even emptily) sharded rows: local sums over the
+/// global count, `P(sum)`, nothing moves.
+#[test]
+fn uneven_batch_reductions_move_nothing() {
+    let n = Domain::Normal;
+    let dims = |d: &[usize]| -> Dims { d.iter().copied().collect() };
+    check_layouts(
+        "uneven_batch",
+        vec![
+            lay(
+                Op::CrossEntropy,
+                vec![
+                    (vec![13, 9], n, "S(0)"),
+                    (vec![13], Domain::IdsI64(9), "S(0)"),
+                ],
+                &[4],
+                "P(sum)",
+                &[],
+            ),
+            lay(
+                Op::CrossEntropy,
+                vec![(vec![3, 5], n, "S(0)"), (vec![3], Domain::Ids(5), "S(0)")],
+                &[5],
+                "P(sum)",
+                &[],
+            ),
+            lay(
+                Op::CrossEntropy,
+                vec![
+                    (vec![5, 9], n, "S(0),S(0)"),
+                    (vec![5], Domain::IdsI64(9), "S(0),S(0)"),
+                ],
+                &[2, 3],
+                "P(sum),P(sum)",
+                &[],
+            ),
+            lay(
+                Op::Mean {
+                    dims: dims(&[0]),
+                    keepdim: false,
+                },
+                vec![(vec![7, 3], n, "S(0)")],
+                &[4],
+                "P(sum)",
+                &[],
+            ),
+            lay(
+                Op::Mean {
+                    dims: dims(&[0, 2]),
+                    keepdim: true,
+                },
+                vec![(vec![5, 4, 3], n, "S(0),S(2),S(1)")],
+                &[2, 2, 2],
+                "P(sum),P(sum),S(1)",
+                &[],
+            ),
+        ],
+    );
+}
+
+/// Views the layout can express cost nothing: flattening a sharded later dim keeps a strided
+/// shard (PyTorch's `_StridedShard`), unflattening it back gives the plain shard, and size-1
+/// dims come and go around sharded dims (uneven sizes throughout).
+#[test]
+fn views_the_layout_can_express_are_free() {
+    let n = Domain::Normal;
+    let sh = |v: &[usize]| -> Shape { v.iter().copied().collect() };
+    check_layouts(
+        "free_views",
+        vec![
+            lay(
+                Op::Flatten { start: 0, end: 1 },
+                vec![(vec![3, 7, 2], n, "S(1)")],
+                &[4],
+                "SS(0,3)",
+                &[],
+            ),
+            lay(
+                Op::Reshape {
+                    shape: sh(&[21, 2]),
+                },
+                vec![(vec![3, 7, 2], n, "S(1)")],
+                &[4],
+                "SS(0,3)",
+                &[],
+            ),
+            lay(
+                Op::Reshape {
+                    shape: sh(&[3, 7, 2]),
+                },
+                vec![(vec![21, 2], n, "SS(0,3)")],
+                &[4],
+                "S(1)",
+                &[],
+            ),
+            lay(
+                Op::Flatten { start: 1, end: 2 },
+                vec![(vec![2, 5, 3], n, "S(2)")],
+                &[3],
+                "SS(1,5)",
+                &[],
+            ),
+            lay(
+                Op::Flatten { start: 0, end: 2 },
+                vec![(vec![2, 4, 3], n, "S(1)")],
+                &[2],
+                "SS(0,2)",
+                &[],
+            ),
+            lay(
+                Op::Reshape {
+                    shape: sh(&[6, 1, 5]),
+                },
+                vec![(vec![6, 5], n, "S(1)")],
+                &[4],
+                "S(2)",
+                &[],
+            ),
+            lay(
+                Op::Reshape { shape: sh(&[6, 5]) },
+                vec![(vec![6, 1, 5], n, "S(2)")],
+                &[4],
+                "S(1)",
+                &[],
+            ),
+            lay(
+                Op::Reshape {
+                    shape: sh(&[1, 7, 3]),
+                },
+                vec![(vec![7, 3], n, "S(0)")],
+                &[3],
+                "S(1)",
+                &[],
+            ),
+            lay(
+                Op::Squeeze { dim: 1 },
+                vec![(vec![5, 1, 3], n, "S(2),S(0)")],
+                &[2, 2],
+                "S(1),S(0)",
+                &[],
+            ),
+            lay(
+                Op::Unsqueeze { dim: 2 },
+                vec![(vec![5, 3], n, "S(1),S(0)")],
+                &[2, 2],
+                "S(1),S(0)",
+                &[],
+            ),
+            lay(
+                Op::Reshape { shape: sh(&[6, 4]) },
+                vec![(vec![2, 3, 4], n, "S(1),S(2)")],
+                &[3, 2],
+                "SS(0,2),S(1)",
+                &[],
+            ),
+        ],
+    );
+}
+
+/// Softmax and log-softmax over the sharded dim (uneven vocab) keep the data in place: two
+/// small all_reduces (max, sum of exponentials) of the reduced shape.
+#[test]
+fn softmax_over_a_sharded_dim_keeps_the_data() {
+    let n = Domain::Normal;
+    check_layouts(
+        "sharded_softmax",
+        vec![
+            lay(
+                Op::Softmax { dim: 1 },
+                vec![(vec![512, 8195], n, "S(1)")],
+                &[4],
+                "S(1)",
+                &["all_reduce", "all_reduce"],
+            ),
+            lay(
+                Op::LogSoftmax { dim: 1 },
+                vec![(vec![256, 9001], n, "S(0),S(1)")],
+                &[2, 3],
+                "S(0),S(1)",
+                &["all_reduce", "all_reduce"],
+            ),
+        ],
+    );
+}
+
+// === The ops of issue 14 item 9 ===
+
+/// Reduced dims whose total count is at least 2 (a variance with correction 1 needs it).
+fn dims_with_count(rng: &mut Rng, shape: &[usize]) -> Dims {
+    for _ in 0..8 {
+        let d = reduce_dims(rng, shape.len());
+        let count: usize = if d.is_empty() {
+            shape.iter().product()
+        } else {
+            d.iter().map(|&k| shape[k]).product()
+        };
+        if count >= 2 {
+            return d;
+        }
+    }
+    Dims::new()
+}
+
+#[test]
+fn norm_logsumexp_var_std() {
+    family("norm_lse_var", 48, |rng, i| {
+        let nd = rng.range(1, 3);
+        let mut shape = rng.shape(nd);
+        if shape.iter().product::<usize>() < 2 {
+            shape[0] = 3;
+        }
+        let keepdim = rng.chance(0.5);
+        match i % 4 {
+            0 => {
+                let (p, d) = rng.pick(&[
+                    (2.0, Domain::Normal),
+                    (1.0, Domain::Normal),
+                    (3.0, Domain::Normal),
+                    (f64::INFINITY, Domain::Normal),
+                    (0.5, Domain::Positive),
+                ]);
+                let dims = reduce_dims(rng, nd);
+                Spec::new(
+                    Op::Norm {
+                        p: p.into(),
+                        dims,
+                        keepdim,
+                    },
+                    vec![fin(rng, &shape, d)],
+                )
+            }
+            1 => Spec::new(
+                Op::LogSumExp {
+                    dims: reduce_dims(rng, nd),
+                    keepdim,
+                },
+                vec![fin(rng, &shape, Domain::Normal)],
+            ),
+            k => {
+                let dims = dims_with_count(rng, &shape);
+                let correction = rng.below(2);
+                let op = if k == 2 {
+                    Op::Var {
+                        dims,
+                        keepdim,
+                        correction,
+                    }
+                } else {
+                    Op::Std {
+                        dims,
+                        keepdim,
+                        correction,
+                    }
+                };
+                // std's backward divides by the (small) standard deviation of a few values.
+                Spec::new(op, vec![fin(rng, &shape, Domain::Normal)]).with_tol(1e-4)
+            }
+        }
+    });
+}
+
+#[test]
+fn prod_and_argmin() {
+    family("prod_argmin", 28, |rng, i| {
+        let nd = rng.range(1, 3);
+        let shape: Vec<usize> = (0..nd).map(|_| rng.range(1, 5)).collect();
+        let keepdim = rng.chance(0.5);
+        if i % 2 == 0 {
+            // Values around 1 (and now and then a zero) keep products of up to 64 values tame.
+            let d = if rng.chance(0.7) {
+                Domain::Positive
+            } else {
+                Domain::Quantized
+            };
+            Spec::new(
+                Op::Prod {
+                    dims: reduce_dims(rng, nd),
+                    keepdim,
+                },
+                vec![fin(rng, &shape, d)],
+            )
+        } else {
+            let x = (
+                t(rng, &shape, Domain::Normal),
+                Domain::Normal,
+                EXACT_PARTIALS,
+            );
+            Spec::new(
+                Op::ArgMin {
+                    dim: rng.below(nd),
+                    keepdim,
+                },
+                vec![x],
+            )
+            .forward_only()
+        }
+    });
+}
+
+#[test]
+fn split_and_unbind() {
+    family("split_unbind", 24, |rng, i| {
+        let nd = rng.range(1, 3);
+        let shape = rng.shape(nd);
+        let dim = rng.below(nd);
+        if i % 2 == 0 {
+            let n = shape[dim];
+            let mut sizes = Vec::new();
+            let mut left = n;
+            while left > 0 {
+                let s = rng.range(1, left);
+                sizes.push(s);
+                left -= s;
+            }
+            if sizes.is_empty() {
+                sizes.push(0);
+            }
+            Spec::new(
+                Op::Split {
+                    dim,
+                    sizes: Shape::from_vec(sizes),
+                },
+                vec![fin(rng, &shape, Domain::Normal)],
+            )
+        } else {
+            Spec::new(Op::Unbind { dim }, vec![fin(rng, &shape, Domain::Normal)])
+        }
+    });
+}
+
+#[test]
+fn topk() {
+    family("topk", 24, |rng, _| {
+        let nd = rng.range(1, 3);
+        let shape = rng.shape(nd);
+        let dim = rng.below(nd);
+        let k = rng.range(0, shape[dim]);
+        Spec::new(
+            Op::TopK {
+                k,
+                dim,
+                largest: rng.chance(0.6),
+            },
+            vec![fin(rng, &shape, Domain::Normal)],
+        )
+    });
+}
+
+#[test]
+fn scatter_add_and_index_put() {
+    family("scatter_index_put", 36, |rng, i| {
+        let nd = rng.range(1, 3);
+        let shape = rng.shape(nd);
+        let dim = rng.below(nd);
+        let mut upd = shape.clone();
+        upd[dim] = rng.range(1, 6);
+        let ids = if rng.chance(0.5) {
+            Domain::IdsI64(shape[dim])
+        } else {
+            Domain::Ids(shape[dim])
+        };
+        let x = fin(rng, &shape, Domain::Normal);
+        match i % 3 {
+            0 => Spec::new(
+                Op::ScatterAdd { dim },
+                vec![x, iin(rng, &upd, ids), fin(rng, &upd, Domain::Normal)],
+            ),
+            k => Spec::new(
+                Op::IndexPut {
+                    dim,
+                    accumulate: k == 1,
+                },
+                vec![
+                    x,
+                    iin(rng, &[upd[dim]], ids),
+                    fin(rng, &upd, Domain::Normal),
+                ],
+            ),
+        }
+    });
+}
+
+#[test]
+fn baddbmm_cumsum_pad() {
+    family("baddbmm_cumsum_pad", 36, |rng, i| match i % 3 {
+        0 => {
+            let (b, n, k, m) = (rng.dim(), rng.dim(), rng.dim(), rng.dim());
+            let bias = broadcastable(rng, &[b, n, m]);
+            Spec::new(
+                Op::Baddbmm {
+                    alpha: rng.pick(&[1.0, 0.5]).into(),
+                    beta: rng.pick(&[1.0, -2.0]).into(),
+                },
+                vec![
+                    fin(rng, &bias, Domain::Normal),
+                    fin(rng, &[b, n, k], Domain::Normal),
+                    fin(rng, &[b, k, m], Domain::Normal),
+                ],
+            )
+        }
+        1 => {
+            let nd = rng.range(1, 3);
+            let shape = rng.shape(nd);
+            Spec::new(
+                Op::Cumsum { dim: rng.below(nd) },
+                vec![fin(rng, &shape, Domain::Normal)],
+            )
+        }
+        _ => {
+            let nd = rng.range(1, 3);
+            let shape = rng.shape(nd);
+            Spec::new(
+                Op::Pad {
+                    dim: rng.below(nd),
+                    before: rng.below(3),
+                    after: rng.below(3),
+                    value: rng.pick(&[0.0, 1.5]).into(),
+                },
+                vec![fin(rng, &shape, Domain::Normal)],
+            )
+        }
+    });
+}
+
+/// Layouts the new ops keep for free: a fused QKV projection sharded head by head
+/// (`SS(d, 3)`) splits into three `S(d)` pieces; token routing (scores sharded over tokens,
+/// topk over experts) and its combine (`index_add` into token-sharded rows, each rank adding
+/// the updates it owns) move nothing; a baddbmm over a sharded contraction is `P(sum)` with the
+/// bias added once; a prod over a sharded dim is `P(product)`; norm, logsumexp and var over
+/// a sharded dim reduce inside the op.
+#[test]
+fn new_ops_keep_their_layouts() {
+    let n = Domain::Normal;
+    let sh = |v: &[usize]| -> Shape { v.iter().copied().collect() };
+    let all = |v: &[usize]| -> Dims { v.iter().copied().collect() };
+    check_layouts(
+        "new_op_layouts",
+        vec![
+            lay(
+                Op::Split {
+                    dim: 2,
+                    sizes: sh(&[5, 5, 5]),
+                },
+                vec![(vec![2, 3, 15], n, "S(0),SS(2,3)")],
+                &[2, 2],
+                "S(0),S(2);S(0),S(2);S(0),S(2)",
+                &[],
+            ),
+            lay(
+                Op::TopK {
+                    k: 2,
+                    dim: 1,
+                    largest: true,
+                },
+                vec![(vec![13, 6], n, "S(0)")],
+                &[4],
+                "S(0);S(0)",
+                &[],
+            ),
+            lay(
+                Op::IndexPut {
+                    dim: 0,
+                    accumulate: true,
+                },
+                vec![
+                    (vec![11, 4], n, "S(0)"),
+                    (vec![7], Domain::IdsI64(11), "R"),
+                    (vec![7, 4], n, "R"),
+                ],
+                &[3],
+                "S(0)",
+                &[],
+            ),
+            lay(
+                Op::ScatterAdd { dim: 0 },
+                vec![
+                    (vec![9, 4], n, "R,S(1)"),
+                    (vec![6, 4], Domain::Ids(9), "S(0),S(1)"),
+                    (vec![6, 4], n, "S(0),S(1)"),
+                ],
+                &[3, 2],
+                "P(sum),S(1)",
+                &[],
+            ),
+            lay(
+                Op::Baddbmm {
+                    alpha: 0.5.into(),
+                    beta: 1.0.into(),
+                },
+                vec![
+                    (vec![1, 5], n, "R"),
+                    (vec![2, 3, 7], n, "S(2)"),
+                    (vec![2, 7, 5], n, "S(1)"),
+                ],
+                &[3],
+                "P(sum)",
+                &[],
+            ),
+            lay(
+                Op::Prod {
+                    dims: all(&[0]),
+                    keepdim: false,
+                },
+                vec![(vec![7, 3], Domain::Positive, "S(0)")],
+                &[3],
+                "P(product)",
+                &[],
+            ),
+            lay(
+                Op::LogSumExp {
+                    dims: all(&[1]),
+                    keepdim: false,
+                },
+                vec![(vec![4096, 1027], n, "R,S(1)")],
+                &[2, 4],
+                // A free local chunk of the rows on the first mesh dim shrinks the all_reduces.
+                "S(0),R",
+                &["all_reduce", "all_reduce"],
+            ),
+            lay(
+                Op::Var {
+                    dims: all(&[0]),
+                    keepdim: true,
+                    correction: 1,
+                },
+                vec![(vec![8191, 600], n, "S(0)")],
+                &[4],
+                "R",
+                &["all_reduce", "all_reduce"],
+            ),
+        ],
+    );
 }

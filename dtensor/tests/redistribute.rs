@@ -8,7 +8,9 @@
 //! Gradient of a redistribution (PyTorch's normalization, in local-autograd terms): the local
 //! gradient of a Shard/Replicate source is its piece of the full gradient; of a `P(sum)` source
 //! the replicated full gradient; of `P(avg)` that over n; of `P(max)`/`P(min)` the full
-//! gradient masked to the rank holding the extreme. Tolerance: f32 relative 1e-5.
+//! gradient masked to the rank holding the extreme; read as a DTensor (`DTensor::grad`) the
+//! gradient of the value. Every pair also checks that the collectives that ran are the planned
+//! ones (kind and mesh dim). Tolerance: f32 relative 1e-5.
 
 mod common;
 
@@ -91,12 +93,31 @@ fn run_pair(mesh: &DeviceMesh, c: &Pair, fails: &mut Vec<String>) -> R<()> {
     let coord = coord_of(rank, &shape);
     let var = Var::from_tensor(&c.pieces[rank])?;
     let x = DTensor::from_local_with_shape(var.as_tensor(), mesh, &c.src, c.full.dims())?;
+    let ctx = candle_dtensor_core::MeshCtx::of(mesh)?;
+    let planned = candle_dtensor_strategies::plan_redistribute(x.spec(), &c.dst, ctx.topology())
+        .map(|p| {
+            let mut v = plan_collectives(&p, ctx.topology());
+            v.sort();
+            v
+        })
+        .ok();
+    let mode = CommDebugMode::start();
     let y = if c.asynchronous {
         x.redistribute_async(&c.dst).wait()
     } else {
         x.redistribute(&c.dst)
     };
+    // The async form runs on a helper thread, which this thread's recorder does not see.
+    let executed = (!c.asynchronous).then(|| executed_collectives(&mode));
+    drop(mode);
     let mut fail = |what: String| fails.push(format!("rank {rank}: {}: {what}", c.desc));
+    if let (Some(planned), Some(executed), Ok(_)) = (&planned, &executed, &y) {
+        if planned != executed {
+            fail(format!(
+                "planned collectives {planned:?} but executed {executed:?}"
+            ));
+        }
+    }
     let y = match (y, c.refuse) {
         (Err(DTensorError::Strategy { op, source, .. }), true) => {
             let m = source.to_string();
@@ -161,6 +182,20 @@ fn run_pair(mesh: &DeviceMesh, c: &Pair, fails: &mut Vec<String>) -> R<()> {
     };
     if let Err(e) = close(&got, &c.grads[rank], TOL) {
         fail(format!("gradient of the source piece: {e}"));
+    }
+    // Read as a DTensor, the source's gradient is the gradient of its value (the loss weights),
+    // whatever the source placements, with truthful placements.
+    match x.grad(&grads)? {
+        Some(g) => {
+            check_grad_layout(&g, mesh, &mut |w| fail(format!("source grad: {w}")));
+            if let Err(e) = close(&g.full_tensor()?, &c.weight, TOL) {
+                fail(format!(
+                    "source grad as a DTensor [{}]: {e}",
+                    format_placements(g.placements())
+                ));
+            }
+        }
+        None => fail("no gradient for the source".into()),
     }
     Ok(())
 }
@@ -776,5 +811,59 @@ fn redistribute_async_matches() {
     });
     for r in res {
         assert_eq!(r, (true, true, true));
+    }
+}
+
+/// The gradient of a Partial leaf read as a DTensor (docs/ARCHITECTURE.md, "Gradients of
+/// Partial values"): its `full_tensor()` is the gradient of the value (here the loss weights)
+/// and its placements say how it is held: `P(sum)` and `P(avg)` mesh dims come back
+/// `Replicate` (every rank holds the gradient), `P(max)`/`P(min)` come back `P(sum)` (the
+/// owners of the extreme hold it). Summands are distinct; `P(product)` is a typed error.
+#[test]
+fn partial_leaf_gradients_follow_the_rule() {
+    let cases: [(&[usize], &str, &str); 6] = [
+        (&[4], "P(sum)", "R"),
+        (&[3], "P(avg)", "R"),
+        (&[4], "P(max)", "P(sum)"),
+        (&[3], "P(min)", "P(sum)"),
+        (&[2, 2], "P(max),P(avg)", "P(sum),R"),
+        (&[2, 3], "S(1),P(min)", "S(1),P(sum)"),
+    ];
+    for (mesh, src, want) in cases {
+        let mut rng = Rng::for_name("partial-leaf", mesh.len() as u64);
+        let full = tensor(&mut rng, &[5, 7], Domain::Normal);
+        let weight = tensor(&mut rng, &[5, 7], Domain::Normal);
+        let (pieces, _) = make_pieces(&mut rng, &full, &p(src), mesh, false);
+        let res = each_rank(mesh, |m| {
+            let v = Var::from_tensor(&pieces[m.rank()])?;
+            let x = DTensor::from_local_with_shape(v.as_tensor(), &m, &p(src), &[5, 7])?;
+            let w = distribute_tensor(&weight, &m, &all_r(m.ndim()))?;
+            let loss = x.redistribute(&all_r(m.ndim()))?.mul(&w)?.sum_all()?;
+            let g = x.grad(&loss.backward()?)?.ok_or("no gradient")?;
+            let ok = close(&g.full_tensor()?, &weight, TOL).is_ok();
+            Ok((format_placements(g.placements()), ok))
+        });
+        for (placements, ok) in res {
+            assert_eq!(placements, want, "{src} on {mesh:?}");
+            assert!(ok, "{src} on {mesh:?}: full_tensor() of the gradient");
+        }
+    }
+    let res = each_rank(&[2], |m| {
+        let x = DTensor::from_local(
+            &Tensor::ones((2, 3), DType::F32, &Device::Cpu)?,
+            &m,
+            &p("P(product)"),
+        )?;
+        let v = Var::from_tensor(x.to_local())?;
+        let x = DTensor::from_local(v.as_tensor(), &m, &p("P(product)"))?;
+        let loss = x.redistribute(&[Rep])?.sum_all()?;
+        let e = x.grad(&loss.backward()?).err().map(|e| e.to_string());
+        Ok(e.unwrap_or_default())
+    });
+    for e in res {
+        assert!(
+            e.contains("grad") && e.contains("P(product)") && e.contains("rank"),
+            "{e}"
+        );
     }
 }

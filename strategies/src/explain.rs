@@ -10,7 +10,7 @@ use crate::cost::{collective_cost_us, CollectiveKind};
 use crate::error::{Result, StrategyError};
 use crate::expand::ExpandMethod;
 use crate::mesh::MeshTopology;
-use crate::op::{normalize_dim, BinaryOp, CmpOp, Dims, Op, Scalar, ScalarOp, UnaryOp};
+use crate::op::{InputKind, Op, OpArgs};
 use crate::placement::{format_placements, parse_placements_with_ndim, Placement};
 use crate::plan::{plan_redistribute, RedistributePlan};
 use crate::propagate::propagate_with;
@@ -34,7 +34,7 @@ pub struct ExplainRequest {
     pub dims: Option<String>,
     /// keepdim for reductions.
     pub keepdim: bool,
-    /// Target shape of reshape / broadcast_as (`16x6`).
+    /// Target shape of reshape / broadcast_as (`16x6`), or the piece sizes of split.
     pub to_shape: Option<String>,
     /// Default dtype of float inputs (`f32`).
     pub dtype: Option<String>,
@@ -42,7 +42,8 @@ pub struct ExplainRequest {
     pub to: Option<String>,
     /// Target dtype of to_dtype.
     pub to_dtype: Option<String>,
-    /// Scalar argument (scalar ops, affine multiplier, masked_fill value, dropout p).
+    /// Scalar argument (scalar ops, affine multiplier, masked_fill/pad value, dropout p, norm
+    /// p, topk k, var/std correction, baddbmm alpha).
     pub scalar: Option<f64>,
     /// Causal flag of sdpa.
     pub causal: bool,
@@ -154,172 +155,81 @@ pub fn parse_dims(s: &str) -> Result<Vec<isize>> {
         .collect()
 }
 
-/// Default dtype of input `i` of `op`: index-like inputs are integers.
-fn default_dtype(op: &str, i: usize, base: DType) -> DType {
-    match (op, i) {
-        ("embedding", 0) | ("cross_entropy", 1) | ("index_select", 1) | ("gather", 1) => DType::I64,
-        ("where", 0) | ("masked_fill", 1) => DType::U8,
-        _ => base,
+/// Default dtype of an input of this kind: indices `i64`, masks `u8`, floats `base`.
+fn default_dtype(kind: InputKind, base: DType) -> DType {
+    match kind {
+        InputKind::Index { .. } => DType::I64,
+        InputKind::Mask => DType::U8,
+        InputKind::Float | InputKind::Positive => base,
     }
 }
 
-/// Builds the [`Op`] named `name` from the request's arguments and the input shapes.
+impl ExplainRequest {
+    /// The op arguments of this request (everything but mesh, op name and placements).
+    ///
+    /// # Errors
+    /// [`StrategyError::Parse`] for malformed dims, target shape or dtype.
+    pub fn op_args(&self, shapes: &[Shape]) -> Result<OpArgs> {
+        Ok(OpArgs {
+            shapes: shapes.to_vec(),
+            dims: match &self.dims {
+                Some(d) => parse_dims(d)?,
+                None => Vec::new(),
+            },
+            keepdim: self.keepdim,
+            to_shape: self.to_shape.as_deref().map(parse_shape).transpose()?,
+            to_dtype: self.to_dtype.as_deref().map(str::parse).transpose()?,
+            scalar: self.scalar,
+            causal: self.causal,
+        })
+    }
+
+    /// Fills the op arguments from an op table example (`--shapes 4x6,6x8 --dims 1 ...`, see
+    /// [`crate::OpDecl::example`]).
+    ///
+    /// # Errors
+    /// [`StrategyError::Parse`] for an unknown flag or a flag without its value.
+    pub fn with_example(mut self, example: &str) -> Result<Self> {
+        let mut words = example.split_whitespace();
+        while let Some(flag) = words.next() {
+            let mut value = || {
+                words.next().map(str::to_string).ok_or_else(|| {
+                    StrategyError::parse("example", example, format!("{flag} needs a value"))
+                })
+            };
+            match flag {
+                "--shapes" => self.shapes = value()?,
+                "--dims" => self.dims = Some(value()?),
+                "--to-shape" => self.to_shape = Some(value()?),
+                "--to-dtype" => self.to_dtype = Some(value()?),
+                "--scalar" => {
+                    let v = value()?;
+                    self.scalar = Some(v.parse().map_err(|_| {
+                        StrategyError::parse("example", example, format!("{v:?} is not a number"))
+                    })?);
+                }
+                "--keepdim" => self.keepdim = true,
+                "--causal" => self.causal = true,
+                other => {
+                    return Err(StrategyError::parse(
+                        "example",
+                        example,
+                        format!("unknown flag {other}"),
+                    ))
+                }
+            }
+        }
+        Ok(self)
+    }
+}
+
+/// Builds the [`Op`] named `name` from the request's arguments and the input shapes (as the op
+/// table declares: [`Op::parse`]).
 ///
 /// # Errors
 /// [`StrategyError::UnknownOp`] or [`StrategyError::InvalidArgument`] for missing/bad arguments.
 pub fn build_op(req: &ExplainRequest, shapes: &[Shape]) -> Result<Op> {
-    let name = req.op.trim();
-    let nd0 = shapes.first().map(|s| s.len()).unwrap_or(0);
-    let raw = match &req.dims {
-        Some(d) => parse_dims(d)?,
-        None => Vec::new(),
-    };
-    let norm =
-        |ndim: usize| -> Result<Dims> { raw.iter().map(|&d| normalize_dim(d, ndim)).collect() };
-    let one = |ndim: usize, default: usize| -> Result<usize> {
-        match raw.first() {
-            Some(&d) => normalize_dim(d, ndim),
-            None => Ok(default),
-        }
-    };
-    let to_shape = || -> Result<Shape> {
-        parse_shape(
-            req.to_shape
-                .as_deref()
-                .ok_or_else(|| StrategyError::arg(name, "needs --to-shape"))?,
-        )
-    };
-    let scalar = |default: f64| Scalar::new(req.scalar.unwrap_or(default));
-    let last = nd0.saturating_sub(1);
-    if let Some(u) = UnaryOp::from_name(name) {
-        return Ok(Op::Unary(u));
-    }
-    if let Some(b) = BinaryOp::from_name(name) {
-        return Ok(Op::Binary(b));
-    }
-    if let Some(c) = CmpOp::from_name(name) {
-        return Ok(Op::Cmp(c));
-    }
-    if let Some(sop) = ScalarOp::from_name(name) {
-        return Ok(Op::ScalarOp(sop, scalar(1.0)));
-    }
-    Ok(match name {
-        "matmul" => Op::Matmul,
-        "broadcast_matmul" => Op::BroadcastMatmul,
-        "linear" => Op::Linear {
-            bias: shapes.len() == 3,
-        },
-        "affine" => Op::Affine {
-            mul: scalar(1.0),
-            add: Scalar::new(0.0),
-        },
-        "sum" => Op::Sum {
-            dims: norm(nd0)?,
-            keepdim: req.keepdim,
-        },
-        "mean" => Op::Mean {
-            dims: norm(nd0)?,
-            keepdim: req.keepdim,
-        },
-        "max" => Op::Max {
-            dims: norm(nd0)?,
-            keepdim: req.keepdim,
-        },
-        "min" => Op::Min {
-            dims: norm(nd0)?,
-            keepdim: req.keepdim,
-        },
-        "argmax" => Op::ArgMax {
-            dim: one(nd0, last)?,
-            keepdim: req.keepdim,
-        },
-        "softmax" => Op::Softmax {
-            dim: one(nd0, last)?,
-        },
-        "log_softmax" => Op::LogSoftmax {
-            dim: one(nd0, last)?,
-        },
-        "layer_norm" => Op::LayerNorm {
-            eps: Scalar::new(1e-5),
-            affine: shapes.len() >= 2,
-            bias: shapes.len() == 3,
-        },
-        "rms_norm" => Op::RmsNorm {
-            eps: Scalar::new(1e-6),
-        },
-        "embedding" => Op::Embedding,
-        "cross_entropy" => Op::CrossEntropy,
-        "reshape" | "view" => Op::Reshape { shape: to_shape()? },
-        "broadcast_as" | "expand" => Op::BroadcastAs { shape: to_shape()? },
-        "transpose" => {
-            let d = norm(nd0)?;
-            match d.as_slice() {
-                [] if nd0 >= 2 => Op::Transpose {
-                    dim0: nd0 - 2,
-                    dim1: nd0 - 1,
-                },
-                [a, b] => Op::Transpose { dim0: *a, dim1: *b },
-                _ => return Err(StrategyError::arg(name, "needs --dims A,B")),
-            }
-        }
-        "permute" => Op::Permute { dims: norm(nd0)? },
-        "narrow" => match raw.as_slice() {
-            [d, s, l] if *s >= 0 && *l >= 0 => Op::Narrow {
-                dim: normalize_dim(*d, nd0)?,
-                start: *s as usize,
-                len: *l as usize,
-            },
-            _ => return Err(StrategyError::arg(name, "needs --dims DIM,START,LEN")),
-        },
-        "squeeze" => Op::Squeeze { dim: one(nd0, 0)? },
-        "unsqueeze" => Op::Unsqueeze {
-            dim: one(nd0 + 1, 0)?,
-        },
-        "flatten" => {
-            let d = norm(nd0)?;
-            match d.as_slice() {
-                [] => Op::Flatten {
-                    start: 0,
-                    end: last,
-                },
-                [a, b] => Op::Flatten { start: *a, end: *b },
-                _ => return Err(StrategyError::arg(name, "needs --dims START,END")),
-            }
-        }
-        "cat" => Op::Cat { dim: one(nd0, 0)? },
-        "stack" => Op::Stack {
-            dim: one(nd0 + 1, 0)?,
-        },
-        "contiguous" => Op::Contiguous,
-        "to_dtype" => Op::ToDType(
-            req.to_dtype
-                .as_deref()
-                .ok_or_else(|| StrategyError::arg(name, "needs --to-dtype"))?
-                .parse()?,
-        ),
-        "where" => Op::Where,
-        "masked_fill" => Op::MaskedFill { value: scalar(0.0) },
-        "dropout" => Op::Dropout { p: scalar(0.1) },
-        "sdpa" | "scaled_dot_product_attention" => Op::Sdpa {
-            causal: req.causal,
-            scale: None,
-        },
-        "packed_sdpa" => Op::PackedSdpa {
-            causal: req.causal,
-            scale: None,
-        },
-        "index_select" => Op::IndexSelect { dim: one(nd0, 0)? },
-        "gather" => Op::Gather { dim: one(nd0, 0)? },
-        _ => {
-            let mut known = Op::known_names();
-            known.push("redistribute");
-            known.sort_unstable();
-            return Err(StrategyError::UnknownOp {
-                name: name.to_string(),
-                known: known.join(", "),
-            });
-        }
-    })
+    Op::parse(&req.op, &req.op_args(shapes)?)
 }
 
 fn plan_collectives(
@@ -369,42 +279,43 @@ pub fn resolve(req: &ExplainRequest) -> Result<ResolvedRequest> {
     };
     let parsed = parse_shapes(&req.shapes)?;
     let op_name = req.op.trim();
-    let specs: Vec<DTensorSpec> = {
-        let per_input: Vec<&str> = if req.placements.trim().is_empty() {
-            Vec::new()
-        } else {
-            req.placements.split(';').collect()
-        };
-        if !per_input.is_empty() && per_input.len() != parsed.len() {
-            return Err(StrategyError::parse(
-                "placements",
-                &req.placements,
-                format!(
-                    "{} placement lists for {} shapes",
-                    per_input.len(),
-                    parsed.len()
-                ),
-            ));
-        }
-        parsed
-            .iter()
-            .enumerate()
-            .map(|(i, (shape, dt))| {
-                let dtype = dt.unwrap_or_else(|| default_dtype(op_name, i, base));
-                let placements = match per_input.get(i) {
-                    Some(p) => parse_placements_with_ndim(p, Some(shape.len()))?,
-                    None => smallvec::smallvec![Placement::Replicate; mesh.ndim()],
-                };
-                Ok(DTensorSpec::new(shape, dtype, &placements))
-            })
-            .collect::<Result<_>>()?
-    };
+    let shapes: Vec<Shape> = parsed.iter().map(|p| p.0.clone()).collect();
     let op = if op_name == "redistribute" {
         None
     } else {
-        let shapes: Vec<Shape> = parsed.iter().map(|p| p.0.clone()).collect();
         Some(build_op(req, &shapes)?)
     };
+    let per_input: Vec<&str> = if req.placements.trim().is_empty() {
+        Vec::new()
+    } else {
+        req.placements.split(';').collect()
+    };
+    if !per_input.is_empty() && per_input.len() != parsed.len() {
+        return Err(StrategyError::parse(
+            "placements",
+            &req.placements,
+            format!(
+                "{} placement lists for {} shapes",
+                per_input.len(),
+                parsed.len()
+            ),
+        ));
+    }
+    let specs: Vec<DTensorSpec> = parsed
+        .iter()
+        .enumerate()
+        .map(|(i, (shape, dt))| {
+            let kind = op
+                .as_ref()
+                .map_or(InputKind::Float, |o| o.input_kind(i, &shapes));
+            let dtype = dt.unwrap_or_else(|| default_dtype(kind, base));
+            let placements = match per_input.get(i) {
+                Some(p) => parse_placements_with_ndim(p, Some(shape.len()))?,
+                None => smallvec::smallvec![Placement::Replicate; mesh.ndim()],
+            };
+            Ok(DTensorSpec::new(shape, dtype, &placements))
+        })
+        .collect::<Result<_>>()?;
     Ok(ResolvedRequest { mesh, specs, op })
 }
 

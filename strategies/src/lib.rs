@@ -32,7 +32,12 @@
 //! * Size arguments are local: `reshape` / `broadcast_as` / `narrow` run with the output's local
 //!   shape ([`local_shape`] of the output spec); a `narrow` on a sharded dim only occurs when it
 //!   is the identity.
-//! * Row-parallel `linear` with a bias is not a row: run `linear(bias = false)`, reduce, add the bias.
+//! * Row-parallel `linear` with a bias: the bias is made `P(sum)` by a local partition (`b/n`),
+//!   so the output `P(sum)` adds it once.
+//! * `mean` and `cross_entropy` over sharded rows give `P(sum)`: the local sum over the GLOBAL
+//!   count.
+//! * Internal comms are the op's own collectives (loss-parallel cross-entropy, softmax over a
+//!   sharded dim, `rma_get`): run exactly those, in any order within the op.
 //!
 //! ```
 //! use candle_dtensor::strategies::*;
@@ -80,10 +85,13 @@ pub use mesh::{
     MeshDim, MeshTopology, DEFAULT_DEVICES_PER_HOST, DEFAULT_LAUNCH_US, INTER_NODE_BANDWIDTH_GBPS,
     INTER_NODE_LATENCY_US, INTRA_NODE_BANDWIDTH_GBPS, INTRA_NODE_LATENCY_US,
 };
-pub use op::{normalize_dim, BinaryOp, CmpOp, Dims, Monotonicity, Op, Scalar, ScalarOp, UnaryOp};
+pub use op::{
+    normalize_dim, BinaryOp, CmpOp, Dims, Family, InputKind, Monotonicity, Op, OpArgs, OpDecl,
+    Scalar, ScalarOp, UnaryOp,
+};
 pub use placement::{
-    format_placements, parse_placements, parse_placements_with_ndim, Placement, Placements,
-    ReduceOp,
+    format_placements, parse_placements, parse_placements_with_ndim, partials_replicated,
+    Placement, Placements, ReduceOp,
 };
 pub use plan::{plan_redistribute, RedistributePlan, Step, MAX_MESH_DIMS};
 pub use propagate::{

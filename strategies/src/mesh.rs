@@ -50,6 +50,9 @@ pub struct MeshTopology {
     pub dims: Vec<MeshDim>,
     /// Groups of mesh dims (ascending) that have a flattened communicator.
     pub flattened: Vec<SmallVec<[usize; 4]>>,
+    /// Whether the communicators support one-sided gets (`rma_get` strategies are only
+    /// offered when they do; the process and MPI backends do not).
+    pub rma_get: bool,
     fingerprint: u64,
 }
 
@@ -122,6 +125,7 @@ impl MeshTopology {
         let mut mesh = MeshTopology {
             dims: out,
             flattened: Vec::new(),
+            rma_get: true,
             fingerprint: 0,
         };
         mesh.refresh();
@@ -212,6 +216,13 @@ impl MeshTopology {
         self.with_flattened(&dims)
     }
 
+    /// The same mesh with one-sided gets supported or not (see [`MeshTopology::rma_get`]).
+    pub fn with_rma_get(mut self, supported: bool) -> Self {
+        self.rma_get = supported;
+        self.refresh();
+        self
+    }
+
     /// Recomputes the fingerprint after the public fields were edited directly.
     pub fn refresh(&mut self) {
         self.fingerprint = self.compute_fingerprint();
@@ -228,6 +239,7 @@ impl MeshTopology {
             d.launch_us.to_bits().hash(&mut h);
         }
         self.flattened.hash(&mut h);
+        self.rma_get.hash(&mut h);
         h.finish()
     }
 

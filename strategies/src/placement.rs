@@ -216,6 +216,21 @@ impl<'de> Deserialize<'de> for Placement {
     }
 }
 
+/// `placements` with every Partial (and MaskPartial) mesh dim made `Replicate`: how each
+/// summand of a Partial value is laid out (and how the value is held once reduced).
+pub fn partials_replicated(placements: &[Placement]) -> Placements {
+    placements
+        .iter()
+        .map(|p| {
+            if p.is_partial() {
+                Placement::Replicate
+            } else {
+                *p
+            }
+        })
+        .collect()
+}
+
 /// Formats placements in the short list syntax: `S(0),R`.
 pub fn format_placements(placements: &[Placement]) -> String {
     let mut out = String::new();

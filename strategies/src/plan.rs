@@ -1,7 +1,7 @@
 //! The redistribute planner: any source placements to any target placements on an N-d mesh.
 //!
 //! Transitions per mesh dim (see [`CollectiveKind`]): `S->R` all_gather, `P->R` all_reduce,
-//! `P->S` reduce_scatter, `S(i)->S(j)` all_to_all, `R->S` local chunk, `R->P` local partition
+//! `P(sum|avg)->S` reduce_scatter (`P(max|min|product)->S` is all_reduce then a local chunk), `S(i)->S(j)` all_to_all, `R->S` local chunk, `R->P` local partition
 //! (`sum`: divide by n; `avg`/`max`/`min`: keep), `MP->P(sum)` relabel, `P(a)->P(b)` and anything
 //! involving a `StridedShard` (other than the FSDP fast path) through `R`. `S->P`, creating a
 //! `MaskPartial` and `R->P(product)` are typed errors.

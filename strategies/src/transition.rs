@@ -136,7 +136,11 @@ pub(crate) fn direct_kind(from: Placement, to: Placement) -> Option<CollectiveKi
         _ if from == to => None,
         (Shard(_) | StridedShard { .. }, Replicate) => Some(CollectiveKind::AllGather),
         (Partial(_) | MaskPartial { .. }, Replicate) => Some(CollectiveKind::AllReduce),
-        (Partial(_) | MaskPartial { .. }, Shard(_)) => Some(CollectiveKind::ReduceScatter),
+        // Only linear reductions scatter: a `max`/`min`/`product` reduce_scatter has no adjoint
+        // the runtime can run without the full reduced value, so those go through `R`
+        // (all_reduce, then a local chunk), and the plan says so.
+        (Partial(op), Shard(_)) if op.is_linear() => Some(CollectiveKind::ReduceScatter),
+        (MaskPartial { .. }, Shard(_)) => Some(CollectiveKind::ReduceScatter),
         (Shard(_), Shard(_)) => Some(CollectiveKind::AllToAll),
         (Replicate, Shard(_) | StridedShard { .. }) => Some(CollectiveKind::LocalChunk),
         (Replicate, Partial(op)) if op != ReduceOp::Product => Some(CollectiveKind::LocalPartition),
@@ -334,6 +338,13 @@ pub(crate) fn wire_coef(a: Placement, b: Placement, n: usize, in_group: bool) ->
         (MaskPartial { .. }, Partial(crate::ReduceOp::Sum)) => 0.0,
         (Shard(_), Shard(_)) => frac / nf,
         (Shard(_) | StridedShard { .. }, _) => frac,
+        (Partial(op), Shard(_)) if !op.is_linear() => {
+            if in_group {
+                0.0
+            } else {
+                2.0 * frac
+            }
+        }
         (Partial(_) | MaskPartial { .. }, Shard(_)) => frac,
         (Partial(_) | MaskPartial { .. }, _) => {
             if in_group {

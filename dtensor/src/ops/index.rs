@@ -42,8 +42,9 @@ fn plan(p: &Prepared, dim: usize) -> CResult<Plan> {
     let src = &p.sharding.input_specs[0];
     let out = &p.sharding.output_specs[0];
     let ctx = p.ctx();
+    // Mesh dims of size 1 hold the whole dim: nothing to mask or fetch there.
     let mesh_dims: Vec<usize> = (0..src.placements.len())
-        .filter(|&m| src.placements[m].shard_dim() == Some(dim))
+        .filter(|&m| src.placements[m].shard_dim() == Some(dim) && ctx.shape[m] > 1)
         .collect();
     if mesh_dims.is_empty() {
         return Ok(Plan::Local);
@@ -113,11 +114,12 @@ fn rma_rows(ax: &Axis, t: &Tensor, l: usize, wanted: &[usize]) -> CResult<Tensor
         }
         let count = j - i;
         let got = window.get(owner, (g - off) * row, count * row, t.dtype())?;
-        crate::debug::record("rma_get", &ax.name, (count * row * es) as u64);
         pieces.push(got);
         i = j;
     }
     window.fence()?;
+    // One record per op, as the plan has one `rma_get` (however many runs of rows it took).
+    crate::debug::record("rma_get", &ax.name, (wanted.len() * row * es) as u64);
     let mut dims = t.dims().to_vec();
     dims[0] = wanted.len();
     if pieces.is_empty() {
@@ -271,4 +273,26 @@ impl DTensor {
             }
         })
     }
+}
+
+/// The index family on DTensors (dispatched by [`super::generic::apply_all`]).
+pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
+    Ok(vec![match op {
+        Op::IndexSelect { dim } => x[0].index_select(x[1], *dim)?,
+        Op::Gather { dim } => x[0].gather(x[1], *dim)?,
+        _ => return Err(super::wrong_family(op, x)),
+    }])
+}
+
+/// The index family on one device.
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+    let x = &inputs[0];
+    Ok(vec![match op {
+        Op::IndexSelect { dim } => x.index_select(&inputs[1].to_dtype(DType::U32)?, *dim)?,
+        Op::Gather { dim } => {
+            let idx = inputs[1].to_dtype(DType::U32)?;
+            gather_source(x, &idx, *dim)?.gather(&idx, *dim)?
+        }
+        _ => return Err(super::ref_wrong_family(op)),
+    }])
 }

@@ -38,7 +38,42 @@ pub(crate) fn linear_local(
     }
 }
 
+/// `beta * bias + alpha * (a @ b)` on local pieces.
+fn baddbmm_local(
+    bias: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    alpha: f64,
+    beta: f64,
+) -> candle_core::Result<Tensor> {
+    let prod = a.matmul(b)?;
+    let prod = if alpha == 1.0 {
+        prod
+    } else {
+        prod.affine(alpha, 0.0)?
+    };
+    let bias = if beta == 1.0 {
+        bias.clone()
+    } else {
+        bias.affine(beta, 0.0)?
+    };
+    prod.broadcast_add(&bias)
+}
+
 impl DTensor {
+    /// `beta * self + alpha * (a @ b)` with `a [B, n, k]`, `b [B, k, m]` and `self` (the bias)
+    /// broadcastable to `[B, n, m]` (torch.baddbmm). Contracting over a sharded `k` gives
+    /// `P(sum)` with the bias added once (a free local partition of a replicated bias).
+    pub fn baddbmm(&self, a: &DTensor, b: &DTensor, alpha: f64, beta: f64) -> Result<DTensor> {
+        let op = Op::Baddbmm {
+            alpha: alpha.into(),
+            beta: beta.into(),
+        };
+        run1(&op, &[self, a, b], |p| {
+            baddbmm_local(&p.locals[0], &p.locals[1], &p.locals[2], alpha, beta)
+        })
+    }
+
     /// `[..b, m, k] @ [..b, k, n]` with equal batch dims.
     pub fn matmul(&self, rhs: &DTensor) -> Result<DTensor> {
         run1(&Op::Matmul, &[self, rhs], |p| {
@@ -55,10 +90,9 @@ impl DTensor {
 
     /// `x @ w^T + b` with `w: [out, in]`, `b: [out]`, `x: [.., in]` (as `candle_nn::Linear`).
     ///
-    /// A row-parallel linear (`x` sharded on `in`, `w` on dim 1) produces a Partial sum; a
-    /// replicated bias must be added after it is reduced, so with a bias the compiler reduces
-    /// first. Row-parallel layers therefore call `linear(w, None)` and add the bias to the
-    /// reduced output.
+    /// A row-parallel linear (`x` sharded on `in`, `w` on dim 1) produces a `P(sum)` output
+    /// without communication; a replicated bias joins it as `P(sum)` (a free local partition:
+    /// each rank adds `b / n`), so the bias is added once in the reduced value.
     pub fn linear(&self, w: &DTensor, b: Option<&DTensor>) -> Result<DTensor> {
         self.linear_with_layout(w, b, None)
     }
@@ -83,4 +117,37 @@ impl DTensor {
             }),
         }
     }
+}
+
+/// The matrix family on DTensors (dispatched by [`super::generic::apply_all`]).
+pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
+    Ok(vec![match op {
+        Op::Matmul => x[0].matmul(x[1])?,
+        Op::BroadcastMatmul => x[0].broadcast_matmul(x[1])?,
+        Op::Linear { .. } => x[0].linear(x[1], x.get(2).copied())?,
+        Op::Baddbmm { alpha, beta } => x[0].baddbmm(x[1], x[2], alpha.get(), beta.get())?,
+        _ => return Err(super::wrong_family(op, x)),
+    }])
+}
+
+/// The matrix family on one device.
+pub(crate) fn single_device(op: &Op, x: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+    Ok(vec![match op {
+        Op::Matmul => x[0].matmul(&x[1])?,
+        Op::BroadcastMatmul => x[0].broadcast_matmul(&x[1])?,
+        Op::Linear { bias } => {
+            let y = if x[0].rank() == 1 {
+                x[0].unsqueeze(0)?.matmul(&x[1].t()?)?.squeeze(0)?
+            } else {
+                x[0].broadcast_matmul(&x[1].t()?)?
+            };
+            if *bias {
+                y.broadcast_add(&x[2])?
+            } else {
+                y
+            }
+        }
+        Op::Baddbmm { alpha, beta } => baddbmm_local(&x[0], &x[1], &x[2], alpha.get(), beta.get())?,
+        _ => return Err(super::ref_wrong_family(op)),
+    }])
 }

@@ -4,9 +4,13 @@
 pub mod generic;
 mod index;
 mod matrix;
+mod misc;
 pub mod nn;
 pub mod pointwise;
 mod reduction;
+mod scan;
+mod scatter;
+mod sort;
 mod view;
 
 use candle_dtensor_strategies::layout::local_shape;
@@ -21,4 +25,28 @@ pub(crate) fn local_dims(p: &Prepared, k: usize) -> candle_core::Result<SmallVec
     local_shape(&spec.meta.shape, &ctx.shape, &ctx.coord, &spec.placements)
         .map(|s| s.into_iter().collect())
         .map_err(candle_core::Error::wrap)
+}
+
+/// The error of a family's `apply` handed an op of another family (a registry bug).
+pub(crate) fn wrong_family(
+    op: &candle_dtensor_strategies::Op,
+    x: &[&crate::DTensor],
+) -> crate::DTensorError {
+    let rank = x.first().map_or(0, |t| t.mesh_rank());
+    crate::error::invalid(
+        op.name(),
+        rank,
+        format!(
+            "internal: dispatched to the wrong family (declared {:?})",
+            op.family()
+        ),
+    )
+}
+
+/// [`wrong_family`] for the single-device references.
+pub(crate) fn ref_wrong_family(op: &candle_dtensor_strategies::Op) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "{op}: internal: dispatched to the wrong family (declared {:?})",
+        op.family()
+    ))
 }

@@ -25,7 +25,8 @@ use candle_dtensor_comm::ReduceOp;
 
 type CResult<T> = candle_core::Result<T>;
 
-/// Mesh dims on which `spec` shards tensor dim `dim`, and this rank's (offset, size) of it.
+/// Mesh dims (of size > 1: a group of one communicates nothing) on which `spec` shards tensor
+/// dim `dim`, and this rank's (offset, size) of it.
 fn sharded_range(
     p: &Prepared,
     spec: &DTensorSpec,
@@ -36,7 +37,7 @@ fn sharded_range(
         .placements
         .iter()
         .enumerate()
-        .filter(|(_, pl)| pl.shard_dim() == Some(dim))
+        .filter(|(m, pl)| pl.shard_dim() == Some(dim) && ctx.shape[*m] > 1)
         .map(|(m, _)| m)
         .collect();
     let (shape, off) =
@@ -55,6 +56,53 @@ fn axes(p: &Prepared, dims: &[usize]) -> CResult<Vec<Axis>> {
         .collect()
 }
 
+/// Softmax (or log-softmax) of the prepared input over `dim`. When the chosen layout shards
+/// `dim`, each rank reduces its piece and two all_reduces over those mesh dims finish the job:
+/// the max (no gradient: softmax is shift-invariant) and the sum of exponentials. The sum feeds
+/// every rank's (sharded) output, so its gradient is a per-rank partial sum: it is all-reduced
+/// in backward (`grad_sync`).
+fn normalize(p: &Prepared, dim: usize, log: bool) -> CResult<Tensor> {
+    let x = &p.locals[0];
+    let ctx = p.ctx();
+    let mesh_dims: Vec<usize> = p.sharding.input_specs[0]
+        .placements
+        .iter()
+        .enumerate()
+        .filter(|(m, pl)| pl.shards(dim) && ctx.shape[*m] > 1)
+        .map(|(m, _)| m)
+        .collect();
+    if mesh_dims.is_empty() {
+        return if log {
+            log_softmax_local(x, dim)
+        } else {
+            softmax_local(x, dim)
+        };
+    }
+    let ax = axes(p, &mesh_dims)?;
+    let mut m = if x.elem_count() == 0 {
+        let mut d = x.dims().to_vec();
+        d[dim] = 1;
+        Tensor::full(f32::NEG_INFINITY, d, x.device())?.to_dtype(x.dtype())?
+    } else {
+        x.max_keepdim(dim)?.detach()
+    };
+    for a in &ax {
+        m = collectives::all_reduce_raw(&m, a, ReduceOp::Max, None)?;
+    }
+    let shifted = x.broadcast_sub(&m)?;
+    let e = shifted.exp()?;
+    let mut s = e.sum_keepdim(dim)?;
+    for a in &ax {
+        s = collectives::all_reduce(&s, a, ReduceOp::Sum)?;
+    }
+    let s = collectives::grad_sync(&s, ax)?;
+    if log {
+        shifted.broadcast_sub(&s.log()?)
+    } else {
+        e.broadcast_div(&s)
+    }
+}
+
 /// `(ids - off)` where `off <= ids < off + len`, else 0, as u32; and the in-range mask (f32).
 pub(crate) fn local_ids(ids: &Tensor, off: usize, len: usize) -> CResult<(Tensor, Tensor)> {
     let ids = ids.to_dtype(DType::I64)?;
@@ -68,17 +116,16 @@ pub(crate) fn local_ids(ids: &Tensor, off: usize, len: usize) -> CResult<(Tensor
 }
 
 impl DTensor {
-    /// Softmax over `dim`.
+    /// Softmax over `dim`. Over a sharded `dim` the data stays put: the global max and sum of
+    /// exponentials come from two small all_reduces of the reduced shape.
     pub fn softmax(&self, dim: usize) -> Result<DTensor> {
-        run1(&Op::Softmax { dim }, &[self], |p| {
-            softmax_local(&p.locals[0], dim)
-        })
+        run1(&Op::Softmax { dim }, &[self], |p| normalize(p, dim, false))
     }
 
-    /// Log-softmax over `dim`.
+    /// Log-softmax over `dim` (over a sharded `dim` as [`DTensor::softmax`]).
     pub fn log_softmax(&self, dim: usize) -> Result<DTensor> {
         run1(&Op::LogSoftmax { dim }, &[self], |p| {
-            log_softmax_local(&p.locals[0], dim)
+            normalize(p, dim, true)
         })
     }
 
@@ -197,7 +244,8 @@ impl DTensor {
     ///
     /// With the logits sharded on the class dim this is loss-parallel: three all_reduces of N
     /// values (max, sum of exponentials, target logit) and no gather of the classes; the
-    /// backward needs no communication at all.
+    /// backward needs no communication at all. With the batch sharded (evenly or not) each rank
+    /// divides the sum of its rows' losses by the global N: a free partial sum.
     pub fn cross_entropy(&self, targets: &DTensor) -> Result<DTensor> {
         self.cross_entropy_with_layout(targets, None)
     }
@@ -211,19 +259,32 @@ impl DTensor {
     ) -> Result<DTensor> {
         run1_with(&Op::CrossEntropy, &[self, targets], &[logits_layout], |p| {
             let (x, t) = (&p.locals[0], &p.locals[1]);
+            // The mean is over the GLOBAL batch: local rows' losses summed, over N.
+            let global_n = p.sharding.input_specs[0].meta.shape[0];
+            let over_n = |sum: Tensor| sum.affine(1.0 / global_n as f64, 0.0);
             let (cdims, off, cols) = sharded_range(p, &p.sharding.input_specs[0], 1)?;
             if cdims.is_empty() {
-                if fused::applies(x) && x.track_op() && x.dim(0)? > 0 && x.dim(1)? > 0 {
-                    return fused::cross_entropy(x, t);
+                let n = x.dim(0)?;
+                if fused::applies(x) && x.track_op() && n > 0 && x.dim(1)? > 0 {
+                    let mean = fused::cross_entropy(x, t)?;
+                    return if n == global_n {
+                        Ok(mean)
+                    } else {
+                        mean.affine(n as f64 / global_n as f64, 0.0)
+                    };
+                }
+                if n == 0 {
+                    // No rows here: a zero that stays in the graph.
+                    return crate::node::graph_zeros(x, &[]);
                 }
                 let lsm = log_softmax_local(x, 1)?;
                 let picked = lsm.gather(&t.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?;
-                return picked.neg()?.mean_all();
+                return over_n(picked.neg()?.sum_all()?);
             }
             let ax = axes(p, &cdims)?;
             let n = x.dim(0)?;
             // Global row max (no gradient needed: the loss is shift-invariant).
-            let mut m = if cols == 0 {
+            let mut m = if cols == 0 || n == 0 {
                 Tensor::full(f32::NEG_INFINITY, (n, 1), x.device())?.to_dtype(x.dtype())?
             } else {
                 x.max_keepdim(1)?.detach()
@@ -256,7 +317,7 @@ impl DTensor {
                 picked = collectives::all_reduce(&picked, a, ReduceOp::Sum)?;
             }
             let lse = (s_all.log()? + m)?;
-            lse.sub(&picked)?.mean_all()
+            over_n(lse.sub(&picked)?.sum_all()?)
         })
     }
 
@@ -268,4 +329,60 @@ impl DTensor {
             _ => false,
         })
     }
+}
+
+/// The norm, embedding, loss and attention families on DTensors (dispatched by
+/// [`super::generic::apply_all`]).
+pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
+    let a = x[0];
+    Ok(vec![match op {
+        Op::Softmax { dim } => a.softmax(*dim)?,
+        Op::LogSoftmax { dim } => a.log_softmax(*dim)?,
+        Op::LayerNorm { eps, .. } => {
+            a.layer_norm(x.get(1).copied(), x.get(2).copied(), eps.get())?
+        }
+        Op::RmsNorm { eps } => a.rms_norm(x[1], eps.get())?,
+        Op::Embedding => a.embedding(x[1])?,
+        Op::CrossEntropy => a.cross_entropy(x[1])?,
+        Op::Sdpa { causal, scale } => a.sdpa(x[1], x[2], *causal, scale.map(|s| s.get()))?,
+        Op::PackedSdpa { causal, scale } => a.packed_sdpa(*causal, scale.map(|s| s.get()))?,
+        _ => return Err(super::wrong_family(op, x)),
+    }])
+}
+
+/// The norm, embedding, loss and attention families on one device.
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+    let x = &inputs[0];
+    Ok(vec![match op {
+        Op::Softmax { dim } => reference::softmax(x, *dim)?,
+        Op::LogSoftmax { dim } => reference::log_softmax(x, *dim)?,
+        Op::LayerNorm { eps, .. } => {
+            reference::layer_norm(x, inputs.get(1), inputs.get(2), eps.get())?
+        }
+        Op::RmsNorm { eps } => reference::rms_norm(x, &inputs[1], eps.get())?,
+        Op::Embedding => {
+            let mut dims = x.dims().to_vec();
+            dims.push(inputs[1].dim(1)?);
+            inputs[1]
+                .index_select(&x.flatten_all()?.to_dtype(DType::U32)?, 0)?
+                .reshape(dims)?
+        }
+        Op::CrossEntropy => {
+            let lsm = reference::log_softmax(x, 1)?;
+            lsm.gather(&inputs[1].to_dtype(DType::U32)?.unsqueeze(1)?, 1)?
+                .neg()?
+                .mean_all()?
+        }
+        Op::Sdpa { causal, scale } => {
+            let d = x.dim(3)? as f64;
+            let s = scale.map(|s| s.get()).unwrap_or(1.0 / d.sqrt());
+            reference::sdpa(x, &inputs[1], &inputs[2], *causal, s)?
+        }
+        Op::PackedSdpa { causal, scale } => {
+            let d = x.dim(4)? as f64;
+            let s = scale.map(|s| s.get()).unwrap_or(1.0 / d.sqrt());
+            reference::packed_sdpa(x, *causal, s)?
+        }
+        _ => return Err(super::ref_wrong_family(op)),
+    }])
 }

@@ -97,7 +97,7 @@ impl DTensor {
         run1(&op, &[self], |p| p.locals[0].affine(mul, add))
     }
 
-    fn scalar(&self, s: ScalarOp, v: f64) -> Result<DTensor> {
+    pub(crate) fn scalar(&self, s: ScalarOp, v: f64) -> Result<DTensor> {
         run1(&Op::ScalarOp(s, v.into()), &[self], |p| {
             let x = &p.locals[0];
             match s {
@@ -345,4 +345,68 @@ impl std::ops::Neg for &DTensor {
     fn neg(self) -> Result<DTensor> {
         DTensor::neg(self)
     }
+}
+
+/// The pointwise family on DTensors (dispatched by [`super::generic::apply_all`]).
+pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
+    let a = x[0];
+    Ok(vec![match op {
+        Op::Unary(u) => a.unary(*u)?,
+        Op::Affine { mul, add } => a.affine(mul.get(), add.get())?,
+        Op::ScalarOp(s, v) => a.scalar(*s, v.get())?,
+        Op::Binary(b) => a.binary(*b, x[1])?,
+        Op::Cmp(c) => a.cmp(*c, x[1])?,
+        _ => return Err(super::wrong_family(op, x)),
+    }])
+}
+
+fn unary_ref(u: UnaryOp, x: &Tensor) -> CResult<Tensor> {
+    match u {
+        UnaryOp::Gelu => x.gelu(),
+        other => apply_unary(other, x),
+    }
+}
+
+/// The pointwise family on one device.
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> {
+    let x = &inputs[0];
+    Ok(vec![match op {
+        Op::Unary(u) => unary_ref(*u, x)?,
+        Op::Affine { mul, add } => x.affine(mul.get(), add.get())?,
+        Op::ScalarOp(s, v) => {
+            let v = v.get();
+            match s {
+                ScalarOp::Add => (x + v)?,
+                ScalarOp::Sub => (x - v)?,
+                ScalarOp::Mul => (x * v)?,
+                ScalarOp::Div => (x / v)?,
+                ScalarOp::Pow => x.powf(v)?,
+                ScalarOp::Maximum => x.maximum(v)?,
+                ScalarOp::Minimum => x.minimum(v)?,
+            }
+        }
+        Op::Binary(b) => {
+            let y = &inputs[1];
+            match b {
+                BinaryOp::Add => x.broadcast_add(y)?,
+                BinaryOp::Sub => x.broadcast_sub(y)?,
+                BinaryOp::Mul => x.broadcast_mul(y)?,
+                BinaryOp::Div => x.broadcast_div(y)?,
+                BinaryOp::Maximum => x.broadcast_maximum(y)?,
+                BinaryOp::Minimum => x.broadcast_minimum(y)?,
+            }
+        }
+        Op::Cmp(c) => {
+            let y = &inputs[1];
+            match c {
+                CmpOp::Eq => x.broadcast_eq(y)?,
+                CmpOp::Ne => x.broadcast_ne(y)?,
+                CmpOp::Lt => x.broadcast_lt(y)?,
+                CmpOp::Le => x.broadcast_le(y)?,
+                CmpOp::Gt => x.broadcast_gt(y)?,
+                CmpOp::Ge => x.broadcast_ge(y)?,
+            }
+        }
+        _ => return Err(super::ref_wrong_family(op)),
+    }])
 }

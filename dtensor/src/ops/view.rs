@@ -102,6 +102,38 @@ impl DTensor {
         })
     }
 
+    /// Splits `dim` into consecutive pieces of `sizes` (summing to its size). Other dims keep
+    /// their sharding; a `StridedShard(dim, k)` input split into its `k` equal parts gives
+    /// `Shard(dim)` pieces without communication (a fused QKV projection sharded head by head).
+    pub fn split(&self, sizes: &[usize], dim: usize) -> Result<Vec<DTensor>> {
+        let op = Op::Split {
+            dim,
+            sizes: Shape::from_slice(sizes),
+        };
+        let rank = self.mesh_rank();
+        let p = prepare(&op, &[self])?;
+        let mut outs = Vec::with_capacity(sizes.len());
+        let mut at = 0usize;
+        for k in 0..sizes.len() {
+            let len = local_dims(&p, k).ctx(op.name(), rank)?[dim];
+            outs.push(crate::storage::narrow(&p.locals[0], dim, at, len).ctx(op.name(), rank)?);
+            at += len;
+        }
+        p.finish(&op, outs)
+    }
+
+    /// The slices of `dim` (which is gathered first when sharded), without that dim.
+    pub fn unbind(&self, dim: usize) -> Result<Vec<DTensor>> {
+        let op = Op::Unbind { dim };
+        let rank = self.mesh_rank();
+        let p = prepare(&op, &[self])?;
+        let outs = (0..p.sharding.output_specs.len())
+            .map(|i| crate::storage::narrow(&p.locals[0], dim, i, 1)?.squeeze(dim))
+            .collect::<candle_core::Result<Vec<_>>>()
+            .ctx(op.name(), rank)?;
+        p.finish(&op, outs)
+    }
+
     /// Concatenates along `dim`.
     pub fn cat(tensors: &[&DTensor], dim: usize) -> Result<DTensor> {
         Self::join(tensors, Op::Cat { dim }, |ts| Tensor::cat(ts, dim))
@@ -127,4 +159,54 @@ impl DTensor {
         let out = f(&p.locals).ctx(op.name(), first.mesh_rank())?;
         p.finish1(&op, out)
     }
+}
+
+/// The view family on DTensors (dispatched by [`super::generic::apply_all`]).
+pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
+    let a = x[0];
+    Ok(vec![match op {
+        Op::Reshape { shape } => a.reshape(shape)?,
+        Op::Transpose { dim0, dim1 } => a.transpose(*dim0, *dim1)?,
+        Op::Permute { dims } => a.permute(dims)?,
+        Op::Narrow { dim, start, len } => a.narrow(*dim, *start, *len)?,
+        Op::Squeeze { dim } => a.squeeze(*dim)?,
+        Op::Unsqueeze { dim } => a.unsqueeze(*dim)?,
+        Op::BroadcastAs { shape } => a.broadcast_as(shape)?,
+        Op::Flatten { start, end } => a.flatten(*start, *end)?,
+        Op::Split { dim, sizes } => return a.split(sizes, *dim),
+        Op::Unbind { dim } => return a.unbind(*dim),
+        _ => return Err(super::wrong_family(op, x)),
+    }])
+}
+
+/// The view family on one device.
+pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+    let x = &inputs[0];
+    Ok(vec![match op {
+        Op::Reshape { shape } => x.reshape(shape.as_slice())?,
+        Op::Transpose { dim0, dim1 } => x.transpose(*dim0, *dim1)?,
+        Op::Permute { dims } => x.permute(dims.to_vec())?,
+        Op::Narrow { dim, start, len } => x.narrow(*dim, *start, *len)?,
+        Op::Squeeze { dim } => x.squeeze(*dim)?,
+        Op::Unsqueeze { dim } => x.unsqueeze(*dim)?,
+        Op::BroadcastAs { shape } => x.broadcast_as(shape.as_slice())?,
+        Op::Flatten { start, end } => x.flatten(*start, *end)?,
+        Op::Split { dim, sizes } => {
+            let mut at = 0;
+            return sizes
+                .iter()
+                .map(|&n| {
+                    let piece = x.narrow(*dim, at, n);
+                    at += n;
+                    piece
+                })
+                .collect();
+        }
+        Op::Unbind { dim } => {
+            return (0..x.dim(*dim)?)
+                .map(|i| x.narrow(*dim, i, 1)?.squeeze(*dim))
+                .collect()
+        }
+        _ => return Err(super::ref_wrong_family(op)),
+    }])
 }

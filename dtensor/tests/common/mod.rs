@@ -6,12 +6,16 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_dtensor_comm::{Comm, LocalWorld};
+use candle_dtensor_core::debug::{CommDebugMode, Phase};
 use candle_dtensor_core::{
-    apply, distribute_tensor, reference_apply, DTensor, Placement, ReduceOp,
+    apply_all, distribute_tensor, reference_apply_all, DTensor, MeshCtx, Placement, ReduceOp,
 };
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_strategies::layout::{local_indices, local_shape};
-use candle_dtensor_strategies::{format_placements, Op};
+use candle_dtensor_strategies::{
+    format_placements, global_propagator, partials_replicated, DTensorSpec, MeshTopology, Op,
+    OpSharding, RedistributePlan,
+};
 
 /// Boxed error of a rank closure.
 pub type BoxErr = Box<dyn std::error::Error + Send + Sync>;
@@ -527,10 +531,11 @@ pub struct Case {
     pub op: Op,
     /// The inputs.
     pub inputs: Vec<Input>,
-    /// The single-device output.
-    pub ref_out: Tensor,
-    /// Loss weights (output shape and dtype): `loss = sum(y * w)`.
-    pub weight: Tensor,
+    /// The single-device outputs.
+    pub ref_outs: Vec<Tensor>,
+    /// Loss weights per output (its shape and dtype): `loss = sum_k sum(y_k * w_k)` over the
+    /// float outputs.
+    pub weights: Vec<Tensor>,
     /// Per input: the single-device gradient (when checked).
     pub ref_grads: Vec<Option<Tensor>>,
     /// Per input, per rank: the expected local gradient piece.
@@ -614,16 +619,34 @@ fn finish_case(rng: &mut Rng, op: Op, inputs: Vec<Input>, tol: f64, mesh: &[usiz
         "{op:?} on mesh {mesh:?} with inputs {}",
         ins_desc.join("; ")
     );
-    let ref_out = reference_apply(&op, &ts).unwrap_or_else(|e| panic!("reference of {desc}: {e}"));
-    let float_out = ref_out.dtype().is_float();
-    let weight = tensor(rng, ref_out.dims(), Domain::Normal)
-        .to_dtype(ref_out.dtype())
-        .unwrap();
+    let ref_outs =
+        reference_apply_all(&op, &ts).unwrap_or_else(|e| panic!("reference of {desc}: {e}"));
+    let weights: Vec<Tensor> = ref_outs
+        .iter()
+        .map(|o| {
+            tensor(rng, o.dims(), Domain::Normal)
+                .to_dtype(o.dtype())
+                .unwrap()
+        })
+        .collect();
+    let float_out = ref_outs.iter().any(|o| o.dtype().is_float());
     let any_grad = inputs.iter().any(|i| i.grad) && float_out;
     let mut ref_grads = vec![None; inputs.len()];
     let mut grad_pieces = vec![None; inputs.len()];
     if any_grad {
-        let loss = ref_out.mul(&weight).unwrap().sum_all().unwrap();
+        let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu).unwrap();
+        for (o, w) in ref_outs.iter().zip(&weights) {
+            if o.dtype().is_float() {
+                let l = o
+                    .mul(w)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap();
+                loss = (loss + l).unwrap();
+            }
+        }
         let g = loss.backward().unwrap();
         for (k, (inp, v)) in inputs.iter().zip(&vars).enumerate() {
             let Some(v) = v else { continue };
@@ -652,8 +675,8 @@ fn finish_case(rng: &mut Rng, op: Op, inputs: Vec<Input>, tol: f64, mesh: &[usiz
         desc,
         op,
         inputs,
-        ref_out: ref_out.detach(),
-        weight,
+        ref_outs: ref_outs.iter().map(|o| o.detach()).collect(),
+        weights,
         ref_grads,
         grad_pieces,
         dtensor_loss,
@@ -687,59 +710,107 @@ fn run_case_inner(mesh: &DeviceMesh, case: &Case, fails: &mut Vec<String>) -> R<
         dts.push(d);
     }
     let refs: Vec<&DTensor> = dts.iter().collect();
-    let out = apply(&case.op, &refs).map_err(|e| format!("apply: {e}"))?;
+    let specs: Vec<&DTensorSpec> = dts.iter().map(|d| d.spec()).collect();
+    let ctx = MeshCtx::of(mesh)?;
+    let topo = ctx.topology();
+    let planned = global_propagator()
+        .propagate(&case.op, &specs, topo)
+        .map(|s| planned_collectives(&s, topo))
+        .map_err(|e| format!("propagate: {e}"))?;
+    let mode = CommDebugMode::start();
+    let outs = apply_all(&case.op, &refs).map_err(|e| format!("apply: {e}"))?;
+    let executed = executed_collectives(&mode);
+    drop(mode);
     let fail = |fails: &mut Vec<String>, what: String| {
         fails.push(format!("rank {rank}: {}: {what}", case.desc));
     };
-    if out.shape() != case.ref_out.dims() {
+    if planned != executed {
         fail(
             fails,
-            format!(
-                "global shape {:?} vs {:?}",
-                out.shape(),
-                case.ref_out.dims()
-            ),
+            format!("planned collectives {planned:?} but executed {executed:?}"),
+        );
+    }
+    if outs.len() != case.ref_outs.len() {
+        fail(
+            fails,
+            format!("{} outputs vs {}", outs.len(), case.ref_outs.len()),
         );
         return Ok(());
     }
-    let expect_local = local_shape(out.shape(), &mesh_shape, &coord, out.placements())
-        .map_err(|e| format!("local_shape: {e}"))?;
-    if out.to_local().dims() != expect_local.as_slice() {
-        fail(
-            fails,
-            format!(
-                "output local piece {:?} but {} of {:?} needs {:?}",
-                out.to_local().dims(),
-                format_placements(out.placements()),
-                out.shape(),
-                expect_local.as_slice()
-            ),
-        );
+    let mut fulls = Vec::with_capacity(outs.len());
+    for (o, (out, ref_out)) in outs.iter().zip(&case.ref_outs).enumerate() {
+        if out.shape() != ref_out.dims() {
+            fail(
+                fails,
+                format!(
+                    "output {o}: global shape {:?} vs {:?}",
+                    out.shape(),
+                    ref_out.dims()
+                ),
+            );
+            return Ok(());
+        }
+        let expect_local = local_shape(out.shape(), &mesh_shape, &coord, out.placements())
+            .map_err(|e| format!("local_shape: {e}"))?;
+        if out.to_local().dims() != expect_local.as_slice() {
+            fail(
+                fails,
+                format!(
+                    "output {o}: local piece {:?} but {} of {:?} needs {:?}",
+                    out.to_local().dims(),
+                    format_placements(out.placements()),
+                    out.shape(),
+                    expect_local.as_slice()
+                ),
+            );
+        }
+        let full = out.full_tensor().map_err(|e| format!("full_tensor: {e}"))?;
+        let tol = if ref_out.dtype().is_float() {
+            case.tol
+        } else {
+            0.0
+        };
+        if let Err(e) = close(&full, ref_out, tol) {
+            fail(
+                fails,
+                format!(
+                    "forward (output {o}, {}): {e}",
+                    format_placements(out.placements())
+                ),
+            );
+        }
+        fulls.push(full);
     }
-    let full = out.full_tensor().map_err(|e| format!("full_tensor: {e}"))?;
-    let out_float = case.ref_out.dtype().is_float();
-    let tol = if out_float { case.tol } else { 0.0 };
-    if let Err(e) = close(&full, &case.ref_out, tol) {
-        fail(
-            fails,
-            format!(
-                "forward (output {}): {e}",
-                format_placements(out.placements())
-            ),
-        );
-    }
+    let out_float = case.ref_outs.iter().any(|o| o.dtype().is_float());
     if !case.inputs.iter().any(|i| i.grad) || !out_float {
         return Ok(());
     }
     let grads = if case.dtensor_loss {
-        let w = distribute_tensor(&case.weight, mesh, &all_r(mesh.ndim()))?;
-        let l = out
-            .mul(&w)
-            .and_then(|y| y.sum_all())
-            .map_err(|e| format!("loss: {e}"))?;
-        l.backward().map_err(|e| format!("backward: {e}"))?
+        let mut loss: Option<DTensor> = None;
+        for (out, w) in outs.iter().zip(&case.weights) {
+            if !w.dtype().is_float() {
+                continue;
+            }
+            let w = distribute_tensor(w, mesh, &all_r(mesh.ndim()))?;
+            let l = out
+                .mul(&w)
+                .and_then(|y| y.sum_all())
+                .map_err(|e| format!("loss: {e}"))?;
+            loss = Some(match loss {
+                Some(a) => a.add(&l).map_err(|e| format!("loss: {e}"))?,
+                None => l,
+            });
+        }
+        let loss = loss.ok_or("no float output")?;
+        loss.backward().map_err(|e| format!("backward: {e}"))?
     } else {
-        full.mul(&case.weight)?.sum_all()?.backward()?
+        let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+        for (full, w) in fulls.iter().zip(&case.weights) {
+            if w.dtype().is_float() {
+                loss = (loss + full.mul(w)?.sum_all()?.to_dtype(DType::F32)?)?;
+            }
+        }
+        loss.backward()?
     };
     for (k, (inp, v)) in case.inputs.iter().zip(&vars).enumerate() {
         let Some(v) = v else { continue };
@@ -757,19 +828,90 @@ fn run_case_inner(mesh: &DeviceMesh, case: &Case, fails: &mut Vec<String>) -> R<
                 ),
             );
         }
-        // Shard/Replicate inputs: the local gradients assemble into the full gradient.
-        if !inp.placements.iter().any(|p| p.is_partial()) {
-            let assembled =
-                DTensor::from_local_with_shape(&got, mesh, &inp.placements, inp.full.dims())
-                    .and_then(|d| d.full_tensor())
-                    .map_err(|e| format!("assembling grad {k}: {e}"))?;
-            let reference = case.ref_grads[k].as_ref().expect("reference grad");
-            if let Err(e) = close(&assembled, reference, case.tol) {
-                fail(fails, format!("assembled grad of input {k}: {e}"));
-            }
+        // The gradient read as a DTensor is the single-device gradient, whatever the input's
+        // placements (Partial ones included), and its placements are truthful.
+        let gd = match dts[k].grad(&grads).map_err(|e| format!("grad {k}: {e}"))? {
+            Some(g) => g,
+            None => DTensor::from_local_with_shape(
+                &got,
+                mesh,
+                &partials_replicated(&inp.placements),
+                inp.full.dims(),
+            )?,
+        };
+        check_grad_layout(&gd, mesh, &mut |w| {
+            fail(fails, format!("grad of input {k}: {w}"))
+        });
+        let assembled = gd
+            .full_tensor()
+            .map_err(|e| format!("assembling grad {k}: {e}"))?;
+        let reference = case.ref_grads[k].as_ref().expect("reference grad");
+        if let Err(e) = close(&assembled, reference, case.tol) {
+            fail(
+                fails,
+                format!(
+                    "grad of input {k} as a DTensor [{}]: {e}",
+                    format_placements(gd.placements())
+                ),
+            );
         }
     }
     Ok(())
+}
+
+/// `(kind, mesh dim)` of every collective a propagation decision plans for the forward op: its
+/// redistributions' communication steps and the op's internal comms, sorted.
+pub fn planned_collectives(s: &OpSharding, topo: &MeshTopology) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = s
+        .redistributions
+        .iter()
+        .flatten()
+        .flat_map(|p| plan_collectives(p, topo))
+        .collect();
+    v.extend(
+        s.internal
+            .iter()
+            .filter(|(_, c)| c.kind.is_communication())
+            .map(|(m, c)| (c.kind.name().to_string(), topo.group_name(&[*m]))),
+    );
+    v.sort();
+    v
+}
+
+/// `(kind, mesh dim)` of the communication steps of a redistribution plan.
+pub fn plan_collectives(p: &RedistributePlan, topo: &MeshTopology) -> Vec<(String, String)> {
+    p.communication_steps()
+        .map(|st| (st.kind.name().to_string(), topo.group_name(&st.mesh_dims)))
+        .collect()
+}
+
+/// `(kind, mesh dim)` of every forward collective `mode` recorded, sorted.
+pub fn executed_collectives(mode: &CommDebugMode) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = mode
+        .records()
+        .iter()
+        .filter(|r| r.phase == Phase::Forward)
+        .map(|r| (r.kind.to_string(), r.mesh_dim.clone()))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Checks that `d`'s local piece has the shape its placements say at this rank's coordinate.
+pub fn check_grad_layout(d: &DTensor, mesh: &DeviceMesh, fail: &mut dyn FnMut(String)) {
+    let shape = mesh.shape();
+    let coord = coord_of(mesh.rank(), &shape);
+    match local_shape(d.shape(), &shape, &coord, d.placements()) {
+        Ok(s) if s.as_slice() == d.to_local().dims() => {}
+        Ok(s) => fail(format!(
+            "local piece {:?} but [{}] of {:?} needs {:?}",
+            d.to_local().dims(),
+            format_placements(d.placements()),
+            d.shape(),
+            s.as_slice()
+        )),
+        Err(e) => fail(format!("placements do not fit: {e}")),
+    }
 }
 
 /// Runs `cases` (all prepared for `mesh_shape`) in one world; returns every mismatch.

@@ -210,44 +210,8 @@ impl Problem<'_> {
 
     /// If `cur` (per-input placements) matches rows on every mesh dim, the best such combination.
     fn goal(&self, cur: &[Placements], g: f64) -> Option<(f64, SmallVec<[usize; 8]>)> {
-        let ndim = self.mesh.ndim();
-        let mut matches: SmallVec<[SmallVec<[usize; 2]>; 8]> = SmallVec::new();
-        for m in 0..ndim {
-            if let Some(r) = self.fixed[m] {
-                matches.push(smallvec::smallvec![r]);
-                continue;
-            }
-            let ms: SmallVec<[usize; 2]> = (0..self.rows.len())
-                .filter(|&r| self.rows[r].inputs.iter().zip(cur).all(|(p, c)| *p == c[m]))
-                .collect();
-            if ms.is_empty() {
-                return None;
-            }
-            matches.push(ms);
-        }
-        let mut best: Option<(f64, SmallVec<[usize; 8]>)> = None;
-        let mut pick: SmallVec<[usize; 8]> = SmallVec::from_elem(0, ndim);
-        loop {
-            let rows: SmallVec<[usize; 8]> = (0..ndim).map(|m| matches[m][pick[m]]).collect();
-            if self.requirements_ok(&rows) {
-                let total = g + self.extra_cost(&rows);
-                if best.as_ref().is_none_or(|(b, _)| total < *b - eps(*b)) {
-                    best = Some((total, rows));
-                }
-            }
-            let mut m = ndim;
-            loop {
-                if m == 0 {
-                    return best;
-                }
-                m -= 1;
-                pick[m] += 1;
-                if pick[m] < matches[m].len() {
-                    break;
-                }
-                pick[m] = 0;
-            }
-        }
+        let matches = self.matching_rows(|i, m| cur[i][m])?;
+        self.best_combination(&matches, g, false)
     }
 }
 

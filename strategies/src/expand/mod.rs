@@ -158,6 +158,9 @@ impl<'a> Problem<'a> {
         }
         rows.extend(base);
         rows.extend(strided);
+        if !mesh.rma_get {
+            rows.retain(|r| r.internal.iter().all(|c| c.kind != CollectiveKind::RmaGet));
+        }
 
         let n_in = inputs.len();
         let mut vals: Vec<SmallVec<[Placement; 8]>> = vec![SmallVec::new(); n_in];
@@ -375,9 +378,11 @@ impl<'a> Problem<'a> {
     }
 
     /// Internal comms of the chosen rows, scaled to local pieces: `(mesh dim, comm, cost)`.
+    /// None on mesh dims of size 1 (a group of one communicates nothing; the runtime skips
+    /// them too).
     pub fn internal(&self, rows: &[usize]) -> Vec<(usize, crate::InternalComm, f64)> {
         let mut out = Vec::new();
-        for m in 0..self.mesh.ndim() {
+        for m in (0..self.mesh.ndim()).filter(|&m| self.mesh.dim_size(m) > 1) {
             let row = &self.rows[self.row_of(rows, m)];
             for c in &row.internal {
                 let mut pl = self.placements_of(c.scale_by, rows);
@@ -473,11 +478,15 @@ impl<'a> Problem<'a> {
         Some((total + self.extra_cost(rows), none))
     }
 
-    /// Stage 1: the current placements already fit, for free.
-    pub fn fast_path(&mut self) -> Option<Solution> {
-        let ndim = self.mesh.ndim();
+    /// Per mesh dim, the rows whose input placements equal `at(input, mesh dim)` for every
+    /// input and that respect the pins (the fixed row on size-1 dims); `None` when some mesh
+    /// dim has no such row.
+    pub(crate) fn matching_rows(
+        &self,
+        at: impl Fn(usize, usize) -> Placement,
+    ) -> Option<SmallVec<[SmallVec<[usize; 2]>; 8]>> {
         let mut matches: SmallVec<[SmallVec<[usize; 2]>; 8]> = SmallVec::new();
-        for m in 0..ndim {
+        for m in 0..self.mesh.ndim() {
             if let Some(r) = self.fixed[m] {
                 matches.push(smallvec::smallvec![r]);
                 continue;
@@ -488,8 +497,8 @@ impl<'a> Problem<'a> {
                         && self.rows[r]
                             .inputs
                             .iter()
-                            .zip(&self.srcs)
-                            .all(|(p, s)| *p == s[m])
+                            .enumerate()
+                            .all(|(i, p)| *p == at(i, m))
                 })
                 .collect();
             if ms.is_empty() {
@@ -497,61 +506,38 @@ impl<'a> Problem<'a> {
             }
             matches.push(ms);
         }
-        let mut pick: SmallVec<[usize; 8]> = SmallVec::from_elem(0, ndim);
-        loop {
-            let rows: SmallVec<[usize; 8]> = (0..ndim).map(|m| matches[m][pick[m]]).collect();
-            if self.requirements_ok(&rows) && self.extra_cost(&rows) == 0.0 {
-                return Some(Solution { rows, total: 0.0 });
-            }
-            // Odometer over the (few) matching rows.
-            let mut m = ndim;
-            loop {
-                if m == 0 {
-                    return None;
-                }
-                m -= 1;
-                pick[m] += 1;
-                if pick[m] < matches[m].len() {
-                    break;
-                }
-                pick[m] = 0;
-            }
-        }
+        Some(matches)
     }
 
-    /// The cheapest combination whose rows match the current placements on every mesh dim
-    /// (no redistribution), if any.
-    pub fn keep_current(&mut self) -> Option<(f64, SmallVec<[usize; 8]>)> {
-        let ndim = self.mesh.ndim();
-        let mut matches: SmallVec<[SmallVec<[usize; 2]>; 8]> = SmallVec::new();
-        for m in 0..ndim {
-            if let Some(r) = self.fixed[m] {
-                matches.push(smallvec::smallvec![r]);
-                continue;
-            }
-            let ms: SmallVec<[usize; 2]> = (0..self.rows.len())
-                .filter(|&r| {
-                    self.rows[r]
-                        .inputs
-                        .iter()
-                        .zip(&self.srcs)
-                        .all(|(p, s)| *p == s[m])
-                })
-                .collect();
-            if ms.is_empty() {
-                return None;
-            }
-            matches.push(ms);
-        }
+    /// The cheapest combination of `matches` (one row per mesh dim, every combination tried in
+    /// odometer order, the first on ties) that meets the rows' requirements, with its cost:
+    /// `base` plus the internal and deferred costs. Stops at the first one when `free_only`
+    /// and it costs nothing extra (and skips the others).
+    pub(crate) fn best_combination(
+        &self,
+        matches: &[SmallVec<[usize; 2]>],
+        base: f64,
+        free_only: bool,
+    ) -> Option<(f64, SmallVec<[usize; 8]>)> {
+        let ndim = matches.len();
         let mut best: Option<(f64, SmallVec<[usize; 8]>)> = None;
         let mut pick: SmallVec<[usize; 8]> = SmallVec::from_elem(0, ndim);
         loop {
             let rows: SmallVec<[usize; 8]> = (0..ndim).map(|m| matches[m][pick[m]]).collect();
-            if let Some((total, _)) = self.evaluate(&rows) {
-                if best.as_ref().is_none_or(|(b, _)| total < *b - eps(*b)) {
-                    best = Some((total, rows));
+            if self.requirements_ok(&rows) {
+                let extra = self.extra_cost(&rows);
+                if free_only {
+                    if extra == 0.0 {
+                        return Some((base, rows));
+                    }
+                } else {
+                    let total = base + extra;
+                    if best.as_ref().is_none_or(|(b, _)| total < *b - eps(*b)) {
+                        best = Some((total, rows));
+                    }
                 }
             }
+            // Odometer: the last mesh dim moves fastest.
             let mut m = ndim;
             loop {
                 if m == 0 {
@@ -565,6 +551,20 @@ impl<'a> Problem<'a> {
                 pick[m] = 0;
             }
         }
+    }
+
+    /// Stage 1: the current placements already fit, for free.
+    pub fn fast_path(&mut self) -> Option<Solution> {
+        let matches = self.matching_rows(|i, m| self.srcs[i][m])?;
+        self.best_combination(&matches, 0.0, true)
+            .map(|(total, rows)| Solution { rows, total })
+    }
+
+    /// The cheapest combination whose rows match the current placements on every mesh dim
+    /// (no redistribution), if any.
+    pub fn keep_current(&mut self) -> Option<(f64, SmallVec<[usize; 8]>)> {
+        let matches = self.matching_rows(|i, m| self.srcs[i][m])?;
+        self.best_combination(&matches, 0.0, false)
     }
 
     /// Number of row combinations over the non-trivial mesh dims.

@@ -9,6 +9,9 @@ use crate::spec::TensorMeta;
 use crate::strategy::StrategyRow;
 
 pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
+    if matches!(op, Op::PackedSdpa { .. }) {
+        return packed_metas(op, inputs);
+    }
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     expect_same_dtype(op, q, k)?;
     expect_same_dtype(op, q, v)?;
@@ -29,13 +32,16 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
     Ok(vec![meta(&out, q.dtype)])
 }
 
-pub(super) fn rows() -> Vec<StrategyRow> {
+pub(super) fn rows(op: &Op, _inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec<StrategyRow> {
+    if matches!(op, Op::PackedSdpa { .. }) {
+        return packed_rows();
+    }
     (0..2)
         .map(|d| StrategyRow::new(&[s(d)], &[s(d), s(d), s(d)]))
         .collect()
 }
 
-pub(super) fn packed_metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
+fn packed_metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
     let x = inputs[0];
     if x.ndim() != 5 || x.shape[3] != 3 || !x.dtype.is_float() {
         return Err(StrategyError::shape(
@@ -47,7 +53,7 @@ pub(super) fn packed_metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<Tensor
     Ok(vec![meta(&out, x.dtype)])
 }
 
-pub(super) fn packed_rows() -> Vec<StrategyRow> {
+fn packed_rows() -> Vec<StrategyRow> {
     // Batch or heads; the sequence dim needs every key, and q/k/v (dim 3) belong together.
     [0, 2]
         .into_iter()

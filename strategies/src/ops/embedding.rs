@@ -25,7 +25,7 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
     Ok(vec![meta(&out, w.dtype)])
 }
 
-pub(super) fn rows(inputs: &[&TensorMeta]) -> Vec<StrategyRow> {
+pub(super) fn rows(_op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec<StrategyRow> {
     let (ids, w) = (inputs[0], inputs[1]);
     let nd = ids.ndim();
     let mut rows: Vec<StrategyRow> = (0..nd)

@@ -1,14 +1,13 @@
 //! cross_entropy: `logits [N, C]`, `targets [N]` (integer) -> scalar mean loss.
 //!
 //! Rows `[out, logits, targets]`:
-//! * batch: `[P(avg), S(0), S(0)]`, only with `requires_even` on N (the mean of uneven shards'
-//!   means is wrong; with uneven N the expander picks another plan rather than a `P(sum)` with a
-//!   global-N divisor, which would need the runtime to know N).
+//! * batch: `[P(sum), S(0), S(0)]`: each rank sums its rows' losses and divides by the GLOBAL N
+//!   (the mean is a sum over the global count), so uneven and empty batch shards move no logits.
 //! * loss-parallel (class dim sharded, `torch.distributed.tensor.parallel.loss_parallel`):
 //!   `[R, S(1), R]`; the local op runs three all_reduces of N values itself (max, sum of exps,
 //!   target logit via a masked partial), reported as `internal` comms.
 
-use super::{expect_int, meta, s, PAVG, R};
+use super::{expect_int, meta, s, PSUM, R};
 use crate::cost::CollectiveKind;
 use crate::error::{Result, StrategyError};
 use crate::op::Op;
@@ -37,17 +36,14 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
     Ok(vec![meta(&[], logits.dtype)])
 }
 
-pub(super) fn rows(inputs: &[&TensorMeta]) -> Vec<StrategyRow> {
+pub(super) fn rows(_op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec<StrategyRow> {
     let logits = inputs[0];
     let n_bytes = (logits.shape[0] * logits.dtype.size_in_bytes()) as u64;
     let mut lp = StrategyRow::new(&[R], &[s(1), R]).no_strided();
     for _ in 0..3 {
         lp = lp.with_internal(CollectiveKind::AllReduce, n_bytes, TensorRef::Input(0));
     }
-    vec![
-        StrategyRow::new(&[PAVG], &[s(0), s(0)]).even(TensorRef::Input(0), 0),
-        lp,
-    ]
+    vec![StrategyRow::new(&[PSUM], &[s(0), s(0)]), lp]
 }
 
 #[cfg(test)]
@@ -59,7 +55,7 @@ mod tests {
         let l = TensorMeta::new(&[4, 16], DType::F32);
         let t = TensorMeta::new(&[4], DType::I64);
         let rows = single_dim_strategies(&Op::CrossEntropy, &[&l, &t]).unwrap();
-        assert_eq!(rows[0].to_string(), "P(avg) <- S(0), S(0)");
+        assert_eq!(rows[0].to_string(), "P(sum) <- S(0), S(0)");
         assert_eq!(rows[1].internal.len(), 3);
         assert_eq!(rows[1].internal[0].bytes, 16);
     }

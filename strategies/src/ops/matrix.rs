@@ -1,14 +1,17 @@
-//! matmul / broadcast_matmul / linear: rows from one einsum-style generator.
+//! matmul / broadcast_matmul / linear / baddbmm: rows from one einsum-style generator (baddbmm's
+//! bias mapped from the output like a broadcasting add, PyTorch's addmm).
 //!
 //! Each einsum index gives one row: an index kept in the output shards the output and every
 //! input that has it (`S·R→S` for the lhs free dim, `R·S→S` for the rhs free dim,
 //! `S(b)·S(b)→S(b)` for batch dims); a contracted index gives `S(k)·S(k)→P(sum)` when every input
 //! has it. Linearity adds `P·R→P` and `R·P→P` for `sum` and `avg`.
 //!
-//! `linear` with a bias: the contracted (row-parallel) row is NOT offered — `P(sum) + R` would add
-//! the bias n times. The runtime runs a row-parallel linear as `linear(bias=false)` followed by the
-//! bias add after the reduction. For the same reason only the `avg` linearity rows are offered
-//! (`avg_r(x_r w^T + b) = x w^T + b`).
+//! `linear` with a bias: a partial output needs a partial bias, or the bias would be added n
+//! times. The contracted (row-parallel) row is `[P(sum)] <- [S(k), S(1), P(sum)]`: the expander
+//! makes a replicated bias `P(sum)` with a free local partition (`b/n` on every rank, PyTorch's
+//! `_partition_value`), so `Σ_r (x_r w_r^T + b/n) = x w^T + b` costs no communication. The
+//! linearity rows pair a `P(sum)` activation or weight with a `P(sum)` bias, and a `P(avg)`
+//! one with an `R` (`avg_r(x_r w^T + b) = x w^T + b`) or `P(avg)` bias.
 
 use smallvec::SmallVec;
 
@@ -19,7 +22,73 @@ use crate::placement::{Placement, ReduceOp};
 use crate::spec::{shape_str, Shape, TensorMeta};
 use crate::strategy::StrategyRow;
 
+fn baddbmm_metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
+    let (bias, a, b) = (inputs[0], inputs[1], inputs[2]);
+    expect_same_dtype(op, a, b)?;
+    expect_same_dtype(op, a, bias)?;
+    let ok = a.dtype.is_float()
+        && a.ndim() == 3
+        && b.ndim() == 3
+        && a.shape[0] == b.shape[0]
+        && a.shape[2] == b.shape[1];
+    if !ok {
+        return Err(StrategyError::shape(
+            op,
+            format!(
+                "expects float a [B, n, k] and b [B, k, m], got {} and {}",
+                shape_str(&a.shape),
+                shape_str(&b.shape)
+            ),
+        ));
+    }
+    let out = [a.shape[0], a.shape[1], b.shape[2]];
+    let fits = broadcast_shapes(op, &[&bias.shape, &out])?;
+    if fits.as_slice() != out {
+        return Err(StrategyError::shape(
+            op,
+            format!(
+                "bias {} does not broadcast to {}",
+                shape_str(&bias.shape),
+                shape_str(&out)
+            ),
+        ));
+    }
+    Ok(vec![meta(&out, a.dtype)])
+}
+
+/// `beta * bias + alpha * (a @ b)`: the bmm rows with the bias sharded where it has the output
+/// dim (R where it broadcasts); the contraction `[P(sum), P(sum), S(2), S(1)]` with the bias
+/// joining as a partial (a free local partition of a replicated one); linearity with the bias
+/// partial alike (`P(avg)` also with a replicated bias).
+fn baddbmm_rows(inputs: &[&TensorMeta], outs: &[TensorMeta]) -> Vec<StrategyRow> {
+    let bias = &inputs[0].shape;
+    let out = &outs[0].shape;
+    let bias_at = |o: usize| super::bcast_map(out, bias, o).map(s).unwrap_or(R);
+    let mut rows = vec![
+        StrategyRow::new(&[s(0)], &[bias_at(0), s(0), s(0)]),
+        StrategyRow::new(&[s(1)], &[bias_at(1), s(1), R]),
+        StrategyRow::new(&[s(2)], &[bias_at(2), R, s(2)]),
+        StrategyRow::new(&[p(ReduceOp::Sum)], &[p(ReduceOp::Sum), s(2), s(1)]),
+    ];
+    for op in [ReduceOp::Sum, ReduceOp::Avg] {
+        rows.push(StrategyRow::new(&[p(op)], &[p(op), p(op), R]));
+        rows.push(StrategyRow::new(&[p(op)], &[p(op), R, p(op)]));
+    }
+    rows.push(StrategyRow::new(
+        &[p(ReduceOp::Avg)],
+        &[R, p(ReduceOp::Avg), R],
+    ));
+    rows.push(StrategyRow::new(
+        &[p(ReduceOp::Avg)],
+        &[R, R, p(ReduceOp::Avg)],
+    ));
+    rows
+}
+
 pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
+    if matches!(op, Op::Baddbmm { .. }) {
+        return baddbmm_metas(op, inputs);
+    }
     let (x, w) = (inputs[0], inputs[1]);
     expect_same_dtype(op, x, w)?;
     if !x.dtype.is_float() {
@@ -148,6 +217,9 @@ fn linearity_rows(n_in: usize, linear_inputs: &[usize], ops: &[ReduceOp]) -> Vec
 }
 
 pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], outs: &[TensorMeta]) -> Vec<StrategyRow> {
+    if matches!(op, Op::Baddbmm { .. }) {
+        return baddbmm_rows(inputs, outs);
+    }
     let (xs, ws) = (&inputs[0].shape, &inputs[1].shape);
     let out = &outs[0].shape;
     let (xn, wn, on) = (xs.len(), ws.len(), out.len());
@@ -168,12 +240,28 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], outs: &[TensorMeta]) -> Vec<
             idx.push(mk(Some(on - 1), None, Some(0), Some(0)));
             idx.push(mk(None, Some(xn - 1), Some(1), None));
             let mut rows = einsum_rows(&idx, n_in);
-            let ops: &[ReduceOp] = if *bias {
-                &[ReduceOp::Avg]
+            if *bias {
+                // The contraction row: the bias joins the partial sum as a partial itself.
+                rows.push(StrategyRow::new(
+                    &[p(ReduceOp::Sum)],
+                    &[s(xn - 1), s(1), p(ReduceOp::Sum)],
+                ));
+                for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                    for i in 0..2 {
+                        let mut ins: SmallVec<[Placement; 4]> = smallvec::smallvec![R; 3];
+                        ins[i] = p(op);
+                        ins[2] = p(op);
+                        rows.push(StrategyRow::new(&[p(op)], &ins));
+                    }
+                }
+                rows.extend(linearity_rows(n_in, &[0, 1], &[ReduceOp::Avg]));
             } else {
-                &[ReduceOp::Sum, ReduceOp::Avg]
-            };
-            rows.extend(linearity_rows(n_in, &[0, 1], ops));
+                rows.extend(linearity_rows(
+                    n_in,
+                    &[0, 1],
+                    &[ReduceOp::Sum, ReduceOp::Avg],
+                ));
+            }
             rows
         }
         _ => {
@@ -260,6 +348,11 @@ mod tests {
                 "S(0) <- S(0), R, R",
                 "S(1) <- S(1), R, R",
                 "S(2) <- R, S(0), S(0)",
+                "P(sum) <- S(2), S(1), P(sum)",
+                "P(sum) <- P(sum), R, P(sum)",
+                "P(sum) <- R, P(sum), P(sum)",
+                "P(avg) <- P(avg), R, P(avg)",
+                "P(avg) <- R, P(avg), P(avg)",
                 "P(avg) <- P(avg), R, R",
                 "P(avg) <- R, P(avg), R",
             ]

@@ -1,4 +1,5 @@
-//! cat / stack (the cat dim must be `R`), contiguous and to_dtype (every placement passes;
+//! pad (the padded dim must be `R`; other dims shard; `P(avg|max|min)` pass, `P(sum)` only for
+//! a zero fill), cat / stack (the cat dim must be `R`), contiguous and to_dtype (every placement passes;
 //! to_dtype keeps sum/avg/product partials only when casting to a float type, since rounding
 //! summands to integers changes their sum), where / masked_fill / dropout (sharded only: a fill
 //! value or a dropout mask applied to each summand of a partial sum would be wrong).
@@ -81,6 +82,14 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
             }
             Ok(vec![x.clone()])
         }
+        Op::Pad {
+            dim, before, after, ..
+        } => {
+            check_dim(op, *dim, x.ndim())?;
+            let mut out = x.shape.clone();
+            out[*dim] += before + after;
+            Ok(vec![meta(&out, x.dtype)])
+        }
         _ => Ok(vec![x.clone()]),
     }
 }
@@ -128,6 +137,17 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], outs: &[TensorMeta]) -> Vec<
             for d in 0..nd {
                 rows.push(StrategyRow::new(&[s(d)], &[s(d)]));
             }
+        }
+        Op::Pad { dim, value, .. } => {
+            for d in (0..nd).filter(|d| d != dim) {
+                rows.push(StrategyRow::new(&[s(d)], &[s(d)]));
+            }
+            // pad(x_r, v) reduces to pad(x, v) for avg/max/min with any v, for sum with v = 0.
+            let mut ops = vec![ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+            if value.get() == 0.0 {
+                ops.insert(0, ReduceOp::Sum);
+            }
+            partials(&ops, &mut rows);
         }
         _ => {
             // where / masked_fill: pointwise over the broadcast inputs.

@@ -1,5 +1,7 @@
 //! Op families: shape inference and single-dim strategy rows, one file per family.
-//! The op -> family registry is one `match` ([`output_metas`], [`rows`]).
+//! Each op's family is declared in the op table (`op.rs`); the registries here ([`output_metas`],
+//! [`rows`]) dispatch on the family, so adding an op to a family touches only the
+//! table and that family's file.
 
 mod attention;
 mod embedding;
@@ -10,12 +12,15 @@ mod misc;
 mod norm;
 mod pointwise;
 mod reduction;
+mod scan;
+mod scatter;
+mod sort;
 mod view;
 
 use smallvec::SmallVec;
 
 use crate::error::{Result, StrategyError};
-use crate::op::Op;
+use crate::op::{Family, Op};
 use crate::placement::{Placement, ReduceOp};
 use crate::spec::{shape_str, DType, Shape, TensorMeta};
 use crate::strategy::StrategyRow;
@@ -34,85 +39,50 @@ pub(crate) fn p(op: ReduceOp) -> Placement {
     Placement::Partial(op)
 }
 
-/// Output metas of `op` (the registry).
+/// Output metas of `op`: checks the arity declared in the op table, then the op's family.
 pub(crate) fn output_metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
     if let Some(n) = op.num_inputs() {
         expect_inputs(op, inputs, n)?;
     } else if inputs.is_empty() {
         return Err(StrategyError::arg(op, "needs at least one input"));
     }
-    let out = match op {
-        Op::Matmul | Op::BroadcastMatmul | Op::Linear { .. } => matrix::metas(op, inputs)?,
-        Op::Unary(_) | Op::Affine { .. } | Op::ScalarOp(..) | Op::Binary(_) | Op::Cmp(_) => {
-            pointwise::metas(op, inputs)?
-        }
-        Op::Sum { .. } | Op::Mean { .. } | Op::Max { .. } | Op::Min { .. } | Op::ArgMax { .. } => {
-            reduction::metas(op, inputs)?
-        }
-        Op::Softmax { .. } | Op::LogSoftmax { .. } | Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
-            norm::metas(op, inputs)?
-        }
-        Op::Embedding => embedding::metas(op, inputs)?,
-        Op::CrossEntropy => loss::metas(op, inputs)?,
-        Op::IndexSelect { .. } | Op::Gather { .. } => index::metas(op, inputs)?,
-        Op::Sdpa { .. } => attention::metas(op, inputs)?,
-        Op::PackedSdpa { .. } => attention::packed_metas(op, inputs)?,
-        Op::Reshape { .. }
-        | Op::Transpose { .. }
-        | Op::Permute { .. }
-        | Op::Narrow { .. }
-        | Op::Squeeze { .. }
-        | Op::Unsqueeze { .. }
-        | Op::BroadcastAs { .. }
-        | Op::Flatten { .. } => view::metas(op, inputs)?,
-        Op::Cat { .. }
-        | Op::Stack { .. }
-        | Op::Contiguous
-        | Op::ToDType(_)
-        | Op::Where
-        | Op::MaskedFill { .. }
-        | Op::Dropout { .. } => misc::metas(op, inputs)?,
-    };
-    Ok(out)
+    match op.family() {
+        Family::Matrix => matrix::metas(op, inputs),
+        Family::Pointwise => pointwise::metas(op, inputs),
+        Family::Reduction => reduction::metas(op, inputs),
+        Family::Norm => norm::metas(op, inputs),
+        Family::Embedding => embedding::metas(op, inputs),
+        Family::Loss => loss::metas(op, inputs),
+        Family::Index => index::metas(op, inputs),
+        Family::Attention => attention::metas(op, inputs),
+        Family::View => view::metas(op, inputs),
+        Family::Misc => misc::metas(op, inputs),
+        Family::Scatter => scatter::metas(op, inputs),
+        Family::Sort => sort::metas(op, inputs),
+        Family::Scan => scan::metas(op, inputs),
+    }
 }
 
-/// Single-dim rows of `op` (inputs already validated by [`output_metas`]).
+/// Single-dim rows of `op` (inputs already validated by [`output_metas`]), from its family.
 pub(crate) fn rows(
     op: &Op,
     inputs: &[&TensorMeta],
     outs: &[TensorMeta],
 ) -> Result<Vec<StrategyRow>> {
-    Ok(match op {
-        Op::Matmul | Op::BroadcastMatmul | Op::Linear { .. } => matrix::rows(op, inputs, outs),
-        Op::Unary(_) | Op::Affine { .. } | Op::ScalarOp(..) | Op::Binary(_) | Op::Cmp(_) => {
-            pointwise::rows(op, inputs, outs)
-        }
-        Op::Sum { .. } | Op::Mean { .. } | Op::Max { .. } | Op::Min { .. } | Op::ArgMax { .. } => {
-            reduction::rows(op, inputs)
-        }
-        Op::Softmax { .. } | Op::LogSoftmax { .. } | Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
-            norm::rows(op, inputs)
-        }
-        Op::Embedding => embedding::rows(inputs),
-        Op::CrossEntropy => loss::rows(inputs),
-        Op::IndexSelect { .. } | Op::Gather { .. } => index::rows(op, inputs, outs),
-        Op::Sdpa { .. } => attention::rows(),
-        Op::PackedSdpa { .. } => attention::packed_rows(),
-        Op::Reshape { .. }
-        | Op::Transpose { .. }
-        | Op::Permute { .. }
-        | Op::Narrow { .. }
-        | Op::Squeeze { .. }
-        | Op::Unsqueeze { .. }
-        | Op::BroadcastAs { .. }
-        | Op::Flatten { .. } => view::rows(op, inputs, outs)?,
-        Op::Cat { .. }
-        | Op::Stack { .. }
-        | Op::Contiguous
-        | Op::ToDType(_)
-        | Op::Where
-        | Op::MaskedFill { .. }
-        | Op::Dropout { .. } => misc::rows(op, inputs, outs),
+    Ok(match op.family() {
+        Family::Matrix => matrix::rows(op, inputs, outs),
+        Family::Pointwise => pointwise::rows(op, inputs, outs),
+        Family::Reduction => reduction::rows(op, inputs, outs),
+        Family::Norm => norm::rows(op, inputs, outs),
+        Family::Embedding => embedding::rows(op, inputs, outs),
+        Family::Loss => loss::rows(op, inputs, outs),
+        Family::Index => index::rows(op, inputs, outs),
+        Family::Attention => attention::rows(op, inputs, outs),
+        Family::View => view::rows(op, inputs, outs)?,
+        Family::Misc => misc::rows(op, inputs, outs),
+        Family::Scatter => scatter::rows(op, inputs, outs),
+        Family::Sort => sort::rows(op, inputs, outs),
+        Family::Scan => scan::rows(op, inputs, outs),
     })
 }
 

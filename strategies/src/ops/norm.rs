@@ -1,13 +1,17 @@
-//! softmax / log_softmax (shard any dim but the normalized one), layer_norm / rms_norm (shard
-//! leading dims; weight and bias replicated). Weight/bias GRADIENTS come out `P(sum)`; that is the
-//! runtime's gradient rule, not a forward row.
+//! softmax / log_softmax: shard any dim but the normalized one; and the normalized dim itself
+//! without moving the data (loss-parallel style): each rank takes its local max and sum of
+//! exponentials, and two small all_reduces (max, then sum) of the reduced shape give the global
+//! ones (`[S(d), S(d)]` with two internal all_reduces; no other mesh dim may shard `d`, so one
+//! axis reduces). layer_norm / rms_norm: shard leading dims; weight and bias replicated.
+//! Weight/bias GRADIENTS come out `P(sum)`; that is the runtime's gradient rule, not a forward row.
 
 use super::{check_dim, expect_same_dtype, s, R};
+use crate::cost::CollectiveKind;
 use crate::error::{Result, StrategyError};
 use crate::op::Op;
 use crate::placement::Placement;
 use crate::spec::{shape_str, TensorMeta};
-use crate::strategy::StrategyRow;
+use crate::strategy::{StrategyRow, TensorRef};
 
 pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
     let x = inputs[0];
@@ -50,7 +54,7 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
     Ok(vec![x.clone()])
 }
 
-pub(super) fn rows(op: &Op, inputs: &[&TensorMeta]) -> Vec<StrategyRow> {
+pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec<StrategyRow> {
     let nd = inputs[0].ndim();
     let n_in = inputs.len();
     let mut rows = Vec::new();
@@ -59,6 +63,15 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta]) -> Vec<StrategyRow> {
             for d in (0..nd).filter(|d| d != dim) {
                 rows.push(StrategyRow::new(&[s(d)], &[s(d)]));
             }
+            let x = inputs[0];
+            let reduced = x.numel() / x.shape[*dim].max(1);
+            let bytes = (reduced * x.dtype.size_in_bytes()) as u64;
+            rows.push(
+                StrategyRow::new(&[s(*dim)], &[s(*dim)])
+                    .with_internal(CollectiveKind::AllReduce, bytes, TensorRef::Input(0))
+                    .with_internal(CollectiveKind::AllReduce, bytes, TensorRef::Input(0))
+                    .sole(TensorRef::Input(0), *dim),
+            );
         }
         _ => {
             for d in 0..nd.saturating_sub(1) {
@@ -84,7 +97,14 @@ mod tests {
             .iter()
             .map(|r| r.to_string())
             .collect();
-        assert_eq!(t, ["S(0) <- S(0)", "S(2) <- S(2)"]);
+        assert_eq!(
+            t,
+            [
+                "S(0) <- S(0)",
+                "S(2) <- S(2)",
+                "S(1) <- S(1) [+all_reduce 512 B] [+all_reduce 512 B]"
+            ]
+        );
         let w = TensorMeta::new(&[16], DType::F32);
         let op = Op::LayerNorm {
             eps: 1e-5.into(),

@@ -1,13 +1,22 @@
-//! Reductions: sum / mean / max / min over dims (with keepdim), argmax.
+//! Reductions over dims (with keepdim): sum, mean, max, min, prod, norm, logsumexp, var, std;
+//! argmax, argmin.
 //!
 //! For each input dim `d`: reduced -> `[P(op), S(d)]`, kept -> `[S(d'), S(d)]` (`d'` shifted
-//! when `!keepdim`). `mean -> P(avg)` is only offered with `requires_even` on the reduced dim (the
-//! mean of uneven shards is not the mean of the means, PyTorch #162692); `max`/`min -> P(max|min)`
-//! require non-empty shards (a max over nothing has no value). Linear reductions pass `P(sum)`
-//! and `P(avg)` through; max/min pass their own partial through. `argmax` shards only kept dims
-//! (indices are local).
+//! when `!keepdim`). A mean is a sum divided by the GLOBAL count: `mean` over a sharded dim is
+//! `[P(sum), S(d)]`, each rank dividing its local sum by the global number of reduced elements,
+//! so uneven (even empty) shards need no data movement (the mean of uneven shards' means would
+//! be wrong, PyTorch #162692; PyTorch forces even shards instead). `max`/`min -> P(max|min)`
+//! require non-empty shards (a max over nothing has no value); `prod -> P(product)` (the product
+//! over nothing is 1). `norm`: `p = 1` is a sum (`P(sum)`), `p = inf` a max (`P(max)`); other `p`,
+//! `logsumexp`, `var` and `std` over a sharded dim reduce inside the op and come out `R`: local
+//! sums of `|x|^p` and one all_reduce; a max and a sum of shifted exponentials, two all_reduces;
+//! a sum (for the mean) and a sum of squared deviations, two all_reduces (all of the output's
+//! size). Linear reductions pass `P(sum)` and `P(avg)` through; max/min/prod pass their own
+//! partial through. `argmax`/`argmin` shard only kept dims (indices are positions in the whole
+//! dim).
 
-use super::{check_dim, meta, p, s, PAVG, PMAX, PMIN, PSUM};
+use super::{check_dim, meta, p, s, PAVG, PMAX, PMIN, PSUM, R};
+use crate::cost::CollectiveKind;
 use crate::error::Result;
 use crate::op::{Dims, Op};
 use crate::placement::ReduceOp;
@@ -41,9 +50,38 @@ fn parts(op: &Op) -> (Dims, bool) {
         Op::Sum { dims, keepdim }
         | Op::Mean { dims, keepdim }
         | Op::Max { dims, keepdim }
-        | Op::Min { dims, keepdim } => (dims.clone(), *keepdim),
-        Op::ArgMax { dim, keepdim } => (smallvec::smallvec![*dim], *keepdim),
+        | Op::Min { dims, keepdim }
+        | Op::Prod { dims, keepdim }
+        | Op::Norm { dims, keepdim, .. }
+        | Op::LogSumExp { dims, keepdim }
+        | Op::Var { dims, keepdim, .. }
+        | Op::Std { dims, keepdim, .. } => (dims.clone(), *keepdim),
+        Op::ArgMax { dim, keepdim } | Op::ArgMin { dim, keepdim } => {
+            (smallvec::smallvec![*dim], *keepdim)
+        }
         _ => (Dims::new(), false),
+    }
+}
+
+/// How a sharded reduced dim reduces: into a Partial, or inside the op (`n` all_reduces of the
+/// output's size, the output `R`), or not at all (arg-reductions).
+enum Sharded {
+    Partial(ReduceOp),
+    Internal(usize),
+    No,
+}
+
+fn sharded(op: &Op) -> Sharded {
+    match op {
+        Op::Sum { .. } | Op::Mean { .. } => Sharded::Partial(ReduceOp::Sum),
+        Op::Max { .. } => Sharded::Partial(ReduceOp::Max),
+        Op::Min { .. } => Sharded::Partial(ReduceOp::Min),
+        Op::Prod { .. } => Sharded::Partial(ReduceOp::Product),
+        Op::Norm { p, .. } if p.get() == 1.0 => Sharded::Partial(ReduceOp::Sum),
+        Op::Norm { p, .. } if p.get() == f64::INFINITY => Sharded::Partial(ReduceOp::Max),
+        Op::Norm { .. } => Sharded::Internal(1),
+        Op::LogSumExp { .. } | Op::Var { .. } | Op::Std { .. } => Sharded::Internal(2),
+        _ => Sharded::No,
     }
 }
 
@@ -57,43 +95,62 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
         }
     }
     let reduced = reduced_dims(&dims, x.ndim());
-    let dtype = if matches!(op, Op::ArgMax { .. }) {
+    let dtype = if matches!(op, Op::ArgMax { .. } | Op::ArgMin { .. }) {
         DType::U32
     } else {
         x.dtype
     };
-    if matches!(op, Op::Mean { .. }) && !x.dtype.is_float() {
+    let float_only = matches!(
+        op,
+        Op::Mean { .. } | Op::Norm { .. } | Op::LogSumExp { .. } | Op::Var { .. } | Op::Std { .. }
+    );
+    if float_only && !x.dtype.is_float() {
         return Err(crate::StrategyError::shape(
             op,
-            format!("mean needs a float input, got {}", x.dtype),
+            format!("needs a float input, got {}", x.dtype),
         ));
+    }
+    if let Op::Norm { p, .. } = op {
+        if p.get().is_nan() || p.get() <= 0.0 {
+            return Err(crate::StrategyError::arg(
+                op,
+                format!("p = {p}: the order must be > 0 (inf allowed)"),
+            ));
+        }
     }
     Ok(vec![meta(&out_shape(&x.shape, &reduced, keepdim), dtype)])
 }
 
-pub(super) fn rows(op: &Op, inputs: &[&TensorMeta]) -> Vec<StrategyRow> {
+pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], outs: &[TensorMeta]) -> Vec<StrategyRow> {
     let x = inputs[0];
     let (dims, keepdim) = parts(op);
     let reduced = reduced_dims(&dims, x.ndim());
-    let reduce_op = match op {
-        Op::Sum { .. } => Some(ReduceOp::Sum),
-        Op::Mean { .. } => Some(ReduceOp::Avg),
-        Op::Max { .. } => Some(ReduceOp::Max),
-        Op::Min { .. } => Some(ReduceOp::Min),
-        _ => None, // argmax
-    };
+    let how = sharded(op);
+    let out_bytes = outs[0].bytes();
     let mut rows = Vec::new();
     let mut kept = 0usize;
     for d in 0..x.ndim() {
         if reduced.contains(&d) {
-            if let Some(rop) = reduce_op {
-                let mut row = StrategyRow::new(&[p(rop)], &[s(d)]);
-                match rop {
-                    ReduceOp::Avg => row = row.even(TensorRef::Input(0), d),
-                    ReduceOp::Max | ReduceOp::Min => row = row.nonempty(TensorRef::Input(0), d),
-                    _ => {}
+            match how {
+                Sharded::Partial(rop) => {
+                    let mut row = StrategyRow::new(&[p(rop)], &[s(d)]);
+                    if matches!(rop, ReduceOp::Max | ReduceOp::Min) {
+                        row = row.nonempty(TensorRef::Input(0), d);
+                    }
+                    rows.push(row);
                 }
-                rows.push(row);
+                Sharded::Internal(n) => {
+                    let mut row = StrategyRow::new(&[R], &[s(d)]);
+                    for _ in 0..n {
+                        row = row.with_internal(
+                            CollectiveKind::AllReduce,
+                            out_bytes,
+                            TensorRef::Output(0),
+                        );
+                    }
+                    rows.push(row);
+                }
+                Sharded::No => {}
             }
             if keepdim {
                 kept += 1;
@@ -103,13 +160,17 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta]) -> Vec<StrategyRow> {
             kept += 1;
         }
     }
-    match reduce_op {
-        Some(ReduceOp::Sum) | Some(ReduceOp::Avg) => {
+    match op {
+        Op::Sum { .. } | Op::Mean { .. } => {
             rows.push(StrategyRow::new(&[PSUM], &[PSUM]));
             rows.push(StrategyRow::new(&[PAVG], &[PAVG]));
         }
-        Some(ReduceOp::Max) => rows.push(StrategyRow::new(&[PMAX], &[PMAX])),
-        Some(ReduceOp::Min) => rows.push(StrategyRow::new(&[PMIN], &[PMIN])),
+        Op::Max { .. } => rows.push(StrategyRow::new(&[PMAX], &[PMAX])),
+        Op::Min { .. } => rows.push(StrategyRow::new(&[PMIN], &[PMIN])),
+        Op::Prod { .. } => rows.push(StrategyRow::new(
+            &[p(ReduceOp::Product)],
+            &[p(ReduceOp::Product)],
+        )),
         _ => {}
     }
     rows
@@ -118,7 +179,7 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta]) -> Vec<StrategyRow> {
 #[cfg(test)]
 mod tests {
     use crate::op::Op;
-    use crate::{single_dim_strategies, DType, TensorMeta, TensorRef};
+    use crate::{single_dim_strategies, DType, TensorMeta};
 
     fn table(op: &Op, shape: &[usize]) -> Vec<String> {
         let m = TensorMeta::new(shape, DType::F32);
@@ -149,12 +210,13 @@ mod tests {
             dims: smallvec::smallvec![1],
             keepdim: true,
         };
+        assert_eq!(table(&op, &[4, 6, 8])[1], "P(sum) <- S(1)");
         assert_eq!(table(&op, &[4, 6, 8])[2], "S(2) <- S(2)");
         let m = TensorMeta::new(&[4, 6, 8], DType::F32);
         let rows = single_dim_strategies(&op, &[&m]).unwrap();
-        assert_eq!(
-            rows[1].requires_even.as_slice(),
-            &[(TensorRef::Input(0), 1)]
+        assert!(
+            rows[1].requires_even.is_empty(),
+            "a mean divides by the global count"
         );
         let all = Op::Sum {
             dims: smallvec::smallvec![],

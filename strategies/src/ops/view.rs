@@ -2,12 +2,23 @@
 //! a [`DimSpec`] over the input dims, and one generic rule turns specs into rows.
 //!
 //! * `InputDim(d)`: the output dim is input dim `d` -> `[S(j), S(d)]` (strided shards too).
-//! * `Flatten(dims)`: stays sharded only through its FIRST (non-singleton) input dim, and only
-//!   when that dim is sharded evenly (then each rank's rows are one contiguous block of the
-//!   flattened dim); the other dims must be `R`.
-//! * `Split(inner, group, id)`: only the outermost non-singleton piece keeps the sharding, and only
-//!   when the output dim is sharded evenly (pieces stay contiguous).
+//! * `Flatten(dims)`: sharding its FIRST (non-singleton) input dim evenly keeps one contiguous
+//!   block per rank: `[S(j), S(d0)]`. Sharding a LATER input dim `d_k` cuts every run of the
+//!   dims before it alike, which is exactly a strided shard of the flattened dim with split
+//!   factor `prod(dims before d_k)` (PyTorch's `_StridedShard`): `[SS(j, sf), S(d_k)]`, even
+//!   only when dims follow `d_k` in the group, and with no other mesh dim sharding the result
+//!   (a nested strided shard would need another split factor).
+//! * `Split(inner, group, id)`: the outermost non-singleton piece keeps the sharding, when the
+//!   output dim is sharded evenly (pieces stay contiguous): `[S(j), S(d)]`. The inverse of the
+//!   strided flatten: an input `SS(d, sf)` whose split factor is the product of the pieces
+//!   before `id` becomes `S(j)` (even only when non-singleton pieces follow), with no other
+//!   mesh dim sharding `d`. So `[B, T, C] S(1) -> [B*T, C] SS(0,B) -> [B, T, C] S(1)` is free.
 //! * `Singleton`, `NewDim`, `Broadcast`: `R`.
+//!
+//! `split` / `unbind` (one output per piece): any other dim passes its sharding to every output;
+//! the split dim itself must be whole, except for an input `SS(d, k)` split into its `k` equal
+//! parts: each part is then exactly `S(d)` (a fused QKV or gate/up projection sharded head by
+//! head splits for free).
 //!
 //! Views never communicate: a sharding that would need hidden communication (PyTorch #179502,
 //! `x [12, 8] S(1) -> view(16, 6)`) is simply not a row, so the expander redistributes the input
@@ -18,7 +29,7 @@ use smallvec::SmallVec;
 use super::{check_dim, meta, p, s};
 use crate::error::{Result, StrategyError};
 use crate::op::Op;
-use crate::placement::ReduceOp;
+use crate::placement::{Placement, ReduceOp};
 use crate::spec::{shape_str, Shape, TensorMeta};
 use crate::strategy::{StrategyRow, TensorRef};
 
@@ -123,21 +134,102 @@ pub(crate) fn view_groups(from: &[usize], to: &[usize]) -> Vec<DimSpec> {
     out
 }
 
-/// Which input dim can shard output dim `spec`, and with which evenness requirements:
-/// `(input dim, input must be even, output must be even, strided ok)`.
-fn shard_source(spec: &DimSpec) -> Option<(usize, bool, bool, bool)> {
-    match spec {
-        DimSpec::InputDim(d) => Some((*d, false, false, true)),
-        DimSpec::Flatten(dims) => Some((dims[0], true, false, false)),
-        DimSpec::Split { inner, group, id } => {
-            let first = group.iter().position(|&g| g != 1)?;
-            if *id != first {
-                return None;
-            }
-            let (d, even_in, _, _) = shard_source(inner)?;
-            Some((d, even_in, true, false))
+/// How one input placement can shard one output dim: the row `[out, inp]` and its conditions.
+struct Source {
+    inp: Placement,
+    out: Placement,
+    /// The input dim must be sharded evenly.
+    even_in: Option<usize>,
+    /// The output dim must be sharded evenly.
+    even_out: bool,
+    /// No other mesh dim may shard this (tensor, dim).
+    sole: Option<TensorRef>,
+    /// The row's `StridedShard` variants are valid too.
+    strided_ok: bool,
+}
+
+impl Source {
+    fn plain(inp: Placement, out: Placement) -> Self {
+        Source {
+            inp,
+            out,
+            even_in: None,
+            even_out: false,
+            sole: None,
+            strided_ok: false,
         }
-        _ => None,
+    }
+}
+
+/// The input placements that can shard output dim `j` described by `spec` (`shape`: the input
+/// shape).
+fn shard_sources(spec: &DimSpec, j: usize, shape: &[usize]) -> Vec<Source> {
+    match spec {
+        DimSpec::InputDim(d) => vec![Source {
+            strided_ok: true,
+            ..Source::plain(s(*d), s(j))
+        }],
+        DimSpec::Flatten(dims) => dims
+            .iter()
+            .enumerate()
+            .map(|(k, &d)| {
+                if k == 0 {
+                    Source {
+                        even_in: Some(d),
+                        ..Source::plain(s(d), s(j))
+                    }
+                } else {
+                    let split_factor = dims[..k].iter().map(|&e| shape[e]).product();
+                    Source {
+                        even_in: (k + 1 < dims.len()).then_some(d),
+                        sole: Some(TensorRef::Output(0)),
+                        ..Source::plain(
+                            s(d),
+                            Placement::StridedShard {
+                                dim: j,
+                                split_factor,
+                            },
+                        )
+                    }
+                }
+            })
+            .collect(),
+        DimSpec::Split { inner, group, id } => {
+            let mut v = Vec::new();
+            let first = group.iter().position(|&g| g != 1);
+            let trailing = group[id + 1..].iter().any(|&g| g != 1);
+            if first == Some(*id) {
+                // The outermost piece: the inner dim's own first source.
+                let (d, even_in) = match inner.as_ref() {
+                    DimSpec::InputDim(d) => (Some(*d), None),
+                    DimSpec::Flatten(dims) => (dims.first().copied(), dims.first().copied()),
+                    _ => (None, None),
+                };
+                if let Some(d) = d {
+                    v.push(Source {
+                        even_in,
+                        even_out: true,
+                        ..Source::plain(s(d), s(j))
+                    });
+                }
+            }
+            let split_factor: usize = group[..*id].iter().product();
+            if let (DimSpec::InputDim(d), true) = (inner.as_ref(), split_factor > 1) {
+                v.push(Source {
+                    even_out: trailing,
+                    sole: Some(TensorRef::Input(0)),
+                    ..Source::plain(
+                        Placement::StridedShard {
+                            dim: *d,
+                            split_factor,
+                        },
+                        s(j),
+                    )
+                });
+            }
+            v
+        }
+        _ => Vec::new(),
     }
 }
 
@@ -202,8 +294,83 @@ fn dim_map(op: &Op, x: &[usize], out: &[usize]) -> Vec<DimSpec> {
     }
 }
 
+/// `split` / `unbind` output metas.
+fn split_metas(op: &Op, x: &TensorMeta) -> Result<Vec<TensorMeta>> {
+    let nd = x.ndim();
+    match op {
+        Op::Split { dim, sizes } => {
+            check_dim(op, *dim, nd)?;
+            if sizes.is_empty() || sizes.iter().sum::<usize>() != x.shape[*dim] {
+                return Err(StrategyError::arg(
+                    op,
+                    format!(
+                        "sizes {:?} do not add up to dim {dim} of {}",
+                        sizes.as_slice(),
+                        shape_str(&x.shape)
+                    ),
+                ));
+            }
+            Ok(sizes
+                .iter()
+                .map(|&n| {
+                    let mut o = x.shape.clone();
+                    o[*dim] = n;
+                    meta(&o, x.dtype)
+                })
+                .collect())
+        }
+        Op::Unbind { dim } => {
+            check_dim(op, *dim, nd)?;
+            if x.shape[*dim] == 0 {
+                return Err(StrategyError::arg(
+                    op,
+                    format!("dim {dim} of {} is empty", shape_str(&x.shape)),
+                ));
+            }
+            let mut o = x.shape.clone();
+            o.remove(*dim);
+            Ok(vec![meta(&o, x.dtype); x.shape[*dim]])
+        }
+        _ => Err(StrategyError::arg(op, "not a split op")),
+    }
+}
+
+/// `split` / `unbind` rows.
+fn split_rows(op: &Op, x: &TensorMeta, n_out: usize) -> Vec<StrategyRow> {
+    let (dim, removed) = match op {
+        Op::Split { dim, .. } => (*dim, false),
+        Op::Unbind { dim } => (*dim, true),
+        _ => return Vec::new(),
+    };
+    let mut rows = Vec::new();
+    for d in (0..x.ndim()).filter(|&d| d != dim) {
+        let o = if removed && d > dim { d - 1 } else { d };
+        rows.push(StrategyRow::new(&vec![s(o); n_out], &[s(d)]));
+    }
+    if let Op::Split { sizes, .. } = op {
+        if n_out > 1 && sizes.iter().all(|&n| n == sizes[0]) {
+            let ss = Placement::StridedShard {
+                dim,
+                split_factor: n_out,
+            };
+            rows.push(
+                StrategyRow::new(&vec![s(dim); n_out], &[ss])
+                    .sole(TensorRef::Input(0), dim)
+                    .no_strided(),
+            );
+        }
+    }
+    for op in ReduceOp::ALL {
+        rows.push(StrategyRow::new(&vec![p(op); n_out], &[p(op)]));
+    }
+    rows
+}
+
 pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
     let x = inputs[0];
+    if matches!(op, Op::Split { .. } | Op::Unbind { .. }) {
+        return split_metas(op, x);
+    }
     let xs = &x.shape;
     let nd = xs.len();
     let out: Shape = match op {
@@ -309,18 +476,30 @@ pub(super) fn rows(
     inputs: &[&TensorMeta],
     outs: &[TensorMeta],
 ) -> Result<Vec<StrategyRow>> {
-    let specs = dim_map(op, &inputs[0].shape, &outs[0].shape);
+    if matches!(op, Op::Split { .. } | Op::Unbind { .. }) {
+        return Ok(split_rows(op, inputs[0], outs.len()));
+    }
+    let shape = &inputs[0].shape;
+    let specs = dim_map(op, shape, &outs[0].shape);
     let mut rows = Vec::new();
     for (j, spec) in specs.iter().enumerate() {
-        if let Some((d, even_in, even_out, strided_ok)) = shard_source(spec) {
-            let mut row = StrategyRow::new(&[s(j)], &[s(d)]);
-            if even_in {
+        for src in shard_sources(spec, j, shape) {
+            let mut row = StrategyRow::new(&[src.out], &[src.inp]);
+            if let Some(d) = src.even_in {
                 row = row.even(TensorRef::Input(0), d);
             }
-            if even_out {
+            if src.even_out {
                 row = row.even(TensorRef::Output(0), j);
             }
-            if !strided_ok {
+            match src.sole {
+                Some(TensorRef::Input(i)) => {
+                    let d = src.inp.shard_dim().unwrap_or(0);
+                    row = row.sole(TensorRef::Input(i), d);
+                }
+                Some(t) => row = row.sole(t, j),
+                None => {}
+            }
+            if !src.strided_ok {
                 row = row.no_strided();
             }
             rows.push(row);
@@ -399,7 +578,8 @@ mod tests {
             ),
             ["S(0) <- S(0) even"]
         );
-        // Flatten [4, 6, 5] -> [24, 5].
+        // Flatten [4, 6, 5] -> [24, 5]: sharding the second flattened dim cuts every run of 6
+        // alike, a strided shard of the 24 rows with split factor 4 (any evenness).
         assert_eq!(
             table(
                 &Op::Reshape {
@@ -407,9 +587,9 @@ mod tests {
                 },
                 &[4, 6, 5]
             ),
-            ["S(0) <- S(0) even", "S(1) <- S(2)"]
+            ["S(0) <- S(0) even", "SS(0,4) <- S(1)", "S(1) <- S(2)"]
         );
-        // Split [24] -> [4, 6].
+        // Split [24] -> [4, 6], and its inverse of the strided flatten.
         assert_eq!(
             table(
                 &Op::Reshape {
@@ -417,8 +597,42 @@ mod tests {
                 },
                 &[24]
             ),
-            ["S(0) <- S(0) even"]
+            ["S(0) <- S(0) even", "S(1) <- SS(0,4)"]
         );
+        // Flatten [2, 3, 4] -> [24]: the middle dim needs even shards (dims follow it).
+        assert_eq!(
+            table(&Op::Flatten { start: 0, end: 2 }, &[2, 3, 4]),
+            [
+                "S(0) <- S(0) even",
+                "SS(0,2) <- S(1) even",
+                "SS(0,6) <- S(2)"
+            ]
+        );
+    }
+
+    #[test]
+    fn split_and_unbind() {
+        let x = TensorMeta::new(&[4, 9], DType::F32);
+        let op = Op::Split {
+            dim: 1,
+            sizes: smallvec::smallvec![3, 3, 3],
+        };
+        let t: Vec<String> = single_dim_strategies(&op, &[&x])
+            .unwrap()
+            .iter()
+            .filter(|r| !r.outputs[0].is_partial())
+            .map(|r| r.to_string())
+            .collect();
+        assert_eq!(t, ["S(0),S(0),S(0) <- S(0)", "S(1),S(1),S(1) <- SS(1,3)"]);
+        let op = Op::Unbind { dim: 0 };
+        let rows = single_dim_strategies(&op, &[&x]).unwrap();
+        assert_eq!(rows[0].to_string(), "S(0),S(0),S(0),S(0) <- S(1)");
+        assert!(Op::Split {
+            dim: 1,
+            sizes: smallvec::smallvec![3, 3]
+        }
+        .output_metas(&[&x])
+        .is_err());
     }
 
     #[test]
@@ -450,7 +664,7 @@ mod tests {
         );
         assert_eq!(
             table(&Op::Flatten { start: 0, end: 1 }, &[3, 4]),
-            ["S(0) <- S(0) even"]
+            ["S(0) <- S(0) even", "SS(0,3) <- S(1)"]
         );
     }
 }

@@ -127,35 +127,38 @@ fn index_select_plans_compete_by_cost() {
     assert!(s.deferred_us > 0.0 && s.cost_us == 0.0);
 }
 
+/// A mean is a sum over the global count: even or uneven (even empty) shards give a free
+/// `P(sum)` (PyTorch #162692 came from averaging uneven shards' means), and so does a
+/// cross-entropy over unevenly batch-sharded logits (no logits move).
 #[test]
-fn mean_needs_even_shards() {
+fn means_of_uneven_shards_are_free_partial_sums() {
     let mesh = MeshTopology::parse("x=4").unwrap();
     let op = Op::Mean {
         dims: smallvec::smallvec![0],
         keepdim: false,
     };
-    let even = spec(&[8, 3], DType::F32, "S(0)");
-    let s = propagate_with(&op, &[&even], &mesh, ExpandMethod::Auto).unwrap();
-    assert_eq!(s.output_specs[0].to_string(), "[3] f32 P(avg)");
-    let uneven = spec(&[7, 3], DType::F32, "S(0)");
-    let s = propagate_with(&op, &[&uneven], &mesh, ExpandMethod::Auto).unwrap();
-    assert_ne!(
-        s.output_specs[0].placements[0].to_string(),
-        "P(avg)",
-        "uneven mean is not a P(avg)"
-    );
-    // sum has no such restriction.
+    for rows in [8, 7, 3] {
+        let x = spec(&[rows, 3], DType::F32, "S(0)");
+        let s = propagate_with(&op, &[&x], &mesh, ExpandMethod::Auto).unwrap();
+        assert_eq!(
+            s.output_specs[0].to_string(),
+            "[3] f32 P(sum)",
+            "{rows} rows"
+        );
+        assert_eq!(s.cost_us, 0.0);
+    }
+    let mesh = MeshTopology::parse("dp=2,tp=4").unwrap();
+    let logits = spec(&[8191, 50304], DType::F32, "S(0),S(0)");
+    let targets = spec(&[8191], DType::I64, "S(0),S(0)");
     let s = propagate_with(
-        &Op::Sum {
-            dims: smallvec::smallvec![0],
-            keepdim: false,
-        },
-        &[&uneven],
+        &Op::CrossEntropy,
+        &[&logits, &targets],
         &mesh,
         ExpandMethod::Auto,
     )
     .unwrap();
-    assert_eq!(s.output_specs[0].to_string(), "[3] f32 P(sum)");
+    assert_eq!(s.output_specs[0].to_string(), "[] f32 P(sum),P(sum)");
+    assert!(!s.needs_redistribute() && s.cost_us == 0.0);
 }
 
 #[test]
@@ -271,4 +274,50 @@ fn size_one_mesh_dims_are_free() {
     let s = propagate_with(&Op::Matmul, &[&x, &w], &mesh, ExpandMethod::Auto).unwrap();
     assert_eq!(s.cost_us, 0.0);
     assert_eq!(s.output_specs[0].placements[1].to_string(), "P(sum)");
+}
+
+/// A pin wins over placements that already fit: `x S(0)` fits matmul's batch row for free, but
+/// pinned to `R` it must be gathered (the search's keep-the-current-placements seed used to
+/// ignore pins).
+#[test]
+fn pins_win_over_current_placements() {
+    let mesh = MeshTopology::parse("tp=4").unwrap();
+    let x = spec(&[64, 32], DType::F32, "S(0)");
+    let w = spec(&[32, 16], DType::F32, "R");
+    let pin = parse_placements("R").unwrap();
+    let s = candle_dtensor_strategies::propagate_pinned_with(
+        &Op::Matmul,
+        &[&x, &w],
+        &mesh,
+        ExpandMethod::Auto,
+        &[Some(&pin), None],
+    )
+    .unwrap();
+    assert_eq!(s.input_specs[0].placements.as_slice(), pin.as_slice());
+    assert!(s.cost_us > 0.0);
+}
+
+/// Backends without one-sided gets (process, MPI): the `rma_get` plan is never offered, the
+/// masked partial (or a redistribution) takes its place.
+#[test]
+fn no_rma_plans_without_one_sided_gets() {
+    let mesh = MeshTopology::parse("tp=4").unwrap().with_rma_get(false);
+    let table = spec(&[65536, 256], DType::F32, "S(0)");
+    let few = spec(&[64], DType::U32, "R");
+    let op = Op::IndexSelect { dim: 0 };
+    let s = propagate_with(&op, &[&table, &few], &mesh, ExpandMethod::Auto).unwrap();
+    assert!(s.internal.is_empty(), "{s:?}");
+    assert_eq!(s.output_specs[0].to_string(), "[64, 256] f32 MP(0,65536)");
+    let idx = spec(&[3, 256], DType::U32, "R");
+    let s = propagate_with(
+        &Op::Gather { dim: 0 },
+        &[&table, &idx],
+        &mesh,
+        ExpandMethod::Auto,
+    )
+    .unwrap();
+    assert!(s
+        .internal
+        .iter()
+        .all(|(_, c)| c.kind != CollectiveKind::RmaGet));
 }

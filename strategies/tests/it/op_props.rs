@@ -61,8 +61,15 @@ fn lookup(table: &Arr, dim: usize, owned: Option<&[usize]>, ids: &[f64]) -> Arr 
     })
 }
 
-/// The op on (local or global) arrays. `out_shape` is the (local) output shape for views.
-fn apply(op: &Op, x: &[Arr], out_shape: &[usize], owned: Option<&[usize]>) -> Arr {
+/// The op on (local or global) arrays. `out_shape` is the (local) output shape for views;
+/// `global` the global input shapes (a mean divides its local sum by the global count).
+fn apply(
+    op: &Op,
+    x: &[Arr],
+    out_shape: &[usize],
+    owned: Option<&[usize]>,
+    global: &[&[usize]],
+) -> Arr {
     match op {
         Op::Matmul => x[0].matmul(&x[1]),
         Op::Linear { bias } => {
@@ -85,13 +92,15 @@ fn apply(op: &Op, x: &[Arr], out_shape: &[usize], owned: Option<&[usize]>) -> Ar
                 other => panic!("{other} not in the reference executor"),
             }
         }
-        Op::Sum { dims, keepdim }
-        | Op::Mean { dims, keepdim }
-        | Op::Max { dims, keepdim }
-        | Op::Min { dims, keepdim } => {
+        Op::Mean { dims, keepdim } => {
+            let all: Vec<usize> = (0..global[0].len()).collect();
+            let reduced = if dims.is_empty() { &all[..] } else { &dims[..] };
+            let count: usize = reduced.iter().map(|&d| global[0][d]).product();
+            x[0].reduce(dims, *keepdim, "sum").map(|v| v / count as f64)
+        }
+        Op::Sum { dims, keepdim } | Op::Max { dims, keepdim } | Op::Min { dims, keepdim } => {
             let kind = match op {
                 Op::Sum { .. } => "sum",
-                Op::Mean { .. } => "mean",
                 Op::Max { .. } => "max",
                 _ => "min",
             };
@@ -222,12 +231,22 @@ pub fn check(
         assert!(same(&back, &full[i]), "{}: input {i} changed value", ctx());
         locals.push(l);
     }
-    // Internal rma_get: the op fetches the selected rows from their owners, i.e. it sees the
-    // source gathered over those mesh dims (emulated innermost first).
+    // Internal comms: rma_get fetches the selected rows from their owners, i.e. the op sees the
+    // source gathered over those mesh dims (emulated innermost first); a softmax over a sharded
+    // dim all_reduces its max and sum there, i.e. it sees that dim whole and keeps its chunk.
     let mut before = s.input_specs[0].placements.clone();
+    let mut rechunk: Vec<usize> = Vec::new();
     for (m, comm) in s.internal.iter().rev() {
-        assert_eq!(comm.kind, CollectiveKind::RmaGet, "{}", ctx());
-        seen.rma += 1;
+        match (op, comm.kind) {
+            (_, CollectiveKind::RmaGet) => seen.rma += 1,
+            (Op::Softmax { .. }, CollectiveKind::AllReduce) => {
+                if rechunk.contains(m) {
+                    continue;
+                }
+                rechunk.push(*m);
+            }
+            (_, k) => panic!("{}: internal {k} not emulated", ctx()),
+        }
         let step = Step {
             mesh_dims: smallvec::smallvec![*m],
             from: before[*m],
@@ -243,16 +262,21 @@ pub fn check(
         before[*m] = Placement::Replicate;
     }
     let out = &s.output_specs[0];
+    let global: Vec<&[usize]> = specs.iter().map(|s| s.shape()).collect();
     seen.masked = out
         .placements
         .iter()
         .any(|p| matches!(p, Placement::MaskPartial { .. }));
     seen.partial_out = out.placements.iter().any(|p| p.is_partial());
+    let mut out_pl = out.placements.clone();
+    for &m in &rechunk {
+        out_pl[m] = Placement::Replicate;
+    }
     let mut outs = Vec::with_capacity(world);
     for rank in 0..world {
         let coord = coords(&ms, rank);
         let args: Vec<Arr> = locals.iter().map(|l| l[rank].clone()).collect();
-        let out_local = local_shape(out.shape(), &ms, &coord, &out.placements).unwrap();
+        let out_local = local_shape(out.shape(), &ms, &coord, &out_pl).unwrap();
         let owned = if seen.masked {
             let (t, dim) = match op {
                 Op::Embedding => (1, 0),
@@ -269,7 +293,7 @@ pub fn check(
         } else {
             None
         };
-        let y = apply(op, &args, &out_local, owned.as_deref());
+        let y = apply(op, &args, &out_local, owned.as_deref(), &global);
         assert_eq!(
             y.shape,
             out_local.as_slice(),
@@ -278,9 +302,24 @@ pub fn check(
         );
         outs.push(y);
     }
+    for &m in &rechunk {
+        let step = Step {
+            mesh_dims: smallvec::smallvec![m],
+            from: Placement::Replicate,
+            to: out.placements[m],
+            kind: CollectiveKind::LocalChunk,
+            logical_shape: out.meta.shape.clone(),
+            bytes: 0,
+            est_us: 0.0,
+            before: out_pl.clone(),
+            permute: false,
+        };
+        apply_step(&mut outs, &step, &ms).unwrap();
+        out_pl[m] = out.placements[m];
+    }
     let got = assemble(&outs, &out.placements, &ms, out.shape())
         .unwrap_or_else(|e| panic!("{}: output {}: {e}", ctx(), out));
-    let want = apply(op, &full, out.shape(), None);
+    let want = apply(op, &full, out.shape(), None, &global);
     assert!(
         same(&got, &want),
         "{}: output {} wrong:\n got {:?}\nwant {:?}",

@@ -225,3 +225,25 @@ fn plan_display_and_cost() {
     assert_eq!(js["src"], "S(0),P(sum)");
     assert!(matches!(p.steps[0].to, Placement::Replicate));
 }
+
+/// `P(max|min|product) -> S` is planned as what runs: an all_reduce, then a local chunk (a
+/// reduce_scatter of a non-linear reduction has no adjoint the runtime could run), and priced
+/// as such; `P(sum|avg) -> S` stays one reduce_scatter.
+#[test]
+fn nonlinear_partial_to_shard_goes_through_replicate() {
+    let mesh = MeshTopology::parse("tp=4").unwrap();
+    for op in ["max", "min", "product"] {
+        let p = run(&[12, 3], &format!("P({op})"), "S(0)", &mesh);
+        assert_eq!(
+            kinds(&p),
+            [CollectiveKind::AllReduce, CollectiveKind::LocalChunk],
+            "P({op})"
+        );
+        let ar = plan(&[12, 3], &format!("P({op})"), "R", &mesh).unwrap();
+        assert_eq!(p.est_us, ar.est_us, "priced as the all_reduce it runs");
+    }
+    for op in ["sum", "avg"] {
+        let p = run(&[13, 3], &format!("P({op})"), "S(0)", &mesh);
+        assert_eq!(kinds(&p), [CollectiveKind::ReduceScatter], "P({op})");
+    }
+}

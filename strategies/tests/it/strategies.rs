@@ -1,7 +1,7 @@
 //! Strategy tables per op family, and a smoke test over every op name.
 
 use candle_dtensor_strategies::{
-    build_op, parse_shape, propagate_with, single_dim_strategies, DTensorSpec, DType, ExpandMethod,
+    parse_shape, propagate_with, resolve, single_dim_strategies, DTensorSpec, DType, ExpandMethod,
     ExplainRequest, MeshTopology, Op, Placement, TensorMeta,
 };
 
@@ -93,7 +93,7 @@ fn norms_attention_loss_index() {
     assert_eq!(
         t,
         [
-            "P(avg) <- S(0), S(0)",
+            "P(sum) <- S(0), S(0)",
             "R <- S(1), R [+all_reduce 16 B] [+all_reduce 16 B] [+all_reduce 16 B]"
         ]
     );
@@ -116,71 +116,52 @@ fn norms_attention_loss_index() {
     assert_eq!(t, ["S(0) <- S(0), S(0), R", "S(1) <- R, S(1), S(0)"]);
 }
 
+/// The op table's contract ("Adding an op" in docs/ARCHITECTURE.md): every declared name parses
+/// from its declaration's example into an op of that name, family and arity, whose shapes and
+/// rows the compiler computes and whose sharding it propagates (first input sharded on dim 0).
 #[test]
-fn every_op_name_builds_and_propagates() {
+fn every_declared_op_parses_and_propagates() {
     let mesh = MeshTopology::parse("dp=2,tp=2").unwrap();
-    for name in Op::known_names() {
-        let (shapes, dims, to_shape): (&str, Option<&str>, Option<&str>) = match name {
-            "matmul" | "broadcast_matmul" => ("4x6,6x8", None, None),
-            "linear" => ("4x6,8x6,8", None, None),
-            "embedding" => ("4:u32,10x6", None, None),
-            "cross_entropy" => ("4x6,4:i64", None, None),
-            "index_select" => ("10x6,3:u32", None, None),
-            "gather" => ("4x6,4x2:i64", Some("1"), None),
-            "reshape" => ("4x6", None, Some("2x12")),
-            "broadcast_as" => ("1x6", None, Some("4x6")),
-            "narrow" => ("4x6", Some("1,2,3"), None),
-            "squeeze" => ("4x1x6", Some("1"), None),
-            "permute" => ("4x6", Some("1,0"), None),
-            "sdpa" => ("2x4x8x16,2x4x8x16,2x4x8x16", None, None),
-            "packed_sdpa" => ("2x8x4x3x16", None, None),
-            "layer_norm" => ("4x6,6,6", None, None),
-            "rms_norm" => ("4x6,6", None, None),
-            "where" => ("4x6:u8,4x6,4x6", None, None),
-            "masked_fill" => ("4x6,4x6:u8", None, None),
-            "cat" | "stack" => ("4x6,4x6", None, None),
-            "to_dtype" => ("4x6", None, None),
-            n if [
-                "add", "sub", "mul", "div", "maximum", "minimum", "eq", "ne", "lt", "le", "gt",
-                "ge",
-            ]
-            .contains(&n) =>
-            {
-                ("4x6,6", None, None)
+    let mut seen = 0;
+    for decl in Op::declarations() {
+        for name in decl.names {
+            let req = ExplainRequest {
+                mesh: "dp=2,tp=2".into(),
+                op: name.to_string(),
+                ..Default::default()
             }
-            _ => ("4x6", None, None),
-        };
-        let req = ExplainRequest {
-            mesh: "dp=2,tp=2".into(),
-            op: name.into(),
-            shapes: shapes.into(),
-            placements: String::new(),
-            dims: dims.map(str::to_string),
-            to_shape: to_shape.map(str::to_string),
-            to_dtype: Some("bf16".into()),
-            ..Default::default()
-        };
-        let parsed = candle_dtensor_strategies::parse_shapes(shapes).unwrap();
-        let shape_list: Vec<_> = parsed.iter().map(|p| p.0.clone()).collect();
-        let op = build_op(&req, &shape_list).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(op.to_string(), name);
-        let specs: Vec<DTensorSpec> = parsed
-            .iter()
-            .enumerate()
-            .map(|(i, (s, dt))| {
-                let dtype = dt.unwrap_or(F);
-                let p = if i == 0 && !s.is_empty() {
-                    Placement::Shard(0)
-                } else {
-                    Placement::Replicate
-                };
-                DTensorSpec::new(s, dtype, &[p, Placement::Replicate])
-            })
-            .collect();
-        let refs: Vec<&DTensorSpec> = specs.iter().collect();
-        let s = propagate_with(&op, &refs, &mesh, ExpandMethod::Auto)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(s.input_specs.len(), specs.len());
-        assert_eq!(parse_shape("4x6").unwrap().as_slice(), &[4, 6]);
+            .with_example(decl.example)
+            .unwrap_or_else(|e| panic!("{name}: example {:?}: {e}", decl.example));
+            let resolved = resolve(&req).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let op = resolved.op.expect("an op");
+            assert!(decl.names.contains(&op.name()), "{name} parsed as {op}");
+            assert_eq!(op.family(), decl.family, "{name}");
+            if let Some(n) = op.num_inputs() {
+                assert_eq!(n, resolved.specs.len(), "{name}: arity vs example");
+            }
+            let specs: Vec<DTensorSpec> = resolved
+                .specs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let p = if i == 0 && !s.shape().is_empty() {
+                        Placement::Shard(0)
+                    } else {
+                        Placement::Replicate
+                    };
+                    DTensorSpec::new(s.shape(), s.dtype(), &[p, Placement::Replicate])
+                })
+                .collect();
+            let metas: Vec<&TensorMeta> = specs.iter().map(|s| &s.meta).collect();
+            single_dim_strategies(&op, &metas).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let refs: Vec<&DTensorSpec> = specs.iter().collect();
+            let s = propagate_with(&op, &refs, &mesh, ExpandMethod::Auto)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(s.input_specs.len(), specs.len());
+            seen += 1;
+        }
     }
+    assert_eq!(seen, Op::known_names().len());
+    assert!(Op::parse("no_such_op", &Default::default()).is_err());
+    assert_eq!(parse_shape("4x6").unwrap().as_slice(), &[4, 6]);
 }
