@@ -11,7 +11,8 @@
 # shared library per CUDA library is generated that defines exactly those symbols, with the
 # real library's soname (libcuda.so.1, libnccl.so.2, libcublas.so.13, ...). The binaries link
 # against the stubs and load the real libraries on the GPU machine (the NVIDIA driver's
-# libcuda, the CUDA 13 runtime libraries, NCCL 2.x); `gpu_check.sh` reports any it cannot find.
+# libcuda, the CUDA 13 libraries cuBLAS / cuRAND / NVRTC, NCCL 2.x; the CUDA runtime,
+# libcudart.so.13, travels in the bin directory); `gpu_check.sh` reports any it cannot find.
 #
 # Toolkit: the pip CUDA 13.0 wheels (scripts/setup_cuda.sh with CDT_CUDA_VERSION=13.0.88 in
 # .cuda-13.0/): candle's kernels are PTX, and PTX of the oldest CUDA 13 nvcc loads on every
@@ -57,6 +58,11 @@ stub cublasLt libcublasLt.so.13 '^cublasLt'
 stub cublas libcublas.so.13 '^cublas([^L]|L[^t])'
 stub curand libcurand.so.10 '^curand'
 stub nvrtc libnvrtc.so.13 '^nvrtc'
+# candle's kernels (libmoe.a) link the CUDA runtime; the pip toolkit has the real one, which is
+# small and travels with the binaries.
+cudart="$(ls "$CUDA_HOME"/lib/libcudart.so.[0-9]* | head -n 1)"
+ln -sf "$cudart" "$stubs/libcudart.so"
+echo "   libcudart.so -> $cudart"
 
 echo "== 3/4 binaries against the stubs"
 args=()
@@ -70,6 +76,7 @@ echo "== 4/4 $out and the tarball"
 rm -rf "$out" && mkdir -p "$out"
 for e in "${examples[@]}"; do cp "$CARGO_TARGET_DIR/release/examples/$e" "$out/"; done
 cp "$CARGO_TARGET_DIR/release/dtrun" "$out/"
+cp "$cudart" "$out/"
 {
     echo "built=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
     echo "commit=$(git rev-parse --short HEAD)$(git diff --quiet || echo '+dirty')"

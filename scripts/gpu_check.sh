@@ -102,6 +102,8 @@ for lib in cuda nccl cublas cublasLt curand nvrtc cudart; do
         fi
     done
 done
+# Prebuilt binaries bring the CUDA runtime they were linked with (scripts/build_gpu.sh).
+ls "$bin"/libcudart.so.* >/dev/null 2>&1 && lib_dirs=("$(cd "$bin" && pwd)" "${lib_dirs[@]}")
 dirs="$(printf '%s\n' "${lib_dirs[@]}" | awk '!seen[$0]++' | paste -sd: -)"
 export LIBRARY_PATH="$libdir${LIBRARY_PATH:+:$LIBRARY_PATH}"
 export LD_LIBRARY_PATH="$libdir${dirs:+:$dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
