@@ -21,10 +21,6 @@ pub(crate) type GradMask = SmallVec<[usize; 4]>;
 
 type CResult<T> = candle_core::Result<T>;
 
-fn msg(s: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(s.into())
-}
-
 /// Runs `plan` on `x`'s local piece, then applies the gradient sync of `grad_mask`.
 pub(crate) fn execute(
     x: &DTensor,
@@ -42,7 +38,7 @@ pub(crate) fn execute(
         }
         let axis = ctx
             .axis(mesh, &step.mesh_dims)
-            .map_err(candle_core::Error::wrap)?;
+            .map_err(candle_core::Error::from)?;
         let logical = step
             .logical_shape_at(global, &ctx.shape, &ctx.coord)
             .map_err(candle_core::Error::wrap)?;
@@ -64,7 +60,7 @@ pub(crate) fn execute(
                 collectives::chunk(&t, &axis, d)?
             }
             (CollectiveKind::LocalPartition, Placement::Replicate, Placement::Partial(op)) => {
-                collectives::partition(&t, axis.n, comm_reduce(op))?
+                collectives::partition(&t, &axis, comm_reduce(op))?
             }
             (CollectiveKind::AllGather, Placement::Shard(d), Placement::Replicate) => {
                 let grad = gather_grad(&mut pending);
@@ -113,14 +109,24 @@ pub(crate) fn execute(
                 let op = match from {
                     Placement::Partial(op) => comm_reduce(op),
                     Placement::MaskPartial { .. } => ReduceOp::Sum,
-                    other => return Err(msg(format!("reduce_scatter from {other}"))),
+                    other => {
+                        return Err(collectives::refuse(
+                            &axis,
+                            "redistribute",
+                            &t,
+                            format!("{plan}: reduce_scatter from {other}"),
+                        ))
+                    }
                 };
                 if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
                     // The planner sends max/min/product through Replicate (all_reduce + local
                     // chunk): executing anything else here would not be the plan.
-                    return Err(msg(format!(
-                        "redistribute {plan}: reduce_scatter of a Partial({op:?}) value is not a planned step"
-                    )));
+                    return Err(collectives::refuse(
+                        &axis,
+                        "redistribute",
+                        &t,
+                        format!("{plan}: reduce_scatter of a Partial({op:?}) value is not a planned step"),
+                    ));
                 }
                 collectives::reduce_scatter(&t, &axis, d, logical[d], op)?
             }
@@ -128,9 +134,12 @@ pub(crate) fn execute(
                 collectives::all_to_all(&t, &axis, i, j, logical[i], logical[j])?
             }
             (kind, from, to) => {
-                return Err(msg(format!(
-                    "redistribute {plan}: the executor has no rule for {kind} {from} -> {to}"
-                )))
+                return Err(collectives::refuse(
+                    &axis,
+                    "redistribute",
+                    &t,
+                    format!("{plan}: the executor has no rule for {kind} {from} -> {to}"),
+                ))
             }
         };
     }
@@ -139,7 +148,7 @@ pub(crate) fn execute(
             .iter()
             .map(|&m| ctx.axis(mesh, &[m]))
             .collect::<crate::error::Result<Vec<_>>>()
-            .map_err(candle_core::Error::wrap)?;
+            .map_err(candle_core::Error::from)?;
         t = collectives::grad_sync(&t, axes)?;
     }
     Ok(t)
@@ -152,6 +161,6 @@ pub(crate) fn grad_sync_only(x: &DTensor, mask: &GradMask) -> CResult<Tensor> {
         .iter()
         .map(|&m| ctx.axis(x.mesh(), &[m]))
         .collect::<crate::error::Result<Vec<_>>>()
-        .map_err(candle_core::Error::wrap)?;
+        .map_err(candle_core::Error::from)?;
     collectives::grad_sync(x.to_local(), axes)
 }

@@ -599,7 +599,8 @@ pub fn distribute_tensor(
                     .ctx("distribute_tensor", rank)?
             }
             Placement::Partial(op) => {
-                collectives::partition(&x, n, comm_reduce(op)).ctx("distribute_tensor", rank)?
+                let axis = ctx.axis(mesh, &[m])?;
+                collectives::partition(&x, &axis, comm_reduce(op)).ctx("distribute_tensor", rank)?
             }
             Placement::MaskPartial { .. } => {
                 return Err(invalid(
