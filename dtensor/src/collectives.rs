@@ -38,14 +38,14 @@ pub(crate) fn refuse(
     x: &Tensor,
     reason: impl Into<String>,
 ) -> candle_core::Error {
-    crate::error::DTensorError::Collective {
+    crate::error::DTensorError::Collective(Box::new(crate::error::CollectiveError {
         op: op.to_string(),
         mesh_dim: ax.name.to_string(),
         rank: ax.coord,
         size: ax.n,
         shape: x.dims().to_vec(),
         reason: reason.into(),
-    }
+    }))
     .into()
 }
 
@@ -757,18 +757,12 @@ mod tests {
                 "{typed}"
             );
             match back {
-                DTensorError::Collective {
-                    op,
-                    mesh_dim,
-                    size,
-                    shape,
-                    ..
-                } => {
+                DTensorError::Collective(c) => {
                     assert_eq!(
-                        (op.as_str(), mesh_dim.as_str(), size),
+                        (c.op.as_str(), c.mesh_dim.as_str(), c.size),
                         ("all_gather", "tp", 2)
                     );
-                    assert_eq!(shape, vec![3, 4]);
+                    assert_eq!(c.shape, vec![3, 4]);
                 }
                 other => panic!("not recovered: {other}"),
             }

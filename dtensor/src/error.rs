@@ -63,21 +63,9 @@ pub enum DTensorError {
     /// A collective on this rank's local piece refused it. Raised inside candle graph ops (the
     /// forward and the backward of a redistribution), where it travels as a candle error that
     /// [`DTensorError::from_candle`] (and every DTensor op) turns back into this variant.
-    #[error("{op} over mesh dim {mesh_dim} (rank {rank} of {size} there): {reason}; local piece {shape:?}")]
-    Collective {
-        /// The collective (or local step of a redistribution).
-        op: String,
-        /// The mesh dim(s) it runs over (`dp+tp` when merged).
-        mesh_dim: String,
-        /// This rank's index in that communicator.
-        rank: usize,
-        /// The communicator's size.
-        size: usize,
-        /// The local piece's shape.
-        shape: Vec<usize>,
-        /// What is wrong.
-        reason: String,
-    },
+    /// Boxed to keep the error small.
+    #[error(transparent)]
+    Collective(Box<CollectiveError>),
     /// An argument is invalid (shapes that disagree across ranks, local pieces that do not form
     /// the stated global shape, a Partial loss, ...).
     #[error("{op} (rank {rank}): {reason}")]
@@ -89,6 +77,26 @@ pub enum DTensorError {
         /// What is wrong.
         reason: String,
     },
+}
+
+/// The details of [`DTensorError::Collective`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{op} over mesh dim {mesh_dim} (rank {rank} of {size} there): {reason}; local piece {shape:?}"
+)]
+pub struct CollectiveError {
+    /// The collective (or local step of a redistribution).
+    pub op: String,
+    /// The mesh dim(s) it runs over (`dp+tp` when merged).
+    pub mesh_dim: String,
+    /// This rank's index in that communicator.
+    pub rank: usize,
+    /// The communicator's size.
+    pub size: usize,
+    /// The local piece's shape.
+    pub shape: Vec<usize>,
+    /// What is wrong.
+    pub reason: String,
 }
 
 impl From<MeshError> for DTensorError {
