@@ -425,8 +425,8 @@ impl Comm {
         }
         if !may_alias {
             if let (Some(a), Some(b)) = (
-                crate::local::kernels::data_addr(output),
-                crate::local::kernels::data_addr(input),
+                crate::cpu::kernels::data_addr(output),
+                crate::cpu::kernels::data_addr(input),
             ) {
                 let es = input.dtype().size_in_bytes();
                 let (a_end, b_end) = (a + output.elem_count() * es, b + input.elem_count() * es);

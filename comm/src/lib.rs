@@ -43,6 +43,7 @@ mod backend;
 mod comm;
 #[cfg(feature = "conformance")]
 pub mod conformance;
+mod cpu;
 pub mod env;
 mod error;
 mod flight;

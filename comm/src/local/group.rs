@@ -164,7 +164,7 @@ pub(crate) struct Post {
     /// Scatter inputs (root only).
     pub inputs: Vec<Tensor>,
     /// The rank's output buffer, when peers read from it (large all_reduce).
-    pub out: Option<Arc<super::kernels::OutBuf>>,
+    pub out: Option<Arc<crate::cpu::kernels::OutBuf>>,
     /// all_to_all_v split sizes: (output, input).
     pub splits: Option<(Vec<usize>, Vec<usize>)>,
     /// split: the caller's new group.

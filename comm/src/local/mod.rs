@@ -13,7 +13,6 @@ mod backend;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod group;
-pub(crate) mod kernels;
 mod window;
 
 use std::cell::RefCell;
@@ -26,9 +25,10 @@ use candle_core::Device;
 
 use crate::backend::{Backend, BackendFactory, CommOptions};
 use crate::comm::Comm;
+use crate::cpu::queue::panic_message;
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName};
-use backend::{panic_msg, LocalBackend};
+use backend::LocalBackend;
 use group::{GroupKey, World};
 
 /// Stack size of rank threads: candle's backward pass recurses over the graph depth.
@@ -177,9 +177,9 @@ impl LocalWorld {
                 .into_iter()
                 .enumerate()
                 .map(|(rank, h)| match h {
-                    Ok(h) => h
-                        .join()
-                        .unwrap_or_else(|p| Err(format!("rank thread panicked: {}", panic_msg(p)))),
+                    Ok(h) => h.join().unwrap_or_else(|p| {
+                        Err(format!("rank thread panicked: {}", panic_message(p)))
+                    }),
                     Err(e) => {
                         let reason = format!("could not start rank thread {rank}: {e}");
                         world.fail(rank, reason.clone());
@@ -235,7 +235,7 @@ where
     match catch_unwind(AssertUnwindSafe(|| f(comm))) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(e.into().to_string()),
-        Err(p) => Err(format!("panicked: {}", panic_msg(p))),
+        Err(p) => Err(format!("panicked: {}", panic_message(p))),
     }
 }
 

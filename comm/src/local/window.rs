@@ -7,7 +7,7 @@ use candle_core::{DType, Shape, Tensor};
 
 use super::backend::Core;
 use super::group::{Group, OpDesc, Post};
-use super::kernels::{read_view, OutBuf};
+use crate::cpu::kernels::{read_view, OutBuf};
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName};
 use crate::window::WindowBackend;

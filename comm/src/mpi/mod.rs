@@ -104,9 +104,9 @@ mod imp {
     use super::engine::{Body, CommShared, Engine, Job, ABORT_PROCESS_HINT};
     use super::ops::{self, Input, P2P};
     use super::MpiFactory;
-    use crate::backend::{dtype_names, Backend, BackendFactory, Capabilities, CommOptions};
+    use crate::backend::{Backend, BackendFactory, Capabilities, CommOptions};
     use crate::error::{CommError, Result};
-    use crate::types::{OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES};
+    use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
     use crate::work::Work;
 
     /// One rank of one MPI communicator.
@@ -168,13 +168,7 @@ mod imp {
         }
 
         fn capabilities(&self) -> Capabilities {
-            Capabilities {
-                rma_put: false,
-                rma_get: false,
-                rma_signal: false,
-                abort: true,
-                dtypes: dtype_names(&SUPPORTED_DTYPES),
-            }
+            crate::cpu::capabilities(false)
         }
 
         fn all_reduce(
@@ -332,15 +326,7 @@ mod imp {
             name: &str,
             options: &CommOptions,
         ) -> Result<Arc<dyn Backend>> {
-            if !device.is_cpu() {
-                return Err(CommError::Bootstrap {
-                    comm: name.to_string(),
-                    reason: format!(
-                        "the mpi backend runs on the CPU; got {:?}",
-                        device.location()
-                    ),
-                });
-            }
+            crate::cpu::require_cpu(device, "mpi", name)?;
             if options
                 .hints
                 .get("mpi.abort_process")

@@ -17,14 +17,10 @@ use super::engine::{
 };
 use super::raw::{self, Buf, MpiResult, RawComm, VCounts};
 use crate::backend::Backend;
+use crate::cpu::kernels::{read_view, reduce_into, OutBuf};
+use crate::cpu::{deliver, produce, put_bytes, EAGER_BYTES};
 use crate::error::{CommError, Result};
-use crate::local::kernels::{read_view, reduce_into, write_into, OutBuf};
 use crate::types::{OpCtx, OpName, ReduceOp};
-
-/// Inputs up to this many bytes per rank are all-reduced by an all-gather and a local
-/// reduction of everything (one round); larger ones by an all-to-all of chunks, a reduction of
-/// this rank's chunk and an all-gather of the chunks (2(n-1)/n of the data per rank).
-const EAGER_BYTES: usize = 64 * 1024;
 
 /// A copy of a caller's tensor, owned by the op (the caller may drop or change its tensor as
 /// soon as the op is issued; MPI reads this copy).
@@ -81,10 +77,6 @@ fn op_err(ctx: &OpCtx, msg: impl Into<String>) -> Fail {
     Fail::Op(CommError::invalid(ctx, msg))
 }
 
-fn candle_err(ctx: &OpCtx) -> impl Fn(candle_core::Error) -> Fail + '_ {
-    move |e| Fail::Op(CommError::candle(ctx, e))
-}
-
 /// `n` as an MPI count.
 fn count(ctx: &OpCtx, n: usize) -> std::result::Result<c_int, Fail> {
     c_int::try_from(n).map_err(|_| {
@@ -122,7 +114,7 @@ fn out_buf(ctx: &OpCtx, dtype: DType, elems: usize) -> std::result::Result<OutBu
 /// (MPI never writes into candle storage: it may be read meanwhile).
 pub(crate) enum OutMem {
     Tensor(OutBuf),
-    Scratch(Buf),
+    Scratch(Buf, DType),
 }
 
 impl OutMem {
@@ -134,7 +126,7 @@ impl OutMem {
         into: bool,
     ) -> std::result::Result<OutMem, Fail> {
         Ok(if into {
-            OutMem::Scratch(Buf::new(elems * dtype.size_in_bytes()))
+            OutMem::Scratch(Buf::new(elems * dtype.size_in_bytes()), dtype)
         } else {
             OutMem::Tensor(out_buf(ctx, dtype, elems)?)
         })
@@ -143,7 +135,7 @@ impl OutMem {
     fn ptr(&mut self) -> *mut u8 {
         match self {
             OutMem::Tensor(o) => o.ptr(),
-            OutMem::Scratch(b) => b.mut_ptr().cast(),
+            OutMem::Scratch(b, _) => b.mut_ptr().cast(),
         }
     }
 }
@@ -162,33 +154,29 @@ fn output(
     dims: &[usize],
     into: Option<Tensor>,
 ) -> std::result::Result<Tensor, Fail> {
-    let out = out.into();
-    let Some(t) = into else {
-        return match out {
-            // SAFETY: every op calls this only after MPI (or a reduction) wrote all of `o`.
-            OutMem::Tensor(o) => {
-                unsafe { o.into_tensor(Shape::from_dims(dims)) }.map_err(candle_err(ctx))
+    let shape = Shape::from_dims(dims);
+    let elems = shape.elem_count();
+    match (out.into(), into) {
+        // SAFETY: every op calls this only after MPI (or a reduction) wrote all of `o`.
+        (OutMem::Tensor(o), into) => unsafe { deliver(ctx, o, shape, into) },
+        (OutMem::Scratch(b, dtype), Some(t)) => produce(ctx, Some(t), dtype, shape, |dst| {
+            if b.len() != elems * dtype.size_in_bytes() {
+                return Err(CommError::invalid(
+                    ctx,
+                    "a scratch result of the wrong size",
+                ));
             }
-            OutMem::Scratch(_) => Err(op_err(ctx, "internal: a scratch result without a target")),
-        };
-    };
-    let src: &[u8] = match &out {
-        OutMem::Scratch(b) => b.bytes(),
-        // SAFETY: fully written (as above) and owned here; read before `out` drops.
-        OutMem::Tensor(o) => unsafe { std::slice::from_raw_parts(o.ptr(), o.len_bytes()) },
-    };
-    let len = src.len();
-    write_into(&t, |dst, n| {
-        if n != len {
-            return Err(format!("the output holds {n} bytes, the result {len}"));
-        }
-        // SAFETY: `dst` is valid for `n == len` bytes under the output's write lock; `src` is
-        // another allocation.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len) };
-        Ok(())
-    })
-    .map_err(|e| op_err(ctx, e))?;
-    Ok(t)
+            // SAFETY: `produce` checked that `dst` holds the result's bytes, as many as `b`,
+            // which MPI (or a reduction) wrote.
+            unsafe { put_bytes(dst, 0, b.bytes()) };
+            Ok(())
+        }),
+        (OutMem::Scratch(..), None) => Err(CommError::invalid(
+            ctx,
+            "internal: a scratch result without a target",
+        )),
+    }
+    .map_err(Fail::Op)
 }
 
 /// Reduces `n` equal pieces of `src` (in rank order) into `dst`.
