@@ -44,6 +44,7 @@ mod comm;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 mod cpu;
+mod desc;
 pub mod env;
 mod error;
 mod flight;

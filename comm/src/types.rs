@@ -53,7 +53,7 @@ impl fmt::Display for ReduceOp {
 }
 
 /// The name of a communicator operation, as torchcomms spells it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 #[allow(missing_docs)]
 pub enum OpName {

@@ -10,12 +10,13 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
-use super::group::{Failure, Group, GroupKey, Message, OpDesc, Post, ShapeRule};
+use super::group::{Group, GroupKey, Message, Post};
 use super::window::{LocalWindow, WindowShared};
 use crate::backend::{Backend, Capabilities, CommOptions};
 use crate::cpu::kernels::{detached_copy, read_view, reduce_into, ReadView};
 use crate::cpu::queue::Queue;
 use crate::cpu::{candle_err, out_buf, produce, put_bytes, reduced, view_err, EAGER_BYTES};
+use crate::desc::{check_split_lists, Failure, OpDesc, ShapeRule};
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
 use crate::window::WindowBackend;
@@ -112,10 +113,7 @@ impl Core {
                 })
             },
             move |ctx, _, reason| {
-                on_panic_group.fail(Failure::Aborted {
-                    by: rank,
-                    reason: reason.clone(),
-                });
+                on_panic_group.fail(Failure::aborted(rank, reason.clone()));
                 CommError::Aborted {
                     ctx: ctx.clone(),
                     reason,
@@ -361,7 +359,7 @@ fn all_to_all_v(
     let rows: Vec<usize> = dims.iter().skip(1).copied().collect();
     let row_bytes = rows.iter().product::<usize>() * input.dtype().size_in_bytes();
     let desc = OpDesc {
-        shape: ShapeRule::Rows(rows.clone()),
+        rule: ShapeRule::Rows,
         ..OpDesc::tensor(OpName::AllToAllVSingle, &input)
     };
     let (mine, lent) = post_input(ctx, &input)?;
@@ -373,29 +371,7 @@ fn all_to_all_v(
     let posts = e
         .group
         .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
-    // Every rank checks every (sender, receiver) pair, not only its own receives, so all ranks
-    // reach the same verdict before anyone reads a peer's buffer: a rank whose own counts
-    // agree must not return data while another rank fails the collective.
-    let n = posts.len();
-    let count = |p: &Post, out: bool, peer: usize| {
-        p.splits
-            .as_ref()
-            .map(|s| if out { s.0[peer] } else { s.1[peer] })
-            .unwrap_or(0)
-    };
-    for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
-        let (sent, expected) = (count(&posts[i], false, j), count(&posts[j], true, i));
-        if sent != expected {
-            let reason = format!(
-                "rank {i} sends {sent} slices to rank {j} but rank {j} expects {expected} from it"
-            );
-            e.group.fail(Failure::Mismatch {
-                collective: e.coll,
-                reason: reason.clone(),
-            });
-            return Err(CommError::invalid(ctx, reason));
-        }
-    }
+    e.group.check_split_sizes(ctx, e.coll, &posts)?;
     let total: usize = out_splits.iter().sum();
     let out = out_buf(
         ctx,
@@ -482,7 +458,7 @@ fn gather(e: &Exec, input: Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
     let ctx = e.ctx;
     let desc = OpDesc {
         root: Some(root),
-        shape: ShapeRule::Any,
+        rule: ShapeRule::Any,
         ..OpDesc::tensor(OpName::Gather, &input)
     };
     let (mine, lent) = post_input(ctx, &input)?;
@@ -744,26 +720,15 @@ impl Backend for LocalBackend {
                 post,
                 e.deadline,
             )?;
-            // Every member of every new group must have passed that group's list. Checked over
-            // all posts, so every rank reaches the same verdict: a split fails on all ranks or
-            // on none (a rank listed by a peer it disagrees with must hear of it too).
+            // Checked over all posts, so every rank reaches the same verdict: a split fails on
+            // all ranks or on none (a rank listed by a peer it disagrees with must hear of it).
             let lists: Vec<Vec<usize>> = posts
                 .iter()
                 .map(|p| p.ranks.clone().unwrap_or_default())
                 .collect();
-            let mismatch = lists.iter().enumerate().find_map(|(s, list)| {
-                list.iter().find(|&&r| lists[r] != *list).map(|&r| {
-                    format!(
-                        "split lists disagree: rank {s} passes {list:?} but rank {r} passes {:?}",
-                        lists[r]
-                    )
-                })
-            });
             drop(posts);
             e.group.depart(e.ctx, e.coll, e.rank, false, e.deadline)?;
-            if let Some(reason) = mismatch {
-                return Err(CommError::invalid(e.ctx, reason));
-            }
+            check_split_lists(&lists).map_err(|reason| CommError::invalid(e.ctx, reason))?;
             if ranks.is_empty() {
                 return Ok(None);
             }
@@ -797,10 +762,9 @@ impl Backend for LocalBackend {
     }
 
     fn abort(&self, reason: &str) {
-        self.core.group.fail(Failure::Aborted {
-            by: self.core.rank,
-            reason: reason.to_string(),
-        });
+        self.core
+            .group
+            .fail(Failure::aborted(self.core.rank, reason));
     }
 
     fn is_aborted(&self) -> bool {

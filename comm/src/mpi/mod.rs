@@ -100,11 +100,11 @@ mod imp {
 
     use candle_core::{Device, Tensor};
 
-    use super::desc::Failure;
     use super::engine::{Body, CommShared, Engine, Job, ABORT_PROCESS_HINT};
     use super::ops::{self, Input, P2P};
     use super::MpiFactory;
     use crate::backend::{Backend, BackendFactory, Capabilities, CommOptions};
+    use crate::desc::Failure;
     use crate::error::{CommError, Result};
     use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
     use crate::work::Work;
@@ -301,13 +301,8 @@ mod imp {
         }
 
         fn abort(&self, reason: &str) {
-            self.engine.fail(
-                &self.shared,
-                Failure::Aborted {
-                    by: self.shared.rank,
-                    reason: reason.to_string(),
-                },
-            );
+            let f = Failure::aborted(self.shared.rank, reason);
+            self.engine.fail(&self.shared, f);
         }
 
         fn is_aborted(&self) -> bool {

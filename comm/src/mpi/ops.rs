@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Shape, Tensor};
 
-use super::desc::{self, Desc, ShapeRule, MAX_DIMS};
+use super::desc::{self, Desc, MAX_DIMS};
 use super::engine::{
     Body, CommShared, Cx, Fail, Reqs, TAG_P2P_DATA, TAG_P2P_HDR, TAG_SCATTER_DATA, TAG_SCATTER_HDR,
 };
@@ -19,6 +19,7 @@ use super::raw::{self, Buf, MpiResult, RawComm, VCounts};
 use crate::backend::Backend;
 use crate::cpu::kernels::{read_view, reduce_into, OutBuf};
 use crate::cpu::{deliver, produce, put_bytes, EAGER_BYTES};
+use crate::desc::{check_split_lists, check_split_sizes, Failure, OpDesc, ShapeRule};
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName, ReduceOp};
 
@@ -69,7 +70,7 @@ impl Input {
     }
 
     fn desc(&self, uid: u64, coll: u64, op: OpName) -> Desc {
-        Desc::tensor(uid, coll, op, self.dtype, &self.dims)
+        Desc::new(uid, coll, OpDesc::of(op, self.dtype, &self.dims))
     }
 }
 
@@ -262,7 +263,7 @@ impl Body for AllReduce {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         let mut d = self.x.desc(uid, coll, OpName::AllReduce);
-        d.reduce = Some(self.op);
+        d.what.reduce = Some(self.op);
         Some(d)
     }
 
@@ -384,7 +385,7 @@ impl Body for ReduceScatter {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         let mut d = self.x.desc(uid, coll, OpName::ReduceScatterSingle);
-        d.reduce = Some(self.op);
+        d.what.reduce = Some(self.op);
         Some(d)
     }
 
@@ -539,7 +540,7 @@ impl Body for AllToAllV {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         let mut d = self.x.desc(uid, coll, OpName::AllToAllVSingle);
-        d.rule = ShapeRule::Rows;
+        d.what.rule = ShapeRule::Rows;
         d.extra = self
             .out_splits
             .iter()
@@ -565,18 +566,13 @@ impl Body for AllToAllV {
         }
         // Every rank checks every (sender, receiver) pair, so all reach the same verdict
         // before any data moves.
-        let split = |d: &Desc, i: usize| d.extra.get(i).copied().unwrap_or(0) as usize;
-        for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
-            let (sent, expected) = (split(&descs[i], n + j), split(&descs[j], i));
-            if sent != expected {
-                return Err(Fail::Comm(desc::Failure::Mismatch {
-                    collective: cx.coll,
-                    reason: format!(
-                        "rank {i} sends {sent} slices to rank {j} but rank {j} expects {expected} from it"
-                    ),
-                }));
-            }
-        }
+        let split = |r: usize, i: usize| descs[r].extra.get(i).copied().unwrap_or(0) as usize;
+        check_split_sizes(n, |i, j| split(i, n + j), split).map_err(|reason| {
+            Fail::Comm(Failure::Mismatch {
+                collective: cx.coll,
+                reason,
+            })
+        })?;
         let rows = |v: &[usize]| v.iter().map(|&s| s * row).collect::<Vec<_>>();
         let (send_counts, send_displs) = counts_displs(cx.ctx, &rows(&self.in_splits))?;
         let (recv_counts, recv_displs) = counts_displs(cx.ctx, &rows(&self.out_splits))?;
@@ -634,7 +630,7 @@ impl Body for Broadcast {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         let mut d = self.x.desc(uid, coll, OpName::Broadcast);
-        d.root = Some(self.root);
+        d.what.root = Some(self.root);
         Some(d)
     }
 
@@ -708,8 +704,8 @@ impl Body for Reduce {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         let mut d = self.x.desc(uid, coll, OpName::Reduce);
-        d.root = Some(self.root);
-        d.reduce = Some(self.op);
+        d.what.root = Some(self.root);
+        d.what.reduce = Some(self.op);
         Some(d)
     }
 
@@ -808,8 +804,8 @@ impl Body for Gather {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         let mut d = self.x.desc(uid, coll, OpName::Gather);
-        d.rule = ShapeRule::Any;
-        d.root = Some(self.root);
+        d.what.rule = ShapeRule::Any;
+        d.what.root = Some(self.root);
         Some(d)
     }
 
@@ -826,7 +822,7 @@ impl Body for Gather {
             // Every rank's shape came with its descriptor.
             self.sizes = descs
                 .iter()
-                .map(|d| (d.dims.clone(), d.dims.iter().product::<usize>()))
+                .map(|d| (d.what.dims.clone(), d.what.dims.iter().product::<usize>()))
                 .collect();
             let elems: Vec<usize> = self.sizes.iter().map(|s| s.1).collect();
             self.counts = counts_displs(cx.ctx, &elems)?;
@@ -979,7 +975,7 @@ impl Incoming {
         reqs: &mut Reqs,
     ) -> std::result::Result<Option<String>, Fail> {
         let (dtype, dims) = read_header(&self.hdr, cx.uid).ok_or_else(|| {
-            Fail::Comm(desc::Failure::Mpi {
+            Fail::Comm(Failure::Mpi {
                 what: format!("rank {} sent an unreadable message header", self.peer),
             })
         })?;
@@ -1053,8 +1049,8 @@ impl Body for Scatter {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         // Only the root knows dtype and shapes (as in the local backend).
-        let mut d = Desc::new(uid, coll, OpName::Scatter);
-        d.root = Some(self.root);
+        let mut d = Desc::new(uid, coll, OpDesc::new(OpName::Scatter));
+        d.what.root = Some(self.root);
         Some(d)
     }
 
@@ -1114,7 +1110,7 @@ impl Body for Barrier {
     type Out = ();
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
-        Some(Desc::new(uid, coll, OpName::Barrier))
+        Some(Desc::new(uid, coll, OpDesc::new(OpName::Barrier)))
     }
 
     fn step(
@@ -1241,7 +1237,7 @@ impl Body for Split {
     type Out = Option<Arc<dyn Backend>>;
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
-        let mut d = Desc::new(uid, coll, OpName::Split);
+        let mut d = Desc::new(uid, coll, OpDesc::new(OpName::Split));
         d.extra = self.ranks.iter().map(|&r| r as u64).collect();
         Some(d)
     }
@@ -1258,19 +1254,7 @@ impl Body for Split {
             .iter()
             .map(|d| d.extra.iter().map(|&r| r as usize).collect())
             .collect();
-        let mismatch = lists.iter().enumerate().find_map(|(s, list)| {
-            list.iter()
-                .find(|&&r| lists.get(r) != Some(list))
-                .map(|&r| {
-                    format!(
-                        "split lists disagree: rank {s} passes {list:?} but rank {r} passes {:?}",
-                        lists.get(r).cloned().unwrap_or_default()
-                    )
-                })
-        });
-        if let Some(reason) = mismatch {
-            return Err(op_err(cx.ctx, reason));
-        }
+        check_split_lists(&lists).map_err(|reason| op_err(cx.ctx, reason))?;
         let color = match self.ranks.iter().min() {
             Some(&m) => c_int::try_from(m).unwrap_or(c_int::MAX),
             None => raw::undefined(),
@@ -1287,7 +1271,7 @@ impl Body for Split {
         }
         let (rank, size) = raw::rank_size(new)?;
         if (rank, size) != (key, self.ranks.len()) {
-            return Err(Fail::Comm(desc::Failure::Mpi {
+            return Err(Fail::Comm(Failure::Mpi {
                 what: format!(
                     "MPI_Comm_split made rank {rank} of {size}, expected {key} of {}",
                     self.ranks.len()
@@ -1322,7 +1306,7 @@ impl Body for NewComm {
     type Out = Arc<CommShared>;
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
-        let mut d = Desc::new(uid, coll, OpName::NewComm);
+        let mut d = Desc::new(uid, coll, OpDesc::new(OpName::NewComm));
         d.extra = vec![desc::hash_str(&self.name)];
         Some(d)
     }

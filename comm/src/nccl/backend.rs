@@ -934,7 +934,7 @@ impl Backend for NcclBackend {
             .map(|v| v as u32)
             .collect();
         let lists = plan::decode_split_lists(&all, n).map_err(|e| CommError::invalid(&ctx, e))?;
-        plan::validate_split_lists(&lists).map_err(|e| CommError::invalid(&ctx, e))?;
+        crate::desc::check_split_lists(&lists).map_err(|e| CommError::invalid(&ctx, e))?;
         let (color, key) =
             plan::split_color_key(ranks, me).map_err(|e| CommError::invalid(&ctx, e))?;
         let core = self.core();

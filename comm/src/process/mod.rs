@@ -43,6 +43,7 @@ use candle_core::{Device, Tensor};
 use crate::backend::{Backend, BackendFactory, Capabilities, CommOptions};
 use crate::comm::Comm;
 use crate::cpu::queue::Queue;
+use crate::desc::Failure;
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
 use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
@@ -50,7 +51,6 @@ use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
 use crate::work::Work;
 use bootstrap::{connect_mesh, MeshSpec};
 use transport::{Exec, Transport};
-use wire::Failure;
 
 /// The hint that sets the address peers dial to reach this rank (default: the address this
 /// host uses to reach the store, i.e. 127.0.0.1 for a loopback store).
@@ -362,7 +362,7 @@ impl Core {
                     Failure::Aborted {
                         by: t.rank,
                         reason,
-                        after: t.completed(),
+                        after: Some(t.completed()),
                     },
                     true,
                 );
@@ -532,7 +532,7 @@ impl Backend for ProcessBackend {
             Failure::Aborted {
                 by: self.core.t.rank,
                 reason: reason.to_string(),
-                after: self.core.t.completed(),
+                after: Some(self.core.t.completed()),
             },
             true,
         );

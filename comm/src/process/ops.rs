@@ -24,11 +24,10 @@
 use candle_core::{DType, Shape, Tensor};
 
 use super::transport::Exec;
-use super::wire::{
-    decode_tensor, decode_usizes, encode_usizes, tensor_preamble, Desc, Failure, Payload, ShapeRule,
-};
+use super::wire::{decode_tensor, decode_usizes, encode_usizes, tensor_preamble, Payload};
 use crate::cpu::kernels::{detached_copy, read_view, OutBuf};
 use crate::cpu::{candle_err, deliver, produce, put_bytes as put, reduced, view_err, EAGER_BYTES};
+use crate::desc::{check_split_lists, check_split_sizes, Failure, OpDesc, ShapeRule};
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
 
@@ -95,9 +94,9 @@ pub(crate) fn all_reduce(
 ) -> Result<Tensor> {
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc {
-        reduce: Some(op.as_str().to_string()),
-        ..Desc::tensor(OpName::AllReduce, &input)
+    x.hello(OpDesc {
+        reduce: Some(op),
+        ..OpDesc::tensor(OpName::AllReduce, &input)
     })?;
     let (dtype, elems, es) = (
         input.dtype(),
@@ -144,7 +143,7 @@ pub(crate) fn all_reduce(
 pub(crate) fn all_gather(x: &mut Exec, input: Tensor, output: Option<Tensor>) -> Result<Tensor> {
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc::tensor(OpName::AllGatherSingle, &input))?;
+    x.hello(OpDesc::tensor(OpName::AllGatherSingle, &input))?;
     let piece = input.elem_count() * input.dtype().size_in_bytes();
     let mut dims = input.dims().to_vec();
     match dims.first_mut() {
@@ -179,9 +178,9 @@ pub(crate) fn reduce_scatter(
     output: Option<Tensor>,
 ) -> Result<Tensor> {
     let (ctx, n) = (x.ctx, x.t.size);
-    x.hello(Desc {
-        reduce: Some(op.as_str().to_string()),
-        ..Desc::tensor(OpName::ReduceScatterSingle, &input)
+    x.hello(OpDesc {
+        reduce: Some(op),
+        ..OpDesc::tensor(OpName::ReduceScatterSingle, &input)
     })?;
     let cb = input.elem_count() / n * input.dtype().size_in_bytes();
     let mut dims = input.dims().to_vec();
@@ -196,7 +195,7 @@ pub(crate) fn reduce_scatter(
 pub(crate) fn all_to_all(x: &mut Exec, input: Tensor, output: Option<Tensor>) -> Result<Tensor> {
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc::tensor(OpName::AllToAllSingle, &input))?;
+    x.hello(OpDesc::tensor(OpName::AllToAllSingle, &input))?;
     let cb = input.elem_count() / n * input.dtype().size_in_bytes();
     let mut got: Vec<Option<Payload>> = (0..n).map(|_| None).collect();
     {
@@ -232,45 +231,27 @@ pub(crate) fn all_to_all_v(
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
     let rows: Vec<usize> = input.dims().iter().skip(1).copied().collect();
-    x.hello(Desc {
-        shape: ShapeRule::Rows(rows.clone()),
-        ..Desc::tensor(OpName::AllToAllVSingle, &input)
+    x.hello(OpDesc {
+        rule: ShapeRule::Rows,
+        ..OpDesc::tensor(OpName::AllToAllVSingle, &input)
     })?;
     let row_bytes = rows.iter().product::<usize>() * input.dtype().size_in_bytes();
     // Step 0: every rank learns every rank's split sizes, so all reach the same verdict.
-    let mine: Vec<usize> = out_splits.iter().chain(&in_splits).copied().collect();
-    let enc = encode_usizes(&mine);
-    for p in peers(x) {
-        x.send(p, 0, &[&enc])?;
+    let all = share_usizes(x, out_splits.iter().chain(&in_splits).copied().collect())?;
+    if let Some((p, v)) = all.iter().enumerate().find(|(_, v)| v.len() != 2 * n) {
+        return Err(CommError::invalid(
+            ctx,
+            format!("rank {p} sent {} split sizes, expected {}", v.len(), 2 * n),
+        ));
     }
-    let mut all: Vec<Vec<usize>> = vec![Vec::new(); n];
-    all[me] = mine;
-    for p in peers(x) {
-        let v = decode_usizes(x.recv(p, 0)?.bytes()).map_err(view_err(ctx))?;
-        if v.len() != 2 * n {
-            return Err(CommError::invalid(
-                ctx,
-                format!("rank {p} sent {} split sizes, expected {}", v.len(), 2 * n),
-            ));
-        }
-        all[p] = v;
-    }
-    for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
-        let (sent, expected) = (all[i][n + j], all[j][i]);
-        if sent != expected {
-            let reason = format!(
-                "rank {i} sends {sent} slices to rank {j} but rank {j} expects {expected} from it"
-            );
-            x.t.fail(
-                Failure::Mismatch {
-                    collective: x.coll,
-                    reason: reason.clone(),
-                },
-                false,
-            );
-            return Err(CommError::invalid(ctx, reason));
-        }
-    }
+    check_split_sizes(n, |i, j| all[i][n + j], |j, i| all[j][i]).map_err(|reason| {
+        let f = Failure::Mismatch {
+            collective: x.coll,
+            reason: reason.clone(),
+        };
+        x.t.fail(f, false);
+        CommError::invalid(ctx, reason)
+    })?;
     // Step 1: the rows.
     let offsets: Vec<usize> = in_splits
         .iter()
@@ -323,9 +304,9 @@ pub(crate) fn all_to_all_v(
 pub(crate) fn broadcast(x: &mut Exec, tensor: Tensor, root: usize) -> Result<Tensor> {
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc {
+    x.hello(OpDesc {
         root: Some(root),
-        ..Desc::tensor(OpName::Broadcast, &tensor)
+        ..OpDesc::tensor(OpName::Broadcast, &tensor)
     })?;
     let bytes = tensor.elem_count() * tensor.dtype().size_in_bytes();
     let vr = (me + n - root) % n;
@@ -375,10 +356,10 @@ pub(crate) fn reduce(
 ) -> Result<Option<Tensor>> {
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc {
+    x.hello(OpDesc {
         root: Some(root),
-        reduce: Some(op.as_str().to_string()),
-        ..Desc::tensor(OpName::Reduce, &input)
+        reduce: Some(op),
+        ..OpDesc::tensor(OpName::Reduce, &input)
     })?;
     let (dtype, elems) = (input.dtype(), input.elem_count());
     let bytes = elems * dtype.size_in_bytes();
@@ -407,10 +388,10 @@ pub(crate) fn reduce(
 pub(crate) fn gather(x: &mut Exec, input: Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc {
+    x.hello(OpDesc {
         root: Some(root),
-        shape: ShapeRule::Any,
-        ..Desc::tensor(OpName::Gather, &input)
+        rule: ShapeRule::Any,
+        ..OpDesc::tensor(OpName::Gather, &input)
     })?;
     let result = if me != root {
         let pre = tensor_preamble(input.dtype(), input.dims()).map_err(view_err(ctx))?;
@@ -438,9 +419,9 @@ pub(crate) fn gather(x: &mut Exec, input: Tensor, root: usize) -> Result<Option<
 pub(crate) fn scatter(x: &mut Exec, inputs: Vec<Tensor>, root: usize) -> Result<Tensor> {
     let ctx = x.ctx;
     let me = x.t.rank;
-    x.hello(Desc {
+    x.hello(OpDesc {
         root: Some(root),
-        ..Desc::new(OpName::Scatter)
+        ..OpDesc::new(OpName::Scatter)
     })?;
     let out = if me == root {
         for (r, t) in inputs.iter().enumerate() {
@@ -465,7 +446,7 @@ pub(crate) fn scatter(x: &mut Exec, inputs: Vec<Tensor>, root: usize) -> Result<
 }
 
 pub(crate) fn barrier(x: &mut Exec) -> Result<()> {
-    x.hello(Desc::new(OpName::Barrier))?;
+    x.hello(OpDesc::new(OpName::Barrier))?;
     x.t.wait_hellos(x)
 }
 
@@ -504,42 +485,25 @@ pub(crate) fn batch_p2p(x: &mut Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
     Ok(received)
 }
 
-/// The split step on the parent: every rank learns every rank's list; returns the verdict
-/// (the same on every rank).
-pub(crate) fn exchange_split_lists(x: &mut Exec, ranks: &[usize]) -> Result<()> {
-    let ctx = x.ctx;
-    let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc::new(OpName::Split))?;
-    let enc = encode_usizes(ranks);
+/// Sends `mine` to every peer (DATA step 0) and returns every rank's list, in rank order.
+fn share_usizes(x: &Exec, mine: Vec<usize>) -> Result<Vec<Vec<usize>>> {
+    let enc = encode_usizes(&mine);
     for p in peers(x) {
         x.send(p, 0, &[&enc])?;
     }
-    let mut lists: Vec<Vec<usize>> = vec![Vec::new(); n];
-    lists[me] = ranks.to_vec();
+    let mut all: Vec<Vec<usize>> = vec![Vec::new(); x.t.size];
+    all[x.t.rank] = mine;
     for p in peers(x) {
-        lists[p] = decode_usizes(x.recv(p, 0)?.bytes()).map_err(view_err(ctx))?;
-        if lists[p].iter().any(|&r| r >= n) {
-            return Err(CommError::invalid(
-                ctx,
-                format!(
-                    "rank {p} sent split list {:?} with ranks out of range",
-                    lists[p]
-                ),
-            ));
-        }
+        all[p] = decode_usizes(x.recv(p, 0)?.bytes()).map_err(view_err(x.ctx))?;
     }
+    Ok(all)
+}
+
+/// The split step on the parent: every rank learns every rank's list; returns the verdict
+/// (the same on every rank).
+pub(crate) fn exchange_split_lists(x: &mut Exec, ranks: &[usize]) -> Result<()> {
+    x.hello(OpDesc::new(OpName::Split))?;
+    let lists = share_usizes(x, ranks.to_vec())?;
     x.t.wait_hellos(x)?;
-    // Every member of every new group must have passed that group's list.
-    let mismatch = lists.iter().enumerate().find_map(|(s, list)| {
-        list.iter().find(|&&r| lists[r] != *list).map(|&r| {
-            format!(
-                "split lists disagree: rank {s} passes {list:?} but rank {r} passes {:?}",
-                lists[r]
-            )
-        })
-    });
-    match mismatch {
-        Some(reason) => Err(CommError::invalid(ctx, reason)),
-        None => Ok(()),
-    }
+    check_split_lists(&lists).map_err(|reason| CommError::invalid(x.ctx, reason))
 }
