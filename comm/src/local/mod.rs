@@ -13,6 +13,7 @@ mod backend;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod group;
+mod tuning;
 mod window;
 
 use std::cell::RefCell;
@@ -30,6 +31,10 @@ use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName};
 use backend::LocalBackend;
 use group::{GroupKey, World};
+pub use tuning::{
+    init_cpu_allocator, init_cpu_threads, init_gemm_threads, CANDLE_NUM_THREADS_ENV,
+    RAYON_NUM_THREADS_ENV,
+};
 
 /// Stack size of rank threads: candle's backward pass recurses over the graph depth.
 const RANK_STACK_BYTES: usize = 64 << 20;
@@ -304,10 +309,10 @@ impl BackendFactory for LocalFactory {
 }
 
 /// Warns once when several rank threads will share candle's elementwise worker pool, which
-/// serializes its callers and spin-waits (see `candle_dtensor::init_cpu_threads`).
+/// serializes its callers and spin-waits (see [`init_cpu_threads`]).
 fn warn_about_candle_pool(ranks: usize) {
     static WARNED: std::sync::Once = std::sync::Once::new();
-    if ranks > 1 && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+    if ranks > 1 && std::env::var_os(CANDLE_NUM_THREADS_ENV).is_none() {
         WARNED.call_once(|| {
             tracing::warn!(
                 ranks,
