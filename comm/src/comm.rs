@@ -14,7 +14,7 @@ use crate::backend::{lookup_backend, Backend, Capabilities, CommOptions};
 use crate::error::{CommError, Result};
 use crate::flight::{dump_on_failure, FlightRecorder};
 use crate::hooks::{HookHandle, HookSet, OpRecord};
-use crate::types::{dtype_supported, OpCtx, OpName, P2POp, ReduceOp};
+use crate::types::{dtype_supported, reduce_supported, OpCtx, OpName, P2POp, ReduceOp};
 use crate::window::Window;
 use crate::work::{Work, WorkState};
 
@@ -274,7 +274,7 @@ impl Comm {
     }
 
     fn check_reduce(&self, ctx: &OpCtx, op: ReduceOp, dtype: DType) -> Result<()> {
-        if !op.supports(dtype) {
+        if !reduce_supported(op, dtype) {
             return Err(CommError::UnsupportedDType {
                 ctx: ctx.clone(),
                 dtype,

@@ -40,14 +40,6 @@ const OPS: [OpName; 22] = [
     OpName::Abort,
 ];
 
-const REDUCE_OPS: [ReduceOp; 5] = [
-    ReduceOp::Sum,
-    ReduceOp::Avg,
-    ReduceOp::Max,
-    ReduceOp::Min,
-    ReduceOp::Product,
-];
-
 fn code_of<T: PartialEq>(table: &[T], v: &T) -> u64 {
     table.iter().position(|x| x == v).map_or(NONE, |i| i as u64)
 }
@@ -113,7 +105,7 @@ impl Desc {
         };
         w[6] = d.dims.len() as u64;
         w[7] = d.root.map_or(NONE, |r| r as u64);
-        w[8] = d.reduce.map_or(NONE, |r| code_of(&REDUCE_OPS, &r));
+        w[8] = d.reduce.map_or(NONE, |r| code_of(&ReduceOp::ALL, &r));
         w[9] = d.bytes.map_or(NONE, |b| b as u64);
         w[10] = self.extra.len() as u64;
         for (i, &x) in d.dims.iter().take(MAX_DIMS).enumerate() {
@@ -151,7 +143,7 @@ impl Desc {
             reduce: if w[8] == NONE {
                 None
             } else {
-                Some(from_code(&REDUCE_OPS, w[8])?)
+                Some(from_code(&ReduceOp::ALL, w[8])?)
             },
             bytes: opt(w[9]),
         };

@@ -115,7 +115,7 @@ fn workload(c: &Comm) -> R<Vec<Out>> {
         .into_iter()
         .enumerate()
         {
-            if !op.supports(dt) {
+            if !crate::reduce_supported(op, dt) {
                 continue;
             }
             let shape: &[usize] = match (k + j) % 4 {
