@@ -33,9 +33,8 @@ mod tests;
 mod transport;
 mod wire;
 
-use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
@@ -46,7 +45,7 @@ use crate::cpu::queue::Queue;
 use crate::desc::Failure;
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
-use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
+use crate::store::{world_store, PrefixStore, Store};
 use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
 use crate::work::Work;
 use bootstrap::{connect_mesh, MeshSpec};
@@ -64,59 +63,6 @@ pub(crate) struct Rendezvous {
     ip: IpAddr,
 }
 
-/// The world store of this process: created by the first `new_comm("process")` and kept for
-/// the life of the process (rank 0 serves it to every other rank).
-struct WorldStore {
-    addr: String,
-    _server: Option<TcpStoreServer>,
-    client: Arc<TcpStore>,
-}
-
-/// The process's world store and how many communicators of each name `new_comm` created.
-type WorldState = (Option<WorldStore>, HashMap<String, u64>);
-
-fn world_store(env: &LaunchEnv, options: &CommOptions, name: &str) -> Result<(Arc<TcpStore>, u64)> {
-    static WORLD: OnceLock<Mutex<WorldState>> = OnceLock::new();
-    let boot = |reason: String| CommError::Bootstrap {
-        comm: name.to_string(),
-        reason,
-    };
-    let addr = env.store_addr().map_err(|e| boot(e.to_string()))?;
-    let mut g = WORLD
-        .get_or_init(|| Mutex::new((None, HashMap::new())))
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    let client = match &g.0 {
-        Some(w) if w.addr == addr => w.client.clone(),
-        Some(w) => {
-            return Err(boot(format!(
-                "this process already rendezvoused through the store at {}; MASTER_ADDR/MASTER_PORT now say {addr}",
-                w.addr
-            )))
-        }
-        None => {
-            let server = if env.rank == 0 {
-                Some(TcpStoreServer::bind(&addr).map_err(|e| boot(format!("rank 0: {e}")))?)
-            } else {
-                None
-            };
-            let client = Arc::new(
-                TcpStore::connect(&addr, options.bootstrap_timeout)
-                    .map_err(|e| boot(format!("rank {}: {e}", env.rank)))?,
-            );
-            g.0 = Some(WorldStore {
-                addr,
-                _server: server,
-                client: client.clone(),
-            });
-            client
-        }
-    };
-    let count = g.1.entry(name.to_string()).or_insert(0);
-    *count += 1;
-    Ok((client, *count))
-}
-
 /// The factory behind `new_comm("process", ...)`.
 pub(crate) struct ProcessFactory;
 
@@ -132,7 +78,7 @@ impl BackendFactory for ProcessFactory {
             comm: name.to_string(),
             reason: e.to_string(),
         })?;
-        let (client, index) = world_store(&env, options, name)?;
+        let (client, index) = world_store(&env, options.bootstrap_timeout, "process", name)?;
         let ip = match options.hints.get(HINT_IP) {
             Some(ip) => parse_ip(ip, name)?,
             None => client.local_ip().map_err(|e| CommError::Bootstrap {

@@ -16,7 +16,8 @@
 //! and write has a deadline. Nothing in this module can hang.
 //!
 //! One job per file: the protocol below (`wire.rs`), the server (`server.rs`), the client
-//! (`client.rs`) and the namespaced view (`prefix.rs`).
+//! (`client.rs`), the namespaced view (`prefix.rs`) and the process's world store that the
+//! `process` and `nccl` backends share (`world.rs`).
 //!
 //! # Wire protocol
 //!
@@ -67,6 +68,7 @@ mod server;
 #[cfg(test)]
 mod tests;
 mod wire;
+mod world;
 
 use std::time::Duration;
 
@@ -76,6 +78,7 @@ pub use client::TcpStore;
 pub use prefix::PrefixStore;
 pub use server::TcpStoreServer;
 pub(crate) use wire::read_full;
+pub(crate) use world::world_store;
 
 /// What can go wrong talking to a store.
 #[non_exhaustive]
