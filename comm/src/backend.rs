@@ -215,6 +215,19 @@ where
     }
 }
 
+/// The factory of a backend this build leaves out: `new_comm` names the cargo feature (the
+/// backend's own name) that adds it.
+pub(crate) struct NotCompiled(pub(crate) &'static str);
+
+impl BackendFactory for NotCompiled {
+    fn create(&self, _: &Device, _: &str, _: &CommOptions) -> Result<Arc<dyn Backend>> {
+        Err(CommError::NotCompiled {
+            backend: self.0.into(),
+            feature: self.0.into(),
+        })
+    }
+}
+
 type Registry = RwLock<BTreeMap<String, Arc<dyn BackendFactory>>>;
 
 fn registry() -> &'static Registry {

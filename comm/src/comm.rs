@@ -11,6 +11,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::backend::{lookup_backend, Backend, Capabilities, CommOptions};
+use crate::cpu::kernels::data_addr;
 use crate::error::{CommError, Result};
 use crate::flight::{dump_on_failure, FlightRecorder};
 use crate::hooks::{HookHandle, HookSet, OpRecord};
@@ -351,14 +352,7 @@ impl Comm {
 
     /// Reduces `input` over all ranks with `op`; every rank receives the result.
     pub fn all_reduce(&self, input: &Tensor, op: ReduceOp) -> Result<Work<Tensor>> {
-        let ctx = self.next_ctx(OpName::AllReduce);
-        let input = self.prepare_input(&ctx, input)?;
-        self.check_reduce(&ctx, op, input.dtype())?;
-        self.issue(
-            ctx,
-            |c| self.record(c, &[&input], None, None, Some(op)),
-            |c| self.inner.backend.all_reduce(c, input.clone(), op, None),
-        )
+        self.all_reduce_to(None, input, op)
     }
 
     /// Like [`Comm::all_reduce`], writing the result into `output` (same dtype and element
@@ -370,6 +364,15 @@ impl Comm {
         input: &Tensor,
         op: ReduceOp,
     ) -> Result<Work<Tensor>> {
+        self.all_reduce_to(Some(output), input, op)
+    }
+
+    fn all_reduce_to(
+        &self,
+        output: Option<&Tensor>,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Work<Tensor>> {
         let ctx = self.next_ctx(OpName::AllReduce);
         let input = self.prepare_input(&ctx, input)?;
         self.check_reduce(&ctx, op, input.dtype())?;
@@ -377,24 +380,23 @@ impl Comm {
         self.issue(
             ctx,
             |c| self.record(c, &[&input], None, None, Some(op)),
-            |c| {
-                self.inner
-                    .backend
-                    .all_reduce(c, input.clone(), op, Some(output))
-            },
+            |c| self.inner.backend.all_reduce(c, input.clone(), op, output),
         )
     }
 
-    /// Checks a caller-provided output: same device and dtype as `input`, `elems` elements,
-    /// contiguous, and (unless `may_alias`) not overlapping `input`.
+    /// Checks a caller-provided output, if any: same device and dtype as `input`, `elems`
+    /// elements, contiguous, and (unless `may_alias`) not overlapping `input`.
     fn prepare_output(
         &self,
         ctx: &OpCtx,
-        output: &Tensor,
+        output: Option<&Tensor>,
         input: &Tensor,
         elems: usize,
         may_alias: bool,
-    ) -> Result<Tensor> {
+    ) -> Result<Option<Tensor>> {
+        let Some(output) = output else {
+            return Ok(None);
+        };
         if !output.device().same_device(self.device()) || output.dtype() != input.dtype() {
             return Err(CommError::invalid(
                 ctx,
@@ -424,10 +426,7 @@ impl Comm {
             ));
         }
         if !may_alias {
-            if let (Some(a), Some(b)) = (
-                crate::cpu::kernels::data_addr(output),
-                crate::cpu::kernels::data_addr(input),
-            ) {
+            if let (Some(a), Some(b)) = (data_addr(output), data_addr(input)) {
                 let es = input.dtype().size_in_bytes();
                 let (a_end, b_end) = (a + output.elem_count() * es, b + input.elem_count() * es);
                 if a < b_end && b < a_end {
@@ -435,40 +434,37 @@ impl Comm {
                 }
             }
         }
-        Ok(output.clone())
+        Ok(Some(output.clone()))
     }
 
     /// Concatenates every rank's `input` along dim 0 in rank order (`[d0, ..]` becomes
     /// `[size * d0, ..]`; a scalar becomes `[size]`). All ranks must pass the same shape.
     pub fn all_gather_single(&self, input: &Tensor) -> Result<Work<Tensor>> {
-        let ctx = self.next_ctx(OpName::AllGatherSingle);
-        let input = self.prepare_input(&ctx, input)?;
-        self.issue(
-            ctx,
-            |c| self.record(c, &[&input], None, None, None),
-            |c| self.inner.backend.all_gather_single(c, input.clone(), None),
-        )
+        self.all_gather_single_to(None, input)
     }
 
     /// Like [`Comm::all_gather_single`], writing into `output` (`size` times the input's
     /// elements, same dtype, contiguous, not overlapping the input). The work returns `output`.
     pub fn all_gather_single_into(&self, output: &Tensor, input: &Tensor) -> Result<Work<Tensor>> {
+        self.all_gather_single_to(Some(output), input)
+    }
+
+    fn all_gather_single_to(
+        &self,
+        output: Option<&Tensor>,
+        input: &Tensor,
+    ) -> Result<Work<Tensor>> {
         let ctx = self.next_ctx(OpName::AllGatherSingle);
         let input = self.prepare_input(&ctx, input)?;
-        let output = self.prepare_output(
-            &ctx,
-            output,
-            &input,
-            input.elem_count() * self.size(),
-            false,
-        )?;
+        let elems = input.elem_count() * self.size();
+        let output = self.prepare_output(&ctx, output, &input, elems, false)?;
         self.issue(
             ctx,
             |c| self.record(c, &[&input], None, None, None),
             |c| {
                 self.inner
                     .backend
-                    .all_gather_single(c, input.clone(), Some(output))
+                    .all_gather_single(c, input.clone(), output)
             },
         )
     }
@@ -476,19 +472,7 @@ impl Comm {
     /// Reduces `input` over all ranks and gives rank r the r-th of `size` equal dim-0 chunks.
     /// `input.dim(0)` must be divisible by the communicator size.
     pub fn reduce_scatter_single(&self, input: &Tensor, op: ReduceOp) -> Result<Work<Tensor>> {
-        let ctx = self.next_ctx(OpName::ReduceScatterSingle);
-        let input = self.prepare_input(&ctx, input)?;
-        self.check_reduce(&ctx, op, input.dtype())?;
-        self.check_divisible(&ctx, &input)?;
-        self.issue(
-            ctx,
-            |c| self.record(c, &[&input], None, None, Some(op)),
-            |c| {
-                self.inner
-                    .backend
-                    .reduce_scatter_single(c, input.clone(), op, None)
-            },
-        )
+        self.reduce_scatter_single_to(None, input, op)
     }
 
     /// Like [`Comm::reduce_scatter_single`], writing into `output` (the input's elements divided
@@ -499,24 +483,28 @@ impl Comm {
         input: &Tensor,
         op: ReduceOp,
     ) -> Result<Work<Tensor>> {
+        self.reduce_scatter_single_to(Some(output), input, op)
+    }
+
+    fn reduce_scatter_single_to(
+        &self,
+        output: Option<&Tensor>,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Work<Tensor>> {
         let ctx = self.next_ctx(OpName::ReduceScatterSingle);
         let input = self.prepare_input(&ctx, input)?;
         self.check_reduce(&ctx, op, input.dtype())?;
         self.check_divisible(&ctx, &input)?;
-        let output = self.prepare_output(
-            &ctx,
-            output,
-            &input,
-            input.elem_count() / self.size(),
-            false,
-        )?;
+        let elems = input.elem_count() / self.size();
+        let output = self.prepare_output(&ctx, output, &input, elems, false)?;
         self.issue(
             ctx,
             |c| self.record(c, &[&input], None, None, Some(op)),
             |c| {
                 self.inner
                     .backend
-                    .reduce_scatter_single(c, input.clone(), op, Some(output))
+                    .reduce_scatter_single(c, input.clone(), op, output)
             },
         )
     }
@@ -539,19 +527,20 @@ impl Comm {
     /// Splits `input` into `size` equal dim-0 chunks; chunk j goes to rank j, and rank r's output
     /// chunk j comes from rank j's chunk r.
     pub fn all_to_all_single(&self, input: &Tensor) -> Result<Work<Tensor>> {
-        let ctx = self.next_ctx(OpName::AllToAllSingle);
-        let input = self.prepare_input(&ctx, input)?;
-        self.check_divisible(&ctx, &input)?;
-        self.issue(
-            ctx,
-            |c| self.record(c, &[&input], None, None, None),
-            |c| self.inner.backend.all_to_all_single(c, input.clone(), None),
-        )
+        self.all_to_all_single_to(None, input)
     }
 
     /// Like [`Comm::all_to_all_single`], writing into `output` (same element count and dtype,
     /// contiguous, not overlapping the input). The work returns `output`.
     pub fn all_to_all_single_into(&self, output: &Tensor, input: &Tensor) -> Result<Work<Tensor>> {
+        self.all_to_all_single_to(Some(output), input)
+    }
+
+    fn all_to_all_single_to(
+        &self,
+        output: Option<&Tensor>,
+        input: &Tensor,
+    ) -> Result<Work<Tensor>> {
         let ctx = self.next_ctx(OpName::AllToAllSingle);
         let input = self.prepare_input(&ctx, input)?;
         self.check_divisible(&ctx, &input)?;
@@ -562,7 +551,7 @@ impl Comm {
             |c| {
                 self.inner
                     .backend
-                    .all_to_all_single(c, input.clone(), Some(output))
+                    .all_to_all_single(c, input.clone(), output)
             },
         )
     }

@@ -341,6 +341,22 @@ pub(crate) fn check_split_sizes(
     Ok(())
 }
 
+/// A point-to-point message must have the dims and dtype its receiver expects: `Err` says
+/// what rank `peer` sent instead.
+pub(crate) fn check_recv(
+    peer: usize,
+    want: (&[usize], DType),
+    got: (&[usize], DType),
+) -> Result<(), String> {
+    if want == got {
+        return Ok(());
+    }
+    Err(format!(
+        "recv from rank {peer}: expected {:?} {:?} but rank {peer} sent {:?} {:?}",
+        want.0, want.1, got.0, got.1
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,7 +16,7 @@ use crate::backend::{Backend, Capabilities, CommOptions};
 use crate::cpu::kernels::{detached_copy, read_view, reduce_into, ReadView};
 use crate::cpu::queue::Queue;
 use crate::cpu::{candle_err, out_buf, produce, put_bytes, reduced, view_err, EAGER_BYTES};
-use crate::desc::{check_split_lists, Failure, OpDesc, ShapeRule};
+use crate::desc::{check_recv, check_split_lists, Failure, OpDesc, ShapeRule};
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
 use crate::window::WindowBackend;
@@ -536,18 +536,12 @@ fn batch_p2p(e: &Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
     for op in ops {
         if let P2POp::Recv { peer, shape, dtype } = op {
             let m = e.group.take_message(ctx, peer, e.rank, e.deadline)?;
-            if m.tensor.shape() != &shape || m.tensor.dtype() != dtype {
-                return Err(CommError::invalid(
-                    ctx,
-                    format!(
-                        "recv from rank {peer}: expected {:?} {:?} but rank {peer} sent {:?} {:?}",
-                        shape.dims(),
-                        dtype,
-                        m.tensor.dims(),
-                        m.tensor.dtype()
-                    ),
-                ));
-            }
+            check_recv(
+                peer,
+                (shape.dims(), dtype),
+                (m.tensor.dims(), m.tensor.dtype()),
+            )
+            .map_err(|e| CommError::invalid(ctx, e))?;
             received.push(m.tensor);
         }
     }

@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 
 use super::backend::Exec;
 use super::group::{Message, Post};
-use crate::desc::{OpDesc, ShapeRule};
+use crate::desc::{check_recv, OpDesc, ShapeRule};
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
 
@@ -419,18 +419,12 @@ pub(crate) fn batch_p2p(e: &Exec, ops: Vec<P2POp>, dev: &Device) -> Result<Vec<T
     for op in ops {
         if let P2POp::Recv { peer, shape, dtype } = op {
             let m = e.group.take_message(ctx, peer, e.rank, e.deadline)?;
-            if m.tensor.shape() != &shape || m.tensor.dtype() != dtype {
-                return Err(CommError::invalid(
-                    ctx,
-                    format!(
-                        "recv from rank {peer}: expected {:?} {:?} but rank {peer} sent {:?} {:?}",
-                        shape.dims(),
-                        dtype,
-                        m.tensor.dims(),
-                        m.tensor.dtype()
-                    ),
-                ));
-            }
+            check_recv(
+                peer,
+                (shape.dims(), dtype),
+                (m.tensor.dims(), m.tensor.dtype()),
+            )
+            .map_err(|e| CommError::invalid(ctx, e))?;
             // The message is a detached copy nobody else holds: moved, not copied, when it is
             // already on this device.
             received.push(on(ctx, &m.tensor, dev)?);

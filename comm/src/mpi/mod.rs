@@ -65,27 +65,20 @@ use crate::backend::BackendFactory;
 pub use engine::MpiInfo;
 
 /// The factory registered as `"mpi"`.
+#[cfg(feature = "mpi")]
 pub(crate) fn factory() -> Arc<dyn BackendFactory> {
     Arc::new(MpiFactory)
 }
 
-/// Creates world communicators of the `mpi` backend.
-struct MpiFactory;
-
+/// The factory registered as `"mpi"` in builds without the feature: it says how to get it.
 #[cfg(not(feature = "mpi"))]
-impl BackendFactory for MpiFactory {
-    fn create(
-        &self,
-        _: &candle_core::Device,
-        _: &str,
-        _: &crate::backend::CommOptions,
-    ) -> crate::error::Result<Arc<dyn crate::backend::Backend>> {
-        Err(crate::error::CommError::NotCompiled {
-            backend: "mpi".into(),
-            feature: "mpi".into(),
-        })
-    }
+pub(crate) fn factory() -> Arc<dyn BackendFactory> {
+    Arc::new(crate::backend::NotCompiled("mpi"))
 }
+
+/// Creates world communicators of the `mpi` backend.
+#[cfg(feature = "mpi")]
+struct MpiFactory;
 
 /// What the MPI library of this process provides, once the backend started it (the first
 /// `new_comm("mpi", ..)`); `None` before.

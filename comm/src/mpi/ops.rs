@@ -19,7 +19,7 @@ use super::raw::{self, Buf, MpiResult, RawComm, VCounts};
 use crate::backend::Backend;
 use crate::cpu::kernels::{read_view, reduce_into, OutBuf};
 use crate::cpu::{deliver, produce, put_bytes, EAGER_BYTES};
-use crate::desc::{check_split_lists, check_split_sizes, Failure, OpDesc, ShapeRule};
+use crate::desc::{check_recv, check_split_lists, check_split_sizes, Failure, OpDesc, ShapeRule};
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName, ReduceOp};
 
@@ -225,12 +225,17 @@ fn post_chunk_exchange(
 }
 
 // ---------------------------------------------------------------------------------------------
-// all_reduce
+// all_reduce and reduce
 // ---------------------------------------------------------------------------------------------
 
-pub(crate) struct AllReduce {
+/// all_reduce (`root: None`) and reduce to `root`. Small all_reduce inputs are all-gathered and
+/// reduced whole on every rank; otherwise every rank reduces its chunk of every input (an
+/// all-to-all of chunks), and the reduced chunks are all-gathered (all_reduce) or gathered to
+/// the root (reduce).
+struct Reduction {
     x: Input,
     op: ReduceOp,
+    root: Option<usize>,
     into: Option<Tensor>,
     stage: u8,
     recv: Option<Buf>,
@@ -242,11 +247,12 @@ pub(crate) struct AllReduce {
     gather: (Vec<c_int>, Vec<c_int>),
 }
 
-impl AllReduce {
-    pub(crate) fn new(x: Input, op: ReduceOp, into: Option<Tensor>) -> Self {
-        AllReduce {
+impl Reduction {
+    fn new(x: Input, op: ReduceOp, root: Option<usize>, into: Option<Tensor>) -> Self {
+        Reduction {
             x,
             op,
+            root,
             into,
             stage: 0,
             recv: None,
@@ -256,31 +262,38 @@ impl AllReduce {
             gather: (Vec::new(), Vec::new()),
         }
     }
-}
 
-impl Body for AllReduce {
-    type Out = Tensor;
-
-    fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
-        let mut d = self.x.desc(uid, coll, OpName::AllReduce);
+    fn desc(&self, uid: u64, coll: u64) -> Desc {
+        let op = match self.root {
+            Some(_) => OpName::Reduce,
+            None => OpName::AllReduce,
+        };
+        let mut d = self.x.desc(uid, coll, op);
+        d.what.root = self.root;
         d.what.reduce = Some(self.op);
-        Some(d)
+        d
     }
 
+    /// The [`Body::step`] of both ops: `Some(result)` once done, where the result is `None` on
+    /// the ranks of a reduce that are not its root.
     fn step(
         &mut self,
         cx: &mut Cx,
-        _: &[Desc],
         reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Tensor>, Fail> {
+    ) -> std::result::Result<Option<Option<Tensor>>, Fail> {
         let (n, dtype, elems) = (cx.size, self.x.dtype, self.x.elems());
         match self.stage {
             0 if n == 1 => {
                 let mut out = OutMem::new(cx.ctx, dtype, elems, self.into.is_some())?;
                 reduce_pieces(dtype, self.op, self.x.buf.bytes(), 1, out.ptr());
-                Ok(Some(output(cx.ctx, out, &self.x.dims, self.into.take())?))
+                Ok(Some(Some(output(
+                    cx.ctx,
+                    out,
+                    &self.x.dims,
+                    self.into.take(),
+                )?)))
             }
-            0 if self.x.buf.len() <= EAGER_BYTES => {
+            0 if self.root.is_none() && self.x.buf.len() <= EAGER_BYTES => {
                 let mut recv = Buf::new(n * self.x.buf.len());
                 let c = count(cx.ctx, elems)?;
                 // SAFETY: `x.buf` holds `elems` elements and `recv` n times that; both are
@@ -313,7 +326,12 @@ impl Body for AllReduce {
                     .ok_or_else(|| op_err(cx.ctx, "lost buffer"))?;
                 let mut out = OutMem::new(cx.ctx, dtype, elems, self.into.is_some())?;
                 reduce_pieces(dtype, self.op, recv.bytes(), n, out.ptr());
-                Ok(Some(output(cx.ctx, out, &self.x.dims, self.into.take())?))
+                Ok(Some(Some(output(
+                    cx.ctx,
+                    out,
+                    &self.x.dims,
+                    self.into.take(),
+                )?)))
             }
             2 => {
                 let recv = self
@@ -321,40 +339,112 @@ impl Body for AllReduce {
                     .take()
                     .ok_or_else(|| op_err(cx.ctx, "lost buffer"))?;
                 let ranges: Vec<_> = (0..n).map(|r| chunk_range(elems, n, r)).collect();
-                let es = dtype.size_in_bytes();
-                let mut mine = Buf::new(ranges[cx.rank].len() * es);
+                let mut mine = Buf::new(ranges[cx.rank].len() * dtype.size_in_bytes());
                 reduce_pieces(dtype, self.op, recv.bytes(), n, mine.mut_ptr().cast());
-                let mut out = OutMem::new(cx.ctx, dtype, elems, self.into.is_some())?;
                 self.gather =
                     counts_displs(cx.ctx, &ranges.iter().map(|r| r.len()).collect::<Vec<_>>())?;
                 let c = count(cx.ctx, ranges[cx.rank].len())?;
-                // SAFETY: `mine` holds this rank's chunk, `out` every chunk at its
-                // displacement; the body owns both and the count arrays until completion.
+                // Only the ranks that get the result have an output (all of them, or the root).
+                if self.root.is_none_or(|r| r == cx.rank) {
+                    self.out = Some(OutMem::new(cx.ctx, dtype, elems, self.into.is_some())?);
+                }
+                let recv_ptr = self
+                    .out
+                    .as_mut()
+                    .map_or(std::ptr::null_mut(), |o| o.ptr().cast());
+                // SAFETY: `mine` holds this rank's chunk; `out` (where there is one) has room for
+                // every chunk at its displacement (elsewhere a gather ignores the receive
+                // arguments); the body owns all of them and the count arrays until completion.
                 let req = unsafe {
-                    raw::iallgatherv(
-                        mine.ptr(),
-                        c,
-                        out.ptr().cast(),
-                        &self.gather.0,
-                        &self.gather.1,
-                        self.x.mpi_type(),
-                        cx.comm,
-                    )
+                    match self.root {
+                        None => raw::iallgatherv(
+                            mine.ptr(),
+                            c,
+                            recv_ptr,
+                            &self.gather.0,
+                            &self.gather.1,
+                            self.x.mpi_type(),
+                            cx.comm,
+                        ),
+                        Some(root) => raw::igatherv(
+                            mine.ptr(),
+                            c,
+                            recv_ptr,
+                            &self.gather,
+                            self.x.mpi_type(),
+                            root,
+                            cx.comm,
+                        ),
+                    }
                 }?;
                 reqs.push(req);
                 self._mine = Some(mine);
-                self.out = Some(out);
                 self.stage = 3;
                 Ok(None)
             }
-            _ => {
-                let out = self
-                    .out
-                    .take()
-                    .ok_or_else(|| op_err(cx.ctx, "lost buffer"))?;
-                Ok(Some(output(cx.ctx, out, &self.x.dims, self.into.take())?))
-            }
+            _ => match self.out.take() {
+                Some(out) => Ok(Some(Some(output(
+                    cx.ctx,
+                    out,
+                    &self.x.dims,
+                    self.into.take(),
+                )?))),
+                None => Ok(Some(None)),
+            },
         }
+    }
+}
+
+pub(crate) struct AllReduce(Reduction);
+
+impl AllReduce {
+    pub(crate) fn new(x: Input, op: ReduceOp, into: Option<Tensor>) -> Self {
+        AllReduce(Reduction::new(x, op, None, into))
+    }
+}
+
+impl Body for AllReduce {
+    type Out = Tensor;
+
+    fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
+        Some(self.0.desc(uid, coll))
+    }
+
+    fn step(
+        &mut self,
+        cx: &mut Cx,
+        _: &[Desc],
+        reqs: &mut Reqs,
+    ) -> std::result::Result<Option<Tensor>, Fail> {
+        match self.0.step(cx, reqs)? {
+            Some(None) => Err(op_err(cx.ctx, "lost buffer")),
+            done => Ok(done.flatten()),
+        }
+    }
+}
+
+pub(crate) struct Reduce(Reduction);
+
+impl Reduce {
+    pub(crate) fn new(x: Input, root: usize, op: ReduceOp) -> Self {
+        Reduce(Reduction::new(x, op, Some(root), None))
+    }
+}
+
+impl Body for Reduce {
+    type Out = Option<Tensor>;
+
+    fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
+        Some(self.0.desc(uid, coll))
+    }
+
+    fn step(
+        &mut self,
+        cx: &mut Cx,
+        _: &[Desc],
+        reqs: &mut Reqs,
+    ) -> std::result::Result<Option<Option<Tensor>>, Fail> {
+        self.0.step(cx, reqs)
     }
 }
 
@@ -669,114 +759,6 @@ impl Body for Broadcast {
     }
 }
 
-pub(crate) struct Reduce {
-    x: Input,
-    root: usize,
-    op: ReduceOp,
-    stage: u8,
-    recv: Option<Buf>,
-    /// The counts MPI reads while the all-to-all runs.
-    _v: Option<Box<VCounts>>,
-    /// This rank's reduced chunk, which MPI reads while the gather runs.
-    _mine: Option<Buf>,
-    out: Option<OutBuf>,
-    gather: (Vec<c_int>, Vec<c_int>),
-}
-
-impl Reduce {
-    pub(crate) fn new(x: Input, root: usize, op: ReduceOp) -> Self {
-        Reduce {
-            x,
-            root,
-            op,
-            stage: 0,
-            recv: None,
-            _v: None,
-            _mine: None,
-            out: None,
-            gather: (Vec::new(), Vec::new()),
-        }
-    }
-}
-
-impl Body for Reduce {
-    type Out = Option<Tensor>;
-
-    fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
-        let mut d = self.x.desc(uid, coll, OpName::Reduce);
-        d.what.root = Some(self.root);
-        d.what.reduce = Some(self.op);
-        Some(d)
-    }
-
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        _: &[Desc],
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Option<Tensor>>, Fail> {
-        let (n, dtype, elems) = (cx.size, self.x.dtype, self.x.elems());
-        let me_root = cx.rank == self.root;
-        match self.stage {
-            0 if n == 1 => {
-                let out = out_buf(cx.ctx, dtype, elems)?;
-                reduce_pieces(dtype, self.op, self.x.buf.bytes(), 1, out.ptr());
-                Ok(Some(Some(output(cx.ctx, out, &self.x.dims, None)?)))
-            }
-            0 => {
-                // Reduce-scatter by chunks, then gather the reduced chunks to the root.
-                let (recv, v) = post_chunk_exchange(cx, &self.x, reqs)?;
-                self.recv = Some(recv);
-                self._v = Some(v);
-                self.stage = 1;
-                Ok(None)
-            }
-            1 => {
-                let recv = self
-                    .recv
-                    .take()
-                    .ok_or_else(|| op_err(cx.ctx, "lost buffer"))?;
-                let ranges: Vec<_> = (0..n).map(|r| chunk_range(elems, n, r)).collect();
-                let mut mine = Buf::new(ranges[cx.rank].len() * dtype.size_in_bytes());
-                reduce_pieces(dtype, self.op, recv.bytes(), n, mine.mut_ptr().cast());
-                self.gather =
-                    counts_displs(cx.ctx, &ranges.iter().map(|r| r.len()).collect::<Vec<_>>())?;
-                let recv_ptr = if me_root {
-                    let out = out_buf(cx.ctx, dtype, elems)?;
-                    let p = out.ptr().cast();
-                    self.out = Some(out);
-                    p
-                } else {
-                    std::ptr::null_mut()
-                };
-                let c = count(cx.ctx, ranges[cx.rank].len())?;
-                // SAFETY: `mine` holds this rank's chunk; on the root `out` has room for every
-                // chunk at its displacement (elsewhere the receive arguments are ignored); the
-                // body owns all of them until completion.
-                let req = unsafe {
-                    raw::igatherv(
-                        mine.ptr(),
-                        c,
-                        recv_ptr,
-                        &self.gather,
-                        self.x.mpi_type(),
-                        self.root,
-                        cx.comm,
-                    )
-                }?;
-                reqs.push(req);
-                self._mine = Some(mine);
-                self.stage = 2;
-                Ok(None)
-            }
-            _ => match self.out.take() {
-                Some(out) => Ok(Some(Some(output(cx.ctx, out, &self.x.dims, None)?))),
-                None => Ok(Some(None)),
-            },
-        }
-    }
-}
-
 pub(crate) struct Gather {
     x: Input,
     root: usize,
@@ -980,13 +962,10 @@ impl Incoming {
             })
         })?;
         let elems: usize = dims.iter().product();
-        let mismatch = match &self.want {
-            Some((wd, ws)) if (*wd, ws) != (dtype, &dims) => Some(format!(
-                "recv from rank {p}: expected {ws:?} {wd:?} but rank {p} sent {dims:?} {dtype:?}",
-                p = self.peer
-            )),
-            _ => None,
-        };
+        let mismatch = self
+            .want
+            .as_ref()
+            .and_then(|(wd, ws)| check_recv(self.peer, (ws, *wd), (&dims, dtype)).err());
         let ptr: *mut c_void = if mismatch.is_some() {
             let mut d = Buf::new(elems * dtype.size_in_bytes());
             let p = d.mut_ptr();

@@ -27,7 +27,7 @@ use super::transport::Exec;
 use super::wire::{decode_tensor, decode_usizes, encode_usizes, tensor_preamble, Payload};
 use crate::cpu::kernels::{detached_copy, read_view, OutBuf};
 use crate::cpu::{candle_err, deliver, produce, put_bytes as put, reduced, view_err, EAGER_BYTES};
-use crate::desc::{check_split_lists, check_split_sizes, Failure, OpDesc, ShapeRule};
+use crate::desc::{check_recv, check_split_lists, check_split_sizes, Failure, OpDesc, ShapeRule};
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
 
@@ -467,18 +467,8 @@ pub(crate) fn batch_p2p(x: &mut Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
             let p = x.t.recv_p2p(x, peer)?;
             let (got_dtype, dims, data) = decode_tensor(p.bytes())
                 .map_err(|e| CommError::invalid(ctx, format!("recv from rank {peer}: {e}")))?;
-            if dims != shape.dims() || got_dtype != dtype {
-                return Err(CommError::invalid(
-                    ctx,
-                    format!(
-                        "recv from rank {peer}: expected {:?} {:?} but rank {peer} sent {:?} {:?}",
-                        shape.dims(),
-                        dtype,
-                        dims,
-                        got_dtype
-                    ),
-                ));
-            }
+            check_recv(peer, (shape.dims(), dtype), (&dims, got_dtype))
+                .map_err(|e| CommError::invalid(ctx, e))?;
             received.push(tensor_from(ctx, dtype, &dims, data)?);
         }
     }
