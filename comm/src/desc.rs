@@ -120,12 +120,12 @@ impl fmt::Display for OpDesc {
     }
 }
 
-/// `Option<DType>` as its name (`"f32"`) in the process backend's JSON.
-mod dtype_name {
+/// `Option<DType>` as its name (`"f32"`) in JSON (the process backend's frames, hook records).
+pub(crate) mod dtype_name {
     use candle_core::DType;
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-    pub(super) fn serialize<S: Serializer>(d: &Option<DType>, s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<S: Serializer>(d: &Option<DType>, s: S) -> Result<S::Ok, S::Error> {
         d.map(|d| d.as_str()).serialize(s)
     }
 

@@ -9,7 +9,7 @@ pub(crate) mod queue;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
-use crate::backend::{dtype_names, Capabilities};
+use crate::backend::{check_output, dtype_names, Capabilities};
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, ReduceOp, SUPPORTED_DTYPES};
 use kernels::{reduce_into, write_into, OutBuf};
@@ -106,18 +106,7 @@ pub(crate) fn produce(
         // SAFETY: `fill` wrote every element (its contract).
         return unsafe { out.into_tensor(shape) }.map_err(candle_err(ctx));
     };
-    if t.dtype() != dtype || t.elem_count() != elems {
-        return Err(CommError::invalid(
-            ctx,
-            format!(
-                "output is {:?} {:?} but the result is {:?} {:?}",
-                t.dims(),
-                t.dtype(),
-                shape.dims(),
-                dtype
-            ),
-        ));
-    }
+    check_output(ctx, &t, dtype, &shape)?;
     let mut err = None;
     write_into(&t, |ptr, len| {
         if len != elems * dtype.size_in_bytes() {

@@ -29,7 +29,7 @@ pub(crate) struct Queue {
 }
 
 /// The message of a caught panic.
-pub(crate) fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = p.downcast_ref::<String>() {
@@ -152,7 +152,7 @@ impl Queue {
             Box::new(move || {
                 completer.start();
                 let r = catch_unwind(AssertUnwindSafe(|| body(&ctx, coll))).unwrap_or_else(|p| {
-                    let reason = format!("internal panic in {}: {}", ctx.op, panic_message(p));
+                    let reason = format!("internal panic in {}: {}", ctx.op, panic_message(&*p));
                     tracing::error!(%ctx, %reason, "comm op panicked");
                     Err(on_panic(&ctx, coll, reason))
                 });

@@ -183,7 +183,7 @@ impl LocalWorld {
                 .enumerate()
                 .map(|(rank, h)| match h {
                     Ok(h) => h.join().unwrap_or_else(|p| {
-                        Err(format!("rank thread panicked: {}", panic_message(p)))
+                        Err(format!("rank thread panicked: {}", panic_message(&*p)))
                     }),
                     Err(e) => {
                         let reason = format!("could not start rank thread {rank}: {e}");
@@ -240,7 +240,7 @@ where
     match catch_unwind(AssertUnwindSafe(|| f(comm))) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(e.into().to_string()),
-        Err(p) => Err(format!("panicked: {}", panic_message(p))),
+        Err(p) => Err(format!("panicked: {}", panic_message(&*p))),
     }
 }
 

@@ -281,18 +281,7 @@ impl NcclBackend {
     ) -> Result<Tensor> {
         match output {
             Some(t) => {
-                if t.elem_count() != shape.elem_count() || t.dtype() != dtype {
-                    return Err(CommError::invalid(
-                        ctx,
-                        format!(
-                            "output is {:?} {:?} but the result is {:?} {:?}",
-                            t.dims(),
-                            t.dtype(),
-                            shape.dims(),
-                            dtype
-                        ),
-                    ));
-                }
+                crate::backend::check_output(ctx, &t, dtype, shape)?;
                 Ok(t)
             }
             None => self.output(ctx, shape, dtype),

@@ -98,26 +98,8 @@ fn t(rank: usize, shape: &[usize], salt: usize, dt: DType) -> R<Tensor> {
 fn workload(c: &Comm) -> R<Vec<Out>> {
     let (me, n) = (c.rank(), c.size());
     let mut o = Vec::new();
-    let dts = [
-        DType::F32,
-        DType::F64,
-        DType::BF16,
-        DType::F16,
-        DType::I64,
-        DType::U32,
-        DType::U8,
-    ];
-    for (k, &dt) in dts.iter().enumerate() {
-        for (j, op) in [
-            ReduceOp::Sum,
-            ReduceOp::Avg,
-            ReduceOp::Max,
-            ReduceOp::Min,
-            ReduceOp::Product,
-        ]
-        .into_iter()
-        .enumerate()
-        {
+    for (k, &dt) in crate::SUPPORTED_DTYPES.iter().enumerate() {
+        for (j, op) in ReduceOp::ALL.into_iter().enumerate() {
             if !crate::reduce_supported(op, dt) {
                 continue;
             }
