@@ -114,6 +114,20 @@ pub struct OpCtx {
     pub timeout: Duration,
 }
 
+impl OpCtx {
+    /// The context of creating communicator `name` (`new_comm`, seq 0) as `rank`, bounded by
+    /// the bootstrap `timeout`.
+    pub fn bootstrap(name: &str, rank: usize, timeout: Duration) -> OpCtx {
+        OpCtx {
+            op: OpName::NewComm,
+            comm: Arc::from(name),
+            rank,
+            seq: 0,
+            timeout,
+        }
+    }
+}
+
 impl fmt::Display for OpCtx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

@@ -28,7 +28,7 @@ use crate::backend::{Backend, BackendFactory, CommOptions};
 use crate::comm::Comm;
 use crate::cpu::queue::panic_message;
 use crate::error::{CommError, Result};
-use crate::types::{OpCtx, OpName};
+use crate::types::OpCtx;
 use backend::LocalBackend;
 use group::{GroupKey, World};
 pub use tuning::{
@@ -296,13 +296,7 @@ impl BackendFactory for LocalFactory {
         );
         let backend = LocalBackend::with_device(group, rank, name, device.clone())?;
         // Bootstrap: every rank must arrive within the bootstrap timeout.
-        let ctx = OpCtx {
-            op: OpName::NewComm,
-            comm: Arc::from(name),
-            rank,
-            seq: 0,
-            timeout: options.bootstrap_timeout,
-        };
+        let ctx = OpCtx::bootstrap(name, rank, options.bootstrap_timeout);
         backend.barrier(ctx)?.wait()?;
         Ok(backend)
     }

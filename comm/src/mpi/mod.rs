@@ -99,7 +99,7 @@ mod imp {
     use crate::backend::{Backend, BackendFactory, Capabilities, CommOptions};
     use crate::desc::Failure;
     use crate::error::{CommError, Result};
-    use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
+    use crate::types::{OpCtx, P2POp, ReduceOp};
     use crate::work::Work;
 
     /// One rank of one MPI communicator.
@@ -327,13 +327,7 @@ mod imp {
                     comm: name.to_string(),
                     reason,
                 })?;
-            let ctx = OpCtx {
-                op: OpName::NewComm,
-                comm: Arc::from(name),
-                rank: engine.info.rank,
-                seq: 0,
-                timeout: options.bootstrap_timeout,
-            };
+            let ctx = OpCtx::bootstrap(name, engine.info.rank, options.bootstrap_timeout);
             let boot = engine.bootstrap.clone();
             let shared = run_on(&engine, &boot, ctx, true, ops::NewComm::new(name))?.wait()?;
             Ok(MpiBackend::new(engine, shared))

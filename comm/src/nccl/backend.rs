@@ -20,7 +20,7 @@ use crate::comm::Comm;
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
 use crate::store::Store;
-use crate::types::{OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES};
+use crate::types::{OpCtx, P2POp, ReduceOp, SUPPORTED_DTYPES};
 use crate::window::WindowBackend;
 use crate::work::Work;
 
@@ -152,13 +152,7 @@ impl NcclBackend {
             .map_err(|e| boot(name, rank, e))?;
         let streams =
             Arc::new(CudaStreams::new(cuda).map_err(|e| boot(name, rank, format!("CUDA: {e}")))?);
-        let ctx = OpCtx {
-            op: OpName::NewComm,
-            comm: Arc::from(name),
-            rank,
-            seq: 0,
-            timeout: options.bootstrap_timeout,
-        };
+        let ctx = OpCtx::bootstrap(name, rank, options.bootstrap_timeout);
         let id = match &store {
             Some((s, ns)) => {
                 mark_joined(&**s, ns, &ctx)?;

@@ -46,7 +46,7 @@ use crate::desc::Failure;
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
 use crate::store::{world_store, PrefixStore, Store};
-use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
+use crate::types::{OpCtx, P2POp, ReduceOp};
 use crate::work::Work;
 use bootstrap::{connect_mesh, MeshSpec};
 use transport::{Exec, Transport};
@@ -225,13 +225,7 @@ impl ProcessBackend {
         let (ctx, names): (&OpCtx, Option<&[usize]>) = match parent {
             Some((c, names)) => (c, Some(names)),
             None => {
-                own_ctx = OpCtx {
-                    op: OpName::NewComm,
-                    comm: Arc::from(name),
-                    rank,
-                    seq: 0,
-                    timeout: options.bootstrap_timeout,
-                };
+                own_ctx = OpCtx::bootstrap(name, rank, options.bootstrap_timeout);
                 (&own_ctx, None)
             }
         };
