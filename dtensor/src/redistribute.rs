@@ -13,7 +13,6 @@ use candle_dtensor_strategies::{CollectiveKind, Placement, RedistributePlan};
 use smallvec::SmallVec;
 
 use crate::collectives::{self, GatherGrad};
-use crate::convert::comm_reduce;
 use crate::tensor::DTensor;
 
 /// Mesh dims on which an input needs its gradient all-reduced.
@@ -60,7 +59,7 @@ pub(crate) fn execute(
                 collectives::chunk(&t, &axis, d)?
             }
             (CollectiveKind::LocalPartition, Placement::Replicate, Placement::Partial(op)) => {
-                collectives::partition(&t, &axis, comm_reduce(op))?
+                collectives::partition(&t, &axis, op)?
             }
             (CollectiveKind::AllGather, Placement::Shard(d), Placement::Replicate) => {
                 let grad = gather_grad(&mut pending);
@@ -100,14 +99,14 @@ pub(crate) fn execute(
                 }
             }
             (CollectiveKind::AllReduce, Placement::Partial(op), Placement::Replicate) => {
-                collectives::all_reduce(&t, &axis, comm_reduce(op))?
+                collectives::all_reduce(&t, &axis, op)?
             }
             (CollectiveKind::AllReduce, Placement::MaskPartial { .. }, Placement::Replicate) => {
                 collectives::all_reduce(&t, &axis, ReduceOp::Sum)?
             }
             (CollectiveKind::ReduceScatter, from, Placement::Shard(d)) => {
                 let op = match from {
-                    Placement::Partial(op) => comm_reduce(op),
+                    Placement::Partial(op) => op,
                     Placement::MaskPartial { .. } => ReduceOp::Sum,
                     other => {
                         return Err(collectives::refuse(

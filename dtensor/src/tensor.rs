@@ -12,7 +12,7 @@ use candle_dtensor_strategies::{
 use smallvec::SmallVec;
 
 use crate::collectives;
-use crate::convert::{comm_reduce, sdtype};
+use crate::convert::sdtype;
 use crate::error::{invalid, Context, DTensorError, Result};
 use crate::mesh_ctx::MeshCtx;
 use crate::redistribute::{execute, GradMask};
@@ -612,7 +612,7 @@ pub fn distribute_tensor(
             }
             Placement::Partial(op) => {
                 let axis = ctx.axis(mesh, &[m])?;
-                collectives::partition(&x, &axis, comm_reduce(op)).ctx("distribute_tensor", rank)?
+                collectives::partition(&x, &axis, op).ctx("distribute_tensor", rank)?
             }
             Placement::MaskPartial { .. } => {
                 return Err(invalid(
