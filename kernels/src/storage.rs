@@ -274,31 +274,39 @@ fn backend_of<'a, S: DeviceStorage>(s: &'a Storage, what: &str) -> Result<&'a S>
     })
 }
 
+/// One `cpu_fwd` / `cuda_fwd` of a custom op (storage type `$S`, arguments `(s, l)` pairs, `mut`
+/// for in-place ops) forwarding to the generic method `self.$m`; the `device_*` macros below
+/// write both of an op's forwards with it.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __device_fwd {
+    ($f:ident, $S:ident, $m:ident, ($($s:ident $l:ident),+)) => {
+        #[allow(clippy::too_many_arguments)]
+        fn $f(
+            &self,
+            $($s: &$crate::candle_core::$S, $l: &$crate::candle_core::Layout),+
+        ) -> $crate::candle_core::Result<($crate::candle_core::$S, $crate::candle_core::Shape)> {
+            self.$m($($s, $l),+)
+        }
+    };
+    ($f:ident, $S:ident, $m:ident, mut $s:ident $l:ident) => {
+        fn $f(
+            &self,
+            $s: &mut $crate::candle_core::$S,
+            $l: &$crate::candle_core::Layout,
+        ) -> $crate::candle_core::Result<()> {
+            self.$m($s, $l)
+        }
+    };
+}
+
 /// Implements a `CustomOp1`'s `cpu_fwd` and `cuda_fwd` by calling the generic method
 /// `self.$m::<S: DeviceStorage>(&S, &Layout) -> Result<(S, Shape)>`.
 #[macro_export]
 macro_rules! device_fwd1 {
     ($m:ident) => {
-        fn cpu_fwd(
-            &self,
-            s: &$crate::candle_core::CpuStorage,
-            l: &$crate::candle_core::Layout,
-        ) -> $crate::candle_core::Result<(
-            $crate::candle_core::CpuStorage,
-            $crate::candle_core::Shape,
-        )> {
-            self.$m(s, l)
-        }
-        fn cuda_fwd(
-            &self,
-            s: &$crate::candle_core::CudaStorage,
-            l: &$crate::candle_core::Layout,
-        ) -> $crate::candle_core::Result<(
-            $crate::candle_core::CudaStorage,
-            $crate::candle_core::Shape,
-        )> {
-            self.$m(s, l)
-        }
+        $crate::__device_fwd!(cpu_fwd, CpuStorage, $m, (s1 l1));
+        $crate::__device_fwd!(cuda_fwd, CudaStorage, $m, (s1 l1));
     };
 }
 
@@ -306,30 +314,8 @@ macro_rules! device_fwd1 {
 #[macro_export]
 macro_rules! device_fwd2 {
     ($m:ident) => {
-        fn cpu_fwd(
-            &self,
-            s1: &$crate::candle_core::CpuStorage,
-            l1: &$crate::candle_core::Layout,
-            s2: &$crate::candle_core::CpuStorage,
-            l2: &$crate::candle_core::Layout,
-        ) -> $crate::candle_core::Result<(
-            $crate::candle_core::CpuStorage,
-            $crate::candle_core::Shape,
-        )> {
-            self.$m(s1, l1, s2, l2)
-        }
-        fn cuda_fwd(
-            &self,
-            s1: &$crate::candle_core::CudaStorage,
-            l1: &$crate::candle_core::Layout,
-            s2: &$crate::candle_core::CudaStorage,
-            l2: &$crate::candle_core::Layout,
-        ) -> $crate::candle_core::Result<(
-            $crate::candle_core::CudaStorage,
-            $crate::candle_core::Shape,
-        )> {
-            self.$m(s1, l1, s2, l2)
-        }
+        $crate::__device_fwd!(cpu_fwd, CpuStorage, $m, (s1 l1, s2 l2));
+        $crate::__device_fwd!(cuda_fwd, CudaStorage, $m, (s1 l1, s2 l2));
     };
 }
 
@@ -337,36 +323,8 @@ macro_rules! device_fwd2 {
 #[macro_export]
 macro_rules! device_fwd3 {
     ($m:ident) => {
-        #[allow(clippy::too_many_arguments)]
-        fn cpu_fwd(
-            &self,
-            s1: &$crate::candle_core::CpuStorage,
-            l1: &$crate::candle_core::Layout,
-            s2: &$crate::candle_core::CpuStorage,
-            l2: &$crate::candle_core::Layout,
-            s3: &$crate::candle_core::CpuStorage,
-            l3: &$crate::candle_core::Layout,
-        ) -> $crate::candle_core::Result<(
-            $crate::candle_core::CpuStorage,
-            $crate::candle_core::Shape,
-        )> {
-            self.$m(s1, l1, s2, l2, s3, l3)
-        }
-        #[allow(clippy::too_many_arguments)]
-        fn cuda_fwd(
-            &self,
-            s1: &$crate::candle_core::CudaStorage,
-            l1: &$crate::candle_core::Layout,
-            s2: &$crate::candle_core::CudaStorage,
-            l2: &$crate::candle_core::Layout,
-            s3: &$crate::candle_core::CudaStorage,
-            l3: &$crate::candle_core::Layout,
-        ) -> $crate::candle_core::Result<(
-            $crate::candle_core::CudaStorage,
-            $crate::candle_core::Shape,
-        )> {
-            self.$m(s1, l1, s2, l2, s3, l3)
-        }
+        $crate::__device_fwd!(cpu_fwd, CpuStorage, $m, (s1 l1, s2 l2, s3 l3));
+        $crate::__device_fwd!(cuda_fwd, CudaStorage, $m, (s1 l1, s2 l2, s3 l3));
     };
 }
 
@@ -375,20 +333,8 @@ macro_rules! device_fwd3 {
 #[macro_export]
 macro_rules! device_inplace1 {
     ($m:ident) => {
-        fn cpu_fwd(
-            &self,
-            s: &mut $crate::candle_core::CpuStorage,
-            l: &$crate::candle_core::Layout,
-        ) -> $crate::candle_core::Result<()> {
-            self.$m(s, l)
-        }
-        fn cuda_fwd(
-            &self,
-            s: &mut $crate::candle_core::CudaStorage,
-            l: &$crate::candle_core::Layout,
-        ) -> $crate::candle_core::Result<()> {
-            self.$m(s, l)
-        }
+        $crate::__device_fwd!(cpu_fwd, CpuStorage, $m, mut s l);
+        $crate::__device_fwd!(cuda_fwd, CudaStorage, $m, mut s l);
     };
 }
 
