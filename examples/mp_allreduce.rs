@@ -1,7 +1,7 @@
 //! Multi-process collectives and DTensor ops on the `process` backend, one rank per process.
 //!
 //! ```text
-//! cargo build --release --bin dtrun --example mp_allreduce
+//! cargo build --release -p dtrun && cargo build --release --example mp_allreduce
 //! target/release/dtrun --nproc 4 -- target/release/examples/mp_allreduce
 //! target/release/dtrun --nproc 4 -- target/release/examples/mp_allreduce --bench
 //! ```

@@ -2,7 +2,7 @@
 //! needs a GPU per rank).
 //!
 //! ```text
-//! cargo build --release --features nccl --example nccl_check --bin dtrun
+//! cargo build --release --features nccl --example nccl_check && cargo build --release -p dtrun
 //! target/release/examples/nccl_check                          # a world of one, no launcher
 //! target/release/dtrun --nproc 2 -- target/release/examples/nccl_check   # one GPU per rank
 //! ```

@@ -70,7 +70,7 @@ for e in "${examples[@]}"; do args+=(--example "$e"); done
 LIBRARY_PATH="$stubs${LIBRARY_PATH:+:$LIBRARY_PATH}" \
     cargo build --release --features nccl,cuda "${args[@]}"
 # dtrun launches processes; it has no CUDA dependency.
-cargo build --release --bin dtrun
+cargo build --release -p dtrun
 
 echo "== 4/4 $out and the tarball"
 rm -rf "$out" && mkdir -p "$out"

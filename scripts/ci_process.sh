@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-process checks of the `process` backend beyond `cargo test --workspace` (which already
-# runs tests/process_backend.rs: conformance on 2 and 4 processes, kill -9, bootstrap and store
-# faults, dtrun): train_gpt on 4 processes under dtrun (dp=2 x tp=2, FSDP x TP) must print the
+# runs dtrun/tests/process_backend.rs: conformance on 2 and 4 processes, kill -9, bootstrap and
+# store faults, dtrun): train_gpt on 4 processes under dtrun (dp=2 x tp=2, FSDP x TP) must print the
 # same losses as the local backend (threads), bit for bit (both reduce in rank order), and a
 # 4-process mp_allreduce run checks collectives and DTensor matmuls against one device.
 #
@@ -20,7 +20,8 @@ else
 fi
 
 echo "== build (${CDT_CI_PROFILE:-dev}): dtrun, train_gpt, mp_allreduce"
-cargo build "${build_flag[@]}" --bin dtrun --example train_gpt --example mp_allreduce
+cargo build "${build_flag[@]}" -p dtrun
+cargo build "${build_flag[@]}" --example train_gpt --example mp_allreduce
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

@@ -122,9 +122,14 @@ step() { # name timeout-seconds log command...
 }
 
 if ((build)); then
-    if step build 420 build.log cargo build --release --features nccl,cuda \
+    if ! command -v cargo >/dev/null 2>&1; then
+        echo "gpu_check.sh: cargo not found; install Rust, or build elsewhere and run with --bin-dir" >&2
+        exit 1
+    fi
+    # dtrun is its own package (no features): a second cargo call, under the same time limit.
+    if step build 420 build.log bash -c 'cargo build --release --features nccl,cuda \
         --example nccl_check --example nccl_bench --example nccl_local_cuda \
-        --example train_gpt --bin dtrun; then
+        --example train_gpt && cargo build --release -p dtrun'; then
         add_row build PASS "$last_secs" "release build, features nccl,cuda"
     else
         add_row build FAIL "$last_secs" "see $logdir/build.log"

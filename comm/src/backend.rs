@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, P2POp, ReduceOp};
@@ -215,6 +215,19 @@ where
     }
 }
 
+/// The factory of a backend this build leaves out: `new_comm` names the cargo feature (the
+/// backend's own name) that adds it.
+pub(crate) struct NotCompiled(pub(crate) &'static str);
+
+impl BackendFactory for NotCompiled {
+    fn create(&self, _: &Device, _: &str, _: &CommOptions) -> Result<Arc<dyn Backend>> {
+        Err(CommError::NotCompiled {
+            backend: self.0.into(),
+            feature: self.0.into(),
+        })
+    }
+}
+
 type Registry = RwLock<BTreeMap<String, Arc<dyn BackendFactory>>>;
 
 fn registry() -> &'static Registry {
@@ -263,6 +276,24 @@ pub(crate) fn lookup_backend(name: &str) -> Result<Arc<dyn BackendFactory>> {
             name: name.to_string(),
             available: reg.keys().cloned().collect(),
         })
+}
+
+/// Checks that a caller's `*_into` output `t` can hold a result of `dtype` and `shape` (the
+/// front checked it against the input; a backend checks it against what it computed).
+pub(crate) fn check_output(ctx: &OpCtx, t: &Tensor, dtype: DType, shape: &Shape) -> Result<()> {
+    if t.dtype() == dtype && t.elem_count() == shape.elem_count() {
+        return Ok(());
+    }
+    Err(CommError::invalid(
+        ctx,
+        format!(
+            "output is {:?} {:?} but the result is {:?} {:?}",
+            t.dims(),
+            t.dtype(),
+            shape.dims(),
+            dtype
+        ),
+    ))
 }
 
 /// The dtypes the built-in backends accept, rendered for [`Capabilities::dtypes`].

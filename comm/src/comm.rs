@@ -11,10 +11,11 @@ use std::time::Duration;
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::backend::{lookup_backend, Backend, Capabilities, CommOptions};
+use crate::cpu::kernels::data_addr;
 use crate::error::{CommError, Result};
 use crate::flight::{dump_on_failure, FlightRecorder};
 use crate::hooks::{HookHandle, HookSet, OpRecord};
-use crate::types::{dtype_supported, OpCtx, OpName, P2POp, ReduceOp};
+use crate::types::{dtype_supported, reduce_supported, OpCtx, OpName, P2POp, ReduceOp};
 use crate::window::Window;
 use crate::work::{Work, WorkState};
 
@@ -26,6 +27,15 @@ struct Inner {
     hooks: Arc<HookSet>,
     recorder: Option<FlightRecorder>,
     failed: AtomicBool,
+}
+
+/// The ops that share [`Comm::dense`].
+#[derive(Clone, Copy)]
+enum Dense {
+    AllReduce(ReduceOp),
+    AllGather,
+    ReduceScatter(ReduceOp),
+    AllToAll,
 }
 
 /// A communicator: one rank's handle of a group of ranks (torchcomms' `TorchComm`).
@@ -274,7 +284,7 @@ impl Comm {
     }
 
     fn check_reduce(&self, ctx: &OpCtx, op: ReduceOp, dtype: DType) -> Result<()> {
-        if !op.supports(dtype) {
+        if !reduce_supported(op, dtype) {
             return Err(CommError::UnsupportedDType {
                 ctx: ctx.clone(),
                 dtype,
@@ -351,14 +361,7 @@ impl Comm {
 
     /// Reduces `input` over all ranks with `op`; every rank receives the result.
     pub fn all_reduce(&self, input: &Tensor, op: ReduceOp) -> Result<Work<Tensor>> {
-        let ctx = self.next_ctx(OpName::AllReduce);
-        let input = self.prepare_input(&ctx, input)?;
-        self.check_reduce(&ctx, op, input.dtype())?;
-        self.issue(
-            ctx,
-            |c| self.record(c, &[&input], None, None, Some(op)),
-            |c| self.inner.backend.all_reduce(c, input.clone(), op, None),
-        )
+        self.dense(Dense::AllReduce(op), None, input)
     }
 
     /// Like [`Comm::all_reduce`], writing the result into `output` (same dtype and element
@@ -370,31 +373,64 @@ impl Comm {
         input: &Tensor,
         op: ReduceOp,
     ) -> Result<Work<Tensor>> {
-        let ctx = self.next_ctx(OpName::AllReduce);
+        self.dense(Dense::AllReduce(op), Some(output), input)
+    }
+
+    /// The common path of the ops with one input and one output of a size the op defines
+    /// (and of their `*_into` variants, which pass `output`).
+    fn dense(&self, op: Dense, output: Option<&Tensor>, input: &Tensor) -> Result<Work<Tensor>> {
+        let reduce = match op {
+            Dense::AllReduce(r) | Dense::ReduceScatter(r) => Some(r),
+            Dense::AllGather | Dense::AllToAll => None,
+        };
+        let ctx = self.next_ctx(match op {
+            Dense::AllReduce(_) => OpName::AllReduce,
+            Dense::AllGather => OpName::AllGatherSingle,
+            Dense::ReduceScatter(_) => OpName::ReduceScatterSingle,
+            Dense::AllToAll => OpName::AllToAllSingle,
+        });
         let input = self.prepare_input(&ctx, input)?;
-        self.check_reduce(&ctx, op, input.dtype())?;
-        let output = self.prepare_output(&ctx, output, &input, input.elem_count(), true)?;
+        if let Some(r) = reduce {
+            self.check_reduce(&ctx, r, input.dtype())?;
+        }
+        let (n, elems) = (self.size(), input.elem_count());
+        // The output's elements, whether it may be the input, whether dim 0 must divide by n.
+        let (out_elems, may_alias, divisible) = match op {
+            Dense::AllReduce(_) => (elems, true, false),
+            Dense::AllGather => (elems * n, false, false),
+            Dense::ReduceScatter(_) => (elems / n, false, true),
+            Dense::AllToAll => (elems, false, true),
+        };
+        if divisible {
+            self.check_divisible(&ctx, &input)?;
+        }
+        let output = self.prepare_output(&ctx, output, &input, out_elems, may_alias)?;
+        let b = &self.inner.backend;
         self.issue(
             ctx,
-            |c| self.record(c, &[&input], None, None, Some(op)),
-            |c| {
-                self.inner
-                    .backend
-                    .all_reduce(c, input.clone(), op, Some(output))
+            |c| self.record(c, &[&input], None, None, reduce),
+            |c| match op {
+                Dense::AllReduce(r) => b.all_reduce(c, input.clone(), r, output),
+                Dense::AllGather => b.all_gather_single(c, input.clone(), output),
+                Dense::ReduceScatter(r) => b.reduce_scatter_single(c, input.clone(), r, output),
+                Dense::AllToAll => b.all_to_all_single(c, input.clone(), output),
             },
         )
     }
 
-    /// Checks a caller-provided output: same device and dtype as `input`, `elems` elements,
-    /// contiguous, and (unless `may_alias`) not overlapping `input`.
+    /// Checks a caller-provided output, if any: same device and dtype as `input`, `elems`
+    /// elements, contiguous, and (unless `may_alias`) not overlapping `input`.
     fn prepare_output(
         &self,
         ctx: &OpCtx,
-        output: &Tensor,
+        output: Option<&Tensor>,
         input: &Tensor,
         elems: usize,
         may_alias: bool,
-    ) -> Result<Tensor> {
+    ) -> Result<Option<Tensor>> {
+        let Some(output) = output else {
+            return Ok(None);
+        };
         if !output.device().same_device(self.device()) || output.dtype() != input.dtype() {
             return Err(CommError::invalid(
                 ctx,
@@ -424,10 +460,7 @@ impl Comm {
             ));
         }
         if !may_alias {
-            if let (Some(a), Some(b)) = (
-                crate::local::kernels::data_addr(output),
-                crate::local::kernels::data_addr(input),
-            ) {
+            if let (Some(a), Some(b)) = (data_addr(output), data_addr(input)) {
                 let es = input.dtype().size_in_bytes();
                 let (a_end, b_end) = (a + output.elem_count() * es, b + input.elem_count() * es);
                 if a < b_end && b < a_end {
@@ -435,60 +468,25 @@ impl Comm {
                 }
             }
         }
-        Ok(output.clone())
+        Ok(Some(output.clone()))
     }
 
     /// Concatenates every rank's `input` along dim 0 in rank order (`[d0, ..]` becomes
     /// `[size * d0, ..]`; a scalar becomes `[size]`). All ranks must pass the same shape.
     pub fn all_gather_single(&self, input: &Tensor) -> Result<Work<Tensor>> {
-        let ctx = self.next_ctx(OpName::AllGatherSingle);
-        let input = self.prepare_input(&ctx, input)?;
-        self.issue(
-            ctx,
-            |c| self.record(c, &[&input], None, None, None),
-            |c| self.inner.backend.all_gather_single(c, input.clone(), None),
-        )
+        self.dense(Dense::AllGather, None, input)
     }
 
     /// Like [`Comm::all_gather_single`], writing into `output` (`size` times the input's
     /// elements, same dtype, contiguous, not overlapping the input). The work returns `output`.
     pub fn all_gather_single_into(&self, output: &Tensor, input: &Tensor) -> Result<Work<Tensor>> {
-        let ctx = self.next_ctx(OpName::AllGatherSingle);
-        let input = self.prepare_input(&ctx, input)?;
-        let output = self.prepare_output(
-            &ctx,
-            output,
-            &input,
-            input.elem_count() * self.size(),
-            false,
-        )?;
-        self.issue(
-            ctx,
-            |c| self.record(c, &[&input], None, None, None),
-            |c| {
-                self.inner
-                    .backend
-                    .all_gather_single(c, input.clone(), Some(output))
-            },
-        )
+        self.dense(Dense::AllGather, Some(output), input)
     }
 
     /// Reduces `input` over all ranks and gives rank r the r-th of `size` equal dim-0 chunks.
     /// `input.dim(0)` must be divisible by the communicator size.
     pub fn reduce_scatter_single(&self, input: &Tensor, op: ReduceOp) -> Result<Work<Tensor>> {
-        let ctx = self.next_ctx(OpName::ReduceScatterSingle);
-        let input = self.prepare_input(&ctx, input)?;
-        self.check_reduce(&ctx, op, input.dtype())?;
-        self.check_divisible(&ctx, &input)?;
-        self.issue(
-            ctx,
-            |c| self.record(c, &[&input], None, None, Some(op)),
-            |c| {
-                self.inner
-                    .backend
-                    .reduce_scatter_single(c, input.clone(), op, None)
-            },
-        )
+        self.dense(Dense::ReduceScatter(op), None, input)
     }
 
     /// Like [`Comm::reduce_scatter_single`], writing into `output` (the input's elements divided
@@ -499,26 +497,7 @@ impl Comm {
         input: &Tensor,
         op: ReduceOp,
     ) -> Result<Work<Tensor>> {
-        let ctx = self.next_ctx(OpName::ReduceScatterSingle);
-        let input = self.prepare_input(&ctx, input)?;
-        self.check_reduce(&ctx, op, input.dtype())?;
-        self.check_divisible(&ctx, &input)?;
-        let output = self.prepare_output(
-            &ctx,
-            output,
-            &input,
-            input.elem_count() / self.size(),
-            false,
-        )?;
-        self.issue(
-            ctx,
-            |c| self.record(c, &[&input], None, None, Some(op)),
-            |c| {
-                self.inner
-                    .backend
-                    .reduce_scatter_single(c, input.clone(), op, Some(output))
-            },
-        )
+        self.dense(Dense::ReduceScatter(op), Some(output), input)
     }
 
     fn check_divisible(&self, ctx: &OpCtx, input: &Tensor) -> Result<()> {
@@ -539,32 +518,13 @@ impl Comm {
     /// Splits `input` into `size` equal dim-0 chunks; chunk j goes to rank j, and rank r's output
     /// chunk j comes from rank j's chunk r.
     pub fn all_to_all_single(&self, input: &Tensor) -> Result<Work<Tensor>> {
-        let ctx = self.next_ctx(OpName::AllToAllSingle);
-        let input = self.prepare_input(&ctx, input)?;
-        self.check_divisible(&ctx, &input)?;
-        self.issue(
-            ctx,
-            |c| self.record(c, &[&input], None, None, None),
-            |c| self.inner.backend.all_to_all_single(c, input.clone(), None),
-        )
+        self.dense(Dense::AllToAll, None, input)
     }
 
     /// Like [`Comm::all_to_all_single`], writing into `output` (same element count and dtype,
     /// contiguous, not overlapping the input). The work returns `output`.
     pub fn all_to_all_single_into(&self, output: &Tensor, input: &Tensor) -> Result<Work<Tensor>> {
-        let ctx = self.next_ctx(OpName::AllToAllSingle);
-        let input = self.prepare_input(&ctx, input)?;
-        self.check_divisible(&ctx, &input)?;
-        let output = self.prepare_output(&ctx, output, &input, input.elem_count(), false)?;
-        self.issue(
-            ctx,
-            |c| self.record(c, &[&input], None, None, None),
-            |c| {
-                self.inner
-                    .backend
-                    .all_to_all_single(c, input.clone(), Some(output))
-            },
-        )
+        self.dense(Dense::AllToAll, Some(output), input)
     }
 
     /// All-to-all with split sizes counted in dim-0 slices: `input_split_sizes[j]` slices go to

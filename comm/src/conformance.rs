@@ -51,7 +51,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::backend::Capabilities;
 use crate::comm::Comm;
 use crate::error::CommError;
-use crate::types::ReduceOp;
+use crate::types::{ReduceOp, SUPPORTED_DTYPES};
 
 /// Set (to anything) to run the full sweep (every size class at every world size), as
 /// torchcomms' `is_full_sweep()` does; [`Selection::default`] reads it.
@@ -386,7 +386,10 @@ fn run_case(
     let result = match catch_unwind(AssertUnwindSafe(|| body(&cx))) {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(format!("error: {e}")),
-        Err(p) => Err(format!("check failed: {}", panic_text(p.as_ref()))),
+        Err(p) => Err(format!(
+            "check failed: {}",
+            crate::cpu::queue::panic_message(&*p)
+        )),
     };
     drop(cx);
     let elapsed = t0.elapsed();
@@ -423,17 +426,6 @@ fn run_case(
         outcome,
         elapsed,
     })
-}
-
-/// The text of a panic payload.
-fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic payload".to_string()
-    }
 }
 
 /// The names and requirements of every case, in the order [`run`] runs them.
@@ -665,23 +657,9 @@ impl Cx<'_> {
 /// A tensor as the cases compare it: its dims and its values widened to `f64`.
 type Out = (Vec<usize>, Vec<f64>);
 
-const DTYPES: [DType; 7] = [
-    DType::F32,
-    DType::F64,
-    DType::BF16,
-    DType::F16,
-    DType::I64,
-    DType::U32,
-    DType::U8,
-];
-
-const REDUCE_OPS: [ReduceOp; 5] = [
-    ReduceOp::Sum,
-    ReduceOp::Avg,
-    ReduceOp::Max,
-    ReduceOp::Min,
-    ReduceOp::Product,
-];
+/// The dtypes and reduce ops the cases sweep: every one a backend must support.
+const DTYPES: [DType; 7] = SUPPORTED_DTYPES;
+const REDUCE_OPS: [ReduceOp; 5] = ReduceOp::ALL;
 
 /// Size classes: zero-length, one element, uneven, small (< 64 KiB per rank: the eager path of
 /// the local backend), large (> 64 KiB per rank for every dtype, u8 included).
@@ -830,8 +808,9 @@ fn sweep<C: Debug>(
     Ok(())
 }
 
-/// The error of an op that must fail (issue or wait).
-fn fails<T: Debug>(r: Result<T, CommError>, what: &str) -> CommError {
+/// The error of an op that must fail (issue or wait). (This and the next two helpers are
+/// public for backend drivers' own tests.)
+pub fn fails<T: Debug>(r: Result<T, CommError>, what: &str) -> CommError {
     match r {
         Ok(v) => panic!("{what}: expected an error, got {v:?}"),
         Err(e) => e,
@@ -839,7 +818,7 @@ fn fails<T: Debug>(r: Result<T, CommError>, what: &str) -> CommError {
 }
 
 /// Asserts `e` carries the op context `op`, `comm`, `rank` and that its message leads with it.
-fn assert_ctx(e: &CommError, op: &str, comm: &str, rank: usize) {
+pub fn assert_ctx(e: &CommError, op: &str, comm: &str, rank: usize) {
     let ctx = e
         .ctx()
         .unwrap_or_else(|| panic!("error without op context: {e}"));
@@ -854,8 +833,8 @@ fn assert_ctx(e: &CommError, op: &str, comm: &str, rank: usize) {
     );
 }
 
-/// Polls `f` until it holds or `limit` passes.
-fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+/// Polls `f` until it holds or `limit` passes; returns whether it held.
+pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
     loop {
         if f() {

@@ -31,7 +31,7 @@ pub struct OpRecord {
     /// The operation.
     pub op: OpName,
     /// The dtype of the data, if any.
-    #[serde(serialize_with = "ser_dtype")]
+    #[serde(serialize_with = "crate::desc::dtype_name::serialize")]
     pub dtype: Option<DType>,
     /// The shapes of the input tensors.
     pub shapes: Vec<Vec<usize>>,
@@ -45,13 +45,6 @@ pub struct OpRecord {
     pub reduce_op: Option<ReduceOp>,
 }
 
-fn ser_dtype<S: serde::Serializer>(d: &Option<DType>, s: S) -> Result<S::Ok, S::Error> {
-    match d {
-        Some(d) => s.serialize_str(d.as_str()),
-        None => s.serialize_none(),
-    }
-}
-
 /// Called before an operation is handed to the backend.
 pub type PreHook = dyn Fn(&OpRecord) + Send + Sync;
 /// Called after an operation was handed to the backend, with a view of its work.
@@ -59,13 +52,28 @@ pub type PostHook = dyn Fn(&OpRecord, &Arc<dyn WorkState>) + Send + Sync;
 /// Called once when the communicator fails.
 pub type AbortHook = dyn Fn(&CommError) + Send + Sync;
 
+type List<H> = RwLock<Vec<(u64, Arc<H>)>>;
+
 #[derive(Default)]
 pub(crate) struct HookSet {
     next_id: AtomicU64,
     any_op_hook: AtomicBool,
-    pre: RwLock<Vec<(u64, Arc<PreHook>)>>,
-    post: RwLock<Vec<(u64, Arc<PostHook>)>>,
-    abort: RwLock<Vec<(u64, Arc<AbortHook>)>>,
+    pre: List<PreHook>,
+    post: List<PostHook>,
+    abort: List<AbortHook>,
+}
+
+/// The hooks of `list` now (so none runs under its lock).
+fn snapshot<H: ?Sized>(list: &List<H>) -> Vec<Arc<H>> {
+    list.read()
+        .map(|v| v.iter().map(|(_, h)| h.clone()).collect())
+        .unwrap_or_default()
+}
+
+fn retain_others<H: ?Sized>(list: &List<H>, id: u64) {
+    list.write()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|(i, _)| *i != id)
 }
 
 #[derive(Clone, Copy)]
@@ -103,98 +111,55 @@ impl HookSet {
         self.any_op_hook.store(any, Ordering::Release);
     }
 
-    pub(crate) fn add_pre(self: &Arc<Self>, f: Arc<PreHook>) -> HookHandle {
+    fn add<H: ?Sized>(self: &Arc<Self>, list: &List<H>, kind: Kind, f: Arc<H>) -> HookHandle {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.pre
-            .write()
+        list.write()
             .unwrap_or_else(|e| e.into_inner())
             .push((id, f));
         self.refresh();
         HookHandle {
             id,
-            kind: Kind::Pre,
+            kind,
             set: Arc::downgrade(self),
         }
+    }
+
+    pub(crate) fn add_pre(self: &Arc<Self>, f: Arc<PreHook>) -> HookHandle {
+        self.add(&self.pre, Kind::Pre, f)
     }
 
     pub(crate) fn add_post(self: &Arc<Self>, f: Arc<PostHook>) -> HookHandle {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.post
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((id, f));
-        self.refresh();
-        HookHandle {
-            id,
-            kind: Kind::Post,
-            set: Arc::downgrade(self),
-        }
+        self.add(&self.post, Kind::Post, f)
     }
 
     pub(crate) fn add_abort(self: &Arc<Self>, f: Arc<AbortHook>) -> HookHandle {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.abort
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((id, f));
-        HookHandle {
-            id,
-            kind: Kind::Abort,
-            set: Arc::downgrade(self),
-        }
+        self.add(&self.abort, Kind::Abort, f)
     }
 
     fn remove(&self, kind: Kind, id: u64) {
         match kind {
-            Kind::Pre => self
-                .pre
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|(i, _)| *i != id),
-            Kind::Post => self
-                .post
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|(i, _)| *i != id),
-            Kind::Abort => self
-                .abort
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|(i, _)| *i != id),
+            Kind::Pre => retain_others(&self.pre, id),
+            Kind::Post => retain_others(&self.post, id),
+            Kind::Abort => retain_others(&self.abort, id),
         }
         self.refresh();
     }
 
     pub(crate) fn run_pre(&self, rec: &OpRecord) {
-        let hooks: Vec<Arc<PreHook>> = self
-            .pre
-            .read()
-            .map(|v| v.iter().map(|(_, h)| h.clone()).collect())
-            .unwrap_or_default();
-        for h in hooks {
+        for h in snapshot(&self.pre) {
             h(rec);
         }
     }
 
     pub(crate) fn run_post(&self, rec: &OpRecord, work: &Arc<dyn WorkState>) {
-        let hooks: Vec<Arc<PostHook>> = self
-            .post
-            .read()
-            .map(|v| v.iter().map(|(_, h)| h.clone()).collect())
-            .unwrap_or_default();
-        for h in hooks {
+        for h in snapshot(&self.post) {
             h(rec, work);
         }
     }
 
     /// Runs the abort hooks; a panicking hook is caught and logged so the others still run.
     pub(crate) fn run_abort(&self, err: &CommError) {
-        let hooks: Vec<Arc<AbortHook>> = self
-            .abort
-            .read()
-            .map(|v| v.iter().map(|(_, h)| h.clone()).collect())
-            .unwrap_or_default();
-        for h in hooks {
+        for h in snapshot(&self.abort) {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(err)));
             if r.is_err() {
                 tracing::error!(error = %err, "an abort hook panicked");

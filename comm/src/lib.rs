@@ -43,6 +43,8 @@ mod backend;
 mod comm;
 #[cfg(feature = "conformance")]
 pub mod conformance;
+mod cpu;
+mod desc;
 pub mod env;
 mod error;
 mod flight;
@@ -64,6 +66,8 @@ pub use error::{CommError, Result};
 pub use flight::{FlightEntry, FlightRecorder, FR_DUMP_DIR_ENV};
 pub use hooks::{AbortHook, HookHandle, OpRecord, PostHook, PreHook};
 pub use local::{LocalWorld, LocalWorldError};
-pub use types::{dtype_supported, OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES};
+pub use types::{
+    dtype_supported, reduce_supported, OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES,
+};
 pub use window::{Window, WindowBackend};
 pub use work::{InlineRun, Work, WorkCompleter, WorkState, WorkStatus};

@@ -6,54 +6,18 @@ use std::time::Duration;
 
 use candle_core::DType;
 
-/// How a reducing collective combines the ranks' values.
-///
-/// `Avg` is `Sum` followed by a division by the group size; it is defined for floating-point dtypes
-/// only. Half-precision inputs (`f16`, `bf16`) are accumulated in `f32` and rounded once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ReduceOp {
-    /// Elementwise sum.
-    Sum,
-    /// Elementwise mean over the ranks (floating-point dtypes only).
-    Avg,
-    /// Elementwise maximum.
-    Max,
-    /// Elementwise minimum.
-    Min,
-    /// Elementwise product.
-    Product,
-}
+/// How a reducing collective combines the ranks' values (the sharding compiler's `Partial`
+/// reductions are the same type). Half-precision inputs (`f16`, `bf16`) are accumulated in
+/// `f32` and rounded once; `Avg` is defined for floating-point dtypes only ([`reduce_supported`]).
+pub use candle_dtensor_types::ReduceOp;
 
-impl ReduceOp {
-    /// The short lowercase name (`sum`, `avg`, ...).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Avg => "avg",
-            ReduceOp::Max => "max",
-            ReduceOp::Min => "min",
-            ReduceOp::Product => "product",
-        }
-    }
-
-    /// Whether this reduction is defined for `dtype`.
-    pub fn supports(self, dtype: DType) -> bool {
-        match self {
-            ReduceOp::Avg => dtype.is_float(),
-            _ => true,
-        }
-    }
-}
-
-impl fmt::Display for ReduceOp {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
+/// Whether collectives define `op` on `dtype` (`Avg` on floating-point dtypes only).
+pub fn reduce_supported(op: ReduceOp, dtype: DType) -> bool {
+    !op.float_only() || dtype.is_float()
 }
 
 /// The name of a communicator operation, as torchcomms spells it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 #[allow(missing_docs)]
 pub enum OpName {
@@ -148,6 +112,20 @@ pub struct OpCtx {
     pub seq: u64,
     /// The timeout this operation runs under.
     pub timeout: Duration,
+}
+
+impl OpCtx {
+    /// The context of creating communicator `name` (`new_comm`, seq 0) as `rank`, bounded by
+    /// the bootstrap `timeout`.
+    pub fn bootstrap(name: &str, rank: usize, timeout: Duration) -> OpCtx {
+        OpCtx {
+            op: OpName::NewComm,
+            comm: Arc::from(name),
+            rank,
+            seq: 0,
+            timeout,
+        }
+    }
 }
 
 impl fmt::Display for OpCtx {

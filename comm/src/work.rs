@@ -341,12 +341,19 @@ impl<T: Send + 'static> WorkCompleter<T> {
 
     /// Finishes the work with `result` and wakes the waiter.
     pub fn complete(self, result: Result<T>) {
-        let status = match &result {
-            Ok(_) => WorkStatus::Completed,
-            Err(CommError::Timeout { .. }) => WorkStatus::TimedOut,
-            Err(_) => WorkStatus::Error,
-        };
         let err = result.as_ref().err().cloned();
+        let mut result = Some(result.map(|t| Box::new(t) as AnyBox));
+        self.end(err, |r| *r = result.take());
+    }
+
+    /// Records the end (`err`: how it failed), lets `set` update the stored result, publishes
+    /// the final status and runs the failure callback.
+    fn end(self, err: Option<CommError>, set: impl FnOnce(&mut Option<Result<AnyBox>>)) {
+        let status = match &err {
+            None => WorkStatus::Completed,
+            Some(CommError::Timeout { .. }) => WorkStatus::TimedOut,
+            Some(_) => WorkStatus::Error,
+        };
         if let Ok(mut t) = self.core.times.lock() {
             let now = Instant::now();
             t.started.get_or_insert(now);
@@ -360,7 +367,7 @@ impl<T: Send + 'static> WorkCompleter<T> {
         let callback = {
             let mut slot = self.core.on_error.lock().unwrap_or_else(|e| e.into_inner());
             let mut r = self.core.result.lock().unwrap_or_else(|e| e.into_inner());
-            *r = Some(result.map(|t| Box::new(t) as AnyBox));
+            set(&mut r);
             self.core.status.store(status as u8, Ordering::Release);
             self.core.cv.notify_all();
             slot.take()
@@ -388,31 +395,13 @@ impl<T: Send + 'static> WorkCompleter<T> {
     /// waiter has not taken it yet (so a later [`Work::wait`] returns the error), and runs the
     /// failure callback, as [`WorkCompleter::complete`] does.
     pub fn finish(self, outcome: Result<()>) {
-        let status = match &outcome {
-            Ok(()) => WorkStatus::Completed,
-            Err(CommError::Timeout { .. }) => WorkStatus::TimedOut,
-            Err(_) => WorkStatus::Error,
-        };
         let err = outcome.err();
-        if let Ok(mut t) = self.core.times.lock() {
-            let now = Instant::now();
-            t.started.get_or_insert(now);
-            t.finished = Some(now);
-            t.error = err.as_ref().map(|e| e.to_string());
-        }
-        let callback = {
-            let mut slot = self.core.on_error.lock().unwrap_or_else(|e| e.into_inner());
-            let mut r = self.core.result.lock().unwrap_or_else(|e| e.into_inner());
-            if let (Some(e), Some(_)) = (&err, r.as_ref()) {
-                *r = Some(Err(e.clone()));
+        let replace = err.clone();
+        self.end(err, |r| {
+            if let (Some(e), Some(_)) = (replace, r.as_ref()) {
+                *r = Some(Err(e));
             }
-            self.core.status.store(status as u8, Ordering::Release);
-            self.core.cv.notify_all();
-            slot.take()
-        };
-        if let (Some(cb), Some(e)) = (callback, err) {
-            cb(&e);
-        }
+        });
     }
 
     /// A type-erased view for observers.

@@ -17,10 +17,10 @@
 //! `CDT_FULL_SWEEP=1` to run it at every world size.
 
 use std::error::Error;
-use std::fmt::Debug;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
+use candle_dtensor_comm::conformance::{assert_ctx, eventually, fails};
 use candle_dtensor_comm::{Comm, CommError, LocalWorld, ReduceOp};
 
 type R<T> = Result<T, Box<dyn Error + Send + Sync>>;
@@ -41,44 +41,6 @@ fn world(n: usize) -> LocalWorld {
 /// Runs `f` on every rank of a world of `n`; panics with the launcher's report on failure.
 fn launch<T: Send>(n: usize, f: impl Fn(Comm) -> R<T> + Send + Sync) -> Vec<T> {
     world(n).launch(f).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// The error of an op that must fail (issue or wait).
-fn fails<T: Debug>(r: Result<T, CommError>, what: &str) -> CommError {
-    match r {
-        Ok(v) => panic!("{what}: expected an error, got {v:?}"),
-        Err(e) => e,
-    }
-}
-
-/// Asserts `e` carries the op context `op`, `comm`, `rank` and that its message leads with it.
-fn assert_ctx(e: &CommError, op: &str, comm: &str, rank: usize) {
-    let ctx = e
-        .ctx()
-        .unwrap_or_else(|| panic!("error without op context: {e}"));
-    assert_eq!(ctx.op.as_str(), op, "{e}");
-    assert_eq!(&*ctx.comm, comm, "{e}");
-    assert_eq!(ctx.rank, rank, "{e}");
-    let msg = e.to_string();
-    let lead = format!("{op} (comm \"{comm}\", rank {rank}, seq ");
-    assert!(
-        msg.starts_with(&lead),
-        "{msg:?} does not start with {lead:?}"
-    );
-}
-
-/// Polls `f` until it holds or `limit` passes.
-fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    loop {
-        if f() {
-            return true;
-        }
-        if start.elapsed() > limit {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

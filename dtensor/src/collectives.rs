@@ -31,8 +31,22 @@ use crate::storage::{copy_rows, narrow, Cut};
 
 type CResult<T> = candle_core::Result<T>;
 
-fn msg(s: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(s.into())
+/// A typed refusal of this rank's piece `x` by the collective `op` over `ax`.
+pub(crate) fn refuse(
+    ax: &Axis,
+    op: &str,
+    x: &Tensor,
+    reason: impl Into<String>,
+) -> candle_core::Error {
+    crate::error::DTensorError::Collective(Box::new(crate::error::CollectiveError {
+        op: op.to_string(),
+        mesh_dim: ax.name.to_string(),
+        rank: ax.coord,
+        size: ax.n,
+        shape: x.dims().to_vec(),
+        reason: reason.into(),
+    }))
+    .into()
 }
 
 /// Waits for `w`, adding the blocked time to the thread's comm-wait counter.
@@ -64,20 +78,16 @@ fn zeros_like_dims(dims: &[usize], dtype: DType, t: &Tensor) -> CResult<Tensor> 
     Tensor::zeros(dims, dtype, t.device())
 }
 
-fn check_piece(op: &str, x: &Tensor, dim: usize, expect: usize) -> CResult<Cut> {
-    if dim >= x.rank() {
-        return Err(msg(format!(
-            "{op}: dim {dim} out of range for shape {:?}",
-            x.dims()
-        )));
-    }
+fn check_piece(ax: &Axis, op: &str, x: &Tensor, dim: usize, expect: usize) -> CResult<Cut> {
+    check_dim(ax, op, x, dim)?;
     let cut = Cut::new(x.dims(), dim);
     if cut.len != expect {
-        return Err(msg(format!(
-            "{op}: local piece {:?} has {} rows on dim {dim}, expected {expect}",
-            x.dims(),
-            cut.len
-        )));
+        return Err(refuse(
+            ax,
+            op,
+            x,
+            format!("{} rows on dim {dim}, expected {expect}", cut.len),
+        ));
     }
     Ok(cut)
 }
@@ -99,7 +109,7 @@ pub(crate) fn gather_raw(
     let dest = writable(dest);
     let n = ax.n;
     let (me, _) = shard_size_and_offset(l, n, ax.coord);
-    let cut = check_piece("all_gather", x, dim, me)?;
+    let cut = check_piece(ax, "all_gather", x, dim, me)?;
     let es = elem_bytes(x);
     let full = l.div_ceil(n.max(1));
     let mut out_dims = x.dims().to_vec();
@@ -162,7 +172,7 @@ pub(crate) fn reduce_scatter_raw(
 ) -> CResult<Tensor> {
     let dest = writable(dest);
     let n = ax.n;
-    let cut = check_piece("reduce_scatter", x, dim, l)?;
+    let cut = check_piece(ax, "reduce_scatter", x, dim, l)?;
     let es = elem_bytes(x);
     let full = l.div_ceil(n.max(1));
     let (me, _) = shard_size_and_offset(l, n, ax.coord);
@@ -249,8 +259,8 @@ pub(crate) fn all_to_all_raw(
 ) -> CResult<Tensor> {
     let n = ax.n;
     let (me_i, _) = shard_size_and_offset(li, n, ax.coord);
-    check_piece("all_to_all", x, i, me_i)?;
-    check_piece("all_to_all", x, j, lj)?;
+    check_piece(ax, "all_to_all", x, i, me_i)?;
+    check_piece(ax, "all_to_all", x, j, lj)?;
     let (full_i, full_j) = (li.div_ceil(n.max(1)), lj.div_ceil(n.max(1)));
     let pad = |t: Tensor, d: usize, to: usize| -> CResult<Tensor> {
         let have = t.dim(d)?;
@@ -328,13 +338,8 @@ pub(crate) fn all_gather(
     l: usize,
     grad: GatherGrad,
 ) -> CResult<Tensor> {
+    check_dim(ax, "all_gather", x, dim)?;
     let mut out_dims = x.dims().to_vec();
-    if dim >= out_dims.len() {
-        return Err(msg(format!(
-            "all_gather: dim {dim} out of range for {:?}",
-            x.dims()
-        )));
-    }
     out_dims[dim] = l;
     let bx = ax.clone();
     emit(
@@ -362,18 +367,16 @@ pub(crate) fn reduce_scatter(
     op: ReduceOp,
 ) -> CResult<Tensor> {
     if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) && x.track_op() {
-        return Err(msg(format!(
-            "reduce_scatter of a Partial({op}) value has no gradient rule; go through Replicate"
-        )));
+        return Err(refuse(
+            ax,
+            "reduce_scatter",
+            x,
+            format!("a Partial({op}) value has no gradient rule; go through Replicate"),
+        ));
     }
     let (me, _) = shard_size_and_offset(l, ax.n, ax.coord);
+    check_dim(ax, "reduce_scatter", x, dim)?;
     let mut out_dims = x.dims().to_vec();
-    if dim >= out_dims.len() {
-        return Err(msg(format!(
-            "reduce_scatter: dim {dim} out of range for {:?}",
-            x.dims()
-        )));
-    }
     out_dims[dim] = me;
     let bx = ax.clone();
     emit(
@@ -431,13 +434,9 @@ pub(crate) fn all_to_all(
     li: usize,
     lj: usize,
 ) -> CResult<Tensor> {
+    check_dim(ax, "all_to_all", x, i)?;
+    check_dim(ax, "all_to_all", x, j)?;
     let mut out_dims = x.dims().to_vec();
-    if i >= out_dims.len() || j >= out_dims.len() {
-        return Err(msg(format!(
-            "all_to_all: dims {i}, {j} out of range for {:?}",
-            x.dims()
-        )));
-    }
     out_dims[i] = li;
     out_dims[j] = shard_size_and_offset(lj, ax.n, ax.coord).0;
     let bx = ax.clone();
@@ -452,12 +451,7 @@ pub(crate) fn all_to_all(
 
 /// Differentiable `R -> S(dim)`: keeps this rank's chunk; the backward all_gathers.
 pub(crate) fn chunk(x: &Tensor, ax: &Axis, dim: usize) -> CResult<Tensor> {
-    if dim >= x.rank() {
-        return Err(msg(format!(
-            "chunk: dim {dim} out of range for {:?}",
-            x.dims()
-        )));
-    }
+    check_dim(ax, "chunk", x, dim)?;
     let l = x.dim(dim)?;
     let (s, off) = shard_size_and_offset(l, ax.n, ax.coord);
     let mut out_dims = x.dims().to_vec();
@@ -483,9 +477,15 @@ pub(crate) fn chunk(x: &Tensor, ax: &Axis, dim: usize) -> CResult<Tensor> {
 
 /// Differentiable `R -> P(op)`: `sum` splits the value evenly (`x / n` on every rank), the
 /// others keep it.
-pub(crate) fn partition(x: &Tensor, n: usize, op: ReduceOp) -> CResult<Tensor> {
+pub(crate) fn partition(x: &Tensor, ax: &Axis, op: ReduceOp) -> CResult<Tensor> {
+    let n = ax.n;
     if op == ReduceOp::Product {
-        return Err(msg("Replicate -> Partial(product) is not supported"));
+        return Err(refuse(
+            ax,
+            "partition",
+            x,
+            "Replicate -> Partial(product) is not supported",
+        ));
     }
     emit(
         x,
@@ -580,7 +580,7 @@ fn pad_rows(x: &Tensor, dim: usize, to: usize) -> CResult<Tensor> {
 
 /// `R -> SS(dim, sf)` data path: this rank's strided rows of the (logical) piece `x`.
 pub(crate) fn strided_select_raw(x: &Tensor, ax: &Axis, dim: usize, sf: usize) -> CResult<Tensor> {
-    check_dim("strided select", x, dim)?;
+    check_dim(ax, "strided select", x, dim)?;
     let l = x.dim(dim)?;
     select_rows(x, &strided_indices(l, sf, ax.n, ax.coord), dim)?.contiguous()
 }
@@ -594,11 +594,11 @@ pub(crate) fn strided_gather_raw(
     l: usize,
     sf: usize,
 ) -> CResult<Tensor> {
-    check_dim("strided all_gather", x, dim)?;
+    check_dim(ax, "strided all_gather", x, dim)?;
     let n = ax.n;
     let (idx, full) = strided_layout(l, sf, n);
     let me = &idx[ax.coord];
-    let cut = check_piece("strided all_gather", x, dim, me.len())?;
+    let cut = check_piece(ax, "strided all_gather", x, dim, me.len())?;
     record(
         "all_gather",
         &ax.name,
@@ -633,10 +633,10 @@ pub(crate) fn strided_reduce_scatter_raw(
     l: usize,
     sf: usize,
 ) -> CResult<Tensor> {
-    check_dim("strided reduce_scatter", g, dim)?;
+    check_dim(ax, "strided reduce_scatter", g, dim)?;
     let n = ax.n;
     let (idx, full) = strided_layout(l, sf, n);
-    let cut = check_piece("strided reduce_scatter", g, dim, l)?;
+    let cut = check_piece(ax, "strided reduce_scatter", g, dim, l)?;
     record(
         "reduce_scatter",
         &ax.name,
@@ -656,12 +656,9 @@ pub(crate) fn strided_reduce_scatter_raw(
     narrow(&recv.reshape(block)?, dim, 0, idx[ax.coord].len())?.contiguous()
 }
 
-fn check_dim(op: &str, x: &Tensor, dim: usize) -> CResult<()> {
+fn check_dim(ax: &Axis, op: &str, x: &Tensor, dim: usize) -> CResult<()> {
     if dim >= x.rank() {
-        return Err(msg(format!(
-            "{op}: dim {dim} out of range for {:?}",
-            x.dims()
-        )));
+        return Err(refuse(ax, op, x, format!("dim {dim} out of range")));
     }
     Ok(())
 }
@@ -677,7 +674,7 @@ pub(crate) fn strided_all_gather(
     sf: usize,
     grad: GatherGrad,
 ) -> CResult<Tensor> {
-    check_dim("strided all_gather", x, dim)?;
+    check_dim(ax, "strided all_gather", x, dim)?;
     let mut out_dims = x.dims().to_vec();
     out_dims[dim] = l;
     let bx = ax.clone();
@@ -702,7 +699,7 @@ pub(crate) fn strided_all_gather(
 /// Differentiable `R -> SS(dim, sf)` (local): keeps this rank's strided rows; the backward
 /// all_gathers them back into place.
 pub(crate) fn strided_chunk(x: &Tensor, ax: &Axis, dim: usize, sf: usize) -> CResult<Tensor> {
-    check_dim("strided select", x, dim)?;
+    check_dim(ax, "strided select", x, dim)?;
     let l = x.dim(dim)?;
     let mut out_dims = x.dims().to_vec();
     out_dims[dim] = strided_indices(l, sf, ax.n, ax.coord).len();
@@ -720,4 +717,55 @@ pub(crate) fn strided_chunk(x: &Tensor, ax: &Axis, dim: usize, sf: usize) -> CRe
             Ok(v)
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use candle_core::{Device, Tensor};
+    use candle_dtensor_comm::LocalWorld;
+    use candle_dtensor_mesh::DeviceMesh;
+
+    use crate::error::{Context, DTensorError};
+    use crate::mesh_ctx::MeshCtx;
+
+    /// A collective that refuses its piece inside the graph raises a typed error that survives
+    /// candle (downcastable) and comes back as itself through a DTensor op's `ctx`.
+    #[test]
+    fn in_graph_failures_are_typed_and_name_the_mesh_dim() {
+        let out = LocalWorld::new(2)
+            .with_timeout(Duration::from_secs(20))
+            .launch(
+                |comm| -> Result<_, Box<dyn std::error::Error + Send + Sync>> {
+                    let mesh = DeviceMesh::new(comm, &[("tp", 2)])?;
+                    let ctx = MeshCtx::of(&mesh)?;
+                    let ax = ctx.axis(&mesh, &[0])?;
+                    let x = Tensor::zeros((3, 4), candle_core::DType::F32, &Device::Cpu)?;
+                    // A piece of 3 rows where a dim of 8 over 2 ranks needs 4.
+                    let e = super::gather_raw(&x, &ax, 0, 8, None).unwrap_err();
+                    let typed = DTensorError::in_candle(&e).map(|t| t.to_string());
+                    let back = Err::<(), _>(e).ctx("redistribute", 7).unwrap_err();
+                    Ok((typed, back))
+                },
+            )
+            .unwrap();
+        for (typed, back) in out {
+            let typed = typed.expect("the candle error carries a DTensorError");
+            assert!(
+                typed.contains("all_gather over mesh dim tp") && typed.contains("[3, 4]"),
+                "{typed}"
+            );
+            match back {
+                DTensorError::Collective(c) => {
+                    assert_eq!(
+                        (c.op.as_str(), c.mesh_dim.as_str(), c.size),
+                        ("all_gather", "tp", 2)
+                    );
+                    assert_eq!(c.shape, vec![3, 4]);
+                }
+                other => panic!("not recovered: {other}"),
+            }
+        }
+    }
 }

@@ -1,8 +1,8 @@
-//! Conversions between the vocabularies of candle, the comm layer and the compiler.
+//! Conversions between the vocabularies of candle and the compiler (the comm layer and the
+//! compiler share one `ReduceOp`, from `candle-dtensor-types`: nothing to convert).
 
 use candle_core::DType;
-use candle_dtensor_comm::ReduceOp as CommReduce;
-use candle_dtensor_strategies::{DType as SDType, ReduceOp as SReduce};
+use candle_dtensor_strategies::DType as SDType;
 
 /// The compiler's dtype for a candle dtype (`None` for dtypes collectives do not move).
 pub(crate) fn sdtype(d: DType) -> Option<SDType> {
@@ -28,16 +28,5 @@ pub(crate) fn cdtype(d: SDType) -> DType {
         SDType::I64 => DType::I64,
         SDType::U32 => DType::U32,
         SDType::U8 => DType::U8,
-    }
-}
-
-/// The communicator's reduce op for a compiler reduce op.
-pub(crate) fn comm_reduce(op: SReduce) -> CommReduce {
-    match op {
-        SReduce::Sum => CommReduce::Sum,
-        SReduce::Avg => CommReduce::Avg,
-        SReduce::Max => CommReduce::Max,
-        SReduce::Min => CommReduce::Min,
-        SReduce::Product => CommReduce::Product,
     }
 }

@@ -60,7 +60,7 @@ fn check_alive(op: &Op, x: &DTensor) -> Result<()> {
         op.name(),
         x.mesh_rank(),
         format!(
-            "input{name} {} has released storage: its owner freed it between uses (an FSDP parameter used outside its unit's forward/backward?)",
+            "input{name} {} has released storage: its owner (e.g. an FSDP unit between its forward and backward) freed it between uses; use it where its owner has gathered it",
             x.spec()
         ),
     ))

@@ -56,7 +56,6 @@ use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_strategies::layout::shard_size_and_offset;
 
 use crate::collectives::{self, Axis, GatherGrad};
-use crate::convert::comm_reduce;
 use crate::error::{invalid, Context, Result};
 use crate::mesh_ctx::MeshCtx;
 use crate::ReduceOp;
@@ -180,7 +179,7 @@ pub fn reduce_from_group(x: &Tensor, g: &Group) -> Result<Tensor> {
 ///
 /// A failed collective.
 pub fn all_reduce(x: &Tensor, g: &Group, op: ReduceOp) -> Result<Tensor> {
-    collectives::all_reduce(x, &g.axis, comm_reduce(op)).ctx(&g.op("all_reduce"), g.rank())
+    collectives::all_reduce(x, &g.axis, op).ctx(&g.op("all_reduce"), g.rank())
 }
 
 /// Concatenates every rank's piece of dim `dim` (global length `len`, torch.chunk pieces;
@@ -212,7 +211,7 @@ pub fn all_gather(
 pub fn reduce_scatter(x: &Tensor, g: &Group, dim: usize) -> Result<Tensor> {
     let op = g.op("reduce_scatter");
     let len = x.dim(dim).ctx(&op, g.rank())?;
-    collectives::reduce_scatter(x, &g.axis, dim, len, comm_reduce(ReduceOp::Sum)).ctx(&op, g.rank())
+    collectives::reduce_scatter(x, &g.axis, dim, len, ReduceOp::Sum).ctx(&op, g.rank())
 }
 
 /// Keeps this rank's torch.chunk piece of dim `dim` of a replicated `x` (no communication);

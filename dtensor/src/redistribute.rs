@@ -13,17 +13,12 @@ use candle_dtensor_strategies::{CollectiveKind, Placement, RedistributePlan};
 use smallvec::SmallVec;
 
 use crate::collectives::{self, GatherGrad};
-use crate::convert::comm_reduce;
 use crate::tensor::DTensor;
 
 /// Mesh dims on which an input needs its gradient all-reduced.
 pub(crate) type GradMask = SmallVec<[usize; 4]>;
 
 type CResult<T> = candle_core::Result<T>;
-
-fn msg(s: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(s.into())
-}
 
 /// Runs `plan` on `x`'s local piece, then applies the gradient sync of `grad_mask`.
 pub(crate) fn execute(
@@ -42,7 +37,7 @@ pub(crate) fn execute(
         }
         let axis = ctx
             .axis(mesh, &step.mesh_dims)
-            .map_err(candle_core::Error::wrap)?;
+            .map_err(candle_core::Error::from)?;
         let logical = step
             .logical_shape_at(global, &ctx.shape, &ctx.coord)
             .map_err(candle_core::Error::wrap)?;
@@ -64,7 +59,7 @@ pub(crate) fn execute(
                 collectives::chunk(&t, &axis, d)?
             }
             (CollectiveKind::LocalPartition, Placement::Replicate, Placement::Partial(op)) => {
-                collectives::partition(&t, axis.n, comm_reduce(op))?
+                collectives::partition(&t, &axis, op)?
             }
             (CollectiveKind::AllGather, Placement::Shard(d), Placement::Replicate) => {
                 let grad = gather_grad(&mut pending);
@@ -104,23 +99,33 @@ pub(crate) fn execute(
                 }
             }
             (CollectiveKind::AllReduce, Placement::Partial(op), Placement::Replicate) => {
-                collectives::all_reduce(&t, &axis, comm_reduce(op))?
+                collectives::all_reduce(&t, &axis, op)?
             }
             (CollectiveKind::AllReduce, Placement::MaskPartial { .. }, Placement::Replicate) => {
                 collectives::all_reduce(&t, &axis, ReduceOp::Sum)?
             }
             (CollectiveKind::ReduceScatter, from, Placement::Shard(d)) => {
                 let op = match from {
-                    Placement::Partial(op) => comm_reduce(op),
+                    Placement::Partial(op) => op,
                     Placement::MaskPartial { .. } => ReduceOp::Sum,
-                    other => return Err(msg(format!("reduce_scatter from {other}"))),
+                    other => {
+                        return Err(collectives::refuse(
+                            &axis,
+                            "redistribute",
+                            &t,
+                            format!("{plan}: reduce_scatter from {other}"),
+                        ))
+                    }
                 };
                 if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
                     // The planner sends max/min/product through Replicate (all_reduce + local
                     // chunk): executing anything else here would not be the plan.
-                    return Err(msg(format!(
-                        "redistribute {plan}: reduce_scatter of a Partial({op:?}) value is not a planned step"
-                    )));
+                    return Err(collectives::refuse(
+                        &axis,
+                        "redistribute",
+                        &t,
+                        format!("{plan}: reduce_scatter of a Partial({op:?}) value is not a planned step"),
+                    ));
                 }
                 collectives::reduce_scatter(&t, &axis, d, logical[d], op)?
             }
@@ -128,9 +133,12 @@ pub(crate) fn execute(
                 collectives::all_to_all(&t, &axis, i, j, logical[i], logical[j])?
             }
             (kind, from, to) => {
-                return Err(msg(format!(
-                    "redistribute {plan}: the executor has no rule for {kind} {from} -> {to}"
-                )))
+                return Err(collectives::refuse(
+                    &axis,
+                    "redistribute",
+                    &t,
+                    format!("{plan}: the executor has no rule for {kind} {from} -> {to}"),
+                ))
             }
         };
     }
@@ -139,7 +147,7 @@ pub(crate) fn execute(
             .iter()
             .map(|&m| ctx.axis(mesh, &[m]))
             .collect::<crate::error::Result<Vec<_>>>()
-            .map_err(candle_core::Error::wrap)?;
+            .map_err(candle_core::Error::from)?;
         t = collectives::grad_sync(&t, axes)?;
     }
     Ok(t)
@@ -152,6 +160,6 @@ pub(crate) fn grad_sync_only(x: &DTensor, mask: &GradMask) -> CResult<Tensor> {
         .iter()
         .map(|&m| ctx.axis(x.mesh(), &[m]))
         .collect::<crate::error::Result<Vec<_>>>()
-        .map_err(candle_core::Error::wrap)?;
+        .map_err(candle_core::Error::from)?;
     collectives::grad_sync(x.to_local(), axes)
 }

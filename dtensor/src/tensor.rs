@@ -12,7 +12,7 @@ use candle_dtensor_strategies::{
 use smallvec::SmallVec;
 
 use crate::collectives;
-use crate::convert::{comm_reduce, sdtype};
+use crate::convert::sdtype;
 use crate::error::{invalid, Context, DTensorError, Result};
 use crate::mesh_ctx::MeshCtx;
 use crate::redistribute::{execute, GradMask};
@@ -380,9 +380,13 @@ impl DTensor {
         )
     }
 
-    /// Marks mesh dims on which whoever owns this tensor reduces its gradient itself (FSDP
-    /// reduce-scatters the gradients of the parameters it gathered), so dispatch must not add
-    /// its own gradient all_reduce there. Only for leaves such as parameters.
+    /// Gradient ownership: marks mesh dims on which whoever owns this tensor reduces its
+    /// gradient itself (FSDP reduce-scatters the gradients of the parameters it gathered), so
+    /// dispatch must not add its own gradient all_reduce there. Only for leaves such as
+    /// parameters. The contract: an op whose inputs ALL carry dim `m` passes `m` on (views of a
+    /// parameter); [`DTensor::redistribute`] passes on the dims whose placement it leaves
+    /// unchanged; `detach` and gradients carry none (they have no gradient of their own to
+    /// reduce).
     pub fn with_managed_grad_dims(&self, dims: &[usize]) -> DTensor {
         DTensor {
             inner: Arc::new(Inner {
@@ -420,12 +424,20 @@ impl DTensor {
         let local = execute(self, &plan, &GradMask::new()).ctx("redistribute", rank)?;
         let mut spec = self.inner.spec.clone();
         spec.placements = placements.iter().copied().collect();
-        Ok(Self::from_parts(
-            local,
-            spec,
-            self.inner.mesh.clone(),
-            self.inner.ctx.clone(),
-        ))
+        let out = Self::from_parts(local, spec, self.inner.mesh.clone(), self.inner.ctx.clone());
+        // Gradient ownership survives on the dims this redistribution leaves alone: losing it
+        // would let a later op all_reduce a gradient its owner reduces too (doubling it).
+        let kept: SmallVec<[usize; 4]> = self
+            .managed_grad_dims()
+            .iter()
+            .copied()
+            .filter(|&m| self.placements()[m] == placements[m])
+            .collect();
+        Ok(if kept.is_empty() {
+            out
+        } else {
+            out.with_managed_grad_dims(&kept)
+        })
     }
 
     /// Starts [`DTensor::redistribute`] on a helper thread; [`RedistributeHandle::wait`] joins it.
@@ -599,7 +611,8 @@ pub fn distribute_tensor(
                     .ctx("distribute_tensor", rank)?
             }
             Placement::Partial(op) => {
-                collectives::partition(&x, n, comm_reduce(op)).ctx("distribute_tensor", rank)?
+                let axis = ctx.axis(mesh, &[m])?;
+                collectives::partition(&x, &axis, op).ctx("distribute_tensor", rank)?
             }
             Placement::MaskPartial { .. } => {
                 return Err(invalid(

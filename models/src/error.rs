@@ -6,7 +6,7 @@ use candle_dtensor_mesh::MeshError;
 
 /// Errors of model construction and training.
 #[non_exhaustive]
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 pub enum ModelError {
     /// A bad configuration (mesh vs. model sizes, unknown names, ...).
     #[error("config: {0}")]
@@ -22,7 +22,7 @@ pub enum ModelError {
     Comm(#[from] CommError),
     /// A candle op failed.
     #[error("candle: {0}")]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
     /// An FSDP unit's forward read a parameter whose storage is released: one used outside
     /// the unit that owns it (e.g. a tied weight shared by two units).
     #[error(
@@ -52,11 +52,59 @@ impl From<crate::checkpoint::CheckpointError> for ModelError {
     }
 }
 
+/// Debug prints the message: these errors travel inside candle's `WrappedContext`, whose own
+/// message shows the wrapped error with `{:?}`.
+impl std::fmt::Debug for ModelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
 /// `Result` with [`ModelError`].
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 
+/// Carried through candle ops (FSDP's graph nodes) as candle's `WrappedContext`, which keeps
+/// the typed error downcastable; `From<candle_core::Error>` recovers it.
 impl From<ModelError> for candle_core::Error {
     fn from(e: ModelError) -> Self {
-        candle_core::Error::wrap(e)
+        candle_core::Error::WrappedContext {
+            wrapped: Box::new(e),
+            context: "raised by candle-dtensor".into(),
+        }
+        .bt()
+    }
+}
+
+impl From<candle_core::Error> for ModelError {
+    fn from(e: candle_core::Error) -> Self {
+        use candle_core::Error as E;
+        fn holds_model(e: &E) -> bool {
+            match e {
+                E::WrappedContext { wrapped, .. } => wrapped.is::<ModelError>(),
+                E::WithBacktrace { inner, .. }
+                | E::Context { inner, .. }
+                | E::WithPath { inner, .. } => holds_model(inner),
+                _ => false,
+            }
+        }
+        fn take(e: E) -> ModelError {
+            match e {
+                E::WrappedContext { wrapped, context } => match wrapped.downcast::<ModelError>() {
+                    Ok(m) => *m,
+                    Err(wrapped) => ModelError::Candle(E::WrappedContext { wrapped, context }),
+                },
+                E::WithBacktrace { inner, .. }
+                | E::Context { inner, .. }
+                | E::WithPath { inner, .. } => take(*inner),
+                other => ModelError::Candle(other),
+            }
+        }
+        if holds_model(&e) {
+            return take(e);
+        }
+        match DTensorError::in_candle(&e) {
+            Some(_) => ModelError::DTensor(DTensorError::from_candle("", 0, e)),
+            None => ModelError::Candle(e),
+        }
     }
 }

@@ -235,7 +235,7 @@ impl CustomOp1 for Unshard {
             let f = Fsdp { inner };
             let _b = debug::enter_backward(Some(&f.unit_name(self.unit)));
             f.stash_grad(self.unit, self.param, grad)
-                .map_err(candle_core::Error::wrap)?;
+                .map_err(candle_core::Error::from)?;
         }
         Ok(None)
     }
@@ -269,10 +269,10 @@ impl CustomOp1 for PreBackward {
         if let Some(inner) = self.fsdp.upgrade() {
             let f = Fsdp { inner };
             let _b = debug::enter_backward(Some(&f.unit_name(self.unit)));
-            f.unshard(self.unit).map_err(candle_core::Error::wrap)?;
+            f.unshard(self.unit).map_err(candle_core::Error::from)?;
             if f.inner.cfg.prefetch {
                 if let Some(prev) = f.previous_regathered(self.unit) {
-                    f.start_gather(prev).map_err(candle_core::Error::wrap)?;
+                    f.start_gather(prev).map_err(candle_core::Error::from)?;
                 }
             }
         }

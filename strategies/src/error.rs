@@ -153,3 +153,13 @@ impl StrategyError {
         }
     }
 }
+
+impl From<candle_dtensor_types::ParseReduceOpError> for StrategyError {
+    fn from(e: candle_dtensor_types::ParseReduceOpError) -> Self {
+        StrategyError::parse(
+            "reduce op",
+            &e.text,
+            candle_dtensor_types::ParseReduceOpError::EXPECTED,
+        )
+    }
+}

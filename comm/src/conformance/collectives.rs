@@ -25,7 +25,7 @@ fn red_cases(cx: &Cx, variants: &[Variant]) -> Vec<RedCase> {
     let mut v = Vec::new();
     for (a, &dt) in DTYPES.iter().enumerate() {
         for (b, &op) in REDUCE_OPS.iter().enumerate() {
-            if !op.supports(dt) {
+            if !crate::reduce_supported(op, dt) {
                 continue;
             }
             for class in 0..CLASSES {

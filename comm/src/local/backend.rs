@@ -5,92 +5,22 @@
 //! on different communicators (different threads) overlap. An idle progress thread sleeps on a
 //! condvar: nothing spins.
 
-use std::collections::VecDeque;
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
-use super::group::{Failure, Group, GroupKey, Message, OpDesc, Post, ShapeRule};
-use super::kernels::{detached_copy, read_view, reduce_into, write_into, OutBuf};
+use super::group::{Group, GroupKey, Message, Post};
 use super::window::{LocalWindow, WindowShared};
-use crate::backend::{dtype_names, Backend, Capabilities, CommOptions};
+use crate::backend::{Backend, Capabilities, CommOptions};
+use crate::cpu::kernels::{detached_copy, read_view, reduce_into, ReadView};
+use crate::cpu::queue::Queue;
+use crate::cpu::{candle_err, out_buf, produce, put_bytes, reduced, view_err, EAGER_BYTES};
+use crate::desc::{check_recv, check_split_lists, Failure, OpDesc, ShapeRule};
 use crate::error::{CommError, Result};
-use crate::types::{OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES};
+use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
 use crate::window::WindowBackend;
-use crate::work::{InlineRun, Work};
-
-/// Inputs up to this many bytes per rank are copied into the collective at arrival, so the
-/// collective needs a single barrier and no departure wait (lower latency for small messages).
-const EAGER_BYTES: usize = 64 * 1024;
-
-type Task = Box<dyn FnOnce() + Send>;
-
-struct QueueState {
-    tasks: VecDeque<(u64, Task)>,
-    next_task: u64,
-    running: bool,
-    shutdown: bool,
-    next_coll: u64,
-}
-
-struct Queue {
-    state: Mutex<QueueState>,
-    cv: Condvar,
-}
-
-impl Queue {
-    fn lock(&self) -> MutexGuard<'_, QueueState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn run(self: Arc<Self>) {
-        loop {
-            let task = {
-                let mut q = self.lock();
-                loop {
-                    // `running` may be set by a waiter running the head task inline.
-                    if !q.running {
-                        if let Some((_, t)) = q.tasks.pop_front() {
-                            q.running = true;
-                            break t;
-                        }
-                        if q.shutdown {
-                            return;
-                        }
-                    }
-                    q = self.cv.wait(q).unwrap_or_else(|e| e.into_inner());
-                }
-            };
-            task();
-            self.lock().running = false;
-            self.cv.notify_all();
-        }
-    }
-}
-
-impl InlineRun for Queue {
-    /// Runs task `id` on the calling thread if it is next in line and nothing is running:
-    /// a caller that waits right after issuing saves two thread hand-offs (the latency of small
-    /// collectives is dominated by them on a loaded machine), and issue order is kept.
-    fn try_run(&self, id: u64) -> bool {
-        let task = {
-            let mut q = self.lock();
-            if q.running || q.tasks.front().map(|(i, _)| *i) != Some(id) {
-                return false;
-            }
-            q.running = true;
-            q.tasks.pop_front().map(|(_, t)| t)
-        };
-        if let Some(t) = task {
-            t();
-        }
-        self.lock().running = false;
-        self.cv.notify_all();
-        true
-    }
-}
+use crate::work::Work;
 
 /// What an op body gets to run with.
 pub(crate) struct Exec<'a> {
@@ -117,24 +47,9 @@ pub(crate) struct LocalBackend {
 impl Drop for LocalBackend {
     fn drop(&mut self) {
         // The progress thread drains what is queued (peers may need it) and then exits.
-        let mut q = self.core.queue.lock();
-        q.shutdown = true;
-        drop(q);
-        self.core.queue.cv.notify_all();
+        self.core.queue.shutdown();
     }
 }
-
-pub(crate) fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic payload".to_string()
-    }
-}
-
-pub(crate) use panic_message as panic_msg;
 
 impl LocalBackend {
     pub(crate) fn new(group: Arc<Group>, rank: usize, name: &str) -> Result<Arc<LocalBackend>> {
@@ -148,24 +63,8 @@ impl LocalBackend {
         name: &str,
         device: Device,
     ) -> Result<Arc<LocalBackend>> {
-        let queue = Arc::new(Queue {
-            state: Mutex::new(QueueState {
-                tasks: VecDeque::new(),
-                running: false,
-                next_task: 0,
-                shutdown: false,
-                next_coll: 0,
-            }),
-            cv: Condvar::new(),
-        });
-        let q = queue.clone();
-        std::thread::Builder::new()
-            .name(format!("cdt-{name}-r{rank}"))
-            .spawn(move || q.run())
-            .map_err(|e| CommError::Bootstrap {
-                comm: name.to_string(),
-                reason: format!("could not start the progress thread: {e}"),
-            })?;
+        let queue = Queue::new();
+        queue.spawn(name, rank, || {})?;
         Ok(Arc::new(LocalBackend {
             core: Arc::new(Core {
                 group,
@@ -199,58 +98,28 @@ impl Core {
                 .synchronize()
                 .map_err(|e| CommError::candle(&ctx, e))?;
         }
-        let mut q = self.queue.lock();
-        if q.shutdown {
-            return Err(CommError::Aborted {
-                ctx,
-                reason: "the communicator was dropped".into(),
-            });
-        }
-        let coll = if collective {
-            q.next_coll += 1;
-            q.next_coll - 1
-        } else {
-            u64::MAX
-        };
-        let ahead = q.tasks.len() + usize::from(q.running);
-        let id = q.next_task;
-        q.next_task += 1;
-        let (mut work, completer) = Work::pending(ctx.clone(), ahead);
-        work.set_inline(self.queue.clone(), id);
-        let group = self.group.clone();
-        let rank = self.rank;
-        q.tasks.push_back((
-            id,
-            Box::new(move || {
-                completer.start();
-                let exec = Exec {
+        let (group, rank) = (self.group.clone(), self.rank);
+        let on_panic_group = group.clone();
+        self.queue.submit(
+            ctx,
+            collective,
+            move |ctx, coll| {
+                body(&Exec {
                     group: &group,
                     rank,
                     coll,
-                    ctx: &ctx,
+                    ctx,
                     deadline: Instant::now() + ctx.timeout,
-                };
-                let r = match catch_unwind(AssertUnwindSafe(|| body(&exec))) {
-                    Ok(r) => r,
-                    Err(p) => {
-                        let reason = format!("internal panic in {}: {}", ctx.op, panic_message(p));
-                        tracing::error!(%ctx, %reason, "local backend op panicked");
-                        group.fail(Failure::Aborted {
-                            by: rank,
-                            reason: reason.clone(),
-                        });
-                        Err(CommError::Aborted {
-                            ctx: ctx.clone(),
-                            reason,
-                        })
-                    }
-                };
-                completer.complete(r);
-            }),
-        ));
-        drop(q);
-        self.queue.cv.notify_one();
-        Ok(work)
+                })
+            },
+            move |ctx, _, reason| {
+                on_panic_group.fail(Failure::aborted(rank, reason.clone()));
+                CommError::Aborted {
+                    ctx: ctx.clone(),
+                    reason,
+                }
+            },
+        )
     }
 
     /// Runs a collective body and waits for it (used by split, new_window, fence).
@@ -261,19 +130,6 @@ impl Core {
     ) -> Result<T> {
         self.submit(ctx, true, body)?.wait()
     }
-}
-
-fn to_candle_err(ctx: &OpCtx) -> impl Fn(candle_core::Error) -> CommError + '_ {
-    move |e| CommError::candle(ctx, e)
-}
-
-fn view_err(ctx: &OpCtx) -> impl Fn(String) -> CommError + '_ {
-    move |e| CommError::invalid(ctx, e)
-}
-
-/// A fresh output buffer, or an error in the op's context.
-fn out_buf(ctx: &OpCtx, dtype: DType, elems: usize) -> Result<OutBuf> {
-    OutBuf::new(dtype, elems).map_err(view_err(ctx))
 }
 
 /// The input a rank posts: an eager copy for small inputs, the tensor itself otherwise.
@@ -294,55 +150,11 @@ fn input_of<'a>(ctx: &OpCtx, posts: &'a [Post], r: usize) -> Result<&'a Tensor> 
         .ok_or_else(|| CommError::invalid(ctx, format!("rank {r} posted no input")))
 }
 
-/// Writes a collective's result: into `output` when the caller gave one (checked for dtype
-/// and size), else into a fresh buffer that becomes a new tensor of `shape` without a copy.
-/// `fill` gets the destination's first byte and must write all `elems` elements.
-fn produce(
-    ctx: &OpCtx,
-    output: Option<Tensor>,
-    dtype: DType,
-    shape: Shape,
-    fill: impl FnOnce(*mut u8) -> Result<()> + Send,
-) -> Result<Tensor> {
-    let elems = shape.elem_count();
-    match output {
-        None => {
-            let out = out_buf(ctx, dtype, elems)?;
-            fill(out.ptr())?;
-            // SAFETY: `fill` wrote every element (its contract).
-            unsafe { out.into_tensor(shape) }.map_err(to_candle_err(ctx))
-        }
-        Some(t) => {
-            if t.dtype() != dtype || t.elem_count() != elems {
-                return Err(CommError::invalid(
-                    ctx,
-                    format!(
-                        "output is {:?} {:?} but the result is {:?} {:?}",
-                        t.dims(),
-                        t.dtype(),
-                        shape.dims(),
-                        dtype
-                    ),
-                ));
-            }
-            let mut err = None;
-            write_into(&t, |ptr, len| {
-                if len != elems * dtype.size_in_bytes() {
-                    return Err(format!(
-                        "output holds {len} bytes, expected {}",
-                        elems * dtype.size_in_bytes()
-                    ));
-                }
-                fill(ptr).map_err(|e| {
-                    let m = e.to_string();
-                    err = Some(e);
-                    m
-                })
-            })
-            .map_err(|m| err.take().unwrap_or_else(|| CommError::invalid(ctx, m)))?;
-            Ok(t)
-        }
-    }
+/// Read views of every rank's posted input, in rank order.
+fn views<'a>(ctx: &OpCtx, posts: &'a [Post]) -> Result<Vec<ReadView<'a>>> {
+    (0..posts.len())
+        .map(|r| read_view(input_of(ctx, posts, r)?).map_err(view_err(ctx)))
+        .collect()
 }
 
 fn all_reduce(e: &Exec, input: Tensor, op: ReduceOp, output: Option<Tensor>) -> Result<Tensor> {
@@ -369,9 +181,7 @@ fn all_reduce(e: &Exec, input: Tensor, op: ReduceOp, output: Option<Tensor>) -> 
             .group
             .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
         let out = produce(ctx, output, dtype, shape, |dst| {
-            let views = (0..n)
-                .map(|r| read_view(input_of(ctx, &posts, r)?).map_err(view_err(ctx)))
-                .collect::<Result<Vec<_>>>()?;
+            let views = views(ctx, &posts)?;
             let srcs: Vec<&[u8]> = views.iter().map(|v| v.bytes()).collect();
             // SAFETY: `dst` holds `elems` elements of `dtype`, exclusively ours.
             unsafe { reduce_into(dtype, op, &srcs, dst, n) };
@@ -398,9 +208,7 @@ fn all_reduce(e: &Exec, input: Tensor, op: ReduceOp, output: Option<Tensor>) -> 
         .group
         .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
     {
-        let views = (0..n)
-            .map(|r| read_view(input_of(ctx, &posts, r)?).map_err(view_err(ctx)))
-            .collect::<Result<Vec<_>>>()?;
+        let views = views(ctx, &posts)?;
         let srcs: Vec<&[u8]> = views
             .iter()
             .map(|v| &v.bytes()[mine_range.start * es..mine_range.end * es])
@@ -420,9 +228,7 @@ fn all_reduce(e: &Exec, input: Tensor, op: ReduceOp, output: Option<Tensor>) -> 
             // writes it again; the Arc keeps it alive while we read.
             let src = unsafe { std::slice::from_raw_parts(peer.ptr(), r.len() * es) };
             // SAFETY: chunk j of `dst` is in bounds and exclusively ours.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src.as_ptr(), dst.add(r.start * es), src.len())
-            };
+            unsafe { put_bytes(dst, r.start * es, src) };
         }
         Ok(())
     })?;
@@ -456,16 +262,6 @@ fn copy_collective(
     let out = out?;
     departed?;
     Ok(out)
-}
-
-/// Copies `src` to `dst + offset`.
-///
-/// # Safety
-///
-/// The destination range must be in bounds of an allocation we exclusively write.
-unsafe fn put_bytes(dst: *mut u8, offset: usize, src: &[u8]) {
-    // SAFETY: per the function contract; `src` is another allocation.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.add(offset), src.len()) }
 }
 
 fn all_gather(e: &Exec, input: Tensor, output: Option<Tensor>) -> Result<Tensor> {
@@ -516,9 +312,7 @@ fn reduce_scatter(e: &Exec, input: Tensor, op: ReduceOp, output: Option<Tensor>)
         dtype,
         Shape::from_dims(&dims),
         |posts, dst| {
-            let views = (0..n)
-                .map(|r| read_view(input_of(ctx, posts, r)?).map_err(view_err(ctx)))
-                .collect::<Result<Vec<_>>>()?;
+            let views = views(ctx, posts)?;
             let srcs: Vec<&[u8]> = views
                 .iter()
                 .map(|v| &v.bytes()[rank * chunk * es..(rank + 1) * chunk * es])
@@ -565,7 +359,7 @@ fn all_to_all_v(
     let rows: Vec<usize> = dims.iter().skip(1).copied().collect();
     let row_bytes = rows.iter().product::<usize>() * input.dtype().size_in_bytes();
     let desc = OpDesc {
-        shape: ShapeRule::Rows(rows.clone()),
+        rule: ShapeRule::Rows,
         ..OpDesc::tensor(OpName::AllToAllVSingle, &input)
     };
     let (mine, lent) = post_input(ctx, &input)?;
@@ -577,29 +371,7 @@ fn all_to_all_v(
     let posts = e
         .group
         .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
-    // Every rank checks every (sender, receiver) pair, not only its own receives, so all ranks
-    // reach the same verdict before anyone reads a peer's buffer: a rank whose own counts
-    // agree must not return data while another rank fails the collective.
-    let n = posts.len();
-    let count = |p: &Post, out: bool, peer: usize| {
-        p.splits
-            .as_ref()
-            .map(|s| if out { s.0[peer] } else { s.1[peer] })
-            .unwrap_or(0)
-    };
-    for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
-        let (sent, expected) = (count(&posts[i], false, j), count(&posts[j], true, i));
-        if sent != expected {
-            let reason = format!(
-                "rank {i} sends {sent} slices to rank {j} but rank {j} expects {expected} from it"
-            );
-            e.group.fail(Failure::Mismatch {
-                collective: e.coll,
-                reason: reason.clone(),
-            });
-            return Err(CommError::invalid(ctx, reason));
-        }
-    }
+    e.group.check_split_sizes(ctx, e.coll, &posts)?;
     let total: usize = out_splits.iter().sum();
     let out = out_buf(
         ctx,
@@ -621,7 +393,7 @@ fn all_to_all_v(
     let mut out_dims = vec![total];
     out_dims.extend(rows);
     // SAFETY: `off` reached the full output size.
-    unsafe { out.into_tensor(Shape::from_dims(&out_dims)) }.map_err(to_candle_err(ctx))
+    unsafe { out.into_tensor(Shape::from_dims(&out_dims)) }.map_err(candle_err(ctx))
 }
 
 fn broadcast(e: &Exec, tensor: Tensor, root: usize) -> Result<Tensor> {
@@ -653,7 +425,6 @@ fn broadcast(e: &Exec, tensor: Tensor, root: usize) -> Result<Tensor> {
 }
 
 fn reduce(e: &Exec, input: Tensor, root: usize, op: ReduceOp) -> Result<Option<Tensor>> {
-    let n = e.group.size();
     let ctx = e.ctx;
     let desc = OpDesc {
         root: Some(root),
@@ -670,17 +441,11 @@ fn reduce(e: &Exec, input: Tensor, root: usize, op: ReduceOp) -> Result<Option<T
         .group
         .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
     let result = if e.rank == root {
-        let out = out_buf(ctx, dtype, elems)?;
-        {
-            let views = (0..n)
-                .map(|r| read_view(input_of(ctx, &posts, r)?).map_err(view_err(ctx)))
-                .collect::<Result<Vec<_>>>()?;
-            let srcs: Vec<&[u8]> = views.iter().map(|v| v.bytes()).collect();
-            // SAFETY: `out` holds `elems` elements, private to this thread.
-            unsafe { reduce_into(dtype, op, &srcs, out.ptr(), n) };
-        }
-        // SAFETY: fully written.
-        Some(unsafe { out.into_tensor(shape) }.map_err(to_candle_err(ctx))?)
+        let views = views(ctx, &posts)?;
+        let srcs: Vec<&[u8]> = views.iter().map(|v| v.bytes()).collect();
+        let out = reduced(ctx, dtype, op, &srcs, elems)?;
+        // SAFETY: `reduced` wrote every element.
+        Some(unsafe { out.into_tensor(shape) }.map_err(candle_err(ctx))?)
     } else {
         None
     };
@@ -693,7 +458,7 @@ fn gather(e: &Exec, input: Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
     let ctx = e.ctx;
     let desc = OpDesc {
         root: Some(root),
-        shape: ShapeRule::Any,
+        rule: ShapeRule::Any,
         ..OpDesc::tensor(OpName::Gather, &input)
     };
     let (mine, lent) = post_input(ctx, &input)?;
@@ -771,22 +536,30 @@ fn batch_p2p(e: &Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
     for op in ops {
         if let P2POp::Recv { peer, shape, dtype } = op {
             let m = e.group.take_message(ctx, peer, e.rank, e.deadline)?;
-            if m.tensor.shape() != &shape || m.tensor.dtype() != dtype {
-                return Err(CommError::invalid(
-                    ctx,
-                    format!(
-                        "recv from rank {peer}: expected {:?} {:?} but rank {peer} sent {:?} {:?}",
-                        shape.dims(),
-                        dtype,
-                        m.tensor.dims(),
-                        m.tensor.dtype()
-                    ),
-                ));
-            }
+            check_recv(
+                peer,
+                (shape.dims(), dtype),
+                (m.tensor.dims(), m.tensor.dtype()),
+            )
+            .map_err(|e| CommError::invalid(ctx, e))?;
             received.push(m.tensor);
         }
     }
     Ok(received)
+}
+
+/// Queues collective `$f(e, args..)` of this module, or `cuda::$f` (same signature) when the
+/// rank's tensors live on a CUDA device.
+macro_rules! on_device {
+    ($self:ident, $ctx:ident, $f:ident($($arg:ident),*)) => {{
+        #[cfg(feature = "cuda")]
+        if $self.core.device.is_cuda() {
+            return $self
+                .core
+                .submit($ctx, true, move |e| super::cuda::$f(e, $($arg),*));
+        }
+        $self.core.submit($ctx, true, move |e| $f(e, $($arg),*))
+    }};
 }
 
 impl Backend for LocalBackend {
@@ -807,13 +580,7 @@ impl Backend for LocalBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            rma_put: true,
-            rma_get: true,
-            rma_signal: true,
-            abort: true,
-            dtypes: dtype_names(&SUPPORTED_DTYPES),
-        }
+        crate::cpu::capabilities(true)
     }
 
     fn all_reduce(
@@ -823,14 +590,7 @@ impl Backend for LocalBackend {
         op: ReduceOp,
         output: Option<Tensor>,
     ) -> Result<Work<Tensor>> {
-        #[cfg(feature = "cuda")]
-        if self.core.device.is_cuda() {
-            return self.core.submit(ctx, true, move |e| {
-                super::cuda::all_reduce(e, input, op, output)
-            });
-        }
-        self.core
-            .submit(ctx, true, move |e| all_reduce(e, input, op, output))
+        on_device!(self, ctx, all_reduce(input, op, output))
     }
 
     fn all_gather_single(
@@ -839,14 +599,7 @@ impl Backend for LocalBackend {
         input: Tensor,
         output: Option<Tensor>,
     ) -> Result<Work<Tensor>> {
-        #[cfg(feature = "cuda")]
-        if self.core.device.is_cuda() {
-            return self.core.submit(ctx, true, move |e| {
-                super::cuda::all_gather(e, input, output)
-            });
-        }
-        self.core
-            .submit(ctx, true, move |e| all_gather(e, input, output))
+        on_device!(self, ctx, all_gather(input, output))
     }
 
     fn reduce_scatter_single(
@@ -856,14 +609,7 @@ impl Backend for LocalBackend {
         op: ReduceOp,
         output: Option<Tensor>,
     ) -> Result<Work<Tensor>> {
-        #[cfg(feature = "cuda")]
-        if self.core.device.is_cuda() {
-            return self.core.submit(ctx, true, move |e| {
-                super::cuda::reduce_scatter(e, input, op, output)
-            });
-        }
-        self.core
-            .submit(ctx, true, move |e| reduce_scatter(e, input, op, output))
+        on_device!(self, ctx, reduce_scatter(input, op, output))
     }
 
     fn all_to_all_single(
@@ -872,14 +618,7 @@ impl Backend for LocalBackend {
         input: Tensor,
         output: Option<Tensor>,
     ) -> Result<Work<Tensor>> {
-        #[cfg(feature = "cuda")]
-        if self.core.device.is_cuda() {
-            return self.core.submit(ctx, true, move |e| {
-                super::cuda::all_to_all(e, input, output)
-            });
-        }
-        self.core
-            .submit(ctx, true, move |e| all_to_all(e, input, output))
+        on_device!(self, ctx, all_to_all(input, output))
     }
 
     fn all_to_all_v_single(
@@ -889,26 +628,15 @@ impl Backend for LocalBackend {
         output_split_sizes: Vec<usize>,
         input_split_sizes: Vec<usize>,
     ) -> Result<Work<Tensor>> {
-        #[cfg(feature = "cuda")]
-        if self.core.device.is_cuda() {
-            return self.core.submit(ctx, true, move |e| {
-                super::cuda::all_to_all_v(e, input, output_split_sizes, input_split_sizes)
-            });
-        }
-        self.core.submit(ctx, true, move |e| {
-            all_to_all_v(e, input, output_split_sizes, input_split_sizes)
-        })
+        on_device!(
+            self,
+            ctx,
+            all_to_all_v(input, output_split_sizes, input_split_sizes)
+        )
     }
 
     fn broadcast(&self, ctx: OpCtx, tensor: Tensor, root: usize) -> Result<Work<Tensor>> {
-        #[cfg(feature = "cuda")]
-        if self.core.device.is_cuda() {
-            return self
-                .core
-                .submit(ctx, true, move |e| super::cuda::broadcast(e, tensor, root));
-        }
-        self.core
-            .submit(ctx, true, move |e| broadcast(e, tensor, root))
+        on_device!(self, ctx, broadcast(tensor, root))
     }
 
     fn reduce(
@@ -918,35 +646,20 @@ impl Backend for LocalBackend {
         root: usize,
         op: ReduceOp,
     ) -> Result<Work<Option<Tensor>>> {
-        #[cfg(feature = "cuda")]
-        if self.core.device.is_cuda() {
-            return self
-                .core
-                .submit(ctx, true, move |e| super::cuda::reduce(e, input, root, op));
-        }
-        self.core
-            .submit(ctx, true, move |e| reduce(e, input, root, op))
+        on_device!(self, ctx, reduce(input, root, op))
     }
 
     fn gather(&self, ctx: OpCtx, input: Tensor, root: usize) -> Result<Work<Option<Vec<Tensor>>>> {
-        #[cfg(feature = "cuda")]
-        if self.core.device.is_cuda() {
-            return self
-                .core
-                .submit(ctx, true, move |e| super::cuda::gather(e, input, root));
-        }
-        self.core.submit(ctx, true, move |e| gather(e, input, root))
+        on_device!(self, ctx, gather(input, root))
     }
 
     fn scatter(&self, ctx: OpCtx, inputs: Vec<Tensor>, root: usize) -> Result<Work<Tensor>> {
         #[cfg(feature = "cuda")]
         if self.core.device.is_cuda() {
-            return {
-                let dev = self.core.device.clone();
-                self.core.submit(ctx, true, move |e| {
-                    super::cuda::scatter(e, inputs, root, &dev)
-                })
-            };
+            let dev = self.core.device.clone();
+            return self.core.submit(ctx, true, move |e| {
+                super::cuda::scatter(e, inputs, root, &dev)
+            });
         }
         self.core
             .submit(ctx, true, move |e| scatter(e, inputs, root))
@@ -1001,26 +714,15 @@ impl Backend for LocalBackend {
                 post,
                 e.deadline,
             )?;
-            // Every member of every new group must have passed that group's list. Checked over
-            // all posts, so every rank reaches the same verdict: a split fails on all ranks or
-            // on none (a rank listed by a peer it disagrees with must hear of it too).
+            // Checked over all posts, so every rank reaches the same verdict: a split fails on
+            // all ranks or on none (a rank listed by a peer it disagrees with must hear of it).
             let lists: Vec<Vec<usize>> = posts
                 .iter()
                 .map(|p| p.ranks.clone().unwrap_or_default())
                 .collect();
-            let mismatch = lists.iter().enumerate().find_map(|(s, list)| {
-                list.iter().find(|&&r| lists[r] != *list).map(|&r| {
-                    format!(
-                        "split lists disagree: rank {s} passes {list:?} but rank {r} passes {:?}",
-                        lists[r]
-                    )
-                })
-            });
             drop(posts);
             e.group.depart(e.ctx, e.coll, e.rank, false, e.deadline)?;
-            if let Some(reason) = mismatch {
-                return Err(CommError::invalid(e.ctx, reason));
-            }
+            check_split_lists(&lists).map_err(|reason| CommError::invalid(e.ctx, reason))?;
             if ranks.is_empty() {
                 return Ok(None);
             }
@@ -1054,10 +756,9 @@ impl Backend for LocalBackend {
     }
 
     fn abort(&self, reason: &str) {
-        self.core.group.fail(Failure::Aborted {
-            by: self.core.rank,
-            reason: reason.to_string(),
-        });
+        self.core
+            .group
+            .fail(Failure::aborted(self.core.rank, reason));
     }
 
     fn is_aborted(&self) -> bool {
@@ -1065,7 +766,6 @@ impl Backend for LocalBackend {
     }
 
     fn pending(&self) -> usize {
-        let q = self.core.queue.lock();
-        q.tasks.len() + usize::from(q.running)
+        self.core.queue.pending()
     }
 }

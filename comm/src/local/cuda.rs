@@ -16,7 +16,8 @@
 use candle_core::{DType, Device, Shape, Tensor};
 
 use super::backend::Exec;
-use super::group::{Failure, Message, OpDesc, Post, ShapeRule};
+use super::group::{Message, Post};
+use crate::desc::{check_recv, OpDesc, ShapeRule};
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
 
@@ -275,7 +276,7 @@ pub(crate) fn all_to_all_v(
     let input = at_least_1d(ctx, &input)?;
     let rows: Vec<usize> = input.dims().iter().skip(1).copied().collect();
     let desc = OpDesc {
-        shape: ShapeRule::Rows(rows.clone()),
+        rule: ShapeRule::Rows,
         ..OpDesc::tensor(OpName::AllToAllVSingle, &input)
     };
     let p = Post {
@@ -287,27 +288,7 @@ pub(crate) fn all_to_all_v(
     let mut out_dims = vec![total];
     out_dims.extend(rows);
     exchange(e, &dev, desc, p, |posts| {
-        // Every pair is checked on every rank, as on the CPU, so all ranks agree.
-        let n = posts.len();
-        let count = |p: &Post, out: bool, peer: usize| {
-            p.splits
-                .as_ref()
-                .map(|s| if out { s.0[peer] } else { s.1[peer] })
-                .unwrap_or(0)
-        };
-        for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
-            let (sent, expected) = (count(&posts[i], false, j), count(&posts[j], true, i));
-            if sent != expected {
-                let reason = format!(
-                    "rank {i} sends {sent} slices to rank {j} but rank {j} expects {expected} from it"
-                );
-                e.group.fail(Failure::Mismatch {
-                    collective: e.coll,
-                    reason: reason.clone(),
-                });
-                return Err(CommError::invalid(ctx, reason));
-            }
-        }
+        e.group.check_split_sizes(ctx, e.coll, posts)?;
         let shape = Shape::from_dims(&out_dims);
         if shape.elem_count() == 0 {
             return empty(ctx, &shape, input.dtype(), &input);
@@ -378,7 +359,7 @@ pub(crate) fn gather(e: &Exec, input: Tensor, root: usize) -> Result<Option<Vec<
     let dev = input.device().clone();
     let desc = OpDesc {
         root: Some(root),
-        shape: ShapeRule::Any,
+        rule: ShapeRule::Any,
         ..OpDesc::tensor(OpName::Gather, &input)
     };
     let is_root = e.rank == root;
@@ -438,18 +419,12 @@ pub(crate) fn batch_p2p(e: &Exec, ops: Vec<P2POp>, dev: &Device) -> Result<Vec<T
     for op in ops {
         if let P2POp::Recv { peer, shape, dtype } = op {
             let m = e.group.take_message(ctx, peer, e.rank, e.deadline)?;
-            if m.tensor.shape() != &shape || m.tensor.dtype() != dtype {
-                return Err(CommError::invalid(
-                    ctx,
-                    format!(
-                        "recv from rank {peer}: expected {:?} {:?} but rank {peer} sent {:?} {:?}",
-                        shape.dims(),
-                        dtype,
-                        m.tensor.dims(),
-                        m.tensor.dtype()
-                    ),
-                ));
-            }
+            check_recv(
+                peer,
+                (shape.dims(), dtype),
+                (m.tensor.dims(), m.tensor.dtype()),
+            )
+            .map_err(|e| CommError::invalid(ctx, e))?;
             // The message is a detached copy nobody else holds: moved, not copied, when it is
             // already on this device.
             received.push(on(ctx, &m.tensor, dev)?);

@@ -12,149 +12,15 @@
 //! reading. One mutex and condvar per group coordinate it all; waiting ranks sleep.
 
 use std::collections::{HashMap, VecDeque};
-use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
+use crate::desc::{check_split_sizes, Failure, OpDesc};
 use crate::error::{CommError, Result};
-use crate::types::{OpCtx, OpName, ReduceOp};
-
-/// Why a group (communicator) is unusable.
-#[derive(Debug, Clone)]
-pub(crate) enum Failure {
-    /// `abort()` was called by `by` (a communicator rank).
-    Aborted { by: usize, reason: String },
-    /// Collective `collective` timed out waiting for `missing`.
-    Timeout {
-        collective: u64,
-        op: OpName,
-        missing: Vec<usize>,
-    },
-    /// Two ranks issued different collectives at index `collective`.
-    Desync {
-        collective: u64,
-        rank_a: usize,
-        op_a: String,
-        rank_b: usize,
-        op_b: String,
-    },
-    /// A rank thread of the world failed (returned an error or panicked).
-    RankFailed { world_rank: usize, reason: String },
-    /// Ranks passed arguments of collective `collective` that do not fit together.
-    Mismatch { collective: u64, reason: String },
-}
-
-crate::error::impl_failure_to_error!(Failure);
-
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Failure::Aborted { by, reason } => write!(f, "aborted by rank {by}: {reason}"),
-            Failure::Timeout {
-                collective,
-                op,
-                missing,
-            } if *collective == u64::MAX => {
-                write!(f, "an earlier {op} timed out waiting for ranks {missing:?}")
-            }
-            Failure::Timeout {
-                collective,
-                op,
-                missing,
-            } => write!(
-                f,
-                "an earlier {op} (collective #{collective}) timed out waiting for ranks {missing:?}"
-            ),
-            Failure::Desync {
-                collective,
-                rank_a,
-                op_a,
-                rank_b,
-                op_b,
-            } => write!(
-                f,
-                "desync at collective #{collective}: rank {rank_a} issued {op_a} but rank {rank_b} issued {op_b}"
-            ),
-            Failure::RankFailed { world_rank, reason } => {
-                write!(f, "rank {world_rank} of the local world failed: {reason}")
-            }
-            Failure::Mismatch { collective, reason } => {
-                write!(f, "collective #{collective} had mismatched arguments: {reason}")
-            }
-        }
-    }
-}
-
-/// How shapes must agree across ranks for an op.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum ShapeRule {
-    /// Identical shapes.
-    Exact(Vec<usize>),
-    /// Identical dims after dim 0 (all_to_all_v).
-    Rows(Vec<usize>),
-    /// Anything.
-    Any,
-}
-
-/// What a rank issued at a collective index; compared across ranks.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct OpDesc {
-    pub op: OpName,
-    pub dtype: Option<DType>,
-    pub shape: ShapeRule,
-    pub root: Option<usize>,
-    pub reduce: Option<ReduceOp>,
-    pub bytes: Option<usize>,
-}
-
-impl OpDesc {
-    pub(crate) fn new(op: OpName) -> Self {
-        OpDesc {
-            op,
-            dtype: None,
-            shape: ShapeRule::Any,
-            root: None,
-            reduce: None,
-            bytes: None,
-        }
-    }
-
-    pub(crate) fn tensor(op: OpName, t: &Tensor) -> Self {
-        OpDesc {
-            dtype: Some(t.dtype()),
-            shape: ShapeRule::Exact(t.dims().to_vec()),
-            ..OpDesc::new(op)
-        }
-    }
-}
-
-impl fmt::Display for OpDesc {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}(", self.op)?;
-        let mut parts: Vec<String> = Vec::new();
-        if let Some(r) = self.reduce {
-            parts.push(r.to_string());
-        }
-        if let Some(d) = self.dtype {
-            parts.push(d.as_str().to_string());
-        }
-        match &self.shape {
-            ShapeRule::Exact(s) => parts.push(format!("{s:?}")),
-            ShapeRule::Rows(s) => parts.push(format!("[*, {s:?}]")),
-            ShapeRule::Any => {}
-        }
-        if let Some(r) = self.root {
-            parts.push(format!("root {r}"));
-        }
-        if let Some(b) = self.bytes {
-            parts.push(format!("{b} bytes"));
-        }
-        write!(f, "{})", parts.join(", "))
-    }
-}
+use crate::types::OpCtx;
 
 /// A rank's contribution to a collective, readable by its peers.
 #[derive(Clone, Default)]
@@ -164,7 +30,7 @@ pub(crate) struct Post {
     /// Scatter inputs (root only).
     pub inputs: Vec<Tensor>,
     /// The rank's output buffer, when peers read from it (large all_reduce).
-    pub out: Option<Arc<super::kernels::OutBuf>>,
+    pub out: Option<Arc<crate::cpu::kernels::OutBuf>>,
     /// all_to_all_v split sizes: (output, input).
     pub splits: Option<(Vec<usize>, Vec<usize>)>,
     /// split: the caller's new group.
@@ -381,14 +247,8 @@ impl Group {
             stage: vec![0; n],
         });
         match &slot.desc {
-            Some((r0, d0)) if !compatible(d0, &desc) => {
-                let failure = Failure::Desync {
-                    collective: coll,
-                    rank_a: *r0,
-                    op_a: d0.to_string(),
-                    rank_b: rank,
-                    op_b: desc.to_string(),
-                };
+            Some((r0, d0)) if !d0.compatible(&desc) => {
+                let failure = Failure::desync(coll, (*r0, d0), (rank, &desc));
                 st.failure = Some(failure.clone());
                 drop(st);
                 self.cv.notify_all();
@@ -504,6 +364,32 @@ impl Group {
         }
     }
 
+    /// The all_to_all_v check on every rank's posted split sizes: every (sender, receiver) pair,
+    /// not only this rank's receives, so all ranks reach the same verdict before anyone reads a
+    /// peer's buffer (a rank whose own counts agree must not return data while another rank
+    /// fails the collective). A mismatch fails the group.
+    pub(crate) fn check_split_sizes(&self, ctx: &OpCtx, coll: u64, posts: &[Post]) -> Result<()> {
+        let count = |r: usize, out: bool, peer: usize| {
+            posts[r]
+                .splits
+                .as_ref()
+                .map(|s| if out { s.0[peer] } else { s.1[peer] })
+                .unwrap_or(0)
+        };
+        check_split_sizes(
+            posts.len(),
+            |i, j| count(i, false, j),
+            |j, i| count(j, true, i),
+        )
+        .map_err(|reason| {
+            self.fail(Failure::Mismatch {
+                collective: coll,
+                reason: reason.clone(),
+            });
+            CommError::invalid(ctx, reason)
+        })
+    }
+
     /// Queues a message from `src` to `dst`.
     pub(crate) fn post_message(&self, src: usize, dst: usize, msg: Message) {
         let mut st = self.lock();
@@ -549,19 +435,5 @@ impl Group {
                 });
             }
         }
-    }
-}
-
-fn compatible(a: &OpDesc, b: &OpDesc) -> bool {
-    if a.op != b.op || a.root != b.root || a.reduce != b.reduce || a.bytes != b.bytes {
-        return false;
-    }
-    // Scatter: only the root knows the dtype.
-    if a.op != OpName::Scatter && a.dtype != b.dtype {
-        return false;
-    }
-    match (&a.shape, &b.shape) {
-        (ShapeRule::Any, _) | (_, ShapeRule::Any) => true,
-        (x, y) => x == y,
     }
 }

@@ -13,7 +13,7 @@ mod backend;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod group;
-pub(crate) mod kernels;
+mod tuning;
 mod window;
 
 use std::cell::RefCell;
@@ -26,10 +26,15 @@ use candle_core::Device;
 
 use crate::backend::{Backend, BackendFactory, CommOptions};
 use crate::comm::Comm;
+use crate::cpu::queue::panic_message;
 use crate::error::{CommError, Result};
-use crate::types::{OpCtx, OpName};
-use backend::{panic_msg, LocalBackend};
+use crate::types::OpCtx;
+use backend::LocalBackend;
 use group::{GroupKey, World};
+pub use tuning::{
+    init_cpu_allocator, init_cpu_threads, init_gemm_threads, CANDLE_NUM_THREADS_ENV,
+    RAYON_NUM_THREADS_ENV,
+};
 
 /// Stack size of rank threads: candle's backward pass recurses over the graph depth.
 const RANK_STACK_BYTES: usize = 64 << 20;
@@ -177,9 +182,9 @@ impl LocalWorld {
                 .into_iter()
                 .enumerate()
                 .map(|(rank, h)| match h {
-                    Ok(h) => h
-                        .join()
-                        .unwrap_or_else(|p| Err(format!("rank thread panicked: {}", panic_msg(p)))),
+                    Ok(h) => h.join().unwrap_or_else(|p| {
+                        Err(format!("rank thread panicked: {}", panic_message(&*p)))
+                    }),
                     Err(e) => {
                         let reason = format!("could not start rank thread {rank}: {e}");
                         world.fail(rank, reason.clone());
@@ -235,7 +240,7 @@ where
     match catch_unwind(AssertUnwindSafe(|| f(comm))) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(e.into().to_string()),
-        Err(p) => Err(format!("panicked: {}", panic_msg(p))),
+        Err(p) => Err(format!("panicked: {}", panic_message(&*p))),
     }
 }
 
@@ -291,23 +296,17 @@ impl BackendFactory for LocalFactory {
         );
         let backend = LocalBackend::with_device(group, rank, name, device.clone())?;
         // Bootstrap: every rank must arrive within the bootstrap timeout.
-        let ctx = OpCtx {
-            op: OpName::NewComm,
-            comm: Arc::from(name),
-            rank,
-            seq: 0,
-            timeout: options.bootstrap_timeout,
-        };
+        let ctx = OpCtx::bootstrap(name, rank, options.bootstrap_timeout);
         backend.barrier(ctx)?.wait()?;
         Ok(backend)
     }
 }
 
 /// Warns once when several rank threads will share candle's elementwise worker pool, which
-/// serializes its callers and spin-waits (see `candle_dtensor::init_cpu_threads`).
+/// serializes its callers and spin-waits (see [`init_cpu_threads`]).
 fn warn_about_candle_pool(ranks: usize) {
     static WARNED: std::sync::Once = std::sync::Once::new();
-    if ranks > 1 && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+    if ranks > 1 && std::env::var_os(CANDLE_NUM_THREADS_ENV).is_none() {
         WARNED.call_once(|| {
             tracing::warn!(
                 ranks,

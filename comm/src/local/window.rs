@@ -6,8 +6,9 @@ use std::sync::{Arc, RwLock};
 use candle_core::{DType, Shape, Tensor};
 
 use super::backend::Core;
-use super::group::{Group, OpDesc, Post};
-use super::kernels::{read_view, OutBuf};
+use super::group::{Group, Post};
+use crate::cpu::kernels::{read_view, OutBuf};
+use crate::desc::OpDesc;
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName};
 use crate::window::WindowBackend;
@@ -135,7 +136,7 @@ impl WindowBackend for LocalWindow {
             st = guard;
             if timed_out {
                 drop(st);
-                g.fail(super::group::Failure::Timeout {
+                g.fail(crate::desc::Failure::Timeout {
                     collective: u64::MAX,
                     op: ctx.op,
                     missing: vec![peer],

@@ -29,8 +29,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::desc::{self, Desc, Failure};
+use super::desc::{self, Desc};
 use super::raw::{self, MpiError, RawComm, RawRequest};
+use crate::desc::Failure;
 use crate::error::CommError;
 use crate::types::OpCtx;
 use crate::work::WorkCompleter;
@@ -446,13 +447,11 @@ fn check_agreement(descs: &[Desc]) -> Result<(), Fail> {
         return Ok(());
     };
     if let Some((r, d)) = descs.iter().enumerate().find(|(_, d)| !first.compatible(d)) {
-        return Err(Fail::Comm(Failure::Desync {
-            collective: first.coll,
-            rank_a: 0,
-            op_a: first.to_string(),
-            rank_b: r,
-            op_b: d.to_string(),
-        }));
+        return Err(Fail::Comm(Failure::desync(
+            first.coll,
+            (0, &first.what),
+            (r, &d.what),
+        )));
     }
     Ok(())
 }
@@ -638,7 +637,7 @@ impl CommState {
             return Ok(false);
         };
         let len = raw::received_count(&status, raw::element_type(8));
-        match Failure::decode_notice(&self.notice[..len.min(NOTICE_WORDS)], self.uid) {
+        match desc::decode_notice(&self.notice[..len.min(NOTICE_WORDS)], self.uid) {
             Some(f) => {
                 self.shared.fail(f, false);
             }
@@ -663,7 +662,7 @@ impl CommState {
 
     /// Tells every peer about a failure raised here.
     fn tell_peers(&mut self, f: &Failure, detached: &mut Vec<Detached>) {
-        let Some(words) = f.encode_notice(self.uid, NOTICE_WORDS) else {
+        let Some(words) = desc::encode_notice(f, self.uid, NOTICE_WORDS) else {
             return;
         };
         let buf = words.into_boxed_slice();

@@ -65,27 +65,20 @@ use crate::backend::BackendFactory;
 pub use engine::MpiInfo;
 
 /// The factory registered as `"mpi"`.
+#[cfg(feature = "mpi")]
 pub(crate) fn factory() -> Arc<dyn BackendFactory> {
     Arc::new(MpiFactory)
 }
 
-/// Creates world communicators of the `mpi` backend.
-struct MpiFactory;
-
+/// The factory registered as `"mpi"` in builds without the feature: it says how to get it.
 #[cfg(not(feature = "mpi"))]
-impl BackendFactory for MpiFactory {
-    fn create(
-        &self,
-        _: &candle_core::Device,
-        _: &str,
-        _: &crate::backend::CommOptions,
-    ) -> crate::error::Result<Arc<dyn crate::backend::Backend>> {
-        Err(crate::error::CommError::NotCompiled {
-            backend: "mpi".into(),
-            feature: "mpi".into(),
-        })
-    }
+pub(crate) fn factory() -> Arc<dyn BackendFactory> {
+    Arc::new(crate::backend::NotCompiled("mpi"))
 }
+
+/// Creates world communicators of the `mpi` backend.
+#[cfg(feature = "mpi")]
+struct MpiFactory;
 
 /// What the MPI library of this process provides, once the backend started it (the first
 /// `new_comm("mpi", ..)`); `None` before.
@@ -100,13 +93,13 @@ mod imp {
 
     use candle_core::{Device, Tensor};
 
-    use super::desc::Failure;
     use super::engine::{Body, CommShared, Engine, Job, ABORT_PROCESS_HINT};
     use super::ops::{self, Input, P2P};
     use super::MpiFactory;
-    use crate::backend::{dtype_names, Backend, BackendFactory, Capabilities, CommOptions};
+    use crate::backend::{Backend, BackendFactory, Capabilities, CommOptions};
+    use crate::desc::Failure;
     use crate::error::{CommError, Result};
-    use crate::types::{OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES};
+    use crate::types::{OpCtx, P2POp, ReduceOp};
     use crate::work::Work;
 
     /// One rank of one MPI communicator.
@@ -168,13 +161,7 @@ mod imp {
         }
 
         fn capabilities(&self) -> Capabilities {
-            Capabilities {
-                rma_put: false,
-                rma_get: false,
-                rma_signal: false,
-                abort: true,
-                dtypes: dtype_names(&SUPPORTED_DTYPES),
-            }
+            crate::cpu::capabilities(false)
         }
 
         fn all_reduce(
@@ -307,13 +294,8 @@ mod imp {
         }
 
         fn abort(&self, reason: &str) {
-            self.engine.fail(
-                &self.shared,
-                Failure::Aborted {
-                    by: self.shared.rank,
-                    reason: reason.to_string(),
-                },
-            );
+            let f = Failure::aborted(self.shared.rank, reason);
+            self.engine.fail(&self.shared, f);
         }
 
         fn is_aborted(&self) -> bool {
@@ -332,15 +314,7 @@ mod imp {
             name: &str,
             options: &CommOptions,
         ) -> Result<Arc<dyn Backend>> {
-            if !device.is_cpu() {
-                return Err(CommError::Bootstrap {
-                    comm: name.to_string(),
-                    reason: format!(
-                        "the mpi backend runs on the CPU; got {:?}",
-                        device.location()
-                    ),
-                });
-            }
+            crate::cpu::require_cpu(device, "mpi", name)?;
             if options
                 .hints
                 .get("mpi.abort_process")
@@ -353,13 +327,7 @@ mod imp {
                     comm: name.to_string(),
                     reason,
                 })?;
-            let ctx = OpCtx {
-                op: OpName::NewComm,
-                comm: Arc::from(name),
-                rank: engine.info.rank,
-                seq: 0,
-                timeout: options.bootstrap_timeout,
-            };
+            let ctx = OpCtx::bootstrap(name, engine.info.rank, options.bootstrap_timeout);
             let boot = engine.bootstrap.clone();
             let shared = run_on(&engine, &boot, ctx, true, ops::NewComm::new(name))?.wait()?;
             Ok(MpiBackend::new(engine, shared))

@@ -11,20 +11,17 @@ use std::sync::Arc;
 
 use candle_core::{DType, Shape, Tensor};
 
-use super::desc::{self, Desc, ShapeRule, MAX_DIMS};
+use super::desc::{self, Desc, MAX_DIMS};
 use super::engine::{
     Body, CommShared, Cx, Fail, Reqs, TAG_P2P_DATA, TAG_P2P_HDR, TAG_SCATTER_DATA, TAG_SCATTER_HDR,
 };
 use super::raw::{self, Buf, MpiResult, RawComm, VCounts};
 use crate::backend::Backend;
+use crate::cpu::kernels::{read_view, reduce_into, OutBuf};
+use crate::cpu::{deliver, produce, put_bytes, EAGER_BYTES};
+use crate::desc::{check_recv, check_split_lists, check_split_sizes, Failure, OpDesc, ShapeRule};
 use crate::error::{CommError, Result};
-use crate::local::kernels::{read_view, reduce_into, write_into, OutBuf};
 use crate::types::{OpCtx, OpName, ReduceOp};
-
-/// Inputs up to this many bytes per rank are all-reduced by an all-gather and a local
-/// reduction of everything (one round); larger ones by an all-to-all of chunks, a reduction of
-/// this rank's chunk and an all-gather of the chunks (2(n-1)/n of the data per rank).
-const EAGER_BYTES: usize = 64 * 1024;
 
 /// A copy of a caller's tensor, owned by the op (the caller may drop or change its tensor as
 /// soon as the op is issued; MPI reads this copy).
@@ -73,16 +70,12 @@ impl Input {
     }
 
     fn desc(&self, uid: u64, coll: u64, op: OpName) -> Desc {
-        Desc::tensor(uid, coll, op, self.dtype, &self.dims)
+        Desc::new(uid, coll, OpDesc::of(op, self.dtype, &self.dims))
     }
 }
 
 fn op_err(ctx: &OpCtx, msg: impl Into<String>) -> Fail {
     Fail::Op(CommError::invalid(ctx, msg))
-}
-
-fn candle_err(ctx: &OpCtx) -> impl Fn(candle_core::Error) -> Fail + '_ {
-    move |e| Fail::Op(CommError::candle(ctx, e))
 }
 
 /// `n` as an MPI count.
@@ -122,7 +115,7 @@ fn out_buf(ctx: &OpCtx, dtype: DType, elems: usize) -> std::result::Result<OutBu
 /// (MPI never writes into candle storage: it may be read meanwhile).
 pub(crate) enum OutMem {
     Tensor(OutBuf),
-    Scratch(Buf),
+    Scratch(Buf, DType),
 }
 
 impl OutMem {
@@ -134,7 +127,7 @@ impl OutMem {
         into: bool,
     ) -> std::result::Result<OutMem, Fail> {
         Ok(if into {
-            OutMem::Scratch(Buf::new(elems * dtype.size_in_bytes()))
+            OutMem::Scratch(Buf::new(elems * dtype.size_in_bytes()), dtype)
         } else {
             OutMem::Tensor(out_buf(ctx, dtype, elems)?)
         })
@@ -143,7 +136,7 @@ impl OutMem {
     fn ptr(&mut self) -> *mut u8 {
         match self {
             OutMem::Tensor(o) => o.ptr(),
-            OutMem::Scratch(b) => b.mut_ptr().cast(),
+            OutMem::Scratch(b, _) => b.mut_ptr().cast(),
         }
     }
 }
@@ -162,33 +155,29 @@ fn output(
     dims: &[usize],
     into: Option<Tensor>,
 ) -> std::result::Result<Tensor, Fail> {
-    let out = out.into();
-    let Some(t) = into else {
-        return match out {
-            // SAFETY: every op calls this only after MPI (or a reduction) wrote all of `o`.
-            OutMem::Tensor(o) => {
-                unsafe { o.into_tensor(Shape::from_dims(dims)) }.map_err(candle_err(ctx))
+    let shape = Shape::from_dims(dims);
+    let elems = shape.elem_count();
+    match (out.into(), into) {
+        // SAFETY: every op calls this only after MPI (or a reduction) wrote all of `o`.
+        (OutMem::Tensor(o), into) => unsafe { deliver(ctx, o, shape, into) },
+        (OutMem::Scratch(b, dtype), Some(t)) => produce(ctx, Some(t), dtype, shape, |dst| {
+            if b.len() != elems * dtype.size_in_bytes() {
+                return Err(CommError::invalid(
+                    ctx,
+                    "a scratch result of the wrong size",
+                ));
             }
-            OutMem::Scratch(_) => Err(op_err(ctx, "internal: a scratch result without a target")),
-        };
-    };
-    let src: &[u8] = match &out {
-        OutMem::Scratch(b) => b.bytes(),
-        // SAFETY: fully written (as above) and owned here; read before `out` drops.
-        OutMem::Tensor(o) => unsafe { std::slice::from_raw_parts(o.ptr(), o.len_bytes()) },
-    };
-    let len = src.len();
-    write_into(&t, |dst, n| {
-        if n != len {
-            return Err(format!("the output holds {n} bytes, the result {len}"));
-        }
-        // SAFETY: `dst` is valid for `n == len` bytes under the output's write lock; `src` is
-        // another allocation.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len) };
-        Ok(())
-    })
-    .map_err(|e| op_err(ctx, e))?;
-    Ok(t)
+            // SAFETY: `produce` checked that `dst` holds the result's bytes, as many as `b`,
+            // which MPI (or a reduction) wrote.
+            unsafe { put_bytes(dst, 0, b.bytes()) };
+            Ok(())
+        }),
+        (OutMem::Scratch(..), None) => Err(CommError::invalid(
+            ctx,
+            "internal: a scratch result without a target",
+        )),
+    }
+    .map_err(Fail::Op)
 }
 
 /// Reduces `n` equal pieces of `src` (in rank order) into `dst`.
@@ -236,12 +225,17 @@ fn post_chunk_exchange(
 }
 
 // ---------------------------------------------------------------------------------------------
-// all_reduce
+// all_reduce and reduce
 // ---------------------------------------------------------------------------------------------
 
-pub(crate) struct AllReduce {
+/// all_reduce (`root: None`) and reduce to `root`. Small all_reduce inputs are all-gathered and
+/// reduced whole on every rank; otherwise every rank reduces its chunk of every input (an
+/// all-to-all of chunks), and the reduced chunks are all-gathered (all_reduce) or gathered to
+/// the root (reduce).
+struct Reduction {
     x: Input,
     op: ReduceOp,
+    root: Option<usize>,
     into: Option<Tensor>,
     stage: u8,
     recv: Option<Buf>,
@@ -253,11 +247,12 @@ pub(crate) struct AllReduce {
     gather: (Vec<c_int>, Vec<c_int>),
 }
 
-impl AllReduce {
-    pub(crate) fn new(x: Input, op: ReduceOp, into: Option<Tensor>) -> Self {
-        AllReduce {
+impl Reduction {
+    fn new(x: Input, op: ReduceOp, root: Option<usize>, into: Option<Tensor>) -> Self {
+        Reduction {
             x,
             op,
+            root,
             into,
             stage: 0,
             recv: None,
@@ -267,31 +262,38 @@ impl AllReduce {
             gather: (Vec::new(), Vec::new()),
         }
     }
-}
 
-impl Body for AllReduce {
-    type Out = Tensor;
-
-    fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
-        let mut d = self.x.desc(uid, coll, OpName::AllReduce);
-        d.reduce = Some(self.op);
-        Some(d)
+    fn desc(&self, uid: u64, coll: u64) -> Desc {
+        let op = match self.root {
+            Some(_) => OpName::Reduce,
+            None => OpName::AllReduce,
+        };
+        let mut d = self.x.desc(uid, coll, op);
+        d.what.root = self.root;
+        d.what.reduce = Some(self.op);
+        d
     }
 
+    /// The [`Body::step`] of both ops: `Some(result)` once done, where the result is `None` on
+    /// the ranks of a reduce that are not its root.
     fn step(
         &mut self,
         cx: &mut Cx,
-        _: &[Desc],
         reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Tensor>, Fail> {
+    ) -> std::result::Result<Option<Option<Tensor>>, Fail> {
         let (n, dtype, elems) = (cx.size, self.x.dtype, self.x.elems());
         match self.stage {
             0 if n == 1 => {
                 let mut out = OutMem::new(cx.ctx, dtype, elems, self.into.is_some())?;
                 reduce_pieces(dtype, self.op, self.x.buf.bytes(), 1, out.ptr());
-                Ok(Some(output(cx.ctx, out, &self.x.dims, self.into.take())?))
+                Ok(Some(Some(output(
+                    cx.ctx,
+                    out,
+                    &self.x.dims,
+                    self.into.take(),
+                )?)))
             }
-            0 if self.x.buf.len() <= EAGER_BYTES => {
+            0 if self.root.is_none() && self.x.buf.len() <= EAGER_BYTES => {
                 let mut recv = Buf::new(n * self.x.buf.len());
                 let c = count(cx.ctx, elems)?;
                 // SAFETY: `x.buf` holds `elems` elements and `recv` n times that; both are
@@ -324,7 +326,12 @@ impl Body for AllReduce {
                     .ok_or_else(|| op_err(cx.ctx, "lost buffer"))?;
                 let mut out = OutMem::new(cx.ctx, dtype, elems, self.into.is_some())?;
                 reduce_pieces(dtype, self.op, recv.bytes(), n, out.ptr());
-                Ok(Some(output(cx.ctx, out, &self.x.dims, self.into.take())?))
+                Ok(Some(Some(output(
+                    cx.ctx,
+                    out,
+                    &self.x.dims,
+                    self.into.take(),
+                )?)))
             }
             2 => {
                 let recv = self
@@ -332,40 +339,112 @@ impl Body for AllReduce {
                     .take()
                     .ok_or_else(|| op_err(cx.ctx, "lost buffer"))?;
                 let ranges: Vec<_> = (0..n).map(|r| chunk_range(elems, n, r)).collect();
-                let es = dtype.size_in_bytes();
-                let mut mine = Buf::new(ranges[cx.rank].len() * es);
+                let mut mine = Buf::new(ranges[cx.rank].len() * dtype.size_in_bytes());
                 reduce_pieces(dtype, self.op, recv.bytes(), n, mine.mut_ptr().cast());
-                let mut out = OutMem::new(cx.ctx, dtype, elems, self.into.is_some())?;
                 self.gather =
                     counts_displs(cx.ctx, &ranges.iter().map(|r| r.len()).collect::<Vec<_>>())?;
                 let c = count(cx.ctx, ranges[cx.rank].len())?;
-                // SAFETY: `mine` holds this rank's chunk, `out` every chunk at its
-                // displacement; the body owns both and the count arrays until completion.
+                // Only the ranks that get the result have an output (all of them, or the root).
+                if self.root.is_none_or(|r| r == cx.rank) {
+                    self.out = Some(OutMem::new(cx.ctx, dtype, elems, self.into.is_some())?);
+                }
+                let recv_ptr = self
+                    .out
+                    .as_mut()
+                    .map_or(std::ptr::null_mut(), |o| o.ptr().cast());
+                // SAFETY: `mine` holds this rank's chunk; `out` (where there is one) has room for
+                // every chunk at its displacement (elsewhere a gather ignores the receive
+                // arguments); the body owns all of them and the count arrays until completion.
                 let req = unsafe {
-                    raw::iallgatherv(
-                        mine.ptr(),
-                        c,
-                        out.ptr().cast(),
-                        &self.gather.0,
-                        &self.gather.1,
-                        self.x.mpi_type(),
-                        cx.comm,
-                    )
+                    match self.root {
+                        None => raw::iallgatherv(
+                            mine.ptr(),
+                            c,
+                            recv_ptr,
+                            &self.gather.0,
+                            &self.gather.1,
+                            self.x.mpi_type(),
+                            cx.comm,
+                        ),
+                        Some(root) => raw::igatherv(
+                            mine.ptr(),
+                            c,
+                            recv_ptr,
+                            &self.gather,
+                            self.x.mpi_type(),
+                            root,
+                            cx.comm,
+                        ),
+                    }
                 }?;
                 reqs.push(req);
                 self._mine = Some(mine);
-                self.out = Some(out);
                 self.stage = 3;
                 Ok(None)
             }
-            _ => {
-                let out = self
-                    .out
-                    .take()
-                    .ok_or_else(|| op_err(cx.ctx, "lost buffer"))?;
-                Ok(Some(output(cx.ctx, out, &self.x.dims, self.into.take())?))
-            }
+            _ => match self.out.take() {
+                Some(out) => Ok(Some(Some(output(
+                    cx.ctx,
+                    out,
+                    &self.x.dims,
+                    self.into.take(),
+                )?))),
+                None => Ok(Some(None)),
+            },
         }
+    }
+}
+
+pub(crate) struct AllReduce(Reduction);
+
+impl AllReduce {
+    pub(crate) fn new(x: Input, op: ReduceOp, into: Option<Tensor>) -> Self {
+        AllReduce(Reduction::new(x, op, None, into))
+    }
+}
+
+impl Body for AllReduce {
+    type Out = Tensor;
+
+    fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
+        Some(self.0.desc(uid, coll))
+    }
+
+    fn step(
+        &mut self,
+        cx: &mut Cx,
+        _: &[Desc],
+        reqs: &mut Reqs,
+    ) -> std::result::Result<Option<Tensor>, Fail> {
+        match self.0.step(cx, reqs)? {
+            Some(None) => Err(op_err(cx.ctx, "lost buffer")),
+            done => Ok(done.flatten()),
+        }
+    }
+}
+
+pub(crate) struct Reduce(Reduction);
+
+impl Reduce {
+    pub(crate) fn new(x: Input, root: usize, op: ReduceOp) -> Self {
+        Reduce(Reduction::new(x, op, Some(root), None))
+    }
+}
+
+impl Body for Reduce {
+    type Out = Option<Tensor>;
+
+    fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
+        Some(self.0.desc(uid, coll))
+    }
+
+    fn step(
+        &mut self,
+        cx: &mut Cx,
+        _: &[Desc],
+        reqs: &mut Reqs,
+    ) -> std::result::Result<Option<Option<Tensor>>, Fail> {
+        self.0.step(cx, reqs)
     }
 }
 
@@ -396,7 +475,7 @@ impl Body for ReduceScatter {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         let mut d = self.x.desc(uid, coll, OpName::ReduceScatterSingle);
-        d.reduce = Some(self.op);
+        d.what.reduce = Some(self.op);
         Some(d)
     }
 
@@ -551,7 +630,7 @@ impl Body for AllToAllV {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         let mut d = self.x.desc(uid, coll, OpName::AllToAllVSingle);
-        d.rule = ShapeRule::Rows;
+        d.what.rule = ShapeRule::Rows;
         d.extra = self
             .out_splits
             .iter()
@@ -577,18 +656,13 @@ impl Body for AllToAllV {
         }
         // Every rank checks every (sender, receiver) pair, so all reach the same verdict
         // before any data moves.
-        let split = |d: &Desc, i: usize| d.extra.get(i).copied().unwrap_or(0) as usize;
-        for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
-            let (sent, expected) = (split(&descs[i], n + j), split(&descs[j], i));
-            if sent != expected {
-                return Err(Fail::Comm(desc::Failure::Mismatch {
-                    collective: cx.coll,
-                    reason: format!(
-                        "rank {i} sends {sent} slices to rank {j} but rank {j} expects {expected} from it"
-                    ),
-                }));
-            }
-        }
+        let split = |r: usize, i: usize| descs[r].extra.get(i).copied().unwrap_or(0) as usize;
+        check_split_sizes(n, |i, j| split(i, n + j), split).map_err(|reason| {
+            Fail::Comm(Failure::Mismatch {
+                collective: cx.coll,
+                reason,
+            })
+        })?;
         let rows = |v: &[usize]| v.iter().map(|&s| s * row).collect::<Vec<_>>();
         let (send_counts, send_displs) = counts_displs(cx.ctx, &rows(&self.in_splits))?;
         let (recv_counts, recv_displs) = counts_displs(cx.ctx, &rows(&self.out_splits))?;
@@ -646,7 +720,7 @@ impl Body for Broadcast {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         let mut d = self.x.desc(uid, coll, OpName::Broadcast);
-        d.root = Some(self.root);
+        d.what.root = Some(self.root);
         Some(d)
     }
 
@@ -685,114 +759,6 @@ impl Body for Broadcast {
     }
 }
 
-pub(crate) struct Reduce {
-    x: Input,
-    root: usize,
-    op: ReduceOp,
-    stage: u8,
-    recv: Option<Buf>,
-    /// The counts MPI reads while the all-to-all runs.
-    _v: Option<Box<VCounts>>,
-    /// This rank's reduced chunk, which MPI reads while the gather runs.
-    _mine: Option<Buf>,
-    out: Option<OutBuf>,
-    gather: (Vec<c_int>, Vec<c_int>),
-}
-
-impl Reduce {
-    pub(crate) fn new(x: Input, root: usize, op: ReduceOp) -> Self {
-        Reduce {
-            x,
-            root,
-            op,
-            stage: 0,
-            recv: None,
-            _v: None,
-            _mine: None,
-            out: None,
-            gather: (Vec::new(), Vec::new()),
-        }
-    }
-}
-
-impl Body for Reduce {
-    type Out = Option<Tensor>;
-
-    fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
-        let mut d = self.x.desc(uid, coll, OpName::Reduce);
-        d.root = Some(self.root);
-        d.reduce = Some(self.op);
-        Some(d)
-    }
-
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        _: &[Desc],
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Option<Tensor>>, Fail> {
-        let (n, dtype, elems) = (cx.size, self.x.dtype, self.x.elems());
-        let me_root = cx.rank == self.root;
-        match self.stage {
-            0 if n == 1 => {
-                let out = out_buf(cx.ctx, dtype, elems)?;
-                reduce_pieces(dtype, self.op, self.x.buf.bytes(), 1, out.ptr());
-                Ok(Some(Some(output(cx.ctx, out, &self.x.dims, None)?)))
-            }
-            0 => {
-                // Reduce-scatter by chunks, then gather the reduced chunks to the root.
-                let (recv, v) = post_chunk_exchange(cx, &self.x, reqs)?;
-                self.recv = Some(recv);
-                self._v = Some(v);
-                self.stage = 1;
-                Ok(None)
-            }
-            1 => {
-                let recv = self
-                    .recv
-                    .take()
-                    .ok_or_else(|| op_err(cx.ctx, "lost buffer"))?;
-                let ranges: Vec<_> = (0..n).map(|r| chunk_range(elems, n, r)).collect();
-                let mut mine = Buf::new(ranges[cx.rank].len() * dtype.size_in_bytes());
-                reduce_pieces(dtype, self.op, recv.bytes(), n, mine.mut_ptr().cast());
-                self.gather =
-                    counts_displs(cx.ctx, &ranges.iter().map(|r| r.len()).collect::<Vec<_>>())?;
-                let recv_ptr = if me_root {
-                    let out = out_buf(cx.ctx, dtype, elems)?;
-                    let p = out.ptr().cast();
-                    self.out = Some(out);
-                    p
-                } else {
-                    std::ptr::null_mut()
-                };
-                let c = count(cx.ctx, ranges[cx.rank].len())?;
-                // SAFETY: `mine` holds this rank's chunk; on the root `out` has room for every
-                // chunk at its displacement (elsewhere the receive arguments are ignored); the
-                // body owns all of them until completion.
-                let req = unsafe {
-                    raw::igatherv(
-                        mine.ptr(),
-                        c,
-                        recv_ptr,
-                        &self.gather,
-                        self.x.mpi_type(),
-                        self.root,
-                        cx.comm,
-                    )
-                }?;
-                reqs.push(req);
-                self._mine = Some(mine);
-                self.stage = 2;
-                Ok(None)
-            }
-            _ => match self.out.take() {
-                Some(out) => Ok(Some(Some(output(cx.ctx, out, &self.x.dims, None)?))),
-                None => Ok(Some(None)),
-            },
-        }
-    }
-}
-
 pub(crate) struct Gather {
     x: Input,
     root: usize,
@@ -820,8 +786,8 @@ impl Body for Gather {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         let mut d = self.x.desc(uid, coll, OpName::Gather);
-        d.rule = ShapeRule::Any;
-        d.root = Some(self.root);
+        d.what.rule = ShapeRule::Any;
+        d.what.root = Some(self.root);
         Some(d)
     }
 
@@ -838,7 +804,7 @@ impl Body for Gather {
             // Every rank's shape came with its descriptor.
             self.sizes = descs
                 .iter()
-                .map(|d| (d.dims.clone(), d.dims.iter().product::<usize>()))
+                .map(|d| (d.what.dims.clone(), d.what.dims.iter().product::<usize>()))
                 .collect();
             let elems: Vec<usize> = self.sizes.iter().map(|s| s.1).collect();
             self.counts = counts_displs(cx.ctx, &elems)?;
@@ -991,18 +957,15 @@ impl Incoming {
         reqs: &mut Reqs,
     ) -> std::result::Result<Option<String>, Fail> {
         let (dtype, dims) = read_header(&self.hdr, cx.uid).ok_or_else(|| {
-            Fail::Comm(desc::Failure::Mpi {
+            Fail::Comm(Failure::Mpi {
                 what: format!("rank {} sent an unreadable message header", self.peer),
             })
         })?;
         let elems: usize = dims.iter().product();
-        let mismatch = match &self.want {
-            Some((wd, ws)) if (*wd, ws) != (dtype, &dims) => Some(format!(
-                "recv from rank {p}: expected {ws:?} {wd:?} but rank {p} sent {dims:?} {dtype:?}",
-                p = self.peer
-            )),
-            _ => None,
-        };
+        let mismatch = self
+            .want
+            .as_ref()
+            .and_then(|(wd, ws)| check_recv(self.peer, (ws, *wd), (&dims, dtype)).err());
         let ptr: *mut c_void = if mismatch.is_some() {
             let mut d = Buf::new(elems * dtype.size_in_bytes());
             let p = d.mut_ptr();
@@ -1065,8 +1028,8 @@ impl Body for Scatter {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         // Only the root knows dtype and shapes (as in the local backend).
-        let mut d = Desc::new(uid, coll, OpName::Scatter);
-        d.root = Some(self.root);
+        let mut d = Desc::new(uid, coll, OpDesc::new(OpName::Scatter));
+        d.what.root = Some(self.root);
         Some(d)
     }
 
@@ -1126,7 +1089,7 @@ impl Body for Barrier {
     type Out = ();
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
-        Some(Desc::new(uid, coll, OpName::Barrier))
+        Some(Desc::new(uid, coll, OpDesc::new(OpName::Barrier)))
     }
 
     fn step(
@@ -1253,7 +1216,7 @@ impl Body for Split {
     type Out = Option<Arc<dyn Backend>>;
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
-        let mut d = Desc::new(uid, coll, OpName::Split);
+        let mut d = Desc::new(uid, coll, OpDesc::new(OpName::Split));
         d.extra = self.ranks.iter().map(|&r| r as u64).collect();
         Some(d)
     }
@@ -1270,19 +1233,7 @@ impl Body for Split {
             .iter()
             .map(|d| d.extra.iter().map(|&r| r as usize).collect())
             .collect();
-        let mismatch = lists.iter().enumerate().find_map(|(s, list)| {
-            list.iter()
-                .find(|&&r| lists.get(r) != Some(list))
-                .map(|&r| {
-                    format!(
-                        "split lists disagree: rank {s} passes {list:?} but rank {r} passes {:?}",
-                        lists.get(r).cloned().unwrap_or_default()
-                    )
-                })
-        });
-        if let Some(reason) = mismatch {
-            return Err(op_err(cx.ctx, reason));
-        }
+        check_split_lists(&lists).map_err(|reason| op_err(cx.ctx, reason))?;
         let color = match self.ranks.iter().min() {
             Some(&m) => c_int::try_from(m).unwrap_or(c_int::MAX),
             None => raw::undefined(),
@@ -1299,7 +1250,7 @@ impl Body for Split {
         }
         let (rank, size) = raw::rank_size(new)?;
         if (rank, size) != (key, self.ranks.len()) {
-            return Err(Fail::Comm(desc::Failure::Mpi {
+            return Err(Fail::Comm(Failure::Mpi {
                 what: format!(
                     "MPI_Comm_split made rank {rank} of {size}, expected {key} of {}",
                     self.ranks.len()
@@ -1334,7 +1285,7 @@ impl Body for NewComm {
     type Out = Arc<CommShared>;
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
-        let mut d = Desc::new(uid, coll, OpName::NewComm);
+        let mut d = Desc::new(uid, coll, OpDesc::new(OpName::NewComm));
         d.extra = vec![desc::hash_str(&self.name)];
         Some(d)
     }

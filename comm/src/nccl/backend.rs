@@ -3,8 +3,7 @@
 //! addresses and call plans (`plan.rs`), and creates communicators (from the launcher
 //! environment, from an explicit store, or by split).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use candle_core::{CudaDevice, DType, Device, Shape, Tensor};
 
@@ -20,8 +19,8 @@ use crate::backend::{dtype_names, Backend, Capabilities, CommOptions};
 use crate::comm::Comm;
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
-use crate::store::{Store, TcpStore, TcpStoreServer};
-use crate::types::{OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES};
+use crate::store::Store;
+use crate::types::{OpCtx, P2POp, ReduceOp, SUPPORTED_DTYPES};
 use crate::window::WindowBackend;
 use crate::work::Work;
 
@@ -72,67 +71,6 @@ fn boot(name: &str, rank: usize, reason: impl std::fmt::Display) -> CommError {
     }
 }
 
-/// The world store of this process: created by the first multi-rank `new_comm("nccl")` and kept
-/// for the life of the process (rank 0 serves it).
-struct WorldStore {
-    addr: String,
-    _server: Option<TcpStoreServer>,
-    client: Arc<TcpStore>,
-}
-
-type WorldState = (Option<WorldStore>, HashMap<String, u64>);
-
-/// This process's client of the world store and the index of this `new_comm` of `name`.
-fn world_store(env: &LaunchEnv, options: &CommOptions, name: &str) -> Result<(Arc<TcpStore>, u64)> {
-    static WORLD: OnceLock<Mutex<WorldState>> = OnceLock::new();
-    let addr = env.store_addr().map_err(|e| boot(name, env.rank, e))?;
-    let mut g = WORLD
-        .get_or_init(|| Mutex::new((None, HashMap::new())))
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    let client = match &g.0 {
-        Some(w) if w.addr == addr => w.client.clone(),
-        Some(w) => {
-            return Err(boot(
-                name,
-                env.rank,
-                format!(
-                    "this process already rendezvoused through the store at {}; MASTER_ADDR/MASTER_PORT now say {addr}",
-                    w.addr
-                ),
-            ))
-        }
-        None => {
-            let server = if env.rank == 0 {
-                Some(TcpStoreServer::bind(&addr).map_err(|e| {
-                    boot(
-                        name,
-                        0,
-                        format!(
-                            "{e} (another backend of this process, or another job, may already serve a store there)"
-                        ),
-                    )
-                })?)
-            } else {
-                None
-            };
-            let client = Arc::new(
-                TcpStore::connect(&addr, options.bootstrap_timeout)
-                    .map_err(|e| boot(name, env.rank, e))?,
-            );
-            g.0 = Some(WorldStore {
-                addr,
-                _server: server,
-                client: client.clone(),
-            });
-            client
-        }
-    };
-    let count = g.1.entry(name.to_string()).or_insert(0);
-    *count += 1;
-    Ok((client, *count))
-}
-
 /// `new_comm("nccl", device, name, options)`: rank and size from the launcher environment, the
 /// unique id through the world store (none for a world of one).
 pub(crate) fn create_from_env(
@@ -145,7 +83,8 @@ pub(crate) fn create_from_env(
         reason: e.to_string(),
     })?;
     let store = if env.world_size > 1 {
-        let (client, index) = world_store(&env, options, name)?;
+        let (client, index) =
+            crate::store::world_store(&env, options.bootstrap_timeout, "nccl", name)?;
         Some((client as Arc<dyn Store>, format!("cdt/nccl/{name}/{index}")))
     } else {
         None
@@ -213,13 +152,7 @@ impl NcclBackend {
             .map_err(|e| boot(name, rank, e))?;
         let streams =
             Arc::new(CudaStreams::new(cuda).map_err(|e| boot(name, rank, format!("CUDA: {e}")))?);
-        let ctx = OpCtx {
-            op: OpName::NewComm,
-            comm: Arc::from(name),
-            rank,
-            seq: 0,
-            timeout: options.bootstrap_timeout,
-        };
+        let ctx = OpCtx::bootstrap(name, rank, options.bootstrap_timeout);
         let id = match &store {
             Some((s, ns)) => {
                 mark_joined(&**s, ns, &ctx)?;
@@ -342,18 +275,7 @@ impl NcclBackend {
     ) -> Result<Tensor> {
         match output {
             Some(t) => {
-                if t.elem_count() != shape.elem_count() || t.dtype() != dtype {
-                    return Err(CommError::invalid(
-                        ctx,
-                        format!(
-                            "output is {:?} {:?} but the result is {:?} {:?}",
-                            t.dims(),
-                            t.dtype(),
-                            shape.dims(),
-                            dtype
-                        ),
-                    ));
-                }
+                crate::backend::check_output(ctx, &t, dtype, shape)?;
                 Ok(t)
             }
             None => self.output(ctx, shape, dtype),
@@ -934,7 +856,7 @@ impl Backend for NcclBackend {
             .map(|v| v as u32)
             .collect();
         let lists = plan::decode_split_lists(&all, n).map_err(|e| CommError::invalid(&ctx, e))?;
-        plan::validate_split_lists(&lists).map_err(|e| CommError::invalid(&ctx, e))?;
+        crate::desc::check_split_lists(&lists).map_err(|e| CommError::invalid(&ctx, e))?;
         let (color, key) =
             plan::split_color_key(ranks, me).map_err(|e| CommError::invalid(&ctx, e))?;
         let core = self.core();

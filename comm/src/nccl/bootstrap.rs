@@ -111,17 +111,9 @@ mod tests {
     use super::*;
     use crate::nccl::mock::MockApi;
     use crate::store::{TcpStore, TcpStoreServer};
-    use crate::types::OpName;
-    use std::sync::Arc;
 
     fn ctx(rank: usize, timeout: Duration) -> OpCtx {
-        OpCtx {
-            op: OpName::NewComm,
-            comm: Arc::from("world"),
-            rank,
-            seq: 0,
-            timeout,
-        }
+        OpCtx::bootstrap("world", rank, timeout)
     }
 
     #[test]

@@ -87,27 +87,20 @@ use crate::backend::BackendFactory;
 pub use backend::{connect, library_version};
 
 /// The factory registered as `"nccl"`.
+#[cfg(feature = "nccl")]
 pub(crate) fn factory() -> Arc<dyn BackendFactory> {
     Arc::new(NcclFactory)
 }
 
-/// Creates world communicators of the `nccl` backend from the launcher's environment.
-struct NcclFactory;
-
+/// The factory registered as `"nccl"` in builds without the feature: it says how to get it.
 #[cfg(not(feature = "nccl"))]
-impl BackendFactory for NcclFactory {
-    fn create(
-        &self,
-        _: &candle_core::Device,
-        _: &str,
-        _: &crate::backend::CommOptions,
-    ) -> crate::error::Result<Arc<dyn crate::backend::Backend>> {
-        Err(crate::error::CommError::NotCompiled {
-            backend: "nccl".into(),
-            feature: "nccl".into(),
-        })
-    }
+pub(crate) fn factory() -> Arc<dyn BackendFactory> {
+    Arc::new(crate::backend::NotCompiled("nccl"))
 }
+
+/// Creates world communicators of the `nccl` backend from the launcher's environment.
+#[cfg(feature = "nccl")]
+struct NcclFactory;
 
 #[cfg(feature = "nccl")]
 impl BackendFactory for NcclFactory {

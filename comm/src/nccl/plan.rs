@@ -95,29 +95,6 @@ pub fn decode_split_lists(all: &[u32], size: usize) -> Result<Vec<Vec<usize>>, S
         .collect()
 }
 
-/// Checks that the split lists of all ranks fit together, as the local backend does: every rank
-/// listed by some rank must have passed that very list. Every rank runs this on the same data,
-/// so a split fails on all ranks or on none.
-pub fn validate_split_lists(lists: &[Vec<usize>]) -> Result<(), String> {
-    let n = lists.len();
-    for (s, list) in lists.iter().enumerate() {
-        for &r in list {
-            if r >= n {
-                return Err(format!(
-                    "rank {s} passes split list {list:?} with rank {r} out of range for {n} ranks"
-                ));
-            }
-            if lists[r] != *list {
-                return Err(format!(
-                    "split lists disagree: rank {s} passes {list:?} but rank {r} passes {:?}",
-                    lists[r]
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
 /// The plan of `all_to_all_single`: `chunk` elements to and from every one of `n` peers.
 /// Native `ncclAlltoAll` when the library has it, else one group of send/recv pairs (a rank's
 /// own chunk included: NCCL copies it locally).
@@ -384,17 +361,17 @@ mod tests {
         let enc: Vec<u32> = lists.iter().flat_map(|l| encode_split_list(l, 5)).collect();
         assert_eq!(enc.len(), 30);
         assert_eq!(decode_split_lists(&enc, 5).unwrap(), lists);
-        assert_eq!(validate_split_lists(&lists), Ok(()));
+        assert_eq!(crate::desc::check_split_lists(&lists), Ok(()));
         // Rank 1 lists rank 3, which passed a different order.
         let bad = vec![vec![0], vec![1, 3], vec![2], vec![3, 1]];
-        let e = validate_split_lists(&bad).unwrap_err();
+        let e = crate::desc::check_split_lists(&bad).unwrap_err();
         assert!(
             e.contains("rank 1 passes [1, 3] but rank 3 passes [3, 1]"),
             "{e}"
         );
         // A rank listed by a group that opted out.
         let bad = vec![vec![0, 1], vec![]];
-        let e = validate_split_lists(&bad).unwrap_err();
+        let e = crate::desc::check_split_lists(&bad).unwrap_err();
         assert!(
             e.contains("rank 0 passes [0, 1] but rank 1 passes []"),
             "{e}"

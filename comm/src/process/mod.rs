@@ -28,31 +28,28 @@
 
 mod bootstrap;
 mod ops;
-mod queue;
 #[cfg(test)]
 mod tests;
 mod transport;
 mod wire;
 
-use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr};
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 
-use crate::backend::{dtype_names, Backend, BackendFactory, Capabilities, CommOptions};
+use crate::backend::{Backend, BackendFactory, Capabilities, CommOptions};
 use crate::comm::Comm;
+use crate::cpu::queue::Queue;
+use crate::desc::Failure;
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
-use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
-use crate::types::{OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES};
+use crate::store::{world_store, PrefixStore, Store};
+use crate::types::{OpCtx, P2POp, ReduceOp};
 use crate::work::Work;
 use bootstrap::{connect_mesh, MeshSpec};
-use queue::Queue;
 use transport::{Exec, Transport};
-use wire::Failure;
 
 /// The hint that sets the address peers dial to reach this rank (default: the address this
 /// host uses to reach the store, i.e. 127.0.0.1 for a loopback store).
@@ -66,59 +63,6 @@ pub(crate) struct Rendezvous {
     ip: IpAddr,
 }
 
-/// The world store of this process: created by the first `new_comm("process")` and kept for
-/// the life of the process (rank 0 serves it to every other rank).
-struct WorldStore {
-    addr: String,
-    _server: Option<TcpStoreServer>,
-    client: Arc<TcpStore>,
-}
-
-/// The process's world store and how many communicators of each name `new_comm` created.
-type WorldState = (Option<WorldStore>, HashMap<String, u64>);
-
-fn world_store(env: &LaunchEnv, options: &CommOptions, name: &str) -> Result<(Arc<TcpStore>, u64)> {
-    static WORLD: OnceLock<Mutex<WorldState>> = OnceLock::new();
-    let boot = |reason: String| CommError::Bootstrap {
-        comm: name.to_string(),
-        reason,
-    };
-    let addr = env.store_addr().map_err(|e| boot(e.to_string()))?;
-    let mut g = WORLD
-        .get_or_init(|| Mutex::new((None, HashMap::new())))
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    let client = match &g.0 {
-        Some(w) if w.addr == addr => w.client.clone(),
-        Some(w) => {
-            return Err(boot(format!(
-                "this process already rendezvoused through the store at {}; MASTER_ADDR/MASTER_PORT now say {addr}",
-                w.addr
-            )))
-        }
-        None => {
-            let server = if env.rank == 0 {
-                Some(TcpStoreServer::bind(&addr).map_err(|e| boot(format!("rank 0: {e}")))?)
-            } else {
-                None
-            };
-            let client = Arc::new(
-                TcpStore::connect(&addr, options.bootstrap_timeout)
-                    .map_err(|e| boot(format!("rank {}: {e}", env.rank)))?,
-            );
-            g.0 = Some(WorldStore {
-                addr,
-                _server: server,
-                client: client.clone(),
-            });
-            client
-        }
-    };
-    let count = g.1.entry(name.to_string()).or_insert(0);
-    *count += 1;
-    Ok((client, *count))
-}
-
 /// The factory behind `new_comm("process", ...)`.
 pub(crate) struct ProcessFactory;
 
@@ -129,12 +73,12 @@ impl BackendFactory for ProcessFactory {
         name: &str,
         options: &CommOptions,
     ) -> Result<Arc<dyn Backend>> {
-        check_cpu(device, name)?;
+        crate::cpu::require_cpu(device, "process", name)?;
         let env = LaunchEnv::from_env().map_err(|e| CommError::Bootstrap {
             comm: name.to_string(),
             reason: e.to_string(),
         })?;
-        let (client, index) = world_store(&env, options, name)?;
+        let (client, index) = world_store(&env, options.bootstrap_timeout, "process", name)?;
         let ip = match options.hints.get(HINT_IP) {
             Some(ip) => parse_ip(ip, name)?,
             None => client.local_ip().map_err(|e| CommError::Bootstrap {
@@ -147,19 +91,6 @@ impl BackendFactory for ProcessFactory {
         let b = ProcessBackend::bootstrap(rdv, ns, env.rank, env.world_size, name, options, None)?;
         Ok(b)
     }
-}
-
-fn check_cpu(device: &Device, name: &str) -> Result<()> {
-    if device.is_cpu() {
-        return Ok(());
-    }
-    Err(CommError::Bootstrap {
-        comm: name.to_string(),
-        reason: format!(
-            "the process backend runs on the CPU; got {:?}",
-            device.location()
-        ),
-    })
 }
 
 fn parse_ip(s: &str, name: &str) -> Result<IpAddr> {
@@ -256,12 +187,7 @@ impl Drop for ProcessBackend {
     /// from `main` right after its last collective could exit before its goodbye, and a peer
     /// still finishing that collective would take it for a crash.
     fn drop(&mut self) {
-        let mut q = self.core.queue.lock();
-        q.shutdown = true;
-        let running = q.running;
-        drop(q);
-        self.core.queue.cv.notify_all();
-        if running {
+        if self.core.queue.shutdown() {
             return;
         }
         let deadline = Instant::now() + CLOSE_WAIT;
@@ -299,13 +225,7 @@ impl ProcessBackend {
         let (ctx, names): (&OpCtx, Option<&[usize]>) = match parent {
             Some((c, names)) => (c, Some(names)),
             None => {
-                own_ctx = OpCtx {
-                    op: OpName::NewComm,
-                    comm: Arc::from(name),
-                    rank,
-                    seq: 0,
-                    timeout: options.bootstrap_timeout,
-                };
+                own_ctx = OpCtx::bootstrap(name, rank, options.bootstrap_timeout);
                 (&own_ctx, None)
             }
         };
@@ -337,21 +257,13 @@ impl ProcessBackend {
         });
         // The thread holds the core weakly: the backend (and its `Drop`) owns it.
         let weak = Arc::downgrade(&core);
-        std::thread::Builder::new()
-            .name(format!("cdt-{name}-r{rank}"))
-            .spawn(move || {
-                queue.run(move || {
-                    t.close();
-                    if let Some(core) = weak.upgrade() {
-                        *core.closed.lock().unwrap_or_else(|e| e.into_inner()) = true;
-                        core.closed_cv.notify_all();
-                    }
-                })
-            })
-            .map_err(|e| CommError::Bootstrap {
-                comm: name.to_string(),
-                reason: format!("could not start the progress thread: {e}"),
-            })?;
+        queue.spawn(name, rank, move || {
+            t.close();
+            if let Some(core) = weak.upgrade() {
+                *core.closed.lock().unwrap_or_else(|e| e.into_inner()) = true;
+                core.closed_cv.notify_all();
+            }
+        })?;
         Ok(Arc::new(ProcessBackend { core }))
     }
 }
@@ -364,68 +276,42 @@ impl Core {
         collective: bool,
         body: impl FnOnce(&mut Exec) -> Result<T> + Send + 'static,
     ) -> Result<Work<T>> {
-        let mut q = self.queue.lock();
-        if q.shutdown {
-            return Err(CommError::Aborted {
-                ctx,
-                reason: "the communicator was dropped".into(),
-            });
-        }
-        let coll = if collective {
-            q.next_coll += 1;
-            q.next_coll - 1
-        } else {
-            u64::MAX
-        };
-        let ahead = q.tasks.len() + usize::from(q.running);
-        let id = q.next_task;
-        q.next_task += 1;
-        let (mut work, completer) = Work::pending(ctx.clone(), ahead);
-        work.set_inline(self.queue.clone(), id);
-        let t = self.t.clone();
-        q.tasks.push_back((
-            id,
-            Box::new(move || {
-                completer.start();
+        let (t, t_panic) = (self.t.clone(), self.t.clone());
+        self.queue.submit(
+            ctx,
+            collective,
+            move |ctx, coll| {
                 let mut exec = Exec {
                     t: &t,
-                    ctx: &ctx,
+                    ctx,
                     coll,
                     deadline: Instant::now() + ctx.timeout,
                     desc: None,
                     greeting: Vec::new(),
                     greeted: Vec::new(),
                 };
-                let r = match catch_unwind(AssertUnwindSafe(|| body(&mut exec))) {
-                    Ok(r) => r,
-                    Err(p) => {
-                        let msg = p
-                            .downcast_ref::<&str>()
-                            .map(|s| s.to_string())
-                            .or_else(|| p.downcast_ref::<String>().cloned())
-                            .unwrap_or_else(|| "unknown panic payload".into());
-                        let reason = format!("internal panic in {}: {msg}", ctx.op);
-                        tracing::error!(%ctx, %reason, "process backend op panicked");
-                        let f = t.fail(
-                            Failure::Aborted {
-                                by: t.rank,
-                                reason: reason.clone(),
-                                after: t.completed(),
-                            },
-                            true,
-                        );
-                        Err(f.to_error(&ctx, None))
-                    }
-                };
+                let r = body(&mut exec);
                 if collective {
                     t.finish(coll, r.is_ok());
                 }
-                completer.complete(r);
-            }),
-        ));
-        drop(q);
-        self.queue.cv.notify_one();
-        Ok(work)
+                r
+            },
+            move |ctx, coll, reason| {
+                let t = t_panic;
+                let f = t.fail(
+                    Failure::Aborted {
+                        by: t.rank,
+                        reason,
+                        after: Some(t.completed()),
+                    },
+                    true,
+                );
+                if collective {
+                    t.finish(coll, false);
+                }
+                f.to_error(ctx, None)
+            },
+        )
     }
 }
 
@@ -447,13 +333,7 @@ impl Backend for ProcessBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            rma_put: false,
-            rma_get: false,
-            rma_signal: false,
-            abort: true,
-            dtypes: dtype_names(&SUPPORTED_DTYPES),
-        }
+        crate::cpu::capabilities(false)
     }
 
     fn all_reduce(
@@ -592,7 +472,7 @@ impl Backend for ProcessBackend {
             Failure::Aborted {
                 by: self.core.t.rank,
                 reason: reason.to_string(),
-                after: self.core.t.completed(),
+                after: Some(self.core.t.completed()),
             },
             true,
         );
@@ -603,7 +483,6 @@ impl Backend for ProcessBackend {
     }
 
     fn pending(&self) -> usize {
-        let q = self.core.queue.lock();
-        q.tasks.len() + usize::from(q.running)
+        self.core.queue.pending()
     }
 }

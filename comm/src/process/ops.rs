@@ -24,23 +24,12 @@
 use candle_core::{DType, Shape, Tensor};
 
 use super::transport::Exec;
-use super::wire::{
-    decode_tensor, decode_usizes, encode_usizes, tensor_preamble, Desc, Failure, Payload, ShapeRule,
-};
+use super::wire::{decode_tensor, decode_usizes, encode_usizes, tensor_preamble, Payload};
+use crate::cpu::kernels::{detached_copy, read_view, OutBuf};
+use crate::cpu::{candle_err, deliver, produce, put_bytes as put, reduced, view_err, EAGER_BYTES};
+use crate::desc::{check_recv, check_split_lists, check_split_sizes, Failure, OpDesc, ShapeRule};
 use crate::error::{CommError, Result};
-use crate::local::kernels::{detached_copy, read_view, reduce_into, write_into, OutBuf};
 use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
-
-/// Inputs up to this size take the one-step all_reduce.
-const EAGER_BYTES: usize = 64 * 1024;
-
-fn view_err(ctx: &OpCtx) -> impl Fn(String) -> CommError + '_ {
-    move |e| CommError::invalid(ctx, e)
-}
-
-fn candle_err(ctx: &OpCtx) -> impl Fn(candle_core::Error) -> CommError + '_ {
-    move |e| CommError::candle(ctx, e)
-}
 
 fn peers(x: &Exec) -> impl Iterator<Item = usize> {
     let (me, n) = (x.t.rank, x.t.size);
@@ -70,90 +59,31 @@ fn tensor_from(ctx: &OpCtx, dtype: DType, dims: &[usize], bytes: &[u8]) -> Resul
     .map_err(candle_err(ctx))
 }
 
-/// Writes a result: into `output` when the caller gave one (under its storage's write lock;
-/// the caller must hold no read view of that storage), else into a fresh tensor of `shape`.
-/// `fill` gets the destination's first byte and must write all its bytes.
-fn produce(
-    ctx: &OpCtx,
-    output: Option<Tensor>,
-    dtype: DType,
-    shape: Shape,
-    fill: impl FnOnce(*mut u8) -> Result<()> + Send,
-) -> Result<Tensor> {
-    let elems = shape.elem_count();
-    match output {
-        None => {
-            let out = OutBuf::new(dtype, elems).map_err(view_err(ctx))?;
-            fill(out.ptr())?;
-            // SAFETY: `fill` wrote every element (its contract).
-            unsafe { out.into_tensor(shape) }.map_err(candle_err(ctx))
-        }
-        Some(t) => {
-            if t.dtype() != dtype || t.elem_count() != elems {
-                return Err(CommError::invalid(
-                    ctx,
-                    format!(
-                        "output is {:?} {:?} but the result is {:?} {:?}",
-                        t.dims(),
-                        t.dtype(),
-                        shape.dims(),
-                        dtype
-                    ),
-                ));
-            }
-            let mut err = None;
-            write_into(&t, |ptr, len| {
-                if len != elems * dtype.size_in_bytes() {
-                    return Err(format!(
-                        "output holds {len} bytes, expected {}",
-                        elems * dtype.size_in_bytes()
-                    ));
-                }
-                fill(ptr).map_err(|e| {
-                    let m = e.to_string();
-                    err = Some(e);
-                    m
-                })
-            })
-            .map_err(|m| err.take().unwrap_or_else(|| CommError::invalid(ctx, m)))?;
-            Ok(t)
-        }
-    }
-}
-
-/// Copies `src` to `dst + offset`.
-///
-/// # Safety
-///
-/// `[offset, offset + src.len())` must lie within an allocation `dst` points into that only
-/// this thread writes, and `src` must not overlap it.
-unsafe fn put(dst: *mut u8, offset: usize, src: &[u8]) {
-    // SAFETY: per the function contract.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.add(offset), src.len()) }
-}
-
-/// Reduces `srcs` (rank order) into a fresh aligned buffer of `elems` elements.
-fn reduce_fresh(
-    ctx: &OpCtx,
-    dtype: DType,
+/// Sends bytes `range(p)` of `input` to every peer `p` (DATA step 0), receives this rank's range
+/// from every peer, and reduces the n pieces in rank order into a fresh buffer (the read view of
+/// the input is gone when it returns).
+fn reduce_exchange(
+    x: &Exec,
+    input: &Tensor,
     op: ReduceOp,
-    srcs: &[&[u8]],
-    elems: usize,
-    n: usize,
+    range: impl Fn(usize) -> std::ops::Range<usize>,
 ) -> Result<OutBuf> {
-    let out = OutBuf::new(dtype, elems).map_err(view_err(ctx))?;
-    if elems > 0 {
-        // SAFETY: `out` holds `elems` elements of `dtype`, private to this thread; every source
-        // holds `elems` elements (checked by the receives) and is aligned for `dtype` (tensor
-        // storage or an 8-byte aligned payload).
-        unsafe { reduce_into(dtype, op, srcs, out.ptr(), n) };
+    let (me, n, dtype) = (x.t.rank, x.t.size, input.dtype());
+    let v = read_view(input).map_err(view_err(x.ctx))?;
+    let b = v.bytes();
+    for p in peers(x) {
+        x.send(p, 0, &[&b[range(p)]])?;
     }
-    Ok(out)
-}
-
-fn out_bytes(b: &OutBuf) -> &[u8] {
-    // SAFETY: the buffer was fully written by `reduce_into` (or is empty) and lives as long as `b`.
-    unsafe { std::slice::from_raw_parts(b.ptr(), b.len_bytes()) }
+    let mine = range(me);
+    let mut got: Vec<Option<Payload>> = (0..n).map(|_| None).collect();
+    for p in peers(x) {
+        got[p] = Some(x.recv_exact(p, 0, mine.len())?);
+    }
+    let srcs: Vec<&[u8]> = got
+        .iter()
+        .map(|g| g.as_ref().map_or(&b[mine.clone()], Payload::bytes))
+        .collect();
+    reduced(x.ctx, dtype, op, &srcs, mine.len() / dtype.size_in_bytes())
 }
 
 pub(crate) fn all_reduce(
@@ -164,9 +94,9 @@ pub(crate) fn all_reduce(
 ) -> Result<Tensor> {
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc {
-        reduce: Some(op.as_str().to_string()),
-        ..Desc::tensor(OpName::AllReduce, &input)
+    x.hello(OpDesc {
+        reduce: Some(op),
+        ..OpDesc::tensor(OpName::AllReduce, &input)
     })?;
     let (dtype, elems, es) = (
         input.dtype(),
@@ -174,64 +104,25 @@ pub(crate) fn all_reduce(
         input.dtype().size_in_bytes(),
     );
     let shape = input.shape().clone();
-    let bytes = elems * es;
-    if n == 1 || bytes <= EAGER_BYTES {
-        let own = Payload::copy_of(read_view(&input).map_err(view_err(ctx))?.bytes());
-        for p in peers(x) {
-            x.send(p, 0, &[own.bytes()])?;
-        }
-        let mut got: Vec<Option<Payload>> = (0..n).map(|_| None).collect();
-        for p in peers(x) {
-            got[p] = Some(x.recv_exact(p, 0, bytes)?);
-        }
-        let srcs: Vec<&[u8]> = (0..n)
-            .map(|r| {
-                if r == me {
-                    own.bytes()
-                } else {
-                    got[r].as_ref().map_or(&[][..], Payload::bytes)
-                }
-            })
-            .collect();
-        let red = reduce_fresh(ctx, dtype, op, &srcs, elems, n)?;
-        let out = produce(ctx, output, dtype, shape, |dst| {
-            // SAFETY: `dst` holds `bytes` bytes, exclusively ours.
-            unsafe { put(dst, 0, out_bytes(&red)) };
-            Ok(())
-        })?;
+    if n == 1 || elems * es <= EAGER_BYTES {
+        let red = reduce_exchange(x, &input, op, |_| 0..elems * es)?;
+        // SAFETY: `reduced` wrote every element; the input is no longer read (it may be the
+        // output).
+        let out = unsafe { deliver(ctx, red, shape, output) }?;
         x.t.wait_hellos(x)?;
         return Ok(out);
     }
     let chunk = elems.div_ceil(n);
     let range = |r: usize| (r * chunk).min(elems) * es..((r + 1) * chunk).min(elems) * es;
     // Reduce-scatter: chunk p of the input goes to rank p, which reduces it in rank order.
-    let part = {
-        let v = read_view(&input).map_err(view_err(ctx))?;
-        let b = v.bytes();
-        for p in peers(x) {
-            x.send(p, 0, &[&b[range(p)]])?;
-        }
-        let mut got: Vec<Option<Payload>> = (0..n).map(|_| None).collect();
-        for p in peers(x) {
-            got[p] = Some(x.recv_exact(p, 0, range(me).len())?);
-        }
-        let srcs: Vec<&[u8]> = (0..n)
-            .map(|r| {
-                if r == me {
-                    &b[range(me)]
-                } else {
-                    got[r].as_ref().map_or(&[][..], Payload::bytes)
-                }
-            })
-            .collect();
-        reduce_fresh(ctx, dtype, op, &srcs, range(me).len() / es, n)?
-    };
+    let part = reduce_exchange(x, &input, op, range)?;
     // Ring all-gather of the reduced chunks, straight into the output (the input is no longer
     // read, so the output may be the input itself).
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
     let out = produce(ctx, output, dtype, shape, |dst| {
-        // SAFETY: chunk `me` lies within the output, which only this thread writes.
-        unsafe { put(dst, range(me).start, out_bytes(&part)) };
+        // SAFETY: chunk `me` lies within the output, which only this thread writes; `part` was
+        // fully written by `reduced`.
+        unsafe { put(dst, range(me).start, part.written()) };
         for s in 0..n - 1 {
             let (send_idx, recv_idx) = ((me + n - s) % n, (me + n - s - 1) % n);
             let r = range(send_idx);
@@ -252,7 +143,7 @@ pub(crate) fn all_reduce(
 pub(crate) fn all_gather(x: &mut Exec, input: Tensor, output: Option<Tensor>) -> Result<Tensor> {
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc::tensor(OpName::AllGatherSingle, &input))?;
+    x.hello(OpDesc::tensor(OpName::AllGatherSingle, &input))?;
     let piece = input.elem_count() * input.dtype().size_in_bytes();
     let mut dims = input.dims().to_vec();
     match dims.first_mut() {
@@ -286,47 +177,17 @@ pub(crate) fn reduce_scatter(
     op: ReduceOp,
     output: Option<Tensor>,
 ) -> Result<Tensor> {
-    let ctx = x.ctx;
-    let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc {
-        reduce: Some(op.as_str().to_string()),
-        ..Desc::tensor(OpName::ReduceScatterSingle, &input)
+    let (ctx, n) = (x.ctx, x.t.size);
+    x.hello(OpDesc {
+        reduce: Some(op),
+        ..OpDesc::tensor(OpName::ReduceScatterSingle, &input)
     })?;
-    let (dtype, es) = (input.dtype(), input.dtype().size_in_bytes());
-    let chunk = input.elem_count() / n;
-    let cb = chunk * es;
+    let cb = input.elem_count() / n * input.dtype().size_in_bytes();
     let mut dims = input.dims().to_vec();
     dims[0] /= n;
-    let red = {
-        let v = read_view(&input).map_err(view_err(ctx))?;
-        let b = v.bytes();
-        for p in peers(x) {
-            x.send(p, 0, &[&b[p * cb..(p + 1) * cb]])?;
-        }
-        let mut got: Vec<Option<Payload>> = (0..n).map(|_| None).collect();
-        for p in peers(x) {
-            got[p] = Some(x.recv_exact(p, 0, cb)?);
-        }
-        let srcs: Vec<&[u8]> = (0..n)
-            .map(|r| {
-                if r == me {
-                    &b[me * cb..(me + 1) * cb]
-                } else {
-                    got[r].as_ref().map_or(&[][..], Payload::bytes)
-                }
-            })
-            .collect();
-        reduce_fresh(ctx, dtype, op, &srcs, chunk, n)?
-    };
-    let out = match output {
-        // SAFETY: `reduce_fresh` wrote every element.
-        None => unsafe { red.into_tensor(Shape::from_dims(&dims)) }.map_err(candle_err(ctx))?,
-        Some(o) => produce(ctx, Some(o), dtype, Shape::from_dims(&dims), |dst| {
-            // SAFETY: the output holds exactly `cb` bytes, exclusively ours.
-            unsafe { put(dst, 0, out_bytes(&red)) };
-            Ok(())
-        })?,
-    };
+    let red = reduce_exchange(x, &input, op, |p| p * cb..(p + 1) * cb)?;
+    // SAFETY: `reduced` wrote every element.
+    let out = unsafe { deliver(ctx, red, Shape::from_dims(&dims), output) }?;
     x.t.wait_hellos(x)?;
     Ok(out)
 }
@@ -334,7 +195,7 @@ pub(crate) fn reduce_scatter(
 pub(crate) fn all_to_all(x: &mut Exec, input: Tensor, output: Option<Tensor>) -> Result<Tensor> {
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc::tensor(OpName::AllToAllSingle, &input))?;
+    x.hello(OpDesc::tensor(OpName::AllToAllSingle, &input))?;
     let cb = input.elem_count() / n * input.dtype().size_in_bytes();
     let mut got: Vec<Option<Payload>> = (0..n).map(|_| None).collect();
     {
@@ -370,45 +231,27 @@ pub(crate) fn all_to_all_v(
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
     let rows: Vec<usize> = input.dims().iter().skip(1).copied().collect();
-    x.hello(Desc {
-        shape: ShapeRule::Rows(rows.clone()),
-        ..Desc::tensor(OpName::AllToAllVSingle, &input)
+    x.hello(OpDesc {
+        rule: ShapeRule::Rows,
+        ..OpDesc::tensor(OpName::AllToAllVSingle, &input)
     })?;
     let row_bytes = rows.iter().product::<usize>() * input.dtype().size_in_bytes();
     // Step 0: every rank learns every rank's split sizes, so all reach the same verdict.
-    let mine: Vec<usize> = out_splits.iter().chain(&in_splits).copied().collect();
-    let enc = encode_usizes(&mine);
-    for p in peers(x) {
-        x.send(p, 0, &[&enc])?;
+    let all = share_usizes(x, out_splits.iter().chain(&in_splits).copied().collect())?;
+    if let Some((p, v)) = all.iter().enumerate().find(|(_, v)| v.len() != 2 * n) {
+        return Err(CommError::invalid(
+            ctx,
+            format!("rank {p} sent {} split sizes, expected {}", v.len(), 2 * n),
+        ));
     }
-    let mut all: Vec<Vec<usize>> = vec![Vec::new(); n];
-    all[me] = mine;
-    for p in peers(x) {
-        let v = decode_usizes(x.recv(p, 0)?.bytes()).map_err(view_err(ctx))?;
-        if v.len() != 2 * n {
-            return Err(CommError::invalid(
-                ctx,
-                format!("rank {p} sent {} split sizes, expected {}", v.len(), 2 * n),
-            ));
-        }
-        all[p] = v;
-    }
-    for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
-        let (sent, expected) = (all[i][n + j], all[j][i]);
-        if sent != expected {
-            let reason = format!(
-                "rank {i} sends {sent} slices to rank {j} but rank {j} expects {expected} from it"
-            );
-            x.t.fail(
-                Failure::Mismatch {
-                    collective: x.coll,
-                    reason: reason.clone(),
-                },
-                false,
-            );
-            return Err(CommError::invalid(ctx, reason));
-        }
-    }
+    check_split_sizes(n, |i, j| all[i][n + j], |j, i| all[j][i]).map_err(|reason| {
+        let f = Failure::Mismatch {
+            collective: x.coll,
+            reason: reason.clone(),
+        };
+        x.t.fail(f, false);
+        CommError::invalid(ctx, reason)
+    })?;
     // Step 1: the rows.
     let offsets: Vec<usize> = in_splits
         .iter()
@@ -461,9 +304,9 @@ pub(crate) fn all_to_all_v(
 pub(crate) fn broadcast(x: &mut Exec, tensor: Tensor, root: usize) -> Result<Tensor> {
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc {
+    x.hello(OpDesc {
         root: Some(root),
-        ..Desc::tensor(OpName::Broadcast, &tensor)
+        ..OpDesc::tensor(OpName::Broadcast, &tensor)
     })?;
     let bytes = tensor.elem_count() * tensor.dtype().size_in_bytes();
     let vr = (me + n - root) % n;
@@ -513,10 +356,10 @@ pub(crate) fn reduce(
 ) -> Result<Option<Tensor>> {
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc {
+    x.hello(OpDesc {
         root: Some(root),
-        reduce: Some(op.as_str().to_string()),
-        ..Desc::tensor(OpName::Reduce, &input)
+        reduce: Some(op),
+        ..OpDesc::tensor(OpName::Reduce, &input)
     })?;
     let (dtype, elems) = (input.dtype(), input.elem_count());
     let bytes = elems * dtype.size_in_bytes();
@@ -529,17 +372,12 @@ pub(crate) fn reduce(
         for p in peers(x) {
             got[p] = Some(x.recv_exact(p, 0, bytes)?);
         }
-        let srcs: Vec<&[u8]> = (0..n)
-            .map(|r| {
-                if r == me {
-                    v.bytes()
-                } else {
-                    got[r].as_ref().map_or(&[][..], Payload::bytes)
-                }
-            })
+        let srcs: Vec<&[u8]> = got
+            .iter()
+            .map(|g| g.as_ref().map_or(v.bytes(), Payload::bytes))
             .collect();
-        let red = reduce_fresh(ctx, dtype, op, &srcs, elems, n)?;
-        // SAFETY: `reduce_fresh` wrote every element.
+        let red = reduced(ctx, dtype, op, &srcs, elems)?;
+        // SAFETY: `reduced` wrote every element.
         Some(unsafe { red.into_tensor(input.shape().clone()) }.map_err(candle_err(ctx))?)
     };
     drop(v);
@@ -550,10 +388,10 @@ pub(crate) fn reduce(
 pub(crate) fn gather(x: &mut Exec, input: Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
     let ctx = x.ctx;
     let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc {
+    x.hello(OpDesc {
         root: Some(root),
-        shape: ShapeRule::Any,
-        ..Desc::tensor(OpName::Gather, &input)
+        rule: ShapeRule::Any,
+        ..OpDesc::tensor(OpName::Gather, &input)
     })?;
     let result = if me != root {
         let pre = tensor_preamble(input.dtype(), input.dims()).map_err(view_err(ctx))?;
@@ -581,9 +419,9 @@ pub(crate) fn gather(x: &mut Exec, input: Tensor, root: usize) -> Result<Option<
 pub(crate) fn scatter(x: &mut Exec, inputs: Vec<Tensor>, root: usize) -> Result<Tensor> {
     let ctx = x.ctx;
     let me = x.t.rank;
-    x.hello(Desc {
+    x.hello(OpDesc {
         root: Some(root),
-        ..Desc::new(OpName::Scatter)
+        ..OpDesc::new(OpName::Scatter)
     })?;
     let out = if me == root {
         for (r, t) in inputs.iter().enumerate() {
@@ -608,7 +446,7 @@ pub(crate) fn scatter(x: &mut Exec, inputs: Vec<Tensor>, root: usize) -> Result<
 }
 
 pub(crate) fn barrier(x: &mut Exec) -> Result<()> {
-    x.hello(Desc::new(OpName::Barrier))?;
+    x.hello(OpDesc::new(OpName::Barrier))?;
     x.t.wait_hellos(x)
 }
 
@@ -629,60 +467,33 @@ pub(crate) fn batch_p2p(x: &mut Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
             let p = x.t.recv_p2p(x, peer)?;
             let (got_dtype, dims, data) = decode_tensor(p.bytes())
                 .map_err(|e| CommError::invalid(ctx, format!("recv from rank {peer}: {e}")))?;
-            if dims != shape.dims() || got_dtype != dtype {
-                return Err(CommError::invalid(
-                    ctx,
-                    format!(
-                        "recv from rank {peer}: expected {:?} {:?} but rank {peer} sent {:?} {:?}",
-                        shape.dims(),
-                        dtype,
-                        dims,
-                        got_dtype
-                    ),
-                ));
-            }
+            check_recv(peer, (shape.dims(), dtype), (&dims, got_dtype))
+                .map_err(|e| CommError::invalid(ctx, e))?;
             received.push(tensor_from(ctx, dtype, &dims, data)?);
         }
     }
     Ok(received)
 }
 
-/// The split step on the parent: every rank learns every rank's list; returns the verdict
-/// (the same on every rank).
-pub(crate) fn exchange_split_lists(x: &mut Exec, ranks: &[usize]) -> Result<()> {
-    let ctx = x.ctx;
-    let (me, n) = (x.t.rank, x.t.size);
-    x.hello(Desc::new(OpName::Split))?;
-    let enc = encode_usizes(ranks);
+/// Sends `mine` to every peer (DATA step 0) and returns every rank's list, in rank order.
+fn share_usizes(x: &Exec, mine: Vec<usize>) -> Result<Vec<Vec<usize>>> {
+    let enc = encode_usizes(&mine);
     for p in peers(x) {
         x.send(p, 0, &[&enc])?;
     }
-    let mut lists: Vec<Vec<usize>> = vec![Vec::new(); n];
-    lists[me] = ranks.to_vec();
+    let mut all: Vec<Vec<usize>> = vec![Vec::new(); x.t.size];
+    all[x.t.rank] = mine;
     for p in peers(x) {
-        lists[p] = decode_usizes(x.recv(p, 0)?.bytes()).map_err(view_err(ctx))?;
-        if lists[p].iter().any(|&r| r >= n) {
-            return Err(CommError::invalid(
-                ctx,
-                format!(
-                    "rank {p} sent split list {:?} with ranks out of range",
-                    lists[p]
-                ),
-            ));
-        }
+        all[p] = decode_usizes(x.recv(p, 0)?.bytes()).map_err(view_err(x.ctx))?;
     }
+    Ok(all)
+}
+
+/// The split step on the parent: every rank learns every rank's list; returns the verdict
+/// (the same on every rank).
+pub(crate) fn exchange_split_lists(x: &mut Exec, ranks: &[usize]) -> Result<()> {
+    x.hello(OpDesc::new(OpName::Split))?;
+    let lists = share_usizes(x, ranks.to_vec())?;
     x.t.wait_hellos(x)?;
-    // Every member of every new group must have passed that group's list.
-    let mismatch = lists.iter().enumerate().find_map(|(s, list)| {
-        list.iter().find(|&&r| lists[r] != *list).map(|&r| {
-            format!(
-                "split lists disagree: rank {s} passes {list:?} but rank {r} passes {:?}",
-                lists[r]
-            )
-        })
-    });
-    match mismatch {
-        Some(reason) => Err(CommError::invalid(ctx, reason)),
-        None => Ok(()),
-    }
+    check_split_lists(&lists).map_err(|reason| CommError::invalid(x.ctx, reason))
 }

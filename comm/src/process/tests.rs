@@ -1,17 +1,20 @@
 //! Unit tests of the process backend with ranks as threads of this process (each with its own
-//! TCP connections): every collective against the local backend, bit for bit; splits; and the
-//! failure paths. The multi-process tests (dtrun, kill -9) live in the facade's `tests/`.
+//! TCP connections): every collective against the local backend, bit for bit, on values whose
+//! float sums depend on the order; the failure paths only this backend has (bootstrap, broken
+//! connections, threads left behind); and the backend-neutral conformance suite, which checks
+//! splits, timeouts, desync, abort and overlap. The multi-process tests (dtrun, kill -9) are
+//! in `dtrun/tests/`.
 
 use std::error::Error;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 
 use super::*;
 use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
-use crate::{LocalWorld, P2POp};
+use crate::{LocalWorld, OpName, P2POp};
 
 type R<T> = std::result::Result<T, Box<dyn Error + Send + Sync>>;
 type Out = (Vec<usize>, Vec<u64>);
@@ -95,27 +98,9 @@ fn t(rank: usize, shape: &[usize], salt: usize, dt: DType) -> R<Tensor> {
 fn workload(c: &Comm) -> R<Vec<Out>> {
     let (me, n) = (c.rank(), c.size());
     let mut o = Vec::new();
-    let dts = [
-        DType::F32,
-        DType::F64,
-        DType::BF16,
-        DType::F16,
-        DType::I64,
-        DType::U32,
-        DType::U8,
-    ];
-    for (k, &dt) in dts.iter().enumerate() {
-        for (j, op) in [
-            ReduceOp::Sum,
-            ReduceOp::Avg,
-            ReduceOp::Max,
-            ReduceOp::Min,
-            ReduceOp::Product,
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            if !op.supports(dt) {
+    for (k, &dt) in crate::SUPPORTED_DTYPES.iter().enumerate() {
+        for (j, op) in ReduceOp::ALL.into_iter().enumerate() {
+            if !crate::reduce_supported(op, dt) {
                 continue;
             }
             let shape: &[usize] = match (k + j) % 4 {
@@ -218,186 +203,6 @@ fn every_collective_matches_the_local_backend_bit_for_bit() {
 }
 
 #[test]
-fn splits_into_rows_and_columns_with_non_members() {
-    let got = all_ok(run(4, opts(10_000, 10_000), |c| {
-        let me = c.rank();
-        let row: Vec<usize> = if me < 2 { vec![0, 1] } else { vec![2, 3] };
-        let col: Vec<usize> = if me % 2 == 0 { vec![0, 2] } else { vec![3, 1] };
-        let r = c.split(&row, "row")?.ok_or("row member")?;
-        let k = c.split(&col, "col")?.ok_or("col member")?;
-        let odd: Vec<usize> = if me % 2 == 1 { vec![1, 3] } else { vec![] };
-        let o = c.split(&odd, "odd")?;
-        let x = Tensor::new(&[me as f32], &Device::Cpu)?;
-        let rs = r.all_gather_single(&x)?.wait()?.to_vec1::<f32>()?;
-        let ks = k.all_gather_single(&x)?.wait()?.to_vec1::<f32>()?;
-        let os = match &o {
-            Some(o) => Some((
-                o.rank(),
-                o.all_reduce(&x, ReduceOp::Sum)?.wait()?.to_vec1::<f32>()?,
-            )),
-            None => None,
-        };
-        // A split of a split.
-        let solo = r.split(&[r.rank()], "solo")?.ok_or("solo member")?;
-        assert_eq!(solo.size(), 1);
-        Ok((r.rank(), rs, k.rank(), ks, os))
-    }));
-    assert_eq!(got[0].1, vec![0.0, 1.0]);
-    assert_eq!(got[3].1, vec![2.0, 3.0]);
-    // The column list [3, 1] makes rank 3 the new rank 0.
-    assert_eq!((got[1].2, got[3].2), (1, 0));
-    assert_eq!(got[1].3, vec![3.0, 1.0]);
-    assert_eq!(got[0].4, None);
-    assert_eq!(got[3].4, Some((1, vec![4.0])));
-}
-
-#[test]
-fn disagreeing_split_lists_fail_on_every_rank() {
-    let got = run(3, opts(5_000, 5_000), |c| {
-        let list: Vec<usize> = if c.rank() == 2 {
-            vec![1, 2]
-        } else {
-            vec![0, 1, 2]
-        };
-        Ok(c.split(&list, "bad").map(|o| o.is_some()))
-    });
-    for (r, g) in got.into_iter().enumerate() {
-        let e = g.unwrap().expect_err("lists disagree");
-        assert!(
-            matches!(e, CommError::InvalidArgument { .. }),
-            "rank {r}: {e}"
-        );
-        assert!(
-            e.to_string().contains("split lists disagree"),
-            "rank {r}: {e}"
-        );
-    }
-}
-
-#[test]
-fn a_skipped_collective_times_out_naming_the_missing_rank() {
-    let got = run(3, opts(400, 5_000), |c| {
-        c.barrier()?.wait()?;
-        if c.rank() == 2 {
-            // Alive but never joins: keeps its comm open past the others' timeout.
-            std::thread::sleep(Duration::from_millis(900));
-            return Ok(None);
-        }
-        let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
-        let t0 = Instant::now();
-        let e = c
-            .all_reduce(&x, ReduceOp::Sum)?
-            .wait()
-            .expect_err("rank 2 skips it");
-        let took = t0.elapsed();
-        let later = c.barrier().and_then(|w| w.wait()).expect_err("comm failed");
-        Ok(Some((e, took, later)))
-    });
-    for (rank, g) in got.into_iter().enumerate().take(2) {
-        let (e, took, later) = g.unwrap().expect("ranks 0 and 1 report");
-        match &e {
-            CommError::Timeout { ctx, missing, .. } => {
-                assert_eq!(missing, &vec![2], "rank {rank}: {e}");
-                assert_eq!((ctx.seq, ctx.op.as_str()), (2, "all_reduce"), "{e}");
-            }
-            other => panic!("rank {rank}: expected a timeout, got {other}"),
-        }
-        assert!(
-            took >= Duration::from_millis(380) && took < Duration::from_secs(2),
-            "{took:?}"
-        );
-        assert!(matches!(later, CommError::Aborted { .. }), "{later}");
-        assert!(later.to_string().contains("timed out"), "{later}");
-    }
-}
-
-#[test]
-fn different_collectives_at_one_index_are_a_desync_on_every_rank() {
-    let t0 = Instant::now();
-    let got = run(3, opts(3_000, 5_000), |c| {
-        c.barrier()?.wait()?;
-        let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
-        let r = if c.rank() == 2 {
-            c.all_gather_single(&x)?.wait().map(drop)
-        } else {
-            c.all_reduce(&x, ReduceOp::Sum)?.wait().map(drop)
-        };
-        Ok(r.expect_err("desync"))
-    });
-    assert!(
-        t0.elapsed() < Duration::from_millis(2500),
-        "{:?}",
-        t0.elapsed()
-    );
-    for (rank, e) in got.into_iter().enumerate() {
-        let e = e.unwrap();
-        match &e {
-            CommError::Desync {
-                rank_a,
-                op_a,
-                rank_b,
-                op_b,
-                collective,
-                ..
-            } => {
-                assert_eq!(*collective, 1, "{e}");
-                let sides = [(*rank_a, &**op_a), (*rank_b, &**op_b)];
-                let theirs = sides.iter().find(|s| s.0 == 2).expect("rank 2 is a side");
-                let ours = sides.iter().find(|s| s.0 != 2).expect("a peer is a side");
-                assert!(theirs.1.contains("all_gather_single"), "{e}");
-                assert!(ours.1.contains("all_reduce"), "{e}");
-            }
-            other => panic!("rank {rank}: expected a desync, got {other}"),
-        }
-    }
-}
-
-#[test]
-fn abort_reaches_every_rank_with_its_reason() {
-    let got = run(3, opts(5_000, 5_000), |c| {
-        let watchdog = (c.rank() == 0).then(|| {
-            let c = c.clone();
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(150));
-                c.abort("operator pulled the plug");
-            })
-        });
-        if c.rank() == 2 {
-            std::thread::sleep(Duration::from_millis(400));
-        }
-        let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
-        let t0 = Instant::now();
-        let e = c
-            .all_reduce(&x, ReduceOp::Sum)?
-            .wait()
-            .expect_err("aborted");
-        let took = t0.elapsed();
-        let later = c
-            .send(&x, 0)
-            .and_then(|w| w.wait())
-            .expect_err("after abort");
-        if let Some(w) = watchdog {
-            w.join().map_err(|_| "watchdog panicked")?;
-        }
-        Ok((e, took, later, c.is_aborted()))
-    });
-    for (rank, g) in got.into_iter().enumerate() {
-        let (e, took, later, aborted) = g.unwrap();
-        assert!(aborted, "rank {rank}");
-        let msg = e.to_string();
-        assert!(
-            msg.contains("aborted by rank 0") && msg.contains("operator pulled the plug"),
-            "{msg}"
-        );
-        assert!(took < Duration::from_millis(1500), "rank {rank}: {took:?}");
-        assert!(
-            later.to_string().contains("operator pulled the plug"),
-            "{later}"
-        );
-    }
-}
-
-#[test]
 fn a_rank_that_never_connects_is_named_by_the_bootstrap_timeout() {
     static JOB: AtomicU64 = AtomicU64::new(1_000_000);
     let job = JOB.fetch_add(1, Ordering::Relaxed);
@@ -479,28 +284,6 @@ pub(crate) fn sever(c: &Comm) {
 pub(crate) static LIVE: Mutex<Vec<std::sync::Weak<Transport>>> = Mutex::new(Vec::new());
 
 #[test]
-fn an_op_on_one_comm_completes_while_another_waits_for_a_late_rank() {
-    let got = all_ok(run(2, opts(5_000, 5_000), |c| {
-        let other = c.split(&[0, 1], "other")?.ok_or("member")?;
-        let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
-        if c.rank() == 1 {
-            let y = other.all_reduce(&x, ReduceOp::Sum)?.wait()?;
-            std::thread::sleep(Duration::from_millis(300));
-            c.all_reduce(&x, ReduceOp::Sum)?.wait()?;
-            return Ok((y.to_vec1::<f32>()?, Duration::ZERO));
-        }
-        let late = c.all_reduce(&x, ReduceOp::Sum)?;
-        let t0 = Instant::now();
-        let y = other.all_reduce(&x, ReduceOp::Sum)?.wait()?;
-        let took = t0.elapsed();
-        late.wait()?;
-        Ok((y.to_vec1::<f32>()?, took))
-    }));
-    assert_eq!(got[0].0, vec![2.0; 4]);
-    assert!(got[0].1 < Duration::from_millis(250), "{:?}", got[0].1);
-}
-
-#[test]
 fn no_thread_outlives_its_communicator() {
     fn threads(prefix: &str) -> usize {
         std::fs::read_dir("/proc/self/task")
@@ -533,7 +316,7 @@ fn no_thread_outlives_its_communicator() {
 }
 
 /// The backend-neutral conformance suite on thread-ranks of the process backend (the
-/// multi-process run under dtrun is in the facade's tests).
+/// multi-process run under dtrun is in `dtrun/tests/`).
 #[cfg(feature = "conformance")]
 #[test]
 fn the_conformance_suite_passes_on_thread_ranks() {

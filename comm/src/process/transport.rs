@@ -14,8 +14,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::wire::{Desc, Failure, Header, Payload, BYE, DATA, FAIL, HEADER, HELLO, P2P};
+use super::wire::{Header, Payload, BYE, DATA, FAIL, HEADER, HELLO, P2P};
 use super::Rendezvous;
+use crate::desc::{Failure, OpDesc};
 use crate::error::{CommError, Result};
 use crate::store::read_full;
 use crate::types::OpCtx;
@@ -40,7 +41,7 @@ enum Gone {
 struct Mail {
     failure: Option<Failure>,
     /// (collective, source) -> the source's descriptor.
-    hellos: HashMap<(u64, usize), Desc>,
+    hellos: HashMap<(u64, usize), OpDesc>,
     /// (collective, step, source) -> payload.
     data: HashMap<(u64, u32, usize), Payload>,
     /// Point-to-point payloads per source, in send order.
@@ -104,7 +105,7 @@ pub(crate) struct Exec<'a> {
     pub coll: u64,
     pub deadline: Instant,
     /// This rank's descriptor of the collective, once announced.
-    pub desc: Option<Desc>,
+    pub desc: Option<OpDesc>,
     /// The encoded HELLO frame of this collective, sent to each peer with the first DATA frame
     /// for it (one write instead of two) or before this rank first waits.
     pub greeting: Vec<u8>,
@@ -320,7 +321,7 @@ impl Transport {
                 let f = self.fail(
                     Failure::Timeout {
                         collective: tag,
-                        op: ctx.op.as_str().to_string(),
+                        op: ctx.op,
                         missing: vec![peer],
                     },
                     true,
@@ -418,18 +419,9 @@ impl Transport {
             }
             if let Some(theirs) = st.hellos.get(&(x.coll, p)) {
                 if !mine.compatible(theirs) {
-                    let (a, b) = if p < self.rank {
-                        ((p, theirs.to_string()), (self.rank, mine.to_string()))
-                    } else {
-                        ((self.rank, mine.to_string()), (p, theirs.to_string()))
-                    };
-                    return Some(Failure::Desync {
-                        collective: x.coll,
-                        rank_a: a.0,
-                        op_a: a.1,
-                        rank_b: b.0,
-                        op_b: b.1,
-                    });
+                    let (a, b) = ((p, theirs), (self.rank, mine));
+                    let (a, b) = if p < self.rank { (a, b) } else { (b, a) };
+                    return Some(Failure::desync(x.coll, a, b));
                 }
             }
         }
@@ -493,7 +485,7 @@ impl Transport {
                 let f = self.fail(
                     Failure::Timeout {
                         collective: x.coll,
-                        op: x.ctx.op.as_str().to_string(),
+                        op: x.ctx.op,
                         missing: missing.clone(),
                     },
                     true,
@@ -575,7 +567,7 @@ impl Transport {
 impl Exec<'_> {
     /// Records this rank's descriptor of the collective; it goes to every peer as a HELLO
     /// frame, with the first DATA frame to that peer or before this rank first waits.
-    pub(crate) fn hello(&mut self, desc: Desc) -> Result<()> {
+    pub(crate) fn hello(&mut self, desc: OpDesc) -> Result<()> {
         let payload =
             serde_json::to_vec(&desc).map_err(|e| CommError::invalid(self.ctx, e.to_string()))?;
         self.desc = Some(desc);
@@ -785,7 +777,7 @@ fn read_loop(sh: Arc<Shared>, src: usize, mut s: TcpStream) {
             let mut st = sh.lock();
             match h.kind {
                 HELLO => {
-                    let d: Desc = serde_json::from_slice(payload.bytes())
+                    let d: OpDesc = serde_json::from_slice(payload.bytes())
                         .map_err(|e| format!("protocol error: bad descriptor: {e}"))?;
                     st.hellos.insert((h.tag, src), d);
                 }

@@ -1,5 +1,5 @@
 //! What travels between two ranks of a process communicator: frame headers, op descriptors
-//! (compared across ranks: desync detection), failures, and tensors with their shape.
+//! and failures (as JSON), and tensors with their shape.
 //!
 //! A frame is a 24-byte header followed by `len` payload bytes:
 //!
@@ -11,15 +11,13 @@
 //! | 8..16 | tag `u64` (HELLO, DATA: the collective index) |
 //! | 16..24 | len `u64` |
 //!
-//! All integers are little-endian. HELLO carries the sender's [`Desc`] of collective `tag` as
-//! JSON; DATA carries raw element bytes (or an encoded tensor, see [`encode_tensor`]); P2P
-//! carries an encoded tensor; FAIL carries a [`Failure`] as JSON; BYE is empty (the sender
-//! closed the communicator on purpose).
+//! All integers are little-endian. HELLO carries the sender's
+//! [`OpDesc`](crate::desc::OpDesc) of collective `tag` as JSON; DATA carries raw element bytes
+//! (or an encoded tensor, see [`tensor_preamble`]); P2P carries an encoded tensor; FAIL carries
+//! a [`Failure`](crate::desc::Failure) as JSON; BYE is empty (the sender closed the
+//! communicator on purpose).
 
-use std::fmt;
-
-use candle_core::{DType, Tensor};
-use serde::{Deserialize, Serialize};
+use candle_core::DType;
 
 use crate::types::SUPPORTED_DTYPES;
 
@@ -73,178 +71,6 @@ impl Header {
             tag,
             len,
         })
-    }
-}
-
-/// How shapes must agree across ranks for an op (as in the local backend).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) enum ShapeRule {
-    /// Identical shapes.
-    Exact(Vec<usize>),
-    /// Identical dims after dim 0 (all_to_all_v).
-    Rows(Vec<usize>),
-    /// Anything.
-    Any,
-}
-
-/// What a rank issued at a collective index; compared across ranks (desync detection).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Desc {
-    pub op: String,
-    pub dtype: Option<String>,
-    pub shape: ShapeRule,
-    pub root: Option<usize>,
-    pub reduce: Option<String>,
-}
-
-impl Desc {
-    pub(crate) fn new(op: crate::types::OpName) -> Desc {
-        Desc {
-            op: op.as_str().to_string(),
-            dtype: None,
-            shape: ShapeRule::Any,
-            root: None,
-            reduce: None,
-        }
-    }
-
-    pub(crate) fn tensor(op: crate::types::OpName, t: &Tensor) -> Desc {
-        Desc {
-            dtype: Some(t.dtype().as_str().to_string()),
-            shape: ShapeRule::Exact(t.dims().to_vec()),
-            ..Desc::new(op)
-        }
-    }
-
-    /// Whether two ranks issuing `self` and `other` at the same index are in step.
-    pub(crate) fn compatible(&self, other: &Desc) -> bool {
-        if self.op != other.op || self.root != other.root || self.reduce != other.reduce {
-            return false;
-        }
-        // Scatter: only the root knows the dtype.
-        if self.op != "scatter" && self.dtype != other.dtype {
-            return false;
-        }
-        match (&self.shape, &other.shape) {
-            (ShapeRule::Any, _) | (_, ShapeRule::Any) => true,
-            (x, y) => x == y,
-        }
-    }
-}
-
-impl fmt::Display for Desc {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}(", self.op)?;
-        let mut parts: Vec<String> = Vec::new();
-        if let Some(r) = &self.reduce {
-            parts.push(r.clone());
-        }
-        if let Some(d) = &self.dtype {
-            parts.push(d.clone());
-        }
-        match &self.shape {
-            ShapeRule::Exact(s) => parts.push(format!("{s:?}")),
-            ShapeRule::Rows(s) => parts.push(format!("[*, {s:?}]")),
-            ShapeRule::Any => {}
-        }
-        if let Some(r) = self.root {
-            parts.push(format!("root {r}"));
-        }
-        write!(f, "{})", parts.join(", "))
-    }
-}
-
-/// Why a process communicator is unusable. Travels in FAIL frames, so every rank reports the
-/// same cause.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) enum Failure {
-    /// `abort()` was called by rank `by`, which had completed `after` collectives then (every
-    /// rank reached those, so they may still complete).
-    Aborted {
-        by: usize,
-        reason: String,
-        after: u64,
-    },
-    /// Collective `collective` timed out waiting for `missing`.
-    Timeout {
-        collective: u64,
-        op: String,
-        missing: Vec<usize>,
-    },
-    /// Two ranks issued different collectives at index `collective`.
-    Desync {
-        collective: u64,
-        rank_a: usize,
-        op_a: String,
-        rank_b: usize,
-        op_b: String,
-    },
-    /// Ranks passed arguments of collective `collective` that do not fit together.
-    Mismatch { collective: u64, reason: String },
-    /// The connection to `rank` broke without a goodbye: its process died or was killed.
-    PeerLost { rank: usize, reason: String },
-}
-
-crate::error::impl_failure_to_error!(Failure);
-
-impl Failure {
-    /// Whether this failure stops an op at collective index `coll` (`None`: point to point).
-    ///
-    /// A failure at a later collective does not: some rank got past `coll`, so every rank
-    /// announced `coll` and its data is on the way (a notice from one peer can overtake
-    /// another peer's frames). Such an op completes, or fails on its own deadline or a lost
-    /// peer; the next op fails.
-    pub(crate) fn blocks(&self, coll: Option<u64>) -> bool {
-        let at = match self {
-            Failure::Timeout { collective, .. }
-            | Failure::Desync { collective, .. }
-            | Failure::Mismatch { collective, .. } => Some(*collective),
-            Failure::Aborted { after, .. } => Some(*after),
-            Failure::PeerLost { .. } => None,
-        };
-        match (at, coll) {
-            (Some(k), Some(j)) if k != u64::MAX => j >= k,
-            _ => true,
-        }
-    }
-}
-
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Failure::Aborted { by, reason, .. } => write!(f, "aborted by rank {by}: {reason}"),
-            Failure::Timeout {
-                collective,
-                op,
-                missing,
-            } if *collective == u64::MAX => {
-                write!(f, "an earlier {op} timed out waiting for ranks {missing:?}")
-            }
-            Failure::Timeout {
-                collective,
-                op,
-                missing,
-            } => write!(
-                f,
-                "an earlier {op} (collective #{collective}) timed out waiting for ranks {missing:?}"
-            ),
-            Failure::Desync {
-                collective,
-                rank_a,
-                op_a,
-                rank_b,
-                op_b,
-            } => write!(
-                f,
-                "desync at collective #{collective}: rank {rank_a} issued {op_a} but rank {rank_b} issued {op_b}"
-            ),
-            Failure::Mismatch { collective, reason } => {
-                write!(f, "collective #{collective} had mismatched arguments: {reason}")
-            }
-            Failure::PeerLost { rank, reason } => {
-                write!(f, "peer rank {rank} was lost: {reason}")
-            }
-        }
     }
 }
 
@@ -381,7 +207,6 @@ pub(crate) fn decode_usizes(b: &[u8]) -> Result<Vec<usize>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::types::OpName;
 
     #[test]
     fn headers_round_trip_and_garbage_is_refused() {
@@ -399,25 +224,6 @@ mod tests {
         let mut huge = h.encode();
         huge[23] = 0xff;
         assert!(Header::decode(&huge).is_err());
-    }
-
-    #[test]
-    fn descs_compare_like_the_local_backend() {
-        let t = Tensor::zeros(4, DType::F32, &candle_core::Device::Cpu).unwrap();
-        let a = Desc::tensor(OpName::AllReduce, &t);
-        let mut b = a.clone();
-        assert!(a.compatible(&b));
-        b.dtype = Some("f64".into());
-        assert!(!a.compatible(&b));
-        let s1 = Desc::new(OpName::Scatter);
-        let s2 = Desc {
-            dtype: Some("f32".into()),
-            ..Desc::new(OpName::Scatter)
-        };
-        assert!(s1.compatible(&s2));
-        assert_eq!(a.to_string(), "all_reduce(f32, [4])");
-        let j = serde_json::to_vec(&a).unwrap();
-        assert_eq!(serde_json::from_slice::<Desc>(&j).unwrap(), a);
     }
 
     #[test]

@@ -23,9 +23,7 @@ use crate::tensor::DTensor;
 
 type CResult<T> = candle_core::Result<T>;
 
-fn msg(s: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(s.into())
-}
+use crate::error::local_error as msg;
 
 /// How the chosen strategy treats the indexed dim of the source.
 enum Plan {
@@ -66,7 +64,7 @@ fn plan(p: &Prepared, dim: usize) -> CResult<Plan> {
         [m] if out.placements[*m] == Placement::Replicate => {
             let axis = ctx
                 .axis(p.first().mesh(), &[*m])
-                .map_err(candle_core::Error::wrap)?;
+                .map_err(candle_core::Error::from)?;
             // The length of `dim` as mesh dim m sees it: the source under its placements with
             // mesh dim m made Replicate.
             let mut pl = src.placements.clone();

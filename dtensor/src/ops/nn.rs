@@ -51,7 +51,7 @@ fn axes(p: &Prepared, dims: &[usize]) -> CResult<Vec<Axis>> {
         .map(|&m| {
             p.ctx()
                 .axis(p.first().mesh(), &[m])
-                .map_err(candle_core::Error::wrap)
+                .map_err(candle_core::Error::from)
         })
         .collect()
 }

@@ -63,7 +63,7 @@ fn internal_axes(p: &Prepared, dims: &[usize]) -> CResult<Vec<Axis>> {
         })
         .map(|m| {
             ctx.axis(p.first().mesh(), &[m])
-                .map_err(candle_core::Error::wrap)
+                .map_err(candle_core::Error::from)
         })
         .collect()
 }

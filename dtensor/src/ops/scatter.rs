@@ -16,9 +16,7 @@ use crate::tensor::DTensor;
 
 type CResult<T> = candle_core::Result<T>;
 
-fn msg(s: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(s.into())
-}
+use crate::error::local_error as msg;
 
 /// `(offset, length)` along `dim` of the rows of `x` this rank owns when the destination is
 /// sharded on `dim` (over mesh dims of size > 1), `None` when it holds the whole dim.

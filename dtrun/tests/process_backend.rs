@@ -3,7 +3,7 @@
 //! The ranks are this very test binary: `dtrun -- <this binary> worker --exact` runs only the
 //! `worker` test, which reads its role from `CDT_MP_ROLE` (and does nothing without it, so a
 //! plain `cargo test` run passes it by). No other binary has to be built first, so
-//! `cargo test --test process_backend` works on its own.
+//! `cargo test -p dtrun --test process_backend` works on its own.
 //!
 //! - `conformance_*`: the backend-neutral suite (collectives x dtypes x sizes, splits) on
 //!   2 and 4 processes;
@@ -15,13 +15,15 @@
 //!
 //! Everything runs on 127.0.0.1 with timeouts of a few seconds; dtrun's own `--timeout` bounds
 //! every launch.
+// The ranks talk to the test through their output, which dtrun prefixes and forwards.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
 
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use candle_dtensor::comm::conformance::{run as conform, Selection};
-use candle_dtensor::comm::{new_comm, CommError, CommOptions, ReduceOp};
+use candle_dtensor_comm::conformance::{run as conform, Selection};
+use candle_dtensor_comm::{new_comm, CommError, CommOptions, ReduceOp};
 
 const ROLE: &str = "CDT_MP_ROLE";
 

@@ -1,4 +1,4 @@
-//! Data-path kernels of the local backend: byte views of candle CPU storage, uninitialised
+//! Data-path kernels of the CPU backends: byte views of candle CPU storage, uninitialised
 //! output buffers that become candle tensors without a copy, and reductions (the dtype `match`
 //! is written once, in [`with_elem!`]).
 
@@ -109,7 +109,7 @@ pub(crate) fn read_view(t: &Tensor) -> Result<ReadView<'_>, String> {
         }
         _ => {
             return Err(format!(
-                "the local backend moves CPU tensors; got one on {:?}",
+                "this backend moves CPU tensors only; got one on {:?}",
                 t.device().location()
             ))
         }
@@ -149,8 +149,22 @@ impl OutBuf {
         self.elems * self.dtype.size_in_bytes()
     }
 
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     pub(crate) fn ptr(&self) -> *mut u8 {
         self.ptr
+    }
+
+    /// The buffer's bytes.
+    ///
+    /// # Safety
+    ///
+    /// Every byte must have been written, and nobody may write the buffer while the slice lives.
+    pub(crate) unsafe fn written(&self) -> &[u8] {
+        // SAFETY: `ptr` is valid for `len_bytes` bytes, initialised per the caller's contract.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len_bytes()) }
     }
 
     /// Copies `src` into the buffer at byte `offset`.
@@ -447,7 +461,7 @@ pub(crate) fn write_into<'a>(
 ) -> Result<(), String> {
     if !t.device().is_cpu() {
         return Err(format!(
-            "the local backend writes CPU tensors; the output is on {:?}",
+            "this backend writes CPU tensors only; the output is on {:?}",
             t.device().location()
         ));
     }
