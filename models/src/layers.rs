@@ -362,6 +362,8 @@ impl Mlp {
 }
 
 /// A block's feed-forward: a dense MLP or a mixture of experts.
+// One per block, built once: the size difference costs nothing worth an extra box.
+#[allow(clippy::large_enum_variant)]
 pub enum FeedForward {
     /// The dense MLP.
     Dense(Mlp),
