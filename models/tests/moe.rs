@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_dtensor_comm::{Comm, LocalWorld};
+use candle_dtensor_core::debug::{CollectiveRecord, CommDebugMode, Phase};
 use candle_dtensor_core::{distribute_tensor, DTensor, Placement};
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::data::Corpus;
@@ -158,9 +159,19 @@ struct LayerRun {
     params: Vec<(String, Tensor, Tensor)>,
     dx: Tensor,
     tokens_per_expert: Vec<usize>,
+    /// What CommDebugMode recorded on this rank over forward and backward.
+    records: Vec<CollectiveRecord>,
 }
 
 fn run_layer(dims: &[(&str, usize)], cfg: &MoeConfig, swiglu: bool) -> R<LayerRun> {
+    Ok(run_layer_all(dims, cfg, swiglu)?
+        .into_iter()
+        .next()
+        .ok_or("no rank")?)
+}
+
+/// Every rank's [`LayerRun`].
+fn run_layer_all(dims: &[(&str, usize)], cfg: &MoeConfig, swiglu: bool) -> R<Vec<LayerRun>> {
     let world: usize = dims.iter().map(|d| d.1).product();
     let dims: Vec<(String, usize)> = dims.iter().map(|(n, s)| (n.to_string(), *s)).collect();
     let cfg = cfg.clone();
@@ -187,6 +198,7 @@ fn run_layer(dims: &[(&str, usize)], cfg: &MoeConfig, swiglu: bool) -> R<LayerRu
                 .clone();
             let xv = Var::from_tensor(&x_local)?;
             let x = DTensor::from_local_with_shape(xv.as_tensor(), &mesh, &batch, &[B, T, D])?;
+            let mode = CommDebugMode::start();
             let (y, aux) = layer.forward(&x)?;
             let aux = aux.ok_or("no aux loss")?;
             // A weighted sum, so every output element's gradient differs.
@@ -194,6 +206,7 @@ fn run_layer(dims: &[(&str, usize)], cfg: &MoeConfig, swiglu: bool) -> R<LayerRu
             let wts = distribute_tensor(&wts, &mesh, &batch)?;
             let loss = y.mul(&wts)?.sum_all()?.add(&aux)?;
             let grads = loss.backward()?;
+            let records = mode.records();
             let mut params = Vec::new();
             for name in PARAMS {
                 if let Some(p) = store.get(name) {
@@ -211,9 +224,10 @@ fn run_layer(dims: &[(&str, usize)], cfg: &MoeConfig, swiglu: bool) -> R<LayerRu
                 params,
                 dx,
                 tokens_per_expert: stats.tokens_per_expert,
+                records,
             })
         })?;
-    Ok(out.into_iter().next().ok_or("no rank")?)
+    Ok(out)
 }
 
 /// The layer on `dims` matches the plain-candle reference: output, aux loss, dropped count
@@ -457,5 +471,61 @@ fn bad_settings_are_typed_errors_naming_the_rank() {
             msg.contains(&format!("(rank {r})")) && msg.contains("rank 3 sent bad routing counts"),
             "{msg}"
         );
+    }
+}
+
+#[test]
+fn comm_debug_mode_shows_dispatch_and_combine_with_bytes() {
+    // ep=4, dropless top-2: over the ranks the forward dispatch sends every assignment's row
+    // once (B*T*k rows of D f32), the combine sends them back, and backward runs each reverse
+    // once. Over RMA the same bytes are recorded as rma_put.
+    let row = (D * 4) as u64;
+    let total = (B * T * 2) as u64 * row;
+    for (dispatch, kind) in [
+        (DispatchKind::AllToAllV, "all_to_all_v"),
+        (DispatchKind::Rma, "rma_put"),
+    ] {
+        let mut cfg = MoeConfig::new(6, 2);
+        cfg.dispatch = dispatch;
+        let runs = run_layer_all(&[("ep", 4)], &cfg, false).unwrap();
+        let bytes = |label: &str, phase: Phase| -> u64 {
+            runs.iter()
+                .flat_map(|r| &r.records)
+                .filter(|c| {
+                    c.kind == kind
+                        && c.phase == phase
+                        && c.mesh_dim == "ep"
+                        && c.label.as_deref() == Some(label)
+                })
+                .map(|c| c.bytes)
+                .sum()
+        };
+        for label in ["moe.dispatch", "moe.combine"] {
+            for phase in [Phase::Forward, Phase::Backward] {
+                assert_eq!(bytes(label, phase), total, "{kind} {label} {phase:?}");
+            }
+        }
+        for r in &runs {
+            let n = |phase| {
+                r.records
+                    .iter()
+                    .filter(|c| c.kind == kind && c.phase == phase)
+                    .count()
+            };
+            assert_eq!(
+                (n(Phase::Forward), n(Phase::Backward)),
+                (2, 2),
+                "{:?}",
+                r.records
+            );
+            // The count exchange: one all_gather of [key, tokens, k x E counts] per rank.
+            let counts: Vec<&CollectiveRecord> = r
+                .records
+                .iter()
+                .filter(|c| c.label.as_deref() == Some("moe.counts"))
+                .collect();
+            assert_eq!(counts.len(), 1, "{counts:?}");
+            assert_eq!(counts[0].bytes, (4 * (2 + 2 * 6) * 4) as u64);
+        }
     }
 }
