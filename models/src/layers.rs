@@ -391,10 +391,7 @@ impl FeedForward {
     /// Applies it; the second value is a mixture of experts' load-balancing loss.
     pub fn forward(&self, x: &DTensor) -> Result<(DTensor, Option<DTensor>)> {
         match self {
-            FeedForward::Dense(m) => {
-                let _l = candle_dtensor_core::debug::label("mlp");
-                Ok((m.forward(x)?, None))
-            }
+            FeedForward::Dense(m) => Ok((m.forward(x)?, None)),
             FeedForward::Moe(m) => m.forward(x),
         }
     }
@@ -425,7 +422,12 @@ impl Block {
             self.attn.forward(&self.ln1.forward(x)?)?
         };
         let x = x.add(&a)?;
-        let (m, aux) = self.mlp.forward(&self.ln2.forward(&x)?)?;
+        let (m, aux) = {
+            // The label covers ln2 too, as before the MoE variant (the per-block collective
+            // pattern counts ln2's backward all_reduces under `mlp`).
+            let _l = candle_dtensor_core::debug::label("mlp");
+            self.mlp.forward(&self.ln2.forward(&x)?)?
+        };
         Ok((x.add(&m)?, aux))
     }
 }
