@@ -45,7 +45,7 @@ use candle_dtensor::models::device::DeviceSpec;
 use candle_dtensor::models::trainer::{
     train_rank, EvalSpec, FsdpSpec, RankReport, SampleSpec, TrainConfig,
 };
-use candle_dtensor::models::{GptConfig, TpPlan};
+use candle_dtensor::models::{GptConfig, MoeConfig, TpPlan};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -55,8 +55,8 @@ pub(crate) struct Args {
     /// Number of ranks (threads). Defaults to the product of --mesh.
     #[arg(long)]
     world: Option<usize>,
-    /// Mesh, e.g. `tp=4`, `dp=2,tp=2`, `replicate=2,shard=2`. Dim names: dp, tp, replicate,
-    /// shard.
+    /// Mesh, e.g. `tp=4`, `dp=2,tp=2`, `replicate=2,shard=2`, `dp=2,ep=2`. Dim names: dp, tp,
+    /// replicate, shard, ep (experts of --moe sharded over it; a data dim otherwise).
     #[arg(long, default_value = "dp=2,tp=2")]
     mesh: String,
     /// Shard parameters, gradients and optimizer state over the data-parallel dim (FSDP).
@@ -76,6 +76,10 @@ pub(crate) struct Args {
     /// and gradient reduction stay f32).
     #[arg(long)]
     mixed_precision: Option<String>,
+    /// Mixture-of-experts blocks: `experts=8,top_k=2[,every=1][,hidden=H][,capacity=F]
+    /// [,aux=0.01][,normalize=true][,dispatch=a2a|rma]` (dropless without `capacity`).
+    #[arg(long)]
+    moe: Option<String>,
     /// Sequence parallelism (activations sharded on the sequence dim between blocks).
     #[arg(long)]
     sp: bool,
@@ -175,9 +179,9 @@ fn parse_mesh(s: &str) -> Result<Vec<(String, usize)>, String> {
             .split_once('=')
             .ok_or_else(|| format!("mesh dim {part:?} is not NAME=SIZE (e.g. dp=2,tp=2)"))?;
         let name = name.trim();
-        if !["dp", "tp", "replicate", "shard"].contains(&name) {
+        if !["dp", "tp", "replicate", "shard", "ep"].contains(&name) {
             return Err(format!(
-                "unknown mesh dim name {name:?}; use dp, tp, replicate or shard"
+                "unknown mesh dim name {name:?}; use dp, tp, replicate, shard or ep"
             ));
         }
         if dims.iter().any(|(n, _)| n == name) {
@@ -364,6 +368,28 @@ fn run(
     Ok((rank == 0).then_some(report))
 }
 
+/// The JSON of the mixture-of-experts layers: settings and what they measured per step.
+fn moe_summary(m: &MoeConfig, report: &RankReport) -> serde_json::Value {
+    let steps = &report.moe;
+    let ms = |f: fn(&candle_dtensor::models::trainer::MoeStepReport) -> f64| {
+        median(&steps.iter().map(f).collect::<Vec<_>>())
+    };
+    serde_json::json!({
+        "experts": m.experts,
+        "top_k": m.top_k,
+        "every": m.every,
+        "capacity_factor": m.capacity_factor,
+        "dispatch": format!("{:?}", m.dispatch),
+        "dispatch_ms_per_step_median": ms(|s| s.dispatch_ms),
+        "combine_ms_per_step_median": ms(|s| s.combine_ms),
+        "tokens_per_expert_min": steps.iter().map(|s| s.tokens_per_expert_min).min(),
+        "tokens_per_expert_max": steps.iter().map(|s| s.tokens_per_expert_max).max(),
+        "dropped_tokens": steps.iter().map(|s| s.dropped).sum::<usize>(),
+        "dropped_per_step": steps.iter().map(|s| s.dropped).collect::<Vec<_>>(),
+        "aux_loss": steps.iter().map(|s| s.aux_loss).collect::<Vec<_>>(),
+    })
+}
+
 fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(|a, b| a.total_cmp(b));
@@ -541,6 +567,9 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
         GptConfig::preset(&args.preset).map_err(|e| e.to_string())?,
         TpPlan::gpt(args.sp),
     );
+    if let Some(m) = &args.moe {
+        cfg.gpt.moe = Some(m.parse::<MoeConfig>().map_err(|e| format!("--moe: {e}"))?);
+    }
     let data = load_data(args, &dims, &mut cfg)?;
     let gpt = cfg.gpt.clone();
     let world = validate(args, &dims, &gpt)?;
@@ -652,6 +681,9 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
         "backward_ms_median": median(&report.phase_ms.iter().map(|p| p[1]).collect::<Vec<_>>()),
         "optimizer_ms_median": median(&report.phase_ms.iter().map(|p| p[2]).collect::<Vec<_>>()),
     });
+    if let Some(m) = &gpt.moe {
+        summary["moe"] = moe_summary(m, &report);
+    }
     if args.check {
         let mut single = cfg.clone();
         single.fsdp = None;
@@ -753,6 +785,9 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
             (args.batch * gpt.seq_len) as f64 / (median(&report.step_ms) / 1e3)
         );
         println!("collectives per step: {coll:?}");
+        if let Some(m) = summary.get("moe") {
+            println!("mixture of experts: {m}");
+        }
         if !report.saved_steps.is_empty() {
             println!(
                 "saved checkpoints after steps {:?} in {}",

@@ -358,3 +358,66 @@ impl candle_core::CustomOp1 for Region1 {
         (self.bwd)(a, g).map(Some)
     }
 }
+
+/// Records `y`, computed by the caller from detached copies of the inputs, as ONE graph node
+/// over `a` whose backward is `bwd(a, grad of y) -> grad of a`: a composite op with a
+/// hand-written backward, like the regions above. Unlike candle's own ops, the node keeps its
+/// edge when a tensor is empty (candle returns an empty elementwise result's left operand and
+/// drops the right one from the graph), so the graph, and with it the order of the backward
+/// collectives, does not depend on the data. Any device (the output is copied into a storage of
+/// `a`'s backend). `a` must track gradients for the node to matter; nothing checks it.
+pub fn node1(
+    name: &'static str,
+    a: &Tensor,
+    y: Tensor,
+    bwd: impl Fn(&Tensor, &Tensor) -> CResult<Tensor> + Send + Sync + 'static,
+) -> CResult<Tensor> {
+    a.apply_op1(Region1 {
+        name,
+        out: Mutex::new(Some(y)),
+        bwd: Box::new(bwd),
+    })
+}
+
+/// [`node1`] over two inputs: `bwd(a, b, grad) -> (grad of a, grad of b)`.
+pub fn node2(
+    name: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    y: Tensor,
+    bwd: impl Fn(&Tensor, &Tensor, &Tensor) -> CResult<(Tensor, Tensor)> + Send + Sync + 'static,
+) -> CResult<Tensor> {
+    a.apply_op2(
+        b,
+        Region2 {
+            name,
+            out: Mutex::new(Some(y)),
+            bias: None,
+            bwd: Box::new(bwd),
+        },
+    )
+}
+
+/// [`node1`] over three inputs: `bwd(a, b, c, grad) -> (grad of a, grad of b, grad of c)`.
+pub fn node3(
+    name: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    y: Tensor,
+    bwd: impl Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> CResult<(Tensor, Tensor, Tensor)>
+        + Send
+        + Sync
+        + 'static,
+) -> CResult<Tensor> {
+    a.apply_op3(
+        b,
+        c,
+        Region3 {
+            name,
+            out: Mutex::new(Some(y)),
+            bias: None,
+            bwd: Box::new(bwd),
+        },
+    )
+}

@@ -37,6 +37,9 @@ pub enum ModelError {
         /// candle's error.
         candle: String,
     },
+    /// A mixture-of-experts layer failed (bad settings, ranks that disagree).
+    #[error(transparent)]
+    Moe(#[from] crate::moe::MoeError),
     /// Saving or loading a checkpoint failed (boxed: the integrity errors carry paths and
     /// names).
     #[error(transparent)]

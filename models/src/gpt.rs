@@ -1,4 +1,7 @@
-//! A GPT: token + position embedding, pre-norm blocks, final norm, LM head (tied or untied).
+//! A GPT: token + position embedding, pre-norm blocks, final norm, LM head (tied or untied);
+//! with [`GptConfig::moe`], every n-th block's MLP is a mixture of experts ([`crate::moe`]).
+
+use std::sync::Mutex;
 
 use candle_core::DType;
 use candle_dtensor_core::{DTensor, Placement};
@@ -7,7 +10,10 @@ use candle_dtensor_mesh::DeviceMesh;
 use crate::error::{ModelError, Result};
 use crate::fsdp::Fsdp;
 use crate::init::Init;
-use crate::layers::{Attention, Block, Builder, Embedding, LayerNorm, Linear, Mlp, Norm, RmsNorm};
+use crate::layers::{
+    Attention, Block, Builder, Embedding, FeedForward, LayerNorm, Linear, Mlp, Norm, RmsNorm,
+};
+use crate::moe::{MoeConfig, MoeGroups, MoeLayer, MoeStats};
 use crate::params::ParamStore;
 use crate::plan::{MeshRoles, TpPlan};
 
@@ -43,6 +49,8 @@ pub struct GptConfig {
     pub norm: NormKind,
     /// Norm epsilon.
     pub eps: f64,
+    /// Mixture-of-experts blocks (`None`: every block dense).
+    pub moe: Option<MoeConfig>,
 }
 
 impl GptConfig {
@@ -60,6 +68,7 @@ impl GptConfig {
             tied: false,
             norm: NormKind::LayerNorm,
             eps: 1e-5,
+            moe: None,
         }
     }
 
@@ -107,6 +116,8 @@ pub struct Gpt {
     block_units: Vec<usize>,
     embed_unit: Option<usize>,
     head_unit: Option<usize>,
+    /// The load-balancing loss of the last [`Gpt::loss`] (summed over the MoE blocks).
+    last_aux: Mutex<Option<DTensor>>,
 }
 
 fn norm(b: &mut Builder, name: &str, cfg: &GptConfig) -> Result<Norm> {
@@ -150,6 +161,20 @@ impl Gpt {
         }
         let mut block_units = Vec::new();
         let roles = MeshRoles::of(mesh)?;
+        let dense_hidden = cfg.mlp_ratio * cfg.d_model;
+        let moe = cfg
+            .moe
+            .as_ref()
+            .filter(|m| (0..cfg.n_layers).any(|i| m.is_moe_block(i)));
+        let groups = match moe {
+            Some(m) => Some(MoeGroups::new(
+                mesh,
+                m,
+                cfg.d_model,
+                m.expert_hidden(dense_hidden),
+            )?),
+            None => None,
+        };
         let gpt = {
             let mut b = Builder {
                 store: &mut store,
@@ -188,15 +213,30 @@ impl Gpt {
                         proj_std,
                     )?,
                     ln2: norm(&mut b, &format!("{p}.ln2"), cfg)?,
-                    mlp: Mlp::new(
-                        &mut b,
-                        &format!("{p}.mlp"),
-                        cfg.d_model,
-                        cfg.mlp_ratio * cfg.d_model,
-                        cfg.swiglu,
-                        std,
-                        proj_std,
-                    )?,
+                    mlp: match (moe, &groups) {
+                        (Some(m), Some(g)) if m.is_moe_block(i) => {
+                            FeedForward::Moe(Box::new(MoeLayer::new(
+                                &mut b,
+                                &format!("{p}.moe"),
+                                i as u32,
+                                g,
+                                cfg.d_model,
+                                m.expert_hidden(dense_hidden),
+                                cfg.swiglu,
+                                std,
+                                proj_std,
+                            )?))
+                        }
+                        _ => FeedForward::Dense(Mlp::new(
+                            &mut b,
+                            &format!("{p}.mlp"),
+                            cfg.d_model,
+                            dense_hidden,
+                            cfg.swiglu,
+                            std,
+                            proj_std,
+                        )?),
+                    },
                 });
             }
             let head_unit = match (fsdp, embed_unit) {
@@ -233,6 +273,7 @@ impl Gpt {
                 block_units,
                 embed_unit,
                 head_unit,
+                last_aux: Mutex::new(None),
             }
         };
         // The forward drives every unit: nothing needs to stay gathered until first use.
@@ -255,9 +296,34 @@ impl Gpt {
             .to_vec()
     }
 
+    /// The mixture-of-experts layers, in block order.
+    pub fn moe_layers(&self) -> impl Iterator<Item = &MoeLayer> {
+        self.blocks.iter().filter_map(|b| b.mlp.moe())
+    }
+
+    /// What each mixture-of-experts layer measured since the last call (block order).
+    pub fn take_moe_stats(&self) -> Vec<MoeStats> {
+        self.moe_layers().map(MoeLayer::take_stats).collect()
+    }
+
+    /// The load-balancing loss (summed over the mixture-of-experts blocks) of the last
+    /// [`Gpt::loss`], if it had one (a scalar, possibly `Partial`).
+    pub fn last_aux_loss(&self) -> Option<DTensor> {
+        self.last_aux
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Logits `[B, T, V]` for ids `[B, T]` (vocab-sharded under tensor parallelism with
     /// loss-parallel; replicated otherwise).
     pub fn forward(&self, ids: &DTensor) -> Result<DTensor> {
+        Ok(self.forward_aux(ids)?.0)
+    }
+
+    /// [`Gpt::forward`] and the load-balancing loss of the mixture-of-experts blocks (summed;
+    /// `None` without them).
+    pub fn forward_aux(&self, ids: &DTensor) -> Result<(DTensor, Option<DTensor>)> {
         let t = ids.dim(1)?;
         if t > self.cfg.seq_len {
             return Err(ModelError::Config(format!(
@@ -278,12 +344,23 @@ impl Gpt {
             let local = f.post_forward(u, x.to_local())?;
             x = DTensor::from_local_with_shape(&local, x.mesh(), x.placements(), x.shape())?;
         }
+        let mut aux: Option<DTensor> = None;
+        let mut add_aux = |a: Option<DTensor>| -> Result<()> {
+            if let Some(a) = a {
+                aux = Some(match aux.take() {
+                    Some(s) => s.add(&a)?,
+                    None => a,
+                });
+            }
+            Ok(())
+        };
         for (i, blk) in self.blocks.iter().enumerate() {
             let _l = candle_dtensor_core::debug::label(&format!("blocks.{i}"));
             match (&self.fsdp, self.block_units.get(i)) {
                 (Some(f), Some(&u)) => {
                     f.pre_forward(u)?;
-                    let y = blk.forward(&x)?;
+                    let (y, a) = blk.forward_aux(&x)?;
+                    add_aux(a)?;
                     let local = f.post_forward(u, y.to_local())?;
                     x = DTensor::from_local_with_shape(
                         &local,
@@ -292,7 +369,11 @@ impl Gpt {
                         y.shape(),
                     )?;
                 }
-                _ => x = blk.forward(&x)?,
+                _ => {
+                    let (y, a) = blk.forward_aux(&x)?;
+                    add_aux(a)?;
+                    x = y;
+                }
             }
         }
         let _l = candle_dtensor_core::debug::label("head");
@@ -310,18 +391,22 @@ impl Gpt {
             }
         };
         if !self.plan.loss_parallel && self.roles.tp.is_some() {
-            return Ok(logits.redistribute(
-                &self
-                    .roles
-                    .with_tp(logits.placements(), Placement::Replicate),
-            )?);
+            return Ok((
+                logits.redistribute(
+                    &self
+                        .roles
+                        .with_tp(logits.placements(), Placement::Replicate),
+                )?,
+                aux,
+            ));
         }
-        Ok(logits)
+        Ok((logits, aux))
     }
 
-    /// Mean next-token cross-entropy of ids `[B, T]` against targets `[B, T]`.
+    /// Mean next-token cross-entropy of ids `[B, T]` against targets `[B, T]`, plus the
+    /// mixture-of-experts blocks' load-balancing loss ([`Gpt::last_aux_loss`]).
     pub fn loss(&self, ids: &DTensor, targets: &DTensor) -> Result<DTensor> {
-        let logits = self.forward(ids)?;
+        let (logits, aux) = self.forward_aux(ids)?;
         let (b, t, v) = (logits.dim(0)?, logits.dim(1)?, logits.dim(2)?);
         let _l = candle_dtensor_core::debug::label("loss");
         let logits = logits.reshape(&[b * t, v])?;
@@ -337,6 +422,14 @@ impl Gpt {
             .plan
             .loss_parallel
             .then(|| logits.placements().to_vec());
-        Ok(logits.cross_entropy_with_layout(&targets, layout.as_deref())?)
+        let ce = logits.cross_entropy_with_layout(&targets, layout.as_deref())?;
+        *self.last_aux.lock().unwrap_or_else(|e| e.into_inner()) = aux.clone();
+        match aux {
+            Some(a) => {
+                let _l = candle_dtensor_core::debug::label("moe_aux");
+                Ok(ce.add(&a)?)
+            }
+            None => Ok(ce),
+        }
     }
 }

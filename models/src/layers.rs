@@ -1,5 +1,6 @@
 //! DTensor-native layers: `Linear`, `Embedding`, `LayerNorm`, `RmsNorm`, causal multi-head
-//! `Attention`, `Mlp` (GELU or SwiGLU), and a pre-norm transformer `Block`.
+//! `Attention`, `Mlp` (GELU or SwiGLU), and a pre-norm transformer `Block` whose feed-forward is
+//! an `Mlp` or a mixture of experts ([`crate::moe::MoeLayer`]).
 //!
 //! Each layer is written as for one device; its parameters' placements and its boundary
 //! layouts come from the [`TpPlan`] style of its name. Shapes in the docs are global.
@@ -8,6 +9,7 @@ use candle_dtensor_core::{DTensor, Placement};
 
 use crate::error::{ModelError, Result};
 use crate::init::Init;
+use crate::moe::MoeLayer;
 use crate::params::ParamStore;
 use crate::plan::{MeshRoles, ParallelStyle, TpPlan};
 
@@ -359,6 +361,42 @@ impl Mlp {
     }
 }
 
+/// A block's feed-forward: a dense MLP or a mixture of experts.
+// One per block, built once: the size difference costs nothing worth an extra box.
+#[allow(clippy::large_enum_variant)]
+pub enum FeedForward {
+    /// The dense MLP.
+    Dense(Mlp),
+    /// A mixture of experts.
+    Moe(Box<MoeLayer>),
+}
+
+impl FeedForward {
+    /// The dense MLP, if this is one.
+    pub fn dense(&self) -> Option<&Mlp> {
+        match self {
+            FeedForward::Dense(m) => Some(m),
+            FeedForward::Moe(_) => None,
+        }
+    }
+
+    /// The mixture of experts, if this is one.
+    pub fn moe(&self) -> Option<&MoeLayer> {
+        match self {
+            FeedForward::Dense(_) => None,
+            FeedForward::Moe(m) => Some(m),
+        }
+    }
+
+    /// Applies it; the second value is a mixture of experts' load-balancing loss.
+    pub fn forward(&self, x: &DTensor) -> Result<(DTensor, Option<DTensor>)> {
+        match self {
+            FeedForward::Dense(m) => Ok((m.forward(x)?, None)),
+            FeedForward::Moe(m) => m.forward(x),
+        }
+    }
+}
+
 /// A pre-norm transformer block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`.
 pub struct Block {
     /// First norm.
@@ -368,21 +406,28 @@ pub struct Block {
     /// Second norm.
     pub ln2: Norm,
     /// Feed-forward.
-    pub mlp: Mlp,
+    pub mlp: FeedForward,
 }
 
 impl Block {
     /// Applies the block.
     pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
+        Ok(self.forward_aux(x)?.0)
+    }
+
+    /// Applies the block; the second value is its mixture of experts' load-balancing loss.
+    pub fn forward_aux(&self, x: &DTensor) -> Result<(DTensor, Option<DTensor>)> {
         let a = {
             let _l = candle_dtensor_core::debug::label("attn");
             self.attn.forward(&self.ln1.forward(x)?)?
         };
         let x = x.add(&a)?;
-        let m = {
+        let (m, aux) = {
+            // The label covers ln2 too, as before the MoE variant (the per-block collective
+            // pattern counts ln2's backward all_reduces under `mlp`).
             let _l = candle_dtensor_core::debug::label("mlp");
             self.mlp.forward(&self.ln2.forward(&x)?)?
         };
-        Ok(x.add(&m)?)
+        Ok((x.add(&m)?, aux))
     }
 }

@@ -8,7 +8,9 @@
 //! - [`TpPlan`] maps module names to [`ParallelStyle`]s (column / row parallel, sequence
 //!   parallel, vocab-parallel embedding; loss-parallel cross-entropy); the styles only declare
 //!   placements and boundary layouts, the compiler derives every collective.
-//! - [`Gpt`]: token + position embedding, pre-norm blocks, final norm, tied or untied head.
+//! - [`Gpt`]: token + position embedding, pre-norm blocks, final norm, tied or untied head;
+//!   optionally mixture-of-experts blocks ([`moe`]: top-k routing, expert parallelism over the
+//!   mesh dim `ep` with token dispatch over all_to_all_v or RMA windows).
 //! - [`nn`]: differentiable drop-ins for candle-nn's fused norms, softmax and rotary
 //!   embeddings, which cut the autograd graph (candle#2168, #3011).
 //! - [`tp_nn`]: tensor parallelism for candle-nn code: column / row-parallel linears and a
@@ -30,6 +32,7 @@ pub mod fsdp_vb;
 pub mod gpt;
 pub mod init;
 pub mod layers;
+pub mod moe;
 pub mod nn;
 pub mod optim;
 pub mod params;
@@ -40,5 +43,6 @@ pub mod trainer;
 
 pub use error::{ModelError, Result};
 pub use gpt::{Gpt, GptConfig, NormKind};
+pub use moe::{DispatchKind, MoeConfig, MoeError, MoeLayer, MoeStats};
 pub use params::{Param, ParamStore, VarBox};
 pub use plan::{MeshRoles, ParallelStyle, TpPlan};

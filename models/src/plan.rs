@@ -113,11 +113,14 @@ impl Default for TpPlan {
 }
 
 /// Which mesh dims do what: tensor parallelism over `tp`, the batch sharded over `data`
-/// (`dp`, or HSDP's `replicate` and `shard`).
+/// (`dp`, HSDP's `replicate` and `shard`, and `ep`), mixture-of-experts experts sharded over
+/// `ep` (for everything else `ep` is one more data-parallel dim).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MeshRoles {
     /// The tensor-parallel mesh dim.
     pub tp: Option<usize>,
+    /// The expert-parallel mesh dim (also in `data`).
+    pub ep: Option<usize>,
     /// Mesh dims sharding the batch, outermost first.
     pub data: Vec<usize>,
     /// The mesh's number of dims.
@@ -125,7 +128,8 @@ pub struct MeshRoles {
 }
 
 impl MeshRoles {
-    /// Reads roles from dim names: `tp`; `dp`, `replicate`, `shard` (data).
+    /// Reads roles from dim names: `tp`; `dp`, `replicate`, `shard` (data); `ep` (data, and
+    /// the experts of mixture-of-experts layers).
     ///
     /// # Errors
     ///
@@ -133,6 +137,7 @@ impl MeshRoles {
     pub fn of(mesh: &DeviceMesh) -> Result<Self> {
         let mut roles = MeshRoles {
             tp: None,
+            ep: None,
             data: Vec::new(),
             ndim: mesh.ndim(),
         };
@@ -140,9 +145,13 @@ impl MeshRoles {
             match *name {
                 "tp" => roles.tp = Some(i),
                 "dp" | "replicate" | "shard" => roles.data.push(i),
+                "ep" => {
+                    roles.ep = Some(i);
+                    roles.data.push(i);
+                }
                 other => {
                     return Err(ModelError::Config(format!(
-                        "unknown mesh dim name \"{other}\"; use dp, tp, replicate or shard"
+                        "unknown mesh dim name \"{other}\"; use dp, tp, ep, replicate or shard"
                     )))
                 }
             }

@@ -196,6 +196,27 @@ pub struct RankReport {
     /// coexist for a moment at the end of its last consumer's backward, which the theory
     /// formula leaves out.
     pub largest_param_bytes: Option<usize>,
+    /// Per step, with mixture-of-experts blocks ([`crate::GptConfig::moe`]): what the layers
+    /// measured, summed over them (empty without MoE blocks).
+    pub moe: Vec<MoeStepReport>,
+}
+
+/// One training step of the mixture-of-experts layers, summed over the layers.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MoeStepReport {
+    /// Dispatch time (count exchange, permutation, exchange; forward and the backward's
+    /// reverse exchange), ms.
+    pub dispatch_ms: f64,
+    /// Combine time (reverse exchange and weighting; forward and backward), ms.
+    pub combine_ms: f64,
+    /// Fewest kept assignments of any expert of any layer (global batch).
+    pub tokens_per_expert_min: usize,
+    /// Most kept assignments of any expert of any layer.
+    pub tokens_per_expert_max: usize,
+    /// Assignments dropped by the capacity.
+    pub dropped: usize,
+    /// The load-balancing loss (included in the step's loss).
+    pub aux_loss: f32,
 }
 
 /// Trains on `mesh` (every rank of the mesh calls this) and reports per-step losses.
@@ -367,6 +388,9 @@ pub fn train_rank(
             peak = st.peak_unsharded_bytes;
         }
         report.exposed_comm_ms.push(exposed);
+        if let Some(m) = moe_step(&gpt, &all_r)? {
+            report.moe.push(m);
+        }
         report.param_grad_optim_bytes = report.param_grad_optim_bytes.max(base_bytes + peak);
         report.losses.push(value);
         report.step_ms.push(ms);
@@ -384,6 +408,7 @@ pub fn train_rank(
                     .push((done, evaluate(&gpt, mesh, cfg, e)?));
                 // Not part of the next step's measurements.
                 let _ = candle_dtensor_core::debug::take_comm_wait();
+                let _ = gpt.take_moe_stats();
                 if let Some(f) = &fsdp {
                     f.take_stats();
                 }
@@ -402,6 +427,30 @@ pub fn train_rank(
         report.sample = generate(&gpt, mesh, cfg, spec, corpus.vocab())?;
     }
     Ok(report)
+}
+
+/// What the mixture-of-experts layers measured in the step just run (`None` without them).
+/// Collective (the balancing loss is made Replicate).
+fn moe_step(gpt: &Gpt, all_r: &[Placement]) -> Result<Option<MoeStepReport>> {
+    let stats = gpt.take_moe_stats();
+    if stats.is_empty() {
+        return Ok(None);
+    }
+    let aux_loss = match gpt.last_aux_loss() {
+        Some(a) => a.redistribute(all_r)?.to_local().to_scalar::<f32>()?,
+        None => 0.0,
+    };
+    let per_expert = stats
+        .iter()
+        .flat_map(|s| s.tokens_per_expert.iter().copied());
+    Ok(Some(MoeStepReport {
+        dispatch_ms: stats.iter().map(|s| s.dispatch_ms).sum(),
+        combine_ms: stats.iter().map(|s| s.combine_ms).sum(),
+        tokens_per_expert_min: per_expert.clone().min().unwrap_or(0),
+        tokens_per_expert_max: per_expert.max().unwrap_or(0),
+        dropped: stats.iter().map(|s| s.dropped).sum(),
+        aux_loss,
+    }))
 }
 
 /// Seed of the held-out batches: the same batches at every evaluation.

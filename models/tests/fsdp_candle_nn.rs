@@ -172,7 +172,7 @@ fn released_parameters_give_a_typed_error_not_a_panic() {
             };
             let (gpt, _) = Gpt::build(&cfg, &mesh, &TpPlan::new(), 1, DType::F32, Some(&fsdp))?;
             // Outside the unit's forward the block's weights hold no storage.
-            let w = &gpt.blocks[0].mlp.fc1.weight;
+            let w = &gpt.blocks[0].mlp.dense().unwrap().fc1.weight;
             let x = distribute_tensor(
                 &Tensor::ones((2, 16), DType::F32, &Device::Cpu)?,
                 &mesh,
