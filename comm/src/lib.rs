@@ -50,6 +50,7 @@ mod error;
 mod flight;
 mod hooks;
 pub mod local;
+pub mod memory;
 pub mod mpi;
 pub mod nccl;
 pub mod process;
