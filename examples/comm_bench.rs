@@ -92,6 +92,9 @@ impl Output {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     candle_dtensor::init_cpu_threads();
+    // Before any thread starts (LocalWorld::launch also runs it, but threads that exited
+    // before, like the copy-floor threads, leave arenas that new threads would take over).
+    candle_dtensor::init_cpu_allocator();
     let args = Args::parse();
     if args.world == 0 {
         return Err("--world must be at least 1".into());
@@ -190,10 +193,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             });
         }
     }
+    let memory = candle_dtensor::comm::memory::stats();
     if args.json {
         for r in &rows {
             println!("{}", serde_json::to_string(r)?);
         }
+        println!("{}", serde_json::json!({ "memory": memory }));
     } else {
         println!(
             "world {n}, aggregate memcpy rate of {n} threads: {:.2} GB/s",
@@ -223,6 +228,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r.efficiency
             );
         }
+        println!("memory: {}", serde_json::to_string(&memory)?);
     }
     Ok(())
 }

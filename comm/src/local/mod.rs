@@ -155,6 +155,8 @@ impl LocalWorld {
             ));
         }
         warn_about_candle_pool(self.size);
+        // Before the rank threads start: they must share the arena that keeps large blocks.
+        crate::memory::reuse_large_buffers();
         let world = World::new(self.size);
         let group = world.new_group((0..self.size).collect());
         let f = &f;
