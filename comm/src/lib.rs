@@ -49,6 +49,7 @@ pub mod env;
 mod error;
 mod flight;
 mod hooks;
+pub mod link;
 pub mod local;
 pub mod memory;
 pub mod mpi;

@@ -238,6 +238,7 @@ where
         })
     });
     let backend = LocalBackend::new(group, rank, name).map_err(|e| e.to_string())?;
+    backend.set_link(&options, name)?;
     let comm = Comm::from_backend(backend, name, options);
     match catch_unwind(AssertUnwindSafe(|| f(comm))) {
         Ok(Ok(v)) => Ok(v),
@@ -297,6 +298,12 @@ impl BackendFactory for LocalFactory {
             || (0..size).collect(),
         );
         let backend = LocalBackend::with_device(group, rank, name, device.clone())?;
+        backend
+            .set_link(options, name)
+            .map_err(|reason| CommError::Bootstrap {
+                comm: name.to_string(),
+                reason,
+            })?;
         // Bootstrap: every rank must arrive within the bootstrap timeout.
         let ctx = OpCtx::bootstrap(name, rank, options.bootstrap_timeout);
         backend.barrier(ctx)?.wait()?;
