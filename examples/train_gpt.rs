@@ -174,6 +174,15 @@ pub(crate) struct Args {
     check_device: Option<String>,
 }
 
+/// The communicator options of a run: the op timeout (seconds) and the links' hints.
+fn comm_options(timeout: u64, links: &[(String, LinkModel)]) -> CommOptions {
+    let mut options = CommOptions::default().with_timeout(Duration::from_secs(timeout));
+    for (k, v) in link_hints(links) {
+        options = options.with_hint(k, v);
+    }
+    options
+}
+
 /// `--link`: one modeled link per named mesh dim (local backend only).
 fn parse_links(args: &Args, dims: &[(String, usize)]) -> Result<Vec<(String, LinkModel)>, String> {
     let Some(spec) = &args.link else {
@@ -346,14 +355,9 @@ fn run(
     dims: &[(String, usize)],
     world: usize,
     cfg: &TrainConfig,
-    timeout: u64,
-    links: &[(String, LinkModel)],
+    options: CommOptions,
     bar: Option<ProgressBar>,
 ) -> Result<Option<RankReport>, String> {
-    let mut options = CommOptions::default().with_timeout(Duration::from_secs(timeout));
-    for (k, v) in link_hints(links) {
-        options = options.with_hint(k, v);
-    }
     if backend == "local" {
         let reports = LocalWorld::new(world)
             .with_options(options.clone())
@@ -645,8 +649,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
         &dims,
         world,
         &cfg,
-        args.timeout,
-        &links,
+        comm_options(args.timeout, &links),
         Some(bar.clone()),
     )?
     else {
@@ -702,8 +705,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
             &[("tp".to_string(), 1)],
             1,
             &single,
-            args.timeout,
-            &[],
+            comm_options(args.timeout, &[]),
             None,
         )?
         .ok_or_else(|| "the single-device reference did not report".to_string())?;
