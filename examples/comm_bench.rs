@@ -24,6 +24,9 @@ use clap::Parser;
 #[path = "common/collective_bench.rs"]
 mod collective_bench;
 use collective_bench::{parse_size, Op};
+#[path = "common/copy_floor.rs"]
+mod copy_floor;
+use copy_floor::{copy_rate, median};
 
 #[derive(Parser, Debug)]
 #[command(about = "Collective bandwidth of the local backend (nccl-tests style)")]
@@ -46,38 +49,12 @@ struct Args {
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
-    /// Output buffers: `into` (preallocated and reused, as nccl-tests measure), `alloc` (a fresh
-    /// output tensor per call, the allocating API), or `both`.
+    /// Output buffers, comma separated: `into` (preallocated and reused, as nccl-tests measure),
+    /// `alloc` (a fresh output tensor per call, the allocating API), `alloc-4k` (the same with
+    /// the huge-page advice of `comm::memory` turned off, for comparison), or `both`
+    /// (= `into,alloc`).
     #[arg(long, default_value = "both")]
     mode: String,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-/// Aggregate memcpy rate (bytes/s) of `n` threads each copying `bytes` concurrently.
-fn copy_rate(n: usize, bytes: usize) -> f64 {
-    let bytes = bytes.max(1 << 20);
-    let srcs: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; bytes]).collect();
-    let mut dsts: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; bytes]).collect();
-    let mut rates = Vec::new();
-    for _ in 0..5 {
-        let barrier = std::sync::Barrier::new(n);
-        let t0 = Instant::now();
-        std::thread::scope(|s| {
-            for (src, dst) in srcs.iter().zip(dsts.iter_mut()) {
-                let barrier = &barrier;
-                s.spawn(move || {
-                    barrier.wait();
-                    dst.copy_from_slice(src);
-                });
-            }
-        });
-        rates.push((n * bytes) as f64 / t0.elapsed().as_secs_f64());
-    }
-    median(rates)
 }
 
 #[derive(serde::Serialize)]
@@ -96,8 +73,28 @@ struct Row {
     output: &'static str,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Output {
+    Into,
+    Alloc,
+    Alloc4k,
+}
+
+impl Output {
+    fn name(self) -> &'static str {
+        match self {
+            Output::Into => "into",
+            Output::Alloc => "alloc",
+            Output::Alloc4k => "alloc-4k",
+        }
+    }
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     candle_dtensor::init_cpu_threads();
+    // Before any thread starts (LocalWorld::launch also runs it, but threads that exited
+    // before, like the copy-floor threads, leave arenas that new threads would take over).
+    candle_dtensor::init_cpu_allocator();
     let args = Args::parse();
     if args.world == 0 {
         return Err("--world must be at least 1".into());
@@ -113,12 +110,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(Op::parse)
         .collect::<Result<Vec<_>, _>>()?;
     let n = args.world;
-    let modes: Vec<bool> = match args.mode.as_str() {
-        "into" => vec![true],
-        "alloc" => vec![false],
-        "both" => vec![true, false],
-        other => return Err(format!("--mode must be into, alloc or both; got {other:?}").into()),
-    };
+    let mut modes: Vec<Output> = Vec::new();
+    for m in args.mode.split(',') {
+        match m.trim() {
+            "into" => modes.push(Output::Into),
+            "alloc" => modes.push(Output::Alloc),
+            "alloc-4k" => modes.push(Output::Alloc4k),
+            "both" => modes.extend([Output::Into, Output::Alloc]),
+            other => {
+                return Err(format!(
+                    "--mode takes into, alloc, alloc-4k or both (comma separated); got {other:?}"
+                )
+                .into())
+            }
+        }
+    }
     let max_bytes = sizes.iter().copied().max().unwrap_or(0);
     let rate = copy_rate(n, max_bytes);
     let mut rows = Vec::new();
@@ -127,10 +133,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let elems = (bytes / 4).max(1);
         let elems = if elems >= n { elems / n * n } else { elems };
         let small = elems * 4 <= 64 * 1024;
-        for (&op, &into) in ops.iter().flat_map(|o| modes.iter().map(move |m| (o, m))) {
+        for (&op, &mode) in ops.iter().flat_map(|o| modes.iter().map(move |m| (o, m))) {
             if op != Op::AllReduce && elems % n != 0 {
                 continue;
             }
+            let into = mode == Output::Into;
+            candle_dtensor::comm::memory::set_huge_pages(mode != Output::Alloc4k);
             let iters = args.iters.max(1);
             let times = LocalWorld::new(n)
                 .with_timeout(Duration::from_secs(120))
@@ -181,21 +189,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 efficiency: if t > 0.0 { floor / t } else { 0.0 },
                 copy_rate_gbps: rate / 1e9,
                 timing: if small { "latency" } else { "bandwidth" },
-                output: if into { "into" } else { "alloc" },
+                output: mode.name(),
             });
         }
     }
+    let memory = candle_dtensor::comm::memory::stats();
     if args.json {
         for r in &rows {
             println!("{}", serde_json::to_string(r)?);
         }
+        println!("{}", serde_json::json!({ "memory": memory }));
     } else {
         println!(
             "world {n}, aggregate memcpy rate of {n} threads: {:.2} GB/s",
             rate / 1e9
         );
         println!(
-            "{:<16} {:>6} {:>12} {:>11} {:>11} {:>11} {:>10} {:>10}",
+            "{:<16} {:>8} {:>12} {:>11} {:>11} {:>11} {:>10} {:>10}",
             "op",
             "output",
             "bytes",
@@ -207,7 +217,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
         for r in &rows {
             println!(
-                "{:<16} {:>6} {:>12} {:>11.4} {:>11.3} {:>11.3} {:>10.3} {:>10.2}",
+                "{:<16} {:>8} {:>12} {:>11.4} {:>11.3} {:>11.3} {:>10.3} {:>10.2}",
                 r.op,
                 r.output,
                 r.bytes,
@@ -218,6 +228,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r.efficiency
             );
         }
+        println!("memory: {}", serde_json::to_string(&memory)?);
     }
     Ok(())
 }

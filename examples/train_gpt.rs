@@ -38,6 +38,7 @@ use std::time::Duration;
 
 use candle_core::DType;
 use candle_dtensor::comm::env::LaunchEnv;
+use candle_dtensor::comm::link::{link_hints, parse_link_spec, LinkModel};
 use candle_dtensor::comm::{new_comm, Comm, CommOptions, LocalWorld};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::data::Corpus;
@@ -129,6 +130,11 @@ pub(crate) struct Args {
     /// Op timeout in seconds.
     #[arg(long, default_value_t = 120)]
     timeout: u64,
+    /// Modeled network per mesh dim for the local backend, e.g. `dp=20us:0.2GBps,tp=2us:5GBps`
+    /// (latency in ns/us/ms, bandwidth in GBps/MBps): each collective on that dim takes at
+    /// least `alpha + wire bytes / bandwidth`, waiting by sleeping (`comm::link`).
+    #[arg(long)]
+    link: Option<String>,
     /// Communication backend. `local` (default) runs every rank as a thread of this process;
     /// any other registered backend (e.g. `process` under `dtrun`, `mpi` under `mpirun`) makes
     /// this process one rank of a world started by a launcher, and rank 0 prints the results.
@@ -170,6 +176,38 @@ pub(crate) struct Args {
     /// compare a GPU run with the CPU.
     #[arg(long)]
     check_device: Option<String>,
+}
+
+/// The communicator options of a run: the op timeout (seconds) and the links' hints.
+fn comm_options(timeout: u64, links: &[(String, LinkModel)]) -> CommOptions {
+    let mut options = CommOptions::default().with_timeout(Duration::from_secs(timeout));
+    for (k, v) in link_hints(links) {
+        options = options.with_hint(k, v);
+    }
+    options
+}
+
+/// `--link`: one modeled link per named mesh dim (local backend only).
+fn parse_links(args: &Args, dims: &[(String, usize)]) -> Result<Vec<(String, LinkModel)>, String> {
+    let Some(spec) = &args.link else {
+        return Ok(Vec::new());
+    };
+    if args.backend != "local" {
+        return Err(format!(
+            "--link models the network of the local backend; --backend is {}",
+            args.backend
+        ));
+    }
+    let links = parse_link_spec(spec).map_err(|e| format!("--link: {e}"))?;
+    for (dim, _) in &links {
+        if !dims.iter().any(|(d, _)| d == dim) {
+            return Err(format!(
+                "--link: mesh dim {dim:?} is not in --mesh {}",
+                args.mesh
+            ));
+        }
+    }
+    Ok(links)
 }
 
 fn parse_mesh(s: &str) -> Result<Vec<(String, usize)>, String> {
@@ -321,13 +359,12 @@ fn run(
     dims: &[(String, usize)],
     world: usize,
     cfg: &TrainConfig,
-    timeout: u64,
+    options: CommOptions,
     bar: Option<ProgressBar>,
 ) -> Result<Option<RankReport>, String> {
-    let options = CommOptions::default().with_timeout(Duration::from_secs(timeout));
     if backend == "local" {
         let reports = LocalWorld::new(world)
-            .with_timeout(Duration::from_secs(timeout))
+            .with_options(options.clone())
             .launch(|comm| {
                 // Rank threads on a GPU get a communicator of the local backend on their
                 // device (collective over the world), rank r on cuda:(r % gpus).
@@ -549,6 +586,7 @@ fn main() {
 /// `--json`.
 pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String> {
     let dims = parse_mesh(&args.mesh)?;
+    let links = parse_links(args, &dims)?;
     let device: DeviceSpec = args.device.parse().map_err(|e| format!("--device: {e}"))?;
     let check_device: DeviceSpec = match &args.check_device {
         Some(d) => d.parse().map_err(|e| format!("--check-device: {e}"))?,
@@ -640,7 +678,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
         &dims,
         world,
         &cfg,
-        args.timeout,
+        comm_options(args.timeout, &links),
         Some(bar.clone()),
     )?
     else {
@@ -672,6 +710,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
         "fsdp": cfg.fsdp.is_some(),
         "hsdp": args.hsdp,
         "separate_rs_group": args.separate_rs_group,
+        "link": links.iter().map(|(d, l)| (d.clone(), serde_json::json!({"alpha_us": l.alpha_us, "gbps": l.gbps}))).collect::<serde_json::Map<_, _>>(),
         "mixed_precision": args.mixed_precision.clone().unwrap_or_else(|| "f32".into()),
         "param_grad_optim_bytes_per_rank": report.param_grad_optim_bytes,
         "zero3_theory_bytes_per_rank": report.zero3_theory_bytes,
@@ -698,7 +737,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
             &[("tp".to_string(), 1)],
             1,
             &single,
-            args.timeout,
+            comm_options(args.timeout, &[]),
             None,
         )?
         .ok_or_else(|| "the single-device reference did not report".to_string())?;

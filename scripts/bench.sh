@@ -2,7 +2,8 @@
 # Runs the project's benchmarks and prints the tables BENCHMARKS.md records.
 #
 #   scripts/bench.sh            # everything (about 4 minutes on the 2-core dev box, build excluded)
-#   scripts/bench.sh train      # only the train_gpt layouts
+#   scripts/bench.sh train      # only the train_gpt layouts (also: comm, redistribute,
+#                               # dispatch, ckpt, strategies)
 #   ROUNDS=5 scripts/bench.sh   # more interleaved rounds per layout (default 3)
 #
 # Every figure is a median. train_gpt layouts are run in interleaved rounds (layout A, B, C, then
@@ -71,15 +72,32 @@ EOF
 fi
 
 if [[ "$what" == all || "$what" == comm ]]; then
-    echo "## comm_bench (local backend, world 4, preallocated outputs)"
+    echo "## comm_bench (local backend, world 4; outputs preallocated (into) and fresh (alloc))"
     echo
-    echo "| op | bytes | median ms | algbw GB/s | busbw GB/s | efficiency vs memcpy floor |"
-    echo "|---|---:|---:|---:|---:|---:|"
-    "$bin/comm_bench" --json --mode into | python3 -c '
+    echo "| op | output | bytes | median ms | algbw GB/s | busbw GB/s | efficiency vs memcpy floor |"
+    echo "|---|---|---:|---:|---:|---:|---:|"
+    "$bin/comm_bench" --json --mode into,alloc | python3 -c '
 import json, sys
 for l in sys.stdin:
     d = json.loads(l)
-    print("| {op} | {bytes} | {median_ms:.3f} | {algbw_gbps:.2f} | {busbw_gbps:.2f} | {efficiency:.2f} |".format(**d))
+    if "op" not in d:
+        print(); print("memory:", json.dumps(d.get("memory"))); continue
+    print("| {op} | {output} | {bytes} | {median_ms:.3f} | {algbw_gbps:.2f} | {busbw_gbps:.2f} | {efficiency:.2f} |".format(**d))
+'
+    echo
+fi
+
+if [[ "$what" == all || "$what" == redistribute ]]; then
+    echo "## redistribute_bench (DTensor::redistribute, f32 n x n, 4 ranks)"
+    echo
+    echo "| case | mesh | n | median ms | floor ms | efficiency | plan |"
+    echo "|---|---|---:|---:|---:|---:|---|"
+    "$bin/redistribute_bench" --json | python3 -c '
+import json, sys
+for l in sys.stdin:
+    d = json.loads(l)
+    e = "-" if d["efficiency"] is None else "%.2f" % d["efficiency"]
+    print("| `{case}` | {mesh} | {n} | {median_ms:.2f} | {floor_ms:.2f} | ".format(**d) + e + " | `{plan}` |".format(**d))
 '
     echo
 fi

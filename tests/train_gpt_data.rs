@@ -276,3 +276,19 @@ fn train_gpt_with_a_tokenizer_json() {
     let e = real_main(&args(&["--tokenizer", "t.json"])).unwrap_err();
     assert!(e.contains("--tokenizer needs --data"), "{e}");
 }
+
+/// `--link`: malformed specs, zero or negative bandwidths and dims not in the mesh are refused
+/// before any rank starts, naming the dim.
+#[test]
+fn bad_link_specs_name_the_dim() {
+    for (spec, needle) in [
+        ("dp=20us:0GBps", "\"dp\""),
+        ("dp=20us:-1GBps", "\"dp\""),
+        ("dp=20us", "\"dp\""),
+        ("tp=2us:5GBps", "\"tp\" is not in --mesh"),
+    ] {
+        let a = args(&["--mesh", "dp=2", "--steps", "1", "--link", spec]);
+        let e = real_main(&a).unwrap_err();
+        assert!(e.contains("--link") && e.contains(needle), "{spec}: {e}");
+    }
+}

@@ -29,3 +29,47 @@ fn smoke() {
         assert_eq!(g, vec![0, 1, 2, 3]);
     }
 }
+
+/// The link model (`comm::link`): a mesh dim's collectives take at least the modeled
+/// `alpha + wire / bandwidth` (a lower bound only: sleeping guarantees it, nothing is timed
+/// from above), results are unchanged, and bad hints are refused naming the dim.
+#[test]
+fn link_model_paces_mesh_dims_and_refuses_bad_hints() {
+    use candle_dtensor::mesh::DeviceMesh;
+    use candle_dtensor_comm::link::{link_hints, parse_link_spec};
+    use candle_dtensor_comm::CommOptions;
+    use std::time::Instant;
+
+    let links = parse_link_spec("dp=2ms:0.01GBps").unwrap();
+    let mut options = CommOptions::default().with_timeout(Duration::from_secs(10));
+    for (k, v) in link_hints(&links) {
+        options = options.with_hint(k, v);
+    }
+    let out = LocalWorld::new(2)
+        .with_options(options)
+        .launch(|comm| {
+            let mesh = DeviceMesh::new(comm, &[("dp", 2)]).map_err(candle_core::Error::wrap)?;
+            let dp = mesh.comm(0).map_err(candle_core::Error::wrap)?;
+            // 10_000 f32 per rank: S = 80 kB, wire (n-1)/n S = 40 kB at 10 MB/s = 4 ms, + 2 ms.
+            let x = Tensor::full(dp.rank() as f32, 10_000, &Device::Cpu)?;
+            let t0 = Instant::now();
+            let g = dp.all_gather_single(&x)?.wait()?;
+            let took = t0.elapsed();
+            Ok::<_, candle_core::Error>((took, g.sum_all()?.to_scalar::<f32>()?))
+        })
+        .unwrap();
+    for (took, sum) in out {
+        assert!(took >= Duration::from_millis(6), "took {took:?}");
+        assert_eq!(sum, 10_000.0);
+    }
+
+    let bad = CommOptions::default()
+        .with_timeout(Duration::from_secs(10))
+        .with_hint("link.dp.gbps", "0");
+    let err = LocalWorld::new(2)
+        .with_options(bad)
+        .launch(|comm| DeviceMesh::new(comm, &[("dp", 2)]).map(|_| ()))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("\"dp\"") && err.contains("positive"), "{err}");
+}

@@ -262,6 +262,31 @@ pub(crate) fn all_to_all_raw(
     check_piece(ax, "all_to_all", x, i, me_i)?;
     check_piece(ax, "all_to_all", x, j, lj)?;
     let (full_i, full_j) = (li.div_ceil(n.max(1)), lj.div_ceil(n.max(1)));
+    // Even pieces and nothing but size-1 dims before `i`: the received chunks, in rank order,
+    // already are the result's memory (rank r's rows follow rank r-1's), so the only local
+    // copy is packing the send buffer (the backend's all_to_all takes contiguous chunks).
+    if li % n == 0 && lj % n == 0 && x.dims()[..i].iter().all(|&d| d == 1) {
+        let dest = writable(dest);
+        let chunks = (0..n)
+            .map(|r| narrow(x, j, r * full_j, full_j))
+            .collect::<CResult<Vec<_>>>()?;
+        let send = Tensor::stack(&chunks, 0)?.flatten_all()?;
+        record(
+            "all_to_all",
+            &ax.name,
+            (send.elem_count() * elem_bytes(&send)) as u64,
+        );
+        let mut out_dims = x.dims().to_vec();
+        out_dims[i] = li;
+        out_dims[j] = full_j;
+        return match dest {
+            Some(d) => {
+                timed(ax.comm.all_to_all_single_into(&d.flatten_all()?, &send)?)?;
+                Ok(d.clone())
+            }
+            None => timed(ax.comm.all_to_all_single(&send)?)?.reshape(out_dims),
+        };
+    }
     let pad = |t: Tensor, d: usize, to: usize| -> CResult<Tensor> {
         let have = t.dim(d)?;
         if have == to {

@@ -4,8 +4,10 @@
 //! must return a freshly owned storage. A collective's output, however, is written by the
 //! communicator into a tensor. So a collective becomes two steps: [`node`] records the graph node
 //! (its forward returns a zeroed output of the right shape, its backward runs the adjoint
-//! collective), then the communicator writes the real data into that output in place. For large
-//! outputs the zeroing is free (fresh pages); the data lands once, where it stays.
+//! collective), then the communicator writes the real data into that output in place; the data
+//! lands once, where it stays. The zeroing is not free: since the local backend makes glibc
+//! reuse freed large blocks (`comm::memory`), a reused block is cleared by `calloc`. Untracked
+//! inputs (e.g. `redistribute_bench`) skip the node and its zeroing.
 //! An input that does not track gradients gets no node at all.
 
 use std::sync::Arc;

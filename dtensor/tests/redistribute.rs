@@ -261,6 +261,32 @@ fn every_pair_on_1d_meshes() {
     assert_no_failures("1-d pairs", &fails);
 }
 
+/// Shard-to-shard on even shapes takes the all_to_all path whose result is the received
+/// buffer itself (no unpacking): a size-1 dim before the gathered one, 2-D and 3-D pieces,
+/// values and gradients, 1-D and 2-D meshes.
+#[test]
+fn even_shard_to_shard_pairs() {
+    let mut fails = Vec::new();
+    for mesh in [&[2][..], &[4], &[2, 2]] {
+        let mut rng = Rng::for_name("even-s2s", mesh.iter().product::<usize>() as u64);
+        let mut pairs = Vec::new();
+        for shape in [&[8, 12][..], &[4, 8, 4], &[1, 8, 4]] {
+            for (a, b) in [(0, 1), (1, 0), (0, shape.len() - 1), (1, 2 % shape.len())] {
+                if a == b {
+                    continue;
+                }
+                let mut src = vec![Rep; mesh.len()];
+                let mut dst = vec![Rep; mesh.len()];
+                src[mesh.len() - 1] = S(a);
+                dst[mesh.len() - 1] = S(b);
+                pairs.push(pair(&mut rng, shape, src, dst, mesh));
+            }
+        }
+        fails.extend(run_pairs(mesh, &pairs));
+    }
+    assert_no_failures("even shard-to-shard pairs", &fails);
+}
+
 /// Every pair of placement lists would be 81^2 (2-D) or 729^2 (3-D) per mesh: for every mesh
 /// dim, every pair of placements on it with random placements elsewhere, plus random pairs of
 /// lists (eight times as many with `CDT_FULL_SWEEP=1`).

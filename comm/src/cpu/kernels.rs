@@ -140,7 +140,8 @@ unsafe impl Sync for OutBuf {}
 impl OutBuf {
     pub(crate) fn new(dtype: DType, elems: usize) -> Result<Self, String> {
         with_elem!(dtype, T => {
-            let mut v = ManuallyDrop::new(Vec::<T>::with_capacity(elems));
+            // Large buffers are advised for huge pages (`crate::memory`): one fault per 2 MiB.
+            let mut v = ManuallyDrop::new(crate::memory::vec_with_capacity::<T>(elems));
             Ok(OutBuf { dtype, elems, cap: v.capacity(), ptr: v.as_mut_ptr().cast::<u8>() })
         }, _ => Err(format!("dtype {dtype:?} is not supported")))
     }

@@ -37,6 +37,8 @@ pub(crate) struct Core {
     pub rank: usize,
     device: Device,
     queue: Arc<Queue>,
+    /// The modeled link its collectives are paced to (`crate::link`), set once at creation.
+    link: std::sync::OnceLock<crate::link::LinkModel>,
 }
 
 /// One rank of a local communicator.
@@ -71,12 +73,59 @@ impl LocalBackend {
                 rank,
                 device,
                 queue,
+                link: std::sync::OnceLock::new(),
             }),
         }))
     }
 }
 
+impl LocalBackend {
+    /// Paces this rank's collectives to the link the hints give communicator `name`
+    /// (`crate::link`); nothing when they give it none.
+    pub(crate) fn set_link(&self, options: &CommOptions, name: &str) -> Result<(), String> {
+        let link =
+            crate::link::LinkModel::from_hints(&options.hints, name).map_err(|e| e.to_string())?;
+        if let Some(l) = link {
+            tracing::debug!(
+                comm = name,
+                alpha_us = l.alpha_us,
+                gbps = l.gbps,
+                "link model"
+            );
+            // Set once, right after creation, before any op is queued.
+            let _ = self.core.link.set(l);
+        }
+        Ok(())
+    }
+}
+
 impl Core {
+    /// Queues collective `body`, paced to the link model (if any): after `body` ran on the
+    /// progress thread, it sleeps for what is left of the modeled time of an op whose larger
+    /// buffer has `bytes` bytes, so later ops on this communicator queue behind it.
+    pub(crate) fn submit_paced<T: Send + 'static>(
+        &self,
+        ctx: OpCtx,
+        bytes: usize,
+        body: impl FnOnce(&Exec) -> Result<T> + Send + 'static,
+    ) -> Result<Work<T>> {
+        let modeled = self
+            .link
+            .get()
+            .and_then(|l| l.time(ctx.op, bytes, self.group.size()));
+        let Some(modeled) = modeled else {
+            return self.submit(ctx, true, body);
+        };
+        self.submit(ctx, true, move |e| {
+            let t0 = Instant::now();
+            let r = body(e);
+            if r.is_ok() {
+                std::thread::sleep(modeled.saturating_sub(t0.elapsed()));
+            }
+            r
+        })
+    }
+
     /// The device this rank's tensors live on.
     #[cfg(feature = "cuda")]
     pub(crate) fn device(&self) -> &Device {
@@ -551,14 +600,21 @@ fn batch_p2p(e: &Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
 /// Queues collective `$f(e, args..)` of this module, or `cuda::$f` (same signature) when the
 /// rank's tensors live on a CUDA device.
 macro_rules! on_device {
-    ($self:ident, $ctx:ident, $f:ident($($arg:ident),*)) => {{
+    ($self:ident, $ctx:ident, $f:ident($first:ident $(, $arg:ident)*)) => {{
+        // The nccl-tests size S of the op, for the link model: the gathered output of
+        // all_gather and gather, the input otherwise.
+        let bytes = $first.elem_count() * $first.dtype().size_in_bytes();
+        let bytes = match $ctx.op {
+            OpName::AllGatherSingle | OpName::Gather => bytes * $self.core.group.size(),
+            _ => bytes,
+        };
         #[cfg(feature = "cuda")]
         if $self.core.device.is_cuda() {
             return $self
                 .core
-                .submit($ctx, true, move |e| super::cuda::$f(e, $($arg),*));
+                .submit_paced($ctx, bytes, move |e| super::cuda::$f(e, $first $(, $arg)*));
         }
-        $self.core.submit($ctx, true, move |e| $f(e, $($arg),*))
+        $self.core.submit_paced($ctx, bytes, move |e| $f(e, $first $(, $arg)*))
     }};
 }
 
@@ -696,9 +752,10 @@ impl Backend for LocalBackend {
         ctx: OpCtx,
         ranks: &[usize],
         name: &str,
-        _options: &CommOptions,
+        options: &CommOptions,
     ) -> Result<Option<Arc<dyn Backend>>> {
         let ranks = ranks.to_vec();
+        let options = options.clone();
         let name = name.to_string();
         let core = self.core.clone();
         self.core.run_sync(ctx, move |e| {
@@ -736,6 +793,8 @@ impl Backend for LocalBackend {
             let child = e.group.world.rendezvous(key, || members);
             let my = ranks.iter().position(|&r| r == core.rank).unwrap_or(0);
             let b = LocalBackend::with_device(child, my, &name, core.device.clone())?;
+            b.set_link(&options, &name)
+                .map_err(|reason| CommError::invalid(e.ctx, reason))?;
             Ok(Some(b as Arc<dyn Backend>))
         })
     }

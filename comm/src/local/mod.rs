@@ -155,6 +155,8 @@ impl LocalWorld {
             ));
         }
         warn_about_candle_pool(self.size);
+        // Before the rank threads start: they must share the arena that keeps large blocks.
+        crate::memory::reuse_large_buffers();
         let world = World::new(self.size);
         let group = world.new_group((0..self.size).collect());
         let f = &f;
@@ -236,6 +238,7 @@ where
         })
     });
     let backend = LocalBackend::new(group, rank, name).map_err(|e| e.to_string())?;
+    backend.set_link(&options, name)?;
     let comm = Comm::from_backend(backend, name, options);
     match catch_unwind(AssertUnwindSafe(|| f(comm))) {
         Ok(Ok(v)) => Ok(v),
@@ -295,6 +298,12 @@ impl BackendFactory for LocalFactory {
             || (0..size).collect(),
         );
         let backend = LocalBackend::with_device(group, rank, name, device.clone())?;
+        backend
+            .set_link(options, name)
+            .map_err(|reason| CommError::Bootstrap {
+                comm: name.to_string(),
+                reason,
+            })?;
         // Bootstrap: every rank must arrive within the bootstrap timeout.
         let ctx = OpCtx::bootstrap(name, rank, options.bootstrap_timeout);
         backend.barrier(ctx)?.wait()?;

@@ -60,48 +60,18 @@ pub fn init_gemm_threads(ranks_in_process: usize, ranks_on_host: usize) -> bool 
     true
 }
 
-/// Environment variables through which a user tunes glibc's allocator; when any is set,
-/// [`init_cpu_allocator`] leaves the allocator alone.
-const MALLOC_ENV: [&str; 4] = [
-    "GLIBC_TUNABLES",
-    "MALLOC_MMAP_THRESHOLD_",
-    "MALLOC_TRIM_THRESHOLD_",
-    "MALLOC_TOP_PAD_",
-];
-
-/// Makes glibc's allocator keep and reuse the memory of freed activation-sized buffers
-/// instead of returning it to the kernel after every free, and says whether it did.
+/// Makes glibc's allocator keep and reuse the memory of freed activation-sized and
+/// collective-output-sized buffers instead of returning it to the kernel after every free, and
+/// says whether it did: [`crate::memory::reuse_large_buffers`] (which `LocalWorld::launch`
+/// also runs).
 ///
-/// A training step allocates and frees the same set of 0.1-30 MB tensors every step. With
+/// A training step allocates and frees the same set of 0.1-64 MB tensors every step. With
 /// glibc's defaults many of them are fresh `mmap`s or regrow the heap top, so every step pays
-/// page faults and zeroing of new pages (~5% of a CPU step in a profile). This sets
-/// `M_MMAP_THRESHOLD` to 32 MiB (the largest glibc accepts), `M_TRIM_THRESHOLD` to 1 GiB and
-/// `M_TOP_PAD` to 64 MiB, so the process keeps up to about a gigabyte of freed heap for reuse,
-/// much as a framework's caching allocator does (measured on the tiny GPT, one rank: 8% shorter
-/// steps; see BENCHMARKS.md). Process-wide: call it at the start of `main`. A no-op returning
-/// `false` off glibc, or when the user set `GLIBC_TUNABLES` or a `MALLOC_*_` variable.
+/// page faults and zeroing of new pages (~5% of a CPU step in a profile; measured on the tiny
+/// GPT, one rank: 8% shorter steps with the first version of these settings; see
+/// BENCHMARKS.md). Process-wide: call it at the start of `main`, before other threads start.
+/// A no-op returning `false` off glibc, or when the user set `GLIBC_TUNABLES` or a
+/// `MALLOC_*` variable.
 pub fn init_cpu_allocator() -> bool {
-    if MALLOC_ENV.iter().any(|v| std::env::var_os(v).is_some()) {
-        return false;
-    }
-    tune_glibc_malloc()
-}
-
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn tune_glibc_malloc() -> bool {
-    const MIB: libc::c_int = 1 << 20;
-    let settings = [
-        (libc::M_MMAP_THRESHOLD, 32 * MIB),
-        (libc::M_TRIM_THRESHOLD, 1024 * MIB),
-        (libc::M_TOP_PAD, 64 * MIB),
-    ];
-    // SAFETY: mallopt only changes allocator parameters; glibc serializes it with allocations.
-    settings
-        .iter()
-        .all(|&(param, value)| unsafe { libc::mallopt(param, value) } == 1)
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn tune_glibc_malloc() -> bool {
-    false
+    crate::memory::reuse_large_buffers()
 }

@@ -1,0 +1,269 @@
+//! A modeled network for the local backend: each collective takes at least
+//! `alpha + wire_bytes / bandwidth`, the alpha-beta formula of the strategies' cost model with
+//! the nccl-tests bus factors (`wire_bytes` per rank: all_reduce `2(n-1)/n S`, all_gather,
+//! reduce_scatter and all_to_all `(n-1)/n S`, S the larger of input and output).
+//!
+//! CPU ranks of one process copy at memory speed, so communication is nearly free next to
+//! their compute; a link model makes them behave like ranks on a given network. The progress
+//! thread of the communicator runs the op, then sleeps (never spins) for what is left of the
+//! modeled time, so ops queued behind it on the same communicator wait as they would behind a
+//! busy link, while other communicators progress independently.
+//!
+//! Set through communicator hints (inherited by every communicator split from it):
+//! `link.gbps` / `link.alpha_us` for every communicator, `link.<name>.gbps` /
+//! `link.<name>.alpha_us` for the communicator named `<name>` (a `DeviceMesh` names each mesh
+//! dim's communicator after the dim), which wins. [`parse_link_spec`] reads the
+//! `dp=20us:0.2GBps,tp=2us:5GBps` form and [`link_hints`] turns it into hints.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::types::OpName;
+
+/// One modeled link: a fixed latency per collective and a bandwidth per rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkModel {
+    /// Latency per collective, in microseconds (alpha).
+    pub alpha_us: f64,
+    /// Bandwidth per rank, in GB/s (10^9 bytes per second); positive and finite.
+    pub gbps: f64,
+}
+
+/// A link spec or hint that cannot be used; says which dim (or hint) and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("link model for {dim:?}: {reason}")]
+pub struct LinkError {
+    /// The mesh dim (or communicator) the bad entry is for; empty when it names none.
+    pub dim: String,
+    /// What is wrong.
+    pub reason: String,
+}
+
+fn err(dim: &str, reason: impl Into<String>) -> LinkError {
+    LinkError {
+        dim: dim.to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl LinkModel {
+    /// A link of `alpha_us` latency and `gbps` bandwidth; refuses a bandwidth that is not
+    /// positive and finite or a latency that is negative or not finite (`dim` names it).
+    pub fn new(dim: &str, alpha_us: f64, gbps: f64) -> Result<LinkModel, LinkError> {
+        if !(gbps.is_finite() && gbps > 0.0) {
+            return Err(err(
+                dim,
+                format!("bandwidth must be positive, got {gbps} GB/s"),
+            ));
+        }
+        if !(alpha_us.is_finite() && alpha_us >= 0.0) {
+            return Err(err(dim, format!("latency must be >= 0, got {alpha_us} us")));
+        }
+        Ok(LinkModel { alpha_us, gbps })
+    }
+
+    /// The modeled time of collective `op` over `n` ranks whose larger buffer (input or
+    /// output) has `bytes` bytes; `None` for ops the model does not pace (point-to-point,
+    /// barriers, setup) and for groups of one.
+    pub fn time(&self, op: OpName, bytes: usize, n: usize) -> Option<Duration> {
+        let wire = wire_bytes(op, bytes, n)?;
+        let us = self.alpha_us + wire / (self.gbps * 1e3);
+        Some(Duration::from_secs_f64(us / 1e6))
+    }
+
+    /// The link of the communicator named `name` from `hints` (see the module docs), `None`
+    /// when no bandwidth is set for it.
+    pub fn from_hints(
+        hints: &BTreeMap<String, String>,
+        name: &str,
+    ) -> Result<Option<LinkModel>, LinkError> {
+        let get = |key: &str| -> Result<Option<f64>, LinkError> {
+            let specific = format!("link.{name}.{key}");
+            let general = format!("link.{key}");
+            let (k, v) = match (hints.get(&specific), hints.get(&general)) {
+                (Some(v), _) => (specific, v),
+                (None, Some(v)) => (general, v),
+                (None, None) => return Ok(None),
+            };
+            v.trim()
+                .parse::<f64>()
+                .map(Some)
+                .map_err(|_| err(name, format!("hint {k}={v:?} is not a number")))
+        };
+        match (get("gbps")?, get("alpha_us")?) {
+            (Some(gbps), alpha) => LinkModel::new(name, alpha.unwrap_or(0.0), gbps).map(Some),
+            (None, Some(_)) => Err(err(name, "link.alpha_us is set but no link.gbps")),
+            (None, None) => Ok(None),
+        }
+    }
+}
+
+/// Bytes each rank puts on the wire (nccl-tests bus factors; `bytes` is S), `None` for ops the
+/// model does not pace and groups of one.
+fn wire_bytes(op: OpName, bytes: usize, n: usize) -> Option<f64> {
+    if n <= 1 {
+        return None;
+    }
+    let frac = (n - 1) as f64 / n as f64;
+    let s = bytes as f64;
+    match op {
+        OpName::AllReduce => Some(2.0 * frac * s),
+        OpName::AllGatherSingle
+        | OpName::ReduceScatterSingle
+        | OpName::AllToAllSingle
+        | OpName::AllToAllVSingle
+        | OpName::Broadcast
+        | OpName::Reduce
+        | OpName::Gather
+        | OpName::Scatter => Some(frac * s),
+        _ => None,
+    }
+}
+
+/// Parses `dim=ALPHA:BANDWIDTH[,dim=...]`, e.g. `dp=20us:0.2GBps,tp=2us:5GBps`. ALPHA takes
+/// `ns`, `us` or `ms`; BANDWIDTH `GBps` (10^9 bytes/s) or `MBps`. A dim may appear once.
+pub fn parse_link_spec(spec: &str) -> Result<Vec<(String, LinkModel)>, LinkError> {
+    let mut out: Vec<(String, LinkModel)> = Vec::new();
+    for entry in spec.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let (dim, value) = entry
+            .split_once('=')
+            .ok_or_else(|| err("", format!("{entry:?} is not dim=ALPHA:BANDWIDTH")))?;
+        let dim = dim.trim();
+        if dim.is_empty() {
+            return Err(err("", format!("{entry:?} names no dim")));
+        }
+        let (alpha, bw) = value.split_once(':').ok_or_else(|| {
+            err(
+                dim,
+                format!("{value:?} is not ALPHA:BANDWIDTH (e.g. 20us:0.2GBps)"),
+            )
+        })?;
+        let alpha_us = parse_unit(
+            dim,
+            alpha,
+            &[("ns", 1e-3), ("us", 1.0), ("ms", 1e3)],
+            "latency",
+        )?;
+        let gbps = parse_unit(dim, bw, &[("GBps", 1.0), ("MBps", 1e-3)], "bandwidth")?;
+        if out.iter().any(|(d, _)| d == dim) {
+            return Err(err(dim, "given twice"));
+        }
+        out.push((dim.to_string(), LinkModel::new(dim, alpha_us, gbps)?));
+    }
+    if out.is_empty() {
+        return Err(err("", "empty link spec"));
+    }
+    Ok(out)
+}
+
+fn parse_unit(dim: &str, text: &str, units: &[(&str, f64)], what: &str) -> Result<f64, LinkError> {
+    let text = text.trim();
+    for (unit, scale) in units {
+        if let Some(num) = text.strip_suffix(unit) {
+            return num
+                .trim()
+                .parse::<f64>()
+                .map(|v| v * scale)
+                .map_err(|_| err(dim, format!("{what} {text:?} is not a number with a unit")));
+        }
+    }
+    let names: Vec<&str> = units.iter().map(|(u, _)| *u).collect();
+    Err(err(
+        dim,
+        format!("{what} {text:?} needs a unit ({})", names.join(", ")),
+    ))
+}
+
+/// The communicator hints that give each named dim its link (`link.<dim>.alpha_us`,
+/// `link.<dim>.gbps`).
+pub fn link_hints(links: &[(String, LinkModel)]) -> Vec<(String, String)> {
+    links
+        .iter()
+        .flat_map(|(dim, l)| {
+            [
+                (format!("link.{dim}.alpha_us"), l.alpha_us.to_string()),
+                (format!("link.{dim}.gbps"), l.gbps.to_string()),
+            ]
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_parses_and_bad_input_names_the_dim() {
+        let l = parse_link_spec("dp=20us:0.2GBps, tp=2us:5GBps").unwrap();
+        assert_eq!(
+            l[0],
+            (
+                "dp".to_string(),
+                LinkModel {
+                    alpha_us: 20.0,
+                    gbps: 0.2
+                }
+            )
+        );
+        assert_eq!(
+            l[1],
+            (
+                "tp".to_string(),
+                LinkModel {
+                    alpha_us: 2.0,
+                    gbps: 5.0
+                }
+            )
+        );
+        let ms = parse_link_spec("x=1ms:500MBps").unwrap();
+        assert_eq!(
+            ms[0].1,
+            LinkModel {
+                alpha_us: 1000.0,
+                gbps: 0.5
+            }
+        );
+        for (bad, dim, needle) in [
+            ("dp=20us:0GBps", "dp", "positive"),
+            ("tp=20us:-1GBps", "tp", "positive"),
+            ("dp=20us", "dp", "ALPHA:BANDWIDTH"),
+            ("dp=20:1GBps", "dp", "unit"),
+            ("dp=xus:1GBps", "dp", "not a number"),
+            ("dp=-3us:1GBps", "dp", ">= 0"),
+            ("dp=1us:1GBps,dp=2us:1GBps", "dp", "twice"),
+            ("20us:1GBps", "", "dim=ALPHA"),
+            ("", "", "empty"),
+        ] {
+            let e = parse_link_spec(bad).unwrap_err();
+            assert_eq!(e.dim, dim, "{bad}: {e}");
+            assert!(e.to_string().contains(needle), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn hints_round_trip_and_time_follows_the_bus_factors() {
+        let links = parse_link_spec("dp=20us:0.2GBps").unwrap();
+        let hints: BTreeMap<String, String> = link_hints(&links).into_iter().collect();
+        let dp = LinkModel::from_hints(&hints, "dp").unwrap().unwrap();
+        assert_eq!(dp, links[0].1);
+        assert_eq!(LinkModel::from_hints(&hints, "tp").unwrap(), None);
+        // 1 MB all_gather on 4 ranks: 20 us + 0.75 MB / 0.2 GB/s = 3770 us.
+        let t = dp.time(OpName::AllGatherSingle, 1_000_000, 4).unwrap();
+        assert!((t.as_secs_f64() * 1e6 - 3770.0).abs() < 1e-6);
+        let t = dp.time(OpName::AllReduce, 1_000_000, 4).unwrap();
+        assert!((t.as_secs_f64() * 1e6 - 7520.0).abs() < 1e-6);
+        assert_eq!(dp.time(OpName::AllReduce, 1_000_000, 1), None);
+        assert_eq!(dp.time(OpName::Barrier, 0, 4), None);
+        // General hints apply to every communicator; specific ones win; bad values name it.
+        let mut h = BTreeMap::new();
+        h.insert("link.gbps".to_string(), "1".to_string());
+        h.insert("link.tp.gbps".to_string(), "4".to_string());
+        assert_eq!(LinkModel::from_hints(&h, "dp").unwrap().unwrap().gbps, 1.0);
+        assert_eq!(LinkModel::from_hints(&h, "tp").unwrap().unwrap().gbps, 4.0);
+        h.insert("link.tp.gbps".to_string(), "fast".to_string());
+        let e = LinkModel::from_hints(&h, "tp").unwrap_err();
+        assert_eq!(e.dim, "tp");
+        h.insert("link.tp.gbps".to_string(), "0".to_string());
+        assert!(LinkModel::from_hints(&h, "tp").is_err());
+    }
+}

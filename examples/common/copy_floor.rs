@@ -1,0 +1,48 @@
+//! The copy floor of the benchmarks (`comm_bench`, `redistribute_bench`): the aggregate memcpy
+//! rate of `n` threads copying at once, measured in the same run as the figures it calibrates.
+
+use std::time::Instant;
+
+/// The median of `v` (the upper one for an even count); 0 for an empty `v`.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Aggregate memcpy rate (bytes/s) of `n` threads each copying `bytes` (at least 64 KiB)
+/// concurrently into buffers already faulted in: the median of 9 rounds. The threads start
+/// once and meet at a barrier before and after each round, so thread start-up is not timed.
+pub fn copy_rate(n: usize, bytes: usize) -> f64 {
+    let n = n.max(1);
+    let bytes = bytes.max(64 << 10);
+    const ROUNDS: usize = 9;
+    let srcs: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; bytes]).collect();
+    let mut dsts: Vec<Vec<u8>> = (0..n).map(|_| vec![1u8; bytes]).collect();
+    let barrier = std::sync::Barrier::new(n);
+    let mut secs = Vec::with_capacity(ROUNDS);
+    std::thread::scope(|s| {
+        let mut handles = Vec::new();
+        for (i, (src, dst)) in srcs.iter().zip(dsts.iter_mut()).enumerate() {
+            let barrier = &barrier;
+            handles.push(s.spawn(move || {
+                let mut times = Vec::with_capacity(ROUNDS);
+                for _ in 0..ROUNDS {
+                    barrier.wait();
+                    let t0 = Instant::now();
+                    dst.copy_from_slice(src);
+                    barrier.wait();
+                    if i == 0 {
+                        times.push(t0.elapsed().as_secs_f64());
+                    }
+                }
+                times
+            }));
+        }
+        for h in handles {
+            if let Ok(t) = h.join() {
+                secs.extend(t);
+            }
+        }
+    });
+    (n * bytes) as f64 / median(secs).max(1e-9)
+}
