@@ -9,7 +9,10 @@
 //! ```
 //!
 //! With `--save-dir` it writes distributed checkpoints (`models::checkpoint`); `--resume`
-//! continues from the latest one, on any mesh, up to the total `--steps`.
+//! continues from the latest one, on any mesh, up to the total `--steps`. `--inject-fault
+//! rank=R,step=S[,kind=kill|hang]` kills (or hangs) a rank after a step on a job's first start,
+//! so `dtrun --max-restarts 1 -- train_gpt --backend process --save-dir d --save-every 5
+//! --resume --inject-fault rank=1,step=7` restarts from step 5 and ends as an uninterrupted run.
 //!
 //! The data is a synthetic corpus generated from the seed (no downloads), or with `--data
 //! FILE` any UTF-8 text: byte-level tokens (vocabulary 256), or the ids of `--tokenizer
@@ -176,6 +179,100 @@ pub(crate) struct Args {
     /// compare a GPU run with the CPU.
     #[arg(long)]
     check_device: Option<String>,
+    /// Fault injection, `rank=R,step=S[,kind=kill|hang]`: after step S (0-based, global),
+    /// rank R dies (a process rank SIGKILLs itself; a rank thread fails) or hangs (for twice
+    /// the op timeout, then fails). Only on a job's first start (`TORCHELASTIC_RESTART_COUNT`
+    /// unset or 0, which `dtrun --max-restarts` raises), so a restarted job runs through.
+    #[arg(long, value_parser = parse_fault)]
+    inject_fault: Option<Fault>,
+}
+
+/// What `--inject-fault` does to a rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FaultKind {
+    Kill,
+    Hang,
+}
+
+/// `--inject-fault`: rank `rank` dies or hangs after step `step`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Fault {
+    pub(crate) rank: usize,
+    pub(crate) step: usize,
+    pub(crate) kind: FaultKind,
+}
+
+pub(crate) fn parse_fault(s: &str) -> Result<Fault, String> {
+    let (mut rank, mut step, mut kind) = (None, None, FaultKind::Kill);
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = part
+            .split_once('=')
+            .ok_or_else(|| format!("--inject-fault: {part:?} is not key=value"))?;
+        let num = || {
+            v.parse::<usize>()
+                .map_err(|e| format!("--inject-fault: {k}={v:?}: {e}"))
+        };
+        match k {
+            "rank" => rank = Some(num()?),
+            "step" => step = Some(num()?),
+            "kind" => {
+                kind = match v {
+                    "kill" => FaultKind::Kill,
+                    "hang" => FaultKind::Hang,
+                    other => {
+                        return Err(format!(
+                            "--inject-fault: kind {other:?} is not kill or hang"
+                        ))
+                    }
+                }
+            }
+            other => {
+                return Err(format!(
+                    "--inject-fault: unknown key {other:?} (rank, step, kind)"
+                ))
+            }
+        }
+    }
+    match (rank, step) {
+        (Some(rank), Some(step)) => Ok(Fault { rank, step, kind }),
+        _ => Err(format!("--inject-fault {s:?}: needs rank=R,step=S")),
+    }
+}
+
+/// The fault to inject in this start of the job: none once a launcher restarted it.
+fn fault_of_this_start(fault: Option<Fault>) -> Option<Fault> {
+    let restarts = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_default();
+    fault.filter(|_| restarts.is_empty() || restarts == "0")
+}
+
+/// Injects `fault` into this rank after step `step` if it is due. A process rank is killed
+/// with SIGKILL (no cleanup, its sockets close: what a crash looks like to its peers); a rank
+/// thread cannot be killed alone, so it fails (a panic the launcher reports as the rank's
+/// failure). A hang sleeps twice the op timeout first, so the peers' ops time out on it.
+fn inject(fault: Option<&Fault>, rank: usize, step: usize, thread_rank: bool, timeout_s: u64) {
+    let Some(f) = fault.filter(|f| f.rank == rank && f.step == step) else {
+        return;
+    };
+    tracing::warn!(rank, step, kind = ?f.kind, "injecting a fault (--inject-fault)");
+    if f.kind == FaultKind::Hang {
+        std::thread::sleep(Duration::from_secs(timeout_s.saturating_mul(2)));
+    }
+    if !thread_rank {
+        #[cfg(unix)]
+        // SAFETY: kill(2) on our own pid has no memory-safety preconditions.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+        std::process::abort();
+    }
+    // A rank thread: fail it (LocalWorld reports the panic as this rank's failure).
+    std::panic::panic_any(format!(
+        "--inject-fault: rank {rank} {} after step {step}",
+        match f.kind {
+            FaultKind::Kill => "killed",
+            FaultKind::Hang => "hung",
+        }
+    ));
 }
 
 /// The communicator options of a run: the op timeout (seconds) and the links' hints.
@@ -331,22 +428,40 @@ fn fsdp_spec(args: &Args, dims: &[(String, usize)]) -> Result<Option<FsdpSpec>, 
 
 type BoxErr = Box<dyn std::error::Error + Send + Sync>;
 
+/// How a job runs besides its training config: the communicators' options (op timeout, link
+/// hints), the op timeout in seconds and the fault to inject.
+#[derive(Debug, Clone)]
+struct Job {
+    options: CommOptions,
+    timeout: u64,
+    fault: Option<Fault>,
+}
+
 /// What one rank does: build the mesh over `comm` and train.
 fn train_on(
     comm: Comm,
     dims: &[(String, usize)],
     cfg: &TrainConfig,
     bar: Option<&ProgressBar>,
+    job: Job,
 ) -> Result<RankReport, BoxErr> {
+    let thread_rank = comm.backend_name() == "local";
     let d: Vec<(&str, usize)> = dims.iter().map(|(n, s)| (n.as_str(), *s)).collect();
     let mesh = DeviceMesh::new(comm, &d)?;
-    let rank0 = mesh.rank() == 0;
+    let rank = mesh.rank();
     let report = train_rank(&mesh, cfg, |info| {
-        if let (true, Some(bar)) = (rank0, bar) {
+        if let (0, Some(bar)) = (rank, bar) {
             let tps = info.tokens as f64 / (info.step_ms / 1e3);
             bar.set_message(format!("loss {:.4}  {:.0} tok/s", info.loss, tps));
             bar.set_position(info.step as u64 + 1);
         }
+        inject(
+            job.fault.as_ref(),
+            rank,
+            info.step,
+            thread_rank,
+            job.timeout,
+        );
     })?;
     Ok(report)
 }
@@ -359,9 +474,10 @@ fn run(
     dims: &[(String, usize)],
     world: usize,
     cfg: &TrainConfig,
-    options: CommOptions,
+    job: Job,
     bar: Option<ProgressBar>,
 ) -> Result<Option<RankReport>, String> {
+    let options = job.options.clone();
     if backend == "local" {
         let reports = LocalWorld::new(world)
             .with_options(options.clone())
@@ -375,7 +491,7 @@ fn run(
                         new_comm("local", &dev, "world_cuda", options.clone())?
                     }
                 };
-                train_on(comm, dims, cfg, bar.as_ref())
+                train_on(comm, dims, cfg, bar.as_ref(), job.clone())
             })
             .map_err(|e| e.to_string())?;
         return reports
@@ -401,7 +517,7 @@ fn run(
     let rank = comm.rank();
     let bar = bar.filter(|_| rank == 0);
     let report =
-        train_on(comm, dims, cfg, bar.as_ref()).map_err(|e| format!("rank {rank}: {e}"))?;
+        train_on(comm, dims, cfg, bar.as_ref(), job).map_err(|e| format!("rank {rank}: {e}"))?;
     Ok((rank == 0).then_some(report))
 }
 
@@ -678,7 +794,11 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
         &dims,
         world,
         &cfg,
-        comm_options(args.timeout, &links),
+        Job {
+            options: comm_options(args.timeout, &links),
+            timeout: args.timeout,
+            fault: fault_of_this_start(args.inject_fault),
+        },
         Some(bar.clone()),
     )?
     else {
@@ -737,7 +857,11 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
             &[("tp".to_string(), 1)],
             1,
             &single,
-            comm_options(args.timeout, &[]),
+            Job {
+                options: comm_options(args.timeout, &[]),
+                timeout: args.timeout,
+                fault: None,
+            },
             None,
         )?
         .ok_or_else(|| "the single-device reference did not report".to_string())?;

@@ -3,7 +3,9 @@
 # runs dtrun/tests/process_backend.rs: conformance on 2 and 4 processes, kill -9, bootstrap and
 # store faults, dtrun): train_gpt on 4 processes under dtrun (dp=2 x tp=2, FSDP x TP) must print the
 # same losses as the local backend (threads), bit for bit (both reduce in rank order), and a
-# 4-process mp_allreduce run checks collectives and DTensor matmuls against one device.
+# 4-process mp_allreduce run checks collectives and DTensor matmuls against one device; a
+# `dtrun --max-restarts 1` run with a rank SIGKILLed mid-run (`--inject-fault`) resumes from its
+# checkpoint and must end with the uninterrupted run's final loss (1e-4 relative).
 #
 # Usage: scripts/ci_process.sh   (about a minute after `cargo test --workspace`, whose dev-profile
 #                                 build it reuses)
@@ -47,6 +49,21 @@ assert diff == 0.0, f"process and local losses differ by up to {diff}"
 assert proc["backend"] == "process" and proc["world"] == 4, proc
 print(f"train_gpt: process backend (4 processes) == local backend, bit for bit; "
       f"step {proc['step_ms_median']:.1f} ms vs {local['step_ms_median']:.1f} ms")
+PY
+
+echo "== dtrun --max-restarts 1 -- train_gpt --backend process, rank 1 SIGKILLed after step 3"
+ck="$out/ckpt"
+"$dir/dtrun" --nproc 4 --timeout 600 --max-restarts 1 -- "$tg" --backend process "${args[@]}" \
+  --save-dir "$ck" --save-every 2 --resume --inject-fault rank=1,step=3 \
+  --out "$out/restart" | sed -n 's/^\[rank 0\] \({.*\)$/\1/p' > "$out/restart.json"
+python3 - "$out/local.json" "$out/restart.json" <<'PY'
+import json, sys
+whole, restarted = (json.load(open(p)) for p in sys.argv[1:3])
+a, b = whole["final_loss"], restarted["final_loss"]
+assert restarted["start_step"] == 2, restarted["start_step"]
+rel = abs(a - b) / abs(a)
+assert rel <= 1e-4, f"restarted final loss {b} vs uninterrupted {a} (rel {rel})"
+print(f"dtrun --max-restarts: resumed from step 2 after a SIGKILL, final loss {b} == {a} (rel {rel:.1e})")
 PY
 
 echo "== dtrun --nproc 4 -- mp_allreduce"

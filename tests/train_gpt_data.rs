@@ -292,3 +292,84 @@ fn bad_link_specs_name_the_dim() {
         assert!(e.contains("--link") && e.contains(needle), "{spec}: {e}");
     }
 }
+
+/// A rank killed mid-run (`--inject-fault`, a failing rank thread here; a SIGKILLed process
+/// under dtrun) and the job started again with `--resume` (what `dtrun --max-restarts` does for
+/// process ranks) continues from the latest complete checkpoint and ends with the final loss
+/// of an uninterrupted run.
+#[test]
+fn a_job_killed_mid_run_and_resumed_ends_as_an_uninterrupted_run() {
+    let dir = Scratch::new("fault");
+    let (ckpt, out) = (dir.path("ckpt"), dir.path("curves"));
+    let (c, o) = (ckpt.to_str().unwrap(), out.to_str().unwrap());
+    let plain = [
+        "--steps",
+        "7",
+        "--mesh",
+        "dp=2",
+        "--json",
+        "--timeout",
+        "30",
+        "--out",
+        o,
+    ];
+    let with = |extra: &[&'static str]| {
+        let mut v = plain.to_vec();
+        v.extend_from_slice(&["--save-dir", c, "--save-every", "3"]);
+        v.extend_from_slice(extra);
+        args(&v)
+    };
+    let e = real_main(&with(&["--inject-fault", "rank=1,step=4"])).unwrap_err();
+    assert!(
+        e.contains("--inject-fault: rank 1 killed after step 4"),
+        "{e}"
+    );
+    let resumed = real_main(&with(&["--resume"])).unwrap().unwrap();
+    assert_eq!(
+        resumed["start_step"], 3,
+        "the checkpoint after step 3, not a partial one"
+    );
+    let whole = real_main(&args(&plain)).unwrap().unwrap();
+    let (a, b) = (
+        resumed["final_loss"].as_f64().unwrap(),
+        whole["final_loss"].as_f64().unwrap(),
+    );
+    assert!(
+        (a - b).abs() <= 1e-4 * b.abs(),
+        "resumed {a} vs uninterrupted {b}"
+    );
+    // The steps after the checkpoint match one by one too.
+    assert_eq!(
+        floats(&resumed["losses"]),
+        floats(&whole["losses"])[3..].to_vec()
+    );
+}
+
+#[test]
+fn inject_fault_flags_parse_or_name_the_problem() {
+    use train_gpt::{parse_fault, Fault, FaultKind};
+    assert_eq!(
+        parse_fault("rank=2,step=10,kind=hang"),
+        Ok(Fault {
+            rank: 2,
+            step: 10,
+            kind: FaultKind::Hang
+        })
+    );
+    assert_eq!(
+        parse_fault("step=1,rank=0").map(|f| f.kind),
+        Ok(FaultKind::Kill)
+    );
+    assert!(parse_fault("rank=1")
+        .unwrap_err()
+        .contains("needs rank=R,step=S"));
+    assert!(parse_fault("rank=1,step=2,kind=melt")
+        .unwrap_err()
+        .contains("melt"));
+    assert!(parse_fault("rank=x,step=2")
+        .unwrap_err()
+        .contains("rank=\"x\""));
+    assert!(parse_fault("color=red")
+        .unwrap_err()
+        .contains("unknown key"));
+}

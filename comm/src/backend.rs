@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
+use crate::agree::Agreement;
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, P2POp, ReduceOp};
 use crate::window::WindowBackend;
@@ -29,6 +30,8 @@ pub struct Capabilities {
     pub rma_signal: bool,
     /// `abort()` fails pending work without blocking.
     pub abort: bool,
+    /// [`crate::Comm::shrink`] rebuilds the communicator without excluded (possibly dead) ranks.
+    pub shrink: bool,
     /// The dtypes its collectives accept.
     pub dtypes: Vec<String>,
 }
@@ -170,6 +173,34 @@ pub trait Backend: Send + Sync + 'static {
         name: &str,
         options: &CommOptions,
     ) -> Result<Option<Arc<dyn Backend>>>;
+
+    /// Collective over the ranks not in `excluded` (sorted, validated by the front: non-empty,
+    /// in range, without this rank): a new communicator of those ranks, in order, renumbered
+    /// from 0, built without the excluded ranks and whether or not this communicator has
+    /// failed. The survivors agree on the outcome ([`crate::Comm::shrink`] states the contract).
+    fn shrink(
+        &self,
+        ctx: OpCtx,
+        excluded: &[usize],
+        name: &str,
+        options: &CommOptions,
+    ) -> Result<Arc<dyn Backend>> {
+        let _ = (excluded, name, options);
+        Err(CommError::Unsupported {
+            backend: self.backend_name().to_string(),
+            op: ctx.op.to_string(),
+        })
+    }
+
+    /// Fault-tolerant agreement over the live ranks, failed communicator or not
+    /// ([`crate::Comm::agree`] states the contract).
+    fn agree(&self, ctx: OpCtx, ok: bool) -> Result<Agreement> {
+        let _ = ok;
+        Err(CommError::Unsupported {
+            backend: self.backend_name().to_string(),
+            op: ctx.op.to_string(),
+        })
+    }
 
     /// Collective: allocates a `bytes`-sized RMA window on every rank.
     fn new_window(&self, ctx: OpCtx, bytes: usize) -> Result<Arc<dyn WindowBackend>> {

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
+use crate::agree::Agreement;
 use crate::backend::{lookup_backend, Backend, Capabilities, CommOptions};
 use crate::cpu::kernels::data_addr;
 use crate::error::{CommError, Result};
@@ -809,6 +810,108 @@ impl Comm {
                 }
             })?;
         Ok(child.map(|b| Comm::from_backend(b, name, self.inner.options.clone())))
+    }
+
+    /// Rebuilds this communicator without `excluded` (ranks of this communicator), in place:
+    /// collective over the other ranks, which get a new communicator of the same name with
+    /// their ranks renumbered in order from 0. It works on a failed or aborted communicator
+    /// (that is its point: the excluded ranks may be dead) and needs no store; this
+    /// communicator is left as it is (a failed one stays failed; drop it). NCCL's
+    /// `ncclCommShrink`; the excluded ranks do not call it.
+    ///
+    /// # Agreement
+    ///
+    /// Local and process backends: the callers first agree on who calls, with what (the
+    /// protocol of [`Comm::agree`]), so every survivor reaches the same outcome: all get the
+    /// new communicator, or all get the same error. A rank lost during the shrink (a second
+    /// failure) makes every survivor report [`CommError::RanksLost`] naming it; shrinking
+    /// again with it excluded too succeeds. If a member dies after the agreement, every
+    /// survivor still gets the new communicator, whose first op then fails naming it. NCCL
+    /// trusts the caller's list (`ncclCommShrink` cannot check it).
+    ///
+    /// # Errors
+    ///
+    /// On the calling rank: an empty list, a rank out of range or listed twice, every rank,
+    /// or the caller itself ([`CommError::InvalidArgument`] naming them). On every caller:
+    /// [`CommError::ShrinkDisagree`] when they passed different lists (naming each rank's),
+    /// [`CommError::RanksLost`] (also for a rank that never calls: it is silent past the
+    /// bootstrap timeout). MPI: [`CommError::Unsupported`].
+    ///
+    /// # Blocking
+    ///
+    /// Until every surviving rank has called it, bounded by the bootstrap timeout per round.
+    pub fn shrink(&self, excluded: &[usize]) -> Result<Comm> {
+        let ctx = OpCtx {
+            timeout: self.inner.options.bootstrap_timeout,
+            ..self.next_ctx(OpName::Shrink)
+        };
+        let mut list = excluded.to_vec();
+        list.sort_unstable();
+        for &r in &list {
+            self.check_rank(&ctx, "excluded", r)?;
+        }
+        if let Some(w) = list.windows(2).find(|w| w[0] == w[1]) {
+            return Err(CommError::invalid(
+                &ctx,
+                format!(
+                    "rank {} appears twice in the excluded ranks {excluded:?}",
+                    w[0]
+                ),
+            ));
+        }
+        if list.is_empty() || list.len() == self.size() {
+            return Err(CommError::invalid(
+                &ctx,
+                format!(
+                    "shrink must exclude at least one rank and keep at least one; got {excluded:?} of {} ranks",
+                    self.size()
+                ),
+            ));
+        }
+        if list.contains(&self.rank()) {
+            return Err(CommError::invalid(
+                &ctx,
+                format!(
+                    "rank {} excludes itself ({excluded:?}); excluded ranks do not call shrink",
+                    self.rank()
+                ),
+            ));
+        }
+        let span = tracing::info_span!("comm_shrink", comm = %self.name(), rank = self.rank(), excluded = ?list);
+        let _e = span.enter();
+        let name = self.name().to_string();
+        let child = self
+            .inner
+            .backend
+            .shrink(ctx, &list, &name, &self.inner.options)?;
+        tracing::info!(
+            size = child.size(),
+            rank = child.rank(),
+            "communicator shrunk"
+        );
+        Ok(Comm::from_backend(child, &name, self.inner.options.clone()))
+    }
+
+    /// Fault-tolerant agreement: every live rank contributes `ok` (did its own work succeed?)
+    /// and all of them return the same [`Agreement`]: `ok` when every contribution in the
+    /// agreed view was `ok` and no rank was missing, and the ranks that were missing (lost, or
+    /// silent past the op timeout). Works on a failed or aborted communicator (ULFM's
+    /// `MPIX_Comm_agree`, with failure acknowledgement). A training step commits only when the
+    /// agreement is `ok` (torchft's `should_commit`), so no survivor applies an update another
+    /// one dropped. The protocol and its guarantee are in the crate's `agree` module:
+    /// rotating-coordinator consensus, uniform when failures are detected accurately (closed
+    /// connections are; timeouts are suspicions).
+    ///
+    /// # Errors
+    ///
+    /// [`CommError::Unsupported`] on the mpi and nccl backends.
+    ///
+    /// # Blocking
+    ///
+    /// `n + 1` message latencies among healthy ranks; a silent rank costs one op timeout.
+    pub fn agree(&self, ok: bool) -> Result<Agreement> {
+        let ctx = self.next_ctx(OpName::Agree);
+        self.inner.backend.agree(ctx, ok)
     }
 
     /// Collective: allocates an RMA window of `bytes` bytes on every rank.

@@ -14,6 +14,8 @@
 //! - `collectives`: every op and its `*_into` variant x dtypes x size classes (zero-length, one
 //!   element, uneven, small, large) x reduce ops, plus issue order, barrier and typed errors;
 //! - `split`: rows, columns, nested and permuted groups, non-members, bad lists;
+//! - `shrink`: dropping ranks that do not take part, bad lists, disagreeing members (the
+//!   cases with dead ranks need a launcher that can kill one: the backends' own tests);
 //! - `overlap`: one communicator progresses while another waits;
 //! - `faults`: missing ranks (timeouts naming them), desync, abort, dropped work;
 //! - `hooks`: pre/post/abort hooks and the flight recorder;
@@ -39,6 +41,7 @@ mod faults;
 mod hooks;
 mod overlap;
 mod rma;
+mod shrink;
 mod split;
 
 use std::error::Error;
@@ -149,6 +152,8 @@ pub enum Needs {
     Rma,
     /// Only window creation and fences (a backend with windows but no `get` still runs it).
     RmaPut,
+    /// [`Comm::shrink`].
+    Shrink,
 }
 
 impl Needs {
@@ -159,6 +164,7 @@ impl Needs {
                 Some("the backend has no RMA put/get/signal")
             }
             Needs::RmaPut if !caps.rma_put => Some("the backend has no RMA put"),
+            Needs::Shrink if !caps.shrink => Some("the backend cannot shrink"),
             _ => None,
         }
     }
@@ -444,6 +450,14 @@ const fn case(name: &'static str, min_ranks: usize) -> CaseInfo {
     }
 }
 
+const fn shrink_case(name: &'static str, min_ranks: usize) -> CaseInfo {
+    CaseInfo {
+        name,
+        min_ranks,
+        needs: Needs::Shrink,
+    }
+}
+
 const fn rma_case(name: &'static str, min_ranks: usize) -> CaseInfo {
     CaseInfo {
         name,
@@ -525,6 +539,18 @@ static CASES: &[(CaseInfo, CaseFn)] = &[
     (
         case("split::rank_rejecting_its_list", 2),
         split::rank_rejecting_its_list,
+    ),
+    (
+        shrink_case("shrink::without_the_last_rank", 2),
+        shrink::without_the_last_rank,
+    ),
+    (
+        shrink_case("shrink::invalid_lists", 2),
+        shrink::invalid_lists,
+    ),
+    (
+        shrink_case("shrink::members_that_disagree", 4),
+        shrink::members_that_disagree,
     ),
     (
         case("overlap::comm_b_completes_while_comm_a_waits", 2),

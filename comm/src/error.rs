@@ -99,6 +99,29 @@ pub enum CommError {
         /// What went wrong.
         reason: String,
     },
+    /// The ranks calling [`crate::Comm::shrink`] passed different excluded sets (or this rank
+    /// is excluded by the set the others agreed on). Every participant reports it, naming each
+    /// rank's proposal.
+    #[error(
+        "{ctx}: the ranks disagree on the excluded set: {}",
+        render_proposals(proposals)
+    )]
+    ShrinkDisagree {
+        /// Where.
+        ctx: OpCtx,
+        /// Each participant's excluded set, by rank (of the communicator being shrunk).
+        proposals: Vec<(usize, Vec<usize>)>,
+    },
+    /// Ranks that were expected in a [`crate::Comm::shrink`] were lost (their connection broke,
+    /// their thread failed) or stayed silent past the timeout during it. Every survivor reports
+    /// the same ranks; shrinking again with them excluded as well succeeds.
+    #[error("{ctx}: ranks {lost:?} were lost during the shrink (every survivor reports the same ranks; shrink again excluding them)")]
+    RanksLost {
+        /// Where.
+        ctx: OpCtx,
+        /// The lost ranks (of the communicator being shrunk).
+        lost: Vec<usize>,
+    },
     /// A candle operation inside the comm layer failed.
     #[error("{ctx}: candle: {message}")]
     Candle {
@@ -118,7 +141,9 @@ impl CommError {
             | CommError::Desync { ctx, .. }
             | CommError::InvalidArgument { ctx, .. }
             | CommError::UnsupportedDType { ctx, .. }
-            | CommError::Candle { ctx, .. } => Some(ctx),
+            | CommError::Candle { ctx, .. }
+            | CommError::ShrinkDisagree { ctx, .. }
+            | CommError::RanksLost { ctx, .. } => Some(ctx),
             _ => None,
         }
     }
@@ -144,6 +169,13 @@ impl CommError {
             message: err.to_string(),
         }
     }
+}
+
+fn render_proposals(p: &[(usize, Vec<usize>)]) -> String {
+    p.iter()
+        .map(|(r, ex)| format!("rank {r} excludes {ex:?}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// `Result` with [`CommError`].

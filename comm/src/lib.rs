@@ -39,6 +39,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod agree;
+pub mod auth;
 mod backend;
 mod comm;
 #[cfg(feature = "conformance")]
@@ -60,6 +62,7 @@ mod types;
 mod window;
 mod work;
 
+pub use agree::Agreement;
 pub use backend::{
     register_backend, registered_backends, Backend, BackendFactory, Capabilities, CommOptions,
 };

@@ -113,6 +113,9 @@ mod suite {
         split_invalid_lists: "split::invalid_lists" on [3];
         split_members_that_disagree: "split::members_that_disagree" on [2, 4];
         split_rank_rejecting_its_list: "split::rank_rejecting_its_list" on [3], quick_bootstrap;
+        shrink_without_the_last_rank: "shrink::without_the_last_rank" on [2, 4];
+        shrink_invalid_lists: "shrink::invalid_lists" on [2, 3];
+        shrink_members_that_disagree: "shrink::members_that_disagree" on [4, 5];
         overlap_comm_b_while_comm_a_waits: "overlap::comm_b_completes_while_comm_a_waits" on [4];
         overlap_all_gather_and_reduce_scatter: "overlap::all_gather_and_reduce_scatter" on [4];
         faults_skipped_collective: "faults::skipped_collective_times_out" on [3];
@@ -312,6 +315,76 @@ mod faults {
             }
             other => panic!("{other}"),
         }
+    }
+
+    /// Elastic world: rank 3 fails; the survivors see it, agree on it and shrink around it;
+    /// rank 2 fails during that shrink (a second failure): both survivors report it, shrink
+    /// again without it, and compute correctly on the 2-rank communicator. The failed ranks'
+    /// errors are theirs alone: the launcher reports every rank's outcome.
+    #[test]
+    fn survivors_of_a_failed_rank_agree_shrink_and_survive_a_second_failure() {
+        let out = short_world(4, 2_000)
+            .elastic(true)
+            .launch_each(|comm| -> R<(usize, usize, f64)> {
+                comm.barrier()?.wait()?;
+                let r = comm.rank();
+                if r == 3 {
+                    // Let every peer's barrier complete first.
+                    std::thread::sleep(Duration::from_millis(200));
+                    return Err("rank 3 fails on purpose".into());
+                }
+                let x = Tensor::new(&[r as f64 + 0.25], &Device::Cpu)?;
+                let e = comm
+                    .all_reduce(&x, ReduceOp::Sum)?
+                    .wait()
+                    .expect_err("rank 3 is gone");
+                assert!(
+                    e.to_string().contains("rank 3 fails on purpose"),
+                    "rank {r}: {e}"
+                );
+                let a = comm.agree(true)?;
+                assert_eq!((a.ok, a.failed.clone()), (false, vec![3]), "rank {r}");
+                if r == 2 {
+                    return Err("rank 2 fails during the shrink".into());
+                }
+                match comm.shrink(&[3]) {
+                    Err(e @ CommError::RanksLost { .. }) => {
+                        assert_ctx(&e, "shrink", "world", r);
+                        let CommError::RanksLost { lost, .. } = e else {
+                            unreachable!()
+                        };
+                        assert_eq!(lost, vec![2], "rank {r}");
+                    }
+                    other => panic!(
+                        "rank {r}: expected RanksLost, got {:?}",
+                        other.map(|c| c.size())
+                    ),
+                }
+                let s = comm.shrink(&[2, 3])?;
+                let v = s.all_reduce(&x, ReduceOp::Sum)?.wait()?.to_vec1::<f64>()?[0];
+                // The shrunk communicator also agrees, healthy this time.
+                let a = s.agree(true)?;
+                assert!(a.ok && a.failed.is_empty(), "rank {r}: {a:?}");
+                Ok((s.rank(), s.size(), v))
+            })
+            .expect("a world of 4");
+        assert_eq!(out[0].as_ref().ok(), Some(&(0, 2, 1.5)), "{out:?}");
+        assert_eq!(out[1].as_ref().ok(), Some(&(1, 2, 1.5)), "{out:?}");
+        assert!(out[2]
+            .as_ref()
+            .is_err_and(|e| e.contains("during the shrink")));
+        assert!(out[3].as_ref().is_err_and(|e| e.contains("on purpose")));
+    }
+
+    /// A step that failed on one rank fails the agreement on every rank, so no rank commits an
+    /// update another one dropped.
+    #[test]
+    fn a_failed_step_on_one_rank_fails_the_agreement_on_every_rank() {
+        let out = launch(3, |comm| {
+            let a = comm.agree(comm.rank() != 1)?;
+            Ok((a.ok, a.failed))
+        });
+        assert!(out.iter().all(|a| *a == (false, vec![])), "{out:?}");
     }
 
     #[test]

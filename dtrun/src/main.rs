@@ -1,11 +1,15 @@
 //! `dtrun`: starts N ranks of a multi-process job on this host.
 //!
 //! ```text
-//! dtrun --nproc 4 [--master-port P] [--timeout S] [--grace S] -- CMD ARGS...
+//! dtrun --nproc 4 [--master-port P] [--timeout S] [--grace S] [--max-restarts N] -- CMD ARGS...
 //! ```
 //!
 //! Each rank runs `CMD ARGS...` with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-//! `MASTER_ADDR` and `MASTER_PORT` set (what torchrun sets; the `process` backend reads them).
+//! `MASTER_ADDR` and `MASTER_PORT` set (what torchrun sets; the `process` backend reads them),
+//! `TORCHELASTIC_RESTART_COUNT` and `TORCHELASTIC_MAX_RESTARTS` (as torchrun does), and
+//! `CDT_JOB_TOKEN`: a fresh random secret per start, which every connection of the `process`
+//! backend's mesh must prove it holds (a process of another job, or anything else that reaches
+//! the ports, is turned away).
 //! Every line a rank prints is forwarded with a `[rank r] ` prefix (stdout to stdout, stderr
 //! to stderr). When a rank exits non-zero or is killed, dtrun sends SIGTERM to the others,
 //! SIGKILL after the grace period, and exits non-zero naming the rank that failed first and
@@ -23,8 +27,13 @@
 //!   (`PR_SET_PDEATHSIG`). Processes a rank started get it only if they are in that rank's
 //!   group and die with it; a program that double-forks or starts a new session escapes, as
 //!   under any launcher.
-//! - `--timeout S` bounds the whole job: then the ranks are stopped as above and dtrun exits
-//!   124.
+//! - `--timeout S` bounds the whole job (every start together): then the ranks are stopped as
+//!   above and dtrun exits 124.
+//! - `--max-restarts N`: when a rank fails, the job is stopped as above and started again (at
+//!   most N times), with the same command and environment, a new store port (unless
+//!   `--master-port` fixes it), a new token and `TORCHELASTIC_RESTART_COUNT` one higher; the
+//!   program resumes from its checkpoint if it can. A job stopped by a signal to dtrun or by
+//!   `--timeout` is not restarted.
 //!
 //! Exit status: 0 when every rank exits 0; the first failed rank's exit code (128 + signal
 //! when it was killed); 124 on `--timeout`; 2 for usage errors; 127 if a rank cannot start.
@@ -61,6 +70,10 @@ struct Args {
     /// Seconds between SIGTERM and SIGKILL when stopping ranks.
     #[arg(long, default_value_t = 3.0)]
     grace: f64,
+    /// Restart the whole job up to this many times when a rank fails (torchrun's
+    /// `--max-restarts`).
+    #[arg(long, default_value_t = 0)]
+    max_restarts: u32,
     /// The program to run and its arguments (after `--`).
     #[arg(last = true, required = true, num_args = 1..)]
     cmd: Vec<String>,
@@ -255,23 +268,73 @@ fn main() {
     std::process::exit(run(args));
 }
 
+/// The environment variable with the job's token (`candle_dtensor_comm::auth::TOKEN_ENV`).
+const TOKEN_ENV: &str = "CDT_JOB_TOKEN";
+
+/// A fresh random token (hex of 32 bytes from the OS).
+fn new_token() -> Result<String, String> {
+    let mut b = [0u8; 32];
+    getrandom::fill(&mut b).map_err(|e| format!("no randomness for the job token: {e}"))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// How one start of the job ended.
+struct Ended {
+    code: i32,
+    /// A rank failed (not a signal to dtrun, not the job timeout, not a rank that could not
+    /// start): the case `--max-restarts` restarts.
+    rank_failed: bool,
+}
+
 fn run(args: Args) -> i32 {
     install_signal_handlers();
+    let job_deadline = args
+        .timeout
+        .map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
+    let mut restart = 0;
+    loop {
+        let ended = run_once(&args, restart, job_deadline);
+        if ended.code == 0 || !ended.rank_failed || restart >= args.max_restarts {
+            if restart > 0 {
+                say(&format!(
+                    "the job ended with code {} after {restart} restart(s)",
+                    ended.code
+                ));
+            }
+            return ended.code;
+        }
+        restart += 1;
+        say(&format!(
+            "restarting the job ({restart} of at most {} restarts)",
+            args.max_restarts
+        ));
+    }
+}
+
+fn run_once(args: &Args, restart: u32, job_deadline: Option<Instant>) -> Ended {
+    let failed_to_start = |code| Ended {
+        code,
+        rank_failed: false,
+    };
     let n = args.nproc as usize;
+    let token = match new_token() {
+        Ok(t) => t,
+        Err(e) => {
+            say(&e);
+            return failed_to_start(2);
+        }
+    };
     let port = match args.master_port {
         Some(p) => p,
         None => match free_port(&args.master_addr) {
             Ok(p) => p,
             Err(e) => {
                 say(&e);
-                return 2;
+                return failed_to_start(2);
             }
         },
     };
     let grace = Duration::from_secs_f64(args.grace.max(0.0));
-    let job_deadline = args
-        .timeout
-        .map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
     let (tx, rx) = mpsc::channel::<Event>();
     let mut pids: Vec<u32> = Vec::with_capacity(n);
     let mut outputs = Vec::new();
@@ -285,6 +348,9 @@ fn run(args: Args) -> i32 {
             .env("LOCAL_WORLD_SIZE", n.to_string())
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", port.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
+            .env("TORCHELASTIC_MAX_RESTARTS", args.max_restarts.to_string())
+            .env(TOKEN_ENV, &token)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -423,6 +489,7 @@ fn run(args: Args) -> i32 {
             let _ = h.join();
         }
     }
+    let rank_failed = first_failure.is_some() && code == 0;
     if let Some((rank, what, c)) = first_failure {
         let others: Vec<String> = statuses
             .iter()
@@ -438,5 +505,5 @@ fn run(args: Args) -> i32 {
             code = if c == 0 { 1 } else { c };
         }
     }
-    code
+    Ended { code, rank_failed }
 }

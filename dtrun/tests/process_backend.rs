@@ -168,6 +168,37 @@ fn run_role(role: &str) -> Result<(), (i32, String)> {
             std::thread::sleep(Duration::from_secs(30));
             Ok(())
         }
+        "restart" => {
+            // First start: rank 1 SIGKILLs itself after one collective, the others fail on the
+            // next one. The restarted job (a new store port, a new token) completes.
+            let count = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_default();
+            let token = std::env::var("CDT_JOB_TOKEN").unwrap_or_default();
+            let world =
+                new_comm("process", &Device::Cpu, "world", opts(10.0, 5.0)).map_err(fail(1))?;
+            let me = world.rank();
+            let x =
+                Tensor::new(&[me as f64 + 0.5], &Device::Cpu).map_err(|e| (1, e.to_string()))?;
+            for step in 0..2 {
+                let s = world
+                    .all_reduce(&x, ReduceOp::Sum)
+                    .and_then(|w| w.wait())
+                    .map_err(fail(3))?
+                    .to_vec1::<f64>()
+                    .map_err(|e| (1, e.to_string()))?[0];
+                println!(
+                    "start {count} step {step} sum {s} port {} token {}",
+                    std::env::var("MASTER_PORT").unwrap_or_default(),
+                    &token[..token.len().min(8)]
+                );
+                if count == "0" && me == 1 {
+                    // SAFETY: kill/getpid have no memory-safety preconditions.
+                    unsafe {
+                        libc::kill(libc::getpid(), libc::SIGKILL);
+                    }
+                }
+            }
+            Ok(())
+        }
         "sleep" => {
             std::thread::sleep(Duration::from_secs(30));
             Ok(())
@@ -305,6 +336,78 @@ fn dtrun_prefixes_lines_stops_the_others_and_passes_on_the_exit_code() {
     );
     assert!(
         err.contains("rank 0: killed by signal 15 (SIGTERM)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn dtrun_max_restarts_restarts_a_failed_job_with_a_new_port_and_token() {
+    let (o, _) = launch(3, "restart", &["--max-restarts", "2", "--grace", "1"]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}\n{err}");
+    assert!(
+        err.contains("restarting the job (1 of at most 2 restarts)"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("(2 of at most"),
+        "one restart was enough: {err}"
+    );
+    let field = |l: &str, k: &str| {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        w.iter().position(|x| *x == k).map(|i| w[i + 1].to_string())
+    };
+    let mut firsts = Vec::new();
+    for r in 0..3 {
+        // libtest's "test worker ... " may precede a rank's first line.
+        let lines: Vec<&str> = lines_of(&out, r)
+            .into_iter()
+            .filter_map(|l| l.find("start ").map(|i| &l[i..]))
+            .collect();
+        // Every rank completed both steps of the second start, with the right sum.
+        for step in 0..2 {
+            assert!(
+                lines
+                    .iter()
+                    .any(|l| l.starts_with(&format!("start 1 step {step} sum 4.5 "))),
+                "rank {r}:\n{out}"
+            );
+        }
+        let of = |start: &str, k: &str| {
+            lines
+                .iter()
+                .find(|l| l.starts_with(&format!("start {start} ")))
+                .and_then(|l| field(l, k))
+        };
+        let (p0, p1) = (of("0", "port"), of("1", "port"));
+        let (t0, t1) = (of("0", "token"), of("1", "token"));
+        assert!(
+            p0.is_some() && p0 != p1,
+            "rank {r}: a new store port: {out}"
+        );
+        assert!(
+            t0.as_ref().is_some_and(|t| t.len() == 8) && t0 != t1,
+            "rank {r}: {out}"
+        );
+        firsts.push(t1);
+    }
+    assert!(
+        firsts.iter().all(|t| *t == firsts[0]),
+        "one token per start: {out}"
+    );
+}
+
+#[test]
+fn dtrun_max_restarts_gives_up_after_n_restarts() {
+    let (o, _) = launch(2, "exit7", &["--max-restarts", "1", "--grace", "1"]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(7), "{err}");
+    assert!(
+        err.contains("restarting the job (1 of at most 1 restarts)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("ended with code 7 after 1 restart(s)"),
         "{err}"
     );
 }

@@ -18,13 +18,15 @@ use kernels::{reduce_into, write_into, OutBuf};
 /// copied at arrival (local), sent whole to every peer (process, mpi).
 pub(crate) const EAGER_BYTES: usize = 64 * 1024;
 
-/// The capabilities of a CPU backend: every supported dtype, abort, and RMA windows or none.
+/// The capabilities of a CPU backend: every supported dtype, abort, shrink (`local` and
+/// `process`; MPI cannot, see `mpi::no_recovery`), and RMA windows or none.
 pub(crate) fn capabilities(rma: bool) -> Capabilities {
     Capabilities {
         rma_put: rma,
         rma_get: rma,
         rma_signal: rma,
         abort: true,
+        shrink: true,
         dtypes: dtype_names(&SUPPORTED_DTYPES),
     }
 }

@@ -5,13 +5,16 @@
 //! on different communicators (different threads) overlap. An idle progress thread sleeps on a
 //! condvar: nothing spins.
 
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Shape, Tensor};
 
 use super::group::{Group, GroupKey, Message, Post};
 use super::window::{LocalWindow, WindowShared};
+use crate::agree::{self, Agreement, Heard, Input, Net};
 use crate::backend::{Backend, Capabilities, CommOptions};
 use crate::cpu::kernels::{detached_copy, read_view, reduce_into, ReadView};
 use crate::cpu::queue::Queue;
@@ -39,6 +42,8 @@ pub(crate) struct Core {
     queue: Arc<Queue>,
     /// The modeled link its collectives are paced to (`crate::link`), set once at creation.
     link: std::sync::OnceLock<crate::link::LinkModel>,
+    /// Agreements and shrinks started on this communicator (their instance numbers).
+    ft_seq: AtomicU64,
 }
 
 /// One rank of a local communicator.
@@ -74,6 +79,7 @@ impl LocalBackend {
                 device,
                 queue,
                 link: std::sync::OnceLock::new(),
+                ft_seq: AtomicU64::new(0),
             }),
         }))
     }
@@ -178,6 +184,53 @@ impl Core {
         body: impl FnOnce(&Exec) -> Result<T> + Send + 'static,
     ) -> Result<T> {
         self.submit(ctx, true, body)?.wait()
+    }
+}
+
+/// One agreement's messages through the group's shared state.
+struct LocalNet<'a> {
+    core: &'a Core,
+    instance: u64,
+}
+
+impl Net for LocalNet<'_> {
+    fn rank(&self) -> usize {
+        self.core.rank
+    }
+
+    fn size(&self) -> usize {
+        self.core.group.size()
+    }
+
+    fn send(&self, peer: usize, round: u32, bytes: &[u8]) {
+        self.core
+            .group
+            .agree_post(self.instance, round, self.core.rank, peer, bytes);
+    }
+
+    fn recv(&self, peer: usize, round: u32, deadline: Instant) -> Heard {
+        self.core
+            .group
+            .agree_take(self.instance, round, peer, self.core.rank, deadline)
+    }
+}
+
+impl Core {
+    /// Runs agreement number `instance` with `input`, not waiting for `skip`.
+    fn agreement(
+        &self,
+        instance: u64,
+        input: Input,
+        skip: &BTreeSet<usize>,
+        timeout: Duration,
+    ) -> agree::View {
+        let net = LocalNet {
+            core: self,
+            instance,
+        };
+        let view = agree::agree(&net, input, skip, timeout);
+        self.group.agree_done(net.instance, self.rank);
+        view
     }
 }
 
@@ -797,6 +850,54 @@ impl Backend for LocalBackend {
                 .map_err(|reason| CommError::invalid(e.ctx, reason))?;
             Ok(Some(b as Arc<dyn Backend>))
         })
+    }
+
+    fn shrink(
+        &self,
+        ctx: OpCtx,
+        excluded: &[usize],
+        name: &str,
+        _options: &CommOptions,
+    ) -> Result<Arc<dyn Backend>> {
+        let core = &self.core;
+        let instance = core.ft_seq.fetch_add(1, Ordering::Relaxed);
+        let input = Input {
+            ok: true,
+            excluded: Some(excluded.to_vec()),
+            addr: None,
+        };
+        let skip = excluded.iter().copied().collect();
+        let view = core.agreement(instance, input, &skip, ctx.timeout);
+        let survivors = agree::shrink_verdict(&ctx, &view, core.rank, core.group.size())?;
+        let members: Vec<usize> = survivors
+            .iter()
+            .map(|(r, _)| core.group.members[*r])
+            .collect();
+        let my = survivors
+            .iter()
+            .position(|(r, _)| *r == core.rank)
+            .ok_or_else(|| CommError::invalid(&ctx, "this rank is not a survivor"))?;
+        let key = GroupKey::Shrink {
+            parent: core.group.id,
+            instance,
+            members: members.clone(),
+        };
+        let child = core.group.world.rendezvous(key, || members);
+        let b = LocalBackend::with_device(child, my, name, core.device.clone())?;
+        Ok(b as Arc<dyn Backend>)
+    }
+
+    fn agree(&self, ctx: OpCtx, ok: bool) -> Result<Agreement> {
+        let input = Input {
+            ok,
+            excluded: None,
+            addr: None,
+        };
+        let instance = self.core.ft_seq.fetch_add(1, Ordering::Relaxed);
+        let view = self
+            .core
+            .agreement(instance, input, &BTreeSet::new(), ctx.timeout);
+        Ok(Agreement::from(&view))
     }
 
     fn new_window(&self, ctx: OpCtx, bytes: usize) -> Result<Arc<dyn WindowBackend>> {

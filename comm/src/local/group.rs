@@ -61,6 +61,8 @@ pub(crate) struct GroupState {
     /// window id -> signal counts [dst * n + src] and consumed counts.
     pub(crate) signals: HashMap<u64, (Vec<u64>, Vec<u64>)>,
     pub(crate) windows: HashMap<u64, Weak<super::window::WindowShared>>,
+    /// Messages of fault-tolerant agreements: (instance, round, src, dst) -> bytes.
+    agree: HashMap<(u64, u32, usize, usize), Vec<u8>>,
 }
 
 /// One communicator's shared state.
@@ -85,6 +87,12 @@ pub(crate) enum GroupKey {
         name: String,
         index: u64,
     },
+    /// The communicator `parent`'s shrink number `instance` to `members` (world ranks).
+    Shrink {
+        parent: u64,
+        instance: u64,
+        members: Vec<usize>,
+    },
 }
 
 /// All rank threads of one local launch.
@@ -96,10 +104,14 @@ pub(crate) struct World {
     /// The first rank whose closure failed, and why (the root cause).
     pub(crate) first_failure: Mutex<Option<(usize, String)>>,
     next_id: AtomicU64,
+    /// Elastic: a failed rank fails only the communicators it belongs to.
+    elastic: bool,
+    /// Per world rank: why it is gone (its closure failed or returned), if it is.
+    gone: Mutex<Vec<Option<String>>>,
 }
 
 impl World {
-    pub(crate) fn new(size: usize) -> Arc<World> {
+    pub(crate) fn new(size: usize, elastic: bool) -> Arc<World> {
         Arc::new(World {
             size,
             groups: Mutex::new(Vec::new()),
@@ -107,16 +119,57 @@ impl World {
             failure: Mutex::new(None),
             first_failure: Mutex::new(None),
             next_id: AtomicU64::new(0),
+            elastic,
+            gone: Mutex::new(vec![None; size]),
         })
+    }
+
+    /// Why world rank `r` is gone (its closure failed or returned), if it is.
+    pub(crate) fn gone(&self, r: usize) -> Option<String> {
+        Self::lock(&self.gone).get(r).cloned().flatten()
+    }
+
+    /// Records that world rank `r`'s closure returned successfully.
+    pub(crate) fn returned(&self, r: usize) {
+        if let Some(g) = Self::lock(&self.gone).get_mut(r) {
+            g.get_or_insert_with(|| "its rank closure returned".into());
+        }
+        self.wake_all();
+    }
+
+    fn live_groups(&self) -> Vec<Arc<Group>> {
+        Self::lock(&self.groups)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect()
+    }
+
+    /// Wakes every waiter of every group (a rank's state changed).
+    fn wake_all(&self) {
+        for g in self.live_groups() {
+            g.notify();
+        }
     }
 
     fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
         m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Creates a group over `members` (world ranks).
+    /// Creates a group over `members` (world ranks). It is born failed when the world has
+    /// failed (elastic: when one of its members has).
     pub(crate) fn new_group(self: &Arc<Self>, members: Vec<usize>) -> Arc<Group> {
-        let failure = Self::lock(&self.failure).clone();
+        let failure = if self.elastic {
+            let gone = Self::lock(&self.gone);
+            members.iter().find_map(|&m| {
+                let reason = gone.get(m).cloned().flatten()?;
+                Some(Failure::RankFailed {
+                    world_rank: m,
+                    reason,
+                })
+            })
+        } else {
+            Self::lock(&self.failure).clone()
+        };
         let g = Arc::new(Group {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             world: self.clone(),
@@ -127,6 +180,7 @@ impl World {
                 mail: HashMap::new(),
                 signals: HashMap::new(),
                 windows: HashMap::new(),
+                agree: HashMap::new(),
             }),
             cv: Condvar::new(),
         });
@@ -152,7 +206,8 @@ impl World {
         g
     }
 
-    /// Fails every group of the world (a rank failed). The first call records the root cause.
+    /// Fails every group of the world (a rank failed; elastic: every group it belongs to).
+    /// The first call records the root cause.
     pub(crate) fn fail(&self, world_rank: usize, reason: String) {
         {
             let mut first = Self::lock(&self.first_failure);
@@ -160,19 +215,22 @@ impl World {
                 *first = Some((world_rank, reason.clone()));
             }
         }
+        if let Some(g) = Self::lock(&self.gone).get_mut(world_rank) {
+            *g = Some(reason.clone());
+        }
         let failure = Failure::RankFailed { world_rank, reason };
-        {
+        if !self.elastic {
             let mut f = Self::lock(&self.failure);
             if f.is_none() {
                 *f = Some(failure.clone());
             }
         }
-        let groups: Vec<Arc<Group>> = Self::lock(&self.groups)
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
-        for g in groups {
-            g.fail(failure.clone());
+        for g in self.live_groups() {
+            if !self.elastic || g.members.contains(&world_rank) {
+                g.fail(failure.clone());
+            } else {
+                g.notify();
+            }
         }
     }
 }
@@ -435,5 +493,47 @@ impl Group {
                 });
             }
         }
+    }
+
+    /// Posts message `round` of agreement `instance` from `src` to `dst`.
+    pub(crate) fn agree_post(&self, instance: u64, round: u32, src: usize, dst: usize, m: &[u8]) {
+        self.lock()
+            .agree
+            .insert((instance, round, src, dst), m.to_vec());
+        self.cv.notify_all();
+    }
+
+    /// Takes `src`'s message `round` of agreement `instance` to `dst`, waiting until `deadline`;
+    /// a rank whose closure failed or returned is gone (the group's own failure is ignored).
+    pub(crate) fn agree_take(
+        &self,
+        instance: u64,
+        round: u32,
+        src: usize,
+        dst: usize,
+        deadline: Instant,
+    ) -> crate::agree::Heard {
+        use crate::agree::Heard;
+        let mut st = self.lock();
+        loop {
+            if let Some(m) = st.agree.remove(&(instance, round, src, dst)) {
+                return Heard::Msg(m);
+            }
+            if let Some(why) = self.world.gone(self.members[src]) {
+                return Heard::Gone(format!("rank {src}: {why}"));
+            }
+            let (g, timed_out) = self.wait(st, deadline);
+            st = g;
+            if timed_out {
+                return Heard::Silent;
+            }
+        }
+    }
+
+    /// Forgets what is left of agreement `instance` (messages to ranks that gave up on it).
+    pub(crate) fn agree_done(&self, instance: u64, dst: usize) {
+        self.lock()
+            .agree
+            .retain(|k, _| !(k.0 == instance && k.3 == dst));
     }
 }

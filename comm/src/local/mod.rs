@@ -79,6 +79,7 @@ pub struct LocalWorld {
     size: usize,
     options: CommOptions,
     name: String,
+    elastic: bool,
 }
 
 thread_local! {
@@ -99,7 +100,17 @@ impl LocalWorld {
             size,
             options: CommOptions::default(),
             name: "world".to_string(),
+            elastic: false,
         }
+    }
+
+    /// Elastic worlds: a rank that fails (returns an error or panics) fails only the
+    /// communicators it belongs to, and the other ranks go on (they can [`Comm::agree`] and
+    /// [`Comm::shrink`] around it); use [`LocalWorld::launch_each`] to get every rank's outcome.
+    /// Default: off (the first failure fails every communicator of the world).
+    pub fn elastic(mut self, on: bool) -> Self {
+        self.elastic = on;
+        self
     }
 
     /// Sets the options of the world communicator (and of communicators split from it).
@@ -149,6 +160,59 @@ impl LocalWorld {
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
         F: Fn(Comm) -> std::result::Result<T, E> + Send + Sync,
     {
+        let (world, outcomes) = self.run_ranks(f)?;
+        let failures: Vec<(usize, String)> = outcomes
+            .iter()
+            .enumerate()
+            .filter_map(|(r, o)| o.as_ref().err().map(|e| (r, e.clone())))
+            .collect();
+        if failures.is_empty() {
+            return Ok(outcomes.into_iter().filter_map(|o| o.ok()).collect());
+        }
+        let first = world
+            .first_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let (rank, reason) = first.unwrap_or_else(|| failures[0].clone());
+        Err(LocalWorldError::RankFailed {
+            world: self.size,
+            rank,
+            reason,
+            failures,
+        })
+    }
+
+    /// Like [`LocalWorld::launch`], returning every rank's outcome (its value, or its error or
+    /// panic message) in rank order: what an [elastic](LocalWorld::elastic) world's survivors
+    /// computed while some ranks failed.
+    ///
+    /// # Errors
+    ///
+    /// [`LocalWorldError::Launch`] for a world of no ranks.
+    pub fn launch_each<T, E, F>(
+        &self,
+        f: F,
+    ) -> std::result::Result<Vec<std::result::Result<T, String>>, LocalWorldError>
+    where
+        T: Send,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+        F: Fn(Comm) -> std::result::Result<T, E> + Send + Sync,
+    {
+        Ok(self.run_ranks(f)?.1)
+    }
+
+    /// Runs `f` on one thread per rank; returns the world and the outcomes in rank order.
+    #[allow(clippy::type_complexity)]
+    fn run_ranks<T, E, F>(
+        &self,
+        f: F,
+    ) -> std::result::Result<(Arc<World>, Vec<std::result::Result<T, String>>), LocalWorldError>
+    where
+        T: Send,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+        F: Fn(Comm) -> std::result::Result<T, E> + Send + Sync,
+    {
         if self.size == 0 {
             return Err(LocalWorldError::Launch(
                 "a world needs at least one rank".into(),
@@ -157,7 +221,7 @@ impl LocalWorld {
         warn_about_candle_pool(self.size);
         // Before the rank threads start: they must share the arena that keeps large blocks.
         crate::memory::reuse_large_buffers();
-        let world = World::new(self.size);
+        let world = World::new(self.size, self.elastic);
         let group = world.new_group((0..self.size).collect());
         let f = &f;
         let outcomes: Vec<std::result::Result<T, String>> = std::thread::scope(|s| {
@@ -172,8 +236,9 @@ impl LocalWorld {
                         .stack_size(RANK_STACK_BYTES)
                         .spawn_scoped(s, move || {
                             let outcome = run_rank(&world, group, rank, &name, options, f);
-                            if let Err(reason) = &outcome {
-                                world.fail(rank, reason.clone());
+                            match &outcome {
+                                Err(reason) => world.fail(rank, reason.clone()),
+                                Ok(_) => world.returned(rank),
                             }
                             RANK_CTX.with(|c| c.borrow_mut().take());
                             outcome
@@ -195,26 +260,7 @@ impl LocalWorld {
                 })
                 .collect()
         });
-        let failures: Vec<(usize, String)> = outcomes
-            .iter()
-            .enumerate()
-            .filter_map(|(r, o)| o.as_ref().err().map(|e| (r, e.clone())))
-            .collect();
-        if failures.is_empty() {
-            return Ok(outcomes.into_iter().filter_map(|o| o.ok()).collect());
-        }
-        let first = world
-            .first_failure
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let (rank, reason) = first.unwrap_or_else(|| failures[0].clone());
-        Err(LocalWorldError::RankFailed {
-            world: self.size,
-            rank,
-            reason,
-            failures,
-        })
+        Ok((world, outcomes))
     }
 }
 

@@ -80,6 +80,20 @@ pub(crate) fn factory() -> Arc<dyn BackendFactory> {
 #[cfg(feature = "mpi")]
 struct MpiFactory;
 
+/// Why `shrink` and `agree` are not available on MPI.
+#[cfg(feature = "mpi")]
+fn no_recovery(ctx: &crate::types::OpCtx) -> crate::error::CommError {
+    crate::error::CommError::Unsupported {
+        backend: "mpi".into(),
+        op: format!(
+            "{} (standard MPI cannot go on after a process failure: that needs ULFM's \
+             MPIX_Comm_shrink / MPIX_Comm_agree, which Open MPI and MPICH ship only as \
+             extensions; restart the job instead: dtrun or mpirun with a checkpoint)",
+            ctx.op
+        ),
+    }
+}
+
 /// What the MPI library of this process provides, once the backend started it (the first
 /// `new_comm("mpi", ..)`); `None` before.
 #[cfg(feature = "mpi")]
@@ -161,7 +175,10 @@ mod imp {
         }
 
         fn capabilities(&self) -> Capabilities {
-            crate::cpu::capabilities(false)
+            Capabilities {
+                shrink: false,
+                ..crate::cpu::capabilities(false)
+            }
         }
 
         fn all_reduce(
@@ -291,6 +308,20 @@ mod imp {
             });
             self.run(ctx, true, ops::Split::new(ranks.to_vec(), make))?
                 .wait()
+        }
+
+        fn shrink(
+            &self,
+            ctx: OpCtx,
+            _excluded: &[usize],
+            _name: &str,
+            _options: &CommOptions,
+        ) -> Result<Arc<dyn Backend>> {
+            Err(super::no_recovery(&ctx))
+        }
+
+        fn agree(&self, ctx: OpCtx, _ok: bool) -> Result<crate::Agreement> {
+            Err(super::no_recovery(&ctx))
         }
 
         fn abort(&self, reason: &str) {

@@ -168,6 +168,8 @@ pub enum Optional {
     Scatter,
     /// `ncclCommRevoke` (2.28.7).
     Revoke,
+    /// `ncclCommShrink` (2.27.3).
+    Shrink,
     /// `ncclCommWindowRegister` / `ncclCommWindowDeregister` (2.27).
     Window,
     /// `ncclPutSignal` (2.29).
@@ -186,6 +188,7 @@ impl Optional {
             Optional::Gather => "ncclGather",
             Optional::Scatter => "ncclScatter",
             Optional::Revoke => "ncclCommRevoke",
+            Optional::Shrink => "ncclCommShrink",
             Optional::Window => "ncclCommWindowRegister",
             Optional::PutSignal => "ncclPutSignal",
             Optional::Signal => "ncclSignal",
@@ -193,6 +196,11 @@ impl Optional {
         }
     }
 }
+
+/// `NCCL_SHRINK_DEFAULT`: the parent is healthy and has no operation in flight (`nccl.h`).
+pub const SHRINK_DEFAULT: i32 = 0x00;
+/// `NCCL_SHRINK_ABORT`: the parent had an error; NCCL aborts its in-flight work first.
+pub const SHRINK_ABORT: i32 = 0x01;
 
 /// One enqueuing NCCL call (a collective, a point-to-point op or an RMA op). Counts are in
 /// elements of `dt`; addresses are device addresses.
@@ -417,6 +425,16 @@ pub trait NcclApi: Send + Sync + 'static {
         key: i32,
         out: &AtomicUsize,
         config: &RawConfig,
+    ) -> NcclCode;
+    /// `ncclCommShrink(comm, excluded, n, out, config, flags)`, writing the child handle into
+    /// `out` (possibly later, see `init_rank`); [`NcclCode::UNAVAILABLE`] when absent.
+    fn shrink(
+        &self,
+        comm: RawComm,
+        excluded: &[i32],
+        out: &AtomicUsize,
+        config: &RawConfig,
+        flags: i32,
     ) -> NcclCode;
     /// `ncclCommGetAsyncError`: the communicator's state (`ncclInProgress` while a nonblocking
     /// call runs); a failure of the query itself is returned as the state.

@@ -214,6 +214,13 @@ impl NcclBackend {
                 bootstrap_timeout: options.bootstrap_timeout,
             },
         );
+        let shrinkable = options
+            .hints
+            .get("nccl.shrinkable")
+            .is_some_and(|v| v.trim() == "1");
+        if shrinkable && !core.set_shrinkable(true) {
+            tracing::warn!(comm = name, rank, version = %gates.version, "hint nccl.shrinkable needs NCCL >= 2.28.7 (ncclCommRevoke and ncclCommShrink): a failed communicator is aborted at once and cannot be shrunk");
+        }
         if let Err(e) = core.spawn_watchdog() {
             core.abort("the watchdog could not start");
             let mut st = core.lock();
@@ -420,6 +427,7 @@ impl Backend for NcclBackend {
             rma_get: false,
             rma_signal: windows,
             abort: true,
+            shrink: self.core().gates.shrink,
             dtypes: dtype_names(&SUPPORTED_DTYPES),
         }
     }
@@ -885,6 +893,43 @@ impl Backend for NcclBackend {
             options,
         )?;
         Ok(Some(b as Arc<dyn Backend>))
+    }
+
+    fn shrink(
+        &self,
+        ctx: OpCtx,
+        excluded: &[usize],
+        name: &str,
+        options: &CommOptions,
+    ) -> Result<Arc<dyn Backend>> {
+        // NCCL keeps the survivors' order and renumbers them from 0.
+        let me = self.rank();
+        let rank = me - excluded.iter().filter(|&&r| r < me).count();
+        let size = self.size() - excluded.len();
+        let core = self.core();
+        let spec = ConfigSpec::from_hints(name, &options.hints, core.gates.comm_name)
+            .map_err(|e| boot(name, me, e))?;
+        let raw = core.shrink(&ctx, excluded, rank, size, &spec)?;
+        let streams = match CudaStreams::new(&self.cuda) {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                core.api.abort(raw);
+                return Err(boot(name, rank, format!("CUDA: {e}")));
+            }
+        };
+        let b = Self::wrap(
+            core.api.clone(),
+            streams,
+            &self.cuda,
+            &self.device,
+            core.gates,
+            raw,
+            name,
+            rank,
+            size,
+            options,
+        )?;
+        Ok(b as Arc<dyn Backend>)
     }
 
     fn new_window(&self, ctx: OpCtx, bytes: usize) -> Result<Arc<dyn WindowBackend>> {

@@ -38,7 +38,7 @@ pub const API_MAGIC: u32 = 0xcafe_beef;
 pub const CONFIG_VERSION: u32 = 22800;
 
 /// The hint keys this backend understands.
-pub const HINT_KEYS: [&str; 10] = [
+pub const HINT_KEYS: [&str; 11] = [
     "nccl.cga_cluster_size",
     "nccl.min_ctas",
     "nccl.max_ctas",
@@ -49,6 +49,7 @@ pub const HINT_KEYS: [&str; 10] = [
     "nccl.cta_policy",
     "nccl.nvls_ctas",
     "nccl.blocking",
+    "nccl.shrinkable",
 ];
 
 /// `ncclConfig_t` as laid out by NCCL 2.28-2.30 (cudarc's `ncclConfig_v22800`).
@@ -129,6 +130,10 @@ pub struct ConfigSpec {
     pub cta_policy: Option<i32>,
     /// `nvlsCTAs`.
     pub nvls_ctas: Option<i32>,
+    /// Not an NCCL field (hint `nccl.shrinkable=1`): a communicator that fails is revoked and
+    /// kept, not aborted, so that `Comm::shrink` can still rebuild it (`NCCL_SHRINK_ABORT`);
+    /// it is aborted when dropped. Needs NCCL >= 2.28.7 (`ncclCommRevoke` stops its kernels).
+    pub shrinkable: bool,
 }
 
 fn parse_int(key: &str, value: &str, lo: i32, hi: i32) -> Result<i32, String> {
@@ -173,6 +178,7 @@ impl ConfigSpec {
             collnet_enable: None,
             cta_policy: None,
             nvls_ctas: None,
+            shrinkable: false,
         };
         for (key, value) in hints.iter().filter(|(k, _)| k.starts_with("nccl.")) {
             let k = key.as_str();
@@ -188,6 +194,7 @@ impl ConfigSpec {
                 "nccl.collnet_enable" => spec.collnet_enable = Some(parse_int(k, value, 0, 1)?),
                 "nccl.cta_policy" => spec.cta_policy = Some(parse_int(k, value, 0, i32::MAX)?),
                 "nccl.nvls_ctas" => spec.nvls_ctas = Some(parse_int(k, value, 1, i32::MAX)?),
+                "nccl.shrinkable" => spec.shrinkable = parse_int(k, value, 0, 1)? == 1,
                 "nccl.blocking" => {
                     if parse_int(k, value, 0, 1)? == 1 {
                         return Err("hint nccl.blocking=1 is not supported: the nccl backend \

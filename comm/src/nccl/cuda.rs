@@ -53,6 +53,14 @@ type RootedFn = unsafe extern "C" fn(
     sys::cudaStream_t,
 ) -> c_uint;
 type RevokeFn = unsafe extern "C" fn(sys::ncclComm_t, c_int) -> c_uint;
+type ShrinkFn = unsafe extern "C" fn(
+    sys::ncclComm_t,
+    *mut c_int,
+    c_int,
+    *mut sys::ncclComm_t,
+    *mut sys::ncclConfig_t,
+    c_int,
+) -> c_uint;
 type WinRegisterFn =
     unsafe extern "C" fn(sys::ncclComm_t, *mut c_void, usize, *mut *mut c_void, c_int) -> c_uint;
 type WinDeregisterFn = unsafe extern "C" fn(sys::ncclComm_t, *mut c_void) -> c_uint;
@@ -166,6 +174,7 @@ impl CudarcApi {
                 Optional::Gather,
                 Optional::Scatter,
                 Optional::Revoke,
+                Optional::Shrink,
                 Optional::Window,
                 Optional::PutSignal,
                 Optional::Signal,
@@ -258,6 +267,39 @@ impl NcclApi for CudarcApi {
                 (config as *const RawConfig)
                     .cast_mut()
                     .cast::<sys::ncclConfig_t>(),
+            )
+        })
+    }
+
+    fn shrink(
+        &self,
+        comm: RawComm,
+        excluded: &[i32],
+        out: &AtomicUsize,
+        config: &RawConfig,
+        flags: i32,
+    ) -> NcclCode {
+        let Some(p) = self.sym(Optional::Shrink) else {
+            return NcclCode::UNAVAILABLE;
+        };
+        // SAFETY: `p` is the address of `ncclCommShrink` (looked up by name, NCCL >= 2.27.3),
+        // whose C signature is `ShrinkFn`.
+        let f: ShrinkFn = unsafe { std::mem::transmute::<usize, ShrinkFn>(p) };
+        // NCCL sorts the list it is given in place: hand it a copy.
+        let mut list = excluded.to_vec();
+        // SAFETY: `comm` is live (the caller holds its issue lock, checked it is not torn
+        // down); `list` holds `len` ints and outlives the call (NCCL reads it during the call
+        // only); `out` and `config` as in `split`.
+        code(unsafe {
+            f(
+                comm_ptr(comm),
+                list.as_mut_ptr(),
+                list.len() as c_int,
+                out.as_ptr().cast::<sys::ncclComm_t>(),
+                (config as *const RawConfig)
+                    .cast_mut()
+                    .cast::<sys::ncclConfig_t>(),
+                flags,
             )
         })
     }

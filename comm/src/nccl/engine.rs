@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::api::{Call, NcclApi, NcclCode, RawComm, RawStream};
+use super::api::{Call, NcclApi, NcclCode, RawComm, RawStream, SHRINK_ABORT, SHRINK_DEFAULT};
 use super::config::ConfigSpec;
 use super::version::Gates;
 use crate::error::{CommError, Result};
@@ -128,6 +128,8 @@ pub(crate) struct CommState {
     pub raw: RawComm,
     /// Aborted or destroyed: no NCCL call may use `raw` any more.
     pub torn_down: bool,
+    /// `ncclCommRevoke` was called (a failed communicator kept for a shrink).
+    pub revoked: bool,
 }
 
 /// The outcome of polling a nonblocking call.
@@ -344,6 +346,8 @@ pub struct Core {
     queue: Mutex<VecDeque<Pending>>,
     cv: Condvar,
     shutdown: AtomicBool,
+    /// A failure revokes the communicator and keeps it for `shrink` instead of aborting it.
+    keep_for_shrink: AtomicBool,
 }
 
 impl Core {
@@ -366,13 +370,24 @@ impl Core {
             state: Mutex::new(CommState {
                 raw,
                 torn_down: false,
+                revoked: false,
             }),
             abort_requested: AtomicBool::new(false),
             failure: Mutex::new(None),
             queue: Mutex::new(VecDeque::new()),
             cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
+            keep_for_shrink: AtomicBool::new(false),
         })
+    }
+
+    /// Hint `nccl.shrinkable`: keep a failed communicator (revoked, not aborted) for
+    /// [`Core::shrink`]. Only where NCCL can revoke it (2.28.7) and shrink it (2.27.3): without
+    /// a revoke, its kernels would spin on a dead peer until the drop. Returns whether it holds.
+    pub fn set_shrinkable(&self, on: bool) -> bool {
+        let on = on && self.gates.shrink && self.gates.revoke;
+        self.keep_for_shrink.store(on, Ordering::Release);
+        on
     }
 
     /// Starts the watchdog thread (it holds the core until teardown is done).
@@ -830,9 +845,143 @@ impl Core {
         }
         if self.abort_requested.load(Ordering::Acquire) {
             let mut st = self.lock();
-            self.teardown_locked(&mut st, false);
+            if self.keep_for_shrink.load(Ordering::Acquire) {
+                self.revoke_locked(&mut st);
+            } else {
+                self.teardown_locked(&mut st, false);
+            }
         }
         busy
+    }
+
+    /// Revokes the communicator once (stops its in-flight kernels; the handle stays valid for
+    /// a shrink or an abort). Called with the issue lock held.
+    fn revoke_locked(&self, st: &mut CommState) {
+        if st.torn_down || st.revoked || st.raw.is_null() || !self.gates.revoke {
+            return;
+        }
+        st.revoked = true;
+        let api = &*self.api;
+        if let Err(e) = self.streams.bind() {
+            tracing::warn!(comm = %self.name, rank = self.rank, error = %e, "could not bind the CUDA context to revoke");
+        }
+        let code = api.revoke(st.raw);
+        if code == NcclCode::IN_PROGRESS {
+            let _ = wait_ready(api, st.raw, Instant::now() + Duration::from_secs(5), None);
+        }
+    }
+
+    /// `ncclCommShrink` without `excluded` (sorted ranks of this communicator): the child in
+    /// which this rank is `rank` of `expected`. `NCCL_SHRINK_ABORT` when this communicator has
+    /// failed (it must have been kept: hint `nccl.shrinkable`), `NCCL_SHRINK_DEFAULT` when it
+    /// is healthy and idle. Polled under `ctx.timeout` (the bootstrap timeout). The parent is
+    /// left as it is: its owner drops it (and a failed one is then aborted, never destroyed).
+    ///
+    /// # Errors
+    ///
+    /// [`CommError::Unsupported`] before NCCL 2.27.3; [`CommError::Aborted`] when the failed
+    /// parent was already aborted; [`CommError::InvalidArgument`] for a healthy parent with
+    /// work in flight (NCCL would deadlock); [`CommError::Bootstrap`] / [`CommError::Timeout`]
+    /// when NCCL fails or never finishes (the child is aborted).
+    pub fn shrink(
+        &self,
+        ctx: &OpCtx,
+        excluded: &[usize],
+        rank: usize,
+        expected: usize,
+        spec: &ConfigSpec,
+    ) -> Result<RawComm> {
+        if !self.gates.shrink {
+            return Err(CommError::Unsupported {
+                backend: "nccl".into(),
+                op: format!(
+                    "{} (ncclCommShrink needs NCCL >= 2.27.3; this is {})",
+                    ctx.op, self.gates.version
+                ),
+            });
+        }
+        let st = self.lock();
+        let failed = self.failure();
+        if st.torn_down {
+            return Err(CommError::Aborted {
+                ctx: ctx.clone(),
+                reason: format!(
+                    "the communicator was already aborted ({}), and ncclCommShrink needs its \
+                     handle: create it with hint nccl.shrinkable=1 (NCCL >= 2.28.7) to keep a \
+                     failed communicator for a shrink",
+                    failed.unwrap_or_default()
+                ),
+            });
+        }
+        let flags = if failed.is_some() || self.abort_requested.load(Ordering::Acquire) {
+            SHRINK_ABORT
+        } else {
+            let pending = self.pending();
+            if pending > 0 {
+                return Err(CommError::invalid(
+                    ctx,
+                    format!(
+                        "{pending} operation(s) in flight: a healthy communicator is shrunk \
+                         only when idle (NCCL_SHRINK_DEFAULT would deadlock); wait for them"
+                    ),
+                ));
+            }
+            SHRINK_DEFAULT
+        };
+        let api = &*self.api;
+        self.streams.bind().map_err(|e| CommError::Bootstrap {
+            comm: self.name.to_string(),
+            reason: format!("rank {}: CUDA: {e}", self.rank),
+        })?;
+        let boot = |code: NcclCode, raw: RawComm| {
+            super::errors::bootstrap_error(
+                &self.name,
+                self.rank,
+                "ncclCommShrink",
+                code,
+                &detail(api, raw),
+            )
+        };
+        let timed_out = || CommError::Timeout {
+            ctx: ctx.clone(),
+            timeout: ctx.timeout,
+            missing: Vec::new(),
+        };
+        let deadline = Instant::now() + ctx.timeout;
+        let out = Box::new(AtomicUsize::new(0));
+        let list: Vec<i32> = excluded.iter().map(|&r| r as i32).collect();
+        let config = spec.raw();
+        let code = api.shrink(st.raw, &list, &out, &config, flags);
+        if !code.is_success() && code != NcclCode::IN_PROGRESS {
+            Box::leak(out);
+            return Err(boot(code, st.raw));
+        }
+        let Some(child) = wait_handle(&out, deadline) else {
+            Box::leak(out);
+            return Err(timed_out());
+        };
+        drop(st);
+        match wait_ready(api, child, deadline, None) {
+            Ready::Ok => {}
+            Ready::Failed(c) => {
+                let e = boot(c, child);
+                api.abort(child);
+                return Err(e);
+            }
+            Ready::TimedOut | Ready::AbortRequested => {
+                api.abort(child);
+                return Err(timed_out());
+            }
+        }
+        if let Err(e) = check_shape(api, child, rank, expected) {
+            api.abort(child);
+            return Err(CommError::Bootstrap {
+                comm: ctx.comm.to_string(),
+                reason: format!("rank {}: {e}", self.rank),
+            });
+        }
+        tracing::info!(comm = %self.name, rank = self.rank, ?excluded, abort = flags == SHRINK_ABORT, "ncclCommShrink done");
+        Ok(child)
     }
 
     /// The in-flight operations, for the failure log.
@@ -881,7 +1030,7 @@ impl Core {
             }
             tracing::warn!(comm = %self.name, rank = self.rank, %code, "ncclCommFinalize did not complete; aborting instead");
         }
-        if self.gates.revoke {
+        if self.gates.revoke && !st.revoked {
             // Stops in-flight kernels first (NCCL >= 2.28.7); abort then frees everything.
             // Never finalize after revoke (NCCL forbids it), only abort.
             let code = api.revoke(st.raw);

@@ -29,6 +29,11 @@ pub enum Logged {
     Finalize(RawComm),
     Destroy(RawComm),
     Revoke(RawComm),
+    Shrink {
+        comm: RawComm,
+        excluded: Vec<i32>,
+        flags: i32,
+    },
     GroupStart,
     GroupEnd,
     Enqueue(Call),
@@ -221,6 +226,31 @@ impl NcclApi for MockApi {
         if color >= 0 && (code.is_success() || code == NcclCode::IN_PROGRESS) {
             // Reported as rank `key` of size -1 unless the test set the shape.
             self.new_handle(&mut st, out, key, -1);
+        }
+        code
+    }
+
+    fn shrink(
+        &self,
+        comm: RawComm,
+        excluded: &[i32],
+        out: &AtomicUsize,
+        _config: &RawConfig,
+        flags: i32,
+    ) -> NcclCode {
+        let mut st = self.st();
+        if st.missing.contains(&Optional::Shrink) {
+            return NcclCode::UNAVAILABLE;
+        }
+        st.log.push(Logged::Shrink {
+            comm,
+            excluded: excluded.to_vec(),
+            flags,
+        });
+        let code = st.split_code.take().unwrap_or(NcclCode::IN_PROGRESS);
+        if code.is_success() || code == NcclCode::IN_PROGRESS {
+            // Reported as rank -1 of -1 unless the test set the shape.
+            self.new_handle(&mut st, out, -1, -1);
         }
         code
     }

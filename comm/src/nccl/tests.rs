@@ -713,3 +713,92 @@ fn a_split_rejected_by_nccl_is_a_bootstrap_error_naming_the_rank() {
     );
     assert!(f.core.failure().is_some());
 }
+
+#[test]
+fn shrink_of_a_healthy_idle_communicator_uses_the_default_flag() {
+    use super::api::SHRINK_DEFAULT;
+    let f = fixture();
+    let spec = ConfigSpec::from_hints("tp", &Default::default(), true).unwrap();
+    let c = ctx(OpName::Shrink, 2, Duration::from_secs(2));
+    // This is rank 1 of 4; without rank 0 it becomes rank 0 of 3.
+    f.api.set_next_shape(0, 3);
+    let child = f.core.shrink(&c, &[0], 0, 3, &spec).unwrap();
+    assert!(f.api.log().contains(&Logged::Shrink {
+        comm: f.raw,
+        excluded: vec![0],
+        flags: SHRINK_DEFAULT
+    }));
+    assert_ne!(child, f.raw);
+    assert!(f.core.failure().is_none(), "the parent stays usable");
+    // A child NCCL numbered differently is refused (and aborted).
+    f.api.set_next_shape(2, 3);
+    let e = f.core.shrink(&c, &[0], 0, 3, &spec).unwrap_err();
+    assert!(e.to_string().contains("should be rank 0 of 3"), "{e}");
+    // Work in flight on a healthy parent: NCCL_SHRINK_DEFAULT would deadlock.
+    let _in_flight = f
+        .core
+        .issue(
+            ctx(OpName::AllReduce, 3, Duration::from_secs(5)),
+            all_reduce(1),
+            Delivery::Published(()),
+            Box::new(()),
+        )
+        .unwrap();
+    let e = f.core.shrink(&c, &[0], 0, 3, &spec).unwrap_err();
+    assert!(matches!(e, CommError::InvalidArgument { .. }), "{e}");
+}
+
+#[test]
+fn a_shrinkable_communicator_is_revoked_on_failure_and_shrunk_with_abort() {
+    use super::api::SHRINK_ABORT;
+    let f = fixture();
+    assert!(f.core.set_shrinkable(true));
+    f.core.abort("rank 3 died");
+    f.core.poll_once(Instant::now());
+    f.core.poll_once(Instant::now());
+    // Kept for the shrink: revoked once, not aborted.
+    assert_eq!(f.api.count(|l| *l == Logged::Revoke(f.raw)), 1);
+    assert_eq!(f.api.count(|l| *l == Logged::Abort(f.raw)), 0);
+    let spec = ConfigSpec::from_hints("tp", &Default::default(), true).unwrap();
+    let c = ctx(OpName::Shrink, 2, Duration::from_secs(2));
+    f.api.set_next_shape(1, 3);
+    f.core.shrink(&c, &[3], 1, 3, &spec).unwrap();
+    assert!(f.api.log().contains(&Logged::Shrink {
+        comm: f.raw,
+        excluded: vec![3],
+        flags: SHRINK_ABORT
+    }));
+    // The failed parent is aborted (never finalized) when its owner lets go of it.
+    let mut st = f.core.lock();
+    f.core.teardown_locked(&mut st, true);
+    drop(st);
+    assert_eq!(f.api.count(|l| *l == Logged::Abort(f.raw)), 1);
+    assert_eq!(f.api.count(|l| *l == Logged::Revoke(f.raw)), 1);
+    assert_eq!(f.api.count(|l| matches!(l, Logged::Finalize(_))), 0);
+}
+
+#[test]
+fn shrink_needs_the_version_and_a_kept_parent() {
+    let spec = ConfigSpec::from_hints("tp", &Default::default(), true).unwrap();
+    let c = ctx(OpName::Shrink, 2, Duration::from_secs(2));
+    let old = fixture_with(NcclVersion::new(2, 27, 2));
+    let e = old.core.shrink(&c, &[0], 0, 3, &spec).unwrap_err();
+    assert!(
+        matches!(e, CommError::Unsupported { .. }) && e.to_string().contains("2.27.3"),
+        "{e}"
+    );
+    // 2.27.3 shrinks but cannot revoke: a failed communicator is aborted at once.
+    let mid = fixture_with(NcclVersion::new(2, 27, 3));
+    assert!(!mid.core.set_shrinkable(true));
+    // Without the hint a failure aborts the communicator, and the shrink says why it cannot.
+    let f = fixture();
+    f.core.abort("rank 3 died");
+    f.core.poll_once(Instant::now());
+    assert_eq!(f.api.count(|l| *l == Logged::Abort(f.raw)), 1);
+    let e = f.core.shrink(&c, &[3], 1, 3, &spec).unwrap_err();
+    assert!(
+        matches!(e, CommError::Aborted { .. }) && e.to_string().contains("nccl.shrinkable"),
+        "{e}"
+    );
+    assert_eq!(f.api.count(|l| matches!(l, Logged::Shrink { .. })), 0);
+}

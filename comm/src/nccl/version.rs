@@ -82,6 +82,8 @@ pub struct Gates {
     pub gather_scatter: bool,
     /// `ncclCommRevoke` (2.28.7): abort revokes in-flight work first.
     pub revoke: bool,
+    /// `ncclCommShrink` (2.27.3): `Comm::shrink`.
+    pub shrink: bool,
     /// Windows: `ncclCommWindowRegister` (2.27) and `ncclPutSignal` / `ncclSignal` /
     /// `ncclWaitSignal` (2.29).
     pub windows: bool,
@@ -99,6 +101,7 @@ impl Gates {
                 && has(Optional::Gather)
                 && has(Optional::Scatter),
             revoke: version.at_least(2, 28, 7) && has(Optional::Revoke),
+            shrink: version.at_least(2, 27, 3) && has(Optional::Shrink),
             windows: version.at_least(2, 29, 0)
                 && has(Optional::Window)
                 && has(Optional::PutSignal)
@@ -177,7 +180,13 @@ mod tests {
         let g = Gates::new(NcclVersion::new(2, 29, 0), all);
         assert!(g.windows);
         let g = Gates::new(NcclVersion::new(2, 26, 2), all);
-        assert!(!g.comm_name);
+        assert!(!g.comm_name && !g.shrink);
+        let g = Gates::new(NcclVersion::new(2, 27, 2), all);
+        assert!(!g.shrink, "shrink needs 2.27.3");
+        let g = Gates::new(NcclVersion::new(2, 27, 3), all);
+        assert!(g.shrink && !g.revoke);
+        let g = Gates::new(NcclVersion::new(2, 30, 7), |f| f != Optional::Shrink);
+        assert!(!g.shrink);
         // A new enough version without the export (a stripped or mismatched library).
         let g = Gates::new(NcclVersion::new(2, 30, 7), |f| f != Optional::AllToAll);
         assert!(!g.all_to_all && g.gather_scatter && g.windows);

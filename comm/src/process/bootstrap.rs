@@ -1,40 +1,56 @@
-//! Full-mesh bootstrap of a process communicator through the store (Gloo's
-//! `connectFullMesh`).
+//! Full-mesh bootstrap of a process communicator (Gloo's `connectFullMesh`), authenticated.
 //!
-//! Every rank binds a listener on an ephemeral port and publishes `"<ip>:<port>"` under
-//! `"<ns>/addr/<rank>"`, then waits for every rank's key: a rank that never starts is named
-//! here. Rank i dials every rank j < i and accepts one connection from every rank j > i (both
-//! at once, so the chain of dials cannot serialize). A dialer sends
-//! `MAGIC: u32 | VERSION: u8 | ns: u32 len + bytes | rank: u32 | size: u32`; the acceptor checks
-//! the namespace, size and rank (strays and duplicates are dropped, not trusted) and answers
-//! `MAGIC: u32 | rank: u32`. Everything is bounded by the bootstrap deadline.
+//! Every rank binds a listener on an ephemeral port ([`bind`]). A `new_comm` publishes
+//! `"<ip>:<port>"` under `"<ns>/addr/<rank>"` in the store and waits for every rank's key: a
+//! rank that never starts is named here ([`addresses_from_store`]); a split or a shrink learns
+//! its peers' addresses over the parent communicator instead, so neither needs the store (whose
+//! host, rank 0, may be the rank that died). Then rank i dials every rank j < i and accepts one
+//! connection from every rank j > i (both at once, so the chain of dials cannot serialize):
+//! [`connect`].
+//!
+//! The handshake (all integers little-endian):
+//!
+//! 1. dialer: `MAGIC: u32 | VERSION: u8 | ns: u32 len + bytes | rank: u32 | size: u32 | nonce_d`
+//! 2. acceptor (after checking namespace, size and rank; strays and duplicates are dropped):
+//!    `MAGIC: u32 | rank: u32 | nonce_a | proof("accept")`
+//! 3. dialer (after checking the proof): `proof("dial")`
+//! 4. acceptor (after checking it): `1: u8`
+//!
+//! A proof is HMAC-SHA256 of the job token over the role, the namespace, both ranks, the size
+//! and both nonces ([`crate::auth`]): the token never travels, a proof is good for one
+//! connection only, and one role's proof is no use for the other. A connection that fails
+//! the check is dropped and logged; the bootstrap goes on waiting for the real peer. Everything
+//! is bounded by the bootstrap deadline.
 
 use std::io::{ErrorKind, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use crate::auth::{nonce, Token, NONCE, PROOF};
 use crate::error::{CommError, Result};
 use crate::store::{read_full, Store, StoreError};
 use crate::types::OpCtx;
 
 const MAGIC: u32 = 0x4d54_4443; // "CDTM"
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 
-/// Where and as whom to connect.
+/// Who connects to whom, and how to name ranks in errors.
 pub(crate) struct MeshSpec<'a> {
-    /// The store, already namespaced for this communicator.
-    pub store: &'a dyn Store,
-    /// The namespace string (checked in the handshake).
+    /// The namespace string (checked in the handshake and in the proofs).
     pub ns: &'a str,
     pub rank: usize,
     pub size: usize,
-    /// The address peers dial to reach this rank.
-    pub ip: IpAddr,
-    /// The context errors are reported in (`new_comm` or `split`), with the bootstrap timeout.
+    /// The job's secret.
+    pub token: &'a Token,
+    /// The context errors are reported in (`new_comm`, `split` or `shrink`), with the
+    /// bootstrap timeout.
     pub ctx: &'a OpCtx,
     pub deadline: Instant,
     /// Maps a rank of the new communicator to the rank errors should name.
     pub name_rank: &'a (dyn Fn(usize) -> usize + Sync),
+    /// Shrink: a peer this returns `Some(why)` for is known dead (the parent lost it), and
+    /// one that cannot be reached is not an error: [`connect`] reports both as lost instead.
+    pub tolerate: Option<&'a (dyn Fn(usize) -> Option<String> + Sync)>,
 }
 
 fn boot(spec: &MeshSpec, reason: String) -> CommError {
@@ -54,20 +70,30 @@ fn timeout(spec: &MeshSpec, missing: impl IntoIterator<Item = usize>) -> CommErr
     }
 }
 
-/// Connects rank `spec.rank` to every other rank; returns the streams indexed by peer rank.
-pub(crate) fn connect_mesh(spec: &MeshSpec) -> Result<Vec<Option<TcpStream>>> {
-    let (rank, size) = (spec.rank, spec.size);
-    let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
-    if size == 1 {
-        return Ok(streams);
-    }
-    let listener = TcpListener::bind(SocketAddr::new(spec.ip, 0))
-        .map_err(|e| boot(spec, format!("cannot listen on {}: {e}", spec.ip)))?;
-    let local = listener
+/// A listener on an ephemeral port of `ip`, and its address.
+pub(crate) fn bind(ip: IpAddr, comm: &str) -> Result<(TcpListener, SocketAddr)> {
+    let err = |reason: String| CommError::Bootstrap {
+        comm: comm.to_string(),
+        reason,
+    };
+    let l = TcpListener::bind(SocketAddr::new(ip, 0))
+        .map_err(|e| err(format!("cannot listen on {ip}: {e}")))?;
+    let a = l
         .local_addr()
-        .map_err(|e| boot(spec, format!("listener address: {e}")))?;
-    spec.store
-        .set(&format!("addr/{rank}"), local.to_string().as_bytes())
+        .map_err(|e| err(format!("listener address: {e}")))?;
+    Ok((l, a))
+}
+
+/// Publishes `mine` under `addr/<rank>` of `store` (namespaced for this communicator) and
+/// returns every rank's address, once all are there.
+pub(crate) fn addresses_from_store(
+    spec: &MeshSpec,
+    store: &dyn Store,
+    mine: SocketAddr,
+) -> Result<Vec<SocketAddr>> {
+    let (rank, size) = (spec.rank, spec.size);
+    store
+        .set(&format!("addr/{rank}"), mine.to_string().as_bytes())
         .map_err(|e| boot(spec, e.to_string()))?;
     let keys: Vec<String> = (0..size).map(|r| format!("addr/{r}")).collect();
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -82,7 +108,7 @@ pub(crate) fn connect_mesh(spec: &MeshSpec) -> Result<Vec<Option<TcpStream>>> {
     let mut last_missing: Option<Vec<usize>> = None;
     loop {
         let left = spec.deadline.saturating_duration_since(Instant::now());
-        match spec.store.wait(&refs, left.min(Duration::from_millis(250))) {
+        match store.wait(&refs, left.min(Duration::from_millis(250))) {
             Ok(()) => break,
             Err(StoreError::Timeout { missing, .. }) => {
                 let m = ranks_of(&missing);
@@ -109,50 +135,85 @@ pub(crate) fn connect_mesh(spec: &MeshSpec) -> Result<Vec<Option<TcpStream>>> {
             }
         }
     }
-    let mut addrs = Vec::with_capacity(rank);
-    for r in 0..rank {
-        let v = spec
-            .store
-            .get(&format!("addr/{r}"))
-            .map_err(|e| boot(spec, e.to_string()))?;
-        let a: SocketAddr = std::str::from_utf8(&v)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| boot(spec, format!("rank {r} published a bad address {v:?}")))?;
-        addrs.push(a);
+    (0..size)
+        .map(|r| {
+            let v = store
+                .get(&format!("addr/{r}"))
+                .map_err(|e| boot(spec, e.to_string()))?;
+            parse_addr(&v)
+                .ok_or_else(|| boot(spec, format!("rank {r} published a bad address {v:?}")))
+        })
+        .collect()
+}
+
+/// Parses a published `"<ip>:<port>"`.
+pub(crate) fn parse_addr(v: &[u8]) -> Option<SocketAddr> {
+    std::str::from_utf8(v).ok().and_then(|s| s.parse().ok())
+}
+
+/// The streams of a connected mesh, indexed by peer rank (`None` at this rank and at lost
+/// peers), and the peers found lost (only with [`MeshSpec::tolerate`]).
+pub(crate) type Mesh = (Vec<Option<TcpStream>>, Vec<(usize, String)>);
+
+/// Connects rank `spec.rank` to every other rank, dialing the lower ones at `addrs[r]`
+/// (`addrs` holds every rank's address; only the lower ones are used) and accepting the
+/// higher ones on `listener`.
+pub(crate) fn connect(
+    spec: &MeshSpec,
+    listener: &TcpListener,
+    addrs: &[SocketAddr],
+) -> Result<Mesh> {
+    let (rank, size) = (spec.rank, spec.size);
+    let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+    let mut lost = Vec::new();
+    if size == 1 {
+        return Ok((streams, lost));
     }
     let (accepted, dialed) = std::thread::scope(|s| {
-        let acc = s.spawn(|| accept_all(spec, &listener));
-        let dialed: Result<Vec<TcpStream>> = addrs
-            .iter()
-            .enumerate()
-            .map(|(r, a)| dial(spec, r, *a))
-            .collect();
+        let acc = s.spawn(|| accept_all(spec, listener));
+        let dialed: Vec<(usize, Result<TcpStream>)> =
+            (0..rank).map(|r| (r, dial(spec, r, addrs[r]))).collect();
         let accepted = acc
             .join()
             .unwrap_or_else(|_| Err(boot(spec, "the accept thread panicked".into())));
         (accepted, dialed)
     });
-    for (r, s) in dialed?.into_iter().enumerate() {
+    for (r, s) in dialed {
+        match (s, spec.tolerate) {
+            (Ok(s), _) => streams[r] = Some(s),
+            (Err(e), Some(_)) => lost.push((r, format!("could not connect to it: {e}"))),
+            (Err(e), None) => return Err(e),
+        }
+    }
+    let (got, missing) = accepted?;
+    for (r, s) in got {
         streams[r] = Some(s);
     }
-    for (r, s) in accepted? {
-        streams[r] = Some(s);
+    for (r, why) in missing {
+        lost.push((r, why));
     }
-    Ok(streams)
+    lost.sort();
+    Ok((streams, lost))
 }
 
 fn dial(spec: &MeshSpec, peer: usize, addr: SocketAddr) -> Result<TcpStream> {
     let mut last = String::new();
     while Instant::now() < spec.deadline {
+        if let Some(why) = spec.tolerate.and_then(|t| t(peer)) {
+            return Err(boot(spec, why));
+        }
         let left = spec.deadline.saturating_duration_since(Instant::now());
         match TcpStream::connect_timeout(
             &addr,
             left.clamp(Duration::from_millis(10), Duration::from_secs(2)),
         ) {
-            Ok(mut s) => match handshake_dial(spec, &mut s) {
+            Ok(mut s) => match handshake_dial(spec, peer, &mut s) {
                 Ok(()) => return Ok(s),
                 Err(e) if e.kind() == ErrorKind::TimedOut => return Err(timeout(spec, [peer])),
+                Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+                    tracing::warn!(%addr, error = %e, "mesh peer failed the token check");
+                    last = e.to_string();
+                }
                 Err(e) => last = e.to_string(),
             },
             Err(e) => last = e.to_string(),
@@ -172,10 +233,34 @@ fn dial(spec: &MeshSpec, peer: usize, addr: SocketAddr) -> Result<TcpStream> {
     }
 }
 
-fn handshake_dial(spec: &MeshSpec, s: &mut TcpStream) -> std::io::Result<()> {
+fn bad(m: impl Into<String>) -> std::io::Error {
+    std::io::Error::new(ErrorKind::InvalidData, m.into())
+}
+
+fn denied(m: impl Into<String>) -> std::io::Error {
+    std::io::Error::new(ErrorKind::PermissionDenied, m.into())
+}
+
+/// What a proof covers.
+fn proof_parts<'a>(
+    spec: &'a MeshSpec,
+    dialer: &'a [u8; 4],
+    acceptor: &'a [u8; 4],
+    size: &'a [u8; 4],
+    nonce_d: &'a [u8],
+    nonce_a: &'a [u8],
+) -> [&'a [u8]; 6] {
+    [spec.ns.as_bytes(), dialer, acceptor, size, nonce_d, nonce_a]
+}
+
+const ROLE_ACCEPT: &str = "cdt-mesh-accept";
+const ROLE_DIAL: &str = "cdt-mesh-dial";
+
+fn handshake_dial(spec: &MeshSpec, peer: usize, s: &mut TcpStream) -> std::io::Result<()> {
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(Duration::from_millis(100)))?;
     s.set_write_timeout(Some(Duration::from_secs(2)))?;
+    let nonce_d = nonce()?;
     let mut m = Vec::new();
     m.extend_from_slice(&MAGIC.to_le_bytes());
     m.push(VERSION);
@@ -183,32 +268,82 @@ fn handshake_dial(spec: &MeshSpec, s: &mut TcpStream) -> std::io::Result<()> {
     m.extend_from_slice(spec.ns.as_bytes());
     m.extend_from_slice(&(spec.rank as u32).to_le_bytes());
     m.extend_from_slice(&(spec.size as u32).to_le_bytes());
+    m.extend_from_slice(&nonce_d);
     s.write_all(&m)?;
-    let mut ack = [0u8; 8];
+    let mut ack = [0u8; 8 + NONCE + PROOF];
     read_full(s, &mut ack, Some(spec.deadline), None)?;
     if ack[..4] != MAGIC.to_le_bytes() {
-        return Err(std::io::Error::new(
-            ErrorKind::InvalidData,
-            "bad handshake answer",
+        return Err(bad("bad handshake answer"));
+    }
+    let (d, a, n) = (
+        (spec.rank as u32).to_le_bytes(),
+        (peer as u32).to_le_bytes(),
+        (spec.size as u32).to_le_bytes(),
+    );
+    if ack[4..8] != a {
+        return Err(bad("the answer comes from another rank"));
+    }
+    let nonce_a = &ack[8..8 + NONCE];
+    let parts = proof_parts(spec, &d, &a, &n, &nonce_d, nonce_a);
+    if !spec.token.verify(ROLE_ACCEPT, &parts, &ack[8 + NONCE..]) {
+        return Err(denied(
+            "the listener failed the token check (another job's process, or a wrong token)",
         ));
+    }
+    s.write_all(&spec.token.prove(ROLE_DIAL, &parts))?;
+    let mut ok = [0u8; 1];
+    read_full(s, &mut ok, Some(spec.deadline), None)
+        .map_err(|e| denied(format!("the peer refused our token proof ({e})")))?;
+    if ok[0] != 1 {
+        return Err(denied("the peer refused our token proof"));
     }
     Ok(())
 }
 
-/// Accepts the connections of every rank above this one.
-fn accept_all(spec: &MeshSpec, listener: &TcpListener) -> Result<Vec<(usize, TcpStream)>> {
+/// The connections of every rank above this one, and (with [`MeshSpec::tolerate`]) the ranks
+/// found lost or never seen by the deadline.
+#[allow(clippy::type_complexity)]
+fn accept_all(
+    spec: &MeshSpec,
+    listener: &TcpListener,
+) -> Result<(Vec<(usize, TcpStream)>, Vec<(usize, String)>)> {
     let expected = spec.size - spec.rank - 1;
     let mut got: Vec<(usize, TcpStream)> = Vec::with_capacity(expected);
+    let mut lost: Vec<(usize, String)> = Vec::new();
     if expected == 0 {
-        return Ok(got);
+        return Ok((got, lost));
     }
     listener
         .set_nonblocking(true)
         .map_err(|e| boot(spec, format!("listener: {e}")))?;
-    while got.len() < expected {
+    let waiting = |got: &[(usize, TcpStream)], lost: &[(usize, String)]| {
+        (spec.rank + 1..spec.size)
+            .filter(|r| got.iter().all(|(g, _)| g != r) && lost.iter().all(|(l, _)| l != r))
+            .collect::<Vec<usize>>()
+    };
+    loop {
+        let pending = waiting(&got, &lost);
+        if pending.is_empty() {
+            return Ok((got, lost));
+        }
+        if let Some(t) = spec.tolerate {
+            for r in &pending {
+                if let Some(why) = t(*r) {
+                    lost.push((*r, why));
+                }
+            }
+        }
         if Instant::now() >= spec.deadline {
-            let missing = (spec.rank + 1..spec.size).filter(|r| got.iter().all(|(g, _)| g != r));
-            return Err(timeout(spec, missing));
+            let pending = waiting(&got, &lost);
+            if spec.tolerate.is_some() {
+                lost.extend(
+                    pending
+                        .into_iter()
+                        .map(|r| (r, "it never connected".into())),
+                );
+                return Ok((got, lost));
+            }
+            return Err(timeout(spec, pending));
         }
         match listener.accept() {
             Ok((mut s, from)) => match handshake_accept(spec, &mut s) {
@@ -216,6 +351,9 @@ fn accept_all(spec: &MeshSpec, listener: &TcpListener) -> Result<Vec<(usize, Tcp
                     tracing::warn!(%from, rank = r, "duplicate mesh connection dropped");
                 }
                 Ok(r) => got.push((r, s)),
+                Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+                    tracing::warn!(%from, comm = %spec.ctx.comm, error = %e, "connection failed the token check; dropped");
+                }
                 Err(e) => tracing::warn!(%from, error = %e, "stray connection dropped"),
             },
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
@@ -224,11 +362,9 @@ fn accept_all(spec: &MeshSpec, listener: &TcpListener) -> Result<Vec<(usize, Tcp
             Err(e) => return Err(boot(spec, format!("accept: {e}"))),
         }
     }
-    Ok(got)
 }
 
 fn handshake_accept(spec: &MeshSpec, s: &mut TcpStream) -> std::io::Result<usize> {
-    let bad = |m: String| std::io::Error::new(ErrorKind::InvalidData, m);
     s.set_nonblocking(false)?;
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(Duration::from_millis(100)))?;
@@ -238,27 +374,17 @@ fn handshake_accept(spec: &MeshSpec, s: &mut TcpStream) -> std::io::Result<usize
     let mut head = [0u8; 9];
     read_full(s, &mut head, Some(deadline), None)?;
     if head[..4] != MAGIC.to_le_bytes() || head[4] != VERSION {
-        return Err(bad("not a candle-dtensor mesh handshake".into()));
+        return Err(bad("not a candle-dtensor mesh handshake"));
     }
     let ns_len = u32::from_le_bytes([head[5], head[6], head[7], head[8]]) as usize;
     if ns_len > 4096 {
         return Err(bad(format!("namespace of {ns_len} bytes")));
     }
-    let mut rest = vec![0u8; ns_len + 8];
+    let mut rest = vec![0u8; ns_len + 8 + NONCE];
     read_full(s, &mut rest, Some(deadline), None)?;
     let ns = &rest[..ns_len];
-    let r = u32::from_le_bytes([
-        rest[ns_len],
-        rest[ns_len + 1],
-        rest[ns_len + 2],
-        rest[ns_len + 3],
-    ]) as usize;
-    let n = u32::from_le_bytes([
-        rest[ns_len + 4],
-        rest[ns_len + 5],
-        rest[ns_len + 6],
-        rest[ns_len + 7],
-    ]) as usize;
+    let word = |o: usize| u32::from_le_bytes([rest[o], rest[o + 1], rest[o + 2], rest[o + 3]]);
+    let (r, n) = (word(ns_len) as usize, word(ns_len + 4) as usize);
     if ns != spec.ns.as_bytes() {
         return Err(bad(format!(
             "handshake for communicator {:?}, this is {:?}",
@@ -269,9 +395,132 @@ fn handshake_accept(spec: &MeshSpec, s: &mut TcpStream) -> std::io::Result<usize
     if n != spec.size || r <= spec.rank || r >= spec.size {
         return Err(bad(format!("handshake from rank {r} of {n}")));
     }
-    let mut ack = Vec::with_capacity(8);
+    let nonce_d = &rest[ns_len + 8..];
+    let nonce_a = nonce()?;
+    let (d, a, sz) = (
+        (r as u32).to_le_bytes(),
+        (spec.rank as u32).to_le_bytes(),
+        (spec.size as u32).to_le_bytes(),
+    );
+    let parts = proof_parts(spec, &d, &a, &sz, nonce_d, &nonce_a);
+    let mut ack = Vec::with_capacity(8 + NONCE + PROOF);
     ack.extend_from_slice(&MAGIC.to_le_bytes());
-    ack.extend_from_slice(&(spec.rank as u32).to_le_bytes());
+    ack.extend_from_slice(&a);
+    ack.extend_from_slice(&nonce_a);
+    ack.extend_from_slice(&spec.token.prove(ROLE_ACCEPT, &parts));
     s.write_all(&ack)?;
+    let mut proof = [0u8; PROOF];
+    read_full(s, &mut proof, Some(deadline), None)?;
+    if !spec.token.verify(ROLE_DIAL, &parts, &proof) {
+        return Err(denied(format!(
+            "a connection claiming rank {r} failed the token check"
+        )));
+    }
+    s.write_all(&[1])?;
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec<'a>(
+        ns: &'a str,
+        rank: usize,
+        token: &'a Token,
+        ctx: &'a OpCtx,
+        name_rank: &'a (dyn Fn(usize) -> usize + Sync),
+    ) -> MeshSpec<'a> {
+        MeshSpec {
+            ns,
+            rank,
+            size: 2,
+            token,
+            ctx,
+            deadline: Instant::now() + Duration::from_secs(10),
+            name_rank,
+            tolerate: None,
+        }
+    }
+
+    /// An intruder that knows the namespace and the ranks but not the token, and answers the
+    /// challenge with a proof of its own token, is dropped (never acked) while rank 0's
+    /// bootstrap goes on; the real rank 1 connects after it, and the stream rank 0 gets is
+    /// rank 1's. The intruder never learns the token: what it saw was a nonce and a proof.
+    #[test]
+    fn a_connection_with_a_wrong_token_is_dropped_and_the_real_peer_gets_in() {
+        let good = Token::new(b"the job's token");
+        let wrong = Token::new(b"a guess");
+        let ctx = OpCtx::bootstrap("tok", 0, Duration::from_secs(10));
+        let names = |r: usize| r;
+        let ns = "test/tok";
+        let (l0, a0) = bind(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), "tok").unwrap();
+        let (l1, a1) = bind(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), "tok").unwrap();
+        let addrs = [a0, a1];
+        let (intruder_done_tx, intruder_done) = std::sync::mpsc::channel::<()>();
+        let (mesh0, answer) = std::thread::scope(|s| {
+            let h0 = s.spawn(|| connect(&spec(ns, 0, &good, &ctx, &names), &l0, &addrs));
+            // The intruder: a well-formed hello claiming rank 1, then the proof of its token.
+            let intruder = s.spawn(|| -> std::io::Result<Vec<u8>> {
+                let mut st = TcpStream::connect(a0)?;
+                st.set_read_timeout(Some(Duration::from_secs(5)))?;
+                let nonce_d = nonce()?;
+                let mut m = Vec::new();
+                m.extend_from_slice(&MAGIC.to_le_bytes());
+                m.push(VERSION);
+                m.extend_from_slice(&(ns.len() as u32).to_le_bytes());
+                m.extend_from_slice(ns.as_bytes());
+                m.extend_from_slice(&1u32.to_le_bytes());
+                m.extend_from_slice(&2u32.to_le_bytes());
+                m.extend_from_slice(&nonce_d);
+                st.write_all(&m)?;
+                let mut ack = [0u8; 8 + NONCE + PROOF];
+                std::io::Read::read_exact(&mut st, &mut ack)?;
+                let sp = spec(ns, 1, &wrong, &ctx, &names);
+                let (d, a, n) = (1u32.to_le_bytes(), 0u32.to_le_bytes(), 2u32.to_le_bytes());
+                let parts = proof_parts(&sp, &d, &a, &n, &nonce_d, &ack[8..8 + NONCE]);
+                st.write_all(&wrong.prove(ROLE_DIAL, &parts))?;
+                // What comes back: nothing (the connection is closed), not the `1` of success.
+                let mut rest = Vec::new();
+                let _ = std::io::Read::read_to_end(&mut st, &mut rest);
+                let _ = intruder_done_tx.send(());
+                Ok(rest)
+            });
+            let (good, ctx, names, l1, addrs) = (&good, &ctx, &names, &l1, &addrs);
+            let h1 = s.spawn(move || {
+                // The real rank 1 comes after the intruder was turned away.
+                let _ = intruder_done.recv_timeout(Duration::from_secs(10));
+                let (mut streams, lost) = connect(&spec(ns, 1, good, ctx, names), l1, addrs)?;
+                assert!(lost.is_empty());
+                let s0 = streams[0].as_mut().expect("rank 0's stream");
+                s0.write_all(b"from rank 1")
+                    .map_err(|e| boot_err(e.to_string()))?;
+                Ok::<_, CommError>(())
+            });
+            let answer = intruder.join().unwrap();
+            h1.join().unwrap().expect("rank 1 connects");
+            (h0.join().unwrap(), answer)
+        });
+        let answer = answer.expect("the intruder got as far as sending its proof");
+        assert!(answer.is_empty(), "the intruder was acked: {answer:?}");
+        let (mut streams, lost) = mesh0.expect("rank 0's bootstrap went on");
+        assert!(lost.is_empty());
+        let mut got = [0u8; 11];
+        let s1 = streams[1].as_mut().expect("rank 1's stream");
+        read_full(
+            s1,
+            &mut got,
+            Some(Instant::now() + Duration::from_secs(5)),
+            None,
+        )
+        .unwrap();
+        assert_eq!(&got, b"from rank 1");
+    }
+
+    fn boot_err(reason: String) -> CommError {
+        CommError::Bootstrap {
+            comm: "tok".into(),
+            reason,
+        }
+    }
 }

@@ -33,12 +33,14 @@ mod tests;
 mod transport;
 mod wire;
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 
+use crate::agree::{self, Agreement, Heard, Input, Net};
+use crate::auth::Token;
 use crate::backend::{Backend, BackendFactory, Capabilities, CommOptions};
 use crate::comm::Comm;
 use crate::cpu::queue::Queue;
@@ -48,19 +50,52 @@ use crate::error::{CommError, Result};
 use crate::store::{world_store, PrefixStore, Store};
 use crate::types::{OpCtx, P2POp, ReduceOp};
 use crate::work::Work;
-use bootstrap::{connect_mesh, MeshSpec};
+use bootstrap::MeshSpec;
 use transport::{Exec, Transport};
 
 /// The hint that sets the address peers dial to reach this rank (default: the address this
 /// host uses to reach the store, i.e. 127.0.0.1 for a loopback store).
 pub const HINT_IP: &str = "ip";
 
-/// How a communicator's members find each other: a store (the root of every namespace) and
-/// the address this rank listens on.
+/// The hint that caps the bytes of unconsumed data a rank holds per peer (default
+/// [`DEFAULT_MAX_BUFFERED`]); past it, the peer's further frames wait in the network (TCP flow
+/// control slows its writes).
+pub const HINT_MAX_BUFFERED: &str = "process.max_buffered_bytes";
+
+/// Default of [`HINT_MAX_BUFFERED`]: 256 MiB per peer.
+pub const DEFAULT_MAX_BUFFERED: usize = 256 << 20;
+
+/// How a communicator's members find each other: a store (the root of every namespace), the
+/// address this rank listens on, and the job's token every connection must prove.
 #[derive(Clone)]
 pub(crate) struct Rendezvous {
     store: Arc<dyn Store>,
     ip: IpAddr,
+    token: Token,
+}
+
+/// How the members of a new communicator learn each other's addresses.
+enum Peers<'a> {
+    /// Through the store, under the communicator's namespace (`new_comm`, [`connect`]).
+    Store,
+    /// Already exchanged over the parent (split, shrink): this rank's listener and every
+    /// member's address. `tolerate` (shrink): the peers the parent knows dead, and no error for
+    /// a member that cannot be reached (the new communicator is then born failed, naming it).
+    Known {
+        listener: TcpListener,
+        addrs: Vec<SocketAddr>,
+        tolerate: Option<&'a (dyn Fn(usize) -> Option<String> + Sync)>,
+    },
+}
+
+fn buffer_cap(options: &CommOptions, name: &str) -> Result<usize> {
+    match options.hints.get(HINT_MAX_BUFFERED) {
+        None => Ok(DEFAULT_MAX_BUFFERED),
+        Some(v) => v.parse().map_err(|e| CommError::Bootstrap {
+            comm: name.to_string(),
+            reason: format!("hint {HINT_MAX_BUFFERED}={v:?} is not a byte count: {e}"),
+        }),
+    }
 }
 
 /// The factory behind `new_comm("process", ...)`.
@@ -86,9 +121,22 @@ impl BackendFactory for ProcessFactory {
                 reason: e.to_string(),
             })?,
         };
-        let rdv = Rendezvous { store: client, ip };
+        let rdv = Rendezvous {
+            store: client,
+            ip,
+            token: Token::from_env(),
+        };
         let ns = format!("cdt/new_comm/{name}/{index}");
-        let b = ProcessBackend::bootstrap(rdv, ns, env.rank, env.world_size, name, options, None)?;
+        let b = ProcessBackend::bootstrap(
+            rdv,
+            ns,
+            env.rank,
+            env.world_size,
+            name,
+            options,
+            None,
+            Peers::Store,
+        )?;
         Ok(b)
     }
 }
@@ -105,7 +153,7 @@ fn parse_ip(s: &str, name: &str) -> Result<IpAddr> {
 /// [`PrefixStore`] with a fresh prefix per creation). Collective: every rank calls it.
 ///
 /// Ranks may be processes or threads; the address peers dial is the `"ip"` hint (default
-/// 127.0.0.1).
+/// 127.0.0.1); connections prove the token of [`crate::auth::TOKEN_ENV`].
 ///
 /// # Errors
 ///
@@ -154,8 +202,21 @@ pub fn connect(
         Some(ip) => parse_ip(ip, name)?,
         None => IpAddr::V4(Ipv4Addr::LOCALHOST),
     };
-    let rdv = Rendezvous { store, ip };
-    let b = ProcessBackend::bootstrap(rdv, String::new(), rank, size, name, &options, None)?;
+    let rdv = Rendezvous {
+        store,
+        ip,
+        token: Token::from_env(),
+    };
+    let b = ProcessBackend::bootstrap(
+        rdv,
+        String::new(),
+        rank,
+        size,
+        name,
+        &options,
+        None,
+        Peers::Store,
+    )?;
     Ok(Comm::from_backend(b, name, options))
 }
 
@@ -209,9 +270,11 @@ impl Drop for ProcessBackend {
 }
 
 impl ProcessBackend {
-    /// Connects the mesh under namespace `ns` of `rdv.store` (the empty namespace: the store
-    /// itself) and starts the threads. `parent_ctx` is the split op creating it, if any, and
-    /// `names` maps new ranks to the ranks errors should name.
+    /// Connects the mesh under namespace `ns` (of `rdv.store` when the addresses come from the
+    /// store; the empty namespace: the store itself) and starts the threads. `parent` is the
+    /// split or shrink creating it, if any, with the map from new ranks to the ranks errors
+    /// should name.
+    #[allow(clippy::too_many_arguments)]
     fn bootstrap(
         rdv: Rendezvous,
         ns: String,
@@ -220,6 +283,7 @@ impl ProcessBackend {
         name: &str,
         options: &CommOptions,
         parent: Option<(&OpCtx, &[usize])>,
+        peers: Peers,
     ) -> Result<Arc<ProcessBackend>> {
         let own_ctx;
         let (ctx, names): (&OpCtx, Option<&[usize]>) = match parent {
@@ -229,24 +293,41 @@ impl ProcessBackend {
                 (&own_ctx, None)
             }
         };
-        let scoped: Arc<dyn Store> = if ns.is_empty() {
-            rdv.store.clone()
-        } else {
-            Arc::new(PrefixStore::new(ns.clone(), rdv.store.clone()))
-        };
+        let cap = buffer_cap(options, name)?;
         let name_rank = |r: usize| names.and_then(|n| n.get(r).copied()).unwrap_or(r);
-        let spec = MeshSpec {
-            store: &*scoped,
+        let mut spec = MeshSpec {
             ns: &ns,
             rank,
             size,
-            ip: rdv.ip,
+            token: &rdv.token,
             ctx,
             deadline: Instant::now() + options.bootstrap_timeout,
             name_rank: &name_rank,
+            tolerate: None,
         };
-        let streams = connect_mesh(&spec)?;
-        let t = Transport::start(rank, streams, name, ns, rdv)?;
+        let mesh = match peers {
+            // A world of one talks to nobody.
+            Peers::Store if size == 1 => (vec![None], Vec::new()),
+            Peers::Store => {
+                let scoped: Arc<dyn Store> = if ns.is_empty() {
+                    rdv.store.clone()
+                } else {
+                    Arc::new(PrefixStore::new(ns.clone(), rdv.store.clone()))
+                };
+                let (listener, mine) = bootstrap::bind(rdv.ip, name)?;
+                let addrs = bootstrap::addresses_from_store(&spec, &*scoped, mine)?;
+                bootstrap::connect(&spec, &listener, &addrs)?
+            }
+            Peers::Known {
+                listener,
+                addrs,
+                tolerate,
+            } => {
+                spec.tolerate = tolerate;
+                bootstrap::connect(&spec, &listener, &addrs)?
+            }
+        };
+        let t = Transport::start(rank, mesh, name, ns, rdv, cap)?;
         let queue = Queue::new();
         let core = Arc::new(Core {
             t: t.clone(),
@@ -268,7 +349,49 @@ impl ProcessBackend {
     }
 }
 
+/// One agreement's messages as AGREE frames on the communicator's sockets.
+struct ProcessNet<'a> {
+    t: &'a Transport,
+    instance: u64,
+}
+
+impl Net for ProcessNet<'_> {
+    fn rank(&self) -> usize {
+        self.t.rank
+    }
+
+    fn size(&self) -> usize {
+        self.t.size
+    }
+
+    fn send(&self, peer: usize, round: u32, bytes: &[u8]) {
+        self.t.agree_send(peer, self.instance, round, bytes);
+    }
+
+    fn recv(&self, peer: usize, round: u32, deadline: Instant) -> Heard {
+        self.t.agree_recv(peer, self.instance, round, deadline)
+    }
+}
+
 impl Core {
+    /// Runs agreement number `instance` with `input`, not waiting for `skip` (on the calling
+    /// thread: it must not queue behind an op stuck on a dead peer).
+    fn agreement(
+        &self,
+        instance: u64,
+        input: Input,
+        skip: &std::collections::BTreeSet<usize>,
+        timeout: Duration,
+    ) -> agree::View {
+        let net = ProcessNet {
+            t: &self.t,
+            instance,
+        };
+        let view = agree::agree(&net, input, skip, timeout);
+        self.t.agree_done(instance);
+        view
+    }
+
     /// Queues `body` as the next op; collectives take the next collective index.
     fn submit<T: Send + 'static>(
         &self,
@@ -437,10 +560,14 @@ impl Backend for ProcessBackend {
         let name = name.to_string();
         let options = options.clone();
         let work = self.core.submit(ctx, true, move |x| {
-            ops::exchange_split_lists(x, &ranks)?;
-            if ranks.is_empty() {
+            let listener = match ranks.is_empty() {
+                true => None,
+                false => Some(bootstrap::bind(x.t.rdv.ip, &name)?),
+            };
+            let addrs = ops::exchange_split_lists(x, &ranks, listener.as_ref().map(|l| l.1))?;
+            let Some((listener, _)) = listener else {
                 return Ok(None);
-            }
+            };
             let color = ranks.iter().copied().min().unwrap_or(0);
             let my = ranks.iter().position(|&r| r == x.t.rank).unwrap_or(0);
             // Gloo's scheme: the parent's namespace, the split's collective index, the color.
@@ -461,10 +588,86 @@ impl Backend for ProcessBackend {
                 &name,
                 &opts,
                 Some((x.ctx, &ranks)),
+                Peers::Known {
+                    listener,
+                    addrs,
+                    tolerate: None,
+                },
             )?;
             Ok(Some(b as Arc<dyn Backend>))
         })?;
         work.wait()
+    }
+
+    fn shrink(
+        &self,
+        ctx: OpCtx,
+        excluded: &[usize],
+        name: &str,
+        options: &CommOptions,
+    ) -> Result<Arc<dyn Backend>> {
+        let t = &self.core.t;
+        let instance = t.next_agreement();
+        // Listen first: the address travels with this rank's proposal.
+        let (listener, mine) = bootstrap::bind(t.rdv.ip, name)?;
+        let input = Input {
+            ok: true,
+            excluded: Some(excluded.to_vec()),
+            addr: Some(mine.to_string()),
+        };
+        let view = self.core.agreement(
+            instance,
+            input,
+            &excluded.iter().copied().collect(),
+            ctx.timeout,
+        );
+        let survivors = agree::shrink_verdict(&ctx, &view, t.rank, t.size)?;
+        let parents: Vec<usize> = survivors.iter().map(|(r, _)| *r).collect();
+        let addrs = survivors
+            .iter()
+            .map(|(r, i)| {
+                i.addr
+                    .as_deref()
+                    .and_then(|a| bootstrap::parse_addr(a.as_bytes()))
+                    .ok_or_else(|| CommError::invalid(&ctx, format!("rank {r} sent no address")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let my = parents
+            .iter()
+            .position(|&r| r == t.rank)
+            .ok_or_else(|| CommError::invalid(&ctx, "this rank is not a survivor"))?;
+        let ns = format!("{}/shrink{instance}", t.key);
+        // A member the parent has lost since the agreement is not waited for: the new
+        // communicator is born failed, naming it (every survivor's is: it is gone for all).
+        let tolerate = |r: usize| parents.get(r).and_then(|&p| t.gone_reason(p));
+        let b = ProcessBackend::bootstrap(
+            t.rdv.clone(),
+            ns,
+            my,
+            parents.len(),
+            name,
+            options,
+            Some((&ctx, &parents)),
+            Peers::Known {
+                listener,
+                addrs,
+                tolerate: Some(&tolerate),
+            },
+        )?;
+        Ok(b as Arc<dyn Backend>)
+    }
+
+    fn agree(&self, ctx: OpCtx, ok: bool) -> Result<Agreement> {
+        let input = Input {
+            ok,
+            excluded: None,
+            addr: None,
+        };
+        let instance = self.core.t.next_agreement();
+        let view = self
+            .core
+            .agreement(instance, input, &Default::default(), ctx.timeout);
+        Ok(Agreement::from(&view))
     }
 
     fn abort(&self, reason: &str) {

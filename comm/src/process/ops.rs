@@ -21,6 +21,8 @@
 //! inputs (a pairwise reduce-scatter rather than a ring one keeps that order: the bytes on the
 //! wire are the same, n-1 concurrent transfers instead of n-1 sequential steps).
 
+use std::net::SocketAddr;
+
 use candle_core::{DType, Shape, Tensor};
 
 use super::transport::Exec;
@@ -475,25 +477,68 @@ pub(crate) fn batch_p2p(x: &mut Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
     Ok(received)
 }
 
-/// Sends `mine` to every peer (DATA step 0) and returns every rank's list, in rank order.
-fn share_usizes(x: &Exec, mine: Vec<usize>) -> Result<Vec<Vec<usize>>> {
-    let enc = encode_usizes(&mine);
+/// Sends `mine` to every peer (DATA step 0) and returns every rank's bytes, in rank order.
+fn share_bytes(x: &Exec, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
     for p in peers(x) {
-        x.send(p, 0, &[&enc])?;
+        x.send(p, 0, &[&mine])?;
     }
-    let mut all: Vec<Vec<usize>> = vec![Vec::new(); x.t.size];
+    let mut all: Vec<Vec<u8>> = vec![Vec::new(); x.t.size];
     all[x.t.rank] = mine;
     for p in peers(x) {
-        all[p] = decode_usizes(x.recv(p, 0)?.bytes()).map_err(view_err(x.ctx))?;
+        all[p] = x.recv(p, 0)?.bytes().to_vec();
     }
     Ok(all)
 }
 
-/// The split step on the parent: every rank learns every rank's list; returns the verdict
-/// (the same on every rank).
-pub(crate) fn exchange_split_lists(x: &mut Exec, ranks: &[usize]) -> Result<()> {
+/// [`share_bytes`] of a list of `u64`s.
+fn share_usizes(x: &Exec, mine: Vec<usize>) -> Result<Vec<Vec<usize>>> {
+    share_bytes(x, encode_usizes(&mine))?
+        .iter()
+        .map(|b| decode_usizes(b).map_err(view_err(x.ctx)))
+        .collect()
+}
+
+/// What a rank tells its peers in a split: its list and where it listens for its new group.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SplitPost {
+    ranks: Vec<usize>,
+    addr: Option<String>,
+}
+
+/// The split step on the parent: every rank learns every rank's list (and listener address);
+/// returns the verdict (the same on every rank) and, for a non-empty list, the addresses of
+/// the new group's members in its order. The child connects without the store.
+pub(crate) fn exchange_split_lists(
+    x: &mut Exec,
+    ranks: &[usize],
+    addr: Option<SocketAddr>,
+) -> Result<Vec<SocketAddr>> {
     x.hello(OpDesc::new(OpName::Split))?;
-    let lists = share_usizes(x, ranks.to_vec())?;
+    let mine = SplitPost {
+        ranks: ranks.to_vec(),
+        addr: addr.map(|a| a.to_string()),
+    };
+    let enc = serde_json::to_vec(&mine).map_err(|e| CommError::invalid(x.ctx, e.to_string()))?;
+    let posts: Vec<SplitPost> = share_bytes(x, enc)?
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            serde_json::from_slice(b).map_err(|e| {
+                CommError::invalid(x.ctx, format!("rank {r} sent a bad split list: {e}"))
+            })
+        })
+        .collect::<Result<_>>()?;
     x.t.wait_hellos(x)?;
-    check_split_lists(&lists).map_err(|reason| CommError::invalid(x.ctx, reason))
+    let lists: Vec<Vec<usize>> = posts.iter().map(|p| p.ranks.clone()).collect();
+    check_split_lists(&lists).map_err(|reason| CommError::invalid(x.ctx, reason))?;
+    ranks
+        .iter()
+        .map(|&r| {
+            posts[r]
+                .addr
+                .as_deref()
+                .and_then(|a| a.parse().ok())
+                .ok_or_else(|| CommError::invalid(x.ctx, format!("rank {r} sent no address")))
+        })
+        .collect()
 }

@@ -336,3 +336,131 @@ fn the_conformance_suite_passes_on_thread_ranks() {
         }
     }
 }
+
+/// The live transport of `c` (see [`sever`] for the naming rule).
+fn transport_of(c: &Comm) -> Arc<Transport> {
+    LIVE.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .find(|t| t.rank == c.rank() && t.name == c.name())
+        .expect("a live transport of that name")
+}
+
+/// Rank 3 is killed (its sockets close, as a killed process's do); the survivors see the loss,
+/// agree on it, and shrink around it; rank 2 dies during that shrink (a second failure): the
+/// survivors all report it, shrink again without it, and compute on the 2-rank communicator.
+#[test]
+fn survivors_of_a_killed_rank_agree_shrink_and_survive_a_second_failure() {
+    let got = run(4, opts(10_000, 2_000), |world| {
+        let c = world.split(&[0, 1, 2, 3], "ftshrink")?.ok_or("member")?;
+        c.barrier()?.wait()?;
+        let r = c.rank();
+        if r == 3 {
+            // Let every peer's barrier complete first (it completes when every HELLO arrived).
+            std::thread::sleep(Duration::from_millis(200));
+            sever(&c);
+            return Ok(None);
+        }
+        let x = Tensor::new(&[r as f64 + 0.25], &Device::Cpu)?;
+        let e = c
+            .all_reduce(&x, ReduceOp::Sum)?
+            .wait()
+            .expect_err("rank 3 is gone");
+        assert!(
+            e.to_string().contains("peer rank 3 was lost"),
+            "rank {r}: {e}"
+        );
+        let a = c.agree(true)?;
+        assert_eq!((a.ok, a.failed.clone()), (false, vec![3]), "rank {r}");
+        if r == 2 {
+            sever(&c);
+            return Ok(None);
+        }
+        let t0 = Instant::now();
+        match c.shrink(&[3]) {
+            Err(CommError::RanksLost { lost, .. }) => assert_eq!(lost, vec![2], "rank {r}"),
+            other => panic!(
+                "rank {r}: expected RanksLost, got {:?}",
+                other.map(|c| c.size())
+            ),
+        }
+        let s = c.shrink(&[2, 3])?;
+        let took = t0.elapsed();
+        assert_eq!((s.rank(), s.size(), s.name()), (r, 2, "ftshrink"));
+        let v = s.all_reduce(&x, ReduceOp::Sum)?.wait()?.to_vec1::<f64>()?[0];
+        Ok(Some((v, took)))
+    });
+    for (r, g) in got.into_iter().enumerate() {
+        let g = g.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        if r >= 2 {
+            assert!(g.is_none());
+            continue;
+        }
+        let (v, took) = g.expect("a survivor");
+        assert_eq!(v, 0.25 + 1.25, "rank {r}");
+        // Closed connections are detected at once: no timeout was waited out.
+        assert!(took < Duration::from_secs(2), "rank {r}: {took:?}");
+    }
+}
+
+/// A hung rank (alive, silent) is suspected after the op timeout: every other rank reports it.
+#[test]
+fn a_hung_rank_is_reported_by_the_agreement_after_the_timeout() {
+    let got = run(3, opts(300, 2_000), |world| {
+        let c = world.split(&[0, 1, 2], "fthung")?.ok_or("member")?;
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(1_200));
+            return Ok(None);
+        }
+        Ok(Some(c.agree(true)?))
+    });
+    for (r, g) in got.into_iter().enumerate().take(2) {
+        let a = g
+            .unwrap_or_else(|e| panic!("rank {r}: {e}"))
+            .expect("agreed");
+        assert_eq!((a.ok, a.failed), (false, vec![2]), "rank {r}");
+    }
+}
+
+/// A peer that sends far more than the receiver consumes is held to the cap (TCP flow control
+/// slows it), and every byte still arrives, in order.
+#[test]
+fn a_flooding_peer_is_held_to_the_buffer_cap_and_loses_nothing() {
+    const CAP: usize = 1 << 20;
+    const MSG: usize = 64 * 1024; // f32 elements: 256 KiB per message
+    const COUNT: usize = 24; // 6 MiB in all, six times the cap
+    let options = opts(20_000, 5_000).with_hint(HINT_MAX_BUFFERED, CAP.to_string());
+    let got = run(2, options, |world| {
+        let c = world.split(&[0, 1], "ftflood")?.ok_or("member")?;
+        if c.rank() == 1 {
+            let works = (0..COUNT)
+                .map(|i| {
+                    let x = Tensor::full(i as f32, MSG, &Device::Cpu)?;
+                    Ok(c.send(&x, 0)?)
+                })
+                .collect::<R<Vec<_>>>()?;
+            for w in works {
+                w.wait()?;
+            }
+            return Ok(0);
+        }
+        std::thread::sleep(Duration::from_millis(400));
+        let peak = transport_of(&c).peak_buffered();
+        for i in 0..COUNT {
+            let y = c.recv(1, (MSG,), DType::F32)?.wait()?.to_vec1::<f32>()?;
+            assert!(
+                y.iter().all(|&v| v == i as f32),
+                "message {i} arrived wrong"
+            );
+        }
+        Ok(peak)
+    });
+    let peak = got
+        .into_iter()
+        .map(|g| g.unwrap_or_else(|e| panic!("{e}")))
+        .max();
+    // The cap plus the one frame admitted while under it (a frame is a message + its preamble).
+    let peak = peak.expect("two ranks");
+    assert!(peak > 0 && peak <= CAP + MSG * 4 + 4096, "peak {peak}");
+}

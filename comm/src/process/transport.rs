@@ -6,6 +6,15 @@
 //! are therefore buffered as in the local backend, and no order of sends and receives can
 //! deadlock. A reader that sees its socket close without a BYE frame marks the peer lost and
 //! fails the communicator: every waiting operation wakes at once with an error naming the rank.
+//!
+//! **Backpressure.** A reader holds at most `cap` bytes of a peer's data and point-to-point
+//! payloads that nobody has consumed yet (plus the one frame it admits while under the cap):
+//! past it, it stops reading that socket until an op consumes some, so a peer that floods sends
+//! is slowed by TCP flow control (its writes block, and fail with a timeout naming this rank if
+//! nothing is consumed within its op timeout) instead of growing this process's memory. Control
+//! frames (HELLO, FAIL, BYE, AGREE) are small and never counted. Once the communicator has
+//! failed, frames its ops can no longer use are read and dropped, so a failed communicator
+//! never stalls its peers' agreements.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Write};
@@ -14,8 +23,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::wire::{Header, Payload, BYE, DATA, FAIL, HEADER, HELLO, P2P};
+use super::wire::{Header, Payload, AGREE, BYE, DATA, FAIL, HEADER, HELLO, P2P};
 use super::Rendezvous;
+use crate::agree::Heard;
 use crate::desc::{Failure, OpDesc};
 use crate::error::{CommError, Result};
 use crate::store::read_full;
@@ -47,6 +57,31 @@ struct Mail {
     /// Point-to-point payloads per source, in send order.
     p2p: Vec<VecDeque<Payload>>,
     gone: Vec<Option<Gone>>,
+    /// (agreement, round, source) -> message.
+    agree: HashMap<(u64, u32, usize), Payload>,
+    /// Bytes of DATA and P2P payloads held per source.
+    buffered: Vec<usize>,
+    /// The most bytes held for one source at any time (tests).
+    peak_buffered: usize,
+}
+
+impl Mail {
+    fn take_data(&mut self, key: (u64, u32, usize)) -> Option<Payload> {
+        let p = self.data.remove(&key)?;
+        self.buffered[key.2] = self.buffered[key.2].saturating_sub(p.len());
+        Some(p)
+    }
+
+    fn take_p2p(&mut self, src: usize) -> Option<Payload> {
+        let p = self.p2p.get_mut(src)?.pop_front()?;
+        self.buffered[src] = self.buffered[src].saturating_sub(p.len());
+        Some(p)
+    }
+
+    fn hold(&mut self, src: usize, len: usize) {
+        self.buffered[src] += len;
+        self.peak_buffered = self.peak_buffered.max(self.buffered[src]);
+    }
 }
 
 /// State shared by the transport and its reader threads.
@@ -55,6 +90,8 @@ pub(crate) struct Shared {
     mail: Mutex<Mail>,
     cv: Condvar,
     closing: AtomicBool,
+    /// Bytes of unconsumed DATA and P2P payloads held per peer before its reader waits.
+    cap: usize,
 }
 
 impl Shared {
@@ -87,6 +124,8 @@ pub(crate) struct Transport {
     notice: Arc<Mutex<Option<Arc<Vec<u8>>>>>,
     /// How many collectives (a prefix of the indices) completed successfully on this rank.
     completed: std::sync::atomic::AtomicU64,
+    /// Agreements and shrinks started on this communicator (their numbers).
+    ft_seq: std::sync::atomic::AtomicU64,
 }
 
 /// A frame to send: kind, collective index, step and payload pieces.
@@ -114,25 +153,37 @@ pub(crate) struct Exec<'a> {
 }
 
 impl Transport {
-    /// Takes over the mesh `streams` (indexed by peer rank, `None` at `rank`) and starts one
-    /// reader thread per peer.
+    /// Takes over the mesh `streams` (indexed by peer rank, `None` at `rank` and at the `lost`
+    /// peers, which a shrink could not reach: the communicator is then born failed, naming
+    /// them) and starts one reader thread per peer, each holding at most `cap` bytes.
     pub(crate) fn start(
         rank: usize,
-        streams: Vec<Option<TcpStream>>,
+        (streams, lost): super::bootstrap::Mesh,
         name: &str,
         key: String,
         rdv: Rendezvous,
+        cap: usize,
     ) -> Result<Arc<Transport>> {
         let size = streams.len();
+        let mut gone = vec![None; size];
+        for (p, why) in &lost {
+            gone[*p] = Some(Gone::Lost(why.clone()));
+        }
         let shared = Arc::new(Shared {
             rank,
             mail: Mutex::new(Mail {
                 p2p: (0..size).map(|_| VecDeque::new()).collect(),
-                gone: vec![None; size],
+                gone,
+                buffered: vec![0; size],
+                failure: lost.first().map(|(p, why)| Failure::PeerLost {
+                    rank: *p,
+                    reason: why.clone(),
+                }),
                 ..Mail::default()
             }),
             cv: Condvar::new(),
             closing: AtomicBool::new(false),
+            cap,
         });
         let boot_err = |reason: String| CommError::Bootstrap {
             comm: name.to_string(),
@@ -172,6 +223,7 @@ impl Transport {
             writers,
             notice: Arc::new(Mutex::new(None)),
             completed: std::sync::atomic::AtomicU64::new(0),
+            ft_seq: std::sync::atomic::AtomicU64::new(0),
         });
         #[cfg(test)]
         super::tests::LIVE
@@ -406,8 +458,89 @@ impl Transport {
             st.hellos.remove(&(coll, p));
         }
         if !st.data.is_empty() {
-            st.data.retain(|k, _| k.0 != coll);
+            let stale: Vec<(u64, u32, usize)> =
+                st.data.keys().filter(|k| k.0 == coll).copied().collect();
+            for k in stale {
+                st.take_data(k);
+            }
+            drop(st);
+            self.shared.cv.notify_all();
         }
+    }
+
+    /// The number of the next agreement (or shrink) on this communicator.
+    pub(crate) fn next_agreement(&self) -> u64 {
+        self.ft_seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Sends message `round` of agreement `instance` to `peer`; a peer that cannot be reached
+    /// misses it (its absence is what the agreement accounts for).
+    pub(crate) fn agree_send(&self, peer: usize, instance: u64, round: u32, bytes: &[u8]) {
+        let Some(w) = self.writers.get(peer).and_then(|w| w.as_ref()) else {
+            return;
+        };
+        let h = Header {
+            kind: AGREE,
+            step: round,
+            tag: instance,
+            len: bytes.len() as u64,
+        };
+        if let Err(e) = write_frame(w, &h, &[bytes], Instant::now() + NOTICE_LIMIT) {
+            tracing::debug!(comm = %self.name, rank = self.rank, peer, error = %e, "agreement message not sent");
+        }
+    }
+
+    /// Waits for `peer`'s message `round` of agreement `instance` until `deadline`. A peer whose
+    /// connection broke or who closed the communicator is gone; the communicator's own failure
+    /// does not matter.
+    pub(crate) fn agree_recv(
+        &self,
+        peer: usize,
+        instance: u64,
+        round: u32,
+        deadline: Instant,
+    ) -> Heard {
+        let mut st = self.shared.lock();
+        loop {
+            if let Some(m) = st.agree.remove(&(instance, round, peer)) {
+                return Heard::Msg(m.bytes().to_vec());
+            }
+            match st.gone.get(peer) {
+                Some(Some(Gone::Lost(why))) => return Heard::Gone(why.clone()),
+                Some(Some(Gone::Left)) => return Heard::Gone("it closed the communicator".into()),
+                _ => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Heard::Silent;
+            }
+            st = self
+                .shared
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Why `peer` is gone (its connection broke, or it closed the communicator), if it is.
+    pub(crate) fn gone_reason(&self, peer: usize) -> Option<String> {
+        match self.shared.lock().gone.get(peer) {
+            Some(Some(Gone::Lost(why))) => Some(why.clone()),
+            Some(Some(Gone::Left)) => Some("it closed the communicator".into()),
+            _ => None,
+        }
+    }
+
+    /// Forgets what is left of agreement `instance` (messages of rounds this rank skipped).
+    pub(crate) fn agree_done(&self, instance: u64) {
+        self.shared.lock().agree.retain(|k, _| k.0 != instance);
+    }
+
+    /// The most bytes of unconsumed payloads held for one peer so far.
+    #[cfg(test)]
+    pub(crate) fn peak_buffered(&self) -> usize {
+        self.shared.lock().peak_buffered
     }
 
     /// Checks every descriptor peers sent for `x.coll` against ours; records a desync.
@@ -516,13 +649,13 @@ impl Transport {
     /// Receives DATA `step` of the current collective from `src`.
     pub(crate) fn recv(&self, x: &Exec, src: usize, step: u32) -> Result<Payload> {
         let coll = x.coll;
-        self.wait_for(
+        let r = self.wait_for(
             x,
             |_| vec![src],
             |st| {
                 // A peer's data follows its hello on the same stream, and hellos are checked
                 // before this runs, so data present here belongs to a matching collective.
-                st.data.remove(&(coll, step, src))
+                st.take_data((coll, step, src))
             },
             |st| {
                 let m = self.unannounced(st, coll);
@@ -532,7 +665,10 @@ impl Transport {
                     m
                 }
             },
-        )
+        );
+        // A reader may be waiting for room under the cap.
+        self.shared.cv.notify_all();
+        r
     }
 
     /// Waits until every peer announced the current collective with a matching descriptor
@@ -555,12 +691,9 @@ impl Transport {
 
     /// Takes the next point-to-point payload from `src`.
     pub(crate) fn recv_p2p(&self, x: &Exec, src: usize) -> Result<Payload> {
-        self.wait_for(
-            x,
-            |_| vec![src],
-            |st| st.p2p.get_mut(src).and_then(VecDeque::pop_front),
-            |_| vec![src],
-        )
+        let r = self.wait_for(x, |_| vec![src], |st| st.take_p2p(src), |_| vec![src]);
+        self.shared.cv.notify_all();
+        r
     }
 }
 
@@ -771,6 +904,10 @@ fn read_loop(sh: Arc<Shared>, src: usize, mut s: TcpStream) {
             let mut h = [0u8; HEADER];
             read_full(&mut s, &mut h, None, Some(&sh.closing)).map_err(io_reason)?;
             let h = Header::decode(&h).map_err(|e| format!("protocol error: {e}"))?;
+            if matches!(h.kind, DATA | P2P) && !room_for(&sh, src, h)? {
+                skip(&mut s, h.len, &sh.closing).map_err(io_reason)?;
+                continue;
+            }
             let mut payload = Payload::try_zeroed(h.len as usize)
                 .ok_or_else(|| format!("cannot allocate a {}-byte frame", h.len))?;
             read_full(&mut s, payload.bytes_mut(), None, Some(&sh.closing)).map_err(io_reason)?;
@@ -782,14 +919,22 @@ fn read_loop(sh: Arc<Shared>, src: usize, mut s: TcpStream) {
                     st.hellos.insert((h.tag, src), d);
                 }
                 DATA => {
+                    let len = payload.len();
                     if st.data.insert((h.tag, h.step, src), payload).is_some() {
                         return Err(format!(
                             "protocol error: duplicate step {} of collective #{}",
                             h.step, h.tag
                         ));
                     }
+                    st.hold(src, len);
                 }
-                P2P => st.p2p[src].push_back(payload),
+                P2P => {
+                    st.hold(src, payload.len());
+                    st.p2p[src].push_back(payload);
+                }
+                AGREE => {
+                    st.agree.insert((h.tag, h.step, src), payload);
+                }
                 FAIL => {
                     let f: Failure = serde_json::from_slice(payload.bytes())
                         .map_err(|e| format!("protocol error: bad failure notice: {e}"))?;
@@ -819,6 +964,44 @@ fn read_loop(sh: Arc<Shared>, src: usize, mut s: TcpStream) {
     }
     drop(st);
     sh.cv.notify_all();
+}
+
+/// Waits until `src`'s held payloads are under the cap; `false` when the frame `h` should be
+/// dropped instead (the communicator failed in a way that stops its use). `Err` when closing.
+fn room_for(sh: &Shared, src: usize, h: Header) -> std::result::Result<bool, String> {
+    let mut st = sh.lock();
+    loop {
+        let useless = st
+            .failure
+            .as_ref()
+            .is_some_and(|f| f.blocks(if h.kind == DATA { Some(h.tag) } else { None }));
+        if useless {
+            return Ok(false);
+        }
+        if st.buffered[src] <= sh.cap {
+            return Ok(true);
+        }
+        if sh.closing.load(Ordering::Relaxed) {
+            return Err("closing".into());
+        }
+        st = sh
+            .cv
+            .wait_timeout(st, TICK)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+}
+
+/// Reads and drops `len` bytes.
+fn skip(s: &mut TcpStream, len: u64, closing: &AtomicBool) -> std::io::Result<()> {
+    let mut left = len;
+    let mut buf = vec![0u8; 64 * 1024];
+    while left > 0 {
+        let k = left.min(buf.len() as u64) as usize;
+        read_full(s, &mut buf[..k], None, Some(closing))?;
+        left -= k as u64;
+    }
+    Ok(())
 }
 
 fn io_reason(e: std::io::Error) -> String {

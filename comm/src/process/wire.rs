@@ -5,17 +5,18 @@
 //!
 //! | bytes | field |
 //! |---|---|
-//! | 0 | kind: HELLO = 1, DATA = 2, P2P = 3, FAIL = 4, BYE = 5 |
+//! | 0 | kind: HELLO = 1, DATA = 2, P2P = 3, FAIL = 4, BYE = 5, AGREE = 6 |
 //! | 1..4 | zero |
-//! | 4..8 | step `u32` (DATA: which message of the collective) |
-//! | 8..16 | tag `u64` (HELLO, DATA: the collective index) |
+//! | 4..8 | step `u32` (DATA: which message of the collective; AGREE: the round) |
+//! | 8..16 | tag `u64` (HELLO, DATA: the collective index; AGREE: the agreement's number) |
 //! | 16..24 | len `u64` |
 //!
 //! All integers are little-endian. HELLO carries the sender's
 //! [`OpDesc`](crate::desc::OpDesc) of collective `tag` as JSON; DATA carries raw element bytes
 //! (or an encoded tensor, see [`tensor_preamble`]); P2P carries an encoded tensor; FAIL carries
 //! a [`Failure`](crate::desc::Failure) as JSON; BYE is empty (the sender closed the
-//! communicator on purpose).
+//! communicator on purpose); AGREE carries one message of a fault-tolerant agreement
+//! (`crate::agree`, JSON), which is never held back by the buffer cap.
 
 use candle_core::DType;
 
@@ -29,6 +30,7 @@ pub(crate) const DATA: u8 = 2;
 pub(crate) const P2P: u8 = 3;
 pub(crate) const FAIL: u8 = 4;
 pub(crate) const BYE: u8 = 5;
+pub(crate) const AGREE: u8 = 6;
 /// The largest payload accepted (a garbage length must not allocate).
 pub(crate) const MAX_PAYLOAD: u64 = 1 << 40;
 
@@ -53,7 +55,7 @@ impl Header {
 
     pub(crate) fn decode(h: &[u8; HEADER]) -> Result<Header, String> {
         let kind = h[0];
-        if !(HELLO..=BYE).contains(&kind) {
+        if !(HELLO..=AGREE).contains(&kind) {
             return Err(format!("unknown frame kind {kind}"));
         }
         let step = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
