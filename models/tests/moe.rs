@@ -351,6 +351,11 @@ fn gpt_cfg(experts: usize, top_k: usize) -> GptConfig {
 
 /// Losses (forward value including the balancing loss) of `steps` AdamW steps on `dims`.
 fn train(dims: &[(&str, usize)], cfg: &GptConfig, steps: usize) -> Vec<f32> {
+    train_with(dims, cfg, steps, TpPlan::new())
+}
+
+/// [`train`] with a tensor-parallel plan (it applies where the mesh has `tp`).
+fn train_with(dims: &[(&str, usize)], cfg: &GptConfig, steps: usize, plan: TpPlan) -> Vec<f32> {
     let world: usize = dims.iter().map(|d| d.1).product();
     let dims: Vec<(String, usize)> = dims.iter().map(|(n, s)| (n.to_string(), *s)).collect();
     let cfg = cfg.clone();
@@ -360,7 +365,7 @@ fn train(dims: &[(&str, usize)], cfg: &GptConfig, steps: usize) -> Vec<f32> {
         .launch(move |comm| -> R<Vec<f32>> {
             let d: Vec<(&str, usize)> = dims.iter().map(|(n, s)| (n.as_str(), *s)).collect();
             let mesh = DeviceMesh::new(comm, &d)?;
-            let (gpt, store) = Gpt::new(&cfg, &mesh, &TpPlan::new(), 7, DType::F32)?;
+            let (gpt, store) = Gpt::new(&cfg, &mesh, &plan, 7, DType::F32)?;
             assert_eq!(gpt.moe_layers().count(), 1);
             let mut opt = candle_nn::AdamW::new(
                 store.vars(),
@@ -397,8 +402,14 @@ fn gpt_with_moe_trains_like_single_device() {
     let steps = 6;
     let reference = train(&[("dp", 1)], &cfg, steps);
     assert!(reference[steps - 1] < reference[0], "{reference:?}");
-    for dims in [vec![("ep", 4)], vec![("dp", 2), ("ep", 2)]] {
-        let losses = train(&dims, &cfg, steps);
+    // The last: Megatron TP over `tp` on the attention (and dense MLP) blocks beside the
+    // experts over `ep`.
+    for dims in [
+        vec![("ep", 4)],
+        vec![("dp", 2), ("ep", 2)],
+        vec![("ep", 2), ("tp", 2)],
+    ] {
+        let losses = train_with(&dims, &cfg, steps, TpPlan::gpt(false));
         for (a, b) in losses.iter().zip(&reference) {
             assert!(
                 (a - b).abs() <= 1e-4 * b.abs(),
