@@ -289,8 +289,8 @@ impl NcclApi for CudarcApi {
         let mut list = excluded.to_vec();
         // SAFETY: `comm` is live (the caller holds its issue lock, checked it is not torn
         // down); `list` holds `len` ints and outlives the call (NCCL reads it during the call
-        // only); `out` and `config` as in `split`.
-        code(unsafe {
+        // only); `out` and `config` as in `split`. The result is a plain C int (`ShrinkFn`).
+        NcclCode(unsafe {
             f(
                 comm_ptr(comm),
                 list.as_mut_ptr(),
