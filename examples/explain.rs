@@ -29,8 +29,9 @@
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_dtensor::comm::LocalWorld;
-use candle_dtensor::dtensor::debug::{CommDebugMode, Phase};
+use candle_dtensor::comm::link::{link_hints, parse_link_spec};
+use candle_dtensor::comm::{CommOptions, LocalWorld};
+use candle_dtensor::dtensor::debug::{CollectiveRecord, CommDebugMode, Phase};
 use candle_dtensor::dtensor::{
     apply_all, distribute_tensor, reference_apply_all, DTensor, Placement, ReduceOp,
 };
@@ -97,6 +98,11 @@ struct Args {
     /// Seed of the random inputs of `--run`.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// With `--run`: a modeled network per mesh dim (`dp=20us:0.2GBps` or a preset, `dp=ib`;
+    /// `comm::link`), so each observed collective reports its modeled time next to the time
+    /// the rank waited for it.
+    #[arg(long)]
+    link: Option<String>,
 }
 
 fn main() {
@@ -138,7 +144,7 @@ fn main() {
     };
     let mut run_summary = None;
     if a.run {
-        match run(&req, &report, a.seed) {
+        match run(&req, &report, a.seed, a.link.as_deref()) {
             Ok(r) => {
                 value["run"] = r.clone();
                 run_summary = Some(r);
@@ -162,6 +168,23 @@ fn main() {
                 r["observed_collectives"],
                 r["matches_plan"]
             );
+            if let Some(t) = r["observed_times"].as_array().filter(|t| !t.is_empty()) {
+                println!("run: collective (mesh dim, bytes): modeled ms / waited ms (rank 0)");
+                for c in t {
+                    let ms = |v: &serde_json::Value| {
+                        v.as_f64()
+                            .map_or_else(|| "-".to_string(), |v| format!("{v:.3}"))
+                    };
+                    println!(
+                        "  {} ({}, {} B): {} / {}",
+                        c["collective"].as_str().unwrap_or("?"),
+                        c["mesh_dim"].as_str().unwrap_or("?"),
+                        c["bytes"],
+                        ms(&c["modeled_ms"]),
+                        ms(&c["waited_ms"])
+                    );
+                }
+            }
         }
     }
     let ok = value
@@ -269,6 +292,8 @@ struct RunOut {
     bwd_rel: f64,
     /// `(kind, mesh dim)` of every forward collective, in issue order.
     observed: Vec<(&'static str, String)>,
+    /// The forward collectives' CommDebugMode records (bytes, modeled and waited time).
+    records: Vec<CollectiveRecord>,
 }
 
 /// The value this rank holds for `full` before sharding: on every Partial mesh dim (outermost
@@ -360,6 +385,7 @@ fn run(
     req: &ExplainRequest,
     report: &ExplainReport,
     seed: u64,
+    link: Option<&str>,
 ) -> Result<serde_json::Value, String> {
     let resolved = resolve(req).map_err(|e| e.to_string())?;
     let dims: Vec<(String, usize)> = resolved
@@ -368,6 +394,18 @@ fn run(
         .iter()
         .map(|d| (d.name.clone(), d.size))
         .collect();
+    let mut options = CommOptions::default().with_timeout(Duration::from_secs(60));
+    if let Some(spec) = link {
+        let links = parse_link_spec(spec).map_err(|e| format!("--link: {e}"))?;
+        for (dim, _) in &links {
+            if !dims.iter().any(|(d, _)| d == dim) {
+                return Err(format!("--link: mesh dim {dim:?} is not in --mesh"));
+            }
+        }
+        for (k, v) in link_hints(&links) {
+            options = options.with_hint(k, v);
+        }
+    }
     let world: usize = dims.iter().map(|d| d.1).product();
     let specs = resolved.specs.clone();
     let op = resolved.op.clone();
@@ -388,7 +426,7 @@ fn run(
     });
     let flatten = req.flatten.clone();
     let outs = LocalWorld::new(world)
-        .with_timeout(Duration::from_secs(60))
+        .with_options(options)
         .launch(
             |comm| -> Result<RunOut, Box<dyn std::error::Error + Send + Sync>> {
                 let d: Vec<(&str, usize)> = dims.iter().map(|(n, s)| (n.as_str(), *s)).collect();
@@ -440,6 +478,11 @@ fn run(
                     .iter()
                     .filter(|r| r.phase == Phase::Forward)
                     .map(|r| (r.kind, r.mesh_dim.clone()))
+                    .collect();
+                let records: Vec<CollectiveRecord> = mode
+                    .records()
+                    .into_iter()
+                    .filter(|r| r.phase == Phase::Forward)
                     .collect();
                 drop(mode);
                 // Single-device reference.
@@ -528,6 +571,7 @@ fn run(
                     fwd_rel: fwd / scale,
                     bwd_rel: bwd / gscale,
                     observed,
+                    records,
                 })
             },
         )
@@ -559,5 +603,12 @@ fn run(
         "observed_collectives": out.observed.iter().map(|(k, _)| *k).collect::<Vec<_>>(),
         "observed_mesh_dims": out.observed.iter().map(|(_, m)| m.clone()).collect::<Vec<_>>(),
         "matches_plan": matches_plan,
+        "observed_times": out.records.iter().map(|r| serde_json::json!({
+            "collective": r.kind,
+            "mesh_dim": r.mesh_dim,
+            "bytes": r.bytes,
+            "modeled_ms": r.modeled_us.map(|u| u / 1e3),
+            "waited_ms": r.waited_us.map(|u| u / 1e3),
+        })).collect::<Vec<_>>(),
     }))
 }

@@ -37,7 +37,7 @@ pub(crate) mod text;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::DType;
 use candle_dtensor::comm::env::LaunchEnv;
@@ -138,6 +138,12 @@ pub(crate) struct Args {
     /// least `alpha + wire bytes / bandwidth`, waiting by sleeping (`comm::link`).
     #[arg(long)]
     link: Option<String>,
+    /// Slows every `--link` down by a factor so that this machine's compute : communication
+    /// ratio is a GPU cluster's: `auto` measures the ranks' matmul rate here and divides an
+    /// H100's dense BF16 rate by it (`comm::link::link_scale_for`); a number gives the factor.
+    /// Meant with the presets, e.g. `--link dp=ib --link-scale auto`.
+    #[arg(long)]
+    link_scale: Option<String>,
     /// Communication backend. `local` (default) runs every rank as a thread of this process;
     /// any other registered backend (e.g. `process` under `dtrun`, `mpi` under `mpirun`) makes
     /// this process one rank of a world started by a launcher, and rank 0 prints the results.
@@ -305,6 +311,105 @@ fn parse_links(args: &Args, dims: &[(String, usize)]) -> Result<Vec<(String, Lin
         }
     }
     Ok(links)
+}
+
+/// How `--link-scale` slowed the links down (for the output and the JSON summary).
+#[derive(Debug, Clone, Copy)]
+struct LinkScale {
+    factor: f64,
+    /// The per-rank matmul rate `auto` measured (FLOP/s); `None` for a given factor.
+    rank_flops: Option<f64>,
+}
+
+/// `--link-scale`: the links slowed down by the given or measured factor.
+fn scale_links(
+    args: &Args,
+    links: Vec<(String, LinkModel)>,
+    world: usize,
+) -> Result<(Vec<(String, LinkModel)>, Option<LinkScale>), String> {
+    let Some(spec) = &args.link_scale else {
+        return Ok((links, None));
+    };
+    if links.is_empty() {
+        return Err("--link-scale needs --link (e.g. --link dp=ib --link-scale auto)".into());
+    }
+    let scale = if spec == "auto" {
+        let flops = measure_rank_flops(world)?;
+        let factor = candle_dtensor::comm::link::link_scale_for(flops)
+            .map_err(|e| format!("--link-scale: {e}"))?;
+        LinkScale {
+            factor,
+            rank_flops: Some(flops),
+        }
+    } else {
+        let factor: f64 = spec
+            .parse()
+            .map_err(|_| format!("--link-scale {spec:?}: not `auto` or a number"))?;
+        LinkScale {
+            factor,
+            rank_flops: None,
+        }
+    };
+    let scaled = links
+        .iter()
+        .map(|(d, l)| {
+            l.scaled(d, scale.factor)
+                .map(|s| (d.clone(), s))
+                .map_err(|e| format!("--link-scale: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    match scale.rank_flops {
+        Some(f) => eprintln!(
+            "train_gpt: --link-scale auto: {:.1} GFLOP/s per rank here ({world} ranks matmul at once), \
+             {:.0} TFLOP/s on the reference GPU (H100 SXM, dense BF16): links slowed {:.0}x",
+            f / 1e9,
+            candle_dtensor::comm::link::GPU_REFERENCE_FLOPS / 1e12,
+            scale.factor
+        ),
+        None => eprintln!("train_gpt: --link-scale {}: links slowed {}x", spec, scale.factor),
+    }
+    for ((d, l), (_, s)) in links.iter().zip(&scaled) {
+        eprintln!(
+            "train_gpt:   {d}: {} us, {} GB/s modeled as {:.1} us, {:.6} GB/s",
+            l.alpha_us, l.gbps, s.alpha_us, s.gbps
+        );
+    }
+    Ok((scaled, Some(scale)))
+}
+
+/// The f32 matmul rate (FLOP/s) one rank sees while `world` ranks compute at once: `world`
+/// threads multiply 256x256 matrices for about 0.3 s; the median thread's rate.
+fn measure_rank_flops(world: usize) -> Result<f64, String> {
+    use candle_core::{Device, Tensor};
+    let n = 256usize;
+    let rates = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world.max(1))
+            .map(|i| {
+                s.spawn(move || -> candle_core::Result<f64> {
+                    let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+                    let b =
+                        Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?.affine(1.0, i as f64)?;
+                    let _ = a.matmul(&b)?; // warm up
+                    let t0 = Instant::now();
+                    let mut reps = 0u32;
+                    while t0.elapsed() < Duration::from_millis(300) {
+                        let _ = a.matmul(&b)?;
+                        reps += 1;
+                    }
+                    Ok(2.0 * (n * n * n) as f64 * f64::from(reps) / t0.elapsed().as_secs_f64())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h.join() {
+                Ok(r) => r.map_err(|e| e.to_string()),
+                Err(_) => Err("a matmul thread panicked".to_string()),
+            })
+            .collect::<Result<Vec<f64>, String>>()
+    })
+    .map_err(|e| format!("--link-scale auto: measuring the matmul rate: {e}"))?;
+    Ok(median(&rates))
 }
 
 fn parse_mesh(s: &str) -> Result<Vec<(String, usize)>, String> {
@@ -703,6 +808,8 @@ fn main() {
 pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String> {
     let dims = parse_mesh(&args.mesh)?;
     let links = parse_links(args, &dims)?;
+    let world_guess = args.world.unwrap_or(dims.iter().map(|(_, n)| n).product());
+    let (links, link_scale) = scale_links(args, links, world_guess)?;
     let device: DeviceSpec = args.device.parse().map_err(|e| format!("--device: {e}"))?;
     let check_device: DeviceSpec = match &args.check_device {
         Some(d) => d.parse().map_err(|e| format!("--check-device: {e}"))?,
@@ -831,6 +938,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
         "hsdp": args.hsdp,
         "separate_rs_group": args.separate_rs_group,
         "link": links.iter().map(|(d, l)| (d.clone(), serde_json::json!({"alpha_us": l.alpha_us, "gbps": l.gbps}))).collect::<serde_json::Map<_, _>>(),
+        "link_scale": link_scale.map(|s| serde_json::json!({"factor": s.factor, "rank_flops": s.rank_flops, "gpu_reference_flops": candle_dtensor::comm::link::GPU_REFERENCE_FLOPS})),
         "mixed_precision": args.mixed_precision.clone().unwrap_or_else(|| "f32".into()),
         "param_grad_optim_bytes_per_rank": report.param_grad_optim_bytes,
         "zero3_theory_bytes_per_rank": report.zero3_theory_bytes,

@@ -46,7 +46,76 @@ fn err(dim: &str, reason: impl Into<String>) -> LinkError {
     }
 }
 
+/// Named links (`dp=ib`): `(name, alpha_us, GB/s per rank, what it stands for)`. Round figures
+/// of the class of hardware, not measurements: a GPU's NCCL bus bandwidth over the link, and a
+/// typical per-collective latency.
+pub const PRESETS: [(&str, f64, f64, &str); 4] = [
+    (
+        "nvlink",
+        3.0,
+        360.0,
+        "NVLink 4 within an 8-GPU H100/H200 node (NCCL bus bandwidth about 360 GB/s)",
+    ),
+    (
+        "ib",
+        10.0,
+        45.0,
+        "InfiniBand NDR, one 400 Gb/s port per GPU (about 45 GB/s bus bandwidth)",
+    ),
+    (
+        "roce",
+        20.0,
+        22.0,
+        "RoCE / 200 Gb/s Ethernet per GPU (about 22 GB/s bus bandwidth)",
+    ),
+    (
+        "ethernet",
+        50.0,
+        1.1,
+        "10 Gb/s Ethernet shared by the node (about 1.1 GB/s)",
+    ),
+];
+
+/// Peak dense BF16 tensor-core rate of one H100/H200 SXM GPU (NVIDIA's datasheet figure
+/// without sparsity), the GPU [`link_scale_for`] compares this machine with.
+pub const GPU_REFERENCE_FLOPS: f64 = 989e12;
+
+/// The factor that makes this machine's compute : communication ratio that of a GPU cluster:
+/// a GPU computes `GPU_REFERENCE_FLOPS / cpu_flops` times faster than this machine, so a link
+/// scaled by that factor ([`LinkModel::scaled`]) stands to these ranks as the real link stands
+/// to GPUs. `cpu_flops` is what one rank measured (e.g. a matmul's rate).
+pub fn link_scale_for(cpu_flops: f64) -> Result<f64, LinkError> {
+    if !(cpu_flops.is_finite() && cpu_flops > 0.0) {
+        return Err(err(
+            "",
+            format!("link scale: the measured compute rate must be positive, got {cpu_flops}"),
+        ));
+    }
+    Ok((GPU_REFERENCE_FLOPS / cpu_flops).max(1.0))
+}
+
 impl LinkModel {
+    /// The preset named `name` ([`PRESETS`]), if there is one.
+    pub fn preset(name: &str) -> Option<LinkModel> {
+        PRESETS
+            .iter()
+            .find(|p| p.0 == name)
+            .map(|&(_, alpha_us, gbps, _)| LinkModel { alpha_us, gbps })
+    }
+
+    /// This link slowed down `factor` times (latency times `factor`, bandwidth divided by it),
+    /// so that ranks that compute `factor` times slower than the hardware it models see the
+    /// same compute : communication ratio. `factor` must be positive and finite.
+    pub fn scaled(&self, dim: &str, factor: f64) -> Result<LinkModel, LinkError> {
+        if !(factor.is_finite() && factor > 0.0) {
+            return Err(err(
+                dim,
+                format!("link scale must be positive, got {factor}"),
+            ));
+        }
+        LinkModel::new(dim, self.alpha_us * factor, self.gbps / factor)
+    }
+
     /// A link of `alpha_us` latency and `gbps` bandwidth; refuses a bandwidth that is not
     /// positive and finite or a latency that is negative or not finite (`dim` names it).
     pub fn new(dim: &str, alpha_us: f64, gbps: f64) -> Result<LinkModel, LinkError> {
@@ -121,7 +190,8 @@ fn wire_bytes(op: OpName, bytes: usize, n: usize) -> Option<f64> {
 }
 
 /// Parses `dim=ALPHA:BANDWIDTH[,dim=...]`, e.g. `dp=20us:0.2GBps,tp=2us:5GBps`. ALPHA takes
-/// `ns`, `us` or `ms`; BANDWIDTH `GBps` (10^9 bytes/s) or `MBps`. A dim may appear once.
+/// `ns`, `us` or `ms`; BANDWIDTH `GBps` (10^9 bytes/s) or `MBps`. Instead of ALPHA:BANDWIDTH a
+/// dim may name a preset of [`PRESETS`] (`dp=ib,tp=nvlink`). A dim may appear once.
 pub fn parse_link_spec(spec: &str) -> Result<Vec<(String, LinkModel)>, LinkError> {
     let mut out: Vec<(String, LinkModel)> = Vec::new();
     for entry in spec.split(',').map(str::trim).filter(|e| !e.is_empty()) {
@@ -132,10 +202,20 @@ pub fn parse_link_spec(spec: &str) -> Result<Vec<(String, LinkModel)>, LinkError
         if dim.is_empty() {
             return Err(err("", format!("{entry:?} names no dim")));
         }
+        if out.iter().any(|(d, _)| d == dim) {
+            return Err(err(dim, "given twice"));
+        }
+        if let Some(preset) = LinkModel::preset(value.trim()) {
+            out.push((dim.to_string(), preset));
+            continue;
+        }
         let (alpha, bw) = value.split_once(':').ok_or_else(|| {
             err(
                 dim,
-                format!("{value:?} is not ALPHA:BANDWIDTH (e.g. 20us:0.2GBps)"),
+                format!(
+                    "{value:?} is not ALPHA:BANDWIDTH (e.g. 20us:0.2GBps) or a preset ({})",
+                    PRESETS.map(|p| p.0).join(", ")
+                ),
             )
         })?;
         let alpha_us = parse_unit(
@@ -145,9 +225,6 @@ pub fn parse_link_spec(spec: &str) -> Result<Vec<(String, LinkModel)>, LinkError
             "latency",
         )?;
         let gbps = parse_unit(dim, bw, &[("GBps", 1.0), ("MBps", 1e-3)], "bandwidth")?;
-        if out.iter().any(|(d, _)| d == dim) {
-            return Err(err(dim, "given twice"));
-        }
         out.push((dim.to_string(), LinkModel::new(dim, alpha_us, gbps)?));
     }
     if out.is_empty() {
@@ -232,12 +309,41 @@ mod tests {
             ("dp=-3us:1GBps", "dp", ">= 0"),
             ("dp=1us:1GBps,dp=2us:1GBps", "dp", "twice"),
             ("20us:1GBps", "", "dim=ALPHA"),
+            ("dp=infiniband", "dp", "preset"),
+            ("dp=ib,dp=nvlink", "dp", "twice"),
             ("", "", "empty"),
         ] {
             let e = parse_link_spec(bad).unwrap_err();
             assert_eq!(e.dim, dim, "{bad}: {e}");
             assert!(e.to_string().contains(needle), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn presets_and_scaling() {
+        let l = parse_link_spec("dp=ib,tp=nvlink,pp=1us:2GBps").unwrap();
+        assert_eq!(l[0].1, LinkModel::preset("ib").unwrap());
+        assert_eq!(l[1].1.gbps, 360.0);
+        assert_eq!(l[2].1.gbps, 2.0);
+        for (name, alpha, gbps, what) in PRESETS {
+            let p = LinkModel::preset(name).unwrap();
+            assert_eq!((p.alpha_us, p.gbps), (alpha, gbps));
+            assert!(!what.is_empty());
+        }
+        let s = l[0].1.scaled("dp", 1000.0).unwrap();
+        assert_eq!((s.alpha_us, s.gbps), (10_000.0, 0.045));
+        // Scaling keeps the modeled time proportional: 1000x slower link, 1000x the time.
+        let a = l[0].1.time(OpName::AllGatherSingle, 1 << 20, 4).unwrap();
+        let b = s.time(OpName::AllGatherSingle, 1 << 20, 4).unwrap();
+        assert!((b.as_secs_f64() / a.as_secs_f64() - 1000.0).abs() < 1e-6);
+        for bad in [0.0, -2.0, f64::NAN, f64::INFINITY] {
+            let e = l[0].1.scaled("dp", bad).unwrap_err();
+            assert_eq!(e.dim, "dp");
+        }
+        let f = link_scale_for(1e11).unwrap();
+        assert!((f - 9890.0).abs() < 1e-6);
+        assert_eq!(link_scale_for(1e15).unwrap(), 1.0);
+        assert!(link_scale_for(0.0).is_err());
     }
 
     #[test]

@@ -24,7 +24,6 @@ use candle_core::{DType, Tensor};
 use candle_dtensor_comm::{Comm, ReduceOp};
 use candle_dtensor_strategies::layout::{shard_size_and_offset, strided_indices};
 
-use crate::debug::record;
 use crate::node::{node, Backward};
 pub(crate) use crate::storage::fill_from;
 use crate::storage::{copy_rows, narrow, Cut};
@@ -47,6 +46,12 @@ pub(crate) fn refuse(
         reason: reason.into(),
     }))
     .into()
+}
+
+/// Records collective `kind` of `bytes` over `ax` (with its link's modeled time) for
+/// CommDebugMode; the next [`timed`] wait sets its waited time.
+fn record_on(kind: &'static str, ax: &Axis, bytes: u64) {
+    crate::debug::record_on(kind, &ax.comm, &ax.name, bytes)
 }
 
 /// Waits for `w`, adding the blocked time to the thread's comm-wait counter.
@@ -114,9 +119,9 @@ pub(crate) fn gather_raw(
     let full = l.div_ceil(n.max(1));
     let mut out_dims = x.dims().to_vec();
     out_dims[dim] = l;
-    record(
+    record_on(
         "all_gather",
-        &ax.name,
+        ax,
         (n * full * cut.pre * cut.post * es) as u64,
     );
     let x = x.contiguous()?;
@@ -178,9 +183,9 @@ pub(crate) fn reduce_scatter_raw(
     let (me, _) = shard_size_and_offset(l, n, ax.coord);
     let mut out_dims = x.dims().to_vec();
     out_dims[dim] = me;
-    record(
+    record_on(
         "reduce_scatter",
-        &ax.name,
+        ax,
         (n * full * cut.pre * cut.post * es) as u64,
     );
     let x = x.contiguous()?;
@@ -234,11 +239,7 @@ pub(crate) fn all_reduce_raw(
     dest: Option<&Tensor>,
 ) -> CResult<Tensor> {
     let dest = writable(dest);
-    record(
-        "all_reduce",
-        &ax.name,
-        (x.elem_count() * elem_bytes(x)) as u64,
-    );
+    record_on("all_reduce", ax, (x.elem_count() * elem_bytes(x)) as u64);
     let x = x.contiguous()?;
     match dest {
         Some(d) => Ok(timed(ax.comm.all_reduce_into(d, &x, op)?)?),
@@ -271,9 +272,9 @@ pub(crate) fn all_to_all_raw(
             .map(|r| narrow(x, j, r * full_j, full_j))
             .collect::<CResult<Vec<_>>>()?;
         let send = Tensor::stack(&chunks, 0)?.flatten_all()?;
-        record(
+        record_on(
             "all_to_all",
-            &ax.name,
+            ax,
             (send.elem_count() * elem_bytes(&send)) as u64,
         );
         let mut out_dims = x.dims().to_vec();
@@ -303,9 +304,9 @@ pub(crate) fn all_to_all_raw(
         .collect::<CResult<Vec<_>>>()?;
     let send = Tensor::stack(&chunks, 0)?.contiguous()?;
     let piece_dims = send.dims()[1..].to_vec();
-    record(
+    record_on(
         "all_to_all",
-        &ax.name,
+        ax,
         (send.elem_count() * elem_bytes(&send)) as u64,
     );
     let recv = timed(ax.comm.all_to_all_single(&send.flatten_all()?)?)?;
@@ -624,13 +625,13 @@ pub(crate) fn strided_gather_raw(
     let (idx, full) = strided_layout(l, sf, n);
     let me = &idx[ax.coord];
     let cut = check_piece(ax, "strided all_gather", x, dim, me.len())?;
-    record(
+    record_on(
         "all_gather",
-        &ax.name,
+        ax,
         (n * full * cut.pre * cut.post * elem_bytes(x)) as u64,
     );
     let send = pad_rows(&x.contiguous()?, dim, full)?.contiguous()?;
-    let g = ax.comm.all_gather_single(&send.flatten_all()?)?.wait()?;
+    let g = timed(ax.comm.all_gather_single(&send.flatten_all()?)?)?;
     let mut out_dims = x.dims().to_vec();
     out_dims[dim] = l;
     // [n, pre, full, post] -> [pre, n * full, post], then pick row `r * full + k` for the
@@ -662,9 +663,9 @@ pub(crate) fn strided_reduce_scatter_raw(
     let n = ax.n;
     let (idx, full) = strided_layout(l, sf, n);
     let cut = check_piece(ax, "strided reduce_scatter", g, dim, l)?;
-    record(
+    record_on(
         "reduce_scatter",
-        &ax.name,
+        ax,
         (n * full * cut.pre * cut.post * elem_bytes(g)) as u64,
     );
     let blocks = idx
@@ -672,10 +673,7 @@ pub(crate) fn strided_reduce_scatter_raw(
         .map(|rows| pad_rows(&select_rows(g, rows, dim)?, dim, full)?.flatten_all())
         .collect::<CResult<Vec<_>>>()?;
     let send = Tensor::cat(&blocks, 0)?;
-    let recv = ax
-        .comm
-        .reduce_scatter_single(&send, ReduceOp::Sum)?
-        .wait()?;
+    let recv = timed(ax.comm.reduce_scatter_single(&send, ReduceOp::Sum)?)?;
     let mut block = g.dims().to_vec();
     block[dim] = full;
     narrow(&recv.reshape(block)?, dim, 0, idx[ax.coord].len())?.contiguous()

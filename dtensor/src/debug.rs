@@ -44,11 +44,22 @@ pub struct CollectiveRecord {
     /// Bytes of the collective per rank (nccl-tests convention: the gathered output, the
     /// unreduced input, the all-reduced buffer, the all-to-all buffer).
     pub bytes: u64,
+    /// What the communicator's modeled link (`comm::link`, `link.*` hints) says the collective
+    /// takes, in microseconds; `None` where the communicator has no link model or the op is
+    /// not one the model paces.
+    pub modeled_us: Option<f64>,
+    /// How long this rank was blocked waiting for the collective, in microseconds, where the
+    /// runtime waited for it right away (`None` for collectives waited for elsewhere, such as
+    /// FSDP's prefetched gathers). With a link model on the local backend it is at least the
+    /// modeled time minus what overlapped before the wait.
+    pub waited_us: Option<f64>,
 }
 
 #[derive(Default)]
 struct State {
     recorders: Vec<(u64, Arc<Mutex<Vec<CollectiveRecord>>>)>,
+    /// Where the last [`record_on`] record sits in each recorder, until the next wait.
+    pending: Vec<(Arc<Mutex<Vec<CollectiveRecord>>>, usize)>,
     labels: Vec<String>,
     backward: usize,
     next_id: u64,
@@ -60,9 +71,19 @@ thread_local! {
     static COMM_WAIT: std::cell::Cell<std::time::Duration> = const { std::cell::Cell::new(std::time::Duration::ZERO) };
 }
 
-/// Adds time this thread spent blocked waiting for a collective.
+/// Adds time this thread spent blocked waiting for a collective (and, when the last record
+/// was made by [`record_on`], sets that record's `waited_us`).
 pub fn add_comm_wait(d: std::time::Duration) {
     COMM_WAIT.with(|w| w.set(w.get() + d));
+    let _ = STATE.try_with(|s| {
+        for (r, i) in s.borrow_mut().pending.drain(..) {
+            if let Ok(mut r) = r.lock() {
+                if let Some(rec) = r.get_mut(i) {
+                    rec.waited_us = Some(d.as_secs_f64() * 1e6);
+                }
+            }
+        }
+    });
 }
 
 /// Returns and resets the time this thread spent blocked on collectives (the runtime's own
@@ -135,29 +156,41 @@ impl CommDebugMode {
         self.records().iter().map(|r| r.bytes).sum()
     }
 
-    /// A readable table: label, phase, kind, count, bytes.
+    /// Summed modeled and waited time (ms) of the records that have them: `(modeled, waited)`,
+    /// each `None` when no record has it.
+    pub fn modeled_vs_waited_ms(&self) -> (Option<f64>, Option<f64>) {
+        sum_times(&self.records())
+    }
+
+    /// A readable table: label, phase, kind, count, bytes, and where known the modeled time
+    /// (the link model) next to the time this rank waited, in ms.
     pub fn table(&self) -> String {
-        let mut rows: BTreeMap<(String, Phase, &'static str), (usize, u64)> = BTreeMap::new();
+        let mut rows: BTreeMap<(String, Phase, &'static str), Vec<CollectiveRecord>> =
+            BTreeMap::new();
         for r in self.records() {
             let label = r.label.clone().unwrap_or_else(|| "-".to_string());
-            let e = rows.entry((label, r.phase, r.kind)).or_insert((0, 0));
-            e.0 += 1;
-            e.1 += r.bytes;
+            rows.entry((label, r.phase, r.kind)).or_default().push(r);
         }
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:<32} {:<9} {:<16} {:>6} {:>12}",
-            "label", "phase", "collective", "count", "bytes"
+            "{:<32} {:<9} {:<16} {:>6} {:>12} {:>11} {:>10}",
+            "label", "phase", "collective", "count", "bytes", "modeled ms", "waited ms"
         );
-        for ((label, phase, kind), (count, bytes)) in rows {
+        let ms = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.3}"));
+        for ((label, phase, kind), recs) in rows {
             let phase = match phase {
                 Phase::Forward => "forward",
                 Phase::Backward => "backward",
             };
+            let bytes: u64 = recs.iter().map(|r| r.bytes).sum();
+            let (modeled, waited) = sum_times(&recs);
             let _ = writeln!(
                 out,
-                "{label:<32} {phase:<9} {kind:<16} {count:>6} {bytes:>12}"
+                "{label:<32} {phase:<9} {kind:<16} {:>6} {bytes:>12} {:>11} {:>10}",
+                recs.len(),
+                ms(modeled),
+                ms(waited)
             );
         }
         out
@@ -231,11 +264,63 @@ pub(crate) fn enter_backward_labeled(label: Option<Arc<str>>) -> BackwardGuard {
     BackwardGuard(())
 }
 
+fn sum_times(recs: &[CollectiveRecord]) -> (Option<f64>, Option<f64>) {
+    let sum = |f: fn(&CollectiveRecord) -> Option<f64>| {
+        recs.iter()
+            .filter_map(f)
+            .fold(None, |a: Option<f64>, v| Some(a.unwrap_or(0.0) + v / 1e3))
+    };
+    (sum(|r| r.modeled_us), sum(|r| r.waited_us))
+}
+
+/// The op the link model paces for a record's kind.
+fn link_op(kind: &str) -> Option<candle_dtensor_comm::OpName> {
+    use candle_dtensor_comm::OpName;
+    Some(match kind {
+        "all_gather" => OpName::AllGatherSingle,
+        "reduce_scatter" => OpName::ReduceScatterSingle,
+        "all_reduce" => OpName::AllReduce,
+        "all_to_all" => OpName::AllToAllSingle,
+        "all_to_all_v" => OpName::AllToAllVSingle,
+        "broadcast" => OpName::Broadcast,
+        _ => return None,
+    })
+}
+
 /// Records a collective with every active recorder of this thread (for layers that issue
 /// collectives themselves, such as FSDP).
 pub fn record(kind: &'static str, mesh_dim: &str, bytes: u64) {
+    push(kind, mesh_dim, bytes, None, false)
+}
+
+/// Records a collective about to run on `comm` and waited for right away: the record gets the
+/// modeled time of `comm`'s link (if it has one) and, from the next [`add_comm_wait`] on this
+/// thread, the time waited.
+pub fn record_on(kind: &'static str, comm: &candle_dtensor_comm::Comm, mesh_dim: &str, bytes: u64) {
+    let active = STATE.with(|s| !s.borrow().recorders.is_empty());
+    if !active {
+        return;
+    }
+    let modeled = link_op(kind).and_then(|op| {
+        let link =
+            candle_dtensor_comm::link::LinkModel::from_hints(&comm.options().hints, comm.name())
+                .ok()
+                .flatten()?;
+        link.time(op, bytes as usize, comm.size())
+    });
+    push(
+        kind,
+        mesh_dim,
+        bytes,
+        modeled.map(|d| d.as_secs_f64() * 1e6),
+        true,
+    )
+}
+
+fn push(kind: &'static str, mesh_dim: &str, bytes: u64, modeled_us: Option<f64>, wait: bool) {
     STATE.with(|s| {
-        let s = s.borrow();
+        let mut s = s.borrow_mut();
+        s.pending.clear();
         if s.recorders.is_empty() {
             return;
         }
@@ -254,11 +339,18 @@ pub fn record(kind: &'static str, mesh_dim: &str, bytes: u64) {
             label,
             mesh_dim: mesh_dim.to_string(),
             bytes,
+            modeled_us,
+            waited_us: None,
         };
+        let mut pending = Vec::new();
         for (_, r) in &s.recorders {
-            if let Ok(mut r) = r.lock() {
-                r.push(rec.clone());
+            if let Ok(mut v) = r.lock() {
+                v.push(rec.clone());
+                if wait {
+                    pending.push((r.clone(), v.len() - 1));
+                }
             }
         }
+        s.pending = pending;
     })
 }

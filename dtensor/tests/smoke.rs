@@ -111,3 +111,67 @@ fn uneven_round_trip() {
         assert_eq!(f, x.to_vec2::<f32>().unwrap());
     }
 }
+
+/// CommDebugMode puts the link model's time next to the time each rank waited: with a slow
+/// modeled link on `dp` the records of an all_gather and an all_reduce carry the alpha-beta
+/// time of their bytes, and the rank waited at least that long (the local backend paces by
+/// sleeping); a communicator without a link records no modeled time, but the wait.
+#[test]
+fn comm_debug_mode_shows_modeled_and_waited_time() {
+    use candle_dtensor_comm::link::{link_hints, parse_link_spec};
+    use candle_dtensor_comm::CommOptions;
+    let links = parse_link_spec("dp=100us:0.05GBps").unwrap();
+    let mut options = CommOptions::default().with_timeout(Duration::from_secs(60));
+    for (k, v) in link_hints(&links) {
+        options = options.with_hint(k, v);
+    }
+    let out = LocalWorld::new(4)
+        .with_options(options)
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, &[("dp", 2), ("tp", 2)])?;
+            let x = Tensor::arange(0f32, 64.0 * 64.0, &Device::Cpu)?.reshape((64, 64))?;
+            let d = distribute_tensor(&x, &mesh, &[Placement::Shard(0), Placement::Shard(1)])?;
+            let mode = CommDebugMode::start();
+            let r = d.redistribute(&[Placement::Replicate, Placement::Shard(1)])?;
+            let p = DTensor::from_local(
+                r.to_local(),
+                &mesh,
+                &[
+                    Placement::Partial(candle_dtensor_core::ReduceOp::Sum),
+                    Placement::Shard(1),
+                ],
+            )?;
+            let _ = p.redistribute(&[Placement::Replicate, Placement::Replicate])?;
+            let table = mode.table();
+            Ok((mode.records(), table))
+        })
+        .unwrap();
+    for (records, table) in out {
+        let ag = records
+            .iter()
+            .find(|r| r.kind == "all_gather" && r.mesh_dim == "dp")
+            .unwrap_or_else(|| panic!("no dp all_gather in\n{table}"));
+        // 64x32 f32 gathered over dp=2: 8192 B, (n-1)/n of it on the wire.
+        assert_eq!(ag.bytes, 8192);
+        let want = 100.0 + 0.5 * 8192.0 / (0.05 * 1e3);
+        let modeled = ag.modeled_us.expect("modeled time on dp");
+        assert!((modeled - want).abs() < 1e-6, "{modeled} vs {want}");
+        let waited = ag.waited_us.expect("waited time");
+        assert!(
+            waited >= 0.9 * want,
+            "waited {waited} us < modeled {want} us"
+        );
+        let ar = records
+            .iter()
+            .find(|r| r.kind == "all_reduce" && r.mesh_dim == "dp")
+            .unwrap_or_else(|| panic!("no dp all_reduce in\n{table}"));
+        let want = 100.0 + 2.0 * 0.5 * ar.bytes as f64 / (0.05 * 1e3);
+        assert!((ar.modeled_us.unwrap() - want).abs() < 1e-6);
+        // tp has no link: no modeled time, but a measured wait.
+        for r in records.iter().filter(|r| r.mesh_dim == "tp") {
+            assert_eq!(r.modeled_us, None, "{table}");
+            assert!(r.waited_us.is_some(), "{table}");
+        }
+        assert!(table.contains("modeled ms"), "{table}");
+    }
+}
