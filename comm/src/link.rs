@@ -335,7 +335,7 @@ mod tests {
         // Scaling keeps the modeled time proportional: 1000x slower link, 1000x the time.
         let a = l[0].1.time(OpName::AllGatherSingle, 1 << 20, 4).unwrap();
         let b = s.time(OpName::AllGatherSingle, 1 << 20, 4).unwrap();
-        assert!((b.as_secs_f64() / a.as_secs_f64() / 1000.0 - 1.0).abs() < 1e-6);
+        assert!((b.as_secs_f64() / a.as_secs_f64() / 1000.0 - 1.0).abs() < 1e-4);
         for bad in [0.0, -2.0, f64::NAN, f64::INFINITY] {
             let e = l[0].1.scaled("dp", bad).unwrap_err();
             assert_eq!(e.dim, "dp");
