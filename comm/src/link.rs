@@ -9,14 +9,22 @@
 //! modeled time, so ops queued behind it on the same communicator wait as they would behind a
 //! busy link, while other communicators progress independently.
 //!
+//! One rank's link is shared: a communicator split (or shrunk) from a paced one, with no link
+//! of its own in the hints, runs over its parent's [`Link`], and collectives in flight on both
+//! at once share its bandwidth fairly (processor sharing: k transfers each get 1/k of it), as
+//! two NCCL communicators over the same NIC do. FSDP's separate reduce-scatter communicator is
+//! such a split: it can overlap gathers, but it does not get a second network for free. A
+//! split whose name has its own hints (`link.dp_rs.gbps`) gets a separate link (another rail).
+//!
 //! Set through communicator hints (inherited by every communicator split from it):
 //! `link.gbps` / `link.alpha_us` for every communicator, `link.<name>.gbps` /
 //! `link.<name>.alpha_us` for the communicator named `<name>` (a `DeviceMesh` names each mesh
 //! dim's communicator after the dim), which wins. [`parse_link_spec`] reads the
 //! `dp=20us:0.2GBps,tp=2us:5GBps` form and [`link_hints`] turns it into hints.
 
-use std::collections::BTreeMap;
-use std::time::Duration;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::types::OpName;
 
@@ -132,12 +140,18 @@ impl LinkModel {
     }
 
     /// The modeled time of collective `op` over `n` ranks whose larger buffer (input or
-    /// output) has `bytes` bytes; `None` for ops the model does not pace (point-to-point,
-    /// barriers, setup) and for groups of one.
+    /// output) has `bytes` bytes, on an otherwise idle link; `None` for ops the model does not
+    /// pace (point-to-point, barriers, setup) and for groups of one.
     pub fn time(&self, op: OpName, bytes: usize, n: usize) -> Option<Duration> {
         let wire = wire_bytes(op, bytes, n)?;
         let us = self.alpha_us + wire / (self.gbps * 1e3);
         Some(Duration::from_secs_f64(us / 1e6))
+    }
+
+    /// The bytes each rank puts on the wire for `op` (see the module docs), `None` where the
+    /// model does not pace it.
+    pub fn wire_bytes(&self, op: OpName, bytes: usize, n: usize) -> Option<f64> {
+        wire_bytes(op, bytes, n)
     }
 
     /// The link of the communicator named `name` from `hints` (see the module docs), `None`
@@ -164,6 +178,161 @@ impl LinkModel {
             (None, Some(_)) => Err(err(name, "link.alpha_us is set but no link.gbps")),
             (None, None) => Ok(None),
         }
+    }
+}
+
+/// One rank's end of a modeled link, shared by every communicator over it (see the module
+/// docs). Transfers in flight share the bandwidth equally; each collective also pays the
+/// latency once.
+#[derive(Debug)]
+pub struct Link {
+    model: LinkModel,
+    state: Mutex<LinkState>,
+}
+
+#[derive(Debug)]
+struct LinkState {
+    /// When `active` was last advanced.
+    last: Instant,
+    /// Transfers in flight: (id, wire bytes still to move).
+    active: Vec<(u64, f64)>,
+    /// Transfers whose bytes have all moved, and when they got through.
+    finished: HashMap<u64, Instant>,
+    next_id: u64,
+}
+
+/// A transfer started with [`Link::begin`]; [`Link::finish`] waits for it.
+#[derive(Debug)]
+#[must_use = "a transfer occupies the link until finished or cancelled"]
+pub struct Transfer {
+    id: u64,
+}
+
+impl LinkState {
+    /// Moves the active transfers forward to `now` at `bytes_per_s` shared equally, recording
+    /// when each one completes.
+    fn advance(&mut self, now: Instant, bytes_per_s: f64) {
+        let mut t = self.last;
+        let mut budget = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now.max(self.last);
+        while budget > 0.0 && !self.active.is_empty() {
+            let k = self.active.len() as f64;
+            let least = self
+                .active
+                .iter()
+                .map(|a| a.1)
+                .fold(f64::INFINITY, f64::min);
+            let until_first = least * k / bytes_per_s;
+            if until_first <= budget {
+                t += Duration::from_secs_f64(until_first);
+                budget -= until_first;
+                for a in &mut self.active {
+                    a.1 -= least;
+                }
+                let finished = &mut self.finished;
+                self.active.retain(|&(id, rem)| {
+                    let done = rem <= 1e-9;
+                    if done {
+                        finished.insert(id, t);
+                    }
+                    !done
+                });
+            } else {
+                let each = budget * bytes_per_s / k;
+                for a in &mut self.active {
+                    a.1 -= each;
+                }
+                budget = 0.0;
+            }
+        }
+    }
+
+    /// The earliest `id` can complete if nothing else starts: under equal sharing every
+    /// transfer moves at the same rate, so `id` is done once each other transfer has moved
+    /// the smaller of its own remainder and `id`'s.
+    fn earliest_end(&self, id: u64, bytes_per_s: f64) -> Option<Duration> {
+        let mine = self.active.iter().find(|a| a.0 == id)?.1;
+        let ahead: f64 = self.active.iter().map(|a| a.1.min(mine)).sum();
+        Some(Duration::from_secs_f64(ahead / bytes_per_s))
+    }
+}
+
+impl Link {
+    /// A link of `model`, idle.
+    pub fn new(model: LinkModel) -> Arc<Link> {
+        Arc::new(Link {
+            model,
+            state: Mutex::new(LinkState {
+                last: Instant::now(),
+                active: Vec::new(),
+                finished: HashMap::new(),
+                next_id: 0,
+            }),
+        })
+    }
+
+    /// The model this link paces to.
+    pub fn model(&self) -> LinkModel {
+        self.model
+    }
+
+    fn bytes_per_s(&self) -> f64 {
+        self.model.gbps * 1e9
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LinkState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts moving `wire` bytes now (the collective's data path runs meanwhile).
+    pub fn begin(&self, wire: f64) -> Transfer {
+        let now = Instant::now();
+        let mut st = self.lock();
+        st.advance(now, self.bytes_per_s());
+        let id = st.next_id;
+        st.next_id += 1;
+        if wire > 0.0 {
+            st.active.push((id, wire));
+        } else {
+            st.finished.insert(id, now);
+        }
+        Transfer { id }
+    }
+
+    /// Sleeps (never spins) until `t`'s bytes have got through the shared link and the
+    /// latency has passed since: an idle link makes that `alpha + wire / bandwidth` after
+    /// [`Link::begin`]. Wakes once per transfer that starts meanwhile, at most.
+    pub fn finish(&self, t: Transfer) {
+        let alpha = Duration::from_secs_f64(self.model.alpha_us / 1e6);
+        loop {
+            let now = Instant::now();
+            let wait = {
+                let mut st = self.lock();
+                st.advance(now, self.bytes_per_s());
+                match st.finished.remove(&t.id) {
+                    Some(done) => {
+                        drop(st);
+                        let end = done + alpha;
+                        std::thread::sleep(end.saturating_duration_since(Instant::now()));
+                        return;
+                    }
+                    None => st
+                        .earliest_end(t.id, self.bytes_per_s())
+                        .unwrap_or(Duration::ZERO),
+                }
+            };
+            // Transfers that start meanwhile only push the end later: wake at the earliest
+            // end, then look again. A floor keeps float residue from waking in a loop.
+            std::thread::sleep(wait.max(Duration::from_micros(20)));
+        }
+    }
+
+    /// Drops `t` from the link at once (its collective failed).
+    pub fn cancel(&self, t: Transfer) {
+        let mut st = self.lock();
+        st.advance(Instant::now(), self.bytes_per_s());
+        st.active.retain(|a| a.0 != t.id);
+        st.finished.remove(&t.id);
     }
 }
 
@@ -317,6 +486,68 @@ mod tests {
             assert_eq!(e.dim, dim, "{bad}: {e}");
             assert!(e.to_string().contains(needle), "{bad}: {e}");
         }
+    }
+
+    /// The sharing arithmetic on a made-up clock: two equal transfers started together end
+    /// together at twice the time of one; a small one started during a big one ends after
+    /// twice its own bytes' time, and the big one is delayed by exactly the small one's bytes.
+    #[test]
+    fn equal_sharing_is_work_conserving() {
+        let bw = 1e6; // bytes per second
+        let t0 = Instant::now();
+        let mut st = LinkState {
+            last: t0,
+            active: vec![(0, 1e6), (1, 1e6)],
+            finished: HashMap::new(),
+            next_id: 2,
+        };
+        assert_eq!(st.earliest_end(0, bw), Some(Duration::from_secs(2)));
+        st.advance(t0 + Duration::from_millis(1999), bw);
+        assert!(st.finished.is_empty());
+        st.advance(t0 + Duration::from_secs(3), bw);
+        for id in [0, 1] {
+            let end = st.finished[&id].duration_since(t0).as_secs_f64();
+            assert!((end - 2.0).abs() < 1e-6, "{end}");
+        }
+        // A big transfer of 4 s alone; a 1 s one joins at 1 s: it gets half the link, ends at
+        // 3 s; the big one ends at 5 s (4 s of its bytes plus 1 s of the small one's).
+        let mut st = LinkState {
+            last: t0,
+            active: vec![(0, 4e6)],
+            finished: HashMap::new(),
+            next_id: 1,
+        };
+        st.advance(t0 + Duration::from_secs(1), bw);
+        st.active.push((1, 1e6));
+        assert_eq!(st.earliest_end(1, bw), Some(Duration::from_secs(2)));
+        st.advance(t0 + Duration::from_secs(10), bw);
+        let end = |id| st.finished[&id].duration_since(t0).as_secs_f64();
+        assert!((end(1) - 3.0).abs() < 1e-6, "{}", end(1));
+        assert!((end(0) - 5.0).abs() < 1e-6, "{}", end(0));
+    }
+
+    /// On the real clock: an idle link takes at least alpha + bytes/bandwidth; two transfers
+    /// at once on one link take at least twice the bandwidth time.
+    #[test]
+    fn shared_link_sleeps_for_the_shared_time() {
+        let link = Link::new(LinkModel::new("x", 1000.0, 0.001).unwrap()); // 1 MB/s, 1 ms
+        let t0 = Instant::now();
+        link.finish(link.begin(20_000.0)); // 20 ms + 1 ms
+        assert!(t0.elapsed() >= Duration::from_millis(21));
+        let t0 = Instant::now();
+        let (a, b) = (link.begin(20_000.0), link.begin(20_000.0));
+        std::thread::scope(|s| {
+            s.spawn(|| link.finish(a));
+            s.spawn(|| link.finish(b));
+        });
+        assert!(
+            t0.elapsed() >= Duration::from_millis(40),
+            "{:?}",
+            t0.elapsed()
+        );
+        let t = link.begin(1e9);
+        link.cancel(t);
+        assert!(link.lock().active.is_empty());
     }
 
     #[test]

@@ -73,3 +73,60 @@ fn link_model_paces_mesh_dims_and_refuses_bad_hints() {
         .to_string();
     assert!(err.contains("\"dp\"") && err.contains("positive"), "{err}");
 }
+
+/// A communicator split from a paced one without a link of its own shares its parent's link:
+/// collectives in flight on both at once share the bandwidth (each of two equal all_gathers
+/// then takes at least twice its idle time). A split with its own hints gets its own link.
+#[test]
+fn splits_share_their_parents_link_unless_given_their_own() {
+    use candle_dtensor::mesh::DeviceMesh;
+    use candle_dtensor_comm::CommOptions;
+    use std::time::Instant;
+
+    for own_link in [false, true] {
+        // dp: 0.01 GB/s, no latency. 100_000 f32 per rank: wire 400 kB = 40 ms idle.
+        let mut options = CommOptions::default()
+            .with_timeout(Duration::from_secs(10))
+            .with_hint("link.dp.gbps", "0.01");
+        if own_link {
+            options = options.with_hint("link.dp_rs.gbps", "0.01");
+        }
+        let out = LocalWorld::new(2)
+            .with_options(options)
+            .launch(move |comm| {
+                let mesh = DeviceMesh::new(comm, &[("dp", 2)]).map_err(candle_core::Error::wrap)?;
+                let dp = mesh.comm(0).map_err(candle_core::Error::wrap)?.clone();
+                let rs = dp.split(&[0, 1], "dp_rs")?.expect("a member");
+                let x = Tensor::full(dp.rank() as f32, 100_000, &Device::Cpu)?;
+                // Each alone first: both paced.
+                let mut alone = Vec::new();
+                for c in [&dp, &rs] {
+                    let t0 = Instant::now();
+                    c.all_gather_single(&x)?.wait()?;
+                    alone.push(t0.elapsed());
+                }
+                let t0 = Instant::now();
+                let (a, b) = (dp.all_gather_single(&x)?, rs.all_gather_single(&x)?);
+                let (a, b) = (a.wait()?, b.wait()?);
+                let both = t0.elapsed();
+                Ok::<_, candle_core::Error>((
+                    alone,
+                    both,
+                    a.sum_all()?.to_scalar::<f32>()? + b.sum_all()?.to_scalar::<f32>()?,
+                ))
+            })
+            .unwrap();
+        for (alone, both, sum) in out {
+            for t in &alone {
+                assert!(*t >= Duration::from_millis(40), "alone {t:?}");
+            }
+            if !own_link {
+                assert!(
+                    both >= Duration::from_millis(80),
+                    "shared link, both at once took {both:?}"
+                );
+            }
+            assert_eq!(sum, 200_000.0);
+        }
+    }
+}

@@ -40,8 +40,9 @@ pub(crate) struct Core {
     pub rank: usize,
     device: Device,
     queue: Arc<Queue>,
-    /// The modeled link its collectives are paced to (`crate::link`), set once at creation.
-    link: std::sync::OnceLock<crate::link::LinkModel>,
+    /// The modeled link its collectives are paced to (`crate::link`), set once at creation;
+    /// shared with the communicators split from it that have no link of their own.
+    link: std::sync::OnceLock<Arc<crate::link::Link>>,
     /// Agreements and shrinks started on this communicator (their instance numbers).
     ft_seq: AtomicU64,
 }
@@ -86,16 +87,36 @@ impl LocalBackend {
 }
 
 impl LocalBackend {
-    /// Paces this rank's collectives to the link the hints give communicator `name`
-    /// (`crate::link`); nothing when they give it none.
-    pub(crate) fn set_link(&self, options: &CommOptions, name: &str) -> Result<(), String> {
-        let link =
-            crate::link::LinkModel::from_hints(&options.hints, name).map_err(|e| e.to_string())?;
+    /// Paces this rank's collectives (`crate::link`): to a link of its own when the hints name
+    /// communicator `name` (`link.<name>.gbps`), else to `parent`'s link (shared with it),
+    /// else to the link of the general hints (`link.gbps`), else not at all.
+    pub(crate) fn set_link(
+        &self,
+        options: &CommOptions,
+        name: &str,
+        parent: Option<&Core>,
+    ) -> Result<(), String> {
+        let named = options.hints.contains_key(&format!("link.{name}.gbps"))
+            || options.hints.contains_key(&format!("link.{name}.alpha_us"));
+        let inherited = parent
+            .and_then(|p| p.link.get().cloned())
+            .filter(|_| !named);
+        let own = match inherited {
+            Some(_) => None,
+            None => crate::link::LinkModel::from_hints(&options.hints, name)
+                .map_err(|e| e.to_string())?,
+        };
+        let link = match own {
+            Some(l) => Some(crate::link::Link::new(l)),
+            None => inherited,
+        };
         if let Some(l) = link {
+            let m = l.model();
             tracing::debug!(
                 comm = name,
-                alpha_us = l.alpha_us,
-                gbps = l.gbps,
+                alpha_us = m.alpha_us,
+                gbps = m.gbps,
+                shared_with_parent = own.is_none(),
                 "link model"
             );
             // Set once, right after creation, before any op is queued.
@@ -115,18 +136,19 @@ impl Core {
         bytes: usize,
         body: impl FnOnce(&Exec) -> Result<T> + Send + 'static,
     ) -> Result<Work<T>> {
-        let modeled = self
-            .link
-            .get()
-            .and_then(|l| l.time(ctx.op, bytes, self.group.size()));
-        let Some(modeled) = modeled else {
+        let paced = self.link.get().and_then(|l| {
+            let wire = l.model().wire_bytes(ctx.op, bytes, self.group.size())?;
+            Some((l.clone(), wire))
+        });
+        let Some((link, wire)) = paced else {
             return self.submit(ctx, true, body);
         };
         self.submit(ctx, true, move |e| {
-            let t0 = Instant::now();
+            let t = link.begin(wire);
             let r = body(e);
-            if r.is_ok() {
-                std::thread::sleep(modeled.saturating_sub(t0.elapsed()));
+            match &r {
+                Ok(_) => link.finish(t),
+                Err(_) => link.cancel(t),
             }
             r
         })
@@ -846,7 +868,7 @@ impl Backend for LocalBackend {
             let child = e.group.world.rendezvous(key, || members);
             let my = ranks.iter().position(|&r| r == core.rank).unwrap_or(0);
             let b = LocalBackend::with_device(child, my, &name, core.device.clone())?;
-            b.set_link(&options, &name)
+            b.set_link(&options, &name, Some(&core))
                 .map_err(|reason| CommError::invalid(e.ctx, reason))?;
             Ok(Some(b as Arc<dyn Backend>))
         })
@@ -857,7 +879,7 @@ impl Backend for LocalBackend {
         ctx: OpCtx,
         excluded: &[usize],
         name: &str,
-        _options: &CommOptions,
+        options: &CommOptions,
     ) -> Result<Arc<dyn Backend>> {
         let core = &self.core;
         let instance = core.ft_seq.fetch_add(1, Ordering::Relaxed);
@@ -884,6 +906,8 @@ impl Backend for LocalBackend {
         };
         let child = core.group.world.rendezvous(key, || members);
         let b = LocalBackend::with_device(child, my, name, core.device.clone())?;
+        b.set_link(options, name, Some(core))
+            .map_err(|reason| CommError::invalid(&ctx, reason))?;
         Ok(b as Arc<dyn Backend>)
     }
 

@@ -284,7 +284,7 @@ where
         })
     });
     let backend = LocalBackend::new(group, rank, name).map_err(|e| e.to_string())?;
-    backend.set_link(&options, name)?;
+    backend.set_link(&options, name, None)?;
     let comm = Comm::from_backend(backend, name, options);
     match catch_unwind(AssertUnwindSafe(|| f(comm))) {
         Ok(Ok(v)) => Ok(v),
@@ -345,7 +345,7 @@ impl BackendFactory for LocalFactory {
         );
         let backend = LocalBackend::with_device(group, rank, name, device.clone())?;
         backend
-            .set_link(options, name)
+            .set_link(options, name, None)
             .map_err(|reason| CommError::Bootstrap {
                 comm: name.to_string(),
                 reason,
