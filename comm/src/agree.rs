@@ -102,7 +102,9 @@ pub(crate) fn shrink_agreement(
 /// shrink list (`None`: it is).
 fn invalid_list(by: usize, excluded: &[usize], n: usize) -> Option<String> {
     if let Some(r) = excluded.iter().find(|&&r| r >= n) {
-        return Some(format!("rank {r} is out of range for {n} ranks"));
+        return Some(format!(
+            "rank {r} out of range for a communicator of size {n}"
+        ));
     }
     let distinct: BTreeSet<usize> = excluded.iter().copied().collect();
     if distinct.len() != excluded.len() {
@@ -112,11 +114,11 @@ fn invalid_list(by: usize, excluded: &[usize], n: usize) -> Option<String> {
             .find(|r| !seen.insert(**r))
             .copied()
             .unwrap_or(0);
-        return Some(format!("rank {twice} is listed twice"));
+        return Some(format!("rank {twice} appears twice"));
     }
     if distinct.is_empty() || distinct.len() >= n {
         return Some(format!(
-            "a shrink must exclude at least one of the {n} ranks and keep at least one"
+            "shrink must exclude at least one rank and keep at least one of {n}"
         ));
     }
     if distinct.contains(&by) {

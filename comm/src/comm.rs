@@ -855,6 +855,12 @@ impl Comm {
                 return Err(e);
             }
             tracing::warn!(comm = %self.name(), rank = self.rank(), error = %e, "shrink with a bad excluded list; the peers hear of it through the agreement");
+            // This rank reports its own mistake whatever the agreed view holds.
+            let _ = self
+                .inner
+                .backend
+                .shrink(ctx, &list, self.name(), &self.inner.options);
+            return Err(e);
         }
         let span = tracing::info_span!("comm_shrink", comm = %self.name(), rank = self.rank(), excluded = ?list);
         let _e = span.enter();
