@@ -473,7 +473,11 @@ fn dtrun_allow_failures_lets_the_others_run_on_and_exits_with_theirs() {
         "{err}"
     );
     for r in [0, 2] {
-        assert_eq!(lines_of(&out, r), vec![format!("rank {r} ran on")], "{out}");
+        let ran_on = format!("rank {r} ran on");
+        assert!(
+            lines_of(&out, r).iter().any(|l| l.ends_with(&ran_on)),
+            "{out}"
+        );
     }
 }
 
