@@ -515,13 +515,24 @@ mod tests {
         let good = view(vec![(0, input(&[2])), (1, input(&[2]))], vec![2]);
         let members = shrink_verdict(&ctx(), &good, 0, 3).expect("agreed");
         assert_eq!(members.iter().map(|m| m.0).collect::<Vec<_>>(), vec![0, 1]);
-        let split = view(vec![(0, input(&[2])), (1, input(&[1, 2]))], vec![]);
+        let split = view(vec![(0, input(&[2])), (1, input(&[0, 2]))], vec![]);
         let e = shrink_verdict(&ctx(), &split, 0, 3).expect_err("disagree");
         assert!(
             e.to_string()
-                .contains("rank 0 excludes [2], rank 1 excludes [1, 2]"),
+                .contains("rank 0 excludes [2], rank 1 excludes [0, 2]"),
             "{e}"
         );
+        // A bad list anywhere in the agreed view is an error on every rank, naming it.
+        let bad = view(vec![(0, input(&[2])), (1, input(&[1, 2]))], vec![]);
+        for me in [0, 1] {
+            match shrink_verdict(&ctx(), &bad, me, 3) {
+                Err(CommError::InvalidArgument { reason, .. }) => assert!(
+                    reason.contains("rank 1 excludes [1, 2]: rank 1 excludes itself"),
+                    "{reason}"
+                ),
+                other => panic!("{other:?}"),
+            }
+        }
         let lost = view(vec![(0, input(&[3])), (1, input(&[3]))], vec![2, 3]);
         match shrink_verdict(&ctx(), &lost, 1, 4) {
             Err(CommError::RanksLost { lost, .. }) => assert_eq!(lost, vec![2]),
