@@ -831,8 +831,10 @@ impl Comm {
     ///
     /// # Errors
     ///
-    /// On the calling rank: an empty list, a rank out of range or listed twice, every rank,
-    /// or the caller itself ([`CommError::InvalidArgument`] naming them). On every caller:
+    /// An empty list, a rank out of range or listed twice, every rank, or the caller itself
+    /// ([`CommError::InvalidArgument`] naming them): on the local and process backends on every
+    /// caller (the lists go through the agreement; the wrong rank names its own mistake, the
+    /// others each bad proposal), elsewhere on the calling rank. On every caller:
     /// [`CommError::ShrinkDisagree`] when they passed different lists (naming each rank's),
     /// [`CommError::RanksLost`] (also for a rank that never calls: it is silent past the
     /// bootstrap timeout). MPI: [`CommError::Unsupported`].

@@ -182,10 +182,8 @@ fn check(victim: usize, kind: Kind, timeout: Duration, name: &str) {
                 tail.losses
             );
         }
-        eprintln!(
-            "{name}: rank {r}: recovery {:.1} ms, stall {:.1} ms, run {took:?}",
-            rec.recovery_ms, rec.stall_ms
-        );
+        // Bounded: the victim fails at once or hangs three op timeouts.
+        assert!(took < Duration::from_secs(30), "{name}: {took:?}");
     }
 }
 
