@@ -130,9 +130,10 @@ pub(crate) struct Args {
     /// Output prefix of the loss CSV and SVG.
     #[arg(long, default_value = "train_gpt_loss")]
     out: PathBuf,
-    /// Op timeout in seconds.
-    #[arg(long, default_value_t = 120)]
-    timeout: u64,
+    /// Op timeout in seconds (fractions allowed, e.g. 0.5 for a quick fault detection with
+    /// --fault-tolerant).
+    #[arg(long, default_value_t = 120.0)]
+    timeout: f64,
     /// Modeled network per mesh dim for the local backend, e.g. `dp=20us:0.2GBps,tp=2us:5GBps`
     /// (latency in ns/us/ms, bandwidth in GBps/MBps): each collective on that dim takes at
     /// least `alpha + wire bytes / bandwidth`, waiting by sleeping (`comm::link`).
@@ -191,6 +192,13 @@ pub(crate) struct Args {
     /// unset or 0, which `dtrun --max-restarts` raises), so a restarted job runs through.
     #[arg(long, value_parser = parse_fault)]
     inject_fault: Option<Fault>,
+    /// Fault-tolerant HSDP (needs --hsdp): when ranks die, the survivors agree on them, drop
+    /// every replica group that lost one (its other ranks stop), shrink the communicators and
+    /// go on from the failed step with fewer replicas, without a restart. On the local backend
+    /// the world is elastic (a failed rank thread fails only its communicators); under dtrun
+    /// use `--allow-failures`.
+    #[arg(long)]
+    fault_tolerant: bool,
 }
 
 /// What `--inject-fault` does to a rank.
@@ -255,13 +263,13 @@ fn fault_of_this_start(fault: Option<Fault>) -> Option<Fault> {
 /// with SIGKILL (no cleanup, its sockets close: what a crash looks like to its peers); a rank
 /// thread cannot be killed alone, so it fails (a panic the launcher reports as the rank's
 /// failure). A hang sleeps twice the op timeout first, so the peers' ops time out on it.
-fn inject(fault: Option<&Fault>, rank: usize, step: usize, thread_rank: bool, timeout_s: u64) {
+fn inject(fault: Option<&Fault>, rank: usize, step: usize, thread_rank: bool, timeout_s: f64) {
     let Some(f) = fault.filter(|f| f.rank == rank && f.step == step) else {
         return;
     };
     tracing::warn!(rank, step, kind = ?f.kind, "injecting a fault (--inject-fault)");
     if f.kind == FaultKind::Hang {
-        std::thread::sleep(Duration::from_secs(timeout_s.saturating_mul(2)));
+        std::thread::sleep(Duration::from_secs_f64(timeout_s.max(0.0) * 2.0));
     }
     if !thread_rank {
         #[cfg(unix)]
@@ -282,8 +290,8 @@ fn inject(fault: Option<&Fault>, rank: usize, step: usize, thread_rank: bool, ti
 }
 
 /// The communicator options of a run: the op timeout (seconds) and the links' hints.
-fn comm_options(timeout: u64, links: &[(String, LinkModel)]) -> CommOptions {
-    let mut options = CommOptions::default().with_timeout(Duration::from_secs(timeout));
+fn comm_options(timeout: f64, links: &[(String, LinkModel)]) -> CommOptions {
+    let mut options = CommOptions::default().with_timeout(Duration::from_secs_f64(timeout));
     for (k, v) in link_hints(links) {
         options = options.with_hint(k, v);
     }
@@ -488,6 +496,9 @@ fn validate(args: &Args, dims: &[(String, usize)], cfg: &GptConfig) -> Result<us
             "--hsdp needs a mesh with replicate and shard dims, e.g. replicate=2,shard=2".into(),
         );
     }
+    if args.fault_tolerant && !args.hsdp {
+        return Err("--fault-tolerant needs --hsdp (it drops whole replica groups)".into());
+    }
     Ok(world)
 }
 
@@ -538,7 +549,7 @@ type BoxErr = Box<dyn std::error::Error + Send + Sync>;
 #[derive(Debug, Clone)]
 struct Job {
     options: CommOptions,
-    timeout: u64,
+    timeout: f64,
     fault: Option<Fault>,
 }
 
@@ -584,26 +595,50 @@ fn run(
 ) -> Result<Option<RankReport>, String> {
     let options = job.options.clone();
     if backend == "local" {
-        let reports = LocalWorld::new(world)
-            .with_options(options.clone())
-            .launch(|comm| {
-                // Rank threads on a GPU get a communicator of the local backend on their
-                // device (collective over the world), rank r on cuda:(r % gpus).
-                let comm = match device {
-                    DeviceSpec::Cpu => comm,
-                    spec => {
-                        let dev = spec.device_for(comm.rank())?;
-                        new_comm("local", &dev, "world_cuda", options.clone())?
-                    }
-                };
-                train_on(comm, dims, cfg, bar.as_ref(), job.clone())
-            })
+        let launch = |comm: Comm| {
+            // Rank threads on a GPU get a communicator of the local backend on their
+            // device (collective over the world), rank r on cuda:(r % gpus).
+            let comm = match device {
+                DeviceSpec::Cpu => comm,
+                spec => {
+                    let dev = spec.device_for(comm.rank())?;
+                    new_comm("local", &dev, "world_cuda", options.clone())?
+                }
+            };
+            train_on(comm, dims, cfg, bar.as_ref(), job.clone())
+        };
+        let world = LocalWorld::new(world).with_options(options.clone());
+        if !cfg.fault_tolerant {
+            let reports = world.launch(launch).map_err(|e| e.to_string())?;
+            return reports
+                .into_iter()
+                .next()
+                .map(Some)
+                .ok_or_else(|| "no rank reported".to_string());
+        }
+        // Elastic: a failed rank thread fails only its communicators; the survivors report.
+        let outcomes = world
+            .elastic(true)
+            .launch_each(launch)
             .map_err(|e| e.to_string())?;
-        return reports
-            .into_iter()
-            .next()
-            .map(Some)
-            .ok_or_else(|| "no rank reported".to_string());
+        let mut failures = Vec::new();
+        let mut first = None;
+        for (r, o) in outcomes.into_iter().enumerate() {
+            match o {
+                Ok(rep) if rep.rank == 0 && !rep.dropped && first.is_none() => first = Some(rep),
+                Ok(_) => {}
+                Err(e) => failures.push(format!("rank {r}: {e}")),
+            }
+        }
+        for f in &failures {
+            eprintln!("train_gpt: {f}");
+        }
+        return first.map(Some).ok_or_else(|| {
+            format!(
+                "no surviving rank 0 reported; failures: {}",
+                failures.join("; ")
+            )
+        });
     }
     // One process per rank: its device from the launcher's local rank (one GPU per process).
     let local_rank = LaunchEnv::from_env().map(|e| e.local_index()).unwrap_or(0);
@@ -623,7 +658,9 @@ fn run(
     let bar = bar.filter(|_| rank == 0);
     let report =
         train_on(comm, dims, cfg, bar.as_ref(), job).map_err(|e| format!("rank {rank}: {e}"))?;
-    Ok((rank == 0).then_some(report))
+    // Rank 0 of the mesh the run ended on reports (after a dropped replica group that may be
+    // another process than the first).
+    Ok((report.rank == 0 && !report.dropped).then_some(report))
 }
 
 /// The JSON of the mixture-of-experts layers: settings and what they measured per step.
@@ -858,6 +895,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
     cfg.save_every = args.save_every;
     cfg.resume = args.resume;
     cfg.init_from = args.init_from.clone();
+    cfg.fault_tolerant = args.fault_tolerant;
     cfg.data = data.train.clone();
     cfg.eval = data.eval.as_ref().map(|corpus| EvalSpec {
         corpus: corpus.clone(),
@@ -948,6 +986,32 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
         "backward_ms_median": median(&report.phase_ms.iter().map(|p| p[1]).collect::<Vec<_>>()),
         "optimizer_ms_median": median(&report.phase_ms.iter().map(|p| p[2]).collect::<Vec<_>>()),
     });
+    // Fault tolerance (outside the macro above: its recursion limit).
+    summary["fault_tolerant"] = serde_json::json!(args.fault_tolerant);
+    // The global steps done when the run ended (a resumed run counts its checkpoint's).
+    summary["steps_completed"] = serde_json::json!(report.start_step + report.losses.len());
+    summary["lost_ranks"] = serde_json::json!(report.lost_ranks);
+    // Fault detected to the retried step started, summed over recoveries (null: no fault).
+    summary["recovery_ms"] = serde_json::json!((!report.recoveries.is_empty()).then(|| report
+        .recoveries
+        .iter()
+        .map(|r| r.recovery_ms)
+        .sum::<f64>()));
+    summary["recoveries"] = report
+        .recoveries
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "step": r.step,
+                "failed": r.failed,
+                "dropped": r.dropped,
+                "recovery_ms": r.recovery_ms,
+                "stall_ms": r.stall_ms,
+                "replicas": r.replicas,
+            })
+        })
+        .collect::<Vec<_>>()
+        .into();
     if let Some(m) = &gpt.moe {
         summary["moe"] = moe_summary(m, &report);
     }
@@ -959,6 +1023,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
         single.save_dir = None;
         single.save_every = 0;
         single.resume = false;
+        single.fault_tolerant = false;
         let reference = run(
             "local",
             check_device,

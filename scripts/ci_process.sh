@@ -6,6 +6,8 @@
 # 4-process mp_allreduce run checks collectives and DTensor matmuls against one device; a
 # `dtrun --max-restarts 1` run with a rank SIGKILLed mid-run (`--inject-fault`) resumes from its
 # checkpoint and must end with the uninterrupted run's final loss (1e-4 relative).
+# A `dtrun --allow-failures 1` run of `train_gpt --hsdp --fault-tolerant` with rank 3 SIGKILLed
+# must finish every step on the surviving replica and exit 0.
 #
 # Usage: scripts/ci_process.sh   (about a minute after `cargo test --workspace`, whose dev-profile
 #                                 build it reuses)
@@ -68,3 +70,17 @@ PY
 
 echo "== dtrun --nproc 4 -- mp_allreduce"
 "$dir/dtrun" --nproc 4 --timeout 300 -- "$dir/examples/mp_allreduce"
+
+echo "== dtrun --allow-failures 1 -- train_gpt --hsdp --fault-tolerant, rank 3 SIGKILLed after step 4"
+"$dir/dtrun" --nproc 4 --timeout 300 --allow-failures 1 -- "$tg" --backend process \
+  --mesh replicate=2,shard=2 --hsdp --fault-tolerant --steps 8 --timeout 1 --json \
+  --inject-fault rank=3,step=4 --out "$out/ft" | sed -n 's/^\[rank [0-9]*\] \({.*\)$/\1/p' > "$out/ft.json"
+python3 - "$out/ft.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["steps_completed"] == 8, d["steps_completed"]
+assert d["lost_ranks"] == [2, 3], d["lost_ranks"]
+assert d["recovery_ms"] is not None and d["recoveries"][0]["failed"] == [3], d["recoveries"]
+print(f"fault-tolerant HSDP: finished 8 steps on the surviving replica, recovery {d['recovery_ms']:.0f} ms "
+      f"(stall {d['recoveries'][0]['stall_ms']:.0f} ms)")
+PY

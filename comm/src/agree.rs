@@ -58,6 +58,75 @@ pub(crate) trait Net {
     fn send(&self, peer: usize, round: u32, bytes: &[u8]);
     /// Waits for `peer`'s message `round` of this instance until `deadline`.
     fn recv(&self, peer: usize, round: u32, deadline: Instant) -> Heard;
+    /// This rank decided: the instance's messages to it can be forgotten.
+    fn done(&self) {}
+}
+
+/// [`crate::Comm::agree`] on a backend's [`Net`]: every participant's `ok`, nobody skipped.
+pub(crate) fn agree_ok(net: &dyn Net, ok: bool, timeout: Duration) -> Agreement {
+    let input = Input {
+        ok,
+        excluded: None,
+        addr: None,
+    };
+    let view = agree(net, input, &BTreeSet::new(), timeout);
+    net.done();
+    Agreement::from(&view)
+}
+
+/// The agreement of [`crate::Comm::shrink`] on a backend's [`Net`]: this rank proposes
+/// `excluded` (and, on the process backend, the address it listens on for the new
+/// communicator), does not wait for the ranks it excludes, and returns the verdict of the
+/// agreed view ([`shrink_verdict`]): the same on every participant.
+pub(crate) fn shrink_agreement(
+    net: &dyn Net,
+    ctx: &OpCtx,
+    excluded: &[usize],
+    addr: Option<String>,
+) -> Result<Vec<(usize, Input)>, CommError> {
+    let input = Input {
+        ok: true,
+        excluded: Some(excluded.to_vec()),
+        addr,
+    };
+    let me = net.rank();
+    // A bad list still takes part (so every peer hears of it); its own rank and ranks out of
+    // range are not waited for anyway.
+    let skip = excluded.iter().copied().filter(|&r| r != me).collect();
+    let view = agree(net, input, &skip, ctx.timeout);
+    net.done();
+    shrink_verdict(ctx, &view, me, net.size())
+}
+
+/// Why `excluded`, rank `by`'s proposal for a communicator of `n` ranks, is not a valid
+/// shrink list (`None`: it is).
+fn invalid_list(by: usize, excluded: &[usize], n: usize) -> Option<String> {
+    if let Some(r) = excluded.iter().find(|&&r| r >= n) {
+        return Some(format!(
+            "rank {r} out of range for a communicator of size {n}"
+        ));
+    }
+    let distinct: BTreeSet<usize> = excluded.iter().copied().collect();
+    if distinct.len() != excluded.len() {
+        let mut seen = BTreeSet::new();
+        let twice = excluded
+            .iter()
+            .find(|r| !seen.insert(**r))
+            .copied()
+            .unwrap_or(0);
+        return Some(format!("rank {twice} appears twice"));
+    }
+    if distinct.is_empty() || distinct.len() >= n {
+        return Some(format!(
+            "shrink must exclude at least one rank and keep at least one of {n}"
+        ));
+    }
+    if distinct.contains(&by) {
+        return Some(format!(
+            "rank {by} excludes itself (excluded ranks do not call shrink)"
+        ));
+    }
+    None
 }
 
 /// One participant's contribution.
@@ -178,6 +247,18 @@ pub(crate) fn shrink_verdict(
         .iter()
         .map(|(&r, i)| (r, i.excluded.clone().unwrap_or_default()))
         .collect();
+    let bad: Vec<String> = proposals
+        .iter()
+        .filter_map(|(r, ex)| {
+            invalid_list(*r, ex, n).map(|why| format!("rank {r} excludes {ex:?}: {why}"))
+        })
+        .collect();
+    if !bad.is_empty() {
+        return Err(CommError::invalid(
+            ctx,
+            format!("invalid shrink lists: {}", bad.join("; ")),
+        ));
+    }
     let excluded = proposals.first().map(|p| p.1.clone()).unwrap_or_default();
     let disagree = proposals.iter().any(|p| p.1 != excluded);
     if disagree || excluded.contains(&me) {
@@ -434,13 +515,24 @@ mod tests {
         let good = view(vec![(0, input(&[2])), (1, input(&[2]))], vec![2]);
         let members = shrink_verdict(&ctx(), &good, 0, 3).expect("agreed");
         assert_eq!(members.iter().map(|m| m.0).collect::<Vec<_>>(), vec![0, 1]);
-        let split = view(vec![(0, input(&[2])), (1, input(&[1, 2]))], vec![]);
+        let split = view(vec![(0, input(&[2])), (1, input(&[0, 2]))], vec![]);
         let e = shrink_verdict(&ctx(), &split, 0, 3).expect_err("disagree");
         assert!(
             e.to_string()
-                .contains("rank 0 excludes [2], rank 1 excludes [1, 2]"),
+                .contains("rank 0 excludes [2], rank 1 excludes [0, 2]"),
             "{e}"
         );
+        // A bad list anywhere in the agreed view is an error on every rank, naming it.
+        let bad = view(vec![(0, input(&[2])), (1, input(&[1, 2]))], vec![]);
+        for me in [0, 1] {
+            match shrink_verdict(&ctx(), &bad, me, 3) {
+                Err(CommError::InvalidArgument { reason, .. }) => assert!(
+                    reason.contains("rank 1 excludes [1, 2]: rank 1 excludes itself"),
+                    "{reason}"
+                ),
+                other => panic!("{other:?}"),
+            }
+        }
         let lost = view(vec![(0, input(&[3])), (1, input(&[3]))], vec![2, 3]);
         match shrink_verdict(&ctx(), &lost, 1, 4) {
             Err(CommError::RanksLost { lost, .. }) => assert_eq!(lost, vec![2]),

@@ -174,8 +174,8 @@ pub trait Backend: Send + Sync + 'static {
         options: &CommOptions,
     ) -> Result<Option<Arc<dyn Backend>>>;
 
-    /// Collective over the ranks not in `excluded` (sorted, validated by the front: non-empty,
-    /// in range, without this rank): a new communicator of those ranks, in order, renumbered
+    /// Collective over the ranks not in `excluded` (sorted; validated by the front: non-empty,
+    /// in range, without this rank, unless [`Backend::shrink_agrees_on_lists`]): a new communicator of those ranks, in order, renumbered
     /// from 0, built without the excluded ranks and whether or not this communicator has
     /// failed. The survivors agree on the outcome ([`crate::Comm::shrink`] states the contract).
     fn shrink(
@@ -190,6 +190,13 @@ pub trait Backend: Send + Sync + 'static {
             backend: self.backend_name().to_string(),
             op: ctx.op.to_string(),
         })
+    }
+
+    /// Whether [`Backend::shrink`] agrees on every caller's list before acting on it (it then
+    /// takes bad lists too, and every caller reports them); otherwise the front rejects a bad
+    /// list on the calling rank alone.
+    fn shrink_agrees_on_lists(&self) -> bool {
+        false
     }
 
     /// Fault-tolerant agreement over the live ranks, failed communicator or not

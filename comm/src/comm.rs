@@ -831,8 +831,10 @@ impl Comm {
     ///
     /// # Errors
     ///
-    /// On the calling rank: an empty list, a rank out of range or listed twice, every rank,
-    /// or the caller itself ([`CommError::InvalidArgument`] naming them). On every caller:
+    /// An empty list, a rank out of range or listed twice, every rank, or the caller itself
+    /// ([`CommError::InvalidArgument`] naming them): on the local and process backends on every
+    /// caller (the lists go through the agreement; the wrong rank names its own mistake, the
+    /// others each bad proposal), elsewhere on the calling rank. On every caller:
     /// [`CommError::ShrinkDisagree`] when they passed different lists (naming each rank's),
     /// [`CommError::RanksLost`] (also for a rank that never calls: it is silent past the
     /// bootstrap timeout). MPI: [`CommError::Unsupported`].
@@ -847,35 +849,20 @@ impl Comm {
         };
         let mut list = excluded.to_vec();
         list.sort_unstable();
-        for &r in &list {
-            self.check_rank(&ctx, "excluded", r)?;
-        }
-        if let Some(w) = list.windows(2).find(|w| w[0] == w[1]) {
-            return Err(CommError::invalid(
-                &ctx,
-                format!(
-                    "rank {} appears twice in the excluded ranks {excluded:?}",
-                    w[0]
-                ),
-            ));
-        }
-        if list.is_empty() || list.len() == self.size() {
-            return Err(CommError::invalid(
-                &ctx,
-                format!(
-                    "shrink must exclude at least one rank and keep at least one; got {excluded:?} of {} ranks",
-                    self.size()
-                ),
-            ));
-        }
-        if list.contains(&self.rank()) {
-            return Err(CommError::invalid(
-                &ctx,
-                format!(
-                    "rank {} excludes itself ({excluded:?}); excluded ranks do not call shrink",
-                    self.rank()
-                ),
-            ));
+        let bad = self.check_shrink_list(&ctx, excluded, &list);
+        if let Some(e) = bad {
+            // Backends that agree on the lists first take a bad one too, so that every caller
+            // reports it (not just this rank, with its peers timing out on it).
+            if !self.inner.backend.shrink_agrees_on_lists() {
+                return Err(e);
+            }
+            tracing::warn!(comm = %self.name(), rank = self.rank(), error = %e, "shrink with a bad excluded list; the peers hear of it through the agreement");
+            // This rank reports its own mistake whatever the agreed view holds.
+            let _ = self
+                .inner
+                .backend
+                .shrink(ctx, &list, self.name(), &self.inner.options);
+            return Err(e);
         }
         let span = tracing::info_span!("comm_shrink", comm = %self.name(), rank = self.rank(), excluded = ?list);
         let _e = span.enter();
@@ -890,6 +877,48 @@ impl Comm {
             "communicator shrunk"
         );
         Ok(Comm::from_backend(child, &name, self.inner.options.clone()))
+    }
+
+    /// The first thing wrong with `excluded` (sorted: `list`) as a shrink list of this rank.
+    fn check_shrink_list(
+        &self,
+        ctx: &OpCtx,
+        excluded: &[usize],
+        list: &[usize],
+    ) -> Option<CommError> {
+        for &r in list {
+            if let Err(e) = self.check_rank(ctx, "excluded", r) {
+                return Some(e);
+            }
+        }
+        if let Some(w) = list.windows(2).find(|w| w[0] == w[1]) {
+            return Some(CommError::invalid(
+                ctx,
+                format!(
+                    "rank {} appears twice in the excluded ranks {excluded:?}",
+                    w[0]
+                ),
+            ));
+        }
+        if list.is_empty() || list.len() >= self.size() {
+            return Some(CommError::invalid(
+                ctx,
+                format!(
+                    "shrink must exclude at least one rank and keep at least one; got {excluded:?} of {} ranks",
+                    self.size()
+                ),
+            ));
+        }
+        if list.contains(&self.rank()) {
+            return Some(CommError::invalid(
+                ctx,
+                format!(
+                    "rank {} excludes itself ({excluded:?}); excluded ranks do not call shrink",
+                    self.rank()
+                ),
+            ));
+        }
+        None
     }
 
     /// Fault-tolerant agreement: every live rank contributes `ok` (did its own work succeed?)

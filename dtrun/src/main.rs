@@ -1,7 +1,7 @@
 //! `dtrun`: starts N ranks of a multi-process job on this host.
 //!
 //! ```text
-//! dtrun --nproc 4 [--master-port P] [--timeout S] [--grace S] [--max-restarts N] -- CMD ARGS...
+//! dtrun --nproc 4 [--master-port P] [--timeout S] [--grace S] [--max-restarts N] [--allow-failures K] -- CMD ARGS...
 //! ```
 //!
 //! Each rank runs `CMD ARGS...` with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
@@ -13,7 +13,8 @@
 //! Every line a rank prints is forwarded with a `[rank r] ` prefix (stdout to stdout, stderr
 //! to stderr). When a rank exits non-zero or is killed, dtrun sends SIGTERM to the others,
 //! SIGKILL after the grace period, and exits non-zero naming the rank that failed first and
-//! how (exit status or signal).
+//! how (exit status or signal). With `--allow-failures K` the first K failures are reported
+//! and the others run on; the job's exit code is then the survivors'.
 //!
 //! # What dtrun guarantees about processes (Linux)
 //!
@@ -74,6 +75,12 @@ struct Args {
     /// `--max-restarts`).
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
+    /// Let the other ranks run on when up to this many ranks fail (exit non-zero or are
+    /// killed): the job's exit code is then the survivors' (0 when they all end well); one
+    /// failure more stops the job as without it. For fault-tolerant training
+    /// (`train_gpt --fault-tolerant`), whose survivors continue without the lost ranks.
+    #[arg(long, default_value_t = 0)]
+    allow_failures: u32,
     /// The program to run and its arguments (after `--`).
     #[arg(last = true, required = true, num_args = 1..)]
     cmd: Vec<String>,
@@ -391,6 +398,8 @@ fn run_once(args: &Args, restart: u32, job_deadline: Option<Instant>) -> Ended {
     let mut first_failure: Option<(usize, String, i32)> = None;
     // Whether the first failure was a plain non-zero exit (not a signal).
     let mut first_failure_was_exit = false;
+    // Ranks whose failure --allow-failures let the others run on after.
+    let mut tolerated: Vec<usize> = Vec::new();
     let mut code = 0;
     let mut stopping: Option<(Instant, bool)> = None; // (SIGKILL deadline, SIGKILL sent)
     let stop = |pids: &[u32], exited: &[bool], sig: i32| {
@@ -414,7 +423,21 @@ fn run_once(args: &Args, restart: u32, job_deadline: Option<Instant>) -> Ended {
                 exited[rank] = true;
                 let (what, c) = describe(&st);
                 statuses[rank] = Some(what.clone());
-                if !st.success() && first_failure.is_none() && stopping.is_none() {
+                if !st.success()
+                    && first_failure.is_none()
+                    && stopping.is_none()
+                    && tolerated.len() < args.allow_failures as usize
+                {
+                    tolerated.push(rank);
+                    let others = exited.iter().filter(|e| !**e).count();
+                    say(&format!(
+                        "rank {rank} (pid {}) failed: {what}; failure {} of at most {} allowed \
+                         (--allow-failures): the other {others} rank(s) run on",
+                        pids[rank],
+                        tolerated.len(),
+                        args.allow_failures
+                    ));
+                } else if !st.success() && first_failure.is_none() && stopping.is_none() {
                     let others = exited.iter().filter(|e| !**e).count();
                     say(&format!(
                         "rank {rank} (pid {}) failed: {what}; stopping the other {others} rank(s)",
@@ -488,6 +511,18 @@ fn run_once(args: &Args, restart: u32, job_deadline: Option<Instant>) -> Ended {
         if h.is_finished() {
             let _ = h.join();
         }
+    }
+    if !tolerated.is_empty() && first_failure.is_none() && code == 0 {
+        say(&format!(
+            "ranks {tolerated:?} failed (allowed by --allow-failures {}); the other ranks ended well: {}",
+            args.allow_failures,
+            statuses
+                .iter()
+                .enumerate()
+                .map(|(r, s)| format!("rank {r}: {}", s.as_deref().unwrap_or("unknown")))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
     }
     let rank_failed = first_failure.is_some() && code == 0;
     if let Some((rank, what, c)) = first_failure {

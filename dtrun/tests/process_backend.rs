@@ -199,6 +199,36 @@ fn run_role(role: &str) -> Result<(), (i32, String)> {
             }
             Ok(())
         }
+        "survive" => {
+            // Rank 1 SIGKILLs itself; the others finish after it and end well.
+            if env_rank() == 1 {
+                std::thread::sleep(Duration::from_millis(200));
+                // SAFETY: kill/getpid have no memory-safety preconditions.
+                unsafe {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1200));
+            println!("rank {} ran on", env_rank());
+            Ok(())
+        }
+        "twofail" => {
+            // Ranks 1 and 2 fail one after the other; rank 0 would run for 30 s.
+            match env_rank() {
+                1 => {
+                    std::thread::sleep(Duration::from_millis(200));
+                    Err((7, "rank 1 gives up".into()))
+                }
+                2 => {
+                    std::thread::sleep(Duration::from_millis(600));
+                    Err((8, "rank 2 gives up".into()))
+                }
+                _ => {
+                    std::thread::sleep(Duration::from_secs(30));
+                    Ok(())
+                }
+            }
+        }
         "sleep" => {
             std::thread::sleep(Duration::from_secs(30));
             Ok(())
@@ -431,4 +461,33 @@ fn dtrun_without_a_command_is_a_usage_error() {
         .output()
         .expect("runs");
     assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn dtrun_allow_failures_lets_the_others_run_on_and_exits_with_theirs() {
+    let (o, _) = launch(3, "survive", &["--allow-failures", "1", "--grace", "1"]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}\n{err}");
+    assert!(
+        err.contains("rank 1") && err.contains("failure 1 of at most 1 allowed"),
+        "{err}"
+    );
+    for r in [0, 2] {
+        let ran_on = format!("rank {r} ran on");
+        assert!(
+            lines_of(&out, r).iter().any(|l| l.ends_with(&ran_on)),
+            "{out}"
+        );
+    }
+}
+
+#[test]
+fn dtrun_allow_failures_stops_the_job_at_one_failure_more() {
+    let (o, took) = launch(3, "twofail", &["--allow-failures", "1", "--grace", "1"]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(8), "{err}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    assert!(err.contains("failure 1 of at most 1 allowed"), "{err}");
+    assert!(err.contains("rank 2 (pid"), "{err}");
+    assert!(err.contains("job failed: rank 2 failed first"), "{err}");
 }

@@ -392,6 +392,25 @@ impl DeviceMesh {
             .map(|f| f.comm.clone())
     }
 
+    /// Aborts every communicator of this mesh (the root, one per dim, the flattened ones):
+    /// their pending and later operations fail at once, on this rank and (through the
+    /// backend's failure notice) on the peers waiting for it. What a rank does when its step
+    /// failed and it will abandon the mesh, so that no peer waits an op timeout for it.
+    pub fn abort(&self, reason: &str) {
+        self.shared.root.abort(reason);
+        for c in &self.shared.comms {
+            c.abort(reason);
+        }
+        let flats = self
+            .shared
+            .flattened
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for f in flats.iter() {
+            f.comm.abort(reason);
+        }
+    }
+
     /// Groups of this mesh's dims (ascending indices) that have a flattened communicator.
     pub fn flattened_groups(&self) -> Vec<Vec<usize>> {
         let flats = self

@@ -20,6 +20,17 @@ pub enum ModelError {
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// Fault-tolerant training ([`crate::trainer::TrainConfig::fault_tolerant`]) cannot go on:
+    /// every replica lost a rank, or a step failed while no rank was lost.
+    #[error("fault-tolerant training stops at step {step}: {reason} (lost world ranks {lost:?})")]
+    Unrecoverable {
+        /// The global step that failed.
+        step: usize,
+        /// The ranks of the original world that were lost so far.
+        lost: Vec<usize>,
+        /// Why the survivors cannot continue.
+        reason: String,
+    },
     /// A candle op failed.
     #[error("candle: {0}")]
     Candle(candle_core::Error),

@@ -3,7 +3,7 @@
 //! held-out evaluation and text generation at the end) with AdamW ([`crate::optim::AdamW`], candle-nn's
 //! math), with optional distributed checkpoints ([`crate::checkpoint`]) and resumption.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -20,6 +20,7 @@ use crate::error::{ModelError, Result};
 use crate::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use crate::gpt::{Gpt, GptConfig};
 use crate::optim::AdamW;
+use crate::params::ParamStore;
 use crate::plan::TpPlan;
 use crate::train::clip_grad_norm;
 
@@ -68,6 +69,10 @@ pub struct TrainConfig {
     /// checkpoint) instead of the seed's initialisation; not used when resuming from a
     /// checkpoint.
     pub init_from: Option<PathBuf>,
+    /// Fault-tolerant HSDP: survive the loss of ranks of one replica group without a restart
+    /// (see [`train_rank`]). Needs FSDP with a replicate dim; no held-out evaluation,
+    /// checkpoints or mixture-of-experts blocks (their collectives are not covered).
+    pub fault_tolerant: bool,
 }
 
 /// Held-out evaluation: the mean loss over `batches` fixed batches of `corpus` (forward
@@ -135,6 +140,7 @@ impl TrainConfig {
             save_every: 0,
             resume: false,
             init_from: None,
+            fault_tolerant: false,
         }
     }
 
@@ -199,6 +205,37 @@ pub struct RankReport {
     /// Per step, with mixture-of-experts blocks ([`crate::GptConfig::moe`]): what the layers
     /// measured, summed over them (empty without MoE blocks).
     pub moe: Vec<MoeStepReport>,
+    /// This rank in the mesh it ended on (its rank in the original mesh unless replicas were
+    /// dropped; fault-tolerant training).
+    pub rank: usize,
+    /// This rank stopped because its replica group was dropped (a rank of it was lost): its
+    /// losses end at the failed step (fault-tolerant training).
+    pub dropped: bool,
+    /// Ranks of the original world that were dropped (the lost ones and their replica
+    /// groups' other ranks), sorted (fault-tolerant training).
+    pub lost_ranks: Vec<usize>,
+    /// Each recovery from a lost replica group (fault-tolerant training).
+    pub recoveries: Vec<Recovery>,
+}
+
+/// One recovery of fault-tolerant training ([`TrainConfig::fault_tolerant`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recovery {
+    /// The global step that failed and was retried on the survivors.
+    pub step: usize,
+    /// The ranks the survivors agreed were lost (original world ranks).
+    pub failed: Vec<usize>,
+    /// The ranks dropped with them: every rank of their replica groups (original world ranks).
+    pub dropped: Vec<usize>,
+    /// From this rank detecting the failure (its step failed, or the agreement said a peer's
+    /// did) to the retried step starting, ms: agreement, shrink, new mesh, rebuilt model and
+    /// optimizer with the state copied over.
+    pub recovery_ms: f64,
+    /// From the failed step starting to the retried step starting, ms: also the wait that
+    /// detected the failure (at most about one op timeout).
+    pub stall_ms: f64,
+    /// Replica groups left.
+    pub replicas: usize,
 }
 
 /// One training step of the mixture-of-experts layers, summed over the layers.
@@ -219,36 +256,277 @@ pub struct MoeStepReport {
     pub aux_loss: f32,
 }
 
+/// What a rank trains with on one mesh. Fault-tolerant training builds a new one on the
+/// survivors' mesh and copies the state over.
+struct Setup {
+    mesh: DeviceMesh,
+    fsdp: Option<Fsdp>,
+    gpt: Gpt,
+    store: ParamStore,
+    opt: StepOptimizer,
+}
+
+impl Setup {
+    /// Builds the model (parameters from the seed), FSDP and the optimizer on `mesh`.
+    fn build(mesh: DeviceMesh, cfg: &TrainConfig) -> Result<Setup> {
+        let fsdp = match &cfg.fsdp {
+            Some(spec) => {
+                // The loss is a DTensor global mean: shard gradients are summed.
+                let mut fc = FsdpConfig::new(mesh.dim_index(&spec.shard)?, GradReduce::Sum);
+                fc.replicate_dim = match &spec.replicate {
+                    Some(r) => Some(mesh.dim_index(r)?),
+                    None => None,
+                };
+                fc.separate_reduce_scatter_group = spec.separate_rs;
+                fc.param_dtype = spec.param_dtype;
+                fc.reshard_after_forward = spec.reshard_after_forward;
+                Some(Fsdp::new(&mesh, fc)?)
+            }
+            None => None,
+        };
+        let (gpt, store) = Gpt::build(
+            &cfg.gpt,
+            &mesh,
+            &cfg.plan,
+            cfg.seed,
+            DType::F32,
+            fsdp.as_ref(),
+        )?;
+        let opt = if cfg.sgd {
+            StepOptimizer::Sgd(candle_nn::SGD::new(store.vars(), cfg.lr)?)
+        } else {
+            StepOptimizer::AdamW(AdamW::new(
+                store.vars(),
+                candle_nn::ParamsAdamW {
+                    lr: cfg.lr,
+                    weight_decay: cfg.weight_decay,
+                    ..Default::default()
+                },
+            )?)
+        };
+        Ok(Setup {
+            mesh,
+            fsdp,
+            gpt,
+            store,
+            opt,
+        })
+    }
+
+    /// Copies `old`'s parameters (this rank's pieces) and optimizer state into this setup,
+    /// built by the same code on a mesh where this rank holds pieces of the same shapes (the
+    /// same coordinates on every dim but the replicate dim).
+    fn adopt(&mut self, old: &Setup) -> Result<()> {
+        let (ov, nv) = (old.store.vars(), self.store.vars());
+        if ov.len() != nv.len() {
+            return Err(ModelError::Config(format!(
+                "the rebuilt model has {} variables, the old one {}",
+                nv.len(),
+                ov.len()
+            )));
+        }
+        for (i, (o, n)) in ov.iter().zip(&nv).enumerate() {
+            if o.dims() != n.dims() || o.dtype() != n.dtype() {
+                return Err(ModelError::Config(format!(
+                    "variable {i}: the rebuilt piece is {:?} {:?}, the old one {:?} {:?}",
+                    n.dims(),
+                    n.dtype(),
+                    o.dims(),
+                    o.dtype()
+                )));
+            }
+            n.set(o.as_tensor())?;
+        }
+        match (&old.opt, &mut self.opt) {
+            (StepOptimizer::AdamW(o), StepOptimizer::AdamW(n)) => {
+                n.set_step_count(o.step_count());
+                for (ovar, nvar) in ov.iter().zip(&nv) {
+                    if let Some((m, v)) = o.moments(ovar)? {
+                        n.set_moments(nvar, &m, &v)?;
+                    }
+                }
+            }
+            (StepOptimizer::Sgd(_), StepOptimizer::Sgd(_)) => {}
+            _ => {
+                return Err(ModelError::Config(
+                    "the rebuilt optimizer is of another kind".into(),
+                ))
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the forward and backward of one step produced, before the optimizer step.
+struct StepOut {
+    grads: candle_core::backprop::GradStore,
+    value: f32,
+    t_fwd: Instant,
+    t_bwd: Instant,
+}
+
+/// Forward, backward (with FSDP's gradient reduction) and clipping of step `step`.
+fn forward_backward(s: &Setup, cfg: &TrainConfig, corpus: &Corpus, step: usize) -> Result<StepOut> {
+    let all_r = vec![Placement::Replicate; s.mesh.ndim()];
+    let (x, y) = global_batch(&s.gpt, &s.mesh, corpus, step as u64, cfg.batch, cfg.seed)?;
+    let loss = s.gpt.loss(&x, &y)?.redistribute(&all_r)?;
+    let t_fwd = Instant::now();
+    let mut grads = loss.backward()?;
+    if let Some(f) = &s.fsdp {
+        f.finish_backward(&mut grads)?;
+    }
+    if let Some(c) = cfg.clip {
+        clip_grad_norm(&s.store, &mut grads, c)?;
+    }
+    let t_bwd = Instant::now();
+    let value = loss.to_local().to_scalar::<f32>()?;
+    Ok(StepOut {
+        grads,
+        value,
+        t_fwd,
+        t_bwd,
+    })
+}
+
+/// Where fault-tolerant training stands: the original world rank of each rank of the current
+/// root communicator, and the ranks dropped so far.
+struct FtState {
+    orig: Vec<usize>,
+    lost: Vec<usize>,
+}
+
+/// The outcome of a recovery on one rank.
+enum Recovered {
+    /// A survivor: the new setup (state copied over) and the ranks dropped.
+    Survivor(Box<Setup>, Vec<usize>, Vec<usize>),
+    /// This rank's replica group was dropped; the ranks dropped.
+    Dropped(Vec<usize>, Vec<usize>),
+}
+
+/// After a failed step's agreement (`failed`: the ranks of the current root communicator it
+/// found missing): drops every replica group with a lost rank, shrinks the root communicator
+/// to the rest, builds the mesh with fewer replicas and the model on it, with `old`'s state.
+/// Collective over the survivors (who all decided the same agreement, so all compute the
+/// same excluded set); a rank of a dropped group returns [`Recovered::Dropped`] without
+/// communicating.
+fn recover(
+    old: &Setup,
+    cfg: &TrainConfig,
+    rep_dim: usize,
+    failed: &[usize],
+    ft: &FtState,
+    step: usize,
+) -> Result<Recovered> {
+    let shape = old.mesh.shape();
+    let root = old.mesh.root_comm();
+    let names: Vec<String> = old.mesh.dim_names().iter().map(|n| n.to_string()).collect();
+    let rep_of = |r: usize| candle_dtensor_mesh::layout::unravel(r, &shape)[rep_dim];
+    let mut failed: BTreeSet<usize> = failed.iter().copied().collect();
+    // Each retry adds at least one rank to `failed`, so this ends.
+    let (new_root, excluded) = loop {
+        let lost_reps: BTreeSet<usize> = failed.iter().map(|&r| rep_of(r)).collect();
+        let orig_of = |rs: &mut dyn Iterator<Item = usize>| -> Vec<usize> {
+            rs.map(|r| ft.orig.get(r).copied().unwrap_or(r)).collect()
+        };
+        let excluded: Vec<usize> = (0..root.size())
+            .filter(|&r| lost_reps.contains(&rep_of(r)))
+            .collect();
+        let failed_orig = orig_of(&mut failed.iter().copied());
+        if lost_reps.len() >= shape[rep_dim] {
+            let mut lost = ft.lost.clone();
+            lost.extend(orig_of(&mut excluded.iter().copied()));
+            lost.sort_unstable();
+            return Err(ModelError::Unrecoverable {
+                step,
+                lost,
+                reason: format!(
+                    "every replica group lost a rank (ranks {failed_orig:?} of the original world)"
+                ),
+            });
+        }
+        if excluded.contains(&root.rank()) {
+            tracing::warn!(
+                step,
+                failed = ?failed_orig,
+                "this rank's replica group lost a rank; it is dropped and stops"
+            );
+            return Ok(Recovered::Dropped(
+                failed_orig,
+                orig_of(&mut excluded.iter().copied()),
+            ));
+        }
+        match root.shrink(&excluded) {
+            Ok(c) => break (c, excluded),
+            Err(candle_dtensor_comm::CommError::RanksLost { lost, .. }) => {
+                tracing::warn!(
+                    step,
+                    ?lost,
+                    "more ranks lost during the shrink; dropping their replica groups too"
+                );
+                failed.extend(lost);
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let failed_orig: Vec<usize> = failed.iter().map(|&r| ft.orig[r]).collect();
+    let dropped_orig: Vec<usize> = excluded.iter().map(|&r| ft.orig[r]).collect();
+    let replicas = shape[rep_dim] - excluded.len() / (root.size() / shape[rep_dim]);
+    let dims: Vec<(&str, usize)> = names
+        .iter()
+        .enumerate()
+        .map(|(d, n)| (n.as_str(), if d == rep_dim { replicas } else { shape[d] }))
+        .collect();
+    let mesh = DeviceMesh::new(new_root, &dims)?;
+    let mut new = Setup::build(mesh, cfg)?;
+    new.adopt(old)?;
+    Ok(Recovered::Survivor(
+        Box::new(new),
+        failed_orig,
+        dropped_orig,
+    ))
+}
+
 /// Trains on `mesh` (every rank of the mesh calls this) and reports per-step losses.
 /// `on_step` runs after every step on this rank.
+///
+/// # Fault tolerance
+///
+/// With [`TrainConfig::fault_tolerant`] (HSDP: FSDP with a replicate dim), every step ends
+/// with [`candle_dtensor_comm::Comm::agree`] over the mesh's root communicator on whether
+/// every rank's forward and backward succeeded; the optimizer steps only when they all did, so
+/// no update is ever partially applied. A rank whose step failed (a lost peer, an op timeout)
+/// aborts its mesh's communicators first, so that the peers waiting for it fail at once. When
+/// the agreement reports lost ranks, every replica group holding one is dropped: its other
+/// ranks return (with [`RankReport::dropped`]), and the survivors shrink the root
+/// communicator to themselves, build the mesh with fewer replicas and the model on it, copy
+/// their pre-step parameters and optimizer state over, and run the failed step again. The
+/// global batch stays the same (spread over fewer ranks) and the loss is its mean, so the
+/// gradient average is over the surviving replicas without a rescale, and the run continues
+/// exactly as one started on the survivors from the state before the failed step.
 pub fn train_rank(
     mesh: &DeviceMesh,
     cfg: &TrainConfig,
     mut on_step: impl FnMut(&StepInfo),
 ) -> Result<RankReport> {
-    let fsdp = match &cfg.fsdp {
-        Some(spec) => {
-            // The loss is a DTensor global mean: shard gradients are summed.
-            let mut fc = FsdpConfig::new(mesh.dim_index(&spec.shard)?, GradReduce::Sum);
-            fc.replicate_dim = match &spec.replicate {
-                Some(r) => Some(mesh.dim_index(r)?),
-                None => None,
-            };
-            fc.separate_reduce_scatter_group = spec.separate_rs;
-            fc.param_dtype = spec.param_dtype;
-            fc.reshard_after_forward = spec.reshard_after_forward;
-            Some(Fsdp::new(mesh, fc)?)
+    let rep_dim = if cfg.fault_tolerant {
+        let rep = cfg.fsdp.as_ref().and_then(|f| f.replicate.as_ref());
+        let Some(rep) = rep else {
+            return Err(ModelError::Config(
+                "fault-tolerant training needs HSDP (FSDP with a replicate mesh dim)".into(),
+            ));
+        };
+        if cfg.eval.is_some() || cfg.save_dir.is_some() || cfg.gpt.moe.is_some() {
+            return Err(ModelError::Config(
+                "fault-tolerant training does not cover held-out evaluation, checkpoints or \
+                 mixture-of-experts blocks yet"
+                    .into(),
+            ));
         }
-        None => None,
+        Some(mesh.dim_index(rep)?)
+    } else {
+        None
     };
-    let (gpt, store) = Gpt::build(
-        &cfg.gpt,
-        mesh,
-        &cfg.plan,
-        cfg.seed,
-        DType::F32,
-        fsdp.as_ref(),
-    )?;
+    let mut s = Setup::build(mesh.clone(), cfg)?;
     let corpus = match &cfg.data {
         Some(c) => c.clone(),
         None => Arc::new(cfg.synthetic_corpus()),
@@ -264,18 +542,6 @@ pub fn train_rank(
             )));
         }
     }
-    let mut opt = if cfg.sgd {
-        StepOptimizer::Sgd(candle_nn::SGD::new(store.vars(), cfg.lr)?)
-    } else {
-        StepOptimizer::AdamW(AdamW::new(
-            store.vars(),
-            candle_nn::ParamsAdamW {
-                lr: cfg.lr,
-                weight_decay: cfg.weight_decay,
-                ..Default::default()
-            },
-        )?)
-    };
     // What the data stream depends on, saved with every checkpoint.
     let extra = serde_json::json!({
         "seed": cfg.seed,
@@ -295,7 +561,7 @@ pub fn train_rank(
     let mut start = 0;
     let mut resumed = false;
     if let (true, Some(dir)) = (cfg.resume, &cfg.save_dir) {
-        match checkpoint::load(dir, Which::Latest, &store, opt.adamw_mut()) {
+        match checkpoint::load(dir, Which::Latest, &s.store, s.opt.adamw_mut()) {
             Ok(info) => {
                 start = info.step;
                 resumed = true;
@@ -318,22 +584,23 @@ pub fn train_rank(
         }
     }
     if let (false, Some(path)) = (resumed, &cfg.init_from) {
-        store.load_safetensors(path)?;
+        s.store.load_safetensors(path)?;
     }
-    let all_r = vec![Placement::Replicate; mesh.ndim()];
     let t = cfg.gpt.seq_len;
     let mut report = RankReport {
         start_step: start,
-        param_bytes: store.local_bytes(),
-        params: store.global_numel(),
+        param_bytes: s.store.local_bytes(),
+        params: s.store.global_numel(),
+        rank: mesh.rank(),
         ..RankReport::default()
     };
     // Shards, their gradients and AdamW's two moments, all in the master dtype.
-    let shard_bytes = store.local_bytes();
+    let shard_bytes = s.store.local_bytes();
     let base_bytes = 4 * shard_bytes;
-    if let Some(f) = &fsdp {
-        let n = mesh.size(f.config().shard_dim)?;
-        let tp_local: usize = store
+    if let Some(f) = &s.fsdp {
+        let n = s.mesh.size(f.config().shard_dim)?;
+        let tp_local: usize = s
+            .store
             .params()
             .iter()
             .map(|p| p.tensor.to_local().elem_count() * 4)
@@ -341,30 +608,90 @@ pub fn train_rank(
         report.zero3_theory_bytes = Some(4 * tp_local / n + f.largest_unit_bytes());
         report.largest_param_bytes = Some(f.largest_param_bytes());
     }
+    let mut ft = FtState {
+        orig: (0..mesh.num_ranks()).collect(),
+        lost: Vec::new(),
+    };
+    // A failure being recovered from: when this rank detected it, and when its step started.
+    let mut fault: Option<(Instant, Instant)> = None;
     let _ = candle_dtensor_core::debug::take_comm_wait();
-    for step in start..cfg.steps {
+    let mut step = start;
+    while step < cfg.steps {
         let t0 = Instant::now();
-        let (x, y) = global_batch(&gpt, mesh, &corpus, step as u64, cfg.batch, cfg.seed)?;
         let last = step + 1 == cfg.steps;
         let mode = last.then(CommDebugMode::start);
-        let loss = gpt.loss(&x, &y)?.redistribute(&all_r)?;
-        let t_fwd = Instant::now();
-        let mut grads = loss.backward()?;
-        if let Some(f) = &fsdp {
-            f.finish_backward(&mut grads)?;
-        }
-        if let Some(c) = cfg.clip {
-            clip_grad_norm(&store, &mut grads, c)?;
-        }
-        let t_bwd = Instant::now();
-        opt.step(&grads)?;
+        let res = forward_backward(&s, cfg, &corpus, step);
+        let out = match rep_dim {
+            None => res?,
+            Some(rep_dim) => {
+                if let Err(e) = &res {
+                    // Peers waiting for this rank in a collective fail now, not after a timeout.
+                    tracing::warn!(step, rank = s.mesh.rank(), error = %e, "step failed; agreeing with the others on who is lost");
+                    fault.get_or_insert((Instant::now(), t0));
+                    s.mesh
+                        .abort(&format!("step {step} failed on this rank: {e}"));
+                }
+                let agreed = s.mesh.root_comm().agree(res.is_ok())?;
+                match (agreed.ok, res) {
+                    (true, Ok(out)) => out,
+                    (_, res) => {
+                        let (detected, failed_t0) = *fault.get_or_insert((Instant::now(), t0));
+                        drop(res);
+                        match recover(&s, cfg, rep_dim, &agreed.failed, &ft, step)? {
+                            Recovered::Dropped(_failed, dropped) => {
+                                report.dropped = true;
+                                ft.lost.extend(dropped);
+                                ft.lost.sort_unstable();
+                                report.lost_ranks = ft.lost.clone();
+                                return Ok(report);
+                            }
+                            Recovered::Survivor(new, failed, dropped) => {
+                                let old = std::mem::replace(&mut s, *new);
+                                ft.orig = (0..ft.orig.len())
+                                    .filter(|r| !dropped.contains(&ft.orig[*r]))
+                                    .map(|r| ft.orig[r])
+                                    .collect();
+                                ft.lost.extend(dropped.iter().copied());
+                                ft.lost.sort_unstable();
+                                drop(old);
+                                let now = Instant::now();
+                                let replicas = s.mesh.size(rep_dim)?;
+                                let rec = Recovery {
+                                    step,
+                                    failed,
+                                    dropped,
+                                    recovery_ms: (now - detected).as_secs_f64() * 1e3,
+                                    stall_ms: (now - failed_t0).as_secs_f64() * 1e3,
+                                    replicas,
+                                };
+                                tracing::warn!(
+                                    ?rec,
+                                    "recovered: retrying the step on the surviving replicas"
+                                );
+                                report.recoveries.push(rec);
+                                report.lost_ranks = ft.lost.clone();
+                                report.rank = s.mesh.rank();
+                                fault = None;
+                                continue;
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        let StepOut {
+            grads,
+            value,
+            t_fwd,
+            t_bwd,
+        } = out;
+        s.opt.step(&grads)?;
         let t_opt = Instant::now();
         report.phase_ms.push([
             (t_fwd - t0).as_secs_f64() * 1e3,
             (t_bwd - t_fwd).as_secs_f64() * 1e3,
             (t_opt - t_bwd).as_secs_f64() * 1e3,
         ]);
-        let value = loss.to_local().to_scalar::<f32>()?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         if let Some(mode) = mode {
             for ((phase, kind), n) in mode.counts() {
@@ -382,13 +709,14 @@ pub fn train_rank(
         }
         let mut exposed = candle_dtensor_core::debug::take_comm_wait().as_secs_f64() * 1e3;
         let mut peak = 0;
-        if let Some(f) = &fsdp {
+        if let Some(f) = &s.fsdp {
             let st = f.take_stats();
             exposed += st.exposed_comm_ms;
             peak = st.peak_unsharded_bytes;
         }
         report.exposed_comm_ms.push(exposed);
-        if let Some(m) = moe_step(&gpt, &all_r)? {
+        let all_r = vec![Placement::Replicate; s.mesh.ndim()];
+        if let Some(m) = moe_step(&s.gpt, &all_r)? {
             report.moe.push(m);
         }
         report.param_grad_optim_bytes = report.param_grad_optim_bytes.max(base_bytes + peak);
@@ -405,11 +733,11 @@ pub fn train_rank(
             if (e.every > 0 && done % e.every == 0) || done == cfg.steps {
                 report
                     .eval_losses
-                    .push((done, evaluate(&gpt, mesh, cfg, e)?));
+                    .push((done, evaluate(&s.gpt, &s.mesh, cfg, e)?));
                 // Not part of the next step's measurements.
                 let _ = candle_dtensor_core::debug::take_comm_wait();
-                let _ = gpt.take_moe_stats();
-                if let Some(f) = &fsdp {
+                let _ = s.gpt.take_moe_stats();
+                if let Some(f) = &s.fsdp {
                     f.take_stats();
                 }
             }
@@ -417,14 +745,15 @@ pub fn train_rank(
         if let Some(dir) = &cfg.save_dir {
             if (cfg.save_every > 0 && done % cfg.save_every == 0) || done == cfg.steps {
                 let t0 = Instant::now();
-                checkpoint::save(dir, done, &store, opt.adamw(), &extra)?;
+                checkpoint::save(dir, done, &s.store, s.opt.adamw(), &extra)?;
                 report.save_ms.push(t0.elapsed().as_secs_f64() * 1e3);
                 report.saved_steps.push(done);
             }
         }
+        step += 1;
     }
     if let Some(spec) = &cfg.sample {
-        report.sample = generate(&gpt, mesh, cfg, spec, corpus.vocab())?;
+        report.sample = generate(&s.gpt, &s.mesh, cfg, spec, corpus.vocab())?;
     }
     Ok(report)
 }

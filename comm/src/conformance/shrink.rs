@@ -69,6 +69,21 @@ pub(super) fn invalid_lists(cx: &Cx) -> R<()> {
     let e = fails(c.shrink(&[r]), "itself");
     assert_invalid(&c, &e, &format!("rank {r} excludes itself"));
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    // Backends that agree on the lists: rank 0 alone passes a bad list (the others exclude rank
+    // n-1, which excludes itself): every rank reports rank 0's list at once, not a timeout.
+    if c.capabilities().shrink && c.backend_name() != "nccl" {
+        let t0 = Instant::now();
+        let mine: Vec<usize> = if r == 0 { vec![n + 5] } else { vec![n - 1] };
+        let e = fails(c.shrink(&mine), "rank 0 alone is wrong");
+        // The wrong ranks report their own mistakes, the others rank 0's (from the agreement).
+        let needle = match r {
+            0 => format!("rank {} out of range", n + 5),
+            x if x == n - 1 => format!("rank {x} excludes itself"),
+            _ => format!("rank 0 excludes [{}]", n + 5),
+        };
+        assert_invalid(&c, &e, &needle);
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    }
     // Nothing was consumed: the communicator still works and still shrinks.
     if r == n - 1 {
         return Ok(());

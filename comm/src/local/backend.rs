@@ -5,16 +5,15 @@
 //! on different communicators (different threads) overlap. An idle progress thread sleeps on a
 //! condvar: nothing spins.
 
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
 use super::group::{Group, GroupKey, Message, Post};
 use super::window::{LocalWindow, WindowShared};
-use crate::agree::{self, Agreement, Heard, Input, Net};
+use crate::agree::{self, Agreement, Heard, Net};
 use crate::backend::{Backend, Capabilities, CommOptions};
 use crate::cpu::kernels::{detached_copy, read_view, reduce_into, ReadView};
 use crate::cpu::queue::Queue;
@@ -235,24 +234,9 @@ impl Net for LocalNet<'_> {
             .group
             .agree_take(self.instance, round, peer, self.core.rank, deadline)
     }
-}
 
-impl Core {
-    /// Runs agreement number `instance` with `input`, not waiting for `skip`.
-    fn agreement(
-        &self,
-        instance: u64,
-        input: Input,
-        skip: &BTreeSet<usize>,
-        timeout: Duration,
-    ) -> agree::View {
-        let net = LocalNet {
-            core: self,
-            instance,
-        };
-        let view = agree::agree(&net, input, skip, timeout);
-        self.group.agree_done(net.instance, self.rank);
-        view
+    fn done(&self) {
+        self.core.group.agree_done(self.instance, self.core.rank);
     }
 }
 
@@ -883,14 +867,8 @@ impl Backend for LocalBackend {
     ) -> Result<Arc<dyn Backend>> {
         let core = &self.core;
         let instance = core.ft_seq.fetch_add(1, Ordering::Relaxed);
-        let input = Input {
-            ok: true,
-            excluded: Some(excluded.to_vec()),
-            addr: None,
-        };
-        let skip = excluded.iter().copied().collect();
-        let view = core.agreement(instance, input, &skip, ctx.timeout);
-        let survivors = agree::shrink_verdict(&ctx, &view, core.rank, core.group.size())?;
+        let net = LocalNet { core, instance };
+        let survivors = agree::shrink_agreement(&net, &ctx, excluded, None)?;
         let members: Vec<usize> = survivors
             .iter()
             .map(|(r, _)| core.group.members[*r])
@@ -911,17 +889,17 @@ impl Backend for LocalBackend {
         Ok(b as Arc<dyn Backend>)
     }
 
+    fn shrink_agrees_on_lists(&self) -> bool {
+        true
+    }
+
     fn agree(&self, ctx: OpCtx, ok: bool) -> Result<Agreement> {
-        let input = Input {
-            ok,
-            excluded: None,
-            addr: None,
-        };
         let instance = self.core.ft_seq.fetch_add(1, Ordering::Relaxed);
-        let view = self
-            .core
-            .agreement(instance, input, &BTreeSet::new(), ctx.timeout);
-        Ok(Agreement::from(&view))
+        let net = LocalNet {
+            core: &self.core,
+            instance,
+        };
+        Ok(agree::agree_ok(&net, ok, ctx.timeout))
     }
 
     fn new_window(&self, ctx: OpCtx, bytes: usize) -> Result<Arc<dyn WindowBackend>> {

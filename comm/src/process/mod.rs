@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 
-use crate::agree::{self, Agreement, Heard, Input, Net};
+use crate::agree::{self, Agreement, Heard, Net};
 use crate::auth::Token;
 use crate::backend::{Backend, BackendFactory, Capabilities, CommOptions};
 use crate::comm::Comm;
@@ -371,27 +371,13 @@ impl Net for ProcessNet<'_> {
     fn recv(&self, peer: usize, round: u32, deadline: Instant) -> Heard {
         self.t.agree_recv(peer, self.instance, round, deadline)
     }
+
+    fn done(&self) {
+        self.t.agree_done(self.instance);
+    }
 }
 
 impl Core {
-    /// Runs agreement number `instance` with `input`, not waiting for `skip` (on the calling
-    /// thread: it must not queue behind an op stuck on a dead peer).
-    fn agreement(
-        &self,
-        instance: u64,
-        input: Input,
-        skip: &std::collections::BTreeSet<usize>,
-        timeout: Duration,
-    ) -> agree::View {
-        let net = ProcessNet {
-            t: &self.t,
-            instance,
-        };
-        let view = agree::agree(&net, input, skip, timeout);
-        self.t.agree_done(instance);
-        view
-    }
-
     /// Queues `body` as the next op; collectives take the next collective index.
     fn submit<T: Send + 'static>(
         &self,
@@ -610,18 +596,8 @@ impl Backend for ProcessBackend {
         let instance = t.next_agreement();
         // Listen first: the address travels with this rank's proposal.
         let (listener, mine) = bootstrap::bind(t.rdv.ip, name)?;
-        let input = Input {
-            ok: true,
-            excluded: Some(excluded.to_vec()),
-            addr: Some(mine.to_string()),
-        };
-        let view = self.core.agreement(
-            instance,
-            input,
-            &excluded.iter().copied().collect(),
-            ctx.timeout,
-        );
-        let survivors = agree::shrink_verdict(&ctx, &view, t.rank, t.size)?;
+        let net = ProcessNet { t, instance };
+        let survivors = agree::shrink_agreement(&net, &ctx, excluded, Some(mine.to_string()))?;
         let parents: Vec<usize> = survivors.iter().map(|(r, _)| *r).collect();
         let addrs = survivors
             .iter()
@@ -657,17 +633,17 @@ impl Backend for ProcessBackend {
         Ok(b as Arc<dyn Backend>)
     }
 
+    fn shrink_agrees_on_lists(&self) -> bool {
+        true
+    }
+
     fn agree(&self, ctx: OpCtx, ok: bool) -> Result<Agreement> {
-        let input = Input {
-            ok,
-            excluded: None,
-            addr: None,
-        };
         let instance = self.core.t.next_agreement();
-        let view = self
-            .core
-            .agreement(instance, input, &Default::default(), ctx.timeout);
-        Ok(Agreement::from(&view))
+        let net = ProcessNet {
+            t: &self.core.t,
+            instance,
+        };
+        Ok(agree::agree_ok(&net, ok, ctx.timeout))
     }
 
     fn abort(&self, reason: &str) {

@@ -1,0 +1,201 @@
+//! Fault-tolerant HSDP on the local backend: a rank thread of one replica group fails (or
+//! hangs past the op timeout) after a step; the survivors agree on it, drop its replica group,
+//! shrink and train on from the failed step, and their losses equal those of a run started on
+//! the surviving replica's state at that step (a checkpoint of an uninterrupted run, resumed on
+//! one replica).
+use std::time::{Duration, Instant};
+
+use candle_dtensor_comm::LocalWorld;
+use candle_dtensor_mesh::DeviceMesh;
+use candle_dtensor_models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
+use candle_dtensor_models::{GptConfig, TpPlan};
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const STEPS: usize = 8;
+/// The victim fails after this step (0-based); the next one fails and is retried.
+const FAULT_STEP: usize = 3;
+
+fn cfg() -> TrainConfig {
+    let gpt = GptConfig {
+        vocab: 64,
+        d_model: 32,
+        n_heads: 4,
+        n_layers: 2,
+        seq_len: 16,
+        ..GptConfig::tiny()
+    };
+    let mut c = TrainConfig::new(gpt, TpPlan::gpt(false));
+    c.steps = STEPS;
+    c.batch = 8;
+    c.corpus_tokens = 4096;
+    c.seed = 5;
+    // AdamW: its moments and step count must survive the recovery for the losses to match.
+    c.lr = 1e-2;
+    c.fsdp = Some(FsdpSpec {
+        shard: "shard".into(),
+        replicate: Some("replicate".into()),
+        separate_rs: false,
+        param_dtype: None,
+        reshard_after_forward: true,
+    });
+    c
+}
+
+fn world(n: usize, timeout: Duration) -> LocalWorld {
+    LocalWorld::new(n)
+        .with_timeout(timeout)
+        .with_bootstrap_timeout(Duration::from_secs(20))
+}
+
+/// An uninterrupted run on `replicas` x 2 ranks; rank 0's report.
+fn plain(replicas: usize, c: &TrainConfig) -> RankReport {
+    world(replicas * 2, Duration::from_secs(30))
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, &[("replicate", replicas), ("shard", 2)])?;
+            Ok(train_rank(&mesh, c, |_| {})?)
+        })
+        .expect("uninterrupted run")
+        .into_iter()
+        .next()
+        .expect("rank 0")
+}
+
+/// The reference: an uninterrupted 2 x 2 run checkpointed after the fault step, resumed on one
+/// replica (the surviving replica's state at the failed step) for the remaining steps.
+fn reference(name: &str) -> (RankReport, RankReport) {
+    let dir = std::env::temp_dir().join(format!("cdt-ft-hsdp-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut before = cfg();
+    before.steps = FAULT_STEP + 1;
+    before.save_dir = Some(dir.clone());
+    let head = plain(2, &before);
+    let mut after = cfg();
+    after.save_dir = Some(dir.clone());
+    after.resume = true;
+    let tail = plain(1, &after);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(tail.start_step, FAULT_STEP + 1);
+    (head, tail)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Fail,
+    Hang,
+}
+
+/// The fault-tolerant 2 x 2 run with `victim` failing after [`FAULT_STEP`]: every rank's
+/// outcome and the wall time.
+fn ft_run(
+    victim: usize,
+    kind: Kind,
+    timeout: Duration,
+) -> (Vec<Result<RankReport, String>>, Duration) {
+    let mut c = cfg();
+    c.fault_tolerant = true;
+    let t0 = Instant::now();
+    let outcomes = world(4, timeout)
+        .elastic(true)
+        .launch_each(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, &[("replicate", 2), ("shard", 2)])?;
+            let me = mesh.rank();
+            Ok(train_rank(&mesh, &c, |info| {
+                if me == victim && info.step == FAULT_STEP {
+                    if kind == Kind::Hang {
+                        std::thread::sleep(timeout * 3);
+                    }
+                    panic!("injected failure of rank {me} after step {}", info.step);
+                }
+            })?)
+        })
+        .expect("launch");
+    (outcomes, t0.elapsed())
+}
+
+fn rel(a: f32, b: f32) -> f32 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+fn check(victim: usize, kind: Kind, timeout: Duration, name: &str) {
+    let (head, tail) = reference(name);
+    let (outcomes, took) = ft_run(victim, kind, timeout);
+    let lost_replica: Vec<usize> = if victim < 2 { vec![0, 1] } else { vec![2, 3] };
+    let survivors: Vec<usize> = (0..4).filter(|r| !lost_replica.contains(r)).collect();
+    for (r, o) in outcomes.iter().enumerate() {
+        if r == victim {
+            let e = o.as_ref().expect_err("the victim fails");
+            assert!(e.contains("injected failure"), "{name}: rank {r}: {e}");
+            continue;
+        }
+        let rep = o
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{name}: rank {r} failed: {e}"));
+        assert_eq!(rep.lost_ranks, lost_replica, "{name}: rank {r}");
+        // Identical to the uninterrupted run up to the fault.
+        assert_eq!(
+            &rep.losses[..=FAULT_STEP],
+            &head.losses[..],
+            "{name}: rank {r} before the fault"
+        );
+        if lost_replica.contains(&r) {
+            // The victim's shard peer stops with its replica group.
+            assert!(rep.dropped, "{name}: rank {r} should be dropped");
+            assert_eq!(rep.losses.len(), FAULT_STEP + 1, "{name}: rank {r}");
+            continue;
+        }
+        assert!(!rep.dropped, "{name}: rank {r}");
+        assert_eq!(
+            rep.losses.len(),
+            STEPS,
+            "{name}: rank {r} finishes every step"
+        );
+        assert_eq!(
+            rep.rank,
+            survivors.iter().position(|&s| s == r).unwrap(),
+            "{name}: renumbered"
+        );
+        assert_eq!(rep.recoveries.len(), 1, "{name}");
+        let rec = &rep.recoveries[0];
+        assert_eq!(
+            rec.step,
+            FAULT_STEP + 1,
+            "{name}: the failed step is retried"
+        );
+        assert_eq!(
+            rec.failed,
+            vec![victim],
+            "{name}: the lost rank is reported"
+        );
+        assert_eq!(rec.dropped, lost_replica, "{name}");
+        assert_eq!(rec.replicas, 1, "{name}");
+        for (i, (a, b)) in rep.losses[FAULT_STEP + 1..]
+            .iter()
+            .zip(&tail.losses)
+            .enumerate()
+        {
+            assert!(
+                rel(*a, *b) <= 1e-5,
+                "{name}: rank {r} step {}: {a} vs reference {b} ({:?} vs {:?})",
+                FAULT_STEP + 1 + i,
+                &rep.losses[FAULT_STEP + 1..],
+                tail.losses
+            );
+        }
+        // Bounded: the victim fails at once or hangs three op timeouts.
+        assert!(took < Duration::from_secs(30), "{name}: {took:?}");
+    }
+}
+
+#[test]
+fn a_failed_rank_thread_drops_its_replica_and_the_survivors_match_a_fresh_run() {
+    // The last rank (replica 1) and rank 0 (replica 0: the survivors are renumbered).
+    check(3, Kind::Fail, Duration::from_secs(10), "fail-3");
+    check(0, Kind::Fail, Duration::from_secs(10), "fail-0");
+}
+
+#[test]
+fn a_hung_rank_is_suspected_after_the_op_timeout_and_dropped() {
+    let timeout = Duration::from_millis(500);
+    check(1, Kind::Hang, timeout, "hang-1");
+}
