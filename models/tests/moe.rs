@@ -608,7 +608,7 @@ fn fsdp_over_dp_with_experts_over_ep_trains_like_single_device() {
     // parameters (FSDP halves every one over dp; ep halves the experts again). Without FSDP
     // the dense weights would be whole here: more than half.
     assert!(
-        sharded.collectives.get("reduce_scatter").is_some(),
+        sharded.collectives.contains_key("reduce_scatter"),
         "{:?}",
         sharded.collectives
     );
