@@ -329,12 +329,15 @@ struct LinkScale {
     rank_flops: Option<f64>,
 }
 
+/// Modeled links per mesh dim.
+type Links = Vec<(String, LinkModel)>;
+
 /// `--link-scale`: the links slowed down by the given or measured factor.
 fn scale_links(
     args: &Args,
-    links: Vec<(String, LinkModel)>,
+    links: Links,
     world: usize,
-) -> Result<(Vec<(String, LinkModel)>, Option<LinkScale>), String> {
+) -> Result<(Links, Option<LinkScale>), String> {
     let Some(spec) = &args.link_scale else {
         return Ok((links, None));
     };
