@@ -7,7 +7,8 @@
 # `dtrun --max-restarts 1` run with a rank SIGKILLed mid-run (`--inject-fault`) resumes from its
 # checkpoint and must end with the uninterrupted run's final loss (1e-4 relative).
 # A `dtrun --allow-failures 1` run of `train_gpt --hsdp --fault-tolerant` with rank 3 SIGKILLed
-# must finish every step on the surviving replica and exit 0.
+# must finish every step on the surviving replica and exit 0, with the losses of the same fault
+# on the local backend.
 #
 # Usage: scripts/ci_process.sh   (about a minute after `cargo test --workspace`, whose dev-profile
 #                                 build it reuses)
@@ -83,4 +84,16 @@ assert d["lost_ranks"] == [2, 3], d["lost_ranks"]
 assert d["recovery_ms"] is not None and d["recoveries"][0]["failed"] == [3], d["recoveries"]
 print(f"fault-tolerant HSDP: finished 8 steps on the surviving replica, recovery {d['recovery_ms']:.0f} ms "
       f"(stall {d['recoveries'][0]['stall_ms']:.0f} ms)")
+PY
+# The local-backend twin (rank thread 3 fails after step 4): the same losses bit for bit, so the
+# process run is held to what models/tests/ft_hsdp.rs proves for the local one (the losses after
+# the fault equal a run started on the surviving replica's state, 1e-5 relative).
+"$tg" --mesh replicate=2,shard=2 --hsdp --fault-tolerant --steps 8 --timeout 1 --json \
+  --inject-fault rank=3,step=4 --out "$out/ft_local" | tail -1 > "$out/ft_local.json"
+python3 - "$out/ft.json" "$out/ft_local.json" <<'PY'
+import json, sys
+p, l = (json.load(open(f)) for f in sys.argv[1:3])
+assert p["losses"] == l["losses"], (p["losses"], l["losses"])
+assert p["lost_ranks"] == l["lost_ranks"], (p["lost_ranks"], l["lost_ranks"])
+print("fault-tolerant HSDP: process and local runs lose the same ranks and print the same losses")
 PY
