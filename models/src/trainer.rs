@@ -422,7 +422,8 @@ fn recover(
     let names: Vec<String> = old.mesh.dim_names().iter().map(|n| n.to_string()).collect();
     let rep_of = |r: usize| candle_dtensor_mesh::layout::unravel(r, &shape)[rep_dim];
     let mut failed: BTreeSet<usize> = failed.iter().copied().collect();
-    // Each retry adds at least one rank to `failed`, so this ends.
+    // Each retry adds at least one rank to `failed` (a loss report naming no new rank is
+    // returned as an error), so this ends.
     let (new_root, excluded) = loop {
         let lost_reps: BTreeSet<usize> = failed.iter().map(|&r| rep_of(r)).collect();
         let orig_of = |rs: &mut dyn Iterator<Item = usize>| -> Vec<usize> {
@@ -457,15 +458,19 @@ fn recover(
         }
         match root.shrink(&excluded) {
             Ok(c) => break (c, excluded),
-            Err(candle_dtensor_comm::CommError::RanksLost { lost, .. }) => {
-                tracing::warn!(
-                    step,
-                    ?lost,
-                    "more ranks lost during the shrink; dropping their replica groups too"
-                );
-                failed.extend(lost);
-            }
-            Err(e) => return Err(e.into()),
+            Err(e) => match &e {
+                candle_dtensor_comm::CommError::RanksLost { lost, .. }
+                    if lost.iter().any(|r| !failed.contains(r)) =>
+                {
+                    tracing::warn!(
+                        step,
+                        ?lost,
+                        "more ranks lost during the shrink; dropping their replica groups too"
+                    );
+                    failed.extend(lost.iter().copied());
+                }
+                _ => return Err(e.into()),
+            },
         }
     };
     let failed_orig: Vec<usize> = failed.iter().map(|&r| ft.orig[r]).collect();
