@@ -67,6 +67,33 @@ struct Row {
     floor_ms: f64,
     dispatch_combine_ms: f64,
     ratio: f64,
+    /// Where the time goes (medians over the iterations, rank 0, ms): the count all_gather,
+    /// the expert-major permutation (index_select), the dispatch exchange, the reverse
+    /// exchange, and the weighted scatter-add combine (gate multiply + zeros + index_add).
+    phase_ms: Phases,
+}
+
+/// Medians of each phase of one iteration (see [`Row::phase_ms`]).
+#[derive(serde::Serialize, Clone, Copy)]
+struct Phases {
+    counts: f64,
+    permute: f64,
+    dispatch: f64,
+    reverse: f64,
+    combine: f64,
+}
+
+impl Phases {
+    fn median_of(v: &[[f64; 5]]) -> Phases {
+        let m = |i: usize| median(v.iter().map(|p| p[i]).collect());
+        Phases {
+            counts: m(0),
+            permute: m(1),
+            dispatch: m(2),
+            reverse: m(3),
+            combine: m(4),
+        }
+    }
 }
 
 type BoxErr = Box<dyn std::error::Error + Send + Sync>;
@@ -82,8 +109,11 @@ fn expert_of(r: usize, i: usize, experts: usize) -> usize {
     ((h ^ (h >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB) >> 33) as usize % experts
 }
 
-/// `(floor_ms, [a2a_v ms, rma ms])` for `n` tokens per rank, measured on this rank.
-fn bench_rank(mesh: &DeviceMesh, a: &Args, n: usize) -> Result<(f64, Vec<f64>, usize), BoxErr> {
+/// `(floor_ms, [a2a_v ms, rma ms], [their phases], dispatch bytes)` for `n` tokens per rank,
+/// measured on this rank.
+type RankResult = (f64, Vec<f64>, Vec<Phases>, usize);
+
+fn bench_rank(mesh: &DeviceMesh, a: &Args, n: usize) -> Result<RankResult, BoxErr> {
     let g = Group::from_mesh(mesh, "ep")?;
     let (w, me, e_n, k, d) = (g.size(), g.rank(), a.experts, a.top_k, a.dim);
     let owner = |e: usize| {
@@ -127,6 +157,7 @@ fn bench_rank(mesh: &DeviceMesh, a: &Args, n: usize) -> Result<(f64, Vec<f64>, u
     let comm = g.comm();
     let mut floor = Vec::new();
     let mut moe = vec![Vec::new(), Vec::new()];
+    let mut phases: Vec<Vec<[f64; 5]>> = vec![Vec::new(), Vec::new()];
     for it in 0..a.iters + 2 {
         comm.barrier()?.wait()?;
         let t0 = Instant::now();
@@ -138,24 +169,38 @@ fn bench_rank(mesh: &DeviceMesh, a: &Args, n: usize) -> Result<(f64, Vec<f64>, u
         for (ti, transport) in [Transport::AllToAllV, rma.clone()].iter().enumerate() {
             comm.barrier()?.wait()?;
             let t0 = Instant::now();
+            let mut marks = [0f64; 5];
+            let mut last = t0;
+            let mut mark = |i: usize| {
+                let now = Instant::now();
+                marks[i] = (now - last).as_secs_f64() * 1e3;
+                last = now;
+            };
             let _table = comm.all_gather_single(&counts)?.wait()?;
+            mark(0);
             let send = x.index_select(&tokens, 0)?;
+            mark(1);
             let recv = exchange_rows(&send, &g, transport, &plan, None)?;
+            mark(2);
             let ret = exchange_rows(&recv, &g, transport, &back, None)?;
+            mark(3);
             let out = Tensor::zeros((n, d), DType::F32, &dev)?.index_add(
                 &tokens,
                 &ret.broadcast_mul(&gates)?,
                 0,
             )?;
             drop(out);
+            mark(4);
             if it >= 2 {
                 moe[ti].push(t0.elapsed().as_secs_f64() * 1e3);
+                phases[ti].push(marks);
             }
         }
     }
     Ok((
         median(floor),
         moe.into_iter().map(median).collect(),
+        phases.iter().map(|p| Phases::median_of(p)).collect(),
         plan.send_rows() * d * 4,
     ))
 }
@@ -187,8 +232,8 @@ fn main() -> Result<(), BoxErr> {
                 let mesh = DeviceMesh::new(comm, &[("ep", args.world)])?;
                 bench_rank(&mesh, &args, n)
             })?;
-        let (floor, moe, bytes) = out.into_iter().next().ok_or("no rank")?;
-        for (transport, ms) in ["all_to_all_v", "rma"].into_iter().zip(moe) {
+        let (floor, moe, phases, bytes) = out.into_iter().next().ok_or("no rank")?;
+        for ((transport, ms), ph) in ["all_to_all_v", "rma"].into_iter().zip(moe).zip(phases) {
             let row = Row {
                 transport,
                 world: a.world,
@@ -200,14 +245,21 @@ fn main() -> Result<(), BoxErr> {
                 floor_ms: floor,
                 dispatch_combine_ms: ms,
                 ratio: floor / ms,
+                phase_ms: ph,
             };
             if a.json {
                 println!("{}", serde_json::to_string(&row)?);
             } else {
                 println!(
                     "{transport:>12} tokens/rank {n:>8}: floor {floor:8.2} ms, dispatch+combine \
-                     {ms:8.2} ms, ratio {:.2}",
-                    floor / ms
+                     {ms:8.2} ms, ratio {:.2} (counts {:.2}, permute {:.2}, dispatch {:.2}, \
+                     reverse {:.2}, combine {:.2} ms)",
+                    floor / ms,
+                    ph.counts,
+                    ph.permute,
+                    ph.dispatch,
+                    ph.reverse,
+                    ph.combine
                 );
             }
         }
