@@ -19,12 +19,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use candle_dtensor::comm::LocalWorld;
 use candle_dtensor::dtensor::functional::{
     exchange_rows, ExchangePlan, Group, RmaExchange, Transport,
 };
 use candle_dtensor::mesh::DeviceMesh;
+use candle_dtensor::models::moe::ops::weighted_combine;
 use candle_dtensor::models::moe::routing::owned_experts;
 use clap::Parser;
 
@@ -69,7 +70,7 @@ struct Row {
     ratio: f64,
     /// Where the time goes (medians over the iterations, rank 0, ms): the count all_gather,
     /// the expert-major permutation (index_select), the dispatch exchange, the reverse
-    /// exchange, and the weighted scatter-add combine (gate multiply + zeros + index_add).
+    /// exchange, and the weighted scatter-add combine (`models::moe::ops::weighted_combine`).
     phase_ms: Phases,
 }
 
@@ -145,12 +146,14 @@ fn bench_rank(mesh: &DeviceMesh, a: &Args, n: usize) -> Result<RankResult, BoxEr
         .collect();
     let dev = Device::Cpu;
     let x = Tensor::randn(0f32, 1.0, (n, d), &dev)?;
+    // The combine's row -> (token, slot) map is the send order itself (`token * k + slot`).
+    let slots = Arc::new(order.clone());
     let tokens = Tensor::from_vec(
         order.iter().map(|&i| i / k as u32).collect::<Vec<u32>>(),
         n * k,
         &dev,
     )?;
-    let gates = Tensor::rand(0f32, 1.0, (n * k, 1), &dev)?;
+    let gates = Tensor::rand(0f32, 1.0, (n, k), &dev)?;
     let counts = Tensor::from_vec(counts, e_n, &dev)?;
     let floor_buf = Tensor::randn(0f32, 1.0, (n * k, d), &dev)?;
     let rma = Transport::Rma(Arc::new(RmaExchange::new(&g)?));
@@ -184,11 +187,7 @@ fn bench_rank(mesh: &DeviceMesh, a: &Args, n: usize) -> Result<RankResult, BoxEr
             mark(2);
             let ret = exchange_rows(&recv, &g, transport, &back, None)?;
             mark(3);
-            let out = Tensor::zeros((n, d), DType::F32, &dev)?.index_add(
-                &tokens,
-                &ret.broadcast_mul(&gates)?,
-                0,
-            )?;
+            let out = weighted_combine(&ret, &gates, &slots, n)?;
             drop(out);
             mark(4);
             if it >= 2 {

@@ -754,6 +754,121 @@ pub fn add(x: &Tensor, b: &Tensor) -> CResult<Tensor> {
     }
 }
 
+/// Checks the operands of the MoE combine kernels and returns `(m, d)`: `y` `[M, D]` and
+/// `gates` `[N, k]` f32 on the CPU, every slot below `N * k`.
+fn combine_dims(
+    y: &Tensor,
+    gates: &Tensor,
+    slots: &[u32],
+    k: usize,
+    n: usize,
+) -> CResult<(usize, usize)> {
+    let (m, d) = y.dims2()?;
+    if !applies(y) || !applies(gates) {
+        return Err(msg(
+            "weighted_scatter_add: fused kernel takes f32 CPU tensors",
+        ));
+    }
+    if gates.dims() != [n, k] || m != slots.len() {
+        return Err(msg(format!(
+            "weighted_scatter_add: y {:?} for {} slots, gates {:?} for {n} tokens x top-{k}",
+            y.dims(),
+            slots.len(),
+            gates.dims()
+        )));
+    }
+    if let Some(&s) = slots.iter().find(|&&s| s as usize >= n * k) {
+        return Err(msg(format!(
+            "weighted_scatter_add: slot {s} outside {n} tokens x top-{k}"
+        )));
+    }
+    Ok((m, d))
+}
+
+/// The MoE combine in one pass: `out[slots[j] / k] += gates[slots[j]] * y[j]` for `y: [M, D]`,
+/// `gates: [N, k]` (flattened, `slots[j] = token * k + slot`), returning `[N, D]` with zeros for
+/// tokens no row names. Built from candle ops this is a gate gather, a broadcast multiply
+/// that allocates `[M, D]`, a zero-filled `[N, D]` and `index_add`: three passes over
+/// `[M, D]` and two allocations; here each row is scaled into its token's output row once.
+/// Rows are added in `j` order, as `index_add` does.
+pub fn weighted_scatter_add(
+    y: &Tensor,
+    gates: &Tensor,
+    slots: &[u32],
+    k: usize,
+    n: usize,
+) -> CResult<Tensor> {
+    let (_, d) = combine_dims(y, gates, slots, k, n)?;
+    let (y, gates) = (y.contiguous()?, gates.contiguous()?);
+    let out = with_f32(&y, |yv| {
+        with_f32(&gates, |gv| {
+            let mut out = vec![0f32; n * d];
+            if d > 0 {
+                for (row, &s) in yv.chunks_exact(d).zip(slots) {
+                    let t = s as usize / k;
+                    let g = gv[s as usize];
+                    for (o, &v) in out[t * d..(t + 1) * d].iter_mut().zip(row) {
+                        *o += g * v;
+                    }
+                }
+            }
+            out
+        })
+    })??;
+    Tensor::from_vec(out, (n, d), y.device())
+}
+
+/// The backward of [`weighted_scatter_add`] for the output gradient `grad: [N, D]`:
+/// `dy[j] = gates[slots[j]] * grad[slots[j] / k]` (`[M, D]`) and
+/// `dgates[slots[j]] += <grad[slots[j] / k], y[j]>` (`[N, k]`, zero for slots no row names),
+/// in one pass over `y`.
+pub fn weighted_scatter_add_backward(
+    y: &Tensor,
+    gates: &Tensor,
+    slots: &[u32],
+    k: usize,
+    grad: &Tensor,
+) -> CResult<(Tensor, Tensor)> {
+    let (n, _) = gates.dims2()?;
+    let (m, d) = combine_dims(y, gates, slots, k, n)?;
+    if grad.dims() != [n, d] || !applies(grad) {
+        return Err(msg(format!(
+            "weighted_scatter_add backward: gradient {:?} {:?} for [{n}, {d}] f32",
+            grad.dims(),
+            grad.dtype()
+        )));
+    }
+    let (y, gates, grad) = (y.contiguous()?, gates.contiguous()?, grad.contiguous()?);
+    let (dy, dg) = with_f32(&y, |yv| {
+        with_f32(&gates, |gv| {
+            with_f32(&grad, |go| {
+                let mut dy = vec![0f32; m * d];
+                let mut dg = vec![0f32; n * k];
+                if d > 0 {
+                    for ((row, drow), &s) in
+                        yv.chunks_exact(d).zip(dy.chunks_exact_mut(d)).zip(slots)
+                    {
+                        let t = s as usize / k;
+                        let g = gv[s as usize];
+                        let orow = &go[t * d..(t + 1) * d];
+                        let mut dot = 0f32;
+                        for ((dv, &o), &v) in drow.iter_mut().zip(orow).zip(row) {
+                            *dv = g * o;
+                            dot += o * v;
+                        }
+                        dg[s as usize] += dot;
+                    }
+                }
+                (dy, dg)
+            })
+        })
+    })???;
+    Ok((
+        Tensor::from_vec(dy, (m, d), y.device())?,
+        Tensor::from_vec(dg, (n, k), y.device())?,
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -771,5 +886,102 @@ mod tests {
         assert!(worst < 4e-7, "worst relative error {worst}");
         assert_eq!(fast_exp(-200.0), fast_exp(-87.0));
         assert!(fast_exp(200.0).is_finite());
+    }
+
+    fn seq(dims: &[usize], seed: u32) -> Tensor {
+        let n: usize = dims.iter().product();
+        let v: Vec<f32> = (0..n as u32)
+            .map(|i| {
+                ((i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97)) % 1000) as f32 / 500.0
+                    - 1.0
+            })
+            .collect();
+        Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    #[test]
+    fn weighted_scatter_add_matches_the_candle_composition_forward_and_backward() {
+        let dev = candle_core::Device::Cpu;
+        // 5 tokens, top-2, 7 rows: token 1 twice, token 3 not at all, a repeated slot.
+        let (n, k, d) = (5usize, 2usize, 6usize);
+        let slots = vec![3u32, 0, 2, 9, 8, 5, 3];
+        let y = seq(&[slots.len(), d], 1);
+        let gates = seq(&[n, k], 2);
+        let grad = seq(&[n, d], 3);
+        let sl = Tensor::new(slots.as_slice(), &dev).unwrap();
+        let tok: Vec<u32> = slots.iter().map(|s| s / k as u32).collect();
+        let tk = Tensor::new(tok.as_slice(), &dev).unwrap();
+        let g = gates.flatten_all().unwrap().index_select(&sl, 0).unwrap();
+        let reference = Tensor::zeros((n, d), DType::F32, &dev)
+            .unwrap()
+            .index_add(&tk, &y.broadcast_mul(&g.unsqueeze(1).unwrap()).unwrap(), 0)
+            .unwrap();
+        let out = weighted_scatter_add(&y, &gates, &slots, k, n).unwrap();
+        assert!(max_diff(&out, &reference) < 1e-6);
+        assert_eq!(
+            out.get(3)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
+
+        let (dy, dg) = weighted_scatter_add_backward(&y, &gates, &slots, k, &grad).unwrap();
+        let rows = grad.index_select(&tk, 0).unwrap();
+        let rdy = rows.broadcast_mul(&g.unsqueeze(1).unwrap()).unwrap();
+        let rdg = Tensor::zeros(n * k, DType::F32, &dev)
+            .unwrap()
+            .index_add(&sl, &rows.mul(&y).unwrap().sum(1).unwrap(), 0)
+            .unwrap()
+            .reshape((n, k))
+            .unwrap();
+        assert!(max_diff(&dy, &rdy) < 1e-6);
+        assert!(max_diff(&dg, &rdg) < 1e-5);
+
+        // Empty rows and zero width.
+        let none = weighted_scatter_add(&y.narrow(0, 0, 0).unwrap(), &gates, &[], k, n).unwrap();
+        assert_eq!(none.dims(), &[n, d]);
+        let flat = Tensor::zeros((7, 0), DType::F32, &dev).unwrap();
+        assert_eq!(
+            weighted_scatter_add(&flat, &gates, &slots, k, n)
+                .unwrap()
+                .dims(),
+            &[n, 0]
+        );
+    }
+
+    #[test]
+    fn weighted_scatter_add_refuses_bad_operands() {
+        let y = seq(&[3, 4], 1);
+        let gates = seq(&[2, 2], 2);
+        // A slot past N * k, a wrong slot count, a gates shape that disagrees, a dtype.
+        let e = weighted_scatter_add(&y, &gates, &[0, 1, 4], 2, 2).unwrap_err();
+        assert!(
+            e.to_string().contains("slot 4 outside 2 tokens x top-2"),
+            "{e}"
+        );
+        assert!(weighted_scatter_add(&y, &gates, &[0, 1], 2, 2).is_err());
+        assert!(weighted_scatter_add(&y, &gates, &[0, 1, 2], 2, 3).is_err());
+        let yh = y.to_dtype(DType::F16).unwrap();
+        assert!(weighted_scatter_add(&yh, &gates, &[0, 1, 2], 2, 2).is_err());
+        let bad_grad = seq(&[2, 5], 3);
+        assert!(weighted_scatter_add_backward(&y, &gates, &[0, 1, 2], 2, &bad_grad).is_err());
     }
 }

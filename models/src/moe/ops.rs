@@ -13,6 +13,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor, D};
+use candle_dtensor_kernels::fused;
 use candle_dtensor_kernels::region::{node1, node2, node3};
 
 use super::routing::Segment;
@@ -163,7 +164,13 @@ pub fn weighted_combine(
     }
     let dtype = y.dtype();
     let tokens: Arc<Vec<u32>> = Arc::new(slots.iter().map(|&i| i / k as u32).collect());
+    // f32 on the CPU: one pass ([`fused::weighted_scatter_add`]); any other dtype or device:
+    // the candle composition below, which is the reference the kernel is tested against.
+    let fused_path = fused::applies(y) && fused::applies(gates);
     let forward = |y: &Tensor, gates: &Tensor| -> CResult<Tensor> {
+        if fused_path {
+            return fused::weighted_scatter_add(y, gates, slots, k, n);
+        }
         let out = Tensor::zeros((n, d), DType::F32, y.device())?;
         if m == 0 {
             return out.to_dtype(dtype);
@@ -185,6 +192,9 @@ pub fn weighted_combine(
         let gdt = gates.dtype();
         if m == 0 {
             return Ok((y.zeros_like()?, gates.zeros_like()?));
+        }
+        if fused_path && fused::applies(grad) {
+            return fused::weighted_scatter_add_backward(y, gates, &slots, k, grad);
         }
         let sl = ids_tensor(&slots, y)?;
         let rows = grad
@@ -346,5 +356,34 @@ mod tests {
         for v in [&x, &gates, &a] {
             close(g1.get(v).unwrap(), g2.get(v).unwrap());
         }
+    }
+
+    #[test]
+    fn the_fused_combine_and_the_composition_agree() {
+        // f32 on the CPU takes the fused kernel; f64 takes the candle composition. Same
+        // values, same gradients (a token with no rows, a token with two).
+        let y32 = randn(&[5, 3], 11);
+        let g32 = randn(&[4, 2], 12);
+        let slots = Arc::new(vec![1u32, 6, 7, 0, 1]);
+        let run = |dtype: DType| {
+            let y = Var::from_tensor(&y32.to_dtype(dtype).unwrap()).unwrap();
+            let g = Var::from_tensor(&g32.to_dtype(dtype).unwrap()).unwrap();
+            let out = weighted_combine(y.as_tensor(), g.as_tensor(), &slots, 4).unwrap();
+            let w = randn(&[4, 3], 13).to_dtype(dtype).unwrap();
+            let grads = (&out * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            (
+                f(&out),
+                f(grads.get(&y).unwrap()),
+                f(grads.get(&g).unwrap()),
+            )
+        };
+        let (a, b) = (run(DType::F32), run(DType::F64));
+        close(&a.0, &b.0);
+        close(&a.1, &b.1);
+        close(&a.2, &b.2);
+        // Token 1 got no row: zeros out, zero gate gradients.
+        let t1 = a.0.get(1).unwrap().abs().unwrap().sum_all().unwrap();
+        assert_eq!(t1.to_scalar::<f32>().unwrap(), 0.0);
     }
 }
