@@ -3,7 +3,7 @@
 #
 #   scripts/bench.sh            # everything (about 4 minutes on the 2-core dev box, build excluded)
 #   scripts/bench.sh train      # only the train_gpt layouts (also: comm, redistribute,
-#                               # dispatch, ckpt, strategies)
+#                               # dispatch, moe, ckpt, strategies)
 #   ROUNDS=5 scripts/bench.sh   # more interleaved rounds per layout (default 3)
 #
 # Every figure is a median. train_gpt layouts are run in interleaved rounds (layout A, B, C, then
@@ -20,6 +20,29 @@ export CANDLE_NUM_THREADS="${CANDLE_NUM_THREADS:-1}"
 cargo build --release --examples -q
 cargo build --release -q -p candle-dtensor-strategies --example propagation_bench
 bin=${CARGO_TARGET_DIR:-target}/release/examples
+
+# One markdown row per JSON line on stdin: the line's fields through Python's str.format
+# (`{field:.2f}`, `{nested[key]:.1f}`); a null field prints as "-". A line without the field
+# named by $2 (a summary such as comm_bench's memory line) prints as a note after the table.
+json_rows() {
+    python3 -c '
+import json, sys
+class F:
+    def __init__(s, v): s.v = v
+    def __format__(s, spec): return "-" if s.v is None else format(s.v, spec)
+    def __getitem__(s, k): return F(None if s.v is None else s.v[k])
+fmt, key = sys.argv[1], sys.argv[2]
+notes = []
+for line in sys.stdin:
+    d = json.loads(line)
+    if key not in d:
+        notes.append(json.dumps(d))
+        continue
+    print(fmt.format(**{k: F(v) for k, v in d.items()}))
+for n in notes:
+    print(); print("note:", n)
+' "$1" "$2"
+}
 
 echo "# candle-dtensor benchmarks ($(date -u +%Y-%m-%dT%H:%MZ), $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg))"
 echo
@@ -76,14 +99,8 @@ if [[ "$what" == all || "$what" == comm ]]; then
     echo
     echo "| op | output | bytes | median ms | algbw GB/s | busbw GB/s | efficiency vs memcpy floor |"
     echo "|---|---|---:|---:|---:|---:|---:|"
-    "$bin/comm_bench" --json --mode into,alloc | python3 -c '
-import json, sys
-for l in sys.stdin:
-    d = json.loads(l)
-    if "op" not in d:
-        print(); print("memory:", json.dumps(d.get("memory"))); continue
-    print("| {op} | {output} | {bytes} | {median_ms:.3f} | {algbw_gbps:.2f} | {busbw_gbps:.2f} | {efficiency:.2f} |".format(**d))
-'
+    "$bin/comm_bench" --json --mode into,alloc |
+        json_rows "| {op} | {output} | {bytes} | {median_ms:.3f} | {algbw_gbps:.2f} | {busbw_gbps:.2f} | {efficiency:.2f} |" op
     echo
 fi
 
@@ -92,13 +109,8 @@ if [[ "$what" == all || "$what" == redistribute ]]; then
     echo
     echo "| case | mesh | n | median ms | floor ms | efficiency | plan |"
     echo "|---|---|---:|---:|---:|---:|---|"
-    "$bin/redistribute_bench" --json | python3 -c '
-import json, sys
-for l in sys.stdin:
-    d = json.loads(l)
-    e = "-" if d["efficiency"] is None else "%.2f" % d["efficiency"]
-    print("| `{case}` | {mesh} | {n} | {median_ms:.2f} | {floor_ms:.2f} | ".format(**d) + e + " | `{plan}` |".format(**d))
-'
+    "$bin/redistribute_bench" --json |
+        json_rows "| \`{case}\` | {mesh} | {n} | {median_ms:.2f} | {floor_ms:.2f} | {efficiency:.2f} | \`{plan}\` |" case
     echo
 fi
 
@@ -107,12 +119,18 @@ if [[ "$what" == all || "$what" == dispatch ]]; then
     echo
     echo "| op | shape | placements | candle us | dtensor us | overhead us |"
     echo "|---|---|---|---:|---:|---:|"
-    "$bin/dispatch_bench" --json | python3 -c '
-import json, sys
-for l in sys.stdin:
-    d = json.loads(l)
-    print("| {op} | {shape} | {placements} | {candle_us:.2f} | {dtensor_us:.2f} | {overhead_us:.2f} |".format(**d))
-'
+    "$bin/dispatch_bench" --json |
+        json_rows "| {op} | {shape} | {placements} | {candle_us:.2f} | {dtensor_us:.2f} | {overhead_us:.2f} |" op
+    echo
+fi
+
+if [[ "$what" == all || "$what" == moe ]]; then
+    echo "## moe_bench (MoE dispatch + combine vs the all_to_all floor, 4 ranks, 8 experts, top-2, dim 256)"
+    echo
+    echo "| transport | tokens/rank | floor ms | dispatch+combine ms | ratio | counts | permute | dispatch | reverse | combine |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "$bin/moe_bench" --json |
+        json_rows "| {transport} | {tokens_per_rank} | {floor_ms:.1f} | {dispatch_combine_ms:.1f} | {ratio:.2f} | {phase_ms[counts]:.1f} | {phase_ms[permute]:.1f} | {phase_ms[dispatch]:.1f} | {phase_ms[reverse]:.1f} | {phase_ms[combine]:.1f} |" transport
     echo
 fi
 
