@@ -11,7 +11,8 @@
 //! - [`reuse_large_buffers`] (run by `LocalWorld::launch`, and by `init_cpu_allocator`) makes
 //!   glibc keep freed large blocks and hand them out again: one arena for all threads, an mmap
 //!   threshold above the largest output and a trim threshold that keeps up to
-//!   [`RETAINED_MAX_BYTES`] of free heap (the cap; [`stats`] shows what the heap holds).
+//!   [`retained_max_bytes`] of free heap (the cap, half the machine's memory; [`stats`] shows
+//!   what the heap holds, [`release_free_memory`] gives it back).
 //! - buffers of [`HUGE_PAGE_MIN_BYTES`] or more that must be fresh anyway are marked for
 //!   transparent huge pages (`madvise(MADV_HUGEPAGE)`, Linux; elsewhere, or with THP `never`,
 //!   a no-op): one fault per 2 MiB.
@@ -20,7 +21,7 @@
 //! `OutBuf`, and [`uninit_vec`]). docs/ARCHITECTURE.md ("Large outputs") has the measurements
 //! behind the choice.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// Buffers of at least this many bytes are advised for transparent huge pages.
 pub const HUGE_PAGE_MIN_BYTES: usize = 4 << 20;
@@ -47,6 +48,11 @@ pub struct MemoryStats {
     pub heap_free_bytes: u64,
     /// Bytes in blocks glibc mapped separately (`mallinfo2().hblkhd`), 0 off glibc.
     pub mmapped_bytes: u64,
+    /// The cap on free heap kept for reuse ([`retained_max_bytes`]).
+    pub retained_max_bytes: u64,
+    /// Times the top of the heap was trimmed to the cap, or released by
+    /// [`release_free_memory`].
+    pub trims: u64,
 }
 
 /// The counters of [`MemoryStats`] since the process started, and the heap as it is now.
@@ -59,6 +65,8 @@ pub fn stats() -> MemoryStats {
         heap_bytes,
         heap_free_bytes,
         mmapped_bytes,
+        retained_max_bytes: retained_max_bytes() as u64,
+        trims: TRIMS.load(Ordering::Relaxed),
     }
 }
 
@@ -74,13 +82,67 @@ fn heap_info() -> (u64, u64, u64) {
     (0, 0, 0)
 }
 
-/// The most free memory glibc keeps at the top of its heap for reuse once
-/// [`reuse_large_buffers`] ran (its `M_TRIM_THRESHOLD`); more is returned to the kernel.
-pub const RETAINED_MAX_BYTES: usize = 1 << 30;
+/// The least free memory glibc keeps at the top of its heap for reuse once
+/// [`reuse_large_buffers`] ran, whatever the machine (see [`retained_max_bytes`]).
+pub const RETAINED_MIN_BYTES: usize = 1 << 30;
+
+/// The most free memory kept at the top of glibc's heap for reuse once [`reuse_large_buffers`]
+/// ran; more is returned to the kernel. Half the machine's physical memory, at least
+/// [`RETAINED_MIN_BYTES`] (1 GiB where the size is unknown).
+///
+/// Why so much: an MoE dispatch of 262,144 tokens x 256 dims x top-2 per rank on 4 ranks frees
+/// and reallocates ~7 GiB per step; with a 1-3 GiB cap the top of the heap is trimmed and
+/// faulted back every step and the dispatch + combine ran at 0.14-0.18 of the all_to_all floor,
+/// with 8 GiB at 0.33 (moe_bench, same machine, BENCHMARKS.md). The heap never holds more than
+/// the process's own peak; [`release_free_memory`] gives the free part back on demand.
+/// [`set_retained_max_bytes`] changes it (e.g. to leave memory to another process).
+pub fn retained_max_bytes() -> usize {
+    match CAP.load(Ordering::Relaxed) {
+        0 => (physical_memory_bytes() / 2).max(RETAINED_MIN_BYTES),
+        cap => cap,
+    }
+}
+
+/// Sets the cap of [`retained_max_bytes`] for this process (0 restores the default) and
+/// returns the previous one; it takes effect at the next large allocation.
+pub fn set_retained_max_bytes(bytes: usize) -> usize {
+    let previous = retained_max_bytes();
+    CAP.store(bytes, Ordering::Relaxed);
+    previous
+}
+
+/// The cap set by [`set_retained_max_bytes`]; 0 = the default.
+static CAP: AtomicUsize = AtomicUsize::new(0);
+
+#[cfg(unix)]
+fn physical_memory_bytes() -> usize {
+    // SAFETY: sysconf only reads system constants.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    match (usize::try_from(pages), usize::try_from(page)) {
+        (Ok(p), Ok(s)) => p.saturating_mul(s),
+        _ => 0,
+    }
+}
+
+#[cfg(not(unix))]
+fn physical_memory_bytes() -> usize {
+    0
+}
 
 /// Blocks below this size come from glibc's heap (reusable) once [`reuse_large_buffers`] ran
 /// (its `M_MMAP_THRESHOLD`); larger ones stay separate mappings, advised for huge pages.
-pub const HEAP_BLOCK_MAX_BYTES: usize = 256 << 20;
+pub const HEAP_BLOCK_MAX_BYTES: usize = 1 << 30;
+
+/// Set when [`reuse_large_buffers`] turned glibc's own trimming off (its threshold is an `int`,
+/// at most 2 GiB, and fixed once set): [`enforce_retention_cap`] then trims to the cap at each
+/// large allocation.
+static TRIM_BY_US: AtomicBool = AtomicBool::new(false);
+static TRIMS: AtomicU64 = AtomicU64::new(0);
 
 /// Environment variables through which a user tunes glibc's allocator; when any is set,
 /// [`reuse_large_buffers`] leaves the allocator alone.
@@ -100,8 +162,10 @@ static REUSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 ///
 /// Settings: `M_ARENA_MAX` 1 (a thread's own arena is at most 64 MiB and cannot hold a 64 MiB
 /// block, so rank threads would `mmap` it whatever the threshold), `M_MMAP_THRESHOLD`
-/// [`HEAP_BLOCK_MAX_BYTES`] (falling back to 32 MiB where glibc refuses more), `M_TRIM_THRESHOLD`
-/// [`RETAINED_MAX_BYTES`] (the cap on what is kept) and `M_TOP_PAD` 64 MiB. Measured
+/// [`HEAP_BLOCK_MAX_BYTES`] (falling back to 32 MiB where glibc refuses more), a trim threshold
+/// of [`retained_max_bytes`] (the cap on what is kept: glibc's `M_TRIM_THRESHOLD` is turned off
+/// and the top of the heap is trimmed to the cap at each large allocation) and `M_TOP_PAD`
+/// 64 MiB. Measured
 /// (comm_bench, 64 MiB, world 4, same run): all_gather with fresh outputs at 0.86 of the copy
 /// floor instead of 0.45. Process-wide and permanent; threads already attached to an arena
 /// keep it, so this runs before the rank threads start (`LocalWorld::launch` calls it). A
@@ -127,17 +191,71 @@ fn tune_glibc_malloc() -> bool {
         unsafe { libc::mallopt(param, value) == 1 }
     };
     let threshold = libc::c_int::try_from(HEAP_BLOCK_MAX_BYTES).unwrap_or(32 * MIB);
-    let trim = libc::c_int::try_from(RETAINED_MAX_BYTES).unwrap_or(1024 * MIB);
     // Older glibc caps the mmap threshold at 32 MiB (HEAP_MAX_SIZE / 2).
     let mmap_ok = set(libc::M_MMAP_THRESHOLD, threshold) || set(libc::M_MMAP_THRESHOLD, 32 * MIB);
+    // glibc's trim threshold is set to "never" (-1 reads as SIZE_MAX: the cap is usually over
+    // what its `int` holds, and can change) and `enforce_retention_cap` trims the top of the
+    // heap down to the cap.
+    let trim_ok = set(libc::M_TRIM_THRESHOLD, -1);
+    TRIM_BY_US.store(trim_ok, Ordering::Relaxed);
     // The three thresholds only help together (a trim threshold alone disables the dynamic
     // mmap threshold): all are set, and the result says whether all took.
     let rest = [
         set(libc::M_ARENA_MAX, 1),
-        set(libc::M_TRIM_THRESHOLD, trim),
+        trim_ok,
         set(libc::M_TOP_PAD, 64 * MIB),
     ];
     mmap_ok && rest.iter().all(|&ok| ok)
+}
+
+/// Where glibc cannot hold the cap itself: when the free block at the top of the heap has grown
+/// past [`retained_max_bytes`], returns what is above the cap to the kernel. Run at each
+/// allocation of [`HUGE_PAGE_MIN_BYTES`] or more through [`vec_with_capacity`] (every large
+/// collective output), so the free heap exceeds the cap at most until the next one.
+fn enforce_retention_cap() {
+    if !TRIM_BY_US.load(Ordering::Relaxed) {
+        return;
+    }
+    trim_if_top_over(retained_max_bytes());
+}
+
+/// Trims the top of the heap down to `cap` when it holds more; says whether it did.
+fn trim_if_top_over(cap: usize) -> bool {
+    if top_free_bytes() <= cap {
+        return false;
+    }
+    trim_top(cap);
+    TRIMS.fetch_add(1, Ordering::Relaxed);
+    true
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn top_free_bytes() -> usize {
+    // SAFETY: mallinfo2 only reads the allocator's statistics (under its locks).
+    unsafe { libc::mallinfo2() }.keepcost
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn top_free_bytes() -> usize {
+    0
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim_top(keep: usize) {
+    // SAFETY: malloc_trim only returns free pages to the kernel (under the allocator's locks);
+    // no live allocation changes.
+    unsafe { libc::malloc_trim(keep) };
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim_top(_: usize) {}
+
+/// Returns the free memory glibc's heap keeps for reuse to the kernel now (`malloc_trim(0)`),
+/// e.g. after training, before a memory-hungry phase; the next large buffers fault again.
+/// A no-op off glibc.
+pub fn release_free_memory() {
+    trim_top(0);
+    TRIMS.fetch_add(1, Ordering::Relaxed);
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
@@ -185,6 +303,9 @@ pub fn advise_huge_pages(ptr: *const u8, len: usize) -> bool {
 
 /// An empty `Vec` with room for `elems` elements, advised for huge pages when large.
 pub fn vec_with_capacity<T>(elems: usize) -> Vec<T> {
+    if elems.saturating_mul(std::mem::size_of::<T>()) >= HUGE_PAGE_MIN_BYTES {
+        enforce_retention_cap();
+    }
     let v = Vec::<T>::with_capacity(elems);
     advise_huge_pages(v.as_ptr().cast(), v.capacity() * std::mem::size_of::<T>());
     v
@@ -220,6 +341,17 @@ mod tests {
         drop(v);
         let w = vec![5u8; HUGE_PAGE_MIN_BYTES * 2];
         assert!(w.iter().all(|&x| x == 5));
+    }
+
+    #[test]
+    fn the_retention_cap_follows_the_machine_unless_set() {
+        let cap = retained_max_bytes();
+        assert!(cap >= RETAINED_MIN_BYTES);
+        assert!(cap >= physical_memory_bytes() / 2);
+        assert_eq!(stats().retained_max_bytes, cap as u64);
+        // The trim itself is tested in comm/tests/memory_cap.rs (its own process: which arena
+        // a test thread of this binary allocates from is not under the test's control).
+        assert!(!trim_if_top_over(usize::MAX));
     }
 
     #[test]
