@@ -19,7 +19,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_dtensor::comm::LocalWorld;
 use candle_dtensor::dtensor::functional::{
     exchange_rows, ExchangePlan, Group, RmaExchange, Transport,
@@ -53,6 +53,10 @@ struct Args {
     /// One JSON object per line.
     #[arg(long)]
     json: bool,
+    /// Combine with the candle composition the fused kernel replaced (gate gather,
+    /// broadcast_mul, zeros, index_add), to measure the two side by side.
+    #[arg(long)]
+    unfused_combine: bool,
 }
 
 #[derive(serde::Serialize)]
@@ -68,6 +72,8 @@ struct Row {
     floor_ms: f64,
     dispatch_combine_ms: f64,
     ratio: f64,
+    /// `fused` (the layer's combine) or `candle` (`--unfused-combine`).
+    combine: &'static str,
     /// Where the time goes (medians over the iterations, rank 0, ms): the count all_gather,
     /// the expert-major permutation (index_select), the dispatch exchange, the reverse
     /// exchange, and the weighted scatter-add combine (`models::moe::ops::weighted_combine`).
@@ -154,6 +160,7 @@ fn bench_rank(mesh: &DeviceMesh, a: &Args, n: usize) -> Result<RankResult, BoxEr
         &dev,
     )?;
     let gates = Tensor::rand(0f32, 1.0, (n, k), &dev)?;
+    let sel = Tensor::from_slice(order.as_slice(), n * k, &dev)?;
     let counts = Tensor::from_vec(counts, e_n, &dev)?;
     let floor_buf = Tensor::randn(0f32, 1.0, (n * k, d), &dev)?;
     let rma = Transport::Rma(Arc::new(RmaExchange::new(&g)?));
@@ -187,7 +194,16 @@ fn bench_rank(mesh: &DeviceMesh, a: &Args, n: usize) -> Result<RankResult, BoxEr
             mark(2);
             let ret = exchange_rows(&recv, &g, transport, &back, None)?;
             mark(3);
-            let out = weighted_combine(&ret, &gates, &slots, n)?;
+            let out = if a.unfused_combine {
+                let g = gates.flatten_all()?.index_select(&sel, 0)?;
+                Tensor::zeros((n, d), DType::F32, &dev)?.index_add(
+                    &tokens,
+                    &ret.broadcast_mul(&g.unsqueeze(1)?)?,
+                    0,
+                )?
+            } else {
+                weighted_combine(&ret, &gates, &slots, n)?
+            };
             drop(out);
             mark(4);
             if it >= 2 {
@@ -244,6 +260,7 @@ fn main() -> Result<(), BoxErr> {
                 floor_ms: floor,
                 dispatch_combine_ms: ms,
                 ratio: floor / ms,
+                combine: if a.unfused_combine { "candle" } else { "fused" },
                 phase_ms: ph,
             };
             if a.json {
@@ -252,12 +269,13 @@ fn main() -> Result<(), BoxErr> {
                 println!(
                     "{transport:>12} tokens/rank {n:>8}: floor {floor:8.2} ms, dispatch+combine \
                      {ms:8.2} ms, ratio {:.2} (counts {:.2}, permute {:.2}, dispatch {:.2}, \
-                     reverse {:.2}, combine {:.2} ms)",
+                     reverse {:.2}, {} combine {:.2} ms)",
                     floor / ms,
                     ph.counts,
                     ph.permute,
                     ph.dispatch,
                     ph.reverse,
+                    row.combine,
                     ph.combine
                 );
             }
