@@ -789,8 +789,8 @@ fn combine_dims(
 /// `gates: [N, k]` (flattened, `slots[j] = token * k + slot`), returning `[N, D]` with zeros for
 /// tokens no row names. Built from candle ops this is a gate gather, a broadcast multiply
 /// that allocates `[M, D]`, a zero-filled `[N, D]` and `index_add`: three passes over
-/// `[M, D]` and two allocations; here each row is scaled into its token's output row once.
-/// Rows are added in `j` order, as `index_add` does.
+/// `[M, D]` and two allocations; here each output row is written once, as the gate-weighted
+/// sum of its token's rows, added in `j` order from zero (as `index_add` adds them).
 pub fn weighted_scatter_add(
     y: &Tensor,
     gates: &Tensor,
@@ -798,19 +798,37 @@ pub fn weighted_scatter_add(
     k: usize,
     n: usize,
 ) -> CResult<Tensor> {
-    let (_, d) = combine_dims(y, gates, slots, k, n)?;
+    let (m, d) = combine_dims(y, gates, slots, k, n)?;
     let (y, gates) = (y.contiguous()?, gates.contiguous()?);
+    // The rows of each token, in `j` order (CSR): each output row is then written once, from
+    // its rows' sum, with no zero-fill pass and no read-modify-write of the output.
+    let mut start = vec![0usize; n + 1];
+    for &s in slots {
+        start[s as usize / k + 1] += 1;
+    }
+    for t in 0..n {
+        start[t + 1] += start[t];
+    }
+    let mut fill = start.clone();
+    let mut rows = vec![0usize; m];
+    for (j, &s) in slots.iter().enumerate() {
+        let t = s as usize / k;
+        rows[fill[t]] = j;
+        fill[t] += 1;
+    }
     let out = with_f32(&y, |yv| {
         with_f32(&gates, |gv| {
-            let mut out = vec![0f32; n * d];
-            if d > 0 {
-                for (row, &s) in yv.chunks_exact(d).zip(slots) {
-                    let t = s as usize / k;
-                    let g = gv[s as usize];
-                    for (o, &v) in out[t * d..(t + 1) * d].iter_mut().zip(row) {
-                        *o += g * v;
+            let mut out = Vec::with_capacity(n * d);
+            let mut acc = vec![0f32; d];
+            for t in 0..n {
+                acc.fill(0.0);
+                for &j in &rows[start[t]..start[t + 1]] {
+                    let g = gv[slots[j] as usize];
+                    for (a, &v) in acc.iter_mut().zip(&yv[j * d..(j + 1) * d]) {
+                        *a += g * v;
                     }
                 }
+                out.extend_from_slice(&acc);
             }
             out
         })
