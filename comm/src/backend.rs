@@ -145,6 +145,21 @@ pub trait Backend: Send + Sync + 'static {
         output_split_sizes: Vec<usize>,
         input_split_sizes: Vec<usize>,
     ) -> Result<Work<Tensor>>;
+    /// [`Backend::all_to_all_v_single`] of `input`'s dim-0 rows `rows`, in that order (repeats
+    /// allowed; validated by the front: in range, as many as `input_split_sizes` sums to). A
+    /// backend that can read the rows in place (the local backend on the CPU) never builds
+    /// the permuted send buffer; this default gathers it, then exchanges.
+    fn all_to_all_v_rows(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        rows: Arc<Vec<u32>>,
+        output_split_sizes: Vec<usize>,
+        input_split_sizes: Vec<usize>,
+    ) -> Result<Work<Tensor>> {
+        let send = gather_rows(&ctx, &input, &rows)?;
+        self.all_to_all_v_single(ctx, send, output_split_sizes, input_split_sizes)
+    }
     /// Every rank gets `root`'s tensor (`tensor` gives shape and dtype on other ranks).
     fn broadcast(&self, ctx: OpCtx, tensor: Tensor, root: usize) -> Result<Work<Tensor>>;
     /// `root` gets the reduction of every rank's `input`; others get `None`.
@@ -337,4 +352,14 @@ pub(crate) fn check_output(ctx: &OpCtx, t: &Tensor, dtype: DType, shape: &Shape)
 /// The dtypes the built-in backends accept, rendered for [`Capabilities::dtypes`].
 pub(crate) fn dtype_names(dtypes: &[DType]) -> Vec<String> {
     dtypes.iter().map(|d| d.as_str().to_string()).collect()
+}
+
+/// `input`'s dim-0 rows `rows`, in that order, as one contiguous tensor (any device).
+pub(crate) fn gather_rows(ctx: &OpCtx, input: &Tensor, rows: &[u32]) -> Result<Tensor> {
+    let ids = Tensor::from_slice(rows, rows.len(), input.device())
+        .map_err(|e| CommError::candle(ctx, e))?;
+    input
+        .contiguous()
+        .and_then(|x| x.index_select(&ids, 0))
+        .map_err(|e| CommError::candle(ctx, e))
 }

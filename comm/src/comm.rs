@@ -539,31 +539,18 @@ impl Comm {
     ) -> Result<Work<Tensor>> {
         let ctx = self.next_ctx(OpName::AllToAllVSingle);
         let input = self.prepare_input(&ctx, input)?;
-        let n = self.size();
-        if output_split_sizes.len() != n || input_split_sizes.len() != n {
-            return Err(CommError::invalid(
-                &ctx,
-                format!(
-                    "split size lists must have one entry per rank ({n}); got {} output and {} input entries",
-                    output_split_sizes.len(),
-                    input_split_sizes.len()
-                ),
-            ));
-        }
         let d0 = if input.rank() == 0 {
             1
         } else {
             input.dim(0).unwrap_or(0)
         };
-        let total: usize = input_split_sizes.iter().sum();
-        if total != d0 {
-            return Err(CommError::invalid(
-                &ctx,
-                format!(
-                    "input split sizes {input_split_sizes:?} sum to {total} but the input has {d0} dim-0 slices"
-                ),
-            ));
-        }
+        self.check_v_splits(
+            &ctx,
+            output_split_sizes,
+            input_split_sizes,
+            d0,
+            "dim-0 slices",
+        )?;
         let (o, i) = (output_split_sizes.to_vec(), input_split_sizes.to_vec());
         self.issue(
             ctx,
@@ -574,6 +561,89 @@ impl Comm {
                     .all_to_all_v_single(c, input.clone(), o, i)
             },
         )
+    }
+
+    /// [`Comm::all_to_all_v_single`] of `input`'s dim-0 rows `rows`, in that order (repeats
+    /// allowed): the same result as `all_to_all_v_single(&input.index_select(rows, 0), ..)`,
+    /// without building the permuted send buffer where the backend reads rows in place (the
+    /// local backend on the CPU; others gather first). `input_split_sizes` counts rows of
+    /// `rows`. The permutation of an MoE token dispatch fused into its exchange. The same
+    /// collective as `all_to_all_v_single` (peers may call either; errors and the flight
+    /// recorder name it so).
+    pub fn all_to_all_v_rows(
+        &self,
+        input: &Tensor,
+        rows: &Arc<Vec<u32>>,
+        output_split_sizes: &[usize],
+        input_split_sizes: &[usize],
+    ) -> Result<Work<Tensor>> {
+        let ctx = self.next_ctx(OpName::AllToAllVSingle);
+        let input = self.prepare_input(&ctx, input)?;
+        let d0 = input.dims().first().copied().ok_or_else(|| {
+            CommError::invalid(
+                &ctx,
+                "all_to_all_v_rows takes a tensor of rows, not a scalar",
+            )
+        })?;
+        if let Some(&bad) = rows.iter().find(|&&r| r as usize >= d0) {
+            return Err(CommError::invalid(
+                &ctx,
+                format!("row {bad} is outside the input's {d0} rows"),
+            ));
+        }
+        self.check_v_splits(
+            &ctx,
+            output_split_sizes,
+            input_split_sizes,
+            rows.len(),
+            "rows",
+        )?;
+        let (o, i, rows) = (
+            output_split_sizes.to_vec(),
+            input_split_sizes.to_vec(),
+            rows.clone(),
+        );
+        self.issue(
+            ctx,
+            |c| self.record(c, &[&input], None, None, None),
+            |c| {
+                self.inner
+                    .backend
+                    .all_to_all_v_rows(c, input.clone(), rows, o, i)
+            },
+        )
+    }
+
+    /// One split list entry per rank, and the input splits summing to the `have` slices sent.
+    fn check_v_splits(
+        &self,
+        ctx: &OpCtx,
+        output_split_sizes: &[usize],
+        input_split_sizes: &[usize],
+        have: usize,
+        what: &str,
+    ) -> Result<()> {
+        let n = self.size();
+        if output_split_sizes.len() != n || input_split_sizes.len() != n {
+            return Err(CommError::invalid(
+                ctx,
+                format!(
+                    "split size lists must have one entry per rank ({n}); got {} output and {} input entries",
+                    output_split_sizes.len(),
+                    input_split_sizes.len()
+                ),
+            ));
+        }
+        let total: usize = input_split_sizes.iter().sum();
+        if total != have {
+            return Err(CommError::invalid(
+                ctx,
+                format!(
+                    "input split sizes {input_split_sizes:?} sum to {total} but the input has {have} {what}"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Every rank receives `root`'s tensor. On other ranks `tensor` gives the expected shape and

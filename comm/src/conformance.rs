@@ -493,6 +493,10 @@ static CASES: &[(CaseInfo, CaseFn)] = &[
         case("collectives::all_to_all_v_single", 1),
         collectives::all_to_all_v_single,
     ),
+    (
+        case("collectives::all_to_all_v_rows", 1),
+        collectives::all_to_all_v_rows,
+    ),
     (case("collectives::broadcast", 1), collectives::broadcast),
     (case("collectives::reduce", 1), collectives::reduce),
     (case("collectives::gather", 1), collectives::gather),

@@ -96,6 +96,7 @@ mod suite {
         all_gather_single_of_a_scalar: "collectives::all_gather_single_of_a_scalar" on [1, 3];
         all_to_all_single: "collectives::all_to_all_single" on SWEEP;
         all_to_all_v_single: "collectives::all_to_all_v_single" on SWEEP;
+        all_to_all_v_rows: "collectives::all_to_all_v_rows" on SWEEP;
         broadcast: "collectives::broadcast" on SWEEP;
         reduce: "collectives::reduce" on SWEEP;
         gather: "collectives::gather" on SWEEP;

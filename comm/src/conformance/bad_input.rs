@@ -1,5 +1,7 @@
 //! Bad input: typed errors that carry the op context; nothing hangs.
 
+use std::sync::Arc;
+
 use super::*;
 use crate::types::{dtype_supported, P2POp, SUPPORTED_DTYPES};
 
@@ -184,6 +186,23 @@ pub(super) fn all_to_all_v_bad_lists(cx: &Cx) -> R<()> {
                     "bad sum",
                 ),
             ),
+            (
+                // The same collective on the wire: errors name it all_to_all_v_single.
+                "all_to_all_v_single",
+                fails(
+                    c.all_to_all_v_rows(&t(n), &Arc::new(vec![0; n + 1]), &ones, &ones)
+                        .map(drop),
+                    "rows vs splits",
+                ),
+            ),
+            (
+                "all_to_all_v_single",
+                fails(
+                    c.all_to_all_v_rows(&t(n), &Arc::new(vec![n as u32; n]), &ones, &ones)
+                        .map(drop),
+                    "row out of range",
+                ),
+            ),
         ]
     })?;
     check_all(
@@ -194,6 +213,8 @@ pub(super) fn all_to_all_v_bad_lists(cx: &Cx) -> R<()> {
             format!("one entry per rank ({n}); got {} output", n - 1),
             format!("got {n} output and {} input", n + 1),
             format!("sum to {} but the input has {n}", n + 1),
+            format!("sum to {n} but the input has {} rows", n + 1),
+            format!("row {n} is outside the input's {n} rows"),
         ],
     );
     Ok(())

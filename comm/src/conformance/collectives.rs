@@ -282,6 +282,58 @@ pub(super) fn all_to_all_v_single(cx: &Cx) -> R<()> {
     )
 }
 
+/// The row of rank `j`'s source that its `r`-th sent row is, in [`all_to_all_v_rows`]: a
+/// permutation with repeats over `src` rows.
+fn v_row(j: usize, r: usize, src: usize, salt: usize) -> usize {
+    (r * 7 + j + salt) % src
+}
+
+/// `all_to_all_v_rows` (the send rows read in place from a larger source) gives what
+/// `all_to_all_v_single` of the gathered rows gives; odd ranks send the gathered tensor
+/// through `all_to_all_v_single`, so the two forms also meet in one collective.
+pub(super) fn all_to_all_v_rows(cx: &Cx) -> R<()> {
+    sweep(
+        cx,
+        copy_cases(cx, &[Variant::Plain]),
+        |comm, c| {
+            let (n, me) = (comm.size(), comm.rank());
+            let w = v_width(c.class, n);
+            let ins: Vec<usize> = (0..n).map(|j| v_split(me, j, c.class)).collect();
+            let outs: Vec<usize> = (0..n).map(|j| v_split(j, me, c.class)).collect();
+            let rows: usize = ins.iter().sum();
+            let src = rows + 2;
+            let x = tensor(&copy_vals(me, src * w, c.salt), &[src, w], c.dt)?;
+            let ids: Vec<u32> = (0..rows)
+                .map(|r| v_row(me, r, src, c.salt) as u32)
+                .collect();
+            let y = if me % 2 == 0 {
+                comm.all_to_all_v_rows(&x, &std::sync::Arc::new(ids), &outs, &ins)?
+                    .wait()?
+            } else {
+                let ids = Tensor::from_slice(ids.as_slice(), rows, &Device::Cpu)?;
+                let sent = x.index_select(&ids, 0)?;
+                comm.all_to_all_v_single(&sent, &outs, &ins)?.wait()?
+            };
+            Ok(vec![out(&y)?])
+        },
+        |n, r, c| {
+            let w = v_width(c.class, n);
+            let mut v = Vec::new();
+            for j in 0..n {
+                let rows_j: usize = (0..n).map(|k| v_split(j, k, c.class)).sum();
+                let src = rows_j + 2;
+                let data = copy_vals(j, src * w, c.salt);
+                let start: usize = (0..r).map(|k| v_split(j, k, c.class)).sum();
+                for q in start..start + v_split(j, r, c.class) {
+                    let row = v_row(j, q, src, c.salt);
+                    v.extend_from_slice(&data[row * w..(row + 1) * w]);
+                }
+            }
+            vec![(vec![v.len() / w, w], v)]
+        },
+    )
+}
+
 pub(super) fn broadcast(cx: &Cx) -> R<()> {
     sweep(
         cx,

@@ -462,6 +462,18 @@ fn all_to_all_v(
     out_splits: Vec<usize>,
     in_splits: Vec<usize>,
 ) -> Result<Tensor> {
+    exchange_rows(e, input, None, out_splits, in_splits)
+}
+
+/// all_to_all_v of `input`'s rows `rows` (`None`: all of them, in order). Each receiver copies
+/// its rows straight out of the sender's input, so a permuted send buffer is never built.
+fn exchange_rows(
+    e: &Exec,
+    input: Tensor,
+    send_rows: Option<Arc<Vec<u32>>>,
+    out_splits: Vec<usize>,
+    in_splits: Vec<usize>,
+) -> Result<Tensor> {
     let ctx = e.ctx;
     let dims = input.dims().to_vec();
     let rows: Vec<usize> = dims.iter().skip(1).copied().collect();
@@ -474,6 +486,7 @@ fn all_to_all_v(
     let post = Post {
         input: Some(mine),
         splits: Some((out_splits.clone(), in_splits.clone())),
+        rows: send_rows,
         ..Post::default()
     };
     let posts = e
@@ -486,15 +499,39 @@ fn all_to_all_v(
         input.dtype(),
         total * row_bytes / input.dtype().size_in_bytes().max(1),
     )?;
+    let outside = |j: usize| {
+        CommError::invalid(
+            ctx,
+            format!("rank {j} sends rows outside its input (row list or split sizes)"),
+        )
+    };
     let mut off = 0;
     for (j, p) in posts.iter().enumerate() {
         let v = read_view(input_of(ctx, &posts, j)?).map_err(view_err(ctx))?;
+        let bytes = v.bytes();
         let splits = p.splits.as_ref().map(|s| &s.1[..]).unwrap_or(&[]);
-        let start: usize = splits[..e.rank].iter().sum::<usize>() * row_bytes;
-        let len = out_splits[j] * row_bytes;
-        // SAFETY: the output has room for the sum of out_splits rows; written only here.
-        unsafe { out.write(off, &v.bytes()[start..start + len]) };
-        off += len;
+        let first: usize = splits[..e.rank].iter().sum();
+        let count = out_splits[j];
+        match &p.rows {
+            None => {
+                let src = bytes
+                    .get(first * row_bytes..(first + count) * row_bytes)
+                    .ok_or_else(|| outside(j))?;
+                // SAFETY: the output has room for the sum of out_splits rows; written only here.
+                unsafe { out.write(off, src) };
+            }
+            Some(ids) => {
+                let ids = ids.get(first..first + count).ok_or_else(|| outside(j))?;
+                for (r, &id) in ids.iter().enumerate() {
+                    let at = id as usize * row_bytes;
+                    let src = bytes.get(at..at + row_bytes).ok_or_else(|| outside(j))?;
+                    // SAFETY: row r of this block lies inside the output (count rows from
+                    // `off`, the sum of out_splits in all); written only here.
+                    unsafe { out.write(off + r * row_bytes, src) };
+                }
+            }
+        }
+        off += count * row_bytes;
     }
     drop(posts);
     e.group.depart(ctx, e.coll, e.rank, lent, e.deadline)?;
@@ -748,6 +785,26 @@ impl Backend for LocalBackend {
             ctx,
             all_to_all_v(input, output_split_sizes, input_split_sizes)
         )
+    }
+
+    fn all_to_all_v_rows(
+        &self,
+        ctx: OpCtx,
+        input: Tensor,
+        rows: Arc<Vec<u32>>,
+        output_split_sizes: Vec<usize>,
+        input_split_sizes: Vec<usize>,
+    ) -> Result<Work<Tensor>> {
+        if !self.core.device.is_cpu() {
+            let send = crate::backend::gather_rows(&ctx, &input, &rows)?;
+            return self.all_to_all_v_single(ctx, send, output_split_sizes, input_split_sizes);
+        }
+        // The link model's size: the rows sent.
+        let row_elems: usize = input.dims().iter().skip(1).product();
+        let bytes = rows.len() * row_elems * input.dtype().size_in_bytes();
+        self.core.submit_paced(ctx, bytes, move |e| {
+            exchange_rows(e, input, Some(rows), output_split_sizes, input_split_sizes)
+        })
     }
 
     fn broadcast(&self, ctx: OpCtx, tensor: Tensor, root: usize) -> Result<Work<Tensor>> {

@@ -33,6 +33,8 @@ pub(crate) struct Post {
     pub out: Option<Arc<crate::cpu::kernels::OutBuf>>,
     /// all_to_all_v split sizes: (output, input).
     pub splits: Option<(Vec<usize>, Vec<usize>)>,
+    /// all_to_all_v_rows: the rows of `input` sent, in send order (`None`: all, in order).
+    pub rows: Option<Arc<Vec<u32>>>,
     /// split: the caller's new group.
     pub ranks: Option<Vec<usize>>,
 }
