@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use candle_dtensor::comm::LocalWorld;
 use candle_dtensor::dtensor::functional::{
-    exchange_rows, ExchangePlan, Group, RmaExchange, Transport,
+    exchange_gathered_rows, exchange_rows, ExchangePlan, Group, RmaExchange, Transport,
 };
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::moe::ops::weighted_combine;
@@ -57,6 +57,10 @@ struct Args {
     /// broadcast_mul, zeros, index_add), to measure the two side by side.
     #[arg(long)]
     unfused_combine: bool,
+    /// Permute the tokens into a send buffer (index_select), then exchange it, instead of the
+    /// layer's fused dispatch (`exchange_gathered_rows`: rows read in place by the exchange).
+    #[arg(long)]
+    unfused_dispatch: bool,
 }
 
 #[derive(serde::Serialize)]
@@ -74,6 +78,9 @@ struct Row {
     ratio: f64,
     /// `fused` (the layer's combine) or `candle` (`--unfused-combine`).
     combine: &'static str,
+    /// `fused` (the layer's dispatch, permutation inside the exchange) or `permute`
+    /// (`--unfused-dispatch`: index_select, then the exchange).
+    dispatch: &'static str,
     /// Where the time goes (medians over the iterations, rank 0, ms): the count all_gather,
     /// the expert-major permutation (index_select), the dispatch exchange, the reverse
     /// exchange, and the weighted scatter-add combine (`models::moe::ops::weighted_combine`).
@@ -154,11 +161,8 @@ fn bench_rank(mesh: &DeviceMesh, a: &Args, n: usize) -> Result<RankResult, BoxEr
     let x = Tensor::randn(0f32, 1.0, (n, d), &dev)?;
     // The combine's row -> (token, slot) map is the send order itself (`token * k + slot`).
     let slots = Arc::new(order.clone());
-    let tokens = Tensor::from_vec(
-        order.iter().map(|&i| i / k as u32).collect::<Vec<u32>>(),
-        n * k,
-        &dev,
-    )?;
+    let token_rows = Arc::new(order.iter().map(|&i| i / k as u32).collect::<Vec<u32>>());
+    let tokens = Tensor::from_vec(token_rows.to_vec(), n * k, &dev)?;
     let gates = Tensor::rand(0f32, 1.0, (n, k), &dev)?;
     let sel = Tensor::from_slice(order.as_slice(), n * k, &dev)?;
     let counts = Tensor::from_vec(counts, e_n, &dev)?;
@@ -188,9 +192,15 @@ fn bench_rank(mesh: &DeviceMesh, a: &Args, n: usize) -> Result<RankResult, BoxEr
             };
             let _table = comm.all_gather_single(&counts)?.wait()?;
             mark(0);
-            let send = x.index_select(&tokens, 0)?;
-            mark(1);
-            let recv = exchange_rows(&send, &g, transport, &plan, None)?;
+            let recv = if a.unfused_dispatch {
+                let send = x.index_select(&tokens, 0)?;
+                mark(1);
+                exchange_rows(&send, &g, transport, &plan, None)?
+            } else {
+                // Permutation fused into the exchange: its phase is part of `dispatch`.
+                mark(1);
+                exchange_gathered_rows(&x, &token_rows, &g, transport, &plan, None)?
+            };
             mark(2);
             let ret = exchange_rows(&recv, &g, transport, &back, None)?;
             mark(3);
@@ -261,6 +271,11 @@ fn main() -> Result<(), BoxErr> {
                 dispatch_combine_ms: ms,
                 ratio: floor / ms,
                 combine: if a.unfused_combine { "candle" } else { "fused" },
+                dispatch: if a.unfused_dispatch {
+                    "permute"
+                } else {
+                    "fused"
+                },
                 phase_ms: ph,
             };
             if a.json {

@@ -565,6 +565,97 @@ pub fn exchange_rows(
     .ctx(&op, g.rank())
 }
 
+/// [`exchange_rows`] of `x`'s dim-0 rows `rows`, in that order (repeats allowed): the result
+/// of `exchange_rows(&x.index_select(rows, 0), ..)`, without the permuted send buffer where
+/// the communicator reads rows in place (`Comm::all_to_all_v_rows`; the RMA transport
+/// gathers first). The MoE dispatch: permutation and exchange in one pass over the rows.
+/// Backward: the reversed exchange of the gradient, added back into `x`'s rows (zero for
+/// rows not sent). Recorded in [`crate::debug::CommDebugMode`] like [`exchange_rows`].
+///
+/// # Errors
+///
+/// As [`exchange_rows`], and a row outside `x` or a row count that is not the plan's.
+pub fn exchange_gathered_rows(
+    x: &Tensor,
+    rows: &Arc<Vec<u32>>,
+    g: &Group,
+    transport: &Transport,
+    plan: &ExchangePlan,
+    times: Option<&ExchangeTimes>,
+) -> Result<Tensor> {
+    let op = g.op("exchange_rows");
+    let n = x.dims().first().copied().unwrap_or(0);
+    let send = plan.send_splits();
+    if rows.len() != send.iter().sum::<usize>() || rows.iter().any(|&r| r as usize >= n) {
+        return Err(invalid(
+            &op,
+            g.rank(),
+            format!(
+                "{} rows of an input {:?} for a plan sending {send:?}: every row must be below {n} \
+                 and the rows must number what the plan sends",
+                rows.len(),
+                x.dims()
+            ),
+        ));
+    }
+    if plan.me != g.rank() {
+        return Err(invalid(
+            &op,
+            g.rank(),
+            format!("the plan is rank {}'s, not this rank's", plan.me),
+        ));
+    }
+    let (bg, bt, bp) = (g.clone(), transport.clone(), plan.reversed());
+    let (btimes, brows) = (times.cloned(), rows.clone());
+    let x_dims = x.dims().to_vec();
+    rows_node(
+        x,
+        match transport {
+            Transport::AllToAllV => "all_to_all_v",
+            Transport::Rma(_) => "rma_all_to_all_v",
+        },
+        plan.recv_rows(),
+        |x| {
+            let t0 = Instant::now();
+            let out = match transport {
+                Transport::AllToAllV if g.size() > 1 => {
+                    let x = x.contiguous()?;
+                    let row_bytes = x.elem_count() / n.max(1) * x.dtype().size_in_bytes();
+                    crate::debug::record("all_to_all_v", g.name(), (rows.len() * row_bytes) as u64);
+                    let mut dims = x.dims().to_vec();
+                    dims[0] = plan.recv_rows();
+                    let out = waited(g.comm().all_to_all_v_rows(
+                        &x,
+                        rows,
+                        &plan.recv_splits(),
+                        &send,
+                    )?)?;
+                    out.reshape(dims)?
+                }
+                _ => {
+                    let ids = Tensor::from_slice(rows.as_slice(), rows.len(), x.device())?;
+                    let gathered = x.contiguous()?.index_select(&ids, 0)?;
+                    return exchange_raw(&gathered, g, transport, plan, times, false);
+                }
+            };
+            if let Some(t) = times {
+                t.add(false, t0.elapsed());
+            }
+            Ok(out)
+        },
+        move |grad| {
+            let back = exchange_raw(grad, &bg, &bt, &bp, btimes.as_ref(), true)?;
+            let zeros = Tensor::zeros(x_dims.as_slice(), back.dtype(), back.device())?;
+            if brows.is_empty() {
+                return Ok(zeros);
+            }
+            let ids = Tensor::from_slice(brows.as_slice(), brows.len(), back.device())?;
+            zeros.index_add(&ids, &back.contiguous()?, 0)
+        },
+    )
+    .ctx(&op, g.rank())
+}
+
 /// A graph node for a row exchange of `x` (when `x` tracks gradients): forward `forward(x)`,
 /// backward `backward(grad)`.
 fn rows_node(

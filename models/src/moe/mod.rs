@@ -51,7 +51,8 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 use candle_dtensor_comm::Comm;
 use candle_dtensor_core::functional::{
-    copy_to_group, exchange_rows, ExchangePlan, ExchangeTimes, Group, RmaExchange, Transport,
+    copy_to_group, exchange_gathered_rows, exchange_rows, ExchangePlan, ExchangeTimes, Group,
+    RmaExchange, Transport,
 };
 use candle_dtensor_core::{debug, DTensor, Placement, Placements};
 use candle_dtensor_mesh::layout::{ravel, unravel};
@@ -524,6 +525,30 @@ impl MoeGroups {
         }
         Ok(exchange_rows(x, g, &self.transport, &plan, Some(times))?)
     }
+
+    /// The dispatch: `x`'s rows `rows` (send order) moved as `matrix` says, the permutation
+    /// fused into the exchange where the communicator reads rows in place (a local gather
+    /// without an ep group).
+    fn exchange_gathered(
+        &self,
+        x: &Tensor,
+        rows: &Arc<Vec<u32>>,
+        matrix: &[Vec<usize>],
+        times: &ExchangeTimes,
+    ) -> Result<Tensor> {
+        let Some(g) = &self.ep else {
+            return Ok(ops::gather_rows(x, rows)?);
+        };
+        let plan = ExchangePlan::new(matrix.to_vec(), g.rank())?;
+        Ok(exchange_gathered_rows(
+            x,
+            rows,
+            g,
+            &self.transport,
+            &plan,
+            Some(times),
+        )?)
+    }
 }
 
 /// The settings every rank must share, as one fixed-size record.
@@ -827,8 +852,7 @@ impl MoeLayer {
             routing::plan(&table, &admission, &routing, g.my_data, &g.ep_layout());
         let recv = {
             let _l = debug::label("dispatch");
-            let send = ops::gather_rows(&xs, &plan.send_tokens)?;
-            g.exchange(&send, &plan.matrix, false, &self.dispatch_times)?
+            g.exchange_gathered(&xs, &plan.send_tokens, &plan.matrix, &self.dispatch_times)?
         };
         let t_dispatch = t_start.elapsed();
         let y = self.experts(&recv, &plan.segments)?;
