@@ -235,6 +235,39 @@ impl NcclBackend {
         }))
     }
 
+    /// A communicator of this one's NCCL library and device from a freshly split or shrunk
+    /// `raw` handle: its own streams and watchdog (`rank` of `size` in the child). On failure
+    /// the raw handle is aborted, so nothing leaks.
+    fn child(
+        &self,
+        raw: RawComm,
+        name: &str,
+        rank: usize,
+        size: usize,
+        options: &CommOptions,
+    ) -> Result<Arc<NcclBackend>> {
+        let core = self.core();
+        let streams = match CudaStreams::new(&self.cuda) {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                core.api.abort(raw);
+                return Err(boot(name, rank, format!("CUDA: {e}")));
+            }
+        };
+        Self::wrap(
+            core.api.clone(),
+            streams,
+            &self.cuda,
+            &self.device,
+            core.gates,
+            raw,
+            name,
+            rank,
+            size,
+            options,
+        )
+    }
+
     fn core(&self) -> &Arc<Core> {
         &self.owner.0
     }
@@ -873,25 +906,7 @@ impl Backend for NcclBackend {
         let Some(raw) = core.split(&ctx, color, key, ranks.len(), &spec)? else {
             return Ok(None);
         };
-        let streams = match CudaStreams::new(&self.cuda) {
-            Ok(s) => Arc::new(s),
-            Err(e) => {
-                core.api.abort(raw);
-                return Err(boot(name, key as usize, format!("CUDA: {e}")));
-            }
-        };
-        let b = Self::wrap(
-            core.api.clone(),
-            streams,
-            &self.cuda,
-            &self.device,
-            core.gates,
-            raw,
-            name,
-            key as usize,
-            ranks.len(),
-            options,
-        )?;
+        let b = self.child(raw, name, key as usize, ranks.len(), options)?;
         Ok(Some(b as Arc<dyn Backend>))
     }
 
@@ -910,25 +925,7 @@ impl Backend for NcclBackend {
         let spec = ConfigSpec::from_hints(name, &options.hints, core.gates.comm_name)
             .map_err(|e| boot(name, me, e))?;
         let raw = core.shrink(&ctx, excluded, rank, size, &spec)?;
-        let streams = match CudaStreams::new(&self.cuda) {
-            Ok(s) => Arc::new(s),
-            Err(e) => {
-                core.api.abort(raw);
-                return Err(boot(name, rank, format!("CUDA: {e}")));
-            }
-        };
-        let b = Self::wrap(
-            core.api.clone(),
-            streams,
-            &self.cuda,
-            &self.device,
-            core.gates,
-            raw,
-            name,
-            rank,
-            size,
-            options,
-        )?;
+        let b = self.child(raw, name, rank, size, options)?;
         Ok(b as Arc<dyn Backend>)
     }
 
