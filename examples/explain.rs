@@ -9,7 +9,13 @@
 //!     --mesh dp=2,tp=2 --op redistribute --shapes 8x4 --placements "S(0),S(0)" --to "R,R"
 //! cargo run --release --example explain -- \
 //!     --mesh tp=4 --op matmul --shapes 8x16,16x12 --placements "R;S(1)" --run --json
+//! cargo run --release --example explain -- \
+//!     --op moe --mesh dp=2,ep=2 --moe experts=8,top_k=2 --shapes 4x16x32 --run
 //! ```
+//!
+//! `--op moe` plans one mixture-of-experts layer instead (`--moe` as train_gpt's, `--shapes`
+//! the global `BxTxD`): the count exchange, the dispatch and combine exchanges both ways with
+//! their bytes, and the gradient reductions; `--run` checks them against CommDebugMode.
 //!
 //! Inputs are separated by `;`, mesh dims by `,`; shapes are `AxB` separated by `,` (an optional
 //! `:dtype` per shape, e.g. `4x16:u32`). Errors go to stderr with a non-zero exit.
@@ -45,6 +51,10 @@ use clap::Parser;
 #[derive(Parser, Debug)]
 #[command(about = "Explain a sharding decision of candle-dtensor")]
 struct Args {
+    /// With `--op moe`: the MoE layer, e.g. `experts=8,top_k=2` (train_gpt's `--moe` syntax;
+    /// `--shapes BxTxD` gives the global batch, sequence and model dims).
+    #[arg(long)]
+    moe: Option<String>,
     /// Mesh, e.g. `dp=2,tp=2`.
     #[arg(long)]
     mesh: String,
@@ -108,6 +118,15 @@ struct Args {
 fn main() {
     candle_dtensor::init_cpu_threads();
     let a = Args::parse();
+    if a.op == "moe" {
+        match moe::explain(&a.mesh, a.moe.as_deref(), &a.shapes, a.run, a.seed, a.json) {
+            Ok(()) => return,
+            Err(e) => {
+                eprintln!("error: --op moe: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
     let req = ExplainRequest {
         mesh: a.mesh,
         flatten: a.flatten,
@@ -612,3 +631,6 @@ fn run(
         })).collect::<Vec<_>>(),
     }))
 }
+
+#[path = "common/explain_moe.rs"]
+mod moe;
