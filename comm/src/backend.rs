@@ -157,8 +157,14 @@ pub trait Backend: Send + Sync + 'static {
         output_split_sizes: Vec<usize>,
         input_split_sizes: Vec<usize>,
     ) -> Result<Work<Tensor>> {
-        let send = gather_rows(&ctx, &input, &rows)?;
-        self.all_to_all_v_single(ctx, send, output_split_sizes, input_split_sizes)
+        gather_then_exchange(
+            self,
+            ctx,
+            input,
+            &rows,
+            output_split_sizes,
+            input_split_sizes,
+        )
     }
     /// Every rank gets `root`'s tensor (`tensor` gives shape and dtype on other ranks).
     fn broadcast(&self, ctx: OpCtx, tensor: Tensor, root: usize) -> Result<Work<Tensor>>;
@@ -354,12 +360,21 @@ pub(crate) fn dtype_names(dtypes: &[DType]) -> Vec<String> {
     dtypes.iter().map(|d| d.as_str().to_string()).collect()
 }
 
-/// `input`'s dim-0 rows `rows`, in that order, as one contiguous tensor (any device).
-pub(crate) fn gather_rows(ctx: &OpCtx, input: &Tensor, rows: &[u32]) -> Result<Tensor> {
+/// [`Backend::all_to_all_v_rows`] for a backend that cannot read rows in place: `input`'s
+/// dim-0 rows `rows` gathered into one contiguous tensor (any device), then exchanged.
+pub(crate) fn gather_then_exchange<B: Backend + ?Sized>(
+    backend: &B,
+    ctx: OpCtx,
+    input: Tensor,
+    rows: &[u32],
+    output_split_sizes: Vec<usize>,
+    input_split_sizes: Vec<usize>,
+) -> Result<Work<Tensor>> {
     let ids = Tensor::from_slice(rows, rows.len(), input.device())
-        .map_err(|e| CommError::candle(ctx, e))?;
-    input
+        .map_err(|e| CommError::candle(&ctx, e))?;
+    let send = input
         .contiguous()
         .and_then(|x| x.index_select(&ids, 0))
-        .map_err(|e| CommError::candle(ctx, e))
+        .map_err(|e| CommError::candle(&ctx, e))?;
+    backend.all_to_all_v_single(ctx, send, output_split_sizes, input_split_sizes)
 }

@@ -543,13 +543,7 @@ pub fn exchange_rows(
 ) -> Result<Tensor> {
     let op = g.op("exchange_rows");
     check_rows(&op, x, g, &plan.send_splits(), &plan.recv_splits())?;
-    if plan.me != g.rank() {
-        return Err(invalid(
-            &op,
-            g.rank(),
-            format!("the plan is rank {}'s, not this rank's", plan.me),
-        ));
-    }
+    check_plan_rank(&op, g, plan)?;
     let (bg, bt, bp) = (g.clone(), transport.clone(), plan.reversed());
     let btimes = times.cloned();
     rows_node(
@@ -574,7 +568,8 @@ pub fn exchange_rows(
 ///
 /// # Errors
 ///
-/// As [`exchange_rows`], and a row outside `x` or a row count that is not the plan's.
+/// As [`exchange_rows`], a row count that is not the plan's, and a row outside `x` (raised by
+/// the communicator, or by the gather on the RMA path).
 pub fn exchange_gathered_rows(
     x: &Tensor,
     rows: &Arc<Vec<u32>>,
@@ -586,25 +581,21 @@ pub fn exchange_gathered_rows(
     let op = g.op("exchange_rows");
     let n = x.dims().first().copied().unwrap_or(0);
     let send = plan.send_splits();
-    if rows.len() != send.iter().sum::<usize>() || rows.iter().any(|&r| r as usize >= n) {
+    // Rows outside `x` are refused where they are read (the communicator's front, or the
+    // gather's index_select), not scanned for twice here.
+    if rows.len() != send.iter().sum::<usize>() {
         return Err(invalid(
             &op,
             g.rank(),
             format!(
-                "{} rows of an input {:?} for a plan sending {send:?}: every row must be below {n} \
-                 and the rows must number what the plan sends",
+                "{} rows of an input {:?} for a plan sending {send:?}: the rows must number \
+                 what the plan sends",
                 rows.len(),
                 x.dims()
             ),
         ));
     }
-    if plan.me != g.rank() {
-        return Err(invalid(
-            &op,
-            g.rank(),
-            format!("the plan is rank {}'s, not this rank's", plan.me),
-        ));
-    }
+    check_plan_rank(&op, g, plan)?;
     let (bg, bt, bp) = (g.clone(), transport.clone(), plan.reversed());
     let (btimes, brows) = (times.cloned(), rows.clone());
     let x_dims = x.dims().to_vec();
@@ -654,6 +645,18 @@ pub fn exchange_gathered_rows(
         },
     )
     .ctx(&op, g.rank())
+}
+
+/// A plan is made for one rank of its group.
+fn check_plan_rank(op: &str, g: &Group, plan: &ExchangePlan) -> Result<()> {
+    if plan.me != g.rank() {
+        return Err(invalid(
+            op,
+            g.rank(),
+            format!("the plan is rank {}'s, not this rank's", plan.me),
+        ));
+    }
+    Ok(())
 }
 
 /// A graph node for a row exchange of `x` (when `x` tracks gradients): forward `forward(x)`,

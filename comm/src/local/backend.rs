@@ -796,8 +796,14 @@ impl Backend for LocalBackend {
         input_split_sizes: Vec<usize>,
     ) -> Result<Work<Tensor>> {
         if !self.core.device.is_cpu() {
-            let send = crate::backend::gather_rows(&ctx, &input, &rows)?;
-            return self.all_to_all_v_single(ctx, send, output_split_sizes, input_split_sizes);
+            return crate::backend::gather_then_exchange(
+                self,
+                ctx,
+                input,
+                &rows,
+                output_split_sizes,
+                input_split_sizes,
+            );
         }
         // The link model's size: the rows sent.
         let row_elems: usize = input.dims().iter().skip(1).product();
