@@ -81,6 +81,215 @@ impl CommOptions {
     }
 }
 
+/// One collective as the front hands it to [`Backend::collective`], with arguments validated
+/// for this rank. When an `output` is given (same dtype and element count as the result,
+/// contiguous; for `AllReduce` it may be `input` itself, for the others it does not overlap
+/// `input`) the result is written into it and it is returned; otherwise a new tensor is.
+#[derive(Debug)]
+pub enum Collective {
+    /// Reduces `input` across ranks; every rank gets the result.
+    AllReduce {
+        /// This rank's summand.
+        input: Tensor,
+        /// How to combine.
+        op: ReduceOp,
+        /// Where to write the result, if given.
+        output: Option<Tensor>,
+    },
+    /// Concatenates every rank's `input` along dim 0 (in rank order; a scalar becomes `[n]`).
+    AllGather {
+        /// This rank's piece.
+        input: Tensor,
+        /// Where to write the result, if given.
+        output: Option<Tensor>,
+    },
+    /// Reduces `input` across ranks and gives rank r the r-th dim-0 chunk.
+    ReduceScatter {
+        /// This rank's summand (dim 0 divisible by the size).
+        input: Tensor,
+        /// How to combine.
+        op: ReduceOp,
+        /// Where to write the result, if given.
+        output: Option<Tensor>,
+    },
+    /// Rank r's output chunk j (dim 0) is rank j's input chunk r.
+    AllToAll {
+        /// This rank's chunks (dim 0 divisible by the size).
+        input: Tensor,
+        /// Where to write the result, if given.
+        output: Option<Tensor>,
+    },
+    /// Like `AllToAll` with per-peer dim-0 split sizes.
+    AllToAllV {
+        /// This rank's pieces, back to back on dim 0.
+        input: Tensor,
+        /// Dim-0 slices received from each rank.
+        output_split_sizes: Vec<usize>,
+        /// Dim-0 slices sent to each rank (summing to `input`'s dim 0).
+        input_split_sizes: Vec<usize>,
+    },
+    /// `AllToAllV` of `input`'s dim-0 rows `rows`, in that order (repeats allowed; in range,
+    /// as many as `input_split_sizes` sums to). A backend that reads the rows in place (the
+    /// local backend on the CPU) never builds the permuted send buffer; others answer with
+    /// [`Collective::gather_rows`] first.
+    AllToAllVRows {
+        /// The rows to pick from.
+        input: Tensor,
+        /// Which rows, in send order.
+        rows: Arc<Vec<u32>>,
+        /// Dim-0 slices received from each rank.
+        output_split_sizes: Vec<usize>,
+        /// Rows of `rows` sent to each rank.
+        input_split_sizes: Vec<usize>,
+    },
+    /// Every rank gets `root`'s tensor (`tensor` gives shape and dtype on other ranks).
+    Broadcast {
+        /// The root's data; elsewhere the shape and dtype to expect.
+        tensor: Tensor,
+        /// The sending rank.
+        root: usize,
+    },
+    /// `root` gets the reduction of every rank's `input`; others get `None`.
+    Reduce {
+        /// This rank's summand.
+        input: Tensor,
+        /// The receiving rank.
+        root: usize,
+        /// How to combine.
+        op: ReduceOp,
+    },
+    /// `root` gets every rank's `input` in rank order; others get `None`.
+    Gather {
+        /// This rank's piece (shapes may differ across ranks).
+        input: Tensor,
+        /// The receiving rank.
+        root: usize,
+    },
+    /// Rank r gets `inputs[r]` of `root` (`inputs` is empty on other ranks).
+    Scatter {
+        /// The root's pieces, one per rank.
+        inputs: Vec<Tensor>,
+        /// The sending rank.
+        root: usize,
+    },
+    /// Returns when every rank has reached it.
+    Barrier,
+    /// Sends and receives as one group (sends never wait for their receiver, so groups in
+    /// any order cannot deadlock); the outcome holds the received tensors in op order.
+    BatchP2p {
+        /// The sends and receives.
+        ops: Vec<P2POp>,
+    },
+}
+
+impl Collective {
+    /// The data an `AllToAllVRows` sends, gathered into one contiguous tensor on `input`'s
+    /// device, as the `AllToAllV` of the same exchange (any other op is returned as it is):
+    /// how a backend that cannot read rows in place answers it.
+    pub fn gather_rows(self, ctx: &OpCtx) -> Result<Collective> {
+        let Collective::AllToAllVRows {
+            input,
+            rows,
+            output_split_sizes,
+            input_split_sizes,
+        } = self
+        else {
+            return Ok(self);
+        };
+        let ids = Tensor::from_slice(&rows[..], rows.len(), input.device())
+            .map_err(|e| CommError::candle(ctx, e))?;
+        let input = input
+            .contiguous()
+            .and_then(|x| x.index_select(&ids, 0))
+            .map_err(|e| CommError::candle(ctx, e))?;
+        Ok(Collective::AllToAllV {
+            input,
+            output_split_sizes,
+            input_split_sizes,
+        })
+    }
+}
+
+/// What a [`Collective`] yields. Each op has one kind: `Tensor` for the dense ops, `Broadcast`
+/// and `Scatter`; `Rooted` for `Reduce`; `Gathered` for `Gather`; `Received` for `BatchP2p`;
+/// `Done` for `Barrier`. A backend builds it with `From` (or [`Work::outcome`]); the front
+/// turns another kind than the op's into [`CommError::WrongOutcome`].
+#[derive(Debug)]
+pub enum CollectiveOutput {
+    /// One tensor.
+    Tensor(Tensor),
+    /// The root's tensor; `None` elsewhere.
+    Rooted(Option<Tensor>),
+    /// The root's pieces in rank order; `None` elsewhere.
+    Gathered(Option<Vec<Tensor>>),
+    /// The received tensors, in op order.
+    Received(Vec<Tensor>),
+    /// Nothing but completion.
+    Done,
+}
+
+impl CollectiveOutput {
+    /// The kind's name, for errors.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CollectiveOutput::Tensor(_) => "a tensor",
+            CollectiveOutput::Rooted(_) => "a root's tensor",
+            CollectiveOutput::Gathered(_) => "a root's pieces",
+            CollectiveOutput::Received(_) => "received tensors",
+            CollectiveOutput::Done => "completion alone",
+        }
+    }
+}
+
+/// A value one kind of [`CollectiveOutput`] carries, read back by the front.
+pub(crate) trait FromCollectiveOutput: Sized {
+    fn from_outcome(o: CollectiveOutput) -> std::result::Result<Self, CollectiveOutput>;
+}
+
+macro_rules! outcome_kind {
+    ($t:ty, $v:ident) => {
+        impl From<$t> for CollectiveOutput {
+            fn from(v: $t) -> CollectiveOutput {
+                CollectiveOutput::$v(v)
+            }
+        }
+        impl FromCollectiveOutput for $t {
+            fn from_outcome(o: CollectiveOutput) -> std::result::Result<Self, CollectiveOutput> {
+                match o {
+                    CollectiveOutput::$v(v) => Ok(v),
+                    other => Err(other),
+                }
+            }
+        }
+    };
+}
+outcome_kind!(Tensor, Tensor);
+outcome_kind!(Option<Tensor>, Rooted);
+outcome_kind!(Option<Vec<Tensor>>, Gathered);
+outcome_kind!(Vec<Tensor>, Received);
+
+impl From<()> for CollectiveOutput {
+    fn from(_: ()) -> CollectiveOutput {
+        CollectiveOutput::Done
+    }
+}
+
+impl FromCollectiveOutput for () {
+    fn from_outcome(o: CollectiveOutput) -> std::result::Result<Self, CollectiveOutput> {
+        match o {
+            CollectiveOutput::Done => Ok(()),
+            other => Err(other),
+        }
+    }
+}
+
+impl<T: Into<CollectiveOutput> + Send + 'static> Work<T> {
+    /// This work's output as a [`CollectiveOutput`]: what [`Backend::collective`] returns.
+    pub fn outcome(self) -> Work<CollectiveOutput> {
+        self.map(Into::into)
+    }
+}
+
 /// A transport for one rank of one communicator.
 ///
 /// Contract:
@@ -104,87 +313,11 @@ pub trait Backend: Send + Sync + 'static {
     /// What the backend supports.
     fn capabilities(&self) -> Capabilities;
 
-    /// Reduces `input` across ranks; every rank gets the result. When `output` is given (same
-    /// dtype and element count, contiguous; it may be `input` itself) the result is written
-    /// into it and it is returned; otherwise a new tensor is returned. The same holds for the
-    /// `output` of the next three ops (which must not alias `input`).
-    fn all_reduce(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        op: ReduceOp,
-        output: Option<Tensor>,
-    ) -> Result<Work<Tensor>>;
-    /// Concatenates every rank's `input` along dim 0 (in rank order).
-    fn all_gather_single(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        output: Option<Tensor>,
-    ) -> Result<Work<Tensor>>;
-    /// Reduces `input` across ranks and gives rank r the r-th dim-0 chunk.
-    fn reduce_scatter_single(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        op: ReduceOp,
-        output: Option<Tensor>,
-    ) -> Result<Work<Tensor>>;
-    /// Rank r's output chunk j (dim 0) is rank j's input chunk r.
-    fn all_to_all_single(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        output: Option<Tensor>,
-    ) -> Result<Work<Tensor>>;
-    /// Like `all_to_all_single` with per-peer dim-0 split sizes.
-    fn all_to_all_v_single(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        output_split_sizes: Vec<usize>,
-        input_split_sizes: Vec<usize>,
-    ) -> Result<Work<Tensor>>;
-    /// [`Backend::all_to_all_v_single`] of `input`'s dim-0 rows `rows`, in that order (repeats
-    /// allowed; validated by the front: in range, as many as `input_split_sizes` sums to). A
-    /// backend that can read the rows in place (the local backend on the CPU) never builds
-    /// the permuted send buffer; this default gathers it, then exchanges.
-    fn all_to_all_v_rows(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        rows: Arc<Vec<u32>>,
-        output_split_sizes: Vec<usize>,
-        input_split_sizes: Vec<usize>,
-    ) -> Result<Work<Tensor>> {
-        gather_then_exchange(
-            self,
-            ctx,
-            input,
-            &rows,
-            output_split_sizes,
-            input_split_sizes,
-        )
-    }
-    /// Every rank gets `root`'s tensor (`tensor` gives shape and dtype on other ranks).
-    fn broadcast(&self, ctx: OpCtx, tensor: Tensor, root: usize) -> Result<Work<Tensor>>;
-    /// `root` gets the reduction of every rank's `input`; others get `None`.
-    fn reduce(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        root: usize,
-        op: ReduceOp,
-    ) -> Result<Work<Option<Tensor>>>;
-    /// `root` gets every rank's `input` in rank order; others get `None`.
-    fn gather(&self, ctx: OpCtx, input: Tensor, root: usize) -> Result<Work<Option<Vec<Tensor>>>>;
-    /// Rank r gets `inputs[r]` of `root` (`inputs` is empty on other ranks).
-    fn scatter(&self, ctx: OpCtx, inputs: Vec<Tensor>, root: usize) -> Result<Work<Tensor>>;
-    /// Returns when every rank has reached it.
-    fn barrier(&self, ctx: OpCtx) -> Result<Work<()>>;
-    /// Runs sends and receives as one group (sends never wait for their receiver, so groups in
-    /// any order cannot deadlock); the output holds the received tensors in op order.
-    fn batch_p2p(&self, ctx: OpCtx, ops: Vec<P2POp>) -> Result<Work<Vec<Tensor>>>;
+    /// Starts `op` (see [`Collective`] for what each does); the work yields the [`CollectiveOutput`]
+    /// of the op's kind ([`CollectiveOutput`] names which). One method for every collective: the
+    /// front builds the descriptor, validates it and reads the outcome back as the caller's
+    /// type, so a backend writes one `match` arm per op and nothing else.
+    fn collective(&self, ctx: OpCtx, op: Collective) -> Result<Work<CollectiveOutput>>;
     /// Collective over this communicator: every rank passes the list of ranks of its own new
     /// group (validated by the front), or an empty list to opt out.
     fn split(
@@ -358,23 +491,4 @@ pub(crate) fn check_output(ctx: &OpCtx, t: &Tensor, dtype: DType, shape: &Shape)
 /// The dtypes the built-in backends accept, rendered for [`Capabilities::dtypes`].
 pub(crate) fn dtype_names(dtypes: &[DType]) -> Vec<String> {
     dtypes.iter().map(|d| d.as_str().to_string()).collect()
-}
-
-/// [`Backend::all_to_all_v_rows`] for a backend that cannot read rows in place: `input`'s
-/// dim-0 rows `rows` gathered into one contiguous tensor (any device), then exchanged.
-pub(crate) fn gather_then_exchange<B: Backend + ?Sized>(
-    backend: &B,
-    ctx: OpCtx,
-    input: Tensor,
-    rows: &[u32],
-    output_split_sizes: Vec<usize>,
-    input_split_sizes: Vec<usize>,
-) -> Result<Work<Tensor>> {
-    let ids = Tensor::from_slice(rows, rows.len(), input.device())
-        .map_err(|e| CommError::candle(&ctx, e))?;
-    let send = input
-        .contiguous()
-        .and_then(|x| x.index_select(&ids, 0))
-        .map_err(|e| CommError::candle(&ctx, e))?;
-    backend.all_to_all_v_single(ctx, send, output_split_sizes, input_split_sizes)
 }

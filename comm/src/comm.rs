@@ -11,7 +11,9 @@ use std::time::Duration;
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::agree::Agreement;
-use crate::backend::{lookup_backend, Backend, Capabilities, CommOptions};
+use crate::backend::{
+    lookup_backend, Backend, Capabilities, Collective, CommOptions, FromCollectiveOutput,
+};
 use crate::cpu::kernels::data_addr;
 use crate::error::{CommError, Result};
 use crate::flight::{dump_on_failure, FlightRecorder};
@@ -377,6 +379,24 @@ impl Comm {
         self.dense(Dense::AllReduce(op), Some(output), input)
     }
 
+    /// Starts `op` on the backend and reads its outcome back as `T`, the op's kind.
+    fn run<T: FromCollectiveOutput + Send + 'static>(
+        &self,
+        ctx: OpCtx,
+        op: Collective,
+    ) -> Result<Work<T>> {
+        let backend = self.inner.backend.backend_name();
+        let at = ctx.clone();
+        let work = self.inner.backend.collective(ctx, op)?;
+        Ok(work.and_then(move |o| {
+            T::from_outcome(o).map_err(|o| CommError::WrongOutcome {
+                ctx: at,
+                backend,
+                got: o.kind(),
+            })
+        }))
+    }
+
     /// The common path of the ops with one input and one output of a size the op defines
     /// (and of their `*_into` variants, which pass `output`).
     fn dense(&self, op: Dense, output: Option<&Tensor>, input: &Tensor) -> Result<Work<Tensor>> {
@@ -406,15 +426,20 @@ impl Comm {
             self.check_divisible(&ctx, &input)?;
         }
         let output = self.prepare_output(&ctx, output, &input, out_elems, may_alias)?;
-        let b = &self.inner.backend;
         self.issue(
             ctx,
             |c| self.record(c, &[&input], None, None, reduce),
-            |c| match op {
-                Dense::AllReduce(r) => b.all_reduce(c, input.clone(), r, output),
-                Dense::AllGather => b.all_gather_single(c, input.clone(), output),
-                Dense::ReduceScatter(r) => b.reduce_scatter_single(c, input.clone(), r, output),
-                Dense::AllToAll => b.all_to_all_single(c, input.clone(), output),
+            |c| {
+                let input = input.clone();
+                self.run(
+                    c,
+                    match op {
+                        Dense::AllReduce(op) => Collective::AllReduce { input, op, output },
+                        Dense::AllGather => Collective::AllGather { input, output },
+                        Dense::ReduceScatter(op) => Collective::ReduceScatter { input, op, output },
+                        Dense::AllToAll => Collective::AllToAll { input, output },
+                    },
+                )
             },
         )
     }
@@ -556,9 +581,12 @@ impl Comm {
             ctx,
             |c| self.record(c, &[&input], None, None, None),
             |c| {
-                self.inner
-                    .backend
-                    .all_to_all_v_single(c, input.clone(), o, i)
+                let op = Collective::AllToAllV {
+                    input: input.clone(),
+                    output_split_sizes: o,
+                    input_split_sizes: i,
+                };
+                self.run(c, op)
             },
         )
     }
@@ -607,9 +635,13 @@ impl Comm {
             ctx,
             |c| self.record(c, &[&input], None, None, None),
             |c| {
-                self.inner
-                    .backend
-                    .all_to_all_v_rows(c, input.clone(), rows, o, i)
+                let op = Collective::AllToAllVRows {
+                    input: input.clone(),
+                    rows,
+                    output_split_sizes: o,
+                    input_split_sizes: i,
+                };
+                self.run(c, op)
             },
         )
     }
@@ -655,7 +687,10 @@ impl Comm {
         self.issue(
             ctx,
             |c| self.record(c, &[&t], Some(root), None, None),
-            |c| self.inner.backend.broadcast(c, t.clone(), root),
+            |c| {
+                let tensor = t.clone();
+                self.run(c, Collective::Broadcast { tensor, root })
+            },
         )
     }
 
@@ -673,7 +708,10 @@ impl Comm {
         self.issue(
             ctx,
             |c| self.record(c, &[&input], Some(root), None, Some(op)),
-            |c| self.inner.backend.reduce(c, input.clone(), root, op),
+            |c| {
+                let input = input.clone();
+                self.run(c, Collective::Reduce { input, root, op })
+            },
         )
     }
 
@@ -686,7 +724,10 @@ impl Comm {
         self.issue(
             ctx,
             |c| self.record(c, &[&input], Some(root), None, None),
-            |c| self.inner.backend.gather(c, input.clone(), root),
+            |c| {
+                let input = input.clone();
+                self.run(c, Collective::Gather { input, root })
+            },
         )
     }
 
@@ -735,7 +776,7 @@ impl Comm {
         self.issue(
             ctx,
             |_| rec,
-            |c| self.inner.backend.scatter(c, inputs, root),
+            |c| self.run(c, Collective::Scatter { inputs, root }),
         )
     }
 
@@ -745,7 +786,7 @@ impl Comm {
         self.issue(
             ctx,
             |c| self.record(c, &[], None, None, None),
-            |c| self.inner.backend.barrier(c),
+            |c| self.run(c, Collective::Barrier),
         )
     }
 
@@ -762,7 +803,7 @@ impl Comm {
         let work = self.issue(
             ctx,
             |c| self.record(c, &[&t], None, Some(dst), None),
-            |c| self.inner.backend.batch_p2p(c, vec![op]),
+            |c| self.run(c, Collective::BatchP2p { ops: vec![op] }),
         )?;
         Ok(work.map_unit())
     }
@@ -790,7 +831,11 @@ impl Comm {
             shape,
             dtype,
         };
-        let work = self.issue(ctx, |_| rec, |c| self.inner.backend.batch_p2p(c, vec![op]))?;
+        let work = self.issue(
+            ctx,
+            |_| rec,
+            |c| self.run(c, Collective::BatchP2p { ops: vec![op] }),
+        )?;
         Ok(work.map_first())
     }
 
@@ -825,7 +870,11 @@ impl Comm {
             })
             .collect();
         let rec = self.record(&ctx, &sends, None, None, None);
-        self.issue(ctx, |_| rec, |c| self.inner.backend.batch_p2p(c, prepared))
+        self.issue(
+            ctx,
+            |_| rec,
+            |c| self.run(c, Collective::BatchP2p { ops: prepared }),
+        )
     }
 
     /// Splits this communicator. Collective over this communicator: every rank calls it, each

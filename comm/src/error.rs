@@ -122,6 +122,17 @@ pub enum CommError {
         /// The lost ranks (of the communicator being shrunk).
         lost: Vec<usize>,
     },
+    /// A backend answered a collective with another kind of outcome than the op's (a bug in
+    /// the backend, not in the caller).
+    #[error("{ctx}: backend \"{backend}\" answered with {got}, not the op's kind of outcome")]
+    WrongOutcome {
+        /// Where.
+        ctx: OpCtx,
+        /// The backend name.
+        backend: &'static str,
+        /// The kind it answered with.
+        got: &'static str,
+    },
     /// A candle operation inside the comm layer failed.
     #[error("{ctx}: candle: {message}")]
     Candle {
@@ -142,6 +153,7 @@ impl CommError {
             | CommError::InvalidArgument { ctx, .. }
             | CommError::UnsupportedDType { ctx, .. }
             | CommError::Candle { ctx, .. }
+            | CommError::WrongOutcome { ctx, .. }
             | CommError::ShrinkDisagree { ctx, .. }
             | CommError::RanksLost { ctx, .. } => Some(ctx),
             _ => None,

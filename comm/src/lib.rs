@@ -64,7 +64,8 @@ mod work;
 
 pub use agree::Agreement;
 pub use backend::{
-    register_backend, registered_backends, Backend, BackendFactory, Capabilities, CommOptions,
+    register_backend, registered_backends, Backend, BackendFactory, Capabilities, Collective,
+    CollectiveOutput, CommOptions,
 };
 pub use comm::{new_comm, Comm};
 pub use error::{CommError, Result};

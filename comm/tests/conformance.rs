@@ -514,8 +514,8 @@ mod hooks {
 mod registry {
     use super::*;
     use candle_dtensor_comm::{
-        new_comm, register_backend, registered_backends, Backend, Capabilities, CommOptions, OpCtx,
-        P2POp, Work,
+        new_comm, register_backend, registered_backends, Backend, Capabilities, Collective,
+        CollectiveOutput, CommOptions, OpCtx, P2POp, Work,
     };
     use std::collections::VecDeque;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -528,24 +528,57 @@ mod registry {
         aborted: AtomicBool,
         mailbox: Mutex<VecDeque<Tensor>>,
         alive: Arc<AtomicUsize>,
-        /// Doubles every all_reduce result: a wrong backend the conformance suite must catch.
-        broken: bool,
+        /// A deliberate bug, for the tests that must catch it.
+        fault: Fault,
+    }
+
+    /// The bugs a [`Solo`] can be built with.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Fault {
+        None,
+        /// Doubles every all_reduce result: the conformance suite must catch it.
+        SumsWrong,
+        /// Answers a gather with "done": the front must refuse the outcome.
+        GathersDone,
     }
 
     impl Solo {
-        fn backend(alive: Arc<AtomicUsize>) -> Arc<dyn Backend> {
-            Solo::backend_with(alive, false)
-        }
-
-        fn backend_with(alive: Arc<AtomicUsize>, broken: bool) -> Arc<dyn Backend> {
+        fn backend_with(alive: Arc<AtomicUsize>, fault: Fault) -> Arc<dyn Backend> {
             alive.fetch_add(1, Ordering::SeqCst);
             Arc::new(Solo {
                 device: Device::Cpu,
                 aborted: AtomicBool::new(false),
                 mailbox: Mutex::new(VecDeque::new()),
                 alive,
-                broken,
+                fault,
             })
+        }
+
+        /// World-1 point-to-point: sends queue in the mailbox, receives take from it in order.
+        fn batch_p2p(
+            &self,
+            ctx: &OpCtx,
+            ops: Vec<P2POp>,
+        ) -> candle_dtensor_comm::Result<Vec<Tensor>> {
+            let mut mail = self.mailbox.lock().unwrap();
+            let mut got = Vec::new();
+            for op in &ops {
+                if let P2POp::Send { tensor, .. } = op {
+                    mail.push_back(tensor.clone());
+                }
+            }
+            for op in ops {
+                if let P2POp::Recv { .. } = op {
+                    got.push(mail.pop_front());
+                }
+            }
+            got.into_iter()
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| CommError::Timeout {
+                    ctx: ctx.clone(),
+                    timeout: ctx.timeout,
+                    missing: vec![0],
+                })
         }
 
         fn done<T: Send + 'static>(
@@ -619,89 +652,54 @@ mod registry {
                 ..Capabilities::default()
             }
         }
-        fn all_reduce(&self, ctx: OpCtx, x: Tensor, _: ReduceOp, o: Option<Tensor>) -> Res<Tensor> {
-            let x = if self.broken {
-                (x.to_dtype(DType::F64).unwrap() * 2.0)
-                    .and_then(|y| y.to_dtype(x.dtype()))
-                    .unwrap()
-            } else {
-                x
-            };
-            let r = copy_to(&ctx, &x, o);
-            self.done(ctx, r)
-        }
-        fn all_gather_single(&self, ctx: OpCtx, x: Tensor, o: Option<Tensor>) -> Res<Tensor> {
-            let x = if x.rank() == 0 {
-                x.reshape(1).unwrap()
-            } else {
-                x
-            };
-            let r = copy_to(&ctx, &x, o);
-            self.done(ctx, r)
-        }
-        fn reduce_scatter_single(
-            &self,
-            ctx: OpCtx,
-            x: Tensor,
-            _: ReduceOp,
-            o: Option<Tensor>,
-        ) -> Res<Tensor> {
-            let r = copy_to(&ctx, &x, o);
-            self.done(ctx, r)
-        }
-        fn all_to_all_single(&self, ctx: OpCtx, x: Tensor, o: Option<Tensor>) -> Res<Tensor> {
-            let r = copy_to(&ctx, &x, o);
-            self.done(ctx, r)
-        }
-        fn all_to_all_v_single(
-            &self,
-            ctx: OpCtx,
-            x: Tensor,
-            _: Vec<usize>,
-            _: Vec<usize>,
-        ) -> Res<Tensor> {
-            let r = copy_to(&ctx, &x, None);
-            self.done(ctx, r)
-        }
-        fn broadcast(&self, ctx: OpCtx, t: Tensor, _: usize) -> Res<Tensor> {
-            self.done(ctx, Ok(t))
-        }
-        fn reduce(&self, ctx: OpCtx, x: Tensor, _: usize, _: ReduceOp) -> Res<Option<Tensor>> {
-            self.done(ctx, Ok(Some(x)))
-        }
-        fn gather(&self, ctx: OpCtx, x: Tensor, _: usize) -> Res<Option<Vec<Tensor>>> {
-            self.done(ctx, Ok(Some(vec![x])))
-        }
-        fn scatter(&self, ctx: OpCtx, mut xs: Vec<Tensor>, _: usize) -> Res<Tensor> {
-            let x = xs.remove(0);
-            self.done(ctx, Ok(x))
-        }
-        fn barrier(&self, ctx: OpCtx) -> Res<()> {
-            self.done(ctx, Ok(()))
-        }
-        fn batch_p2p(&self, ctx: OpCtx, ops: Vec<P2POp>) -> Res<Vec<Tensor>> {
-            let mut mail = self.mailbox.lock().unwrap();
-            let mut got = Vec::new();
-            for op in &ops {
-                if let P2POp::Send { tensor, .. } = op {
-                    mail.push_back(tensor.clone());
+        fn collective(&self, ctx: OpCtx, op: Collective) -> Res<CollectiveOutput> {
+            let out: candle_dtensor_comm::Result<CollectiveOutput> = match op {
+                Collective::AllReduce {
+                    input, output: o, ..
+                } => {
+                    let x = if self.fault == Fault::SumsWrong {
+                        (input.to_dtype(DType::F64).unwrap() * 2.0)
+                            .and_then(|y| y.to_dtype(input.dtype()))
+                            .unwrap()
+                    } else {
+                        input
+                    };
+                    copy_to(&ctx, &x, o).map(Into::into)
                 }
-            }
-            for op in ops {
-                if let P2POp::Recv { .. } = op {
-                    got.push(mail.pop_front());
+                Collective::AllGather { input, output: o } => {
+                    let x = if input.rank() == 0 {
+                        input.reshape(1).unwrap()
+                    } else {
+                        input
+                    };
+                    copy_to(&ctx, &x, o).map(Into::into)
                 }
-            }
-            drop(mail);
-            let r = got
-                .into_iter()
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| CommError::Timeout {
-                    ctx: ctx.clone(),
-                    timeout: ctx.timeout,
-                    missing: vec![0],
-                });
-            self.done(ctx, r)
+                Collective::ReduceScatter {
+                    input, output: o, ..
+                }
+                | Collective::AllToAll { input, output: o } => {
+                    copy_to(&ctx, &input, o).map(Into::into)
+                }
+                Collective::AllToAllV { input, .. } => copy_to(&ctx, &input, None).map(Into::into),
+                rows @ Collective::AllToAllVRows { .. } => {
+                    let op = rows.gather_rows(&ctx)?;
+                    return self.collective(ctx, op);
+                }
+                Collective::Broadcast { tensor, .. } => Ok(tensor.into()),
+                Collective::Reduce { input, .. } => Ok(Some(input).into()),
+                Collective::Gather { input, .. } => Ok(Some(vec![input]).into()),
+                Collective::Scatter { mut inputs, .. } => Ok(inputs.remove(0).into()),
+                Collective::Barrier => Ok(().into()),
+                Collective::BatchP2p { ops } => self.batch_p2p(&ctx, ops).map(Into::into),
+            };
+            // A deliberately wrong backend: its gathers answer "done".
+            let out = match out {
+                Ok(CollectiveOutput::Gathered(_)) if self.fault == Fault::GathersDone => {
+                    Ok(CollectiveOutput::Done)
+                }
+                other => other,
+            };
+            self.done(ctx, out)
         }
         fn split(
             &self,
@@ -710,7 +708,7 @@ mod registry {
             _: &str,
             _: &CommOptions,
         ) -> candle_dtensor_comm::Result<Option<Arc<dyn Backend>>> {
-            Ok((!ranks.is_empty()).then(|| Solo::backend_with(self.alive.clone(), self.broken)))
+            Ok((!ranks.is_empty()).then(|| Solo::backend_with(self.alive.clone(), self.fault)))
         }
         fn abort(&self, _: &str) {
             self.aborted.store(true, Ordering::SeqCst);
@@ -721,6 +719,10 @@ mod registry {
     }
 
     fn register_solo(name: &str) -> Arc<AtomicUsize> {
+        register_solo_with(name, Fault::None)
+    }
+
+    fn register_solo_with(name: &str, fault: Fault) -> Arc<AtomicUsize> {
         let alive = Arc::new(AtomicUsize::new(0));
         let a = alive.clone();
         register_backend(
@@ -730,7 +732,7 @@ mod registry {
                       _: &str,
                       _: &CommOptions|
                       -> candle_dtensor_comm::Result<Arc<dyn Backend>> {
-                    Ok(Solo::backend(a.clone()))
+                    Ok(Solo::backend_with(a.clone(), fault))
                 },
             ),
         );
@@ -749,7 +751,7 @@ mod registry {
                       _: &str,
                       _: &CommOptions|
                       -> candle_dtensor_comm::Result<Arc<dyn Backend>> {
-                    Ok(Solo::backend_with(a.clone(), true))
+                    Ok(Solo::backend_with(a.clone(), Fault::SumsWrong))
                 },
             ),
         );
@@ -788,6 +790,43 @@ mod registry {
             }
             other => panic!("expected the broken backend to fail, got {other:?}"),
         }
+        Ok(())
+    }
+
+    #[test]
+    fn a_backend_that_answers_the_wrong_kind_is_named_not_obeyed() -> R<()> {
+        let _alive = register_solo_with("solo-wrong-kind", Fault::GathersDone);
+        let comm = new_comm("solo-wrong-kind", &Device::Cpu, "wrong", opts())?;
+        let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
+        // Other ops are unaffected.
+        let y = comm.all_reduce(&x, ReduceOp::Sum)?.wait()?;
+        assert_eq!(y.to_vec1::<f32>()?, vec![1., 2.]);
+        match comm.gather(&x, 0)?.wait() {
+            Err(CommError::WrongOutcome { ctx, backend, got }) => {
+                assert_eq!((backend, got), ("solo", "completion alone"));
+                assert_eq!(&*ctx.comm, "wrong");
+            }
+            other => panic!("expected WrongOutcome, got {other:?}"),
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn rows_reach_a_backend_without_a_rows_path_as_their_gather() -> R<()> {
+        let _alive = register_solo("solo-rows");
+        let comm = new_comm("solo-rows", &Device::Cpu, "rows", opts())?;
+        let x = Tensor::arange(0f32, 15., &Device::Cpu)?.reshape((5, 3))?;
+        let rows = Arc::new(vec![4u32, 0, 4, 2]);
+        let got = comm.all_to_all_v_rows(&x, &rows, &[4], &[4])?.wait()?;
+        let ids = Tensor::new(&[4u32, 0, 4, 2], &Device::Cpu)?;
+        let want = x.index_select(&ids, 0)?;
+        assert_eq!(got.to_vec2::<f32>()?, want.to_vec2::<f32>()?);
+        // A row out of range is refused, not read.
+        let bad = Arc::new(vec![5u32]);
+        assert!(comm
+            .all_to_all_v_rows(&x, &bad, &[1], &[1])
+            .and_then(|w| w.wait())
+            .is_err());
         Ok(())
     }
 

@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 use super::group::{Group, GroupKey, Message, Post};
 use super::window::{LocalWindow, WindowShared};
 use crate::agree::{self, Agreement, Heard, Net};
-use crate::backend::{Backend, Capabilities, CommOptions};
+use crate::backend::{Backend, Capabilities, Collective, CollectiveOutput, CommOptions};
 use crate::cpu::kernels::{detached_copy, read_view, reduce_into, ReadView};
 use crate::cpu::queue::Queue;
 use crate::cpu::{candle_err, out_buf, produce, put_bytes, reduced, view_err, EAGER_BYTES};
@@ -693,25 +693,75 @@ fn batch_p2p(e: &Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
     Ok(received)
 }
 
-/// Queues collective `$f(e, args..)` of this module, or `cuda::$f` (same signature) when the
-/// rank's tensors live on a CUDA device.
-macro_rules! on_device {
-    ($self:ident, $ctx:ident, $f:ident($first:ident $(, $arg:ident)*)) => {{
-        // The nccl-tests size S of the op, for the link model: the gathered output of
-        // all_gather and gather, the input otherwise.
-        let bytes = $first.elem_count() * $first.dtype().size_in_bytes();
-        let bytes = match $ctx.op {
-            OpName::AllGatherSingle | OpName::Gather => bytes * $self.core.group.size(),
-            _ => bytes,
-        };
-        #[cfg(feature = "cuda")]
-        if $self.core.device.is_cuda() {
-            return $self
-                .core
-                .submit_paced($ctx, bytes, move |e| super::cuda::$f(e, $first $(, $arg)*));
+/// The nccl-tests size S of `op` for the link model: the gathered output of all_gather and
+/// gather, the rows sent by all_to_all_v_rows, the input otherwise; `None` for the ops the
+/// model does not pace (a scatter's size is known on its root only).
+fn link_size(op: &Collective, n: usize) -> Option<usize> {
+    let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+    match op {
+        Collective::AllReduce { input, .. }
+        | Collective::ReduceScatter { input, .. }
+        | Collective::AllToAll { input, .. }
+        | Collective::AllToAllV { input, .. }
+        | Collective::Reduce { input, .. }
+        | Collective::Broadcast { tensor: input, .. } => Some(bytes(input)),
+        Collective::AllGather { input, .. } | Collective::Gather { input, .. } => {
+            Some(bytes(input) * n)
         }
-        $self.core.submit_paced($ctx, bytes, move |e| $f(e, $first $(, $arg)*))
-    }};
+        Collective::AllToAllVRows { input, rows, .. } => {
+            let row_elems: usize = input.dims().iter().skip(1).product();
+            Some(rows.len() * row_elems * input.dtype().size_in_bytes())
+        }
+        Collective::Scatter { .. } | Collective::Barrier | Collective::BatchP2p { .. } => None,
+    }
+}
+
+/// Runs `op` on the progress thread: this module's bodies, or `cuda`'s when the rank's
+/// tensors live on a CUDA device.
+fn run(e: &Exec, op: Collective, device: &Device) -> Result<CollectiveOutput> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return super::cuda::run(e, op, device);
+    }
+    let _ = device;
+    Ok(match op {
+        Collective::AllReduce { input, op, output } => all_reduce(e, input, op, output)?.into(),
+        Collective::AllGather { input, output } => all_gather(e, input, output)?.into(),
+        Collective::ReduceScatter { input, op, output } => {
+            reduce_scatter(e, input, op, output)?.into()
+        }
+        Collective::AllToAll { input, output } => all_to_all(e, input, output)?.into(),
+        Collective::AllToAllV {
+            input,
+            output_split_sizes: o,
+            input_split_sizes: i,
+        } => all_to_all_v(e, input, o, i)?.into(),
+        Collective::AllToAllVRows {
+            input,
+            rows,
+            output_split_sizes: o,
+            input_split_sizes: i,
+        } => exchange_rows(e, input, Some(rows), o, i)?.into(),
+        Collective::Broadcast { tensor, root } => broadcast(e, tensor, root)?.into(),
+        Collective::Reduce { input, root, op } => reduce(e, input, root, op)?.into(),
+        Collective::Gather { input, root } => gather(e, input, root)?.into(),
+        Collective::Scatter { inputs, root } => scatter(e, inputs, root)?.into(),
+        Collective::Barrier => barrier(e)?.into(),
+        Collective::BatchP2p { ops } => batch_p2p(e, ops)?.into(),
+    })
+}
+
+/// Returns when every rank has arrived (any device: no data moves).
+pub(crate) fn barrier(e: &Exec) -> Result<()> {
+    e.group.arrive(
+        e.ctx,
+        e.coll,
+        e.rank,
+        OpDesc::new(OpName::Barrier),
+        Post::default(),
+        e.deadline,
+    )?;
+    e.group.depart(e.ctx, e.coll, e.rank, false, e.deadline)
 }
 
 impl Backend for LocalBackend {
@@ -735,138 +785,24 @@ impl Backend for LocalBackend {
         crate::cpu::capabilities(true)
     }
 
-    fn all_reduce(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        op: ReduceOp,
-        output: Option<Tensor>,
-    ) -> Result<Work<Tensor>> {
-        on_device!(self, ctx, all_reduce(input, op, output))
-    }
-
-    fn all_gather_single(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        output: Option<Tensor>,
-    ) -> Result<Work<Tensor>> {
-        on_device!(self, ctx, all_gather(input, output))
-    }
-
-    fn reduce_scatter_single(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        op: ReduceOp,
-        output: Option<Tensor>,
-    ) -> Result<Work<Tensor>> {
-        on_device!(self, ctx, reduce_scatter(input, op, output))
-    }
-
-    fn all_to_all_single(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        output: Option<Tensor>,
-    ) -> Result<Work<Tensor>> {
-        on_device!(self, ctx, all_to_all(input, output))
-    }
-
-    fn all_to_all_v_single(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        output_split_sizes: Vec<usize>,
-        input_split_sizes: Vec<usize>,
-    ) -> Result<Work<Tensor>> {
-        on_device!(
-            self,
-            ctx,
-            all_to_all_v(input, output_split_sizes, input_split_sizes)
-        )
-    }
-
-    fn all_to_all_v_rows(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        rows: Arc<Vec<u32>>,
-        output_split_sizes: Vec<usize>,
-        input_split_sizes: Vec<usize>,
-    ) -> Result<Work<Tensor>> {
-        if !self.core.device.is_cpu() {
-            return crate::backend::gather_then_exchange(
-                self,
-                ctx,
-                input,
-                &rows,
-                output_split_sizes,
-                input_split_sizes,
-            );
-        }
-        // The link model's size: the rows sent.
-        let row_elems: usize = input.dims().iter().skip(1).product();
-        let bytes = rows.len() * row_elems * input.dtype().size_in_bytes();
-        self.core.submit_paced(ctx, bytes, move |e| {
-            exchange_rows(e, input, Some(rows), output_split_sizes, input_split_sizes)
-        })
-    }
-
-    fn broadcast(&self, ctx: OpCtx, tensor: Tensor, root: usize) -> Result<Work<Tensor>> {
-        on_device!(self, ctx, broadcast(tensor, root))
-    }
-
-    fn reduce(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        root: usize,
-        op: ReduceOp,
-    ) -> Result<Work<Option<Tensor>>> {
-        on_device!(self, ctx, reduce(input, root, op))
-    }
-
-    fn gather(&self, ctx: OpCtx, input: Tensor, root: usize) -> Result<Work<Option<Vec<Tensor>>>> {
-        on_device!(self, ctx, gather(input, root))
-    }
-
-    fn scatter(&self, ctx: OpCtx, inputs: Vec<Tensor>, root: usize) -> Result<Work<Tensor>> {
-        #[cfg(feature = "cuda")]
-        if self.core.device.is_cuda() {
-            let dev = self.core.device.clone();
-            return self.core.submit(ctx, true, move |e| {
-                super::cuda::scatter(e, inputs, root, &dev)
-            });
-        }
-        self.core
-            .submit(ctx, true, move |e| scatter(e, inputs, root))
-    }
-
-    fn barrier(&self, ctx: OpCtx) -> Result<Work<()>> {
-        self.core.submit(ctx, true, |e| {
-            e.group.arrive(
-                e.ctx,
-                e.coll,
-                e.rank,
-                OpDesc::new(OpName::Barrier),
-                Post::default(),
-                e.deadline,
-            )?;
-            e.group.depart(e.ctx, e.coll, e.rank, false, e.deadline)
-        })
-    }
-
-    fn batch_p2p(&self, ctx: OpCtx, ops: Vec<P2POp>) -> Result<Work<Vec<Tensor>>> {
-        #[cfg(feature = "cuda")]
-        if self.core.device.is_cuda() {
-            return {
-                let dev = self.core.device.clone();
+    fn collective(&self, ctx: OpCtx, op: Collective) -> Result<Work<CollectiveOutput>> {
+        // Rows are read in place on the CPU only.
+        let op = if self.core.device.is_cpu() {
+            op
+        } else {
+            op.gather_rows(&ctx)?
+        };
+        let device = self.core.device.clone();
+        match link_size(&op, self.core.group.size()) {
+            Some(bytes) => self
+                .core
+                .submit_paced(ctx, bytes, move |e| run(e, op, &device)),
+            None => {
+                let collective = !matches!(op, Collective::BatchP2p { .. });
                 self.core
-                    .submit(ctx, false, move |e| super::cuda::batch_p2p(e, ops, &dev))
-            };
+                    .submit(ctx, collective, move |e| run(e, op, &device))
+            }
         }
-        self.core.submit(ctx, false, move |e| batch_p2p(e, ops))
     }
 
     fn split(

@@ -15,8 +15,9 @@
 
 use candle_core::{DType, Device, Shape, Tensor};
 
-use super::backend::Exec;
+use super::backend::{barrier, Exec};
 use super::group::{Message, Post};
+use crate::backend::{Collective, CollectiveOutput};
 use crate::desc::{check_recv, OpDesc, ShapeRule};
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName, P2POp, ReduceOp};
@@ -159,6 +160,31 @@ fn deliver(ctx: &OpCtx, result: Tensor, output: Option<Tensor>) -> Result<Tensor
         sync(ctx, out.device())?;
     }
     Ok(out)
+}
+
+/// Runs `op` on CUDA tensors (`AllToAllVRows` normally arrives gathered: the backend gathers
+/// the rows on the GPU before queuing the exchange).
+pub(crate) fn run(e: &Exec, op: Collective, dev: &Device) -> Result<CollectiveOutput> {
+    Ok(match op {
+        Collective::AllReduce { input, op, output } => all_reduce(e, input, op, output)?.into(),
+        Collective::AllGather { input, output } => all_gather(e, input, output)?.into(),
+        Collective::ReduceScatter { input, op, output } => {
+            reduce_scatter(e, input, op, output)?.into()
+        }
+        Collective::AllToAll { input, output } => all_to_all(e, input, output)?.into(),
+        Collective::AllToAllV {
+            input,
+            output_split_sizes: o,
+            input_split_sizes: i,
+        } => all_to_all_v(e, input, o, i)?.into(),
+        rows @ Collective::AllToAllVRows { .. } => return run(e, rows.gather_rows(e.ctx)?, dev),
+        Collective::Broadcast { tensor, root } => broadcast(e, tensor, root)?.into(),
+        Collective::Reduce { input, root, op } => reduce(e, input, root, op)?.into(),
+        Collective::Gather { input, root } => gather(e, input, root)?.into(),
+        Collective::Scatter { inputs, root } => scatter(e, inputs, root, dev)?.into(),
+        Collective::Barrier => barrier(e)?.into(),
+        Collective::BatchP2p { ops } => batch_p2p(e, ops, dev)?.into(),
+    })
 }
 
 pub(crate) fn all_reduce(

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use candle_core::Device;
 
-use crate::backend::{Backend, BackendFactory, CommOptions};
+use crate::backend::{Backend, BackendFactory, Collective, CommOptions};
 use crate::comm::Comm;
 use crate::cpu::queue::panic_message;
 use crate::error::{CommError, Result};
@@ -352,7 +352,7 @@ impl BackendFactory for LocalFactory {
             })?;
         // Bootstrap: every rank must arrive within the bootstrap timeout.
         let ctx = OpCtx::bootstrap(name, rank, options.bootstrap_timeout);
-        backend.barrier(ctx)?.wait()?;
+        backend.collective(ctx, Collective::Barrier)?.wait()?;
         Ok(backend)
     }
 }

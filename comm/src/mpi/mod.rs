@@ -105,15 +105,17 @@ pub fn info() -> Option<MpiInfo> {
 mod imp {
     use std::sync::Arc;
 
-    use candle_core::{Device, Tensor};
+    use candle_core::Device;
 
     use super::engine::{Body, CommShared, Engine, Job, ABORT_PROCESS_HINT};
     use super::ops::{self, Input, P2P};
     use super::MpiFactory;
-    use crate::backend::{Backend, BackendFactory, Capabilities, CommOptions};
+    use crate::backend::{
+        Backend, BackendFactory, Capabilities, Collective, CollectiveOutput, CommOptions,
+    };
     use crate::desc::Failure;
     use crate::error::{CommError, Result};
-    use crate::types::{OpCtx, P2POp, ReduceOp};
+    use crate::types::{OpCtx, P2POp};
     use crate::work::Work;
 
     /// One rank of one MPI communicator.
@@ -157,6 +159,25 @@ mod imp {
         }
     }
 
+    /// One send or receive as the MPI engine moves it.
+    fn p2p(ctx: &OpCtx, op: P2POp) -> Result<P2P> {
+        Ok(match op {
+            P2POp::Send { tensor, peer } => P2P::Send(Input::of(ctx, &tensor)?, peer),
+            P2POp::Recv { peer, shape, dtype } => {
+                if shape.rank() > super::desc::MAX_DIMS {
+                    return Err(CommError::invalid(
+                        ctx,
+                        format!(
+                            "the mpi backend moves tensors of at most {} dims",
+                            super::desc::MAX_DIMS
+                        ),
+                    ));
+                }
+                P2P::Recv(peer, shape.dims().to_vec(), dtype)
+            }
+        })
+    }
+
     impl Backend for MpiBackend {
         fn backend_name(&self) -> &'static str {
             "mpi"
@@ -181,118 +202,74 @@ mod imp {
             }
         }
 
-        fn all_reduce(
-            &self,
-            ctx: OpCtx,
-            input: Tensor,
-            op: ReduceOp,
-            output: Option<Tensor>,
-        ) -> Result<Work<Tensor>> {
-            let x = Input::of(&ctx, &input)?;
-            self.run(ctx, true, ops::AllReduce::new(x, op, output))
-        }
-
-        fn all_gather_single(
-            &self,
-            ctx: OpCtx,
-            input: Tensor,
-            output: Option<Tensor>,
-        ) -> Result<Work<Tensor>> {
-            let x = Input::of(&ctx, &input)?;
-            self.run(ctx, true, ops::Exchange1::all_gather(x, output))
-        }
-
-        fn reduce_scatter_single(
-            &self,
-            ctx: OpCtx,
-            input: Tensor,
-            op: ReduceOp,
-            output: Option<Tensor>,
-        ) -> Result<Work<Tensor>> {
-            let x = Input::of(&ctx, &input)?;
-            self.run(ctx, true, ops::ReduceScatter::new(x, op, output))
-        }
-
-        fn all_to_all_single(
-            &self,
-            ctx: OpCtx,
-            input: Tensor,
-            output: Option<Tensor>,
-        ) -> Result<Work<Tensor>> {
-            let x = Input::of(&ctx, &input)?;
-            self.run(ctx, true, ops::Exchange1::all_to_all(x, output))
-        }
-
-        fn all_to_all_v_single(
-            &self,
-            ctx: OpCtx,
-            input: Tensor,
-            output_split_sizes: Vec<usize>,
-            input_split_sizes: Vec<usize>,
-        ) -> Result<Work<Tensor>> {
-            let x = Input::of(&ctx, &input)?;
-            let body = ops::AllToAllV::new(x, output_split_sizes, input_split_sizes);
-            self.run(ctx, true, body)
-        }
-
-        fn broadcast(&self, ctx: OpCtx, tensor: Tensor, root: usize) -> Result<Work<Tensor>> {
-            let x = Input::of(&ctx, &tensor)?;
-            self.run(ctx, true, ops::Broadcast::new(x, tensor, root))
-        }
-
-        fn reduce(
-            &self,
-            ctx: OpCtx,
-            input: Tensor,
-            root: usize,
-            op: ReduceOp,
-        ) -> Result<Work<Option<Tensor>>> {
-            let x = Input::of(&ctx, &input)?;
-            self.run(ctx, true, ops::Reduce::new(x, root, op))
-        }
-
-        fn gather(
-            &self,
-            ctx: OpCtx,
-            input: Tensor,
-            root: usize,
-        ) -> Result<Work<Option<Vec<Tensor>>>> {
-            let x = Input::of(&ctx, &input)?;
-            self.run(ctx, true, ops::Gather::new(x, root))
-        }
-
-        fn scatter(&self, ctx: OpCtx, inputs: Vec<Tensor>, root: usize) -> Result<Work<Tensor>> {
-            let pieces = inputs
-                .iter()
-                .map(|t| Input::of(&ctx, t))
-                .collect::<Result<Vec<_>>>()?;
-            self.run(ctx, true, ops::Scatter::new(pieces, root))
-        }
-
-        fn barrier(&self, ctx: OpCtx) -> Result<Work<()>> {
-            self.run(ctx, true, ops::Barrier)
-        }
-
-        fn batch_p2p(&self, ctx: OpCtx, ops_in: Vec<P2POp>) -> Result<Work<Vec<Tensor>>> {
-            let mut batch = Vec::with_capacity(ops_in.len());
-            for op in ops_in {
-                batch.push(match op {
-                    P2POp::Send { tensor, peer } => P2P::Send(Input::of(&ctx, &tensor)?, peer),
-                    P2POp::Recv { peer, shape, dtype } => {
-                        if shape.rank() > super::desc::MAX_DIMS {
-                            return Err(CommError::invalid(
-                                &ctx,
-                                format!(
-                                    "the mpi backend moves tensors of at most {} dims",
-                                    super::desc::MAX_DIMS
-                                ),
-                            ));
-                        }
-                        P2P::Recv(peer, shape.dims().to_vec(), dtype)
-                    }
-                });
+        fn collective(&self, ctx: OpCtx, op: Collective) -> Result<Work<CollectiveOutput>> {
+            match op {
+                Collective::AllReduce { input, op, output } => {
+                    let x = Input::of(&ctx, &input)?;
+                    self.run(ctx, true, ops::AllReduce::new(x, op, output))
+                        .map(Work::outcome)
+                }
+                Collective::AllGather { input, output } => {
+                    let x = Input::of(&ctx, &input)?;
+                    self.run(ctx, true, ops::Exchange1::all_gather(x, output))
+                        .map(Work::outcome)
+                }
+                Collective::ReduceScatter { input, op, output } => {
+                    let x = Input::of(&ctx, &input)?;
+                    self.run(ctx, true, ops::ReduceScatter::new(x, op, output))
+                        .map(Work::outcome)
+                }
+                Collective::AllToAll { input, output } => {
+                    let x = Input::of(&ctx, &input)?;
+                    self.run(ctx, true, ops::Exchange1::all_to_all(x, output))
+                        .map(Work::outcome)
+                }
+                Collective::AllToAllV {
+                    input,
+                    output_split_sizes,
+                    input_split_sizes,
+                } => {
+                    let x = Input::of(&ctx, &input)?;
+                    let body = ops::AllToAllV::new(x, output_split_sizes, input_split_sizes);
+                    self.run(ctx, true, body).map(Work::outcome)
+                }
+                rows @ Collective::AllToAllVRows { .. } => {
+                    let op = rows.gather_rows(&ctx)?;
+                    self.collective(ctx, op)
+                }
+                Collective::Broadcast { tensor, root } => {
+                    let x = Input::of(&ctx, &tensor)?;
+                    self.run(ctx, true, ops::Broadcast::new(x, tensor, root))
+                        .map(Work::outcome)
+                }
+                Collective::Reduce { input, root, op } => {
+                    let x = Input::of(&ctx, &input)?;
+                    self.run(ctx, true, ops::Reduce::new(x, root, op))
+                        .map(Work::outcome)
+                }
+                Collective::Gather { input, root } => {
+                    let x = Input::of(&ctx, &input)?;
+                    self.run(ctx, true, ops::Gather::new(x, root))
+                        .map(Work::outcome)
+                }
+                Collective::Scatter { inputs, root } => {
+                    let pieces = inputs
+                        .iter()
+                        .map(|t| Input::of(&ctx, t))
+                        .collect::<Result<Vec<_>>>()?;
+                    self.run(ctx, true, ops::Scatter::new(pieces, root))
+                        .map(Work::outcome)
+                }
+                Collective::Barrier => self.run(ctx, true, ops::Barrier).map(Work::outcome),
+                Collective::BatchP2p { ops: ops_in } => {
+                    let batch = ops_in
+                        .into_iter()
+                        .map(|op| p2p(&ctx, op))
+                        .collect::<Result<Vec<_>>>()?;
+                    self.run(ctx, false, ops::BatchP2p::new(batch))
+                        .map(Work::outcome)
+                }
             }
-            self.run(ctx, false, ops::BatchP2p::new(batch))
         }
 
         fn split(

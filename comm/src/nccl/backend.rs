@@ -15,7 +15,9 @@ use super::engine::{init_comm, Core, Delivery, Ident, InitArgs};
 use super::plan;
 use super::version::{Gates, NcclVersion};
 use super::window::NcclWindow;
-use crate::backend::{dtype_names, Backend, Capabilities, CommOptions};
+use crate::backend::{
+    dtype_names, Backend, Capabilities, Collective, CollectiveOutput, CommOptions,
+};
 use crate::comm::Comm;
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
@@ -436,35 +438,8 @@ fn decode_meta(ctx: &OpCtx, rank: usize, m: &[i64]) -> Result<(DType, Shape)> {
     Ok((dtype, Shape::from_dims(&dims)))
 }
 
-impl Backend for NcclBackend {
-    fn backend_name(&self) -> &'static str {
-        "nccl"
-    }
-
-    fn rank(&self) -> usize {
-        self.core().rank
-    }
-
-    fn size(&self) -> usize {
-        self.core().size
-    }
-
-    fn device(&self) -> &Device {
-        &self.device
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        let windows = self.core().gates.windows;
-        Capabilities {
-            rma_put: windows,
-            rma_get: false,
-            rma_signal: windows,
-            abort: true,
-            shrink: self.core().gates.shrink,
-            dtypes: dtype_names(&SUPPORTED_DTYPES),
-        }
-    }
-
+/// The ops [`Backend::collective`] dispatches to, one NCCL group each.
+impl NcclBackend {
     fn all_reduce(
         &self,
         ctx: OpCtx,
@@ -876,6 +851,76 @@ impl Backend for NcclBackend {
             }
         }
         self.issue(ctx, calls, Delivery::Published(received), keep)
+    }
+}
+
+impl Backend for NcclBackend {
+    fn backend_name(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn rank(&self) -> usize {
+        self.core().rank
+    }
+
+    fn size(&self) -> usize {
+        self.core().size
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let windows = self.core().gates.windows;
+        Capabilities {
+            rma_put: windows,
+            rma_get: false,
+            rma_signal: windows,
+            abort: true,
+            shrink: self.core().gates.shrink,
+            dtypes: dtype_names(&SUPPORTED_DTYPES),
+        }
+    }
+
+    fn collective(&self, ctx: OpCtx, op: Collective) -> Result<Work<CollectiveOutput>> {
+        match op {
+            Collective::AllReduce { input, op, output } => {
+                self.all_reduce(ctx, input, op, output).map(Work::outcome)
+            }
+            Collective::AllGather { input, output } => self
+                .all_gather_single(ctx, input, output)
+                .map(Work::outcome),
+            Collective::ReduceScatter { input, op, output } => self
+                .reduce_scatter_single(ctx, input, op, output)
+                .map(Work::outcome),
+            Collective::AllToAll { input, output } => self
+                .all_to_all_single(ctx, input, output)
+                .map(Work::outcome),
+            Collective::AllToAllV {
+                input,
+                output_split_sizes,
+                input_split_sizes,
+            } => self
+                .all_to_all_v_single(ctx, input, output_split_sizes, input_split_sizes)
+                .map(Work::outcome),
+            rows @ Collective::AllToAllVRows { .. } => {
+                let op = rows.gather_rows(&ctx)?;
+                self.collective(ctx, op)
+            }
+            Collective::Broadcast { tensor, root } => {
+                self.broadcast(ctx, tensor, root).map(Work::outcome)
+            }
+            Collective::Reduce { input, root, op } => {
+                self.reduce(ctx, input, root, op).map(Work::outcome)
+            }
+            Collective::Gather { input, root } => self.gather(ctx, input, root).map(Work::outcome),
+            Collective::Scatter { inputs, root } => {
+                self.scatter(ctx, inputs, root).map(Work::outcome)
+            }
+            Collective::Barrier => self.barrier(ctx).map(Work::outcome),
+            Collective::BatchP2p { ops } => self.batch_p2p(ctx, ops).map(Work::outcome),
+        }
     }
 
     fn split(

@@ -37,18 +37,20 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 
 use crate::agree::{self, Agreement, Heard, Net};
 use crate::auth::Token;
-use crate::backend::{Backend, BackendFactory, Capabilities, CommOptions};
+use crate::backend::{
+    Backend, BackendFactory, Capabilities, Collective, CollectiveOutput, CommOptions,
+};
 use crate::comm::Comm;
 use crate::cpu::queue::Queue;
 use crate::desc::Failure;
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
 use crate::store::{world_store, PrefixStore, Store};
-use crate::types::{OpCtx, P2POp, ReduceOp};
+use crate::types::OpCtx;
 use crate::work::Work;
 use bootstrap::MeshSpec;
 use transport::{Exec, Transport};
@@ -445,94 +447,10 @@ impl Backend for ProcessBackend {
         crate::cpu::capabilities(false)
     }
 
-    fn all_reduce(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        op: ReduceOp,
-        output: Option<Tensor>,
-    ) -> Result<Work<Tensor>> {
-        self.core
-            .submit(ctx, true, move |x| ops::all_reduce(x, input, op, output))
-    }
-
-    fn all_gather_single(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        output: Option<Tensor>,
-    ) -> Result<Work<Tensor>> {
-        self.core
-            .submit(ctx, true, move |x| ops::all_gather(x, input, output))
-    }
-
-    fn reduce_scatter_single(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        op: ReduceOp,
-        output: Option<Tensor>,
-    ) -> Result<Work<Tensor>> {
-        self.core.submit(ctx, true, move |x| {
-            ops::reduce_scatter(x, input, op, output)
-        })
-    }
-
-    fn all_to_all_single(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        output: Option<Tensor>,
-    ) -> Result<Work<Tensor>> {
-        self.core
-            .submit(ctx, true, move |x| ops::all_to_all(x, input, output))
-    }
-
-    fn all_to_all_v_single(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        output_split_sizes: Vec<usize>,
-        input_split_sizes: Vec<usize>,
-    ) -> Result<Work<Tensor>> {
-        self.core.submit(ctx, true, move |x| {
-            ops::all_to_all_v(x, input, output_split_sizes, input_split_sizes)
-        })
-    }
-
-    fn broadcast(&self, ctx: OpCtx, tensor: Tensor, root: usize) -> Result<Work<Tensor>> {
-        self.core
-            .submit(ctx, true, move |x| ops::broadcast(x, tensor, root))
-    }
-
-    fn reduce(
-        &self,
-        ctx: OpCtx,
-        input: Tensor,
-        root: usize,
-        op: ReduceOp,
-    ) -> Result<Work<Option<Tensor>>> {
-        self.core
-            .submit(ctx, true, move |x| ops::reduce(x, input, root, op))
-    }
-
-    fn gather(&self, ctx: OpCtx, input: Tensor, root: usize) -> Result<Work<Option<Vec<Tensor>>>> {
-        self.core
-            .submit(ctx, true, move |x| ops::gather(x, input, root))
-    }
-
-    fn scatter(&self, ctx: OpCtx, inputs: Vec<Tensor>, root: usize) -> Result<Work<Tensor>> {
-        self.core
-            .submit(ctx, true, move |x| ops::scatter(x, inputs, root))
-    }
-
-    fn barrier(&self, ctx: OpCtx) -> Result<Work<()>> {
-        self.core.submit(ctx, true, ops::barrier)
-    }
-
-    fn batch_p2p(&self, ctx: OpCtx, ops: Vec<P2POp>) -> Result<Work<Vec<Tensor>>> {
-        self.core
-            .submit(ctx, false, move |x| ops::batch_p2p(x, ops))
+    fn collective(&self, ctx: OpCtx, op: Collective) -> Result<Work<CollectiveOutput>> {
+        let op = op.gather_rows(&ctx)?;
+        let collective = !matches!(op, Collective::BatchP2p { .. });
+        self.core.submit(ctx, collective, move |x| ops::run(x, op))
     }
 
     fn split(

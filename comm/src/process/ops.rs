@@ -27,6 +27,7 @@ use candle_core::{DType, Shape, Tensor};
 
 use super::transport::Exec;
 use super::wire::{decode_tensor, decode_usizes, encode_usizes, tensor_preamble, Payload};
+use crate::backend::{Collective, CollectiveOutput};
 use crate::cpu::kernels::{detached_copy, read_view, OutBuf};
 use crate::cpu::{candle_err, deliver, produce, put_bytes as put, reduced, view_err, EAGER_BYTES};
 use crate::desc::{check_recv, check_split_lists, check_split_sizes, Failure, OpDesc, ShapeRule};
@@ -86,6 +87,30 @@ fn reduce_exchange(
         .map(|g| g.as_ref().map_or(&b[mine.clone()], Payload::bytes))
         .collect();
     reduced(x.ctx, dtype, op, &srcs, mine.len() / dtype.size_in_bytes())
+}
+
+/// Runs `op` on the progress thread (`AllToAllVRows` arrives gathered).
+pub(crate) fn run(x: &mut Exec, op: Collective) -> Result<CollectiveOutput> {
+    Ok(match op {
+        Collective::AllReduce { input, op, output } => all_reduce(x, input, op, output)?.into(),
+        Collective::AllGather { input, output } => all_gather(x, input, output)?.into(),
+        Collective::ReduceScatter { input, op, output } => {
+            reduce_scatter(x, input, op, output)?.into()
+        }
+        Collective::AllToAll { input, output } => all_to_all(x, input, output)?.into(),
+        Collective::AllToAllV {
+            input,
+            output_split_sizes: o,
+            input_split_sizes: i,
+        } => all_to_all_v(x, input, o, i)?.into(),
+        rows @ Collective::AllToAllVRows { .. } => return run(x, rows.gather_rows(x.ctx)?),
+        Collective::Broadcast { tensor, root } => broadcast(x, tensor, root)?.into(),
+        Collective::Reduce { input, root, op } => reduce(x, input, root, op)?.into(),
+        Collective::Gather { input, root } => gather(x, input, root)?.into(),
+        Collective::Scatter { inputs, root } => scatter(x, inputs, root)?.into(),
+        Collective::Barrier => barrier(x)?.into(),
+        Collective::BatchP2p { ops } => batch_p2p(x, ops)?.into(),
+    })
 }
 
 pub(crate) fn all_reduce(

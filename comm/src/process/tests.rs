@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::*;
 use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
-use crate::{LocalWorld, OpName, P2POp};
+use crate::{LocalWorld, OpName, P2POp, ReduceOp};
 
 type R<T> = std::result::Result<T, Box<dyn Error + Send + Sync>>;
 type Out = (Vec<usize>, Vec<u64>);
