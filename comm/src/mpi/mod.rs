@@ -138,6 +138,14 @@ mod imp {
         fn run<B: Body>(&self, ctx: OpCtx, collective: bool, body: B) -> Result<Work<B::Out>> {
             run_on(&self.engine, &self.shared, ctx, collective, body)
         }
+
+        /// Queues collective `body`, its output read as the [`Backend::collective`] answer.
+        fn start<B: Body>(&self, ctx: OpCtx, body: B) -> Result<Work<CollectiveOutput>>
+        where
+            B::Out: Into<CollectiveOutput>,
+        {
+            self.run(ctx, true, body).map(Work::outcome)
+        }
     }
 
     fn run_on<B: Body>(
@@ -206,23 +214,19 @@ mod imp {
             match op {
                 Collective::AllReduce { input, op, output } => {
                     let x = Input::of(&ctx, &input)?;
-                    self.run(ctx, true, ops::AllReduce::new(x, op, output))
-                        .map(Work::outcome)
+                    self.start(ctx, ops::AllReduce::new(x, op, output))
                 }
                 Collective::AllGather { input, output } => {
                     let x = Input::of(&ctx, &input)?;
-                    self.run(ctx, true, ops::Exchange1::all_gather(x, output))
-                        .map(Work::outcome)
+                    self.start(ctx, ops::Exchange1::all_gather(x, output))
                 }
                 Collective::ReduceScatter { input, op, output } => {
                     let x = Input::of(&ctx, &input)?;
-                    self.run(ctx, true, ops::ReduceScatter::new(x, op, output))
-                        .map(Work::outcome)
+                    self.start(ctx, ops::ReduceScatter::new(x, op, output))
                 }
                 Collective::AllToAll { input, output } => {
                     let x = Input::of(&ctx, &input)?;
-                    self.run(ctx, true, ops::Exchange1::all_to_all(x, output))
-                        .map(Work::outcome)
+                    self.start(ctx, ops::Exchange1::all_to_all(x, output))
                 }
                 Collective::AllToAllV {
                     input,
@@ -231,7 +235,7 @@ mod imp {
                 } => {
                     let x = Input::of(&ctx, &input)?;
                     let body = ops::AllToAllV::new(x, output_split_sizes, input_split_sizes);
-                    self.run(ctx, true, body).map(Work::outcome)
+                    self.start(ctx, body)
                 }
                 rows @ Collective::AllToAllVRows { .. } => {
                     let op = rows.gather_rows(&ctx)?;
@@ -239,28 +243,24 @@ mod imp {
                 }
                 Collective::Broadcast { tensor, root } => {
                     let x = Input::of(&ctx, &tensor)?;
-                    self.run(ctx, true, ops::Broadcast::new(x, tensor, root))
-                        .map(Work::outcome)
+                    self.start(ctx, ops::Broadcast::new(x, tensor, root))
                 }
                 Collective::Reduce { input, root, op } => {
                     let x = Input::of(&ctx, &input)?;
-                    self.run(ctx, true, ops::Reduce::new(x, root, op))
-                        .map(Work::outcome)
+                    self.start(ctx, ops::Reduce::new(x, root, op))
                 }
                 Collective::Gather { input, root } => {
                     let x = Input::of(&ctx, &input)?;
-                    self.run(ctx, true, ops::Gather::new(x, root))
-                        .map(Work::outcome)
+                    self.start(ctx, ops::Gather::new(x, root))
                 }
                 Collective::Scatter { inputs, root } => {
                     let pieces = inputs
                         .iter()
                         .map(|t| Input::of(&ctx, t))
                         .collect::<Result<Vec<_>>>()?;
-                    self.run(ctx, true, ops::Scatter::new(pieces, root))
-                        .map(Work::outcome)
+                    self.start(ctx, ops::Scatter::new(pieces, root))
                 }
-                Collective::Barrier => self.run(ctx, true, ops::Barrier).map(Work::outcome),
+                Collective::Barrier => self.start(ctx, ops::Barrier),
                 Collective::BatchP2p { ops: ops_in } => {
                     let batch = ops_in
                         .into_iter()
