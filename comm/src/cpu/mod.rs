@@ -4,6 +4,7 @@
 //! output). The cross-rank rules they share (descriptors, failures, split checks) are in
 //! [`crate::desc`].
 
+pub(crate) mod bytes;
 pub(crate) mod kernels;
 pub(crate) mod queue;
 

@@ -76,53 +76,8 @@ impl Header {
     }
 }
 
-/// A received payload, 8-byte aligned (so it can be read as any supported element type).
-pub(crate) struct Payload {
-    buf: Vec<u64>,
-    len: usize,
-}
-
-impl Payload {
-    /// `len` zero bytes.
-    pub(crate) fn zeroed(len: usize) -> Payload {
-        Payload {
-            buf: vec![0u64; len.div_ceil(8)],
-            len,
-        }
-    }
-
-    /// `len` zero bytes, or `None` if they cannot be allocated (a peer announcing an absurd
-    /// payload must not abort the process).
-    pub(crate) fn try_zeroed(len: usize) -> Option<Payload> {
-        let words = len.div_ceil(8);
-        let mut buf = Vec::new();
-        buf.try_reserve_exact(words).ok()?;
-        buf.resize(words, 0u64);
-        Some(Payload { buf, len })
-    }
-
-    /// A copy of `b`.
-    pub(crate) fn copy_of(b: &[u8]) -> Payload {
-        let mut p = Payload::zeroed(b.len());
-        p.bytes_mut().copy_from_slice(b);
-        p
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    pub(crate) fn bytes(&self) -> &[u8] {
-        // SAFETY: `buf` holds at least `len` initialised bytes (ceil(len / 8) u64s), and u8 has
-        // no alignment requirement.
-        unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<u8>(), self.len) }
-    }
-
-    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`, and `&mut self` makes the borrow exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().cast::<u8>(), self.len) }
-    }
-}
+/// A received payload (8-byte aligned, so it can be read as any supported element type).
+pub(crate) type Payload = crate::cpu::bytes::Bytes;
 
 /// The wire code of a supported dtype (its index in [`SUPPORTED_DTYPES`]).
 pub(crate) fn dtype_code(d: DType) -> Option<u8> {
