@@ -251,6 +251,9 @@ pub(crate) trait Op: Send {
 }
 
 /// An op body: the part that differs per operation (see [`Job`]).
+/// What one [`Body::step`] returns: the output once done, `None` while requests are pending.
+pub(crate) type Step<T> = Result<Option<T>, Fail>;
+
 pub(crate) trait Body: Send + 'static {
     type Out: Send + 'static;
     /// The descriptor this rank contributes (collectives), from which the peers learn sizes
@@ -260,12 +263,7 @@ pub(crate) trait Body: Send + 'static {
     /// point-to-point ops) and again whenever every request in `reqs` completed. Posts more
     /// requests and returns `None`, or returns the output. Returning `None` with no requests
     /// posted means "poll me again" (waiting on something outside MPI).
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        descs: &[Desc],
-        reqs: &mut Reqs,
-    ) -> Result<Option<Self::Out>, Fail>;
+    fn step(&mut self, cx: &mut Cx, descs: &[Desc], reqs: &mut Reqs) -> Step<Self::Out>;
 }
 
 /// The descriptor exchange: every rank sends its descriptor to every peer and receives

@@ -13,10 +13,12 @@ use candle_core::{DType, Shape, Tensor};
 
 use super::desc::{self, Desc, MAX_DIMS};
 use super::engine::{
-    Body, CommShared, Cx, Fail, Reqs, TAG_P2P_DATA, TAG_P2P_HDR, TAG_SCATTER_DATA, TAG_SCATTER_HDR,
+    Body, CommShared, Cx, Fail, Reqs, Step, TAG_P2P_DATA, TAG_P2P_HDR, TAG_SCATTER_DATA,
+    TAG_SCATTER_HDR,
 };
-use super::raw::{self, Buf, MpiResult, RawComm, VCounts};
+use super::raw::{self, MpiResult, RawComm, VCounts};
 use crate::backend::Backend;
+use crate::cpu::bytes::Bytes;
 use crate::cpu::kernels::{read_view, reduce_into, OutBuf};
 use crate::cpu::{deliver, produce, put_bytes, EAGER_BYTES};
 use crate::desc::{check_recv, check_split_lists, check_split_sizes, Failure, OpDesc, ShapeRule};
@@ -26,7 +28,7 @@ use crate::types::{OpCtx, OpName, ReduceOp};
 /// A copy of a caller's tensor, owned by the op (the caller may drop or change its tensor as
 /// soon as the op is issued; MPI reads this copy).
 pub(crate) struct Input {
-    pub(crate) buf: Buf,
+    pub(crate) buf: Bytes,
     pub(crate) dtype: DType,
     pub(crate) dims: Vec<usize>,
 }
@@ -55,7 +57,7 @@ impl Input {
         }
         let view = read_view(t).map_err(|e| CommError::invalid(ctx, e))?;
         Ok(Input {
-            buf: Buf::copy_of(view.bytes()),
+            buf: Bytes::copy_of(view.bytes()),
             dtype: t.dtype(),
             dims: t.dims().to_vec(),
         })
@@ -115,7 +117,7 @@ fn out_buf(ctx: &OpCtx, dtype: DType, elems: usize) -> std::result::Result<OutBu
 /// (MPI never writes into candle storage: it may be read meanwhile).
 pub(crate) enum OutMem {
     Tensor(OutBuf),
-    Scratch(Buf, DType),
+    Scratch(Bytes, DType),
 }
 
 impl OutMem {
@@ -127,7 +129,7 @@ impl OutMem {
         into: bool,
     ) -> std::result::Result<OutMem, Fail> {
         Ok(if into {
-            OutMem::Scratch(Buf::new(elems * dtype.size_in_bytes()), dtype)
+            OutMem::Scratch(Bytes::scratch(elems * dtype.size_in_bytes()), dtype)
         } else {
             OutMem::Tensor(out_buf(ctx, dtype, elems)?)
         })
@@ -187,7 +189,7 @@ fn reduce_pieces(dtype: DType, op: ReduceOp, src: &[u8], n: usize, dst: *mut u8)
     let piece = src.len() / n.max(1);
     let srcs: Vec<&[u8]> = (0..n).map(|r| &src[r * piece..(r + 1) * piece]).collect();
     // SAFETY: callers pass a `dst` valid for `piece` bytes that nothing else accesses, and
-    // `src` comes from an 8-byte aligned `Buf`, cut at multiples of the element size.
+    // `src` comes from an 8-byte aligned `Bytes`, cut at multiples of the element size.
     unsafe { reduce_into(dtype, op, &srcs, dst, n) };
 }
 
@@ -203,7 +205,7 @@ fn post_chunk_exchange(
     cx: &Cx,
     x: &Input,
     reqs: &mut Reqs,
-) -> std::result::Result<(Buf, Box<VCounts>), Fail> {
+) -> std::result::Result<(Bytes, Box<VCounts>), Fail> {
     let (n, me, es) = (cx.size, cx.rank, x.dtype.size_in_bytes());
     let ranges: Vec<_> = (0..n).map(|r| chunk_range(x.elems(), n, r)).collect();
     let mine = ranges[me].len();
@@ -216,7 +218,7 @@ fn post_chunk_exchange(
         recv_counts,
         recv_displs,
     });
-    let mut recv = Buf::new(n * mine * es);
+    let mut recv = Bytes::scratch(n * mine * es);
     // SAFETY: `x.buf` covers every send range, `recv` holds n * mine elements; the body owns
     // both and the boxed counts until the request completes (or keeps them as a zombie).
     let req = unsafe { raw::ialltoallv(x.buf.ptr(), recv.mut_ptr(), &v, x.mpi_type(), cx.comm) }?;
@@ -238,11 +240,11 @@ struct Reduction {
     root: Option<usize>,
     into: Option<Tensor>,
     stage: u8,
-    recv: Option<Buf>,
+    recv: Option<Bytes>,
     /// The counts MPI reads while the all-to-all runs.
     _v: Option<Box<VCounts>>,
     /// This rank's reduced chunk, which MPI reads while the gather runs.
-    _mine: Option<Buf>,
+    _mine: Option<Bytes>,
     out: Option<OutMem>,
     gather: (Vec<c_int>, Vec<c_int>),
 }
@@ -276,11 +278,7 @@ impl Reduction {
 
     /// The [`Body::step`] of both ops: `Some(result)` once done, where the result is `None` on
     /// the ranks of a reduce that are not its root.
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Option<Tensor>>, Fail> {
+    fn step(&mut self, cx: &mut Cx, reqs: &mut Reqs) -> Step<Option<Tensor>> {
         let (n, dtype, elems) = (cx.size, self.x.dtype, self.x.elems());
         match self.stage {
             0 if n == 1 => {
@@ -294,7 +292,7 @@ impl Reduction {
                 )?)))
             }
             0 if self.root.is_none() && self.x.buf.len() <= EAGER_BYTES => {
-                let mut recv = Buf::new(n * self.x.buf.len());
+                let mut recv = Bytes::scratch(n * self.x.buf.len());
                 let c = count(cx.ctx, elems)?;
                 // SAFETY: `x.buf` holds `elems` elements and `recv` n times that; both are
                 // owned by this body until the request completes.
@@ -339,7 +337,7 @@ impl Reduction {
                     .take()
                     .ok_or_else(|| op_err(cx.ctx, "lost buffer"))?;
                 let ranges: Vec<_> = (0..n).map(|r| chunk_range(elems, n, r)).collect();
-                let mut mine = Buf::new(ranges[cx.rank].len() * dtype.size_in_bytes());
+                let mut mine = Bytes::scratch(ranges[cx.rank].len() * dtype.size_in_bytes());
                 reduce_pieces(dtype, self.op, recv.bytes(), n, mine.mut_ptr().cast());
                 self.gather =
                     counts_displs(cx.ctx, &ranges.iter().map(|r| r.len()).collect::<Vec<_>>())?;
@@ -410,12 +408,7 @@ impl Body for AllReduce {
         Some(self.0.desc(uid, coll))
     }
 
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        _: &[Desc],
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Tensor>, Fail> {
+    fn step(&mut self, cx: &mut Cx, _: &[Desc], reqs: &mut Reqs) -> Step<Tensor> {
         match self.0.step(cx, reqs)? {
             Some(None) => Err(op_err(cx.ctx, "lost buffer")),
             done => Ok(done.flatten()),
@@ -438,12 +431,7 @@ impl Body for Reduce {
         Some(self.0.desc(uid, coll))
     }
 
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        _: &[Desc],
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Option<Tensor>>, Fail> {
+    fn step(&mut self, cx: &mut Cx, _: &[Desc], reqs: &mut Reqs) -> Step<Option<Tensor>> {
         self.0.step(cx, reqs)
     }
 }
@@ -456,7 +444,7 @@ pub(crate) struct ReduceScatter {
     x: Input,
     op: ReduceOp,
     into: Option<Tensor>,
-    recv: Option<Buf>,
+    recv: Option<Bytes>,
 }
 
 impl ReduceScatter {
@@ -479,12 +467,7 @@ impl Body for ReduceScatter {
         Some(d)
     }
 
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        _: &[Desc],
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Tensor>, Fail> {
+    fn step(&mut self, cx: &mut Cx, _: &[Desc], reqs: &mut Reqs) -> Step<Tensor> {
         let (n, dtype) = (cx.size, self.x.dtype);
         let chunk = self.x.elems() / n;
         let mut dims = self.x.dims.clone();
@@ -493,7 +476,7 @@ impl Body for ReduceScatter {
         }
         match self.recv.take() {
             None if n > 1 => {
-                let mut recv = Buf::new(self.x.buf.len());
+                let mut recv = Bytes::scratch(self.x.buf.len());
                 let c = count(cx.ctx, chunk)?;
                 // SAFETY: both buffers hold n * chunk elements and are owned by this body
                 // until the request completes.
@@ -561,12 +544,7 @@ impl Body for Exchange1 {
         Some(self.x.desc(uid, coll, op))
     }
 
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        _: &[Desc],
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Tensor>, Fail> {
+    fn step(&mut self, cx: &mut Cx, _: &[Desc], reqs: &mut Reqs) -> Step<Tensor> {
         let (n, elems) = (cx.size, self.x.elems());
         match self.out.take() {
             None => {
@@ -640,12 +618,7 @@ impl Body for AllToAllV {
         Some(d)
     }
 
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        descs: &[Desc],
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Tensor>, Fail> {
+    fn step(&mut self, cx: &mut Cx, descs: &[Desc], reqs: &mut Reqs) -> Step<Tensor> {
         let n = cx.size;
         let row: usize = self.x.dims.iter().skip(1).product();
         let total: usize = self.out_splits.iter().sum();
@@ -724,12 +697,7 @@ impl Body for Broadcast {
         Some(d)
     }
 
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        _: &[Desc],
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Tensor>, Fail> {
+    fn step(&mut self, cx: &mut Cx, _: &[Desc], reqs: &mut Reqs) -> Step<Tensor> {
         let me_root = cx.rank == self.root;
         if self.posted {
             return match self.out.take() {
@@ -762,7 +730,7 @@ impl Body for Broadcast {
 pub(crate) struct Gather {
     x: Input,
     root: usize,
-    recv: Option<Buf>,
+    recv: Option<Bytes>,
     sizes: Vec<(Vec<usize>, usize)>,
     counts: (Vec<c_int>, Vec<c_int>),
     posted: bool,
@@ -791,12 +759,7 @@ impl Body for Gather {
         Some(d)
     }
 
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        descs: &[Desc],
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Option<Vec<Tensor>>>, Fail> {
+    fn step(&mut self, cx: &mut Cx, descs: &[Desc], reqs: &mut Reqs) -> Step<Option<Vec<Tensor>>> {
         let es = self.x.dtype.size_in_bytes();
         let me_root = cx.rank == self.root;
         if !self.posted {
@@ -809,7 +772,7 @@ impl Body for Gather {
             let elems: Vec<usize> = self.sizes.iter().map(|s| s.1).collect();
             self.counts = counts_displs(cx.ctx, &elems)?;
             let recv_ptr = if me_root {
-                let mut recv = Buf::new(elems.iter().sum::<usize>() * es);
+                let mut recv = Bytes::scratch(elems.iter().sum::<usize>() * es);
                 let p = recv.mut_ptr();
                 self.recv = Some(recv);
                 p
@@ -914,7 +877,7 @@ struct Incoming {
     want: Option<(DType, Vec<usize>)>,
     hdr: Box<[u64]>,
     out: Option<OutBuf>,
-    drain: Option<Buf>,
+    drain: Option<Bytes>,
     got: Option<(DType, Vec<usize>)>,
 }
 
@@ -950,12 +913,7 @@ impl Incoming {
     /// After the header arrived: receives the payload, into an output when it is what the
     /// caller expects, else into a scratch buffer (it must be consumed either way). Returns
     /// the mismatch, if any.
-    fn post_payload(
-        &mut self,
-        cx: &Cx,
-        tag: c_int,
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<String>, Fail> {
+    fn post_payload(&mut self, cx: &Cx, tag: c_int, reqs: &mut Reqs) -> Step<String> {
         let (dtype, dims) = read_header(&self.hdr, cx.uid).ok_or_else(|| {
             Fail::Comm(Failure::Mpi {
                 what: format!("rank {} sent an unreadable message header", self.peer),
@@ -967,7 +925,7 @@ impl Incoming {
             .as_ref()
             .and_then(|(wd, ws)| check_recv(self.peer, (ws, *wd), (&dims, dtype)).err());
         let ptr: *mut c_void = if mismatch.is_some() {
-            let mut d = Buf::new(elems * dtype.size_in_bytes());
+            let mut d = Bytes::scratch(elems * dtype.size_in_bytes());
             let p = d.mut_ptr();
             self.drain = Some(d);
             p
@@ -1033,12 +991,7 @@ impl Body for Scatter {
         Some(d)
     }
 
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        _: &[Desc],
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Tensor>, Fail> {
+    fn step(&mut self, cx: &mut Cx, _: &[Desc], reqs: &mut Reqs) -> Step<Tensor> {
         if cx.rank == self.root {
             let mut mine = None;
             for (j, x) in std::mem::take(&mut self.pieces).into_iter().enumerate() {
@@ -1092,12 +1045,7 @@ impl Body for Barrier {
         Some(Desc::new(uid, coll, OpDesc::new(OpName::Barrier)))
     }
 
-    fn step(
-        &mut self,
-        _: &mut Cx,
-        _: &[Desc],
-        _: &mut Reqs,
-    ) -> std::result::Result<Option<()>, Fail> {
+    fn step(&mut self, _: &mut Cx, _: &[Desc], _: &mut Reqs) -> Step<()> {
         Ok(Some(()))
     }
 }
@@ -1137,12 +1085,7 @@ impl Body for BatchP2p {
         None
     }
 
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        _: &[Desc],
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Vec<Tensor>>, Fail> {
+    fn step(&mut self, cx: &mut Cx, _: &[Desc], reqs: &mut Reqs) -> Step<Vec<Tensor>> {
         match self.stage {
             0 => {
                 // Sends first (buffered: they complete for the caller now), then every
@@ -1221,12 +1164,7 @@ impl Body for Split {
         Some(d)
     }
 
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        descs: &[Desc],
-        _: &mut Reqs,
-    ) -> std::result::Result<Option<Self::Out>, Fail> {
+    fn step(&mut self, cx: &mut Cx, descs: &[Desc], _: &mut Reqs) -> Step<Self::Out> {
         // Every member of every new group must have passed that group's list; checked over
         // all lists, so every rank reaches the same verdict.
         let lists: Vec<Vec<usize>> = descs
@@ -1290,12 +1228,7 @@ impl Body for NewComm {
         Some(d)
     }
 
-    fn step(
-        &mut self,
-        cx: &mut Cx,
-        descs: &[Desc],
-        reqs: &mut Reqs,
-    ) -> std::result::Result<Option<Arc<CommShared>>, Fail> {
+    fn step(&mut self, cx: &mut Cx, descs: &[Desc], reqs: &mut Reqs) -> Step<Arc<CommShared>> {
         if !self.posted {
             let mine = desc::hash_str(&self.name);
             if let Some(r) = descs.iter().position(|d| d.extra.first() != Some(&mine)) {
@@ -1347,7 +1280,7 @@ mod tests {
             .iter()
             .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
             .collect();
-        let buf = Buf::copy_of(&src);
+        let buf = Bytes::copy_of(&src);
         let out = OutBuf::new(DType::BF16, 1).expect("a buffer");
         reduce_pieces(DType::BF16, ReduceOp::Sum, buf.bytes(), 3, out.ptr());
         // SAFETY: fully written by the reduction.
@@ -1359,7 +1292,7 @@ mod tests {
     #[test]
     fn headers_round_trip_and_reject_other_communicators() {
         let x = Input {
-            buf: Buf::new(24),
+            buf: Bytes::scratch(24),
             dtype: DType::F16,
             dims: vec![3, 4],
         };

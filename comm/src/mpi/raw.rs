@@ -1,8 +1,10 @@
 //! The few raw MPI calls the backend makes, each wrapped once with its safety argument.
 //!
-//! Everything here runs on the progress thread (the one that initialized MPI). Buffers handed to nonblocking calls are owned by the operation that
-//! posted them (a [`Buf`], an `OutBuf`, a boxed slice) and outlive the request: an operation
-//! whose requests are still live when it fails is kept as a zombie until they complete.
+//! Everything here runs on the progress thread (the one that initialized MPI). Buffers handed
+//! to nonblocking calls are owned by the operation that posted them (a
+//! [`Bytes`](crate::cpu::bytes::Bytes), an `OutBuf`, a boxed slice) and outlive the request: an
+//! operation whose requests are still live when it fails is kept as a zombie until they
+//! complete.
 
 use std::ffi::{c_int, c_void};
 
@@ -158,13 +160,12 @@ pub(crate) fn set_errors_return(comm: RawComm) -> MpiResult<()> {
 /// Starts `MPI_Comm_idup(comm)`. The new handle is written to `*out` when the request
 /// completes, so `out` must stay in place (boxed) until then.
 pub(crate) fn comm_idup(comm: RawComm, out: &mut Box<RawComm>) -> MpiResult<RawRequest> {
-    let mut req = RawRequest::null();
+    let out: *mut ffi::MPI_Comm = &mut out.0;
     // SAFETY: `comm` is valid; `out` points into a box the caller keeps alive (and unmoved on
-    // the heap) until the request completes; `req` is a live local.
-    check("MPI_Comm_idup", unsafe {
-        ffi::MPI_Comm_idup(comm.0, &mut out.0, &mut req.0)
-    })?;
-    Ok(req)
+    // the heap) until the request completes; `req` is a live local of `start`.
+    start("MPI_Comm_idup", |req| unsafe {
+        ffi::MPI_Comm_idup(comm.0, out, req)
+    })
 }
 
 /// `MPI_Comm_split` (blocking; collective over `comm`).
@@ -228,6 +229,18 @@ pub(crate) fn cancel(req: &mut RawRequest) {
     }
 }
 
+/// Runs a nonblocking MPI call that starts a request: `call` gets the address of a fresh
+/// request handle, returns the call's error code, and holds the `unsafe` FFI call itself (with
+/// its own safety argument).
+fn start(
+    name: &'static str,
+    call: impl FnOnce(*mut ffi::MPI_Request) -> c_int,
+) -> MpiResult<RawRequest> {
+    let mut req = RawRequest::null();
+    check(name, call(&mut req.0))?;
+    Ok(req)
+}
+
 /// A nonblocking send of `count` elements of `dtype` at `buf` to `dest`.
 ///
 /// # Safety
@@ -242,20 +255,11 @@ pub(crate) unsafe fn isend(
     tag: c_int,
     comm: RawComm,
 ) -> MpiResult<RawRequest> {
-    let mut req = RawRequest::null();
-    // SAFETY: per the function contract; `req` is a live local.
-    check("MPI_Isend", unsafe {
-        ffi::MPI_Isend(
-            c_ptr(buf),
-            count,
-            dtype,
-            dest as c_int,
-            tag,
-            comm.0,
-            &mut req.0,
-        )
-    })?;
-    Ok(req)
+    let dest = dest as c_int;
+    // SAFETY: per the function contract; `req` is a live local of `start`.
+    start("MPI_Isend", |req| unsafe {
+        ffi::MPI_Isend(c_ptr(buf), count, dtype, dest, tag, comm.0, req)
+    })
 }
 
 /// A nonblocking receive of up to `count` elements of `dtype` into `buf` from `src`.
@@ -272,18 +276,50 @@ pub(crate) unsafe fn irecv(
     tag: c_int,
     comm: RawComm,
 ) -> MpiResult<RawRequest> {
-    let mut req = RawRequest::null();
-    // SAFETY: per the function contract; `req` is a live local.
-    check("MPI_Irecv", unsafe {
-        ffi::MPI_Irecv(m_ptr(buf), count, dtype, src, tag, comm.0, &mut req.0)
-    })?;
-    Ok(req)
+    // SAFETY: per the function contract; `req` is a live local of `start`.
+    start("MPI_Irecv", |req| unsafe {
+        ffi::MPI_Irecv(m_ptr(buf), count, dtype, src, tag, comm.0, req)
+    })
 }
 
 /// `MPI_ANY_SOURCE`.
 pub(crate) fn any_source() -> c_int {
     // SAFETY: reads a constant initialized by the rsmpi C shim at load time.
     unsafe { ffi::RSMPI_ANY_SOURCE }
+}
+
+/// The signature MPI's nonblocking collectives of `count` elements per rank share
+/// (`MPI_Iallgather`, `MPI_Ialltoall`): send buffer, count, type; receive buffer, count, type;
+/// communicator; request.
+type UniformCollective = unsafe extern "C" fn(
+    *const c_void,
+    c_int,
+    ffi::MPI_Datatype,
+    *mut c_void,
+    c_int,
+    ffi::MPI_Datatype,
+    ffi::MPI_Comm,
+    *mut ffi::MPI_Request,
+) -> c_int;
+
+/// Starts `call` with `count` elements per rank sent from `send` and received into `recv`.
+///
+/// # Safety
+///
+/// The buffers satisfy `call`'s contract (see its two callers) until the request completes.
+unsafe fn uniform(
+    (name, call): (&'static str, UniformCollective),
+    send: *const c_void,
+    recv: *mut c_void,
+    count: c_int,
+    dtype: ffi::MPI_Datatype,
+    comm: RawComm,
+) -> MpiResult<RawRequest> {
+    let (send, recv) = (c_ptr(send), m_ptr(recv));
+    // SAFETY: per the function contract; `req` is a live local of `start`.
+    start(name, |req| unsafe {
+        call(send, count, dtype, recv, count, dtype, comm.0, req)
+    })
 }
 
 /// `MPI_Iallgather`.
@@ -299,21 +335,27 @@ pub(crate) unsafe fn iallgather(
     dtype: ffi::MPI_Datatype,
     comm: RawComm,
 ) -> MpiResult<RawRequest> {
-    let mut req = RawRequest::null();
-    // SAFETY: per the function contract.
-    check("MPI_Iallgather", unsafe {
-        ffi::MPI_Iallgather(
-            c_ptr(send),
-            count,
-            dtype,
-            m_ptr(recv),
-            count,
-            dtype,
-            comm.0,
-            &mut req.0,
-        )
-    })?;
-    Ok(req)
+    let call = ("MPI_Iallgather", ffi::MPI_Iallgather as UniformCollective);
+    // SAFETY: the contract above is `MPI_Iallgather`'s.
+    unsafe { uniform(call, send, recv, count, dtype, comm) }
+}
+
+/// `MPI_Ialltoall` with `count` elements per peer.
+///
+/// # Safety
+///
+/// `send` and `recv` each hold `count * size` elements of `dtype` and stay valid (`recv`
+/// untouched) until the request completes.
+pub(crate) unsafe fn ialltoall(
+    send: *const c_void,
+    recv: *mut c_void,
+    count: c_int,
+    dtype: ffi::MPI_Datatype,
+    comm: RawComm,
+) -> MpiResult<RawRequest> {
+    let call = ("MPI_Ialltoall", ffi::MPI_Ialltoall as UniformCollective);
+    // SAFETY: the contract above is `MPI_Ialltoall`'s.
+    unsafe { uniform(call, send, recv, count, dtype, comm) }
 }
 
 /// `MPI_Iallgatherv`.
@@ -332,52 +374,11 @@ pub(crate) unsafe fn iallgatherv(
     dtype: ffi::MPI_Datatype,
     comm: RawComm,
 ) -> MpiResult<RawRequest> {
-    let mut req = RawRequest::null();
-    // SAFETY: per the function contract.
-    check("MPI_Iallgatherv", unsafe {
-        ffi::MPI_Iallgatherv(
-            c_ptr(send),
-            count,
-            dtype,
-            m_ptr(recv),
-            counts.as_ptr(),
-            displs.as_ptr(),
-            dtype,
-            comm.0,
-            &mut req.0,
-        )
-    })?;
-    Ok(req)
-}
-
-/// `MPI_Ialltoall` with `count` elements per peer.
-///
-/// # Safety
-///
-/// `send` and `recv` each hold `count * size` elements of `dtype` and stay valid (`recv`
-/// untouched) until the request completes.
-pub(crate) unsafe fn ialltoall(
-    send: *const c_void,
-    recv: *mut c_void,
-    count: c_int,
-    dtype: ffi::MPI_Datatype,
-    comm: RawComm,
-) -> MpiResult<RawRequest> {
-    let mut req = RawRequest::null();
-    // SAFETY: per the function contract.
-    check("MPI_Ialltoall", unsafe {
-        ffi::MPI_Ialltoall(
-            c_ptr(send),
-            count,
-            dtype,
-            m_ptr(recv),
-            count,
-            dtype,
-            comm.0,
-            &mut req.0,
-        )
-    })?;
-    Ok(req)
+    let (send, recv, counts, displs) = (c_ptr(send), m_ptr(recv), counts.as_ptr(), displs.as_ptr());
+    // SAFETY: per the function contract; `req` is a live local of `start`.
+    start("MPI_Iallgatherv", |req| unsafe {
+        ffi::MPI_Iallgatherv(send, count, dtype, recv, counts, displs, dtype, comm.0, req)
+    })
 }
 
 /// The four count/displacement arrays of an `MPI_Ialltoallv`.
@@ -401,23 +402,13 @@ pub(crate) unsafe fn ialltoallv(
     dtype: ffi::MPI_Datatype,
     comm: RawComm,
 ) -> MpiResult<RawRequest> {
-    let mut req = RawRequest::null();
-    // SAFETY: per the function contract.
-    check("MPI_Ialltoallv", unsafe {
-        ffi::MPI_Ialltoallv(
-            c_ptr(send),
-            v.send_counts.as_ptr(),
-            v.send_displs.as_ptr(),
-            dtype,
-            m_ptr(recv),
-            v.recv_counts.as_ptr(),
-            v.recv_displs.as_ptr(),
-            dtype,
-            comm.0,
-            &mut req.0,
-        )
-    })?;
-    Ok(req)
+    let (send, recv) = (c_ptr(send), m_ptr(recv));
+    let (sc, sd) = (v.send_counts.as_ptr(), v.send_displs.as_ptr());
+    let (rc, rd) = (v.recv_counts.as_ptr(), v.recv_displs.as_ptr());
+    // SAFETY: per the function contract; `req` is a live local of `start`.
+    start("MPI_Ialltoallv", |req| unsafe {
+        ffi::MPI_Ialltoallv(send, sc, sd, dtype, recv, rc, rd, dtype, comm.0, req)
+    })
 }
 
 /// `MPI_Ibcast` of `count` elements from `root`.
@@ -433,12 +424,11 @@ pub(crate) unsafe fn ibcast(
     root: usize,
     comm: RawComm,
 ) -> MpiResult<RawRequest> {
-    let mut req = RawRequest::null();
-    // SAFETY: per the function contract.
-    check("MPI_Ibcast", unsafe {
-        ffi::MPI_Ibcast(m_ptr(buf), count, dtype, root as c_int, comm.0, &mut req.0)
-    })?;
-    Ok(req)
+    let root = root as c_int;
+    // SAFETY: per the function contract; `req` is a live local of `start`.
+    start("MPI_Ibcast", |req| unsafe {
+        ffi::MPI_Ibcast(m_ptr(buf), count, dtype, root, comm.0, req)
+    })
 }
 
 /// `MPI_Igatherv` to `root`; `v` holds the root's receive counts and displacements.
@@ -457,23 +447,14 @@ pub(crate) unsafe fn igatherv(
     root: usize,
     comm: RawComm,
 ) -> MpiResult<RawRequest> {
-    let mut req = RawRequest::null();
-    // SAFETY: per the function contract.
-    check("MPI_Igatherv", unsafe {
+    let (send, recv, counts, displs) = (c_ptr(send), m_ptr(recv), v.0.as_ptr(), v.1.as_ptr());
+    let root = root as c_int;
+    // SAFETY: per the function contract; `req` is a live local of `start`.
+    start("MPI_Igatherv", |req| unsafe {
         ffi::MPI_Igatherv(
-            c_ptr(send),
-            count,
-            dtype,
-            m_ptr(recv),
-            v.0.as_ptr(),
-            v.1.as_ptr(),
-            dtype,
-            root as c_int,
-            comm.0,
-            &mut req.0,
+            send, count, dtype, recv, counts, displs, dtype, root, comm.0, req,
         )
-    })?;
-    Ok(req)
+    })
 }
 
 /// The thread support level names, lowest first.
@@ -494,99 +475,4 @@ pub(crate) fn library_version() -> String {
             first.split(',').next().unwrap_or("").trim().to_string()
         })
         .unwrap_or_else(|_| "unknown MPI library".to_string())
-}
-
-/// Buffers of at least this many bytes go back to a process-wide pool when dropped and are
-/// reused: a fresh large allocation is a fresh mapping whose page faults, taken while MPI
-/// writes into it, cost more than the transfer itself (measured: a 64 MiB all-gather into a
-/// fresh buffer took 3x as long as into a reused one).
-const POOL_MIN_BYTES: usize = 1 << 20;
-/// The most the pool keeps.
-const POOL_MAX_BYTES: usize = 1 << 30;
-
-static POOL: std::sync::Mutex<Vec<Vec<u64>>> = std::sync::Mutex::new(Vec::new());
-
-fn pool_take(words: usize) -> Option<Vec<u64>> {
-    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    let best = pool
-        .iter()
-        .enumerate()
-        .filter(|(_, v)| v.len() >= words)
-        .min_by_key(|(_, v)| v.len())
-        .map(|(i, _)| i)?;
-    Some(pool.swap_remove(best))
-}
-
-fn pool_give(v: Vec<u64>) {
-    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    let held: usize = pool.iter().map(|b| b.len() * 8).sum();
-    if held + v.len() * 8 <= POOL_MAX_BYTES {
-        pool.push(v);
-    } else if let Some(smallest) = pool
-        .iter()
-        .enumerate()
-        .min_by_key(|(_, b)| b.len())
-        .map(|(i, _)| i)
-        .filter(|&i| pool[i].len() < v.len())
-    {
-        pool[smallest] = v;
-    }
-}
-
-/// An aligned, owned byte buffer (8-byte aligned, so any element type can be read from it).
-/// Large ones come from, and return to, a pool (see [`POOL_MIN_BYTES`]).
-pub(crate) struct Buf {
-    words: Vec<u64>,
-    len: usize,
-}
-
-impl Buf {
-    /// `len` bytes of unspecified content (zeros, or what a reused buffer held): for
-    /// buffers MPI or a copy fills before anyone reads them.
-    pub(crate) fn new(len: usize) -> Buf {
-        let words = len.div_ceil(8);
-        let v = if len >= POOL_MIN_BYTES {
-            pool_take(words).unwrap_or_else(|| vec![0u64; words])
-        } else {
-            vec![0u64; words]
-        };
-        Buf { words: v, len }
-    }
-
-    /// A copy of `bytes`.
-    pub(crate) fn copy_of(bytes: &[u8]) -> Buf {
-        let mut b = Buf::new(bytes.len());
-        b.bytes_mut().copy_from_slice(bytes);
-        b
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    pub(crate) fn bytes(&self) -> &[u8] {
-        // SAFETY: `words` holds at least `len` initialized bytes; u8 has no alignment needs.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), self.len) }
-    }
-
-    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`, borrowed mutably.
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast::<u8>(), self.len) }
-    }
-
-    pub(crate) fn ptr(&self) -> *const c_void {
-        self.words.as_ptr().cast()
-    }
-
-    pub(crate) fn mut_ptr(&mut self) -> *mut c_void {
-        self.words.as_mut_ptr().cast()
-    }
-}
-
-impl Drop for Buf {
-    fn drop(&mut self) {
-        if self.words.len() * 8 >= POOL_MIN_BYTES {
-            pool_give(std::mem::take(&mut self.words));
-        }
-    }
 }
