@@ -706,7 +706,19 @@ impl NcclBackend {
         let calls = if total == 0 {
             Vec::new()
         } else if equal {
-            plan::gather(&self.core().gates, send, recv, counts[0], dt, root, me, n)
+            {
+                let count = counts[0];
+                let r = plan::Rooted {
+                    send,
+                    recv,
+                    count,
+                    dt,
+                    root,
+                    me,
+                    n,
+                };
+                plan::gather(&self.core().gates, r)
+            }
         } else {
             plan::gather_v(send, recv, &counts, dt, root, me)
         };
@@ -773,7 +785,19 @@ impl NcclBackend {
             } else {
                 recv
             };
-            plan::scatter(&self.core().gates, send, recv, counts[0], dt, root, me, n)
+            {
+                let count = counts[0];
+                let r = plan::Rooted {
+                    send,
+                    recv,
+                    count,
+                    dt,
+                    root,
+                    me,
+                    n,
+                };
+                plan::scatter(&self.core().gates, r)
+            }
         } else {
             let mut calls = Vec::new();
             if me == root {

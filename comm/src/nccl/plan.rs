@@ -172,86 +172,103 @@ pub fn all_to_all_v(
     calls
 }
 
-/// The plan of a gather of equal pieces of `count` elements to `root` into `recv` (root only):
-/// native `ncclGather` when available, else the root receives from every rank and every rank
-/// sends to the root (the root's own piece included).
-#[allow(clippy::too_many_arguments)]
-pub fn gather(
-    gates: &Gates,
-    send: DevPtr,
-    recv: DevPtr,
-    count: usize,
-    dt: DataType,
-    root: usize,
-    me: usize,
-    n: usize,
-) -> Vec<Call> {
+/// A rooted exchange of equal pieces of `count` elements of `dt` between each of `n` ranks and
+/// `root`, as seen by rank `me`: `send` and `recv` as the native NCCL call takes them (the
+/// root's side holds `n` pieces back to back).
+#[derive(Debug, Clone, Copy)]
+pub struct Rooted {
+    pub send: DevPtr,
+    pub recv: DevPtr,
+    pub count: usize,
+    pub dt: DataType,
+    pub root: usize,
+    pub me: usize,
+    pub n: usize,
+}
+
+impl Rooted {
+    /// The address of piece `p` of the root's `base` buffer.
+    fn piece(&self, base: DevPtr, p: usize) -> DevPtr {
+        base + (p * self.count * self.dt.size()) as u64
+    }
+
+    fn send_to(&self, buf: DevPtr, peer: usize) -> Call {
+        let (count, dt, peer) = (self.count, self.dt, peer as i32);
+        Call::Send {
+            buf,
+            count,
+            dt,
+            peer,
+        }
+    }
+
+    fn recv_from(&self, buf: DevPtr, peer: usize) -> Call {
+        let (count, dt, peer) = (self.count, self.dt, peer as i32);
+        Call::Recv {
+            buf,
+            count,
+            dt,
+            peer,
+        }
+    }
+}
+
+/// The plan of a gather to the root: native `ncclGather` when available, else every rank sends
+/// its piece to the root, which receives rank `p`'s at piece `p` (its own included).
+pub fn gather(gates: &Gates, r: Rooted) -> Vec<Call> {
+    let Rooted {
+        send,
+        recv,
+        count,
+        dt,
+        root,
+        me,
+        n,
+    } = r;
     if gates.gather_scatter {
+        let root = root as i32;
         return vec![Call::Gather {
             send,
             recv,
             count,
             dt,
-            root: root as i32,
+            root,
         }];
     }
-    let bytes = (count * dt.size()) as u64;
-    let mut calls = vec![Call::Send {
-        buf: send,
-        count,
-        dt,
-        peer: root as i32,
-    }];
+    let mut calls = vec![r.send_to(send, root)];
     if me == root {
-        calls.extend((0..n).map(|p| Call::Recv {
-            buf: recv + p as u64 * bytes,
-            count,
-            dt,
-            peer: p as i32,
-        }));
+        calls.extend((0..n).map(|p| r.recv_from(r.piece(recv, p), p)));
     }
     calls
 }
 
-/// The plan of a scatter of equal pieces of `count` elements from `root`'s `send` (root only):
-/// native `ncclScatter` when available, else the root sends to every rank and every rank
-/// receives from the root.
-#[allow(clippy::too_many_arguments)]
-pub fn scatter(
-    gates: &Gates,
-    send: DevPtr,
-    recv: DevPtr,
-    count: usize,
-    dt: DataType,
-    root: usize,
-    me: usize,
-    n: usize,
-) -> Vec<Call> {
+/// The plan of a scatter from the root: native `ncclScatter` when available, else the root
+/// sends piece `p` to rank `p` (itself included) and every rank receives from the root.
+pub fn scatter(gates: &Gates, r: Rooted) -> Vec<Call> {
+    let Rooted {
+        send,
+        recv,
+        count,
+        dt,
+        root,
+        me,
+        n,
+    } = r;
     if gates.gather_scatter {
+        let root = root as i32;
         return vec![Call::Scatter {
             send,
             recv,
             count,
             dt,
-            root: root as i32,
+            root,
         }];
     }
-    let bytes = (count * dt.size()) as u64;
     let mut calls = Vec::new();
     if me == root {
-        calls.extend((0..n).map(|p| Call::Send {
-            buf: send + p as u64 * bytes,
-            count,
-            dt,
-            peer: p as i32,
-        }));
+        calls.extend((0..n).map(|p| r.send_to(r.piece(send, p), p)));
     }
-    calls.push(Call::Recv {
-        buf: recv,
-        count,
-        dt,
-        peer: root as i32,
-    });
+    calls.push(r.recv_from(recv, root));
     calls
 }
 
@@ -296,6 +313,27 @@ pub fn gather_v(
 mod tests {
     use super::*;
     use crate::nccl::version::NcclVersion;
+
+    #[allow(clippy::too_many_arguments)]
+    fn rooted(
+        send: DevPtr,
+        recv: DevPtr,
+        count: usize,
+        dt: DataType,
+        root: usize,
+        me: usize,
+        n: usize,
+    ) -> Rooted {
+        Rooted {
+            send,
+            recv,
+            count,
+            dt,
+            root,
+            me,
+            n,
+        }
+    }
 
     fn old() -> Gates {
         Gates::new(NcclVersion::new(2, 27, 7), |_| true)
@@ -458,7 +496,7 @@ mod tests {
 
     #[test]
     fn gather_and_scatter_plans() {
-        let g = gather(&new(), 10, 20, 4, DataType::Uint8, 1, 0, 3);
+        let g = gather(&new(), rooted(10, 20, 4, DataType::Uint8, 1, 0, 3));
         assert_eq!(
             g,
             vec![Call::Gather {
@@ -470,10 +508,10 @@ mod tests {
             }]
         );
         // Non-root on an old library: one send.
-        let g = gather(&old(), 10, 20, 4, DataType::Uint8, 1, 0, 3);
+        let g = gather(&old(), rooted(10, 20, 4, DataType::Uint8, 1, 0, 3));
         assert_eq!(g.len(), 1);
         // Root: its own send plus one receive per rank, back to back.
-        let g = gather(&old(), 10, 100, 4, DataType::Uint32, 1, 1, 3);
+        let g = gather(&old(), rooted(10, 100, 4, DataType::Uint32, 1, 1, 3));
         assert_eq!(g.len(), 4);
         assert_eq!(
             g[3],
@@ -484,7 +522,7 @@ mod tests {
                 peer: 2
             }
         );
-        let s = scatter(&old(), 100, 7, 2, DataType::Int64, 0, 0, 2);
+        let s = scatter(&old(), rooted(100, 7, 2, DataType::Int64, 0, 0, 2));
         assert_eq!(
             s,
             vec![
@@ -508,10 +546,10 @@ mod tests {
                 },
             ]
         );
-        let s = scatter(&old(), 0, 7, 2, DataType::Int64, 0, 1, 2);
+        let s = scatter(&old(), rooted(0, 7, 2, DataType::Int64, 0, 1, 2));
         assert_eq!(s.len(), 1);
         assert!(matches!(
-            scatter(&new(), 0, 7, 2, DataType::Int64, 0, 1, 2)[0],
+            scatter(&new(), rooted(0, 7, 2, DataType::Int64, 0, 1, 2))[0],
             Call::Scatter { .. }
         ));
     }
