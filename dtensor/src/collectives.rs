@@ -247,6 +247,39 @@ pub(crate) fn all_reduce_raw(
     }
 }
 
+/// Runs of at least this many bytes are read in place by an all-to-all of rows.
+const IN_PLACE_RUN_BYTES: usize = 1024;
+
+/// An all-to-all send buffer as rows that each belong to one destination.
+struct Runs {
+    /// The input viewed as `[outer * n, run]`.
+    rows: Tensor,
+    /// Row ids ordered by destination.
+    ids: Arc<Vec<u32>>,
+    /// Rows each destination gets.
+    per_rank: usize,
+}
+
+/// `x` (all of dim `j`, divisible by `n`) as [`Runs`]: `run` is one destination's part of dim
+/// `j` times everything after it, rank `r`'s rows are `o * n + r` for every outer index `o`.
+/// `None` when the runs are too short to read one by one (then packing is cheaper).
+fn send_runs(x: &Tensor, j: usize, n: usize) -> CResult<Option<Runs>> {
+    let dims = x.dims();
+    let run: usize = dims[j] / n * dims[j + 1..].iter().product::<usize>();
+    let outer: usize = dims[..j].iter().product();
+    if run * elem_bytes(x) < IN_PLACE_RUN_BYTES || outer * n > u32::MAX as usize {
+        return Ok(None);
+    }
+    let ids = (0..n)
+        .flat_map(|r| (0..outer).map(move |o| (o * n + r) as u32))
+        .collect::<Vec<_>>();
+    Ok(Some(Runs {
+        rows: x.contiguous()?.reshape((outer * n, run))?,
+        ids: Arc::new(ids),
+        per_rank: outer,
+    }))
+}
+
 /// `S(i) -> S(j)` data path: `x` holds this rank's piece of dim `i` (logical `li`) and all of
 /// dim `j` (logical `lj`); the result holds all of dim `i` and this rank's piece of dim `j`.
 pub(crate) fn all_to_all_raw(
@@ -265,9 +298,28 @@ pub(crate) fn all_to_all_raw(
     let (full_i, full_j) = (li.div_ceil(n.max(1)), lj.div_ceil(n.max(1)));
     // Even pieces and nothing but size-1 dims before `i`: the received chunks, in rank order,
     // already are the result's memory (rank r's rows follow rank r-1's), so the only local
-    // copy is packing the send buffer (the backend's all_to_all takes contiguous chunks).
+    // copy is packing the send buffer (the backend's all_to_all takes contiguous chunks), and
+    // not even that where each destination's runs are long enough to be read in place.
     if li % n == 0 && lj % n == 0 && x.dims()[..i].iter().all(|&d| d == 1) {
         let dest = writable(dest);
+        let mut out_dims = x.dims().to_vec();
+        out_dims[i] = li;
+        out_dims[j] = full_j;
+        // Long runs per destination: let the backend read them in place instead of packing
+        // (a strided copy of the whole piece that cost twice the exchange itself, measured).
+        let runs = match dest {
+            None => send_runs(x, j, n)?,
+            Some(_) => None,
+        };
+        if let Some(runs) = runs {
+            record_on("all_to_all", ax, (x.elem_count() * elem_bytes(x)) as u64);
+            let splits = vec![runs.per_rank; n];
+            let recv = ax
+                .comm
+                .all_to_all_v_rows(&runs.rows, &runs.ids, &splits, &splits)?;
+            let recv = timed(recv)?;
+            return recv.reshape(out_dims);
+        }
         let chunks = (0..n)
             .map(|r| narrow(x, j, r * full_j, full_j))
             .collect::<CResult<Vec<_>>>()?;
@@ -277,9 +329,6 @@ pub(crate) fn all_to_all_raw(
             ax,
             (send.elem_count() * elem_bytes(&send)) as u64,
         );
-        let mut out_dims = x.dims().to_vec();
-        out_dims[i] = li;
-        out_dims[j] = full_j;
         return match dest {
             Some(d) => {
                 timed(ax.comm.all_to_all_single_into(&d.flatten_all()?, &send)?)?;

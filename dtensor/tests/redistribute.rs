@@ -263,14 +263,24 @@ fn every_pair_on_1d_meshes() {
 
 /// Shard-to-shard on even shapes takes the all_to_all path whose result is the received
 /// buffer itself (no unpacking): a size-1 dim before the gathered one, 2-D and 3-D pieces,
-/// values and gradients, 1-D and 2-D meshes.
+/// values and gradients, 1-D and 2-D meshes. The shapes with a last dim of 1024 have runs of
+/// at least 1 KiB per destination, so the backend reads them in place (an all-to-all of rows,
+/// no packed send buffer); the small ones pack.
 #[test]
 fn even_shard_to_shard_pairs() {
     let mut fails = Vec::new();
     for mesh in [&[2][..], &[4], &[2, 2]] {
         let mut rng = Rng::for_name("even-s2s", mesh.iter().product::<usize>() as u64);
         let mut pairs = Vec::new();
-        for shape in [&[8, 12][..], &[4, 8, 4], &[1, 8, 4]] {
+        let shapes = [
+            &[8, 12][..],
+            &[4, 8, 4],
+            &[1, 8, 4],
+            &[8, 1024],
+            &[4, 8, 1024],
+            &[1, 8, 1024],
+        ];
+        for shape in shapes {
             for (a, b) in [(0, 1), (1, 0), (0, shape.len() - 1), (1, 2 % shape.len())] {
                 if a == b {
                     continue;
