@@ -33,6 +33,37 @@ pub(crate) struct Exec<'a> {
     pub deadline: Instant,
 }
 
+impl Exec<'_> {
+    /// Posts `post` with `desc` for this op and waits for every rank's (see `Group::arrive`).
+    pub(crate) fn arrive(&self, desc: OpDesc, post: Post) -> Result<Vec<Post>> {
+        let (ctx, coll, rank) = (self.ctx, self.coll, self.rank);
+        self.group
+            .arrive(ctx, coll, rank, desc, post, self.deadline)
+    }
+
+    /// [`Exec::arrive`] with `input` as this rank's post input (an eager copy when small, see
+    /// [`post_input`]); also returns whether peers read this rank's own memory.
+    pub(crate) fn arrive_with_input(
+        &self,
+        desc: OpDesc,
+        input: &Tensor,
+        post: Post,
+    ) -> Result<(Vec<Post>, bool)> {
+        let (mine, lent) = post_input(self.ctx, input)?;
+        let post = Post {
+            input: Some(mine),
+            ..post
+        };
+        Ok((self.arrive(desc, post)?, lent))
+    }
+
+    /// Leaves this op; with `lent`, waits until no peer reads this rank's memory any more.
+    pub(crate) fn depart(&self, lent: bool) -> Result<()> {
+        let (ctx, coll, rank) = (self.ctx, self.coll, self.rank);
+        self.group.depart(ctx, coll, rank, lent, self.deadline)
+    }
+}
+
 /// The shared core of a local backend (also used by its windows).
 pub(crate) struct Core {
     pub group: Arc<Group>,
@@ -285,9 +316,7 @@ fn all_reduce(e: &Exec, input: Tensor, op: ReduceOp, output: Option<Tensor>) -> 
             input: Some(mine),
             ..Post::default()
         };
-        let posts = e
-            .group
-            .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+        let posts = e.arrive(desc, post)?;
         let out = produce(ctx, output, dtype, shape, |dst| {
             let views = views(ctx, &posts)?;
             let srcs: Vec<&[u8]> = views.iter().map(|v| v.bytes()).collect();
@@ -296,7 +325,7 @@ fn all_reduce(e: &Exec, input: Tensor, op: ReduceOp, output: Option<Tensor>) -> 
             Ok(())
         })?;
         drop(posts);
-        e.group.depart(ctx, e.coll, e.rank, false, e.deadline)?;
+        e.depart(false)?;
         return Ok(out);
     }
     // Large: rank r reduces chunk r of every input into a private chunk buffer (reduce-scatter),
@@ -312,9 +341,7 @@ fn all_reduce(e: &Exec, input: Tensor, op: ReduceOp, output: Option<Tensor>) -> 
         out: Some(part.clone()),
         ..Post::default()
     };
-    let posts = e
-        .group
-        .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    let posts = e.arrive(desc, post)?;
     {
         let views = views(ctx, &posts)?;
         let srcs: Vec<&[u8]> = views
@@ -341,7 +368,7 @@ fn all_reduce(e: &Exec, input: Tensor, op: ReduceOp, output: Option<Tensor>) -> 
         Ok(())
     })?;
     drop(posts);
-    e.group.depart(ctx, e.coll, e.rank, false, e.deadline)?;
+    e.depart(false)?;
     Ok(out)
 }
 
@@ -356,17 +383,10 @@ fn copy_collective(
     out_shape: Shape,
     fill: impl FnOnce(&[Post], *mut u8) -> Result<()> + Send,
 ) -> Result<Tensor> {
-    let (mine, lent) = post_input(e.ctx, input)?;
-    let post = Post {
-        input: Some(mine),
-        ..Post::default()
-    };
-    let posts = e
-        .group
-        .arrive(e.ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    let (posts, lent) = e.arrive_with_input(desc, input, Post::default())?;
     let out = produce(e.ctx, output, out_dtype, out_shape, |dst| fill(&posts, dst));
     drop(posts);
-    let departed = e.group.depart(e.ctx, e.coll, e.rank, lent, e.deadline);
+    let departed = e.depart(lent);
     let out = out?;
     departed?;
     Ok(out)
@@ -482,16 +502,12 @@ fn exchange_rows(
         rule: ShapeRule::Rows,
         ..OpDesc::tensor(OpName::AllToAllVSingle, &input)
     };
-    let (mine, lent) = post_input(ctx, &input)?;
     let post = Post {
-        input: Some(mine),
         splits: Some((out_splits.clone(), in_splits.clone())),
         rows: send_rows,
         ..Post::default()
     };
-    let posts = e
-        .group
-        .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    let (posts, lent) = e.arrive_with_input(desc, &input, post)?;
     e.group.check_split_sizes(ctx, e.coll, &posts)?;
     let total: usize = out_splits.iter().sum();
     let out = out_buf(
@@ -534,7 +550,7 @@ fn exchange_rows(
         off += count * row_bytes;
     }
     drop(posts);
-    e.group.depart(ctx, e.coll, e.rank, lent, e.deadline)?;
+    e.depart(lent)?;
     let mut out_dims = vec![total];
     out_dims.extend(rows);
     // SAFETY: `off` reached the full output size.
@@ -548,24 +564,15 @@ fn broadcast(e: &Exec, tensor: Tensor, root: usize) -> Result<Tensor> {
         ..OpDesc::tensor(OpName::Broadcast, &tensor)
     };
     if e.rank == root {
-        let (mine, lent) = post_input(ctx, &tensor)?;
-        let post = Post {
-            input: Some(mine),
-            ..Post::default()
-        };
-        let posts = e
-            .group
-            .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+        let (posts, lent) = e.arrive_with_input(desc, &tensor, Post::default())?;
         drop(posts);
-        e.group.depart(ctx, e.coll, e.rank, lent, e.deadline)?;
+        e.depart(lent)?;
         return Ok(tensor);
     }
-    let posts = e
-        .group
-        .arrive(ctx, e.coll, e.rank, desc, Post::default(), e.deadline)?;
+    let posts = e.arrive(desc, Post::default())?;
     let copy = detached_copy(input_of(ctx, &posts, root)?).map_err(view_err(ctx))?;
     drop(posts);
-    e.group.depart(ctx, e.coll, e.rank, false, e.deadline)?;
+    e.depart(false)?;
     Ok(copy)
 }
 
@@ -577,14 +584,7 @@ fn reduce(e: &Exec, input: Tensor, root: usize, op: ReduceOp) -> Result<Option<T
         ..OpDesc::tensor(OpName::Reduce, &input)
     };
     let (dtype, elems, shape) = (input.dtype(), input.elem_count(), input.shape().clone());
-    let (mine, lent) = post_input(ctx, &input)?;
-    let post = Post {
-        input: Some(mine),
-        ..Post::default()
-    };
-    let posts = e
-        .group
-        .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    let (posts, lent) = e.arrive_with_input(desc, &input, Post::default())?;
     let result = if e.rank == root {
         let views = views(ctx, &posts)?;
         let srcs: Vec<&[u8]> = views.iter().map(|v| v.bytes()).collect();
@@ -595,7 +595,7 @@ fn reduce(e: &Exec, input: Tensor, root: usize, op: ReduceOp) -> Result<Option<T
         None
     };
     drop(posts);
-    e.group.depart(ctx, e.coll, e.rank, lent, e.deadline)?;
+    e.depart(lent)?;
     Ok(result)
 }
 
@@ -606,14 +606,7 @@ fn gather(e: &Exec, input: Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
         rule: ShapeRule::Any,
         ..OpDesc::tensor(OpName::Gather, &input)
     };
-    let (mine, lent) = post_input(ctx, &input)?;
-    let post = Post {
-        input: Some(mine),
-        ..Post::default()
-    };
-    let posts = e
-        .group
-        .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    let (posts, lent) = e.arrive_with_input(desc, &input, Post::default())?;
     let result = if e.rank == root {
         Some(
             (0..e.group.size())
@@ -624,7 +617,7 @@ fn gather(e: &Exec, input: Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
         None
     };
     drop(posts);
-    e.group.depart(ctx, e.coll, e.rank, lent, e.deadline)?;
+    e.depart(lent)?;
     Ok(result)
 }
 
@@ -649,9 +642,7 @@ fn scatter(e: &Exec, inputs: Vec<Tensor>, root: usize) -> Result<Tensor> {
     } else {
         Post::default()
     };
-    let posts = e
-        .group
-        .arrive(ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    let posts = e.arrive(desc, post)?;
     let src = posts[root].inputs.get(e.rank).ok_or_else(|| {
         CommError::invalid(
             ctx,
@@ -660,7 +651,7 @@ fn scatter(e: &Exec, inputs: Vec<Tensor>, root: usize) -> Result<Tensor> {
     })?;
     let out = detached_copy(src).map_err(view_err(ctx))?;
     drop(posts);
-    e.group.depart(ctx, e.coll, e.rank, lent, e.deadline)?;
+    e.depart(lent)?;
     Ok(out)
 }
 
@@ -753,15 +744,8 @@ fn run(e: &Exec, op: Collective, device: &Device) -> Result<CollectiveOutput> {
 
 /// Returns when every rank has arrived (any device: no data moves).
 pub(crate) fn barrier(e: &Exec) -> Result<()> {
-    e.group.arrive(
-        e.ctx,
-        e.coll,
-        e.rank,
-        OpDesc::new(OpName::Barrier),
-        Post::default(),
-        e.deadline,
-    )?;
-    e.group.depart(e.ctx, e.coll, e.rank, false, e.deadline)
+    e.arrive(OpDesc::new(OpName::Barrier), Post::default())?;
+    e.depart(false)
 }
 
 impl Backend for LocalBackend {
@@ -821,14 +805,7 @@ impl Backend for LocalBackend {
                 ranks: Some(ranks.clone()),
                 ..Post::default()
             };
-            let posts = e.group.arrive(
-                e.ctx,
-                e.coll,
-                e.rank,
-                OpDesc::new(OpName::Split),
-                post,
-                e.deadline,
-            )?;
+            let posts = e.arrive(OpDesc::new(OpName::Split), post)?;
             // Checked over all posts, so every rank reaches the same verdict: a split fails on
             // all ranks or on none (a rank listed by a peer it disagrees with must hear of it).
             let lists: Vec<Vec<usize>> = posts
@@ -836,7 +813,7 @@ impl Backend for LocalBackend {
                 .map(|p| p.ranks.clone().unwrap_or_default())
                 .collect();
             drop(posts);
-            e.group.depart(e.ctx, e.coll, e.rank, false, e.deadline)?;
+            e.depart(false)?;
             check_split_lists(&lists).map_err(|reason| CommError::invalid(e.ctx, reason))?;
             if ranks.is_empty() {
                 return Ok(None);
@@ -908,10 +885,9 @@ impl Backend for LocalBackend {
                 bytes: Some(bytes),
                 ..OpDesc::new(OpName::NewWindow)
             };
-            e.group
-                .arrive(e.ctx, e.coll, e.rank, desc, Post::default(), e.deadline)?;
+            e.arrive(desc, Post::default())?;
             let shared = WindowShared::get_or_create(e.group, e.coll, bytes);
-            e.group.depart(e.ctx, e.coll, e.rank, false, e.deadline)?;
+            e.depart(false)?;
             Ok(Arc::new(LocalWindow::new(shared, core)) as Arc<dyn WindowBackend>)
         })
     }

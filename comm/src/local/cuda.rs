@@ -119,12 +119,10 @@ fn exchange<R>(
     post: Post,
     compute: impl FnOnce(&[Post]) -> Result<R>,
 ) -> Result<R> {
-    let posts = e
-        .group
-        .arrive(e.ctx, e.coll, e.rank, desc, post, e.deadline)?;
+    let posts = e.arrive(desc, post)?;
     let out = compute(&posts).and_then(|r| sync(e.ctx, dev).map(|()| r));
     drop(posts);
-    let departed = e.group.depart(e.ctx, e.coll, e.rank, true, e.deadline);
+    let departed = e.depart(true);
     let out = out?;
     departed?;
     Ok(out)

@@ -153,9 +153,8 @@ impl WindowBackend for LocalWindow {
     fn fence(&self, ctx: &OpCtx) -> Result<()> {
         self.core.run_sync(ctx.clone(), |e| {
             let desc = OpDesc::new(OpName::WindowFence);
-            e.group
-                .arrive(e.ctx, e.coll, e.rank, desc, Post::default(), e.deadline)?;
-            e.group.depart(e.ctx, e.coll, e.rank, false, e.deadline)
+            e.arrive(desc, Post::default())?;
+            e.depart(false)
         })
     }
 }
