@@ -297,6 +297,30 @@ fn even_shard_to_shard_pairs() {
     assert_no_failures("even shard-to-shard pairs", &fails);
 }
 
+/// Gathering a dim with outer dims before it, on even shapes: the gathered pieces are
+/// interleaved by one transposed copy (no zero-filled output). 2-D and 3-D tensors, the
+/// gathered dim in the middle and last, values and gradients; 1-D meshes and the 2x2
+/// `[S(0),S(1)] -> [R,R]` of the benchmark.
+#[test]
+fn even_gathers_behind_outer_dims() {
+    let mut fails = Vec::new();
+    for mesh in [&[2][..], &[4]] {
+        let mut rng = Rng::for_name("even-gather", mesh[0] as u64);
+        let mut pairs = Vec::new();
+        for (shape, d) in [(&[8, 12][..], 1), (&[4, 8, 4], 1), (&[4, 8, 4], 2)] {
+            pairs.push(pair(&mut rng, shape, vec![S(d)], vec![Rep], mesh));
+        }
+        fails.extend(run_pairs(mesh, &pairs));
+    }
+    let mut rng = Rng::for_name("even-gather-2x2", 4);
+    let pairs = [&[8, 12][..], &[4, 8, 4]]
+        .into_iter()
+        .map(|shape| pair(&mut rng, shape, vec![S(0), S(1)], vec![Rep, Rep], &[2, 2]))
+        .collect::<Vec<_>>();
+    fails.extend(run_pairs(&[2, 2], &pairs));
+    assert_no_failures("even gathers behind outer dims", &fails);
+}
+
 /// Every pair of placement lists would be 81^2 (2-D) or 729^2 (3-D) per mesh: for every mesh
 /// dim, every pair of placements on it with random placements elsewhere, plus random pairs of
 /// lists (eight times as many with `CDT_FULL_SWEEP=1`).
