@@ -349,6 +349,22 @@ impl NcclBackend {
         self.core().issue(ctx, calls, delivery, Box::new(keep))
     }
 
+    /// [`Self::issue`] of an op that reads `input` and writes `out`, which the work returns.
+    fn issue_into(
+        &self,
+        ctx: OpCtx,
+        calls: Vec<Call>,
+        input: Tensor,
+        out: Tensor,
+    ) -> Result<Work<Tensor>> {
+        self.issue(
+            ctx,
+            calls,
+            Delivery::Published(out.clone()),
+            vec![input, out],
+        )
+    }
+
     /// All-gathers a few integers and reads them on the host (split lists, shapes).
     ///
     /// # Blocking
@@ -462,12 +478,7 @@ impl NcclBackend {
                 op: rop,
             }]
         };
-        self.issue(
-            ctx,
-            calls,
-            Delivery::Published(out.clone()),
-            vec![input, out],
-        )
+        self.issue_into(ctx, calls, input, out)
     }
 
     fn all_gather_single(
@@ -496,12 +507,7 @@ impl NcclBackend {
                 dt,
             }]
         };
-        self.issue(
-            ctx,
-            calls,
-            Delivery::Published(out.clone()),
-            vec![input, out],
-        )
+        self.issue_into(ctx, calls, input, out)
     }
 
     fn reduce_scatter_single(
@@ -532,12 +538,7 @@ impl NcclBackend {
                 op: rop,
             }]
         };
-        self.issue(
-            ctx,
-            calls,
-            Delivery::Published(out.clone()),
-            vec![input, out],
-        )
+        self.issue_into(ctx, calls, input, out)
     }
 
     fn all_to_all_single(
@@ -556,12 +557,7 @@ impl NcclBackend {
             let (send, recv) = self.disjoint(&ctx, &input, &out)?;
             plan::all_to_all(&self.core().gates, send, recv, chunk, dt, n)
         };
-        self.issue(
-            ctx,
-            calls,
-            Delivery::Published(out.clone()),
-            vec![input, out],
-        )
+        self.issue_into(ctx, calls, input, out)
     }
 
     fn all_to_all_v_single(
@@ -596,12 +592,7 @@ impl NcclBackend {
         };
         let calls =
             plan::all_to_all_v(send, recv, &input_split_sizes, &output_split_sizes, row, dt);
-        self.issue(
-            ctx,
-            calls,
-            Delivery::Published(out.clone()),
-            vec![input, out],
-        )
+        self.issue_into(ctx, calls, input, out)
     }
 
     fn broadcast(&self, ctx: OpCtx, tensor: Tensor, root: usize) -> Result<Work<Tensor>> {
