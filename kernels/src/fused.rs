@@ -8,29 +8,28 @@
 //! primitive compositions in `ops::nn`, which are the reference these kernels are tested
 //! against.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Error, Layout, Shape, Tensor,
+};
 
 use crate::storage::{with_slice, Elem};
 
 type CResult<T> = candle_core::Result<T>;
 
-fn msg(s: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(s.into())
-}
-
 fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> CResult<&'a [f32]> {
-    let v = <f32 as Elem>::slice(s).ok_or_else(|| msg(format!("{op}: fused kernel takes f32")))?;
+    let v = <f32 as Elem>::slice(s)
+        .ok_or_else(|| Error::msg(format!("{op}: fused kernel takes f32")))?;
     let (a, b) = l
         .contiguous_offsets()
-        .ok_or_else(|| msg(format!("{op}: input must be contiguous")))?;
+        .ok_or_else(|| Error::msg(format!("{op}: input must be contiguous")))?;
     v.get(a..b)
-        .ok_or_else(|| msg(format!("{op}: input view outside its storage")))
+        .ok_or_else(|| Error::msg(format!("{op}: input view outside its storage")))
 }
 
 /// Runs `f` on the f32 data of a contiguous CPU tensor.
 fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> CResult<R> {
     if t.dtype() != DType::F32 {
-        return Err(msg("fused kernel takes f32"));
+        return Err(Error::msg("fused kernel takes f32"));
     }
     with_slice::<f32, R>(t, f)
 }
@@ -123,7 +122,7 @@ fn last_dim(shape: &Shape, op: &str) -> CResult<usize> {
         .dims()
         .last()
         .copied()
-        .ok_or_else(|| msg(format!("{op}: needs at least one dim")))
+        .ok_or_else(|| Error::msg(format!("{op}: needs at least one dim")))
 }
 
 /// Softmax over the last dim with optional scale and causal mask (`[.., T, S]`: position
@@ -385,7 +384,7 @@ impl CustomOp2 for NormAffine {
         let (x, w) = (f32_slice(s1, l1, "norm")?, f32_slice(s2, l2, "norm")?);
         let n = last_dim(l1.shape(), "norm")?;
         if w.len() != n {
-            return Err(msg(format!(
+            return Err(Error::msg(format!(
                 "norm: weight has {} elements for a last dim of {n}",
                 w.len()
             )));
@@ -436,7 +435,7 @@ impl CustomOp3 for NormAffineBias {
         );
         let n = last_dim(l1.shape(), "norm")?;
         if w.len() != n || b.len() != n {
-            return Err(msg(format!(
+            return Err(Error::msg(format!(
                 "norm: weight/bias have {}/{} elements for a last dim of {n}",
                 w.len(),
                 b.len()
@@ -509,7 +508,7 @@ impl CustomOp1 for CrossEntropy {
         let c = last_dim(l.shape(), "cross_entropy")?;
         let rows = self.targets.len();
         if c == 0 || rows == 0 || x.len() != rows * c {
-            return Err(msg("cross_entropy: logits/targets shape mismatch"));
+            return Err(Error::msg("cross_entropy: logits/targets shape mismatch"));
         }
         let mut total = 0f64;
         for (xr, &t) in x.chunks_exact(c).zip(&self.targets) {
@@ -517,7 +516,7 @@ impl CustomOp1 for CrossEntropy {
             let sum: f32 = xr.iter().map(|&v| fast_exp(v - m)).sum();
             let picked = *xr
                 .get(t as usize)
-                .ok_or_else(|| msg(format!("cross_entropy: class id {t} >= {c} classes")))?;
+                .ok_or_else(|| Error::msg(format!("cross_entropy: class id {t} >= {c} classes")))?;
             total += f64::from(m + sum.ln() - picked);
         }
         Ok((
@@ -578,7 +577,7 @@ impl CustomOp1 for SumExpShifted {
         let c = last_dim(l.shape(), "sum_exp")?;
         let rows = self.m.len();
         if c == 0 || x.len() != rows * c {
-            return Err(msg("sum_exp: logits/shift shape mismatch"));
+            return Err(Error::msg("sum_exp: logits/shift shape mismatch"));
         }
         let y: Vec<f32> = x
             .chunks_exact(c)
@@ -632,7 +631,7 @@ impl CustomOp1 for PickMasked {
         let c = last_dim(l.shape(), "pick")?;
         let rows = self.ids.len();
         if c == 0 || x.len() != rows * c {
-            return Err(msg("pick: logits/ids shape mismatch"));
+            return Err(Error::msg("pick: logits/ids shape mismatch"));
         }
         let mut y = vec![0f32; rows];
         for (i, (&id, &inside)) in self.ids.iter().zip(&self.inside).enumerate() {
@@ -640,7 +639,7 @@ impl CustomOp1 for PickMasked {
                 y[i] = *x
                     .get(i * c + id as usize)
                     .filter(|_| (id as usize) < c)
-                    .ok_or_else(|| msg(format!("pick: local class id {id} >= {c}")))?;
+                    .ok_or_else(|| Error::msg(format!("pick: local class id {id} >= {c}")))?;
             }
         }
         Ok((CpuStorage::F32(y), Shape::from((rows, 1))))
@@ -765,12 +764,12 @@ fn combine_dims(
 ) -> CResult<(usize, usize)> {
     let (m, d) = y.dims2()?;
     if !applies(y) || !applies(gates) {
-        return Err(msg(
+        return Err(Error::msg(
             "weighted_scatter_add: fused kernel takes f32 CPU tensors",
         ));
     }
     if gates.dims() != [n, k] || m != slots.len() {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "weighted_scatter_add: y {:?} for {} slots, gates {:?} for {n} tokens x top-{k}",
             y.dims(),
             slots.len(),
@@ -778,7 +777,7 @@ fn combine_dims(
         )));
     }
     if let Some(&s) = slots.iter().find(|&&s| s as usize >= n * k) {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "weighted_scatter_add: slot {s} outside {n} tokens x top-{k}"
         )));
     }
@@ -850,7 +849,7 @@ pub fn weighted_scatter_add_backward(
     let (n, _) = gates.dims2()?;
     let (m, d) = combine_dims(y, gates, slots, k, n)?;
     if grad.dims() != [n, d] || !applies(grad) {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "weighted_scatter_add backward: gradient {:?} {:?} for [{n}, {d}] f32",
             grad.dims(),
             grad.dtype()

@@ -9,15 +9,11 @@
 
 use std::sync::Mutex;
 
-use candle_core::{CustomOp2, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
 
 use crate::storage::{from_host_vec, output_of, with_slice, DeviceStorage};
 
 type CResult<T> = candle_core::Result<T>;
-
-fn msg(s: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(s.into())
-}
 
 /// Takes the precomputed output and returns its data as a fresh storage of the node's backend
 /// (one copy), adding `bias` (an f32 row broadcast over the leading dims) on the way when given.
@@ -30,7 +26,7 @@ fn output_storage<S: DeviceStorage>(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .take()
-        .ok_or_else(|| msg("fused region: output already taken"))?;
+        .ok_or_else(|| Error::msg("fused region: output already taken"))?;
     let Some(b) = bias else {
         return Ok((output_of::<S>(&y)?, y.shape().clone()));
     };
@@ -57,7 +53,7 @@ fn softmax_backward(p: &Tensor, dp: &Tensor, scale: f32) -> CResult<Tensor> {
     let n = *p
         .dims()
         .last()
-        .ok_or_else(|| msg("softmax_backward: scalar"))?;
+        .ok_or_else(|| Error::msg("softmax_backward: scalar"))?;
     let out = with_slice::<f32, _>(&p, |pv| {
         with_slice::<f32, _>(&dp, |gv| {
             let mut out = vec![0f32; pv.len()];
@@ -185,7 +181,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
         let dims = x.dims().to_vec();
         let inner = *dims
             .last()
-            .ok_or_else(|| msg("linear: x needs at least one dim"))?;
+            .ok_or_else(|| Error::msg("linear: x needs at least one dim"))?;
         // Explicit row count: `()` cannot be inferred for an empty piece.
         let rows: usize = dims[..dims.len() - 1].iter().product();
         let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;

@@ -35,13 +35,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CudaStorage, DType, Error, Layout, Shape, Storage, Tensor};
 
 type Result<T> = candle_core::Result<T>;
-
-fn msg(s: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(s.into())
-}
 
 /// The dtype of a released tensor's placeholder storage.
 pub const RELEASED_DTYPE: DType = DType::F4;
@@ -267,7 +263,7 @@ impl DeviceStorage for CudaStorage {
 /// The storage behind a read guard as backend `S`, or an error naming the device.
 fn backend_of<'a, S: DeviceStorage>(s: &'a Storage, what: &str) -> Result<&'a S> {
     S::of(s).ok_or_else(|| {
-        msg(format!(
+        Error::msg(format!(
             "{what}: tensors on {:?} and on another device",
             s.device().location()
         ))
@@ -411,7 +407,7 @@ pub fn is_released(t: &Tensor) -> bool {
 }
 
 fn released_error(what: &str) -> candle_core::Error {
-    msg(format!("{what}: the tensor's storage has been released"))
+    Error::msg(format!("{what}: the tensor's storage has been released"))
 }
 
 /// Names of released storages, for error messages: keyed by the address of the `Storage` in
@@ -445,12 +441,12 @@ pub fn released_name(t: &Tensor) -> Option<Arc<str>> {
 fn check_owner(t: &Tensor, what: &str) -> Result<()> {
     let l = t.layout();
     if !l.is_contiguous() || l.start_offset() != 0 {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "{what}: only a contiguous tensor at offset 0 can own a releasable storage"
         )));
     }
     if t.dtype() == RELEASED_DTYPE {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "{what}: {RELEASED_DTYPE:?} tensors cannot be released"
         )));
     }
@@ -558,7 +554,7 @@ pub fn refill_from_segments(t: &Tensor, src: &Tensor, segs: &[(usize, usize)]) -
     let total: usize = segs.iter().map(|s| s.1).sum();
     let end = segs.iter().map(|s| s.0 + s.1).max().unwrap_or(0);
     if total != t.elem_count() || src.dtype() != t.dtype() || end > src.elem_count() {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "refill: {total} elements (up to element {end}) of a {:?} {:?} tensor into {:?} {:?}",
             src.dims(),
             src.dtype(),
@@ -567,13 +563,13 @@ pub fn refill_from_segments(t: &Tensor, src: &Tensor, segs: &[(usize, usize)]) -
         )));
     }
     if !src.is_contiguous() {
-        return Err(msg("refill: the source must be contiguous"));
+        return Err(Error::msg("refill: the source must be contiguous"));
     }
     if is_released(src) {
         return Err(released_error("refill"));
     }
     if !src.device().same_device(t.device()) {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "refill: source on {:?}, tensor on {:?}",
             src.device().location(),
             t.device().location()
@@ -583,7 +579,7 @@ pub fn refill_from_segments(t: &Tensor, src: &Tensor, segs: &[(usize, usize)]) -
         return Ok(());
     }
     if same_storage(t, src) {
-        return Err(msg("refill: the source shares the tensor's storage"));
+        return Err(Error::msg("refill: the source shares the tensor's storage"));
     }
     let key = storage_key(t);
     t.inplace_op1(&Swap::Segments {
@@ -659,7 +655,7 @@ impl Cut {
 
 fn check_rows(t: &Tensor, what: &str) -> Result<()> {
     if !t.is_contiguous() {
-        return Err(msg(format!("{what}: expected a contiguous tensor")));
+        return Err(Error::msg(format!("{what}: expected a contiguous tensor")));
     }
     if is_released(t) {
         return Err(released_error(what));
@@ -689,20 +685,22 @@ pub fn copy_rows(
     check_rows(src, "copy_rows")?;
     check_rows(dst, "copy_rows")?;
     if src.dtype() != dst.dtype() {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "copy_rows: {:?} rows into a {:?} tensor",
             src.dtype(),
             dst.dtype()
         )));
     }
     if same_storage(dst, src) {
-        return Err(msg("copy_rows: source and destination share a storage"));
+        return Err(Error::msg(
+            "copy_rows: source and destination share a storage",
+        ));
     }
     let in_bounds = |len: usize, row: usize, n: usize| row + rows <= len && pre * len * post <= n;
     if !in_bounds(src_len, src_row, src.elem_count())
         || !in_bounds(dst_len, dst_row, dst.elem_count())
     {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "copy_rows: {rows} rows of {post} from row {src_row} of [{pre}, {src_len}] ({} elements) to row {dst_row} of [{pre}, {dst_len}] ({} elements)",
             src.elem_count(),
             dst.elem_count()
@@ -723,7 +721,7 @@ pub fn copy_rows(
 /// for tensors the caller just created and has not shared.
 pub fn fill_from(dest: &Tensor, src: &Tensor) -> Result<()> {
     if src.elem_count() != dest.elem_count() || src.dtype() != dest.dtype() {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "fill: {:?} {:?} into {:?} {:?}",
             src.dims(),
             src.dtype(),
@@ -747,7 +745,7 @@ pub fn pad_dim(x: &Tensor, dim: usize, to: usize) -> Result<Tensor> {
         return Ok(x.clone());
     }
     if cut.len > to {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "pad: {} rows on dim {dim} of {:?} exceed {to}",
             cut.len,
             x.dims()
@@ -791,11 +789,11 @@ pub fn with_slice<T: Elem, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R
     let (g, l) = t.storage_and_layout();
     let (a, b) = l
         .contiguous_offsets()
-        .ok_or_else(|| msg("expected a contiguous tensor"))?;
+        .ok_or_else(|| Error::msg("expected a contiguous tensor"))?;
     let s = match &*g {
         Storage::Cpu(c) => c,
         other => {
-            return Err(msg(format!(
+            return Err(Error::msg(format!(
                 "expected a CPU tensor, got one on {:?}",
                 other.device().location()
             )))
@@ -805,7 +803,7 @@ pub fn with_slice<T: Elem, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R
         if s.dtype() == RELEASED_DTYPE {
             released_error("read")
         } else {
-            msg(format!(
+            Error::msg(format!(
                 "expected {:?} data, the tensor holds {:?}",
                 T::DTYPE,
                 s.dtype()
@@ -814,7 +812,7 @@ pub fn with_slice<T: Elem, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R
     })?;
     let v = v
         .get(a..b)
-        .ok_or_else(|| msg("tensor view outside its storage"))?;
+        .ok_or_else(|| Error::msg("tensor view outside its storage"))?;
     Ok(f(v))
 }
 
@@ -833,18 +831,18 @@ impl<T: Elem, F: FnOnce(&mut [T]) -> Result<()> + Send> candle_core::InplaceOp1
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
         let (a, b) = l
             .contiguous_offsets()
-            .ok_or_else(|| msg("expected a contiguous tensor"))?;
+            .ok_or_else(|| Error::msg("expected a contiguous tensor"))?;
         let dtype = s.dtype();
         let v = T::slice_mut(s)
-            .ok_or_else(|| msg(format!("expected {:?} data, got {dtype:?}", T::DTYPE)))?
+            .ok_or_else(|| Error::msg(format!("expected {:?} data, got {dtype:?}", T::DTYPE)))?
             .get_mut(a..b)
-            .ok_or_else(|| msg("tensor view outside its storage"))?;
+            .ok_or_else(|| Error::msg("tensor view outside its storage"))?;
         let f = self
             .f
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
-            .ok_or_else(|| msg("write closure already used"))?;
+            .ok_or_else(|| Error::msg("write closure already used"))?;
         f(v)
     }
 }
@@ -856,7 +854,7 @@ pub fn with_slice_mut<T: Elem>(
     f: impl FnOnce(&mut [T]) -> Result<()> + Send,
 ) -> Result<()> {
     if !t.device().is_cpu() {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "expected a CPU tensor, got one on {:?}",
             t.device().location()
         )));
@@ -878,10 +876,10 @@ pub fn update_with<T: Elem>(
     f: impl FnOnce(&mut [T], &[T]) -> Result<()> + Send,
 ) -> Result<()> {
     if same_storage(dst, src) {
-        return Err(msg("update: source and destination share a storage"));
+        return Err(Error::msg("update: source and destination share a storage"));
     }
     if src.elem_count() != dst.elem_count() {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "update: {} elements from a tensor of {}",
             dst.elem_count(),
             src.elem_count()
@@ -901,16 +899,16 @@ pub fn host_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let (g, l) = t.storage_and_layout();
     let (a, b) = l
         .contiguous_offsets()
-        .ok_or_else(|| msg("expected a contiguous tensor"))?;
+        .ok_or_else(|| Error::msg("expected a contiguous tensor"))?;
     let Storage::Cpu(s) = &*g else {
-        return Err(msg("host staging: not a CPU tensor"));
+        return Err(Error::msg("host staging: not a CPU tensor"));
     };
     if s.dtype() == RELEASED_DTYPE {
         return Err(released_error("host staging"));
     }
     // Little-endian targets only (x86_64, aarch64): the in-memory bytes are the file's bytes.
     const _: () = assert!(cfg!(target_endian = "little"));
-    with_cpu_slice!(s, v => Ok(as_bytes(&v[a..b]).to_vec()), _ => Err(msg(format!(
+    with_cpu_slice!(s, v => Ok(as_bytes(&v[a..b]).to_vec()), _ => Err(Error::msg(format!(
         "host staging: unsupported dtype {:?}",
         t.dtype()
     ))))
@@ -921,7 +919,7 @@ pub fn host_bytes(t: &Tensor) -> Result<Vec<u8>> {
 pub fn set_from_bytes(t: &Tensor, bytes: &[u8]) -> Result<()> {
     let want = t.elem_count() * t.dtype().size_in_bytes();
     if bytes.len() != want {
-        return Err(msg(format!(
+        return Err(Error::msg(format!(
             "set from bytes: {} bytes for a {:?} {:?} tensor ({want} bytes)",
             bytes.len(),
             t.dims(),
@@ -943,13 +941,13 @@ pub fn set_from_bytes(t: &Tensor, bytes: &[u8]) -> Result<()> {
         fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
             let (a, b) = l
                 .contiguous_offsets()
-                .ok_or_else(|| msg("set from bytes: expected a contiguous tensor"))?;
+                .ok_or_else(|| Error::msg("set from bytes: expected a contiguous tensor"))?;
             let dtype = s.dtype();
             with_cpu_slice!(s, v => {
-                let dst = v.get_mut(a..b).ok_or_else(|| msg("tensor view outside its storage"))?;
+                let dst = v.get_mut(a..b).ok_or_else(|| Error::msg("tensor view outside its storage"))?;
                 as_bytes_mut(dst).copy_from_slice(self.0);
                 Ok(())
-            }, _ => Err(msg(format!("set from bytes: unsupported dtype {dtype:?}"))))
+            }, _ => Err(Error::msg(format!("set from bytes: unsupported dtype {dtype:?}"))))
         }
     }
     t.inplace_op1(&Write(bytes))

@@ -29,7 +29,7 @@ use std::collections::HashMap;
 use std::ops::{Add, Div, Mul, Sub};
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Result, Tensor, TensorId, Var};
+use candle_core::{DType, Error, Result, Tensor, TensorId, Var};
 use candle_dtensor_kernels::storage::{update_with, Elem as StorageElem};
 use candle_nn::{Optimizer, ParamsAdamW};
 
@@ -72,10 +72,6 @@ impl std::fmt::Debug for AdamW {
             .field("params", &self.params)
             .finish()
     }
-}
-
-fn msg(s: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(s.into())
 }
 
 /// The per-step constants, in f64 as candle-nn computes them.
@@ -166,7 +162,7 @@ fn step_fused<T: Elem>(
 ) -> Result<()> {
     update_with::<T>(var.as_tensor(), g, |theta, g| {
         if g.len() != theta.len() || m.len() != theta.len() || v.len() != theta.len() {
-            return Err(msg(format!(
+            return Err(Error::msg(format!(
                 "adamw: parameter of {} elements, gradient {}, moments {} / {}",
                 theta.len(),
                 g.len(),
@@ -242,7 +238,7 @@ impl Optimizer for AdamW {
                 continue;
             };
             if g.dims() != s.var.dims() {
-                return Err(msg(format!(
+                return Err(Error::msg(format!(
                     "adamw: gradient of shape {:?} for a parameter of shape {:?}",
                     g.dims(),
                     s.var.dims()
@@ -361,14 +357,14 @@ impl AdamW {
     /// `var` is not optimized here, or `m` / `v` have another shape or dtype.
     pub fn set_moments(&mut self, var: &Var, m: &Tensor, v: &Tensor) -> Result<()> {
         let Some(&i) = self.index.get(&var.as_tensor().id()) else {
-            return Err(msg(
+            return Err(Error::msg(
                 "adamw: set_moments on a variable this optimizer does not hold",
             ));
         };
         let s = &mut self.vars[i];
         for t in [m, v] {
             if t.dims() != s.var.dims() || t.dtype() != s.var.dtype() {
-                return Err(msg(format!(
+                return Err(Error::msg(format!(
                     "adamw: moments of shape {:?} {:?} for a parameter of shape {:?} {:?}",
                     t.dims(),
                     t.dtype(),
