@@ -26,7 +26,7 @@ mod collective_bench;
 use collective_bench::{parse_size, Op};
 #[path = "common/copy_floor.rs"]
 mod copy_floor;
-use copy_floor::{copy_rate, median};
+use copy_floor::{copy_rate, gather_rate, median};
 
 #[derive(Parser, Debug)]
 #[command(about = "Collective bandwidth of the local backend (nccl-tests style)")]
@@ -203,6 +203,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!(
             "world {n}, aggregate memcpy rate of {n} threads: {:.2} GB/s",
             rate / 1e9
+        );
+        let g = gather_rate(n, max_bytes);
+        println!(
+            "the same bytes in all_gather's pattern (shared pieces into each thread's output): \
+             {:.2} GB/s ({:.2} of the floor's rate)",
+            g / 1e9,
+            g / rate.max(1e-9)
         );
         println!(
             "{:<16} {:>8} {:>12} {:>11} {:>11} {:>11} {:>10} {:>10}",

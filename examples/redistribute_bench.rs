@@ -30,7 +30,7 @@ use clap::Parser;
 
 #[path = "common/copy_floor.rs"]
 mod copy_floor;
-use copy_floor::{copy_rate, median};
+use copy_floor::{copy_rate, gather_rate, median};
 
 #[derive(Parser, Debug)]
 #[command(about = "DTensor::redistribute against the copy floor")]
@@ -220,9 +220,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rows = Vec::new();
     if !args.json {
         for (n, rate) in sizes.iter().zip(&rates) {
+            let g = gather_rate(4, n * n * 4);
             println!(
-                "aggregate memcpy rate of 4 threads, {n}^2 f32 each: {:.2} GB/s",
-                rate / 1e9
+                "aggregate memcpy rate of 4 threads, {n}^2 f32 each: {:.2} GB/s; in all_gather's \
+                 pattern (shared pieces): {:.2} GB/s ({:.2} of it)",
+                rate / 1e9,
+                g / 1e9,
+                g / rate.max(1e-9)
             );
         }
         println!(

@@ -49,3 +49,44 @@ pub fn copy_rate(n: usize, bytes: usize) -> f64 {
     });
     (n * bytes) as f64 / median(secs).max(1e-9)
 }
+
+/// Aggregate memcpy rate (bytes/s) of all_gather's access pattern: each of `n` threads copies
+/// the same `n` shared pieces of `bytes / n` (one per thread, real fills) into its own
+/// `bytes`-long output, every thread starting at piece 0. Printed beside [`copy_rate`] as the
+/// bound a receiver-copies gather can reach on this machine (the floor copies private buffers).
+pub fn gather_rate(n: usize, bytes: usize) -> f64 {
+    let n = n.max(1);
+    let piece = (bytes / n).max(64 << 10);
+    const ROUNDS: usize = 9;
+    let pieces: Vec<Vec<u8>> = (0..n).map(|i| vec![(i % 255) as u8 + 1; piece]).collect();
+    let mut dsts: Vec<Vec<u8>> = (0..n).map(|_| vec![1u8; n * piece]).collect();
+    let barrier = std::sync::Barrier::new(n);
+    let mut secs = Vec::with_capacity(ROUNDS);
+    std::thread::scope(|s| {
+        let mut handles = Vec::new();
+        for (i, dst) in dsts.iter_mut().enumerate() {
+            let (barrier, pieces) = (&barrier, &pieces);
+            handles.push(s.spawn(move || {
+                let mut times = Vec::with_capacity(ROUNDS);
+                for _ in 0..ROUNDS {
+                    barrier.wait();
+                    let t0 = Instant::now();
+                    for (r, p) in pieces.iter().enumerate() {
+                        dst[r * piece..(r + 1) * piece].copy_from_slice(p);
+                    }
+                    barrier.wait();
+                    if i == 0 {
+                        times.push(t0.elapsed().as_secs_f64());
+                    }
+                }
+                times
+            }));
+        }
+        for h in handles {
+            if let Ok(t) = h.join() {
+                secs.extend(t);
+            }
+        }
+    });
+    (n * n * piece) as f64 / median(secs).max(1e-9)
+}
