@@ -15,44 +15,60 @@ const POOL_MIN_BYTES: usize = 1 << 20;
 /// The most the pool keeps.
 const POOL_MAX_BYTES: usize = 1 << 30;
 
-static POOL: Mutex<Vec<Vec<u64>>> = Mutex::new(Vec::new());
-
-fn pool_take(words: usize) -> Option<Vec<u64>> {
-    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    let best = pool
-        .iter()
-        .enumerate()
-        .filter(|(_, v)| v.len() >= words)
-        .min_by_key(|(_, v)| v.len())
-        .map(|(i, _)| i)?;
-    Some(pool.swap_remove(best))
+/// Freed scratch vectors kept for reuse, at most `max` bytes of them.
+struct Pool {
+    bufs: Mutex<Vec<Vec<u64>>>,
+    max: usize,
 }
 
-fn pool_give(v: Vec<u64>) {
-    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    let held: usize = pool.iter().map(|b| b.len() * 8).sum();
-    if held + v.len() * 8 <= POOL_MAX_BYTES {
-        pool.push(v);
-    } else if let Some(smallest) = pool
-        .iter()
-        .enumerate()
-        .min_by_key(|(_, b)| b.len())
-        .map(|(i, _)| i)
-        .filter(|&i| pool[i].len() < v.len())
-    {
-        pool[smallest] = v;
+impl Pool {
+    const fn new(max: usize) -> Pool {
+        Pool {
+            bufs: Mutex::new(Vec::new()),
+            max,
+        }
+    }
+
+    /// The smallest kept vector of at least `words` words.
+    fn take(&self, words: usize) -> Option<Vec<u64>> {
+        let mut bufs = self.bufs.lock().unwrap_or_else(|e| e.into_inner());
+        let best = bufs
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.len() >= words)
+            .min_by_key(|(_, v)| v.len())
+            .map(|(i, _)| i)?;
+        Some(bufs.swap_remove(best))
+    }
+
+    /// Keeps `v` if it fits under the cap, else in place of a smaller kept one, else drops it.
+    fn give(&self, v: Vec<u64>) {
+        let mut bufs = self.bufs.lock().unwrap_or_else(|e| e.into_inner());
+        let held: usize = bufs.iter().map(|b| b.len() * 8).sum();
+        if held + v.len() * 8 <= self.max {
+            bufs.push(v);
+        } else if let Some(smallest) = bufs
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, b)| b.len())
+            .map(|(i, _)| i)
+            .filter(|&i| {
+                bufs[i].len() < v.len() && held - bufs[i].len() * 8 + v.len() * 8 <= self.max
+            })
+        {
+            bufs[smallest] = v;
+        }
+    }
+
+    /// Bytes kept now.
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        let bufs = self.bufs.lock().unwrap_or_else(|e| e.into_inner());
+        bufs.iter().map(|b| b.len() * 8).sum()
     }
 }
 
-/// Bytes held by the pool now (for tests and diagnostics).
-#[cfg(test)]
-fn pooled_bytes() -> usize {
-    POOL.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .map(|b| b.len() * 8)
-        .sum()
-}
+static POOL: Pool = Pool::new(POOL_MAX_BYTES);
 
 /// `len` bytes in `ceil(len / 8)` initialised `u64`s.
 pub(crate) struct Bytes {
@@ -95,7 +111,7 @@ impl Bytes {
             return Bytes::zeroed(len);
         }
         Bytes {
-            words: pool_take(words).unwrap_or_else(|| vec![0u64; words]),
+            words: POOL.take(words).unwrap_or_else(|| vec![0u64; words]),
             len,
             pooled: true,
         }
@@ -137,7 +153,7 @@ impl Bytes {
 impl Drop for Bytes {
     fn drop(&mut self) {
         if self.pooled {
-            pool_give(std::mem::take(&mut self.words));
+            POOL.give(std::mem::take(&mut self.words));
         }
     }
 }
@@ -159,26 +175,33 @@ mod tests {
     }
 
     #[test]
-    fn large_scratch_is_reused_and_the_pool_is_capped() {
-        let len = POOL_MIN_BYTES + 3;
-        let mut a = Bytes::scratch(len);
-        a.bytes_mut().fill(0xab);
-        let addr = a.bytes().as_ptr() as usize;
-        drop(a);
-        assert!(pooled_bytes() >= len);
-        // Another test may take it first; when this one gets a pooled buffer of the right size
-        // back it is the same allocation, its old content visible (scratch is unspecified).
-        let b = Bytes::scratch(len);
-        assert_eq!(b.len(), len);
-        if b.bytes().as_ptr() as usize == addr {
-            assert!(b.bytes().iter().all(|&x| x == 0xab));
-        }
-        drop(b);
-        // Zeroed and small buffers never enter the pool; the pool never exceeds its cap.
-        drop(Bytes::zeroed(POOL_MIN_BYTES * 2));
-        for _ in 0..3 {
-            drop(Bytes::scratch(POOL_MAX_BYTES / 2));
-        }
-        assert!(pooled_bytes() <= POOL_MAX_BYTES);
+    fn only_large_scratch_is_pooled() {
+        assert!(!Bytes::zeroed(POOL_MIN_BYTES * 2).pooled);
+        assert!(!Bytes::scratch(POOL_MIN_BYTES - 1).pooled);
+        assert!(!Bytes::copy_of(&[7u8; 100]).pooled);
+        assert!(Bytes::scratch(POOL_MIN_BYTES).pooled);
+        assert!(Bytes::try_zeroed(POOL_MIN_BYTES).is_some_and(|b| !b.pooled));
+    }
+
+    #[test]
+    fn the_pool_reuses_the_best_fit_and_keeps_its_cap() {
+        // A pool of its own: the process-wide one is shared with concurrent tests.
+        let pool = Pool::new(64 * 8);
+        pool.give(vec![1u64; 16]);
+        pool.give(vec![2u64; 32]);
+        assert_eq!(pool.held(), 48 * 8);
+        // Best fit: the smallest vector that is large enough, with its old content.
+        let v = pool.take(10).expect("a 16-word vector fits 10 words");
+        assert_eq!((v.len(), v[0]), (16, 1));
+        assert!(pool.take(40).is_none());
+        // Over the cap: a larger vector replaces a smaller one only if the total still fits,
+        // otherwise it is dropped; the pool never holds more than its cap.
+        pool.give(vec![3u64; 40]);
+        assert_eq!(pool.held(), 40 * 8);
+        pool.give(vec![4u64; 48]);
+        assert!(pool.held() <= 64 * 8);
+        pool.give(vec![5u64; 100]);
+        assert!(pool.held() <= 64 * 8);
+        assert!(pool.take(100).is_none());
     }
 }
