@@ -697,19 +697,10 @@ impl NcclBackend {
         let calls = if total == 0 {
             Vec::new()
         } else if equal {
-            {
-                let count = counts[0];
-                let r = plan::Rooted {
-                    send,
-                    recv,
-                    count,
-                    dt,
-                    root,
-                    me,
-                    n,
-                };
-                plan::gather(&self.core().gates, r)
-            }
+            plan::gather(
+                &self.core().gates,
+                plan::Rooted::new(send, recv, counts[0], dt, root, me, n),
+            )
         } else {
             plan::gather_v(send, recv, &counts, dt, root, me)
         };
@@ -776,19 +767,10 @@ impl NcclBackend {
             } else {
                 recv
             };
-            {
-                let count = counts[0];
-                let r = plan::Rooted {
-                    send,
-                    recv,
-                    count,
-                    dt,
-                    root,
-                    me,
-                    n,
-                };
-                plan::scatter(&self.core().gates, r)
-            }
+            plan::scatter(
+                &self.core().gates,
+                plan::Rooted::new(send, recv, counts[0], dt, root, me, n),
+            )
         } else {
             let mut calls = Vec::new();
             if me == root {

@@ -187,6 +187,28 @@ pub struct Rooted {
 }
 
 impl Rooted {
+    /// The exchange as rank `me` of `n` sees it (the fields in declaration order).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        send: DevPtr,
+        recv: DevPtr,
+        count: usize,
+        dt: DataType,
+        root: usize,
+        me: usize,
+        n: usize,
+    ) -> Rooted {
+        Rooted {
+            send,
+            recv,
+            count,
+            dt,
+            root,
+            me,
+            n,
+        }
+    }
+
     /// The address of piece `p` of the root's `base` buffer.
     fn piece(&self, base: DevPtr, p: usize) -> DevPtr {
         base + (p * self.count * self.dt.size()) as u64
@@ -313,27 +335,6 @@ pub fn gather_v(
 mod tests {
     use super::*;
     use crate::nccl::version::NcclVersion;
-
-    #[allow(clippy::too_many_arguments)]
-    fn rooted(
-        send: DevPtr,
-        recv: DevPtr,
-        count: usize,
-        dt: DataType,
-        root: usize,
-        me: usize,
-        n: usize,
-    ) -> Rooted {
-        Rooted {
-            send,
-            recv,
-            count,
-            dt,
-            root,
-            me,
-            n,
-        }
-    }
 
     fn old() -> Gates {
         Gates::new(NcclVersion::new(2, 27, 7), |_| true)
@@ -496,7 +497,7 @@ mod tests {
 
     #[test]
     fn gather_and_scatter_plans() {
-        let g = gather(&new(), rooted(10, 20, 4, DataType::Uint8, 1, 0, 3));
+        let g = gather(&new(), Rooted::new(10, 20, 4, DataType::Uint8, 1, 0, 3));
         assert_eq!(
             g,
             vec![Call::Gather {
@@ -508,10 +509,10 @@ mod tests {
             }]
         );
         // Non-root on an old library: one send.
-        let g = gather(&old(), rooted(10, 20, 4, DataType::Uint8, 1, 0, 3));
+        let g = gather(&old(), Rooted::new(10, 20, 4, DataType::Uint8, 1, 0, 3));
         assert_eq!(g.len(), 1);
         // Root: its own send plus one receive per rank, back to back.
-        let g = gather(&old(), rooted(10, 100, 4, DataType::Uint32, 1, 1, 3));
+        let g = gather(&old(), Rooted::new(10, 100, 4, DataType::Uint32, 1, 1, 3));
         assert_eq!(g.len(), 4);
         assert_eq!(
             g[3],
@@ -522,7 +523,7 @@ mod tests {
                 peer: 2
             }
         );
-        let s = scatter(&old(), rooted(100, 7, 2, DataType::Int64, 0, 0, 2));
+        let s = scatter(&old(), Rooted::new(100, 7, 2, DataType::Int64, 0, 0, 2));
         assert_eq!(
             s,
             vec![
@@ -546,10 +547,10 @@ mod tests {
                 },
             ]
         );
-        let s = scatter(&old(), rooted(0, 7, 2, DataType::Int64, 0, 1, 2));
+        let s = scatter(&old(), Rooted::new(0, 7, 2, DataType::Int64, 0, 1, 2));
         assert_eq!(s.len(), 1);
         assert!(matches!(
-            scatter(&new(), rooted(0, 7, 2, DataType::Int64, 0, 1, 2))[0],
+            scatter(&new(), Rooted::new(0, 7, 2, DataType::Int64, 0, 1, 2))[0],
             Call::Scatter { .. }
         ));
     }
