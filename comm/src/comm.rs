@@ -4,7 +4,7 @@
 //! per-communicator sequence number, argument validation, hooks, the flight recorder, abort
 //! hooks and `tracing` spans. It hands validated, contiguous inputs to a [`Backend`].
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,6 +22,9 @@ use crate::types::{dtype_supported, reduce_supported, OpCtx, OpName, P2POp, Redu
 use crate::window::Window;
 use crate::work::{Work, WorkState};
 
+/// The least time an observer of a failure waits for another thread's abort hooks to finish.
+const HOOK_WAIT_FLOOR: Duration = Duration::from_secs(5);
+
 struct Inner {
     backend: Arc<dyn Backend>,
     name: Arc<str>,
@@ -29,7 +32,6 @@ struct Inner {
     seq: AtomicU64,
     hooks: Arc<HookSet>,
     recorder: Option<FlightRecorder>,
-    failed: AtomicBool,
 }
 
 /// The ops that share [`Comm::dense`].
@@ -100,7 +102,6 @@ impl Comm {
                 seq: AtomicU64::new(0),
                 hooks: Arc::new(HookSet::default()),
                 recorder,
-                failed: AtomicBool::new(false),
             }),
             timeout,
         };
@@ -228,10 +229,11 @@ impl Comm {
         r
     }
 
+    /// Runs the abort hooks once; returns after they have run, whichever thread runs them.
     fn fail_once(&self, err: &CommError) {
-        if !self.inner.failed.swap(true, Ordering::AcqRel) {
-            self.inner.hooks.run_abort(err);
-        }
+        self.inner
+            .hooks
+            .abort_once(err, self.timeout.max(HOOK_WAIT_FLOOR));
     }
 
     fn ctx_with(&self, op: OpName, seq: u64) -> OpCtx {

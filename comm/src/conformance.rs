@@ -594,6 +594,14 @@ static CASES: &[(CaseInfo, CaseFn)] = &[
         case("hooks::abort_hooks_on_abort", 1),
         hooks::abort_hooks_on_abort,
     ),
+    (
+        case("hooks::failed_wait_returns_after_the_hooks", 2),
+        hooks::failed_wait_returns_after_the_hooks,
+    ),
+    (
+        case("hooks::concurrent_aborts_return_after_the_hooks", 1),
+        hooks::concurrent_aborts_return_after_the_hooks,
+    ),
     (case("hooks::flight_recorder", 2), hooks::flight_recorder),
     (
         rma_case("rma::ring_put_signal_get_fence", 1),

@@ -3,11 +3,15 @@
 //! A pre-hook sees every operation before it is handed to the backend, a post-hook right after,
 //! with a view of its [`Work`](crate::Work) state; abort hooks run once when the communicator
 //! fails (explicit abort, a timeout, a desync, a peer failure). Hooks run on the thread that
-//! issues the operation (abort hooks: on whichever thread observes the failure), so they must
-//! be cheap and must not issue operations on the same communicator.
+//! issues the operation (abort hooks: on whichever thread observes the failure first), so they
+//! must be cheap and must not issue operations on the same communicator. Every other thread
+//! that observes the failure (a failed [`Work::wait`](crate::Work::wait), an explicit abort)
+//! returns only after the abort hooks have finished.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::thread::ThreadId;
+use std::time::Duration;
 
 use candle_core::DType;
 
@@ -61,6 +65,17 @@ pub(crate) struct HookSet {
     pre: List<PreHook>,
     post: List<PostHook>,
     abort: List<AbortHook>,
+    fired: Mutex<Fired>,
+    fired_cv: Condvar,
+}
+
+/// Where the once-only run of the abort hooks stands.
+#[derive(Default)]
+enum Fired {
+    #[default]
+    No,
+    Running(ThreadId),
+    Done,
 }
 
 /// The hooks of `list` now (so none runs under its lock).
@@ -157,8 +172,42 @@ impl HookSet {
         }
     }
 
+    /// Runs the abort hooks for the first failure observed; later calls return once that run
+    /// has finished, so whoever observes a failure sees the hooks' effects. A call from a hook
+    /// itself (the running thread) returns at once, and a hook that runs longer than `bound`
+    /// releases the other callers with a warning rather than hanging them.
+    pub(crate) fn abort_once(&self, err: &CommError, bound: Duration) {
+        let me = std::thread::current().id();
+        let mut fired = self.fired.lock().unwrap_or_else(|e| e.into_inner());
+        match *fired {
+            Fired::Done => {}
+            Fired::Running(t) if t == me => {}
+            Fired::Running(_) => {
+                let (fired, wait) = self
+                    .fired_cv
+                    .wait_timeout_while(fired, bound, |f| matches!(f, Fired::Running(_)))
+                    .unwrap_or_else(|e| e.into_inner());
+                drop(fired);
+                if wait.timed_out() {
+                    tracing::warn!(
+                        error = %err,
+                        bound_ms = bound.as_millis() as u64,
+                        "abort hooks still running; not waiting longer for them"
+                    );
+                }
+            }
+            Fired::No => {
+                *fired = Fired::Running(me);
+                drop(fired);
+                self.run_abort(err);
+                *self.fired.lock().unwrap_or_else(|e| e.into_inner()) = Fired::Done;
+                self.fired_cv.notify_all();
+            }
+        }
+    }
+
     /// Runs the abort hooks; a panicking hook is caught and logged so the others still run.
-    pub(crate) fn run_abort(&self, err: &CommError) {
+    fn run_abort(&self, err: &CommError) {
         for h in snapshot(&self.abort) {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(err)));
             if r.is_err() {

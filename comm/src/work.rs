@@ -360,21 +360,23 @@ impl<T: Send + 'static> WorkCompleter<T> {
             t.finished = Some(now);
             t.error = err.as_ref().map(|e| e.to_string());
         }
-        // The callback is taken on success too and dropped here: it holds a handle of the
-        // communicator, and observers (the flight recorder) keep this work's state alive, so a
-        // callback left in place would keep the communicator, and its progress thread, alive
-        // forever.
-        let callback = {
-            let mut slot = self.core.on_error.lock().unwrap_or_else(|e| e.into_inner());
-            let mut r = self.core.result.lock().unwrap_or_else(|e| e.into_inner());
-            set(&mut r);
-            self.core.status.store(status as u8, Ordering::Release);
-            self.core.cv.notify_all();
-            slot.take()
-        };
-        if let (Some(cb), Some(e)) = (callback, err) {
+        // The failure callback (the communicator's abort hooks) runs before the waiter wakes,
+        // so a failed `wait` returns after the hooks have run. The slot stays locked until the
+        // result is stored: an `on_error` registered meanwhile then finds the error and runs
+        // its callback itself instead of parking it where nobody would run it. The callback is
+        // taken on success too and dropped here: it holds a handle of the communicator, and
+        // observers (the flight recorder) keep this work's state alive, so a callback left in
+        // place would keep the communicator, and its progress thread, alive forever.
+        let mut slot = self.core.on_error.lock().unwrap_or_else(|e| e.into_inner());
+        self.core.status.store(status as u8, Ordering::Release);
+        if let (Some(cb), Some(e)) = (slot.take(), err) {
             cb(&e);
         }
+        let mut r = self.core.result.lock().unwrap_or_else(|e| e.into_inner());
+        set(&mut r);
+        self.core.cv.notify_all();
+        drop(r);
+        drop(slot);
     }
 
     /// Hands `value` to the waiter before the operation has finished, for stream-ordered

@@ -128,6 +128,8 @@ mod suite {
         hooks_pre_and_post: "hooks::pre_and_post_hooks" on [2];
         hooks_abort_on_timeout: "hooks::abort_hooks_on_timeout" on [2];
         hooks_abort_on_abort: "hooks::abort_hooks_on_abort" on [1];
+        hooks_failed_wait_after_hooks: "hooks::failed_wait_returns_after_the_hooks" on [2, 3];
+        hooks_concurrent_aborts: "hooks::concurrent_aborts_return_after_the_hooks" on [1, 3];
         hooks_flight_recorder: "hooks::flight_recorder" on [2];
         rma_ring_put_signal_get_fence: "rma::ring_put_signal_get_fence" on [1, 2, 3, 5];
         rma_signals_count_and_time_out: "rma::signals_count_and_time_out" on [2];

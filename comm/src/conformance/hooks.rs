@@ -221,6 +221,62 @@ pub(super) fn abort_hooks_on_abort(cx: &Cx) -> R<()> {
     Ok(())
 }
 
+/// How long the hooks of the two cases below take: long enough that an observer which does not
+/// wait for them returns before they finish.
+const SLOW_HOOK: Duration = Duration::from_millis(150);
+
+pub(super) fn failed_wait_returns_after_the_hooks(cx: &Cx) -> R<()> {
+    let (n, rank) = (cx.size(), cx.rank());
+    let comm = cx.short();
+    let count = Arc::new(AtomicUsize::new(0));
+    let c = count.clone();
+    let _keep = comm.register_abort_hook(move |_| {
+        std::thread::sleep(SLOW_HOOK);
+        c.fetch_add(1, Ordering::SeqCst);
+    });
+    comm.barrier()?.wait()?;
+    if rank == n - 1 {
+        return Ok(());
+    }
+    let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
+    // The failure is observed on the backend's thread (a timeout, or a peer's report); the
+    // waiter must not wake before the hooks it set off have finished.
+    let e = fails(comm.all_reduce(&x, ReduceOp::Sum)?.wait(), "timeout");
+    assert!(e.is_fatal(), "{e}");
+    assert_eq!(
+        count.load(Ordering::SeqCst),
+        1,
+        "rank {rank}: a failed wait returned before the abort hooks had run"
+    );
+    Ok(())
+}
+
+pub(super) fn concurrent_aborts_return_after_the_hooks(cx: &Cx) -> R<()> {
+    let comm = cx.fresh("racing-aborts")?;
+    let count = Arc::new(AtomicUsize::new(0));
+    let c = count.clone();
+    let _keep = comm.register_abort_hook(move |_| {
+        std::thread::sleep(SLOW_HOOK);
+        c.fetch_add(1, Ordering::SeqCst);
+    });
+    let start = Arc::new(std::sync::Barrier::new(3));
+    let racers: Vec<_> = (0..3)
+        .map(|i| {
+            let (comm, start, count) = (comm.clone(), start.clone(), count.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                comm.abort(&format!("racer {i}"));
+                count.load(Ordering::SeqCst)
+            })
+        })
+        .collect();
+    for r in racers {
+        let seen = r.join().map_err(|_| "an aborting thread panicked")?;
+        assert_eq!(seen, 1, "an abort returned before the abort hooks had run");
+    }
+    Ok(())
+}
+
 fn entries(d: &serde_json::Value) -> Vec<serde_json::Value> {
     d["entries"].as_array().cloned().unwrap_or_default()
 }
