@@ -225,15 +225,22 @@ pub(super) fn abort_hooks_on_abort(cx: &Cx) -> R<()> {
 /// wait for them returns before they finish.
 const SLOW_HOOK: Duration = Duration::from_millis(150);
 
-pub(super) fn failed_wait_returns_after_the_hooks(cx: &Cx) -> R<()> {
-    let (n, rank) = (cx.size(), cx.rank());
-    let comm = cx.short();
+/// Registers an abort hook that sleeps [`SLOW_HOOK`] and then counts its runs.
+fn slow_counting_hook(comm: &Comm) -> Arc<AtomicUsize> {
     let count = Arc::new(AtomicUsize::new(0));
     let c = count.clone();
+    // Dropping the handle keeps the hook for the communicator's life.
     let _keep = comm.register_abort_hook(move |_| {
         std::thread::sleep(SLOW_HOOK);
         c.fetch_add(1, Ordering::SeqCst);
     });
+    count
+}
+
+pub(super) fn failed_wait_returns_after_the_hooks(cx: &Cx) -> R<()> {
+    let (n, rank) = (cx.size(), cx.rank());
+    let comm = cx.short();
+    let count = slow_counting_hook(&comm);
     comm.barrier()?.wait()?;
     if rank == n - 1 {
         return Ok(());
@@ -253,12 +260,7 @@ pub(super) fn failed_wait_returns_after_the_hooks(cx: &Cx) -> R<()> {
 
 pub(super) fn concurrent_aborts_return_after_the_hooks(cx: &Cx) -> R<()> {
     let comm = cx.fresh("racing-aborts")?;
-    let count = Arc::new(AtomicUsize::new(0));
-    let c = count.clone();
-    let _keep = comm.register_abort_hook(move |_| {
-        std::thread::sleep(SLOW_HOOK);
-        c.fetch_add(1, Ordering::SeqCst);
-    });
+    let count = slow_counting_hook(&comm);
     let start = Arc::new(std::sync::Barrier::new(3));
     let racers: Vec<_> = (0..3)
         .map(|i| {
