@@ -82,9 +82,12 @@ fn reduce_host(op: ReduceOp, n: usize, len: usize, dt: DType) -> Vec<f64> {
         DType::U8 => (x as u64 % 256) as f64,
         _ => x,
     };
+    // Each rank's input once: indexing `vals(r, len)` per element made this quadratic (a 1M
+    // element case spent minutes here, which read as an NCCL hang on the first GPU run).
+    let inputs: Vec<Vec<f64>> = (0..n).map(|r| vals(r, len)).collect();
     (0..len)
         .map(|i| {
-            let xs: Vec<f64> = (0..n).map(|r| vals(r, len)[i]).collect();
+            let xs: Vec<f64> = inputs.iter().map(|v| v[i]).collect();
             round(match op {
                 ReduceOp::Sum => xs.iter().sum(),
                 ReduceOp::Avg => xs.iter().sum::<f64>() / n as f64,

@@ -17,9 +17,11 @@
 #           FSDP x TP dp=2,tp=2 (rank threads sharing the GPU): every step's loss within 1e-4
 #           relative of the same model trained on the CPU
 #   c4      dtrun --nproc 1 -- train_gpt --backend nccl --device cuda (the NCCL backend end to end)
+#   c5, c6  as c1-c3 for HSDP replicate=2,shard=2 and an MoE layer over ep=2 (experts=4, top_k=2)
+#   c7      train_gpt --preset small on one GPU (tokens/s of a model big enough to time)
 #   d       nccl_bench: all_gather / all_reduce sweep with algbw/busbw like nccl-tests
 #
-# CDT_GPU_CHECK_DEVICE (default cuda) is train_gpt's --device in c0-c3 (`cpu` dry-runs the
+# CDT_GPU_CHECK_DEVICE (default cuda) is train_gpt's --device in c0-c3 and c5-c7 (`cpu` dry-runs the
 # script's own plumbing on a machine whose nvidia-smi is faked).
 # Writes $CDT_GPU_LOG_DIR (default target/gpu_check/): one log per step, gpu_check.json (one
 # object per step with its result, time and figures) and the table printed last.
@@ -34,7 +36,7 @@ while (($#)); do
         --no-build) build=0 ;;
         --bin-dir) build=0; bin="$2"; shift ;;
         --bin-tar) build=0; bin_tar="$2"; shift ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -201,6 +203,9 @@ train_step c0 45 c0_train_single.log tp=1 --device "$dev" --no-fsdp --steps 20
 train_step c1 60 c1_train_tp2.log tp=2 --device "$dev" --no-fsdp --steps 10 --check --check-device cpu
 train_step c2 60 c2_train_fsdp2.log dp=2 --device "$dev" --steps 10 --check --check-device cpu
 train_step c3 70 c3_train_fsdp_tp.log dp=2,tp=2 --device "$dev" --steps 10 --check --check-device cpu
+train_step c5 60 c5_train_hsdp.log replicate=2,shard=2 --hsdp --device "$dev" --steps 6 --check --check-device cpu
+train_step c6 60 c6_train_moe.log ep=2 --moe experts=4,top_k=2 --device "$dev" --no-fsdp --steps 6 --check --check-device cpu
+train_step c7 60 c7_train_small.log tp=1 --preset small --device "$dev" --no-fsdp --steps 20
 if [[ -x "$(exe dtrun)" && -x "$(exe train_gpt)" ]]; then
     run_step c4 'final_loss' 45 c4_train_nccl.log "$(exe dtrun)" --nproc 1 --timeout 40 -- \
         "$(exe train_gpt)" --backend nccl --device cuda --mesh tp=1 --no-fsdp --steps 5 --json

@@ -153,8 +153,11 @@ fn deliver(ctx: &OpCtx, result: Tensor, output: Option<Tensor>) -> Result<Tensor
         ));
     }
     if out.elem_count() > 0 {
-        let src = result.reshape(out.shape()).map_err(candle(ctx))?;
-        out.slice_set(&src, 0, 0).map_err(candle(ctx))?;
+        // Both flattened: `slice_set` needs a dim 0, which a scalar (a loss, a grad norm) lacks.
+        // The front checked that `out` is contiguous, so its flattened view shares its storage.
+        let dst = out.flatten_all().map_err(candle(ctx))?;
+        let src = result.flatten_all().map_err(candle(ctx))?;
+        dst.slice_set(&src, 0, 0).map_err(candle(ctx))?;
         sync(ctx, out.device())?;
     }
     Ok(out)
