@@ -7,6 +7,7 @@
 //! cargo run --release --example train_llama -- --ranks 4 --check     # ... compared with one device
 //! cargo run --release --example train_llama -- --model own --check   # every parameter trains
 //! cargo run --release --example train_llama -- --model own --ranks 4 --tp 2 --check   # FSDP x TP
+//! train_llama --device cuda --check          # rank threads on the GPUs (feature `cuda`), checked on the CPU
 //! ```
 //!
 //! The data is a synthetic corpus generated from the seed; the model is tiny (vocab 64, width
@@ -28,8 +29,9 @@ mod llama;
 
 use std::time::Duration;
 
-use candle_dtensor::comm::LocalWorld;
+use candle_dtensor::comm::{new_comm, CommOptions, LocalWorld};
 use candle_dtensor::mesh::DeviceMesh;
+use candle_dtensor::models::device::DeviceSpec;
 use clap::{Parser, ValueEnum};
 use llama::{Arch, Report, Run, Sizes};
 
@@ -74,6 +76,10 @@ struct Args {
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
+    /// Where the ranks train: `cpu`, `cuda` (rank r on GPU r % GPUs) or `cuda:N`; `--check`'s
+    /// one-device reference always trains on the CPU.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn main() {
@@ -119,6 +125,11 @@ fn real_main(args: &Args) -> Result<bool, String> {
     if args.seq == 0 || args.seq > sizes.max_seq {
         return Err(format!("--seq must be in 1..={}", sizes.max_seq));
     }
+    let device: DeviceSpec = args
+        .device
+        .parse()
+        .map_err(|e| format!("--device: {e}"))?;
+    device.device_for(0).map_err(|e| format!("--device: {e}"))?;
     candle_dtensor::init_gemm_threads(args.ranks, args.ranks);
     let run = Run {
         arch,
@@ -134,9 +145,19 @@ fn real_main(args: &Args) -> Result<bool, String> {
     } else {
         vec![("dp", dp)]
     };
+    let timeout = Duration::from_secs(args.timeout);
     let reports = LocalWorld::new(args.ranks)
-        .with_timeout(Duration::from_secs(args.timeout))
+        .with_timeout(timeout)
         .launch(|comm| -> Result<Report, llama::BoxErr> {
+            // Rank threads on a GPU: a local-backend communicator on the rank's device.
+            let comm = match &device {
+                DeviceSpec::Cpu => comm,
+                spec => {
+                    let dev = spec.device_for(comm.rank())?;
+                    let options = CommOptions::default().with_timeout(timeout);
+                    new_comm("local", &dev, "world_cuda", options)?
+                }
+            };
             let mesh = DeviceMesh::new(comm, &dims)?;
             llama::train_rank(&mesh, &run)
         })

@@ -19,9 +19,11 @@
 #   c4      dtrun --nproc 1 -- train_gpt --backend nccl --device cuda (the NCCL backend end to end)
 #   c5, c6  as c1-c3 for HSDP replicate=2,shard=2 and an MoE layer over ep=2 (experts=4, top_k=2)
 #   c7      train_gpt --preset small on one GPU (tokens/s of a model big enough to time)
+#   e1, e2  train_llama --check: candle-transformers' llama under FSDP, and the candle-nn llama
+#           under FSDP x TP (2x2), rank threads on the GPU, losses and gradients vs the CPU
 #   d       nccl_bench: all_gather / all_reduce sweep with algbw/busbw like nccl-tests
 #
-# CDT_GPU_CHECK_DEVICE (default cuda) is train_gpt's --device in c0-c3 and c5-c7 (`cpu` dry-runs the
+# CDT_GPU_CHECK_DEVICE (default cuda) is the --device of c0-c3, c5-c7, e1 and e2 (`cpu` dry-runs the
 # script's own plumbing on a machine whose nvidia-smi is faked).
 # Writes $CDT_GPU_LOG_DIR (default target/gpu_check/): one log per step, gpu_check.json (one
 # object per step with its result, time and figures) and the table printed last.
@@ -36,7 +38,7 @@ while (($#)); do
         --no-build) build=0 ;;
         --bin-dir) build=0; bin="$2"; shift ;;
         --bin-tar) build=0; bin_tar="$2"; shift ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -131,7 +133,7 @@ if ((build)); then
     # dtrun is its own package (no features): a second cargo call, under the same time limit.
     if step build 420 build.log bash -c 'cargo build --release --features nccl,cuda \
         --example nccl_check --example nccl_bench --example nccl_local_cuda \
-        --example train_gpt && cargo build --release -p dtrun'; then
+        --example train_gpt --example train_llama && cargo build --release -p dtrun'; then
         add_row build PASS "$last_secs" "release build, features nccl,cuda"
     else
         add_row build FAIL "$last_secs" "see $logdir/build.log"
@@ -140,7 +142,7 @@ fi
 
 # Every binary's libraries resolve.
 missing=""
-for b in nccl_check nccl_bench nccl_local_cuda train_gpt; do
+for b in nccl_check nccl_bench nccl_local_cuda train_gpt train_llama; do
     f="$bin/$b"; [[ -x "$f" ]] || f="$bin/examples/$b"
     [[ -x "$f" ]] || continue
     m="$(ldd "$f" 2>&1 | awk '/not found/ {print $1}' | paste -sd, -)"
@@ -206,6 +208,12 @@ train_step c3 70 c3_train_fsdp_tp.log dp=2,tp=2 --device "$dev" --steps 10 --che
 train_step c5 60 c5_train_hsdp.log replicate=2,shard=2 --hsdp --device "$dev" --steps 6 --check --check-device cpu
 train_step c6 60 c6_train_moe.log ep=2 --moe experts=4,top_k=2 --device "$dev" --no-fsdp --steps 6 --check --check-device cpu
 train_step c7 60 c7_train_small.log tp=1 --preset small --device "$dev" --no-fsdp --steps 20
+# Bring your own candle model: candle-transformers' llama through FsdpVarMap, and the candle-nn
+# llama with the drop-ins under FSDP x TP, each against one device on the CPU.
+run_step e1 'check vs one device' 60 e1_llama_transformers.log "$(exe train_llama)" \
+    --device "$dev" --ranks 2 --steps 6 --check
+run_step e2 'check vs one device' 60 e2_llama_own_tp.log "$(exe train_llama)" \
+    --device "$dev" --model own --ranks 4 --tp 2 --steps 6 --check
 if [[ -x "$(exe dtrun)" && -x "$(exe train_gpt)" ]]; then
     run_step c4 'final_loss' 45 c4_train_nccl.log "$(exe dtrun)" --nproc 1 --timeout 40 -- \
         "$(exe train_gpt)" --backend nccl --device cuda --mesh tp=1 --no-fsdp --steps 5 --json

@@ -523,9 +523,13 @@ pub fn train_rank(mesh: &DeviceMesh, run: &Run) -> Result<Report, BoxErr> {
         units: map.units().into_iter().map(|(k, _)| k).collect(),
         ..Report::default()
     };
+    let dev = fsdp.device();
     for step in 0..run.steps {
         let (x, y) = batch(run, &corpus, step)?;
-        let (x, y) = (x.narrow(0, off, rows)?, y.narrow(0, off, rows)?);
+        let (x, y) = (
+            x.narrow(0, off, rows)?.to_device(&dev)?,
+            y.narrow(0, off, rows)?.to_device(&dev)?,
+        );
         let loss = model.loss(&x, &y, Some(&map))?;
         let global = mesh
             .comm(0)?
@@ -533,12 +537,14 @@ pub fn train_rank(mesh: &DeviceMesh, run: &Run) -> Result<Report, BoxErr> {
             .wait()?;
         report.losses.push(global.to_vec1::<f32>()?[0]);
         let grads = fsdp.backward(&loss)?;
-        report.grads.push(
-            map.named_vars()
-                .into_iter()
-                .filter_map(|(k, v)| grads.get(v.as_tensor()).map(|g| (k, g.clone())))
-                .collect(),
-        );
+        // On the host, where `compare` reads them beside the one-device reference.
+        let mut host = BTreeMap::new();
+        for (k, v) in map.named_vars() {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                host.insert(k, g.to_device(&Device::Cpu)?);
+            }
+        }
+        report.grads.push(host);
         opt.step(&grads)?;
     }
     report.without_grad = fsdp.params_without_grad();
