@@ -122,14 +122,19 @@ fn comm_cases(c: &Comm, dev: &Device, log: &Log) {
             .try_fold(all(9)?[0].clone(), |a, t| a.maximum(t))?;
         expect("all_reduce max", &x, &want.to_dtype(DType::I64)?, 0.0)
     });
-    case(log, me, "comm", "all_reduce sum of a scalar in place", || {
-        // A loss or a grad norm: rank 0, which `slice_set` cannot index (train_gpt dp=2 failed
-        // on it in the first GPU run).
-        let x = Tensor::new(me as f32 + 1.5, dev)?;
-        c.all_reduce_into(&x, &x, ReduceOp::Sum)?.wait()?;
-        let want: f32 = (0..n).map(|r| r as f32 + 1.5).sum();
-        expect("all_reduce scalar", &x, &Tensor::new(want, &cpu)?, 1e-6)
-    });
+    case(
+        log,
+        me,
+        "comm",
+        "all_reduce sum of a scalar in place",
+        || {
+            // A 0-d tensor (a loss): `slice_set` cannot index it (the first GPU run's FSDP failure).
+            let x = Tensor::new(me as f32 + 1.5, dev)?;
+            c.all_reduce_into(&x, &x, ReduceOp::Sum)?.wait()?;
+            let want: f32 = (0..n).map(|r| r as f32 + 1.5).sum();
+            expect("all_reduce scalar", &x, &Tensor::new(want, &cpu)?, 1e-6)
+        },
+    );
     case(log, me, "comm", "all_gather_single", || {
         let y = c.all_gather_single(&mine(6)?.reshape((2, 3))?)?.wait()?;
         let want = Tensor::cat(&all(6)?, 0)?;

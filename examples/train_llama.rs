@@ -125,10 +125,7 @@ fn real_main(args: &Args) -> Result<bool, String> {
     if args.seq == 0 || args.seq > sizes.max_seq {
         return Err(format!("--seq must be in 1..={}", sizes.max_seq));
     }
-    let device: DeviceSpec = args
-        .device
-        .parse()
-        .map_err(|e| format!("--device: {e}"))?;
+    let device: DeviceSpec = args.device.parse().map_err(|e| format!("--device: {e}"))?;
     device.device_for(0).map_err(|e| format!("--device: {e}"))?;
     candle_dtensor::init_gemm_threads(args.ranks, args.ranks);
     let run = Run {
