@@ -299,20 +299,8 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], outs: &[TensorMeta]) -> Vec<
 
 #[cfg(test)]
 mod tests {
-    use crate::{single_dim_strategies, DType, Op, TensorMeta};
-
-    fn table(op: &Op, shapes: &[&[usize]]) -> Vec<String> {
-        let metas: Vec<TensorMeta> = shapes
-            .iter()
-            .map(|s| TensorMeta::new(s, DType::F32))
-            .collect();
-        let refs: Vec<&TensorMeta> = metas.iter().collect();
-        single_dim_strategies(op, &refs)
-            .unwrap()
-            .iter()
-            .map(|r| r.to_string())
-            .collect()
-    }
+    use crate::ops::f32_table as table;
+    use crate::{DType, Op, TensorMeta};
 
     #[test]
     fn mm_table() {

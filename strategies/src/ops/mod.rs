@@ -39,6 +39,27 @@ pub(crate) fn p(op: ReduceOp) -> Placement {
     Placement::Partial(op)
 }
 
+/// The families' unit tests: `op`'s single-dim strategy rows on inputs `metas`, rendered.
+#[cfg(test)]
+pub(crate) fn table_of(op: &Op, metas: &[TensorMeta]) -> Vec<String> {
+    let refs: Vec<&TensorMeta> = metas.iter().collect();
+    crate::single_dim_strategies(op, &refs)
+        .unwrap()
+        .iter()
+        .map(|r| r.to_string())
+        .collect()
+}
+
+/// [`table_of`] f32 inputs of `shapes`.
+#[cfg(test)]
+pub(crate) fn f32_table(op: &Op, shapes: &[&[usize]]) -> Vec<String> {
+    let metas: Vec<TensorMeta> = shapes
+        .iter()
+        .map(|s| TensorMeta::new(s, DType::F32))
+        .collect();
+    table_of(op, &metas)
+}
+
 /// Output metas of `op`: checks the arity declared in the op table, then the op's family.
 pub(crate) fn output_metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
     if let Some(n) = op.num_inputs() {

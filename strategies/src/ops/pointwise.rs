@@ -167,20 +167,8 @@ fn binary_partials(b: BinaryOp) -> Vec<(Placement, Placement, Placement)> {
 #[cfg(test)]
 mod tests {
     use crate::op::{BinaryOp, CmpOp, Op, UnaryOp};
-    use crate::{single_dim_strategies, DType, TensorMeta};
-
-    fn table(op: &Op, shapes: &[&[usize]]) -> Vec<String> {
-        let metas: Vec<TensorMeta> = shapes
-            .iter()
-            .map(|s| TensorMeta::new(s, DType::F32))
-            .collect();
-        let refs: Vec<&TensorMeta> = metas.iter().collect();
-        single_dim_strategies(op, &refs)
-            .unwrap()
-            .iter()
-            .map(|r| r.to_string())
-            .collect()
-    }
+    use crate::ops::f32_table as table;
+    use crate::{DType, TensorMeta};
 
     #[test]
     fn add_with_broadcasting() {

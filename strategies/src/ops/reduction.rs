@@ -179,15 +179,11 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], outs: &[TensorMeta]) -> Vec<
 #[cfg(test)]
 mod tests {
     use crate::op::Op;
+    use crate::ops::f32_table;
     use crate::{single_dim_strategies, DType, TensorMeta};
 
     fn table(op: &Op, shape: &[usize]) -> Vec<String> {
-        let m = TensorMeta::new(shape, DType::F32);
-        single_dim_strategies(op, &[&m])
-            .unwrap()
-            .iter()
-            .map(|r| r.to_string())
-            .collect()
+        f32_table(op, &[shape])
     }
 
     #[test]

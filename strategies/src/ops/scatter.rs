@@ -102,16 +102,8 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec
 
 #[cfg(test)]
 mod tests {
-    use crate::{single_dim_strategies, DType, Op, TensorMeta};
-
-    fn table(op: &Op, metas: &[TensorMeta]) -> Vec<String> {
-        let refs: Vec<&TensorMeta> = metas.iter().collect();
-        single_dim_strategies(op, &refs)
-            .unwrap()
-            .iter()
-            .map(|r| r.to_string())
-            .collect()
-    }
+    use crate::ops::table_of as table;
+    use crate::{DType, Op, TensorMeta};
 
     #[test]
     fn scatter_rows() {
