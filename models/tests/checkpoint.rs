@@ -2,6 +2,8 @@
 //! run, replicated pieces are written once, integrity errors are typed and load nothing, a
 //! crash mid-save leaves the previous checkpoint, and consolidated files round-trip through
 //! candle-nn's `VarBuilder` and back into a sharded model.
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -15,11 +17,10 @@ use candle_dtensor_models::checkpoint::{
 use candle_dtensor_models::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use candle_dtensor_models::init::full;
 use candle_dtensor_models::optim::AdamW;
-use candle_dtensor_models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
+use candle_dtensor_models::trainer::{FsdpSpec, RankReport, TrainConfig};
 use candle_dtensor_models::{Gpt, GptConfig, ParamStore, TpPlan};
 use candle_nn::{Optimizer, ParamsAdamW};
-
-type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+use common::{assert_close, R};
 
 /// A scratch directory removed on drop.
 struct Scratch(PathBuf);
@@ -93,22 +94,7 @@ fn world(dims: &[(&str, usize)]) -> LocalWorld {
 }
 
 fn train(dims: &[(&str, usize)], c: &TrainConfig) -> RankReport {
-    world(dims)
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, dims)?;
-            Ok(train_rank(&mesh, c, |_| {})?)
-        })
-        .unwrap()
-        .into_iter()
-        .next()
-        .unwrap()
-}
-
-fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: {a:?} vs {b:?}");
-    for (x, y) in a.iter().zip(b) {
-        assert!((x - y).abs() <= tol * y.abs(), "{what}: {a:?} vs {b:?}");
-    }
+    common::train_on_mesh(dims, c, Duration::from_secs(60))
 }
 
 #[test]

@@ -1,24 +1,15 @@
 //! FSDP, HSDP and FSDP x TP train the GPT exactly like one device.
+mod common;
+
 use std::time::Duration;
 
 use candle_core::DType;
-use candle_dtensor_comm::LocalWorld;
-use candle_dtensor_mesh::DeviceMesh;
-use candle_dtensor_models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
-use candle_dtensor_models::{GptConfig, TpPlan};
-
-type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+use candle_dtensor_models::trainer::{FsdpSpec, RankReport, TrainConfig};
+use candle_dtensor_models::TpPlan;
+use common::{assert_close, micro_gpt};
 
 fn cfg(fsdp: Option<FsdpSpec>, sp: bool, steps: usize) -> TrainConfig {
-    let gpt = GptConfig {
-        vocab: 64,
-        d_model: 32,
-        n_heads: 4,
-        n_layers: 2,
-        seq_len: 16,
-        ..GptConfig::tiny()
-    };
-    let mut c = TrainConfig::new(gpt, TpPlan::gpt(sp));
+    let mut c = TrainConfig::new(micro_gpt(), TpPlan::gpt(sp));
     c.steps = steps;
     c.batch = 8;
     c.corpus_tokens = 4096;
@@ -46,24 +37,7 @@ fn spec(
 }
 
 fn train(dims: &[(&str, usize)], c: &TrainConfig) -> RankReport {
-    let world: usize = dims.iter().map(|d| d.1).product();
-    LocalWorld::new(world)
-        .with_timeout(Duration::from_secs(30))
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, dims)?;
-            Ok(train_rank(&mesh, c, |_| {})?)
-        })
-        .unwrap()
-        .into_iter()
-        .next()
-        .unwrap()
-}
-
-fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
-    assert_eq!(a.len(), b.len());
-    for (x, y) in a.iter().zip(b) {
-        assert!((x - y).abs() <= tol * y.abs(), "{what}: {a:?} vs {b:?}");
-    }
+    common::train_on_mesh(dims, c, Duration::from_secs(30))
 }
 
 /// Named mesh dims and their sizes.

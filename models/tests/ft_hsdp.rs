@@ -3,29 +3,22 @@
 //! shrink and train on from the failed step, and their losses equal those of a run started on
 //! the surviving replica's state at that step (a checkpoint of an uninterrupted run, resumed on
 //! one replica).
+mod common;
+
 use std::time::{Duration, Instant};
 
 use candle_dtensor_comm::LocalWorld;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
-use candle_dtensor_models::{GptConfig, TpPlan};
-
-type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+use candle_dtensor_models::TpPlan;
+use common::{micro_gpt, R};
 
 const STEPS: usize = 8;
 /// The victim fails after this step (0-based); the next one fails and is retried.
 const FAULT_STEP: usize = 3;
 
 fn cfg() -> TrainConfig {
-    let gpt = GptConfig {
-        vocab: 64,
-        d_model: 32,
-        n_heads: 4,
-        n_layers: 2,
-        seq_len: 16,
-        ..GptConfig::tiny()
-    };
-    let mut c = TrainConfig::new(gpt, TpPlan::gpt(false));
+    let mut c = TrainConfig::new(micro_gpt(), TpPlan::gpt(false));
     c.steps = STEPS;
     c.batch = 8;
     c.corpus_tokens = 4096;

@@ -1,4 +1,6 @@
 //! GPT under tensor parallelism matches the single-rank model.
+mod common;
+
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
@@ -7,21 +9,10 @@ use candle_dtensor_core::debug::CommDebugMode;
 use candle_dtensor_core::distribute_tensor;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::data::Corpus;
-use candle_dtensor_models::{Gpt, GptConfig, TpPlan};
+use candle_dtensor_models::{Gpt, TpPlan};
 use candle_nn::Optimizer;
 
-type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
-
-fn small_cfg() -> GptConfig {
-    GptConfig {
-        vocab: 64,
-        d_model: 32,
-        n_heads: 4,
-        n_layers: 2,
-        seq_len: 16,
-        ..GptConfig::tiny()
-    }
-}
+use common::{micro_gpt as small_cfg, R};
 
 fn train(world: usize, tp: usize, sp: bool, steps: usize) -> (Vec<f32>, String) {
     let cfg = small_cfg();

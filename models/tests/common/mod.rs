@@ -1,0 +1,48 @@
+//! Shared helpers of the models integration tests: the small GPT they train, a local world
+//! that trains it on a mesh, and a relative comparison of loss lists.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use candle_dtensor_comm::LocalWorld;
+use candle_dtensor_mesh::DeviceMesh;
+use candle_dtensor_models::trainer::{train_rank, RankReport, TrainConfig};
+use candle_dtensor_models::GptConfig;
+
+pub type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// A GPT small enough to train for a few steps in a test: vocab 64, width 32, 4 heads, 2
+/// blocks, 16 positions.
+pub fn micro_gpt() -> GptConfig {
+    GptConfig {
+        vocab: 64,
+        d_model: 32,
+        n_heads: 4,
+        n_layers: 2,
+        seq_len: 16,
+        ..GptConfig::tiny()
+    }
+}
+
+/// Trains `c` on a local world shaped `dims` (every op bounded by `timeout`); rank 0's report.
+pub fn train_on_mesh(dims: &[(&str, usize)], c: &TrainConfig, timeout: Duration) -> RankReport {
+    let n: usize = dims.iter().map(|d| d.1).product();
+    LocalWorld::new(n)
+        .with_timeout(timeout)
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, dims)?;
+            Ok(train_rank(&mesh, c, |_| {})?)
+        })
+        .unwrap()
+        .into_iter()
+        .next()
+        .unwrap()
+}
+
+/// Every `a[i]` within `tol` of `b[i]`, relative to `b[i]`.
+pub fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: {a:?} vs {b:?}");
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= tol * y.abs(), "{what}: {a:?} vs {b:?}");
+    }
+}
