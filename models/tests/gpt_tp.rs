@@ -3,10 +3,9 @@ mod common;
 
 use std::time::Duration;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::DType;
 use candle_dtensor_comm::LocalWorld;
 use candle_dtensor_core::debug::CommDebugMode;
-use candle_dtensor_core::distribute_tensor;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::data::Corpus;
 use candle_dtensor_models::{Gpt, TpPlan};
@@ -38,11 +37,7 @@ fn train(world: usize, tp: usize, sp: bool, steps: usize) -> (Vec<f32>, String) 
             let mut losses = Vec::new();
             let mut table = String::new();
             for step in 0..steps {
-                let (x, y) = corpus.batch(step as u64, 4, cfg.seq_len, 11);
-                let x = Tensor::from_vec(x, (4, cfg.seq_len), &Device::Cpu)?;
-                let y = Tensor::from_vec(y, (4, cfg.seq_len), &Device::Cpu)?;
-                let x = distribute_tensor(&x, &mesh, &gpt.batch_placements())?;
-                let y = distribute_tensor(&y, &mesh, &gpt.batch_placements())?;
+                let (x, y) = common::gpt_batch(&corpus, step, (4, cfg.seq_len, 11), &gpt, &mesh)?;
                 let mode = CommDebugMode::start();
                 let loss = gpt.loss(&x, &y)?;
                 let loss = loss.redistribute(&vec![
@@ -96,17 +91,7 @@ fn pattern(sp: bool) -> std::collections::BTreeMap<(String, String, String), usi
         .launch(|comm| -> R<_> {
             let mesh = DeviceMesh::new(comm, &[("tp", 4)])?;
             let (gpt, _) = Gpt::new(&cfg, &mesh, &TpPlan::gpt(sp), 7, DType::F32)?;
-            let (x, y) = corpus.batch(0, 4, cfg.seq_len, 11);
-            let x = distribute_tensor(
-                &Tensor::from_vec(x, (4, cfg.seq_len), &Device::Cpu)?,
-                &mesh,
-                &gpt.batch_placements(),
-            )?;
-            let y = distribute_tensor(
-                &Tensor::from_vec(y, (4, cfg.seq_len), &Device::Cpu)?,
-                &mesh,
-                &gpt.batch_placements(),
-            )?;
+            let (x, y) = common::gpt_batch(&corpus, 0, (4, cfg.seq_len, 11), &gpt, &mesh)?;
             let mode = CommDebugMode::start();
             gpt.loss(&x, &y)?.backward()?;
             Ok(mode

@@ -2,6 +2,8 @@
 //! balancing loss, every gradient), expert parallelism over `ep` (ep=4, dp=2 x ep=2, uneven
 //! and empty expert shards, all_to_all_v and RMA dispatch), capacity drops, a GPT with MoE
 //! blocks training like the single-device one, and the typed errors of bad settings.
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -398,11 +400,7 @@ fn train_with(dims: &[(&str, usize)], cfg: &GptConfig, steps: usize, plan: TpPla
             let all_r = vec![Placement::Replicate; mesh.ndim()];
             let mut losses = Vec::new();
             for step in 0..steps {
-                let (x, y) = corpus.batch(step as u64, 4, cfg.seq_len, 11);
-                let x = Tensor::from_vec(x, (4, cfg.seq_len), &Device::Cpu)?;
-                let y = Tensor::from_vec(y, (4, cfg.seq_len), &Device::Cpu)?;
-                let x = distribute_tensor(&x, &mesh, &gpt.batch_placements())?;
-                let y = distribute_tensor(&y, &mesh, &gpt.batch_placements())?;
+                let (x, y) = common::gpt_batch(&corpus, step, (4, cfg.seq_len, 11), &gpt, &mesh)?;
                 let loss = gpt.loss(&x, &y)?.redistribute(&all_r)?;
                 assert!(gpt.last_aux_loss().is_some());
                 let grads = loss.backward()?;

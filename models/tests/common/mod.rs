@@ -4,10 +4,13 @@
 
 use std::time::Duration;
 
+use candle_core::{Device, Tensor};
 use candle_dtensor_comm::LocalWorld;
+use candle_dtensor_core::{distribute_tensor, DTensor};
 use candle_dtensor_mesh::DeviceMesh;
+use candle_dtensor_models::data::Corpus;
 use candle_dtensor_models::trainer::{train_rank, RankReport, TrainConfig};
-use candle_dtensor_models::GptConfig;
+use candle_dtensor_models::{Gpt, GptConfig};
 
 pub type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -45,4 +48,22 @@ pub fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
     for (x, y) in a.iter().zip(b) {
         assert!((x - y).abs() <= tol * y.abs(), "{what}: {a:?} vs {b:?}");
     }
+}
+
+/// Step `step`'s batch of `rows` sequences of `seq` tokens from `corpus` (sampling seed
+/// `seed`): inputs and next-token targets, placed on `mesh` as `gpt` takes them.
+pub fn gpt_batch(
+    corpus: &Corpus,
+    step: usize,
+    (rows, seq, seed): (usize, usize, u64),
+    gpt: &Gpt,
+    mesh: &DeviceMesh,
+) -> R<(DTensor, DTensor)> {
+    let (x, y) = corpus.batch(step as u64, rows, seq, seed);
+    let x = Tensor::from_vec(x, (rows, seq), &Device::Cpu)?;
+    let y = Tensor::from_vec(y, (rows, seq), &Device::Cpu)?;
+    Ok((
+        distribute_tensor(&x, mesh, &gpt.batch_placements())?,
+        distribute_tensor(&y, mesh, &gpt.batch_placements())?,
+    ))
 }
