@@ -31,6 +31,8 @@
 //! ```
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+#[path = "common/rank_device.rs"]
+mod rank_device;
 #[path = "common/text.rs"]
 pub(crate) mod text;
 
@@ -599,15 +601,7 @@ fn run(
     let options = job.options.clone();
     if backend == "local" {
         let launch = |comm: Comm| {
-            // Rank threads on a GPU get a communicator of the local backend on their
-            // device (collective over the world), rank r on cuda:(r % gpus).
-            let comm = match device {
-                DeviceSpec::Cpu => comm,
-                spec => {
-                    let dev = spec.device_for(comm.rank())?;
-                    new_comm("local", &dev, "world_cuda", options.clone())?
-                }
-            };
+            let comm = rank_device::on_device(comm, &device, options.clone())?;
             train_on(comm, dims, cfg, bar.as_ref(), job.clone())
         };
         let world = LocalWorld::new(world).with_options(options.clone());

@@ -26,10 +26,12 @@
 
 #[path = "common/llama.rs"]
 mod llama;
+#[path = "common/rank_device.rs"]
+mod rank_device;
 
 use std::time::Duration;
 
-use candle_dtensor::comm::{new_comm, CommOptions, LocalWorld};
+use candle_dtensor::comm::{CommOptions, LocalWorld};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::device::DeviceSpec;
 use clap::{Parser, ValueEnum};
@@ -146,15 +148,8 @@ fn real_main(args: &Args) -> Result<bool, String> {
     let reports = LocalWorld::new(args.ranks)
         .with_timeout(timeout)
         .launch(|comm| -> Result<Report, llama::BoxErr> {
-            // Rank threads on a GPU: a local-backend communicator on the rank's device.
-            let comm = match &device {
-                DeviceSpec::Cpu => comm,
-                spec => {
-                    let dev = spec.device_for(comm.rank())?;
-                    let options = CommOptions::default().with_timeout(timeout);
-                    new_comm("local", &dev, "world_cuda", options)?
-                }
-            };
+            let options = CommOptions::default().with_timeout(timeout);
+            let comm = rank_device::on_device(comm, &device, options)?;
             let mesh = DeviceMesh::new(comm, &dims)?;
             llama::train_rank(&mesh, &run)
         })
