@@ -11,10 +11,10 @@ use candle_dtensor_models::data::Corpus;
 use candle_dtensor_models::{Gpt, TpPlan};
 use candle_nn::Optimizer;
 
-use common::{micro_gpt as small_cfg, R};
+use common::{micro_gpt, R};
 
 fn train(world: usize, tp: usize, sp: bool, steps: usize) -> (Vec<f32>, String) {
-    let cfg = small_cfg();
+    let cfg = micro_gpt();
     let corpus = Corpus::synthetic(cfg.vocab, 4096, 5);
     let out = LocalWorld::new(world)
         .with_timeout(Duration::from_secs(30))
@@ -84,7 +84,7 @@ fn tp_matches_single() {
 
 /// Collectives of one training step by (label, phase, kind).
 fn pattern(sp: bool) -> std::collections::BTreeMap<(String, String, String), usize> {
-    let cfg = small_cfg();
+    let cfg = micro_gpt();
     let corpus = Corpus::synthetic(cfg.vocab, 4096, 5);
     let out = LocalWorld::new(4)
         .with_timeout(Duration::from_secs(30))
