@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use candle_dtensor_comm::{Comm, ReduceOp};
 use candle_dtensor_strategies::layout::{shard_size_and_offset, strided_indices};
 
@@ -79,8 +79,37 @@ fn elem_bytes(t: &Tensor) -> usize {
     t.dtype().size_in_bytes()
 }
 
-fn zeros_like_dims(dims: &[usize], dtype: DType, t: &Tensor) -> CResult<Tensor> {
-    Tensor::zeros(dims, dtype, t.device())
+/// `x`'s dims with `dim` resized to `len`.
+fn dims_with(x: &Tensor, dim: usize, len: usize) -> Vec<usize> {
+    let mut dims = x.dims().to_vec();
+    dims[dim] = len;
+    dims
+}
+
+/// `dest` (the caller's output) when there is one, else a fresh zero tensor of `dims` like `x`.
+fn dest_or_zeros(dest: Option<&Tensor>, dims: &[usize], x: &Tensor) -> CResult<Tensor> {
+    match dest {
+        Some(d) => Ok(d.clone()),
+        None => Tensor::zeros(dims, x.dtype(), x.device()),
+    }
+}
+
+/// Delivers a value computed locally: copied into `dest` (and `dest` returned) when there is
+/// one, else `v` itself.
+fn deliver(dest: Option<&Tensor>, v: Tensor) -> CResult<Tensor> {
+    match dest {
+        Some(d) => {
+            fill_from(d, &v)?;
+            Ok(d.clone())
+        }
+        None => Ok(v),
+    }
+}
+
+/// Records the bytes a padded collective of `n` blocks of `full` rows moves on `ax`.
+fn record_blocks(kind: &'static str, ax: &Axis, full: usize, cut: &Cut, x: &Tensor) {
+    let bytes = ax.n * full * cut.pre * cut.post * elem_bytes(x);
+    record_on(kind, ax, bytes as u64);
 }
 
 fn check_piece(ax: &Axis, op: &str, x: &Tensor, dim: usize, expect: usize) -> CResult<Cut> {
@@ -115,15 +144,9 @@ pub(crate) fn gather_raw(
     let n = ax.n;
     let (me, _) = shard_size_and_offset(l, n, ax.coord);
     let cut = check_piece(ax, "all_gather", x, dim, me)?;
-    let es = elem_bytes(x);
     let full = l.div_ceil(n.max(1));
-    let mut out_dims = x.dims().to_vec();
-    out_dims[dim] = l;
-    record_on(
-        "all_gather",
-        ax,
-        (n * full * cut.pre * cut.post * es) as u64,
-    );
+    let out_dims = dims_with(x, dim, l);
+    record_blocks("all_gather", ax, full, &cut, x);
     let x = x.contiguous()?;
     let send = if me == full {
         x.flatten_all()?
@@ -149,10 +172,7 @@ pub(crate) fn gather_raw(
         let g = g.reshape((n, cut.pre, full * cut.post))?;
         return g.transpose(0, 1)?.contiguous()?.reshape(out_dims);
     }
-    let out = match dest {
-        Some(d) => d.clone(),
-        None => zeros_like_dims(&out_dims, x.dtype(), &x)?,
-    };
+    let out = dest_or_zeros(dest, &out_dims, &x)?;
     let block = cut.pre * full * cut.post;
     let g = g.flatten_all()?;
     for r in 0..n {
@@ -185,16 +205,10 @@ pub(crate) fn reduce_scatter_raw(
     let dest = writable(dest);
     let n = ax.n;
     let cut = check_piece(ax, "reduce_scatter", x, dim, l)?;
-    let es = elem_bytes(x);
     let full = l.div_ceil(n.max(1));
     let (me, _) = shard_size_and_offset(l, n, ax.coord);
-    let mut out_dims = x.dims().to_vec();
-    out_dims[dim] = me;
-    record_on(
-        "reduce_scatter",
-        ax,
-        (n * full * cut.pre * cut.post * es) as u64,
-    );
+    let out_dims = dims_with(x, dim, me);
+    record_blocks("reduce_scatter", ax, full, &cut, x);
     let x = x.contiguous()?;
     let send = if cut.pre == 1 && l % n == 0 {
         x.flatten_all()?
@@ -230,10 +244,7 @@ pub(crate) fn reduce_scatter_raw(
         };
     }
     let recv = timed(ax.comm.reduce_scatter_single(&send, op)?)?;
-    let out = match dest {
-        Some(d) => d.clone(),
-        None => zeros_like_dims(&out_dims, x.dtype(), &x)?,
-    };
+    let out = dest_or_zeros(dest, &out_dims, &x)?;
     copy_rows(&recv, full, 0, &out, me, 0, cut.pre, me, cut.post)?;
     Ok(out)
 }
@@ -421,8 +432,7 @@ pub(crate) fn all_gather(
     grad: GatherGrad,
 ) -> CResult<Tensor> {
     check_dim(ax, "all_gather", x, dim)?;
-    let mut out_dims = x.dims().to_vec();
-    out_dims[dim] = l;
+    let out_dims = dims_with(x, dim, l);
     let bx = ax.clone();
     emit(
         x,
@@ -458,8 +468,7 @@ pub(crate) fn reduce_scatter(
     }
     let (me, _) = shard_size_and_offset(l, ax.n, ax.coord);
     check_dim(ax, "reduce_scatter", x, dim)?;
-    let mut out_dims = x.dims().to_vec();
-    out_dims[dim] = me;
+    let out_dims = dims_with(x, dim, me);
     let bx = ax.clone();
     emit(
         x,
@@ -536,24 +545,13 @@ pub(crate) fn chunk(x: &Tensor, ax: &Axis, dim: usize) -> CResult<Tensor> {
     check_dim(ax, "chunk", x, dim)?;
     let l = x.dim(dim)?;
     let (s, off) = shard_size_and_offset(l, ax.n, ax.coord);
-    let mut out_dims = x.dims().to_vec();
-    out_dims[dim] = s;
     let bx = ax.clone();
     emit(
         x,
         "chunk",
-        &out_dims,
+        &dims_with(x, dim, s),
         move |_, _, g| gather_raw(g, &bx, dim, l, None),
-        |dest| {
-            let piece = narrow(x, dim, off, s)?.contiguous()?;
-            match dest {
-                Some(d) => {
-                    fill_from(d, &piece)?;
-                    Ok(d.clone())
-                }
-                None => Ok(piece),
-            }
-        },
+        |dest| deliver(dest, narrow(x, dim, off, s)?.contiguous()?),
     )
 }
 
@@ -582,13 +580,7 @@ pub(crate) fn partition(x: &Tensor, ax: &Axis, op: ReduceOp) -> CResult<Tensor> 
                 ReduceOp::Sum => x.affine(1.0 / n as f64, 0.0)?,
                 _ => x.copy()?,
             };
-            match dest {
-                Some(d) => {
-                    fill_from(d, &v)?;
-                    Ok(d.clone())
-                }
-                None => Ok(v),
-            }
+            deliver(dest, v)
         },
     )
 }
@@ -611,13 +603,7 @@ pub(crate) fn grad_sync(x: &Tensor, axes: Vec<Axis>) -> CResult<Tensor> {
             }
             Ok(g)
         },
-        |dest| {
-            if let Some(d) = dest {
-                fill_from(d, x)?;
-                return Ok(d.clone());
-            }
-            Ok(x.clone())
-        },
+        |dest| deliver(dest, x.clone()),
     )
 }
 
@@ -638,9 +624,7 @@ fn u32_ids(v: &[usize], like: &Tensor) -> CResult<Tensor> {
 /// Rows `ids` of `x` along `dim` (an empty list gives an empty piece).
 fn select_rows(x: &Tensor, ids: &[usize], dim: usize) -> CResult<Tensor> {
     if ids.is_empty() || x.elem_count() == 0 {
-        let mut d = x.dims().to_vec();
-        d[dim] = ids.len();
-        return Tensor::zeros(d, x.dtype(), x.device());
+        return Tensor::zeros(dims_with(x, dim, ids.len()), x.dtype(), x.device());
     }
     x.contiguous()?.index_select(&u32_ids(ids, x)?, dim)
 }
@@ -651,9 +635,7 @@ fn pad_rows(x: &Tensor, dim: usize, to: usize) -> CResult<Tensor> {
     if have >= to {
         return Ok(x.clone());
     }
-    let mut zd = x.dims().to_vec();
-    zd[dim] = to - have;
-    let z = Tensor::zeros(zd, x.dtype(), x.device())?;
+    let z = Tensor::zeros(dims_with(x, dim, to - have), x.dtype(), x.device())?;
     if have == 0 {
         return Ok(z);
     }
@@ -681,15 +663,10 @@ pub(crate) fn strided_gather_raw(
     let (idx, full) = strided_layout(l, sf, n);
     let me = &idx[ax.coord];
     let cut = check_piece(ax, "strided all_gather", x, dim, me.len())?;
-    record_on(
-        "all_gather",
-        ax,
-        (n * full * cut.pre * cut.post * elem_bytes(x)) as u64,
-    );
+    record_blocks("all_gather", ax, full, &cut, x);
     let send = pad_rows(&x.contiguous()?, dim, full)?.contiguous()?;
     let g = timed(ax.comm.all_gather_single(&send.flatten_all()?)?)?;
-    let mut out_dims = x.dims().to_vec();
-    out_dims[dim] = l;
+    let out_dims = dims_with(x, dim, l);
     // [n, pre, full, post] -> [pre, n * full, post], then pick row `r * full + k` for the
     // position `idx[r][k]`.
     let g = g
@@ -719,20 +696,20 @@ pub(crate) fn strided_reduce_scatter_raw(
     let n = ax.n;
     let (idx, full) = strided_layout(l, sf, n);
     let cut = check_piece(ax, "strided reduce_scatter", g, dim, l)?;
-    record_on(
-        "reduce_scatter",
-        ax,
-        (n * full * cut.pre * cut.post * elem_bytes(g)) as u64,
-    );
+    record_blocks("reduce_scatter", ax, full, &cut, g);
     let blocks = idx
         .iter()
         .map(|rows| pad_rows(&select_rows(g, rows, dim)?, dim, full)?.flatten_all())
         .collect::<CResult<Vec<_>>>()?;
     let send = Tensor::cat(&blocks, 0)?;
     let recv = timed(ax.comm.reduce_scatter_single(&send, ReduceOp::Sum)?)?;
-    let mut block = g.dims().to_vec();
-    block[dim] = full;
-    narrow(&recv.reshape(block)?, dim, 0, idx[ax.coord].len())?.contiguous()
+    narrow(
+        &recv.reshape(dims_with(g, dim, full))?,
+        dim,
+        0,
+        idx[ax.coord].len(),
+    )?
+    .contiguous()
 }
 
 fn check_dim(ax: &Axis, op: &str, x: &Tensor, dim: usize) -> CResult<()> {
@@ -754,24 +731,16 @@ pub(crate) fn strided_all_gather(
     grad: GatherGrad,
 ) -> CResult<Tensor> {
     check_dim(ax, "strided all_gather", x, dim)?;
-    let mut out_dims = x.dims().to_vec();
-    out_dims[dim] = l;
     let bx = ax.clone();
     emit(
         x,
         "all_gather",
-        &out_dims,
+        &dims_with(x, dim, l),
         move |_, _, g| match grad {
             GatherGrad::Chunk => strided_select_raw(g, &bx, dim, sf),
             GatherGrad::ReduceScatter => strided_reduce_scatter_raw(g, &bx, dim, l, sf),
         },
-        |dest| {
-            let v = strided_gather_raw(x, ax, dim, l, sf)?;
-            if let Some(d) = writable(dest) {
-                fill_from(d, &v)?;
-            }
-            Ok(v)
-        },
+        |dest| deliver(dest, strided_gather_raw(x, ax, dim, l, sf)?),
     )
 }
 
@@ -780,21 +749,13 @@ pub(crate) fn strided_all_gather(
 pub(crate) fn strided_chunk(x: &Tensor, ax: &Axis, dim: usize, sf: usize) -> CResult<Tensor> {
     check_dim(ax, "strided select", x, dim)?;
     let l = x.dim(dim)?;
-    let mut out_dims = x.dims().to_vec();
-    out_dims[dim] = strided_indices(l, sf, ax.n, ax.coord).len();
     let bx = ax.clone();
     emit(
         x,
         "chunk",
-        &out_dims,
+        &dims_with(x, dim, strided_indices(l, sf, ax.n, ax.coord).len()),
         move |_, _, g| strided_gather_raw(g, &bx, dim, l, sf),
-        |dest| {
-            let v = strided_select_raw(x, ax, dim, sf)?;
-            if let Some(d) = writable(dest) {
-                fill_from(d, &v)?;
-            }
-            Ok(v)
-        },
+        |dest| deliver(dest, strided_select_raw(x, ax, dim, sf)?),
     )
 }
 
