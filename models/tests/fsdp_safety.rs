@@ -1,16 +1,18 @@
 //! Plain candle-nn / candle-transformers code under FSDP, as a new user writes it: every misuse
 //! of issue 12 either works as on one device or fails with a typed error, and nothing reads a
 //! released parameter.
+use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::time::Duration;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var, D};
 use candle_dtensor_comm::{LocalWorld, ReduceOp};
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use candle_dtensor_models::fsdp_vb::{reference_var_builder, FsdpVarMap, ROOT_UNIT};
 use candle_dtensor_models::ModelError;
-use candle_nn::{ModuleT, Optimizer, VarBuilder};
+use candle_nn::{ModuleT, Optimizer, VarBuilder, VarMap};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -19,6 +21,33 @@ const ROWS: usize = 8;
 
 fn world(n: usize) -> LocalWorld {
     LocalWorld::new(n).with_timeout(Duration::from_secs(30))
+}
+
+/// Runs `f` on every rank of an `n`-rank data-parallel FSDP world (no wrap policy, gradients
+/// averaged), each with its rank, mesh, FSDP and a fresh parameter map seeded with `SEED`; the
+/// results in rank order.
+fn on_fsdp_world<T: Send>(
+    n: usize,
+    f: impl Fn(usize, &DeviceMesh, &Fsdp, FsdpVarMap) -> R<T> + Send + Sync,
+) -> Vec<T> {
+    world(n)
+        .launch(|comm| -> R<_> {
+            let rank = comm.rank();
+            let mesh = DeviceMesh::new(comm, &[("dp", n)])?;
+            let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
+            let map = FsdpVarMap::new(&fsdp, SEED);
+            f(rank, &mesh, &fsdp, map)
+        })
+        .unwrap()
+}
+
+/// This rank's loss averaged over the world: the loss one device sees for the whole batch.
+fn world_loss(mesh: &DeviceMesh, loss: &Tensor) -> R<f32> {
+    let g = mesh
+        .root_comm()
+        .all_reduce(&loss.reshape(1)?, ReduceOp::Avg)?
+        .wait()?;
+    Ok(g.to_vec1::<f32>()?[0])
 }
 
 /// A batch of `ROWS` rows of `d` features and integer class targets, distinct values.
@@ -51,6 +80,38 @@ fn full_values(map: &FsdpVarMap, mesh: &DeviceMesh) -> R<Option<HashMap<String, 
     Ok((mesh.root_comm().rank() == 0).then_some(out))
 }
 
+/// The value of every parameter of a one-device map, flattened.
+fn one_device_values(map: &VarMap) -> HashMap<String, Vec<f32>> {
+    let data = map.data().lock().unwrap();
+    data.iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                v.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The names of `vars` that `has_grad` accepts, sorted.
+fn names_with_grad<K: Into<String>, V: Borrow<Var>>(
+    vars: impl IntoIterator<Item = (K, V)>,
+    has_grad: impl Fn(&Var) -> bool,
+) -> Vec<String> {
+    let mut names: Vec<String> = vars
+        .into_iter()
+        .filter(|(_, v)| has_grad(v.borrow()))
+        .map(|(k, _)| k.into())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Whether `grads` holds a gradient for a parameter.
+fn in_grads(grads: &GradStore) -> impl Fn(&Var) -> bool + '_ {
+    |v| grads.get(v.as_tensor()).is_some()
+}
+
 fn assert_close(a: &[f32], b: &[f32], rel: f32, what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
@@ -81,96 +142,89 @@ fn mlp_loss(
     candle_nn::loss::cross_entropy(&l.1.forward(&h)?, y)
 }
 
-/// Losses and final parameters of the MLP trained with SGD on one device.
-fn mlp_single(steps: usize) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
+/// Losses and final parameters of the model `build` makes, trained with optimizer `O` (set up
+/// by `config`) on one device for `steps` batches of 6 features.
+fn train_one_device<M, O: Optimizer>(
+    steps: usize,
+    config: O::Config,
+    build: impl FnOnce(VarBuilder) -> candle_core::Result<M>,
+    loss_of: impl Fn(&M, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
     let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
-    let l = mlp(vb).unwrap();
-    let mut opt = candle_nn::SGD::new(map.all_vars(), 0.2).unwrap();
+    let m = build(vb).unwrap();
+    let mut opt = O::new(map.all_vars(), config).unwrap();
     let mut losses = Vec::new();
     for step in 0..steps {
         let (x, y) = batch(step, 6);
-        let loss = mlp_loss(&l, &x, &y).unwrap();
+        let loss = loss_of(&m, &x, &y).unwrap();
         losses.push(loss.to_scalar::<f32>().unwrap());
         opt.backward_step(&loss).unwrap();
     }
-    let data = map.data().lock().unwrap();
-    let params = data
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.clone(),
-                v.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
-            )
-        })
-        .collect();
-    (losses, params)
+    (losses, one_device_values(&map))
+}
+
+/// A world's losses and the parameters rank 0 gathered, within 1e-5 of one device's.
+fn assert_trained_as_one_device(
+    (losses, params): (&[f32], &Option<HashMap<String, Vec<f32>>>),
+    (ref_losses, ref_params): (&[f32], &HashMap<String, Vec<f32>>),
+    what: &str,
+) {
+    assert_close(losses, ref_losses, 1e-5, &format!("{what} losses"));
+    for (name, want) in ref_params {
+        let got = &params.as_ref().unwrap()[name];
+        assert_close(got, want, 1e-5, &format!("{what} {name}"));
+    }
 }
 
 #[test]
 fn unwrapped_module_with_fsdp_optimizer_trains_as_on_one_device() {
-    let (ref_losses, ref_params) = mlp_single(4);
+    let (ref_losses, ref_params) = train_one_device::<_, candle_nn::SGD>(4, 0.2, mlp, mlp_loss);
     for n in [2usize, 4] {
-        let out = world(n)
-            .launch(|comm| -> R<_> {
-                let rank = comm.rank();
-                let mesh = DeviceMesh::new(comm, &[("dp", n)])?;
-                let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
-                let map = FsdpVarMap::new(&fsdp, SEED);
-                let l = mlp(map.var_builder(DType::F32))?;
-                // No wrap anywhere: FSDP's optimizer gathers the parameters after each step.
-                let mut opt = fsdp.optimizer(candle_nn::SGD::new(map.all_vars(), 0.2)?);
-                let mut losses = Vec::new();
-                for step in 0..4 {
-                    let (x, y) = batch(step, 6);
-                    let loss = mlp_loss(&l, &my_rows(&x, rank, n), &my_rows(&y, rank, n))?;
-                    let g = mesh
-                        .root_comm()
-                        .all_reduce(&loss.reshape(1)?, ReduceOp::Avg)?
-                        .wait()?;
-                    losses.push(g.to_vec1::<f32>()?[0]);
-                    opt.backward_step(&loss)?;
-                }
-                Ok((losses, full_values(&map, &mesh)?))
-            })
-            .unwrap();
+        let out = on_fsdp_world(n, |rank, mesh, fsdp, map| {
+            let l = mlp(map.var_builder(DType::F32))?;
+            // No wrap anywhere: FSDP's optimizer gathers the parameters after each step.
+            let mut opt = fsdp.optimizer(candle_nn::SGD::new(map.all_vars(), 0.2)?);
+            let mut losses = Vec::new();
+            for step in 0..4 {
+                let (x, y) = batch(step, 6);
+                let loss = mlp_loss(&l, &my_rows(&x, rank, n), &my_rows(&y, rank, n))?;
+                losses.push(world_loss(mesh, &loss)?);
+                opt.backward_step(&loss)?;
+            }
+            Ok((losses, full_values(&map, mesh)?))
+        });
         let (losses, params) = &out[0];
-        assert_close(losses, &ref_losses, 1e-5, &format!("world {n} losses"));
-        for (name, want) in &ref_params {
-            let got = &params.as_ref().unwrap()[name];
-            assert_close(got, want, 1e-5, &format!("world {n} {name}"));
-        }
+        assert_trained_as_one_device(
+            (losses, params),
+            (&ref_losses, &ref_params),
+            &format!("world {n}"),
+        );
     }
 }
 
 #[test]
 fn unwrapped_module_with_a_plain_optimizer_fails_typed_on_its_next_use() {
-    let out = world(2)
-        .launch(|comm| -> R<_> {
-            let rank = comm.rank();
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
-            let map = FsdpVarMap::new(&fsdp, SEED);
-            let l = mlp(map.var_builder(DType::F32))?;
-            let mut opt = candle_nn::SGD::new(map.all_vars(), 0.2)?;
-            let (x, y) = batch(0, 6);
-            let (x, y) = (my_rows(&x, rank, 2), my_rows(&y, rank, 2));
-            // The first step works: the parameters hold their initial values.
-            let loss = mlp_loss(&l, &x, &y)?;
-            let grads = fsdp.backward(&loss)?;
-            opt.step(&grads)?;
-            // Backward released them; a plain optimizer does not gather them again, so the next
-            // use is refused by candle (the storage seam's placeholder), not a read of freed
-            // memory.
-            let second = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                mlp_loss(&l, &x, &y).map(|_| ())
-            }));
-            Ok(match second {
-                Ok(Err(e)) => e.to_string(),
-                Ok(Ok(())) => "succeeded".to_string(),
-                Err(_) => "panicked".to_string(),
-            })
+    let out = on_fsdp_world(2, |rank, _, fsdp, map| {
+        let l = mlp(map.var_builder(DType::F32))?;
+        let mut opt = candle_nn::SGD::new(map.all_vars(), 0.2)?;
+        let (x, y) = batch(0, 6);
+        let (x, y) = (my_rows(&x, rank, 2), my_rows(&y, rank, 2));
+        // The first step works: the parameters hold their initial values.
+        let loss = mlp_loss(&l, &x, &y)?;
+        let grads = fsdp.backward(&loss)?;
+        opt.step(&grads)?;
+        // Backward released them; a plain optimizer does not gather them again, so the next
+        // use is refused by candle (the storage seam's placeholder), not a read of freed
+        // memory.
+        let second = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            mlp_loss(&l, &x, &y).map(|_| ())
+        }));
+        Ok(match second {
+            Ok(Err(e)) => e.to_string(),
+            Ok(Ok(())) => "succeeded".to_string(),
+            Err(_) => "panicked".to_string(),
         })
-        .unwrap();
+    });
     for e in out {
         assert!(e.contains("F4") || e.contains("released"), "{e}");
     }
@@ -210,30 +264,6 @@ impl HfStyle {
     }
 }
 
-fn hf_single(steps: usize) -> (Vec<f32>, HashMap<String, Vec<f32>>) {
-    let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
-    let m = HfStyle::new(vb).unwrap();
-    let mut opt = candle_nn::AdamW::new_lr(map.all_vars(), 0.01).unwrap();
-    let mut losses = Vec::new();
-    for step in 0..steps {
-        let (x, y) = batch(step, 6);
-        let loss = candle_nn::loss::cross_entropy(&m.forward(&x).unwrap(), &y).unwrap();
-        losses.push(loss.to_scalar::<f32>().unwrap());
-        opt.backward_step(&loss).unwrap();
-    }
-    let data = map.data().lock().unwrap();
-    let params = data
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.clone(),
-                v.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
-            )
-        })
-        .collect();
-    (losses, params)
-}
-
 /// How the FSDP run drives its units.
 #[derive(Clone, Copy, Debug)]
 enum Drive {
@@ -247,58 +277,56 @@ enum Drive {
 
 #[test]
 fn hf_style_models_train_as_on_one_device_however_units_are_driven() {
-    let (ref_losses, ref_params) = hf_single(3);
+    let (ref_losses, ref_params) = train_one_device::<_, candle_nn::AdamW>(
+        3,
+        candle_nn::ParamsAdamW {
+            lr: 0.01,
+            ..Default::default()
+        },
+        HfStyle::new,
+        |m, x, y| candle_nn::loss::cross_entropy(&m.forward(x)?, y),
+    );
     for drive in [Drive::OneKey, Drive::PatternsRoot, Drive::PatternsPerLayer] {
-        let out = world(2)
-            .launch(|comm| -> R<_> {
-                let rank = comm.rank();
-                let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-                let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
-                let map = FsdpVarMap::new(&fsdp, SEED);
-                let map = match drive {
-                    Drive::OneKey => map,
-                    _ => map.with_units(&["model.layers.{i}"])?,
+        let out = on_fsdp_world(2, |rank, mesh, fsdp, map| {
+            let map = match drive {
+                Drive::OneKey => map,
+                _ => map.with_units(&["model.layers.{i}"])?,
+            };
+            let m = HfStyle::new(map.var_builder(DType::F32))?;
+            let units: Vec<String> = map.units().into_iter().map(|(k, _)| k).collect();
+            let mut opt = candle_nn::AdamW::new_lr(map.all_vars(), 0.01)?;
+            let mut losses = Vec::new();
+            let mut released_between = true;
+            for step in 0..3 {
+                let (x, y) = batch(step, 6);
+                let (x, y) = (my_rows(&x, rank, 2), my_rows(&y, rank, 2));
+                let logits = match drive {
+                    Drive::OneKey => map.forward("model", || m.forward(&x))?,
+                    Drive::PatternsRoot => map.forward(ROOT_UNIT, || m.forward(&x))?,
+                    Drive::PatternsPerLayer => map.forward(ROOT_UNIT, || {
+                        let mut h = m.embed.forward(&x)?;
+                        for i in 0..3 {
+                            let key = format!("model.layers.{i}");
+                            h = map.forward(&key, || m.layer(i, &h))?;
+                            let u = fsdp.unit_index(&key).unwrap();
+                            released_between &= fsdp.unit_allocated_bytes(u) == 0;
+                        }
+                        m.lm_head.forward(&h)
+                    })?,
                 };
-                let m = HfStyle::new(map.var_builder(DType::F32))?;
-                let units: Vec<String> = map.units().into_iter().map(|(k, _)| k).collect();
-                let mut opt = candle_nn::AdamW::new_lr(map.all_vars(), 0.01)?;
-                let mut losses = Vec::new();
-                let mut released_between = true;
-                for step in 0..3 {
-                    let (x, y) = batch(step, 6);
-                    let (x, y) = (my_rows(&x, rank, 2), my_rows(&y, rank, 2));
-                    let logits = match drive {
-                        Drive::OneKey => map.forward("model", || m.forward(&x))?,
-                        Drive::PatternsRoot => map.forward(ROOT_UNIT, || m.forward(&x))?,
-                        Drive::PatternsPerLayer => map.forward(ROOT_UNIT, || {
-                            let mut h = m.embed.forward(&x)?;
-                            for i in 0..3 {
-                                let key = format!("model.layers.{i}");
-                                h = map.forward(&key, || m.layer(i, &h))?;
-                                let u = fsdp.unit_index(&key).unwrap();
-                                released_between &= fsdp.unit_allocated_bytes(u) == 0;
-                            }
-                            m.lm_head.forward(&h)
-                        })?,
-                    };
-                    let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
-                    let g = mesh
-                        .root_comm()
-                        .all_reduce(&loss.reshape(1)?, ReduceOp::Avg)?
-                        .wait()?;
-                    losses.push(g.to_vec1::<f32>()?[0]);
-                    let grads = fsdp.backward(&loss)?;
-                    opt.step(&grads)?;
-                }
-                Ok((losses, full_values(&map, &mesh)?, units, released_between))
-            })
-            .unwrap();
+                let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+                losses.push(world_loss(mesh, &loss)?);
+                let grads = fsdp.backward(&loss)?;
+                opt.step(&grads)?;
+            }
+            Ok((losses, full_values(&map, mesh)?, units, released_between))
+        });
         let (losses, params, units, released) = &out[0];
-        assert_close(losses, &ref_losses, 1e-5, &format!("{drive:?} losses"));
-        for (name, want) in &ref_params {
-            let got = &params.as_ref().unwrap()[name];
-            assert_close(got, want, 1e-5, &format!("{drive:?} {name}"));
-        }
+        assert_trained_as_one_device(
+            (losses, params),
+            (&ref_losses, &ref_params),
+            &format!("{drive:?}"),
+        );
         match drive {
             Drive::OneKey => assert_eq!(units, &["model", "lm_head"]),
             _ => assert_eq!(
@@ -314,25 +342,20 @@ fn hf_style_models_train_as_on_one_device_however_units_are_driven() {
 
 #[test]
 fn a_weight_shared_across_units_is_a_typed_error_naming_what_is_released() {
-    let out = world(2)
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
-            let map = FsdpVarMap::new(&fsdp, SEED);
-            let vb = map.var_builder(DType::F32);
-            let a = candle_nn::linear(4, 4, vb.pp("a"))?;
-            // "b" reuses a's weight (a tied head), but lives in another unit.
-            let b = candle_nn::Linear::new(a.weight().clone(), None);
-            let _b_unit = candle_nn::linear(4, 4, vb.pp("b"))?;
-            let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu)?;
-            let h = map.forward("a", || a.forward(&x))?; // releases a's weight after
-            let err = map.forward("b", || b.forward(&h)).err();
-            Ok(err.map(|e| match e {
-                ModelError::ReleasedParameter { unit, released, .. } => (unit, released),
-                other => (format!("unexpected: {other}"), Vec::new()),
-            }))
-        })
-        .unwrap();
+    let out = on_fsdp_world(2, |_, _, _, map| {
+        let vb = map.var_builder(DType::F32);
+        let a = candle_nn::linear(4, 4, vb.pp("a"))?;
+        // "b" reuses a's weight (a tied head), but lives in another unit.
+        let b = candle_nn::Linear::new(a.weight().clone(), None);
+        let _b_unit = candle_nn::linear(4, 4, vb.pp("b"))?;
+        let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu)?;
+        let h = map.forward("a", || a.forward(&x))?; // releases a's weight after
+        let err = map.forward("b", || b.forward(&h)).err();
+        Ok(err.map(|e| match e {
+            ModelError::ReleasedParameter { unit, released, .. } => (unit, released),
+            other => (format!("unexpected: {other}"), Vec::new()),
+        }))
+    });
     for e in out {
         let (unit, released) = e.expect("the shared weight is released");
         assert_eq!(unit, "b");
@@ -379,52 +402,28 @@ fn parameters_cut_from_the_graph_get_no_gradient_as_on_one_device() {
     let (x, y) = batch(0, 6);
     let loss = candle_nn::loss::cross_entropy(&m.forward(&x).unwrap(), &y).unwrap();
     let grads = loss.backward().unwrap();
-    let mut with_grad: Vec<String> = {
-        let data = ref_map.data().lock().unwrap();
-        data.iter()
-            .filter(|(_, v)| grads.get(v.as_tensor()).is_some())
-            .map(|(k, _)| k.clone())
-            .collect()
-    };
-    with_grad.sort();
+    let with_grad = names_with_grad(ref_map.data().lock().unwrap().iter(), in_grads(&grads));
     assert_eq!(
         with_grad,
         ["out.bias", "out.weight"],
         "candle-nn cuts the rest"
     );
     opt.step(&grads).unwrap();
-    let ref_values: HashMap<String, Vec<f32>> = ref_map
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.clone(), v.flatten_all().unwrap().to_vec1().unwrap()))
-        .collect();
+    let ref_values = one_device_values(&ref_map);
 
-    let out = world(2)
-        .launch(|comm| -> R<_> {
-            let rank = comm.rank();
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
-            let map = FsdpVarMap::new(&fsdp, SEED).with_units(&[])?;
-            let m = Cut::new(map.var_builder(DType::F32))?;
-            let mut opt = candle_nn::AdamW::new(map.all_vars(), params.clone())?;
-            let logits = map.forward(ROOT_UNIT, || m.forward(&my_rows(&x, rank, 2)))?;
-            let loss = candle_nn::loss::cross_entropy(&logits, &my_rows(&y, rank, 2))?;
-            let grads = fsdp.backward(&loss)?;
-            let mut have: Vec<String> = map
-                .named_vars()
-                .into_iter()
-                .filter(|(_, v)| grads.get(v.as_tensor()).is_some())
-                .map(|(k, _)| k)
-                .collect();
-            have.sort();
-            let mut without = fsdp.params_without_grad();
-            without.sort();
-            opt.step(&grads)?;
-            Ok((have, without, full_values(&map, &mesh)?))
-        })
-        .unwrap();
+    let out = on_fsdp_world(2, |rank, mesh, fsdp, map| {
+        let map = map.with_units(&[])?;
+        let m = Cut::new(map.var_builder(DType::F32))?;
+        let mut opt = candle_nn::AdamW::new(map.all_vars(), params.clone())?;
+        let logits = map.forward(ROOT_UNIT, || m.forward(&my_rows(&x, rank, 2)))?;
+        let loss = candle_nn::loss::cross_entropy(&logits, &my_rows(&y, rank, 2))?;
+        let grads = fsdp.backward(&loss)?;
+        let have = names_with_grad(map.named_vars(), in_grads(&grads));
+        let mut without = fsdp.params_without_grad();
+        without.sort();
+        opt.step(&grads)?;
+        Ok((have, without, full_values(&map, mesh)?))
+    });
     for (rank, (have, without, _)) in out.iter().enumerate() {
         // Shards of out.bias (3 rows over 2 ranks) are uneven but both non-empty.
         assert_eq!(have, &["out.bias", "out.weight"], "rank {rank}");
@@ -446,20 +445,15 @@ fn parameters_cut_from_the_graph_get_no_gradient_as_on_one_device() {
 
 #[test]
 fn modules_that_read_parameters_while_built_see_their_initial_values() {
-    let out = world(2)
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
-            let map = FsdpVarMap::new(&fsdp, SEED);
-            // batch_norm copies its running statistics into Vars of its own at build time.
-            let bn = candle_nn::batch_norm(5, 1e-5, map.var_builder(DType::F32).pp("bn"))?;
-            let mean = bn.running_mean().to_vec1::<f32>()?;
-            let var = bn.running_var().to_vec1::<f32>()?;
-            let x = Tensor::ones((3, 5), DType::F32, &Device::Cpu)?;
-            let y = map.forward("bn", || bn.forward_t(&x, false))?;
-            Ok((mean, var, y.to_vec2::<f32>()?))
-        })
-        .unwrap();
+    let out = on_fsdp_world(2, |_, _, _, map| {
+        // batch_norm copies its running statistics into Vars of its own at build time.
+        let bn = candle_nn::batch_norm(5, 1e-5, map.var_builder(DType::F32).pp("bn"))?;
+        let mean = bn.running_mean().to_vec1::<f32>()?;
+        let var = bn.running_var().to_vec1::<f32>()?;
+        let x = Tensor::ones((3, 5), DType::F32, &Device::Cpu)?;
+        let y = map.forward("bn", || bn.forward_t(&x, false))?;
+        Ok((mean, var, y.to_vec2::<f32>()?))
+    });
     for (mean, var, y) in out {
         assert_eq!(mean, vec![0.0; 5]);
         assert_eq!(var, vec![1.0; 5]);
@@ -507,54 +501,35 @@ fn llama2_c_built_as_candle_s_training_example_builds_it_trains_as_on_one_device
         ref_losses.push(loss.to_scalar::<f32>().unwrap());
         let grads = loss.backward().unwrap();
         if step == 0 {
-            let data = ref_map.data().lock().unwrap();
-            ref_with_grad = data
-                .iter()
-                .filter(|(_, v)| grads.get(v.as_tensor()).is_some())
-                .map(|(k, _)| k.clone())
-                .collect();
-            ref_with_grad.sort();
+            ref_with_grad =
+                names_with_grad(ref_map.data().lock().unwrap().iter(), in_grads(&grads));
         }
         opt.step(&grads).unwrap();
     }
-    let cfg2 = cfg.clone();
-    let out = world(2)
-        .launch(move |comm| -> R<_> {
-            let rank = comm.rank();
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
-            let map = FsdpVarMap::new(&fsdp, SEED).with_units(&["model.layers.{i}"])?;
-            let vb = map.var_builder(DType::F32);
-            let mut cache = Cache::new(false, &cfg2, vb.pp("rot"))?;
-            let model = Llama::load(vb, cfg2.clone())?;
-            let mut opt = candle_nn::SGD::new(map.all_vars(), 0.5)?;
-            let mut losses = Vec::new();
-            let mut with_grad = Vec::new();
-            for step in 0..3 {
-                let (x, y) = ids(step);
-                let (x, y) = (x.narrow(0, 2 * rank, 2)?, y.narrow(0, 2 * rank, 2)?);
-                let logits = map.forward(ROOT_UNIT, || model.forward(&x, 0, &mut cache))?;
-                let loss = loss_of(&logits, &y)?;
-                let g = mesh
-                    .root_comm()
-                    .all_reduce(&loss.reshape(1)?, ReduceOp::Avg)?
-                    .wait()?;
-                losses.push(g.to_vec1::<f32>()?[0]);
-                let grads = fsdp.backward(&loss)?;
-                if step == 0 {
-                    with_grad = map
-                        .named_vars()
-                        .into_iter()
-                        .filter(|(_, v)| grads.get(v.as_tensor()).is_some() || v.elem_count() == 0)
-                        .map(|(k, _)| k)
-                        .collect();
-                    with_grad.sort();
-                }
-                opt.step(&grads)?;
+    let out = on_fsdp_world(2, |rank, mesh, fsdp, map| {
+        let map = map.with_units(&["model.layers.{i}"])?;
+        let vb = map.var_builder(DType::F32);
+        let mut cache = Cache::new(false, &cfg, vb.pp("rot"))?;
+        let model = Llama::load(vb, cfg.clone())?;
+        let mut opt = candle_nn::SGD::new(map.all_vars(), 0.5)?;
+        let mut losses = Vec::new();
+        let mut with_grad = Vec::new();
+        for step in 0..3 {
+            let (x, y) = ids(step);
+            let (x, y) = (x.narrow(0, 2 * rank, 2)?, y.narrow(0, 2 * rank, 2)?);
+            let logits = map.forward(ROOT_UNIT, || model.forward(&x, 0, &mut cache))?;
+            let loss = loss_of(&logits, &y)?;
+            losses.push(world_loss(mesh, &loss)?);
+            let grads = fsdp.backward(&loss)?;
+            if step == 0 {
+                with_grad = names_with_grad(map.named_vars(), |v| {
+                    grads.get(v.as_tensor()).is_some() || v.elem_count() == 0
+                });
             }
-            Ok((losses, with_grad, fsdp.params_without_grad().len()))
-        })
-        .unwrap();
+            opt.step(&grads)?;
+        }
+        Ok((losses, with_grad, fsdp.params_without_grad().len()))
+    });
     let (losses, with_grad, _) = &out[0];
     assert_close(losses, &ref_losses, 1e-5, "llama2_c losses");
     // Empty shards count as "has a gradient" on this rank only if one device has one; the
@@ -565,29 +540,24 @@ fn llama2_c_built_as_candle_s_training_example_builds_it_trains_as_on_one_device
 
 #[test]
 fn a_forgotten_reduction_is_an_error_not_a_silent_no_op() {
-    let out = world(2)
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
-            let map = FsdpVarMap::new(&fsdp, SEED);
-            let l = map.wrap(
-                "l",
-                candle_nn::linear(4, 2, map.var_builder(DType::F32).pp("l"))?,
-            )?;
-            let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu)?;
-            let mut opt = fsdp.optimizer(candle_nn::SGD::new(map.all_vars(), 0.1)?);
-            let loss = l.forward(&x)?.sum(D::Minus1)?.mean_all()?;
-            let grads = loss.backward()?; // candle's own backward: FSDP has not reduced anything
-            let step_err = opt.step(&grads).err().map(|e| e.to_string());
-            let fwd_err = l.forward(&x).err().map(|e| e.to_string());
-            // Finishing the backward makes both work again.
-            let mut grads = grads;
-            fsdp.finish_backward(&mut grads)?;
-            opt.step(&grads)?;
-            l.forward(&x)?;
-            Ok((step_err, fwd_err))
-        })
-        .unwrap();
+    let out = on_fsdp_world(2, |_, _, fsdp, map| {
+        let l = map.wrap(
+            "l",
+            candle_nn::linear(4, 2, map.var_builder(DType::F32).pp("l"))?,
+        )?;
+        let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu)?;
+        let mut opt = fsdp.optimizer(candle_nn::SGD::new(map.all_vars(), 0.1)?);
+        let loss = l.forward(&x)?.sum(D::Minus1)?.mean_all()?;
+        let grads = loss.backward()?; // candle's own backward: FSDP has not reduced anything
+        let step_err = opt.step(&grads).err().map(|e| e.to_string());
+        let fwd_err = l.forward(&x).err().map(|e| e.to_string());
+        // Finishing the backward makes both work again.
+        let mut grads = grads;
+        fsdp.finish_backward(&mut grads)?;
+        opt.step(&grads)?;
+        l.forward(&x)?;
+        Ok((step_err, fwd_err))
+    });
     for (s, f) in out {
         let s = s.expect("step refused");
         let f = f.expect("forward refused");
@@ -598,28 +568,23 @@ fn a_forgotten_reduction_is_an_error_not_a_silent_no_op() {
 
 #[test]
 fn a_var_builder_on_another_device_or_a_parameter_requested_twice_is_an_error() {
-    let out = world(2)
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
-            let map = FsdpVarMap::new(&fsdp, SEED);
-            let vb = map.var_builder(DType::F32);
-            candle_nn::linear(2, 2, vb.pp("a"))?;
-            let twice = candle_nn::linear(2, 2, vb.pp("a"))
-                .err()
-                .map(|e| e.to_string());
-            let no_unit = map.wrap("nope", ()).err().map(|e| e.to_string());
-            let bad_pattern = FsdpVarMap::new(&fsdp, SEED)
-                .with_units(&["a..{i}"])
-                .err()
-                .map(|e| e.to_string());
-            let int_param = vb
-                .get_with_hints_dtype(3, "ids", candle_nn::Init::Const(0.), DType::U32)
-                .err()
-                .map(|e| e.to_string());
-            Ok((twice, no_unit, bad_pattern, int_param))
-        })
-        .unwrap();
+    let out = on_fsdp_world(2, |_, _, fsdp, map| {
+        let vb = map.var_builder(DType::F32);
+        candle_nn::linear(2, 2, vb.pp("a"))?;
+        let twice = candle_nn::linear(2, 2, vb.pp("a"))
+            .err()
+            .map(|e| e.to_string());
+        let no_unit = map.wrap("nope", ()).err().map(|e| e.to_string());
+        let bad_pattern = FsdpVarMap::new(fsdp, SEED)
+            .with_units(&["a..{i}"])
+            .err()
+            .map(|e| e.to_string());
+        let int_param = vb
+            .get_with_hints_dtype(3, "ids", candle_nn::Init::Const(0.), DType::U32)
+            .err()
+            .map(|e| e.to_string());
+        Ok((twice, no_unit, bad_pattern, int_param))
+    });
     for (twice, no_unit, bad, int) in out {
         assert!(twice.unwrap().contains("requested twice"));
         assert!(no_unit.unwrap().contains("no FSDP unit \"nope\""));
