@@ -231,12 +231,9 @@ impl CustomOp1 for Unshard {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        if let Some(inner) = self.fsdp.upgrade() {
-            let f = Fsdp { inner };
-            let _b = debug::enter_backward(Some(&f.unit_name(self.unit)));
+        in_unit_backward(&self.fsdp, self.unit, |f| {
             f.stash_grad(self.unit, self.param, grad)
-                .map_err(candle_core::Error::from)?;
-        }
+        })?;
         Ok(None)
     }
 }
@@ -266,18 +263,32 @@ impl CustomOp1 for PreBackward {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        if let Some(inner) = self.fsdp.upgrade() {
-            let f = Fsdp { inner };
-            let _b = debug::enter_backward(Some(&f.unit_name(self.unit)));
-            f.unshard(self.unit).map_err(candle_core::Error::from)?;
+        in_unit_backward(&self.fsdp, self.unit, |f| {
+            f.unshard(self.unit)?;
             if f.inner.cfg.prefetch {
                 if let Some(prev) = f.previous_regathered(self.unit) {
-                    f.start_gather(prev).map_err(candle_core::Error::from)?;
+                    f.start_gather(prev)?;
                 }
             }
-        }
+            Ok(())
+        })?;
         Ok(Some(grad.clone()))
     }
+}
+
+/// Runs `job` on the wrapper a backward node of `unit` belongs to, inside that unit's backward
+/// span; nothing when the wrapper is gone (a graph that outlived its model).
+fn in_unit_backward(
+    fsdp: &Weak<Inner>,
+    unit: usize,
+    job: impl FnOnce(&Fsdp) -> Result<()>,
+) -> candle_core::Result<()> {
+    if let Some(inner) = fsdp.upgrade() {
+        let f = Fsdp { inner };
+        let _b = debug::enter_backward(Some(&f.unit_name(unit)));
+        job(&f).map_err(candle_core::Error::from)?;
+    }
+    Ok(())
 }
 
 /// Releases a full parameter's storage; returns the bytes freed (0 if already released).
