@@ -640,16 +640,9 @@ pub fn distribute_tensor_from(
     let rank = ctx.rank();
     let root = mesh.root_comm();
     let op = "distribute_tensor";
-    // Header: [ndim, dtype code, dims...] as u64, fixed length so every rank can post it.
-    let dtypes = [
-        DType::F32,
-        DType::F64,
-        DType::BF16,
-        DType::F16,
-        DType::I64,
-        DType::U32,
-        DType::U8,
-    ];
+    // Header: [ndim, dtype code, dims...] as u64, fixed length so every rank can post it. The
+    // dtype code indexes the dtypes a broadcast can carry.
+    let dtypes = candle_dtensor_comm::SUPPORTED_DTYPES;
     let mut header = vec![0i64; 10];
     if root.rank() == src {
         let t = full.ok_or_else(|| {
