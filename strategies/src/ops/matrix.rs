@@ -303,22 +303,6 @@ mod tests {
     use crate::{DType, Op, TensorMeta};
 
     #[test]
-    fn mm_table() {
-        assert_eq!(
-            table(&Op::Matmul, &[&[64, 32], &[32, 16]]),
-            vec![
-                "S(0) <- S(0), R",
-                "S(1) <- R, S(1)",
-                "P(sum) <- S(1), S(0)",
-                "P(sum) <- P(sum), R",
-                "P(sum) <- R, P(sum)",
-                "P(avg) <- P(avg), R",
-                "P(avg) <- R, P(avg)",
-            ]
-        );
-    }
-
-    #[test]
     fn bmm_and_broadcast_batch() {
         let t = table(&Op::Matmul, &[&[4, 8, 16], &[4, 16, 2]]);
         assert_eq!(t[0], "S(0) <- S(0), S(0)");
