@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use candle_dtensor_comm::LocalWorld;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::checkpoint::{
@@ -40,6 +40,22 @@ impl Drop for Scratch {
     }
 }
 
+/// Copies step `step`'s directory of checkpoint root `from` into root `to`.
+fn copy_step(from: &Path, to: &Path, step: usize) {
+    copy_dir(
+        &checkpoint::step_dir(from, step),
+        &checkpoint::step_dir(to, step),
+    );
+}
+
+/// Flips one bit of the file's third-to-last byte (inside its last chunk).
+fn flip_a_bit_near_the_end(p: &Path) {
+    let mut b = std::fs::read(p).unwrap();
+    let n = b.len();
+    b[n - 3] ^= 0x10;
+    std::fs::write(p, b).unwrap();
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {
@@ -67,21 +83,11 @@ fn gpt() -> GptConfig {
 }
 
 fn fsdp(shard: &str, replicate: Option<&str>) -> Option<FsdpSpec> {
-    Some(FsdpSpec {
-        shard: shard.into(),
-        replicate: replicate.map(Into::into),
-        separate_rs: false,
-        param_dtype: None,
-        reshard_after_forward: true,
-    })
+    Some(common::fsdp_over(shard, replicate))
 }
 
 fn cfg(fsdp: Option<FsdpSpec>, steps: usize, dir: Option<&Path>) -> TrainConfig {
-    let mut c = TrainConfig::new(gpt(), TpPlan::gpt(false));
-    c.steps = steps;
-    c.batch = 8;
-    c.corpus_tokens = 4096;
-    c.seed = 3;
+    let mut c = common::short_run(gpt(), TpPlan::gpt(false), steps, 3);
     c.lr = 1e-2;
     c.fsdp = fsdp;
     c.save_dir = dir.map(Path::to_path_buf);
@@ -134,10 +140,7 @@ fn resume_on_other_meshes_matches_the_single_device_run() {
     assert_eq!(b.start_step, 10);
     assert_close(&b.losses, &reference.losses[10..15], 1e-4, "fsdp x tp");
     let copy = Scratch::new("cross-copy");
-    copy_dir(
-        &checkpoint::step_dir(&dir.0, 15),
-        &checkpoint::step_dir(&copy.0, 15),
-    );
+    copy_step(&dir.0, &copy.0, 15);
     let mut c = cfg(None, 20, Some(&dir.0));
     c.resume = true;
     let single = train(&[("tp", 1)], &c);
@@ -177,6 +180,61 @@ fn build(
     Ok((model, store, opt))
 }
 
+/// Runs `f` on every rank of a world shaped `dims`, with the parameter store and AdamW of a
+/// GPT `g` [`build`] made there (seed `seed`, `dtype`, FSDP per `shard`); results in rank order.
+fn with_built<T: Send>(
+    dims: &[(&str, usize)],
+    (g, seed, dtype): (&GptConfig, u64, DType),
+    shard: Sharding<'_>,
+    f: impl Fn(&ParamStore, AdamW) -> R<T> + Send + Sync,
+) -> Vec<T> {
+    world(dims)
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, dims)?;
+            let (_m, store, opt) = build(&mesh, g, seed, dtype, shard)?;
+            f(&store, opt)
+        })
+        .unwrap()
+}
+
+/// [`with_built`] for the f32 test GPT [`gpt`].
+fn with_gpt<T: Send>(
+    dims: &[(&str, usize)],
+    seed: u64,
+    shard: Sharding<'_>,
+    f: impl Fn(&ParamStore, AdamW) -> R<T> + Send + Sync,
+) -> Vec<T> {
+    with_built(dims, (&gpt(), seed, DType::F32), shard, f)
+}
+
+/// Saves the test GPT of `seed` with its AdamW, built on a world shaped `dims`, as step `step`
+/// of `root` (with `extra`).
+fn save_gpt(
+    root: &Path,
+    step: usize,
+    dims: &[(&str, usize)],
+    (seed, shard): (u64, Sharding<'_>),
+    extra: &serde_json::Value,
+) {
+    with_gpt(dims, seed, shard, |store, opt| {
+        Ok(save(root, step, store, Some(&opt), extra)?)
+    });
+}
+
+/// Every parameter's name and a copy of its local value.
+fn named_values(store: &ParamStore) -> Vec<(String, Tensor)> {
+    store
+        .params()
+        .iter()
+        .map(|p| (p.name.clone(), p.var.as_tensor().copy().unwrap()))
+        .collect()
+}
+
+/// The largest absolute difference between `a` and `b`.
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> candle_core::Result<f32> {
+    (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+}
+
 #[test]
 fn replicated_pieces_are_written_once() {
     let cases: [(&str, MeshDims, Sharding<'_>); 3] = [
@@ -191,25 +249,21 @@ fn replicated_pieces_are_written_once() {
     for (name, dims, shard) in cases {
         let dir = Scratch::new(&format!("once-{}", name.replace(' ', "")));
         // Every rank's boxes per parameter, to compare with the manifest.
-        let boxes = world(&dims)
-            .launch(|comm| -> R<_> {
-                let mesh = DeviceMesh::new(comm, &dims)?;
-                let (_m, store, opt) = build(&mesh, &gpt(), 1, DType::F32, shard)?;
-                save(&dir.0, 0, &store, Some(&opt), &serde_json::Value::Null)?;
-                Ok(store
-                    .params()
-                    .iter()
-                    .map(|p| {
-                        let b: BTreeSet<(Vec<usize>, Vec<usize>)> = p
-                            .boxes
-                            .iter()
-                            .map(|b| (b.global_offset.clone(), b.shape.clone()))
-                            .collect();
-                        (p.name.clone(), b)
-                    })
-                    .collect::<BTreeMap<_, _>>())
-            })
-            .unwrap();
+        let boxes = with_gpt(&dims, 1, shard, |store, opt| {
+            save(&dir.0, 0, store, Some(&opt), &serde_json::Value::Null)?;
+            Ok(store
+                .params()
+                .iter()
+                .map(|p| {
+                    let b: BTreeSet<(Vec<usize>, Vec<usize>)> = p
+                        .boxes
+                        .iter()
+                        .map(|b| (b.global_offset.clone(), b.shape.clone()))
+                        .collect();
+                    (p.name.clone(), b)
+                })
+                .collect::<BTreeMap<_, _>>())
+        });
         let m = read_manifest(&dir.0, 0).unwrap();
         let mut data_bytes = 0;
         let mut numel = 0;
@@ -297,53 +351,39 @@ fn load_single(
     g: &GptConfig,
     dtype: DType,
 ) -> (Result<LoadInfo, CheckpointError>, bool) {
-    world(&[("tp", 1)])
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("tp", 1)])?;
-            let (_m, store, mut opt) = build(&mesh, g, 2, dtype, None)?;
-            let before = if dtype == DType::F32 {
-                var_values(&store)
-            } else {
-                Vec::new()
-            };
-            let r = load(root, Which::Latest, &store, Some(&mut opt));
-            let unchanged = dtype != DType::F32 || var_values(&store) == before;
-            Ok((r, unchanged))
-        })
-        .unwrap()
-        .remove(0)
+    with_built(&[("tp", 1)], (g, 2, dtype), None, |store, mut opt| {
+        let before = if dtype == DType::F32 {
+            var_values(store)
+        } else {
+            Vec::new()
+        };
+        let r = load(root, Which::Latest, store, Some(&mut opt));
+        let unchanged = dtype != DType::F32 || var_values(store) == before;
+        Ok((r, unchanged))
+    })
+    .remove(0)
 }
 
 #[test]
 fn integrity_errors_are_typed_and_load_nothing() {
     let good = Scratch::new("integrity");
     // Saved from FSDP on 2 ranks, seed 1.
-    world(&[("dp", 2)])
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let (_m, store, opt) = build(&mesh, &gpt(), 1, DType::F32, Some(("dp", None)))?;
-            save(
-                &good.0,
-                3,
-                &store,
-                Some(&opt),
-                &serde_json::json!({"seed": 1}),
-            )?;
-            Ok(())
-        })
-        .unwrap();
+    let dp2 = [("dp", 2)];
+    save_gpt(
+        &good.0,
+        3,
+        &dp2,
+        (1, Some(("dp", None))),
+        &serde_json::json!({"seed": 1}),
+    );
     // The intact checkpoint loads exactly the saved values.
-    let vals = world(&[("tp", 1)])
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("tp", 1)])?;
-            let (_m, store, mut opt) = build(&mesh, &gpt(), 2, DType::F32, None)?;
-            let info = load(&good.0, Which::Latest, &store, Some(&mut opt))?;
-            assert_eq!(info.step, 3);
-            assert_eq!(info.extra["seed"], 1);
-            Ok((var_values(&store), init_values(&store, 1)))
-        })
-        .unwrap()
-        .remove(0);
+    let vals = with_gpt(&[("tp", 1)], 2, None, |store, mut opt| {
+        let info = load(&good.0, Which::Latest, store, Some(&mut opt))?;
+        assert_eq!(info.step, 3);
+        assert_eq!(info.extra["seed"], 1);
+        Ok((var_values(store), init_values(store, 1)))
+    })
+    .remove(0);
     assert_eq!(vals.0, vals.1, "loaded values are seed 1's");
 
     let variant = |name: &str, f: &dyn Fn(&Path)| {
@@ -378,76 +418,45 @@ fn integrity_errors_are_typed_and_load_nothing() {
     // A flipped byte in the last chunk of rank 1's file: every other chunk verifies and would
     // have been loaded by a non-atomic loader.
     let (e, _d) = variant("flipped", &|d| {
-        let p = d.join("rank-1.safetensors");
-        let mut b = std::fs::read(&p).unwrap();
-        let n = b.len();
-        b[n - 3] ^= 0x10;
-        std::fs::write(&p, b).unwrap();
+        flip_a_bit_near_the_end(&d.join("rank-1.safetensors"))
     });
     assert!(matches!(e, CheckpointError::Checksum { .. }), "{e}");
     names_file(&e, "rank-1.safetensors");
 
-    // Models of another shape or dtype.
-    let (r, unchanged) = load_single(
-        &good.0,
-        &GptConfig {
-            d_model: 40,
-            ..gpt()
-        },
-        DType::F32,
-    );
+    // Models of another shape or dtype: the error, and whether the model is unchanged.
+    let load_into = |change: fn(&mut GptConfig), dtype: DType| {
+        let mut g = gpt();
+        change(&mut g);
+        let (r, unchanged) = load_single(&good.0, &g, dtype);
+        (r.unwrap_err(), unchanged)
+    };
+    let (e, unchanged) = load_into(|g| g.d_model = 40, DType::F32);
     assert!(unchanged);
-    let e = r.unwrap_err();
     assert!(matches!(e, CheckpointError::ShapeMismatch { .. }), "{e}");
     names_file(&e, "manifest.json");
-    let (r, _) = load_single(
-        &good.0,
-        &GptConfig {
-            n_layers: 3,
-            ..gpt()
-        },
-        DType::F32,
-    );
-    let e = r.unwrap_err();
+    let (e, _) = load_into(|g| g.n_layers = 3, DType::F32);
     assert!(
         matches!(&e, CheckpointError::MissingTensor { tensor, .. } if tensor.contains("blocks.2")),
         "{e}"
     );
-    let (r, _) = load_single(
-        &good.0,
-        &GptConfig {
-            n_layers: 1,
-            ..gpt()
-        },
-        DType::F32,
-    );
-    let e = r.unwrap_err();
+    let (e, _) = load_into(|g| g.n_layers = 1, DType::F32);
     assert!(
         matches!(&e, CheckpointError::UnexpectedTensor { tensor, .. } if tensor.contains("blocks.1")),
         "{e}"
     );
-    let (r, _) = load_single(&good.0, &gpt(), DType::F64);
-    let e = r.unwrap_err();
+    let (e, _) = load_into(|_| {}, DType::F64);
     assert!(matches!(e, CheckpointError::DtypeMismatch { .. }), "{e}");
 
     // On 2 ranks, only rank 1 reads the damaged file: it reports the checksum, rank 0 the
     // peer; neither model changes.
     let d = Scratch::new("integrity-peer");
     copy_dir(&good.0, &d.0);
-    let p = checkpoint::step_dir(&d.0, 3).join("rank-1.safetensors");
-    let mut b = std::fs::read(&p).unwrap();
-    let n = b.len();
-    b[n - 3] ^= 0x10;
-    std::fs::write(&p, b).unwrap();
-    let out = world(&[("dp", 2)])
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let (_m, store, mut opt) = build(&mesh, &gpt(), 2, DType::F32, Some(("dp", None)))?;
-            let before = var_values(&store);
-            let r = load(&d.0, Which::Latest, &store, Some(&mut opt));
-            Ok((r.map(|_| ()), var_values(&store) == before))
-        })
-        .unwrap();
+    flip_a_bit_near_the_end(&checkpoint::step_dir(&d.0, 3).join("rank-1.safetensors"));
+    let out = with_gpt(&dp2, 2, Some(("dp", None)), |store, mut opt| {
+        let before = var_values(store);
+        let r = load(&d.0, Which::Latest, store, Some(&mut opt));
+        Ok((r.map(|_| ()), var_values(store) == before))
+    });
     assert!(
         matches!(out[1].0, Err(CheckpointError::Checksum { .. })),
         "{:?}",
@@ -464,14 +473,8 @@ fn integrity_errors_are_typed_and_load_nothing() {
 #[test]
 fn a_crash_mid_save_leaves_the_previous_checkpoint() {
     let d = Scratch::new("crash");
-    world(&[("dp", 2)])
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let (_m, store, opt) = build(&mesh, &gpt(), 1, DType::F32, Some(("dp", None)))?;
-            save(&d.0, 3, &store, Some(&opt), &serde_json::Value::Null)?;
-            Ok(())
-        })
-        .unwrap();
+    let (dp2, fsdp_dp) = ([("dp", 2)], Some(("dp", None)));
+    save_gpt(&d.0, 3, &dp2, (1, fsdp_dp), &serde_json::Value::Null);
     // A later save that died after the rank files (no manifest), and one that died while
     // writing its manifest (a truncated temp file), and a torn rank temp file.
     copy_dir(
@@ -487,27 +490,16 @@ fn a_crash_mid_save_leaves_the_previous_checkpoint() {
     let (r, _) = load_single(&d.0, &gpt(), DType::F32);
     assert_eq!(r.unwrap().step, 3);
     // Asking for the incomplete step explicitly is NotFound.
-    let e = world(&[("tp", 1)])
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("tp", 1)])?;
-            let (_m, store, _o) = build(&mesh, &gpt(), 2, DType::F32, None)?;
-            Ok(load(&d.0, Which::Step(7), &store, None).map(|_| ()))
-        })
-        .unwrap()
-        .remove(0);
+    let e = with_gpt(&[("tp", 1)], 2, None, |store, _| {
+        Ok(load(&d.0, Which::Step(7), store, None).map(|_| ()))
+    })
+    .remove(0);
     assert!(
         matches!(e, Err(CheckpointError::NotFound { step: Some(7), .. })),
         "{e:?}"
     );
     // Saving step 7 again replaces the debris and completes it.
-    world(&[("dp", 2)])
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let (_m, store, opt) = build(&mesh, &gpt(), 1, DType::F32, Some(("dp", None)))?;
-            save(&d.0, 7, &store, Some(&opt), &serde_json::Value::Null)?;
-            Ok(())
-        })
-        .unwrap();
+    save_gpt(&d.0, 7, &dp2, (1, fsdp_dp), &serde_json::Value::Null);
     assert_eq!(checkpoint::complete_steps(&d.0).unwrap(), vec![3, 7]);
 }
 
@@ -517,27 +509,10 @@ fn consolidate_round_trips_through_var_builder_and_back() {
     let out = d.0.join("model.safetensors");
     let dims = [("dp", 2), ("tp", 2)];
     // Step 0 (the seed's initialisation) from FSDP x TP; step 2 after training.
-    world(&dims)
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &dims)?;
-            let (_m, store, opt) = build(&mesh, &gpt(), 5, DType::F32, Some(("dp", None)))?;
-            save(&d.0, 0, &store, Some(&opt), &serde_json::Value::Null)?;
-            Ok(())
-        })
-        .unwrap();
+    let fsdp_dp = Some(("dp", None));
+    save_gpt(&d.0, 0, &dims, (5, fsdp_dp), &serde_json::Value::Null);
     let info = consolidate(&d.0, Which::Step(0), &out).unwrap();
-    let reference = world(&[("tp", 1)])
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("tp", 1)])?;
-            let (_m, store, _o) = build(&mesh, &gpt(), 5, DType::F32, None)?;
-            Ok(store
-                .params()
-                .iter()
-                .map(|p| (p.name.clone(), p.var.as_tensor().copy().unwrap()))
-                .collect::<Vec<_>>())
-        })
-        .unwrap()
-        .remove(0);
+    let reference = with_gpt(&[("tp", 1)], 5, None, |store, _| Ok(named_values(store))).remove(0);
     assert_eq!(info.tensors, reference.len());
     // SAFETY: the file is not modified while mapped.
     let vb = unsafe {
@@ -545,8 +520,7 @@ fn consolidate_round_trips_through_var_builder_and_back() {
     };
     for (name, t) in &reference {
         let got = vb.get(t.dims(), name).unwrap();
-        let diff = (got - t).unwrap().abs().unwrap().max_all().unwrap();
-        assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{name}");
+        assert_eq!(max_abs_diff(&got, t).unwrap(), 0.0, "{name}");
     }
 
     // Train 2 steps on FSDP x TP, consolidate, and load that file into a sharded model of
@@ -556,72 +530,45 @@ fn consolidate_round_trips_through_var_builder_and_back() {
     train(&dims, &c);
     let trained = d.0.join("trained.safetensors");
     consolidate(&d.0, Which::Latest, &trained).unwrap();
-    let ok = world(&[("dp", 2)])
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let (_m, store, _o) = build(&mesh, &gpt(), 99, DType::F32, Some(("dp", None)))?;
-            store.load_safetensors(&trained)?;
-            let file = candle_core::safetensors::load(&trained, &Device::Cpu)?;
-            for p in store.params() {
-                let full = &file[&p.name];
-                for b in &p.boxes {
-                    let mut want = full.clone();
-                    let mut have = p.var.as_tensor().clone();
-                    for dim in 0..b.shape.len() {
-                        want = want.narrow(dim, b.global_offset[dim], b.shape[dim])?;
-                        have = have.narrow(dim, b.local_offset[dim], b.shape[dim])?;
-                    }
-                    let diff = (want - have)?.abs()?.flatten_all()?.max(0)?;
-                    assert_eq!(diff.to_scalar::<f32>()?, 0.0, "{}", p.name);
+    let ok = with_gpt(&[("dp", 2)], 99, fsdp_dp, |store, _| {
+        store.load_safetensors(&trained)?;
+        let file = candle_core::safetensors::load(&trained, &Device::Cpu)?;
+        for p in store.params() {
+            let full = &file[&p.name];
+            for b in &p.boxes {
+                let mut want = full.clone();
+                let mut have = p.var.as_tensor().clone();
+                for dim in 0..b.shape.len() {
+                    want = want.narrow(dim, b.global_offset[dim], b.shape[dim])?;
+                    have = have.narrow(dim, b.local_offset[dim], b.shape[dim])?;
                 }
+                assert_eq!(max_abs_diff(&want, &have)?, 0.0, "{}", p.name);
             }
-            Ok(())
-        })
-        .unwrap();
+        }
+        Ok(())
+    });
     assert_eq!(ok.len(), 2);
     // The same values through `load` on one device.
-    let loaded = world(&[("tp", 1)])
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("tp", 1)])?;
-            let (_m, store, mut opt) = build(&mesh, &gpt(), 99, DType::F32, None)?;
-            load(&d.0, Which::Latest, &store, Some(&mut opt))?;
-            assert_eq!(opt.step_count(), 2);
-            Ok(store
-                .params()
-                .iter()
-                .map(|p| (p.name.clone(), p.var.as_tensor().copy().unwrap()))
-                .collect::<Vec<_>>())
-        })
-        .unwrap()
-        .remove(0);
+    let loaded = with_gpt(&[("tp", 1)], 99, None, |store, mut opt| {
+        load(&d.0, Which::Latest, store, Some(&mut opt))?;
+        assert_eq!(opt.step_count(), 2);
+        Ok(named_values(store))
+    })
+    .remove(0);
     let file = candle_core::safetensors::load(&trained, &Device::Cpu).unwrap();
     for (name, t) in &loaded {
-        let diff = (&file[name] - t)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap();
-        assert_eq!(
-            diff.max(0).unwrap().to_scalar::<f32>().unwrap(),
-            0.0,
-            "{name}"
-        );
+        assert_eq!(max_abs_diff(&file[name], t).unwrap(), 0.0, "{name}");
     }
     // A plain file with a missing parameter is a typed error naming it and the file.
     let mut partial = file.clone();
     partial.remove("ln_f.weight");
     let bad = d.0.join("partial.safetensors");
     candle_core::safetensors::save(&partial, &bad).unwrap();
-    let e = world(&[("dp", 2)])
-        .launch(|comm| -> R<_> {
-            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-            let (_m, store, _o) = build(&mesh, &gpt(), 99, DType::F32, Some(("dp", None)))?;
-            Ok(store.load_safetensors(&bad))
-        })
-        .unwrap()
-        .remove(0)
-        .unwrap_err();
+    let e = with_gpt(&[("dp", 2)], 99, fsdp_dp, |store, _| {
+        Ok(store.load_safetensors(&bad))
+    })
+    .remove(0)
+    .unwrap_err();
     assert!(
         matches!(&e, CheckpointError::MissingTensor { tensor, .. } if tensor == "ln_f.weight"),
         "{e}"
@@ -679,18 +626,23 @@ fn strided_scalar_and_empty_pieces_round_trip() {
     ];
     for (dims, with_fsdp, specs) in cases {
         let d = Scratch::new("pieces");
+        // The pieces on `mesh`, initialised with `seed` (FSDP over the first dim if asked).
+        let pieces = |mesh: &DeviceMesh, seed: u64| -> R<ParamStore> {
+            let mut store = ParamStore::new(mesh, seed, DType::F32);
+            if with_fsdp {
+                let f = Fsdp::new(mesh, FsdpConfig::new(0, GradReduce::Sum))?;
+                let u = f.add_unit("all", false);
+                store = store.with_fsdp(f, u);
+            }
+            for (name, shape, pl) in &specs {
+                store.param(name, shape, Init::Normal(1.0), pl)?;
+            }
+            Ok(store)
+        };
         let multi_box = world(&dims)
             .launch(|comm| -> R<_> {
                 let mesh = DeviceMesh::new(comm, &dims)?;
-                let mut store = ParamStore::new(&mesh, 1, DType::F32);
-                if with_fsdp {
-                    let f = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Sum))?;
-                    let u = f.add_unit("all", false);
-                    store = store.with_fsdp(f, u);
-                }
-                for (name, shape, pl) in &specs {
-                    store.param(name, shape, Init::Normal(1.0), pl)?;
-                }
+                let store = pieces(&mesh, 1)?;
                 save(&d.0, 1, &store, None, &serde_json::Value::Null)?;
                 Ok(store.params().iter().map(|p| p.boxes.len()).max())
             })
@@ -717,16 +669,7 @@ fn strided_scalar_and_empty_pieces_round_trip() {
                 let mesh = DeviceMesh::new(comm, &dims)?;
                 let mut stores = Vec::new();
                 for seed in [1, 2] {
-                    let mut store = ParamStore::new(&mesh, seed, DType::F32);
-                    if with_fsdp {
-                        let f = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Sum))?;
-                        let u = f.add_unit("all", false);
-                        store = store.with_fsdp(f, u);
-                    }
-                    for (name, shape, pl) in &specs {
-                        store.param(name, shape, Init::Normal(1.0), pl)?;
-                    }
-                    stores.push(store);
+                    stores.push(pieces(&mesh, seed)?);
                 }
                 assert_ne!(var_values(&stores[0]), var_values(&stores[1]));
                 load(&d.0, Which::Latest, &stores[1], None)?;

@@ -6,14 +6,10 @@ use std::time::Duration;
 use candle_core::DType;
 use candle_dtensor_models::trainer::{FsdpSpec, RankReport, TrainConfig};
 use candle_dtensor_models::TpPlan;
-use common::{assert_close, micro_gpt};
+use common::{assert_close, fsdp_over, micro_gpt, short_run};
 
 fn cfg(fsdp: Option<FsdpSpec>, sp: bool, steps: usize) -> TrainConfig {
-    let mut c = TrainConfig::new(micro_gpt(), TpPlan::gpt(sp));
-    c.steps = steps;
-    c.batch = 8;
-    c.corpus_tokens = 4096;
-    c.seed = 3;
+    let mut c = short_run(micro_gpt(), TpPlan::gpt(sp), steps, 3);
     c.fsdp = fsdp;
     // SGD: a wrong gradient scale changes the losses (AdamW would normalise it away).
     c.sgd = true;
@@ -28,11 +24,9 @@ fn spec(
     param_dtype: Option<DType>,
 ) -> Option<FsdpSpec> {
     Some(FsdpSpec {
-        shard: shard.into(),
-        replicate: replicate.map(Into::into),
         separate_rs,
         param_dtype,
-        reshard_after_forward: true,
+        ..fsdp_over(shard, replicate)
     })
 }
 

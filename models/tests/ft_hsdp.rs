@@ -9,29 +9,19 @@ use std::time::{Duration, Instant};
 
 use candle_dtensor_comm::LocalWorld;
 use candle_dtensor_mesh::DeviceMesh;
-use candle_dtensor_models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
+use candle_dtensor_models::trainer::{train_rank, RankReport, TrainConfig};
 use candle_dtensor_models::TpPlan;
-use common::{micro_gpt, R};
+use common::{fsdp_over, micro_gpt, short_run, R};
 
 const STEPS: usize = 8;
 /// The victim fails after this step (0-based); the next one fails and is retried.
 const FAULT_STEP: usize = 3;
 
 fn cfg() -> TrainConfig {
-    let mut c = TrainConfig::new(micro_gpt(), TpPlan::gpt(false));
-    c.steps = STEPS;
-    c.batch = 8;
-    c.corpus_tokens = 4096;
-    c.seed = 5;
+    let mut c = short_run(micro_gpt(), TpPlan::gpt(false), STEPS, 5);
     // AdamW: its moments and step count must survive the recovery for the losses to match.
     c.lr = 1e-2;
-    c.fsdp = Some(FsdpSpec {
-        shard: "shard".into(),
-        replicate: Some("replicate".into()),
-        separate_rs: false,
-        param_dtype: None,
-        reshard_after_forward: true,
-    });
+    c.fsdp = Some(fsdp_over("shard", Some("replicate")));
     c
 }
 

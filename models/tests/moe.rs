@@ -565,7 +565,7 @@ fn comm_debug_mode_shows_dispatch_and_combine_with_bytes() {
 /// losses (dropless top-2, SGD so a wrong gradient scale shows) match one device's per step.
 #[test]
 fn fsdp_over_dp_with_experts_over_ep_trains_like_single_device() {
-    use candle_dtensor_models::trainer::{train_rank, FsdpSpec, TrainConfig};
+    use candle_dtensor_models::trainer::TrainConfig;
     let mut c = TrainConfig::new(gpt_cfg(6, 2), TpPlan::gpt(false));
     c.steps = 5;
     c.batch = 4;
@@ -573,34 +573,18 @@ fn fsdp_over_dp_with_experts_over_ep_trains_like_single_device() {
     c.seed = 5;
     c.sgd = true;
     c.lr = 0.3;
-    let run = |dims: Vec<(&'static str, usize)>, c: TrainConfig| {
-        let world: usize = dims.iter().map(|d| d.1).product();
-        LocalWorld::new(world)
-            .with_timeout(Duration::from_secs(60))
-            .launch(move |comm| -> R<_> {
-                let mesh = DeviceMesh::new(comm, &dims)?;
-                Ok(train_rank(&mesh, &c, |_| {})?)
-            })
-            .unwrap()
-            .into_iter()
-            .next()
-            .unwrap()
+    let run = |dims: &[(&str, usize)], c: &TrainConfig| {
+        common::train_on_mesh(dims, c, Duration::from_secs(60))
     };
-    let reference = run(vec![("dp", 1)], c.clone());
+    let reference = run(&[("dp", 1)], &c);
     assert!(
         reference.losses[c.steps - 1] < reference.losses[0],
         "{:?}",
         reference.losses
     );
     let mut f = c.clone();
-    f.fsdp = Some(FsdpSpec {
-        shard: "dp".into(),
-        replicate: None,
-        separate_rs: false,
-        param_dtype: None,
-        reshard_after_forward: true,
-    });
-    let sharded = run(vec![("dp", 2), ("ep", 2)], f);
+    f.fsdp = Some(common::fsdp_over("dp", None));
+    let sharded = run(&[("dp", 2), ("ep", 2)], &f);
     assert_eq!(sharded.losses.len(), reference.losses.len());
     // FSDP ran: reduce_scatters in the backward, and this rank holds at most half of the
     // parameters (FSDP halves every one over dp; ep halves the experts again). Without FSDP

@@ -9,8 +9,8 @@ use candle_dtensor_comm::LocalWorld;
 use candle_dtensor_core::{distribute_tensor, DTensor};
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::data::Corpus;
-use candle_dtensor_models::trainer::{train_rank, RankReport, TrainConfig};
-use candle_dtensor_models::{Gpt, GptConfig};
+use candle_dtensor_models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
+use candle_dtensor_models::{Gpt, GptConfig, TpPlan};
 
 pub type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -24,6 +24,29 @@ pub fn micro_gpt() -> GptConfig {
         n_layers: 2,
         seq_len: 16,
         ..GptConfig::tiny()
+    }
+}
+
+/// `steps` training steps of `g` under TP plan `plan`, on batches of 8 sequences from a
+/// 4096-token corpus seeded with `seed`; the rest (optimizer, lr, sharding) as the test sets it.
+pub fn short_run(g: GptConfig, plan: TpPlan, steps: usize, seed: u64) -> TrainConfig {
+    let mut c = TrainConfig::new(g, plan);
+    c.steps = steps;
+    c.batch = 8;
+    c.corpus_tokens = 4096;
+    c.seed = seed;
+    c
+}
+
+/// FSDP over mesh dim `shard` (HSDP when `replicate` names the dim to replicate over): one
+/// fused reduce-scatter, parameters in their own dtype, resharded after each forward.
+pub fn fsdp_over(shard: &str, replicate: Option<&str>) -> FsdpSpec {
+    FsdpSpec {
+        shard: shard.into(),
+        replicate: replicate.map(Into::into),
+        separate_rs: false,
+        param_dtype: None,
+        reshard_after_forward: true,
     }
 }
 
