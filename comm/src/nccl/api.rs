@@ -361,6 +361,28 @@ pub enum Call {
 }
 
 impl Call {
+    /// `ncclSend` of `count` elements of `dt` at `buf` to rank `peer`.
+    pub fn send(buf: DevPtr, count: usize, dt: DataType, peer: usize) -> Call {
+        let peer = peer as i32;
+        Call::Send {
+            buf,
+            count,
+            dt,
+            peer,
+        }
+    }
+
+    /// `ncclRecv` of `count` elements of `dt` into `buf` from rank `peer`.
+    pub fn recv(buf: DevPtr, count: usize, dt: DataType, peer: usize) -> Call {
+        let peer = peer as i32;
+        Call::Recv {
+            buf,
+            count,
+            dt,
+            peer,
+        }
+    }
+
     /// The optional NCCL function this call needs, if any.
     pub fn requires(&self) -> Option<Optional> {
         match self {

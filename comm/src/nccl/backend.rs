@@ -776,23 +776,13 @@ impl NcclBackend {
             if me == root {
                 for (p, t) in inputs.iter().enumerate() {
                     if counts[p] > 0 {
-                        calls.push(Call::Send {
-                            buf: self.ptr(&ctx, t)?,
-                            count: counts[p],
-                            dt,
-                            peer: p as i32,
-                        });
+                        calls.push(Call::send(self.ptr(&ctx, t)?, counts[p], dt, p));
                     }
                 }
                 keep.extend(inputs.iter().cloned());
             }
             if counts[me] > 0 {
-                calls.push(Call::Recv {
-                    buf: recv,
-                    count: counts[me],
-                    dt,
-                    peer: root as i32,
-                });
+                calls.push(Call::recv(recv, counts[me], dt, root));
             }
             calls
         };
@@ -822,12 +812,8 @@ impl NcclBackend {
                 P2POp::Send { tensor, peer } => {
                     let dt = Self::dt(&ctx, tensor.dtype())?;
                     if tensor.elem_count() > 0 {
-                        calls.push(Call::Send {
-                            buf: self.ptr(&ctx, &tensor)?,
-                            count: tensor.elem_count(),
-                            dt,
-                            peer: peer as i32,
-                        });
+                        let buf = self.ptr(&ctx, &tensor)?;
+                        calls.push(Call::send(buf, tensor.elem_count(), dt, peer));
                     }
                     keep.push(tensor);
                 }
@@ -835,12 +821,12 @@ impl NcclBackend {
                     let dt = Self::dt(&ctx, dtype)?;
                     let out = self.output(&ctx, &shape, dtype)?;
                     if out.elem_count() > 0 {
-                        calls.push(Call::Recv {
-                            buf: self.ptr(&ctx, &out)?,
-                            count: out.elem_count(),
+                        calls.push(Call::recv(
+                            self.ptr(&ctx, &out)?,
+                            out.elem_count(),
                             dt,
-                            peer: peer as i32,
-                        });
+                            peer,
+                        ));
                     }
                     keep.push(out.clone());
                     received.push(out);

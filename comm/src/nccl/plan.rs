@@ -118,18 +118,8 @@ pub fn all_to_all(
     (0..n)
         .flat_map(|p| {
             [
-                Call::Send {
-                    buf: send + p as u64 * bytes,
-                    count: chunk,
-                    dt,
-                    peer: p as i32,
-                },
-                Call::Recv {
-                    buf: recv + p as u64 * bytes,
-                    count: chunk,
-                    dt,
-                    peer: p as i32,
-                },
+                Call::send(send + p as u64 * bytes, chunk, dt, p),
+                Call::recv(recv + p as u64 * bytes, chunk, dt, p),
             ]
         })
         .collect()
@@ -151,20 +141,10 @@ pub fn all_to_all_v(
     let (mut s_off, mut r_off) = (0u64, 0u64);
     for (p, (&i, &o)) in in_rows.iter().zip(out_rows).enumerate() {
         if i > 0 && row > 0 {
-            calls.push(Call::Send {
-                buf: send + s_off,
-                count: i * row,
-                dt,
-                peer: p as i32,
-            });
+            calls.push(Call::send(send + s_off, i * row, dt, p));
         }
         if o > 0 && row > 0 {
-            calls.push(Call::Recv {
-                buf: recv + r_off,
-                count: o * row,
-                dt,
-                peer: p as i32,
-            });
+            calls.push(Call::recv(recv + r_off, o * row, dt, p));
         }
         s_off += i as u64 * row_bytes;
         r_off += o as u64 * row_bytes;
@@ -209,29 +189,41 @@ impl Rooted {
         }
     }
 
+    fn native_gather(&self) -> Call {
+        let (send, recv, count, dt, root) = (self.send, self.recv, self.count, self.dt, self.root);
+        let root = root as i32;
+        Call::Gather {
+            send,
+            recv,
+            count,
+            dt,
+            root,
+        }
+    }
+
+    fn native_scatter(&self) -> Call {
+        let (send, recv, count, dt, root) = (self.send, self.recv, self.count, self.dt, self.root);
+        let root = root as i32;
+        Call::Scatter {
+            send,
+            recv,
+            count,
+            dt,
+            root,
+        }
+    }
+
     /// The address of piece `p` of the root's `base` buffer.
     fn piece(&self, base: DevPtr, p: usize) -> DevPtr {
         base + (p * self.count * self.dt.size()) as u64
     }
 
     fn send_to(&self, buf: DevPtr, peer: usize) -> Call {
-        let (count, dt, peer) = (self.count, self.dt, peer as i32);
-        Call::Send {
-            buf,
-            count,
-            dt,
-            peer,
-        }
+        Call::send(buf, self.count, self.dt, peer)
     }
 
     fn recv_from(&self, buf: DevPtr, peer: usize) -> Call {
-        let (count, dt, peer) = (self.count, self.dt, peer as i32);
-        Call::Recv {
-            buf,
-            count,
-            dt,
-            peer,
-        }
+        Call::recv(buf, self.count, self.dt, peer)
     }
 }
 
@@ -241,21 +233,13 @@ pub fn gather(gates: &Gates, r: Rooted) -> Vec<Call> {
     let Rooted {
         send,
         recv,
-        count,
-        dt,
         root,
         me,
         n,
+        ..
     } = r;
     if gates.gather_scatter {
-        let root = root as i32;
-        return vec![Call::Gather {
-            send,
-            recv,
-            count,
-            dt,
-            root,
-        }];
+        return vec![r.native_gather()];
     }
     let mut calls = vec![r.send_to(send, root)];
     if me == root {
@@ -270,21 +254,13 @@ pub fn scatter(gates: &Gates, r: Rooted) -> Vec<Call> {
     let Rooted {
         send,
         recv,
-        count,
-        dt,
         root,
         me,
         n,
+        ..
     } = r;
     if gates.gather_scatter {
-        let root = root as i32;
-        return vec![Call::Scatter {
-            send,
-            recv,
-            count,
-            dt,
-            root,
-        }];
+        return vec![r.native_scatter()];
     }
     let mut calls = Vec::new();
     if me == root {
@@ -307,23 +283,13 @@ pub fn gather_v(
 ) -> Vec<Call> {
     let mut calls = Vec::new();
     if counts.get(me).copied().unwrap_or(0) > 0 {
-        calls.push(Call::Send {
-            buf: send,
-            count: counts[me],
-            dt,
-            peer: root as i32,
-        });
+        calls.push(Call::send(send, counts[me], dt, root));
     }
     if me == root {
         let mut off = 0u64;
         for (p, &c) in counts.iter().enumerate() {
             if c > 0 {
-                calls.push(Call::Recv {
-                    buf: recv + off,
-                    count: c,
-                    dt,
-                    peer: p as i32,
-                });
+                calls.push(Call::recv(recv + off, c, dt, p));
             }
             off += (c * dt.size()) as u64;
         }
@@ -437,24 +403,8 @@ mod tests {
         );
         let calls = all_to_all(&old(), 0x1000, 0x9000, 3, DataType::Float32, 3);
         assert_eq!(calls.len(), 6);
-        assert_eq!(
-            calls[2],
-            Call::Send {
-                buf: 0x1000 + 12,
-                count: 3,
-                dt: DataType::Float32,
-                peer: 1
-            }
-        );
-        assert_eq!(
-            calls[5],
-            Call::Recv {
-                buf: 0x9000 + 24,
-                count: 3,
-                dt: DataType::Float32,
-                peer: 2
-            }
-        );
+        assert_eq!(calls[2], Call::send(0x1000 + 12, 3, DataType::Float32, 1));
+        assert_eq!(calls[5], Call::recv(0x9000 + 24, 3, DataType::Float32, 2));
     }
 
     #[test]
@@ -465,30 +415,10 @@ mod tests {
         assert_eq!(
             calls,
             vec![
-                Call::Send {
-                    buf: 0,
-                    count: 2,
-                    dt: DataType::Float64,
-                    peer: 0
-                },
-                Call::Recv {
-                    buf: 1000,
-                    count: 4,
-                    dt: DataType::Float64,
-                    peer: 0
-                },
-                Call::Recv {
-                    buf: 1032,
-                    count: 2,
-                    dt: DataType::Float64,
-                    peer: 1
-                },
-                Call::Send {
-                    buf: 16,
-                    count: 6,
-                    dt: DataType::Float64,
-                    peer: 2
-                },
+                Call::send(0, 2, DataType::Float64, 0),
+                Call::recv(1000, 4, DataType::Float64, 0),
+                Call::recv(1032, 2, DataType::Float64, 1),
+                Call::send(16, 6, DataType::Float64, 2),
             ]
         );
         // Rows of zero elements move nothing.
@@ -514,37 +444,14 @@ mod tests {
         // Root: its own send plus one receive per rank, back to back.
         let g = gather(&old(), Rooted::new(10, 100, 4, DataType::Uint32, 1, 1, 3));
         assert_eq!(g.len(), 4);
-        assert_eq!(
-            g[3],
-            Call::Recv {
-                buf: 100 + 32,
-                count: 4,
-                dt: DataType::Uint32,
-                peer: 2
-            }
-        );
+        assert_eq!(g[3], Call::recv(100 + 32, 4, DataType::Uint32, 2));
         let s = scatter(&old(), Rooted::new(100, 7, 2, DataType::Int64, 0, 0, 2));
         assert_eq!(
             s,
             vec![
-                Call::Send {
-                    buf: 100,
-                    count: 2,
-                    dt: DataType::Int64,
-                    peer: 0
-                },
-                Call::Send {
-                    buf: 116,
-                    count: 2,
-                    dt: DataType::Int64,
-                    peer: 1
-                },
-                Call::Recv {
-                    buf: 7,
-                    count: 2,
-                    dt: DataType::Int64,
-                    peer: 0
-                },
+                Call::send(100, 2, DataType::Int64, 0),
+                Call::send(116, 2, DataType::Int64, 1),
+                Call::recv(7, 2, DataType::Int64, 0),
             ]
         );
         let s = scatter(&old(), Rooted::new(0, 7, 2, DataType::Int64, 0, 1, 2));
@@ -561,24 +468,9 @@ mod tests {
         assert_eq!(
             calls,
             vec![
-                Call::Send {
-                    buf: 5,
-                    count: 2,
-                    dt: DataType::Float16,
-                    peer: 0
-                },
-                Call::Recv {
-                    buf: 500,
-                    count: 2,
-                    dt: DataType::Float16,
-                    peer: 0
-                },
-                Call::Recv {
-                    buf: 504,
-                    count: 3,
-                    dt: DataType::Float16,
-                    peer: 2
-                },
+                Call::send(5, 2, DataType::Float16, 0),
+                Call::recv(500, 2, DataType::Float16, 0),
+                Call::recv(504, 3, DataType::Float16, 2),
             ]
         );
         assert!(gather_v(5, 0, &[2, 0, 3], DataType::Float16, 0, 1).is_empty());

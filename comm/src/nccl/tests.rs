@@ -367,18 +367,8 @@ fn a_failing_call_closes_its_group_and_fails_the_communicator() {
     let f = fixture();
     f.api.fail_call("ncclRecv", NcclCode::INVALID_USAGE);
     let calls = vec![
-        Call::Send {
-            buf: 1,
-            count: 1,
-            dt: DataType::Uint8,
-            peer: 0,
-        },
-        Call::Recv {
-            buf: 2,
-            count: 1,
-            dt: DataType::Uint8,
-            peer: 0,
-        },
+        Call::send(1, 1, DataType::Uint8, 0),
+        Call::recv(2, 1, DataType::Uint8, 0),
     ];
     let e = f
         .core
