@@ -69,27 +69,155 @@ fn fast_tanh(z: f32) -> f32 {
     1.0 - 2.0 / (fast_exp(2.0 * z) + 1.0)
 }
 
+/// The largest element of a row (`-inf` for an empty one).
+#[inline(always)]
+fn row_max(xr: &[f32]) -> f32 {
+    xr.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+/// `sum_j exp(x_j - m)` over a row.
+#[inline(always)]
+fn sum_exp(xr: &[f32], m: f32) -> f32 {
+    xr.iter().map(|&v| fast_exp(v - m)).sum()
+}
+
+/// The row walk of every row kernel here: each row of `n` elements of `x`, paired with the next
+/// item of `per_row` (the shorter side ends the walk), goes through `f(x_row, out_row, item)`
+/// into a zeroed output of `x`'s length (all zeros when `n == 0`). Generic, so each kernel's
+/// loop is compiled on its own.
+#[inline(always)]
+fn map_rows<E>(
+    x: &[f32],
+    n: usize,
+    per_row: impl IntoIterator<Item = E>,
+    mut f: impl FnMut(&[f32], &mut [f32], E),
+) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    if n > 0 {
+        for ((xr, or), e) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)).zip(per_row) {
+            f(xr, or, e);
+        }
+    }
+    out
+}
+
+/// [`map_rows`] over the rows of two arrays of the same layout: `f(a_row, b_row, out_row)`.
+#[inline(always)]
+fn map_rows2(
+    a: &[f32],
+    b: &[f32],
+    n: usize,
+    mut f: impl FnMut(&[f32], &[f32], &mut [f32]),
+) -> Vec<f32> {
+    if n == 0 {
+        return vec![0f32; a.len()];
+    }
+    map_rows(a, n, b.chunks_exact(n), |ar, or, br| f(ar, br, or))
+}
+
+/// `x + b` for `b` one row broadcast over the rows of `x` (nothing when `b` is empty).
+pub(crate) fn add_rows(x: &[f32], b: &[f32]) -> Vec<f32> {
+    let n = b.len();
+    let mut y = Vec::with_capacity(x.len());
+    if n > 0 {
+        for row in x.chunks_exact(n) {
+            y.extend(row.iter().zip(b).map(|(&a, &c)| a + c));
+        }
+    }
+    y
+}
+
+fn last_dim(shape: &Shape, op: &str) -> CResult<usize> {
+    shape
+        .dims()
+        .last()
+        .copied()
+        .ok_or_else(|| Error::msg(format!("{op}: needs at least one dim")))
+}
+
+/// A fused kernel over one contiguous f32 CPU tensor; [`Fused1`] makes it a graph node, doing
+/// the storage plumbing (dtype and layout checks, the output storage) once for all of them.
+trait UnaryKernel: Send + Sync + 'static {
+    /// The graph node's name.
+    const NODE: &'static str;
+    /// The op's name in error messages.
+    const OP: &'static str;
+    /// The output and its shape for the elements `x` of an input of `shape`.
+    fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)>;
+    /// The gradient of the input `arg`, given the output `res` and its gradient `g`.
+    fn backward(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> CResult<Tensor>;
+}
+
+/// The graph node of a [`UnaryKernel`].
+struct Fused1<K>(K);
+
+impl<K: UnaryKernel> CustomOp1 for Fused1<K> {
+    fn name(&self) -> &'static str {
+        K::NODE
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let (y, shape) = self.0.forward(f32_slice(s, l, K::OP)?, l.shape())?;
+        Ok((CpuStorage::F32(y), shape))
+    }
+
+    fn bwd(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
+        self.0.backward(arg, res, g).map(Some)
+    }
+}
+
+/// `k` applied to `x` (made contiguous) as one graph node.
+fn apply1<K: UnaryKernel>(x: &Tensor, k: K) -> CResult<Tensor> {
+    x.contiguous()?.apply_op1(Fused1(k))
+}
+
+/// The gradient of a last-dim row kernel from its output `res` and the output gradient `g`:
+/// `f(res_row, g_row, dx_row)` on each row, as a tensor like `arg`.
+fn grad_from_output(
+    arg: &Tensor,
+    res: &Tensor,
+    g: &Tensor,
+    op: &str,
+    f: impl FnMut(&[f32], &[f32], &mut [f32]),
+) -> CResult<Tensor> {
+    let n = last_dim(res.shape(), op)?;
+    let g = g.contiguous()?;
+    let dx = with_f32(res, |y| with_f32(&g, |g| map_rows2(y, g, n, f)))??;
+    from_vec(dx, arg.shape(), arg)
+}
+
+/// The gradient of a last-dim row kernel from its input `arg` alone: `f(x_row, dx_row, item)`
+/// on each row paired with the next item of `per_row`, as a tensor like `arg`.
+fn grad_from_input<E>(
+    arg: &Tensor,
+    op: &str,
+    per_row: impl IntoIterator<Item = E>,
+    f: impl FnMut(&[f32], &mut [f32], E),
+) -> CResult<Tensor> {
+    let c = last_dim(arg.shape(), op)?;
+    let dx = with_f32(arg, |x| map_rows(x, c, per_row, f))?;
+    from_vec(dx, arg.shape(), arg)
+}
+
 const GELU_C: f32 = 0.797_884_6; // sqrt(2 / pi)
 const GELU_A: f32 = 0.044_715;
 
 /// GELU, tanh form (as candle's `gelu` and GPT-2).
 struct Gelu;
 
-impl CustomOp1 for Gelu {
-    fn name(&self) -> &'static str {
-        "fused-gelu"
-    }
+impl UnaryKernel for Gelu {
+    const NODE: &'static str = "fused-gelu";
+    const OP: &'static str = "gelu";
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let x = f32_slice(s, l, "gelu")?;
-        let y: Vec<f32> = x
+    fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
+        let y = x
             .iter()
             .map(|&v| 0.5 * v * (1.0 + fast_tanh(GELU_C * (v + GELU_A * v * v * v))))
             .collect();
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        Ok((y, shape.clone()))
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
+    fn backward(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Tensor> {
         let g = g.contiguous()?;
         let dx = with_f32(arg, |x| {
             with_f32(&g, |g| {
@@ -104,25 +232,17 @@ impl CustomOp1 for Gelu {
                     .collect::<Vec<f32>>()
             })
         })??;
-        from_vec(dx, arg.shape(), arg).map(Some)
+        from_vec(dx, arg.shape(), arg)
     }
 }
 
 /// GELU (tanh form) with a fused kernel for f32, candle's otherwise.
 pub fn gelu(x: &Tensor) -> CResult<Tensor> {
     if applies(x) {
-        x.contiguous()?.apply_op1(Gelu)
+        apply1(x, Gelu)
     } else {
         x.gelu()
     }
-}
-
-fn last_dim(shape: &Shape, op: &str) -> CResult<usize> {
-    shape
-        .dims()
-        .last()
-        .copied()
-        .ok_or_else(|| Error::msg(format!("{op}: needs at least one dim")))
 }
 
 /// Softmax over the last dim with optional scale and causal mask (`[.., T, S]`: position
@@ -143,20 +263,32 @@ impl Softmax {
     }
 }
 
-impl CustomOp1 for Softmax {
-    fn name(&self) -> &'static str {
-        "fused-softmax"
+/// The softmax backward of one row: `dx = scale * y * (g - <y, g>)`.
+#[inline(always)]
+fn softmax_row_backward(yr: &[f32], gr: &[f32], dr: &mut [f32], scale: f32) {
+    let s: f32 = yr.iter().zip(gr).map(|(a, b)| a * b).sum();
+    for ((d, &yv), &gv) in dr.iter_mut().zip(yr).zip(gr) {
+        *d = scale * yv * (gv - s);
     }
+}
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let x = f32_slice(s, l, "softmax")?;
-        let n = last_dim(l.shape(), "softmax")?;
-        let t = self.rows_t(l.shape());
-        let mut y = vec![0f32; x.len()];
-        if n == 0 {
-            return Ok((CpuStorage::F32(y), l.shape().clone()));
-        }
-        for (row, (xr, yr)) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)).enumerate() {
+/// The backward of `softmax(scale * x)` over the last dim from its output `y` and output
+/// gradient `g` (f32 CPU): `scale * y * (g - rowsum(g * y))`, a tensor like `like`. Masked
+/// entries have `y = 0` and get no gradient.
+pub(crate) fn softmax_grad(y: &Tensor, g: &Tensor, scale: f32, like: &Tensor) -> CResult<Tensor> {
+    grad_from_output(like, y, g, "softmax", |yr, gr, dr| {
+        softmax_row_backward(yr, gr, dr, scale)
+    })
+}
+
+impl UnaryKernel for Softmax {
+    const NODE: &'static str = "fused-softmax";
+    const OP: &'static str = "softmax";
+
+    fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
+        let n = last_dim(shape, Self::OP)?;
+        let t = self.rows_t(shape);
+        let y = map_rows(x, n, 0.., |xr, yr, row| {
             let valid = if self.causal {
                 let i = row % t;
                 (i + n + 1).saturating_sub(t).min(n)
@@ -164,118 +296,77 @@ impl CustomOp1 for Softmax {
                 n
             };
             if valid == 0 {
-                continue;
+                return;
             }
-            let m = xr[..valid].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) * self.scale;
+            let (xr, yr) = (&xr[..valid], &mut yr[..valid]);
+            let m = row_max(xr) * self.scale;
             let mut sum = 0f32;
-            for (o, &v) in yr[..valid].iter_mut().zip(&xr[..valid]) {
+            for (o, &v) in yr.iter_mut().zip(xr) {
                 let e = fast_exp(v * self.scale - m);
                 *o = e;
                 sum += e;
             }
             let inv = 1.0 / sum;
-            for o in &mut yr[..valid] {
+            for o in yr {
                 *o *= inv;
             }
-        }
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        });
+        Ok((y, shape.clone()))
     }
 
-    fn bwd(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
-        let n = last_dim(res.shape(), "softmax")?;
-        let g = g.contiguous()?;
-        let scale = self.scale;
-        let dx = with_f32(res, |y| {
-            with_f32(&g, |g| {
-                let mut dx = vec![0f32; y.len()];
-                if n == 0 {
-                    return dx;
-                }
-                for ((yr, gr), dr) in y
-                    .chunks_exact(n)
-                    .zip(g.chunks_exact(n))
-                    .zip(dx.chunks_exact_mut(n))
-                {
-                    let s: f32 = yr.iter().zip(gr).map(|(a, b)| a * b).sum();
-                    for ((d, &yv), &gv) in dr.iter_mut().zip(yr).zip(gr) {
-                        *d = scale * yv * (gv - s);
-                    }
-                }
-                dx
-            })
-        })??;
-        from_vec(dx, arg.shape(), arg).map(Some)
+    fn backward(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> CResult<Tensor> {
+        softmax_grad(res, g, self.scale, arg)
     }
 }
 
 /// Softmax over the last dim (fused for f32).
 pub fn softmax_last(x: &Tensor) -> CResult<Tensor> {
-    x.contiguous()?.apply_op1(Softmax {
-        scale: 1.0,
-        causal: false,
-    })
+    apply1(
+        x,
+        Softmax {
+            scale: 1.0,
+            causal: false,
+        },
+    )
 }
 
 /// `softmax(scale * x)` over the last dim with a causal mask on `[.., T, S]` (fused, f32).
 pub fn scaled_causal_softmax(x: &Tensor, scale: f32, causal: bool) -> CResult<Tensor> {
-    x.contiguous()?.apply_op1(Softmax { scale, causal })
+    apply1(x, Softmax { scale, causal })
 }
 
 /// Log-softmax over the last dim.
 struct LogSoftmax;
 
-impl CustomOp1 for LogSoftmax {
-    fn name(&self) -> &'static str {
-        "fused-log-softmax"
-    }
+impl UnaryKernel for LogSoftmax {
+    const NODE: &'static str = "fused-log-softmax";
+    const OP: &'static str = "log_softmax";
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let x = f32_slice(s, l, "log_softmax")?;
-        let n = last_dim(l.shape(), "log_softmax")?;
-        let mut y = vec![0f32; x.len()];
-        if n == 0 {
-            return Ok((CpuStorage::F32(y), l.shape().clone()));
-        }
-        for (xr, yr) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
-            let m = xr.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let sum: f32 = xr.iter().map(|&v| fast_exp(v - m)).sum();
-            let lse = m + sum.ln();
+    fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
+        let n = last_dim(shape, Self::OP)?;
+        let y = map_rows(x, n, 0.., |xr, yr, _| {
+            let m = row_max(xr);
+            let lse = m + sum_exp(xr, m).ln();
             for (o, &v) in yr.iter_mut().zip(xr) {
                 *o = v - lse;
             }
-        }
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        });
+        Ok((y, shape.clone()))
     }
 
-    fn bwd(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
-        let n = last_dim(res.shape(), "log_softmax")?;
-        let g = g.contiguous()?;
-        let dx = with_f32(res, |y| {
-            with_f32(&g, |g| {
-                let mut dx = vec![0f32; y.len()];
-                if n == 0 {
-                    return dx;
-                }
-                for ((yr, gr), dr) in y
-                    .chunks_exact(n)
-                    .zip(g.chunks_exact(n))
-                    .zip(dx.chunks_exact_mut(n))
-                {
-                    let s: f32 = gr.iter().sum();
-                    for ((d, &yv), &gv) in dr.iter_mut().zip(yr).zip(gr) {
-                        *d = gv - fast_exp(yv) * s;
-                    }
-                }
-                dx
-            })
-        })??;
-        from_vec(dx, arg.shape(), arg).map(Some)
+    fn backward(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> CResult<Tensor> {
+        grad_from_output(arg, res, g, Self::OP, |yr, gr, dr| {
+            let s: f32 = gr.iter().sum();
+            for ((d, &yv), &gv) in dr.iter_mut().zip(yr).zip(gr) {
+                *d = gv - fast_exp(yv) * s;
+            }
+        })
     }
 }
 
 /// Log-softmax over the last dim (fused for f32).
 pub fn log_softmax_last(x: &Tensor) -> CResult<Tensor> {
-    x.contiguous()?.apply_op1(LogSoftmax)
+    apply1(x, LogSoftmax)
 }
 
 fn row_stats(xr: &[f32], eps: f32, center: bool) -> (f32, f32) {
@@ -297,11 +388,7 @@ struct Norm {
 
 impl Norm {
     fn forward(&self, x: &[f32], w: &[f32], b: Option<&[f32]>, n: usize) -> Vec<f32> {
-        let mut y = vec![0f32; x.len()];
-        if n == 0 {
-            return y;
-        }
-        for (xr, yr) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
+        map_rows(x, n, 0.., |xr, yr, _| {
             let (mean, rstd) = row_stats(xr, self.eps, self.center);
             match b {
                 Some(b) => {
@@ -315,8 +402,7 @@ impl Norm {
                     }
                 }
             }
-        }
-        y
+        })
     }
 
     /// (dx, dw, db) for x, w and the output gradient g.
@@ -327,19 +413,11 @@ impl Norm {
         g: &[f32],
         n: usize,
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        let mut dx = vec![0f32; x.len()];
         let mut dw = vec![0f32; n];
         let mut db = vec![0f32; n];
-        if n == 0 {
-            return (dx, dw, db);
-        }
         let inv_n = 1.0 / n as f32;
         let mut xhat = vec![0f32; n];
-        for ((xr, gr), dr) in x
-            .chunks_exact(n)
-            .zip(g.chunks_exact(n))
-            .zip(dx.chunks_exact_mut(n))
-        {
+        let dx = map_rows2(x, g, n, |xr, gr, dr| {
             let (mean, rstd) = row_stats(xr, self.eps, self.center);
             let mut a = 0f32;
             let mut c = 0f32;
@@ -361,8 +439,51 @@ impl Norm {
                     rstd * (gw - xhat[i] * c)
                 };
             }
-        }
+        });
         (dx, dw, db)
+    }
+
+    /// The node's forward on the CPU operands `x`, `w` and, when given, `b` (storage, layout).
+    fn cpu_fwd(
+        &self,
+        (xs, xl): (&CpuStorage, &Layout),
+        (ws, wl): (&CpuStorage, &Layout),
+        b: Option<(&CpuStorage, &Layout)>,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (x, w) = (f32_slice(xs, xl, "norm")?, f32_slice(ws, wl, "norm")?);
+        let b = b.map(|(bs, bl)| f32_slice(bs, bl, "norm")).transpose()?;
+        let n = last_dim(xl.shape(), "norm")?;
+        match b {
+            None if w.len() != n => {
+                return Err(Error::msg(format!(
+                    "norm: weight has {} elements for a last dim of {n}",
+                    w.len()
+                )))
+            }
+            Some(b) if w.len() != n || b.len() != n => {
+                return Err(Error::msg(format!(
+                    "norm: weight/bias have {}/{} elements for a last dim of {n}",
+                    w.len(),
+                    b.len()
+                )))
+            }
+            _ => {}
+        }
+        Ok((
+            CpuStorage::F32(self.forward(x, w, b, n)),
+            xl.shape().clone(),
+        ))
+    }
+
+    /// The node's backward: `dx` and `dw` as tensors like `x` and `w`, and `db` (used by the
+    /// node with a bias).
+    fn grads(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> CResult<(Tensor, Tensor, Vec<f32>)> {
+        let n = last_dim(x.shape(), "norm")?;
+        let g = g.contiguous()?;
+        let (dx, dw, db) = with_f32(x, |xs| {
+            with_f32(w, |ws| with_f32(&g, |gs| self.backward(xs, ws, gs, n)))
+        })???;
+        Ok((from_vec(dx, x.shape(), x)?, from_vec(dw, w.shape(), w)?, db))
     }
 }
 
@@ -381,18 +502,7 @@ impl CustomOp2 for NormAffine {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let (x, w) = (f32_slice(s1, l1, "norm")?, f32_slice(s2, l2, "norm")?);
-        let n = last_dim(l1.shape(), "norm")?;
-        if w.len() != n {
-            return Err(Error::msg(format!(
-                "norm: weight has {} elements for a last dim of {n}",
-                w.len()
-            )));
-        }
-        Ok((
-            CpuStorage::F32(self.0.forward(x, w, None, n)),
-            l1.shape().clone(),
-        ))
+        self.0.cpu_fwd((s1, l1), (s2, l2), None)
     }
 
     fn bwd(
@@ -402,15 +512,8 @@ impl CustomOp2 for NormAffine {
         _res: &Tensor,
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let n = last_dim(x.shape(), "norm")?;
-        let g = g.contiguous()?;
-        let (dx, dw, _) = with_f32(x, |xs| {
-            with_f32(w, |ws| with_f32(&g, |gs| self.0.backward(xs, ws, gs, n)))
-        })???;
-        Ok((
-            Some(from_vec(dx, x.shape(), x)?),
-            Some(from_vec(dw, w.shape(), w)?),
-        ))
+        let (dx, dw, _) = self.0.grads(x, w, g)?;
+        Ok((Some(dx), Some(dw)))
     }
 }
 
@@ -419,6 +522,7 @@ impl CustomOp3 for NormAffineBias {
         "fused-norm-bias"
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -428,23 +532,7 @@ impl CustomOp3 for NormAffineBias {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let (x, w, b) = (
-            f32_slice(s1, l1, "norm")?,
-            f32_slice(s2, l2, "norm")?,
-            f32_slice(s3, l3, "norm")?,
-        );
-        let n = last_dim(l1.shape(), "norm")?;
-        if w.len() != n || b.len() != n {
-            return Err(Error::msg(format!(
-                "norm: weight/bias have {}/{} elements for a last dim of {n}",
-                w.len(),
-                b.len()
-            )));
-        }
-        Ok((
-            CpuStorage::F32(self.0.forward(x, w, Some(b), n)),
-            l1.shape().clone(),
-        ))
+        self.0.cpu_fwd((s1, l1), (s2, l2), Some((s3, l3)))
     }
 
     fn bwd(
@@ -455,16 +543,8 @@ impl CustomOp3 for NormAffineBias {
         _res: &Tensor,
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let n = last_dim(x.shape(), "norm")?;
-        let g = g.contiguous()?;
-        let (dx, dw, db) = with_f32(x, |xs| {
-            with_f32(w, |ws| with_f32(&g, |gs| self.0.backward(xs, ws, gs, n)))
-        })???;
-        Ok((
-            Some(from_vec(dx, x.shape(), x)?),
-            Some(from_vec(dw, w.shape(), w)?),
-            Some(from_vec(db, b.shape(), b)?),
-        ))
+        let (dx, dw, db) = self.0.grads(x, w, g)?;
+        Ok((Some(dx), Some(dw), Some(from_vec(db, b.shape(), b)?)))
     }
 }
 
@@ -492,64 +572,67 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
         .apply_op2(&w.contiguous()?, NormAffine(norm))
 }
 
+/// Checks that the logits `x` of `shape` are `[rows, C]` with C > 0 and at least `min_rows`
+/// rows, for a kernel given one `per_row` item a row; returns C.
+fn logit_rows(
+    x: &[f32],
+    shape: &Shape,
+    (rows, min_rows): (usize, usize),
+    op: &str,
+    per_row: &str,
+) -> CResult<usize> {
+    let c = last_dim(shape, op)?;
+    if c == 0 || rows < min_rows || x.len() != rows * c {
+        return Err(Error::msg(format!("{op}: logits/{per_row} shape mismatch")));
+    }
+    Ok(c)
+}
+
+/// The elements of `t` (any dtype and layout) as f32 on the host, in row-major order: the
+/// per-row operands and gradients of the row-reducing kernels.
+fn host_f32(t: &Tensor) -> CResult<Vec<f32>> {
+    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}
+
 /// Mean cross-entropy of logits `[N, C]` against class ids (one per row), as one node:
 /// forward `mean(lse_i - x[i, t_i])`, backward `g / N * (softmax(x) - onehot(t))`.
 struct CrossEntropy {
     targets: Vec<u32>,
 }
 
-impl CustomOp1 for CrossEntropy {
-    fn name(&self) -> &'static str {
-        "fused-cross-entropy"
-    }
+impl UnaryKernel for CrossEntropy {
+    const NODE: &'static str = "fused-cross-entropy";
+    const OP: &'static str = "cross_entropy";
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let x = f32_slice(s, l, "cross_entropy")?;
-        let c = last_dim(l.shape(), "cross_entropy")?;
+    fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let rows = self.targets.len();
-        if c == 0 || rows == 0 || x.len() != rows * c {
-            return Err(Error::msg("cross_entropy: logits/targets shape mismatch"));
-        }
+        let c = logit_rows(x, shape, (rows, 1), Self::OP, "targets")?;
         let mut total = 0f64;
         for (xr, &t) in x.chunks_exact(c).zip(&self.targets) {
-            let m = xr.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let sum: f32 = xr.iter().map(|&v| fast_exp(v - m)).sum();
+            let m = row_max(xr);
             let picked = *xr
                 .get(t as usize)
                 .ok_or_else(|| Error::msg(format!("cross_entropy: class id {t} >= {c} classes")))?;
-            total += f64::from(m + sum.ln() - picked);
+            total += f64::from(m + sum_exp(xr, m).ln() - picked);
         }
-        Ok((
-            CpuStorage::F32(vec![(total / rows as f64) as f32]),
-            Shape::from(()),
-        ))
+        Ok((vec![(total / rows as f64) as f32], Shape::from(())))
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
-        let c = last_dim(arg.shape(), "cross_entropy")?;
+    fn backward(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Tensor> {
         let scale = g.to_dtype(DType::F32)?.to_scalar::<f32>()? / self.targets.len() as f32;
-        let dx = with_f32(arg, |x| {
-            let mut dx = vec![0f32; x.len()];
-            for ((xr, dr), &t) in x
-                .chunks_exact(c)
-                .zip(dx.chunks_exact_mut(c))
-                .zip(&self.targets)
-            {
-                let m = xr.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                for (d, &v) in dr.iter_mut().zip(xr) {
-                    *d = fast_exp(v - m);
-                }
-                let inv = scale / dr.iter().sum::<f32>();
-                for d in dr.iter_mut() {
-                    *d *= inv;
-                }
-                if let Some(d) = dr.get_mut(t as usize) {
-                    *d -= scale;
-                }
+        grad_from_input(arg, Self::OP, &self.targets, |xr, dr, &t| {
+            let m = row_max(xr);
+            for (d, &v) in dr.iter_mut().zip(xr) {
+                *d = fast_exp(v - m);
             }
-            dx
-        })?;
-        from_vec(dx, arg.shape(), arg).map(Some)
+            let inv = scale / dr.iter().sum::<f32>();
+            for d in dr.iter_mut() {
+                *d *= inv;
+            }
+            if let Some(d) = dr.get_mut(t as usize) {
+                *d -= scale;
+            }
+        })
     }
 }
 
@@ -557,7 +640,7 @@ impl CustomOp1 for CrossEntropy {
 /// graph node (see `CrossEntropy`).
 pub fn cross_entropy(x: &Tensor, targets: &Tensor) -> CResult<Tensor> {
     let targets = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-    x.contiguous()?.apply_op1(CrossEntropy { targets })
+    apply1(x, CrossEntropy { targets })
 }
 
 /// `sum_j exp(x[i, j] - m[i])` of f32 logits `[N, C]` with a detached row shift `m [N, 1]`, as
@@ -567,51 +650,35 @@ struct SumExpShifted {
     m: Vec<f32>,
 }
 
-impl CustomOp1 for SumExpShifted {
-    fn name(&self) -> &'static str {
-        "fused-sum-exp"
-    }
+impl UnaryKernel for SumExpShifted {
+    const NODE: &'static str = "fused-sum-exp";
+    const OP: &'static str = "sum_exp";
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let x = f32_slice(s, l, "sum_exp")?;
-        let c = last_dim(l.shape(), "sum_exp")?;
+    fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let rows = self.m.len();
-        if c == 0 || x.len() != rows * c {
-            return Err(Error::msg("sum_exp: logits/shift shape mismatch"));
-        }
-        let y: Vec<f32> = x
+        let c = logit_rows(x, shape, (rows, 0), Self::OP, "shift")?;
+        let y = x
             .chunks_exact(c)
             .zip(&self.m)
-            .map(|(xr, &m)| xr.iter().map(|&v| fast_exp(v - m)).sum())
+            .map(|(xr, &m)| sum_exp(xr, m))
             .collect();
-        Ok((CpuStorage::F32(y), Shape::from((rows, 1))))
+        Ok((y, Shape::from((rows, 1))))
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
-        let c = last_dim(arg.shape(), "sum_exp")?;
-        let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let dx = with_f32(arg, |x| {
-            let mut dx = vec![0f32; x.len()];
-            for (((xr, dr), &m), &gv) in x
-                .chunks_exact(c)
-                .zip(dx.chunks_exact_mut(c))
-                .zip(&self.m)
-                .zip(&g)
-            {
-                for (d, &v) in dr.iter_mut().zip(xr) {
-                    *d = gv * fast_exp(v - m);
-                }
+    fn backward(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Tensor> {
+        let g = host_f32(g)?;
+        grad_from_input(arg, Self::OP, self.m.iter().zip(&g), |xr, dr, (&m, &gv)| {
+            for (d, &v) in dr.iter_mut().zip(xr) {
+                *d = gv * fast_exp(v - m);
             }
-            dx
-        })?;
-        from_vec(dx, arg.shape(), arg).map(Some)
+        })
     }
 }
 
 /// See `SumExpShifted`; `x` f32 `[N, C]` with C > 0, `m` `[N, 1]` (not differentiated).
 pub fn sum_exp_shifted(x: &Tensor, m: &Tensor) -> CResult<Tensor> {
-    let m = m.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    x.contiguous()?.apply_op1(SumExpShifted { m })
+    let m = host_f32(m)?;
+    apply1(x, SumExpShifted { m })
 }
 
 /// `x[i, ids[i]] * inside[i]` of f32 `[N, C]` as one node (`[N, 1]`): the target logit where this
@@ -621,18 +688,13 @@ struct PickMasked {
     inside: Vec<bool>,
 }
 
-impl CustomOp1 for PickMasked {
-    fn name(&self) -> &'static str {
-        "fused-pick"
-    }
+impl UnaryKernel for PickMasked {
+    const NODE: &'static str = "fused-pick";
+    const OP: &'static str = "pick";
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let x = f32_slice(s, l, "pick")?;
-        let c = last_dim(l.shape(), "pick")?;
+    fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let rows = self.ids.len();
-        if c == 0 || x.len() != rows * c {
-            return Err(Error::msg("pick: logits/ids shape mismatch"));
-        }
+        let c = logit_rows(x, shape, (rows, 0), Self::OP, "ids")?;
         let mut y = vec![0f32; rows];
         for (i, (&id, &inside)) in self.ids.iter().zip(&self.inside).enumerate() {
             if inside {
@@ -642,19 +704,19 @@ impl CustomOp1 for PickMasked {
                     .ok_or_else(|| Error::msg(format!("pick: local class id {id} >= {c}")))?;
             }
         }
-        Ok((CpuStorage::F32(y), Shape::from((rows, 1))))
+        Ok((y, Shape::from((rows, 1))))
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
-        let c = last_dim(arg.shape(), "pick")?;
-        let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    fn backward(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Tensor> {
+        let c = last_dim(arg.shape(), Self::OP)?;
+        let g = host_f32(g)?;
         let mut dx = vec![0f32; arg.elem_count()];
         for (i, ((&id, &inside), &gv)) in self.ids.iter().zip(&self.inside).zip(&g).enumerate() {
             if inside && (id as usize) < c {
                 dx[i * c + id as usize] = gv;
             }
         }
-        from_vec(dx, arg.shape(), arg).map(Some)
+        from_vec(dx, arg.shape(), arg)
     }
 }
 
@@ -662,14 +724,8 @@ impl CustomOp1 for PickMasked {
 /// `[N]` (nonzero where this rank owns the target).
 pub fn pick_masked(x: &Tensor, ids: &Tensor, inside: &Tensor) -> CResult<Tensor> {
     let ids = ids.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?;
-    let inside = inside
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?
-        .into_iter()
-        .map(|v| v != 0.0)
-        .collect();
-    x.contiguous()?.apply_op1(PickMasked { ids, inside })
+    let inside = host_f32(inside)?.into_iter().map(|v| v != 0.0).collect();
+    apply1(x, PickMasked { ids, inside })
 }
 
 /// Sums the rows of a contiguous f32 tensor viewed as `[rows, n]`: the gradient of a bias
@@ -712,14 +768,7 @@ impl CustomOp2 for AddRows {
     ) -> CResult<(CpuStorage, Shape)> {
         let x = f32_slice(xs, xl, "add_rows")?;
         let b = f32_slice(bs, bl, "add_rows")?;
-        let n = b.len();
-        let mut y = Vec::with_capacity(x.len());
-        if n > 0 {
-            for row in x.chunks_exact(n) {
-                y.extend(row.iter().zip(b).map(|(&a, &c)| a + c));
-            }
-        }
-        Ok((CpuStorage::F32(y), xl.shape().clone()))
+        Ok((CpuStorage::F32(add_rows(x, b)), xl.shape().clone()))
     }
 
     fn bwd(

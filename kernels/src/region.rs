@@ -32,47 +32,16 @@ fn output_storage<S: DeviceStorage>(
     };
     let y = y.contiguous()?;
     let b = b.contiguous()?;
-    let n = b.elem_count();
     let data = with_slice::<f32, _>(&y, |yv| {
-        with_slice::<f32, _>(&b, |bv| {
-            let mut out = Vec::with_capacity(yv.len());
-            if n > 0 {
-                for row in yv.chunks_exact(n) {
-                    out.extend(row.iter().zip(bv).map(|(&a, &c)| a + c));
-                }
-            }
-            out
-        })
+        with_slice::<f32, _>(&b, |bv| crate::fused::add_rows(yv, bv))
     })??;
     Ok((from_host_vec(like, data)?, y.shape().clone()))
 }
 
 /// `dS = scale * P * (dP - rowsum(dP * P))` over the last dim (softmax backward), f32.
 fn softmax_backward(p: &Tensor, dp: &Tensor, scale: f32) -> CResult<Tensor> {
-    let (p, dp) = (p.contiguous()?, dp.contiguous()?);
-    let n = *p
-        .dims()
-        .last()
-        .ok_or_else(|| Error::msg("softmax_backward: scalar"))?;
-    let out = with_slice::<f32, _>(&p, |pv| {
-        with_slice::<f32, _>(&dp, |gv| {
-            let mut out = vec![0f32; pv.len()];
-            if n > 0 {
-                for ((pr, gr), or) in pv
-                    .chunks_exact(n)
-                    .zip(gv.chunks_exact(n))
-                    .zip(out.chunks_exact_mut(n))
-                {
-                    let s: f32 = pr.iter().zip(gr).map(|(a, b)| a * b).sum();
-                    for ((o, &pp), &gg) in or.iter_mut().zip(pr).zip(gr) {
-                        *o = scale * pp * (gg - s);
-                    }
-                }
-            }
-            out
-        })
-    })??;
-    Tensor::from_vec(out, p.shape(), p.device())
+    let p = p.contiguous()?;
+    crate::fused::softmax_grad(&p, dp, scale, &p)
 }
 
 type Bwd2 = Box<dyn Fn(&Tensor, &Tensor, &Tensor) -> CResult<(Tensor, Tensor)> + Send + Sync>;
