@@ -311,21 +311,14 @@ fn modules_have_candle_nn_names_values_and_gradients() {
         "rms_norm module",
     );
     let xv = Var::from_tensor(&x).unwrap();
-    let g = ours
-        .forward(xv.as_tensor())
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
+    // The gradients of the sum of a module's output on `xv`.
+    let grads_of = |m: &dyn Module| {
+        let y = m.forward(xv.as_tensor()).unwrap();
+        y.sum_all().unwrap().backward().unwrap()
+    };
+    let g = grads_of(&ours);
     assert!(g.get(xv.as_tensor()).is_some() && g.get(ours.weight()).is_some());
-    let g = theirs
-        .forward(xv.as_tensor())
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
+    let g = grads_of(&theirs);
     assert!(
         g.get(xv.as_tensor()).is_none() && g.get(theirs.weight()).is_none(),
         "candle-nn's RmsNorm now has a backward"

@@ -104,6 +104,20 @@ fn assert_losses(what: &str, got: &[f32], want: &[f32]) {
 /// One rank's parameter pieces: name, value, and the global ranges they hold.
 type Pieces = Vec<(String, Tensor, Vec<Range<usize>>)>;
 
+/// Named local values as pieces, each with the global ranges `range_of` gives its name.
+fn pieces_at(
+    named: impl IntoIterator<Item = (String, Tensor)>,
+    range_of: impl Fn(&str) -> Vec<Range<usize>>,
+) -> Pieces {
+    named
+        .into_iter()
+        .map(|(n, t)| {
+            let r = range_of(&n);
+            (n, t, r)
+        })
+        .collect()
+}
+
 fn assert_pieces(what: &str, pieces: &Pieces, want: &Params) {
     for (name, got, ranges) in pieces {
         let w = slice(&want[name], ranges);
@@ -137,6 +151,28 @@ impl Module for Mlp {
     }
 }
 
+/// Trains the parameters of `map` with AdamW for `steps` steps of `loss_at(step)` on one
+/// device: the losses, the first step's gradients and the final parameters.
+fn train_one_device(
+    map: &candle_nn::VarMap,
+    steps: usize,
+    loss_at: impl Fn(usize) -> candle_core::Result<Tensor>,
+) -> (Vec<f32>, Params, Params) {
+    let mut opt = candle_nn::AdamW::new(map.all_vars(), adamw()).unwrap();
+    let mut losses = Vec::new();
+    let mut first = Params::new();
+    for step in 0..steps {
+        let loss = loss_at(step).unwrap();
+        losses.push(loss.to_scalar::<f32>().unwrap());
+        let grads = loss.backward().unwrap();
+        if step == 0 {
+            first = gradients(map, &grads);
+        }
+        opt.step(&grads).unwrap();
+    }
+    (losses, first, snapshot(map))
+}
+
 /// Losses, the first step's gradients and the final parameters on one device.
 fn one_device_mlp() -> (Vec<f32>, Params, Params) {
     let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
@@ -144,20 +180,10 @@ fn one_device_mlp() -> (Vec<f32>, Params, Params) {
         fc1: Box::new(candle_nn::linear(IN, HID, vb.pp("fc1")).unwrap()),
         fc2: Box::new(candle_nn::linear(HID, OUT, vb.pp("fc2")).unwrap()),
     };
-    let mut opt = candle_nn::AdamW::new(map.all_vars(), adamw()).unwrap();
-    let mut losses = Vec::new();
-    let mut first = Params::new();
-    for step in 0..STEPS {
+    train_one_device(&map, STEPS, |step| {
         let (x, y) = batch(step);
-        let loss = candle_nn::loss::mse(&mlp.forward(&x).unwrap(), &y).unwrap();
-        losses.push(loss.to_scalar::<f32>().unwrap());
-        let grads = loss.backward().unwrap();
-        if step == 0 {
-            first = gradients(&map, &grads);
-        }
-        opt.step(&grads).unwrap();
-    }
-    (losses, first, snapshot(&map))
+        candle_nn::loss::mse(&mlp.forward(&x)?, &y)
+    })
 }
 
 fn gradients(map: &candle_nn::VarMap, grads: &candle_core::backprop::GradStore) -> Params {
@@ -215,13 +241,7 @@ fn tp_mlp_5_adamw_steps_match_one_device() {
                     mode.records().len(),
                 ));
             }
-            let pieces: Pieces = snapshot(&map)
-                .into_iter()
-                .map(|(n, t)| {
-                    let r = ranges[&n].clone();
-                    (n, t, r)
-                })
-                .collect();
+            let pieces = pieces_at(snapshot(&map), |n| ranges[n].clone());
             Ok((losses, pieces, counts))
         });
         for (rank, (losses, pieces, counts)) in out.iter().enumerate() {
@@ -291,21 +311,12 @@ fn fsdp_over_dp_x_tp_mlp_matches_one_device() {
                     r[0] = r[0].start + o..r[0].start + o + s;
                     r
                 };
-                let pieces: Pieces = map
-                    .named_vars()
-                    .into_iter()
-                    .map(|(n, v)| {
-                        let r = shard_ranges(&n);
-                        (n, v.as_tensor().clone(), r)
-                    })
-                    .collect();
-                let grads0: Pieces = grads0
-                    .into_iter()
-                    .map(|(n, g)| {
-                        let r = shard_ranges(&n);
-                        (n, g, r)
-                    })
-                    .collect();
+                let values = map.named_vars().into_iter();
+                let pieces = pieces_at(
+                    values.map(|(n, v)| (n, v.as_tensor().clone())),
+                    shard_ranges,
+                );
+                let grads0 = pieces_at(grads0, shard_ranges);
                 Ok((losses, grads0, pieces, fsdp.params_without_grad()))
             })
             .unwrap();
@@ -439,20 +450,10 @@ fn one_device_attn() -> (Vec<f32>, Params, Params) {
         head: lin("head", MODEL, VOCAB, true),
         heads: HEADS,
     };
-    let mut opt = candle_nn::AdamW::new(map.all_vars(), adamw()).unwrap();
-    let mut losses = Vec::new();
-    let mut first = Params::new();
-    for step in 0..ASTEPS {
+    train_one_device(&map, ASTEPS, |step| {
         let (x, y) = tokens(step);
-        let loss = lm.loss(&x, &y).unwrap();
-        losses.push(loss.to_scalar::<f32>().unwrap());
-        let grads = loss.backward().unwrap();
-        if step == 0 {
-            first = gradients(&map, &grads);
-        }
-        opt.step(&grads).unwrap();
-    }
-    (losses, first, snapshot(&map))
+        lm.loss(&x, &y)
+    })
 }
 
 #[test]
@@ -529,13 +530,7 @@ fn tp_attention_block_matches_one_device() {
                 }
                 opt.step(&grads)?;
             }
-            let pieces: Pieces = snapshot(&map)
-                .into_iter()
-                .map(|(n, t)| {
-                    let r = ranges[&n].clone();
-                    (n, t, r)
-                })
-                .collect();
+            let pieces = pieces_at(snapshot(&map), |n| ranges[n].clone());
             Ok((losses, grads0, pieces, counts))
         });
         for (rank, (losses, grads0, pieces, counts)) in out.iter().enumerate() {
