@@ -9,7 +9,7 @@
 
 use std::sync::Mutex;
 
-use candle_core::{CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
+use candle_core::{CustomOp1, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
 
 use crate::storage::{from_host_vec, output_of, with_slice, DeviceStorage};
 
@@ -44,36 +44,57 @@ fn softmax_backward(p: &Tensor, dp: &Tensor, scale: f32) -> CResult<Tensor> {
     crate::fused::softmax_grad(&p, dp, scale, &p)
 }
 
+type Bwd1 = Box<dyn Fn(&Tensor, &Tensor) -> CResult<Tensor> + Send + Sync>;
 type Bwd2 = Box<dyn Fn(&Tensor, &Tensor, &Tensor) -> CResult<(Tensor, Tensor)> + Send + Sync>;
 type Bwd3 = Box<
     dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> CResult<(Tensor, Tensor, Tensor)> + Send + Sync,
 >;
 
-struct Region2 {
+/// A region's graph node over one to three inputs (`B`: the backward closure of that arity):
+/// the forward hands out the output computed beforehand, the backward calls `bwd` on the
+/// inputs and the output gradient.
+struct Region<B> {
     name: &'static str,
     out: Mutex<Option<Tensor>>,
     bias: Option<Tensor>,
-    bwd: Bwd2,
+    bwd: B,
 }
 
-impl Region2 {
-    fn forward<S: DeviceStorage>(
-        &self,
-        s: &S,
-        _: &Layout,
-        _: &S,
-        _: &Layout,
-    ) -> CResult<(S, Shape)> {
+impl<B> Region<B> {
+    fn new(name: &'static str, y: Tensor, bias: Option<Tensor>, bwd: B) -> Self {
+        Region {
+            name,
+            out: Mutex::new(Some(y)),
+            bias,
+            bwd,
+        }
+    }
+
+    /// The forward of every arity: the output as a storage of the first input's backend (the
+    /// inputs were read when the output was computed).
+    fn output<S: DeviceStorage>(&self, s: &S, _: &Layout) -> CResult<(S, Shape)> {
         output_storage(s, &self.out, self.bias.as_ref())
     }
 }
 
-impl CustomOp2 for Region2 {
+impl CustomOp1 for Region<Bwd1> {
     fn name(&self) -> &'static str {
         self.name
     }
 
-    crate::device_fwd2!(forward);
+    crate::device_fwd1!(output);
+
+    fn bwd(&self, a: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
+        (self.bwd)(a, g).map(Some)
+    }
+}
+
+impl CustomOp2 for Region<Bwd2> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    crate::device_fwd2!(output, first_only);
 
     fn bwd(
         &self,
@@ -87,34 +108,12 @@ impl CustomOp2 for Region2 {
     }
 }
 
-struct Region3 {
-    name: &'static str,
-    out: Mutex<Option<Tensor>>,
-    bias: Option<Tensor>,
-    bwd: Bwd3,
-}
-
-impl Region3 {
-    #[allow(clippy::too_many_arguments)]
-    fn forward<S: DeviceStorage>(
-        &self,
-        s: &S,
-        _: &Layout,
-        _: &S,
-        _: &Layout,
-        _: &S,
-        _: &Layout,
-    ) -> CResult<(S, Shape)> {
-        output_storage(s, &self.out, self.bias.as_ref())
-    }
-}
-
-impl CustomOp3 for Region3 {
+impl CustomOp3 for Region<Bwd3> {
     fn name(&self) -> &'static str {
         self.name
     }
 
-    crate::device_fwd3!(forward);
+    crate::device_fwd3!(output, first_only);
 
     fn bwd(
         &self,
@@ -191,26 +190,18 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
     };
     match b {
         Some(b) => {
-            let op = Region3 {
-                name: "fused-linear",
-                out: Mutex::new(Some(y)),
+            let op = Region::<Bwd3>::new(
+                "fused-linear",
+                y,
                 bias,
-                bwd: Box::new(move |x, w, _b, g| grads(x, w, g)),
-            };
+                Box::new(move |x, w, _b, g| grads(x, w, g)),
+            );
             x.apply_op3(w, b, op)
         }
-        None => {
-            let op = Region2 {
-                name: "fused-linear",
-                out: Mutex::new(Some(y)),
-                bias: None,
-                bwd: Box::new(move |x, w, g| {
-                    let (dx, dw, _) = grads(x, w, g)?;
-                    Ok((dx, dw))
-                }),
-            };
-            x.apply_op2(w, op)
-        }
+        None => node2("fused-linear", &x, w, y, move |x, w, g| {
+            let (dx, dw, _) = grads(x, w, g)?;
+            Ok((dx, dw))
+        }),
     }
 }
 
@@ -228,23 +219,17 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f32) -> CRe
         return probs(&q, &k)?.matmul(&v);
     }
     let y = probs(&q.detach(), &k.detach())?.matmul(&v.detach())?;
-    let op = Region3 {
-        name: "fused-sdpa",
-        out: Mutex::new(Some(y)),
-        bias: None,
-        bwd: Box::new(move |q, k, v, g| {
-            let g = g.contiguous()?;
-            let p = probs(q, k)?;
-            let dv = p.t()?.matmul(&g)?;
-            let dp = g.matmul(&v.t()?)?;
-            // dS = scale * P * (dP - rowsum(dP * P)); masked entries have P = 0.
-            let ds = softmax_backward(&p, &dp, scale)?;
-            let dq = ds.matmul(k)?;
-            let dk = ds.t()?.matmul(q)?;
-            Ok((dq, dk, dv))
-        }),
-    };
-    q.apply_op3(&k, &v, op)
+    node3("fused-sdpa", &q, &k, &v, y, move |q, k, v, g| {
+        let g = g.contiguous()?;
+        let p = probs(q, k)?;
+        let dv = p.t()?.matmul(&g)?;
+        let dp = g.matmul(&v.t()?)?;
+        // dS = scale * P * (dP - rowsum(dP * P)); masked entries have P = 0.
+        let ds = softmax_backward(&p, &dp, scale)?;
+        let dq = ds.matmul(k)?;
+        let dk = ds.t()?.matmul(q)?;
+        Ok((dq, dk, dv))
+    })
 }
 
 /// Splits a packed `[B, T, H, 3, d]` projection into contiguous `q`, `k`, `v` of `[B, H, T, d]`.
@@ -273,55 +258,25 @@ pub fn packed_sdpa(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tensor> {
         return forward(&x);
     }
     let y = forward(&x.detach())?;
-    x.apply_op1(Region1 {
-        name: "fused-packed-sdpa",
-        out: Mutex::new(Some(y)),
-        bwd: Box::new(move |x, g| {
-            let (q, k, v) = unpack_qkv(x)?;
-            let g = g.transpose(1, 2)?.contiguous()?;
-            let p = probs(&q, &k)?;
-            let dv = p.t()?.matmul(&g)?;
-            let dp = g.matmul(&v.t()?)?;
-            let ds = softmax_backward(&p, &dp, scale)?;
-            let dq = ds.matmul(&k)?;
-            let dk = ds.t()?.matmul(&q)?;
-            // [B, H, T, d] x 3 -> [B, T, H, 3, d].
-            Tensor::stack(
-                &[
-                    dq.transpose(1, 2)?,
-                    dk.transpose(1, 2)?,
-                    dv.transpose(1, 2)?,
-                ],
-                3,
-            )
-        }),
+    node1("fused-packed-sdpa", &x, y, move |x, g| {
+        let (q, k, v) = unpack_qkv(x)?;
+        let g = g.transpose(1, 2)?.contiguous()?;
+        let p = probs(&q, &k)?;
+        let dv = p.t()?.matmul(&g)?;
+        let dp = g.matmul(&v.t()?)?;
+        let ds = softmax_backward(&p, &dp, scale)?;
+        let dq = ds.matmul(&k)?;
+        let dk = ds.t()?.matmul(&q)?;
+        // [B, H, T, d] x 3 -> [B, T, H, 3, d].
+        Tensor::stack(
+            &[
+                dq.transpose(1, 2)?,
+                dk.transpose(1, 2)?,
+                dv.transpose(1, 2)?,
+            ],
+            3,
+        )
     })
-}
-
-type Bwd1 = Box<dyn Fn(&Tensor, &Tensor) -> CResult<Tensor> + Send + Sync>;
-
-struct Region1 {
-    name: &'static str,
-    out: Mutex<Option<Tensor>>,
-    bwd: Bwd1,
-}
-
-impl Region1 {
-    fn forward<S: DeviceStorage>(&self, s: &S, _: &Layout) -> CResult<(S, Shape)> {
-        output_storage(s, &self.out, None)
-    }
-}
-
-impl candle_core::CustomOp1 for Region1 {
-    fn name(&self) -> &'static str {
-        self.name
-    }
-
-    crate::device_fwd1!(forward);
-
-    fn bwd(&self, a: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
-        (self.bwd)(a, g).map(Some)
-    }
 }
 
 /// Records `y`, computed by the caller from detached copies of the inputs, as ONE graph node
@@ -337,11 +292,7 @@ pub fn node1(
     y: Tensor,
     bwd: impl Fn(&Tensor, &Tensor) -> CResult<Tensor> + Send + Sync + 'static,
 ) -> CResult<Tensor> {
-    a.apply_op1(Region1 {
-        name,
-        out: Mutex::new(Some(y)),
-        bwd: Box::new(bwd),
-    })
+    a.apply_op1(Region::<Bwd1>::new(name, y, None, Box::new(bwd)))
 }
 
 /// [`node1`] over two inputs: `bwd(a, b, grad) -> (grad of a, grad of b)`.
@@ -352,15 +303,7 @@ pub fn node2(
     y: Tensor,
     bwd: impl Fn(&Tensor, &Tensor, &Tensor) -> CResult<(Tensor, Tensor)> + Send + Sync + 'static,
 ) -> CResult<Tensor> {
-    a.apply_op2(
-        b,
-        Region2 {
-            name,
-            out: Mutex::new(Some(y)),
-            bias: None,
-            bwd: Box::new(bwd),
-        },
-    )
+    a.apply_op2(b, Region::<Bwd2>::new(name, y, None, Box::new(bwd)))
 }
 
 /// [`node1`] over three inputs: `bwd(a, b, c, grad) -> (grad of a, grad of b, grad of c)`.
@@ -375,14 +318,5 @@ pub fn node3(
         + Sync
         + 'static,
 ) -> CResult<Tensor> {
-    a.apply_op3(
-        b,
-        c,
-        Region3 {
-            name,
-            out: Mutex::new(Some(y)),
-            bias: None,
-            bwd: Box::new(bwd),
-        },
-    )
+    a.apply_op3(b, c, Region::<Bwd3>::new(name, y, None, Box::new(bwd)))
 }

@@ -271,8 +271,9 @@ fn backend_of<'a, S: DeviceStorage>(s: &'a Storage, what: &str) -> Result<&'a S>
 }
 
 /// One `cpu_fwd` / `cuda_fwd` of a custom op (storage type `$S`, arguments `(s, l)` pairs, `mut`
-/// for in-place ops) forwarding to the generic method `self.$m`; the `device_*` macros below
-/// write both of an op's forwards with it.
+/// for in-place ops) forwarding to the generic method `self.$m`, with every pair or, after
+/// `first_only`, the first pair alone; the `device_*` macros below write both of an op's
+/// forwards with it.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __device_fwd {
@@ -283,6 +284,18 @@ macro_rules! __device_fwd {
             $($s: &$crate::candle_core::$S, $l: &$crate::candle_core::Layout),+
         ) -> $crate::candle_core::Result<($crate::candle_core::$S, $crate::candle_core::Shape)> {
             self.$m($($s, $l),+)
+        }
+    };
+    ($f:ident, $S:ident, $m:ident, first_only ($s1:ident $l1:ident, $($s:ident $l:ident),+)) => {
+        #[allow(clippy::too_many_arguments)]
+        fn $f(
+            &self,
+            $s1: &$crate::candle_core::$S,
+            $l1: &$crate::candle_core::Layout,
+            $($s: &$crate::candle_core::$S, $l: &$crate::candle_core::Layout),+
+        ) -> $crate::candle_core::Result<($crate::candle_core::$S, $crate::candle_core::Shape)> {
+            let _ = ($($s, $l),+);
+            self.$m($s1, $l1)
         }
     };
     ($f:ident, $S:ident, $m:ident, mut $s:ident $l:ident) => {
@@ -306,21 +319,23 @@ macro_rules! device_fwd1 {
     };
 }
 
-/// `device_fwd1!` for `CustomOp2` (`self.$m(s1, l1, s2, l2)`).
+/// `device_fwd1!` for `CustomOp2` (`self.$m(s1, l1, s2, l2)`; `self.$m(s1, l1)` with
+/// `first_only`, for an op whose output does not read the second operand).
 #[macro_export]
 macro_rules! device_fwd2 {
-    ($m:ident) => {
-        $crate::__device_fwd!(cpu_fwd, CpuStorage, $m, (s1 l1, s2 l2));
-        $crate::__device_fwd!(cuda_fwd, CudaStorage, $m, (s1 l1, s2 l2));
+    ($m:ident $(, $only:ident)?) => {
+        $crate::__device_fwd!(cpu_fwd, CpuStorage, $m, $($only)? (s1 l1, s2 l2));
+        $crate::__device_fwd!(cuda_fwd, CudaStorage, $m, $($only)? (s1 l1, s2 l2));
     };
 }
 
-/// `device_fwd1!` for `CustomOp3` (`self.$m(s1, l1, s2, l2, s3, l3)`).
+/// `device_fwd1!` for `CustomOp3` (`self.$m(s1, l1, s2, l2, s3, l3)`; `self.$m(s1, l1)` with
+/// `first_only`).
 #[macro_export]
 macro_rules! device_fwd3 {
-    ($m:ident) => {
-        $crate::__device_fwd!(cpu_fwd, CpuStorage, $m, (s1 l1, s2 l2, s3 l3));
-        $crate::__device_fwd!(cuda_fwd, CudaStorage, $m, (s1 l1, s2 l2, s3 l3));
+    ($m:ident $(, $only:ident)?) => {
+        $crate::__device_fwd!(cpu_fwd, CpuStorage, $m, $($only)? (s1 l1, s2 l2, s3 l3));
+        $crate::__device_fwd!(cuda_fwd, CudaStorage, $m, $($only)? (s1 l1, s2 l2, s3 l3));
     };
 }
 
