@@ -129,11 +129,18 @@ fn assert_pieces(what: &str, pieces: &Pieces, want: &Params) {
     }
 }
 
-/// Runs `f` on every rank of a `world`-rank tensor-parallel group.
-fn on_tp<T: Send>(world: usize, f: impl Fn(Group) -> R<T> + Send + Sync) -> Vec<T> {
+/// Runs `f` on every rank of a `world`-rank tensor-parallel group, with a fresh map and
+/// builder of the one-device initialisation (seed `SEED`) to build the rank's layers from.
+fn on_tp<T: Send>(
+    world: usize,
+    f: impl Fn(Group, candle_nn::VarMap, VarBuilder<'static>) -> R<T> + Send + Sync,
+) -> Vec<T> {
     LocalWorld::new(world)
         .with_timeout(Duration::from_secs(30))
-        .launch(|comm| f(Group::new(&comm)))
+        .launch(|comm| {
+            let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+            f(Group::new(&comm), map, vb)
+        })
         .unwrap()
 }
 
@@ -219,8 +226,7 @@ fn tp_mlp(tp: &Group, vb: VarBuilder) -> R<MlpLayers> {
 fn tp_mlp_5_adamw_steps_match_one_device() {
     let (want_losses, _, want_params) = one_device_mlp();
     for world in [1usize, 2, 3, 4] {
-        let out = on_tp(world, |tp| {
-            let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+        let out = on_tp(world, |tp, map, vb| {
             let (fc1, fc2, ranges) = tp_mlp(&tp, vb)?;
             let mlp = Mlp {
                 fc1: Box::new(fc1),
@@ -336,8 +342,7 @@ fn fsdp_over_dp_x_tp_mlp_matches_one_device() {
 fn empty_pieces_are_refused_on_every_rank() {
     // 3 heads of 4 over 4 ranks: torch.chunk gives 1, 1, 1, 0 heads.
     let out =
-        on_tp(4, |tp| {
-            let (_m, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+        on_tp(4, |tp, _, vb| {
             let cfg = TpLinearConfig {
                 bias: false,
                 block: 4,
@@ -462,8 +467,7 @@ fn tp_attention_block_matches_one_device() {
     // 7 heads: 4 + 3 over 2 ranks, 3 + 3 + 1 over 3, 2 + 2 + 2 + 1 over 4; vocab 11 likewise
     // uneven.
     for world in [1usize, 2, 3, 4] {
-        let out = on_tp(world, |tp| {
-            let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+        let out = on_tp(world, |tp, map, vb| {
             let by_heads = TpLinearConfig {
                 bias: false,
                 block: HEAD_DIM,
@@ -550,8 +554,7 @@ fn tp_attention_block_matches_one_device() {
 #[test]
 fn module_errors_cross_into_candle_with_their_type() {
     // A row-parallel layer fed the whole input while it expects its piece.
-    let out = on_tp(2, |tp| {
-        let (_m, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+    let out = on_tp(2, |tp, _, vb| {
         let row = row_parallel_linear(HID, OUT, &tp, vb.pp("fc2"))?;
         let x = Var::from_tensor(&values(&[2, HID], 0))?;
         let err = row.forward(x.as_tensor()).err().map(|e| e.to_string());
