@@ -131,7 +131,7 @@ fn cpu_len(s: &CpuStorage) -> usize {
 /// A candle backend storage the runtime's graph nodes and in-place ops work on: implemented for
 /// the CPU and for CUDA (candle's dummy CUDA type, whose every call fails, without the `cuda`
 /// feature).
-pub trait DeviceStorage: BackendStorage + Sized {
+pub trait DeviceStorage: BackendStorage<Device: BackendDevice<Storage = Self>> + Sized {
     /// `s` if it is this backend's storage.
     fn of(s: &Storage) -> Option<&Self>;
     /// Number of elements held.
@@ -143,33 +143,29 @@ pub trait DeviceStorage: BackendStorage + Sized {
     /// The placeholder a released tensor holds (see the module docs), on `self`'s device.
     fn released(&self) -> Result<Self>;
     /// Zeros of `shape` and `dtype` on `self`'s device.
-    fn zeros(&self, shape: &Shape, dtype: DType) -> Result<Self>;
+    fn zeros(&self, shape: &Shape, dtype: DType) -> Result<Self> {
+        self.device().zeros_impl(shape, dtype)
+    }
     /// A host storage moved (CPU) or copied (devices) to `self`'s device.
-    fn upload(&self, s: CpuStorage) -> Result<Self>;
-    /// Copies block rows: `d1` blocks of `d2` elements from `self` (block stride `src_s`,
-    /// first element `src_o`) into `dst` (stride `dst_s`, first element `dst_o`).
-    #[allow(clippy::too_many_arguments)]
-    fn copy_blocks(
-        &self,
-        dst: &mut Self,
-        d1: usize,
-        d2: usize,
-        src_s: usize,
-        dst_s: usize,
-        src_o: usize,
-        dst_o: usize,
-    ) -> Result<()> {
-        self.copy2d(dst, d1, d2, src_s, dst_s, src_o, dst_o)
+    fn upload(&self, s: CpuStorage) -> Result<Self> {
+        self.device().storage_from_cpu_storage_owned(s)
     }
 }
 
-impl DeviceStorage for CpuStorage {
-    fn of(s: &Storage) -> Option<&Self> {
-        match s {
-            Storage::Cpu(c) => Some(c),
-            _ => None,
+/// `DeviceStorage::of` for the backend behind `Storage::$variant`.
+macro_rules! storage_of {
+    ($variant:ident) => {
+        fn of(s: &Storage) -> Option<&Self> {
+            match s {
+                Storage::$variant(c) => Some(c),
+                _ => None,
+            }
         }
-    }
+    };
+}
+
+impl DeviceStorage for CpuStorage {
+    storage_of!(Cpu);
 
     fn len(&self) -> usize {
         cpu_len(self)
@@ -178,25 +174,14 @@ impl DeviceStorage for CpuStorage {
     fn released(&self) -> Result<Self> {
         Ok(CpuStorage::F4(Vec::new()))
     }
-
-    fn zeros(&self, shape: &Shape, dtype: DType) -> Result<Self> {
-        self.device().zeros_impl(shape, dtype)
-    }
-
-    fn upload(&self, s: CpuStorage) -> Result<Self> {
-        self.device().storage_from_cpu_storage_owned(s)
-    }
 }
 
-#[cfg(feature = "cuda")]
+/// Without the `cuda` feature this is candle's dummy type: nothing is held and every call fails
+/// (its device cannot be reached, so `zeros` and `upload` fail here too).
 impl DeviceStorage for CudaStorage {
-    fn of(s: &Storage) -> Option<&Self> {
-        match s {
-            Storage::Cuda(c) => Some(c),
-            _ => None,
-        }
-    }
+    storage_of!(Cuda);
 
+    #[cfg(feature = "cuda")]
     fn len(&self) -> usize {
         use candle_core::cuda_backend::CudaStorageSlice as S;
         match &self.slice {
@@ -214,6 +199,7 @@ impl DeviceStorage for CudaStorage {
         }
     }
 
+    #[cfg(feature = "cuda")]
     fn released(&self) -> Result<Self> {
         use candle_core::cuda_backend::CudaStorageSlice as S;
         // One byte rather than none: a zero-byte device allocation is refused by some driver
@@ -225,36 +211,22 @@ impl DeviceStorage for CudaStorage {
         })
     }
 
-    fn zeros(&self, shape: &Shape, dtype: DType) -> Result<Self> {
-        self.device().zeros_impl(shape, dtype)
-    }
-
-    fn upload(&self, s: CpuStorage) -> Result<Self> {
-        self.device().storage_from_cpu_storage_owned(s)
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-impl DeviceStorage for CudaStorage {
-    fn of(s: &Storage) -> Option<&Self> {
-        match s {
-            Storage::Cuda(c) => Some(c),
-            _ => None,
-        }
-    }
-
+    #[cfg(not(feature = "cuda"))]
     fn len(&self) -> usize {
         0
     }
 
+    #[cfg(not(feature = "cuda"))]
     fn released(&self) -> Result<Self> {
         Err(candle_core::Error::NotCompiledWithCudaSupport)
     }
 
+    #[cfg(not(feature = "cuda"))]
     fn zeros(&self, _: &Shape, _: DType) -> Result<Self> {
         Err(candle_core::Error::NotCompiledWithCudaSupport)
     }
 
+    #[cfg(not(feature = "cuda"))]
     fn upload(&self, _: CpuStorage) -> Result<Self> {
         Err(candle_core::Error::NotCompiledWithCudaSupport)
     }
@@ -497,15 +469,15 @@ impl Swap<'_> {
                 let mut at = 0;
                 for &(start, len) in segs.iter() {
                     if len > 0 {
-                        src_s.copy_blocks(
-                            &mut out,
-                            1,
-                            len,
-                            len,
-                            len,
-                            src_l.start_offset() + start,
-                            at,
-                        )?;
+                        let seg = Blocks {
+                            d1: 1,
+                            d2: len,
+                            src_s: len,
+                            dst_s: len,
+                            src_o: start,
+                            dst_o: at,
+                        };
+                        seg.copy(src_s, src_l.start_offset(), &mut out, 0)?;
                     }
                     at += len;
                 }
@@ -613,8 +585,11 @@ pub fn refill_from_segments(t: &Tensor, src: &Tensor, segs: &[(usize, usize)]) -
 // --------------------------------------------------------------------------------------------
 // Moving rows, any device.
 
-struct CopyBlocks<'a> {
-    src: &'a Tensor,
+/// A block copy (candle's `copy2d`, one kernel on every backend): `d1` blocks of `d2` elements,
+/// read at block stride `src_s` from element `src_o` of the source and written at stride
+/// `dst_s` from element `dst_o` of the destination.
+#[derive(Clone, Copy)]
+struct Blocks {
     d1: usize,
     d2: usize,
     src_s: usize,
@@ -623,19 +598,40 @@ struct CopyBlocks<'a> {
     dst_o: usize,
 }
 
-impl CopyBlocks<'_> {
-    fn apply<S: DeviceStorage>(&self, dst: &mut S, dst_l: &Layout) -> Result<()> {
-        let (g, src_l) = self.src.storage_and_layout();
-        let src = backend_of::<S>(&g, "copy_rows")?;
-        src.copy_blocks(
+impl Blocks {
+    /// Copies from `src` into `dst`, the element offsets counted from `src_start` and
+    /// `dst_start` (their layouts' start offsets).
+    fn copy<S: BackendStorage>(
+        self,
+        src: &S,
+        src_start: usize,
+        dst: &mut S,
+        dst_start: usize,
+    ) -> Result<()> {
+        src.copy2d(
             dst,
             self.d1,
             self.d2,
             self.src_s,
             self.dst_s,
-            src_l.start_offset() + self.src_o,
-            dst_l.start_offset() + self.dst_o,
+            src_start + self.src_o,
+            dst_start + self.dst_o,
         )
+    }
+}
+
+/// [`Blocks`] from `src` into the tensor the op runs on.
+struct CopyBlocks<'a> {
+    src: &'a Tensor,
+    blocks: Blocks,
+}
+
+impl CopyBlocks<'_> {
+    fn apply<S: DeviceStorage>(&self, dst: &mut S, dst_l: &Layout) -> Result<()> {
+        let (g, src_l) = self.src.storage_and_layout();
+        let src = backend_of::<S>(&g, "copy_rows")?;
+        self.blocks
+            .copy(src, src_l.start_offset(), dst, dst_l.start_offset())
     }
 }
 
@@ -723,12 +719,14 @@ pub fn copy_rows(
     }
     dst.inplace_op1(&CopyBlocks {
         src,
-        d1: pre,
-        d2: rows * post,
-        src_s: src_len * post,
-        dst_s: dst_len * post,
-        src_o: src_row * post,
-        dst_o: dst_row * post,
+        blocks: Blocks {
+            d1: pre,
+            d2: rows * post,
+            src_s: src_len * post,
+            dst_s: dst_len * post,
+            src_o: src_row * post,
+            dst_o: dst_row * post,
+        },
     })
 }
 
@@ -795,6 +793,14 @@ pub fn narrow(x: &Tensor, dim: usize, start: usize, len: usize) -> Result<Tensor
 // --------------------------------------------------------------------------------------------
 // Host slices (CPU kernels) and host staging.
 
+/// The element range `a..b` a contiguous layout views in its storage.
+fn contiguous_range(l: &Layout) -> Result<std::ops::Range<usize>> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| Error::msg("expected a contiguous tensor"))?;
+    Ok(a..b)
+}
+
 /// Runs `f` on the elements of the contiguous CPU tensor `t` (under its read lock). An empty
 /// tensor gets an empty slice without touching its storage.
 pub fn with_slice<T: Elem, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R> {
@@ -802,9 +808,7 @@ pub fn with_slice<T: Elem, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R
         return Ok(f(&[]));
     }
     let (g, l) = t.storage_and_layout();
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| Error::msg("expected a contiguous tensor"))?;
+    let range = contiguous_range(l)?;
     let s = match &*g {
         Storage::Cpu(c) => c,
         other => {
@@ -826,7 +830,7 @@ pub fn with_slice<T: Elem, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R
         }
     })?;
     let v = v
-        .get(a..b)
+        .get(range)
         .ok_or_else(|| Error::msg("tensor view outside its storage"))?;
     Ok(f(v))
 }
@@ -844,13 +848,11 @@ impl<T: Elem, F: FnOnce(&mut [T]) -> Result<()> + Send> candle_core::InplaceOp1
     }
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
-        let (a, b) = l
-            .contiguous_offsets()
-            .ok_or_else(|| Error::msg("expected a contiguous tensor"))?;
+        let range = contiguous_range(l)?;
         let dtype = s.dtype();
         let v = T::slice_mut(s)
             .ok_or_else(|| Error::msg(format!("expected {:?} data, got {dtype:?}", T::DTYPE)))?
-            .get_mut(a..b)
+            .get_mut(range)
             .ok_or_else(|| Error::msg("tensor view outside its storage"))?;
         let f = self
             .f
@@ -912,9 +914,7 @@ pub fn host_bytes(t: &Tensor) -> Result<Vec<u8>> {
         return Ok(Vec::new());
     }
     let (g, l) = t.storage_and_layout();
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| Error::msg("expected a contiguous tensor"))?;
+    let range = contiguous_range(l)?;
     let Storage::Cpu(s) = &*g else {
         return Err(Error::msg("host staging: not a CPU tensor"));
     };
@@ -923,7 +923,7 @@ pub fn host_bytes(t: &Tensor) -> Result<Vec<u8>> {
     }
     // Little-endian targets only (x86_64, aarch64): the in-memory bytes are the file's bytes.
     const _: () = assert!(cfg!(target_endian = "little"));
-    with_cpu_slice!(s, v => Ok(as_bytes(&v[a..b]).to_vec()), _ => Err(Error::msg(format!(
+    with_cpu_slice!(s, v => Ok(as_bytes(&v[range]).to_vec()), _ => Err(Error::msg(format!(
         "host staging: unsupported dtype {:?}",
         t.dtype()
     ))))
