@@ -1,62 +1,9 @@
 //! The fused f32 kernels match the candle-primitive reference, forward and backward.
-use candle_core::{DType, Device, Tensor, Var};
+mod common;
+
+use candle_core::{DType, Device, Tensor};
 use candle_dtensor_kernels::{fused, nn::reference};
-
-fn close(a: &Tensor, b: &Tensor, tol: f32, what: &str) {
-    let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
-    let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert!(
-            (x - y).abs() <= tol * (1.0 + y.abs()),
-            "{what}[{i}]: fused {x} vs reference {y}"
-        );
-    }
-}
-
-/// Runs `f` forward and backward (against a random upstream gradient) on fresh vars and returns
-/// the output and the input gradients.
-fn run(
-    inputs: &[Tensor],
-    f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
-    seed_grad: &Tensor,
-) -> (Tensor, Vec<Tensor>) {
-    let vars: Vec<Var> = inputs
-        .iter()
-        .map(|t| Var::from_tensor(t).unwrap())
-        .collect();
-    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let y = f(&ts).unwrap();
-    let g = y
-        .mul(seed_grad)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
-    (y, vars.iter().map(|v| g.get(v).unwrap().clone()).collect())
-}
-
-fn check(
-    name: &str,
-    inputs: &[Tensor],
-    fast: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
-    slow: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
-    tol: f32,
-) {
-    let y = slow(inputs).unwrap();
-    let seed = Tensor::randn(0f32, 1., y.shape(), &Device::Cpu).unwrap();
-    let (ya, ga) = run(inputs, fast, &seed);
-    let (yb, gb) = run(inputs, slow, &seed);
-    close(&ya, &yb, tol, &format!("{name} forward"));
-    for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
-        close(a, b, tol, &format!("{name} grad {i}"));
-    }
-}
-
-fn randn(shape: &[usize], scale: f64) -> Tensor {
-    (Tensor::randn(0f32, 1., shape, &Device::Cpu).unwrap() * scale).unwrap()
-}
+use common::{check, randn};
 
 #[test]
 fn gelu_matches_candle() {

@@ -1,51 +1,14 @@
 //! Fused regions (linear, attention core) match candle's own ops, forward and backward.
+mod common;
+
 use candle_core::{Device, Tensor, Var};
 use candle_dtensor_kernels::{nn::reference, region};
+use common::{check, close};
+
+const TOL: f32 = 2e-5;
 
 fn randn(shape: &[usize]) -> Tensor {
-    Tensor::randn(0f32, 1., shape, &Device::Cpu).unwrap()
-}
-
-fn close(a: &Tensor, b: &Tensor, what: &str) {
-    let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
-    let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
-    assert_eq!(a.len(), b.len(), "{what}");
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert!(
-            (x - y).abs() <= 2e-5 * (1.0 + y.abs()),
-            "{what}[{i}]: {x} vs {y}"
-        );
-    }
-}
-
-fn grads(
-    inputs: &[Tensor],
-    f: &dyn Fn(&[Tensor]) -> Tensor,
-    seed: &Tensor,
-) -> (Tensor, Vec<Tensor>) {
-    let vars: Vec<Var> = inputs
-        .iter()
-        .map(|t| Var::from_tensor(t).unwrap())
-        .collect();
-    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let y = f(&ts);
-    let g = y.mul(seed).unwrap().sum_all().unwrap().backward().unwrap();
-    (y, vars.iter().map(|v| g.get(v).unwrap().clone()).collect())
-}
-
-fn check(
-    name: &str,
-    inputs: &[Tensor],
-    fast: &dyn Fn(&[Tensor]) -> Tensor,
-    slow: &dyn Fn(&[Tensor]) -> Tensor,
-) {
-    let seed = randn(slow(inputs).dims());
-    let (ya, ga) = grads(inputs, fast, &seed);
-    let (yb, gb) = grads(inputs, slow, &seed);
-    close(&ya, &yb, &format!("{name} forward"));
-    for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
-        close(a, b, &format!("{name} grad {i}"));
-    }
+    common::randn(shape, 1.0)
 }
 
 #[test]
@@ -55,19 +18,16 @@ fn linear_matches() {
         check(
             "linear+bias",
             &[x.clone(), w.clone(), b],
-            &|t| region::linear(&t[0], &t[1], Some(&t[2])).unwrap(),
-            &|t| {
-                t[0].broadcast_matmul(&t[1].t().unwrap())
-                    .unwrap()
-                    .broadcast_add(&t[2])
-                    .unwrap()
-            },
+            &|t| region::linear(&t[0], &t[1], Some(&t[2])),
+            &|t| t[0].broadcast_matmul(&t[1].t()?)?.broadcast_add(&t[2]),
+            TOL,
         );
         check(
             "linear",
             &[x, w],
-            &|t| region::linear(&t[0], &t[1], None).unwrap(),
-            &|t| t[0].broadcast_matmul(&t[1].t().unwrap()).unwrap(),
+            &|t| region::linear(&t[0], &t[1], None),
+            &|t| t[0].broadcast_matmul(&t[1].t()?),
+            TOL,
         );
     }
     // A transposed (non-contiguous) input.
@@ -75,8 +35,9 @@ fn linear_matches() {
     check(
         "linear (transposed x)",
         &[x, randn(&[3, 7])],
-        &|t| region::linear(&t[0], &t[1], None).unwrap(),
-        &|t| t[0].matmul(&t[1].t().unwrap()).unwrap(),
+        &|t| region::linear(&t[0], &t[1], None),
+        &|t| t[0].matmul(&t[1].t()?),
+        TOL,
     );
 }
 
@@ -92,8 +53,9 @@ fn sdpa_matches() {
             check(
                 &format!("sdpa causal={causal} t={t} s={s}"),
                 &[q, k, v],
-                &|x| region::sdpa(&x[0], &x[1], &x[2], causal, 0.5).unwrap(),
-                &|x| reference::sdpa(&x[0], &x[1], &x[2], causal, 0.5).unwrap(),
+                &|x| region::sdpa(&x[0], &x[1], &x[2], causal, 0.5),
+                &|x| reference::sdpa(&x[0], &x[1], &x[2], causal, 0.5),
+                TOL,
             );
         }
     }
@@ -115,8 +77,9 @@ fn add_rows_matches_broadcast_add() {
         check(
             &format!("add {xs:?} + {bs:?}"),
             &[randn(xs), randn(bs)],
-            &|t| fused::add(&t[0], &t[1]).unwrap(),
-            &|t| t[0].broadcast_add(&t[1]).unwrap(),
+            &|t| fused::add(&t[0], &t[1]),
+            &|t| t[0].broadcast_add(&t[1]),
+            TOL,
         );
     }
     // A transposed input and an untracked bias.
@@ -126,12 +89,14 @@ fn add_rows_matches_broadcast_add() {
     close(
         &y,
         &x.as_tensor().broadcast_add(&b).unwrap(),
+        TOL,
         "transposed x",
     );
     let g = y.sum_all().unwrap().backward().unwrap();
     close(
         g.get(&x).unwrap(),
         &Tensor::ones((4, 5), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        TOL,
         "transposed x grad",
     );
 }
@@ -144,6 +109,7 @@ fn row_sum_matches_candle() {
         close(
             &fused::row_sum(&g, n).unwrap(),
             &g.sum(0).unwrap(),
+            TOL,
             &format!("row_sum {rows}x{n}"),
         );
     }
