@@ -15,15 +15,15 @@
 //! between barriers.
 #![allow(clippy::print_stdout)]
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
-use candle_dtensor::comm::{LocalWorld, ReduceOp};
+use candle_dtensor::comm::LocalWorld;
 use clap::Parser;
 
 #[path = "common/collective_bench.rs"]
 mod collective_bench;
-use collective_bench::{parse_size, Op};
+use collective_bench::{buffer_elems, parse_sizes_and_ops, time_op, Op, Timing};
 #[path = "common/copy_floor.rs"]
 mod copy_floor;
 use copy_floor::{copy_rate, gather_rate, median};
@@ -99,16 +99,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.world == 0 {
         return Err("--world must be at least 1".into());
     }
-    let sizes = args
-        .size
-        .split(',')
-        .map(parse_size)
-        .collect::<Result<Vec<_>, _>>()?;
-    let ops = args
-        .ops
-        .split(',')
-        .map(Op::parse)
-        .collect::<Result<Vec<_>, _>>()?;
+    let (sizes, ops) = parse_sizes_and_ops(&args.size, &args.ops)?;
     let n = args.world;
     let mut modes: Vec<Output> = Vec::new();
     for m in args.mode.split(',') {
@@ -129,49 +120,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rate = copy_rate(n, max_bytes);
     let mut rows = Vec::new();
     for &bytes in &sizes {
-        // f32 buffers; sizes under 4 bytes become one element. Round so every op divides.
-        let elems = (bytes / 4).max(1);
-        let elems = if elems >= n { elems / n * n } else { elems };
-        let small = elems * 4 <= 64 * 1024;
+        let elems = buffer_elems(bytes, n);
+        let timing = Timing::for_elems(elems, 200, args.iters);
         for (&op, &mode) in ops.iter().flat_map(|o| modes.iter().map(move |m| (o, m))) {
             if op != Op::AllReduce && elems % n != 0 {
                 continue;
             }
             let into = mode == Output::Into;
             candle_dtensor::comm::memory::set_huge_pages(mode != Output::Alloc4k);
-            let iters = args.iters.max(1);
             let times = LocalWorld::new(n)
                 .with_timeout(Duration::from_secs(120))
                 .launch(|comm| {
                     let x = Tensor::ones(op.input_elems(elems, n), DType::F32, &Device::Cpu)?;
                     let out = Tensor::zeros(op.output_elems(elems, n), DType::F32, &Device::Cpu)?;
-                    let out = into.then_some(&out);
-                    for _ in 0..2 {
-                        op.run(&comm, &x, out)?;
-                    }
-                    let mut times = Vec::new();
-                    if small {
-                        let batch = 200;
-                        for _ in 0..10 {
-                            comm.barrier()?.wait()?;
-                            let t0 = Instant::now();
-                            for _ in 0..batch {
-                                op.run(&comm, &x, out)?;
-                            }
-                            times.push(t0.elapsed().as_secs_f64() / batch as f64);
-                        }
-                    } else {
-                        for _ in 0..iters {
-                            comm.barrier()?.wait()?;
-                            let t0 = Instant::now();
-                            op.run(&comm, &x, out)?;
-                            times.push(t0.elapsed().as_secs_f64());
-                        }
-                    }
-                    // Per iteration, the slowest rank decides.
-                    let t = Tensor::new(times.as_slice(), &Device::Cpu)?;
-                    let t = comm.all_reduce(&t, ReduceOp::Max)?.wait()?;
-                    t.to_vec1::<f64>()
+                    time_op(&comm, op, &x, into.then_some(&out), timing)
                 })?;
             let t = median(times[0].clone());
             let s = (elems * 4) as f64;
@@ -188,7 +150,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 floor_ms: floor * 1e3,
                 efficiency: if t > 0.0 { floor / t } else { 0.0 },
                 copy_rate_gbps: rate / 1e9,
-                timing: if small { "latency" } else { "bandwidth" },
+                timing: timing.name(),
                 output: mode.name(),
             });
         }

@@ -14,15 +14,15 @@
 //! per line with `--json`.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
-use candle_dtensor::comm::{new_comm, CommOptions, ReduceOp};
+use candle_dtensor::comm::{new_comm, CommOptions};
 use clap::Parser;
 
 #[path = "common/collective_bench.rs"]
 mod collective_bench;
-use collective_bench::{parse_size, Op};
+use collective_bench::{buffer_elems, parse_sizes_and_ops, time_op, Op, Timing};
 
 #[derive(Parser, Debug)]
 #[command(about = "Collective bandwidth of the mpi backend (run under mpirun)")]
@@ -74,57 +74,21 @@ fn main() {
 
 fn real_main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let sizes = args
-        .size
-        .split(',')
-        .map(parse_size)
-        .collect::<Result<Vec<_>, _>>()?;
-    let ops = args
-        .ops
-        .split(',')
-        .map(Op::parse)
-        .collect::<Result<Vec<_>, _>>()?;
+    let (sizes, ops) = parse_sizes_and_ops(&args.size, &args.ops)?;
     let options = CommOptions::default().with_timeout(Duration::from_secs(120));
     let comm = new_comm("mpi", &Device::Cpu, "bench", options)?;
     let n = comm.size();
     let mut rows = Vec::new();
     for &bytes in &sizes {
-        let elems = (bytes / 4).max(1);
-        let elems = if elems >= n { elems / n * n } else { elems };
-        let small = elems * 4 <= 64 * 1024;
+        let elems = buffer_elems(bytes, n);
+        let timing = Timing::for_elems(elems, args.batch, args.iters);
         for &op in &ops {
             if op != Op::AllReduce && elems % n != 0 {
                 continue;
             }
             let x = Tensor::ones(op.input_elems(elems, n), DType::F32, &Device::Cpu)?;
             let o = Tensor::zeros(op.output_elems(elems, n), DType::F32, &Device::Cpu)?;
-            for _ in 0..2 {
-                op.run(&comm, &x, Some(&o))?;
-            }
-            let mut times = Vec::new();
-            if small {
-                for _ in 0..10 {
-                    comm.barrier()?.wait()?;
-                    let t0 = Instant::now();
-                    for _ in 0..args.batch.max(1) {
-                        op.run(&comm, &x, Some(&o))?;
-                    }
-                    times.push(t0.elapsed().as_secs_f64() / args.batch.max(1) as f64);
-                }
-            } else {
-                for _ in 0..args.iters.max(1) {
-                    comm.barrier()?.wait()?;
-                    let t0 = Instant::now();
-                    op.run(&comm, &x, Some(&o))?;
-                    times.push(t0.elapsed().as_secs_f64());
-                }
-            }
-            let t = Tensor::new(times.as_slice(), &Device::Cpu)?;
-            let t = comm
-                .all_reduce(&t, ReduceOp::Max)?
-                .wait()?
-                .to_vec1::<f64>()?;
-            let t = median(t);
+            let t = median(time_op(&comm, op, &x, Some(&o), timing)?);
             let s = (elems * 4) as f64;
             rows.push(Row {
                 backend: "mpi",
@@ -134,7 +98,7 @@ fn real_main() -> Result<(), Box<dyn std::error::Error>> {
                 median_ms: t * 1e3,
                 algbw_gbps: s / t / 1e9,
                 busbw_gbps: s / t / 1e9 * op.bus_factor(n),
-                timing: if small { "latency" } else { "bandwidth" },
+                timing: timing.name(),
             });
         }
     }

@@ -1,8 +1,89 @@
 //! Shared by the collective benchmarks (`comm_bench`, `mpi_bench`): buffer sizes, the ops
-//! and their nccl-tests conventions (S, bus bandwidth factors).
+//! and their nccl-tests conventions (S, bus bandwidth factors), and how an op is timed.
 
-use candle_core::Tensor;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
 use candle_dtensor::comm::{Comm, ReduceOp};
+
+/// The buffer sizes of `--size` and the ops of `--ops` (both comma separated).
+pub fn parse_sizes_and_ops(sizes: &str, ops: &str) -> Result<(Vec<usize>, Vec<Op>), String> {
+    let sizes = sizes.split(',').map(parse_size).collect::<Result<_, _>>()?;
+    let ops = ops.split(',').map(Op::parse).collect::<Result<_, _>>()?;
+    Ok((sizes, ops))
+}
+
+/// The f32 elements of a buffer of `bytes` on `n` ranks: at least one, and rounded down to a
+/// multiple of `n` when there are that many, so every op divides them.
+pub fn buffer_elems(bytes: usize, n: usize) -> usize {
+    let elems = (bytes / 4).max(1);
+    if elems >= n {
+        elems / n * n
+    } else {
+        elems
+    }
+}
+
+/// How a buffer size is timed: up to 64 KiB as back-to-back ops (latency), larger ones one op
+/// at a time (bandwidth).
+#[derive(Clone, Copy, Debug)]
+pub enum Timing {
+    /// Ten samples of `batch` back-to-back ops.
+    Latency { batch: usize },
+    /// `iters` samples of one op.
+    Bandwidth { iters: usize },
+}
+
+impl Timing {
+    /// The timing of a buffer of `elems` f32 elements (`batch` and `iters` at least 1).
+    pub fn for_elems(elems: usize, batch: usize, iters: usize) -> Timing {
+        if elems * 4 <= 64 * 1024 {
+            Timing::Latency {
+                batch: batch.max(1),
+            }
+        } else {
+            Timing::Bandwidth {
+                iters: iters.max(1),
+            }
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Timing::Latency { .. } => "latency",
+            Timing::Bandwidth { .. } => "bandwidth",
+        }
+    }
+}
+
+/// Times `op` on `x` (into `out` when given) after two warm-up runs, every sample starting at a
+/// barrier: the seconds per op of each sample, the slowest rank's (it decides).
+pub fn time_op(
+    comm: &Comm,
+    op: Op,
+    x: &Tensor,
+    out: Option<&Tensor>,
+    timing: Timing,
+) -> candle_core::Result<Vec<f64>> {
+    for _ in 0..2 {
+        op.run(comm, x, out)?;
+    }
+    let (samples, batch) = match timing {
+        Timing::Latency { batch } => (10, batch),
+        Timing::Bandwidth { iters } => (iters, 1),
+    };
+    let mut times = Vec::new();
+    for _ in 0..samples {
+        comm.barrier()?.wait()?;
+        let t0 = Instant::now();
+        for _ in 0..batch {
+            op.run(comm, x, out)?;
+        }
+        times.push(t0.elapsed().as_secs_f64() / batch as f64);
+    }
+    let t = Tensor::new(times.as_slice(), &Device::Cpu)?;
+    comm.all_reduce(&t, ReduceOp::Max)?.wait()?.to_vec1::<f64>()
+}
 
 /// Parses a buffer size: a byte count with an optional `B`, `KiB`, `MiB` or `GiB` suffix.
 pub fn parse_size(s: &str) -> Result<usize, String> {
