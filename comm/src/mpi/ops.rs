@@ -276,6 +276,18 @@ impl Reduction {
         d
     }
 
+    /// The result in `out`, shaped as the input (into the caller's output if it gave one).
+    fn finish(&mut self, cx: &Cx, out: OutMem) -> std::result::Result<Tensor, Fail> {
+        output(cx.ctx, out, &self.x.dims, self.into.take())
+    }
+
+    /// The receive buffer posted by the previous stage.
+    fn take_recv(&mut self, cx: &Cx) -> std::result::Result<Bytes, Fail> {
+        self.recv
+            .take()
+            .ok_or_else(|| op_err(cx.ctx, "lost buffer"))
+    }
+
     /// The [`Body::step`] of both ops: `Some(result)` once done, where the result is `None` on
     /// the ranks of a reduce that are not its root.
     fn step(&mut self, cx: &mut Cx, reqs: &mut Reqs) -> Step<Option<Tensor>> {
@@ -284,12 +296,7 @@ impl Reduction {
             0 if n == 1 => {
                 let mut out = OutMem::new(cx.ctx, dtype, elems, self.into.is_some())?;
                 reduce_pieces(dtype, self.op, self.x.buf.bytes(), 1, out.ptr());
-                Ok(Some(Some(output(
-                    cx.ctx,
-                    out,
-                    &self.x.dims,
-                    self.into.take(),
-                )?)))
+                Ok(Some(Some(self.finish(cx, out)?)))
             }
             0 if self.root.is_none() && self.x.buf.len() <= EAGER_BYTES => {
                 let mut recv = Bytes::scratch(n * self.x.buf.len());
@@ -318,24 +325,13 @@ impl Reduction {
                 Ok(None)
             }
             1 => {
-                let recv = self
-                    .recv
-                    .take()
-                    .ok_or_else(|| op_err(cx.ctx, "lost buffer"))?;
+                let recv = self.take_recv(cx)?;
                 let mut out = OutMem::new(cx.ctx, dtype, elems, self.into.is_some())?;
                 reduce_pieces(dtype, self.op, recv.bytes(), n, out.ptr());
-                Ok(Some(Some(output(
-                    cx.ctx,
-                    out,
-                    &self.x.dims,
-                    self.into.take(),
-                )?)))
+                Ok(Some(Some(self.finish(cx, out)?)))
             }
             2 => {
-                let recv = self
-                    .recv
-                    .take()
-                    .ok_or_else(|| op_err(cx.ctx, "lost buffer"))?;
+                let recv = self.take_recv(cx)?;
                 let ranges: Vec<_> = (0..n).map(|r| chunk_range(elems, n, r)).collect();
                 let mut mine = Bytes::scratch(ranges[cx.rank].len() * dtype.size_in_bytes());
                 reduce_pieces(dtype, self.op, recv.bytes(), n, mine.mut_ptr().cast());
@@ -381,12 +377,7 @@ impl Reduction {
                 Ok(None)
             }
             _ => match self.out.take() {
-                Some(out) => Ok(Some(Some(output(
-                    cx.ctx,
-                    out,
-                    &self.x.dims,
-                    self.into.take(),
-                )?))),
+                Some(out) => Ok(Some(Some(self.finish(cx, out)?))),
                 None => Ok(Some(None)),
             },
         }
