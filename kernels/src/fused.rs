@@ -938,6 +938,7 @@ pub fn weighted_scatter_add_backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::compare::abs_sum;
 
     #[test]
     fn fast_exp_accuracy() {
@@ -966,16 +967,7 @@ mod tests {
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
+        crate::compare::max_abs_diff(a, b).unwrap()
     }
 
     #[test]
@@ -997,17 +989,7 @@ mod tests {
             .unwrap();
         let out = weighted_scatter_add(&y, &gates, &slots, k, n).unwrap();
         assert!(max_diff(&out, &reference) < 1e-6);
-        assert_eq!(
-            out.get(3)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap(),
-            0.0
-        );
+        assert_eq!(abs_sum(&out.get(3).unwrap()).unwrap(), 0.0);
 
         let (dy, dg) = weighted_scatter_add_backward(&y, &gates, &slots, k, &grad).unwrap();
         let rows = grad.index_select(&tk, 0).unwrap();

@@ -9,12 +9,14 @@
 //!   (linear, attention).
 //! - [`nn`]: differentiable neural-network ops on plain tensors, any device: the fused kernel
 //!   for f32 on the CPU, the primitive composition ([`nn::reference`]) otherwise.
+//! - [`compare`]: element-wise comparisons for checking a kernel against its reference.
 
 #[doc(hidden)]
 pub use candle_core;
 
 pub mod storage;
 
+pub mod compare;
 pub mod fused;
 pub mod nn;
 pub mod region;
