@@ -165,6 +165,40 @@ impl Linears<'_> {
         self.pieces.insert(name, piece);
         Ok(layer)
     }
+
+    /// `embedding(vocab, hidden)`, split by vocabulary rows under TP.
+    fn embedding(
+        &mut self,
+        vocab: usize,
+        hidden: usize,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Box<dyn Module>> {
+        let Some(tp) = self.tp else {
+            return Ok(Box::new(candle_nn::embedding(vocab, hidden, vb)?));
+        };
+        let name = format!("{}.weight", vb.prefix());
+        let e = tp_nn::vocab_parallel_embedding(vocab, hidden, tp, vb)?;
+        self.pieces.insert(name, vec![e.vocab_range(), 0..hidden]);
+        Ok(Box::new(e))
+    }
+
+    /// The LM head `linear_no_bias(hidden, vocab)`, split by vocabulary rows under TP with its
+    /// output gathered.
+    fn lm_head(
+        &mut self,
+        hidden: usize,
+        vocab: usize,
+        vb: VarBuilder,
+    ) -> candle_core::Result<Box<dyn Module>> {
+        let Some(tp) = self.tp else {
+            return Ok(Box::new(candle_nn::linear_no_bias(hidden, vocab, vb)?));
+        };
+        let name = format!("{}.weight", vb.prefix());
+        let h =
+            tp_nn::column_parallel_linear_no_bias(hidden, vocab, tp, vb)?.with_gather_output(true);
+        self.pieces.insert(name, vec![h.out_range(), 0..hidden]);
+        Ok(Box::new(h))
+    }
 }
 
 impl OwnLlama {
@@ -177,22 +211,7 @@ impl OwnLlama {
             pieces: Pieces::new(),
         };
         let m = vb.pp("model");
-        let embed: Box<dyn Module> = match tp {
-            None => Box::new(candle_nn::embedding(
-                s.vocab,
-                s.hidden,
-                m.pp("embed_tokens"),
-            )?),
-            Some(tp) => {
-                let e =
-                    tp_nn::vocab_parallel_embedding(s.vocab, s.hidden, tp, m.pp("embed_tokens"))?;
-                lin.pieces.insert(
-                    "model.embed_tokens.weight".into(),
-                    vec![e.vocab_range(), 0..s.hidden],
-                );
-                Box::new(e)
-            }
-        };
+        let embed = lin.embedding(s.vocab, s.hidden, m.pp("embed_tokens"))?;
         let mut blocks = Vec::with_capacity(s.layers);
         let mut heads = s.heads;
         for i in 0..s.layers {
@@ -245,21 +264,7 @@ impl OwnLlama {
             });
         }
         let norm = rms_norm(s.hidden, EPS, m.pp("norm"))?;
-        let lm_head: Box<dyn Module> = match tp {
-            None => Box::new(candle_nn::linear_no_bias(
-                s.hidden,
-                s.vocab,
-                vb.pp("lm_head"),
-            )?),
-            Some(tp) => {
-                let h =
-                    tp_nn::column_parallel_linear_no_bias(s.hidden, s.vocab, tp, vb.pp("lm_head"))?
-                        .with_gather_output(true);
-                lin.pieces
-                    .insert("lm_head.weight".into(), vec![h.out_range(), 0..s.hidden]);
-                Box::new(h)
-            }
-        };
+        let lm_head = lin.lm_head(s.hidden, s.vocab, vb.pp("lm_head"))?;
         // Rotary tables: position p, frequency theta^(-2j/d).
         let inv: Vec<f32> = (0..hd / 2)
             .map(|j| ROPE_THETA.powf(-((2 * j) as f32) / hd as f32))
