@@ -658,7 +658,6 @@ pub(crate) fn strided_gather_raw(
     l: usize,
     sf: usize,
 ) -> CResult<Tensor> {
-    check_dim(ax, "strided all_gather", x, dim)?;
     let n = ax.n;
     let (idx, full) = strided_layout(l, sf, n);
     let me = &idx[ax.coord];
@@ -692,7 +691,6 @@ pub(crate) fn strided_reduce_scatter_raw(
     l: usize,
     sf: usize,
 ) -> CResult<Tensor> {
-    check_dim(ax, "strided reduce_scatter", g, dim)?;
     let n = ax.n;
     let (idx, full) = strided_layout(l, sf, n);
     let cut = check_piece(ax, "strided reduce_scatter", g, dim, l)?;
