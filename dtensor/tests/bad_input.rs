@@ -29,6 +29,17 @@ fn zeros(shape: &[usize]) -> Tensor {
     Tensor::zeros(shape, DType::F32, &Device::Cpu).unwrap()
 }
 
+/// Zeros of `shape` and `dtype` distributed on `mesh` with placements `pl`.
+fn zeros_on(
+    mesh: &DeviceMesh,
+    shape: &[usize],
+    dtype: DType,
+    pl: &str,
+) -> Result<DTensor, DTensorError> {
+    let t = Tensor::zeros(shape, dtype, &Device::Cpu).unwrap();
+    distribute_tensor(&t, mesh, &p(pl))
+}
+
 /// Checks that `r` is an error whose message names `op`, this rank and every string in `also`.
 fn expect_err<T>(
     r: Result<T, DTensorError>,
@@ -61,63 +72,81 @@ fn expect_err<T>(
     Ok(e)
 }
 
-/// Runs `f` on every rank of `mesh`; each rank returns its list of problems.
-fn check_on(mesh: &[usize], f: impl Fn(DeviceMesh) -> R<Vec<String>> + Send + Sync) {
+/// [`expect_err`], and the error must be of a kind `kind` accepts (else the problem says
+/// `wrong`); the problem, if any.
+fn expect_kind<T>(
+    r: Result<T, DTensorError>,
+    (op, rank, also, what): (&str, usize, &[&str], &str),
+    kind: impl Fn(&DTensorError) -> bool,
+    wrong: &str,
+) -> Option<String> {
+    match expect_err(r, op, rank, also, what) {
+        Ok(e) if kind(&e) => None,
+        Ok(e) => Some(format!("{what}: {wrong}: {e}")),
+        Err(e) => Some(e),
+    }
+}
+
+/// Runs `f` on every rank of `mesh`; each rank returns its list of problems, and there must be
+/// none.
+fn check_on(mesh: &[usize], what: &str, f: impl Fn(DeviceMesh) -> R<Vec<String>> + Send + Sync) {
     let problems: Vec<String> = on_mesh(mesh, f)
-        .unwrap_or_else(|e| panic!("mesh {mesh:?}: {e}"))
+        .unwrap_or_else(|e| panic!("{what} on mesh {mesh:?}: {e}"))
         .into_iter()
         .flatten()
         .collect();
-    assert_no_failures("bad input", &problems);
+    assert_no_failures(what, &problems);
+}
+
+/// [`check_on`] for tests that build their meshes themselves from each rank's communicator.
+fn check_on_world(n: usize, what: &str, f: impl Fn(Comm) -> R<Vec<String>> + Send + Sync) {
+    let problems: Vec<String> = world(n)
+        .launch(f)
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
+        .into_iter()
+        .flatten()
+        .collect();
+    assert_no_failures(what, &problems);
 }
 
 #[test]
 fn different_meshes_are_refused() {
     let dims = mesh_dims(&[2, 2]);
-    let res = world(4)
-        .launch(|comm: Comm| -> R<Vec<String>> {
-            let m1 = DeviceMesh::new(comm.clone(), &dims)?;
-            // Same shape and names, but another mesh (its own communicators).
-            let m2 = DeviceMesh::new(comm.clone(), &dims)?;
-            let m3 = DeviceMesh::new(comm, &[("x", 4)])?;
-            let rank = m1.rank();
-            let mut bad = Vec::new();
-            let a = distribute_tensor(&zeros(&[4, 4]), &m1, &p("S(0),R"))?;
-            let b = distribute_tensor(&zeros(&[4, 4]), &m2, &p("R,S(1)"))?;
-            let c = distribute_tensor(&zeros(&[4, 4]), &m3, &p("S(1)"))?;
-            let cond = distribute_tensor(
-                &Tensor::zeros((4, 4), DType::U8, &Device::Cpu)?,
-                &m1,
-                &p("R,R"),
-            )?;
-            let cases: Vec<(&str, Result<DTensor, DTensorError>, &str)> = vec![
-                ("add", a.add(&b), "R,S(1)"),
-                ("matmul", a.matmul(&c), "S(1)"),
-                ("cat", DTensor::cat(&[&a, &b], 0), "R,S(1)"),
-                ("stack", DTensor::stack(&[&a, &c], 0), "S(1)"),
-                ("where", cond.where_cond(&b, &a), "R,S(1)"),
-                ("linear", a.linear(&a, Some(&c)), "S(1)"),
-            ];
-            for (op, r, pl) in cases {
-                let first = if op == "where" { "R,R" } else { "S(0),R" };
-                match expect_err(r, op, rank, &[first, pl], op) {
-                    Ok(DTensorError::MeshMismatch { .. }) => {}
-                    Ok(e) => bad.push(format!("{op}: not a MeshMismatch: {e}")),
-                    Err(e) => bad.push(e),
-                }
-            }
-            Ok(bad)
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert_no_failures(
-        "different meshes",
-        &res.into_iter().flatten().collect::<Vec<_>>(),
-    );
+    check_on_world(4, "different meshes", |comm: Comm| {
+        let m1 = DeviceMesh::new(comm.clone(), &dims)?;
+        // Same shape and names, but another mesh (its own communicators).
+        let m2 = DeviceMesh::new(comm.clone(), &dims)?;
+        let m3 = DeviceMesh::new(comm, &[("x", 4)])?;
+        let rank = m1.rank();
+        let mut bad = Vec::new();
+        let a = distribute_tensor(&zeros(&[4, 4]), &m1, &p("S(0),R"))?;
+        let b = distribute_tensor(&zeros(&[4, 4]), &m2, &p("R,S(1)"))?;
+        let c = distribute_tensor(&zeros(&[4, 4]), &m3, &p("S(1)"))?;
+        let cond = zeros_on(&m1, &[4, 4], DType::U8, "R,R")?;
+        let cases: Vec<(&str, Result<DTensor, DTensorError>, &str)> = vec![
+            ("add", a.add(&b), "R,S(1)"),
+            ("matmul", a.matmul(&c), "S(1)"),
+            ("cat", DTensor::cat(&[&a, &b], 0), "R,S(1)"),
+            ("stack", DTensor::stack(&[&a, &c], 0), "S(1)"),
+            ("where", cond.where_cond(&b, &a), "R,S(1)"),
+            ("linear", a.linear(&a, Some(&c)), "S(1)"),
+        ];
+        for (op, r, pl) in cases {
+            let first = if op == "where" { "R,R" } else { "S(0),R" };
+            bad.extend(expect_kind(
+                r,
+                (op, rank, &[first, pl], op),
+                |e| matches!(e, DTensorError::MeshMismatch { .. }),
+                "not a MeshMismatch",
+            ));
+        }
+        Ok(bad)
+    });
 }
 
 #[test]
 fn placement_count_and_shard_dim() {
-    check_on(&[2, 2], |mesh| {
+    check_on(&[2, 2], "placement count and shard dim", |mesh| {
         let rank = mesh.rank();
         let mut bad = Vec::new();
         let t = zeros(&[4, 6]);
@@ -170,7 +199,7 @@ fn placement_count_and_shard_dim() {
 
 #[test]
 fn pieces_that_do_not_form_the_global_shape() {
-    check_on(&[4], |mesh| {
+    check_on(&[4], "pieces that do not form the global shape", |mesh| {
         let rank = mesh.rank();
         let mut bad = Vec::new();
         // [10, 3] S(0) on 4 ranks: pieces of 3, 3, 3, 1 rows. Rank 2 holds 2 rows instead.
@@ -241,22 +270,17 @@ fn pieces_that_do_not_form_the_global_shape() {
 
 #[test]
 fn shard_to_partial_is_a_typed_error() {
-    check_on(&[2, 3], |mesh| {
+    check_on(&[2, 3], "shard to partial", |mesh| {
         let rank = mesh.rank();
         let mut bad = Vec::new();
         let x = distribute_tensor(&zeros(&[5, 7]), &mesh, &p("S(0),S(1)"))?;
         for dst in ["P(sum),S(1)", "S(0),P(avg)", "P(max),R", "R,P(min)"] {
-            match expect_err(
+            bad.extend(expect_kind(
                 x.redistribute(&p(dst)),
-                "redistribute",
-                rank,
-                &["S(0),S(1)", dst, "Partial"],
-                dst,
-            ) {
-                Ok(DTensorError::Strategy { .. }) => {}
-                Ok(e) => bad.push(format!("{dst}: not a compiler error: {e}")),
-                Err(e) => bad.push(e),
-            }
+                ("redistribute", rank, &["S(0),S(1)", dst, "Partial"], dst),
+                |e| matches!(e, DTensorError::Strategy { .. }),
+                "not a compiler error",
+            ));
         }
         // A size-1 mesh dim only relabels: allowed.
         Ok(bad)
@@ -265,17 +289,11 @@ fn shard_to_partial_is_a_typed_error() {
 
 #[test]
 fn shapes_an_op_cannot_take() {
-    check_on(&[2, 2], |mesh| {
+    check_on(&[2, 2], "shapes an op cannot take", |mesh| {
         let rank = mesh.rank();
         let mut bad = Vec::new();
-        let f = |shape: &[usize], pl: &str| distribute_tensor(&zeros(shape), &mesh, &p(pl));
-        let ids = |shape: &[usize], pl: &str| {
-            distribute_tensor(
-                &Tensor::zeros(shape, DType::U32, &Device::Cpu).unwrap(),
-                &mesh,
-                &p(pl),
-            )
-        };
+        let f = |shape: &[usize], pl: &str| zeros_on(&mesh, shape, DType::F32, pl);
+        let ids = |shape: &[usize], pl: &str| zeros_on(&mesh, shape, DType::U32, pl);
         let a = f(&[4, 5], "S(0),R")?;
         let b = f(&[6, 3], "R,S(1)")?;
         let c = f(&[3, 5], "R,R")?;
@@ -314,14 +332,17 @@ fn shapes_an_op_cannot_take() {
             ("matmul", apply(&Op::Matmul, &[&a])),
         ];
         for (op, r) in cases {
-            match expect_err(r, op, rank, &[], op) {
-                Ok(DTensorError::Strategy { .. }) => {
-                    // Compiler errors name the input placements too.
-                }
-                Ok(DTensorError::Invalid { .. }) => {}
-                Ok(e) => bad.push(format!("{op}: unexpected kind of error: {e}")),
-                Err(e) => bad.push(e),
-            }
+            bad.extend(expect_kind(
+                r,
+                (op, rank, &[], op),
+                |e| {
+                    matches!(
+                        e,
+                        DTensorError::Strategy { .. } | DTensorError::Invalid { .. }
+                    )
+                },
+                "unexpected kind of error",
+            ));
         }
         // A compiler error lists the inputs' shapes and placements.
         let e = a
@@ -440,7 +461,7 @@ fn fuzz_random_shapes() {
                 .collect();
             cases.push((op, inputs, placements, reference));
         }
-        let res = on_mesh(mesh, |m| {
+        check_on(mesh, "fuzz", |m| {
             let mut bad = Vec::new();
             let mut computed = 0usize;
             let rank = m.rank();
@@ -473,16 +494,12 @@ fn fuzz_random_shapes() {
                     // The compiler may be stricter than candle on purpose (`squeeze` of a dim
                     // that is not 1, norm weights that are not `[D]`): a typed refusal is fine.
                     // A local candle failure after the compiler accepted is not.
-                    (Err(e @ (DTensorError::Strategy { .. } | DTensorError::Invalid { .. })), Some(_)) => {
-                        let m = e.to_string();
-                        if !m.contains(&format!("rank {rank}")) || !m.contains(op.name()) {
-                            bad.push(format!("rank {rank}: {desc}: unclear error {m:?}"));
-                        }
-                    }
-                    (Err(e), Some(_)) => {
+                    (Err(e), Some(_))
+                        if !matches!(e, DTensorError::Strategy { .. } | DTensorError::Invalid { .. }) =>
+                    {
                         bad.push(format!("rank {rank}: {desc}: refused but candle computes it: {e}"))
                     }
-                    (Err(e), None) => {
+                    (Err(e), _) => {
                         let m = e.to_string();
                         if !m.contains(&format!("rank {rank}")) || !m.contains(op.name()) {
                             bad.push(format!("rank {rank}: {desc}: unclear error {m:?}"));
@@ -499,10 +516,6 @@ fn fuzz_random_shapes() {
             }
             Ok(bad)
         });
-        match res {
-            Ok(v) => assert_no_failures("fuzz", &v.into_iter().flatten().collect::<Vec<_>>()),
-            Err(e) => panic!("fuzz on mesh {mesh:?}: {e}"),
-        }
     }
 }
 
@@ -513,182 +526,174 @@ fn fuzz_random_shapes() {
 fn new_ops_refuse_bad_input() {
     use candle_dtensor_strategies::Shape;
     let dims = mesh_dims(&[2, 2]);
-    let res = world(4)
-        .launch(|comm: Comm| -> R<Vec<String>> {
-            let mesh = DeviceMesh::new(comm.clone(), &dims)?;
-            let other = DeviceMesh::new(comm, &dims)?;
-            let rank = mesh.rank();
-            let f = |shape: &[usize], pl: &str| distribute_tensor(&zeros(shape), &mesh, &p(pl));
-            let ids = |shape: &[usize], pl: &str| {
-                distribute_tensor(
-                    &Tensor::zeros(shape, DType::I64, &Device::Cpu).unwrap(),
-                    &mesh,
-                    &p(pl),
-                )
-            };
-            let x = f(&[4, 5], "S(0),R")?;
-            let x3 = f(&[2, 4, 3], "R,S(1)")?;
-            let elsewhere = distribute_tensor(&zeros(&[4, 5]), &other, &p("R,R"))?;
-            let first = "[4, 5] f32 S(0),R";
-            let sh = |v: &[usize]| -> Shape { v.iter().copied().collect() };
-            type Outs = Result<Vec<DTensor>, DTensorError>;
-            let cases: Vec<(&str, Outs, Vec<&str>)> = vec![
-                (
-                    "norm",
-                    x.norm(2.0, &[2], false).map(|t| vec![t]),
-                    vec![first, "dim 2"],
-                ),
-                (
-                    "norm",
-                    x.norm(-1.0, &[1], false).map(|t| vec![t]),
-                    vec![first, "p = -1"],
-                ),
-                (
-                    "norm",
-                    ids(&[4], "R,R")?.norm(2.0, &[0], false).map(|t| vec![t]),
-                    vec!["float"],
-                ),
-                (
-                    "logsumexp",
-                    x.logsumexp(&[0, 0], false).map(|t| vec![t]),
-                    vec![first, "repeated"],
-                ),
-                (
-                    "var",
-                    x.var(&[3], false, 1).map(|t| vec![t]),
-                    vec![first, "dim 3"],
-                ),
-                (
-                    "std",
-                    x.std(&[5], true, 0).map(|t| vec![t]),
-                    vec![first, "dim 5"],
-                ),
-                (
-                    "prod",
-                    x.prod(&[2], false).map(|t| vec![t]),
-                    vec![first, "dim 2"],
-                ),
-                (
-                    "argmin",
-                    x.argmin(4, false).map(|t| vec![t]),
-                    vec![first, "dim 4"],
-                ),
-                ("split", x.split(&[2, 2], 1), vec![first, "do not add up"]),
-                ("split", x.split(&[4], 2), vec![first, "out of range"]),
-                ("unbind", x.unbind(2), vec![first, "out of range"]),
-                (
-                    "topk",
-                    x.topk(6, 1, true).map(|(a, b)| vec![a, b]),
-                    vec![first, "k = 6"],
-                ),
-                (
-                    "topk",
-                    x.topk(1, 2, false).map(|(a, b)| vec![a, b]),
-                    vec![first, "out of range"],
-                ),
-                (
-                    "scatter_add",
-                    x.scatter_add(&ids(&[2, 4], "R,R")?, &f(&[2, 5], "R,R")?, 0)
-                        .map(|t| vec![t]),
-                    vec![first, "[2, 4] i64 R,R", "same shape"],
-                ),
-                (
-                    "scatter_add",
-                    x.scatter_add(&f(&[2, 5], "R,R")?, &f(&[2, 5], "R,R")?, 0)
-                        .map(|t| vec![t]),
-                    vec![first, "integer"],
-                ),
-                (
-                    "index_put",
-                    x.index_put(&ids(&[3], "R,R")?, &f(&[2, 5], "R,R")?, 0, false)
-                        .map(|t| vec![t]),
-                    vec![first, "[2, 5] f32 R,R", "indices must be 1-d"],
-                ),
-                (
-                    "index_add",
-                    x.index_add(&ids(&[2], "R,R")?, &f(&[2, 4], "R,R")?, 0)
-                        .map(|t| vec![t]),
-                    vec![first, "x's shape off dim 0"],
-                ),
-                (
-                    "baddbmm",
-                    f(&[4], "R,R")?.baddbmm(&x3, &x3, 1.0, 1.0).map(|t| vec![t]),
-                    vec!["[2, 4, 3] f32 R,S(1)", "expects float a"],
-                ),
-                (
-                    "cumsum",
-                    x.cumsum(2).map(|t| vec![t]),
-                    vec![first, "out of range"],
-                ),
-                (
-                    "cumsum",
-                    ids(&[4], "R,R")?.cumsum(0).map(|t| vec![t]),
-                    vec!["float"],
-                ),
-                (
-                    "pad",
-                    x.pad(3, 1, 1, 0.0).map(|t| vec![t]),
-                    vec![first, "out of range"],
-                ),
-                (
-                    "scatter_add",
-                    x.scatter_add(&ids(&[2, 5], "R,R")?, &elsewhere, 0)
-                        .map(|t| vec![t]),
-                    vec![first, "different meshes"],
-                ),
-                (
-                    "baddbmm",
-                    apply_all(
-                        &Op::Baddbmm {
-                            alpha: 1.0.into(),
-                            beta: 1.0.into(),
-                        },
-                        &[&x, &x],
-                    ),
-                    vec!["takes 3 inputs, got 2"],
-                ),
-                (
-                    "topk",
-                    apply_all(
-                        &Op::TopK {
-                            k: 1,
-                            dim: 0,
-                            largest: true,
-                        },
-                        &[&x, &x],
-                    ),
-                    vec!["takes 1 inputs, got 2"],
-                ),
-                (
-                    "split",
-                    apply(
-                        &Op::Split {
-                            dim: 0,
-                            sizes: sh(&[2, 2]),
-                        },
-                        &[&x],
-                    )
+    check_on_world(4, "new ops' bad input", |comm: Comm| {
+        let mesh = DeviceMesh::new(comm.clone(), &dims)?;
+        let other = DeviceMesh::new(comm, &dims)?;
+        let rank = mesh.rank();
+        let f = |shape: &[usize], pl: &str| zeros_on(&mesh, shape, DType::F32, pl);
+        let ids = |shape: &[usize], pl: &str| zeros_on(&mesh, shape, DType::I64, pl);
+        let x = f(&[4, 5], "S(0),R")?;
+        let x3 = f(&[2, 4, 3], "R,S(1)")?;
+        let elsewhere = distribute_tensor(&zeros(&[4, 5]), &other, &p("R,R"))?;
+        let first = "[4, 5] f32 S(0),R";
+        let sh = |v: &[usize]| -> Shape { v.iter().copied().collect() };
+        type Outs = Result<Vec<DTensor>, DTensorError>;
+        let cases: Vec<(&str, Outs, Vec<&str>)> = vec![
+            (
+                "norm",
+                x.norm(2.0, &[2], false).map(|t| vec![t]),
+                vec![first, "dim 2"],
+            ),
+            (
+                "norm",
+                x.norm(-1.0, &[1], false).map(|t| vec![t]),
+                vec![first, "p = -1"],
+            ),
+            (
+                "norm",
+                ids(&[4], "R,R")?.norm(2.0, &[0], false).map(|t| vec![t]),
+                vec!["float"],
+            ),
+            (
+                "logsumexp",
+                x.logsumexp(&[0, 0], false).map(|t| vec![t]),
+                vec![first, "repeated"],
+            ),
+            (
+                "var",
+                x.var(&[3], false, 1).map(|t| vec![t]),
+                vec![first, "dim 3"],
+            ),
+            (
+                "std",
+                x.std(&[5], true, 0).map(|t| vec![t]),
+                vec![first, "dim 5"],
+            ),
+            (
+                "prod",
+                x.prod(&[2], false).map(|t| vec![t]),
+                vec![first, "dim 2"],
+            ),
+            (
+                "argmin",
+                x.argmin(4, false).map(|t| vec![t]),
+                vec![first, "dim 4"],
+            ),
+            ("split", x.split(&[2, 2], 1), vec![first, "do not add up"]),
+            ("split", x.split(&[4], 2), vec![first, "out of range"]),
+            ("unbind", x.unbind(2), vec![first, "out of range"]),
+            (
+                "topk",
+                x.topk(6, 1, true).map(|(a, b)| vec![a, b]),
+                vec![first, "k = 6"],
+            ),
+            (
+                "topk",
+                x.topk(1, 2, false).map(|(a, b)| vec![a, b]),
+                vec![first, "out of range"],
+            ),
+            (
+                "scatter_add",
+                x.scatter_add(&ids(&[2, 4], "R,R")?, &f(&[2, 5], "R,R")?, 0)
                     .map(|t| vec![t]),
-                    vec!["2 outputs"],
+                vec![first, "[2, 4] i64 R,R", "same shape"],
+            ),
+            (
+                "scatter_add",
+                x.scatter_add(&f(&[2, 5], "R,R")?, &f(&[2, 5], "R,R")?, 0)
+                    .map(|t| vec![t]),
+                vec![first, "integer"],
+            ),
+            (
+                "index_put",
+                x.index_put(&ids(&[3], "R,R")?, &f(&[2, 5], "R,R")?, 0, false)
+                    .map(|t| vec![t]),
+                vec![first, "[2, 5] f32 R,R", "indices must be 1-d"],
+            ),
+            (
+                "index_add",
+                x.index_add(&ids(&[2], "R,R")?, &f(&[2, 4], "R,R")?, 0)
+                    .map(|t| vec![t]),
+                vec![first, "x's shape off dim 0"],
+            ),
+            (
+                "baddbmm",
+                f(&[4], "R,R")?.baddbmm(&x3, &x3, 1.0, 1.0).map(|t| vec![t]),
+                vec!["[2, 4, 3] f32 R,S(1)", "expects float a"],
+            ),
+            (
+                "cumsum",
+                x.cumsum(2).map(|t| vec![t]),
+                vec![first, "out of range"],
+            ),
+            (
+                "cumsum",
+                ids(&[4], "R,R")?.cumsum(0).map(|t| vec![t]),
+                vec!["float"],
+            ),
+            (
+                "pad",
+                x.pad(3, 1, 1, 0.0).map(|t| vec![t]),
+                vec![first, "out of range"],
+            ),
+            (
+                "scatter_add",
+                x.scatter_add(&ids(&[2, 5], "R,R")?, &elsewhere, 0)
+                    .map(|t| vec![t]),
+                vec![first, "different meshes"],
+            ),
+            (
+                "baddbmm",
+                apply_all(
+                    &Op::Baddbmm {
+                        alpha: 1.0.into(),
+                        beta: 1.0.into(),
+                    },
+                    &[&x, &x],
                 ),
-            ];
-            let mut bad = Vec::new();
-            for (op, r, also) in cases {
-                match expect_err(r, op, rank, &also, op) {
-                    Ok(
+                vec!["takes 3 inputs, got 2"],
+            ),
+            (
+                "topk",
+                apply_all(
+                    &Op::TopK {
+                        k: 1,
+                        dim: 0,
+                        largest: true,
+                    },
+                    &[&x, &x],
+                ),
+                vec!["takes 1 inputs, got 2"],
+            ),
+            (
+                "split",
+                apply(
+                    &Op::Split {
+                        dim: 0,
+                        sizes: sh(&[2, 2]),
+                    },
+                    &[&x],
+                )
+                .map(|t| vec![t]),
+                vec!["2 outputs"],
+            ),
+        ];
+        let mut bad = Vec::new();
+        for (op, r, also) in cases {
+            bad.extend(expect_kind(
+                r,
+                (op, rank, &also, op),
+                |e| {
+                    matches!(
+                        e,
                         DTensorError::Strategy { .. }
-                        | DTensorError::Invalid { .. }
-                        | DTensorError::MeshMismatch { .. },
-                    ) => {}
-                    Ok(e) => bad.push(format!("{op}: unexpected kind of error: {e}")),
-                    Err(e) => bad.push(e),
-                }
-            }
-            Ok(bad)
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert_no_failures(
-        "new ops' bad input",
-        &res.into_iter().flatten().collect::<Vec<_>>(),
-    );
+                            | DTensorError::Invalid { .. }
+                            | DTensorError::MeshMismatch { .. }
+                    )
+                },
+                "unexpected kind of error",
+            ));
+        }
+        Ok(bad)
+    });
 }
