@@ -62,9 +62,44 @@ fn fin(rng: &mut Rng, shape: &[usize], d: Domain) -> (Tensor, Domain, &'static [
     (t(rng, shape, d), d, ALL_PARTIALS)
 }
 
+/// A float input of standard normal values.
+fn normal(rng: &mut Rng, shape: &[usize]) -> (Tensor, Domain, &'static [ReduceOp]) {
+    fin(rng, shape, Domain::Normal)
+}
+
+/// A float input split into partials only exactly (sum of integers, max, min): for ops whose
+/// result a rounded sum could change (ties, casts, arg-reductions).
+fn exact(rng: &mut Rng, shape: &[usize], d: Domain) -> (Tensor, Domain, &'static [ReduceOp]) {
+    (t(rng, shape, d), d, EXACT_PARTIALS)
+}
+
 /// An integer (or mask) input.
 fn iin(rng: &mut Rng, shape: &[usize], d: Domain) -> (Tensor, Domain, &'static [ReduceOp]) {
     (t(rng, shape, d), d, &[])
+}
+
+/// A random shape of 1-3 dims, and its number of dims.
+fn any_shape(rng: &mut Rng) -> (usize, Vec<usize>) {
+    let nd = rng.range(1, 3);
+    (nd, rng.shape(nd))
+}
+
+/// Ids in `0..hi`, i64 with probability `p_i64`, else u32.
+fn any_ids(rng: &mut Rng, p_i64: f64, hi: usize) -> Domain {
+    if rng.chance(p_i64) {
+        Domain::IdsI64(hi)
+    } else {
+        Domain::Ids(hi)
+    }
+}
+
+/// An attention scale: the default (`1/sqrt(d)`) or 0.3, equally likely.
+fn any_scale(rng: &mut Rng) -> Option<candle_dtensor_strategies::Scalar> {
+    if rng.chance(0.5) {
+        None
+    } else {
+        Some(0.3.into())
+    }
 }
 
 /// A shape that broadcasts to `full`: some dims set to 1, maybe leading dims dropped.
@@ -88,10 +123,7 @@ fn matmul() {
         let (m, k, n) = (rng.dim(), rng.dim(), rng.dim());
         let x = [&batch[..], &[m, k]].concat();
         let w = [&batch[..], &[k, n]].concat();
-        Spec::new(
-            Op::Matmul,
-            vec![fin(rng, &x, Domain::Normal), fin(rng, &w, Domain::Normal)],
-        )
+        Spec::new(Op::Matmul, vec![normal(rng, &x), normal(rng, &w)])
     });
 }
 
@@ -110,10 +142,7 @@ fn broadcast_matmul() {
         };
         let x = [&bx[..], &[m, k]].concat();
         let w = [&bw[..], &[k, n]].concat();
-        Spec::new(
-            Op::BroadcastMatmul,
-            vec![fin(rng, &x, Domain::Normal), fin(rng, &w, Domain::Normal)],
-        )
+        Spec::new(Op::BroadcastMatmul, vec![normal(rng, &x), normal(rng, &w)])
     });
 }
 
@@ -125,12 +154,9 @@ fn linear() {
         let lead = rng.shape(nl);
         let (fin_, fout) = (rng.dim(), rng.dim());
         let x = [&lead[..], &[fin_]].concat();
-        let mut ins = vec![
-            fin(rng, &x, Domain::Normal),
-            fin(rng, &[fout, fin_], Domain::Normal),
-        ];
+        let mut ins = vec![normal(rng, &x), normal(rng, &[fout, fin_])];
         if bias {
-            ins.push(fin(rng, &[fout], Domain::Normal));
+            ins.push(normal(rng, &[fout]));
         }
         Spec::new(Op::Linear { bias }, ins)
     });
@@ -145,8 +171,7 @@ fn unary() {
             UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Recip => Domain::Positive,
             _ => Domain::Normal,
         };
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (_, shape) = any_shape(rng);
         Spec::new(Op::Unary(u), vec![fin(rng, &shape, d)])
     });
 }
@@ -155,8 +180,7 @@ fn unary() {
 fn affine_and_scalar_ops() {
     let scalars = ScalarOp::ALL;
     family("affine_scalar", 2 * (scalars.len() + 2), |rng, i| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (_, shape) = any_shape(rng);
         let k = i % (scalars.len() + 2);
         if k >= scalars.len() {
             let mul = rng.pick(&[2.0, -1.5, 0.5]);
@@ -166,7 +190,7 @@ fn affine_and_scalar_ops() {
                     mul: mul.into(),
                     add: add.into(),
                 },
-                vec![fin(rng, &shape, Domain::Normal)],
+                vec![normal(rng, &shape)],
             );
         }
         let s = scalars[k];
@@ -194,8 +218,7 @@ fn binary_broadcasting() {
     let ops = BinaryOp::ALL;
     family("binary", 4 * ops.len(), |rng, i| {
         let b = ops[i % ops.len()];
-        let nd = rng.range(1, 3);
-        let full = rng.shape(nd);
+        let (_, full) = any_shape(rng);
         let other = broadcastable(rng, &full);
         let (sa, sb) = if rng.chance(0.5) {
             (full, other)
@@ -207,10 +230,7 @@ fn binary_broadcasting() {
         } else {
             Domain::Normal
         };
-        Spec::new(
-            Op::Binary(b),
-            vec![fin(rng, &sa, Domain::Normal), fin(rng, &sb, db)],
-        )
+        Spec::new(Op::Binary(b), vec![normal(rng, &sa), fin(rng, &sb, db)])
     });
 }
 
@@ -219,20 +239,11 @@ fn comparisons() {
     let ops = CmpOp::ALL;
     family("cmp", 2 * ops.len(), |rng, i| {
         let c = ops[i % ops.len()];
-        let nd = rng.range(1, 3);
-        let full = rng.shape(nd);
+        let (_, full) = any_shape(rng);
         let other = broadcastable(rng, &full);
         // Quantized values make ties; only exact partials (a rounded sum could flip a tie).
-        let a = (
-            t(rng, &full, Domain::Quantized),
-            Domain::Quantized,
-            EXACT_PARTIALS,
-        );
-        let b = (
-            t(rng, &other, Domain::Quantized),
-            Domain::Quantized,
-            EXACT_PARTIALS,
-        );
+        let a = exact(rng, &full, Domain::Quantized);
+        let b = exact(rng, &other, Domain::Quantized);
         Spec::new(Op::Cmp(c), vec![a, b]).forward_only()
     });
 }
@@ -255,8 +266,7 @@ fn reduce_dims(rng: &mut Rng, nd: usize) -> Dims {
 #[test]
 fn reductions() {
     family("reductions", 40, |rng, i| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (nd, shape) = any_shape(rng);
         let dims = reduce_dims(rng, nd);
         let keepdim = rng.chance(0.5);
         let op = match i % 4 {
@@ -265,22 +275,17 @@ fn reductions() {
             2 => Op::Max { dims, keepdim },
             _ => Op::Min { dims, keepdim },
         };
-        Spec::new(op, vec![fin(rng, &shape, Domain::Normal)])
+        Spec::new(op, vec![normal(rng, &shape)])
     });
 }
 
 #[test]
 fn argmax() {
     family("argmax", 12, |rng, _| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (nd, shape) = any_shape(rng);
         let dim = rng.below(nd);
         let keepdim = rng.chance(0.5);
-        let x = (
-            t(rng, &shape, Domain::Normal),
-            Domain::Normal,
-            EXACT_PARTIALS,
-        );
+        let x = exact(rng, &shape, Domain::Normal);
         Spec::new(Op::ArgMax { dim, keepdim }, vec![x]).forward_only()
     });
 }
@@ -288,15 +293,14 @@ fn argmax() {
 #[test]
 fn softmax_and_log_softmax() {
     family("softmax", 24, |rng, i| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (nd, shape) = any_shape(rng);
         let dim = rng.below(nd);
         let op = if i % 2 == 0 {
             Op::Softmax { dim }
         } else {
             Op::LogSoftmax { dim }
         };
-        Spec::new(op, vec![fin(rng, &shape, Domain::Normal)])
+        Spec::new(op, vec![normal(rng, &shape)])
     });
 }
 
@@ -310,11 +314,10 @@ const NORM_TOL: f64 = 1e-4;
 #[test]
 fn norms() {
     family("norms", 24, |rng, i| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (nd, shape) = any_shape(rng);
         let last = shape[nd - 1];
         let eps = 1e-5;
-        let x = fin(rng, &shape, Domain::Normal);
+        let x = normal(rng, &shape);
         match i % 4 {
             0 => Spec::new(
                 Op::LayerNorm {
@@ -330,7 +333,7 @@ fn norms() {
                     affine: true,
                     bias: false,
                 },
-                vec![x, fin(rng, &[last], Domain::Normal)],
+                vec![x, normal(rng, &[last])],
             ),
             2 => Spec::new(
                 Op::LayerNorm {
@@ -338,15 +341,11 @@ fn norms() {
                     affine: true,
                     bias: true,
                 },
-                vec![
-                    x,
-                    fin(rng, &[last], Domain::Normal),
-                    fin(rng, &[last], Domain::Normal),
-                ],
+                vec![x, normal(rng, &[last]), normal(rng, &[last])],
             ),
             _ => Spec::new(
                 Op::RmsNorm { eps: eps.into() },
-                vec![x, fin(rng, &[last], Domain::Normal)],
+                vec![x, normal(rng, &[last])],
             ),
         }
         .with_tol(NORM_TOL)
@@ -360,14 +359,10 @@ fn embedding() {
         let d = rng.dim();
         let ni = rng.range(1, 2);
         let ids_shape = rng.shape(ni);
-        let ids = if rng.chance(0.3) {
-            Domain::IdsI64(v)
-        } else {
-            Domain::Ids(v)
-        };
+        let ids = any_ids(rng, 0.3, v);
         Spec::new(
             Op::Embedding,
-            vec![iin(rng, &ids_shape, ids), fin(rng, &[v, d], Domain::Normal)],
+            vec![iin(rng, &ids_shape, ids), normal(rng, &[v, d])],
         )
     });
 }
@@ -376,14 +371,10 @@ fn embedding() {
 fn cross_entropy() {
     family("cross_entropy", 22, |rng, _| {
         let (n, c) = (rng.dim(), rng.range(2, 13));
-        let tgt = if rng.chance(0.5) {
-            Domain::IdsI64(c)
-        } else {
-            Domain::Ids(c)
-        };
+        let tgt = any_ids(rng, 0.5, c);
         Spec::new(
             Op::CrossEntropy,
-            vec![fin(rng, &[n, c], Domain::Normal), iin(rng, &[n], tgt)],
+            vec![normal(rng, &[n, c]), iin(rng, &[n], tgt)],
         )
     });
 }
@@ -422,8 +413,7 @@ fn reshape_target(rng: &mut Rng, shape: &[usize]) -> Vec<usize> {
 #[test]
 fn views() {
     family("views", 60, |rng, i| {
-        let nd = rng.range(1, 3);
-        let mut shape = rng.shape(nd);
+        let (nd, mut shape) = any_shape(rng);
         let op = match i % 9 {
             0 | 1 => {
                 // Sizes with factors, so splits and merges occur.
@@ -480,15 +470,14 @@ fn views() {
                 Op::Flatten { start, end }
             }
         };
-        Spec::new(op, vec![fin(rng, &shape, Domain::Normal)])
+        Spec::new(op, vec![normal(rng, &shape)])
     });
 }
 
 #[test]
 fn cat_and_stack() {
     family("cat_stack", 22, |rng, i| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (nd, shape) = any_shape(rng);
         let k = rng.range(2, 3);
         if i % 2 == 0 {
             let dim = rng.below(nd);
@@ -496,13 +485,13 @@ fn cat_and_stack() {
                 .map(|_| {
                     let mut s = shape.clone();
                     s[dim] = rng.dim();
-                    fin(rng, &s, Domain::Normal)
+                    normal(rng, &s)
                 })
                 .collect();
             Spec::new(Op::Cat { dim }, ins)
         } else {
             let dim = rng.below(nd + 1);
-            let ins = (0..k).map(|_| fin(rng, &shape, Domain::Normal)).collect();
+            let ins = (0..k).map(|_| normal(rng, &shape)).collect();
             Spec::new(Op::Stack { dim }, ins)
         }
     });
@@ -512,28 +501,19 @@ fn cat_and_stack() {
 fn contiguous_and_casts() {
     use candle_dtensor_strategies::DType as SD;
     family("casts", 22, |rng, i| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (_, shape) = any_shape(rng);
         match i % 4 {
-            0 => Spec::new(Op::Contiguous, vec![fin(rng, &shape, Domain::Normal)]),
-            1 => Spec::new(Op::ToDType(SD::F64), vec![fin(rng, &shape, Domain::Normal)]),
+            0 => Spec::new(Op::Contiguous, vec![normal(rng, &shape)]),
+            1 => Spec::new(Op::ToDType(SD::F64), vec![normal(rng, &shape)]),
             // Casting each summand of a P(sum) to bf16 rounds differently from casting the sum:
             // only exact partials here (max/min commute with monotone rounding).
             2 => Spec::new(
                 Op::ToDType(SD::BF16),
-                vec![(
-                    t(rng, &shape, Domain::Normal),
-                    Domain::Normal,
-                    EXACT_PARTIALS,
-                )],
+                vec![exact(rng, &shape, Domain::Normal)],
             ),
             _ => Spec::new(
                 Op::ToDType(SD::I64),
-                vec![(
-                    t(rng, &shape, Domain::Quantized),
-                    Domain::Quantized,
-                    EXACT_PARTIALS,
-                )],
+                vec![exact(rng, &shape, Domain::Quantized)],
             )
             .forward_only(),
         }
@@ -543,15 +523,14 @@ fn contiguous_and_casts() {
 #[test]
 fn where_and_masked_fill() {
     family("where_masked_fill", 22, |rng, i| {
-        let nd = rng.range(1, 3);
-        let full = rng.shape(nd);
+        let (_, full) = any_shape(rng);
         if i % 2 == 0 {
             let sc = broadcastable(rng, &full);
             let st = broadcastable(rng, &full);
             let mut ins = vec![
                 iin(rng, &sc, Domain::Mask),
-                fin(rng, &st, Domain::Normal),
-                fin(rng, &full, Domain::Normal),
+                normal(rng, &st),
+                normal(rng, &full),
             ];
             if rng.chance(0.5) {
                 ins.swap(1, 2);
@@ -563,7 +542,7 @@ fn where_and_masked_fill() {
                 Op::MaskedFill {
                     value: rng.pick(&[-1.5, 0.0, 3.0]).into(),
                 },
-                vec![fin(rng, &full, Domain::Normal), iin(rng, &sm, Domain::Mask)],
+                vec![normal(rng, &full), iin(rng, &sm, Domain::Mask)],
             )
         }
     });
@@ -572,13 +551,9 @@ fn where_and_masked_fill() {
 #[test]
 fn dropout() {
     family("dropout", 14, |rng, _| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (_, shape) = any_shape(rng);
         let p = rng.pick(&[0.0, 0.25, 0.5]);
-        Spec::new(
-            Op::Dropout { p: p.into() },
-            vec![fin(rng, &shape, Domain::Normal)],
-        )
+        Spec::new(Op::Dropout { p: p.into() }, vec![normal(rng, &shape)])
     });
 }
 
@@ -597,17 +572,13 @@ fn sdpa() {
             (tq, tk)
         };
         let (d, dv) = (rng.range(1, 5), rng.range(1, 5));
-        let scale = if rng.chance(0.5) {
-            None
-        } else {
-            Some(0.3.into())
-        };
+        let scale = any_scale(rng);
         Spec::new(
             Op::Sdpa { causal, scale },
             vec![
-                fin(rng, &[b, h, tq, d], Domain::Normal),
-                fin(rng, &[b, h, tk, d], Domain::Normal),
-                fin(rng, &[b, h, tk, dv], Domain::Normal),
+                normal(rng, &[b, h, tq, d]),
+                normal(rng, &[b, h, tk, d]),
+                normal(rng, &[b, h, tk, dv]),
             ],
         )
     });
@@ -622,17 +593,13 @@ fn packed_sdpa() {
             rng.range(1, 5),
             rng.range(1, 5),
         );
-        let scale = if rng.chance(0.5) {
-            None
-        } else {
-            Some(0.3.into())
-        };
+        let scale = any_scale(rng);
         Spec::new(
             Op::PackedSdpa {
                 causal: i % 2 == 0,
                 scale,
             },
-            vec![fin(rng, &[b, t, h, 3, d], Domain::Normal)],
+            vec![normal(rng, &[b, t, h, 3, d])],
         )
     });
 }
@@ -640,16 +607,12 @@ fn packed_sdpa() {
 #[test]
 fn index_select() {
     family("index_select", 22, |rng, _| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (nd, shape) = any_shape(rng);
         let dim = rng.below(nd);
         let k = rng.range(1, 9);
         Spec::new(
             Op::IndexSelect { dim },
-            vec![
-                fin(rng, &shape, Domain::Normal),
-                iin(rng, &[k], Domain::Ids(shape[dim])),
-            ],
+            vec![normal(rng, &shape), iin(rng, &[k], Domain::Ids(shape[dim]))],
         )
     });
 }
@@ -657,8 +620,7 @@ fn index_select() {
 #[test]
 fn gather() {
     family("gather", 22, |rng, _| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (nd, shape) = any_shape(rng);
         let dim = rng.below(nd);
         let smaller = rng.chance(0.35);
         let idx_shape: Vec<usize> = (0..nd)
@@ -675,7 +637,7 @@ fn gather() {
         Spec::new(
             Op::Gather { dim },
             vec![
-                fin(rng, &shape, Domain::Normal),
+                normal(rng, &shape),
                 iin(rng, &idx_shape, Domain::Ids(shape[dim])),
             ],
         )
@@ -1082,8 +1044,7 @@ fn dims_with_count(rng: &mut Rng, shape: &[usize]) -> Dims {
 #[test]
 fn norm_logsumexp_var_std() {
     family("norm_lse_var", 48, |rng, i| {
-        let nd = rng.range(1, 3);
-        let mut shape = rng.shape(nd);
+        let (nd, mut shape) = any_shape(rng);
         if shape.iter().product::<usize>() < 2 {
             shape[0] = 3;
         }
@@ -1112,7 +1073,7 @@ fn norm_logsumexp_var_std() {
                     dims: reduce_dims(rng, nd),
                     keepdim,
                 },
-                vec![fin(rng, &shape, Domain::Normal)],
+                vec![normal(rng, &shape)],
             ),
             k => {
                 let dims = dims_with_count(rng, &shape);
@@ -1131,7 +1092,7 @@ fn norm_logsumexp_var_std() {
                     }
                 };
                 // std's backward divides by the (small) standard deviation of a few values.
-                Spec::new(op, vec![fin(rng, &shape, Domain::Normal)]).with_tol(1e-4)
+                Spec::new(op, vec![normal(rng, &shape)]).with_tol(1e-4)
             }
         }
     });
@@ -1158,11 +1119,7 @@ fn prod_and_argmin() {
                 vec![fin(rng, &shape, d)],
             )
         } else {
-            let x = (
-                t(rng, &shape, Domain::Normal),
-                Domain::Normal,
-                EXACT_PARTIALS,
-            );
+            let x = exact(rng, &shape, Domain::Normal);
             Spec::new(
                 Op::ArgMin {
                     dim: rng.below(nd),
@@ -1178,8 +1135,7 @@ fn prod_and_argmin() {
 #[test]
 fn split_and_unbind() {
     family("split_unbind", 24, |rng, i| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (nd, shape) = any_shape(rng);
         let dim = rng.below(nd);
         if i % 2 == 0 {
             let n = shape[dim];
@@ -1198,10 +1154,10 @@ fn split_and_unbind() {
                     dim,
                     sizes: Shape::from_vec(sizes),
                 },
-                vec![fin(rng, &shape, Domain::Normal)],
+                vec![normal(rng, &shape)],
             )
         } else {
-            Spec::new(Op::Unbind { dim }, vec![fin(rng, &shape, Domain::Normal)])
+            Spec::new(Op::Unbind { dim }, vec![normal(rng, &shape)])
         }
     });
 }
@@ -1209,8 +1165,7 @@ fn split_and_unbind() {
 #[test]
 fn topk() {
     family("topk", 24, |rng, _| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (nd, shape) = any_shape(rng);
         let dim = rng.below(nd);
         let k = rng.range(0, shape[dim]);
         Spec::new(
@@ -1219,7 +1174,7 @@ fn topk() {
                 dim,
                 largest: rng.chance(0.6),
             },
-            vec![fin(rng, &shape, Domain::Normal)],
+            vec![normal(rng, &shape)],
         )
     });
 }
@@ -1227,32 +1182,23 @@ fn topk() {
 #[test]
 fn scatter_add_and_index_put() {
     family("scatter_index_put", 36, |rng, i| {
-        let nd = rng.range(1, 3);
-        let shape = rng.shape(nd);
+        let (nd, shape) = any_shape(rng);
         let dim = rng.below(nd);
         let mut upd = shape.clone();
         upd[dim] = rng.range(1, 6);
-        let ids = if rng.chance(0.5) {
-            Domain::IdsI64(shape[dim])
-        } else {
-            Domain::Ids(shape[dim])
-        };
-        let x = fin(rng, &shape, Domain::Normal);
+        let ids = any_ids(rng, 0.5, shape[dim]);
+        let x = normal(rng, &shape);
         match i % 3 {
             0 => Spec::new(
                 Op::ScatterAdd { dim },
-                vec![x, iin(rng, &upd, ids), fin(rng, &upd, Domain::Normal)],
+                vec![x, iin(rng, &upd, ids), normal(rng, &upd)],
             ),
             k => Spec::new(
                 Op::IndexPut {
                     dim,
                     accumulate: k == 1,
                 },
-                vec![
-                    x,
-                    iin(rng, &[upd[dim]], ids),
-                    fin(rng, &upd, Domain::Normal),
-                ],
+                vec![x, iin(rng, &[upd[dim]], ids), normal(rng, &upd)],
             ),
         }
     });
@@ -1270,23 +1216,18 @@ fn baddbmm_cumsum_pad() {
                     beta: rng.pick(&[1.0, -2.0]).into(),
                 },
                 vec![
-                    fin(rng, &bias, Domain::Normal),
-                    fin(rng, &[b, n, k], Domain::Normal),
-                    fin(rng, &[b, k, m], Domain::Normal),
+                    normal(rng, &bias),
+                    normal(rng, &[b, n, k]),
+                    normal(rng, &[b, k, m]),
                 ],
             )
         }
         1 => {
-            let nd = rng.range(1, 3);
-            let shape = rng.shape(nd);
-            Spec::new(
-                Op::Cumsum { dim: rng.below(nd) },
-                vec![fin(rng, &shape, Domain::Normal)],
-            )
+            let (nd, shape) = any_shape(rng);
+            Spec::new(Op::Cumsum { dim: rng.below(nd) }, vec![normal(rng, &shape)])
         }
         _ => {
-            let nd = rng.range(1, 3);
-            let shape = rng.shape(nd);
+            let (nd, shape) = any_shape(rng);
             Spec::new(
                 Op::Pad {
                     dim: rng.below(nd),
@@ -1294,7 +1235,7 @@ fn baddbmm_cumsum_pad() {
                     after: rng.below(3),
                     value: rng.pick(&[0.0, 1.5]).into(),
                 },
-                vec![fin(rng, &shape, Domain::Normal)],
+                vec![normal(rng, &shape)],
             )
         }
     });
