@@ -702,19 +702,50 @@ struct Layout {
     comms: &'static [&'static str],
 }
 
-fn lay(
-    op: Op,
-    inputs: Vec<(Vec<usize>, Domain, &'static str)>,
-    mesh: &'static [usize],
-    out: &'static str,
-    comms: &'static [&'static str],
-) -> Layout {
+/// The layout of `op` on a mesh shaped `mesh` with `inputs` that must give the output
+/// placements `out` (`;` between outputs), and no collectives inside the op. Inputs are
+/// `;`-separated `[d0, d1, ..] [DOMAIN] PLACEMENTS`, standard normal values unless DOMAIN says
+/// `pos`, `ids:N` or `ids64:N` (ids in `0..N`, u32 or i64).
+fn lay(op: Op, mesh: &'static [usize], inputs: &'static str, out: &'static str) -> Layout {
+    let input = |spec: &'static str| {
+        let bad = || -> ! { panic!("input {spec:?} is not [SHAPE] [DOMAIN] PLACEMENTS") };
+        let Some((shape, rest)) = spec
+            .trim()
+            .strip_prefix('[')
+            .and_then(|s| s.split_once(']'))
+        else {
+            bad()
+        };
+        let shape: Vec<usize> = shape
+            .split(',')
+            .map(|d| d.trim().parse().unwrap_or_else(|_| bad()))
+            .collect();
+        let bound = |n: &str| n.parse().unwrap_or_else(|_| bad());
+        let domain = |d: &str| match d.split_once(':') {
+            None if d == "pos" => Domain::Positive,
+            Some(("ids", n)) => Domain::Ids(bound(n)),
+            Some(("ids64", n)) => Domain::IdsI64(bound(n)),
+            _ => bad(),
+        };
+        match rest.split_whitespace().collect::<Vec<_>>()[..] {
+            [p] => (shape, Domain::Normal, p),
+            [d, p] => (shape, domain(d), p),
+            _ => bad(),
+        }
+    };
     Layout {
         op,
-        inputs,
+        inputs: inputs.split(';').map(input).collect(),
         mesh,
         out,
-        comms,
+        comms: &[],
+    }
+}
+
+impl Layout {
+    /// The collectives the op itself runs (e.g. softmax's two small all_reduces).
+    fn comms(self, comms: &'static [&'static str]) -> Layout {
+        Layout { comms, ..self }
     }
 }
 
@@ -786,53 +817,32 @@ fn check_layouts(name: &str, layouts: Vec<Layout>) {
 /// `R -> P(sum)` partition; 1-3-d meshes, uneven in-features.
 #[test]
 fn row_parallel_linear_with_bias_is_free() {
-    let n = Domain::Normal;
     check_layouts(
         "row_parallel_bias",
         vec![
             lay(
                 Op::Linear { bias: true },
-                vec![
-                    (vec![6, 10], n, "S(1)"),
-                    (vec![5, 10], n, "S(1)"),
-                    (vec![5], n, "R"),
-                ],
                 &[4],
+                "[6, 10] S(1); [5, 10] S(1); [5] R",
                 "P(sum)",
-                &[],
             ),
             lay(
                 Op::Linear { bias: true },
-                vec![
-                    (vec![3, 4, 7], n, "S(2)"),
-                    (vec![9, 7], n, "S(1)"),
-                    (vec![9], n, "P(sum)"),
-                ],
                 &[3],
+                "[3, 4, 7] S(2); [9, 7] S(1); [9] P(sum)",
                 "P(sum)",
-                &[],
             ),
             lay(
                 Op::Linear { bias: true },
-                vec![
-                    (vec![5, 9], n, "S(0),S(1)"),
-                    (vec![4, 9], n, "R,S(1)"),
-                    (vec![4], n, "R,R"),
-                ],
                 &[2, 3],
+                "[5, 9] S(0),S(1); [4, 9] R,S(1); [4] R,R",
                 "S(0),P(sum)",
-                &[],
             ),
             lay(
                 Op::Linear { bias: true },
-                vec![
-                    (vec![4, 6, 11], n, "S(0),S(1),S(2)"),
-                    (vec![3, 11], n, "R,R,S(1)"),
-                    (vec![3], n, "R,R,R"),
-                ],
                 &[2, 2, 2],
+                "[4, 6, 11] S(0),S(1),S(2); [3, 11] R,R,S(1); [3] R,R,R",
                 "S(0),S(1),P(sum)",
-                &[],
             ),
         ],
     );
@@ -842,57 +852,45 @@ fn row_parallel_linear_with_bias_is_free() {
 /// global count, `P(sum)`, nothing moves.
 #[test]
 fn uneven_batch_reductions_move_nothing() {
-    let n = Domain::Normal;
     let dims = |d: &[usize]| -> Dims { d.iter().copied().collect() };
     check_layouts(
         "uneven_batch",
         vec![
             lay(
                 Op::CrossEntropy,
-                vec![
-                    (vec![13, 9], n, "S(0)"),
-                    (vec![13], Domain::IdsI64(9), "S(0)"),
-                ],
                 &[4],
+                "[13, 9] S(0); [13] ids64:9 S(0)",
                 "P(sum)",
-                &[],
             ),
             lay(
                 Op::CrossEntropy,
-                vec![(vec![3, 5], n, "S(0)"), (vec![3], Domain::Ids(5), "S(0)")],
                 &[5],
+                "[3, 5] S(0); [3] ids:5 S(0)",
                 "P(sum)",
-                &[],
             ),
             lay(
                 Op::CrossEntropy,
-                vec![
-                    (vec![5, 9], n, "S(0),S(0)"),
-                    (vec![5], Domain::IdsI64(9), "S(0),S(0)"),
-                ],
                 &[2, 3],
+                "[5, 9] S(0),S(0); [5] ids64:9 S(0),S(0)",
                 "P(sum),P(sum)",
-                &[],
             ),
             lay(
                 Op::Mean {
                     dims: dims(&[0]),
                     keepdim: false,
                 },
-                vec![(vec![7, 3], n, "S(0)")],
                 &[4],
+                "[7, 3] S(0)",
                 "P(sum)",
-                &[],
             ),
             lay(
                 Op::Mean {
                     dims: dims(&[0, 2]),
                     keepdim: true,
                 },
-                vec![(vec![5, 4, 3], n, "S(0),S(2),S(1)")],
                 &[2, 2, 2],
+                "[5, 4, 3] S(0),S(2),S(1)",
                 "P(sum),P(sum),S(1)",
-                &[],
             ),
         ],
     );
@@ -903,95 +901,83 @@ fn uneven_batch_reductions_move_nothing() {
 /// dims come and go around sharded dims (uneven sizes throughout).
 #[test]
 fn views_the_layout_can_express_are_free() {
-    let n = Domain::Normal;
     let sh = |v: &[usize]| -> Shape { v.iter().copied().collect() };
     check_layouts(
         "free_views",
         vec![
             lay(
                 Op::Flatten { start: 0, end: 1 },
-                vec![(vec![3, 7, 2], n, "S(1)")],
                 &[4],
+                "[3, 7, 2] S(1)",
                 "SS(0,3)",
-                &[],
             ),
             lay(
                 Op::Reshape {
                     shape: sh(&[21, 2]),
                 },
-                vec![(vec![3, 7, 2], n, "S(1)")],
                 &[4],
+                "[3, 7, 2] S(1)",
                 "SS(0,3)",
-                &[],
             ),
             lay(
                 Op::Reshape {
                     shape: sh(&[3, 7, 2]),
                 },
-                vec![(vec![21, 2], n, "SS(0,3)")],
                 &[4],
+                "[21, 2] SS(0,3)",
                 "S(1)",
-                &[],
             ),
             lay(
                 Op::Flatten { start: 1, end: 2 },
-                vec![(vec![2, 5, 3], n, "S(2)")],
                 &[3],
+                "[2, 5, 3] S(2)",
                 "SS(1,5)",
-                &[],
             ),
             lay(
                 Op::Flatten { start: 0, end: 2 },
-                vec![(vec![2, 4, 3], n, "S(1)")],
                 &[2],
+                "[2, 4, 3] S(1)",
                 "SS(0,2)",
-                &[],
             ),
             lay(
                 Op::Reshape {
                     shape: sh(&[6, 1, 5]),
                 },
-                vec![(vec![6, 5], n, "S(1)")],
                 &[4],
+                "[6, 5] S(1)",
                 "S(2)",
-                &[],
             ),
             lay(
                 Op::Reshape { shape: sh(&[6, 5]) },
-                vec![(vec![6, 1, 5], n, "S(2)")],
                 &[4],
+                "[6, 1, 5] S(2)",
                 "S(1)",
-                &[],
             ),
             lay(
                 Op::Reshape {
                     shape: sh(&[1, 7, 3]),
                 },
-                vec![(vec![7, 3], n, "S(0)")],
                 &[3],
+                "[7, 3] S(0)",
                 "S(1)",
-                &[],
             ),
             lay(
                 Op::Squeeze { dim: 1 },
-                vec![(vec![5, 1, 3], n, "S(2),S(0)")],
                 &[2, 2],
+                "[5, 1, 3] S(2),S(0)",
                 "S(1),S(0)",
-                &[],
             ),
             lay(
                 Op::Unsqueeze { dim: 2 },
-                vec![(vec![5, 3], n, "S(1),S(0)")],
                 &[2, 2],
+                "[5, 3] S(1),S(0)",
                 "S(1),S(0)",
-                &[],
             ),
             lay(
                 Op::Reshape { shape: sh(&[6, 4]) },
-                vec![(vec![2, 3, 4], n, "S(1),S(2)")],
                 &[3, 2],
+                "[2, 3, 4] S(1),S(2)",
                 "SS(0,2),S(1)",
-                &[],
             ),
         ],
     );
@@ -1001,24 +987,18 @@ fn views_the_layout_can_express_are_free() {
 /// small all_reduces (max, sum of exponentials) of the reduced shape.
 #[test]
 fn softmax_over_a_sharded_dim_keeps_the_data() {
-    let n = Domain::Normal;
     check_layouts(
         "sharded_softmax",
         vec![
-            lay(
-                Op::Softmax { dim: 1 },
-                vec![(vec![512, 8195], n, "S(1)")],
-                &[4],
-                "S(1)",
-                &["all_reduce", "all_reduce"],
-            ),
+            lay(Op::Softmax { dim: 1 }, &[4], "[512, 8195] S(1)", "S(1)")
+                .comms(&["all_reduce", "all_reduce"]),
             lay(
                 Op::LogSoftmax { dim: 1 },
-                vec![(vec![256, 9001], n, "S(0),S(1)")],
                 &[2, 3],
+                "[256, 9001] S(0),S(1)",
                 "S(0),S(1)",
-                &["all_reduce", "all_reduce"],
-            ),
+            )
+            .comms(&["all_reduce", "all_reduce"]),
         ],
     );
 }
@@ -1249,7 +1229,6 @@ fn baddbmm_cumsum_pad() {
 /// a sharded dim reduce inside the op.
 #[test]
 fn new_ops_keep_their_layouts() {
-    let n = Domain::Normal;
     let sh = |v: &[usize]| -> Shape { v.iter().copied().collect() };
     let all = |v: &[usize]| -> Dims { v.iter().copied().collect() };
     check_layouts(
@@ -1260,10 +1239,9 @@ fn new_ops_keep_their_layouts() {
                     dim: 2,
                     sizes: sh(&[5, 5, 5]),
                 },
-                vec![(vec![2, 3, 15], n, "S(0),SS(2,3)")],
                 &[2, 2],
+                "[2, 3, 15] S(0),SS(2,3)",
                 "S(0),S(2);S(0),S(2);S(0),S(2)",
-                &[],
             ),
             lay(
                 Op::TopK {
@@ -1271,82 +1249,66 @@ fn new_ops_keep_their_layouts() {
                     dim: 1,
                     largest: true,
                 },
-                vec![(vec![13, 6], n, "S(0)")],
                 &[4],
+                "[13, 6] S(0)",
                 "S(0);S(0)",
-                &[],
             ),
             lay(
                 Op::IndexPut {
                     dim: 0,
                     accumulate: true,
                 },
-                vec![
-                    (vec![11, 4], n, "S(0)"),
-                    (vec![7], Domain::IdsI64(11), "R"),
-                    (vec![7, 4], n, "R"),
-                ],
                 &[3],
+                "[11, 4] S(0); [7] ids64:11 R; [7, 4] R",
                 "S(0)",
-                &[],
             ),
             lay(
                 Op::ScatterAdd { dim: 0 },
-                vec![
-                    (vec![9, 4], n, "R,S(1)"),
-                    (vec![6, 4], Domain::Ids(9), "S(0),S(1)"),
-                    (vec![6, 4], n, "S(0),S(1)"),
-                ],
                 &[3, 2],
+                "[9, 4] R,S(1); [6, 4] ids:9 S(0),S(1); [6, 4] S(0),S(1)",
                 "P(sum),S(1)",
-                &[],
             ),
             lay(
                 Op::Baddbmm {
                     alpha: 0.5.into(),
                     beta: 1.0.into(),
                 },
-                vec![
-                    (vec![1, 5], n, "R"),
-                    (vec![2, 3, 7], n, "S(2)"),
-                    (vec![2, 7, 5], n, "S(1)"),
-                ],
                 &[3],
+                "[1, 5] R; [2, 3, 7] S(2); [2, 7, 5] S(1)",
                 "P(sum)",
-                &[],
             ),
             lay(
                 Op::Prod {
                     dims: all(&[0]),
                     keepdim: false,
                 },
-                vec![(vec![7, 3], Domain::Positive, "S(0)")],
                 &[3],
+                "[7, 3] pos S(0)",
                 "P(product)",
-                &[],
             ),
+            // Out S(0),R: a free local chunk of the rows on the first mesh dim shrinks the
+            // all_reduces.
             lay(
                 Op::LogSumExp {
                     dims: all(&[1]),
                     keepdim: false,
                 },
-                vec![(vec![4096, 1027], n, "R,S(1)")],
                 &[2, 4],
-                // A free local chunk of the rows on the first mesh dim shrinks the all_reduces.
+                "[4096, 1027] R,S(1)",
                 "S(0),R",
-                &["all_reduce", "all_reduce"],
-            ),
+            )
+            .comms(&["all_reduce", "all_reduce"]),
             lay(
                 Op::Var {
                     dims: all(&[0]),
                     keepdim: true,
                     correction: 1,
                 },
-                vec![(vec![8191, 600], n, "S(0)")],
                 &[4],
+                "[8191, 600] S(0)",
                 "R",
-                &["all_reduce", "all_reduce"],
-            ),
+            )
+            .comms(&["all_reduce", "all_reduce"]),
         ],
     );
 }
