@@ -26,6 +26,7 @@ use candle_dtensor::models::checkpoint::{self, Which};
 use candle_dtensor::models::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use candle_dtensor::models::optim::AdamW;
 use candle_dtensor::models::{Gpt, GptConfig, TpPlan};
+use candle_dtensor::strategies::MeshTopology;
 use candle_nn::{Optimizer, ParamsAdamW};
 use clap::Parser;
 
@@ -55,26 +56,17 @@ struct Args {
 
 type BoxErr = Box<dyn std::error::Error + Send + Sync>;
 
+/// `--mesh` / `--reshard-to`: `NAME=SIZE,...` as the sharding compiler parses meshes, over the
+/// dims this bench builds (`dp`, `tp`).
 fn parse_mesh(s: &str) -> Result<Vec<(String, usize)>, String> {
-    let mut dims = Vec::new();
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (name, size) = part
-            .split_once('=')
-            .ok_or_else(|| format!("mesh dim {part:?} is not NAME=SIZE"))?;
-        if !["dp", "tp"].contains(&name) {
-            return Err(format!("unknown mesh dim {name:?}; use dp and tp"));
-        }
-        let size: usize = size
-            .parse()
-            .ok()
-            .filter(|&n| n > 0)
-            .ok_or_else(|| format!("mesh dim {name}: bad size {size:?}"))?;
-        dims.push((name.to_string(), size));
+    let topo = MeshTopology::parse(s).map_err(|e| e.to_string())?;
+    let dims: Vec<(String, usize)> = (0..topo.ndim())
+        .map(|d| (topo.group_name(&[d]), topo.dim_size(d)))
+        .collect();
+    match dims.iter().find(|(name, _)| name != "dp" && name != "tp") {
+        Some((name, _)) => Err(format!("unknown mesh dim {name:?}; use dp and tp")),
+        None => Ok(dims),
     }
-    if dims.is_empty() {
-        return Err("the mesh needs at least one dim".into());
-    }
-    Ok(dims)
 }
 
 fn median(v: &[f64]) -> f64 {
