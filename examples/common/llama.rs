@@ -135,7 +135,27 @@ enum Split {
     Inputs,
 }
 
+/// A layer and the global ranges of its weight this rank holds.
+type SplitLayer = (Box<dyn Module>, Vec<Range<usize>>);
+
 impl Linears<'_> {
+    /// The layer `whole` builds on one device, or under TP the piece `split` builds (recorded
+    /// under `<prefix>.weight`).
+    fn layer<'v>(
+        &mut self,
+        vb: VarBuilder<'v>,
+        whole: impl FnOnce(VarBuilder<'v>) -> candle_core::Result<Box<dyn Module>>,
+        split: impl FnOnce(&Group, VarBuilder<'v>) -> candle_core::Result<SplitLayer>,
+    ) -> candle_core::Result<Box<dyn Module>> {
+        let Some(tp) = self.tp else {
+            return whole(vb);
+        };
+        let name = format!("{}.weight", vb.prefix());
+        let (layer, piece) = split(tp, vb)?;
+        self.pieces.insert(name, piece);
+        Ok(layer)
+    }
+
     /// `linear_no_bias(i, o)`, split in blocks of `block` under TP.
     fn linear(
         &mut self,
@@ -145,25 +165,25 @@ impl Linears<'_> {
         block: usize,
         vb: VarBuilder,
     ) -> candle_core::Result<Box<dyn Module>> {
-        let Some(tp) = self.tp else {
-            return Ok(Box::new(candle_nn::linear_no_bias(i, o, vb)?));
-        };
-        let cfg = TpLinearConfig { bias: false, block };
-        let name = format!("{}.weight", vb.prefix());
-        let (layer, piece): (Box<dyn Module>, _) = match split {
-            Split::Outputs => {
-                let l = tp_nn::ColumnParallelLinear::new(i, o, cfg, tp, vb)?;
-                let piece = vec![l.out_range(), 0..i];
-                (Box::new(l), piece)
-            }
-            Split::Inputs => {
-                let l = tp_nn::RowParallelLinear::new(i, o, cfg, tp, vb)?;
-                let piece = vec![0..o, l.in_range()];
-                (Box::new(l), piece)
-            }
-        };
-        self.pieces.insert(name, piece);
-        Ok(layer)
+        self.layer(
+            vb,
+            |vb| Ok(Box::new(candle_nn::linear_no_bias(i, o, vb)?)),
+            |tp, vb| {
+                let cfg = TpLinearConfig { bias: false, block };
+                Ok(match split {
+                    Split::Outputs => {
+                        let l = tp_nn::ColumnParallelLinear::new(i, o, cfg, tp, vb)?;
+                        let piece = vec![l.out_range(), 0..i];
+                        (Box::new(l), piece)
+                    }
+                    Split::Inputs => {
+                        let l = tp_nn::RowParallelLinear::new(i, o, cfg, tp, vb)?;
+                        let piece = vec![0..o, l.in_range()];
+                        (Box::new(l), piece)
+                    }
+                })
+            },
+        )
     }
 
     /// `embedding(vocab, hidden)`, split by vocabulary rows under TP.
@@ -173,13 +193,15 @@ impl Linears<'_> {
         hidden: usize,
         vb: VarBuilder,
     ) -> candle_core::Result<Box<dyn Module>> {
-        let Some(tp) = self.tp else {
-            return Ok(Box::new(candle_nn::embedding(vocab, hidden, vb)?));
-        };
-        let name = format!("{}.weight", vb.prefix());
-        let e = tp_nn::vocab_parallel_embedding(vocab, hidden, tp, vb)?;
-        self.pieces.insert(name, vec![e.vocab_range(), 0..hidden]);
-        Ok(Box::new(e))
+        self.layer(
+            vb,
+            |vb| Ok(Box::new(candle_nn::embedding(vocab, hidden, vb)?)),
+            |tp, vb| {
+                let e = tp_nn::vocab_parallel_embedding(vocab, hidden, tp, vb)?;
+                let piece = vec![e.vocab_range(), 0..hidden];
+                Ok((Box::new(e), piece))
+            },
+        )
     }
 
     /// The LM head `linear_no_bias(hidden, vocab)`, split by vocabulary rows under TP with its
@@ -190,14 +212,16 @@ impl Linears<'_> {
         vocab: usize,
         vb: VarBuilder,
     ) -> candle_core::Result<Box<dyn Module>> {
-        let Some(tp) = self.tp else {
-            return Ok(Box::new(candle_nn::linear_no_bias(hidden, vocab, vb)?));
-        };
-        let name = format!("{}.weight", vb.prefix());
-        let h =
-            tp_nn::column_parallel_linear_no_bias(hidden, vocab, tp, vb)?.with_gather_output(true);
-        self.pieces.insert(name, vec![h.out_range(), 0..hidden]);
-        Ok(Box::new(h))
+        self.layer(
+            vb,
+            |vb| Ok(Box::new(candle_nn::linear_no_bias(hidden, vocab, vb)?)),
+            |tp, vb| {
+                let h = tp_nn::column_parallel_linear_no_bias(hidden, vocab, tp, vb)?
+                    .with_gather_output(true);
+                let piece = vec![h.out_range(), 0..hidden];
+                Ok((Box::new(h), piece))
+            },
+        )
     }
 }
 
