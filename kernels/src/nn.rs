@@ -12,27 +12,32 @@ use crate::fused;
 
 type CResult<T> = candle_core::Result<T>;
 
-/// Softmax over `dim` (the fused kernel for f32 over the last dim; primitives otherwise).
-pub fn softmax_local(x: &Tensor, dim: usize) -> CResult<Tensor> {
+/// A normalization over `dim`: `last` (the fused kernel) for f32 over the last dim,
+/// `reference(x, dim)` otherwise, and an empty piece (uneven sharding of another dim) as it is,
+/// since candle's max refuses empty input.
+fn over_dim(
+    x: &Tensor,
+    dim: usize,
+    last: impl FnOnce(&Tensor) -> CResult<Tensor>,
+    reference: impl FnOnce(&Tensor, usize) -> CResult<Tensor>,
+) -> CResult<Tensor> {
     if x.elem_count() == 0 {
-        // An empty piece (uneven sharding of another dim); candle's max refuses empty input.
         return Ok(x.clone());
     }
     if fused::applies(x) && dim + 1 == x.rank() {
-        return fused::softmax_last(x);
+        return last(x);
     }
-    reference::softmax(x, dim)
+    reference(x, dim)
+}
+
+/// Softmax over `dim` (the fused kernel for f32 over the last dim; primitives otherwise).
+pub fn softmax_local(x: &Tensor, dim: usize) -> CResult<Tensor> {
+    over_dim(x, dim, fused::softmax_last, reference::softmax)
 }
 
 /// Log-softmax over `dim` (fused for f32 over the last dim).
 pub fn log_softmax_local(x: &Tensor, dim: usize) -> CResult<Tensor> {
-    if x.elem_count() == 0 {
-        return Ok(x.clone());
-    }
-    if fused::applies(x) && dim + 1 == x.rank() {
-        return fused::log_softmax_last(x);
-    }
-    reference::log_softmax(x, dim)
+    over_dim(x, dim, fused::log_softmax_last, reference::log_softmax)
 }
 
 /// Layer norm over the last dim (fused for f32 with a weight).
