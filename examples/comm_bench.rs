@@ -23,7 +23,7 @@ use clap::Parser;
 
 #[path = "common/collective_bench.rs"]
 mod collective_bench;
-use collective_bench::{buffer_elems, parse_sizes_and_ops, time_op, Op, Timing};
+use collective_bench::{buffer_elems, time_op, BenchArgs, Op, Timing};
 #[path = "common/copy_floor.rs"]
 mod copy_floor;
 use copy_floor::{copy_rate, gather_rate, median};
@@ -34,21 +34,8 @@ struct Args {
     /// Number of ranks (threads).
     #[arg(long, default_value_t = 4)]
     world: usize,
-    /// Buffer sizes S, comma separated (e.g. 4,1MiB,64MiB; suffixes B, KiB, MiB, GiB).
-    #[arg(long, default_value = "4,64MiB")]
-    size: String,
-    /// Ops, comma separated: all_reduce, all_gather, reduce_scatter, all_to_all.
-    #[arg(
-        long,
-        default_value = "all_reduce,all_gather,reduce_scatter,all_to_all"
-    )]
-    ops: String,
-    /// Timed iterations for bandwidth sizes.
-    #[arg(long, default_value_t = 10)]
-    iters: usize,
-    /// One JSON object per line instead of a table.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    bench: BenchArgs,
     /// Output buffers, comma separated: `into` (preallocated and reused, as nccl-tests measure),
     /// `alloc` (a fresh output tensor per call, the allocating API), `alloc-4k` (the same with
     /// the huge-page advice of `comm::memory` turned off, for comparison), or `both`
@@ -99,7 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.world == 0 {
         return Err("--world must be at least 1".into());
     }
-    let (sizes, ops) = parse_sizes_and_ops(&args.size, &args.ops)?;
+    let (sizes, ops) = args.bench.sizes_and_ops()?;
     let n = args.world;
     let mut modes: Vec<Output> = Vec::new();
     for m in args.mode.split(',') {
@@ -121,7 +108,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rows = Vec::new();
     for &bytes in &sizes {
         let elems = buffer_elems(bytes, n);
-        let timing = Timing::for_elems(elems, 200, args.iters);
+        let timing = Timing::for_elems(elems, 200, args.bench.iters);
         for (&op, &mode) in ops.iter().flat_map(|o| modes.iter().map(move |m| (o, m))) {
             if op != Op::AllReduce && elems % n != 0 {
                 continue;
@@ -156,7 +143,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let memory = candle_dtensor::comm::memory::stats();
-    if args.json {
+    if args.bench.json {
         for r in &rows {
             println!("{}", serde_json::to_string(r)?);
         }

@@ -22,29 +22,16 @@ use clap::Parser;
 
 #[path = "common/collective_bench.rs"]
 mod collective_bench;
-use collective_bench::{buffer_elems, parse_sizes_and_ops, time_op, Op, Timing};
+use collective_bench::{buffer_elems, time_op, BenchArgs, Op, Timing};
 
 #[derive(Parser, Debug)]
 #[command(about = "Collective bandwidth of the mpi backend (run under mpirun)")]
 struct Args {
-    /// Buffer sizes S, comma separated (e.g. 4,1MiB,64MiB; suffixes B, KiB, MiB, GiB).
-    #[arg(long, default_value = "4,64MiB")]
-    size: String,
-    /// Ops, comma separated: all_reduce, all_gather, reduce_scatter, all_to_all.
-    #[arg(
-        long,
-        default_value = "all_reduce,all_gather,reduce_scatter,all_to_all"
-    )]
-    ops: String,
-    /// Timed iterations for bandwidth sizes.
-    #[arg(long, default_value_t = 10)]
-    iters: usize,
+    #[command(flatten)]
+    bench: BenchArgs,
     /// Back-to-back ops per latency sample.
     #[arg(long, default_value_t = 200)]
     batch: usize,
-    /// One JSON object per line instead of a table.
-    #[arg(long)]
-    json: bool,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -74,14 +61,14 @@ fn main() {
 
 fn real_main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let (sizes, ops) = parse_sizes_and_ops(&args.size, &args.ops)?;
+    let (sizes, ops) = args.bench.sizes_and_ops()?;
     let options = CommOptions::default().with_timeout(Duration::from_secs(120));
     let comm = new_comm("mpi", &Device::Cpu, "bench", options)?;
     let n = comm.size();
     let mut rows = Vec::new();
     for &bytes in &sizes {
         let elems = buffer_elems(bytes, n);
-        let timing = Timing::for_elems(elems, args.batch, args.iters);
+        let timing = Timing::for_elems(elems, args.batch, args.bench.iters);
         for &op in &ops {
             if op != Op::AllReduce && elems % n != 0 {
                 continue;
@@ -105,7 +92,7 @@ fn real_main() -> Result<(), Box<dyn std::error::Error>> {
     if comm.rank() != 0 {
         return Ok(());
     }
-    if args.json {
+    if args.bench.json {
         for r in &rows {
             println!("{}", serde_json::to_string(r)?);
         }

@@ -6,11 +6,41 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use candle_dtensor::comm::{Comm, ReduceOp};
 
-/// The buffer sizes of `--size` and the ops of `--ops` (both comma separated).
-pub fn parse_sizes_and_ops(sizes: &str, ops: &str) -> Result<(Vec<usize>, Vec<Op>), String> {
-    let sizes = sizes.split(',').map(parse_size).collect::<Result<_, _>>()?;
-    let ops = ops.split(',').map(Op::parse).collect::<Result<_, _>>()?;
-    Ok((sizes, ops))
+/// The flags both collective benchmarks take.
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Buffer sizes S, comma separated (e.g. 4,1MiB,64MiB; suffixes B, KiB, MiB, GiB).
+    #[arg(long, default_value = "4,64MiB")]
+    pub size: String,
+    /// Ops, comma separated: all_reduce, all_gather, reduce_scatter, all_to_all.
+    #[arg(
+        long,
+        default_value = "all_reduce,all_gather,reduce_scatter,all_to_all"
+    )]
+    pub ops: String,
+    /// Timed iterations for bandwidth sizes.
+    #[arg(long, default_value_t = 10)]
+    pub iters: usize,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl BenchArgs {
+    /// The buffer sizes of `--size` and the ops of `--ops`.
+    pub fn sizes_and_ops(&self) -> Result<(Vec<usize>, Vec<Op>), String> {
+        let sizes = self
+            .size
+            .split(',')
+            .map(parse_size)
+            .collect::<Result<_, _>>()?;
+        let ops = self
+            .ops
+            .split(',')
+            .map(Op::parse)
+            .collect::<Result<_, _>>()?;
+        Ok((sizes, ops))
+    }
 }
 
 /// The f32 elements of a buffer of `bytes` on `n` ranks: at least one, and rounded down to a
