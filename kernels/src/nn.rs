@@ -2,7 +2,7 @@
 //! log_softmax, layer_norm, rms_norm and scaled dot-product attention.
 //!
 //! Each `*_local` function takes the fused kernel ([`crate::fused`], [`crate::region`]) for f32
-//! on the CPU and the primitive composition ([`reference`]) otherwise (other dtypes, CUDA).
+//! on the CPU and the primitive composition ([`mod@reference`]) otherwise (other dtypes, CUDA).
 //! Both have backward passes; candle-nn's fused `softmax_last_dim`, `layer_norm`, `rms_norm`
 //! and `sdpa` have none and silently cut the graph (candle#2168, #3011).
 
