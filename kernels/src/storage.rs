@@ -152,20 +152,13 @@ pub trait DeviceStorage: BackendStorage<Device: BackendDevice<Storage = Self>> +
     }
 }
 
-/// `DeviceStorage::of` for the backend behind `Storage::$variant`.
-macro_rules! storage_of {
-    ($variant:ident) => {
-        fn of(s: &Storage) -> Option<&Self> {
-            match s {
-                Storage::$variant(c) => Some(c),
-                _ => None,
-            }
-        }
-    };
-}
-
 impl DeviceStorage for CpuStorage {
-    storage_of!(Cpu);
+    fn of(s: &Storage) -> Option<&Self> {
+        match s {
+            Storage::Cpu(c) => Some(c),
+            _ => None,
+        }
+    }
 
     fn len(&self) -> usize {
         cpu_len(self)
@@ -179,7 +172,12 @@ impl DeviceStorage for CpuStorage {
 /// Without the `cuda` feature this is candle's dummy type: nothing is held and every call fails
 /// (its device cannot be reached, so `zeros` and `upload` fail here too).
 impl DeviceStorage for CudaStorage {
-    storage_of!(Cuda);
+    fn of(s: &Storage) -> Option<&Self> {
+        match s {
+            Storage::Cuda(c) => Some(c),
+            _ => None,
+        }
+    }
 
     #[cfg(feature = "cuda")]
     fn len(&self) -> usize {
@@ -469,15 +467,9 @@ impl Swap<'_> {
                 let mut at = 0;
                 for &(start, len) in segs.iter() {
                     if len > 0 {
-                        let seg = Blocks {
-                            d1: 1,
-                            d2: len,
-                            src_s: len,
-                            dst_s: len,
-                            src_o: start,
-                            dst_o: at,
-                        };
-                        seg.copy(src_s, src_l.start_offset(), &mut out, 0)?;
+                        // One block of `len` elements.
+                        let from = src_l.start_offset() + start;
+                        src_s.copy2d(&mut out, 1, len, len, len, from, at)?;
                     }
                     at += len;
                 }
@@ -585,11 +577,12 @@ pub fn refill_from_segments(t: &Tensor, src: &Tensor, segs: &[(usize, usize)]) -
 // --------------------------------------------------------------------------------------------
 // Moving rows, any device.
 
-/// A block copy (candle's `copy2d`, one kernel on every backend): `d1` blocks of `d2` elements,
-/// read at block stride `src_s` from element `src_o` of the source and written at stride
-/// `dst_s` from element `dst_o` of the destination.
-#[derive(Clone, Copy)]
-struct Blocks {
+/// Copies block rows from `src` into the tensor the op runs on (candle's `copy2d`, one kernel
+/// on every backend): `d1` blocks of `d2` elements, read at block stride `src_s` from element
+/// `src_o` of the source and written at stride `dst_s` from element `dst_o` of the destination
+/// (offsets counted from each layout's start).
+struct CopyBlocks<'a> {
+    src: &'a Tensor,
     d1: usize,
     d2: usize,
     src_s: usize,
@@ -598,40 +591,19 @@ struct Blocks {
     dst_o: usize,
 }
 
-impl Blocks {
-    /// Copies from `src` into `dst`, the element offsets counted from `src_start` and
-    /// `dst_start` (their layouts' start offsets).
-    fn copy<S: BackendStorage>(
-        self,
-        src: &S,
-        src_start: usize,
-        dst: &mut S,
-        dst_start: usize,
-    ) -> Result<()> {
+impl CopyBlocks<'_> {
+    fn apply<S: DeviceStorage>(&self, dst: &mut S, dst_l: &Layout) -> Result<()> {
+        let (g, src_l) = self.src.storage_and_layout();
+        let src = backend_of::<S>(&g, "copy_rows")?;
         src.copy2d(
             dst,
             self.d1,
             self.d2,
             self.src_s,
             self.dst_s,
-            src_start + self.src_o,
-            dst_start + self.dst_o,
+            src_l.start_offset() + self.src_o,
+            dst_l.start_offset() + self.dst_o,
         )
-    }
-}
-
-/// [`Blocks`] from `src` into the tensor the op runs on.
-struct CopyBlocks<'a> {
-    src: &'a Tensor,
-    blocks: Blocks,
-}
-
-impl CopyBlocks<'_> {
-    fn apply<S: DeviceStorage>(&self, dst: &mut S, dst_l: &Layout) -> Result<()> {
-        let (g, src_l) = self.src.storage_and_layout();
-        let src = backend_of::<S>(&g, "copy_rows")?;
-        self.blocks
-            .copy(src, src_l.start_offset(), dst, dst_l.start_offset())
     }
 }
 
@@ -719,14 +691,12 @@ pub fn copy_rows(
     }
     dst.inplace_op1(&CopyBlocks {
         src,
-        blocks: Blocks {
-            d1: pre,
-            d2: rows * post,
-            src_s: src_len * post,
-            dst_s: dst_len * post,
-            src_o: src_row * post,
-            dst_o: dst_row * post,
-        },
+        d1: pre,
+        d2: rows * post,
+        src_s: src_len * post,
+        dst_s: dst_len * post,
+        src_o: src_row * post,
+        dst_o: dst_row * post,
     })
 }
 
