@@ -138,6 +138,7 @@ fn real_main(args: &Args) -> Result<bool, String> {
         seq: args.seq,
         lr: args.lr,
         seed: args.seed,
+        keep_grads: args.check,
     };
     let dims: Vec<(&str, usize)> = if args.tp > 1 {
         vec![("dp", dp), ("tp", args.tp)]

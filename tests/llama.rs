@@ -23,6 +23,7 @@ fn run(arch: Arch, steps: usize) -> Run {
         seq: 8,
         lr: 3e-3,
         seed: 3,
+        keep_grads: true,
     }
 }
 

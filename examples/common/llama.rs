@@ -388,6 +388,9 @@ pub struct Run {
     pub lr: f64,
     /// Seed of the parameters and the data.
     pub seed: u64,
+    /// Keep every step's gradients in the report (on the host, for [`compare`]); off, a rank
+    /// copies nothing off its device.
+    pub keep_grads: bool,
 }
 
 /// What a run saw (on a rank: its shards).
@@ -395,7 +398,8 @@ pub struct Run {
 pub struct Report {
     /// Global mean loss per step.
     pub losses: Vec<f32>,
-    /// Per step, the gradient of every parameter that got one (this rank's shard).
+    /// Per step, the gradient of every parameter that got one (this rank's shard); empty
+    /// unless [`Run::keep_grads`].
     pub grads: Vec<BTreeMap<String, Tensor>>,
     /// Global ranges of this rank's tensor-parallel pieces (absent: the whole parameter).
     pub pieces: Pieces,
@@ -566,14 +570,16 @@ pub fn train_rank(mesh: &DeviceMesh, run: &Run) -> Result<Report, BoxErr> {
             .wait()?;
         report.losses.push(global.to_vec1::<f32>()?[0]);
         let grads = fsdp.backward(&loss)?;
-        // On the host, where `compare` reads them beside the one-device reference.
-        let mut host = BTreeMap::new();
-        for (k, v) in map.named_vars() {
-            if let Some(g) = grads.get(v.as_tensor()) {
-                host.insert(k, g.to_device(&Device::Cpu)?);
+        if run.keep_grads {
+            // On the host, where `compare` reads them beside the one-device reference.
+            let mut host = BTreeMap::new();
+            for (k, v) in map.named_vars() {
+                if let Some(g) = grads.get(v.as_tensor()) {
+                    host.insert(k, g.to_device(&Device::Cpu)?);
+                }
             }
+            report.grads.push(host);
         }
-        report.grads.push(host);
         opt.step(&grads)?;
     }
     report.without_grad = fsdp.params_without_grad();
@@ -636,6 +642,14 @@ fn rel(a: &Tensor, b: &Tensor) -> candle_core::Result<f64> {
 
 /// Compares a rank's report with the one-device report (whose gradients are whole).
 pub fn compare(reference: &Report, rank: &Report) -> Result<Comparison, BoxErr> {
+    if rank.grads.len() != reference.grads.len() {
+        return Err(format!(
+            "gradients of {} steps against {} of the reference: train with Run::keep_grads",
+            rank.grads.len(),
+            reference.grads.len()
+        )
+        .into());
+    }
     let mut c = Comparison::default();
     for (a, b) in rank.losses.iter().zip(&reference.losses) {
         c.max_loss_rel = c
