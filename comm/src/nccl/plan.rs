@@ -189,30 +189,6 @@ impl Rooted {
         }
     }
 
-    fn native_gather(&self) -> Call {
-        let (send, recv, count, dt, root) = (self.send, self.recv, self.count, self.dt, self.root);
-        let root = root as i32;
-        Call::Gather {
-            send,
-            recv,
-            count,
-            dt,
-            root,
-        }
-    }
-
-    fn native_scatter(&self) -> Call {
-        let (send, recv, count, dt, root) = (self.send, self.recv, self.count, self.dt, self.root);
-        let root = root as i32;
-        Call::Scatter {
-            send,
-            recv,
-            count,
-            dt,
-            root,
-        }
-    }
-
     /// The address of piece `p` of the root's `base` buffer.
     fn piece(&self, base: DevPtr, p: usize) -> DevPtr {
         base + (p * self.count * self.dt.size()) as u64
@@ -239,7 +215,14 @@ pub fn gather(gates: &Gates, r: Rooted) -> Vec<Call> {
         ..
     } = r;
     if gates.gather_scatter {
-        return vec![r.native_gather()];
+        let (count, dt, root) = (r.count, r.dt, root as i32);
+        return vec![Call::Gather {
+            send,
+            recv,
+            count,
+            dt,
+            root,
+        }];
     }
     let mut calls = vec![r.send_to(send, root)];
     if me == root {
@@ -260,7 +243,14 @@ pub fn scatter(gates: &Gates, r: Rooted) -> Vec<Call> {
         ..
     } = r;
     if gates.gather_scatter {
-        return vec![r.native_scatter()];
+        let (count, dt, root) = (r.count, r.dt, root as i32);
+        return vec![Call::Scatter {
+            send,
+            recv,
+            count,
+            dt,
+            root,
+        }];
     }
     let mut calls = Vec::new();
     if me == root {
