@@ -284,13 +284,7 @@ fn candle_dtensor_dtype(spec: &DTensorSpec) -> DType {
     }
 }
 
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> candle_core::Result<f64> {
-    let d = (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?.abs()?;
-    if d.elem_count() == 0 {
-        return Ok(0.0);
-    }
-    d.flatten_all()?.max(0)?.to_scalar::<f64>()
-}
+use candle_dtensor::kernels::compare::{max_abs_diff, nan_max};
 
 fn max_abs(a: &Tensor) -> candle_core::Result<f64> {
     if a.elem_count() == 0 {
@@ -532,7 +526,7 @@ fn run(
                 }
                 let (mut fwd, mut scale) = (0f64, 1f64);
                 for (y, y_ref) in ys.iter().zip(&ys_ref) {
-                    fwd = fwd.max(max_abs_diff(&y.full_tensor()?, y_ref)?);
+                    fwd = nan_max(fwd, max_abs_diff(&y.full_tensor()?, y_ref)?);
                     scale = scale.max(max_abs(y_ref)?);
                 }
                 let mut bwd = 0f64;
@@ -580,7 +574,7 @@ fn run(
                             Some(g) => g.full_tensor()?,
                             None => rg.zeros_like()?,
                         };
-                        bwd = bwd.max(max_abs_diff(&g, &rg)?);
+                        bwd = nan_max(bwd, max_abs_diff(&g, &rg)?);
                         gscale = gscale.max(max_abs(&rg)?);
                     }
                 }

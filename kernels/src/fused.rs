@@ -966,7 +966,7 @@ mod tests {
         Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap()
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
         crate::compare::max_abs_diff(a, b).unwrap()
     }
 

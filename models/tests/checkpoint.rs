@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use candle_dtensor_comm::LocalWorld;
+// NaN-propagating: a NaN never passes as a difference of 0.
+use candle_dtensor_kernels::compare::max_abs_diff;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::checkpoint::{
     self, consolidate, load, read_manifest, save, CheckpointError, LoadInfo, TensorKind, Which,
@@ -230,10 +232,6 @@ fn named_values(store: &ParamStore) -> Vec<(String, Tensor)> {
         .collect()
 }
 
-/// The largest absolute difference between `a` and `b`.
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> candle_core::Result<f32> {
-    (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
-}
 
 #[test]
 fn replicated_pieces_are_written_once() {
