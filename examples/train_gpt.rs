@@ -831,6 +831,23 @@ fn main() {
     candle_dtensor::init_cpu_threads();
     candle_dtensor::init_cpu_allocator();
     let args = Args::parse();
+    // gemm threads: sized here, while this is still the process's only thread (later
+    // `init_gemm_threads` refuses: `--link-scale auto`'s matmul threads, a CUDA context or the
+    // ranks would exist). The local backend runs every rank as a thread of this process; other
+    // backends one per process, as many per host as the launcher says. real_main reports a
+    // bad --mesh.
+    if args.backend == "local" {
+        let world = parse_mesh(&args.mesh).map_or(1, |dims| {
+            args.world.unwrap_or(dims.iter().map(|(_, n)| n).product())
+        });
+        candle_dtensor::init_gemm_threads(world, world);
+    } else {
+        let on_host = LaunchEnv::from_env()
+            .ok()
+            .and_then(|e| e.local_world_size)
+            .unwrap_or(1);
+        candle_dtensor::init_gemm_threads(1, on_host);
+    }
     if let Err(e) = real_main(&args) {
         eprintln!("train_gpt: error: {e}");
         std::process::exit(2);
@@ -868,17 +885,6 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
     let data = load_data(args, &dims, &mut cfg)?;
     let gpt = cfg.gpt.clone();
     let world = validate(args, &dims, &gpt)?;
-    // The local backend runs every rank as a thread of this process; other backends one per
-    // process, as many per host as the launcher says.
-    if args.backend == "local" {
-        candle_dtensor::init_gemm_threads(world, world);
-    } else {
-        let on_host = LaunchEnv::from_env()
-            .ok()
-            .and_then(|e| e.local_world_size)
-            .unwrap_or(1);
-        candle_dtensor::init_gemm_threads(1, on_host);
-    }
     cfg.fsdp = fsdp_spec(args, &dims)?;
     cfg.steps = args.steps;
     cfg.seed = args.seed;

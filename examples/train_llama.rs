@@ -87,6 +87,9 @@ struct Args {
 fn main() {
     candle_dtensor::init_cpu_threads();
     let args = Args::parse();
+    // Here, while this is still the process's only thread (later `init_gemm_threads` refuses:
+    // a CUDA context or the rank threads would exist); real_main checks --ranks.
+    candle_dtensor::init_gemm_threads(args.ranks, args.ranks);
     match real_main(&args) {
         Ok(true) => {}
         Ok(false) => std::process::exit(1),
@@ -129,7 +132,6 @@ fn real_main(args: &Args) -> Result<bool, String> {
     }
     let device: DeviceSpec = args.device.parse().map_err(|e| format!("--device: {e}"))?;
     device.device_for(0).map_err(|e| format!("--device: {e}"))?;
-    candle_dtensor::init_gemm_threads(args.ranks, args.ranks);
     let run = Run {
         arch,
         sizes,
