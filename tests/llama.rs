@@ -4,15 +4,26 @@
 //!   FSDP over dp x TP;
 //! - candle-transformers' unmodified llama: the parameters with a gradient are exactly those
 //!   one device gives one (lm_head: candle-nn's fused ops cut the rest), its gradient and the
-//!   losses within 1e-5, and `params_without_grad` names the cut ones.
+//!   losses within 1e-5, and `params_without_grad` names the cut ones;
+//! - the check itself (`llama::verdict`, what `train_llama --check` exits by): a NaN loss, a
+//!   NaN gradient, a loss or gradient past its tolerance and a run that stopped early, each
+//!   planted in a copy of a real report, fail it, naming the step and parameter.
 #[path = "../examples/common/llama.rs"]
 mod llama;
 
 use std::time::Duration;
 
 use candle_dtensor::comm::LocalWorld;
+use candle_dtensor::kernels::compare::Mismatch;
 use candle_dtensor::mesh::DeviceMesh;
-use llama::{Arch, Report, Run, Sizes};
+use llama::{Arch, CheckFailure, Plant, Report, Run, Sizes, Tolerances};
+
+/// The tests' tolerances: every loss and every step's gradient within 1e-5.
+const TOL: Tolerances = Tolerances {
+    loss: 1e-5,
+    first_grad: 1e-5,
+    any_grad: 1e-5,
+};
 
 fn run(arch: Arch, steps: usize) -> Run {
     Run {
@@ -55,20 +66,12 @@ fn own_llama_under_fsdp_and_fsdp_x_tp_matches_one_device_in_every_gradient() {
         let reports = on_mesh(&dims, &run);
         for (rank, r) in reports.iter().enumerate() {
             let what = format!("{dims:?} rank {rank}");
-            let c = llama::compare(&reference, r).unwrap();
-            assert!(
-                c.grad_set_mismatch.is_empty(),
-                "{what}: {:?}",
-                c.grad_set_mismatch
-            );
+            let c = llama::compare(&reference, r).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let failures: Vec<String> = c.failures(&TOL).iter().map(|f| f.to_string()).collect();
+            assert!(failures.is_empty(), "{what}: {failures:?}");
             assert_eq!(c.compared, all_params(&reference), "{what}");
-            assert!(c.max_loss_rel <= 1e-5, "{what}: loss {:e}", c.max_loss_rel);
-            assert!(
-                c.max_grad_rel <= 1e-5,
-                "{what}: gradient {:e} at {:?}",
-                c.max_grad_rel,
-                c.worst
-            );
+            assert_eq!(c.loss.len, 3, "{what}: every step's loss compared");
+            assert!(c.any_grad.is_some(), "{what}: gradients compared");
             assert!(r.without_grad.is_empty(), "{what}: {:?}", r.without_grad);
             assert_eq!(
                 r.units,
@@ -108,22 +111,14 @@ fn candle_transformers_llama_under_fsdp_has_exactly_one_devices_gradients() {
         .cloned()
         .collect();
     for (rank, r) in reports.iter().enumerate() {
-        let c = llama::compare(&reference, r).unwrap();
-        assert!(
-            c.grad_set_mismatch.is_empty(),
-            "rank {rank}: {:?}",
-            c.grad_set_mismatch
-        );
+        let c = llama::compare(&reference, r).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        let failures: Vec<String> = c.failures(&TOL).iter().map(|f| f.to_string()).collect();
+        assert!(failures.is_empty(), "rank {rank}: {failures:?}");
         assert_eq!(c.compared, ["lm_head.weight"], "rank {rank}");
-        assert!(
-            c.max_loss_rel <= 1e-5,
-            "rank {rank}: loss {:e}",
-            c.max_loss_rel
-        );
-        assert!(
-            c.max_grad_rel <= 1e-5,
-            "rank {rank}: lm_head {:e}",
-            c.max_grad_rel
+        assert_eq!(
+            c.any_grad.as_ref().map(|d| d.param.as_str()),
+            Some("lm_head.weight"),
+            "rank {rank}"
         );
         assert_eq!(
             r.without_grad, cut,
@@ -131,4 +126,132 @@ fn candle_transformers_llama_under_fsdp_has_exactly_one_devices_gradients() {
         );
         assert_eq!(r.without_grad.len(), 20);
     }
+}
+
+/// The failures of a verdict, as messages with their rank.
+fn messages(v: &llama::Verdict) -> Vec<String> {
+    v.failures
+        .iter()
+        .map(|(rank, f)| format!("rank {rank:?}: {f}"))
+        .collect()
+}
+
+#[test]
+fn planted_nan_mismatch_and_short_run_fail_the_check() {
+    let run = run(Arch::Own, 2);
+    let reference = llama::train_one_device(&run).unwrap();
+    let reports = on_mesh(&[("dp", 2)], &run);
+    let tol = Tolerances::TRAIN_LLAMA;
+    // The real run passes, so each failure below is its plant's.
+    let v = llama::verdict(&reference, &reports, &tol);
+    assert!(v.passed(), "{:?}", messages(&v));
+    assert_eq!(v.comparisons.len(), 2);
+    let last = run.steps - 1;
+    for plant in Plant::ALL {
+        let mut planted = reports.clone();
+        plant.apply(&mut planted[1]).unwrap();
+        let v = llama::verdict(&reference, &planted, &tol);
+        let all = messages(&v);
+        assert!(!v.passed(), "{plant:?} passed the check");
+        // Only the planted rank fails.
+        assert!(
+            v.failures.iter().all(|(rank, _)| *rank == Some(1)),
+            "{plant:?}: {all:?}"
+        );
+        let f = &v.failures[0].1;
+        let ok = match plant {
+            Plant::NanLoss => matches!(
+                f,
+                CheckFailure::Loss(Mismatch::NonFinite { index, got, .. })
+                    if *index == last && got.is_nan()
+            ),
+            Plant::Loss => matches!(
+                f,
+                CheckFailure::Loss(Mismatch::Tolerance { index, rel, .. })
+                    if *index == last && (rel - 1e-3).abs() < 1e-4
+            ),
+            Plant::Short => matches!(
+                f,
+                CheckFailure::Loss(Mismatch::Length {
+                    got: 1,
+                    want: 2,
+                    ..
+                })
+            ),
+            Plant::NanGrad => matches!(
+                f,
+                CheckFailure::GradNonFinite { step, side: "this rank's", .. } if *step == last
+            ),
+            Plant::Grad => matches!(
+                f,
+                CheckFailure::GradTolerance { diff, first_step: false, .. }
+                    if diff.step == last && diff.rel > 1e-3
+            ),
+        };
+        assert!(ok, "{plant:?}: {all:?}");
+        assert_eq!(v.failures.len(), 1, "{plant:?}: {all:?}");
+        // The message names the step (and for a gradient, the parameter).
+        let msg = f.to_string();
+        match plant {
+            Plant::NanGrad | Plant::Grad => {
+                assert!(msg.contains(&format!("step {last}, parameter ")), "{msg}")
+            }
+            Plant::Short => assert!(msg.contains("1 values, but the reference has 2"), "{msg}"),
+            _ => assert!(msg.contains(&format!("element {last}")), "{msg}"),
+        }
+    }
+    // One device's own NaN fails the check: a reference that diverged is no reference. Its
+    // NaN loss fails every rank; its NaN gradient (element 0) the rank whose shard holds it.
+    let mut bad = reference.clone();
+    Plant::NanLoss.apply(&mut bad).unwrap();
+    let v = llama::verdict(&bad, &reports, &tol);
+    assert_eq!(v.failures.len(), 2, "{:?}", messages(&v));
+    let mut bad = reference.clone();
+    Plant::NanGrad.apply(&mut bad).unwrap();
+    let v = llama::verdict(&bad, &reports, &tol);
+    assert!(
+        matches!(
+            v.failures[..],
+            [(
+                Some(0),
+                CheckFailure::GradNonFinite {
+                    side: "one device's",
+                    ..
+                }
+            )]
+        ),
+        "{:?}",
+        messages(&v)
+    );
+    // A check of nothing, or held to a NaN tolerance, fails too.
+    assert!(!llama::verdict(&reference, &[], &tol).passed());
+    let nan_tol = Tolerances {
+        any_grad: f64::NAN,
+        ..tol
+    };
+    assert!(!llama::verdict(&reference, &reports, &nan_tol).passed());
+    let mut no_grads = reports.clone();
+    no_grads[0].grads.clear();
+    let v = llama::verdict(&reference, &no_grads, &tol);
+    assert!(
+        matches!(
+            v.failures[..],
+            [(
+                Some(0),
+                CheckFailure::GradSteps {
+                    got: 0,
+                    want: 2,
+                    ..
+                }
+            )]
+        ),
+        "{:?}",
+        messages(&v)
+    );
+    let no_steps = Report {
+        losses: Vec::new(),
+        grads: Vec::new(),
+        ..reference.clone()
+    };
+    assert!(!llama::verdict(&no_steps, std::slice::from_ref(&no_steps), &tol).passed());
 }

@@ -10,6 +10,9 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dtensor::comm::ReduceOp;
+use candle_dtensor::kernels::compare::{
+    abs_sum, compare_series_f32, max_abs_diff, nan_max, Mismatch, SeriesDiff,
+};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::data::Corpus;
 use candle_dtensor::models::fsdp::{Fsdp, FsdpConfig, GradReduce};
@@ -587,23 +590,274 @@ pub fn train_rank(mesh: &DeviceMesh, run: &Run) -> Result<Report, BoxErr> {
     Ok(report)
 }
 
-/// How a rank's run compares with one device.
-#[derive(Debug, Clone, Default)]
+// ---------------------------------------------------------------------------------------------
+// Checking a rank's run against one device.
+//
+// Every check goes through `candle_dtensor::kernels::compare`: a NaN or infinite loss or
+// gradient, or runs of different lengths, are failures, never a difference of 0.
+
+/// How far a rank's run may be from one device's, in relative differences.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tolerances {
+    /// Every step's loss: `|loss - one device's| / |one device's|`.
+    pub loss: f64,
+    /// The first step's gradients, where both runs start from the same parameters:
+    /// `max |g - one device's| / max |one device's|` per parameter (see [`GRAD_FLOOR`]).
+    pub first_grad: f64,
+    /// Every step's gradients: later steps are taken at parameters f32 rounding moved apart.
+    pub any_grad: f64,
+}
+
+impl Tolerances {
+    /// `train_llama --check`'s: losses and first-step gradients within 1e-5; later gradients
+    /// drift (about 1e-5 after 40 steps), bounded by 1e-4.
+    pub const TRAIN_LLAMA: Tolerances = Tolerances {
+        loss: 1e-5,
+        first_grad: 1e-5,
+        any_grad: 1e-4,
+    };
+
+    /// Each tolerance must be a finite number >= 0 (a NaN tolerance would pass everything).
+    pub fn validate(&self) -> Result<(), CheckFailure> {
+        for (which, tol) in [
+            ("loss", self.loss),
+            ("first-step gradient", self.first_grad),
+            ("any-step gradient", self.any_grad),
+        ] {
+            if !(tol.is_finite() && tol >= 0.0) {
+                return Err(CheckFailure::BadTolerance { which, tol });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The smallest `max |one device's gradient|` a gradient difference is divided by: gradients
+/// that are zero up to rounding are compared absolutely.
+pub const GRAD_FLOOR: f64 = 1e-6;
+
+/// What the loss series is called in a [`Mismatch`] (its elements are the steps).
+const LOSS: &str = "loss (element = step)";
+
+/// A gradient's difference from one device's: `max |g - w| / max(max |w|, GRAD_FLOOR)`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GradDiff {
+    /// The relative difference (always finite: a non-finite gradient is a failure).
+    pub rel: f64,
+    /// The parameter.
+    pub param: String,
+    /// The step.
+    pub step: usize,
+}
+
+/// At one step, parameters with a gradient on one device and none here, and the reverse.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GradSetMismatch {
+    /// The step.
+    pub step: usize,
+    /// With a gradient on one device (on a non-empty shard) and none here.
+    pub missing: Vec<String>,
+    /// With a gradient here and none on one device.
+    pub extra: Vec<String>,
+}
+
+/// Why a rank's run does not match one device's.
+#[derive(Debug)]
+pub enum CheckFailure {
+    /// A tolerance is not a finite number >= 0.
+    BadTolerance {
+        /// Which tolerance.
+        which: &'static str,
+        /// Its value.
+        tol: f64,
+    },
+    /// One device ran no step: there is nothing to compare.
+    NoSteps,
+    /// There is no rank's report to compare.
+    NoRanks,
+    /// The losses: different step counts, a NaN or infinite loss, or a difference past the
+    /// tolerance (the [`Mismatch`] names the step and both values).
+    Loss(Mismatch),
+    /// A report holds gradients of a different number of steps than it has losses (or none:
+    /// it trained without [`Run::keep_grads`]).
+    GradSteps {
+        /// Whose report: "this rank" or "one device".
+        side: &'static str,
+        /// Steps with gradients.
+        got: usize,
+        /// Steps with losses.
+        want: usize,
+    },
+    /// A gradient has a NaN or infinite element.
+    GradNonFinite {
+        /// The step.
+        step: usize,
+        /// The parameter.
+        param: String,
+        /// Whose gradient: "this rank's" or "one device's".
+        side: &'static str,
+    },
+    /// A gradient's shape differs from one device's shard of it.
+    GradShape {
+        /// The step.
+        step: usize,
+        /// The parameter.
+        param: String,
+        /// This rank's shape.
+        got: Vec<usize>,
+        /// One device's shard's shape.
+        want: Vec<usize>,
+    },
+    /// Parameters with a gradient differ.
+    GradSet(GradSetMismatch),
+    /// A gradient differs from one device's past the tolerance.
+    GradTolerance {
+        /// The difference.
+        diff: GradDiff,
+        /// The tolerance.
+        tol: f64,
+        /// Whether the first-step tolerance was the one exceeded.
+        first_step: bool,
+    },
+    /// One device has gradients, and no rank compared any.
+    NoGradients,
+    /// Reading a gradient failed.
+    Tensor {
+        /// The step.
+        step: usize,
+        /// The parameter.
+        param: String,
+        /// The error.
+        source: candle_core::Error,
+    },
+}
+
+impl std::fmt::Display for CheckFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CheckFailure::BadTolerance { which, tol } => {
+                write!(f, "the {which} tolerance {tol} is not a finite number >= 0")
+            }
+            CheckFailure::NoSteps => write!(f, "one device ran no step: nothing to compare"),
+            CheckFailure::NoRanks => write!(f, "no rank's report to compare"),
+            CheckFailure::Loss(m) => write!(f, "{m}"),
+            CheckFailure::GradSteps { side, got, want } => write!(
+                f,
+                "{side} kept gradients of {got} steps but ran {want} (train with Run::keep_grads)"
+            ),
+            CheckFailure::GradNonFinite { step, param, side } => write!(
+                f,
+                "step {step}, parameter {param}: {side} gradient has a NaN or infinite element"
+            ),
+            CheckFailure::GradShape {
+                step,
+                param,
+                got,
+                want,
+            } => write!(
+                f,
+                "step {step}, parameter {param}: gradient of shape {got:?}, one device's shard \
+                 of it {want:?}"
+            ),
+            CheckFailure::GradSet(m) => write!(
+                f,
+                "step {}: gradients one device has and this rank lacks: {:?}; this rank has and \
+                 one device lacks: {:?}",
+                m.step, m.missing, m.extra
+            ),
+            CheckFailure::GradTolerance {
+                diff,
+                tol,
+                first_step,
+            } => {
+                write!(
+                f,
+                "step {}, parameter {}: gradient differs from one device's by {:.3e} (max |diff| \
+                 / max |one device's|), past the {} tolerance {tol:.1e}",
+                diff.step,
+                diff.param,
+                diff.rel,
+                if *first_step { "first-step" } else { "any-step" }
+            )
+            }
+            CheckFailure::NoGradients => write!(
+                f,
+                "one device has gradients and no rank compared any (every shard empty?)"
+            ),
+            CheckFailure::Tensor {
+                step,
+                param,
+                source,
+            } => write!(f, "step {step}, parameter {param}: {source}"),
+        }
+    }
+}
+
+impl std::error::Error for CheckFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CheckFailure::Loss(m) => Some(m),
+            CheckFailure::Tensor { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+/// How a rank's run compares with one device. Only a run whose losses and gradients are all
+/// finite and whose step counts agree gets one ([`compare`] is an error otherwise), so a
+/// difference of 0 here is a real 0.
+#[derive(Debug, Clone)]
 pub struct Comparison {
-    /// Largest relative loss difference over the steps.
-    pub max_loss_rel: f64,
-    /// Largest gradient difference relative to the gradient's magnitude, over every step and
-    /// parameter both have a gradient for.
-    pub max_grad_rel: f64,
-    /// The parameter and step of that largest difference.
-    pub worst: Option<(String, usize)>,
-    /// The same at the first step only, where both start from the same parameters (later
-    /// steps compare gradients at parameters that drifted apart by f32 rounding).
-    pub first_grad_rel: f64,
-    /// Per step, parameters with a gradient on one device and none here, and the reverse.
-    pub grad_set_mismatch: Vec<(usize, Vec<String>, Vec<String>)>,
+    /// The losses, step by step.
+    pub loss: SeriesDiff,
+    /// The largest gradient difference at the first step (`None`: this rank compared no
+    /// gradient, its shards of every parameter with one being empty).
+    pub first_grad: Option<GradDiff>,
+    /// The largest gradient difference over every step and parameter both have a gradient for.
+    pub any_grad: Option<GradDiff>,
+    /// Steps where the parameters with a gradient differ.
+    pub grad_set_mismatch: Vec<GradSetMismatch>,
     /// Parameters compared (with a gradient on both, at the last step).
     pub compared: Vec<String>,
+}
+
+impl Comparison {
+    /// Every way this comparison misses `tol` (empty: it passes).
+    pub fn failures(&self, tol: &Tolerances) -> Vec<CheckFailure> {
+        if let Err(e) = tol.validate() {
+            return vec![e];
+        }
+        let mut out = Vec::new();
+        if let Err(m) = self.loss.clone().within(tol.loss) {
+            out.push(CheckFailure::Loss(m));
+        }
+        out.extend(
+            self.grad_set_mismatch
+                .iter()
+                .cloned()
+                .map(CheckFailure::GradSet),
+        );
+        let mut first_failed = false;
+        if let Some(d) = self.first_grad.as_ref().filter(|d| d.rel > tol.first_grad) {
+            first_failed = true;
+            out.push(CheckFailure::GradTolerance {
+                diff: d.clone(),
+                tol: tol.first_grad,
+                first_step: true,
+            });
+        }
+        if let Some(d) = self.any_grad.as_ref().filter(|d| d.rel > tol.any_grad) {
+            // The first step's worst, already reported against its tighter tolerance.
+            if !(first_failed && d.step == 0) {
+                out.push(CheckFailure::GradTolerance {
+                    diff: d.clone(),
+                    tol: tol.any_grad,
+                    first_step: false,
+                });
+            }
+        }
+        out
+    }
 }
 
 /// The elements of `t` a rank's shard holds: its tensor-parallel piece, then FSDP's
@@ -625,37 +879,49 @@ fn shard_of(
     out.narrow(0, o, s)
 }
 
-/// `max |a - b| / max |b|` (with a floor of 1e-6 for gradients that are zero up to rounding).
-fn rel(a: &Tensor, b: &Tensor) -> candle_core::Result<f64> {
-    let diff = (a - b)?
-        .abs()?
-        .max_all()?
-        .to_dtype(DType::F64)?
-        .to_scalar::<f64>()?;
-    let scale = b
-        .abs()?
-        .max_all()?
-        .to_dtype(DType::F64)?
-        .to_scalar::<f64>()?;
-    Ok(diff / scale.max(1e-6))
+/// `max |got - want| / max(max |want|, GRAD_FLOOR)`: NaN when either has a NaN or infinite
+/// element (the kernels' `max_abs_diff` propagates them; `f64::max` would drop a NaN).
+fn grad_rel(got: &Tensor, want: &Tensor) -> candle_core::Result<f64> {
+    let diff = max_abs_diff(got, want)?;
+    // max |want|: its distance from zero, NaN if any element is NaN.
+    let scale = max_abs_diff(want, &want.zeros_like()?)?;
+    if diff.is_nan() || scale.is_nan() {
+        return Ok(f64::NAN);
+    }
+    Ok(diff / scale.max(GRAD_FLOOR))
 }
 
-/// Compares a rank's report with the one-device report (whose gradients are whole).
-pub fn compare(reference: &Report, rank: &Report) -> Result<Comparison, BoxErr> {
-    if rank.grads.len() != reference.grads.len() {
-        return Err(format!(
-            "gradients of {} steps against {} of the reference: train with Run::keep_grads",
-            rank.grads.len(),
-            reference.grads.len()
-        )
-        .into());
+/// Whether every element of `t` is finite.
+fn all_finite(t: &Tensor) -> candle_core::Result<bool> {
+    Ok(abs_sum(t)?.is_finite())
+}
+
+/// Compares a rank's report with the one-device report (whose gradients are whole): an error
+/// when the step counts differ or a loss or gradient (of either) is NaN or infinite, else the
+/// differences, to hold to a [`Tolerances`] with [`Comparison::failures`].
+pub fn compare(reference: &Report, rank: &Report) -> Result<Comparison, CheckFailure> {
+    let steps = reference.losses.len();
+    if steps == 0 {
+        return Err(CheckFailure::NoSteps);
     }
-    let mut c = Comparison::default();
-    for (a, b) in rank.losses.iter().zip(&reference.losses) {
-        c.max_loss_rel = c
-            .max_loss_rel
-            .max(f64::from((a - b).abs() / b.abs().max(1e-12)));
+    let loss =
+        compare_series_f32(LOSS, &rank.losses, &reference.losses).map_err(CheckFailure::Loss)?;
+    for (side, r) in [("this rank", rank), ("one device", reference)] {
+        if r.grads.len() != steps {
+            return Err(CheckFailure::GradSteps {
+                side,
+                got: r.grads.len(),
+                want: steps,
+            });
+        }
     }
+    let mut c = Comparison {
+        loss,
+        first_grad: None,
+        any_grad: None,
+        grad_set_mismatch: Vec::new(),
+        compared: Vec::new(),
+    };
     for (step, (want, got)) in reference.grads.iter().zip(&rank.grads).enumerate() {
         // A shard with no rows holds no gradient: not a mismatch.
         let empty = |name: &str| -> bool {
@@ -674,7 +940,11 @@ pub fn compare(reference: &Report, rank: &Report) -> Result<Comparison, BoxErr> 
             .cloned()
             .collect();
         if !missing.is_empty() || !extra.is_empty() {
-            c.grad_set_mismatch.push((step, missing, extra));
+            c.grad_set_mismatch.push(GradSetMismatch {
+                step,
+                missing,
+                extra,
+            });
         }
         c.compared = got
             .keys()
@@ -683,16 +953,180 @@ pub fn compare(reference: &Report, rank: &Report) -> Result<Comparison, BoxErr> 
             .collect();
         for (name, g) in got {
             let Some(w) = want.get(name) else { continue };
-            let w = shard_of(w, rank.pieces.get(name), rank.dp)?;
-            let r = rel(g, &w)?;
-            if step == 0 {
-                c.first_grad_rel = c.first_grad_rel.max(r);
+            let tensor_err = |source| CheckFailure::Tensor {
+                step,
+                param: name.clone(),
+                source,
+            };
+            let w = shard_of(w, rank.pieces.get(name), rank.dp).map_err(tensor_err)?;
+            if g.dims() != w.dims() {
+                return Err(CheckFailure::GradShape {
+                    step,
+                    param: name.clone(),
+                    got: g.dims().to_vec(),
+                    want: w.dims().to_vec(),
+                });
             }
-            if r > c.max_grad_rel {
-                c.max_grad_rel = r;
-                c.worst = Some((name.clone(), step));
+            let rel = grad_rel(g, &w).map_err(tensor_err)?;
+            if !rel.is_finite() {
+                let side = if all_finite(g).map_err(tensor_err)? {
+                    "one device's"
+                } else {
+                    "this rank's"
+                };
+                return Err(CheckFailure::GradNonFinite {
+                    step,
+                    param: name.clone(),
+                    side,
+                });
+            }
+            let diff = GradDiff {
+                rel,
+                param: name.clone(),
+                step,
+            };
+            if step == 0 && c.first_grad.as_ref().is_none_or(|d| rel > d.rel) {
+                c.first_grad = Some(diff.clone());
+            }
+            if c.any_grad.as_ref().is_none_or(|d| rel > d.rel) {
+                c.any_grad = Some(diff);
             }
         }
     }
     Ok(c)
+}
+
+/// Every rank's run against one device's, held to one [`Tolerances`].
+#[derive(Debug)]
+pub struct Verdict {
+    /// The ranks that could be compared, by rank.
+    pub comparisons: Vec<(usize, Comparison)>,
+    /// Every failure, with its rank (`None`: the check as a whole).
+    pub failures: Vec<(Option<usize>, CheckFailure)>,
+}
+
+impl Verdict {
+    /// Whether every rank matched one device within the tolerances.
+    pub fn passed(&self) -> bool {
+        self.failures.is_empty()
+    }
+
+    /// The largest loss difference, first-step and any-step gradient difference over the
+    /// compared ranks (`None`: no rank compared one).
+    pub fn worst(&self) -> (Option<f64>, Option<f64>, Option<f64>) {
+        let max = |f: fn(&Comparison) -> Option<f64>| {
+            self.comparisons
+                .iter()
+                .filter_map(|(_, c)| f(c))
+                .reduce(nan_max)
+        };
+        (
+            max(|c| Some(c.loss.max_rel)),
+            max(|c| c.first_grad.as_ref().map(|d| d.rel)),
+            max(|c| c.any_grad.as_ref().map(|d| d.rel)),
+        )
+    }
+}
+
+/// Compares every rank's report with one device's and holds them to `tol`: the check of
+/// `train_llama --check` (exit status 1 unless [`Verdict::passed`]).
+pub fn verdict(reference: &Report, ranks: &[Report], tol: &Tolerances) -> Verdict {
+    let mut v = Verdict {
+        comparisons: Vec::new(),
+        failures: Vec::new(),
+    };
+    if let Err(e) = tol.validate() {
+        v.failures.push((None, e));
+    }
+    if ranks.is_empty() {
+        v.failures.push((None, CheckFailure::NoRanks));
+    }
+    for (rank, r) in ranks.iter().enumerate() {
+        match compare(reference, r) {
+            Ok(c) => {
+                if tol.validate().is_ok() {
+                    v.failures
+                        .extend(c.failures(tol).into_iter().map(|f| (Some(rank), f)));
+                }
+                v.comparisons.push((rank, c));
+            }
+            Err(e) => v.failures.push((Some(rank), e)),
+        }
+    }
+    let reference_has_grads = reference.grads.iter().any(|g| !g.is_empty());
+    let compared_any = v.comparisons.iter().any(|(_, c)| c.any_grad.is_some());
+    if reference_has_grads && !v.comparisons.is_empty() && !compared_any {
+        v.failures.push((None, CheckFailure::NoGradients));
+    }
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// Planted failures: a check that cannot fail proves nothing, so the tests (and `train_llama
+// --plant`) corrupt a real report and see the check fail.
+
+/// A failure to plant in a rank's report, at its last step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Plant {
+    /// The last loss becomes NaN.
+    NanLoss,
+    /// One element of the last step's first non-zero gradient becomes NaN.
+    NanGrad,
+    /// The last loss grows by a relative 1e-3 (100 times the default tolerance).
+    Loss,
+    /// The last step's first non-zero gradient grows by a relative 1e-2.
+    Grad,
+    /// The last step is dropped: a run that stopped early.
+    Short,
+}
+
+impl Plant {
+    /// Every kind.
+    pub const ALL: [Plant; 5] = [
+        Plant::NanLoss,
+        Plant::NanGrad,
+        Plant::Loss,
+        Plant::Grad,
+        Plant::Short,
+    ];
+
+    /// Plants the failure in `r` (which must have run a step, and kept its gradients for the
+    /// gradient plants).
+    pub fn apply(self, r: &mut Report) -> Result<(), BoxErr> {
+        let last = r
+            .losses
+            .len()
+            .checked_sub(1)
+            .ok_or("nothing to plant in a report of no step")?;
+        match self {
+            Plant::NanLoss => r.losses[last] = f32::NAN,
+            Plant::Loss => r.losses[last] *= 1.0 + 1e-3,
+            Plant::Short => {
+                r.losses.truncate(last);
+                r.grads.truncate(last);
+            }
+            Plant::NanGrad | Plant::Grad => {
+                let grads = r
+                    .grads
+                    .get_mut(last)
+                    .ok_or("no gradients at the last step (train with Run::keep_grads)")?;
+                // The first gradient that is not all zero (scaling a zero changes nothing).
+                for g in grads.values_mut() {
+                    if abs_sum(g)? == 0.0 {
+                        continue;
+                    }
+                    *g = if self == Plant::NanGrad {
+                        let mut v = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                        v[0] = f32::NAN;
+                        Tensor::from_vec(v, g.shape(), g.device())?.to_dtype(g.dtype())?
+                    } else {
+                        (&*g * (1.0 + 1e-2))?
+                    };
+                    return Ok(());
+                }
+                return Err("no non-zero gradient at the last step".into());
+            }
+        }
+        Ok(())
+    }
 }
