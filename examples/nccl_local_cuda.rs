@@ -23,6 +23,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 use candle_dtensor::comm::{new_comm, Comm, CommOptions, LocalWorld, P2POp, ReduceOp};
 use candle_dtensor::dtensor::{distribute_tensor, Placement};
+use candle_dtensor::kernels::compare::max_abs_diff;
 use candle_dtensor::mesh::DeviceMesh;
 use clap::Parser;
 
@@ -53,27 +54,24 @@ fn vals(r: usize, len: usize) -> Vec<f32> {
         .collect()
 }
 
-fn host(t: &Tensor) -> R<Vec<f32>> {
+/// `t` flattened, on the host, in f32 (the i64 and bf16 cases compare as f32).
+fn host(t: &Tensor) -> R<Tensor> {
     Ok(t.flatten_all()?
         .to_device(&Device::Cpu)?
-        .to_dtype(DType::F32)?
-        .to_vec1::<f32>()?)
+        .to_dtype(DType::F32)?)
 }
 
-fn max_diff(a: &Tensor, b: &Tensor) -> R<f32> {
-    let (a, b) = (host(a)?, host(b)?);
-    if a.len() != b.len() {
-        return Err(format!("lengths {} and {}", a.len(), b.len()).into());
-    }
-    Ok(a.iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max))
+/// `max |got - want|` over the flattened tensors (the kernels' `max_abs_diff`: NaN when either
+/// has a NaN, infinite when either has an infinity; an error when the lengths differ).
+fn max_diff(got: &Tensor, want: &Tensor) -> R<f64> {
+    Ok(max_abs_diff(&host(got)?, &host(want)?)?)
 }
 
-fn expect(what: &str, got: &Tensor, want: &Tensor, tol: f32) -> R<()> {
-    let d = max_diff(got, want)?;
-    if d > tol {
+/// Fails unless `got` is within `tol` of `want` everywhere; a NaN difference fails (`d > tol`
+/// alone would be false for it).
+fn expect(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> R<()> {
+    let d = max_diff(got, want).map_err(|e| format!("{what}: {e}"))?;
+    if d.is_nan() || d > tol {
         return Err(format!("{what}: differs from one device by {d} (tolerance {tol})").into());
     }
     Ok(())
@@ -247,7 +245,11 @@ fn dtensor_cases(c: &Comm, dev: &Device, log: &Log) {
         .and_then(|t| t.affine(0.05, 0.3));
     let (x, w) = match (x, w) {
         (Ok(x), Ok(w)) => (x, w),
-        _ => return,
+        (Err(e), _) | (_, Err(e)) => {
+            // Logged, so `--strict` fails on it instead of passing with no dtensor case run.
+            case(log, me, "dtensor", "inputs", || Err(e.to_string().into()));
+            return;
+        }
     };
     let mesh = match DeviceMesh::new(c.clone(), &[("tp", c.size())]) {
         Ok(m) => m,
