@@ -18,8 +18,12 @@
 //!   a no-op): one fault per 2 MiB.
 //!
 //! Outputs a collective overwrites completely are never zero-filled first (the backends'
-//! `OutBuf`, and [`uninit_vec`]). docs/ARCHITECTURE.md ("Large outputs") has the measurements
-//! behind the choice.
+//! `OutBuf`). docs/ARCHITECTURE.md ("Large outputs") has the measurements behind the choice.
+//!
+//! glibc's heap statistics come from `mallinfo2`, which glibc added in 2.33. It is looked up
+//! at run time (once), not linked, so the binaries also load on older glibc (2.28: RHEL 8);
+//! there `mallinfo` is read instead ([`HeapStatsSource`]), and glibc's own trim threshold holds
+//! the retention cap (see [`reuse_large_buffers`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
@@ -42,11 +46,14 @@ pub struct MemoryStats {
     pub huge_page_bytes: u64,
     /// Whether [`reuse_large_buffers`] tuned glibc's allocator in this process.
     pub reuse_large_buffers: bool,
-    /// Bytes of glibc's heaps (all arenas; `mallinfo2().arena`), 0 off glibc.
+    /// Where the three heap figures below come from, and how far they can be trusted.
+    pub heap_stats: HeapStatsSource,
+    /// Bytes of glibc's heaps (all arenas; `mallinfo2().arena`), 0 when `heap_stats` is
+    /// `Unavailable`.
     pub heap_bytes: u64,
-    /// Free bytes kept inside them for reuse (`mallinfo2().fordblks`), 0 off glibc.
+    /// Free bytes kept inside them for reuse (`mallinfo2().fordblks`), 0 when unavailable.
     pub heap_free_bytes: u64,
-    /// Bytes in blocks glibc mapped separately (`mallinfo2().hblkhd`), 0 off glibc.
+    /// Bytes in blocks glibc mapped separately (`mallinfo2().hblkhd`), 0 when unavailable.
     pub mmapped_bytes: u64,
     /// The cap on free heap kept for reuse ([`retained_max_bytes`]).
     pub retained_max_bytes: u64,
@@ -55,31 +62,177 @@ pub struct MemoryStats {
     pub trims: u64,
 }
 
+/// Which glibc call [`MemoryStats`]' heap figures were read with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeapStatsSource {
+    /// `mallinfo2` (glibc 2.33 and later): exact 64-bit sizes.
+    Mallinfo2,
+    /// `mallinfo` (glibc before 2.33, whose `mallinfo2` is missing). Its fields are C `int`s
+    /// into which glibc stores the `size_t` sizes truncated to 32 bits, so a heap past 2 GiB
+    /// reads negative. They are read back as unsigned 32-bit numbers: exact below 4 GiB, the
+    /// true size modulo 4 GiB above it (a 5 GiB heap reads as 1 GiB).
+    Mallinfo,
+    /// Neither (not glibc, or a C library without either symbol): the figures are 0.
+    #[default]
+    Unavailable,
+}
+
 /// The counters of [`MemoryStats`] since the process started, and the heap as it is now.
 pub fn stats() -> MemoryStats {
-    let (heap_bytes, heap_free_bytes, mmapped_bytes) = heap_info();
+    let (heap_stats, heap) = match heap_info() {
+        Some((source, h)) => (source, h),
+        None => (HeapStatsSource::Unavailable, HeapInfo::default()),
+    };
     MemoryStats {
         huge_page_buffers: ADVISED_BUFFERS.load(Ordering::Relaxed),
         huge_page_bytes: ADVISED_BYTES.load(Ordering::Relaxed),
         reuse_large_buffers: REUSE.get().copied().unwrap_or(false),
-        heap_bytes,
-        heap_free_bytes,
-        mmapped_bytes,
+        heap_stats,
+        heap_bytes: heap.arena,
+        heap_free_bytes: heap.fordblks,
+        mmapped_bytes: heap.hblkhd,
         retained_max_bytes: retained_max_bytes() as u64,
         trims: TRIMS.load(Ordering::Relaxed),
     }
 }
 
+/// The fields of glibc's `mallinfo2`/`mallinfo` this module reads, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct HeapInfo {
+    /// Bytes of the heaps (all arenas).
+    arena: u64,
+    /// Free bytes inside them.
+    fordblks: u64,
+    /// Bytes in separately mapped blocks.
+    hblkhd: u64,
+    /// The free block at the top of the main heap (what `malloc_trim` can give back).
+    keepcost: u64,
+}
+
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn heap_info() -> (u64, u64, u64) {
-    // SAFETY: mallinfo2 only reads the allocator's statistics (under its locks).
-    let m = unsafe { libc::mallinfo2() };
-    (m.arena as u64, m.fordblks as u64, m.hblkhd as u64)
+fn heap_info() -> Option<(HeapStatsSource, HeapInfo)> {
+    glibc::read(glibc::reader())
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn heap_info() -> (u64, u64, u64) {
-    (0, 0, 0)
+fn heap_info() -> Option<(HeapStatsSource, HeapInfo)> {
+    None
+}
+
+/// glibc's heap statistics, looked up by name at run time. Linking `mallinfo2` would make every
+/// binary need `GLIBC_2.33` and refuse to load on older systems (RHEL 8 has 2.28); `mallinfo`
+/// is looked up the same way (glibc may one day keep it for old binaries only).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+mod glibc {
+    use super::{HeapInfo, HeapStatsSource};
+    use std::ffi::CStr;
+    use std::sync::OnceLock;
+
+    /// glibc's `struct mallinfo2 mallinfo2(void)`.
+    pub(super) type Mallinfo2Fn = unsafe extern "C" fn() -> libc::mallinfo2;
+    /// glibc's `struct mallinfo mallinfo(void)`.
+    pub(super) type MallinfoFn = unsafe extern "C" fn() -> libc::mallinfo;
+
+    /// The call that reads the statistics in this process.
+    #[derive(Clone, Copy, Debug)]
+    pub(super) enum Reader {
+        Mallinfo2(Mallinfo2Fn),
+        Mallinfo(MallinfoFn),
+        Unavailable,
+    }
+
+    static READER: OnceLock<Reader> = OnceLock::new();
+
+    /// The reader of this process: resolved on first use, then cached.
+    pub(super) fn reader() -> Reader {
+        *READER.get_or_init(|| {
+            let reader = choose(lookup_mallinfo2(), lookup_mallinfo());
+            tracing::debug!(?reader, "glibc heap statistics");
+            reader
+        })
+    }
+
+    /// `mallinfo2` where the C library has it, else `mallinfo`, else nothing.
+    pub(super) fn choose(m2: Option<Mallinfo2Fn>, m1: Option<MallinfoFn>) -> Reader {
+        match (m2, m1) {
+            (Some(f), _) => Reader::Mallinfo2(f),
+            (None, Some(f)) => Reader::Mallinfo(f),
+            (None, None) => Reader::Unavailable,
+        }
+    }
+
+    /// The address of `name` in the process's global symbol scope, if any object defines it.
+    pub(super) fn lookup(name: &CStr) -> Option<*mut libc::c_void> {
+        // SAFETY: `name` is NUL-terminated (a `CStr`) and lives across the call; dlsym with
+        // RTLD_DEFAULT only searches the symbol tables of the objects already loaded and
+        // returns null when none defines the name.
+        let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+        (!sym.is_null()).then_some(sym)
+    }
+
+    pub(super) fn lookup_mallinfo2() -> Option<Mallinfo2Fn> {
+        let sym = lookup(c"mallinfo2")?;
+        // SAFETY: a function named `mallinfo2` in the global scope is glibc's (or a malloc
+        // replacement's that exports the same ABI, as replacements must for the symbol to
+        // mean anything): `struct mallinfo2 mallinfo2(void)`, whose layout is
+        // `libc::mallinfo2`. A data pointer and a function pointer have the same size and
+        // representation on every target glibc runs on (POSIX requires it of dlsym).
+        Some(unsafe { std::mem::transmute::<*mut libc::c_void, Mallinfo2Fn>(sym) })
+    }
+
+    pub(super) fn lookup_mallinfo() -> Option<MallinfoFn> {
+        let sym = lookup(c"mallinfo")?;
+        // SAFETY: as for `mallinfo2`: glibc's `struct mallinfo mallinfo(void)`, whose layout is
+        // `libc::mallinfo`, and a function pointer is a data pointer's size.
+        Some(unsafe { std::mem::transmute::<*mut libc::c_void, MallinfoFn>(sym) })
+    }
+
+    /// Reads the statistics with `reader`; `None` when it is `Unavailable`.
+    pub(super) fn read(reader: Reader) -> Option<(HeapStatsSource, HeapInfo)> {
+        match reader {
+            Reader::Mallinfo2(f) => {
+                // SAFETY: `f` is `mallinfo2` (see `lookup_mallinfo2`): it takes no arguments
+                // and only reads the allocator's statistics, under the allocator's locks.
+                let m = unsafe { f() };
+                Some((HeapStatsSource::Mallinfo2, from_mallinfo2(&m)))
+            }
+            Reader::Mallinfo(f) => {
+                // SAFETY: `f` is `mallinfo` (see `lookup_mallinfo`): no arguments, reads the
+                // statistics under the allocator's locks.
+                let m = unsafe { f() };
+                Some((HeapStatsSource::Mallinfo, from_mallinfo(&m)))
+            }
+            Reader::Unavailable => None,
+        }
+    }
+
+    fn from_mallinfo2(m: &libc::mallinfo2) -> HeapInfo {
+        HeapInfo {
+            arena: m.arena as u64,
+            fordblks: m.fordblks as u64,
+            hblkhd: m.hblkhd as u64,
+            keepcost: m.keepcost as u64,
+        }
+    }
+
+    /// `mallinfo`'s `int` fields hold glibc's sizes truncated to 32 bits; their bits read as
+    /// unsigned are exact below 4 GiB and the size modulo 4 GiB above ([`HeapStatsSource`]).
+    pub(super) fn from_mallinfo(m: &libc::mallinfo) -> HeapInfo {
+        let bytes = |field: libc::c_int| u64::from(field as u32);
+        HeapInfo {
+            arena: bytes(m.arena),
+            fordblks: bytes(m.fordblks),
+            hblkhd: bytes(m.hblkhd),
+            keepcost: bytes(m.keepcost),
+        }
+    }
+
+    /// Whether this process reads exact sizes (`mallinfo2`): what trimming the heap to a cap
+    /// above 4 GiB from the top's size needs.
+    pub(super) fn exact_sizes() -> bool {
+        matches!(reader(), Reader::Mallinfo2(_))
+    }
 }
 
 /// The least free memory glibc keeps at the top of its heap for reuse once
@@ -110,6 +263,10 @@ pub fn set_retained_max_bytes(bytes: usize) -> usize {
     let previous = retained_max_bytes();
     CAP.store(bytes, Ordering::Relaxed);
     SINCE_CHECK.store(usize::MAX / 2, Ordering::Relaxed);
+    if REUSE.get() == Some(&true) && !TRIM_BY_US.load(Ordering::Relaxed) {
+        // glibc before 2.33: glibc's own threshold holds the cap (see `tune_glibc_malloc`).
+        set_glibc_trim_threshold(retained_max_bytes());
+    }
     previous
 }
 
@@ -142,7 +299,9 @@ pub const HEAP_BLOCK_MAX_BYTES: usize = 1 << 30;
 
 /// Set when [`reuse_large_buffers`] turned glibc's own trimming off (its threshold is an `int`,
 /// at most 2 GiB, and fixed once set): [`enforce_retention_cap`] then trims to the cap at each
-/// large allocation.
+/// large allocation. Left unset where only `mallinfo` reports the heap (glibc before 2.33):
+/// its sizes wrap at 4 GiB, too little to compare the top of the heap with a cap of half the
+/// machine, so glibc's own threshold holds the cap there, clamped to 2 GiB.
 static TRIM_BY_US: AtomicBool = AtomicBool::new(false);
 static TRIMS: AtomicU64 = AtomicU64::new(0);
 
@@ -167,7 +326,11 @@ static REUSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 /// [`HEAP_BLOCK_MAX_BYTES`] (falling back to 32 MiB where glibc refuses more), a trim threshold
 /// of [`retained_max_bytes`] (the cap on what is kept: glibc's `M_TRIM_THRESHOLD` is turned off
 /// and the top of the heap is trimmed to the cap, checked once per quarter of the cap of large
-/// allocations) and `M_TOP_PAD` 64 MiB. Measured
+/// allocations) and `M_TOP_PAD` 64 MiB. On glibc before 2.33 (no `mallinfo2`, whose exact sizes
+/// that check reads) glibc's own `M_TRIM_THRESHOLD` holds the cap instead, clamped to its
+/// `int` (just under 2 GiB; [`set_retained_max_bytes`] sets it again), and glibc trims the top
+/// down to the 64 MiB pad when it grows past it: the cap holds, at the cost of refaulting
+/// more of a workload that churns more than 2 GiB per step. Measured
 /// (comm_bench, 64 MiB, world 4, same run): all_gather with fresh outputs at 0.86 of the copy
 /// floor instead of 0.45. Process-wide and permanent; threads already attached to an arena
 /// keep it, so this runs before the rank threads start (`LocalWorld::launch` calls it). A
@@ -197,9 +360,15 @@ fn tune_glibc_malloc() -> bool {
     let mmap_ok = set(libc::M_MMAP_THRESHOLD, threshold) || set(libc::M_MMAP_THRESHOLD, 32 * MIB);
     // glibc's trim threshold is set to "never" (-1 reads as SIZE_MAX: the cap is usually over
     // what its `int` holds, and can change) and `enforce_retention_cap` trims the top of the
-    // heap down to the cap.
-    let trim_ok = set(libc::M_TRIM_THRESHOLD, -1);
-    TRIM_BY_US.store(trim_ok, Ordering::Relaxed);
+    // heap down to the cap, where `mallinfo2` gives the top's exact size; elsewhere glibc's
+    // threshold is the cap, clamped to its `int`.
+    let trim_ok = if glibc::exact_sizes() {
+        let ok = set(libc::M_TRIM_THRESHOLD, -1);
+        TRIM_BY_US.store(ok, Ordering::Relaxed);
+        ok
+    } else {
+        set_glibc_trim_threshold(retained_max_bytes())
+    };
     // The three thresholds only help together (a trim threshold alone disables the dynamic
     // mmap threshold): all are set, and the result says whether all took.
     let rest = [
@@ -208,6 +377,20 @@ fn tune_glibc_malloc() -> bool {
         set(libc::M_TOP_PAD, 64 * MIB),
     ];
     mmap_ok && rest.iter().all(|&ok| ok)
+}
+
+/// Sets glibc's own `M_TRIM_THRESHOLD` to `bytes`, clamped to the `int` it takes; says whether
+/// glibc took it.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn set_glibc_trim_threshold(bytes: usize) -> bool {
+    let threshold = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: mallopt only changes an allocator parameter; glibc serializes it with allocations.
+    unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, threshold) == 1 }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn set_glibc_trim_threshold(_: usize) -> bool {
+    false
 }
 
 /// Bytes of large allocations through [`vec_with_capacity`] since the cap was last checked.
@@ -241,15 +424,12 @@ fn trim_if_top_over(cap: usize) -> bool {
     true
 }
 
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
+/// The free block at the top of the heap; 0 where it cannot be read. Only called where
+/// [`TRIM_BY_US`] is set, which needs exact sizes (`mallinfo2`).
 fn top_free_bytes() -> usize {
-    // SAFETY: mallinfo2 only reads the allocator's statistics (under its locks).
-    unsafe { libc::mallinfo2() }.keepcost
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn top_free_bytes() -> usize {
-    0
+    heap_info().map_or(0, |(_, h)| {
+        usize::try_from(h.keepcost).unwrap_or(usize::MAX)
+    })
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
@@ -324,21 +504,6 @@ pub fn vec_with_capacity<T>(elems: usize) -> Vec<T> {
     v
 }
 
-/// A `Vec` of `elems` elements whose memory was never written (no zero-fill pass), advised for
-/// huge pages when large.
-///
-/// # Safety
-///
-/// `T` must be a plain numeric type (every bit pattern valid, no drop glue), and the caller
-/// must write every element before any is read, or drop the `Vec` unread: in particular it may
-/// hand the `Vec` to no one (a tensor, a slice) before it is fully written.
-pub unsafe fn uninit_vec<T: Copy>(elems: usize) -> Vec<T> {
-    let mut v = vec_with_capacity::<T>(elems);
-    // SAFETY: capacity is `elems`; the elements are initialised before use (the contract).
-    unsafe { v.set_len(elems) };
-    v
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -364,6 +529,118 @@ mod tests {
         assert_eq!(stats().retained_max_bytes, cap as u64);
         // The trim itself is tested in comm/tests/memory_cap.rs (its own process: which arena
         // a test thread of this binary allocates from is not under the test's control).
+    }
+
+    /// glibc's version as (major, minor), from `gnu_get_libc_version` (in every glibc).
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn glibc_version() -> (u32, u32) {
+        // SAFETY: gnu_get_libc_version takes no arguments and returns a pointer to a static
+        // NUL-terminated string.
+        let v = unsafe { std::ffi::CStr::from_ptr(libc::gnu_get_libc_version()) };
+        let v = v.to_str().expect("glibc's version is ASCII");
+        let mut parts = v
+            .split('.')
+            .map(|p| p.parse::<u32>().expect("numeric version"));
+        (parts.next().expect("major"), parts.next().expect("minor"))
+    }
+
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn heap_statistics_come_from_mallinfo2_where_glibc_has_it() {
+        let expected = if glibc_version() >= (2, 33) {
+            HeapStatsSource::Mallinfo2
+        } else {
+            HeapStatsSource::Mallinfo
+        };
+        let s = stats();
+        assert_eq!(s.heap_stats, expected, "glibc {:?}", glibc_version());
+        assert_eq!(glibc::exact_sizes(), expected == HeapStatsSource::Mallinfo2);
+        // This process has allocated (the test harness alone does), so the heap is not empty.
+        assert!(s.heap_bytes > 0, "{s:?}");
+        assert!(s.heap_free_bytes <= s.heap_bytes, "{s:?}");
+    }
+
+    /// The fallback of glibc before 2.33, taken here by withholding `mallinfo2`.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn without_mallinfo2_the_heap_is_read_with_mallinfo_or_marked_unavailable() {
+        let m1 = glibc::lookup_mallinfo().expect("glibc exports mallinfo");
+        let reader = glibc::choose(None, Some(m1));
+        assert!(matches!(reader, glibc::Reader::Mallinfo(_)), "{reader:?}");
+        let (source, h) = glibc::read(reader).expect("mallinfo reads the heap");
+        assert_eq!(source, HeapStatsSource::Mallinfo);
+        // One snapshot (this test binary's heap is far below 4 GiB, so nothing wraps): the
+        // heap exists, its free bytes are inside it, and the top block is among them.
+        assert!(h.arena > 0, "{h:?}");
+        assert!(h.keepcost <= h.fordblks && h.fordblks <= h.arena, "{h:?}");
+
+        let none = glibc::choose(None, None);
+        assert!(matches!(none, glibc::Reader::Unavailable));
+        assert_eq!(glibc::read(none), None);
+        // A name no loaded object defines resolves to nothing rather than to a bad pointer.
+        assert!(glibc::lookup(c"cdt_no_such_symbol_mallinfo3").is_none());
+    }
+
+    /// The two function pointers made from dlsym's addresses have the signatures and struct
+    /// layouts their SAFETY comments claim: `mallinfo` must report `mallinfo2`'s sizes
+    /// truncated to 32 bits, field for field. Other test threads allocate meanwhile, so a
+    /// reading counts only when `mallinfo2` saw the same heap before and after it.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn mallinfo_and_mallinfo2_agree_through_their_resolved_pointers() {
+        let Some(m2) = glibc::lookup_mallinfo2() else {
+            assert!(
+                glibc_version() < (2, 33),
+                "glibc {:?} has mallinfo2",
+                glibc_version()
+            );
+            return;
+        };
+        let m1 = glibc::lookup_mallinfo().expect("glibc exports mallinfo");
+        let read = |r| glibc::read(r).expect("readable").1;
+        let truncated = |h: HeapInfo| HeapInfo {
+            arena: h.arena & 0xffff_ffff,
+            fordblks: h.fordblks & 0xffff_ffff,
+            hblkhd: h.hblkhd & 0xffff_ffff,
+            keepcost: h.keepcost & 0xffff_ffff,
+        };
+        let mut last = None;
+        for _ in 0..1000 {
+            let before = read(glibc::Reader::Mallinfo2(m2));
+            let old = read(glibc::Reader::Mallinfo(m1));
+            let after = read(glibc::Reader::Mallinfo2(m2));
+            if before == after {
+                assert_eq!(old, truncated(before), "mallinfo vs mallinfo2");
+                return;
+            }
+            last = Some((before, after));
+        }
+        panic!("the heap changed during every one of 1000 readings: {last:?}");
+    }
+
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn mallinfo_sizes_past_2_gib_read_as_unsigned_32_bits() {
+        // glibc stores size_t sizes into mallinfo's ints truncated: 3 GiB reads as a negative
+        // int, 4 GiB - 1 as -1, 5 GiB as 1 GiB.
+        let m = libc::mallinfo {
+            arena: (3u32 << 30) as libc::c_int,
+            ordblks: 0,
+            smblks: 0,
+            hblks: 0,
+            hblkhd: -1,
+            usmblks: 0,
+            fsmblks: 0,
+            uordblks: 0,
+            fordblks: ((5u64 << 30) as u32) as libc::c_int,
+            keepcost: i32::MAX,
+        };
+        assert!(m.arena < 0);
+        let h = glibc::from_mallinfo(&m);
+        assert_eq!(h.arena, 3 << 30);
+        assert_eq!(h.hblkhd, (1 << 32) - 1);
+        assert_eq!(h.fordblks, 1 << 30, "5 GiB reads modulo 4 GiB");
+        assert_eq!(h.keepcost, (1 << 31) - 1);
     }
 
     #[test]
