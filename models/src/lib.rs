@@ -19,7 +19,9 @@
 //! - [`init`]: a counter-based initialiser keyed by global index, so any mesh holds exactly
 //!   the single-device parameters for a seed.
 //! - [`train`]: a global gradient-norm clip with one all_reduce; [`data`]: a synthetic corpus.
-//! - [`optim`]: AdamW with candle-nn's exact math in one fused pass, its state accessible.
+//! - [`optim`]: AdamW with candle-nn's exact math in one fused pass, its state accessible,
+//!   weight decay per parameter; [`schedule`]: warmup and cosine / linear learning-rate
+//!   decay, and which parameters decay.
 //! - [`checkpoint`]: distributed checkpoints (every rank writes its pieces, one manifest) that
 //!   load into any layout, consolidate into one plain safetensors file, and verify checksums.
 
@@ -37,6 +39,7 @@ pub mod nn;
 pub mod optim;
 pub mod params;
 pub mod plan;
+pub mod schedule;
 pub mod tp_nn;
 pub mod train;
 pub mod trainer;

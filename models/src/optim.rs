@@ -53,6 +53,8 @@ enum Moments {
 struct VarState {
     var: Var,
     moments: Moments,
+    /// Whether weight decay applies to this variable ([`AdamW::set_decay`]).
+    decay: bool,
 }
 
 /// AdamW (decoupled weight decay) with candle-nn's exact math and accessible state; see the
@@ -197,7 +199,11 @@ impl Optimizer for AdamW {
                     v: Var::zeros(var.shape(), dtype, var.device())?,
                 },
             };
-            states.push(VarState { var, moments });
+            states.push(VarState {
+                var,
+                moments,
+                decay: true,
+            });
         }
         let index = states
             .iter()
@@ -233,10 +239,17 @@ impl Optimizer for AdamW {
             eps: p.eps,
             lr: p.lr,
         };
+        let no_decay = Consts {
+            decay: 1.0,
+            ..consts
+        };
         for s in &mut self.vars {
             let Some(g) = grads.get(&s.var) else {
                 continue;
             };
+            // A variable without decay takes candle-nn's arithmetic with weight_decay = 0
+            // (theta * (1 - lr * 0)), so it matches a second parameter group exactly.
+            let consts = if s.decay { consts } else { no_decay };
             if g.dims() != s.var.dims() {
                 return Err(Error::msg(format!(
                     "adamw: gradient of shape {:?} for a parameter of shape {:?}",
@@ -317,6 +330,27 @@ impl AdamW {
     /// The optimized variables, in the order given to [`Optimizer::new`].
     pub fn vars(&self) -> Vec<Var> {
         self.vars.iter().map(|s| s.var.clone()).collect()
+    }
+
+    /// Turns weight decay on or off for `var` (on for every variable at construction): the
+    /// second parameter group of nanoGPT-style recipes (no decay for norms, biases and
+    /// embeddings; see [`crate::schedule::WeightDecay`]). Returns whether `var` is optimized
+    /// here.
+    pub fn set_decay(&mut self, var: &Var, decay: bool) -> bool {
+        match self.index.get(&var.as_tensor().id()) {
+            Some(&i) => {
+                self.vars[i].decay = decay;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether `var` is decayed (`None` if it is not optimized here).
+    pub fn decays(&self, var: &Var) -> Option<bool> {
+        self.index
+            .get(&var.as_tensor().id())
+            .map(|&i| self.vars[i].decay)
     }
 
     /// Whether `var` is optimized by this instance.
@@ -585,5 +619,73 @@ mod tests {
         let other = Var::zeros((4, 5), DType::F32, &Device::Cpu).unwrap();
         assert!(opt_b.set_moments(&other, &m, &v).is_err());
         assert!(opt_b.moments(&other).unwrap().is_none());
+    }
+
+    /// Two parameter groups in one optimizer: a var with decay turned off steps exactly as
+    /// candle-nn's AdamW with `weight_decay = 0`, the others exactly as with the decay (f32 on
+    /// the fused path, bf16 on the tensor path).
+    #[test]
+    fn decay_off_matches_a_group_without_decay() {
+        let params = ParamsAdamW {
+            lr: 3e-2,
+            weight_decay: 0.1,
+            ..ParamsAdamW::default()
+        };
+        let no_wd = ParamsAdamW {
+            weight_decay: 0.0,
+            ..params.clone()
+        };
+        for dtype in [DType::F32, DType::BF16] {
+            let init = [tensor(&[7, 3], 1, 1.0, dtype), tensor(&[9], 2, 1.0, dtype)];
+            let ours: Vec<Var> = init.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+            let with_wd = Var::from_tensor(&init[0]).unwrap();
+            let without_wd = Var::from_tensor(&init[1]).unwrap();
+            let mut opt = AdamW::new(ours.clone(), params.clone()).unwrap();
+            assert!(opt.set_decay(&ours[1], false));
+            assert_eq!(opt.decays(&ours[0]), Some(true));
+            assert_eq!(opt.decays(&ours[1]), Some(false));
+            assert!(!opt.set_decay(&with_wd, false), "not optimized here");
+            let mut ref_a = candle_nn::AdamW::new(vec![with_wd.clone()], params.clone()).unwrap();
+            let mut ref_b = candle_nn::AdamW::new(vec![without_wd.clone()], no_wd.clone()).unwrap();
+            for step in 0..6u64 {
+                let (ga, gb) = (
+                    tensor(&[7, 3], 10 + step, 0.5, dtype),
+                    tensor(&[9], 20 + step, 0.5, dtype),
+                );
+                let mut g = empty_grads();
+                g.insert(ours[0].as_tensor(), ga.clone());
+                g.insert(ours[1].as_tensor(), gb.clone());
+                opt.step(&g).unwrap();
+                let mut g = empty_grads();
+                g.insert(with_wd.as_tensor(), ga);
+                ref_a.step(&g).unwrap();
+                let mut g = empty_grads();
+                g.insert(without_wd.as_tensor(), gb);
+                ref_b.step(&g).unwrap();
+            }
+            assert_eq!(
+                bits(ours[0].as_tensor()),
+                bits(with_wd.as_tensor()),
+                "{dtype:?}"
+            );
+            assert_eq!(
+                bits(ours[1].as_tensor()),
+                bits(without_wd.as_tensor()),
+                "{dtype:?}"
+            );
+            // And the decay mattered: the decayed var differs from a run without decay.
+            let plain = Var::from_tensor(&init[0]).unwrap();
+            let mut ref_c = candle_nn::AdamW::new(vec![plain.clone()], no_wd.clone()).unwrap();
+            for step in 0..6u64 {
+                let mut g = empty_grads();
+                g.insert(plain.as_tensor(), tensor(&[7, 3], 10 + step, 0.5, dtype));
+                ref_c.step(&g).unwrap();
+            }
+            assert_ne!(
+                bits(ours[0].as_tensor()),
+                bits(plain.as_tensor()),
+                "{dtype:?}"
+            );
+        }
     }
 }

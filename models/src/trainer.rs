@@ -22,6 +22,7 @@ use crate::gpt::{Gpt, GptConfig};
 use crate::optim::AdamW;
 use crate::params::ParamStore;
 use crate::plan::TpPlan;
+use crate::schedule::{LrSchedule, WeightDecay};
 use crate::train::clip_grad_norm;
 
 /// What to train.
@@ -37,10 +38,16 @@ pub struct TrainConfig {
     pub steps: usize,
     /// Seed of the parameters and the data.
     pub seed: u64,
-    /// AdamW learning rate.
+    /// AdamW learning rate (the peak rate when [`TrainConfig::schedule`] is set).
     pub lr: f64,
+    /// Learning-rate schedule (`None`: `lr` at every step). The optimizer's rate is set from
+    /// it before every step, as a function of the step index alone, so a resumed run continues
+    /// it exactly.
+    pub schedule: Option<LrSchedule>,
     /// AdamW weight decay.
     pub weight_decay: f64,
+    /// Which parameters the weight decay applies to (default: all, as candle-nn's AdamW).
+    pub decay_policy: WeightDecay,
     /// Clip the global gradient norm to this value.
     pub clip: Option<f64>,
     /// Tokens in the synthetic corpus.
@@ -128,7 +135,9 @@ impl TrainConfig {
             steps: 100,
             seed: 0,
             lr: 1e-3,
+            schedule: None,
             weight_decay: 0.01,
+            decay_policy: WeightDecay::All,
             clip: None,
             corpus_tokens: 1 << 18,
             data: None,
@@ -170,6 +179,8 @@ pub struct RankReport {
     pub start_step: usize,
     /// Global mean loss per step run in this invocation (steps `start_step..steps`).
     pub losses: Vec<f32>,
+    /// The learning rate of each step run in this invocation (same steps as `losses`).
+    pub lrs: Vec<f64>,
     /// Held-out loss after `n` steps, as `(n, loss)` ([`TrainConfig::eval`]).
     pub eval_losses: Vec<(usize, f32)>,
     /// The generated tokens ([`TrainConfig::sample`]), after the prompt.
@@ -295,14 +306,19 @@ impl Setup {
         let opt = if cfg.sgd {
             StepOptimizer::Sgd(candle_nn::SGD::new(store.vars(), cfg.lr)?)
         } else {
-            StepOptimizer::AdamW(AdamW::new(
+            let mut opt = AdamW::new(
                 store.vars(),
                 candle_nn::ParamsAdamW {
                     lr: cfg.lr,
                     weight_decay: cfg.weight_decay,
                     ..Default::default()
                 },
-            )?)
+            )?;
+            for p in store.params() {
+                // By the global shape, so every layout decays the same parameters.
+                opt.set_decay(&p.var, cfg.decay_policy.decays(&p.name, p.tensor.shape()));
+            }
+            StepOptimizer::AdamW(opt)
         };
         Ok(Setup {
             mesh,
@@ -690,6 +706,9 @@ pub fn train_rank(
             t_fwd,
             t_bwd,
         } = out;
+        let lr = cfg.schedule.map_or(cfg.lr, |sch| sch.lr_at(step));
+        s.opt.set_learning_rate(lr);
+        report.lrs.push(lr);
         s.opt.step(&grads)?;
         let t_opt = Instant::now();
         report.phase_ms.push([
@@ -932,6 +951,14 @@ impl StepOptimizer {
         match self {
             StepOptimizer::AdamW(o) => Some(o),
             StepOptimizer::Sgd(_) => None,
+        }
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        use candle_nn::Optimizer;
+        match self {
+            StepOptimizer::Sgd(o) => o.set_learning_rate(lr),
+            StepOptimizer::AdamW(o) => o.set_learning_rate(lr),
         }
     }
 
