@@ -14,6 +14,6 @@ pub mod prelude;
 /// Process tuning for CPU ranks (call at the start of `main`); defined next to the local
 /// backend they tune, in [`comm::local`].
 pub use candle_dtensor_comm::local::{
-    init_cpu_allocator, init_cpu_threads, init_gemm_threads, CANDLE_NUM_THREADS_ENV,
+    init_cpu_allocator, init_cpu_threads, init_gemm_threads, Tuned, CANDLE_NUM_THREADS_ENV,
     RAYON_NUM_THREADS_ENV,
 };

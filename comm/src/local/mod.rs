@@ -32,7 +32,7 @@ use crate::types::OpCtx;
 use backend::LocalBackend;
 use group::{GroupKey, World};
 pub use tuning::{
-    init_cpu_allocator, init_cpu_threads, init_gemm_threads, CANDLE_NUM_THREADS_ENV,
+    init_cpu_allocator, init_cpu_threads, init_gemm_threads, Tuned, CANDLE_NUM_THREADS_ENV,
     RAYON_NUM_THREADS_ENV,
 };
 
