@@ -871,6 +871,25 @@ pub fn assert_ctx(e: &CommError, op: &str, comm: &str, rank: usize) {
     );
 }
 
+/// Asserts that a step which must not wait out `timeout` (it fails fast, or completes on its
+/// own) took less than three quarters of it. Waiting the timeout out takes all of it, so this
+/// still catches that; the other quarter, not a fixed bound of a second or so, is what a slow
+/// or loaded machine must exceed to fail it, and drivers give their communicators timeouts of
+/// many seconds (what must time out uses [`Selection::fault_timeout`] or a short bootstrap).
+#[track_caller]
+fn assert_prompt(took: Duration, timeout: Duration, what: &dyn fmt::Display) {
+    assert!(
+        took < timeout * 3 / 4,
+        "{what}: took {took:?}, 3/4 or more of the timeout of {timeout:?} it must not wait out"
+    );
+}
+
+/// The shorter of `c`'s op and bootstrap timeouts: what a step that issues ops and splits or
+/// shrinks could wait out.
+fn shorter_timeout(c: &Comm) -> Duration {
+    c.timeout().min(c.options().bootstrap_timeout)
+}
+
 /// Polls `f` until it holds or `limit` passes; returns whether it held.
 pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let start = Instant::now();

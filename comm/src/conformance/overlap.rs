@@ -33,11 +33,10 @@ pub(super) fn comm_b_completes_while_comm_a_waits(cx: &Cx) -> R<()> {
         "rank {me}: A finished before B ({t_b:?}, {t_a:?})"
     );
     assert!(t_b < t_a, "rank {me}: B at {t_b:?}, A at {t_a:?}");
+    // A lower bound (rank 1 joins A 300 ms after B completed): load only makes it later. No
+    // bound on the gap between B and A: that B completed while A still waited is what
+    // `a_done_at_b` shows, whereas the gap shrinks when this rank is descheduled after B.
     assert!(t_a >= Duration::from_millis(250), "rank {me}: A at {t_a:?}");
-    assert!(
-        t_a - t_b >= Duration::from_millis(150),
-        "rank {me}: B {t_b:?} A {t_a:?}"
-    );
     assert_eq!(sums, (want, want), "rank {me}");
     Ok(())
 }
