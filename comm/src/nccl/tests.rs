@@ -198,7 +198,9 @@ fn a_group_stuck_in_progress_times_out_and_aborts() {
             Box::new(()),
         )
         .unwrap_err();
-    assert!(t0.elapsed() < Duration::from_secs(2));
+    // Gives up after its 100 ms instead of polling on: a generous bound (load only adds to
+    // the 100 ms), not a tight one.
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
     match &e {
         CommError::Timeout { ctx, timeout, .. } => {
             assert_eq!((ctx.seq, ctx.op), (3, OpName::AllGatherSingle));
@@ -476,10 +478,12 @@ fn shutdown_finalizes_and_destroys_a_healthy_communicator() {
         "drains work first"
     );
     f.dev.complete_all();
+    // Teardown follows within milliseconds; the wait is long only so that a loaded machine
+    // cannot fail it (it ends as soon as teardown happened).
     let t0 = Instant::now();
     while f.api.count(|l| matches!(l, Logged::Destroy(_))) == 0 {
         assert!(
-            t0.elapsed() < Duration::from_secs(5),
+            t0.elapsed() < Duration::from_secs(30),
             "teardown never happened: {:?}",
             f.api.log()
         );
@@ -505,9 +509,10 @@ fn shutdown_after_a_failure_aborts_and_never_destroys() {
     f.core.abort("test");
     f.core.spawn_watchdog().unwrap();
     f.core.request_shutdown();
+    // Long only so that a loaded machine cannot fail it (it ends at the abort).
     let t0 = Instant::now();
     while f.api.count(|l| matches!(l, Logged::Abort(_))) == 0 {
-        assert!(t0.elapsed() < Duration::from_secs(5));
+        assert!(t0.elapsed() < Duration::from_secs(30));
         std::thread::sleep(Duration::from_millis(5));
     }
     std::thread::sleep(Duration::from_millis(50));
@@ -563,7 +568,9 @@ fn init_timeout_aborts_and_names_missing_ranks() {
     let c = ctx(OpName::NewComm, 0, Duration::from_millis(150));
     let t0 = Instant::now();
     let e = init_comm(&api, &dev, &init_args(&id, &spec, &c), &|| vec![2, 3]).unwrap_err();
-    assert!(t0.elapsed() < Duration::from_secs(2));
+    // Gives up after its 150 ms instead of polling on: a generous bound (load only adds to
+    // the 150 ms), not a tight one.
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
     let m = e.to_string();
     assert!(matches!(e, CommError::Timeout { .. }), "{m}");
     assert!(
