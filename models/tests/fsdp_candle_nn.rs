@@ -5,6 +5,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_dtensor_comm::LocalWorld;
 use candle_dtensor_core::{distribute_tensor, Placement};
+use candle_dtensor_kernels::compare::compare_series_f32;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use candle_dtensor_models::fsdp_vb::{initial_value, FsdpVarMap};
@@ -140,13 +141,21 @@ fn candle_nn_mlp_under_fsdp_matches_one_device() {
             })
             .unwrap();
         let (losses, w) = &out[0];
+        // Same step count and every loss finite (a zip would compare the shorter prefix).
+        if let Err(e) = compare_series_f32("loss", losses, &ref_losses) {
+            panic!("world {world}: {e}");
+        }
         for (a, b) in losses.iter().zip(&ref_losses) {
             assert!(
                 (a - b).abs() <= 1e-5 * b.abs().max(1.0),
                 "world {world}: {losses:?} vs {ref_losses:?}"
             );
         }
-        for (a, b) in w.as_ref().unwrap().iter().zip(&ref_params[0]) {
+        let w = w.as_ref().unwrap();
+        if let Err(e) = compare_series_f32("l1.weight", w, &ref_params[0]) {
+            panic!("world {world}: {e}");
+        }
+        for (a, b) in w.iter().zip(&ref_params[0]) {
             assert!(
                 (a - b).abs() <= 1e-5,
                 "world {world}: l1.weight differs: {a} vs {b}"

@@ -115,6 +115,9 @@ fn in_grads(grads: &GradStore) -> impl Fn(&Var) -> bool + '_ {
 fn assert_close(a: &[f32], b: &[f32], rel: f32, what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
+    // f32::max keeps an infinity, which would make every finite difference pass (a NaN in
+    // `a` or `b` fails the comparison below).
+    assert!(scale.is_finite(), "{what}: the reference is not finite");
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         assert!(
             (x - y).abs() <= rel * scale,

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_dtensor_comm::{Comm, LocalWorld};
 use candle_dtensor_core::debug::{CollectiveRecord, CommDebugMode, Phase};
 use candle_dtensor_core::{distribute_tensor, DTensor, Placement};
+use candle_dtensor_kernels::compare::compare_series_f32;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::data::Corpus;
 use candle_dtensor_models::layers::Builder;
@@ -134,6 +135,9 @@ fn close(what: &str, a: &Tensor, b: &Tensor, tol: f32) {
     let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
+    // f32::max keeps an infinity, which would make every finite difference pass (a NaN in
+    // `a` or `b` fails the comparison below).
+    assert!(scale.is_finite(), "{what}: the reference is not finite");
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         assert!(
             (x - y).abs() <= tol * scale,
@@ -429,11 +433,9 @@ fn gpt_with_moe_trains_like_single_device() {
         vec![("ep", 2), ("tp", 2)],
     ] {
         let losses = train_with(&dims, &cfg, steps, TpPlan::gpt(false));
-        for (a, b) in losses.iter().zip(&reference) {
-            assert!(
-                (a - b).abs() <= 1e-4 * b.abs(),
-                "{dims:?}: {losses:?} vs {reference:?}"
-            );
+        if let Err(e) = compare_series_f32("loss", &losses, &reference).and_then(|d| d.within(1e-4))
+        {
+            panic!("{dims:?}: {e} ({losses:?} vs {reference:?})");
         }
     }
 }
@@ -600,12 +602,9 @@ fn fsdp_over_dp_with_experts_over_ep_trains_like_single_device() {
         sharded.param_bytes,
         reference.param_bytes
     );
-    for (a, b) in sharded.losses.iter().zip(&reference.losses) {
-        assert!(
-            (a - b).abs() <= 1e-4 * b.abs(),
-            "{:?} vs {:?}",
-            sharded.losses,
-            reference.losses
-        );
+    if let Err(e) =
+        compare_series_f32("loss", &sharded.losses, &reference.losses).and_then(|d| d.within(1e-4))
+    {
+        panic!("{e} ({:?} vs {:?})", sharded.losses, reference.losses);
     }
 }

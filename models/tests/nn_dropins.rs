@@ -22,6 +22,9 @@ fn close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
     let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
     let (a, b) = (a.to_vec1::<f64>().unwrap(), b.to_vec1::<f64>().unwrap());
     let scale = b.iter().fold(1.0f64, |m, y| m.max(y.abs()));
+    // f64::max keeps an infinity, which would make every finite difference pass (a NaN in
+    // `a` or `b` fails the comparison below).
+    assert!(scale.is_finite(), "{what}: the reference is not finite");
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         assert!(
             (x - y).abs() <= tol * scale,

@@ -9,6 +9,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, Module, Tensor, Var, D};
 use candle_dtensor_comm::{LocalWorld, ReduceOp};
 use candle_dtensor_core::debug::{CommDebugMode, Phase};
+use candle_dtensor_kernels::compare::{compare_series_f32, max_abs_diff};
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use candle_dtensor_models::fsdp_vb::{reference_var_builder, FsdpVarMap};
@@ -79,25 +80,24 @@ fn slice(t: &Tensor, ranges: &[Range<usize>]) -> Tensor {
 /// `max |a - b| / max |b|`: the error relative to the tensor's magnitude (elementwise relative
 /// errors of near-zero elements only measure f32 summation order, which differs when partial
 /// sums are reduced across ranks), with a floor of 1e-3 for tensors that are zero up to
-/// rounding (the gradient of a key bias, to which softmax is invariant).
-fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
+/// rounding (the gradient of a key bias, to which softmax is invariant). NaN when either has a
+/// NaN or infinite element (the kernels' `max_abs_diff`; a fold with `f32::max` dropped NaN).
+fn max_rel(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.dims(), b.dims());
-    let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let scale = b.iter().fold(0.0f32, |m, y| m.max(y.abs())).max(1e-3);
-    a.iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs() / scale)
-        .fold(0.0, f32::max)
+    let diff = max_abs_diff(a, b).unwrap();
+    // max |b|: its distance from zero.
+    let scale = max_abs_diff(b, &b.zeros_like().unwrap()).unwrap();
+    if diff.is_nan() || scale.is_nan() {
+        return f64::NAN;
+    }
+    diff / scale.max(1e-3)
 }
 
+/// Every step's loss within 1e-5 of one device's, relative; the same number of steps, all
+/// finite.
 fn assert_losses(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    for (s, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (a - b).abs() <= 1e-5 * b.abs(),
-            "{what}: step {s}: loss {a} vs one device {b} ({got:?} vs {want:?})"
-        );
+    if let Err(e) = compare_series_f32(what, got, want).and_then(|d| d.within(1e-5)) {
+        panic!("{e} ({got:?} vs one device {want:?})");
     }
 }
 
@@ -570,4 +570,31 @@ fn module_errors_cross_into_candle_with_their_type() {
         );
         assert_eq!(dims, vec![2, OUT]);
     }
+}
+
+#[test]
+fn comparisons_fail_on_nan_inf_mismatch_and_short_runs() {
+    let d = Device::Cpu;
+    let t = |v: &[f32]| Tensor::new(v, &d).unwrap();
+    let want = t(&[1.0, -2.0, 4.0]);
+    assert_eq!(max_rel(&want, &want), 0.0);
+    assert!((max_rel(&t(&[1.0, -2.0, 4.04]), &want) - 0.01).abs() < 1e-6);
+    // A planted NaN or infinity, on either side, gives no finite difference (so fails every
+    // `rel <= tol`).
+    for bad in [f32::NAN, f32::INFINITY] {
+        let planted = t(&[1.0, bad, 4.0]);
+        assert!(!max_rel(&planted, &want).is_finite(), "{bad} in the run");
+        assert!(
+            !max_rel(&want, &planted).is_finite(),
+            "{bad} in the reference"
+        );
+    }
+    let fails = |got: &[f32]| {
+        let got = got.to_vec();
+        std::panic::catch_unwind(move || assert_losses("planted", &got, &[2.0, 1.5, 1.0])).is_err()
+    };
+    assert!(!fails(&[2.0, 1.5, 1.0]));
+    assert!(fails(&[2.0, f32::NAN, 1.0]), "a NaN loss");
+    assert!(fails(&[2.0, 1.5, 1.001]), "a loss past 1e-5");
+    assert!(fails(&[2.0, 1.5]), "a run that stopped early");
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 use candle_dtensor_comm::LocalWorld;
 use candle_dtensor_core::{distribute_tensor, DTensor};
+use candle_dtensor_kernels::compare::compare_series_f32;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::data::Corpus;
 use candle_dtensor_models::trainer::{train_rank, FsdpSpec, RankReport, TrainConfig};
@@ -67,9 +68,10 @@ pub fn train_on_mesh(dims: &[(&str, usize)], c: &TrainConfig, timeout: Duration)
 
 /// Every `a[i]` within `tol` of `b[i]`, relative to `b[i]`.
 pub fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: {a:?} vs {b:?}");
-    for (x, y) in a.iter().zip(b) {
-        assert!((x - y).abs() <= tol * y.abs(), "{what}: {a:?} vs {b:?}");
+    // Same length, every value finite (`|x - inf| <= tol * inf` held for any finite x), each
+    // within `tol` relative.
+    if let Err(e) = compare_series_f32(what, a, b).and_then(|d| d.within(f64::from(tol))) {
+        panic!("{e} ({a:?} vs {b:?})");
     }
 }
 
