@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use candle_dtensor::comm::{new_comm, Comm, CommOptions, ReduceOp};
 use candle_dtensor::dtensor::{distribute_tensor, Placement};
+use candle_dtensor::kernels::compare::max_abs_diff;
 use candle_dtensor::mesh::DeviceMesh;
 use clap::Parser;
 
@@ -90,7 +91,9 @@ fn check_dtensor(mesh: &DeviceMesh) -> R<()> {
         ("column-parallel", col),
         ("row-parallel", row.to_local().clone()),
     ] {
-        let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        // NaN-propagating (candle's max_all drops NaN, so a NaN result read as a match); a NaN
+        // diff fails the `<`.
+        let diff = max_abs_diff(&got, &want)?;
         assert!(
             diff < 1e-4,
             "{what} matmul differs from one device by {diff}"
@@ -101,7 +104,7 @@ fn check_dtensor(mesh: &DeviceMesh) -> R<()> {
     if names.len() == 2 {
         let xd = distribute_tensor(&x, mesh, &[Placement::Shard(0), Placement::Shard(1)])?;
         let back = xd.full_tensor()?;
-        let diff = (back - &x)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let diff = max_abs_diff(&back, &x)?;
         assert_eq!(diff, 0.0, "2-D shard round trip");
     }
     Ok(())
