@@ -1035,16 +1035,21 @@ pub fn verdict(reference: &Report, ranks: &[Report], tol: &Tolerances) -> Verdic
         comparisons: Vec::new(),
         failures: Vec::new(),
     };
-    if let Err(e) = tol.validate() {
-        v.failures.push((None, e));
-    }
+    // A bad tolerance is one failure of the check, not one per rank.
+    let tol_ok = match tol.validate() {
+        Ok(()) => true,
+        Err(e) => {
+            v.failures.push((None, e));
+            false
+        }
+    };
     if ranks.is_empty() {
         v.failures.push((None, CheckFailure::NoRanks));
     }
     for (rank, r) in ranks.iter().enumerate() {
         match compare(reference, r) {
             Ok(c) => {
-                if tol.validate().is_ok() {
+                if tol_ok {
                     v.failures
                         .extend(c.failures(tol).into_iter().map(|f| (Some(rank), f)));
                 }
