@@ -110,7 +110,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let elems = buffer_elems(bytes, n);
         let timing = Timing::for_elems(elems, 200, args.bench.iters);
         for (&op, &mode) in ops.iter().flat_map(|o| modes.iter().map(move |m| (o, m))) {
-            if op != Op::AllReduce && elems % n != 0 {
+            if op != Op::AllReduce && !elems.is_multiple_of(n) {
                 continue;
             }
             let into = mode == Output::Into;

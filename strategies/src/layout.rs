@@ -26,7 +26,7 @@ pub fn shard_size_and_offset(n_elems: usize, num_chunks: usize, idx: usize) -> (
     if idx >= n {
         return (0, n_elems);
     }
-    if n_elems % n == 0 {
+    if n_elems.is_multiple_of(n) {
         let s = n_elems / n;
         return (s, s * idx);
     }

@@ -124,7 +124,9 @@ impl<'a> TensorCtx<'a> {
             }
             later = later.saturating_mul(n);
         }
-        later > 1 && later == sf && self.shape[d] % self.shard_product(cur, d, &[m]).max(1) == 0
+        later > 1
+            && later == sf
+            && self.shape[d].is_multiple_of(self.shard_product(cur, d, &[m]).max(1))
     }
 }
 
@@ -233,7 +235,7 @@ pub(crate) fn direct_move(
         } else if strided.is_some() {
             permute = true;
         }
-        if merged && ctx.shape[d] % ctx.shard_product(cur, d, dims).max(1) != 0 {
+        if merged && !ctx.shape[d].is_multiple_of(ctx.shard_product(cur, d, dims).max(1)) {
             return None;
         }
         // That divisibility makes every nesting level even only for plain shards: a
