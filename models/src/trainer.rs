@@ -23,7 +23,7 @@ use crate::optim::AdamW;
 use crate::params::ParamStore;
 use crate::plan::TpPlan;
 use crate::schedule::{LrSchedule, WeightDecay};
-use crate::train::clip_grad_norm;
+use crate::train::{clip_grad_norm, grad_norm};
 
 /// What to train.
 #[derive(Debug, Clone)]
@@ -48,6 +48,9 @@ pub struct TrainConfig {
     pub weight_decay: f64,
     /// Which parameters the weight decay applies to (default: all, as candle-nn's AdamW).
     pub decay_policy: WeightDecay,
+    /// Compute the global gradient norm every this many steps for [`StepInfo::grad_norm`]
+    /// even without clipping (0: only when clipping, which computes it anyway).
+    pub grad_norm_every: usize,
     /// Clip the global gradient norm to this value.
     pub clip: Option<f64>,
     /// Tokens in the synthetic corpus.
@@ -138,6 +141,7 @@ impl TrainConfig {
             schedule: None,
             weight_decay: 0.01,
             decay_policy: WeightDecay::All,
+            grad_norm_every: 0,
             clip: None,
             corpus_tokens: 1 << 18,
             data: None,
@@ -170,6 +174,20 @@ pub struct StepInfo {
     pub step_ms: f64,
     /// Global tokens per step.
     pub tokens: usize,
+    /// The learning rate the step used.
+    pub lr: f64,
+    /// The global gradient norm before clipping (computed when clipping, or when
+    /// [`TrainConfig::grad_norm_every`] asks for it on this step; `None` otherwise, since it
+    /// costs one all_reduce and, on a GPU, one host read).
+    pub grad_norm: Option<f64>,
+    /// Milliseconds in forward (data to loss), backward (including FSDP's gradient reduction
+    /// and clipping) and the optimizer step.
+    pub phase_ms: [f64; 3],
+    /// Milliseconds the compute thread waited on collectives in the step.
+    pub exposed_comm_ms: f64,
+    /// Peak bytes in parameters, gradients and optimizer state on this rank so far
+    /// ([`RankReport::param_grad_optim_bytes`]).
+    pub peak_bytes: usize,
 }
 
 /// What one rank saw.
@@ -377,6 +395,7 @@ impl Setup {
 struct StepOut {
     grads: candle_core::backprop::GradStore,
     value: f32,
+    grad_norm: Option<f64>,
     t_fwd: Instant,
     t_bwd: Instant,
 }
@@ -391,14 +410,19 @@ fn forward_backward(s: &Setup, cfg: &TrainConfig, corpus: &Corpus, step: usize) 
     if let Some(f) = &s.fsdp {
         f.finish_backward(&mut grads)?;
     }
-    if let Some(c) = cfg.clip {
-        clip_grad_norm(&s.store, &mut grads, c)?;
-    }
+    let norm = if let Some(c) = cfg.clip {
+        Some(clip_grad_norm(&s.store, &mut grads, c)?)
+    } else if cfg.grad_norm_every > 0 && step % cfg.grad_norm_every == 0 {
+        Some(grad_norm(&s.store, &grads)?)
+    } else {
+        None
+    };
     let t_bwd = Instant::now();
     let value = loss.to_local().to_scalar::<f32>()?;
     Ok(StepOut {
         grads,
         value,
+        grad_norm: norm,
         t_fwd,
         t_bwd,
     })
@@ -703,6 +727,7 @@ pub fn train_rank(
         let StepOut {
             grads,
             value,
+            grad_norm,
             t_fwd,
             t_bwd,
         } = out;
@@ -711,11 +736,12 @@ pub fn train_rank(
         report.lrs.push(lr);
         s.opt.step(&grads)?;
         let t_opt = Instant::now();
-        report.phase_ms.push([
+        let phase_ms = [
             (t_fwd - t0).as_secs_f64() * 1e3,
             (t_bwd - t_fwd).as_secs_f64() * 1e3,
             (t_opt - t_bwd).as_secs_f64() * 1e3,
-        ]);
+        ];
+        report.phase_ms.push(phase_ms);
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         if let Some(mode) = mode {
             for ((phase, kind), n) in mode.counts() {
@@ -751,6 +777,11 @@ pub fn train_rank(
             loss: value,
             step_ms: ms,
             tokens: cfg.batch * t,
+            lr,
+            grad_norm,
+            phase_ms,
+            exposed_comm_ms: exposed,
+            peak_bytes: report.param_grad_optim_bytes,
         });
         let done = step + 1;
         if let Some(e) = &cfg.eval {

@@ -112,3 +112,58 @@ fn a_resumed_run_continues_the_schedule_exactly() {
     );
     assert_close(&b.losses, &reference.losses[6..], 1e-6, "resumed losses");
 }
+
+#[test]
+fn steps_report_their_rate_and_gradient_norm() {
+    use candle_dtensor_comm::LocalWorld;
+    use candle_dtensor_mesh::DeviceMesh;
+    use candle_dtensor_models::trainer::{train_rank, StepInfo};
+    use std::sync::Mutex;
+    let mut c = cfg(6);
+    c.grad_norm_every = 2;
+    let seen: Mutex<Vec<StepInfo>> = Mutex::new(Vec::new());
+    let report = LocalWorld::new(2)
+        .with_timeout(Duration::from_secs(60))
+        .launch(|comm| -> common::R<_> {
+            let mesh = DeviceMesh::new(comm, &[("tp", 2)])?;
+            let rank = mesh.rank();
+            Ok(train_rank(&mesh, &c, |i| {
+                if rank == 0 {
+                    seen.lock().unwrap().push(*i);
+                }
+            })?)
+        })
+        .unwrap()
+        .remove(0);
+    let seen = seen.into_inner().unwrap();
+    assert_eq!(seen.len(), 6);
+    for (i, s) in seen.iter().enumerate() {
+        assert_eq!(s.step, i);
+        assert_eq!(s.lr, report.lrs[i]);
+        assert_eq!(s.loss, report.losses[i]);
+        assert_eq!(s.phase_ms, report.phase_ms[i]);
+        assert!(s.peak_bytes > 0);
+        match s.grad_norm {
+            Some(n) => assert!(i % 2 == 0 && n.is_finite() && n > 0.0, "step {i}: {n}"),
+            None => assert!(i % 2 == 1, "step {i} should have a norm"),
+        }
+    }
+    // With clipping the norm is there every step, and it is the same norm (before clipping) as
+    // the unclipped run's at step 0.
+    let mut clipped = cfg(2);
+    clipped.clip = Some(1e-3);
+    let r = LocalWorld::new(1)
+        .with_timeout(Duration::from_secs(60))
+        .launch(|comm| -> common::R<_> {
+            let mesh = DeviceMesh::new(comm, &[("tp", 1)])?;
+            let mut norms = Vec::new();
+            train_rank(&mesh, &clipped, |i| norms.push(i.grad_norm))?;
+            Ok(norms)
+        })
+        .unwrap()
+        .remove(0);
+    assert!(r.iter().all(Option::is_some), "{r:?}");
+    let n0 = r[0].unwrap();
+    let want = seen[0].grad_norm.unwrap();
+    assert!((n0 - want).abs() <= 1e-5 * want, "{n0} vs {want}");
+}
