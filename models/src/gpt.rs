@@ -83,15 +83,92 @@ impl GptConfig {
         }
     }
 
-    /// A preset by name (`tiny`, `small`).
+    /// The `gpt2` preset: GPT-2 small's shape (124M parameters): vocabulary 50304 (50257
+    /// padded to a multiple of 64, as nanoGPT does), width 768, 12 heads, 12 blocks, 1024
+    /// positions, 4x GELU MLP, pre-LayerNorm, head tied to the token embedding.
+    pub fn gpt2() -> Self {
+        GptConfig {
+            vocab: 50304,
+            d_model: 768,
+            n_heads: 12,
+            n_layers: 12,
+            seq_len: 1024,
+            tied: true,
+            ..GptConfig::tiny()
+        }
+    }
+
+    /// The `gpt2-medium` preset: GPT-2 medium's shape (350M parameters): as [`Self::gpt2`]
+    /// with width 1024, 16 heads and 24 blocks.
+    pub fn gpt2_medium() -> Self {
+        GptConfig {
+            d_model: 1024,
+            n_heads: 16,
+            n_layers: 24,
+            ..GptConfig::gpt2()
+        }
+    }
+
+    /// The names [`Self::preset`] knows.
+    pub const PRESETS: [&'static str; 4] = ["tiny", "small", "gpt2", "gpt2-medium"];
+
+    /// A preset by name ([`Self::PRESETS`]).
     pub fn preset(name: &str) -> Result<Self> {
         match name {
             "tiny" => Ok(Self::tiny()),
             "small" => Ok(Self::small()),
+            "gpt2" => Ok(Self::gpt2()),
+            "gpt2-medium" => Ok(Self::gpt2_medium()),
             other => Err(ModelError::Config(format!(
-                "unknown preset \"{other}\"; presets: tiny, small"
+                "unknown preset \"{other}\"; presets: {}",
+                Self::PRESETS.join(", ")
             ))),
         }
+    }
+
+    /// Checks the shape can be built: every size at least 1, the width divisible by the
+    /// heads, and, for `tp` tensor-parallel ranks, the heads and the vocabulary divisible by
+    /// `tp`. The error names the field, the values and the rule.
+    pub fn validate(&self, tp: usize) -> Result<()> {
+        let bad = |m: String| Err(ModelError::Config(m));
+        for (field, v) in [
+            ("vocab", self.vocab),
+            ("d_model (width)", self.d_model),
+            ("n_heads (heads)", self.n_heads),
+            ("n_layers (layers)", self.n_layers),
+            ("seq_len", self.seq_len),
+            ("mlp_ratio", self.mlp_ratio),
+        ] {
+            if v == 0 {
+                return bad(format!("model: {field} = 0 (rule: at least 1)"));
+            }
+        }
+        if !self.d_model.is_multiple_of(self.n_heads) {
+            return bad(format!(
+                "model: width {} is not divisible by the {} heads (rule: width % heads == 0)",
+                self.d_model, self.n_heads
+            ));
+        }
+        let tp = tp.max(1);
+        if !self.n_heads.is_multiple_of(tp) {
+            return bad(format!(
+                "model: tp={tp} does not divide the {} attention heads (rule: heads % tp == 0)",
+                self.n_heads
+            ));
+        }
+        if !self.vocab.is_multiple_of(tp) {
+            return bad(format!(
+                "model: tp={tp} does not divide the vocabulary of {} (rule: vocab % tp == 0)",
+                self.vocab
+            ));
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return bad(format!(
+                "model: norm eps {} is not a finite number > 0",
+                self.eps
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -431,5 +508,67 @@ impl Gpt {
             }
             None => Ok(ce),
         }
+    }
+}
+
+#[cfg(test)]
+mod preset_tests {
+    use super::*;
+
+    #[test]
+    fn presets_and_their_shapes() {
+        for name in GptConfig::PRESETS {
+            let c = GptConfig::preset(name).unwrap();
+            c.validate(1).unwrap();
+        }
+        let g = GptConfig::preset("gpt2").unwrap();
+        assert_eq!(
+            (g.vocab, g.d_model, g.n_heads, g.n_layers, g.seq_len),
+            (50304, 768, 12, 12, 1024)
+        );
+        assert!(g.tied);
+        let m = GptConfig::preset("gpt2-medium").unwrap();
+        assert_eq!((m.d_model, m.n_heads, m.n_layers), (1024, 16, 24));
+        let e = GptConfig::preset("gpt3").unwrap_err().to_string();
+        assert!(e.contains("gpt2-medium"), "{e}");
+    }
+
+    #[test]
+    fn validate_names_the_field_and_rule() {
+        let bad = |c: GptConfig, tp: usize| c.validate(tp).unwrap_err().to_string();
+        let e = bad(
+            GptConfig {
+                d_model: 250,
+                ..GptConfig::tiny()
+            },
+            1,
+        );
+        assert!(e.contains("width 250") && e.contains("4 heads"), "{e}");
+        let e = bad(
+            GptConfig {
+                n_heads: 6,
+                d_model: 252,
+                ..GptConfig::tiny()
+            },
+            4,
+        );
+        assert!(e.contains("tp=4") && e.contains("6 attention heads"), "{e}");
+        let e = bad(
+            GptConfig {
+                vocab: 510,
+                ..GptConfig::tiny()
+            },
+            4,
+        );
+        assert!(e.contains("vocabulary of 510"), "{e}");
+        let e = bad(
+            GptConfig {
+                n_layers: 0,
+                ..GptConfig::tiny()
+            },
+            1,
+        );
+        assert!(e.contains("n_layers (layers) = 0"), "{e}");
+        GptConfig::gpt2().validate(4).unwrap();
     }
 }
