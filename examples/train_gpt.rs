@@ -23,7 +23,16 @@
 //! trained model at the end (greedy, or `--temperature T` with `--sample-seed`). At the end it
 //! writes `train_gpt_loss.csv` and `train_gpt_loss.svg` (train and held-out curves). With
 //! `--check` it also trains the identical single-device model and compares every step (and
-//! every evaluation); `--json` prints one summary object.
+//! every evaluation); `--check-against FILE` compares them with a loss CSV written earlier (a
+//! recorded run, or another framework's twin writing the same CSV); `--json` prints one summary
+//! object.
+//!
+//! The checks fail loudly: a relative loss difference above `--check-tol` (default 1e-4; with
+//! `--mixed-precision` 2e-3 for f16, 2e-2 for bf16), a NaN or infinite loss on either side, or
+//! a different number of steps or evaluations fails the run. The summary still prints (`"check_passed": false`,
+//! `"check_error"`: what failed, where, and the values), then `train_gpt: check failed: ...` on
+//! stderr. Exit status: 0 success; 1 a failed check (the run itself finished); 2 an error (bad
+//! flags, a failed rank, an unreadable or malformed `--check-against` file).
 //!
 //! ```text
 //! cargo run --release --example train_gpt -- --data input.txt --eval-every 25 --sample 200
@@ -45,6 +54,7 @@ use candle_core::DType;
 use candle_dtensor::comm::env::LaunchEnv;
 use candle_dtensor::comm::link::{link_hints, parse_link_spec, LinkModel};
 use candle_dtensor::comm::{new_comm, Comm, CommOptions, LocalWorld};
+use candle_dtensor::kernels::compare::{compare_series_f32, Mismatch};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::data::Corpus;
 use candle_dtensor::models::device::DeviceSpec;
@@ -123,9 +133,28 @@ pub(crate) struct Args {
     /// Clip the global gradient norm to this value.
     #[arg(long)]
     clip: Option<f64>,
-    /// Also train the identical single-device model and compare every step.
+    /// Also train the identical single-device model and compare every step's loss (and every
+    /// held-out loss) with it: a difference above --check-tol, a NaN or infinite loss on
+    /// either side, or a different number of steps fails the run (exit 1).
     #[arg(long)]
     check: bool,
+    /// Compare this run's per-step losses (and held-out losses) with a loss CSV an earlier
+    /// train_gpt wrote (`<--out>.csv`: `step,loss,eval_loss`), with the same rule and
+    /// tolerance as --check. Rows before this run's first step are skipped (a resumed run is
+    /// compared from its checkpoint's step on); every other row must be a step this run ran.
+    /// The file is read before training, by every process of the job.
+    #[arg(long)]
+    check_against: Option<PathBuf>,
+    /// Largest relative loss difference (`|got - want| / |want|`, per step) --check and
+    /// --check-against accept. Default 1e-4 for f32 (CPU layouts agree to about 2e-7 over 150
+    /// steps; scripts/gpu_check.sh holds a GPU run to its CPU reference, --check-device cpu, to
+    /// 1e-4). The f32 reference is not what --mixed-precision computes: the default is 2e-3
+    /// with f16 (4e-4 measured over 20 steps on the CPU) and 2e-2 with bf16 (8 bits of
+    /// mantissa: up to 1.1e-2 over 60 steps on the CPU, 3.7e-4 over 10 on an H100). Raise it
+    /// for long runs, whose rounding differences grow with the steps, and for a reference from
+    /// another framework (a PyTorch twin's CSV).
+    #[arg(long)]
+    check_tol: Option<f64>,
     /// Print one JSON summary object on stdout (and no progress bar).
     #[arg(long)]
     json: bool,
@@ -465,13 +494,13 @@ fn validate(args: &Args, dims: &[(String, usize)], cfg: &GptConfig) -> Result<us
         ));
     }
     let tp = dims.iter().find(|(n, _)| n == "tp").map_or(1, |(_, s)| *s);
-    if cfg.n_heads % tp != 0 {
+    if !cfg.n_heads.is_multiple_of(tp) {
         return Err(format!(
             "tp={tp} does not divide the {} attention heads",
             cfg.n_heads
         ));
     }
-    if cfg.vocab % tp != 0 {
+    if !cfg.vocab.is_multiple_of(tp) {
         return Err(format!(
             "tp={tp} does not divide the vocabulary of {}",
             cfg.vocab
@@ -482,13 +511,13 @@ fn validate(args: &Args, dims: &[(String, usize)], cfg: &GptConfig) -> Result<us
         .filter(|(n, _)| n != "tp")
         .map(|(_, s)| s)
         .product();
-    if args.batch % data != 0 {
+    if !args.batch.is_multiple_of(data) {
         return Err(format!(
             "the batch of {} is not divisible by the {data} data-parallel ranks",
             args.batch
         ));
     }
-    if args.sp && cfg.seq_len % tp != 0 {
+    if args.sp && !cfg.seq_len.is_multiple_of(tp) {
         return Err(format!(
             "--sp: tp={tp} does not divide the sequence length {}",
             cfg.seq_len
@@ -827,6 +856,336 @@ fn load_data(args: &Args, dims: &[(String, usize)], cfg: &mut TrainConfig) -> Re
     })
 }
 
+/// Exit status of a run whose `--check` or `--check-against` failed: it finished, but its
+/// losses do not match the reference.
+pub(crate) const EXIT_CHECK_FAILED: i32 = 1;
+/// Exit status of an error: bad flags, a failed rank, an unreadable or malformed file.
+pub(crate) const EXIT_ERROR: i32 = 2;
+
+/// Why train_gpt did not succeed; [`exit_code`] gives each its exit status.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The run could not be done: bad flags, a failed rank, a malformed `--check-against`
+    /// file, I/O.
+    Error(String),
+    /// The run finished, but its losses do not match its reference (`--check`,
+    /// `--check-against`). The summary, printed with `--json` before this is returned, says
+    /// `"check_passed": false`.
+    Check(CheckFailed),
+}
+
+impl From<String> for Failure {
+    fn from(e: String) -> Failure {
+        Failure::Error(e)
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(e: &str) -> Failure {
+        Failure::Error(e.to_string())
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Error(e) => f.write_str(e),
+            Failure::Check(c) => write!(f, "check failed: {c}"),
+        }
+    }
+}
+
+impl std::error::Error for Failure {}
+
+/// The exit status of a run's result: 0 on success, [`EXIT_CHECK_FAILED`] when a check
+/// failed, [`EXIT_ERROR`] on an error.
+pub(crate) fn exit_code<T>(result: &Result<T, Failure>) -> i32 {
+    match result {
+        Ok(_) => 0,
+        Err(Failure::Check(_)) => EXIT_CHECK_FAILED,
+        Err(Failure::Error(_)) => EXIT_ERROR,
+    }
+}
+
+/// A failed check: every mismatch found, and the run's summary.
+#[derive(Debug)]
+pub(crate) struct CheckFailed {
+    /// What did not match, against which reference (at least one).
+    pub(crate) errors: Vec<CheckError>,
+    /// The summary `--json` printed (`check_passed` false, `check_error` the message). `main`
+    /// has nothing more to do with it; callers of `real_main` (the tests) read it.
+    #[allow(dead_code)]
+    pub(crate) summary: Box<serde_json::Value>,
+}
+
+impl std::fmt::Display for CheckFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let all: Vec<String> = self.errors.iter().map(ToString::to_string).collect();
+        f.write_str(&all.join("; "))
+    }
+}
+
+/// One way a run does not match a reference (`against` names it: the single-device reference
+/// of `--check`, or the file of `--check-against`).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum CheckError {
+    /// The losses (or the held-out losses) differ: in number, by a NaN or an infinity on
+    /// either side, or by more than the tolerance.
+    Series { against: String, mismatch: Mismatch },
+    /// The held-out losses were measured after other steps than the reference's.
+    EvalSteps {
+        against: String,
+        got: Vec<usize>,
+        want: Vec<usize>,
+    },
+    /// The reference starts after this run's first step, so it cannot cover the steps run.
+    StartsLate {
+        against: String,
+        run_first: usize,
+        reference_first: usize,
+    },
+}
+
+impl std::fmt::Display for CheckError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CheckError::Series { against, mismatch } => write!(f, "against {against}: {mismatch}"),
+            CheckError::EvalSteps { against, got, want } => write!(
+                f,
+                "against {against}: held-out losses measured after steps {got:?}, the \
+                 reference's after steps {want:?}"
+            ),
+            CheckError::StartsLate {
+                against,
+                run_first,
+                reference_first,
+            } => write!(
+                f,
+                "against {against}: the reference starts at step {reference_first}, after this \
+                 run's first step {run_first}"
+            ),
+        }
+    }
+}
+
+/// `--check-tol`, or its default: 1e-4 for f32, 2e-3 with `--mixed-precision f16`, 2e-2
+/// with bf16 (what the f32 reference differs by, with a margin: see the flag's help).
+pub(crate) fn check_tol(args: &Args) -> Result<f64, String> {
+    let checked = args.check || args.check_against.is_some();
+    match args.check_tol {
+        Some(_) if !checked => Err("--check-tol needs --check or --check-against".into()),
+        Some(t) if !(t.is_finite() && t >= 0.0) => {
+            Err(format!("--check-tol {t}: not a finite number >= 0"))
+        }
+        Some(t) => Ok(t),
+        None => Ok(match args.mixed_precision.as_deref() {
+            Some("bf16") => 2e-2,
+            Some("f16") => 2e-3,
+            _ => 1e-4,
+        }),
+    }
+}
+
+/// A loss CSV as [`curves_csv`] writes it: the training loss of every step from `first`, and
+/// the held-out losses as `(steps done, loss)`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct LossCurves {
+    /// The step of the first row (0 when there is none).
+    pub(crate) first: usize,
+    /// The loss of steps `first`, `first + 1`, ...
+    pub(crate) losses: Vec<f32>,
+    /// `(steps done, held-out loss)`: a value in the `eval_loss` column of step `s` was
+    /// measured after `s + 1` steps.
+    pub(crate) eval_losses: Vec<(usize, f32)>,
+}
+
+/// The header [`curves_csv`] writes.
+const CURVES_HEADER: &str = "step,loss,eval_loss";
+
+/// Reads a loss CSV strictly (`path` names the file in the errors): the exact header, then one
+/// row per step, `step,loss,eval_loss` with consecutive integer steps, a loss (`NaN` and `inf`
+/// parse, as the non-finite values they are) and an empty or numeric held-out loss. Anything
+/// else is an error naming the file and the line.
+pub(crate) fn parse_curves_csv(path: &std::path::Path, text: &str) -> Result<LossCurves, String> {
+    let file = path.display();
+    let mut lines = text.lines().enumerate();
+    match lines.next() {
+        Some((_, CURVES_HEADER)) => {}
+        Some((_, other)) => {
+            return Err(format!(
+                "{file}: line 1: header {other:?}, expected {CURVES_HEADER:?}"
+            ))
+        }
+        None => {
+            return Err(format!(
+                "{file}: empty (expected the header {CURVES_HEADER:?})"
+            ))
+        }
+    }
+    let mut curves = LossCurves {
+        first: 0,
+        losses: Vec::new(),
+        eval_losses: Vec::new(),
+    };
+    for (i, line) in lines {
+        let n = i + 1;
+        let fields: Vec<&str> = line.split(',').collect();
+        let [step, loss, eval] = fields[..] else {
+            return Err(format!(
+                "{file}: line {n}: {line:?} has {} fields, expected 3 ({CURVES_HEADER})",
+                fields.len()
+            ));
+        };
+        let step: usize = step
+            .parse()
+            .map_err(|_| format!("{file}: line {n}: step {step:?} is not an integer >= 0"))?;
+        if curves.losses.is_empty() {
+            curves.first = step;
+        } else if step != curves.first + curves.losses.len() {
+            return Err(format!(
+                "{file}: line {n}: step {step}, expected {} (steps must be consecutive)",
+                curves.first + curves.losses.len()
+            ));
+        }
+        let value = |what: &str, v: &str| {
+            v.parse::<f32>()
+                .map_err(|_| format!("{file}: line {n}: {what} {v:?} is not a number"))
+        };
+        curves.losses.push(value("loss", loss)?);
+        if !eval.is_empty() {
+            curves
+                .eval_losses
+                .push((step + 1, value("eval_loss", eval)?));
+        }
+    }
+    Ok(curves)
+}
+
+/// [`parse_curves_csv`] of a file.
+pub(crate) fn read_curves_csv(path: &std::path::Path) -> Result<LossCurves, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--check-against {}: {e}", path.display()))?;
+    parse_curves_csv(path, &text).map_err(|e| format!("--check-against {e}"))
+}
+
+/// This run compared with one reference: the largest relative differences (`None` where the
+/// series could not be compared, or where neither side has held-out losses) and what failed.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Comparison {
+    pub(crate) max_rel: Option<f64>,
+    pub(crate) max_rel_eval: Option<f64>,
+    pub(crate) errors: Vec<CheckError>,
+}
+
+/// One series against its reference's: the largest relative difference when they could be
+/// compared, and the mismatch when they fail (through `candle_dtensor::kernels::compare`: a
+/// length difference, a NaN or an infinity, or a difference above `tol`).
+fn compare_one(
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+    tol: f64,
+    against: &str,
+    errors: &mut Vec<CheckError>,
+) -> Option<f64> {
+    let fail = |mismatch| CheckError::Series {
+        against: against.to_string(),
+        mismatch,
+    };
+    match compare_series_f32(what, got, want) {
+        Ok(d) => {
+            let max = d.max_rel;
+            if let Err(m) = d.within(tol) {
+                errors.push(fail(m));
+            }
+            Some(max)
+        }
+        Err(m) => {
+            errors.push(fail(m));
+            None
+        }
+    }
+}
+
+/// This run's losses (steps `start..`) and held-out losses against a reference's, both cut
+/// to the steps this run ran.
+pub(crate) fn compare_losses(
+    against: &str,
+    start: usize,
+    (losses, evals): (&[f32], &[(usize, f32)]),
+    (ref_losses, ref_evals): (&[f32], &[(usize, f32)]),
+    tol: f64,
+) -> Comparison {
+    let mut errors = Vec::new();
+    let what = if start == 0 {
+        "loss per step".to_string()
+    } else {
+        format!("loss per step from step {start}")
+    };
+    let max_rel = compare_one(&what, losses, ref_losses, tol, against, &mut errors);
+    let max_rel_eval = if evals.is_empty() && ref_evals.is_empty() {
+        None
+    } else {
+        let steps = |e: &[(usize, f32)]| e.iter().map(|&(d, _)| d).collect::<Vec<_>>();
+        let (got, want) = (steps(evals), steps(ref_evals));
+        if got == want {
+            let vals = |e: &[(usize, f32)]| e.iter().map(|&(_, l)| l).collect::<Vec<_>>();
+            let (g, w) = (vals(evals), vals(ref_evals));
+            compare_one("held-out loss", &g, &w, tol, against, &mut errors)
+        } else {
+            errors.push(CheckError::EvalSteps {
+                against: against.to_string(),
+                got,
+                want,
+            });
+            None
+        }
+    };
+    Comparison {
+        max_rel,
+        max_rel_eval,
+        errors,
+    }
+}
+
+/// The run of `report` (steps `start_step..`) against a loss CSV: rows before the run's first
+/// step are skipped (a recorded run may start earlier than a resumed one); every other row
+/// must be a step the run ran.
+pub(crate) fn compare_with_curves(
+    against: &str,
+    report: &RankReport,
+    curves: &LossCurves,
+    tol: f64,
+) -> Comparison {
+    let start = report.start_step;
+    if !curves.losses.is_empty() && curves.first > start {
+        return Comparison {
+            max_rel: None,
+            max_rel_eval: None,
+            errors: vec![CheckError::StartsLate {
+                against: against.to_string(),
+                run_first: start,
+                reference_first: curves.first,
+            }],
+        };
+    }
+    let skip = start - curves.first;
+    let want = curves.losses.get(skip..).unwrap_or(&[]);
+    let want_evals: Vec<(usize, f32)> = curves
+        .eval_losses
+        .iter()
+        .copied()
+        .filter(|&(done, _)| done > start)
+        .collect();
+    compare_losses(
+        against,
+        start,
+        (&report.losses, &report.eval_losses),
+        (want, &want_evals),
+        tol,
+    )
+}
+
 fn main() {
     candle_dtensor::init_cpu_threads();
     candle_dtensor::init_cpu_allocator();
@@ -848,15 +1207,22 @@ fn main() {
             .unwrap_or(1);
         candle_dtensor::init_gemm_threads(1, on_host);
     }
-    if let Err(e) = real_main(&args) {
-        eprintln!("train_gpt: error: {e}");
-        std::process::exit(2);
+    let result = real_main(&args);
+    match &result {
+        Ok(_) => {}
+        Err(Failure::Error(e)) => eprintln!("train_gpt: error: {e}"),
+        Err(f @ Failure::Check(_)) => eprintln!("train_gpt: {f}"),
+    }
+    let code = exit_code(&result);
+    if code != 0 {
+        std::process::exit(code);
     }
 }
 
 /// Trains as the flags say; rank 0 (or the only process) returns the summary printed with
-/// `--json`.
-pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String> {
+/// `--json`. A failed `--check` or `--check-against` is [`Failure::Check`], returned after the
+/// summary was printed and the curves written.
+pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failure> {
     let dims = parse_mesh(&args.mesh)?;
     let links = parse_links(args, &dims)?;
     let world_guess = args.world.unwrap_or(dims.iter().map(|(_, n)| n).product());
@@ -885,6 +1251,13 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
     let data = load_data(args, &dims, &mut cfg)?;
     let gpt = cfg.gpt.clone();
     let world = validate(args, &dims, &gpt)?;
+    let tol = check_tol(args)?;
+    // Read before training: a missing or malformed file fails at once, and `--out` may name
+    // the same file (it is rewritten at the end).
+    let against = match &args.check_against {
+        Some(path) => Some((path, read_curves_csv(path)?)),
+        None => None,
+    };
     cfg.fsdp = fsdp_spec(args, &dims)?;
     cfg.steps = args.steps;
     cfg.seed = args.seed;
@@ -1018,6 +1391,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
     if let Some(m) = &gpt.moe {
         summary["moe"] = moe_summary(m, &report);
     }
+    let mut check_errors: Vec<CheckError> = Vec::new();
     if args.check {
         let mut single = cfg.clone();
         single.fsdp = None;
@@ -1041,37 +1415,29 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
             None,
         )?
         .ok_or_else(|| "the single-device reference did not report".to_string())?;
-        let max_rel = report
-            .losses
-            .iter()
-            .zip(reference.losses.iter().skip(report.start_step))
-            .map(|(a, b)| ((a - b).abs() / b.abs().max(1e-12)) as f64)
-            .fold(0.0f64, f64::max);
-        let max_rel_eval = report
+        let start = report.start_step;
+        let ref_evals: Vec<(usize, f32)> = reference
             .eval_losses
             .iter()
-            .zip(&reference.eval_losses)
-            .map(|((_, a), (_, b))| ((a - b).abs() / b.abs().max(1e-12)) as f64)
-            .fold(0.0f64, f64::max);
+            .copied()
+            .filter(|&(done, _)| done > start)
+            .collect();
+        let c = compare_losses(
+            "the single-device reference",
+            start,
+            (&report.losses, &report.eval_losses),
+            (reference.losses.get(start..).unwrap_or(&[]), &ref_evals),
+            tol,
+        );
         summary["ref_losses"] = serde_json::json!(reference.losses);
-        summary["max_rel_loss_diff"] = serde_json::json!(max_rel);
+        summary["max_rel_loss_diff"] = serde_json::json!(c.max_rel);
         summary["ref_eval_losses"] = serde_json::json!(reference.eval_losses);
-        summary["max_rel_eval_loss_diff"] = serde_json::json!(max_rel_eval);
+        summary["max_rel_eval_loss_diff"] = serde_json::json!(c.max_rel_eval);
         summary["ref_sample_equal"] = serde_json::json!(reference.sample == report.sample);
         summary["ref_step_ms_median"] = serde_json::json!(median(&reference.step_ms));
         summary["ref_device"] = serde_json::json!(check_device.to_string());
         if !args.json {
-            println!(
-                "check: max relative loss difference vs single device over {} steps: {max_rel:.3e}",
-                report.losses.len()
-            );
-            if !report.eval_losses.is_empty() {
-                println!(
-                    "check: max relative held-out loss difference over {} evaluations: \
-                     {max_rel_eval:.3e}",
-                    report.eval_losses.len()
-                );
-            }
+            print_comparison("single device", &report, &c, tol);
             if cfg.sample.is_some() {
                 println!(
                     "check: the single device generates {} tokens",
@@ -1083,7 +1449,30 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
                 );
             }
         }
+        check_errors.extend(c.errors);
     }
+    if let Some((path, curves)) = &against {
+        let c = compare_with_curves(&path.display().to_string(), &report, curves, tol);
+        summary["check_against"] = serde_json::json!({
+            "file": path.display().to_string(),
+            "max_rel_loss_diff": c.max_rel,
+            "max_rel_eval_loss_diff": c.max_rel_eval,
+        });
+        if !args.json {
+            print_comparison(&path.display().to_string(), &report, &c, tol);
+        }
+        check_errors.extend(c.errors);
+    }
+    let checked = args.check || against.is_some();
+    summary["check_tol"] = serde_json::json!(checked.then_some(tol));
+    summary["check_passed"] = serde_json::json!(checked.then_some(check_errors.is_empty()));
+    summary["check_error"] = serde_json::json!((!check_errors.is_empty()).then(|| {
+        check_errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
+    }));
     let csv = curves_csv(&report);
     let csv_path = args.out.with_extension("csv");
     let svg_path = args.out.with_extension("svg");
@@ -1154,5 +1543,29 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, String
         }
         println!("wrote {} and {}", csv_path.display(), svg_path.display());
     }
+    if !check_errors.is_empty() {
+        return Err(Failure::Check(CheckFailed {
+            errors: check_errors,
+            summary: Box::new(summary),
+        }));
+    }
     Ok(Some(summary))
+}
+
+/// The `check:` lines of a comparison (without `--json`).
+fn print_comparison(against: &str, report: &RankReport, c: &Comparison, tol: f64) {
+    let figure =
+        |m: Option<f64>| m.map_or_else(|| "not comparable".to_string(), |m| format!("{m:.3e}"));
+    println!(
+        "check: max relative loss difference vs {against} over {} steps: {} (tolerance {tol:.1e})",
+        report.losses.len(),
+        figure(c.max_rel)
+    );
+    if !report.eval_losses.is_empty() || c.max_rel_eval.is_some() {
+        println!(
+            "check: max relative held-out loss difference over {} evaluations: {}",
+            report.eval_losses.len(),
+            figure(c.max_rel_eval)
+        );
+    }
 }

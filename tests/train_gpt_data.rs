@@ -116,7 +116,9 @@ static RUN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn real_main(a: &train_gpt::Args) -> Result<Option<serde_json::Value>, String> {
     let _one = RUN.lock().unwrap_or_else(|e| e.into_inner());
-    train_gpt::real_main(a)
+    // The error's text: the run's error, or "check failed: ..." (train_gpt_check.rs tells the
+    // two apart).
+    train_gpt::real_main(a).map_err(|e| e.to_string())
 }
 
 fn args(extra: &[&str]) -> train_gpt::Args {
