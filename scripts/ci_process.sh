@@ -8,7 +8,9 @@
 # checkpoint and must end with the uninterrupted run's final loss (1e-4 relative).
 # A `dtrun --allow-failures 1` run of `train_gpt --hsdp --fault-tolerant` with rank 3 SIGKILLed
 # must finish every step on the surviving replica and exit 0, with the losses of the same fault
-# on the local backend.
+# on the local backend. First, the binary's exit status on failed checks: `--check-against` a
+# loss CSV with a planted NaN, a changed loss, a missing or an extra row exits 1, a malformed CSV
+# 2, the unplanted CSV 0 (tests/train_gpt_check.rs checks the same through real_main).
 #
 # Usage: scripts/ci_process.sh   (about a minute after `cargo test --workspace`, whose dev-profile
 #                                 build it reuses)
@@ -32,6 +34,37 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 tg=$dir/examples/train_gpt
 args=(--mesh dp=2,tp=2 --steps 5 --json --timeout 120)
+
+echo "== train_gpt --check-against: planted failures exit 1, a malformed CSV 2, the recording 0"
+rec=(--mesh dp=2 --steps 3 --json --timeout 120)
+"$tg" "${rec[@]}" --out "$out/rec" > /dev/null
+expect_exit() { # status what --check-against-file
+    local want="$1" what="$2" rc=0
+    "$tg" "${rec[@]}" --out "$out/again" --check-against "$3" > "$out/check.log" 2>&1 || rc=$?
+    if ((rc != want)); then
+        echo "train_gpt --check-against with $what: exit $rc, expected $want" >&2
+        cat "$out/check.log" >&2
+        exit 1
+    fi
+    if ((want == 1)) && ! { grep -q '"check_passed":false' "$out/check.log" \
+        && grep -q '^train_gpt: check failed: ' "$out/check.log"; }; then
+        echo "train_gpt --check-against with $what: no failed-check summary or message" >&2
+        cat "$out/check.log" >&2
+        exit 1
+    fi
+    echo "   $what: exit $rc $(grep -o 'check failed: .*' "$out/check.log" | cut -c1-110)"
+}
+expect_exit 0 "the run's own CSV" "$out/rec.csv"
+awk -F, -v OFS=, 'NR == 3 { $2 = "NaN" } 1' "$out/rec.csv" > "$out/nan.csv"
+expect_exit 1 "a NaN loss" "$out/nan.csv"
+awk -F, -v OFS=, 'NR == 2 { $2 = $2 * 1.01 } 1' "$out/rec.csv" > "$out/changed.csv"
+expect_exit 1 "a loss 1% off" "$out/changed.csv"
+head -n 3 "$out/rec.csv" > "$out/short.csv"
+expect_exit 1 "a short run (a row missing)" "$out/short.csv"
+{ cat "$out/rec.csv"; echo "3,5.0,"; } > "$out/long.csv"
+expect_exit 1 "a long run (an extra row)" "$out/long.csv"
+printf 'step,loss,eval_loss\n0,5.x,\n' > "$out/bad.csv"
+expect_exit 2 "a malformed CSV" "$out/bad.csv"
 
 echo "== train_gpt --backend local"
 "$tg" --backend local "${args[@]}" --out "$out/local" | tail -n 1 > "$out/local.json"
