@@ -5,7 +5,11 @@
 #   scripts/gpu_check.sh --bin-tar target/gpu/gpu_bins.tar.xz
 #   scripts/gpu_check.sh                                 # build here first (needs a toolkit; slow)
 #
-# Steps (each bounded by a timeout; a failing step does not stop the others):
+# Steps (each bounded by a timeout; a failing step does not stop the others). Every step is
+# required unless marked optional: a required step whose binary is missing FAILs naming it, and
+# a step passes only when its command exits 0 and prints its figure (the summary line grepped
+# for, or for train_gpt the JSON fields). Optional (SKIP when its binary is absent): d, the
+# nccl_bench sweep, a benchmark whose figures no check depends on.
 #   build   (without --bin-dir/--bin-tar) cargo build --release --features nccl,cuda
 #   libs    every binary's shared libraries resolve (ldd)
 #   a1      nccl_check: every collective of the nccl backend, a world of one, no launcher
@@ -13,18 +17,21 @@
 #   b       nccl_local_cuda: the local backend with 4 rank threads on the GPUs, collectives and
 #           DTensor matmuls against one device
 #   c0      train_gpt --device cuda on one GPU (tokens/s of the tiny preset)
-#   c1-c3   train_gpt --device cuda --check --check-device cpu for TP=2, FSDP dp=2 and
-#           FSDP x TP dp=2,tp=2 (rank threads sharing the GPU): every step's loss within 1e-4
-#           relative of the same model trained on the CPU
+#   c1-c3   train_gpt --device cuda --check --check-device cpu --check-tol 1e-4 for TP=2, FSDP
+#           dp=2 and FSDP x TP dp=2,tp=2 (rank threads sharing the GPU): every step's loss
+#           within 1e-4 relative of the same model trained on the CPU. Passes only when
+#           train_gpt exits 0 (its own check: no NaN, the same steps, the tolerance), its JSON
+#           says check_passed true and max_rel_loss_diff is a number <= 1e-4
 #   c4      dtrun --nproc 1 -- train_gpt --backend nccl --device cuda (the NCCL backend end to end)
 #   c5, c6  as c1-c3 for HSDP replicate=2,shard=2 and an MoE layer over ep=2 (experts=4, top_k=2)
 #   c7      train_gpt --preset small on one GPU (tokens/s of a model big enough to time)
 #   e1, e2  train_llama --check: candle-transformers' llama under FSDP, and the candle-nn llama
 #           under FSDP x TP (2x2), rank threads on the GPU, losses and gradients vs the CPU
-#   d       nccl_bench: all_gather / all_reduce sweep with algbw/busbw like nccl-tests
+#   d       (optional) nccl_bench: all_gather / all_reduce sweep with algbw/busbw like nccl-tests
 #
 # CDT_GPU_CHECK_DEVICE (default cuda) is the --device of c0-c3, c5-c7, e1 and e2 (`cpu` dry-runs the
-# script's own plumbing on a machine whose nvidia-smi is faked).
+# script's own plumbing on a machine whose nvidia-smi is faked; the GPU-only binaries a CPU build
+# lacks then FAIL by name. tests/gpu_check_script.rs dry-runs it with fake binaries).
 # Writes $CDT_GPU_LOG_DIR (default target/gpu_check/): one log per step, gpu_check.json (one
 # object per step with its result, time and figures) and the table printed last.
 set -uo pipefail
@@ -38,7 +45,7 @@ while (($#)); do
         --no-build) build=0 ;;
         --bin-dir) build=0; bin="$2"; shift ;;
         --bin-tar) build=0; bin_tar="$2"; shift ;;
-        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -158,43 +165,85 @@ exe() { # name -> path of a built binary (prebuilt dir or target/release layout)
     if [[ -x "$bin/$1" ]]; then echo "$bin/$1"; else echo "$bin/examples/$1"; fi
 }
 
-run_step() { # id summary-grep timeout log command...
+# The binaries of $bin a command names that are not there (space-separated names).
+missing_bins() { # command...
+    local a gone=""
+    for a in "$@"; do
+        [[ "$a" == "$bin"/* && ! -x "$a" ]] && gone+="${a##*/} "
+    done
+    echo "${gone% }"
+}
+
+run_step() { # [optional] id summary-grep timeout log command...
+    local need=required
+    if [[ "$1" == optional ]]; then need=optional; shift; fi
     local id="$1" pat="$2" limit="$3" log="$4"
     shift 4
-    if [[ ! -x "$1" ]]; then
-        add_row "$id" SKIP 0 "$1 not built"
+    local gone; gone="$(missing_bins "$@")"
+    if [[ -n "$gone" ]]; then
+        if [[ "$need" == optional ]]; then
+            add_row "$id" SKIP 0 "optional step: $gone not built"
+        else
+            add_row "$id" FAIL 0 "required binary missing: $gone (not in $bin)"
+        fi
         return
     fi
-    if step "$id" "$limit" "$log" "$@"; then
-        add_row "$id" PASS "$last_secs" "$(grep -E "$pat" "$logdir/$log" | tail -n 1 | cut -c1-100)"
+    local rc=0 figure
+    step "$id" "$limit" "$log" "$@" || rc=$?
+    figure="$(grep -E "$pat" "$logdir/$log" | tail -n 1 | cut -c1-100)"
+    if ((rc != 0)); then
+        add_row "$id" FAIL "$last_secs" "exit $rc; $(grep -E 'FAIL|error|panick' "$logdir/$log" | head -n 1 | cut -c1-90)"
+    elif [[ -z "$figure" ]]; then
+        add_row "$id" FAIL "$last_secs" "exit 0 but no line matching '$pat' in $log (its figure is missing)"
     else
-        add_row "$id" FAIL "$last_secs" "exit $?; $(grep -E 'FAIL|error|panick' "$logdir/$log" | head -n 1 | cut -c1-90)"
+        add_row "$id" PASS "$last_secs" "$figure"
     fi
 }
 
-# A train_gpt step: parse its --json summary (the last line) for the figures and the check.
-num() { grep -o "\"$2\":[-0-9.e+]*" "$1" | tail -n 1 | cut -d: -f2; }
+# A train_gpt step: parse its --json summary (the last line starting with `{`) for the figures
+# and the check. A figure that is null or absent reads as empty.
+num() { grep '^{' "$1" | tail -n 1 | grep -o "\"$2\":[-0-9.eE+]*" | tail -n 1 | cut -d: -f2; }
+is_num() { [[ "$1" =~ ^-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$ ]]; }
+# The tolerance of the --check steps (train_gpt --check-tol, and the figure's bound here).
+check_tol=1e-4
 train_step() { # id limit log mesh extra-args...
     local id="$1" limit="$2" log="$3" mesh="$4"
     shift 4
     local tg; tg="$(exe train_gpt)"
-    if [[ ! -x "$tg" ]]; then add_row "$id" SKIP 0 "train_gpt not built"; return; fi
-    if step "$id" "$limit" "$log" "$tg" --mesh "$mesh" --json "$@"; then
-        local ms diff tps figures verdict=PASS
-        ms="$(num "$logdir/$log" step_ms_median)"
-        tps="$(num "$logdir/$log" tokens_per_s)"
-        diff="$(num "$logdir/$log" max_rel_loss_diff)"
-        figures="\"mesh\":\"$mesh\",\"step_ms_median\":${ms:-null},\"tokens_per_s\":${tps:-null},\"max_rel_loss_diff\":${diff:-null}"
-        if [[ -n "$diff" ]] && ! awk -v d="$diff" 'BEGIN { exit !(d <= 1e-4) }'; then
-            verdict=FAIL
-        fi
-        local show_ms show_tps
-        show_ms="$(printf '%.1f' "${ms:-0}")"
-        show_tps="$(printf '%.0f' "${tps:-0}")"
-        add_row "$id" "$verdict" "$last_secs" "mesh $mesh: $show_ms ms/step, $show_tps tok/s${diff:+, max rel loss diff vs CPU $diff}" "$figures"
-    else
-        add_row "$id" FAIL "$last_secs" "mesh $mesh: exit $?; $(grep -E 'error|panick' "$logdir/$log" | head -n 1 | cut -c1-80)"
+    if [[ ! -x "$tg" ]]; then
+        add_row "$id" FAIL 0 "required binary missing: train_gpt (not in $bin)"
+        return
     fi
+    local checked=0 rc=0
+    [[ " $* " == *" --check "* ]] && checked=1
+    step "$id" "$limit" "$log" "$tg" --mesh "$mesh" --json "$@" || rc=$?
+    local f="$logdir/$log" ms diff tps passed figures
+    ms="$(num "$f" step_ms_median)"
+    tps="$(num "$f" tokens_per_s)"
+    diff="$(num "$f" max_rel_loss_diff)"
+    passed="$(grep '^{' "$f" | tail -n 1 | grep -o '"check_passed":[a-z]*' | tail -n 1 | cut -d: -f2)"
+    figures="\"mesh\":\"$mesh\",\"step_ms_median\":${ms:-null},\"tokens_per_s\":${tps:-null},\"max_rel_loss_diff\":${diff:-null}"
+    local problems=()
+    # train_gpt exits 1 when its own check failed, 2 on an error.
+    ((rc == 0)) || problems+=("exit $rc$( ((rc == 1)) && echo ' (check failed)'); $(grep -E 'check failed|error|panick' "$f" | head -n 1 | cut -c1-80)")
+    is_num "$ms" || problems+=("step_ms_median missing")
+    is_num "$tps" || problems+=("tokens_per_s missing")
+    if ((checked)); then
+        if ! is_num "$diff"; then
+            problems+=("max_rel_loss_diff missing or not a number")
+        elif ! awk -v d="$diff" -v t="$check_tol" 'BEGIN { exit !(d <= t) }'; then
+            problems+=("max_rel_loss_diff $diff > $check_tol")
+        fi
+        [[ "$passed" == true ]] || problems+=("check_passed ${passed:-missing}")
+    fi
+    if ((${#problems[@]})); then
+        add_row "$id" FAIL "$last_secs" "mesh $mesh: $(IFS=';'; echo "${problems[*]}")" "$figures"
+        return
+    fi
+    local show_ms show_tps
+    show_ms="$(printf '%.1f' "$ms")"
+    show_tps="$(printf '%.0f' "$tps")"
+    add_row "$id" PASS "$last_secs" "mesh $mesh: $show_ms ms/step, $show_tps tok/s${diff:+, max rel loss diff vs CPU $diff}" "$figures"
 }
 
 run_step a1 'nccl_check:' 60 a1_nccl_check.log "$(exe nccl_check)" --timeout 60
@@ -202,11 +251,11 @@ run_step a2 'nccl_check:' 70 a2_nccl_check_dtrun.log "$(exe dtrun)" --nproc "$ng
     "$(exe nccl_check)" --timeout 60
 run_step b 'nccl_local_cuda:' 70 b_local_cuda.log "$(exe nccl_local_cuda)" --ranks 4 --timeout 60
 train_step c0 45 c0_train_single.log tp=1 --device "$dev" --no-fsdp --steps 20
-train_step c1 60 c1_train_tp2.log tp=2 --device "$dev" --no-fsdp --steps 10 --check --check-device cpu
-train_step c2 60 c2_train_fsdp2.log dp=2 --device "$dev" --steps 10 --check --check-device cpu
-train_step c3 70 c3_train_fsdp_tp.log dp=2,tp=2 --device "$dev" --steps 10 --check --check-device cpu
-train_step c5 60 c5_train_hsdp.log replicate=2,shard=2 --hsdp --device "$dev" --steps 6 --check --check-device cpu
-train_step c6 60 c6_train_moe.log ep=2 --moe experts=4,top_k=2 --device "$dev" --no-fsdp --steps 6 --check --check-device cpu
+train_step c1 60 c1_train_tp2.log tp=2 --device "$dev" --no-fsdp --steps 10 --check --check-device cpu --check-tol "$check_tol"
+train_step c2 60 c2_train_fsdp2.log dp=2 --device "$dev" --steps 10 --check --check-device cpu --check-tol "$check_tol"
+train_step c3 70 c3_train_fsdp_tp.log dp=2,tp=2 --device "$dev" --steps 10 --check --check-device cpu --check-tol "$check_tol"
+train_step c5 60 c5_train_hsdp.log replicate=2,shard=2 --hsdp --device "$dev" --steps 6 --check --check-device cpu --check-tol "$check_tol"
+train_step c6 60 c6_train_moe.log ep=2 --moe experts=4,top_k=2 --device "$dev" --no-fsdp --steps 6 --check --check-device cpu --check-tol "$check_tol"
 train_step c7 60 c7_train_small.log tp=1 --preset small --device "$dev" --no-fsdp --steps 20
 # Bring your own candle model: candle-transformers' llama through FsdpVarMap, and the candle-nn
 # llama with the drop-ins under FSDP x TP, each against one device on the CPU.
@@ -214,15 +263,14 @@ run_step e1 'check vs one device' 60 e1_llama_transformers.log "$(exe train_llam
     --device "$dev" --ranks 2 --steps 6 --check
 run_step e2 'check vs one device' 60 e2_llama_own_tp.log "$(exe train_llama)" \
     --device "$dev" --model own --ranks 4 --tp 2 --steps 6 --check
-if [[ -x "$(exe dtrun)" && -x "$(exe train_gpt)" ]]; then
-    run_step c4 'final_loss' 45 c4_train_nccl.log "$(exe dtrun)" --nproc 1 --timeout 40 -- \
-        "$(exe train_gpt)" --backend nccl --device cuda --mesh tp=1 --no-fsdp --steps 5 --json
-fi
+run_step c4 '"final_loss":[-0-9]' 45 c4_train_nccl.log "$(exe dtrun)" --nproc 1 --timeout 40 -- \
+    "$(exe train_gpt)" --backend nccl --device cuda --mesh tp=1 --no-fsdp --steps 5 --json
+# A benchmark, not a check: optional (SKIP when nccl_bench or dtrun is not built).
 if ((ngpu > 1)); then
-    run_step d 'peak busbw' 60 d_nccl_bench.log "$(exe dtrun)" --nproc "$ngpu" --timeout 55 -- \
+    run_step optional d 'peak busbw' 60 d_nccl_bench.log "$(exe dtrun)" --nproc "$ngpu" --timeout 55 -- \
         "$(exe nccl_bench)" --max-bytes 256M
 else
-    run_step d 'peak' 60 d_nccl_bench.log "$(exe nccl_bench)" --max-bytes 256M
+    run_step optional d 'peak' 60 d_nccl_bench.log "$(exe nccl_bench)" --max-bytes 256M
 fi
 if [[ -f "$logdir/d_nccl_bench.log" ]]; then
     echo "== bandwidth (rank 0)"

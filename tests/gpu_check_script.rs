@@ -1,0 +1,241 @@
+//! scripts/gpu_check.sh fails when it should, on a machine without a GPU: a fake `nvidia-smi`
+//! on PATH and a `--bin-dir` of fake binaries (small shell scripts printing what the real ones
+//! print) dry-run its plumbing (`CDT_GPU_CHECK_DEVICE=cpu`). All fakes present and good: exit 0.
+//! A train_gpt whose JSON lacks `max_rel_loss_diff`, a train_gpt whose own check exits 1, a
+//! missing required binary, or a binary that exits 0 without its summary line: non-zero, the
+//! step named in a FAIL row. A missing optional binary (nccl_bench): SKIP, still exit 0.
+#![cfg(unix)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A scratch directory for one test, removed at the end.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir =
+            std::env::temp_dir().join(format!("gpu_check_script-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+
+    fn path(&self, f: &str) -> PathBuf {
+        self.0.join(f)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn script(path: &Path, body: &str) {
+    std::fs::write(path, format!("#!/bin/sh\n{body}")).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// The fake `nvidia-smi`: one GPU.
+const NVIDIA_SMI: &str = r#"case "$*" in
+  *-L*) echo "GPU 0: Fake GPU (UUID: GPU-00000000)" ;;
+  *--query-gpu=name,*) echo "Fake GPU, 0.0, 9.0, 1024 MiB" ;;
+  *--query-gpu=name*) echo "Fake GPU" ;;
+  *) exit 1 ;;
+esac
+"#;
+
+/// A fake train_gpt: its JSON summary as the real one prints it; `FAKE_TG` picks a fault for
+/// the `--check` runs (`nofigure`: no max_rel_loss_diff; `nullfigure`: null; `exit1`: a figure
+/// within tolerance but exit status 1, the real binary's failed check).
+const TRAIN_GPT: &str = r#"check=0
+for a in "$@"; do [ "$a" = --check ] && check=1; done
+echo "train_gpt: some log line on stderr" >&2
+if [ "$check" = 0 ]; then
+  echo '{"final_loss":5.25,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":null}'
+  exit 0
+fi
+case "${FAKE_TG:-good}" in
+  nofigure) echo '{"final_loss":5.25,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":true}' ;;
+  nullfigure) echo '{"final_loss":5.25,"max_rel_loss_diff":null,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":true}' ;;
+  exit1) echo '{"final_loss":5.25,"max_rel_loss_diff":1.0e-9,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":false}'
+         echo "train_gpt: check failed: against the single-device reference: loss per step: element 1 is not finite" >&2
+         exit 1 ;;
+  *) echo '{"final_loss":5.25,"max_rel_loss_diff":8.9e-8,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":true}' ;;
+esac
+"#;
+
+/// Writes the fake binaries into `bin`.
+fn fake_bins(bin: &Path) {
+    std::fs::create_dir_all(bin).unwrap();
+    script(&bin.join("train_gpt"), TRAIN_GPT);
+    script(
+        &bin.join("nccl_check"),
+        "echo 'nccl_check: 12 collectives ok'\n",
+    );
+    script(
+        &bin.join("nccl_local_cuda"),
+        "echo 'nccl_local_cuda: 4 ranks ok'\n",
+    );
+    script(
+        &bin.join("nccl_bench"),
+        "echo '#  size  algbw  busbw'\necho 'peak busbw 1.0 GB/s'\n",
+    );
+    script(&bin.join("train_llama"), "echo 'check vs one device: ok'\n");
+    // dtrun runs the command after `--` (one rank).
+    script(
+        &bin.join("dtrun"),
+        "while [ \"$#\" -gt 0 ] && [ \"$1\" != -- ]; do shift; done\nshift\nexec \"$@\"\n",
+    );
+}
+
+/// What one run of the script printed and how it ended.
+struct Run {
+    code: Option<i32>,
+    out: String,
+}
+
+/// Runs scripts/gpu_check.sh with the fakes, `FAKE_TG=mode`, killed after 120 s.
+fn gpu_check(dir: &Scratch, bin: &Path, mode: &str) -> Run {
+    let fake_path = dir.path("path");
+    std::fs::create_dir_all(&fake_path).unwrap();
+    script(&fake_path.join("nvidia-smi"), NVIDIA_SMI);
+    let path = format!(
+        "{}:{}",
+        fake_path.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let log = dir.path(&format!("{mode}.out"));
+    let out_file = std::fs::File::create(&log).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut child = Command::new("bash")
+        .arg(root.join("scripts/gpu_check.sh"))
+        .arg("--bin-dir")
+        .arg(bin)
+        .env("PATH", path)
+        .env("CDT_GPU_CHECK_DEVICE", "cpu")
+        .env("CDT_GPU_LOG_DIR", dir.path(&format!("logs-{mode}")))
+        .env("FAKE_TG", mode)
+        .stdin(Stdio::null())
+        .stdout(out_file.try_clone().unwrap())
+        .stderr(out_file)
+        .spawn()
+        .expect("bash runs");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "gpu_check.sh ({mode}) did not end within 120 s:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Run {
+        code: status.code(),
+        out: std::fs::read_to_string(&log).unwrap(),
+    }
+}
+
+/// The result column of step `id` in the table the script prints last.
+fn result_of(run: &Run, id: &str) -> String {
+    let table = run
+        .out
+        .rsplit_once("step   result")
+        .unwrap_or_else(|| panic!("no result table in:\n{}", run.out))
+        .1;
+    table
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(id))
+        .unwrap_or_else(|| panic!("no row for step {id} in:\n{table}"))
+        .to_string()
+}
+
+fn assert_row(run: &Run, id: &str, result: &str, needle: &str) {
+    let row = result_of(run, id);
+    assert!(
+        row.split_whitespace().nth(1) == Some(result) && row.contains(needle),
+        "step {id}: expected {result} with {needle:?}, got {row:?}\n{}",
+        run.out
+    );
+}
+
+#[test]
+fn gpu_check_passes_only_with_every_required_binary_and_figure() {
+    let dir = Scratch::new("all");
+    let bin = dir.path("bin");
+    fake_bins(&bin);
+
+    // Everything there and good.
+    let good = gpu_check(&dir, &bin, "good");
+    assert_eq!(good.code, Some(0), "{}", good.out);
+    for id in [
+        "libs", "a1", "a2", "b", "c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7", "e1", "e2", "d",
+    ] {
+        assert_row(&good, id, "PASS", "");
+    }
+    assert_row(&good, "c1", "PASS", "max rel loss diff vs CPU 8.9e-8");
+    let json = std::fs::read_to_string(dir.path("logs-good/gpu_check.json")).unwrap();
+    assert!(
+        json.contains("\"step\":\"c3\",\"result\":\"PASS\"") && json.contains("8.9e-8"),
+        "{json}"
+    );
+
+    // A --check step whose JSON lacks the figure, or has it null.
+    for mode in ["nofigure", "nullfigure"] {
+        let r = gpu_check(&dir, &bin, mode);
+        assert_eq!(r.code, Some(1), "{}", r.out);
+        for id in ["c1", "c2", "c3", "c5", "c6"] {
+            assert_row(&r, id, "FAIL", "max_rel_loss_diff missing");
+        }
+        // The steps without --check need no such figure.
+        assert_row(&r, "c0", "PASS", "");
+    }
+
+    // train_gpt's own check failed (exit 1), whatever figure it printed.
+    let r = gpu_check(&dir, &bin, "exit1");
+    assert_eq!(r.code, Some(1), "{}", r.out);
+    assert_row(&r, "c2", "FAIL", "exit 1 (check failed)");
+    assert_row(&r, "c2", "FAIL", "check_passed false");
+
+    // A required binary missing: FAIL naming it (the launcher and the step using it).
+    std::fs::remove_file(bin.join("nccl_local_cuda")).unwrap();
+    let r = gpu_check(&dir, &bin, "good");
+    assert_eq!(r.code, Some(1), "{}", r.out);
+    assert_row(&r, "b", "FAIL", "required binary missing: nccl_local_cuda");
+    assert_row(&r, "a1", "PASS", "");
+    fake_bins(&bin);
+    std::fs::remove_file(bin.join("dtrun")).unwrap();
+    let r = gpu_check(&dir, &bin, "good");
+    assert_eq!(r.code, Some(1), "{}", r.out);
+    assert_row(&r, "a2", "FAIL", "required binary missing: dtrun");
+    assert_row(&r, "c4", "FAIL", "required binary missing: dtrun");
+    fake_bins(&bin);
+    std::fs::remove_file(bin.join("train_gpt")).unwrap();
+    let r = gpu_check(&dir, &bin, "good");
+    assert_eq!(r.code, Some(1), "{}", r.out);
+    assert_row(&r, "c1", "FAIL", "required binary missing: train_gpt");
+    assert_row(&r, "c4", "FAIL", "required binary missing: train_gpt");
+
+    // A binary that exits 0 without the summary line its step looks for.
+    fake_bins(&bin);
+    script(&bin.join("nccl_check"), "echo 'nothing to see'\n");
+    let r = gpu_check(&dir, &bin, "good");
+    assert_eq!(r.code, Some(1), "{}", r.out);
+    assert_row(&r, "a1", "FAIL", "no line matching 'nccl_check:'");
+
+    // The optional benchmark missing: SKIP, and the check still passes.
+    fake_bins(&bin);
+    std::fs::remove_file(bin.join("nccl_bench")).unwrap();
+    let r = gpu_check(&dir, &bin, "good");
+    assert_eq!(r.code, Some(0), "{}", r.out);
+    assert_row(&r, "d", "SKIP", "optional step: nccl_bench not built");
+}
