@@ -46,6 +46,12 @@ pub struct TrainConfig {
     pub schedule: Option<LrSchedule>,
     /// AdamW weight decay.
     pub weight_decay: f64,
+    /// AdamW's first-moment decay (default 0.9, candle-nn's and PyTorch's).
+    pub beta1: f64,
+    /// AdamW's second-moment decay (default 0.999).
+    pub beta2: f64,
+    /// AdamW's denominator epsilon (default 1e-8).
+    pub eps: f64,
     /// Which parameters the weight decay applies to (default: all, as candle-nn's AdamW).
     pub decay_policy: WeightDecay,
     /// Compute the global gradient norm every this many steps for [`StepInfo::grad_norm`]
@@ -140,6 +146,9 @@ impl TrainConfig {
             lr: 1e-3,
             schedule: None,
             weight_decay: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
             decay_policy: WeightDecay::All,
             grad_norm_every: 0,
             clip: None,
@@ -329,7 +338,9 @@ impl Setup {
                 candle_nn::ParamsAdamW {
                     lr: cfg.lr,
                     weight_decay: cfg.weight_decay,
-                    ..Default::default()
+                    beta1: cfg.beta1,
+                    beta2: cfg.beta2,
+                    eps: cfg.eps,
                 },
             )?;
             for p in store.params() {
