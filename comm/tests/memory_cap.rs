@@ -18,20 +18,33 @@ fn main() {
     }
     let default_cap = memory::retained_max_bytes();
     assert!(default_cap >= memory::RETAINED_MIN_BYTES);
+    // glibc before 2.33 (no mallinfo2) refuses an mmap threshold above 32 MiB, and holds the
+    // cap with its own trim threshold instead of ours (memory.rs, `TRIM_BY_US`): blocks of
+    // 24 MiB stay in its heap there, and our trim counter never moves.
+    let exact = memory::stats().heap_stats == memory::HeapStatsSource::Mallinfo2;
+    let block = if exact { 256 * MIB } else { 24 * MIB };
 
-    // Under a generous cap a freed 256 MiB block stays in the heap and is reused: no trim.
+    // Under a generous cap a freed block stays in the heap and is reused: no trim.
     let before = memory::stats();
     for _ in 0..3 {
-        let mut v = memory::vec_with_capacity::<u8>(256 * MIB);
-        v.resize(256 * MIB, 1);
-        assert_eq!(v[256 * MIB - 1], 1);
+        let mut v = memory::vec_with_capacity::<u8>(block);
+        v.resize(block, 1);
+        assert_eq!(v[block - 1], 1);
     }
     let kept = memory::stats();
     assert_eq!(kept.trims, before.trims, "no trim under the default cap");
     assert!(
-        kept.heap_free_bytes >= (256 * MIB) as u64,
+        kept.heap_free_bytes >= block as u64,
         "the freed block is kept for reuse: {kept:?}"
     );
+    if !exact {
+        println!(
+            "memory_cap: ok for reuse ({:?}); the cap is glibc's own trim threshold on this \
+             glibc, so our trimming is not exercised",
+            kept.heap_stats
+        );
+        return;
+    }
 
     // Lower the cap: the next large allocation gives back what exceeds it.
     assert_eq!(memory::set_retained_max_bytes(64 * MIB), default_cap);
