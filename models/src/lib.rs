@@ -18,7 +18,11 @@
 //!   `VarBuilder`; composable with FSDP ([`fsdp_vb`]).
 //! - [`init`]: a counter-based initialiser keyed by global index, so any mesh holds exactly
 //!   the single-device parameters for a seed.
-//! - [`train`]: a global gradient-norm clip with one all_reduce; [`data`]: a synthetic corpus.
+//! - [`fit`]: the training step and loop for any model ([`fit::Trainer`]): a user's candle-nn
+//!   forward under FSDP / tensor parallelism, with FSDP's reduction, the global gradient norm
+//!   and clipping, the learning-rate schedule, AdamW and per-step metrics. [`trainer`]: the
+//!   GPT's training run on top of it (data, evaluation, checkpoints, fault tolerance).
+//! - [`data`]: a synthetic corpus and token streams.
 //! - [`optim`]: AdamW with candle-nn's exact math in one fused pass, its state accessible,
 //!   weight decay per parameter; [`schedule`]: warmup and cosine / linear learning-rate
 //!   decay, and which parameters decay.
@@ -29,6 +33,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod device;
 mod error;
+pub mod fit;
 pub mod fsdp;
 pub mod fsdp_vb;
 pub mod gpt;
@@ -41,7 +46,6 @@ pub mod params;
 pub mod plan;
 pub mod schedule;
 pub mod tp_nn;
-pub mod train;
 pub mod trainer;
 
 pub use error::{ModelError, Result};

@@ -1,7 +1,12 @@
-//! The training loop shared by the `train_gpt` example and the tests: one rank's side of
+//! The training run shared by the `train_gpt` example and the tests: one rank's side of
 //! training a [`Gpt`] on a corpus (synthetic by default, or any token stream, with an optional
 //! held-out evaluation and text generation at the end) with AdamW ([`crate::optim::AdamW`], candle-nn's
 //! math), with optional distributed checkpoints ([`crate::checkpoint`]) and resumption.
+//!
+//! Each step is [`crate::fit::Trainer`]'s (the library trainer any model uses): backward with
+//! FSDP's reduction, the gradient norm and clipping, the scheduled rate, the optimizer step and
+//! the [`StepInfo`]; this module adds what is specific to the GPT run: its data, held-out
+//! evaluation, checkpoints, fault-tolerant recovery, MoE and collective reports.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -12,18 +17,18 @@ use candle_core::{DType, Tensor};
 use candle_dtensor_core::debug::{CommDebugMode, Phase};
 use candle_dtensor_core::{distribute_tensor, DTensor, Placement};
 use candle_dtensor_mesh::DeviceMesh;
-use candle_nn::Optimizer;
 
 use crate::checkpoint::{self, CheckpointError, Which};
 use crate::data::Corpus;
 use crate::error::{ModelError, Result};
+use crate::fit::{Gradients, OptimizerKind, TrainVars, Trainer, TrainerConfig};
 use crate::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use crate::gpt::{Gpt, GptConfig};
-use crate::optim::AdamW;
 use crate::params::ParamStore;
 use crate::plan::TpPlan;
 use crate::schedule::{LrSchedule, WeightDecay};
-use crate::train::{clip_grad_norm, grad_norm};
+
+pub use crate::fit::StepInfo;
 
 /// What to train.
 #[derive(Debug, Clone)]
@@ -172,33 +177,6 @@ impl TrainConfig {
     }
 }
 
-/// One finished step, as reported to the progress callback.
-#[derive(Debug, Clone, Copy)]
-pub struct StepInfo {
-    /// 0-based global step index (a resumed run starts at the checkpoint's step).
-    pub step: usize,
-    /// The global mean loss of the step.
-    pub loss: f32,
-    /// Wall time of the step (ms).
-    pub step_ms: f64,
-    /// Global tokens per step.
-    pub tokens: usize,
-    /// The learning rate the step used.
-    pub lr: f64,
-    /// The global gradient norm before clipping (computed when clipping, or when
-    /// [`TrainConfig::grad_norm_every`] asks for it on this step; `None` otherwise, since it
-    /// costs one all_reduce and, on a GPU, one host read).
-    pub grad_norm: Option<f64>,
-    /// Milliseconds in forward (data to loss), backward (including FSDP's gradient reduction
-    /// and clipping) and the optimizer step.
-    pub phase_ms: [f64; 3],
-    /// Milliseconds the compute thread waited on collectives in the step.
-    pub exposed_comm_ms: f64,
-    /// Peak bytes in parameters, gradients and optimizer state on this rank so far
-    /// ([`RankReport::param_grad_optim_bytes`]).
-    pub peak_bytes: usize,
-}
-
 /// What one rank saw.
 #[derive(Debug, Clone, Default)]
 pub struct RankReport {
@@ -301,7 +279,7 @@ struct Setup {
     fsdp: Option<Fsdp>,
     gpt: Gpt,
     store: ParamStore,
-    opt: StepOptimizer,
+    trainer: Trainer,
 }
 
 impl Setup {
@@ -330,31 +308,32 @@ impl Setup {
             DType::F32,
             fsdp.as_ref(),
         )?;
-        let opt = if cfg.sgd {
-            StepOptimizer::Sgd(candle_nn::SGD::new(store.vars(), cfg.lr)?)
-        } else {
-            let mut opt = AdamW::new(
-                store.vars(),
-                candle_nn::ParamsAdamW {
-                    lr: cfg.lr,
-                    weight_decay: cfg.weight_decay,
-                    beta1: cfg.beta1,
-                    beta2: cfg.beta2,
-                    eps: cfg.eps,
+        // The step: the library trainer over the store's parameters (each with its replica
+        // count, so the gradient norm is one device's).
+        let trainer = Trainer::new(
+            TrainVars::store(&store),
+            TrainerConfig {
+                lr: cfg.lr,
+                schedule: cfg.schedule,
+                optimizer: if cfg.sgd {
+                    OptimizerKind::Sgd
+                } else {
+                    OptimizerKind::AdamW
                 },
-            )?;
-            for p in store.params() {
-                // By the global shape, so every layout decays the same parameters.
-                opt.set_decay(&p.var, cfg.decay_policy.decays(&p.name, p.tensor.shape()));
-            }
-            StepOptimizer::AdamW(opt)
-        };
+                weight_decay: cfg.weight_decay,
+                decay_policy: cfg.decay_policy,
+                clip: cfg.clip,
+                grad_norm_every: cfg.grad_norm_every,
+                tokens_per_step: cfg.batch * cfg.gpt.seq_len,
+                ..TrainerConfig::default()
+            },
+        )?;
         Ok(Setup {
             mesh,
             fsdp,
             gpt,
             store,
-            opt,
+            trainer,
         })
     }
 
@@ -382,8 +361,9 @@ impl Setup {
             }
             n.set(o.as_tensor())?;
         }
-        match (&old.opt, &mut self.opt) {
-            (StepOptimizer::AdamW(o), StepOptimizer::AdamW(n)) => {
+        self.trainer.set_steps_done(old.trainer.steps_done());
+        match (old.trainer.adamw(), self.trainer.adamw_mut()) {
+            (Some(o), Some(n)) => {
                 n.set_step_count(o.step_count());
                 for (ovar, nvar) in ov.iter().zip(&nv) {
                     if let Some((m, v)) = o.moments(ovar)? {
@@ -391,7 +371,7 @@ impl Setup {
                     }
                 }
             }
-            (StepOptimizer::Sgd(_), StepOptimizer::Sgd(_)) => {}
+            (None, None) => {}
             _ => {
                 return Err(ModelError::Config(
                     "the rebuilt optimizer is of another kind".into(),
@@ -402,40 +382,21 @@ impl Setup {
     }
 }
 
-/// What the forward and backward of one step produced, before the optimizer step.
-struct StepOut {
-    grads: candle_core::backprop::GradStore,
-    value: f32,
-    grad_norm: Option<f64>,
-    t_fwd: Instant,
-    t_bwd: Instant,
-}
-
-/// Forward, backward (with FSDP's gradient reduction) and clipping of step `step`.
-fn forward_backward(s: &Setup, cfg: &TrainConfig, corpus: &Corpus, step: usize) -> Result<StepOut> {
+/// Forward, backward (with FSDP's gradient reduction) and clipping of step `step`: the
+/// trainer's step before the optimizer's update.
+fn forward_backward(
+    s: &mut Setup,
+    cfg: &TrainConfig,
+    corpus: &Corpus,
+    step: usize,
+) -> std::result::Result<Gradients, crate::fit::TrainerError> {
     let all_r = vec![Placement::Replicate; s.mesh.ndim()];
-    let (x, y) = global_batch(&s.gpt, &s.mesh, corpus, step as u64, cfg.batch, cfg.seed)?;
-    let loss = s.gpt.loss(&x, &y)?.redistribute(&all_r)?;
-    let t_fwd = Instant::now();
-    let mut grads = loss.backward()?;
-    if let Some(f) = &s.fsdp {
-        f.finish_backward(&mut grads)?;
-    }
-    let norm = if let Some(c) = cfg.clip {
-        Some(clip_grad_norm(&s.store, &mut grads, c)?)
-    } else if cfg.grad_norm_every > 0 && step % cfg.grad_norm_every == 0 {
-        Some(grad_norm(&s.store, &grads)?)
-    } else {
-        None
-    };
-    let t_bwd = Instant::now();
-    let value = loss.to_local().to_scalar::<f32>()?;
-    Ok(StepOut {
-        grads,
-        value,
-        grad_norm: norm,
-        t_fwd,
-        t_bwd,
+    let (gpt, mesh) = (&s.gpt, &s.mesh);
+    s.trainer.set_steps_done(step);
+    s.trainer.forward_backward(|| {
+        let (x, y) = global_batch(gpt, mesh, corpus, step as u64, cfg.batch, cfg.seed)?;
+        // Replicated: the loss is the global mean on every rank.
+        Ok(gpt.loss(&x, &y)?.redistribute(&all_r)?.to_local().clone())
     })
 }
 
@@ -617,7 +578,7 @@ pub fn train_rank(
     let mut start = 0;
     let mut resumed = false;
     if let (true, Some(dir)) = (cfg.resume, &cfg.save_dir) {
-        match checkpoint::load(dir, Which::Latest, &s.store, s.opt.adamw_mut()) {
+        match checkpoint::load(dir, Which::Latest, &s.store, s.trainer.adamw_mut()) {
             Ok(info) => {
                 start = info.step;
                 resumed = true;
@@ -642,7 +603,6 @@ pub fn train_rank(
     if let (false, Some(path)) = (resumed, &cfg.init_from) {
         s.store.load_safetensors(path)?;
     }
-    let t = cfg.gpt.seq_len;
     let mut report = RankReport {
         start_step: start,
         param_bytes: s.store.local_bytes(),
@@ -676,7 +636,7 @@ pub fn train_rank(
         let t0 = Instant::now();
         let last = step + 1 == cfg.steps;
         let mode = last.then(CommDebugMode::start);
-        let res = forward_backward(&s, cfg, &corpus, step);
+        let res = forward_backward(&mut s, cfg, &corpus, step);
         let out = match rep_dim {
             None => res?,
             Some(rep_dim) => {
@@ -735,25 +695,9 @@ pub fn train_rank(
                 }
             }
         };
-        let StepOut {
-            grads,
-            value,
-            grad_norm,
-            t_fwd,
-            t_bwd,
-        } = out;
-        let lr = cfg.schedule.map_or(cfg.lr, |sch| sch.lr_at(step));
-        s.opt.set_learning_rate(lr);
-        report.lrs.push(lr);
-        s.opt.step(&grads)?;
-        let t_opt = Instant::now();
-        let phase_ms = [
-            (t_fwd - t0).as_secs_f64() * 1e3,
-            (t_bwd - t_fwd).as_secs_f64() * 1e3,
-            (t_opt - t_bwd).as_secs_f64() * 1e3,
-        ];
-        report.phase_ms.push(phase_ms);
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let info = s.trainer.apply(out)?;
+        report.lrs.push(info.lr);
+        report.phase_ms.push(info.phase_ms);
         if let Some(mode) = mode {
             for ((phase, kind), n) in mode.counts() {
                 let phase = match phase {
@@ -768,31 +712,22 @@ pub fn train_rank(
                     .or_insert(0) += n;
             }
         }
-        let mut exposed = candle_dtensor_core::debug::take_comm_wait().as_secs_f64() * 1e3;
-        let mut peak = 0;
-        if let Some(f) = &s.fsdp {
-            let st = f.take_stats();
-            exposed += st.exposed_comm_ms;
-            peak = st.peak_unsharded_bytes;
-        }
-        report.exposed_comm_ms.push(exposed);
+        let peak = s
+            .trainer
+            .last_fsdp_stats()
+            .map_or(0, |st| st.peak_unsharded_bytes);
+        report.exposed_comm_ms.push(info.exposed_comm_ms);
         let all_r = vec![Placement::Replicate; s.mesh.ndim()];
         if let Some(m) = moe_step(&s.gpt, &all_r)? {
             report.moe.push(m);
         }
         report.param_grad_optim_bytes = report.param_grad_optim_bytes.max(base_bytes + peak);
-        report.losses.push(value);
-        report.step_ms.push(ms);
+        report.losses.push(info.loss);
+        report.step_ms.push(info.step_ms);
         on_step(&StepInfo {
-            step,
-            loss: value,
-            step_ms: ms,
-            tokens: cfg.batch * t,
-            lr,
-            grad_norm,
-            phase_ms,
-            exposed_comm_ms: exposed,
+            // Counted as the report counts it (shards, gradients and AdamW's two moments).
             peak_bytes: report.param_grad_optim_bytes,
+            ..info
         });
         let done = step + 1;
         if let Some(e) = &cfg.eval {
@@ -811,7 +746,7 @@ pub fn train_rank(
         if let Some(dir) = &cfg.save_dir {
             if (cfg.save_every > 0 && done % cfg.save_every == 0) || done == cfg.steps {
                 let t0 = Instant::now();
-                checkpoint::save(dir, done, &s.store, s.opt.adamw(), &extra)?;
+                checkpoint::save(dir, done, &s.store, s.trainer.adamw(), &extra)?;
                 report.save_ms.push(t0.elapsed().as_secs_f64() * 1e3);
                 report.saved_steps.push(done);
             }
@@ -972,43 +907,4 @@ fn generate(
         ctx.push(next);
     }
     Ok(out)
-}
-
-/// The optimizer a training run steps: plain SGD (exact comparisons across
-/// layouts) or AdamW (the default).
-enum StepOptimizer {
-    Sgd(candle_nn::SGD),
-    AdamW(AdamW),
-}
-
-impl StepOptimizer {
-    fn adamw(&self) -> Option<&AdamW> {
-        match self {
-            StepOptimizer::AdamW(o) => Some(o),
-            StepOptimizer::Sgd(_) => None,
-        }
-    }
-
-    fn adamw_mut(&mut self) -> Option<&mut AdamW> {
-        match self {
-            StepOptimizer::AdamW(o) => Some(o),
-            StepOptimizer::Sgd(_) => None,
-        }
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        use candle_nn::Optimizer;
-        match self {
-            StepOptimizer::Sgd(o) => o.set_learning_rate(lr),
-            StepOptimizer::AdamW(o) => o.set_learning_rate(lr),
-        }
-    }
-
-    fn step(&mut self, grads: &candle_core::backprop::GradStore) -> candle_core::Result<()> {
-        use candle_nn::Optimizer;
-        match self {
-            StepOptimizer::Sgd(o) => o.step(grads),
-            StepOptimizer::AdamW(o) => o.step(grads),
-        }
-    }
 }
