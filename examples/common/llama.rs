@@ -1,20 +1,21 @@
 //! Shared by `examples/train_llama.rs` and `tests/llama.rs`: a llama-architecture model written
 //! as a user writes one (candle-nn layers, `candle_dtensor::nn`'s differentiable drop-ins, and
 //! optionally `candle_dtensor::models::tp_nn`'s tensor-parallel layers), candle-transformers'
-//! own llama, and one training loop that runs either on one device or as one rank of FSDP
-//! (x TP), recording losses and every gradient so the two can be compared.
+//! own llama, and their training: on one device a hand-written candle-nn loop (the reference),
+//! as one rank of FSDP (x TP) the library trainer (`candle_dtensor::models::fit::Trainer`),
+//! recording losses and every gradient so the two can be compared.
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_dtensor::comm::ReduceOp;
 use candle_dtensor::kernels::compare::{
     abs_sum, compare_series_f32, max_abs_diff, nan_max, Mismatch, SeriesDiff,
 };
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::data::Corpus;
+use candle_dtensor::models::fit::{TrainVars, Trainer, TrainerConfig};
 use candle_dtensor::models::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use candle_dtensor::models::fsdp_vb::{reference_var_builder, FsdpVarMap, ROOT_UNIT};
 use candle_dtensor::models::tp_nn::{self, Group, TpLinearConfig};
@@ -533,10 +534,11 @@ pub fn train_one_device(run: &Run) -> Result<Report, BoxErr> {
     Ok(report)
 }
 
-/// Trains as one rank of a `dp x tp` mesh: FSDP over `dp` with a unit per block (`--arch
+/// Trains as one rank of a `dp x tp` mesh with the library trainer
+/// ([`candle_dtensor::models::fit::Trainer`]): FSDP over `dp` with a unit per block (`--arch
 /// own`: each block's forward wrapped; candle-transformers: its whole forward as the root
 /// unit), tensor parallelism over `tp` (own model only). Each dp rank trains on its rows of the
-/// global batch; its loss is their mean, so gradients are averaged.
+/// global batch; its loss is their mean, so gradients (and the reported loss) are averaged.
 pub fn train_rank(mesh: &DeviceMesh, run: &Run) -> Result<Report, BoxErr> {
     let dp = mesh.size(0)?;
     let dpc = mesh.coordinate()[0];
@@ -546,8 +548,18 @@ pub fn train_rank(mesh: &DeviceMesh, run: &Run) -> Result<Report, BoxErr> {
     };
     let fsdp = Fsdp::new(mesh, FsdpConfig::new(0, GradReduce::Avg))?;
     let map = FsdpVarMap::new(&fsdp, run.seed).with_units(&["model.layers.{i}"])?;
-    let mut model = Model::build(run, map.var_builder(DType::F32), tp.as_ref())?;
-    let mut opt = fsdp.optimizer(candle_nn::AdamW::new(map.all_vars(), adamw(run))?);
+    // The model is built through the trainer's VarBuilder (the map's, recording each
+    // parameter's tensor-parallel piece for the gradient norm).
+    let vars = TrainVars::fsdp(mesh, &fsdp, &map, DType::F32);
+    let mut model = Model::build(run, vars.var_builder()?, tp.as_ref())?;
+    let mut trainer = Trainer::new(
+        vars,
+        TrainerConfig {
+            lr: run.lr,
+            tokens_per_step: run.batch * run.seq,
+            ..TrainerConfig::default()
+        },
+    )?;
     let corpus = corpus(run);
     let (rows, off) = shard_size_and_offset(run.batch, dp, dpc);
     let mut params: Vec<String> = map.named_vars().into_iter().map(|(k, _)| k).collect();
@@ -561,29 +573,26 @@ pub fn train_rank(mesh: &DeviceMesh, run: &Run) -> Result<Report, BoxErr> {
     };
     let dev = fsdp.device();
     for step in 0..run.steps {
-        let (x, y) = batch(run, &corpus, step)?;
-        let (x, y) = (
-            x.narrow(0, off, rows)?.to_device(&dev)?,
-            y.narrow(0, off, rows)?.to_device(&dev)?,
-        );
-        let loss = model.loss(&x, &y, Some(&map))?;
-        let global = mesh
-            .comm(0)?
-            .all_reduce(&loss.reshape(1)?, ReduceOp::Avg)?
-            .wait()?;
-        report.losses.push(global.to_vec1::<f32>()?[0]);
-        let grads = fsdp.backward(&loss)?;
+        let g = trainer.forward_backward(|| {
+            let (x, y) = batch(run, &corpus, step)?;
+            let (x, y) = (
+                x.narrow(0, off, rows)?.to_device(&dev)?,
+                y.narrow(0, off, rows)?.to_device(&dev)?,
+            );
+            model.loss(&x, &y, Some(&map))
+        })?;
+        report.losses.push(g.loss());
         if run.keep_grads {
             // On the host, where `compare` reads them beside the one-device reference.
             let mut host = BTreeMap::new();
             for (k, v) in map.named_vars() {
-                if let Some(g) = grads.get(v.as_tensor()) {
+                if let Some(g) = g.grads().get(v.as_tensor()) {
                     host.insert(k, g.to_device(&Device::Cpu)?);
                 }
             }
             report.grads.push(host);
         }
-        opt.step(&grads)?;
+        trainer.apply(g)?;
     }
     report.without_grad = fsdp.params_without_grad();
     report.without_grad.sort();
