@@ -8,7 +8,7 @@
 //! evaluation.
 //!
 //! A user-written candle-nn model trained under FSDP over two ranks, with warmup, cosine decay
-//! and clipping:
+//! and clipping (the README's example):
 //!
 //! ```
 //! use candle_core::{DType, Device, Module, Tensor};
@@ -19,36 +19,36 @@
 //! use candle_dtensor::models::fsdp_vb::FsdpVarMap;
 //! use candle_dtensor::models::schedule::{Decay, LrSchedule};
 //!
-//! LocalWorld::run(2, |comm| {
-//!     let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
-//!     // FSDP over dp; each rank's loss is the mean over its half of the batch: average.
-//!     let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
-//!     let map = FsdpVarMap::new(&fsdp, 0);
-//!     let vars = TrainVars::fsdp(&mesh, &fsdp, &map, DType::F32);
-//!     let vb = vars.var_builder()?;
-//!     // The model: plain candle-nn layers, each one FSDP unit.
-//!     let l1 = map.wrap("l1", candle_nn::linear(8, 32, vb.pp("l1"))?)?;
-//!     let l2 = map.wrap("l2", candle_nn::linear(32, 1, vb.pp("l2"))?)?;
-//!     let mut trainer = Trainer::new(vars, TrainerConfig {
-//!         schedule: Some(LrSchedule::new(3e-2, 5, Decay::Cosine, 40, 1e-3)?),
-//!         clip: Some(1.0),
-//!         ..TrainerConfig::default()
+//! fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//!     LocalWorld::run(2, |comm| {
+//!         let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
+//!         // FSDP over dp; each rank's loss is the mean over its rows of the batch: average.
+//!         let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
+//!         let map = FsdpVarMap::new(&fsdp, 0);
+//!         let vars = TrainVars::fsdp(&mesh, &fsdp, &map, DType::F32);
+//!         let vb = vars.var_builder()?;
+//!         // The user's model: plain candle-nn layers, each one FSDP unit.
+//!         let l1 = map.wrap("l1", candle_nn::linear(8, 32, vb.pp("l1"))?)?;
+//!         let l2 = map.wrap("l2", candle_nn::linear(32, 1, vb.pp("l2"))?)?;
+//!         let schedule = LrSchedule::new(3e-2, 5, Decay::Cosine, 40, 1e-3)?; // warmup, cosine
+//!         let cfg = TrainerConfig { schedule: Some(schedule), clip: Some(1.0), ..Default::default() };
+//!         let mut trainer = Trainer::new(vars, cfg)?;
+//!         // This rank's 4 rows of the batch, and the target y = sum(x).
+//!         let x = (Tensor::arange(0f32, 32.0, &Device::Cpu)? + 32.0 * mesh.rank() as f64)?;
+//!         let x = (x * 0.37)?.sin()?.reshape((4, 8))?;
+//!         let y = x.sum_keepdim(1)?;
+//!         let report = trainer.fit(
+//!             40,
+//!             |_step| Ok((x.clone(), y.clone())),
+//!             |(x, y)| candle_nn::loss::mse(&l2.forward(&l1.forward(x)?.relu()?)?, y),
+//!             FitOptions::new().on_step(|s| assert!(s.grad_norm.is_some())), // clipping: a norm
+//!         )?;
+//!         let losses = report.losses(); // every step's global mean loss, the same on each rank
+//!         assert!(losses[39] < 0.2 * losses[0], "{losses:?}");
+//!         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
 //!     })?;
-//!     // This rank's rows of the batch: y = sum(x).
-//!     let x = (Tensor::arange(0f32, 32.0, &Device::Cpu)? + 32.0 * mesh.rank() as f64)?;
-//!     let x = (x * 0.37)?.sin()?.reshape((4, 8))?;
-//!     let y = x.sum_keepdim(1)?;
-//!     let report = trainer.fit(
-//!         40,
-//!         |_step| Ok((x.clone(), y.clone())),
-//!         |(x, y)| candle_nn::loss::mse(&l2.forward(&l1.forward(x)?.relu()?)?, y),
-//!         FitOptions::new(),
-//!     )?;
-//!     let losses = report.losses(); // the global mean loss of every step, the same on each rank
-//!     assert!(losses[39] < 0.2 * losses[0], "{losses:?}");
-//!     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
-//! })?;
-//! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+//!     Ok(())
+//! }
 //! ```
 //!
 //! # Parameters ([`TrainVars`])
