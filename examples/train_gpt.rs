@@ -38,8 +38,40 @@
 //! cargo run --release --example train_gpt -- --data input.txt --eval-every 25 --sample 200
 //! cargo run --release --example train_gpt -- --data input.txt --tokenizer tokenizer.json --sample 50 --temperature 0.8
 //! ```
+//!
+//! # Job files, model shapes, schedules, metrics
+//!
+//! Every flag is also a key of a TOML job file (`--config job.toml`; sections `[model]`,
+//! `[optimizer]`, `[lr_schedule]`, `[training]`, `[parallelism]`, `[checkpoint]`, `[data]`,
+//! `[evaluation]`, `[logging]`, `[check]`, `[fault_tolerance]`; keys are the flags' long
+//! names; flags on the command line override the file; examples in `examples/configs/`).
+//! `--print-config` prints the resolved job (defaults included) and exits; every run writes it
+//! to `<--out>.job.toml`, which `--config` reads back to the same run. Unknown or misspelt
+//! keys, keys in the wrong section and values of the wrong type are errors naming the key.
+//!
+//! The model is `--preset` (tiny, small, gpt2, gpt2-medium) with `--layers --heads --width
+//! --mlp-ratio --vocab --seq-len --tied/--untied` overriding its fields, checked before any
+//! rank starts. AdamW takes `--lr --weight-decay --beta1 --beta2 --eps --clip`; the weight
+//! decay applies to `--decay-params matrices` by default (no decay for norms, biases and
+//! embeddings: losses differ from runs before this flag, which decayed `all`). The rate warms
+//! up linearly over `--warmup` steps, then `--lr-decay none|cosine|linear` takes it to
+//! `--min-lr` (default 0) at the last step of `--schedule-steps` (default `--steps`); it is a
+//! function of the global step, so a resumed run continues it exactly. `--resume` with a model
+//! of another shape than the checkpoint's is an error naming the flag (the checkpoint's shapes
+//! from its manifest; the heads from `<--save-dir>/train_gpt.json`, which every run with
+//! `--save-dir` writes).
+//!
+//! `<--out>.metrics.jsonl` (or `--metrics FILE`) gets one JSON object per logged step (every
+//! step, or every `--log-every N`; 0: none): step, loss, lr, grad_norm, tokens_per_s, mfu
+//! (`(6 N + 12 L T D)` FLOPs per token, N the parameters a token goes through, against
+//! `--peak-tflops` per rank; null without it), step_ms and its forward / backward / optimizer
+//! split, exposed_comm_ms, peak_bytes (rank 0's parameters, gradients and optimizer state)
+//! and eval_loss (after the steps it was measured after). The SVG draws the learning rate
+//! under the losses; the progress bar shows loss, rate, tokens/s and the ETA.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+#[path = "common/job.rs"]
+pub(crate) mod job;
 #[path = "common/rank_device.rs"]
 mod rank_device;
 #[path = "common/text.rs"]
@@ -58,16 +90,29 @@ use candle_dtensor::kernels::compare::{compare_series_f32, Mismatch};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::data::Corpus;
 use candle_dtensor::models::device::DeviceSpec;
+use candle_dtensor::models::schedule::{Decay, LrSchedule, WeightDecay};
 use candle_dtensor::models::trainer::{
-    train_rank, EvalSpec, FsdpSpec, RankReport, SampleSpec, TrainConfig,
+    train_rank, EvalSpec, FsdpSpec, RankReport, SampleSpec, StepInfo, TrainConfig,
 };
 use candle_dtensor::models::{GptConfig, MoeConfig, TpPlan};
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Train a GPT with tensor / data / fully sharded parallelism")]
 pub(crate) struct Args {
+    /// Read the job from this TOML file (sections model, optimizer, lr_schedule, training,
+    /// parallelism, checkpoint, data, evaluation, logging, check, fault_tolerance; keys are
+    /// the flags' long names). Flags on the command line override the file.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) config: Option<PathBuf>,
+    /// Print the resolved job (every setting, defaults included, as a job file for --config)
+    /// and exit without training.
+    #[arg(long)]
+    pub(crate) print_config: bool,
+    /// The resolved job (TOML), set by [`parse_args`]; written to `<--out>.job.toml`.
+    #[arg(skip)]
+    pub(crate) job: Option<String>,
     /// Number of ranks (threads). Defaults to the product of --mesh.
     #[arg(long)]
     world: Option<usize>,
@@ -80,7 +125,7 @@ pub(crate) struct Args {
     #[arg(long, overrides_with = "no_fsdp")]
     fsdp: bool,
     /// Turn FSDP off.
-    #[arg(long)]
+    #[arg(long, overrides_with = "fsdp")]
     no_fsdp: bool,
     /// HSDP: shard over `shard`, replicate over `replicate` (needs those mesh dims).
     #[arg(long)]
@@ -118,21 +163,82 @@ pub(crate) struct Args {
     /// checkpoint) instead of the seed's initialisation.
     #[arg(long)]
     init_from: Option<PathBuf>,
-    /// Model preset: tiny or small.
+    /// Model preset: tiny (1 layer, width 256), small (4 layers, width 384), gpt2 (GPT-2
+    /// small's shape, 124M parameters) or gpt2-medium (350M). The shape flags below override
+    /// its fields.
     #[arg(long, default_value = "tiny")]
     preset: String,
+    /// Transformer blocks (default: the preset's).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Attention heads (default: the preset's); must divide --width, and be divisible by the
+    /// tensor-parallel size.
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Model width d_model (default: the preset's).
+    #[arg(long)]
+    width: Option<usize>,
+    /// MLP hidden size as a multiple of the width (default: the preset's, 4).
+    #[arg(long)]
+    mlp_ratio: Option<usize>,
+    /// Vocabulary size (default: the preset's; with --data, the data's rounded up to a
+    /// multiple of the tensor-parallel size; a given --vocab must hold the data's).
+    #[arg(long)]
+    vocab: Option<usize>,
+    /// Sequence length: tokens per sequence and position embeddings (default: the preset's).
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Tie the LM head to the token embedding (default: the preset's; gpt2 presets are tied).
+    #[arg(long, overrides_with = "untied")]
+    tied: bool,
+    /// An LM head of its own (untied from the token embedding).
+    #[arg(long, overrides_with = "tied")]
+    untied: bool,
     /// Seed of the parameters and the data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Global batch size (sequences per step).
     #[arg(long, default_value_t = 8)]
     batch: usize,
-    /// AdamW learning rate.
+    /// AdamW learning rate (the peak rate of the schedule).
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
+    /// AdamW decoupled weight decay.
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
+    /// Which parameters the weight decay applies to: `matrices` (every parameter of two or
+    /// more dims except the embeddings: no decay for norms, biases and embeddings, as nanoGPT
+    /// and torchtitan), `matrices+embeddings`, or `all` (train_gpt's behaviour before this
+    /// flag existed).
+    #[arg(long, default_value = "matrices")]
+    decay_params: String,
+    /// AdamW's first-moment decay.
+    #[arg(long, default_value_t = 0.9)]
+    beta1: f64,
+    /// AdamW's second-moment decay.
+    #[arg(long, default_value_t = 0.999)]
+    beta2: f64,
+    /// AdamW's epsilon.
+    #[arg(long, default_value_t = 1e-8)]
+    eps: f64,
     /// Clip the global gradient norm to this value.
     #[arg(long)]
     clip: Option<f64>,
+    /// Learning-rate warmup: the rate rises linearly to --lr over the first N steps.
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// Learning-rate decay after the warmup: `none` (constant), `cosine` or `linear`, from
+    /// --lr down to --min-lr at the last step of the schedule.
+    #[arg(long, default_value = "none")]
+    lr_decay: String,
+    /// The rate --lr-decay ends at.
+    #[arg(long, default_value_t = 0.0)]
+    min_lr: f64,
+    /// Steps of the schedule (default: --steps). The rate is a function of the global step
+    /// alone, so a run resumed from a checkpoint continues the schedule exactly; set this to
+    /// the whole job's steps when a run stops early and is resumed with a larger --steps.
+    #[arg(long)]
+    schedule_steps: Option<usize>,
     /// Also train the identical single-device model and compare every step's loss (and every
     /// held-out loss) with it: a difference above --check-tol, a NaN or infinite loss on
     /// either side, or a different number of steps fails the run (exit 1).
@@ -158,9 +264,25 @@ pub(crate) struct Args {
     /// Print one JSON summary object on stdout (and no progress bar).
     #[arg(long)]
     json: bool,
-    /// Output prefix of the loss CSV and SVG.
+    /// Output prefix: writes `<out>.csv` (losses), `<out>.svg` (loss and learning-rate
+    /// curves), `<out>.metrics.jsonl` (see --metrics) and `<out>.job.toml` (the resolved job,
+    /// for --config).
     #[arg(long, default_value = "train_gpt_loss")]
     out: PathBuf,
+    /// The per-step metrics log, one JSON object per logged step (default:
+    /// `<out>.metrics.jsonl`): step, loss, lr, grad_norm, tokens_per_s, mfu, forward /
+    /// backward / optimizer ms, exposed_comm_ms, peak_bytes (per rank), eval_loss.
+    #[arg(long, value_name = "FILE")]
+    metrics: Option<PathBuf>,
+    /// Log every N-th step (steps 0, N, 2N, ... and the last) to the metrics file, with the
+    /// gradient norm computed on those steps (one all_reduce); 0: no metrics file and no
+    /// gradient norm unless --clip.
+    #[arg(long, default_value_t = 1)]
+    log_every: usize,
+    /// The peak rate of one device in TFLOP/s for the MFU in the metrics (e.g. 989 for an
+    /// H100's dense BF16); without it the MFU is null.
+    #[arg(long)]
+    peak_tflops: Option<f64>,
     /// Op timeout in seconds (fractions allowed, e.g. 0.5 for a quick fault detection with
     /// --fault-tolerant).
     #[arg(long, default_value_t = 120.0)]
@@ -230,6 +352,98 @@ pub(crate) struct Args {
     /// use `--allow-failures`.
     #[arg(long)]
     fault_tolerant: bool,
+}
+
+/// The sections of a job file (`--config`): every flag of [`Args`] by long name
+/// (tests/train_gpt_config.rs checks that none is missing).
+pub(crate) const SECTIONS: job::Sections = &[
+    (
+        "model",
+        &[
+            "preset",
+            "layers",
+            "heads",
+            "width",
+            "mlp-ratio",
+            "vocab",
+            "seq-len",
+            "tied",
+            "untied",
+            "moe",
+        ],
+    ),
+    (
+        "optimizer",
+        &[
+            "lr",
+            "weight-decay",
+            "decay-params",
+            "beta1",
+            "beta2",
+            "eps",
+            "clip",
+        ],
+    ),
+    (
+        "lr_schedule",
+        &["warmup", "lr-decay", "min-lr", "schedule-steps"],
+    ),
+    (
+        "training",
+        &[
+            "steps",
+            "batch",
+            "seed",
+            "device",
+            "mixed-precision",
+            "init-from",
+        ],
+    ),
+    (
+        "parallelism",
+        &[
+            "mesh",
+            "world",
+            "fsdp",
+            "no-fsdp",
+            "hsdp",
+            "separate-rs-group",
+            "sp",
+            "backend",
+            "timeout",
+            "link",
+            "link-scale",
+        ],
+    ),
+    ("checkpoint", &["save-dir", "save-every", "resume"]),
+    ("data", &["data", "tokenizer", "eval-fraction"]),
+    (
+        "evaluation",
+        &[
+            "eval-every",
+            "eval-batches",
+            "sample",
+            "temperature",
+            "sample-seed",
+        ],
+    ),
+    (
+        "logging",
+        &["out", "json", "metrics", "log-every", "peak-tflops"],
+    ),
+    (
+        "check",
+        &["check", "check-against", "check-tol", "check-device"],
+    ),
+    ("fault_tolerance", &["fault-tolerant", "inject-fault"]),
+];
+
+/// The arguments of `argv` (the program name first): the job file of `--config`, if any,
+/// overridden by the command line; [`Args::job`] holds the resolved job.
+pub(crate) fn parse_args(argv: Vec<std::ffi::OsString>) -> Result<Args, job::JobError> {
+    let (mut args, matches) = job::parse::<Args>(SECTIONS, argv)?;
+    args.job = Some(job::resolved(&Args::command(), SECTIONS, &matches));
+    Ok(args)
 }
 
 /// What `--inject-fault` does to a rank.
@@ -454,6 +668,573 @@ fn measure_rank_flops(world: usize) -> Result<f64, String> {
     Ok(median(&rates))
 }
 
+/// What `--print-config` prints: the resolved job ([`parse_args`] sets it).
+pub(crate) fn print_config_text(args: &Args) -> String {
+    match &args.job {
+        Some(job) => job.clone(),
+        None => "# no resolved job: these arguments were not read by parse_args\n".to_string(),
+    }
+}
+
+/// The tensor-parallel size of the mesh (1 without a `tp` dim).
+fn tp_of(dims: &[(String, usize)]) -> usize {
+    dims.iter().find(|(n, _)| n == "tp").map_or(1, |(_, s)| *s)
+}
+
+/// The model of `--preset` with the shape flags applied (the vocabulary of `--data` is set
+/// by [`load_data`]).
+fn model_config(args: &Args) -> Result<GptConfig, String> {
+    let mut g = GptConfig::preset(&args.preset).map_err(|e| format!("--preset: {e}"))?;
+    let set = |field: &mut usize, flag: Option<usize>| {
+        if let Some(v) = flag {
+            *field = v;
+        }
+    };
+    set(&mut g.n_layers, args.layers);
+    set(&mut g.n_heads, args.heads);
+    set(&mut g.d_model, args.width);
+    set(&mut g.mlp_ratio, args.mlp_ratio);
+    set(&mut g.vocab, args.vocab);
+    set(&mut g.seq_len, args.seq_len);
+    if args.tied {
+        g.tied = true;
+    }
+    if args.untied {
+        g.tied = false;
+    }
+    Ok(g)
+}
+
+/// A model shape [`GptConfig::validate`] refused, with the flags it came from.
+fn shape_error(args: &Args, dims: &[(String, usize)], e: &str) -> String {
+    let set: Vec<String> = [
+        ("--layers", args.layers),
+        ("--heads", args.heads),
+        ("--width", args.width),
+        ("--mlp-ratio", args.mlp_ratio),
+        ("--vocab", args.vocab),
+        ("--seq-len", args.seq_len),
+    ]
+    .iter()
+    .filter_map(|(f, v)| v.map(|v| format!("{f} {v}")))
+    .collect();
+    format!(
+        "bad model shape (--preset {}{}{}, tp={}): {e}",
+        args.preset,
+        if set.is_empty() { "" } else { " " },
+        set.join(" "),
+        tp_of(dims)
+    )
+}
+
+/// The optimizer and learning-rate schedule flags into `cfg`, checked.
+fn optimizer_settings(args: &Args, cfg: &mut TrainConfig) -> Result<(), String> {
+    for (flag, v) in [
+        ("--lr", args.lr),
+        ("--weight-decay", args.weight_decay),
+        ("--min-lr", args.min_lr),
+    ] {
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(format!("{flag} {v}: not a finite number >= 0"));
+        }
+    }
+    for (flag, v) in [("--beta1", args.beta1), ("--beta2", args.beta2)] {
+        if !(0.0..1.0).contains(&v) {
+            return Err(format!("{flag} {v}: not in [0, 1) (rule: 0 <= beta < 1)"));
+        }
+    }
+    if !(args.eps.is_finite() && args.eps > 0.0) {
+        return Err(format!("--eps {}: not a finite number > 0", args.eps));
+    }
+    if let Some(c) = args.clip {
+        if !(c.is_finite() && c > 0.0) {
+            return Err(format!("--clip {c}: not a finite number > 0"));
+        }
+    }
+    cfg.lr = args.lr;
+    cfg.clip = args.clip;
+    cfg.weight_decay = args.weight_decay;
+    cfg.beta1 = args.beta1;
+    cfg.beta2 = args.beta2;
+    cfg.eps = args.eps;
+    cfg.decay_policy = args
+        .decay_params
+        .parse::<WeightDecay>()
+        .map_err(|e| format!("--decay-params: {e}"))?;
+    let decay: Decay = args
+        .lr_decay
+        .parse()
+        .map_err(|e| format!("--lr-decay: {e}"))?;
+    let total = args.schedule_steps.unwrap_or(args.steps);
+    if total < args.steps {
+        return Err(format!(
+            "--schedule-steps {total} is less than --steps {} (rule: the schedule covers the \
+             run: --schedule-steps >= --steps)",
+            args.steps
+        ));
+    }
+    cfg.schedule = if args.warmup == 0 && decay == Decay::Constant {
+        None
+    } else {
+        Some(
+            LrSchedule::new(args.lr, args.warmup, decay, total, args.min_lr).map_err(|e| {
+                format!(
+                    "--warmup {} --lr-decay {} --min-lr {} --lr {} over {total} steps \
+                     (--schedule-steps, default --steps): {e}",
+                    args.warmup, args.lr_decay, args.min_lr, args.lr
+                )
+            })?,
+        )
+    };
+    Ok(())
+}
+
+/// The parameters of a GPT as [`candle_dtensor::models::Gpt::build`] creates them (name,
+/// global shape), computed from the config alone: the MFU's parameter count and the shapes a
+/// checkpoint must hold to be resumed (tests/train_gpt_config.rs checks both against a built
+/// model).
+#[derive(Debug, Clone)]
+pub(crate) struct ModelShape {
+    pub(crate) cfg: GptConfig,
+    pub(crate) params: Vec<(String, Vec<usize>)>,
+}
+
+impl ModelShape {
+    pub(crate) fn of(cfg: &GptConfig) -> ModelShape {
+        let (v, d, t) = (cfg.vocab, cfg.d_model, cfg.seq_len);
+        let mut p: Vec<(String, Vec<usize>)> = Vec::new();
+        let mut add = |name: String, shape: &[usize]| p.push((name, shape.to_vec()));
+        let norm = |add: &mut dyn FnMut(String, &[usize]), name: &str| {
+            add(format!("{name}.weight"), &[d]);
+            if cfg.norm == candle_dtensor::models::NormKind::LayerNorm {
+                add(format!("{name}.bias"), &[d]);
+            }
+        };
+        let linear = |add: &mut dyn FnMut(String, &[usize]), name: &str, i: usize, o: usize| {
+            add(format!("{name}.weight"), &[o, i]);
+            add(format!("{name}.bias"), &[o]);
+        };
+        add("tok_emb.weight".into(), &[v, d]);
+        add("pos_emb.weight".into(), &[t, d]);
+        let hidden = cfg.mlp_ratio * d;
+        for i in 0..cfg.n_layers {
+            let b = format!("blocks.{i}");
+            norm(&mut add, &format!("{b}.ln1"));
+            linear(&mut add, &format!("{b}.attn.qkv"), d, 3 * d);
+            linear(&mut add, &format!("{b}.attn.proj"), d, d);
+            norm(&mut add, &format!("{b}.ln2"));
+            match cfg.moe.as_ref().filter(|m| m.is_moe_block(i)) {
+                Some(m) => {
+                    let (e, h) = (m.experts, m.expert_hidden(hidden));
+                    add(format!("{b}.moe.router.weight"), &[e, d]);
+                    add(format!("{b}.moe.experts.w1"), &[e, h, d]);
+                    add(format!("{b}.moe.experts.b1"), &[e, h]);
+                    if cfg.swiglu {
+                        add(format!("{b}.moe.experts.w3"), &[e, h, d]);
+                        add(format!("{b}.moe.experts.b3"), &[e, h]);
+                    }
+                    add(format!("{b}.moe.experts.w2"), &[e, d, h]);
+                    add(format!("{b}.moe.experts.b2"), &[e, d]);
+                }
+                None => {
+                    linear(&mut add, &format!("{b}.mlp.fc1"), d, hidden);
+                    if cfg.swiglu {
+                        linear(&mut add, &format!("{b}.mlp.fc3"), d, hidden);
+                    }
+                    linear(&mut add, &format!("{b}.mlp.fc2"), hidden, d);
+                }
+            }
+        }
+        norm(&mut add, "ln_f");
+        if !cfg.tied {
+            add("lm_head.weight".into(), &[v, d]);
+        }
+        ModelShape {
+            cfg: cfg.clone(),
+            params: p,
+        }
+    }
+
+    /// Every parameter's element count.
+    pub(crate) fn total(&self) -> usize {
+        self.params
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// The parameters one token goes through: with mixture-of-experts blocks, `top_k` of each
+    /// block's experts.
+    pub(crate) fn active(&self) -> f64 {
+        let (k, e) = self
+            .cfg
+            .moe
+            .as_ref()
+            .map_or((1, 1), |m| (m.top_k, m.experts.max(1)));
+        self.params
+            .iter()
+            .map(|(n, s)| {
+                let numel = s.iter().product::<usize>() as f64;
+                if n.contains(".moe.experts.") {
+                    numel * k as f64 / e as f64
+                } else {
+                    numel
+                }
+            })
+            .sum()
+    }
+
+    /// Training FLOPs per token: `6 N + 12 L T D` (N the parameters a token goes through,
+    /// `active`; the second term the attention's score and value products), as nanoGPT's
+    /// and PaLM's MFU count them.
+    pub(crate) fn flops_per_token(&self) -> f64 {
+        let c = &self.cfg;
+        6.0 * self.active() + 12.0 * (c.n_layers * c.seq_len * c.d_model) as f64
+    }
+
+    /// The shape as the summary and the checkpoint record show it.
+    pub(crate) fn to_json(&self) -> serde_json::Value {
+        let c = &self.cfg;
+        serde_json::json!({
+            "vocab": c.vocab,
+            "width": c.d_model,
+            "heads": c.n_heads,
+            "layers": c.n_layers,
+            "seq_len": c.seq_len,
+            "mlp_ratio": c.mlp_ratio,
+            "tied": c.tied,
+            "swiglu": c.swiglu,
+            "norm": format!("{:?}", c.norm),
+            "moe": c.moe.as_ref().map(|m| serde_json::json!({
+                "experts": m.experts,
+                "top_k": m.top_k,
+                "every": m.every,
+                "hidden": m.hidden,
+            })),
+            "params": self.total(),
+            "active_params": self.active(),
+        })
+    }
+}
+
+/// The record of the model (and schedule) a run writes into `--save-dir`, for `--resume` to
+/// compare with: what checkpoint shapes cannot tell (the heads) and what a resumed run should
+/// keep.
+const RUN_RECORD: &str = "train_gpt.json";
+
+fn run_record(cfg: &TrainConfig) -> serde_json::Value {
+    serde_json::json!({
+        "model": ModelShape::of(&cfg.gpt).to_json(),
+        "lr_schedule": cfg.schedule.map(|s| serde_json::json!({
+            "lr": s.lr,
+            "warmup": s.warmup,
+            "decay": format!("{:?}", s.decay).to_lowercase(),
+            "steps": s.steps,
+            "min_lr": s.min_lr,
+        })),
+        "lr": cfg.lr,
+    })
+}
+
+/// Writes [`RUN_RECORD`] into `dir` (atomically: a temporary file renamed).
+fn write_run_record(dir: &std::path::Path, cfg: &TrainConfig) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("--save-dir {}: {e}", dir.display()))?;
+    let path = dir.join(RUN_RECORD);
+    let tmp = dir.join(format!("{RUN_RECORD}.{}.tmp", std::process::id()));
+    let text = serde_json::to_string_pretty(&run_record(cfg)).map_err(|e| e.to_string())?;
+    std::fs::write(&tmp, text + "\n")
+        .and_then(|_| std::fs::rename(&tmp, &path))
+        .map_err(|e| format!("writing {}: {e}", path.display()))
+}
+
+/// `--resume` with a model of another shape than the latest checkpoint's: an error naming the
+/// flag, both values and the rule, before any rank starts (the checkpoint's parameter shapes
+/// from its manifest, the heads from the run record; no checkpoint: nothing to compare). A
+/// different learning-rate schedule is a warning: the rates then differ from an uninterrupted
+/// run's.
+fn check_resume(dir: &std::path::Path, cfg: &TrainConfig) -> Result<(), String> {
+    use candle_dtensor::models::checkpoint::{latest_step, read_manifest, TensorKind};
+    let Some(step) = latest_step(dir).map_err(|e| format!("--resume: {e}"))? else {
+        return Ok(());
+    };
+    let manifest = read_manifest(dir, step).map_err(|e| format!("--resume: {e}"))?;
+    let saved: BTreeMap<String, Vec<usize>> = manifest
+        .tensors
+        .values()
+        .filter(|t| t.kind == TensorKind::Param)
+        .map(|t| (t.param.clone(), t.shape.clone()))
+        .collect();
+    let want = ModelShape::of(&cfg.gpt);
+    let g = &cfg.gpt;
+    let dim = |name: &str, i: usize| saved.get(name).and_then(|s| s.get(i).copied());
+    let layers = saved
+        .keys()
+        .filter_map(|k| {
+            k.strip_prefix("blocks.")?
+                .split('.')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
+        .max()
+        .map_or(0, |l| l + 1);
+    let fc1 = (0..layers).find_map(|i| dim(&format!("blocks.{i}.mlp.fc1.weight"), 0));
+    let mut diffs: Vec<String> = Vec::new();
+    let mut differ = |flag: &str, there: Option<String>, here: String| {
+        if let Some(there) = there {
+            if there != here {
+                diffs.push(format!(
+                    "{flag}: {there} in the checkpoint, {here} in this run"
+                ));
+            }
+        }
+    };
+    differ("--layers", Some(layers.to_string()), g.n_layers.to_string());
+    differ(
+        "--width",
+        dim("tok_emb.weight", 1).map(|v| v.to_string()),
+        g.d_model.to_string(),
+    );
+    differ(
+        "--vocab",
+        dim("tok_emb.weight", 0).map(|v| v.to_string()),
+        g.vocab.to_string(),
+    );
+    differ(
+        "--seq-len",
+        dim("pos_emb.weight", 0).map(|v| v.to_string()),
+        g.seq_len.to_string(),
+    );
+    differ(
+        "--tied/--untied",
+        Some(
+            if saved.contains_key("lm_head.weight") {
+                "untied"
+            } else {
+                "tied"
+            }
+            .into(),
+        ),
+        if g.tied { "tied" } else { "untied" }.into(),
+    );
+    if let (Some(h), Some(d)) = (fc1, dim("tok_emb.weight", 1).filter(|&d| d > 0)) {
+        differ(
+            "--mlp-ratio",
+            Some(format!("{}", h as f64 / d as f64)),
+            format!("{}", g.mlp_ratio as f64),
+        );
+    }
+    // The heads leave no trace in the shapes: the run record has them.
+    let record: Option<serde_json::Value> = std::fs::read(dir.join(RUN_RECORD))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    if let Some(r) = &record {
+        differ(
+            "--heads",
+            r["model"]["heads"].as_u64().map(|h| h.to_string()),
+            g.n_heads.to_string(),
+        );
+        differ(
+            "--moe",
+            Some(r["model"]["moe"].to_string()),
+            ModelShape::of(g).to_json()["moe"].to_string(),
+        );
+    }
+    let rule = "(rule: a resumed run trains the checkpoint's model: give the model flags of the \
+                run that saved it, or start a new --save-dir)";
+    let at = format!("{} (step {step})", dir.display());
+    if !diffs.is_empty() {
+        return Err(format!(
+            "--resume: the checkpoint in {at} holds another model: {} {rule}",
+            diffs.join("; ")
+        ));
+    }
+    let want_map: BTreeMap<String, Vec<usize>> = want.params.iter().cloned().collect();
+    if saved != want_map {
+        let what = want_map
+            .iter()
+            .find(|(n, s)| saved.get(*n) != Some(s))
+            .map(|(n, s)| match saved.get(n) {
+                Some(t) => format!("parameter {n} is {t:?} there, {s:?} here"),
+                None => format!("parameter {n} of this model is not in it"),
+            })
+            .or_else(|| {
+                saved
+                    .keys()
+                    .find(|n| !want_map.contains_key(*n))
+                    .map(|n| format!("its parameter {n} is not in this model"))
+            })
+            .unwrap_or_default();
+        return Err(format!(
+            "--resume: the checkpoint in {at} holds another model: {what} {rule}"
+        ));
+    }
+    if let Some(r) = &record {
+        let now = run_record(cfg);
+        if r["lr_schedule"] != now["lr_schedule"] || r["lr"] != now["lr"] {
+            eprintln!(
+                "train_gpt: warning: --resume: the run that saved {at} had lr {} and schedule \
+                 {}, this run lr {} and schedule {}: its learning rates differ from an \
+                 uninterrupted run's (--schedule-steps keeps a schedule across runs of \
+                 different --steps)",
+                r["lr"], r["lr_schedule"], now["lr"], now["lr_schedule"]
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The metrics file of the flags (`None`: `--log-every 0`, no metrics).
+fn metrics_path(args: &Args) -> Result<Option<PathBuf>, String> {
+    match (args.log_every, &args.metrics) {
+        (0, Some(p)) => Err(format!(
+            "--metrics {}: --log-every is 0, which turns the metrics off (rule: --log-every >= 1 \
+             with --metrics)",
+            p.display()
+        )),
+        (0, None) => Ok(None),
+        (_, Some(p)) => Ok(Some(p.clone())),
+        (_, None) => Ok(Some(args.out.with_extension("metrics.jsonl"))),
+    }
+}
+
+/// The metrics log (`--metrics`, JSON lines): rank 0 appends the record of every logged step
+/// (steps `0, N, 2N, ...` of `--log-every N`, and the last) as it finishes, so the file can be
+/// followed during the run; at the end it is rewritten with the held-out losses added to the
+/// steps after which they were measured (a step `--log-every` skipped gets its line then, with
+/// the values the report keeps).
+#[derive(Debug)]
+pub(crate) struct MetricsLog {
+    path: PathBuf,
+    every: usize,
+    steps: usize,
+    /// Global tokens per step.
+    tokens: usize,
+    flops_per_token: f64,
+    /// The job's peak FLOP/s: `--peak-tflops` times the ranks.
+    peak_flops: Option<f64>,
+    file: Option<std::io::BufWriter<std::fs::File>>,
+    records: BTreeMap<usize, serde_json::Value>,
+    error: Option<String>,
+}
+
+impl MetricsLog {
+    fn create(
+        path: &std::path::Path,
+        every: usize,
+        steps: usize,
+        tokens: usize,
+        flops_per_token: f64,
+        peak_flops: Option<f64>,
+    ) -> Result<MetricsLog, String> {
+        let file = std::fs::File::create(path)
+            .map_err(|e| format!("--metrics {}: {e}", path.display()))?;
+        Ok(MetricsLog {
+            path: path.to_path_buf(),
+            every: every.max(1),
+            steps,
+            tokens,
+            flops_per_token,
+            peak_flops,
+            file: Some(std::io::BufWriter::new(file)),
+            records: BTreeMap::new(),
+            error: None,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &self,
+        step: usize,
+        loss: f32,
+        lr: f64,
+        grad_norm: Option<f64>,
+        step_ms: f64,
+        tokens: usize,
+        phase_ms: [f64; 3],
+        exposed_comm_ms: f64,
+        peak_bytes: Option<usize>,
+    ) -> serde_json::Value {
+        let tps = tokens as f64 / (step_ms / 1e3);
+        serde_json::json!({
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tps,
+            "mfu": self.peak_flops.map(|p| self.flops_per_token * tps / p),
+            "step_ms": step_ms,
+            "forward_ms": phase_ms[0],
+            "backward_ms": phase_ms[1],
+            "optimizer_ms": phase_ms[2],
+            "exposed_comm_ms": exposed_comm_ms,
+            "peak_bytes": peak_bytes,
+            "eval_loss": null,
+        })
+    }
+
+    fn on_step(&mut self, info: &StepInfo) {
+        if !info.step.is_multiple_of(self.every) && info.step + 1 != self.steps {
+            return;
+        }
+        let r = self.record(
+            info.step,
+            info.loss,
+            info.lr,
+            info.grad_norm,
+            info.step_ms,
+            info.tokens,
+            info.phase_ms,
+            info.exposed_comm_ms,
+            Some(info.peak_bytes),
+        );
+        if let Some(f) = &mut self.file {
+            use std::io::Write as _;
+            if let Err(e) = writeln!(f, "{r}").and_then(|()| f.flush()) {
+                self.error
+                    .get_or_insert(format!("writing {}: {e}", self.path.display()));
+                self.file = None;
+            }
+        }
+        self.records.insert(info.step, r);
+    }
+
+    /// Adds the held-out losses and rewrites the file.
+    fn finish(&mut self, report: &RankReport) -> Result<(), String> {
+        self.file = None;
+        if let Some(e) = &self.error {
+            return Err(e.clone());
+        }
+        for &(done, loss) in &report.eval_losses {
+            let step = done.saturating_sub(1);
+            if !self.records.contains_key(&step) {
+                let Some(i) = step.checked_sub(report.start_step) else {
+                    continue;
+                };
+                let (Some(&l), Some(&lr), Some(&ms), Some(&ph), Some(&ex)) = (
+                    report.losses.get(i),
+                    report.lrs.get(i),
+                    report.step_ms.get(i),
+                    report.phase_ms.get(i),
+                    report.exposed_comm_ms.get(i),
+                ) else {
+                    continue;
+                };
+                let r = self.record(step, l, lr, None, ms, self.tokens, ph, ex, None);
+                self.records.insert(step, r);
+            }
+            if let Some(r) = self.records.get_mut(&step) {
+                r["eval_loss"] = serde_json::json!(loss);
+            }
+        }
+        let text: String = self.records.values().map(|r| format!("{r}\n")).collect();
+        let tmp = self.path.with_extension("jsonl.tmp");
+        std::fs::write(&tmp, text)
+            .and_then(|()| std::fs::rename(&tmp, &self.path))
+            .map_err(|e| format!("writing {}: {e}", self.path.display()))
+    }
+}
+
 fn parse_mesh(s: &str) -> Result<Vec<(String, usize)>, String> {
     let mut dims = Vec::new();
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -579,12 +1360,13 @@ fn fsdp_spec(args: &Args, dims: &[(String, usize)]) -> Result<Option<FsdpSpec>, 
 type BoxErr = Box<dyn std::error::Error + Send + Sync>;
 
 /// How a job runs besides its training config: the communicators' options (op timeout, link
-/// hints), the op timeout in seconds and the fault to inject.
+/// hints), the op timeout in seconds, the fault to inject and the metrics log rank 0 writes.
 #[derive(Debug, Clone)]
 struct Job {
     options: CommOptions,
     timeout: f64,
     fault: Option<Fault>,
+    metrics: Option<Arc<std::sync::Mutex<MetricsLog>>>,
 }
 
 /// What one rank does: build the mesh over `comm` and train.
@@ -599,11 +1381,23 @@ fn train_on(
     let d: Vec<(&str, usize)> = dims.iter().map(|(n, s)| (n.as_str(), *s)).collect();
     let mesh = DeviceMesh::new(comm, &d)?;
     let rank = mesh.rank();
+    let mut first = true;
     let report = train_rank(&mesh, cfg, |info| {
         if let (0, Some(bar)) = (rank, bar) {
+            if std::mem::take(&mut first) {
+                // A resumed run starts at its checkpoint's step: the ETA counts from here.
+                bar.set_position(info.step as u64);
+                bar.reset_eta();
+            }
             let tps = info.tokens as f64 / (info.step_ms / 1e3);
-            bar.set_message(format!("loss {:.4}  {:.0} tok/s", info.loss, tps));
+            bar.set_message(format!(
+                "loss {:.4}  lr {:.2e}  {:.0} tok/s",
+                info.loss, info.lr, tps
+            ));
             bar.set_position(info.step as u64 + 1);
+        }
+        if let (0, Some(m)) = (rank, &job.metrics) {
+            m.lock().unwrap_or_else(|e| e.into_inner()).on_step(info);
         }
         inject(
             job.fault.as_ref(),
@@ -718,16 +1512,19 @@ fn median(v: &[f64]) -> f64 {
 }
 
 /// The loss curves: training loss per step (blue) and, when there is one, the held-out loss
-/// (orange, a point after every evaluation). `eval` holds `(steps done, loss)`; the x axis
+/// (orange, a point after every evaluation); below them a panel of the learning rate per step
+/// (green; a line of text when it is constant). `eval` holds `(steps done, loss)`; the x axis
 /// counts steps from `start`.
 fn write_svg(
     path: &PathBuf,
     losses: &[f32],
     eval: &[(usize, f32)],
+    lrs: &[f64],
     start: usize,
     title: &str,
 ) -> std::io::Result<()> {
     let (w, h, m) = (640.0, 360.0, 50.0);
+    let lr_panel = lr_panel_svg(lrs, w, m, h + 10.0, 90.0);
     let all = losses.iter().chain(eval.iter().map(|(_, l)| l)).copied();
     let max = all.clone().fold(f32::MIN, f32::max).max(1e-6) as f64;
     let min = all.fold(f32::MAX, f32::min).min(max as f32) as f64;
@@ -769,7 +1566,7 @@ fn write_svg(
         )
     };
     let svg = format!(
-        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{total_h}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
 <text x="{cx}" y="20" text-anchor="middle" font-size="14">{title}</text>
 <line x1="{m}" y1="{b}" x2="{r}" y2="{b}" stroke="black"/>
@@ -781,8 +1578,9 @@ fn write_svg(
 <text x="{lx}" y="{b}" text-anchor="end">{min:.3}</text>
 <text x="14" y="{cy}" transform="rotate(-90 14 {cy})" text-anchor="middle">loss</text>
 <polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{pts}"/>
-{eval_svg}</svg>
+{eval_svg}{lr_panel}</svg>
 "##,
+        total_h = h + 110.0,
         cx = w / 2.0,
         cy = h / 2.0,
         b = h - m,
@@ -794,6 +1592,49 @@ fn write_svg(
         pts = pts.join(" "),
     );
     std::fs::write(path, svg)
+}
+
+/// The learning-rate panel of [`write_svg`]: a plot `height` high from `top`, the rate of
+/// each step as a green line on its own axis (0 to the largest rate), or, when every step had
+/// the same rate, one line of text saying so.
+fn lr_panel_svg(lrs: &[f64], w: f64, m: f64, top: f64, height: f64) -> String {
+    let Some(&first) = lrs.first() else {
+        return String::new();
+    };
+    let bottom = top + height - 20.0;
+    if lrs.iter().all(|&l| l == first) {
+        return format!(
+            "<text x=\"{m}\" y=\"{y}\" fill=\"#2ca02c\">learning rate: {first:.3e} at every step</text>\n",
+            y = top + 20.0
+        );
+    }
+    let max = lrs
+        .iter()
+        .copied()
+        .fold(0.0, f64::max)
+        .max(f64::MIN_POSITIVE);
+    let n = (lrs.len().max(2) - 1) as f64;
+    let pts: Vec<String> = lrs
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| {
+            let x = m + (w - 2.0 * m) * i as f64 / n;
+            let y = bottom - (bottom - top) * l / max;
+            format!("{x:.1},{y:.1}")
+        })
+        .collect();
+    format!(
+        "<line x1=\"{m}\" y1=\"{bottom}\" x2=\"{r}\" y2=\"{bottom}\" stroke=\"black\"/>\n\
+         <line x1=\"{m}\" y1=\"{top}\" x2=\"{m}\" y2=\"{bottom}\" stroke=\"black\"/>\n\
+         <text x=\"{lx}\" y=\"{ty}\" text-anchor=\"end\">{max:.2e}</text>\n\
+         <text x=\"{lx}\" y=\"{bottom}\" text-anchor=\"end\">0</text>\n\
+         <text x=\"{r}\" y=\"{ty}\" text-anchor=\"end\" fill=\"#2ca02c\">learning rate</text>\n\
+         <polyline fill=\"none\" stroke=\"#2ca02c\" stroke-width=\"1.5\" points=\"{}\"/>\n",
+        pts.join(" "),
+        r = w - m,
+        lx = m - 4.0,
+        ty = top + 4.0,
+    )
 }
 
 /// The CSV of the curves: `step,loss,eval_loss` (the held-out loss on the rows of the steps
@@ -829,7 +1670,17 @@ fn load_data(args: &Args, dims: &[(String, usize)], cfg: &mut TrainConfig) -> Re
         Some(path) => {
             let tok = text::Tokenizer::load(args.tokenizer.as_deref())?;
             let corpus = text::corpus(path, &tok)?;
-            cfg.gpt.vocab = corpus.vocab().div_ceil(tp) * tp;
+            cfg.gpt.vocab = match args.vocab {
+                Some(v) if v < corpus.vocab() => {
+                    return Err(format!(
+                        "--vocab {v}: smaller than the vocabulary of --data, {} (rule: --vocab \
+                         >= the data's vocabulary)",
+                        corpus.vocab()
+                    ))
+                }
+                Some(v) => v,
+                None => corpus.vocab().div_ceil(tp) * tp,
+            };
             (Some(tok), Some(corpus))
         }
         None => (None, None),
@@ -1189,7 +2040,22 @@ pub(crate) fn compare_with_curves(
 fn main() {
     candle_dtensor::init_cpu_threads();
     candle_dtensor::init_cpu_allocator();
-    let args = Args::parse();
+    debug_assert_eq!(
+        job::coverage(&Args::command(), SECTIONS),
+        (Vec::new(), Vec::new()),
+        "every flag needs a job-file key (SECTIONS)"
+    );
+    let args = match parse_args(std::env::args_os().collect()) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("train_gpt: error: {e}");
+            std::process::exit(EXIT_ERROR);
+        }
+    };
+    if args.print_config {
+        print!("{}", print_config_text(&args));
+        return;
+    }
     // gemm threads: sized here, while this is still the process's only thread (later
     // `init_gemm_threads` refuses: `--link-scale auto`'s matmul threads, a CUDA context or the
     // ranks would exist). The local backend runs every rank as a thread of this process; other
@@ -1223,6 +2089,10 @@ fn main() {
 /// `--json`. A failed `--check` or `--check-against` is [`Failure::Check`], returned after the
 /// summary was printed and the curves written.
 pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failure> {
+    if args.print_config {
+        print!("{}", print_config_text(args));
+        return Ok(None);
+    }
     let dims = parse_mesh(&args.mesh)?;
     let links = parse_links(args, &dims)?;
     let world_guess = args.world.unwrap_or(dims.iter().map(|(_, n)| n).product());
@@ -1241,17 +2111,30 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     if args.backend == "nccl" && !device.is_cuda() {
         return Err("--backend nccl needs --device cuda (one GPU per process)".into());
     }
-    let mut cfg = TrainConfig::new(
-        GptConfig::preset(&args.preset).map_err(|e| e.to_string())?,
-        TpPlan::gpt(args.sp),
-    );
+    let mut cfg = TrainConfig::new(model_config(args)?, TpPlan::gpt(args.sp));
     if let Some(m) = &args.moe {
         cfg.gpt.moe = Some(m.parse::<MoeConfig>().map_err(|e| format!("--moe: {e}"))?);
     }
+    // The shape before the data is read (a zero size would break the corpus and its split);
+    // the vocabulary of --data is the data's, checked after.
+    let mut before_data = cfg.gpt.clone();
+    if args.data.is_some() && args.vocab.is_none() {
+        before_data.vocab = tp_of(&dims);
+    }
+    before_data
+        .validate(tp_of(&dims))
+        .map_err(|e| shape_error(args, &dims, &e.to_string()))?;
     let data = load_data(args, &dims, &mut cfg)?;
+    cfg.gpt
+        .validate(tp_of(&dims))
+        .map_err(|e| shape_error(args, &dims, &e.to_string()))?;
     let gpt = cfg.gpt.clone();
     let world = validate(args, &dims, &gpt)?;
     let tol = check_tol(args)?;
+    optimizer_settings(args, &mut cfg)?;
+    if let (true, Some(dir)) = (args.resume, &args.save_dir) {
+        check_resume(dir, &cfg)?;
+    }
     // Read before training: a missing or malformed file fails at once, and `--out` may name
     // the same file (it is rewritten at the end).
     let against = match &args.check_against {
@@ -1262,8 +2145,6 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     cfg.steps = args.steps;
     cfg.seed = args.seed;
     cfg.batch = args.batch;
-    cfg.lr = args.lr;
-    cfg.clip = args.clip;
     if (args.resume || args.save_every > 0) && args.save_dir.is_none() {
         return Err("--resume and --save-every need --save-dir".into());
     }
@@ -1301,13 +2182,40 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
             seed: args.sample_seed.unwrap_or(args.seed),
         });
     }
+    // The outputs of this process (every rank thread's process on the local backend; rank 0
+    // of a launched world), opened before training so that a bad path fails first.
+    let writes_outputs =
+        args.backend == "local" || LaunchEnv::from_env().map_or(true, |e| e.rank == 0);
+    let shape = ModelShape::of(&gpt);
+    let flops_per_token = shape.flops_per_token();
+    let metrics_path = metrics_path(args)?;
+    if metrics_path.is_some() {
+        // On every rank (the norm is an all_reduce), whichever process writes the file.
+        cfg.grad_norm_every = args.log_every;
+    }
+    let metrics = match (&metrics_path, writes_outputs) {
+        (Some(path), true) => Some(Arc::new(std::sync::Mutex::new(MetricsLog::create(
+            path,
+            args.log_every,
+            args.steps,
+            args.batch * gpt.seq_len,
+            flops_per_token,
+            args.peak_tflops.map(|t| t * 1e12 * world as f64),
+        )?))),
+        _ => None,
+    };
+    if let (Some(dir), true) = (&args.save_dir, writes_outputs) {
+        write_run_record(dir, &cfg)?;
+    }
     let bar = ProgressBar::new(args.steps as u64);
     if args.json {
         bar.set_draw_target(ProgressDrawTarget::hidden());
     }
     bar.set_style(
-        ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed_precise}]")
-            .map_err(|e| e.to_string())?,
+        ProgressStyle::with_template(
+            "{bar:30} step {pos}/{len} {msg} [{elapsed_precise}, ETA {eta_precise}]",
+        )
+        .map_err(|e| e.to_string())?,
     );
     let Some(report) = run(
         &args.backend,
@@ -1319,6 +2227,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
             options: comm_options(args.timeout, &links),
             timeout: args.timeout,
             fault: fault_of_this_start(args.inject_fault),
+            metrics: metrics.clone(),
         },
         Some(bar.clone()),
     )?
@@ -1348,6 +2257,9 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
         "tokens_per_s": (args.batch * gpt.seq_len) as f64 / (median(&report.step_ms) / 1e3),
         "collectives": report.collectives,
         "params": report.params,
+        "model": shape.to_json(),
+        "flops_per_token": flops_per_token,
+        "lrs": report.lrs,
         "fsdp": cfg.fsdp.is_some(),
         "hsdp": args.hsdp,
         "separate_rs_group": args.separate_rs_group,
@@ -1411,6 +2323,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
                 options: comm_options(args.timeout, &[]),
                 timeout: args.timeout,
                 fault: None,
+                metrics: None,
             },
             None,
         )?
@@ -1481,10 +2394,32 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
         &svg_path,
         &report.losses,
         &report.eval_losses,
+        &report.lrs,
         report.start_step,
-        &format!("train_gpt {} mesh {}", args.preset, args.mesh),
+        &format!(
+            "train_gpt {} ({} layers, width {}) mesh {}",
+            args.preset, gpt.n_layers, gpt.d_model, args.mesh
+        ),
     )
     .map_err(|e| format!("writing {}: {e}", svg_path.display()))?;
+    if let Some(m) = &metrics {
+        let mut m = m.lock().unwrap_or_else(|e| e.into_inner());
+        m.finish(&report)?;
+    }
+    let job_path = args.out.with_extension("job.toml");
+    if let Some(job) = &args.job {
+        std::fs::write(&job_path, job)
+            .map_err(|e| format!("writing {}: {e}", job_path.display()))?;
+    }
+    summary["metrics"] = serde_json::json!(metrics_path
+        .as_ref()
+        .filter(|_| metrics.is_some())
+        .map(|p| p.display().to_string()));
+    summary["job"] = serde_json::json!(args.job.as_ref().map(|_| job_path.display().to_string()));
+    summary["mfu"] = serde_json::json!(args.peak_tflops.map(|t| {
+        let tps = (args.batch * gpt.seq_len) as f64 / (median(&report.step_ms) / 1e3);
+        flops_per_token * tps / (t * 1e12 * world as f64)
+    }));
     let sample_text = data
         .tokenizer
         .as_ref()
@@ -1541,7 +2476,17 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
                 ),
             }
         }
-        println!("wrote {} and {}", csv_path.display(), svg_path.display());
+        let mut wrote = vec![
+            csv_path.display().to_string(),
+            svg_path.display().to_string(),
+        ];
+        if let Some(p) = metrics_path.as_ref().filter(|_| metrics.is_some()) {
+            wrote.push(p.display().to_string());
+        }
+        if args.job.is_some() {
+            wrote.push(job_path.display().to_string());
+        }
+        println!("wrote {}", wrote.join(", "));
     }
     if !check_errors.is_empty() {
         return Err(Failure::Check(CheckFailed {
