@@ -320,6 +320,9 @@ impl Setup {
                 } else {
                     OptimizerKind::AdamW
                 },
+                beta1: cfg.beta1,
+                beta2: cfg.beta2,
+                eps: cfg.eps,
                 weight_decay: cfg.weight_decay,
                 decay_policy: cfg.decay_policy,
                 clip: cfg.clip,
