@@ -400,6 +400,56 @@ fn shape_flags_build_the_model_they_say() {
     );
 }
 
+/// The optimizer flags reach AdamW: each changes the losses after the first step from the
+/// defaults' (the betas from the third: Adam's first, bias-corrected update is `g / |g|`
+/// whatever they are), and `--decay-params` picks which parameters decay.
+#[test]
+fn optimizer_flags_reach_adamw() {
+    let dir = Scratch::new("optimizer");
+    let out = dir.s("curves");
+    let run = |extra: &[&str]| {
+        let mut v = vec![
+            "--mesh",
+            "dp=2",
+            "--steps",
+            "3",
+            "--seq-len",
+            "32",
+            "--json",
+            "--out",
+            &out,
+        ];
+        v.extend_from_slice(extra);
+        floats(&ok(&v)["losses"])
+    };
+    let base = run(&["--weight-decay", "0.5"]);
+    for flags in [
+        &["--weight-decay", "0.5", "--decay-params", "all"][..],
+        &["--weight-decay", "0.4"],
+        &["--weight-decay", "0.5", "--beta1", "0.5"],
+        &["--weight-decay", "0.5", "--beta2", "0.9"],
+        &["--weight-decay", "0.5", "--eps", "1e-3"],
+        &["--weight-decay", "0.5", "--lr", "2e-3"],
+    ] {
+        let l = run(flags);
+        assert_eq!(
+            l[0], base[0],
+            "{flags:?}: the first loss is before any update"
+        );
+        assert_ne!(l[1..], base[1..], "{flags:?} did not change the updates");
+    }
+    // Embeddings decay with matrices+embeddings only (a large decay: the embeddings' updates
+    // are small next to the norms').
+    let m = run(&["--weight-decay", "100"]);
+    let e = run(&[
+        "--weight-decay",
+        "100",
+        "--decay-params",
+        "matrices+embeddings",
+    ]);
+    assert_ne!(m[1..], e[1..], "matrices+embeddings decays like matrices");
+}
+
 /// The metrics log: one line per step of a 4-step run, finite and sane, the learning rate the
 /// schedule's, the held-out loss on the steps it was measured after; `--log-every 2` logs
 /// steps 0, 2, 4 (and the last); the SVG draws the rate.
