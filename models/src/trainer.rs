@@ -328,7 +328,6 @@ impl Setup {
                 clip: cfg.clip,
                 grad_norm_every: cfg.grad_norm_every,
                 tokens_per_step: cfg.batch * cfg.gpt.seq_len,
-                ..TrainerConfig::default()
             },
         )?;
         Ok(Setup {
