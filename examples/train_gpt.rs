@@ -271,7 +271,8 @@ pub(crate) struct Args {
     out: PathBuf,
     /// The per-step metrics log, one JSON object per logged step (default:
     /// `<out>.metrics.jsonl`): step, loss, lr, grad_norm, tokens_per_s, mfu, forward /
-    /// backward / optimizer ms, exposed_comm_ms, peak_bytes (per rank), eval_loss.
+    /// backward / optimizer ms, exposed_comm_ms, peak_bytes (of rank 0: parameters,
+    /// gradients and optimizer state), eval_loss.
     #[arg(long, value_name = "FILE")]
     metrics: Option<PathBuf>,
     /// Log every N-th step (steps 0, N, 2N, ... and the last) to the metrics file, with the
