@@ -10,12 +10,18 @@
 //! docs/ARCHITECTURE.md.
 
 use std::fmt;
+use std::io::{ErrorKind, Read, Write};
 use std::sync::{Arc, Once};
+use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 
 /// The environment variable holding the job's token.
 pub const TOKEN_ENV: &str = "CDT_JOB_TOKEN";
+
+/// The environment variable that, set to `1`, lets a rendezvous store without a job token
+/// serve peers on other hosts (`dtrun --insecure` sets it); see [`crate::store::StoreConfig`].
+pub const INSECURE_ENV: &str = "CDT_INSECURE";
 
 /// Bytes of a nonce.
 pub(crate) const NONCE: usize = 16;
@@ -57,6 +63,14 @@ impl Token {
         }
     }
 
+    /// The token of [`TOKEN_ENV`], or `None` when it is not set (no warning).
+    pub(crate) fn from_env_quiet() -> Option<Token> {
+        match std::env::var_os(TOKEN_ENV) {
+            Some(t) if !t.is_empty() => Some(Token::new(t.as_encoded_bytes())),
+            _ => None,
+        }
+    }
+
     /// The proof of `role` over `parts` (each length-prefixed, so no two inputs collide).
     pub(crate) fn prove(&self, role: &str, parts: &[&[u8]]) -> [u8; PROOF] {
         let mut msg = Vec::new();
@@ -77,6 +91,99 @@ impl Token {
                 .fold(0u8, |acc, (a, b)| acc | (a ^ b))
                 == 0
     }
+}
+
+/// The two roles of a challenge-response: each side proves a different one, so neither
+/// side's proof can be replayed as the other's. Every protocol has roles of its own (the mesh's
+/// proofs are no use on the store, and the other way round).
+pub(crate) struct Roles {
+    /// The side that connected.
+    pub dial: &'static str,
+    /// The side that accepted.
+    pub accept: &'static str,
+}
+
+fn denied(m: impl Into<String>) -> std::io::Error {
+    std::io::Error::new(ErrorKind::PermissionDenied, m.into())
+}
+
+/// The proof parts: what the connection is for (`context`), then both nonces.
+fn with_nonces<'a>(context: &[&'a [u8]], nonce_d: &'a [u8], nonce_a: &'a [u8]) -> Vec<&'a [u8]> {
+    let mut parts = context.to_vec();
+    parts.push(nonce_d);
+    parts.push(nonce_a);
+    parts
+}
+
+/// The accepting side of the challenge-response, once the dialer's hello (which carried its
+/// nonce `nonce_d`) was read and checked: sends `prefix | nonce_a | proof(accept)`, reads the
+/// dialer's proof before `deadline` and acknowledges it with one byte `1`.
+///
+/// # Errors
+///
+/// `PermissionDenied` when the dialer's proof is wrong (nothing more is sent: the caller drops
+/// the connection); I/O errors and `TimedOut` as they come.
+pub(crate) fn accept_challenge<S: Read + Write>(
+    s: &mut S,
+    token: &Token,
+    roles: &Roles,
+    prefix: &[u8],
+    context: &[&[u8]],
+    nonce_d: &[u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
+    let nonce_a = nonce()?;
+    let parts = with_nonces(context, nonce_d, &nonce_a);
+    let mut answer = Vec::with_capacity(prefix.len() + NONCE + PROOF);
+    answer.extend_from_slice(prefix);
+    answer.extend_from_slice(&nonce_a);
+    answer.extend_from_slice(&token.prove(roles.accept, &parts));
+    s.write_all(&answer)?;
+    let mut proof = [0u8; PROOF];
+    crate::store::read_full(s, &mut proof, Some(deadline), None)?;
+    if !token.verify(roles.dial, &parts, &proof) {
+        return Err(denied("the peer's proof does not match this job's token"));
+    }
+    s.write_all(&[1])
+}
+
+/// The dialing side of the challenge-response, once its hello (carrying `nonce_d`) was sent:
+/// reads the acceptor's answer before `deadline` (`prefix_len` bytes that `check` accepts, its
+/// nonce and its proof), verifies the proof, sends its own and waits for the acknowledgement.
+///
+/// # Errors
+///
+/// `PermissionDenied` when the acceptor's proof is wrong or it refuses ours; what `check`
+/// returns; I/O errors and `TimedOut` as they come.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dial_challenge<S: Read + Write>(
+    s: &mut S,
+    token: &Token,
+    roles: &Roles,
+    prefix_len: usize,
+    check: impl FnOnce(&[u8]) -> std::io::Result<()>,
+    context: &[&[u8]],
+    nonce_d: &[u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
+    let mut answer = vec![0u8; prefix_len + NONCE + PROOF];
+    crate::store::read_full(s, &mut answer, Some(deadline), None)?;
+    check(&answer[..prefix_len])?;
+    let nonce_a = &answer[prefix_len..prefix_len + NONCE];
+    let parts = with_nonces(context, nonce_d, nonce_a);
+    if !token.verify(roles.accept, &parts, &answer[prefix_len + NONCE..]) {
+        return Err(denied(
+            "the listener failed the token check (another job's process, or a wrong token)",
+        ));
+    }
+    s.write_all(&token.prove(roles.dial, &parts))?;
+    let mut ok = [0u8; 1];
+    crate::store::read_full(s, &mut ok, Some(deadline), None)
+        .map_err(|e| denied(format!("the peer refused our token proof ({e})")))?;
+    if ok[0] != 1 {
+        return Err(denied("the peer refused our token proof"));
+    }
+    Ok(())
 }
 
 /// A fresh nonce from the OS.

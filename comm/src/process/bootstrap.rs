@@ -26,7 +26,7 @@ use std::io::{ErrorKind, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use crate::auth::{nonce, Token, NONCE, PROOF};
+use crate::auth::{accept_challenge, dial_challenge, nonce, Roles, Token, NONCE};
 use crate::error::{CommError, Result};
 use crate::store::{read_full, Store, StoreError};
 use crate::types::OpCtx;
@@ -241,20 +241,21 @@ fn denied(m: impl Into<String>) -> std::io::Error {
     std::io::Error::new(ErrorKind::PermissionDenied, m.into())
 }
 
-/// What a proof covers.
-fn proof_parts<'a>(
+/// What a proof covers besides the two nonces.
+fn context<'a>(
     spec: &'a MeshSpec,
     dialer: &'a [u8; 4],
     acceptor: &'a [u8; 4],
     size: &'a [u8; 4],
-    nonce_d: &'a [u8],
-    nonce_a: &'a [u8],
-) -> [&'a [u8]; 6] {
-    [spec.ns.as_bytes(), dialer, acceptor, size, nonce_d, nonce_a]
+) -> [&'a [u8]; 4] {
+    [spec.ns.as_bytes(), dialer, acceptor, size]
 }
 
-const ROLE_ACCEPT: &str = "cdt-mesh-accept";
-const ROLE_DIAL: &str = "cdt-mesh-dial";
+/// The mesh's challenge-response roles ([`crate::auth`]).
+const MESH_ROLES: Roles = Roles {
+    dial: "cdt-mesh-dial",
+    accept: "cdt-mesh-accept",
+};
 
 fn handshake_dial(spec: &MeshSpec, peer: usize, s: &mut TcpStream) -> std::io::Result<()> {
     s.set_nodelay(true)?;
@@ -270,34 +271,30 @@ fn handshake_dial(spec: &MeshSpec, peer: usize, s: &mut TcpStream) -> std::io::R
     m.extend_from_slice(&(spec.size as u32).to_le_bytes());
     m.extend_from_slice(&nonce_d);
     s.write_all(&m)?;
-    let mut ack = [0u8; 8 + NONCE + PROOF];
-    read_full(s, &mut ack, Some(spec.deadline), None)?;
-    if ack[..4] != MAGIC.to_le_bytes() {
-        return Err(bad("bad handshake answer"));
-    }
     let (d, a, n) = (
         (spec.rank as u32).to_le_bytes(),
         (peer as u32).to_le_bytes(),
         (spec.size as u32).to_le_bytes(),
     );
-    if ack[4..8] != a {
-        return Err(bad("the answer comes from another rank"));
-    }
-    let nonce_a = &ack[8..8 + NONCE];
-    let parts = proof_parts(spec, &d, &a, &n, &nonce_d, nonce_a);
-    if !spec.token.verify(ROLE_ACCEPT, &parts, &ack[8 + NONCE..]) {
-        return Err(denied(
-            "the listener failed the token check (another job's process, or a wrong token)",
-        ));
-    }
-    s.write_all(&spec.token.prove(ROLE_DIAL, &parts))?;
-    let mut ok = [0u8; 1];
-    read_full(s, &mut ok, Some(spec.deadline), None)
-        .map_err(|e| denied(format!("the peer refused our token proof ({e})")))?;
-    if ok[0] != 1 {
-        return Err(denied("the peer refused our token proof"));
-    }
-    Ok(())
+    let check = |prefix: &[u8]| {
+        if prefix[..4] != MAGIC.to_le_bytes() {
+            return Err(bad("bad handshake answer"));
+        }
+        if prefix[4..8] != a {
+            return Err(bad("the answer comes from another rank"));
+        }
+        Ok(())
+    };
+    dial_challenge(
+        s,
+        spec.token,
+        &MESH_ROLES,
+        8,
+        check,
+        &context(spec, &d, &a, &n),
+        &nonce_d,
+        spec.deadline,
+    )
 }
 
 /// The connections of every rank above this one, and (with [`MeshSpec::tolerate`]) the ranks
@@ -396,33 +393,39 @@ fn handshake_accept(spec: &MeshSpec, s: &mut TcpStream) -> std::io::Result<usize
         return Err(bad(format!("handshake from rank {r} of {n}")));
     }
     let nonce_d = &rest[ns_len + 8..];
-    let nonce_a = nonce()?;
     let (d, a, sz) = (
         (r as u32).to_le_bytes(),
         (spec.rank as u32).to_le_bytes(),
         (spec.size as u32).to_le_bytes(),
     );
-    let parts = proof_parts(spec, &d, &a, &sz, nonce_d, &nonce_a);
-    let mut ack = Vec::with_capacity(8 + NONCE + PROOF);
-    ack.extend_from_slice(&MAGIC.to_le_bytes());
-    ack.extend_from_slice(&a);
-    ack.extend_from_slice(&nonce_a);
-    ack.extend_from_slice(&spec.token.prove(ROLE_ACCEPT, &parts));
-    s.write_all(&ack)?;
-    let mut proof = [0u8; PROOF];
-    read_full(s, &mut proof, Some(deadline), None)?;
-    if !spec.token.verify(ROLE_DIAL, &parts, &proof) {
-        return Err(denied(format!(
-            "a connection claiming rank {r} failed the token check"
-        )));
-    }
-    s.write_all(&[1])?;
+    let mut prefix = [0u8; 8];
+    prefix[..4].copy_from_slice(&MAGIC.to_le_bytes());
+    prefix[4..].copy_from_slice(&a);
+    accept_challenge(
+        s,
+        spec.token,
+        &MESH_ROLES,
+        &prefix,
+        &context(spec, &d, &a, &sz),
+        nonce_d,
+        deadline,
+    )
+    .map_err(|e| {
+        if e.kind() == ErrorKind::PermissionDenied {
+            denied(format!(
+                "a connection claiming rank {r} failed the token check"
+            ))
+        } else {
+            e
+        }
+    })?;
     Ok(r)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::PROOF;
 
     fn spec<'a>(
         ns: &'a str,
@@ -449,8 +452,20 @@ mod tests {
     /// rank 1's. The intruder never learns the token: what it saw was a nonce and a proof.
     #[test]
     fn a_connection_with_a_wrong_token_is_dropped_and_the_real_peer_gets_in() {
+        intruder_is_dropped_and_the_real_peer_gets_in(Token::new(b"a guess"));
+    }
+
+    /// The same with an intruder that has no token at all (the empty one).
+    #[test]
+    fn a_connection_without_a_token_is_dropped_and_the_real_peer_gets_in() {
+        intruder_is_dropped_and_the_real_peer_gets_in(Token::new(&[]));
+    }
+
+    /// An intruder holding `wrong` is refused and logged (`warn` naming its address), and the
+    /// job's bootstrap goes on and completes.
+    fn intruder_is_dropped_and_the_real_peer_gets_in(wrong: Token) {
+        crate::store::tests::support::capture_warnings();
         let good = Token::new(b"the job's token");
-        let wrong = Token::new(b"a guess");
         let ctx = OpCtx::bootstrap("tok", 0, Duration::from_secs(10));
         let names = |r: usize| r;
         let ns = "test/tok";
@@ -461,8 +476,9 @@ mod tests {
         let (mesh0, answer) = std::thread::scope(|s| {
             let h0 = s.spawn(|| connect(&spec(ns, 0, &good, &ctx, &names), &l0, &addrs));
             // The intruder: a well-formed hello claiming rank 1, then the proof of its token.
-            let intruder = s.spawn(|| -> std::io::Result<Vec<u8>> {
+            let intruder = s.spawn(|| -> std::io::Result<(Vec<u8>, SocketAddr)> {
                 let mut st = TcpStream::connect(a0)?;
+                let me = st.local_addr()?;
                 st.set_read_timeout(Some(Duration::from_secs(5)))?;
                 let nonce_d = nonce()?;
                 let mut m = Vec::new();
@@ -478,13 +494,15 @@ mod tests {
                 std::io::Read::read_exact(&mut st, &mut ack)?;
                 let sp = spec(ns, 1, &wrong, &ctx, &names);
                 let (d, a, n) = (1u32.to_le_bytes(), 0u32.to_le_bytes(), 2u32.to_le_bytes());
-                let parts = proof_parts(&sp, &d, &a, &n, &nonce_d, &ack[8..8 + NONCE]);
-                st.write_all(&wrong.prove(ROLE_DIAL, &parts))?;
+                let mut parts = context(&sp, &d, &a, &n).to_vec();
+                parts.push(&nonce_d);
+                parts.push(&ack[8..8 + NONCE]);
+                st.write_all(&wrong.prove(MESH_ROLES.dial, &parts))?;
                 // What comes back: nothing (the connection is closed), not the `1` of success.
                 let mut rest = Vec::new();
                 let _ = std::io::Read::read_to_end(&mut st, &mut rest);
                 let _ = intruder_done_tx.send(());
-                Ok(rest)
+                Ok((rest, me))
             });
             let (good, ctx, names, l1, addrs) = (&good, &ctx, &names, &l1, &addrs);
             let h1 = s.spawn(move || {
@@ -501,8 +519,16 @@ mod tests {
             h1.join().unwrap().expect("rank 1 connects");
             (h0.join().unwrap(), answer)
         });
-        let answer = answer.expect("the intruder got as far as sending its proof");
+        let (answer, intruder) = answer.expect("the intruder got as far as sending its proof");
         assert!(answer.is_empty(), "the intruder was acked: {answer:?}");
+        let logged = crate::store::tests::support::warnings_with(&[
+            &intruder.to_string(),
+            "failed the token check",
+        ]);
+        assert!(
+            !logged.is_empty(),
+            "no warning names the intruder {intruder}"
+        );
         let (mut streams, lost) = mesh0.expect("rank 0's bootstrap went on");
         assert!(lost.is_empty());
         let mut got = [0u8; 11];

@@ -7,7 +7,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::wire::*;
-use super::{Store, StoreError};
+use super::{Store, StoreConfig, StoreError, STORE_ROLES};
+use crate::auth::{dial_challenge, nonce, Token};
 
 /// A client of a [`TcpStoreServer`].
 ///
@@ -18,6 +19,8 @@ pub struct TcpStore {
     addrs: Vec<SocketAddr>,
     timeout: Duration,
     pool: Mutex<Vec<TcpStream>>,
+    /// The job's token, proved on every connection.
+    token: Token,
 }
 
 impl std::fmt::Debug for TcpStore {
@@ -42,6 +45,20 @@ impl TcpStore {
     ///
     /// Up to `timeout`.
     pub fn connect(addr: &str, timeout: Duration) -> Result<TcpStore, StoreError> {
+        TcpStore::connect_with(addr, timeout, &StoreConfig::from_env())
+    }
+
+    /// [`TcpStore::connect`] proving `cfg`'s token (its limits are the server's business).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unreachable`] naming `addr` and `timeout`; [`StoreError::Denied`] (at
+    /// once, no retry) when the server and this client hold different tokens.
+    pub fn connect_with(
+        addr: &str,
+        timeout: Duration,
+        cfg: &StoreConfig,
+    ) -> Result<TcpStore, StoreError> {
         let unreachable = |reason: String| StoreError::Unreachable {
             addr: addr.to_string(),
             timeout,
@@ -53,6 +70,7 @@ impl TcpStore {
             addrs,
             timeout,
             pool: Mutex::new(Vec::new()),
+            token: cfg.token(),
         };
         let conn = store.open(Instant::now() + timeout)?;
         store.release(conn);
@@ -84,8 +102,21 @@ impl TcpStore {
                 let left = deadline.saturating_duration_since(Instant::now());
                 let attempt = left.clamp(Duration::from_millis(10), Duration::from_secs(2));
                 match TcpStream::connect_timeout(a, attempt) {
-                    Ok(mut s) => match Self::validate(&mut s, deadline) {
+                    Ok(mut s) => match self.validate(&mut s, deadline) {
                         Ok(()) => return Ok(s),
+                        Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+                            return Err(StoreError::Denied {
+                                addr: self.addr.clone(),
+                                reason: format!("{a}: {e}"),
+                            })
+                        }
+                        Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
+                            last = format!(
+                                "{a}: the server closed the connection in the handshake (a \
+                                 store without a job token serves only its own host unless \
+                                 insecure; its log says why)"
+                            )
+                        }
                         Err(e) => last = format!("{a}: {e}"),
                     },
                     Err(e) => last = format!("{a}: {e}"),
@@ -102,28 +133,37 @@ impl TcpStore {
         }
     }
 
-    fn validate(s: &mut TcpStream, deadline: Instant) -> std::io::Result<()> {
+    /// The client's half of the handshake: hello and nonce, then the challenge-response.
+    fn validate(&self, s: &mut TcpStream, deadline: Instant) -> std::io::Result<()> {
         s.set_nodelay(true)?;
         let left = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(100));
         s.set_read_timeout(Some(left.min(Duration::from_secs(1))))?;
         s.set_write_timeout(Some(left))?;
-        s.write_all(&handshake_bytes())?;
-        let mut h = [0u8; 5];
-        read_full(
+        let nonce_c = nonce()?;
+        let mut hello = handshake_bytes().to_vec();
+        hello.extend_from_slice(&nonce_c);
+        s.write_all(&hello)?;
+        let check = |h: &[u8]| {
+            if h != handshake_bytes() {
+                return Err(std::io::Error::new(
+                    ErrorKind::InvalidData,
+                    "the peer answered but is not a candle-dtensor store (or another protocol version)",
+                ));
+            }
+            Ok(())
+        };
+        dial_challenge(
             s,
-            &mut h,
-            Some(Instant::now() + left.max(Duration::from_millis(500))),
-            None,
-        )?;
-        if h != handshake_bytes() {
-            return Err(std::io::Error::new(
-                ErrorKind::InvalidData,
-                "the peer answered but is not a candle-dtensor store",
-            ));
-        }
-        Ok(())
+            &self.token,
+            &STORE_ROLES,
+            5,
+            check,
+            &[b"cdt-store"],
+            &nonce_c,
+            Instant::now() + left.max(Duration::from_millis(500)),
+        )
     }
 
     fn acquire(&self, _op: &'static str) -> Result<TcpStream, StoreError> {
@@ -153,9 +193,11 @@ impl TcpStore {
         let mut s = self.acquire(op_name)?;
         let deadline = Instant::now() + limit;
         let r = (|| {
-            s.set_write_timeout(Some(limit.max(Duration::from_millis(100))))?;
-            write_frame(&mut s, op, body)?;
-            read_frame(&mut s, Some(deadline), None)
+            s.set_write_timeout(Some(limit.max(Duration::from_millis(100))))
+                .map_err(FrameEnd::Boundary)?;
+            write_frame(&mut s, op, body).map_err(FrameEnd::Boundary)?;
+            let peer = format!("store server {}", self.addr);
+            read_frame(&mut s, &peer, response_limit, Some(deadline), None)
         })();
         match r {
             Ok((status, out)) => {
@@ -168,7 +210,12 @@ impl TcpStore {
                 }
                 Ok((status, out))
             }
-            Err(e) => Err(self.io(
+            Err(FrameEnd::Frame(error)) => Err(StoreError::Frame {
+                addr: self.addr.clone(),
+                op: op_name,
+                error: Box::new(error),
+            }),
+            Err(FrameEnd::Boundary(e)) => Err(self.io(
                 op_name,
                 if e.kind() == ErrorKind::TimedOut {
                     format!("no response within {limit:?}")

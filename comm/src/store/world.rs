@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use super::{TcpStore, TcpStoreServer};
+use super::{StoreConfig, TcpStore, TcpStoreServer};
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
 
@@ -21,7 +21,8 @@ struct WorldStore {
 type WorldState = (Option<WorldStore>, HashMap<(String, String), u64>);
 
 /// This process's client of the world store (connecting within `timeout`, and on rank 0
-/// serving it first), and the index (1, 2, ...) of this creation of a `backend` communicator
+/// serving it first; both with [`StoreConfig::from_env`]: the job token of `CDT_JOB_TOKEN`,
+/// `insecure` from `CDT_INSECURE=1`, warned about on every rank), and the index (1, 2, ...) of this creation of a `backend` communicator
 /// named `name`, from which the backend makes the namespace of its rendezvous.
 ///
 /// # Errors
@@ -59,15 +60,27 @@ pub(crate) fn world_store(
             ))
         }
         None => {
+            let cfg = StoreConfig::from_env();
+            if cfg.insecure {
+                tracing::warn!(
+                    rank = env.rank,
+                    store = %addr,
+                    authenticated = cfg.has_token(),
+                    "{} is set: the rendezvous store serves other hosts even without a job \
+                     token (then anyone who reaches it can read or replace its keys)",
+                    crate::auth::INSECURE_ENV
+                );
+            }
             let server = if env.rank == 0 {
-                Some(TcpStoreServer::bind(&addr).map_err(|e| {
+                Some(TcpStoreServer::bind_with(&addr, cfg.clone()).map_err(|e| {
                     boot(0, format!("{e} (another job may already serve a store there)"))
                 })?)
             } else {
                 None
             };
             let client = Arc::new(
-                TcpStore::connect(&addr, timeout).map_err(|e| boot(env.rank, e.to_string()))?,
+                TcpStore::connect_with(&addr, timeout, &cfg)
+                    .map_err(|e| boot(env.rank, e.to_string()))?,
             );
             g.0 = Some(WorldStore {
                 addr,
