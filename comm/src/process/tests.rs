@@ -490,3 +490,69 @@ fn a_flooding_peer_is_held_to_the_buffer_cap_and_loses_nothing() {
     let peak = peak.expect("two ranks");
     assert!(peak > 0 && peak <= CAP + MSG * 4 + 4096, "peak {peak}");
 }
+
+/// A peer that sends a frame over its kind's cap (a HELLO declaring 1 GiB: descriptors are
+/// a few hundred bytes, the cap 64 KiB) is cut off before anything is allocated for it: the
+/// connection is closed, the communicator fails with the peer lost, and the reason, also
+/// logged, names the rank and address, the frame kind and both sizes.
+#[test]
+fn an_oversized_control_frame_closes_the_connection_naming_the_peer() {
+    use std::io::{Read, Write};
+    crate::store::tests::support::capture_warnings();
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut evil = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let evil_addr = evil.local_addr().unwrap().to_string();
+    let (mine, _) = l.accept().unwrap();
+    let rdv = Rendezvous {
+        store: Arc::new(TcpStore::connect(&server().1, Duration::from_secs(10)).unwrap()),
+        ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+        token: Token::new(b"t"),
+    };
+    let t = transport::Transport::start(
+        0,
+        (vec![None, Some(mine)], Vec::new()),
+        "oversized",
+        String::new(),
+        rdv,
+        1 << 20,
+    )
+    .unwrap();
+    let h = wire::Header {
+        kind: wire::HELLO,
+        step: 0,
+        tag: 0,
+        len: 1 << 30,
+    };
+    evil.write_all(&h.encode()).unwrap();
+    evil.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    match evil.read(&mut buf) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the connection is still open: {other:?}"),
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let reason = loop {
+        if let Some(crate::desc::Failure::PeerLost { rank, reason }) = t.failure() {
+            assert_eq!(rank, 1);
+            break reason;
+        }
+        assert!(Instant::now() < deadline, "no failure recorded");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    for want in [
+        &format!("rank 1 ({evil_addr})"),
+        "HELLO",
+        "1073741824",
+        "65536",
+    ] {
+        assert!(reason.contains(want), "{want:?} not in {reason:?}");
+    }
+    assert!(!crate::store::tests::support::warnings_with(&[
+        &evil_addr,
+        "HELLO frame declares 1073741824 bytes"
+    ])
+    .is_empty());
+    t.close();
+}

@@ -12,7 +12,9 @@
 //! past it, it stops reading that socket until an op consumes some, so a peer that floods sends
 //! is slowed by TCP flow control (its writes block, and fail with a timeout naming this rank if
 //! nothing is consumed within its op timeout) instead of growing this process's memory. Control
-//! frames (HELLO, FAIL, BYE, AGREE) are small and never counted. Once the communicator has
+//! frames (HELLO, FAIL, BYE, AGREE) are small (fixed caps per kind, `wire.rs`) and never
+//! counted; no body's buffer is allocated from its declared length alone (it grows as bytes
+//! arrive), and a frame over its kind's cap or malformed closes that connection. Once the communicator has
 //! failed, frames its ops can no longer use are read and dropped, so a failed communicator
 //! never stalls its peers' agreements.
 
@@ -23,12 +25,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::wire::{Header, Payload, AGREE, BYE, DATA, FAIL, HEADER, HELLO, P2P};
+use super::wire::{
+    read_frame, Frame, Header, Payload, ReadEnd, AGREE, BYE, DATA, FAIL, HEADER, HELLO, P2P,
+};
 use super::Rendezvous;
 use crate::agree::Heard;
 use crate::desc::{Failure, OpDesc};
 use crate::error::{CommError, Result};
-use crate::store::read_full;
+use crate::store::FrameError;
 use crate::types::OpCtx;
 
 /// How often blocked reads and writes look at the clock and the closing flag.
@@ -898,58 +902,78 @@ fn write_all(
 }
 
 /// A reader thread: files frames from `src` until the stream ends or the transport closes.
+/// A frame it will not read (oversized for its kind, malformed, cut off) closes the
+/// connection: the peer is lost with a [`FrameError`](crate::store::FrameError) naming it, the
+/// frame kind and the sizes, and a warning is logged.
 fn read_loop(sh: Arc<Shared>, src: usize, mut s: TcpStream) {
+    let peer = match s.peer_addr() {
+        Ok(a) => format!("rank {src} ({a})"),
+        Err(_) => format!("rank {src}"),
+    };
+    // Set when a frame this rank will not read ends the connection (it is then closed).
+    let mut refused = false;
     let outcome = (|| -> std::result::Result<(), String> {
         loop {
-            let mut h = [0u8; HEADER];
-            read_full(&mut s, &mut h, None, Some(&sh.closing)).map_err(io_reason)?;
-            let h = Header::decode(&h).map_err(|e| format!("protocol error: {e}"))?;
-            if matches!(h.kind, DATA | P2P) && !room_for(&sh, src, h)? {
-                skip(&mut s, h.len, &sh.closing).map_err(io_reason)?;
-                continue;
-            }
-            let mut payload = Payload::try_zeroed(h.len as usize)
-                .ok_or_else(|| format!("cannot allocate a {}-byte frame", h.len))?;
-            read_full(&mut s, payload.bytes_mut(), None, Some(&sh.closing)).map_err(io_reason)?;
+            let admit = |h: &Header| room_for(&sh, src, *h).map_err(|_| ReadEnd::Closing);
+            let (h, frame) = match read_frame(&mut s, &peer, Some(&sh.closing), admit) {
+                Ok(f) => f,
+                Err(ReadEnd::Closing) => return Err("closing".into()),
+                Err(ReadEnd::Closed(e)) => return Err(io_reason(e)),
+                Err(ReadEnd::Frame(e)) => {
+                    if e.is_closing() {
+                        return Err("closing".into());
+                    }
+                    if !matches!(e, FrameError::Truncated { .. }) {
+                        refused = true;
+                        tracing::warn!(rank = sh.rank, %peer, error = %e, "connection closed: a frame this rank will not read");
+                    }
+                    return Err(e.to_string());
+                }
+            };
+            let Some(frame) = frame else { continue };
             let mut st = sh.lock();
-            match h.kind {
-                HELLO => {
-                    let d: OpDesc = serde_json::from_slice(payload.bytes())
-                        .map_err(|e| format!("protocol error: bad descriptor: {e}"))?;
+            match frame {
+                Frame::Hello(d) => {
                     st.hellos.insert((h.tag, src), d);
                 }
-                DATA => {
+                Frame::Data(payload) => {
                     let len = payload.len();
                     if st.data.insert((h.tag, h.step, src), payload).is_some() {
-                        return Err(format!(
-                            "protocol error: duplicate step {} of collective #{}",
-                            h.step, h.tag
-                        ));
+                        let e = FrameError::Malformed {
+                            peer: peer.clone(),
+                            kind: "DATA".into(),
+                            len: h.len,
+                            reason: format!("a second step {} of collective #{}", h.step, h.tag),
+                        };
+                        refused = true;
+                        tracing::warn!(rank = sh.rank, %peer, error = %e, "connection closed: a frame this rank will not read");
+                        return Err(e.to_string());
                     }
                     st.hold(src, len);
                 }
-                P2P => {
+                Frame::P2p(payload) => {
                     st.hold(src, payload.len());
                     st.p2p[src].push_back(payload);
                 }
-                AGREE => {
+                Frame::Agree(payload) => {
                     st.agree.insert((h.tag, h.step, src), payload);
                 }
-                FAIL => {
-                    let f: Failure = serde_json::from_slice(payload.bytes())
-                        .map_err(|e| format!("protocol error: bad failure notice: {e}"))?;
+                Frame::Fail(f) => {
                     if st.failure.is_none() {
                         st.failure = Some(f);
                     }
                 }
-                BYE => st.gone[src] = Some(Gone::Left),
-                _ => return Err(format!("protocol error: frame kind {}", h.kind)),
+                Frame::Bye => st.gone[src] = Some(Gone::Left),
             }
             drop(st);
             sh.cv.notify_all();
         }
     })();
     let Err(reason) = outcome else { return };
+    if refused {
+        // Nothing more is read from this peer: close the connection, so it learns at once.
+        let _ = s.shutdown(Shutdown::Both);
+    }
     if sh.closing.load(Ordering::Relaxed) {
         return;
     }
@@ -990,18 +1014,6 @@ fn room_for(sh: &Shared, src: usize, h: Header) -> std::result::Result<bool, Str
             .unwrap_or_else(|e| e.into_inner())
             .0;
     }
-}
-
-/// Reads and drops `len` bytes.
-fn skip(s: &mut TcpStream, len: u64, closing: &AtomicBool) -> std::io::Result<()> {
-    let mut left = len;
-    let mut buf = vec![0u8; 64 * 1024];
-    while left > 0 {
-        let k = left.min(buf.len() as u64) as usize;
-        read_full(s, &mut buf[..k], None, Some(closing))?;
-        left -= k as u64;
-    }
-    Ok(())
 }
 
 fn io_reason(e: std::io::Error) -> String {
