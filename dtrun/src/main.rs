@@ -1,7 +1,7 @@
 //! `dtrun`: starts N ranks of a multi-process job on this host.
 //!
 //! ```text
-//! dtrun --nproc 4 [--master-port P] [--timeout S] [--grace S] [--max-restarts N] [--allow-failures K] -- CMD ARGS...
+//! dtrun --nproc 4 [--master-port P] [--timeout S] [--grace S] [--max-restarts N] [--allow-failures K] [--insecure] -- CMD ARGS...
 //! ```
 //!
 //! Each rank runs `CMD ARGS...` with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
@@ -9,7 +9,9 @@
 //! `TORCHELASTIC_RESTART_COUNT` and `TORCHELASTIC_MAX_RESTARTS` (as torchrun does), and
 //! `CDT_JOB_TOKEN`: a fresh random secret per start, which every connection of the `process`
 //! backend's mesh must prove it holds (a process of another job, or anything else that reaches
-//! the ports, is turned away).
+//! the ports, is turned away), the rendezvous store included. `--insecure` runs the ranks
+//! without a token instead (`CDT_INSECURE=1`: the store then serves other hosts
+//! unauthenticated, and every rank warns).
 //! Every line a rank prints is forwarded with a `[rank r] ` prefix (stdout to stdout, stderr
 //! to stderr). When a rank exits non-zero or is killed, dtrun sends SIGTERM to the others,
 //! SIGKILL after the grace period, and exits non-zero naming the rank that failed first and
@@ -81,6 +83,12 @@ struct Args {
     /// (`train_gpt --fault-tolerant`), whose survivors continue without the lost ranks.
     #[arg(long, default_value_t = 0)]
     allow_failures: u32,
+    /// Run without a job token: the ranks get no `CDT_JOB_TOKEN` and `CDT_INSECURE=1`, so
+    /// the rendezvous store serves other hosts unauthenticated and anything that reaches the
+    /// ports can join the mesh or read and replace the store's keys (every rank warns). For
+    /// jobs that processes not started by this dtrun must join; never on an untrusted network.
+    #[arg(long)]
+    insecure: bool,
     /// The program to run and its arguments (after `--`).
     #[arg(last = true, required = true, num_args = 1..)]
     cmd: Vec<String>,
@@ -278,6 +286,10 @@ fn main() {
 /// The environment variable with the job's token (`candle_dtensor_comm::auth::TOKEN_ENV`).
 const TOKEN_ENV: &str = "CDT_JOB_TOKEN";
 
+/// The variable that lets a store without a token serve other hosts
+/// (`candle_dtensor_comm::auth::INSECURE_ENV`).
+const INSECURE_ENV: &str = "CDT_INSECURE";
+
 /// A fresh random token (hex of 32 bytes from the OS).
 fn new_token() -> Result<String, String> {
     let mut b = [0u8; 32];
@@ -324,11 +336,16 @@ fn run_once(args: &Args, restart: u32, job_deadline: Option<Instant>) -> Ended {
         rank_failed: false,
     };
     let n = args.nproc as usize;
-    let token = match new_token() {
-        Ok(t) => t,
-        Err(e) => {
-            say(&e);
-            return failed_to_start(2);
+    let token = if args.insecure {
+        say("--insecure: the ranks run without a job token; anything that reaches the store or the mesh ports can join the job or read and replace its keys");
+        None
+    } else {
+        match new_token() {
+            Ok(t) => Some(t),
+            Err(e) => {
+                say(&e);
+                return failed_to_start(2);
+            }
         }
     };
     let port = match args.master_port {
@@ -357,10 +374,13 @@ fn run_once(args: &Args, restart: u32, job_deadline: Option<Instant>) -> Ended {
             .env("MASTER_PORT", port.to_string())
             .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
             .env("TORCHELASTIC_MAX_RESTARTS", args.max_restarts.to_string())
-            .env(TOKEN_ENV, &token)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        match &token {
+            Some(t) => cmd.env(TOKEN_ENV, t).env_remove(INSECURE_ENV),
+            None => cmd.env_remove(TOKEN_ENV).env(INSECURE_ENV, "1"),
+        };
         isolate(&mut cmd);
         let mut child: Child = match cmd.spawn() {
             Ok(c) => c,

@@ -176,6 +176,27 @@ fn run_role(role: &str) -> Result<(), (i32, String)> {
             std::thread::sleep(Duration::from_secs(30));
             Ok(())
         }
+        "insecure" => {
+            // Under `dtrun --insecure`: no token, CDT_INSECURE=1, and the job still works (on
+            // this host the store serves loopback either way).
+            println!(
+                "token {:?} insecure {:?}",
+                std::env::var("CDT_JOB_TOKEN").ok(),
+                std::env::var("CDT_INSECURE").ok()
+            );
+            let world =
+                new_comm("process", &Device::Cpu, "world", opts(10.0, 5.0)).map_err(fail(1))?;
+            let x = Tensor::new(&[world.rank() as f64 + 0.5], &Device::Cpu)
+                .map_err(|e| (1, e.to_string()))?;
+            let s = world
+                .all_reduce(&x, ReduceOp::Sum)
+                .and_then(|w| w.wait())
+                .map_err(fail(3))?
+                .to_vec1::<f64>()
+                .map_err(|e| (1, e.to_string()))?[0];
+            println!("insecure sum {s}");
+            Ok(())
+        }
         "restart" => {
             // First start: rank 1 SIGKILLs itself after one collective, the others fail on the
             // next one. The restarted job (a new store port, a new token) completes.
@@ -439,6 +460,46 @@ fn dtrun_max_restarts_restarts_a_failed_job_with_a_new_port_and_token() {
         firsts.iter().all(|t| *t == firsts[0]),
         "one token per start: {out}"
     );
+}
+
+/// `--insecure`: the ranks get no token and `CDT_INSECURE=1`, dtrun says so, and the job
+/// runs; without it every rank has a token and no `CDT_INSECURE`, even when dtrun's own
+/// environment sets it.
+#[test]
+fn dtrun_insecure_runs_the_ranks_without_a_token() {
+    let (o, _) = launch(2, "insecure", &["--insecure"]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}\n{err}");
+    assert!(
+        err.contains("--insecure: the ranks run without a job token"),
+        "{err}"
+    );
+    for r in 0..2 {
+        let lines = lines_of(&out, r).join("\n");
+        assert!(
+            lines.contains("token None insecure Some(\"1\")"),
+            "rank {r}: {out}"
+        );
+        assert!(lines.contains("insecure sum 2"), "rank {r}: {out}");
+    }
+    let exe = std::env::current_exe().expect("test binary path");
+    let o = Command::new(env!("CARGO_BIN_EXE_dtrun"))
+        .args(["--nproc", "2", "--timeout", "60", "--"])
+        .arg(exe)
+        .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
+        .env(ROLE, "insecure")
+        .env("CDT_INSECURE", "1")
+        .output()
+        .expect("dtrun runs");
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}\n{err}");
+    for r in 0..2 {
+        let lines = lines_of(&out, r).join("\n");
+        assert!(
+            lines.contains("token Some(") && lines.contains("insecure None"),
+            "rank {r}: {out}"
+        );
+    }
 }
 
 #[test]
