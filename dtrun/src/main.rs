@@ -17,6 +17,8 @@
 //! SIGKILL after the grace period, and exits non-zero naming the rank that failed first and
 //! how (exit status or signal). With `--allow-failures K` the first K failures are reported
 //! and the others run on; the job's exit code is then the survivors'.
+//! `RUST_LOG` (default `warn`) sets what dtrun's own `tracing` subscriber prints; the ranks
+//! inherit it (the examples read it the same way, and prefix their lines with `rank=<r>`).
 //!
 //! # What dtrun guarantees about processes (Linux)
 //!
@@ -279,8 +281,24 @@ enum Event {
 }
 
 fn main() {
+    init_logging();
     let args = Args::parse();
     std::process::exit(run(args));
+}
+
+/// A `tracing` subscriber for whatever dtrun's libraries log: `RUST_LOG` if set, else `warn`;
+/// plain text on stderr. (dtrun's own messages are `dtrun: ...` lines; the ranks' output,
+/// their warnings included, is forwarded with the `[rank r] ` prefix.)
+fn init_logging() {
+    use tracing_subscriber::filter::{EnvFilter, LevelFilter};
+    let filter = EnvFilter::builder()
+        .with_default_directive(LevelFilter::WARN.into())
+        .from_env_lossy();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
 }
 
 /// The environment variable with the job's token (`candle_dtensor_comm::auth::TOKEN_ENV`).
