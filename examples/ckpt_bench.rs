@@ -228,7 +228,11 @@ fn run_reshard_world(
         .ok_or_else(|| "no rank reported".into())
 }
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() {
+    logging::init_logging();
     let args = Args::parse();
     if let Err(e) = real_main(&args) {
         eprintln!("ckpt_bench: error: {e}");

@@ -72,7 +72,11 @@ fn time(
 
 type Bench = Box<dyn Fn(&DeviceMesh) -> candle_core::Result<(f64, f64)> + Send + Sync>;
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    logging::init_logging();
     candle_dtensor::init_cpu_threads();
     let args = Args::parse();
     let (b, it) = (args.batches, args.iters);

@@ -115,7 +115,11 @@ struct Args {
     link: Option<String>,
 }
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() {
+    logging::init_logging();
     candle_dtensor::init_cpu_threads();
     let a = Args::parse();
     if a.op == "moe" {

@@ -230,7 +230,11 @@ fn bench_rank(mesh: &DeviceMesh, a: &Args, n: usize) -> Result<RankResult, BoxEr
     ))
 }
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() -> Result<(), BoxErr> {
+    logging::init_logging();
     let a = Args::parse();
     let tokens: Vec<usize> = a
         .tokens

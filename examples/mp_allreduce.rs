@@ -180,7 +180,11 @@ fn bench(c: &Comm) -> R<()> {
     Ok(())
 }
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() {
+    logging::init_logging();
     let args = Args::parse();
     if let Err(e) = run(&args) {
         eprintln!("mp_allreduce: error: {e}");

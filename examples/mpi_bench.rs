@@ -51,7 +51,11 @@ struct Row {
     timing: &'static str,
 }
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() {
+    logging::init_logging();
     candle_dtensor::init_cpu_threads();
     if let Err(e) = real_main() {
         eprintln!("mpi_bench: error: {e}");

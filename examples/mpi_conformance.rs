@@ -86,7 +86,11 @@ fn run_phase(name: String, comm: &Comm, sel: &Selection) -> Phase {
     }
 }
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() {
+    logging::init_logging();
     candle_dtensor::init_cpu_threads();
     let args = Args::parse();
     if args.list {

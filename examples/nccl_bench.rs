@@ -126,7 +126,11 @@ fn measure(c: &Comm, dev: &Device, op: &'static str, size: usize, args: &Args) -
     })
 }
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() {
+    logging::init_logging();
     let args = Args::parse();
     if let Err(e) = run(&args) {
         eprintln!("nccl_bench: error: {e}");

@@ -334,7 +334,11 @@ fn check(c: &Comm, cases: &mut Cases, dev: &Device) {
     });
 }
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() {
+    logging::init_logging();
     let args = Args::parse();
     match run(&args) {
         Ok(true) => {}

@@ -293,7 +293,11 @@ fn dtensor_cases(c: &Comm, dev: &Device, log: &Log) {
     });
 }
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() {
+    logging::init_logging();
     let args = Args::parse();
     match run(&args) {
         Ok(true) => {}

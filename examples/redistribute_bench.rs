@@ -194,7 +194,11 @@ fn run_case(
     Ok((median(times), wire, plan))
 }
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    logging::init_logging();
     candle_dtensor::init_cpu_threads();
     // Before any thread starts (LocalWorld::launch also runs it, but threads that exited
     // before, like the copy-floor threads, leave arenas that new threads would take over).

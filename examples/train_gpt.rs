@@ -2038,7 +2038,13 @@ pub(crate) fn compare_with_curves(
     )
 }
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() {
+    // First, so the thread tuning below is logged (a debug line when set, a warning when
+    // refused); installing the subscriber starts no thread, so the tuning still runs alone.
+    logging::init_logging();
     candle_dtensor::init_cpu_threads();
     candle_dtensor::init_cpu_allocator();
     debug_assert_eq!(

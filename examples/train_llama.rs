@@ -107,7 +107,13 @@ struct Args {
     device: String,
 }
 
+#[path = "common/logging.rs"]
+mod logging;
+
 fn main() {
+    // First, so the thread tuning below is logged (a debug line when set, a warning when
+    // refused); installing the subscriber starts no thread, so the tuning still runs alone.
+    logging::init_logging();
     candle_dtensor::init_cpu_threads();
     let args = Args::parse();
     // Here, while this is still the process's only thread (later `init_gemm_threads` refuses:
