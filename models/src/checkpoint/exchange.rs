@@ -4,10 +4,14 @@ use candle_core::Tensor;
 use candle_dtensor_comm::Comm;
 
 use super::{CheckpointError, Result, IO_TIMEOUT};
-use crate::params::ParamStore;
+use candle_dtensor_mesh::DeviceMesh;
 
 /// Every rank's `bytes`, in rank order (two all_gathers: lengths, then padded payloads).
-pub(super) fn all_gather_bytes(comm: &Comm, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+/// Without a communicator (one process), this rank's bytes alone.
+pub(super) fn all_gather_bytes(comm: Option<&Comm>, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let Some(comm) = comm else {
+        return Ok(vec![bytes.to_vec()]);
+    };
     let len = Tensor::new(&[bytes.len() as u32], comm.device())?;
     let lens: Vec<u32> = comm.all_gather_single(&len)?.wait()?.to_vec1()?;
     let max = lens.iter().copied().max().unwrap_or(0) as usize;
@@ -31,7 +35,7 @@ pub(super) fn all_gather_bytes(comm: &Comm, bytes: &[u8]) -> Result<Vec<Vec<u8>>
 /// when all ranks succeeded; `Err(Peer)` naming the first failed rank otherwise. The caller
 /// returns its own typed error before looking at this result.
 pub(super) fn exchange(
-    comm: &Comm,
+    comm: Option<&Comm>,
     own: std::result::Result<Vec<u8>, String>,
 ) -> Result<Vec<Vec<u8>>> {
     let msg = match own {
@@ -69,7 +73,7 @@ pub(super) fn exchange(
 
 /// Runs `local` on this rank, then agrees with every rank: returns this rank's value only if
 /// every rank succeeded (this rank's own error first, else the first failed peer's).
-pub(super) fn agreed<T>(comm: &Comm, local: Result<T>) -> Result<T> {
+pub(super) fn agreed<T>(comm: Option<&Comm>, local: Result<T>) -> Result<T> {
     let status = match &local {
         Ok(_) => Ok(Vec::new()),
         Err(e) => Err(e.to_string()),
@@ -80,7 +84,11 @@ pub(super) fn agreed<T>(comm: &Comm, local: Result<T>) -> Result<T> {
     Ok(value)
 }
 
-pub(super) fn checkpoint_comm(store: &ParamStore) -> Comm {
-    let root = store.mesh().root_comm();
-    root.with_timeout(root.timeout().max(IO_TIMEOUT))
+/// The communicator of save and load over `mesh` (none: one process), with a timeout of at
+/// least [`IO_TIMEOUT`].
+pub(super) fn checkpoint_comm(mesh: Option<&DeviceMesh>) -> Option<Comm> {
+    mesh.map(|m| {
+        let root = m.root_comm();
+        root.with_timeout(root.timeout().max(IO_TIMEOUT))
+    })
 }

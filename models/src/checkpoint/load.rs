@@ -14,11 +14,13 @@ use super::data::{
 };
 use super::exchange::{agreed, all_gather_bytes, checkpoint_comm};
 use super::{
-    corrupt, fqn, fsync_dir, io, read_manifest, resolve, step_dir, CheckpointError,
+    corrupt, fqn, fsync_dir, io, read_manifest, resolve, step_dir, CheckpointError, CheckpointVar,
     ConsolidateInfo, LoadInfo, Manifest, Result, TensorKind, TensorMeta, Which, MANIFEST,
 };
 use crate::optim::AdamW;
 use crate::params::{ParamStore, VarBox};
+use candle_dtensor_comm::Comm;
+use candle_dtensor_mesh::DeviceMesh;
 
 /// A tensor to fill on this rank: its boxes of the global tensor, into a buffer shaped like
 /// `var`.
@@ -229,29 +231,62 @@ pub fn load(
     store: &ParamStore,
     opt: Option<&mut AdamW>,
 ) -> Result<LoadInfo> {
-    let comm = checkpoint_comm(store);
-    let _span = tracing::info_span!("checkpoint_load", rank = comm.rank()).entered();
-    let step = agreed(&comm, resolve(root, which))?;
-    let steps = all_gather_bytes(&comm, &(step as u64).to_le_bytes())?;
+    let comm = checkpoint_comm(Some(store.mesh()));
+    load_with(root, which, comm.as_ref(), &store.checkpoint_vars(), opt)
+}
+
+/// Loads a checkpoint (of [`save`](super::save) or [`save_vars`](super::save_vars), any
+/// layout) into the variables `vars` (and `opt`'s moments and step count), as [`load`] does
+/// for a store: each var receives the elements of its boxes. `mesh`: the mesh every rank of
+/// the model is on (`None`: one process). Collective over `mesh`.
+///
+/// # Errors
+///
+/// As [`load`]. On any error no rank has changed its vars.
+///
+/// # Blocking
+///
+/// As [`load`].
+pub fn load_vars(
+    root: &Path,
+    which: Which,
+    mesh: Option<&DeviceMesh>,
+    vars: &[CheckpointVar],
+    opt: Option<&mut AdamW>,
+) -> Result<LoadInfo> {
+    let comm = checkpoint_comm(mesh);
+    load_with(root, which, comm.as_ref(), vars, opt)
+}
+
+fn load_with(
+    root: &Path,
+    which: Which,
+    comm: Option<&Comm>,
+    vars: &[CheckpointVar],
+    opt: Option<&mut AdamW>,
+) -> Result<LoadInfo> {
+    let rank = comm.map_or(0, Comm::rank);
+    let _span = tracing::info_span!("checkpoint_load", rank).entered();
+    let step = agreed(comm, resolve(root, which))?;
+    let steps = all_gather_bytes(comm, &(step as u64).to_le_bytes())?;
     if steps
         .iter()
         .any(|s| s.as_slice() != (step as u64).to_le_bytes())
     {
         return Err(CheckpointError::Inconsistent(format!(
-            "rank {} resolved step {step}, others another step (is {} shared?)",
-            comm.rank(),
+            "rank {rank} resolved step {step}, others another step (is {} shared?)",
             root.display()
         )));
     }
     let local = (|| {
         let manifest = read_manifest(root, step)?;
         let mut targets = Vec::new();
-        for p in store.params() {
+        for p in vars {
             targets.push(Target::new(
                 fqn(TensorKind::Param, &p.name),
                 TensorKind::Param,
                 &p.var,
-                p.tensor.shape(),
+                &p.global_dims,
                 &p.boxes,
             )?);
             if let Some(o) = opt.as_deref() {
@@ -261,7 +296,7 @@ pub fn load(
                             fqn(kind, &p.name),
                             kind,
                             &p.var,
-                            p.tensor.shape(),
+                            &p.global_dims,
                             &p.boxes,
                         )?);
                     }
@@ -275,11 +310,11 @@ pub fn load(
                 file: step_dir(root, step).join(MANIFEST),
             });
         }
-        let names: Vec<&str> = store.params().iter().map(|p| p.name.as_str()).collect();
+        let names: Vec<&str> = vars.iter().map(|p| p.name.as_str()).collect();
         let bytes_read = fill_targets(root, &manifest, &mut targets, &names)?;
         Ok((manifest, targets, bytes_read))
     })();
-    let (manifest, targets, bytes_read) = agreed(&comm, local)?;
+    let (manifest, targets, bytes_read) = agreed(comm, local)?;
     // Every rank has everything: set.
     let mut moments: HashMap<candle_core::TensorId, (Option<Tensor>, Option<Tensor>)> =
         HashMap::new();
@@ -419,7 +454,7 @@ impl ParamStore {
     ///
     /// Waits for every rank's reads (timeout at least [`IO_TIMEOUT`](super::IO_TIMEOUT)).
     pub fn load_safetensors(&self, path: &Path) -> Result<()> {
-        let comm = checkpoint_comm(self);
+        let comm = checkpoint_comm(Some(self.mesh()));
         let local = (|| {
             let first = self.params().first().map_or("", |p| p.name.as_str());
             let mut f = OpenFile::open(path, None, first)?;
@@ -478,7 +513,7 @@ impl ParamStore {
             }
             Ok(values)
         })();
-        let values = agreed(&comm, local)?;
+        let values = agreed(comm.as_ref(), local)?;
         for (p, v) in self.params().iter().zip(values) {
             set_var(&p.var, &v)?;
         }

@@ -20,6 +20,12 @@
 //! file with its size, and for every tensor its global shape, dtype and chunks: global
 //! `offsets` and `sizes`, the `file` and `key` holding it, and the CRC-32 of its bytes.
 //!
+//! [`save`] and [`load`] take a [`ParamStore`]; [`save_vars`] and [`load_vars`] take any
+//! model's vars described as [`CheckpointVar`]s (name, var, global shape, boxes, writer), e.g.
+//! an [`FsdpVarMap`](crate::fsdp_vb::FsdpVarMap)'s shards or a plain `VarMap` on one process
+//! (what [`crate::fit::Trainer::save`] uses). Both write and read the same format, so either
+//! loads the other's checkpoints.
+//!
 //! # Atomicity
 //!
 //! [`save`]: rank 0 clears the step directory if it exists (removing its manifest first), then
@@ -59,11 +65,14 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use candle_core::Var;
 use candle_dtensor_comm::CommError;
 use serde::{Deserialize, Serialize};
 
-pub use load::{consolidate, load};
-pub use save::save;
+use crate::params::{ParamStore, VarBox};
+
+pub use load::{consolidate, load, load_vars};
+pub use save::{save, save_vars};
 
 /// Name of a checkpoint's manifest inside its step directory.
 pub const MANIFEST: &str = "manifest.json";
@@ -222,6 +231,43 @@ fn corrupt(file: &Path, reason: impl Into<String>) -> CheckpointError {
     CheckpointError::Corrupt {
         file: file.to_path_buf(),
         reason: reason.into(),
+    }
+}
+
+// === What is saved ===
+
+/// One variable of a model as the checkpoint sees it: [`save_vars`] and [`load_vars`] take a
+/// list of these, for parameters that are not in a [`ParamStore`] (an
+/// [`FsdpVarMap`](crate::fsdp_vb::FsdpVarMap)'s shards, [`crate::tp_nn`] pieces, a plain
+/// `VarMap`; [`crate::fit::Trainer`] builds the list). A [`ParamStore`] converts to the same
+/// list ([`ParamStore::checkpoint_vars`]), so both write the same format.
+#[derive(Debug, Clone)]
+pub struct CheckpointVar {
+    /// The parameter's name (the checkpoint's `model.<name>`).
+    pub name: String,
+    /// This rank's var (its dtype is the saved dtype).
+    pub var: Var,
+    /// The global (single-device) shape.
+    pub global_dims: Vec<usize>,
+    /// Where `var`'s elements sit in the global tensor (none: an empty piece).
+    pub boxes: Vec<VarBox>,
+    /// Whether this rank writes `var`: exactly one of the ranks holding an identical copy.
+    pub writer: bool,
+}
+
+impl ParamStore {
+    /// The store's parameters as [`CheckpointVar`]s (what [`save`] and [`load`] use).
+    pub fn checkpoint_vars(&self) -> Vec<CheckpointVar> {
+        self.params()
+            .iter()
+            .map(|p| CheckpointVar {
+                name: p.name.clone(),
+                var: p.var.clone(),
+                global_dims: p.tensor.shape().to_vec(),
+                boxes: p.boxes.clone(),
+                writer: p.writer,
+            })
+            .collect()
     }
 }
 

@@ -11,11 +11,13 @@ use serde::{Deserialize, Serialize};
 use super::data::{box_data, check_chunks, safetensors_header, tensor_bytes};
 use super::exchange::{agreed, checkpoint_comm, exchange};
 use super::{
-    corrupt, fqn, fsync_dir, io, step_dir, CheckpointError, ChunkMeta, FileMeta, Manifest,
-    OptimizerMeta, Result, SaveInfo, TensorKind, TensorMeta, FORMAT, MANIFEST, VERSION,
+    corrupt, fqn, fsync_dir, io, step_dir, CheckpointError, CheckpointVar, ChunkMeta, FileMeta,
+    Manifest, OptimizerMeta, Result, SaveInfo, TensorKind, TensorMeta, FORMAT, MANIFEST, VERSION,
 };
 use crate::optim::AdamW;
 use crate::params::ParamStore;
+use candle_dtensor_comm::Comm;
+use candle_dtensor_mesh::DeviceMesh;
 
 /// One chunk this rank writes.
 struct Piece {
@@ -32,19 +34,9 @@ struct RankReport {
     chunks: Vec<(String, ChunkMeta)>,
 }
 
-fn pieces(store: &ParamStore, opt: Option<&AdamW>) -> Result<Vec<Piece>> {
+fn pieces(vars: &[CheckpointVar], opt: Option<&AdamW>) -> Result<Vec<Piece>> {
     let mut out = Vec::new();
-    for p in store
-        .params()
-        .iter()
-        .filter(|p| p.writer && !p.boxes.is_empty())
-    {
-        if p.tensor.placements().iter().any(|pl| pl.is_partial()) {
-            return Err(CheckpointError::Unsupported(format!(
-                "parameter {} has a Partial placement",
-                p.name
-            )));
-        }
+    for p in vars.iter().filter(|p| p.writer && !p.boxes.is_empty()) {
         let mut tensors = vec![(TensorKind::Param, p.var.as_tensor().clone())];
         if let Some(o) = opt {
             let (m, v) = match o.moments(&p.var)? {
@@ -144,9 +136,10 @@ fn prepare_dir(root: &Path, dir: &Path) -> Result<()> {
     fsync_dir(root)
 }
 
-/// Rank 0: the manifest from its own store (tensor list) and every rank's report.
+/// Rank 0: the manifest from its own var list (tensor list) and every rank's report.
 fn build_manifest(
-    store: &ParamStore,
+    vars: &[CheckpointVar],
+    mesh: Option<&DeviceMesh>,
     opt: Option<&AdamW>,
     step: usize,
     extra: &serde_json::Value,
@@ -154,7 +147,7 @@ fn build_manifest(
     path: &Path,
 ) -> Result<Manifest> {
     let mut tensors = BTreeMap::new();
-    for p in store.params() {
+    for p in vars {
         let kinds: &[TensorKind] = if opt.is_some() {
             &[TensorKind::Param, TensorKind::ExpAvg, TensorKind::ExpAvgSq]
         } else {
@@ -166,7 +159,7 @@ fn build_manifest(
                 TensorMeta {
                     param: p.name.clone(),
                     kind,
-                    shape: p.tensor.shape().to_vec(),
+                    shape: p.global_dims.clone(),
                     dtype: p.var.dtype().as_str().to_string(),
                     chunks: Vec::new(),
                 },
@@ -201,18 +194,18 @@ fn build_manifest(
         t.chunks.sort_by(|a, b| a.offsets.cmp(&b.offsets));
         check_chunks(name, t, path)?;
     }
-    let mesh = store.mesh();
     Ok(Manifest {
         format: FORMAT.to_string(),
         version: VERSION,
         step,
-        world_size: mesh.num_ranks(),
-        mesh: mesh
-            .dim_names()
-            .iter()
-            .map(|n| n.to_string())
-            .zip(mesh.shape())
-            .collect(),
+        world_size: mesh.map_or(1, DeviceMesh::num_ranks),
+        mesh: mesh.map_or_else(Vec::new, |mesh| {
+            mesh.dim_names()
+                .iter()
+                .map(|n| n.to_string())
+                .zip(mesh.shape())
+                .collect()
+        }),
         optimizer: opt.map(|o| {
             let p = o.params();
             OptimizerMeta {
@@ -262,8 +255,71 @@ pub fn save(
     opt: Option<&AdamW>,
     extra: &serde_json::Value,
 ) -> Result<SaveInfo> {
-    let comm = checkpoint_comm(store);
-    let rank = comm.rank();
+    let partial = store.params().iter().find(|p| {
+        p.writer && !p.boxes.is_empty() && p.tensor.placements().iter().any(|pl| pl.is_partial())
+    });
+    let checked = match partial {
+        Some(p) => Err(CheckpointError::Unsupported(format!(
+            "parameter {} has a Partial placement",
+            p.name
+        ))),
+        None => Ok(()),
+    };
+    let comm = checkpoint_comm(Some(store.mesh()));
+    // Every rank takes part in the collectives, so a rank's Partial error fails them all.
+    save_with(
+        root,
+        step,
+        comm.as_ref(),
+        Some(store.mesh()),
+        checked.map(|()| store.checkpoint_vars()),
+        opt,
+        extra,
+    )
+}
+
+/// Saves the variables `vars` (and, with `opt`, AdamW's moments and step count) as step `step`
+/// under `root`, in the format of [`save`]: every rank writes the boxes of the vars it is the
+/// writer of. `mesh`: the mesh every rank of the model is on (`None`: one process). Collective
+/// over `mesh`; every rank passes its own vars, in the same order of names.
+///
+/// # Errors
+///
+/// As [`save`].
+///
+/// # Blocking
+///
+/// As [`save`].
+pub fn save_vars(
+    root: &Path,
+    step: usize,
+    mesh: Option<&DeviceMesh>,
+    vars: &[CheckpointVar],
+    opt: Option<&AdamW>,
+    extra: &serde_json::Value,
+) -> Result<SaveInfo> {
+    let comm = checkpoint_comm(mesh);
+    save_with(
+        root,
+        step,
+        comm.as_ref(),
+        mesh,
+        Ok(vars.to_vec()),
+        opt,
+        extra,
+    )
+}
+
+fn save_with(
+    root: &Path,
+    step: usize,
+    comm: Option<&Comm>,
+    mesh: Option<&DeviceMesh>,
+    vars: Result<Vec<CheckpointVar>>,
+    opt: Option<&AdamW>,
+    extra: &serde_json::Value,
+) -> Result<SaveInfo> {
+    let rank = comm.map_or(0, Comm::rank);
     let dir = step_dir(root, step);
     let _span = tracing::info_span!("checkpoint_save", step, rank).entered();
     let prepared = if rank == 0 {
@@ -271,13 +327,22 @@ pub fn save(
     } else {
         Ok(())
     };
-    agreed(&comm, prepared)?;
-    let report = pieces(store, opt).and_then(|p| write_rank_file(&dir, rank, &p));
+    agreed(comm, prepared)?;
+    // A rank whose vars cannot be saved fails here, after the first agreement: its report is
+    // its error, so every rank fails and no manifest is written.
+    let (vars, unusable) = match vars {
+        Ok(v) => (v, None),
+        Err(e) => (Vec::new(), Some(e)),
+    };
+    let report = match unusable {
+        Some(e) => Err(e),
+        None => pieces(&vars, opt).and_then(|p| write_rank_file(&dir, rank, &p)),
+    };
     let status = match &report {
         Ok(r) => serde_json::to_vec(r).map_err(|e| e.to_string()),
         Err(e) => Err(e.to_string()),
     };
-    let gathered = exchange(&comm, status);
+    let gathered = exchange(comm, status);
     let report = report?;
     let gathered = gathered?;
     let written = if rank == 0 {
@@ -290,12 +355,12 @@ pub fn save(
                     .map_err(|e| corrupt(&path, format!("report of rank {r}: {e}")))
             })
             .collect::<Result<Vec<_>>>()
-            .and_then(|reports| build_manifest(store, opt, step, extra, &reports, &path))
+            .and_then(|reports| build_manifest(&vars, mesh, opt, step, extra, &reports, &path))
             .and_then(|m| write_manifest(&dir, &m))
     } else {
         Ok(())
     };
-    agreed(&comm, written)?;
+    agreed(comm, written)?;
     let info = SaveInfo {
         dir,
         bytes: report.file.as_ref().map_or(0, |f| f.1),
