@@ -73,12 +73,18 @@
 //!
 //! # Checkpoints
 //!
-//! Not part of this trainer: [`crate::checkpoint`] saves and loads the parameters of a
-//! [`ParamStore`] (their DTensor placements and global boxes), and has no entry point for an
-//! [`FsdpVarMap`]'s or a `VarMap`'s parameters. A [`ParamStore`] user saves with
-//! `checkpoint::save(dir, step, &store, trainer.adamw(), &extra)` and resumes with
-//! `checkpoint::load` and [`Trainer::set_steps_done`], as [`crate::trainer::train_rank`] does.
+//! [`Trainer::save`] writes the parameters and AdamW's state (moments, step count) in
+//! [`crate::checkpoint`]'s distributed format, the one a [`ParamStore`] writes: every rank
+//! writes the boxes of the global parameters it holds (one rank per identical copy: the lowest
+//! of the ranks [`Trainer::new`] found holding it), rank 0 the manifest, last. The boxes come
+//! from what [`TrainVars::var_builder`] recorded (global shape, tensor-parallel piece) and
+//! FSDP's torch.chunk rows of dim 0. [`Trainer::load`] and [`Trainer::resume`] read a
+//! checkpoint of any layout into this one (FSDP `dp=2` saved, one device or `dp=4` resumed)
+//! and continue at its step; [`FitOptions::checkpoint`] makes [`Trainer::fit`] save every N
+//! steps and continue from the latest complete checkpoint. A corrupt or missing file is a
+//! [`TrainerError::Checkpoint`] naming it (every chunk has a CRC-32).
 
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -89,12 +95,13 @@ use candle_dtensor_mesh::{DeviceMesh, MeshError};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Optimizer, ParamsAdamW, VarBuilder, VarMap};
 
+use crate::checkpoint::{self, CheckpointError, CheckpointVar, LoadInfo, SaveInfo, Which};
 use crate::error::ModelError;
 use crate::fsdp::{Fsdp, FsdpStats, GradReduce};
 use crate::fsdp_vb::FsdpVarMap;
 use crate::init::{take_piece, with_piece};
 use crate::optim::AdamW;
-use crate::params::ParamStore;
+use crate::params::{boxes_of, ParamStore, VarBox};
 use crate::schedule::{LrSchedule, ScheduleError, WeightDecay};
 
 /// Why a [`Trainer`] cannot be built or cannot train.
@@ -121,6 +128,16 @@ pub enum TrainerError {
     /// The model, a collective or a candle op failed (boxed: [`ModelError`] is large).
     #[error(transparent)]
     Model(Box<ModelError>),
+    /// Saving or loading a checkpoint failed (a missing or corrupt file, another model's
+    /// checkpoint, ...): the error names the file and the tensor.
+    #[error(transparent)]
+    Checkpoint(Box<CheckpointError>),
+}
+
+impl From<CheckpointError> for TrainerError {
+    fn from(e: CheckpointError) -> Self {
+        TrainerError::Checkpoint(Box::new(e))
+    }
 }
 
 impl From<ModelError> for TrainerError {
@@ -263,7 +280,18 @@ enum Source {
         mesh: Option<DeviceMesh>,
         fsdp: Option<Fsdp>,
         params: Vec<TrainParam>,
+        /// Their checkpoint view, when known (a [`ParamStore`]'s).
+        ckpt: Option<Vec<CheckpointVar>>,
     },
+}
+
+/// What [`TrainVars::resolve`] works out.
+struct Resolved {
+    mesh: Option<DeviceMesh>,
+    fsdp: Option<Fsdp>,
+    params: Vec<TrainParam>,
+    /// The checkpoint view of `params` (same order), when the global boxes are known.
+    ckpt: Option<Vec<CheckpointVar>>,
 }
 
 /// The parameters a [`Trainer`] trains, and the `VarBuilder` the model is built from (see the
@@ -322,19 +350,22 @@ impl TrainVars {
                 mesh: Some(store.mesh().clone()),
                 fsdp: store.fsdp().cloned(),
                 params,
+                ckpt: Some(store.checkpoint_vars()),
             },
             log: Log::default(),
         }
     }
 
     /// Parameters described by the caller: `copies` as [`TrainParam::copies`] says, the
-    /// gradients reduced by `fsdp` when given.
+    /// gradients reduced by `fsdp` when given. Their global boxes are unknown: such a trainer
+    /// has no checkpoints ([`Trainer::save`] is an error).
     pub fn given(mesh: Option<&DeviceMesh>, fsdp: Option<&Fsdp>, params: Vec<TrainParam>) -> Self {
         TrainVars {
             source: Source::Given {
                 mesh: mesh.cloned(),
                 fsdp: fsdp.cloned(),
                 params,
+                ckpt: None,
             },
             log: Log::default(),
         }
@@ -372,11 +403,21 @@ impl TrainVars {
 
     /// The parameters, with the copies of each worked out (collective over the mesh for
     /// tracked parameters).
-    fn resolve(self) -> Result<(Option<DeviceMesh>, Option<Fsdp>, Vec<TrainParam>)> {
+    fn resolve(self) -> Result<Resolved> {
         let log = lock(&self.log).clone();
         let find = |name: &str| log.iter().find(|c| c.name == name);
         match self.source {
-            Source::Given { mesh, fsdp, params } => Ok((mesh, fsdp, params)),
+            Source::Given {
+                mesh,
+                fsdp,
+                params,
+                ckpt,
+            } => Ok(Resolved {
+                mesh,
+                fsdp,
+                params,
+                ckpt,
+            }),
             Source::Fsdp {
                 mesh, fsdp, map, ..
             } => {
@@ -400,19 +441,13 @@ impl TrainVars {
                     .map(|c| keys_of(c, Some(shard_coord)))
                     .collect();
                 let copies = copies_of(&mesh, &keys)?;
-                let params = named
-                    .into_iter()
-                    .zip(copies)
-                    .filter_map(|((name, var), copies)| {
-                        find(&name).map(|c| TrainParam {
-                            global_dims: c.global.clone(),
-                            name,
-                            var,
-                            copies,
-                        })
-                    })
-                    .collect();
-                Ok((Some(mesh), Some(fsdp), params))
+                let (params, ckpt) = tracked(named, &copies, &log, Some(&fsdp))?;
+                Ok(Resolved {
+                    mesh: Some(mesh),
+                    fsdp: Some(fsdp),
+                    params,
+                    ckpt: Some(ckpt),
+                })
             }
             Source::Local { mesh, map, .. } => {
                 let mut named: Vec<(String, Var)> = map
@@ -424,18 +459,34 @@ impl TrainVars {
                     .collect();
                 named.sort_by(|a, b| a.0.cmp(&b.0));
                 let Some(mesh) = mesh else {
-                    // One device: every parameter whole, held once.
-                    let params = named
-                        .into_iter()
-                        .map(|(name, var)| TrainParam {
-                            global_dims: find(&name)
-                                .map_or_else(|| var.dims().to_vec(), |c| c.global.clone()),
+                    // One device: every parameter whole, held once, written by this process.
+                    let mut params = Vec::with_capacity(named.len());
+                    let mut ckpt = Vec::with_capacity(named.len());
+                    for (name, var) in named {
+                        let global_dims =
+                            find(&name).map_or_else(|| var.dims().to_vec(), |c| c.global.clone());
+                        let idx: Vec<Vec<usize>> =
+                            var.dims().iter().map(|&n| (0..n).collect()).collect();
+                        ckpt.push(CheckpointVar {
+                            name: name.clone(),
+                            var: var.clone(),
+                            global_dims: global_dims.clone(),
+                            boxes: boxes_of(&idx),
+                            writer: true,
+                        });
+                        params.push(TrainParam {
+                            global_dims,
                             name,
                             var,
                             copies: 1,
-                        })
-                        .collect();
-                    return Ok((None, None, params));
+                        });
+                    }
+                    return Ok(Resolved {
+                        mesh: None,
+                        fsdp: None,
+                        params,
+                        ckpt: Some(ckpt),
+                    });
                 };
                 untracked(named.iter().map(|(n, _)| n.as_str()), &log)?;
                 let keys: Vec<(u64, u64)> = named
@@ -444,21 +495,80 @@ impl TrainVars {
                     .map(|c| keys_of(c, None))
                     .collect();
                 let copies = copies_of(&mesh, &keys)?;
-                let params = named
-                    .into_iter()
-                    .zip(copies)
-                    .filter_map(|((name, var), copies)| {
-                        find(&name).map(|c| TrainParam {
-                            global_dims: c.global.clone(),
-                            name,
-                            var,
-                            copies,
-                        })
-                    })
-                    .collect();
-                Ok((Some(mesh), None, params))
+                let (params, ckpt) = tracked(named, &copies, &log, None)?;
+                Ok(Resolved {
+                    mesh: Some(mesh),
+                    fsdp: None,
+                    params,
+                    ckpt: Some(ckpt),
+                })
             }
         }
+    }
+}
+
+/// The parameters of `named` (all tracked), with their copies and writers, and their
+/// checkpoint view.
+fn tracked(
+    named: Vec<(String, Var)>,
+    copies: &[Holding],
+    log: &[Created],
+    fsdp: Option<&Fsdp>,
+) -> Result<(Vec<TrainParam>, Vec<CheckpointVar>)> {
+    let mut params = Vec::with_capacity(named.len());
+    let mut ckpt = Vec::with_capacity(named.len());
+    for ((name, var), h) in named.into_iter().zip(copies) {
+        let Some(c) = log.iter().find(|c| c.name == name) else {
+            continue;
+        };
+        let boxes = boxes_for(c, fsdp);
+        let held: usize = boxes.iter().map(VarBox::numel).sum();
+        if held != var.elem_count() {
+            return Err(TrainerError::Params(format!(
+                "parameter {name}: this rank's var has {} elements but its place in the \
+                 global {:?} has {held}",
+                var.elem_count(),
+                c.global
+            )));
+        }
+        ckpt.push(CheckpointVar {
+            name: name.clone(),
+            var: var.clone(),
+            global_dims: c.global.clone(),
+            boxes,
+            writer: h.writer,
+        });
+        params.push(TrainParam {
+            global_dims: c.global.clone(),
+            name,
+            var,
+            copies: h.copies,
+        });
+    }
+    Ok((params, ckpt))
+}
+
+/// Where this rank's var of `c` sits in the global parameter: its tensor-parallel piece (or
+/// the whole parameter), and with `fsdp` this rank's torch.chunk rows of dim 0 of that piece,
+/// as [`Fsdp::add_param`] cuts them (a scalar: rank 0 of the shard group holds it).
+fn boxes_for(c: &Created, fsdp: Option<&Fsdp>) -> Vec<VarBox> {
+    let idx: Vec<Vec<usize>> = c
+        .piece
+        .clone()
+        .unwrap_or_else(|| c.global.iter().map(|&n| (0..n).collect()).collect());
+    match fsdp {
+        Some(f) if !idx.is_empty() => {
+            let (n, off) = f.shard_rows(idx[0].len());
+            let mut v = idx.clone();
+            v[0] = idx[0]
+                .get(off..off + n)
+                .map(<[usize]>::to_vec)
+                .unwrap_or_default();
+            boxes_of(&v)
+        }
+        Some(f) if f.shard_rows(1).0 == 1 => boxes_of(&idx),
+        Some(_) => Vec::new(),
+        None => boxes_of(&idx),
     }
 }
 
@@ -517,13 +627,30 @@ fn keys_of(c: &Created, shard_coord: Option<usize>) -> (u64, u64) {
     (name, hold)
 }
 
-/// How many ranks of `mesh` hold the same variable as this rank, per parameter (one
-/// all_gather of the keys; exact integers: 52-bit keys travel as f64).
-fn copies_of(mesh: &DeviceMesh, keys: &[(u64, u64)]) -> Result<Vec<usize>> {
+/// How this rank holds one parameter's variable.
+#[derive(Debug, Clone, Copy)]
+struct Holding {
+    /// Ranks holding an identical variable (this one included).
+    copies: usize,
+    /// Whether this rank is the lowest of them: the one that writes it into checkpoints.
+    writer: bool,
+}
+
+/// How many ranks of `mesh` hold the same variable as this rank, per parameter, and whether
+/// this rank is the lowest of them (one all_gather of the keys; exact integers: 52-bit keys
+/// travel as f64).
+fn copies_of(mesh: &DeviceMesh, keys: &[(u64, u64)]) -> Result<Vec<Holding>> {
     let root = mesh.root_comm();
     let n = root.size();
+    let me = root.rank();
     if n == 1 {
-        return Ok(vec![1; keys.len()]);
+        return Ok(vec![
+            Holding {
+                copies: 1,
+                writer: true,
+            };
+            keys.len()
+        ]);
     }
     let dev = root.device();
     let to_f = |k: u64| (k >> 12) as f64;
@@ -544,7 +671,13 @@ fn copies_of(mesh: &DeviceMesh, keys: &[(u64, u64)]) -> Result<Vec<usize>> {
         .wait()?
         .to_vec1::<f64>()?;
     let per = mine.len();
-    let mut copies = vec![0usize; keys.len()];
+    let mut copies = vec![
+        Holding {
+            copies: 0,
+            writer: true,
+        };
+        keys.len()
+    ];
     for r in 0..n {
         let theirs = &all[r * per..(r + 1) * per];
         for (i, c) in copies.iter_mut().enumerate() {
@@ -555,7 +688,10 @@ fn copies_of(mesh: &DeviceMesh, keys: &[(u64, u64)]) -> Result<Vec<usize>> {
                 )));
             }
             if theirs[2 * i + 1] == mine[2 * i + 1] {
-                *c += 1;
+                c.copies += 1;
+                if r < me {
+                    c.writer = false;
+                }
             }
         }
     }
@@ -744,6 +880,10 @@ pub struct FitReport {
     pub steps: Vec<StepInfo>,
     /// Held-out loss after `n` steps, as `(n, loss)`.
     pub eval_losses: Vec<(usize, f32)>,
+    /// The checkpoint step the run continued from ([`FitOptions::checkpoint`]).
+    pub resumed_from: Option<usize>,
+    /// The steps saved as checkpoints.
+    pub saved: Vec<usize>,
 }
 
 impl FitReport {
@@ -764,6 +904,7 @@ type OnStep<'a> = Box<dyn FnMut(&StepInfo) + 'a>;
 pub struct FitOptions<'a> {
     eval: Option<(usize, EvalFn<'a>)>,
     on_step: Option<OnStep<'a>>,
+    checkpoint: Option<(PathBuf, usize)>,
 }
 
 impl<'a> FitOptions<'a> {
@@ -780,6 +921,16 @@ impl<'a> FitOptions<'a> {
         eval: impl FnMut() -> candle_core::Result<Tensor> + 'a,
     ) -> Self {
         self.eval = Some((every, Box::new(eval)));
+        self
+    }
+
+    /// Checkpoints under `dir` ([`Trainer::save`]) after every `every` steps and after the
+    /// last; before the first step, continue from the latest complete checkpoint under `dir`
+    /// when it is later than [`Trainer::steps_done`] ([`Trainer::load`], any layout saved
+    /// it). The schedule continues exactly: a rate is a function of the step. `dir` must be
+    /// the same directory on every rank (shared).
+    pub fn checkpoint(mut self, dir: impl Into<PathBuf>, every: usize) -> Self {
+        self.checkpoint = Some((dir.into(), every));
         self
     }
 
@@ -852,6 +1003,8 @@ pub struct Trainer {
     state_bytes: usize,
     peak_bytes: usize,
     last_fsdp: Option<FsdpStats>,
+    /// The parameters as checkpoints see them (`None`: [`TrainVars::given`]).
+    ckpt: Option<Vec<CheckpointVar>>,
 }
 
 impl Trainer {
@@ -865,7 +1018,12 @@ impl Trainer {
     /// a failed collective.
     pub fn new(vars: TrainVars, cfg: TrainerConfig) -> Result<Trainer> {
         cfg.validate()?;
-        let (mesh, fsdp, params) = vars.resolve()?;
+        let Resolved {
+            mesh,
+            fsdp,
+            params,
+            ckpt,
+        } = vars.resolve()?;
         if params.is_empty() {
             return Err(TrainerError::Params(
                 "no parameters: build the model from TrainVars::var_builder before \
@@ -921,6 +1079,7 @@ impl Trainer {
             state_bytes: var_bytes * (2 + moments),
             peak_bytes: 0,
             last_fsdp: None,
+            ckpt,
         })
     }
 
@@ -963,6 +1122,90 @@ impl Trainer {
         match &mut self.opt {
             Opt::AdamW(o) => Some(o),
             Opt::Sgd(_) => None,
+        }
+    }
+
+    /// The parameters as checkpoints see them: each var's name, global shape, boxes of the
+    /// global parameter and whether this rank writes it. `None` for [`TrainVars::given`].
+    pub fn checkpoint_vars(&self) -> Option<&[CheckpointVar]> {
+        self.ckpt.as_deref()
+    }
+
+    fn ckpt_vars(&self) -> Result<&[CheckpointVar]> {
+        self.ckpt.as_deref().ok_or_else(|| {
+            TrainerError::Params(
+                "checkpoints need each parameter's place in the global tensor, which \
+                 TrainVars::given does not describe; use TrainVars::fsdp, ::local or ::store"
+                    .into(),
+            )
+        })
+    }
+
+    /// Saves the parameters and the optimizer's state (AdamW's moments and step count) as
+    /// step [`Trainer::steps_done`] under `root`, in [`crate::checkpoint`]'s distributed
+    /// format (every rank writes its own boxes, once per identical copy; rank 0 writes the
+    /// manifest last), with caller data `extra`. Any layout loads it ([`Trainer::load`]).
+    /// Collective: every rank calls it.
+    ///
+    /// # Errors
+    ///
+    /// [`TrainerError::Checkpoint`] (any rank's I/O error; no manifest is written then), or
+    /// [`TrainerError::Params`] for a trainer of [`TrainVars::given`].
+    pub fn save(&self, root: &Path, extra: &serde_json::Value) -> Result<SaveInfo> {
+        let vars = self.ckpt_vars()?;
+        let info = checkpoint::save_vars(
+            root,
+            self.step,
+            self.mesh.as_ref(),
+            vars,
+            self.adamw(),
+            extra,
+        )?;
+        tracing::info!(step = self.step, dir = %info.dir.display(), "checkpoint saved");
+        Ok(info)
+    }
+
+    /// Loads checkpoint `which` under `root` (saved by any layout: resharded to this one) into
+    /// the parameters and the optimizer's state, and continues at its step (the schedule's
+    /// next rate is `lr_at(step)`). Collective.
+    ///
+    /// # Errors
+    ///
+    /// [`TrainerError::Checkpoint`]: no such checkpoint, a missing or corrupt file (named), a
+    /// checksum mismatch, another model's shapes, dtypes or parameters. Nothing changes then.
+    pub fn load(&mut self, root: &Path, which: Which) -> Result<LoadInfo> {
+        let vars = self.ckpt_vars()?.to_vec();
+        let mesh = self.mesh.clone();
+        let opt = match &mut self.opt {
+            Opt::AdamW(o) => Some(o),
+            Opt::Sgd(_) => None,
+        };
+        let info = checkpoint::load_vars(root, which, mesh.as_ref(), &vars, opt)?;
+        if let Some(f) = &self.fsdp {
+            // Full parameters still gathered (initial values) are stale: the next forward
+            // gathers the loaded shards.
+            f.reshard_all()?;
+        }
+        self.step = info.step;
+        tracing::info!(step = info.step, dir = %info.dir.display(), "checkpoint loaded");
+        Ok(info)
+    }
+
+    /// Loads the latest complete checkpoint under `root` ([`Trainer::load`]), if there is
+    /// one: `None` when `root` holds none (a fresh run). Collective.
+    ///
+    /// # Errors
+    ///
+    /// As [`Trainer::load`].
+    pub fn resume(&mut self, root: &Path) -> Result<Option<LoadInfo>> {
+        match self.load(root, Which::Latest) {
+            Ok(info) => Ok(Some(info)),
+            Err(TrainerError::Checkpoint(e))
+                if matches!(*e, CheckpointError::NotFound { step: None, .. }) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(e),
         }
     }
 
@@ -1177,7 +1420,9 @@ impl Trainer {
     /// # Errors
     ///
     /// Before any step: a schedule whose warmup exceeds `steps`
-    /// ([`ScheduleError::WarmupTooLong`]), an evaluation period of 0. Then any step's error.
+    /// ([`ScheduleError::WarmupTooLong`]), an evaluation or checkpoint period of 0, a
+    /// checkpoint that cannot be loaded ([`TrainerError::Checkpoint`]). Then any step's error,
+    /// or a failed save.
     pub fn fit<B>(
         &mut self,
         steps: usize,
@@ -1204,7 +1449,20 @@ impl Trainer {
         if let Some((0, _)) = &opts.eval {
             return Err(bad("eval every", 0, "evaluate every 1 or more steps"));
         }
+        if let Some((_, 0)) = &opts.checkpoint {
+            return Err(bad("checkpoint every", 0, "save every 1 or more steps"));
+        }
         let mut report = FitReport::default();
+        if let Some((dir, _)) = &opts.checkpoint {
+            self.ckpt_vars()?;
+            // A later complete checkpoint than where this trainer stands: continue from it.
+            if let Some(latest) = checkpoint::latest_step(dir)? {
+                if latest > self.step {
+                    self.load(dir, Which::Step(latest))?;
+                    report.resumed_from = Some(latest);
+                }
+            }
+        }
         while self.step < steps {
             let k = self.step;
             let info = self.step(|| loss(&data(k)?))?;
@@ -1217,6 +1475,12 @@ impl Trainer {
                 if done.is_multiple_of(*every) || done == steps {
                     let l = self.eval(eval)?;
                     report.eval_losses.push((done, l));
+                }
+            }
+            if let Some((dir, every)) = &opts.checkpoint {
+                if done.is_multiple_of(*every) || done == steps {
+                    self.save(dir, &serde_json::Value::Null)?;
+                    report.saved.push(done);
                 }
             }
         }
