@@ -102,6 +102,18 @@ impl Bytes {
         })
     }
 
+    /// Grows to `len` bytes (`len >= self.len()`), keeping the content; the new bytes are zero.
+    /// In place where the allocator can extend the block (no copy), and only the new part is
+    /// zeroed. `None` if the memory cannot be allocated (the buffer is then unchanged).
+    pub(crate) fn try_grow(&mut self, len: usize) -> Option<()> {
+        let words = len.div_ceil(8);
+        let more = words.checked_sub(self.words.len())?;
+        self.words.try_reserve_exact(more).ok()?;
+        self.words.resize(words, 0u64);
+        self.len = len;
+        Some(())
+    }
+
     /// `len` bytes of unspecified content (zeros, or what a reused buffer held), for buffers a
     /// transfer or a copy fills before anyone reads them; large ones come from the pool and go
     /// back to it when dropped.
@@ -160,6 +172,23 @@ impl Drop for Bytes {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn try_grow_keeps_the_content_and_zeroes_the_new_bytes() {
+        let mut b = Bytes::try_zeroed(13).unwrap();
+        b.bytes_mut().copy_from_slice(&[7u8; 13]);
+        b.try_grow(100).unwrap();
+        assert_eq!(b.len(), 100);
+        assert_eq!(&b.bytes_mut()[..13], &[7u8; 13]);
+        assert!(b.bytes_mut()[13..].iter().all(|&x| x == 0));
+        // Shrinking is not growing: refused, the buffer unchanged.
+        assert!(b.try_grow(50).is_none());
+        assert_eq!(b.len(), 100);
+        // An absurd size is refused, not an abort.
+        assert!(b.try_grow(usize::MAX).is_none());
+        assert_eq!(b.len(), 100);
+    }
+
     use super::*;
 
     #[test]

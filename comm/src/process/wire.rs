@@ -149,6 +149,9 @@ impl Growable for Payload {
     fn bytes_mut(&mut self) -> &mut [u8] {
         Payload::bytes_mut(self)
     }
+    fn grow(&mut self, n: usize) -> Option<()> {
+        self.try_grow(n)
+    }
 }
 
 /// A decoded frame.
