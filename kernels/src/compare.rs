@@ -148,7 +148,10 @@ pub fn compare_series(what: &str, got: &[f64], want: &[f64]) -> Result<SeriesDif
         len: got.len(),
         max_rel: 0.0,
         worst: 0,
-        worst_values: (got.first().copied().unwrap_or(0.0), want.first().copied().unwrap_or(0.0)),
+        worst_values: (
+            got.first().copied().unwrap_or(0.0),
+            want.first().copied().unwrap_or(0.0),
+        ),
     };
     for (index, (&g, &w)) in got.iter().zip(want).enumerate() {
         if !g.is_finite() || !w.is_finite() {
@@ -248,7 +251,11 @@ mod tests {
         let want = [1.0, 2.0, 3.0];
         assert!(matches!(
             compare_series("loss", &[1.0, 2.0], &want),
-            Err(Mismatch::Length { got: 2, want: 3, .. })
+            Err(Mismatch::Length {
+                got: 2,
+                want: 3,
+                ..
+            })
         ));
         assert!(matches!(
             compare_series("loss", &[1.0, f64::NAN, 3.0], &want),

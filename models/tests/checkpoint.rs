@@ -232,7 +232,6 @@ fn named_values(store: &ParamStore) -> Vec<(String, Tensor)> {
         .collect()
 }
 
-
 #[test]
 fn replicated_pieces_are_written_once() {
     let cases: [(&str, MeshDims, Sharding<'_>); 3] = [
