@@ -107,8 +107,15 @@ if [ -z "$python" ]; then
 fi
 if [ -z "$bin" ]; then
     say "building train_gpt (release)"
+    # What the binary is built from: the commit, and whether tracked files differed from it.
+    built_from="$(cd "$root" && git rev-parse --short HEAD)"
+    if [ -n "$(cd "$root" && git status --porcelain --untracked-files=no)" ]; then
+        built_from="$built_from with uncommitted changes"
+    fi
     (cd "$root" && cargo build --release --example train_gpt >&2)
     bin="$root/target/release/examples/train_gpt"
+else
+    built_from="given: $bin"
 fi
 help="$("$bin" --help)"
 has() { grep -q -- "$1" <<<"$help"; }
@@ -164,11 +171,11 @@ fi
 
 # --- compare and draw -----------------------------------------------------------------------
 "$python" - "$out/meta.json" "$twin_wall" "$ours_wall" "$ours_rc" "$out/ours.json" \
-    "$out/twin.json" "$threads" "$device" "$(cd "$root" && git rev-parse --short HEAD)" \
+    "$out/twin.json" "$threads" "$device" "$built_from" \
     "$(sha256sum "$text" | cut -d' ' -f1)" "$text" "${twin_cmd[*]}" \
     "RAYON_NUM_THREADS=$threads ${ours_cmd[*]}" <<'EOF'
 import json, sys
-(meta, twin_wall, ours_wall, rc, ours_json, twin_json, threads, device, commit, sha, text,
+(meta, twin_wall, ours_wall, rc, ours_json, twin_json, threads, device, built_from, sha, text,
  twin_cmd, ours_cmd) = sys.argv[1:]
 try:
     ours = json.load(open(ours_json))
@@ -176,7 +183,7 @@ except Exception:
     ours = {}
 twin = json.load(open(twin_json))
 json.dump({
-    "commit": commit, "device": device, "threads": int(threads),
+    "train_gpt_built_from": built_from, "device": device, "threads": int(threads),
     "text": {"path": text, "sha256": sha},
     "commands": {"twin": twin_cmd, "train_gpt": ours_cmd},
     "wall_s": {"twin": float(twin_wall), "train_gpt": float(ours_wall)},

@@ -119,6 +119,7 @@ def svg(path, title, ours, twin, ours_ev, twin_ev, tol):
         out.append(f'<text x="{ml - 6}" y="{y2(10.0 ** e) + 4:.1f}" text-anchor="end">1e{e}</text>')
     out.append(f'<text x="16" y="{t2 + h2 / 2}" transform="rotate(-90 16 {t2 + h2 / 2})" '
                f'text-anchor="middle">held-out rel. diff</text>')
+    out.append(f'<text x="{ml + pw + 6}" y="{t2 + h2 - 2}" fill="#555">(equal: drawn at 1e{bottom})</text>')
     pts = " ".join(f"{x(s):.1f},{y2(d):.1f}" for s, d in diffs if math.isfinite(d))
     out.append(f'<polyline fill="none" stroke="#333" stroke-width="1.5" points="{pts}"/>')
     for s, d in diffs:
