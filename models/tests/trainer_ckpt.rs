@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device};
 use candle_dtensor_comm::LocalWorld;
 use candle_dtensor_kernels::compare::compare_series_f32;
 use candle_dtensor_mesh::DeviceMesh;
@@ -17,87 +17,18 @@ use candle_dtensor_models::fit::{
 };
 use candle_dtensor_models::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use candle_dtensor_models::fsdp_vb::{reference_var_builder, FsdpVarMap};
-use candle_dtensor_models::nn::rms_norm;
 use candle_dtensor_models::schedule::{Decay, LrSchedule, WeightDecay};
-use candle_dtensor_models::tp_nn::{self, Group};
-use candle_nn::VarBuilder;
+use candle_dtensor_models::tp_nn::Group;
+
+#[path = "common/user_mlp.rs"]
+mod user_mlp;
+use user_mlp::{batch, Layer, Mlp, BATCH};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 const SEED: u64 = 11;
 const STEPS: usize = 6;
 const SAVE_AT: usize = 3;
-const BATCH: usize = 8;
-const D: usize = 8;
-const H: usize = 16;
-const OUT: usize = 4;
-
-// ---------------------------------------------------------------------------------------------
-// The user's model, written once with candle-nn.
-
-struct Layer(Box<dyn Module + Send + Sync>);
-
-impl Module for Layer {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.0.forward(x)
-    }
-}
-
-struct Mlp {
-    norm: Layer,
-    fc1: Layer,
-    fc2: Layer,
-    head: Layer,
-}
-
-impl Mlp {
-    fn new(
-        vb: VarBuilder,
-        tp: Option<&Group>,
-        wrap: &dyn Fn(&str, Layer) -> candle_core::Result<Layer>,
-    ) -> candle_core::Result<Mlp> {
-        let layer = |m: Box<dyn Module + Send + Sync>| Layer(m);
-        let norm = layer(Box::new(rms_norm(D, 1e-5, vb.pp("norm"))?));
-        let (fc1, fc2) = match tp {
-            None => (
-                layer(Box::new(candle_nn::linear(D, H, vb.pp("fc1"))?)),
-                layer(Box::new(candle_nn::linear(H, D, vb.pp("fc2"))?)),
-            ),
-            Some(g) => (
-                layer(Box::new(tp_nn::column_parallel_linear(
-                    D,
-                    H,
-                    g,
-                    vb.pp("fc1"),
-                )?)),
-                layer(Box::new(tp_nn::row_parallel_linear(H, D, g, vb.pp("fc2"))?)),
-            ),
-        };
-        let head = layer(Box::new(candle_nn::linear(D, OUT, vb.pp("head"))?));
-        Ok(Mlp {
-            norm: wrap("norm", norm)?,
-            fc1: wrap("fc1", fc1)?,
-            fc2: wrap("fc2", fc2)?,
-            head: wrap("head", head)?,
-        })
-    }
-
-    fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self.fc1.forward(&self.norm.forward(x)?)?.gelu()?;
-        let h = (self.fc2.forward(&h)? + x)?;
-        candle_nn::loss::mse(&self.head.forward(&h)?, y)
-    }
-}
-
-/// Rows `rows` of the global batch of `step`.
-fn batch(step: usize, rows: std::ops::Range<usize>) -> candle_core::Result<(Tensor, Tensor)> {
-    let dev = Device::Cpu;
-    let x = (Tensor::arange(0f32, (BATCH * D) as f32, &dev)? + (step * BATCH * D) as f64)?;
-    let x = (x * 0.37)?.sin()?.reshape((BATCH, D))?;
-    let y = ((x.narrow(1, 0, OUT)? * 1.5)? - x.narrow(1, OUT, OUT)?.sqr()?)?;
-    let n = rows.len();
-    Ok((x.narrow(0, rows.start, n)?, y.narrow(0, rows.start, n)?))
-}
 
 fn config() -> TrainerConfig {
     TrainerConfig {
