@@ -5,6 +5,9 @@
 #[allow(dead_code)]
 mod job;
 
+mod common;
+
+use common::Scratch;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
@@ -43,29 +46,6 @@ const SECTIONS: Sections = &[
     ("training", &["batch"]),
     ("parallelism", &["mesh", "fsdp", "no-fsdp", "sp", "link"]),
 ];
-
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let p = std::env::temp_dir().join(format!("cdt-job-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Scratch(p)
-    }
-
-    fn file(&self, name: &str, text: &str) -> PathBuf {
-        let p = self.0.join(name);
-        std::fs::write(&p, text).unwrap();
-        p
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn argv(args: &[&str]) -> Vec<OsString> {
     std::iter::once("prog")

@@ -7,33 +7,14 @@
 #[allow(dead_code)]
 mod train_gpt;
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::Scratch;
+use std::path::Path;
 
 use candle_dtensor::kernels::compare::Mismatch;
 use clap::Parser;
 use train_gpt::{CheckError, Failure};
-
-/// A scratch directory for one test, removed at the end.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let dir =
-            std::env::temp_dir().join(format!("train_gpt_check-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-
-    fn path(&self, f: &str) -> PathBuf {
-        self.0.join(f)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// `real_main` sizes the gemm threads through a process environment variable: one run at a
 /// time, so no other test thread reads the environment while it is written.

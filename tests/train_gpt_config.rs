@@ -11,45 +11,15 @@
 #[allow(dead_code)]
 mod train_gpt;
 
+mod common;
+
+use common::Scratch;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use candle_dtensor::models::schedule::{Decay, LrSchedule};
 use clap::CommandFactory;
 use train_gpt::{Args, Failure};
-
-/// A scratch directory for one test, removed at the end.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let dir =
-            std::env::temp_dir().join(format!("train_gpt_config-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-
-    fn path(&self, f: &str) -> PathBuf {
-        self.0.join(f)
-    }
-
-    fn file(&self, name: &str, text: &str) -> PathBuf {
-        let p = self.path(name);
-        std::fs::write(&p, text).unwrap();
-        p
-    }
-
-    fn s(&self, f: &str) -> String {
-        self.path(f).to_str().unwrap().to_string()
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// `real_main` sizes the gemm threads through a process environment variable: one run at a
 /// time, so no other test thread reads the environment while it is written.

@@ -6,32 +6,13 @@
 #[allow(dead_code)]
 mod train_gpt;
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::Scratch;
+use std::path::Path;
 
 use clap::Parser;
 use train_gpt::text::Tokenizer;
-
-/// A scratch directory for one test, removed at the end.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let dir =
-            std::env::temp_dir().join(format!("train_gpt_data-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-
-    fn path(&self, f: &str) -> PathBuf {
-        self.0.join(f)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 const WORDS: [&str; 12] = [
     "the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "today",
