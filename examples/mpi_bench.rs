@@ -74,7 +74,7 @@ fn real_main() -> Result<(), Box<dyn std::error::Error>> {
         let elems = buffer_elems(bytes, n);
         let timing = Timing::for_elems(elems, args.batch, args.bench.iters);
         for &op in &ops {
-            if op != Op::AllReduce && elems % n != 0 {
+            if op != Op::AllReduce && !elems.is_multiple_of(n) {
                 continue;
             }
             let x = Tensor::ones(op.input_elems(elems, n), DType::F32, &Device::Cpu)?;
