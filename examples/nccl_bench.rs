@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use candle_dtensor::comm::env::LaunchEnv;
 use candle_dtensor::comm::{nccl, new_comm, Comm, CommOptions, ReduceOp};
+use candle_dtensor::kernels::compare::nan_max;
 use clap::Parser;
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -187,12 +188,12 @@ fn run(args: &Args) -> R<()> {
                 .iter()
                 .filter(|r| r.op == op)
                 .map(|r| r.busbw)
-                .fold(0.0, f64::max);
+                .fold(0.0, nan_max);
             let peak_alg = rows
                 .iter()
                 .filter(|r| r.op == op)
                 .map(|r| r.algbw)
-                .fold(0.0, f64::max);
+                .fold(0.0, nan_max);
             println!("# {op}: peak algbw {peak_alg:.2} GB/s, peak busbw {best:.2} GB/s");
         }
         if args.json {

@@ -86,7 +86,7 @@ use candle_core::DType;
 use candle_dtensor::comm::env::LaunchEnv;
 use candle_dtensor::comm::link::{link_hints, parse_link_spec, LinkModel};
 use candle_dtensor::comm::{new_comm, Comm, CommOptions, LocalWorld};
-use candle_dtensor::kernels::compare::{compare_series_f32, Mismatch};
+use candle_dtensor::kernels::compare::{compare_series_f32, nan_max, Mismatch};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::data::Corpus;
 use candle_dtensor::models::device::DeviceSpec;
@@ -1609,10 +1609,11 @@ fn lr_panel_svg(lrs: &[f64], w: f64, m: f64, top: f64, height: f64) -> String {
             y = top + 20.0
         );
     }
+    // LrSchedule refuses non-finite rates; nan_max keeps a NaN visible if one ever got here.
     let max = lrs
         .iter()
         .copied()
-        .fold(0.0, f64::max)
+        .fold(0.0, nan_max)
         .max(f64::MIN_POSITIVE);
     let n = (lrs.len().max(2) - 1) as f64;
     let pts: Vec<String> = lrs
