@@ -5,7 +5,7 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
@@ -22,25 +22,7 @@ use candle_dtensor_models::optim::AdamW;
 use candle_dtensor_models::trainer::{FsdpSpec, RankReport, TrainConfig};
 use candle_dtensor_models::{Gpt, GptConfig, ParamStore, TpPlan};
 use candle_nn::{Optimizer, ParamsAdamW};
-use common::{assert_close, R};
-
-/// A scratch directory removed on drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let p = std::env::temp_dir().join(format!("cdt-ckpt-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Scratch(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use common::{assert_close, Scratch, R};
 
 /// Copies step `step`'s directory of checkpoint root `from` into root `to`.
 fn copy_step(from: &Path, to: &Path, step: usize) {

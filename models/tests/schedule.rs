@@ -3,30 +3,12 @@
 //! changes what trains.
 mod common;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use candle_dtensor_models::schedule::{Decay, LrSchedule, WeightDecay};
 use candle_dtensor_models::trainer::{RankReport, TrainConfig};
 use candle_dtensor_models::TpPlan;
-use common::{assert_close, fsdp_over, micro_gpt, short_run, train_on_mesh};
-
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let p = std::env::temp_dir().join(format!("cdt-sched-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Scratch(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use common::{assert_close, fsdp_over, micro_gpt, short_run, train_on_mesh, Scratch};
 
 /// 12 steps with 3 of warmup and cosine decay to a tenth, strong decay on matrices only.
 fn cfg(steps: usize) -> TrainConfig {

@@ -92,3 +92,27 @@ pub fn gpt_batch(
         distribute_tensor(&y, mesh, &gpt.batch_placements())?,
     ))
 }
+
+/// A scratch directory for one test (named after the test binary, the test and the process),
+/// emptied when made and removed at the end.
+pub struct Scratch(pub std::path::PathBuf);
+
+impl Scratch {
+    /// A fresh directory for the test `name`.
+    pub fn new(name: &str) -> Scratch {
+        let p = std::env::temp_dir().join(format!(
+            "cdt-{}-{name}-{}",
+            env!("CARGO_CRATE_NAME"),
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Scratch(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
