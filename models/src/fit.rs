@@ -56,10 +56,10 @@
 //! Build the model through [`TrainVars::var_builder`]: it records, for every parameter, its
 //! name and global shape, and, for a tensor-parallel piece ([`crate::init::PieceRequest`], made
 //! by [`crate::tp_nn`]'s layers), which elements of the global parameter the rank holds.
-//! [`Trainer::new`] then works out, with one all_gather, how many ranks hold an identical copy
-//! of each rank's variable: FSDP shards of one piece are disjoint (summed), a parameter
-//! replicated over a mesh dim (HSDP's `replicate`, a norm's weight under tensor parallelism) is
-//! counted once. So the gradient norm is exactly one device's, on any mesh.
+//! [`Trainer::new`] then works out, with two all_gathers (the counts, then the keys), how many
+//! ranks hold an identical copy of each rank's variable: FSDP shards of one piece are disjoint
+//! (summed), a parameter replicated over a mesh dim (HSDP's `replicate`, a norm's weight under
+//! tensor parallelism) is counted once. So the gradient norm is exactly one device's, on any mesh.
 //!
 //! # The loss and the gradients
 //!
@@ -101,8 +101,8 @@ use crate::fsdp::{Fsdp, FsdpStats, GradReduce};
 use crate::fsdp_vb::FsdpVarMap;
 use crate::init::{take_piece, with_piece};
 use crate::optim::AdamW;
-use crate::params::{boxes_of, ParamStore, VarBox};
-use crate::schedule::{LrSchedule, ScheduleError, WeightDecay};
+use crate::params::{boxes_of, fsdp_boxes, ParamStore, VarBox};
+use crate::schedule::{Decay, LrSchedule, ScheduleError, WeightDecay};
 
 /// Why a [`Trainer`] cannot be built or cannot train.
 #[non_exhaustive]
@@ -168,6 +168,7 @@ impl From<TrainerError> for ModelError {
     fn from(e: TrainerError) -> Self {
         match e {
             TrainerError::Model(m) => *m,
+            TrainerError::Checkpoint(e) => ModelError::Checkpoint(e),
             other => ModelError::Config(other.to_string()),
         }
     }
@@ -549,27 +550,13 @@ fn tracked(
 }
 
 /// Where this rank's var of `c` sits in the global parameter: its tensor-parallel piece (or
-/// the whole parameter), and with `fsdp` this rank's torch.chunk rows of dim 0 of that piece,
-/// as [`Fsdp::add_param`] cuts them (a scalar: rank 0 of the shard group holds it).
+/// the whole parameter), cut as [`ParamStore`]'s vars are ([`fsdp_boxes`]).
 fn boxes_for(c: &Created, fsdp: Option<&Fsdp>) -> Vec<VarBox> {
     let idx: Vec<Vec<usize>> = c
         .piece
         .clone()
         .unwrap_or_else(|| c.global.iter().map(|&n| (0..n).collect()).collect());
-    match fsdp {
-        Some(f) if !idx.is_empty() => {
-            let (n, off) = f.shard_rows(idx[0].len());
-            let mut v = idx.clone();
-            v[0] = idx[0]
-                .get(off..off + n)
-                .map(<[usize]>::to_vec)
-                .unwrap_or_default();
-            boxes_of(&v)
-        }
-        Some(f) if f.shard_rows(1).0 == 1 => boxes_of(&idx),
-        Some(_) => Vec::new(),
-        None => boxes_of(&idx),
-    }
+    fsdp_boxes(&idx, fsdp)
 }
 
 /// An error naming the parameters of `names` that the tracking `VarBuilder` did not create.
@@ -637,8 +624,8 @@ struct Holding {
 }
 
 /// How many ranks of `mesh` hold the same variable as this rank, per parameter, and whether
-/// this rank is the lowest of them (one all_gather of the keys; exact integers: 52-bit keys
-/// travel as f64).
+/// this rank is the lowest of them (an all_gather of the key counts, then of the keys; exact
+/// integers: 52-bit keys travel as f64).
 fn copies_of(mesh: &DeviceMesh, keys: &[(u64, u64)]) -> Result<Vec<Holding>> {
     let root = mesh.root_comm();
     let n = root.size();
@@ -1009,7 +996,7 @@ pub struct Trainer {
 
 impl Trainer {
     /// A trainer of `vars` (after the model is built from [`TrainVars::var_builder`]).
-    /// Collective over the mesh (one all_gather) when the parameters were tracked on one.
+    /// Collective over the mesh (two all_gathers) when the parameters were tracked on one.
     ///
     /// # Errors
     ///
@@ -1438,7 +1425,7 @@ impl Trainer {
                 }
                 .into());
             }
-            if s.steps != steps {
+            if s.decay != Decay::Constant && s.steps != steps {
                 tracing::warn!(
                     schedule_steps = s.steps,
                     steps,
@@ -1455,8 +1442,33 @@ impl Trainer {
         let mut report = FitReport::default();
         if let Some((dir, _)) = &opts.checkpoint {
             self.ckpt_vars()?;
-            // A later complete checkpoint than where this trainer stands: continue from it.
-            if let Some(latest) = checkpoint::latest_step(dir)? {
+            // A later complete checkpoint than where this trainer stands: continue from it. The
+            // ranks agree on it first: a rank that saw another step (a directory that is not
+            // shared) or could not read it would otherwise skip the collective load the others
+            // enter, and the job would hang instead of failing.
+            let seen = checkpoint::latest_step(dir);
+            let mine = match &seen {
+                Ok(Some(step)) => *step as f64,
+                Ok(None) => -1.0,
+                Err(_) => -2.0,
+            };
+            let all = match &self.mesh {
+                Some(mesh) => {
+                    let root = mesh.root_comm();
+                    let t = Tensor::new(&[mine], root.device())?;
+                    root.all_gather_single(&t)?.wait()?.to_vec1::<f64>()?
+                }
+                None => vec![mine],
+            };
+            let latest = seen?;
+            if all.iter().any(|&v| v != mine) {
+                return Err(TrainerError::Params(format!(
+                    "the ranks disagree on the latest complete checkpoint in {} (by rank, -1: \
+                     none, -2: unreadable): {all:?}; the checkpoint directory must be shared",
+                    dir.display()
+                )));
+            }
+            if let Some(latest) = latest {
                 if latest > self.step {
                     self.load(dir, Which::Step(latest))?;
                     report.resumed_from = Some(latest);

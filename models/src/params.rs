@@ -52,6 +52,27 @@ impl VarBox {
     }
 }
 
+/// The boxes of this rank's var of a parameter whose (tensor-parallel) piece holds the global
+/// indices `idx[d]` along dim `d`: the whole piece, or with `fsdp` this rank's torch.chunk rows
+/// of dim 0 of it, as [`Fsdp::add_param`] cuts them (a scalar: rank 0 of the shard group holds
+/// it). One rule for [`ParamStore`] and the library trainer's parameters.
+pub(crate) fn fsdp_boxes(idx: &[Vec<usize>], fsdp: Option<&Fsdp>) -> Vec<VarBox> {
+    match fsdp {
+        Some(f) if !idx.is_empty() => {
+            let (n, off) = f.shard_rows(idx[0].len());
+            let mut v = idx.to_vec();
+            v[0] = idx[0]
+                .get(off..off + n)
+                .map(<[usize]>::to_vec)
+                .unwrap_or_default();
+            boxes_of(&v)
+        }
+        Some(f) if f.shard_rows(1).0 == 1 => boxes_of(idx),
+        Some(_) => Vec::new(),
+        None => boxes_of(idx),
+    }
+}
+
 /// The boxes covering a piece whose elements along dim `d` are the global indices
 /// `indices[d]` (in local order): the product of each dim's runs of consecutive indices.
 pub fn boxes_of(indices: &[Vec<usize>]) -> Vec<VarBox> {
@@ -166,22 +187,7 @@ impl ParamStore {
                     .is_none_or(|(f, _)| f.config().shard_dim != m)
         };
         let writer = (0..mesh_shape.len()).all(|m| !copy_dim(m) || coord[m] == 0);
-        let var_indices = match &self.fsdp {
-            // FSDP keeps torch.chunk rows of dim 0 of the tensor-parallel piece.
-            Some((fsdp, _)) if !idx.is_empty() => {
-                let (n, off) = fsdp.shard_rows(idx[0].len());
-                let mut v = idx.clone();
-                v[0] = idx[0]
-                    .get(off..off + n)
-                    .map(<[usize]>::to_vec)
-                    .unwrap_or_default();
-                Some(v)
-            }
-            // A scalar under FSDP: rank 0 holds it.
-            Some((fsdp, _)) => (fsdp.shard_rows(1).0 == 1).then(Vec::new),
-            None => Some(idx.clone()),
-        };
-        let boxes = var_indices.map(|v| boxes_of(&v)).unwrap_or_default();
+        let boxes = fsdp_boxes(&idx, self.fsdp.as_ref().map(|(f, _)| f));
         let (var, tensor, replicas) = match &self.fsdp {
             Some((fsdp, unit)) => {
                 let (shard, full) = fsdp.add_param(*unit, name, &local)?;

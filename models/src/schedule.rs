@@ -182,8 +182,8 @@ impl std::str::FromStr for WeightDecay {
 }
 
 /// Whether the parameter called `name` is an embedding table: its module's last path segment
-/// is `emb`, ends in `_emb` or `embed`, or contains `embedding` (`tok_emb.weight`,
-/// `pos_emb.weight`, `model.embed_tokens.weight`, `wte`, `wpe`).
+/// is `emb`, `wte` or `wpe`, ends in `_emb` or `embed`, or contains `embed_` or `embedding`
+/// (`tok_emb.weight`, `pos_emb.weight`, `model.embed_tokens.weight`, `wte.weight`).
 pub fn is_embedding(name: &str) -> bool {
     let module = name.rsplit_once('.').map_or(name, |(m, _)| m);
     let last = module.rsplit('.').next().unwrap_or(module);
