@@ -329,8 +329,9 @@ fn run(args: Args) -> i32 {
         .timeout
         .map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
     let mut restart = 0;
+    let mut last_port = None;
     loop {
-        let ended = run_once(&args, restart, job_deadline);
+        let ended = run_once(&args, restart, job_deadline, &mut last_port);
         if ended.code == 0 || !ended.rank_failed || restart >= args.max_restarts {
             if restart > 0 {
                 say(&format!(
@@ -348,7 +349,12 @@ fn run(args: Args) -> i32 {
     }
 }
 
-fn run_once(args: &Args, restart: u32, job_deadline: Option<Instant>) -> Ended {
+fn run_once(
+    args: &Args,
+    restart: u32,
+    job_deadline: Option<Instant>,
+    last_port: &mut Option<u16>,
+) -> Ended {
     let failed_to_start = |code| Ended {
         code,
         rank_failed: false,
@@ -368,7 +374,14 @@ fn run_once(args: &Args, restart: u32, job_deadline: Option<Instant>) -> Ended {
     };
     let port = match args.master_port {
         Some(p) => p,
-        None => match free_port(&args.master_addr) {
+        // A restart gets another port than the start before it (the kernel may hand the one
+        // just released out again; a straggler of the failed start must not reach the new
+        // store): a few tries, then whatever it gives.
+        None => match (0..8)
+            .map(|_| free_port(&args.master_addr))
+            .find(|p| p.as_ref().map_or(true, |p| Some(*p) != *last_port))
+            .unwrap_or_else(|| free_port(&args.master_addr))
+        {
             Ok(p) => p,
             Err(e) => {
                 say(&e);
@@ -376,6 +389,7 @@ fn run_once(args: &Args, restart: u32, job_deadline: Option<Instant>) -> Ended {
             }
         },
     };
+    *last_port = Some(port);
     let grace = Duration::from_secs_f64(args.grace.max(0.0));
     let (tx, rx) = mpsc::channel::<Event>();
     let mut pids: Vec<u32> = Vec::with_capacity(n);
