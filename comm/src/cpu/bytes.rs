@@ -106,8 +106,13 @@ impl Bytes {
     /// In place where the allocator can extend the block (no copy), and only the new part is
     /// zeroed. `None` if the memory cannot be allocated (the buffer is then unchanged).
     pub(crate) fn try_grow(&mut self, len: usize) -> Option<()> {
+        // A pooled buffer's vector can hold more words than its length: not grown here (the
+        // wire grows only the buffers it allocated itself).
+        if len < self.len || self.pooled {
+            return None;
+        }
         let words = len.div_ceil(8);
-        let more = words.checked_sub(self.words.len())?;
+        let more = words.saturating_sub(self.words.len());
         self.words.try_reserve_exact(more).ok()?;
         self.words.resize(words, 0u64);
         self.len = len;
@@ -183,6 +188,9 @@ mod tests {
         assert!(b.bytes_mut()[13..].iter().all(|&x| x == 0));
         // Shrinking is not growing: refused, the buffer unchanged.
         assert!(b.try_grow(50).is_none());
+        assert_eq!(b.len(), 100);
+        // Nor in the same 8-byte word.
+        assert!(b.try_grow(97).is_none());
         assert_eq!(b.len(), 100);
         // An absurd size is refused, not an abort.
         assert!(b.try_grow(usize::MAX).is_none());

@@ -23,7 +23,9 @@
 //! 1 MiB, BYE empty), and every body is read into a buffer that grows only as its bytes arrive
 //! (`store::read_growing`: at most twice what arrived, or 64 KiB), so a DATA or P2P frame, whose
 //! size the reader cannot know before the op that consumes it runs, costs memory only for the
-//! bytes really sent (and those are held to the per-peer buffer cap, see `transport.rs`). A
+//! bytes really sent (the per-peer buffer cap of `transport.rs` is checked before each DATA or
+//! P2P frame is admitted, so it can be exceeded by that one frame; control frames are capped
+//! per frame, not in total). A
 //! frame over its kind's cap, of an unknown kind, whose body does not decode, or cut off
 //! closes the connection with a [`FrameError`] naming the peer's rank and address, the kind
 //! and the sizes.

@@ -203,8 +203,11 @@ impl TcpStore {
             Ok((status, out)) => {
                 self.release(s);
                 if status == ST_ERROR {
+                    // An error message is not a key: it may name a key of up to MAX_KEY bytes
+                    // and be cut by the server, so read it whole and lossily.
                     let msg = Body { b: &out }
-                        .string()
+                        .bytes()
+                        .map(|b| String::from_utf8_lossy(b).into_owned())
                         .unwrap_or_else(|_| "unreadable error".into());
                     return Err(self.io(op_name, format!("server error: {msg}")));
                 }

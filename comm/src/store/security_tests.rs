@@ -198,6 +198,16 @@ fn values_and_total_bytes_are_capped() {
         e.to_string().contains("1001 bytes") && e.to_string().contains("1000-byte"),
         "{e}"
     );
+    // The same refusal under a long multi-byte key: the error names the key, so it is longer
+    // than a key may be and is cut by the server; it still reaches the client readable.
+    let long = "é".repeat(2040); // 4,080 bytes: a key may be 4,096
+    assert!(long.len() <= MAX_KEY);
+    let e = s.set(&long, &[1u8; 1001]).unwrap_err().to_string();
+    assert!(
+        e.contains("server error: a value of 1001 bytes"),
+        "{}",
+        e.chars().take(200).collect::<String>()
+    );
     for i in 0..4 {
         s.set(&format!("k{i}"), &[0u8; 1000]).unwrap();
     }

@@ -334,8 +334,13 @@ fn serve(mut s: TcpStream, peer: SocketAddr, sh: &ServerShared, handshaking: Slo
             Ok(r) => r,
             Err(msg) => {
                 let mut b = Vec::new();
-                let msg = &msg.as_bytes()[..msg.len().min(MAX_ERROR - 4)];
-                put_bytes(&mut b, msg);
+                // Cut to the frame's limit at a character boundary (the client reads it as
+                // UTF-8).
+                let mut n = msg.len().min(MAX_ERROR - 4);
+                while !msg.is_char_boundary(n) {
+                    n -= 1;
+                }
+                put_bytes(&mut b, &msg.as_bytes()[..n]);
                 (ST_ERROR, b)
             }
         };

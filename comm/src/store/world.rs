@@ -61,13 +61,13 @@ pub(crate) fn world_store(
         }
         None => {
             let cfg = StoreConfig::from_env();
-            if cfg.insecure {
+            // With a token, `insecure` changes nothing (every connection still proves it).
+            if cfg.insecure && !cfg.has_token() {
                 tracing::warn!(
                     rank = env.rank,
                     store = %addr,
-                    authenticated = cfg.has_token(),
-                    "{} is set: the rendezvous store serves other hosts even without a job \
-                     token (then anyone who reaches it can read or replace its keys)",
+                    "{} is set and there is no job token: the rendezvous store serves other hosts \
+                     unauthenticated (anyone who reaches it can read or replace its keys)",
                     crate::auth::INSECURE_ENV
                 );
             }
