@@ -1275,19 +1275,8 @@ fn validate(args: &Args, dims: &[(String, usize)], cfg: &GptConfig) -> Result<us
             args.mesh
         ));
     }
-    let tp = dims.iter().find(|(n, _)| n == "tp").map_or(1, |(_, s)| *s);
-    if !cfg.n_heads.is_multiple_of(tp) {
-        return Err(format!(
-            "tp={tp} does not divide the {} attention heads",
-            cfg.n_heads
-        ));
-    }
-    if !cfg.vocab.is_multiple_of(tp) {
-        return Err(format!(
-            "tp={tp} does not divide the vocabulary of {}",
-            cfg.vocab
-        ));
-    }
+    // Heads and vocabulary against tp: GptConfig::validate, run before this.
+    let tp = tp_of(dims);
     let data: usize = dims
         .iter()
         .filter(|(n, _)| n != "tp")

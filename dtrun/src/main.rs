@@ -286,8 +286,10 @@ fn main() {
     std::process::exit(run(args));
 }
 
-/// A `tracing` subscriber for whatever dtrun's libraries log: `RUST_LOG` if set, else `warn`;
-/// plain text on stderr. (dtrun's own messages are `dtrun: ...` lines; the ranks' output,
+/// A `tracing` subscriber (`RUST_LOG` if set, else `warn`; plain text on stderr). Nothing dtrun
+/// links logs through `tracing` yet, so today it prints nothing; it is there for when dtrun
+/// hosts the store across nodes (issue 34). `RUST_LOG` reaches the ranks through their
+/// inherited environment either way. (dtrun's own messages are `dtrun: ...` lines; the ranks' output,
 /// their warnings included, is forwarded with the `[rank r] ` prefix.)
 fn init_logging() {
     use tracing_subscriber::filter::{EnvFilter, LevelFilter};
