@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Multi-process checks of the `process` backend beyond `cargo test --workspace` (which already
-# runs dtrun/tests/process_backend.rs: conformance on 2 and 4 processes, kill -9, bootstrap and
+# runs crates/dtrun/tests/process_backend.rs: conformance on 2 and 4 processes, kill -9, bootstrap and
 # store faults, dtrun): train_gpt on 4 processes under dtrun (dp=2 x tp=2, FSDP x TP) must print the
 # same losses as the local backend (threads), bit for bit (both reduce in rank order), and a
 # 4-process mp_allreduce run checks collectives and DTensor matmuls against one device; a
@@ -119,7 +119,7 @@ print(f"fault-tolerant HSDP: finished 8 steps on the surviving replica, recovery
       f"(stall {d['recoveries'][0]['stall_ms']:.0f} ms)")
 PY
 # The local-backend twin (rank thread 3 fails after step 4): the same losses bit for bit, so the
-# process run is held to what models/tests/ft_hsdp.rs proves for the local one (the losses after
+# process run is held to what crates/models/tests/ft_hsdp.rs proves for the local one (the losses after
 # the fault equal a run started on the surviving replica's state, 1e-5 relative).
 "$tg" --mesh replicate=2,shard=2 --hsdp --fault-tolerant --steps 8 --timeout 1 --json \
   --inject-fault rank=3,step=4 --out "$out/ft_local" | tail -1 > "$out/ft_local.json"

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """A PyTorch twin of this project's GPT and of `train_gpt`'s training loop.
 
-Same model (models/src/gpt.rs, models/src/layers.rs; presets tiny, small, gpt2, gpt2-medium and
+Same model (crates/models/src/gpt.rs, crates/models/src/layers.rs; presets tiny, small, gpt2, gpt2-medium and
 the shape flags), same parameter names and layouts, same data (byte-level tokens of --data, or
 train_gpt's synthetic corpus without it), held-out split and batch sampling
-(models/src/data.rs, models/src/trainer.rs; splitmix64 on 64-bit-masked ints),
-same AdamW (candle-nn's math, models/src/optim.rs), learning-rate schedule and weight-decay
-policy (models/src/schedule.rs), and the same loss CSV as `train_gpt --out PREFIX`
+(crates/models/src/data.rs, crates/models/src/trainer.rs; splitmix64 on 64-bit-masked ints),
+same AdamW (candle-nn's math, crates/models/src/optim.rs), learning-rate schedule and weight-decay
+policy (crates/models/src/schedule.rs), and the same loss CSV as `train_gpt --out PREFIX`
 (`step,loss,eval_loss`), so that
 
     train_gpt_torch.py --data text.txt --steps 200 --eval-every 50 --save-init init.safetensors --out twin
@@ -45,11 +45,11 @@ import sys
 import time
 
 M64 = (1 << 64) - 1
-EVAL_SEED = 0xE7A1  # models/src/trainer.rs
+EVAL_SEED = 0xE7A1  # crates/models/src/trainer.rs
 
 
 def splitmix64(z):
-    """models/src/data.rs `splitmix64`, on Python ints masked to 64 bits."""
+    """crates/models/src/data.rs `splitmix64`, on Python ints masked to 64 bits."""
     z = (z + 0x9E3779B97F4A7C15) & M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
@@ -145,7 +145,7 @@ def fingerprint(tokens, vocab):
 
 
 # ----------------------------------------------------------------------------------------------
-# Schedule and weight decay: models/src/schedule.rs.
+# Schedule and weight decay: crates/models/src/schedule.rs.
 
 
 def lr_at(step, lr, warmup, decay, steps, min_lr):
@@ -237,7 +237,7 @@ def load_safetensors(path):
 # The model.
 
 PRESETS = {
-    # GptConfig::tiny / small (models/src/gpt.rs).
+    # GptConfig::tiny / small (crates/models/src/gpt.rs).
     "tiny": dict(vocab=512, width=256, heads=4, layers=1, seq_len=128, mlp_ratio=4, tied=False),
     "small": dict(vocab=1024, width=384, heads=8, layers=4, seq_len=128, mlp_ratio=4, tied=False),
     "gpt2": dict(vocab=50304, width=768, heads=12, layers=12, seq_len=1024, mlp_ratio=4, tied=True),

@@ -11,7 +11,7 @@
 //!   from.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
-#[path = "../../examples/common/logging.rs"]
+#[path = "../../../examples/common/logging.rs"]
 mod logging;
 
 use std::io::Write;

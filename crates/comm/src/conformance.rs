@@ -6,7 +6,7 @@
 //! communicator on purpose, a timeout or an abort, leaves the next case a clean one), every rank
 //! checks its own results against a reference computed in place, and the ranks agree on the
 //! verdict of each case with one all-gather on the given communicator. The same code therefore
-//! tests the `local` backend (ranks as threads, `comm/tests/conformance.rs`), the `mpi` backend
+//! tests the `local` backend (ranks as threads, `crates/comm/tests/conformance.rs`), the `mpi` backend
 //! (ranks as processes under `mpirun`, `examples/mpi_conformance.rs`) and any other.
 //!
 //! Areas (see [`cases`] for the list):

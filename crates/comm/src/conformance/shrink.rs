@@ -1,6 +1,6 @@
 //! `Comm::shrink` on a healthy communicator: the excluded ranks simply do not call it. What
 //! happens when they are dead (a failed thread, a killed process) needs a launcher that can
-//! kill one, so it is tested by the backends' own tests (`comm/tests/conformance.rs` for
+//! kill one, so it is tested by the backends' own tests (`crates/comm/tests/conformance.rs` for
 //! `local`, `process/tests.rs` for `process`).
 
 use super::*;

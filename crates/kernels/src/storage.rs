@@ -28,7 +28,7 @@
 //! crate used before, let gemm read unowned memory: undefined behaviour from safe code.
 //! [`refill`] only ever installs a storage of exactly the tensor's element count and dtype, and
 //! only into a contiguous tensor that starts at offset 0 (the owner), so every view of it is in
-//! bounds again. The tests in `kernels/tests/storage.rs` run candle's op families on released
+//! bounds again. The tests in `crates/kernels/tests/storage.rs` run candle's op families on released
 //! tensors and try the refill with wrong lengths, dtypes and layouts.
 
 use std::collections::HashMap;

@@ -3,7 +3,7 @@
 //! float sums depend on the order; the failure paths only this backend has (bootstrap, broken
 //! connections, threads left behind); and the backend-neutral conformance suite, which checks
 //! splits, timeouts, desync, abort and overlap. The multi-process tests (dtrun, kill -9) are
-//! in `dtrun/tests/`.
+//! in `crates/dtrun/tests/`.
 
 use std::error::Error;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -325,7 +325,7 @@ fn no_thread_outlives_its_communicator() {
 }
 
 /// The backend-neutral conformance suite on thread-ranks of the process backend (the
-/// multi-process run under dtrun is in `dtrun/tests/`).
+/// multi-process run under dtrun is in `crates/dtrun/tests/`).
 #[cfg(feature = "conformance")]
 #[test]
 fn the_conformance_suite_passes_on_thread_ranks() {
