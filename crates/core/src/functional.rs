@@ -268,7 +268,7 @@ pub fn vocab_parallel_embedding(
             // No rows here: zeros that stay in the graph of the (empty) table.
             return crate::node::graph_zeros(weight, &out_dims);
         }
-        let (local, inside) = crate::ops::nn::local_ids(ids, off, rows)?;
+        let (local, inside) = crate::ops::neural::local_ids(ids, off, rows)?;
         let looked = weight
             .index_select(&local.flatten_all()?, 0)?
             .reshape(out_dims.as_slice())?;

@@ -60,7 +60,7 @@ pub use error::{CollectiveError, DTensorError, Result};
 pub use fused::gelu as gelu_local;
 pub use mesh_ctx::MeshCtx;
 pub use ops::generic::{apply, apply_all, reference_apply, reference_apply_all};
-pub use ops::nn::{
+pub use ops::neural::{
     layer_norm_local, log_softmax_local, reference, rms_norm_local, sdpa_local, softmax_local,
 };
 pub use ops::pointwise::dropout_mask_full;

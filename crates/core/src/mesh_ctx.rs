@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use candle_dtensor_mesh::layout::group_index;
+use candle_dtensor_mesh::grid::group_index;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_strategies::MeshTopology;
 use smallvec::SmallVec;

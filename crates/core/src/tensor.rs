@@ -273,7 +273,7 @@ impl DTensor {
         let misfits = |g: &[usize]| -> Vec<usize> {
             (0..pieces.len())
                 .filter(|&r| {
-                    let coord = candle_dtensor_mesh::layout::unravel(r, &mesh_shape);
+                    let coord = candle_dtensor_mesh::grid::unravel(r, &mesh_shape);
                     local_shape(g, &mesh_shape, &coord, placements)
                         .map(|e| e.as_slice() != pieces[r].as_slice())
                         .unwrap_or(true)
@@ -286,7 +286,7 @@ impl DTensor {
             .min_by_key(|(_, bad)| bad.len())
             .ok_or_else(|| invalid(op, rank, "no global shape to check against"))?;
         if let Some(&r) = bad.first() {
-            let coord = candle_dtensor_mesh::layout::unravel(r, &mesh_shape);
+            let coord = candle_dtensor_mesh::grid::unravel(r, &mesh_shape);
             let expect = local_shape(best, &mesh_shape, &coord, placements)
                 .map(|e| format!("{:?}", e.as_slice()))
                 .unwrap_or_else(|e| e.to_string());

@@ -5,7 +5,7 @@
 //! Built from candle primitives these ops take 5-30x longer (GELU: `powf` and `tanh` from libm
 //! and a ten-op backward; norms and softmax: a dozen passes and allocations each). Each kernel
 //! here is one pass forward and one or two backward. Other dtypes and devices use the
-//! primitive compositions in `ops::nn`, which are the reference these kernels are tested
+//! primitive compositions in `ops::neural`, which are the reference these kernels are tested
 //! against.
 
 use candle_core::{

@@ -7,8 +7,8 @@
 //!   softmax, log-softmax, cross-entropy and its loss-parallel parts, row-broadcast add).
 //! - [`region`]: a few candle ops computed on detached tensors and recorded as one graph node
 //!   (linear, attention).
-//! - [`nn`]: differentiable neural-network ops on plain tensors, any device: the fused kernel
-//!   for f32 on the CPU, the primitive composition ([`nn::reference`]) otherwise.
+//! - [`autodiff`]: differentiable neural-network ops on plain tensors, any device: the fused kernel
+//!   for f32 on the CPU, the primitive composition ([`autodiff::reference`]) otherwise.
 //! - [`compare`]: element-wise comparisons for checking a kernel against its reference.
 
 #[doc(hidden)]
@@ -16,7 +16,7 @@ pub use candle_core;
 
 pub mod storage;
 
+pub mod autodiff;
 pub mod compare;
 pub mod fused;
-pub mod nn;
 pub mod region;

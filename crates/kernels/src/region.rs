@@ -241,7 +241,7 @@ fn unpack_qkv(x: &Tensor) -> CResult<(Tensor, Tensor, Tensor)> {
 }
 
 /// Attention on a packed projection `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` (f32 CPU, tracked,
-/// non-empty; see `ops::nn::packed_sdpa_local` for the other cases), as one graph node: the
+/// non-empty; see `ops::neural::packed_sdpa_local` for the other cases), as one graph node: the
 /// head split, the transposes and the merge of heads cost no graph edges, and the backward
 /// writes the packed gradient directly.
 pub fn packed_sdpa(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tensor> {

@@ -2,7 +2,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_dtensor_kernels::{fused, nn::reference};
+use candle_dtensor_kernels::{autodiff::reference, fused};
 use common::{check, randn};
 
 #[test]

@@ -2,7 +2,7 @@
 mod common;
 
 use candle_core::{Device, Tensor, Var};
-use candle_dtensor_kernels::{nn::reference, region};
+use candle_dtensor_kernels::{autodiff::reference, region};
 use common::{check, close};
 
 const TOL: f32 = 2e-5;

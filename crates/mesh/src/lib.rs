@@ -9,7 +9,7 @@
 //! the communicator of a dim, [`DeviceMesh::slice`] / [`DeviceMesh::dim`] build sub-meshes that
 //! reuse those communicators, and [`DeviceMesh::flatten`] creates exactly one new communicator for
 //! a set of dims (used to merge consecutive collectives, and by FSDP over several dims).
-//! The rank arithmetic lives in [`layout`] as pure functions.
+//! The rank arithmetic lives in [`grid`] as pure functions.
 //!
 //! ```
 //! use candle_dtensor::comm::LocalWorld;
@@ -24,7 +24,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-pub mod layout;
+pub mod grid;
 
 use std::any::Any;
 use std::fmt;
@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use candle_dtensor_comm::{Comm, CommError};
 use smallvec::SmallVec;
 
-use layout::{dim_group, group_index, unravel, Coord};
+use grid::{dim_group, group_index, unravel, Coord};
 
 /// Errors of mesh construction and lookup.
 #[non_exhaustive]

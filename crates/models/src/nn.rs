@@ -11,7 +11,7 @@
 //! |---|---|---|
 //! | [`RmsNorm`], [`rms_norm`] | `candle_nn::RmsNorm`, `candle_nn::rms_norm` | [`ops::rms_norm`] |
 //! | [`LayerNorm`], [`layer_norm`] | `candle_nn::LayerNorm`, `candle_nn::layer_norm` | [`ops::layer_norm`] (or [`ops::rms_norm`] without `remove_mean`) |
-//! | [`ops::rms_norm`], [`ops::layer_norm`], [`ops::softmax_last_dim`] | `candle_nn::ops::*` | the fused f32 CPU kernels with hand-written backward passes (`candle_dtensor_kernels::nn`); candle-nn's differentiable `*_slow` compositions for other dtypes and devices |
+//! | [`ops::rms_norm`], [`ops::layer_norm`], [`ops::softmax_last_dim`] | `candle_nn::ops::*` | the fused f32 CPU kernels with hand-written backward passes (`candle_dtensor_kernels::autodiff`); candle-nn's differentiable `*_slow` compositions for other dtypes and devices |
 //! | [`rotary_emb::rope`], [`rotary_emb::rope_i`] | `candle_nn::rotary_emb::*` | candle primitives (as `rope_slow` / `rope_i_slow`, also for per-batch `cos`/`sin`) |
 //!
 //! A model of one's own switches by importing these instead (`use candle_dtensor::nn::{...}`);
@@ -21,7 +21,7 @@
 //! [`crate::fsdp::Fsdp::params_without_grad`] names them.
 
 use candle_core::{DType, Module, Result, Tensor, D};
-use candle_dtensor_kernels::nn as knn;
+use candle_dtensor_kernels::autodiff as knn;
 use candle_nn::{Init, LayerNormConfig, VarBuilder};
 
 /// Whether the fused kernels (f32, CPU) take `x`; other dtypes follow candle-nn's own

@@ -434,7 +434,7 @@ fn recover(
     let shape = old.mesh.shape();
     let root = old.mesh.root_comm();
     let names: Vec<String> = old.mesh.dim_names().iter().map(|n| n.to_string()).collect();
-    let rep_of = |r: usize| candle_dtensor_mesh::layout::unravel(r, &shape)[rep_dim];
+    let rep_of = |r: usize| candle_dtensor_mesh::grid::unravel(r, &shape)[rep_dim];
     let mut failed: BTreeSet<usize> = failed.iter().copied().collect();
     // Each retry adds at least one rank to `failed` (a loss report naming no new rank is
     // returned as an error), so this ends.

@@ -23,7 +23,7 @@ macro_rules! by_family {
             Family::Pointwise => super::pointwise::$f($op, $inputs),
             Family::Reduction => super::reduction::$f($op, $inputs),
             Family::Norm | Family::Embedding | Family::Loss | Family::Attention => {
-                super::nn::$f($op, $inputs)
+                super::neural::$f($op, $inputs)
             }
             Family::Index => super::index::$f($op, $inputs),
             Family::View => super::view::$f($op, $inputs),

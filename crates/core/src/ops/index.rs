@@ -14,7 +14,7 @@ use candle_core::{DType, Tensor};
 use candle_dtensor_strategies::layout::shard_size_and_offset;
 use candle_dtensor_strategies::{Op, Placement};
 
-use super::nn::local_ids;
+use super::neural::local_ids;
 use crate::collectives::{fill_from, Axis};
 use crate::dispatch::{run1, Prepared};
 use crate::error::Result;

@@ -5,7 +5,7 @@ pub mod generic;
 mod index;
 mod matrix;
 mod misc;
-pub mod nn;
+pub mod neural;
 pub mod pointwise;
 mod reduction;
 mod scan;

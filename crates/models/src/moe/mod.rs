@@ -55,7 +55,7 @@ use candle_dtensor_core::functional::{
     RmaExchange, Transport,
 };
 use candle_dtensor_core::{debug, DTensor, Placement, Placements};
-use candle_dtensor_mesh::layout::{ravel, unravel};
+use candle_dtensor_mesh::grid::{ravel, unravel};
 use candle_dtensor_mesh::DeviceMesh;
 
 use crate::error::{ModelError, Result};

@@ -19,7 +19,7 @@ pub type Coord = SmallVec<[usize; 4]>;
 /// The coordinate of `rank` in a row-major mesh of `shape`.
 ///
 /// ```
-/// use candle_dtensor::mesh::layout::unravel;
+/// use candle_dtensor::mesh::grid::unravel;
 /// assert_eq!(unravel(3, &[2, 2]).as_slice(), &[1, 1]);
 /// assert_eq!(unravel(5, &[2, 3]).as_slice(), &[1, 2]);
 /// ```
@@ -35,7 +35,7 @@ pub fn unravel(mut rank: usize, shape: &[usize]) -> Coord {
 /// The rank at `coord` in a row-major mesh of `shape`.
 ///
 /// ```
-/// use candle_dtensor::mesh::layout::ravel;
+/// use candle_dtensor::mesh::grid::ravel;
 /// assert_eq!(ravel(&[1, 2], &[2, 3]), 5);
 /// ```
 pub fn ravel(coord: &[usize], shape: &[usize]) -> usize {
@@ -47,7 +47,7 @@ pub fn ravel(coord: &[usize], shape: &[usize]) -> usize {
 /// flattened set of dims.
 ///
 /// ```
-/// use candle_dtensor::mesh::layout::dim_group;
+/// use candle_dtensor::mesh::grid::dim_group;
 /// // 2x2 mesh, rank 3 = [1, 1]
 /// assert_eq!(dim_group(&[1, 1], &[2, 2], &[1]), vec![2, 3]); // its tp group
 /// assert_eq!(dim_group(&[1, 1], &[2, 2], &[0]), vec![1, 3]); // its dp group

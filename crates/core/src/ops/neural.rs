@@ -11,7 +11,7 @@ use candle_core::{DType, Tensor, D};
 use candle_dtensor_strategies::layout::local_shape_and_offset;
 use candle_dtensor_strategies::{DTensorSpec, Op, Placement};
 
-pub use candle_dtensor_kernels::nn::{
+pub use candle_dtensor_kernels::autodiff::{
     layer_norm_local, log_softmax_local, packed_sdpa_local, reference, rms_norm_local, sdpa_local,
     softmax_local,
 };
