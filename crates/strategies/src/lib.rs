@@ -83,7 +83,7 @@ pub use layout::{
 };
 pub use mesh::{
     MeshDim, MeshTopology, DEFAULT_DEVICES_PER_HOST, DEFAULT_LAUNCH_US, INTER_NODE_BANDWIDTH_GBPS,
-    INTER_NODE_LATENCY_US, INTRA_NODE_BANDWIDTH_GBPS, INTRA_NODE_LATENCY_US,
+    INTER_NODE_LATENCY_US, INTRA_NODE_BANDWIDTH_GBPS, INTRA_NODE_LATENCY_US, MAX_MESH_DIMS,
 };
 pub use op::{
     normalize_dim, BinaryOp, CmpOp, Dims, Family, InputKind, Monotonicity, Op, OpArgs, OpDecl,
@@ -93,7 +93,7 @@ pub use placement::{
     format_placements, parse_placements, parse_placements_with_ndim, partials_replicated,
     Placement, Placements, ReduceOp,
 };
-pub use plan::{plan_redistribute, RedistributePlan, Step, MAX_MESH_DIMS};
+pub use plan::{plan_redistribute, RedistributePlan, Step};
 pub use propagate::{
     global_propagator, propagate_pinned_with, propagate_with, OpSharding, ShardingPropagator,
     MAX_CACHE_ENTRIES,

@@ -9,6 +9,9 @@ use smallvec::SmallVec;
 use crate::error::{Result, StrategyError};
 use crate::spec::Shape;
 
+/// Largest mesh the compiler accepts (the planner's state keys pack 4 bits per mesh dim).
+pub const MAX_MESH_DIMS: usize = 8;
+
 /// Per-collective fixed cost (kernel launch + synchronisation) used by default, in µs.
 /// PyTorch's cost model uses the same constant (`_collective_utils.py`: `6.6 + ...`).
 pub const DEFAULT_LAUNCH_US: f64 = 6.6;
@@ -79,11 +82,11 @@ impl MeshTopology {
         if dims.is_empty() {
             return Err(StrategyError::mesh("a mesh needs at least one dim"));
         }
-        if dims.len() > crate::plan::MAX_MESH_DIMS {
+        if dims.len() > MAX_MESH_DIMS {
             return Err(StrategyError::mesh(format!(
                 "{} mesh dims; at most {} are supported",
                 dims.len(),
-                crate::plan::MAX_MESH_DIMS
+                MAX_MESH_DIMS
             )));
         }
         for (i, (name, size)) in dims.iter().enumerate() {

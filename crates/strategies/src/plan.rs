@@ -23,7 +23,7 @@ use serde::Serialize;
 use crate::cost::CollectiveKind;
 use crate::error::{Result, StrategyError};
 use crate::layout::local_shape;
-use crate::mesh::MeshTopology;
+use crate::mesh::{MeshTopology, MAX_MESH_DIMS};
 use crate::placement::{format_placements, Placement, Placements};
 use crate::spec::{validate_placements, DTensorSpec, Shape};
 use crate::transition::{
@@ -46,9 +46,6 @@ fn ser_placements<S: serde::Serializer>(
 ) -> std::result::Result<S::Ok, S::Error> {
     s.serialize_str(&format_placements(v))
 }
-
-/// Largest mesh the planner accepts (state keys pack 4 bits per mesh dim).
-pub const MAX_MESH_DIMS: usize = 8;
 
 /// One step of a redistribution.
 #[derive(Clone, Debug, PartialEq, Serialize)]

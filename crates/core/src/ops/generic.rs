@@ -90,12 +90,3 @@ fn single<T>(mut v: Vec<T>) -> std::result::Result<T, usize> {
         Err(v.len())
     }
 }
-
-/// `dims`, or every dim of a rank-`rank` tensor when empty (the compiler's "all dims").
-pub(crate) fn dims_or_all(dims: &[usize], rank: usize) -> Vec<usize> {
-    if dims.is_empty() {
-        (0..rank).collect()
-    } else {
-        dims.to_vec()
-    }
-}

@@ -11,7 +11,6 @@ use candle_core::Tensor;
 use candle_dtensor_comm::ReduceOp;
 use candle_dtensor_strategies::{Dims, Op, Placement};
 
-use super::generic::dims_or_all;
 use crate::collectives::{self, Axis};
 use crate::dispatch::{run1, Prepared};
 use crate::error::{invalid, Result};
@@ -501,4 +500,13 @@ pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> 
         }
         _ => return Err(super::ref_wrong_family(op)),
     }])
+}
+
+/// `dims`, or every dim of a rank-`rank` tensor when empty (the compiler's "all dims").
+fn dims_or_all(dims: &[usize], rank: usize) -> Vec<usize> {
+    if dims.is_empty() {
+        (0..rank).collect()
+    } else {
+        dims.to_vec()
+    }
 }

@@ -20,8 +20,8 @@
 use smallvec::SmallVec;
 
 use super::{eps, Problem, Solution};
+use crate::mesh::MAX_MESH_DIMS;
 use crate::placement::Placement;
-use crate::plan::MAX_MESH_DIMS;
 use crate::transition::{factor, wire_coef};
 
 struct Bounds {
