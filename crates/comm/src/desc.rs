@@ -1,21 +1,27 @@
-//! The cross-rank rules every CPU backend applies, written once: the descriptor of what a rank
+//! The cross-rank rules every backend applies, written once: the descriptor of what a rank
 //! issued at a collective index and the rule that says whether two ranks are in step
 //! ([`OpDesc::compatible`]: desync detection), why a communicator is unusable ([`Failure`],
 //! with one `Display` and one mapping to [`CommError`]), and the checks of `split` lists and
 //! `all_to_all_v` split sizes that every rank runs on the same data, so all reach the same
-//! verdict. Backends keep only their wire encoding: none for `local` (shared memory), JSON in
-//! HELLO and FAIL frames for `process`, `u64` words for `mpi`; `nccl` uses the split check.
+//! verdict.
+//!
+//! It is also the one wire form of descriptors and failures: little-endian `u64` words
+//! ([`OpDesc::encode_words`], [`Failure::encode_words`] and their decoders, which check every
+//! code and bound every count by the words present). Every backend with a wire uses it: the
+//! process backend's HELLO and FAIL frames (as bytes), the mpi backend's descriptor exchange,
+//! point-to-point headers and notices (inside its own framing of magic, communicator id and
+//! collective index), and the nccl backend's shape exchange for `gather` and `scatter`
+//! (padded to a fixed size). `local` shares memory and needs none.
 
 use std::fmt;
 
 use candle_core::{DType, Tensor};
-use serde::{Deserialize, Serialize};
 
 use crate::error::CommError;
-use crate::types::{OpCtx, OpName, ReduceOp};
+use crate::types::{OpCtx, OpName, ReduceOp, SUPPORTED_DTYPES};
 
 /// How shapes must agree across ranks for an op.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ShapeRule {
     /// Identical shapes.
     Exact,
@@ -26,10 +32,9 @@ pub(crate) enum ShapeRule {
 }
 
 /// What a rank issued at a collective index; compared across ranks.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct OpDesc {
     pub op: OpName,
-    #[serde(with = "dtype_name")]
     pub dtype: Option<DType>,
     pub rule: ShapeRule,
     pub dims: Vec<usize>,
@@ -120,25 +125,19 @@ impl fmt::Display for OpDesc {
     }
 }
 
-/// `Option<DType>` as its name (`"f32"`) in JSON (the process backend's frames, hook records).
+/// `Option<DType>` as its name (`"f32"`) in JSON (hook records).
 pub(crate) mod dtype_name {
     use candle_core::DType;
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use serde::{Serialize, Serializer};
 
     pub(crate) fn serialize<S: Serializer>(d: &Option<DType>, s: S) -> Result<S::Ok, S::Error> {
         d.map(|d| d.as_str()).serialize(s)
-    }
-
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<DType>, D::Error> {
-        Option::<String>::deserialize(d)?
-            .map(|s| s.parse().map_err(serde::de::Error::custom))
-            .transpose()
     }
 }
 
 /// Why a communicator is unusable. The first failure wins, and every rank that hears of it
 /// (through shared memory, FAIL frames or MPI notices) reports the same cause.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Failure {
     /// `abort()` was called by rank `by` (or an op of rank `by` panicked). `after`: the
     /// collectives `by` had completed then, which may still complete on every rank, since
@@ -301,6 +300,451 @@ impl fmt::Display for Failure {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The wire form: one encoding of descriptors and failures for every backend with a wire.
+// ---------------------------------------------------------------------------------------------
+
+/// The code of "absent" (`None`) in a word.
+pub(crate) const NONE_WORD: u64 = u64::MAX;
+/// The most dims a descriptor may declare on a wire (a bound on what a peer can make this end
+/// allocate, far above any tensor candle builds).
+pub(crate) const MAX_WIRE_DIMS: usize = 64;
+/// Words of a descriptor before its dims.
+pub(crate) const DESC_HEADER_WORDS: usize = 7;
+
+/// Why words received from a peer are not a descriptor or a failure.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum WireError {
+    /// Fewer words than the declared contents need.
+    #[error("{what}: {got} words, {need} needed")]
+    Short {
+        what: &'static str,
+        need: usize,
+        got: usize,
+    },
+    /// A code outside its table (op, dtype, reduce op, shape rule, failure kind).
+    #[error("{what}: unknown code {code}")]
+    BadCode { what: &'static str, code: u64 },
+    /// A count over its bound.
+    #[error("{what}: {n} declared, at most {max} allowed")]
+    TooMany {
+        what: &'static str,
+        n: u64,
+        max: usize,
+    },
+    /// A byte payload whose length is not a whole number of words.
+    #[error("payload of {0} bytes is not a whole number of 8-byte words")]
+    Ragged(usize),
+}
+
+/// The code of `op` on a wire (stable: append new ops at the end).
+pub(crate) fn op_code(op: OpName) -> u64 {
+    match op {
+        OpName::AllReduce => 0,
+        OpName::AllGatherSingle => 1,
+        OpName::ReduceScatterSingle => 2,
+        OpName::AllToAllSingle => 3,
+        OpName::AllToAllVSingle => 4,
+        OpName::Broadcast => 5,
+        OpName::Reduce => 6,
+        OpName::Gather => 7,
+        OpName::Scatter => 8,
+        OpName::Barrier => 9,
+        OpName::Send => 10,
+        OpName::Recv => 11,
+        OpName::BatchP2p => 12,
+        OpName::Split => 13,
+        OpName::NewComm => 14,
+        OpName::NewWindow => 15,
+        OpName::WindowPut => 16,
+        OpName::WindowGet => 17,
+        OpName::WindowSignal => 18,
+        OpName::WindowWaitSignal => 19,
+        OpName::WindowFence => 20,
+        OpName::Abort => 21,
+        OpName::Shrink => 22,
+        OpName::Agree => 23,
+    }
+}
+
+/// The op of wire code `c`.
+pub(crate) fn op_of(c: u64) -> Result<OpName, WireError> {
+    Ok(match c {
+        0 => OpName::AllReduce,
+        1 => OpName::AllGatherSingle,
+        2 => OpName::ReduceScatterSingle,
+        3 => OpName::AllToAllSingle,
+        4 => OpName::AllToAllVSingle,
+        5 => OpName::Broadcast,
+        6 => OpName::Reduce,
+        7 => OpName::Gather,
+        8 => OpName::Scatter,
+        9 => OpName::Barrier,
+        10 => OpName::Send,
+        11 => OpName::Recv,
+        12 => OpName::BatchP2p,
+        13 => OpName::Split,
+        14 => OpName::NewComm,
+        15 => OpName::NewWindow,
+        16 => OpName::WindowPut,
+        17 => OpName::WindowGet,
+        18 => OpName::WindowSignal,
+        19 => OpName::WindowWaitSignal,
+        20 => OpName::WindowFence,
+        21 => OpName::Abort,
+        22 => OpName::Shrink,
+        23 => OpName::Agree,
+        code => return Err(WireError::BadCode { what: "op", code }),
+    })
+}
+
+/// The code of `d` on a wire (its index in [`SUPPORTED_DTYPES`]; [`NONE_WORD`] for another).
+pub(crate) fn dtype_code(d: DType) -> u64 {
+    SUPPORTED_DTYPES
+        .iter()
+        .position(|x| *x == d)
+        .map_or(NONE_WORD, |i| i as u64)
+}
+
+/// The dtype of wire code `c`.
+pub(crate) fn dtype_of(c: u64) -> Result<DType, WireError> {
+    usize::try_from(c)
+        .ok()
+        .and_then(|i| SUPPORTED_DTYPES.get(i).copied())
+        .ok_or(WireError::BadCode {
+            what: "dtype",
+            code: c,
+        })
+}
+
+fn reduce_code(r: ReduceOp) -> u64 {
+    ReduceOp::ALL
+        .iter()
+        .position(|x| *x == r)
+        .map_or(NONE_WORD, |i| i as u64)
+}
+
+fn reduce_of(c: u64) -> Result<ReduceOp, WireError> {
+    usize::try_from(c)
+        .ok()
+        .and_then(|i| ReduceOp::ALL.get(i).copied())
+        .ok_or(WireError::BadCode {
+            what: "reduce op",
+            code: c,
+        })
+}
+
+fn opt_word(v: Option<usize>) -> u64 {
+    v.map_or(NONE_WORD, |v| v as u64)
+}
+
+fn word_opt(w: u64) -> Option<usize> {
+    (w != NONE_WORD).then_some(w as usize)
+}
+
+fn need(what: &'static str, w: &[u64], n: usize) -> Result<(), WireError> {
+    if w.len() < n {
+        return Err(WireError::Short {
+            what,
+            need: n,
+            got: w.len(),
+        });
+    }
+    Ok(())
+}
+
+impl OpDesc {
+    /// Appends the wire form: `[op, dtype, rule, root, reduce, bytes, ndim, dims..]`
+    /// ([`NONE_WORD`] for what is absent), `DESC_HEADER_WORDS + ndim` words.
+    pub(crate) fn encode_words(&self, out: &mut Vec<u64>) {
+        self.encode_header(out, self.dims.len());
+        out.extend(self.dims.iter().map(|&d| d as u64));
+    }
+
+    /// The wire form with exactly `slots` dim words (zero-padded), for exchanges whose entries
+    /// must all have one size (NCCL's all-gather). `ndim` stays the true count, so a descriptor
+    /// with more dims than `slots` decodes to [`WireError::TooMany`] on every rank alike.
+    #[cfg_attr(not(any(feature = "mpi", feature = "nccl")), allow(dead_code))]
+    pub(crate) fn encode_words_padded(&self, slots: usize) -> Vec<u64> {
+        let mut out = Vec::with_capacity(DESC_HEADER_WORDS + slots);
+        self.encode_header(&mut out, self.dims.len());
+        out.extend(self.dims.iter().take(slots).map(|&d| d as u64));
+        out.resize(DESC_HEADER_WORDS + slots, 0);
+        out
+    }
+
+    fn encode_header(&self, out: &mut Vec<u64>, ndim: usize) {
+        out.extend([
+            op_code(self.op),
+            self.dtype.map_or(NONE_WORD, dtype_code),
+            match self.rule {
+                ShapeRule::Exact => 0,
+                ShapeRule::Rows => 1,
+                ShapeRule::Any => 2,
+            },
+            opt_word(self.root),
+            self.reduce.map_or(NONE_WORD, reduce_code),
+            opt_word(self.bytes),
+            ndim as u64,
+        ]);
+    }
+
+    /// Decodes a descriptor at the start of `w`; returns it and the words it used. Every code
+    /// is checked, and `ndim` is bounded by `max_dims` (at most [`MAX_WIRE_DIMS`]) and by the
+    /// words present, so a peer's words never make this end allocate more than they hold.
+    pub(crate) fn decode_words(w: &[u64], max_dims: usize) -> Result<(OpDesc, usize), WireError> {
+        need("op descriptor", w, DESC_HEADER_WORDS)?;
+        let max = max_dims.min(MAX_WIRE_DIMS);
+        let ndim = usize::try_from(w[6])
+            .ok()
+            .filter(|&n| n <= max)
+            .ok_or(WireError::TooMany {
+                what: "op descriptor dims",
+                n: w[6],
+                max,
+            })?;
+        need("op descriptor", w, DESC_HEADER_WORDS + ndim)?;
+        let desc = OpDesc {
+            op: op_of(w[0])?,
+            dtype: if w[1] == NONE_WORD {
+                None
+            } else {
+                Some(dtype_of(w[1])?)
+            },
+            rule: match w[2] {
+                0 => ShapeRule::Exact,
+                1 => ShapeRule::Rows,
+                2 => ShapeRule::Any,
+                code => {
+                    return Err(WireError::BadCode {
+                        what: "shape rule",
+                        code,
+                    })
+                }
+            },
+            root: word_opt(w[3]),
+            reduce: if w[4] == NONE_WORD {
+                None
+            } else {
+                Some(reduce_of(w[4])?)
+            },
+            bytes: word_opt(w[5]),
+            dims: w[DESC_HEADER_WORDS..DESC_HEADER_WORDS + ndim]
+                .iter()
+                .map(|&d| d as usize)
+                .collect(),
+        };
+        Ok((desc, DESC_HEADER_WORDS + ndim))
+    }
+}
+
+/// A failure's parts on the wire: kind, numbers, one rank list, texts.
+struct FailureParts<'a> {
+    kind: u64,
+    ints: Vec<u64>,
+    list: &'a [usize],
+    texts: Vec<&'a str>,
+}
+
+impl Failure {
+    fn parts(&self) -> FailureParts<'_> {
+        let p = |kind, ints: Vec<u64>, list: &'static [usize], texts| FailureParts {
+            kind,
+            ints,
+            list,
+            texts,
+        };
+        match self {
+            Failure::Aborted { by, reason, after } => p(
+                0,
+                vec![*by as u64, after.unwrap_or(NONE_WORD)],
+                &[],
+                vec![reason.as_str()],
+            ),
+            Failure::Timeout {
+                collective,
+                op,
+                missing,
+            } => FailureParts {
+                kind: 1,
+                ints: vec![*collective, op_code(*op)],
+                list: missing,
+                texts: Vec::new(),
+            },
+            Failure::Desync {
+                collective,
+                rank_a,
+                op_a,
+                rank_b,
+                op_b,
+            } => p(
+                2,
+                vec![*collective, *rank_a as u64, *rank_b as u64],
+                &[],
+                vec![op_a.as_str(), op_b.as_str()],
+            ),
+            Failure::Mismatch { collective, reason } => {
+                p(3, vec![*collective], &[], vec![reason.as_str()])
+            }
+            Failure::RankFailed { world_rank, reason } => {
+                p(4, vec![*world_rank as u64], &[], vec![reason.as_str()])
+            }
+            Failure::PeerLost { rank, reason } => {
+                p(5, vec![*rank as u64], &[], vec![reason.as_str()])
+            }
+            Failure::Mpi { what } => p(6, Vec::new(), &[], vec![what.as_str()]),
+            Failure::Finalized => p(7, Vec::new(), &[], Vec::new()),
+        }
+    }
+
+    /// The wire form: `[kind, n_ints, ints.., n_list, list.., n_texts, (len, bytes..)..]`
+    /// (texts UTF-8, 8 bytes a word, little-endian), at most `limit_words` words: texts are
+    /// cut (never the numbers or the rank list) when the whole would not fit.
+    pub(crate) fn encode_words(&self, limit_words: usize) -> Vec<u64> {
+        let FailureParts {
+            kind,
+            ints,
+            list,
+            texts,
+        } = self.parts();
+        let mut w = vec![kind, ints.len() as u64];
+        w.extend(ints);
+        w.push(list.len() as u64);
+        w.extend(list.iter().map(|&r| r as u64));
+        w.push(texts.len() as u64);
+        // What is left for text bytes after one length word per text, shared out in order.
+        let mut room = limit_words
+            .saturating_sub(w.len() + texts.len())
+            .saturating_mul(8);
+        for t in texts {
+            let mut n = t.len().min(room);
+            while !t.is_char_boundary(n) {
+                n -= 1;
+            }
+            room -= n.div_ceil(8) * 8;
+            w.push(n as u64);
+            w.extend(t.as_bytes()[..n].chunks(8).map(|c| {
+                let mut b = [0u8; 8];
+                b[..c.len()].copy_from_slice(c);
+                u64::from_le_bytes(b)
+            }));
+        }
+        w
+    }
+
+    /// Decodes a failure from all of `w` (see [`Failure::encode_words`]); every count is
+    /// checked against the words present before anything is allocated.
+    pub(crate) fn decode_words(w: &[u64]) -> Result<Failure, WireError> {
+        let mut at = 0usize;
+        let mut take = |n: usize| -> Result<&[u64], WireError> {
+            need("failure", &w[at.min(w.len())..], n)?;
+            at += n;
+            Ok(&w[at - n..at])
+        };
+        let count = |c: u64, what: &'static str, left: usize| {
+            usize::try_from(c)
+                .ok()
+                .filter(|&n| n <= left)
+                .ok_or(WireError::TooMany {
+                    what,
+                    n: c,
+                    max: left,
+                })
+        };
+        let kind = take(1)?[0];
+        let n_ints = count(take(1)?[0], "failure numbers", w.len())?;
+        let ints = take(n_ints)?.to_vec();
+        let n_list = count(take(1)?[0], "failure ranks", w.len())?;
+        let list: Vec<usize> = take(n_list)?.iter().map(|&r| r as usize).collect();
+        let n_texts = count(take(1)?[0], "failure texts", w.len())?;
+        let mut texts = Vec::with_capacity(n_texts);
+        for _ in 0..n_texts {
+            let len = count(take(1)?[0], "failure text bytes", w.len().saturating_mul(8))?;
+            let bytes: Vec<u8> = take(len.div_ceil(8))?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .take(len)
+                .collect();
+            texts.push(String::from_utf8_lossy(&bytes).into_owned());
+        }
+        let int = |i: usize| {
+            ints.get(i).copied().ok_or(WireError::Short {
+                what: "failure numbers",
+                need: i + 1,
+                got: ints.len(),
+            })
+        };
+        let mut text = |i: usize| {
+            texts
+                .get_mut(i)
+                .map(std::mem::take)
+                .ok_or(WireError::Short {
+                    what: "failure texts",
+                    need: i + 1,
+                    got: n_texts,
+                })
+        };
+        Ok(match kind {
+            0 => Failure::Aborted {
+                by: int(0)? as usize,
+                after: (int(1)? != NONE_WORD).then_some(int(1)?),
+                reason: text(0)?,
+            },
+            1 => Failure::Timeout {
+                collective: int(0)?,
+                op: op_of(int(1)?)?,
+                missing: list,
+            },
+            2 => Failure::Desync {
+                collective: int(0)?,
+                rank_a: int(1)? as usize,
+                rank_b: int(2)? as usize,
+                op_a: text(0)?,
+                op_b: text(1)?,
+            },
+            3 => Failure::Mismatch {
+                collective: int(0)?,
+                reason: text(0)?,
+            },
+            4 => Failure::RankFailed {
+                world_rank: int(0)? as usize,
+                reason: text(0)?,
+            },
+            5 => Failure::PeerLost {
+                rank: int(0)? as usize,
+                reason: text(0)?,
+            },
+            6 => Failure::Mpi { what: text(0)? },
+            7 => Failure::Finalized,
+            code => {
+                return Err(WireError::BadCode {
+                    what: "failure kind",
+                    code,
+                })
+            }
+        })
+    }
+}
+
+/// Words as little-endian bytes (a byte-stream wire's payload).
+pub(crate) fn words_to_bytes(w: &[u64]) -> Vec<u8> {
+    w.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Little-endian bytes as words; a length that is not a multiple of 8 is refused.
+pub(crate) fn bytes_to_words(b: &[u8]) -> Result<Vec<u64>, WireError> {
+    if b.len() % 8 != 0 {
+        return Err(WireError::Ragged(b.len()));
+    }
+    Ok(b.chunks_exact(8)
+        .map(|c| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(c);
+            u64::from_le_bytes(a)
+        })
+        .collect())
+}
+
 /// Checks that the `split` lists of all ranks (`lists[r]`: rank r's list, empty to opt out)
 /// fit together: every rank some rank lists must have passed that very list.
 pub(crate) fn check_split_lists(lists: &[Vec<usize>]) -> Result<(), String> {
@@ -437,21 +881,171 @@ mod tests {
         assert!(s1.compatible(&s2), "only the root knows a scatter's dtype");
     }
 
+    fn every_failure() -> Vec<Failure> {
+        vec![
+            Failure::Aborted {
+                by: 3,
+                reason: "operator pulled the plug".into(),
+                after: Some(7),
+            },
+            Failure::aborted(0, ""),
+            Failure::Timeout {
+                collective: u64::MAX,
+                op: OpName::Recv,
+                missing: vec![1, 4],
+            },
+            Failure::desync(9, (0, &"all_reduce(f32, [4])"), (2, &"barrier()")),
+            Failure::Mismatch {
+                collective: 2,
+                reason: "sizes differ: é".into(),
+            },
+            Failure::RankFailed {
+                world_rank: 5,
+                reason: "panicked".into(),
+            },
+            Failure::PeerLost {
+                rank: 1,
+                reason: "connection reset".into(),
+            },
+            Failure::Mpi {
+                what: "MPI_ERR_TRUNCATE".into(),
+            },
+            Failure::Finalized,
+        ]
+    }
+
+    /// The one wire form: every field of every descriptor and failure survives, codes are
+    /// stable, and the bounds hold (dims, texts cut to the limit at a char boundary).
     #[test]
-    fn descriptors_and_failures_round_trip_as_json() {
-        let d = OpDesc {
-            reduce: Some(ReduceOp::Avg),
-            ..OpDesc::of(OpName::ReduceScatterSingle, DType::F16, &[8, 2])
+    fn descriptors_and_failures_round_trip_as_words() {
+        for code in 0..24 {
+            assert_eq!(op_code(op_of(code).expect("a code in the table")), code);
+        }
+        assert!(op_of(24).is_err());
+        for d in SUPPORTED_DTYPES {
+            assert_eq!(dtype_of(dtype_code(d)), Ok(d));
+        }
+        let descs = [
+            OpDesc {
+                reduce: Some(ReduceOp::Avg),
+                ..OpDesc::of(OpName::ReduceScatterSingle, DType::F16, &[8, 2])
+            },
+            OpDesc {
+                root: Some(3),
+                ..OpDesc::new(OpName::Scatter)
+            },
+            rows(&[0, 7, 1]),
+            OpDesc {
+                bytes: Some(1 << 40),
+                ..OpDesc::new(OpName::NewWindow)
+            },
+            OpDesc::of(OpName::AllGatherSingle, DType::U8, &[]),
+        ];
+        for d in &descs {
+            let mut w = vec![42]; // appended after what is there
+            d.encode_words(&mut w);
+            assert_eq!(w.len(), 1 + DESC_HEADER_WORDS + d.dims.len());
+            let (back, used) = OpDesc::decode_words(&w[1..], MAX_WIRE_DIMS).expect("decodes");
+            assert_eq!((&back, used), (d, w.len() - 1));
+            let padded = d.encode_words_padded(8);
+            assert_eq!(padded.len(), DESC_HEADER_WORDS + 8);
+            assert_eq!(&OpDesc::decode_words(&padded, 8).expect("decodes").0, d);
+        }
+        let big = OpDesc::of(OpName::Gather, DType::F32, &[1; 9]);
+        assert_eq!(
+            OpDesc::decode_words(&big.encode_words_padded(8), 8),
+            Err(WireError::TooMany {
+                what: "op descriptor dims",
+                n: 9,
+                max: 8
+            }),
+            "the true dim count travels, so every rank refuses it alike"
+        );
+        let mut w = Vec::new();
+        descs[0].encode_words(&mut w);
+        assert!(matches!(
+            OpDesc::decode_words(&w[..w.len() - 1], 16),
+            Err(WireError::Short { .. })
+        ));
+        for (i, bad) in [(0, 99), (1, 99), (2, 3), (4, 17)] {
+            let mut b = w.clone();
+            b[i] = bad;
+            assert!(
+                matches!(OpDesc::decode_words(&b, 16), Err(WireError::BadCode { .. })),
+                "word {i} = {bad}"
+            );
+        }
+        let mut b = w.clone();
+        b[6] = u64::MAX; // a declared dim count never allocates
+        assert!(matches!(
+            OpDesc::decode_words(&b, 16),
+            Err(WireError::TooMany { .. })
+        ));
+
+        for f in every_failure() {
+            let w = f.encode_words(1 << 10);
+            assert_eq!(Failure::decode_words(&w), Ok(f.clone()));
+            let b = words_to_bytes(&w);
+            assert_eq!(bytes_to_words(&b), Ok(w.clone()));
+            assert!(bytes_to_words(&b[1..]).is_err() || b.len() == 1);
+            for cut in 0..w.len() {
+                assert!(
+                    Failure::decode_words(&w[..cut]).is_err(),
+                    "{f:?} cut at {cut}"
+                );
+            }
+        }
+        let long = Failure::Mismatch {
+            collective: 1,
+            reason: "é".repeat(10_000),
         };
-        let j = serde_json::to_vec(&d).expect("serializes");
-        assert_eq!(serde_json::from_slice::<OpDesc>(&j).expect("parses"), d);
-        let f = Failure::Timeout {
-            collective: 3,
-            op: OpName::Barrier,
-            missing: vec![1],
+        let w = long.encode_words(64);
+        assert!(w.len() <= 64);
+        match Failure::decode_words(&w) {
+            Ok(Failure::Mismatch { collective, reason }) => {
+                assert_eq!(collective, 1);
+                assert!(!reason.is_empty() && reason.chars().all(|c| c == 'é'));
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut huge = Failure::Finalized.encode_words(8);
+        huge[1] = u64::MAX; // declares more numbers than there are words
+        assert!(matches!(
+            Failure::decode_words(&huge),
+            Err(WireError::TooMany { .. })
+        ));
+        assert!(matches!(
+            Failure::decode_words(&[8, 0, 0, 0]),
+            Err(WireError::BadCode { .. })
+        ));
+    }
+
+    /// Random words never panic the decoders and never decode to more than they hold.
+    #[test]
+    fn random_words_never_panic_the_decoders() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
         };
-        let j = serde_json::to_vec(&f).expect("serializes");
-        assert_eq!(serde_json::from_slice::<Failure>(&j).expect("parses"), f);
+        for i in 0..20_000 {
+            let n = (next() % 40) as usize;
+            let w: Vec<u64> = (0..n)
+                .map(|_| match next() % 4 {
+                    0 => next() % 8,
+                    1 => u64::MAX,
+                    _ => next() % 64,
+                })
+                .collect();
+            if let Ok((d, used)) = OpDesc::decode_words(&w, MAX_WIRE_DIMS) {
+                assert!(used <= w.len() && d.dims.len() <= MAX_WIRE_DIMS, "case {i}");
+            }
+            if let Ok(Failure::Timeout { missing, .. }) = Failure::decode_words(&w) {
+                assert!(missing.len() <= w.len(), "case {i}");
+            }
+        }
     }
 
     #[test]

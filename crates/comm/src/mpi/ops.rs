@@ -21,7 +21,9 @@ use crate::backend::Backend;
 use crate::cpu::bytes::Bytes;
 use crate::cpu::kernels::{read_view, reduce_into, OutBuf};
 use crate::cpu::{deliver, produce, put_bytes, EAGER_BYTES};
-use crate::desc::{check_recv, check_split_lists, check_split_sizes, Failure, OpDesc, ShapeRule};
+use crate::desc::{
+    check_recv, check_split_lists, check_split_sizes, Failure, OpDesc, ShapeRule, DESC_HEADER_WORDS,
+};
 use crate::error::{CommError, Result};
 use crate::types::{OpCtx, OpName, ReduceOp};
 
@@ -805,19 +807,15 @@ impl Body for Gather {
     }
 }
 
-/// A point-to-point (or scatter) header: what the payload that follows holds.
-const HDR_WORDS: usize = 4 + MAX_DIMS;
-const HDR_MAGIC: u64 = 0x4344_5450_3250_0001; // "CDTP2P" v1
+/// A point-to-point (or scatter) header: what the payload that follows holds, as magic,
+/// communicator id and the payload's descriptor (dtype and dims) in the shared wire form,
+/// padded to a fixed size so a receive can be posted before it arrives.
+const HDR_WORDS: usize = 2 + DESC_HEADER_WORDS + MAX_DIMS;
+const HDR_MAGIC: u64 = 0x4344_5450_3250_0002; // "CDTP2P" v2: desc.rs's words
 
 fn header(uid: u64, x: &Input) -> Box<[u64]> {
-    let mut h = vec![0u64; HDR_WORDS];
-    h[0] = HDR_MAGIC;
-    h[1] = uid;
-    h[2] = desc::dtype_code(x.dtype);
-    h[3] = x.dims.len() as u64;
-    for (i, &d) in x.dims.iter().enumerate() {
-        h[4 + i] = d as u64;
-    }
+    let mut h = vec![HDR_MAGIC, uid];
+    h.extend(OpDesc::of(OpName::Send, x.dtype, &x.dims).encode_words_padded(MAX_DIMS));
     h.into_boxed_slice()
 }
 
@@ -826,11 +824,8 @@ fn read_header(h: &[u64], uid: u64) -> Option<(DType, Vec<usize>)> {
     if h.len() < HDR_WORDS || h[0] != HDR_MAGIC || h[1] != uid {
         return None;
     }
-    let ndim = usize::try_from(h[3]).ok().filter(|&n| n <= MAX_DIMS)?;
-    Some((
-        desc::dtype_of(h[2])?,
-        h[4..4 + ndim].iter().map(|&d| d as usize).collect(),
-    ))
+    let (d, _) = OpDesc::decode_words(&h[2..], MAX_DIMS).ok()?;
+    Some((d.dtype?, d.dims))
 }
 
 /// Sends header and payload of `x` to `dest` (buffered: the requests are detached with the

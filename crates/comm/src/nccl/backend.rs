@@ -19,6 +19,7 @@ use crate::backend::{
     dtype_names, Backend, Capabilities, Collective, CollectiveOutput, CommOptions,
 };
 use crate::comm::Comm;
+use crate::desc::{dtype_code, OpDesc, WireError, DESC_HEADER_WORDS, NONE_WORD};
 use crate::env::LaunchEnv;
 use crate::error::{CommError, Result};
 use crate::store::Store;
@@ -28,8 +29,9 @@ use crate::work::Work;
 
 /// Dims carried by the shape exchanges of `gather` and `scatter`.
 const MAX_DIMS: usize = 8;
-/// One rank's entry in those exchanges: dtype code, number of dims, dims.
-const META: usize = MAX_DIMS + 2;
+/// One rank's entry in those exchanges: the tensor's op descriptor in the shared wire form of
+/// `desc.rs` (as the process and mpi backends send it), padded to `MAX_DIMS` dims.
+const META: usize = DESC_HEADER_WORDS + MAX_DIMS;
 
 /// Keeps the communicator alive while the backend or any of its windows is: dropping the last
 /// owner asks the watchdog to drain the work and tear the communicator down.
@@ -413,45 +415,43 @@ impl NcclBackend {
     }
 }
 
-/// `[dtype code, ndim, dims.., padding]` of a tensor for the shape exchanges.
-fn meta_of(ctx: &OpCtx, t: &Tensor) -> Result<[i64; META]> {
-    let mut m = [0i64; META];
-    m[0] = SUPPORTED_DTYPES
-        .iter()
-        .position(|d| *d == t.dtype())
-        .ok_or_else(|| CommError::invalid(ctx, format!("dtype {:?} is not supported", t.dtype())))?
-        as i64;
-    m[1] = t.rank() as i64;
-    if t.rank() > MAX_DIMS {
-        // Sent anyway (ndim > 8) so every rank reports the same error.
-        return Ok(m);
+/// The descriptor words of `t` (op, dtype, dims, padded to [`META`]) for the shape exchanges,
+/// as `i64`s (NCCL moves them as int64; the bit patterns are the words').
+fn meta_of(ctx: &OpCtx, t: &Tensor) -> Result<Vec<i64>> {
+    if dtype_code(t.dtype()) == NONE_WORD {
+        return Err(CommError::invalid(
+            ctx,
+            format!("dtype {:?} is not supported", t.dtype()),
+        ));
     }
-    for (i, &d) in t.dims().iter().enumerate() {
-        m[2 + i] = d as i64;
-    }
-    Ok(m)
+    // More than MAX_DIMS dims: the true count is sent anyway, so every rank reports the same
+    // error when it decodes the entry.
+    Ok(OpDesc::tensor(ctx.op, t)
+        .encode_words_padded(MAX_DIMS)
+        .into_iter()
+        .map(|w| w as i64)
+        .collect())
 }
 
 /// Decodes one rank's shape-exchange entry.
 fn decode_meta(ctx: &OpCtx, rank: usize, m: &[i64]) -> Result<(DType, Shape)> {
-    let dtype = usize::try_from(m[0])
-        .ok()
-        .and_then(|i| SUPPORTED_DTYPES.get(i).copied())
-        .ok_or_else(|| {
-            CommError::invalid(ctx, format!("rank {rank} sent a bad dtype code {}", m[0]))
-        })?;
-    let nd = usize::try_from(m[1]).unwrap_or(usize::MAX);
-    if nd > MAX_DIMS {
-        return Err(CommError::invalid(
+    let words: Vec<u64> = m.iter().map(|&w| w as u64).collect();
+    let (desc, _) = OpDesc::decode_words(&words, MAX_DIMS).map_err(|e| match e {
+        WireError::TooMany { n, .. } => CommError::invalid(
             ctx,
             format!(
-                "rank {rank} passed a tensor of {} dims; gather and scatter take up to {MAX_DIMS}",
-                m[1]
+                "rank {rank} passed a tensor of {n} dims; gather and scatter take up to {MAX_DIMS}"
             ),
-        ));
-    }
-    let dims: Vec<usize> = m[2..2 + nd].iter().map(|&d| d.max(0) as usize).collect();
-    Ok((dtype, Shape::from_dims(&dims)))
+        ),
+        e => CommError::invalid(ctx, format!("rank {rank} sent a bad shape entry: {e}")),
+    })?;
+    let dtype = desc.dtype.ok_or_else(|| {
+        CommError::invalid(
+            ctx,
+            format!("rank {rank} sent a shape entry without a dtype"),
+        )
+    })?;
+    Ok((dtype, Shape::from_dims(&desc.dims)))
 }
 
 /// The ops [`Backend::collective`] dispatches to, one NCCL group each.

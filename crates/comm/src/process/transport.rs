@@ -26,11 +26,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::wire::{
-    read_frame, Frame, Header, Payload, ReadEnd, AGREE, BYE, DATA, FAIL, HEADER, HELLO, P2P,
+    read_frame, Frame, Header, Payload, ReadEnd, AGREE, BYE, DATA, FAIL, HEADER, HELLO,
+    MAX_NOTICE_WORDS, P2P,
 };
 use super::Rendezvous;
 use crate::agree::Heard;
-use crate::desc::{Failure, OpDesc};
+use crate::desc::{words_to_bytes, Failure, OpDesc};
 use crate::error::{CommError, Result};
 use crate::store::FrameError;
 use crate::types::OpCtx;
@@ -263,10 +264,8 @@ impl Transport {
         st.failure = Some(f.clone());
         // The notice is recorded before anyone can see the failure, so a `close` racing with
         // the notice thread still sends it before its goodbye.
-        let payload = notify_peers
-            .then(|| serde_json::to_vec(&f).ok())
-            .flatten()
-            .map(Arc::new);
+        let payload =
+            notify_peers.then(|| Arc::new(words_to_bytes(&f.encode_words(MAX_NOTICE_WORDS))));
         if let Some(p) = &payload {
             *self.notice.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
         }
@@ -705,8 +704,9 @@ impl Exec<'_> {
     /// Records this rank's descriptor of the collective; it goes to every peer as a HELLO
     /// frame, with the first DATA frame to that peer or before this rank first waits.
     pub(crate) fn hello(&mut self, desc: OpDesc) -> Result<()> {
-        let payload =
-            serde_json::to_vec(&desc).map_err(|e| CommError::invalid(self.ctx, e.to_string()))?;
+        let mut words = Vec::new();
+        desc.encode_words(&mut words);
+        let payload = words_to_bytes(&words);
         self.desc = Some(desc);
         self.t.check(self.ctx, Some(self.coll))?;
         let h = Header {

@@ -12,9 +12,10 @@
 //! | 16..24 | len `u64` |
 //!
 //! All integers are little-endian. HELLO carries the sender's
-//! [`OpDesc`](crate::desc::OpDesc) of collective `tag` as JSON; DATA carries raw element bytes
+//! [`OpDesc`](crate::desc::OpDesc) of collective `tag` in the shared wire form of `desc.rs`
+//! (little-endian `u64` words, as the mpi backend sends them); DATA carries raw element bytes
 //! (or an encoded tensor, see [`tensor_preamble`]); P2P carries an encoded tensor; FAIL carries
-//! a [`Failure`](crate::desc::Failure) as JSON; BYE is empty (the sender closed the
+//! a [`Failure`](crate::desc::Failure) in the same words; BYE is empty (the sender closed the
 //! communicator on purpose); AGREE carries one message of a fault-tolerant agreement
 //! (`crate::agree`, JSON), which is never held back by the buffer cap.
 //!
@@ -35,11 +36,10 @@ use std::sync::atomic::AtomicBool;
 
 use candle_core::DType;
 
-use crate::desc::{Failure, OpDesc};
+use crate::desc::{bytes_to_words, Failure, OpDesc, WireError, MAX_WIRE_DIMS};
 use crate::store::{
     growing_error, io_words, read_full_counted, read_growing, FrameError, Growable,
 };
-use crate::types::SUPPORTED_DTYPES;
 
 /// Header size in bytes.
 pub(crate) const HEADER: usize = 24;
@@ -52,10 +52,27 @@ pub(crate) const BYE: u8 = 5;
 pub(crate) const AGREE: u8 = 6;
 /// The largest DATA or P2P payload accepted (its buffer grows only as bytes arrive).
 pub(crate) const MAX_PAYLOAD: u64 = 1 << 40;
-/// The largest HELLO payload (an op descriptor in JSON: a few hundred bytes).
+/// The largest HELLO payload (an op descriptor: 7 words and one per dim).
 pub(crate) const MAX_HELLO: u64 = 64 << 10;
-/// The largest FAIL or AGREE payload (JSON whose rank lists grow with the world).
+/// The largest FAIL or AGREE payload (whose rank lists grow with the world).
 pub(crate) const MAX_NOTICE: u64 = 1 << 20;
+
+/// The most words of a FAIL frame's failure (its texts are cut to fit).
+pub(crate) const MAX_NOTICE_WORDS: usize = (MAX_NOTICE / 8) as usize;
+
+/// A HELLO body: one op descriptor in the shared wire form, nothing after it.
+fn decode_hello(b: &[u8]) -> Result<OpDesc, WireError> {
+    let w = bytes_to_words(b)?;
+    let (desc, used) = OpDesc::decode_words(&w, MAX_WIRE_DIMS)?;
+    if used != w.len() {
+        return Err(WireError::TooMany {
+            what: "op descriptor words",
+            n: w.len() as u64,
+            max: used,
+        });
+    }
+    Ok(desc)
+}
 
 /// The most bytes a frame of `kind` may carry.
 pub(crate) fn max_len(kind: u8) -> u64 {
@@ -241,13 +258,14 @@ pub(crate) fn read_frame<R: Read + ?Sized>(
     };
     let frame = match h.kind {
         HELLO => Frame::Hello(
-            serde_json::from_slice(payload.bytes())
+            decode_hello(payload.bytes())
                 .map_err(|e| malformed(format!("not an op descriptor: {e}")))?,
         ),
         DATA => Frame::Data(payload),
         P2P => Frame::P2p(payload),
         FAIL => Frame::Fail(
-            serde_json::from_slice(payload.bytes())
+            bytes_to_words(payload.bytes())
+                .and_then(|w| Failure::decode_words(&w))
                 .map_err(|e| malformed(format!("not a failure notice: {e}")))?,
         ),
         BYE => Frame::Bye,
@@ -273,16 +291,14 @@ fn skip<R: Read + ?Sized>(
     Ok(())
 }
 
-/// The wire code of a supported dtype (its index in [`SUPPORTED_DTYPES`]).
+/// The wire code of a supported dtype: desc.rs's code (its index in `SUPPORTED_DTYPES`), as
+/// one byte.
 pub(crate) fn dtype_code(d: DType) -> Option<u8> {
-    SUPPORTED_DTYPES
-        .iter()
-        .position(|&x| x == d)
-        .map(|i| i as u8)
+    u8::try_from(crate::desc::dtype_code(d)).ok()
 }
 
 fn dtype_of(code: u8) -> Option<DType> {
-    SUPPORTED_DTYPES.get(code as usize).copied()
+    crate::desc::dtype_of(code.into()).ok()
 }
 
 /// The preamble of a tensor on the wire: `dtype: u8 | ndims: u8 | dims: u64 * ndims`,
@@ -491,17 +507,16 @@ mod tests {
     #[allow(clippy::print_stderr)] // what it measured, in the test's output
     fn ten_thousand_random_frames_never_allocate_from_declared_lengths() {
         let mut rng = Rng(0x34_f2a3e);
-        let hello = serde_json::to_vec(&OpDesc::of(
-            crate::types::OpName::AllReduce,
-            DType::F32,
-            &[4, 5],
-        ))
-        .unwrap();
-        let fail = serde_json::to_vec(&Failure::PeerLost {
-            rank: 2,
-            reason: "gone".into(),
-        })
-        .unwrap();
+        let mut hello = Vec::new();
+        OpDesc::of(crate::types::OpName::AllReduce, DType::F32, &[4, 5]).encode_words(&mut hello);
+        let hello = crate::desc::words_to_bytes(&hello);
+        let fail = crate::desc::words_to_bytes(
+            &Failure::PeerLost {
+                rank: 2,
+                reason: "gone".into(),
+            }
+            .encode_words(64),
+        );
         let peer = "rank 1 (10.1.2.3:4567)";
         let (mut frames, mut typed, mut clean) = (0u64, 0u64, 0u64);
         let (mut max_peak, mut max_declared, mut skipped) = (0usize, 0u64, 0u64);
