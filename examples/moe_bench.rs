@@ -25,8 +25,8 @@ use candle_dtensor::dtensor::functional::{
     exchange_gathered_rows, exchange_rows, ExchangePlan, Group, RmaExchange, Transport,
 };
 use candle_dtensor::mesh::DeviceMesh;
-use candle_dtensor::models::moe::ops::weighted_combine;
-use candle_dtensor::models::moe::routing::owned_experts;
+use candle_dtensor::parallel::moe::ops::weighted_combine;
+use candle_dtensor::parallel::moe::routing::owned_experts;
 use clap::Parser;
 
 #[derive(Parser, Debug, Clone)]

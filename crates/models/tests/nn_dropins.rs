@@ -2,7 +2,7 @@
 //! fused ops (which give no gradient), and the same values and gradients as candle's
 //! primitive compositions, for f32 (the fused kernels) and f64 (the compositions).
 use candle_core::{DType, Device, Module, Tensor, Var, D};
-use candle_dtensor_models::nn;
+use candle_dtensor_models::dropins as nn;
 use candle_nn::{VarBuilder, VarMap};
 
 fn values(dims: &[usize], salt: usize, dtype: DType) -> Tensor {
