@@ -83,7 +83,7 @@ struct Row {
     dispatch: &'static str,
     /// Where the time goes (medians over the iterations, rank 0, ms): the count all_gather,
     /// the expert-major permutation (index_select), the dispatch exchange, the reverse
-    /// exchange, and the weighted scatter-add combine (`models::moe::ops::weighted_combine`).
+    /// exchange, and the weighted scatter-add combine (`parallel::moe::ops::weighted_combine`).
     phase_ms: Phases,
 }
 

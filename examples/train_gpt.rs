@@ -8,7 +8,7 @@
 //! cargo run --release --example train_gpt -- --steps 200 --save-dir ckpt --resume --mesh dp=4
 //! ```
 //!
-//! With `--save-dir` it writes distributed checkpoints (`models::checkpoint`); `--resume`
+//! With `--save-dir` it writes distributed checkpoints (`train::checkpoint`); `--resume`
 //! continues from the latest one, on any mesh, up to the total `--steps`. `--inject-fault
 //! rank=R,step=S[,kind=kill|hang]` kills (or hangs) a rank after a step on a job's first start,
 //! so `dtrun --max-restarts 1 -- train_gpt --backend process --save-dir d --save-every 5

@@ -15,10 +15,10 @@
 //! | [`rotary_emb::rope`], [`rotary_emb::rope_i`] | `candle_nn::rotary_emb::*` | candle primitives (as `rope_slow` / `rope_i_slow`, also for per-batch `cos`/`sin`) |
 //!
 //! A model of one's own switches by importing these instead (`use candle_dtensor::nn::{...}`);
-//! parameters keep their names, so checkpoints and [`crate::fsdp_vb::FsdpVarMap`] units are
+//! parameters keep their names, so checkpoints and [`candle_dtensor_parallel::fsdp_vb::FsdpVarMap`] units are
 //! unchanged. A candle-transformers model cannot be switched without editing its source: under
 //! FSDP its cut parameters get no gradient, exactly as on one device, and
-//! [`crate::fsdp::Fsdp::params_without_grad`] names them.
+//! [`candle_dtensor_parallel::fsdp::Fsdp::params_without_grad`] names them.
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_dtensor_kernels::nn as knn;

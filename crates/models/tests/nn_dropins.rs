@@ -1,4 +1,4 @@
-//! The differentiable drop-ins of `models::nn` against candle-nn: the same values as candle-nn's
+//! The differentiable drop-ins of `models::dropins` (`candle_dtensor::nn`) against candle-nn: the same values as candle-nn's
 //! fused ops (which give no gradient), and the same values and gradients as candle's
 //! primitive compositions, for f32 (the fused kernels) and f64 (the compositions).
 use candle_core::{DType, Device, Module, Tensor, Var, D};

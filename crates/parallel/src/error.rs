@@ -40,7 +40,7 @@ pub enum ParallelError {
     },
     /// A mixture-of-experts layer failed (bad settings, ranks that disagree).
     #[error(transparent)]
-    Moe(#[from] crate::moe::MoeError),
+    Moe(#[from] crate::moe::error::MoeError),
 }
 
 /// Debug prints the message: these errors travel inside candle's `WrappedContext`, whose own

@@ -1,4 +1,4 @@
-//! The library trainer (`models::fit::Trainer`) on a model a user writes with candle-nn (a
+//! The library trainer (`train::fit::Trainer`) on a model a user writes with candle-nn (a
 //! norm, a column- then row-parallel MLP with a residual, a head): trained under FSDP over
 //! `dp=2`, FSDP x TP (`dp=2 x tp=2`), HSDP (`replicate=2 x shard=2`) and plain tensor
 //! parallelism (`tp=2`) with the same trainer, it matches one device step by step (losses and

@@ -1,4 +1,4 @@
-//! Checkpoints of the library trainer (`models::fit::Trainer`) for a model a user writes with
+//! Checkpoints of the library trainer (`train::fit::Trainer`) for a model a user writes with
 //! candle-nn: trained under FSDP over `dp=2` for 3 of 6 steps and saved, then resumed on
 //! `dp=2`, on one device (a plain `VarMap`) and on `dp=4`, the resumed steps' losses equal the
 //! uninterrupted run's (1e-6 relative on the same layout, 1e-5 across layouts); a `dp=2 x tp=2`

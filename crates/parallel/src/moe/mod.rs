@@ -44,7 +44,7 @@
 //! whose edges do not depend on the counts ([`ops`]), so ranks whose experts got no tokens build
 //! the same graph as their peers.
 
-mod error;
+pub(crate) mod error;
 pub mod ops;
 pub mod routing;
 
@@ -194,7 +194,7 @@ impl FromStr for MoeConfig {
     }
 }
 
-/// What a layer measured since the last [`MoeLayer::take_stats`].
+/// What a layer measured since the last `MoeLayer::take_stats` (candle-dtensor-models).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct MoeStats {
     /// Forward passes.
