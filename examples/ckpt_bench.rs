@@ -22,11 +22,12 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Tensor};
 use candle_dtensor::comm::{LocalWorld, ReduceOp};
 use candle_dtensor::mesh::DeviceMesh;
-use candle_dtensor::models::checkpoint::{self, Which};
-use candle_dtensor::models::fsdp::{Fsdp, FsdpConfig, GradReduce};
-use candle_dtensor::models::optim::AdamW;
-use candle_dtensor::models::{Gpt, GptConfig, TpPlan};
+use candle_dtensor::models::{Gpt, GptConfig};
+use candle_dtensor::parallel::fsdp::{Fsdp, FsdpConfig, GradReduce};
+use candle_dtensor::parallel::TpPlan;
 use candle_dtensor::strategies::MeshTopology;
+use candle_dtensor::train::checkpoint::{self, Which};
+use candle_dtensor::train::optim::AdamW;
 use candle_nn::{Optimizer, ParamsAdamW};
 use clap::Parser;
 
@@ -79,7 +80,7 @@ fn median(v: &[f64]) -> f64 {
 fn build(
     mesh: &DeviceMesh,
     gpt: &GptConfig,
-) -> Result<(Gpt, candle_dtensor::models::ParamStore, AdamW), BoxErr> {
+) -> Result<(Gpt, candle_dtensor::parallel::ParamStore, AdamW), BoxErr> {
     let fsdp = match mesh.dim_index("dp") {
         Ok(d) => Some(Fsdp::new(mesh, FsdpConfig::new(d, GradReduce::Sum))?),
         Err(_) => None,

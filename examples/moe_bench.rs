@@ -25,8 +25,8 @@ use candle_dtensor::dtensor::functional::{
     exchange_gathered_rows, exchange_rows, ExchangePlan, Group, RmaExchange, Transport,
 };
 use candle_dtensor::mesh::DeviceMesh;
-use candle_dtensor::models::moe::ops::weighted_combine;
-use candle_dtensor::models::moe::routing::owned_experts;
+use candle_dtensor::parallel::moe::ops::weighted_combine;
+use candle_dtensor::parallel::moe::routing::owned_experts;
 use clap::Parser;
 
 #[derive(Parser, Debug, Clone)]
@@ -83,7 +83,7 @@ struct Row {
     dispatch: &'static str,
     /// Where the time goes (medians over the iterations, rank 0, ms): the count all_gather,
     /// the expert-major permutation (index_select), the dispatch exchange, the reverse
-    /// exchange, and the weighted scatter-add combine (`models::moe::ops::weighted_combine`).
+    /// exchange, and the weighted scatter-add combine (`parallel::moe::ops::weighted_combine`).
     phase_ms: Phases,
 }
 

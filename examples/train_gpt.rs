@@ -8,7 +8,7 @@
 //! cargo run --release --example train_gpt -- --steps 200 --save-dir ckpt --resume --mesh dp=4
 //! ```
 //!
-//! With `--save-dir` it writes distributed checkpoints (`models::checkpoint`); `--resume`
+//! With `--save-dir` it writes distributed checkpoints (`train::checkpoint`); `--resume`
 //! continues from the latest one, on any mesh, up to the total `--steps`. `--inject-fault
 //! rank=R,step=S[,kind=kill|hang]` kills (or hangs) a rank after a step on a job's first start,
 //! so `dtrun --max-restarts 1 -- train_gpt --backend process --save-dir d --save-every 5
@@ -88,13 +88,14 @@ use candle_dtensor::comm::link::{link_hints, parse_link_spec, LinkModel};
 use candle_dtensor::comm::{new_comm, Comm, CommOptions, LocalWorld};
 use candle_dtensor::kernels::compare::{compare_series_f32, nan_max, Mismatch};
 use candle_dtensor::mesh::DeviceMesh;
-use candle_dtensor::models::data::Corpus;
-use candle_dtensor::models::device::DeviceSpec;
-use candle_dtensor::models::schedule::{Decay, LrSchedule, WeightDecay};
-use candle_dtensor::models::trainer::{
+use candle_dtensor::models::GptConfig;
+use candle_dtensor::parallel::{MoeConfig, TpPlan};
+use candle_dtensor::train::data::Corpus;
+use candle_dtensor::train::device::DeviceSpec;
+use candle_dtensor::train::schedule::{Decay, LrSchedule, WeightDecay};
+use candle_dtensor::train::trainer::{
     train_rank, EvalSpec, FsdpSpec, RankReport, SampleSpec, StepInfo, TrainConfig,
 };
-use candle_dtensor::models::{GptConfig, MoeConfig, TpPlan};
 use clap::{CommandFactory, Parser};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -954,7 +955,7 @@ fn write_run_record(dir: &std::path::Path, cfg: &TrainConfig) -> Result<(), Stri
 /// different learning-rate schedule is a warning: the rates then differ from an uninterrupted
 /// run's.
 fn check_resume(dir: &std::path::Path, cfg: &TrainConfig) -> Result<(), String> {
-    use candle_dtensor::models::checkpoint::{latest_step, read_manifest, TensorKind};
+    use candle_dtensor::train::checkpoint::{latest_step, read_manifest, TensorKind};
     let Some(step) = latest_step(dir).map_err(|e| format!("--resume: {e}"))? else {
         return Ok(());
     };
@@ -1476,7 +1477,7 @@ fn run(
 /// The JSON of the mixture-of-experts layers: settings and what they measured per step.
 fn moe_summary(m: &MoeConfig, report: &RankReport) -> serde_json::Value {
     let steps = &report.moe;
-    let ms = |f: fn(&candle_dtensor::models::trainer::MoeStepReport) -> f64| {
+    let ms = |f: fn(&candle_dtensor::train::trainer::MoeStepReport) -> f64| {
         median(&steps.iter().map(f).collect::<Vec<_>>())
     };
     serde_json::json!({

@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use candle_dtensor::comm::{CommOptions, LocalWorld};
 use candle_dtensor::mesh::DeviceMesh;
-use candle_dtensor::models::device::DeviceSpec;
+use candle_dtensor::train::device::DeviceSpec;
 use clap::{Parser, ValueEnum};
 use llama::{Arch, Plant, Report, Run, Sizes, Tolerances};
 

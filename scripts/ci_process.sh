@@ -119,7 +119,7 @@ print(f"fault-tolerant HSDP: finished 8 steps on the surviving replica, recovery
       f"(stall {d['recoveries'][0]['stall_ms']:.0f} ms)")
 PY
 # The local-backend twin (rank thread 3 fails after step 4): the same losses bit for bit, so the
-# process run is held to what crates/models/tests/ft_hsdp.rs proves for the local one (the losses after
+# process run is held to what crates/parallel/tests/ft_hsdp.rs proves for the local one (the losses after
 # the fault equal a run started on the surviving replica's state, 1e-5 relative).
 "$tg" --mesh replicate=2,shard=2 --hsdp --fault-tolerant --steps 8 --timeout 1 --json \
   --inject-fault rank=3,step=4 --out "$out/ft_local" | tail -1 > "$out/ft_local.json"

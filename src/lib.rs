@@ -6,8 +6,11 @@ pub use candle_dtensor_core as dtensor;
 pub use candle_dtensor_kernels as kernels;
 pub use candle_dtensor_mesh as mesh;
 pub use candle_dtensor_models as models;
-pub use candle_dtensor_models::nn;
+/// The differentiable drop-ins for candle-nn's fused ops ([`models::dropins`]).
+pub use candle_dtensor_models::dropins as nn;
+pub use candle_dtensor_parallel as parallel;
 pub use candle_dtensor_strategies as strategies;
+pub use candle_dtensor_train as train;
 
 pub mod prelude;
 

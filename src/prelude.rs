@@ -17,18 +17,17 @@ pub use candle_dtensor_comm::{Comm, LocalWorld};
 pub use candle_dtensor_core::debug::{label, CommDebugMode, Phase};
 pub use candle_dtensor_core::{distribute_tensor, DTensor, Placement};
 pub use candle_dtensor_mesh::DeviceMesh;
-pub use candle_dtensor_models::fsdp::{Fsdp, FsdpConfig, FsdpOptimizer, GradReduce};
-pub use candle_dtensor_models::fsdp_vb::{
+pub use candle_dtensor_models::{Gpt, GptConfig, ModelError};
+pub use candle_dtensor_parallel::fsdp::{Fsdp, FsdpConfig, FsdpOptimizer, GradReduce};
+pub use candle_dtensor_parallel::fsdp_vb::{
     reference_var_builder, FsdpModule, FsdpVarMap, ROOT_UNIT,
 };
-pub use candle_dtensor_models::init::Init;
-pub use candle_dtensor_models::optim::AdamW;
-pub use candle_dtensor_models::tp_nn::{
+pub use candle_dtensor_parallel::init::Init;
+pub use candle_dtensor_parallel::tp_nn::{
     column_parallel_linear, column_parallel_linear_no_bias, row_parallel_linear,
     row_parallel_linear_no_bias, vocab_parallel_embedding, ColumnParallelLinear, Group,
     RowParallelLinear, TpLinearConfig, VocabParallelEmbedding,
 };
-pub use candle_dtensor_models::{
-    Gpt, GptConfig, MeshRoles, ModelError, ParallelStyle, ParamStore, TpPlan,
-};
+pub use candle_dtensor_parallel::{MeshRoles, ParallelStyle, ParamStore, TpPlan};
+pub use candle_dtensor_train::optim::AdamW;
 pub use candle_nn::{Optimizer, ParamsAdamW};

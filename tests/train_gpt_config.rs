@@ -17,7 +17,7 @@ use common::Scratch;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use candle_dtensor::models::schedule::{Decay, LrSchedule};
+use candle_dtensor::train::schedule::{Decay, LrSchedule};
 use clap::CommandFactory;
 use train_gpt::{Args, Failure};
 
@@ -779,7 +779,7 @@ fn resuming_another_model_shape_is_refused() {
         assert!(e.contains("step 2"), "{e}");
     }
     // Nothing was trained or saved by the refused runs; the same shape resumes.
-    let steps = candle_dtensor::models::checkpoint::complete_steps(Path::new(&ckpt)).unwrap();
+    let steps = candle_dtensor::train::checkpoint::complete_steps(Path::new(&ckpt)).unwrap();
     assert_eq!(steps, [2]);
     let s = ok(&with(&["--steps", "4", "--resume"]));
     assert_eq!(s["start_step"], 2);

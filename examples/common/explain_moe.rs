@@ -25,8 +25,9 @@ use candle_dtensor::dtensor::debug::{CollectiveRecord, CommDebugMode, Phase};
 use candle_dtensor::dtensor::{distribute_tensor, DTensor, Placement};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::layers::Builder;
-use candle_dtensor::models::moe::MoeGroups;
-use candle_dtensor::models::{DispatchKind, MeshRoles, MoeConfig, MoeLayer, ParamStore, TpPlan};
+use candle_dtensor::models::MoeLayer;
+use candle_dtensor::parallel::moe::MoeGroups;
+use candle_dtensor::parallel::{DispatchKind, MeshRoles, MoeConfig, ParamStore, TpPlan};
 use serde_json::json;
 
 type BoxErr = Box<dyn Error + Send + Sync>;

@@ -1,8 +1,8 @@
 //! Shared by `examples/train_llama.rs` and `tests/llama.rs`: a llama-architecture model written
 //! as a user writes one (candle-nn layers, `candle_dtensor::nn`'s differentiable drop-ins, and
-//! optionally `candle_dtensor::models::tp_nn`'s tensor-parallel layers), candle-transformers'
+//! optionally `candle_dtensor::parallel::tp_nn`'s tensor-parallel layers), candle-transformers'
 //! own llama, and their training: on one device a hand-written candle-nn loop (the reference),
-//! as one rank of FSDP (x TP) the library trainer (`candle_dtensor::models::fit::Trainer`),
+//! as one rank of FSDP (x TP) the library trainer (`candle_dtensor::train::fit::Trainer`),
 //! recording losses and every gradient so the two can be compared.
 #![allow(dead_code)]
 
@@ -14,13 +14,13 @@ use candle_dtensor::kernels::compare::{
     abs_sum, compare_series_f32, max_abs_diff, nan_max, Mismatch, SeriesDiff,
 };
 use candle_dtensor::mesh::DeviceMesh;
-use candle_dtensor::models::data::Corpus;
-use candle_dtensor::models::fit::{TrainVars, Trainer, TrainerConfig};
-use candle_dtensor::models::fsdp::{Fsdp, FsdpConfig, GradReduce};
-use candle_dtensor::models::fsdp_vb::{reference_var_builder, FsdpVarMap, ROOT_UNIT};
-use candle_dtensor::models::tp_nn::{self, Group, TpLinearConfig};
 use candle_dtensor::nn::{ops, rms_norm, rotary_emb, RmsNorm};
+use candle_dtensor::parallel::fsdp::{Fsdp, FsdpConfig, GradReduce};
+use candle_dtensor::parallel::fsdp_vb::{reference_var_builder, FsdpVarMap, ROOT_UNIT};
+use candle_dtensor::parallel::tp_nn::{self, Group, TpLinearConfig};
 use candle_dtensor::strategies::layout::shard_size_and_offset;
+use candle_dtensor::train::data::Corpus;
+use candle_dtensor::train::fit::{TrainVars, Trainer, TrainerConfig};
 use candle_nn::{Optimizer, ParamsAdamW, VarBuilder};
 
 /// Boxed error of a run.
@@ -535,7 +535,7 @@ pub fn train_one_device(run: &Run) -> Result<Report, BoxErr> {
 }
 
 /// Trains as one rank of a `dp x tp` mesh with the library trainer
-/// ([`candle_dtensor::models::fit::Trainer`]): FSDP over `dp` with a unit per block (`--arch
+/// ([`candle_dtensor::train::fit::Trainer`]): FSDP over `dp` with a unit per block (`--arch
 /// own`: each block's forward wrapped; candle-transformers: its whole forward as the root
 /// unit), tensor parallelism over `tp` (own model only). Each dp rank trains on its rows of the
 /// global batch; its loss is their mean, so gradients (and the reported loss) are averaged.

@@ -1,7 +1,7 @@
 //! A local world's rank thread on the device `--device` names (train_gpt, train_llama).
 
 use candle_dtensor::comm::{new_comm, Comm, CommOptions};
-use candle_dtensor::models::device::DeviceSpec;
+use candle_dtensor::train::device::DeviceSpec;
 
 /// `comm` itself on the CPU; otherwise a communicator of the local backend over the same
 /// ranks on this rank's GPU (`cuda:(rank % gpus)` or `cuda:N`). Collective: every rank of the

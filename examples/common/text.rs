@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use candle_dtensor::models::data::Corpus;
+use candle_dtensor::train::data::Corpus;
 
 /// How text becomes tokens.
 pub enum Tokenizer {

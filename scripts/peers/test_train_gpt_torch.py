@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Checks of the PyTorch twin's pieces against the values the Rust code's own tests state
-(crates/models/src/schedule.rs, crates/models/src/data.rs), and of its safetensors files.
+(crates/train/src/schedule.rs, crates/train/src/data.rs), and of its safetensors files.
 
 Usage: target/peers-venv/bin/python scripts/peers/test_train_gpt_torch.py
 (needs torch; the safetensors check also needs the safetensors package and numpy, and is

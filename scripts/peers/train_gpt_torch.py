@@ -4,9 +4,9 @@
 Same model (crates/models/src/gpt.rs, crates/models/src/layers.rs; presets tiny, small, gpt2, gpt2-medium and
 the shape flags), same parameter names and layouts, same data (byte-level tokens of --data, or
 train_gpt's synthetic corpus without it), held-out split and batch sampling
-(crates/models/src/data.rs, crates/models/src/trainer.rs; splitmix64 on 64-bit-masked ints),
-same AdamW (candle-nn's math, crates/models/src/optim.rs), learning-rate schedule and weight-decay
-policy (crates/models/src/schedule.rs), and the same loss CSV as `train_gpt --out PREFIX`
+(crates/train/src/data.rs, crates/train/src/trainer.rs; splitmix64 on 64-bit-masked ints),
+same AdamW (candle-nn's math, crates/train/src/optim.rs), learning-rate schedule and weight-decay
+policy (crates/train/src/schedule.rs), and the same loss CSV as `train_gpt --out PREFIX`
 (`step,loss,eval_loss`), so that
 
     train_gpt_torch.py --data text.txt --steps 200 --eval-every 50 --save-init init.safetensors --out twin
@@ -45,11 +45,11 @@ import sys
 import time
 
 M64 = (1 << 64) - 1
-EVAL_SEED = 0xE7A1  # crates/models/src/trainer.rs
+EVAL_SEED = 0xE7A1  # crates/train/src/trainer.rs
 
 
 def splitmix64(z):
-    """crates/models/src/data.rs `splitmix64`, on Python ints masked to 64 bits."""
+    """crates/train/src/data.rs `splitmix64`, on Python ints masked to 64 bits."""
     z = (z + 0x9E3779B97F4A7C15) & M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
@@ -145,7 +145,7 @@ def fingerprint(tokens, vocab):
 
 
 # ----------------------------------------------------------------------------------------------
-# Schedule and weight decay: crates/models/src/schedule.rs.
+# Schedule and weight decay: crates/train/src/schedule.rs.
 
 
 def lr_at(step, lr, warmup, decay, steps, min_lr):

@@ -3,14 +3,20 @@
 use candle_dtensor_comm::CommError;
 use candle_dtensor_core::DTensorError;
 use candle_dtensor_mesh::MeshError;
+use candle_dtensor_parallel::{MoeError, ParallelError};
 
-/// Errors of model construction and training.
+/// Errors of model construction and the models' forward passes.
 #[non_exhaustive]
 #[derive(thiserror::Error)]
 pub enum ModelError {
     /// A bad configuration (mesh vs. model sizes, unknown names, ...).
     #[error("config: {0}")]
     Config(String),
+    /// Sharding, a tensor-parallel plan or the expert-parallel dispatch failed (FSDP's
+    /// [`ParallelError::ReleasedParameter`], a mixture-of-experts layer's [`MoeError`], ...;
+    /// boxed: [`ParallelError`] is large).
+    #[error(transparent)]
+    Parallel(Box<ParallelError>),
     /// A DTensor op failed.
     #[error(transparent)]
     DTensor(#[from] DTensorError),
@@ -20,46 +26,20 @@ pub enum ModelError {
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] CommError),
-    /// Fault-tolerant training ([`crate::trainer::TrainConfig::fault_tolerant`]) cannot go on:
-    /// every replica lost a rank, or a step failed while no rank was lost.
-    #[error("fault-tolerant training stops at step {step}: {reason} (lost world ranks {lost:?})")]
-    Unrecoverable {
-        /// The global step that failed.
-        step: usize,
-        /// The ranks of the original world that were lost so far.
-        lost: Vec<usize>,
-        /// Why the survivors cannot continue.
-        reason: String,
-    },
     /// A candle op failed.
     #[error("candle: {0}")]
     Candle(candle_core::Error),
-    /// An FSDP unit's forward read a parameter whose storage is released: one used outside
-    /// the unit that owns it (e.g. a tied weight shared by two units).
-    #[error(
-        "FSDP: the forward of unit `{unit}` read a released parameter (candle: {candle}); released now: [{}]. Use every parameter inside the forward of the unit that owns it: put shared (tied) parameters in one unit (e.g. the root), or wrap the module that uses them",
-        released.join(", ")
-    )]
-    ReleasedParameter {
-        /// The unit whose forward failed.
-        unit: String,
-        /// The parameters whose storage was released at that moment.
-        released: Vec<String>,
-        /// candle's error.
-        candle: String,
-    },
-    /// A mixture-of-experts layer failed (bad settings, ranks that disagree).
-    #[error(transparent)]
-    Moe(#[from] crate::moe::MoeError),
-    /// Saving or loading a checkpoint failed (boxed: the integrity errors carry paths and
-    /// names).
-    #[error(transparent)]
-    Checkpoint(Box<crate::checkpoint::CheckpointError>),
 }
 
-impl From<crate::checkpoint::CheckpointError> for ModelError {
-    fn from(e: crate::checkpoint::CheckpointError) -> Self {
-        ModelError::Checkpoint(Box::new(e))
+impl From<ParallelError> for ModelError {
+    fn from(e: ParallelError) -> Self {
+        ModelError::Parallel(Box::new(e))
+    }
+}
+
+impl From<MoeError> for ModelError {
+    fn from(e: MoeError) -> Self {
+        ParallelError::from(e).into()
     }
 }
 
@@ -74,8 +54,8 @@ impl std::fmt::Debug for ModelError {
 /// `Result` with [`ModelError`].
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 
-/// Carried through candle ops (FSDP's graph nodes) as candle's `WrappedContext`, which keeps
-/// the typed error downcastable; `From<candle_core::Error>` recovers it.
+/// Carried through candle ops as candle's `WrappedContext`, which keeps the typed error
+/// downcastable; `From<candle_core::Error>` recovers it.
 impl From<ModelError> for candle_core::Error {
     fn from(e: ModelError) -> Self {
         candle_core::Error::WrappedContext {
@@ -86,6 +66,9 @@ impl From<ModelError> for candle_core::Error {
     }
 }
 
+/// A wrapped [`ModelError`] comes back as itself; anything else as [`ParallelError`]'s
+/// conversion makes it (a wrapped [`ParallelError`], e.g. FSDP's, as [`ModelError::Parallel`];
+/// a DTensor or plain candle error as [`ModelError::DTensor`] or [`ModelError::Candle`]).
 impl From<candle_core::Error> for ModelError {
     fn from(e: candle_core::Error) -> Self {
         use candle_core::Error as E;
@@ -113,9 +96,10 @@ impl From<candle_core::Error> for ModelError {
         if holds_model(&e) {
             return take(e);
         }
-        match DTensorError::in_candle(&e) {
-            Some(_) => ModelError::DTensor(DTensorError::from_candle("", 0, e)),
-            None => ModelError::Candle(e),
+        match ParallelError::from(e) {
+            ParallelError::Candle(e) => ModelError::Candle(e),
+            ParallelError::DTensor(e) => ModelError::DTensor(e),
+            other => other.into(),
         }
     }
 }

@@ -1,5 +1,5 @@
 //! A GPT: token + position embedding, pre-norm blocks, final norm, LM head (tied or untied);
-//! with [`GptConfig::moe`], every n-th block's MLP is a mixture of experts ([`crate::moe`]).
+//! with [`GptConfig::moe`], every n-th block's MLP is a mixture of experts ([`crate::moe_layer`]).
 
 use std::sync::Mutex;
 
@@ -7,15 +7,18 @@ use candle_core::DType;
 use candle_dtensor_core::{DTensor, Placement};
 use candle_dtensor_mesh::DeviceMesh;
 
+use candle_dtensor_parallel::fsdp::Fsdp;
+use candle_dtensor_parallel::init::Init;
+use candle_dtensor_parallel::moe::{MoeConfig, MoeGroups, MoeStats};
+use candle_dtensor_parallel::params::ParamStore;
+use candle_dtensor_parallel::tp_plan::{MeshRoles, TpPlan};
+
+use crate::builder::Builder;
 use crate::error::{ModelError, Result};
-use crate::fsdp::Fsdp;
-use crate::init::Init;
 use crate::layers::{
-    Attention, Block, Builder, Embedding, FeedForward, LayerNorm, Linear, Mlp, Norm, RmsNorm,
+    Attention, Block, Embedding, FeedForward, LayerNorm, Linear, Mlp, Norm, RmsNorm,
 };
-use crate::moe::{MoeConfig, MoeGroups, MoeLayer, MoeStats};
-use crate::params::ParamStore;
-use crate::plan::{MeshRoles, TpPlan};
+use crate::moe_layer::MoeLayer;
 
 /// Which norm the blocks use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,51 +1,18 @@
 //! DTensor-native layers: `Linear`, `Embedding`, `LayerNorm`, `RmsNorm`, causal multi-head
 //! `Attention`, `Mlp` (GELU or SwiGLU), and a pre-norm transformer `Block` whose feed-forward is
-//! an `Mlp` or a mixture of experts ([`crate::moe::MoeLayer`]).
+//! an `Mlp` or a mixture of experts ([`crate::moe_layer::MoeLayer`]).
 //!
 //! Each layer is written as for one device; its parameters' placements and its boundary
-//! layouts come from the [`TpPlan`] style of its name. Shapes in the docs are global.
+//! layouts come from the [`TpPlan`](candle_dtensor_parallel::TpPlan) style of its name. Shapes in the docs are global.
 
 use candle_dtensor_core::{DTensor, Placement};
 
+use candle_dtensor_parallel::init::Init;
+use candle_dtensor_parallel::tp_plan::{MeshRoles, ParallelStyle};
+
+pub use crate::builder::Builder;
 use crate::error::{ModelError, Result};
-use crate::init::Init;
-use crate::moe::MoeLayer;
-use crate::params::ParamStore;
-use crate::plan::{MeshRoles, ParallelStyle, TpPlan};
-
-/// What layers need while being built: the parameter store, the mesh roles and the plan.
-pub struct Builder<'a> {
-    /// Where parameters are created.
-    pub store: &'a mut ParamStore,
-    /// Mesh dim roles.
-    pub roles: MeshRoles,
-    /// The tensor-parallel plan.
-    pub plan: TpPlan,
-}
-
-impl Builder<'_> {
-    fn tp_size(&self) -> usize {
-        self.roles
-            .tp
-            .and_then(|t| self.store.mesh().size(t).ok())
-            .unwrap_or(1)
-    }
-
-    /// Placements of a parameter: `on_tp` on the tensor-parallel dim, Replicate elsewhere.
-    fn param_placements(&self, on_tp: Placement) -> Vec<Placement> {
-        self.roles.placements(on_tp, Placement::Replicate).to_vec()
-    }
-
-    fn check_divisible(&self, what: &str, n: usize) -> Result<()> {
-        let tp = self.tp_size();
-        if n % tp != 0 {
-            return Err(ModelError::Config(format!(
-                "{what} ({n}) is not divisible by the tensor-parallel size {tp}"
-            )));
-        }
-        Ok(())
-    }
-}
+use crate::moe_layer::MoeLayer;
 
 /// `y = x W^T + b` with `W: [out, in]`, `b: [out]`, `x: [.., in]`.
 pub struct Linear {

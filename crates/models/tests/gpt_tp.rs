@@ -1,4 +1,6 @@
 //! GPT under tensor parallelism matches the single-rank model.
+// The GPT-training helpers every crate's GPT tests share (they train through train's run).
+#[path = "../../train/tests/common/mod.rs"]
 mod common;
 
 use std::time::Duration;
@@ -8,8 +10,9 @@ use candle_dtensor_comm::LocalWorld;
 use candle_dtensor_core::debug::CommDebugMode;
 use candle_dtensor_kernels::compare::compare_series_f32;
 use candle_dtensor_mesh::DeviceMesh;
-use candle_dtensor_models::data::Corpus;
-use candle_dtensor_models::{Gpt, TpPlan};
+use candle_dtensor_models::Gpt;
+use candle_dtensor_parallel::TpPlan;
+use candle_dtensor_train::data::Corpus;
 use candle_nn::Optimizer;
 
 use common::{micro_gpt, R};

@@ -1,8 +1,8 @@
-//! The differentiable drop-ins of `models::nn` against candle-nn: the same values as candle-nn's
+//! The differentiable drop-ins of `models::dropins` (`candle_dtensor::nn`) against candle-nn: the same values as candle-nn's
 //! fused ops (which give no gradient), and the same values and gradients as candle's
 //! primitive compositions, for f32 (the fused kernels) and f64 (the compositions).
 use candle_core::{DType, Device, Module, Tensor, Var, D};
-use candle_dtensor_models::nn;
+use candle_dtensor_models::dropins as nn;
 use candle_nn::{VarBuilder, VarMap};
 
 fn values(dims: &[usize], salt: usize, dtype: DType) -> Tensor {

@@ -1,0 +1,485 @@
+//! The library trainer (`train::fit::Trainer`) on a model a user writes with candle-nn (a
+//! norm, a column- then row-parallel MLP with a residual, a head): trained under FSDP over
+//! `dp=2`, FSDP x TP (`dp=2 x tp=2`), HSDP (`replicate=2 x shard=2`) and plain tensor
+//! parallelism (`tp=2`) with the same trainer, it matches one device step by step (losses and
+//! gradient norms within 1e-5 relative, learning rates exactly) with warmup, cosine decay and
+//! clipping that scales every step. Bad settings fail before any step, naming the rule.
+use std::cell::Cell;
+use std::time::Duration;
+
+use candle_core::{DType, Device};
+use candle_dtensor_comm::LocalWorld;
+use candle_dtensor_kernels::compare::{check_series, compare_series_f32};
+use candle_dtensor_mesh::DeviceMesh;
+use candle_dtensor_parallel::fsdp::{Fsdp, FsdpConfig, GradReduce};
+use candle_dtensor_parallel::fsdp_vb::{reference_var_builder, FsdpVarMap};
+use candle_dtensor_parallel::tp_nn::Group;
+use candle_dtensor_train::fit::{
+    FitOptions, StepInfo, TrainVars, Trainer, TrainerConfig, TrainerError,
+};
+use candle_dtensor_train::schedule::{Decay, LrSchedule, ScheduleError, WeightDecay};
+
+#[path = "common/user_mlp.rs"]
+mod user_mlp;
+use user_mlp::{batch, Layer, Mlp, BATCH};
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const SEED: u64 = 7;
+const STEPS: usize = 12;
+/// Low enough that every step's gradient is scaled (asserted).
+const CLIP: f64 = 0.05;
+const TOL: f64 = 1e-5;
+
+fn schedule() -> LrSchedule {
+    LrSchedule::new(2e-2, 3, Decay::Cosine, STEPS, 1e-3).unwrap()
+}
+
+fn config() -> TrainerConfig {
+    TrainerConfig {
+        schedule: Some(schedule()),
+        weight_decay: 0.1,
+        decay_policy: WeightDecay::Matrices { embeddings: false },
+        clip: Some(CLIP),
+        tokens_per_step: BATCH,
+        ..TrainerConfig::default()
+    }
+}
+
+fn no_wrap(_: &str, l: Layer) -> candle_core::Result<Layer> {
+    Ok(l)
+}
+
+/// One device: the whole batch every step.
+fn one_device(cfg: TrainerConfig) -> R<Vec<StepInfo>> {
+    let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+    let vars = TrainVars::local(None, &map, vb);
+    let model = Mlp::new(vars.var_builder()?, None, &no_wrap)?;
+    let mut trainer = Trainer::new(vars, cfg)?;
+    let report = trainer.fit(
+        STEPS,
+        |step| batch(step, 0..BATCH),
+        |(x, y)| model.loss(x, y),
+        FitOptions::new(),
+    )?;
+    Ok(report.steps)
+}
+
+/// How a distributed run lays the model out.
+#[derive(Debug, Clone, Copy)]
+enum Layout {
+    /// FSDP over `dp`.
+    Fsdp,
+    /// FSDP over `dp`, tensor parallelism over `tp`.
+    FsdpTp,
+    /// FSDP over `shard`, replicated over `replicate`.
+    Hsdp,
+    /// Tensor parallelism over `tp`, no FSDP.
+    Tp,
+}
+
+impl Layout {
+    fn dims(self) -> Vec<(&'static str, usize)> {
+        match self {
+            Layout::Fsdp => vec![("dp", 2)],
+            Layout::FsdpTp => vec![("dp", 2), ("tp", 2)],
+            Layout::Hsdp => vec![("replicate", 2), ("shard", 2)],
+            Layout::Tp => vec![("tp", 2)],
+        }
+    }
+}
+
+/// A rank's steps and the copies of each of its parameters, by name.
+type RankRun = (Vec<StepInfo>, Vec<(String, usize)>);
+
+/// One rank's run of `layout`.
+fn rank_run(mesh: &DeviceMesh, layout: Layout) -> R<RankRun> {
+    let coord = mesh.coordinate();
+    // Data-parallel index and count: this rank's rows of the global batch.
+    let (dpi, dpn) = match layout {
+        Layout::Fsdp | Layout::FsdpTp => (coord[0], 2),
+        Layout::Hsdp => (coord[0] * 2 + coord[1], 4),
+        Layout::Tp => (0, 1),
+    };
+    let rows = BATCH / dpn;
+    let rows = dpi * rows..(dpi + 1) * rows;
+    let tp = match layout {
+        Layout::FsdpTp | Layout::Tp => Some(Group::from_mesh(mesh, "tp")?),
+        _ => None,
+    };
+    let (model, mut trainer) = match layout {
+        Layout::Tp => {
+            let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+            let vars = TrainVars::local(Some(mesh), &map, vb);
+            let model = Mlp::new(vars.var_builder()?, tp.as_ref(), &no_wrap)?;
+            (model, Trainer::new(vars, config())?)
+        }
+        _ => {
+            let mut fc = match layout {
+                Layout::Hsdp => FsdpConfig::new(1, GradReduce::Avg),
+                _ => FsdpConfig::new(0, GradReduce::Avg),
+            };
+            if let Layout::Hsdp = layout {
+                fc.replicate_dim = Some(0);
+            }
+            let fsdp = Fsdp::new(mesh, fc)?;
+            let map = FsdpVarMap::new(&fsdp, SEED);
+            let vars = TrainVars::fsdp(mesh, &fsdp, &map, DType::F32);
+            let wrap = |key: &str, l: Layer| -> candle_core::Result<Layer> {
+                Ok(Layer(Box::new(map.wrap(key, l)?)))
+            };
+            let model = Mlp::new(vars.var_builder()?, tp.as_ref(), &wrap)?;
+            (model, Trainer::new(vars, config())?)
+        }
+    };
+    let copies = trainer
+        .params()
+        .iter()
+        .map(|p| (p.name.clone(), p.copies))
+        .collect();
+    let report = trainer.fit(
+        STEPS,
+        |step| batch(step, rows.clone()),
+        |(x, y)| model.loss(x, y),
+        FitOptions::new(),
+    )?;
+    Ok((report.steps, copies))
+}
+
+/// Every rank's run of `layout`, by rank.
+fn distributed(layout: Layout) -> Vec<RankRun> {
+    let dims = layout.dims();
+    let n = dims.iter().map(|d| d.1).product();
+    LocalWorld::new(n)
+        .with_timeout(Duration::from_secs(60))
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, &dims)?;
+            rank_run(&mesh, layout)
+        })
+        .unwrap_or_else(|e| panic!("{layout:?}: {e}"))
+}
+
+fn losses(s: &[StepInfo]) -> Vec<f32> {
+    s.iter().map(|i| i.loss).collect()
+}
+
+fn norms(s: &[StepInfo]) -> Vec<f64> {
+    s.iter()
+        .map(|i| i.grad_norm.expect("clipping computes the norm every step"))
+        .collect()
+}
+
+#[test]
+fn every_layout_trains_the_users_model_as_one_device_does() {
+    let one = one_device(config()).unwrap();
+    assert_eq!(one.len(), STEPS);
+    let want_lrs: Vec<f64> = (0..STEPS).map(|k| schedule().lr_at(k)).collect();
+    assert_eq!(one.iter().map(|s| s.lr).collect::<Vec<_>>(), want_lrs);
+    // Clipping happens at every step (the norm before clipping is above the threshold).
+    for s in &one {
+        assert!(
+            s.grad_norm.unwrap() > CLIP,
+            "step {}: {:?}",
+            s.step,
+            s.grad_norm
+        );
+        assert_eq!(s.tokens, BATCH);
+    }
+    assert!(
+        one[STEPS - 1].loss < 0.8 * one[0].loss,
+        "it trains: {:?}",
+        losses(&one)
+    );
+    for layout in [Layout::Fsdp, Layout::FsdpTp, Layout::Hsdp, Layout::Tp] {
+        let runs = distributed(layout);
+        for (rank, (steps, copies)) in runs.iter().enumerate() {
+            let what = format!("{layout:?} rank {rank}");
+            compare_series_f32(&format!("{what} loss"), &losses(steps), &losses(&one))
+                .and_then(|d| d.within(TOL))
+                .unwrap_or_else(|e| panic!("{e}"));
+            check_series(
+                &format!("{what} gradient norm"),
+                &norms(steps),
+                &norms(&one),
+                TOL,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(
+                steps.iter().map(|s| s.lr).collect::<Vec<_>>(),
+                want_lrs,
+                "{what}"
+            );
+            // The copies the trainer worked out: a tensor-parallel piece is held once per
+            // data-parallel shard; a parameter replicated over tp (the norm, the head, the
+            // row-parallel bias) or over HSDP's replicate dim by each replica.
+            let copies_of = |name: &str| copies.iter().find(|c| c.0 == name).unwrap().1;
+            let (piece, replicated) = match layout {
+                Layout::Fsdp => (1, 1),
+                Layout::FsdpTp => (1, 2),
+                Layout::Hsdp => (2, 2),
+                Layout::Tp => (1, 2),
+            };
+            assert_eq!(copies_of("fc1.weight"), piece, "{what}: {copies:?}");
+            assert_eq!(copies_of("fc2.weight"), piece, "{what}: {copies:?}");
+            assert_eq!(copies_of("fc2.bias"), replicated, "{what}: {copies:?}");
+            assert_eq!(copies_of("norm.weight"), replicated, "{what}: {copies:?}");
+            assert_eq!(copies_of("head.weight"), replicated, "{what}: {copies:?}");
+        }
+    }
+}
+
+#[test]
+fn clipping_changes_training_and_the_norm_is_the_gradients_norm() {
+    // Without clipping the run differs (the clip of the other test is not a no-op).
+    let clipped = one_device(config()).unwrap();
+    let free = one_device(TrainerConfig {
+        clip: None,
+        grad_norm_every: 1,
+        ..config()
+    })
+    .unwrap();
+    assert_eq!(clipped[0].loss, free[0].loss, "same first forward");
+    assert_eq!(clipped[0].grad_norm, free[0].grad_norm, "same first norm");
+    assert_ne!(clipped[STEPS - 1].loss, free[STEPS - 1].loss);
+    // The trainer's norm is sqrt(sum of squared gradients), computed here by hand.
+    let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+    let vars = TrainVars::local(None, &map, vb);
+    let model = Mlp::new(vars.var_builder().unwrap(), None, &no_wrap).unwrap();
+    let mut trainer = Trainer::new(
+        vars,
+        TrainerConfig {
+            clip: None,
+            grad_norm_every: 1,
+            ..config()
+        },
+    )
+    .unwrap();
+    let (x, y) = batch(0, 0..BATCH).unwrap();
+    let g = trainer.forward_backward(|| model.loss(&x, &y)).unwrap();
+    let mut sq = 0f64;
+    let mut with_grad = 0;
+    for v in map.all_vars() {
+        let grad = g
+            .grads()
+            .get(v.as_tensor())
+            .expect("every parameter trains");
+        sq += grad
+            .to_dtype(DType::F64)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
+        with_grad += 1;
+    }
+    assert_eq!(
+        with_grad, 7,
+        "the norm's weight; fc1, fc2, head: weights and biases"
+    );
+    let norm = g.grad_norm().unwrap();
+    assert!(
+        (norm - sq.sqrt()).abs() <= 1e-12 * norm,
+        "{norm} vs {}",
+        sq.sqrt()
+    );
+    assert!(!g.clipped());
+    let info = trainer.apply(g).unwrap();
+    assert_eq!(info.grad_norm, Some(norm));
+    assert_eq!(trainer.steps_done(), 1);
+}
+
+#[test]
+fn a_warmup_longer_than_the_run_is_refused_before_any_step() {
+    // A schedule built field by field, past LrSchedule::new's check: Trainer::new refuses it.
+    let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+    let vars = TrainVars::local(None, &map, vb);
+    let model = Mlp::new(vars.var_builder().unwrap(), None, &no_wrap).unwrap();
+    let literal = LrSchedule {
+        lr: 1e-2,
+        warmup: 20,
+        decay: Decay::Cosine,
+        steps: 10,
+        min_lr: 0.0,
+    };
+    let err = Trainer::new(
+        vars,
+        TrainerConfig {
+            schedule: Some(literal),
+            ..config()
+        },
+    )
+    .err()
+    .expect("a warmup of 20 in a 10-step schedule");
+    assert!(
+        matches!(
+            err,
+            TrainerError::Schedule(ScheduleError::WarmupTooLong {
+                warmup: 20,
+                steps: 10
+            })
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("rule: warmup <= steps"), "{err}");
+
+    // A valid schedule (warmup 8 of 10 steps) and a run of 5 steps: fit refuses to start.
+    let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+    let vars = TrainVars::local(None, &map, vb);
+    let model2 = Mlp::new(vars.var_builder().unwrap(), None, &no_wrap).unwrap();
+    let mut trainer = Trainer::new(
+        vars,
+        TrainerConfig {
+            schedule: Some(LrSchedule::new(1e-2, 8, Decay::Cosine, 10, 0.0).unwrap()),
+            ..config()
+        },
+    )
+    .unwrap();
+    let before: Vec<Vec<f32>> = map
+        .all_vars()
+        .iter()
+        .map(|v| v.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect();
+    let batches = Cell::new(0);
+    let err = trainer
+        .fit(
+            5,
+            |step| {
+                batches.set(batches.get() + 1);
+                batch(step, 0..BATCH)
+            },
+            |(x, y)| model2.loss(x, y),
+            FitOptions::new(),
+        )
+        .expect_err("warmup 8 > 5 steps");
+    assert!(
+        matches!(
+            err,
+            TrainerError::Schedule(ScheduleError::WarmupTooLong {
+                warmup: 8,
+                steps: 5
+            })
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("warmup <= steps"), "{err}");
+    assert_eq!(batches.get(), 0, "no batch was drawn");
+    assert_eq!(trainer.steps_done(), 0);
+    let after: Vec<Vec<f32>> = map
+        .all_vars()
+        .iter()
+        .map(|v| v.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect();
+    assert_eq!(before, after, "no parameter moved");
+    drop(model);
+}
+
+#[test]
+fn bad_settings_and_untracked_parameters_are_named() {
+    let make = |cfg: TrainerConfig| -> Result<Trainer, TrainerError> {
+        let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+        let vars = TrainVars::local(None, &map, vb);
+        let _model = Mlp::new(vars.var_builder()?, None, &no_wrap)?;
+        Trainer::new(vars, cfg)
+    };
+    for (cfg, field) in [
+        (
+            TrainerConfig {
+                clip: Some(0.0),
+                ..config()
+            },
+            "clip",
+        ),
+        (
+            TrainerConfig {
+                beta1: 1.0,
+                ..config()
+            },
+            "beta1",
+        ),
+        (
+            TrainerConfig {
+                lr: f64::NAN,
+                ..config()
+            },
+            "lr",
+        ),
+    ] {
+        match make(cfg) {
+            Err(TrainerError::Config { field: f, .. }) => assert_eq!(f, field),
+            Err(e) => panic!("{field}: {e}"),
+            Ok(_) => panic!("{field}: accepted"),
+        }
+    }
+    // An FSDP layer built from the map's own VarBuilder, not the trainer's: its tensor-parallel
+    // piece would be unknown, so the trainer refuses it by name.
+    let err = LocalWorld::new(2)
+        .with_timeout(Duration::from_secs(60))
+        .launch(|comm| -> R<String> {
+            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
+            let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
+            let map = FsdpVarMap::new(&fsdp, SEED);
+            let vars = TrainVars::fsdp(&mesh, &fsdp, &map, DType::F32);
+            let _l1 = candle_nn::linear(4, 8, vars.var_builder()?.pp("l1"))?;
+            let _l2 = candle_nn::linear(8, 2, map.var_builder(DType::F32).pp("l2"))?;
+            Ok(match Trainer::new(vars, config()) {
+                Err(TrainerError::Params(m)) => m,
+                Err(e) => format!("another error: {e}"),
+                Ok(_) => "accepted".into(),
+            })
+        })
+        .unwrap();
+    for m in err {
+        assert!(
+            m.contains("l2.weight") && m.contains("l2.bias") && !m.contains("l1."),
+            "{m}"
+        );
+    }
+    // The evaluation closure runs and its global mean is recorded after every 4 steps and the
+    // last; an evaluation period of 0 is refused.
+    let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+    let vars = TrainVars::local(None, &map, vb);
+    let model = Mlp::new(vars.var_builder().unwrap(), None, &no_wrap).unwrap();
+    let mut trainer = Trainer::new(vars, config()).unwrap();
+    let held_out = batch(1000, 0..BATCH).unwrap();
+    let e = trainer
+        .fit(
+            STEPS,
+            |step| batch(step, 0..BATCH),
+            |(x, y)| model.loss(x, y),
+            FitOptions::new().eval_every(0, || model.loss(&held_out.0, &held_out.1)),
+        )
+        .expect_err("eval every 0");
+    assert!(
+        matches!(
+            e,
+            TrainerError::Config {
+                field: "eval every",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let mut seen = 0;
+    let report = trainer
+        .fit(
+            STEPS - 2,
+            |step| batch(step, 0..BATCH),
+            |(x, y)| model.loss(x, y),
+            FitOptions::new()
+                .eval_every(4, || model.loss(&held_out.0, &held_out.1))
+                .on_step(|_| seen += 1),
+        )
+        .unwrap();
+    assert_eq!(seen, STEPS - 2);
+    let at: Vec<usize> = report.eval_losses.iter().map(|e| e.0).collect();
+    assert_eq!(at, [4, 8, 10]);
+    let direct = model
+        .loss(&held_out.0, &held_out.1)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    // The last evaluation ran at the parameters the run ended with.
+    assert_eq!(report.eval_losses[2].1, direct);
+}
