@@ -527,7 +527,7 @@ mod tests {
         assert!(cap >= RETAINED_MIN_BYTES);
         assert!(cap >= physical_memory_bytes() / 2);
         assert_eq!(stats().retained_max_bytes, cap as u64);
-        // The trim itself is tested in crates/comm/tests/memory_cap.rs (its own process: which arena
+        // The trim itself is tested in crates/comm-core/tests/memory_cap.rs (its own process: which arena
         // a test thread of this binary allocates from is not under the test's control).
     }
 
