@@ -1,7 +1,7 @@
 //! `Comm::shrink` on a healthy communicator: the excluded ranks simply do not call it. What
 //! happens when they are dead (a failed thread, a killed process) needs a launcher that can
 //! kill one, so it is tested by the backends' own tests (`crates/comm/tests/conformance.rs` for
-//! `local`, `process/tests.rs` for `process`).
+//! `local`, `crates/comm-process/src/tests.rs` for `process`).
 
 use super::*;
 

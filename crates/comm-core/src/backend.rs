@@ -499,3 +499,50 @@ pub fn check_output(ctx: &OpCtx, t: &Tensor, dtype: DType, shape: &Shape) -> Res
 pub fn dtype_names(dtypes: &[DType]) -> Vec<String> {
     dtypes.iter().map(|d| d.as_str().to_string()).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unknown_name_lists_the_registered_ones_and_who_registers_the_built_ins() {
+        register_backend(
+            "core-test-unknown",
+            Arc::new(NotCompiled("core-test-unknown")),
+        );
+        let e = crate::new_comm("no-such-backend", &Device::Cpu, "x", CommOptions::default())
+            .map(drop)
+            .unwrap_err();
+        match &e {
+            CommError::UnknownBackend { name, available } => {
+                assert_eq!(name, "no-such-backend");
+                assert!(available.contains(&"core-test-unknown".to_string()), "{e}");
+            }
+            other => panic!("{other}"),
+        }
+        let m = e.to_string();
+        assert!(
+            m.contains("candle_dtensor_comm") && m.contains("register_builtin_backends"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn register_if_absent_keeps_the_factory_registered_first() {
+        let first: Arc<dyn BackendFactory> = Arc::new(NotCompiled("first"));
+        assert!(register_backend_if_absent("core-test-absent", first));
+        assert!(!register_backend_if_absent(
+            "core-test-absent",
+            Arc::new(NotCompiled("second"))
+        ));
+        let Err(CommError::NotCompiled { backend, .. }) = crate::new_comm(
+            "core-test-absent",
+            &Device::Cpu,
+            "x",
+            CommOptions::default(),
+        ) else {
+            panic!("the registered factory refuses");
+        };
+        assert_eq!(backend, "first");
+    }
+}

@@ -2,7 +2,7 @@
 //! ([`queue`]), byte views of candle CPU storage, output buffers and the reduction kernels
 //! ([`kernels`]), and how a result reaches the caller (a fresh tensor, or the caller's `*_into`
 //! output). The cross-rank rules they share (descriptors, failures, split checks) are in
-//! [`crate::desc`].
+//! [`crate::kit::desc`].
 
 pub mod bytes;
 pub mod kernels;
@@ -20,7 +20,7 @@ use kernels::{reduce_into, write_into, OutBuf};
 pub const EAGER_BYTES: usize = 64 * 1024;
 
 /// The capabilities of a CPU backend: every supported dtype, abort, shrink (`local` and
-/// `process`; MPI cannot, see `mpi::no_recovery`), and RMA windows or none.
+/// `process`; MPI cannot, see `no_recovery` in candle-dtensor-comm-mpi), and RMA windows or none.
 pub fn capabilities(rma: bool) -> Capabilities {
     Capabilities {
         rma_put: rma,
