@@ -16,13 +16,12 @@ use super::engine::{init_comm, Core, Delivery, Ident, InitArgs};
 use super::version::{Gates, NcclVersion};
 use super::window::NcclWindow;
 use candle_dtensor_comm_core::env::LaunchEnv;
+use candle_dtensor_comm_core::kit::dtype_names;
 use candle_dtensor_comm_core::store::Store;
 use candle_dtensor_comm_core::Comm;
 use candle_dtensor_comm_core::WindowBackend;
 use candle_dtensor_comm_core::Work;
-use candle_dtensor_comm_core::{
-    dtype_names, Backend, Capabilities, Collective, CollectiveOutput, CommOptions,
-};
+use candle_dtensor_comm_core::{Backend, Capabilities, Collective, CollectiveOutput, CommOptions};
 use candle_dtensor_comm_core::{CommError, Result};
 use candle_dtensor_comm_core::{OpCtx, P2POp, ReduceOp, SUPPORTED_DTYPES};
 
