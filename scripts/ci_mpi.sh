@@ -4,7 +4,7 @@
 # `--features mpi`, runs the conformance suite under mpirun (4 and 3 processes), and checks
 # that train_gpt under mpirun reports the same losses as the local backend. (The mpi module's
 # descriptor tests run in `cargo test --workspace`; its other unit tests need the feature:
-# `cargo test -p candle-dtensor-comm --features mpi --lib mpi::`.) Every step is bounded; the
+# `cargo test -p candle-dtensor-comm-mpi --features mpi --lib`.) Every step is bounded; the
 # script prints the time of each step.
 #
 # Usage: scripts/ci_mpi.sh            (from anywhere; needs root or sudo to install packages)
@@ -35,10 +35,11 @@ scripts/setup_mpi.sh
 step "cargo check --workspace --features mpi --all-targets"
 cargo check --workspace --features mpi --all-targets
 
-# The feature changes the comm crate (the backend) and the facade (its mpi_* examples);
-# .ci/run already linted the crates in between, which the feature does not touch.
-step "cargo clippy -p candle-dtensor-comm -p candle-dtensor --all-targets --features mpi"
-cargo clippy -p candle-dtensor-comm -p candle-dtensor --all-targets --features mpi -- -D warnings
+# The feature changes the mpi backend's crate, the comm front that forwards it, and the facade
+# (its mpi_* examples); .ci/run already linted the crates in between, which the feature does
+# not touch.
+step "cargo clippy -p candle-dtensor-comm-mpi -p candle-dtensor-comm -p candle-dtensor --all-targets --features mpi"
+cargo clippy -p candle-dtensor-comm-mpi -p candle-dtensor-comm -p candle-dtensor --all-targets --features mpi -- -D warnings
 
 step "build mpi_conformance and train_gpt ($profile)"
 cargo build "${build_flag[@]}" --features mpi --example mpi_conformance --example train_gpt

@@ -1,5 +1,12 @@
 //! Communicators for candle-dtensor, shaped like torchcomms.
 //!
+//! This crate is the front the rest of the workspace and users depend on. It re-exports
+//! everything of `candle-dtensor-comm-core` (the [`Comm`] front, the [`Backend`] seam, [`Work`],
+//! hooks, the flight recorder, windows, and the backend [`kit`]) at the same paths, the
+//! built-in backends as modules ([`local`], [`process`], [`mpi`], [`nccl`]) and, with feature
+//! `conformance`, the conformance suite as `conformance`; and it registers the built-in
+//! backends ([`register_builtin_backends`], which [`new_comm`] calls first).
+//!
 //! # Overview
 //!
 //! - [`Comm`] is one rank's handle of a group of ranks: communicator-relative `rank()` /
@@ -39,41 +46,60 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-mod agree;
-pub mod auth;
-mod backend;
-mod comm;
-#[cfg(feature = "conformance")]
-pub mod conformance;
-mod cpu;
-mod desc;
-pub mod env;
-mod error;
-mod flight;
-mod hooks;
-pub mod link;
-pub mod local;
-pub mod memory;
-pub mod mpi;
-pub mod nccl;
-pub mod process;
-pub mod store;
-mod types;
-mod window;
-mod work;
+use std::sync::Once;
 
-pub use agree::Agreement;
-pub use backend::{
-    register_backend, registered_backends, Backend, BackendFactory, Capabilities, Collective,
-    CollectiveOutput, CommOptions,
-};
-pub use comm::{new_comm, Comm};
-pub use error::{CommError, Result};
-pub use flight::{FlightEntry, FlightRecorder, FR_DUMP_DIR_ENV};
-pub use hooks::{AbortHook, HookHandle, OpRecord, PostHook, PreHook};
+pub use candle_dtensor_comm_core::*;
+
+#[cfg(feature = "conformance")]
+pub use candle_dtensor_comm_conformance as conformance;
+pub use candle_dtensor_comm_local as local;
+pub use candle_dtensor_comm_mpi as mpi;
+pub use candle_dtensor_comm_nccl as nccl;
+pub use candle_dtensor_comm_process as process;
+
 pub use local::{LocalWorld, LocalWorldError};
-pub use types::{
-    dtype_supported, reduce_supported, OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES,
-};
-pub use window::{Window, WindowBackend};
-pub use work::{InlineRun, Work, WorkCompleter, WorkState, WorkStatus};
+
+/// Registers the built-in backends (`local`, `mpi`, `nccl`, `process`) with the registry of
+/// `candle-dtensor-comm-core`. Idempotent (the first call does the work) and cheap after it;
+/// [`new_comm`] calls it, so code that only creates communicators never needs to. A factory
+/// registered under a built-in name before the first call stays (the built-ins only fill
+/// names nobody took); one registered after replaces the built-in, as [`register_backend`]
+/// always does. `mpi` and `nccl` are registered in every build: without their cargo feature
+/// their factory fails with [`CommError::NotCompiled`] naming the feature.
+pub fn register_builtin_backends() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        register_backend_if_absent(local::NAME, local::factory());
+        register_backend_if_absent(mpi::NAME, mpi::factory());
+        register_backend_if_absent(nccl::NAME, nccl::factory());
+        register_backend_if_absent(process::NAME, process::factory());
+    });
+}
+
+/// Creates a communicator with the backend registered as `backend`, after registering the
+/// built-in ones ([`register_builtin_backends`]).
+///
+/// For `"local"` this must run on a rank thread started by [`LocalWorld`]; every rank of the
+/// world must call it (it is collective, bounded by `options.bootstrap_timeout`).
+///
+/// # Errors
+///
+/// [`CommError::UnknownBackend`] listing the registered names when none is registered as
+/// `backend`; otherwise whatever the backend's factory reports (a bootstrap failure, a
+/// timeout, [`CommError::NotCompiled`]).
+pub fn new_comm(
+    backend: &str,
+    device: &candle_core::Device,
+    name: &str,
+    options: CommOptions,
+) -> Result<Comm> {
+    register_builtin_backends();
+    candle_dtensor_comm_core::new_comm(backend, device, name, options)
+}
+
+/// The names of the registered backends, the built-in ones included (they are registered
+/// first).
+pub fn registered_backends() -> Vec<String> {
+    register_builtin_backends();
+    candle_dtensor_comm_core::registered_backends()
+}

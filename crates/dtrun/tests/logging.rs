@@ -103,14 +103,14 @@ fn an_insecure_job_warns_on_every_rank() {
         let warned = err.lines().any(|l| {
             l.starts_with(&format!("[rank {r}] "))
                 && l.contains(&format!(
-                    " rank={r}  WARN candle_dtensor_comm::store::world: "
+                    " rank={r}  WARN candle_dtensor_comm_core::store::world: "
                 ))
                 && l.contains("CDT_INSECURE is set")
         });
         assert!(warned, "rank {r} did not warn about CDT_INSECURE:\n{err}");
         let no_token = err.lines().any(|l| {
             l.starts_with(&format!("[rank {r}] "))
-                && l.contains(" WARN candle_dtensor_comm::auth: CDT_JOB_TOKEN is not set")
+                && l.contains(" WARN candle_dtensor_comm_core::auth: CDT_JOB_TOKEN is not set")
         });
         assert!(
             no_token,
@@ -120,7 +120,7 @@ fn an_insecure_job_warns_on_every_rank() {
     }
     let served = err.lines().any(|l| {
         l.starts_with("[rank 0] ")
-            && l.contains(" WARN candle_dtensor_comm::store::server: store server is insecure")
+            && l.contains(" WARN candle_dtensor_comm_core::store::server: store server is insecure")
     });
     assert!(served, "rank 0's store did not warn:\n{err}");
 
