@@ -157,20 +157,43 @@ impl DTensorError {
     }
 
     fn take_typed(e: candle_core::Error) -> std::result::Result<DTensorError, candle_core::Error> {
-        use candle_core::Error as E;
-        if Self::in_candle(&e).is_none() {
-            return Err(e);
-        }
+        typed_in_candle(e)
+    }
+}
+
+/// The typed error `T` a candle error carries (raised inside a candle op, or a closure candle
+/// calls, and wrapped as `WrappedContext`, under any backtrace, context or path layers), or the
+/// candle error unchanged when it carries none. Every crate's `From<candle_core::Error>` for
+/// its own error type starts here, so a typed error survives the trip through candle.
+pub fn typed_in_candle<T: std::error::Error + Send + Sync + 'static>(
+    e: candle_core::Error,
+) -> std::result::Result<T, candle_core::Error> {
+    use candle_core::Error as E;
+    fn carries<T: std::error::Error + Send + Sync + 'static>(e: &E) -> bool {
         match e {
-            E::WrappedContext { wrapped, context } => match wrapped.downcast::<DTensorError>() {
+            E::WrappedContext { wrapped, .. } => wrapped.is::<T>(),
+            E::WithBacktrace { inner, .. }
+            | E::Context { inner, .. }
+            | E::WithPath { inner, .. } => carries::<T>(inner),
+            _ => false,
+        }
+    }
+    fn take<T: std::error::Error + Send + Sync + 'static>(e: E) -> std::result::Result<T, E> {
+        match e {
+            E::WrappedContext { wrapped, context } => match wrapped.downcast::<T>() {
                 Ok(typed) => Ok(*typed),
                 Err(wrapped) => Err(E::WrappedContext { wrapped, context }),
             },
             E::WithBacktrace { inner, .. }
             | E::Context { inner, .. }
-            | E::WithPath { inner, .. } => Self::take_typed(*inner),
+            | E::WithPath { inner, .. } => take(*inner),
             other => Err(other),
         }
+    }
+    if carries::<T>(&e) {
+        take(e)
+    } else {
+        Err(e)
     }
 }
 

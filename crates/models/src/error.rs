@@ -71,31 +71,10 @@ impl From<ModelError> for candle_core::Error {
 /// a DTensor or plain candle error as [`ModelError::DTensor`] or [`ModelError::Candle`]).
 impl From<candle_core::Error> for ModelError {
     fn from(e: candle_core::Error) -> Self {
-        use candle_core::Error as E;
-        fn holds_model(e: &E) -> bool {
-            match e {
-                E::WrappedContext { wrapped, .. } => wrapped.is::<ModelError>(),
-                E::WithBacktrace { inner, .. }
-                | E::Context { inner, .. }
-                | E::WithPath { inner, .. } => holds_model(inner),
-                _ => false,
-            }
-        }
-        fn take(e: E) -> ModelError {
-            match e {
-                E::WrappedContext { wrapped, context } => match wrapped.downcast::<ModelError>() {
-                    Ok(m) => *m,
-                    Err(wrapped) => ModelError::Candle(E::WrappedContext { wrapped, context }),
-                },
-                E::WithBacktrace { inner, .. }
-                | E::Context { inner, .. }
-                | E::WithPath { inner, .. } => take(*inner),
-                other => ModelError::Candle(other),
-            }
-        }
-        if holds_model(&e) {
-            return take(e);
-        }
+        let e = match candle_dtensor_core::typed_in_candle::<ModelError>(e) {
+            Ok(typed) => return typed,
+            Err(e) => e,
+        };
         match ParallelError::from(e) {
             ParallelError::Candle(e) => ModelError::Candle(e),
             ParallelError::DTensor(e) => ModelError::DTensor(e),

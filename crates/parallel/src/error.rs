@@ -68,32 +68,10 @@ impl From<ParallelError> for candle_core::Error {
 
 impl From<candle_core::Error> for ParallelError {
     fn from(e: candle_core::Error) -> Self {
-        use candle_core::Error as E;
-        fn holds_parallel(e: &E) -> bool {
-            match e {
-                E::WrappedContext { wrapped, .. } => wrapped.is::<ParallelError>(),
-                E::WithBacktrace { inner, .. }
-                | E::Context { inner, .. }
-                | E::WithPath { inner, .. } => holds_parallel(inner),
-                _ => false,
-            }
-        }
-        fn take(e: E) -> ParallelError {
-            match e {
-                E::WrappedContext { wrapped, context } => match wrapped.downcast::<ParallelError>()
-                {
-                    Ok(m) => *m,
-                    Err(wrapped) => ParallelError::Candle(E::WrappedContext { wrapped, context }),
-                },
-                E::WithBacktrace { inner, .. }
-                | E::Context { inner, .. }
-                | E::WithPath { inner, .. } => take(*inner),
-                other => ParallelError::Candle(other),
-            }
-        }
-        if holds_parallel(&e) {
-            return take(e);
-        }
+        let e = match candle_dtensor_core::typed_in_candle::<ParallelError>(e) {
+            Ok(typed) => return typed,
+            Err(e) => e,
+        };
         match DTensorError::in_candle(&e) {
             Some(_) => ParallelError::DTensor(DTensorError::from_candle("", 0, e)),
             None => ParallelError::Candle(e),
