@@ -100,11 +100,17 @@ pub enum PipelineError {
         /// The action the transfer belongs to.
         action: Action,
         /// The communicator's error.
-        source: CommError,
+        source: Box<CommError>,
     },
     /// Setting up the point-to-point communicators failed.
     #[error("pipeline communicators: {0}")]
-    CommSetup(#[from] CommError),
+    CommSetup(Box<CommError>),
+}
+
+impl From<CommError> for PipelineError {
+    fn from(e: CommError) -> Self {
+        PipelineError::CommSetup(Box::new(e))
+    }
 }
 
 /// The error type a [`Stage`](super::Stage) returns: any error (candle's, DTensor's, ...).
