@@ -22,7 +22,11 @@
 //!   communicators ([`MoeGroups`]), top-k routing tables and the token dispatch / combine over
 //!   all_to_all_v or RMA windows.
 //!
-//! Pipeline and context parallelism will live here too.
+//! - [`pipeline`]: pipeline parallelism: schedules as data (GPipe, 1F1B, interleaved 1F1B,
+//!   ZB-H1) with validation and a bubble simulator, and one executor running any schedule
+//!   over point-to-point transfers.
+//!
+//! Context parallelism will live here too.
 //!
 //! # What does not
 //!
@@ -37,6 +41,7 @@ pub mod fsdp_vb;
 pub mod init;
 pub mod moe;
 pub mod params;
+pub mod pipeline;
 pub mod tp_nn;
 pub mod tp_plan;
 
