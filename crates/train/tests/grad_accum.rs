@@ -342,10 +342,6 @@ fn gpt_same_losses_whatever_the_split_and_reductions_once_per_step() {
                 .unwrap_or_else(|e| panic!("{e}"));
             let rs1 = backward_count(&one, "reduce_scatter");
             let rsk = backward_count(&got, "reduce_scatter");
-            println!(
-                "{name}: K=1 {:?}\n{name}: K={k} {:?}",
-                one.collectives, got.collectives
-            );
             if fsdp.is_some() {
                 assert!(rs1 > 0, "{name}: {:?}", one.collectives);
                 assert_eq!(rsk, rs1, "{name}: reduce_scatters per step, K=1 vs K={k}");
