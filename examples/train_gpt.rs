@@ -198,9 +198,15 @@ pub(crate) struct Args {
     /// Seed of the parameters and the data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Global batch size (sequences per step).
+    /// Global batch size (sequences per step, all micro-batches together).
     #[arg(long, default_value_t = 8)]
     batch: usize,
+    /// Gradient accumulation: split each step's --batch into this many micro-batches (the same
+    /// sequences), run forward and backward on each in turn, then one optimizer step. The loss
+    /// is the mean over all the step's tokens; FSDP reduce-scatters once per step. Must divide
+    /// --batch, and the micro-batch must divide over the data-parallel ranks.
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
     /// AdamW learning rate (the peak rate of the schedule).
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
@@ -395,6 +401,7 @@ pub(crate) const SECTIONS: job::Sections = &[
         &[
             "steps",
             "batch",
+            "grad-accum",
             "seed",
             "device",
             "mixed-precision",
@@ -1289,6 +1296,21 @@ fn validate(args: &Args, dims: &[(String, usize)], cfg: &GptConfig) -> Result<us
             args.batch
         ));
     }
+    if args.grad_accum == 0 || !args.batch.is_multiple_of(args.grad_accum) {
+        return Err(format!(
+            "--grad-accum {} with --batch {}: the rule is grad-accum >= 1 and it divides the \
+             batch (each step runs grad-accum micro-batches of batch / grad-accum sequences)",
+            args.grad_accum, args.batch
+        ));
+    }
+    let micro = args.batch / args.grad_accum;
+    if !micro.is_multiple_of(data) {
+        return Err(format!(
+            "--grad-accum {} with --batch {}: the micro-batch of {micro} sequences is not \
+             divisible by the {data} data-parallel ranks",
+            args.grad_accum, args.batch
+        ));
+    }
     if args.sp && !cfg.seq_len.is_multiple_of(tp) {
         return Err(format!(
             "--sp: tp={tp} does not divide the sequence length {}",
@@ -2143,6 +2165,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     cfg.steps = args.steps;
     cfg.seed = args.seed;
     cfg.batch = args.batch;
+    cfg.grad_accum = args.grad_accum;
     if (args.resume || args.save_every > 0) && args.save_dir.is_none() {
         return Err("--resume and --save-every need --save-dir".into());
     }
@@ -2242,6 +2265,9 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
         "sp": args.sp,
         "preset": args.preset,
         "steps": args.steps,
+        "batch": args.batch,
+        "grad_accum": args.grad_accum,
+        "micro_batch": args.batch / args.grad_accum.max(1),
         "start_step": report.start_step,
         "saved_steps": report.saved_steps,
         "save_ms": report.save_ms,
@@ -2445,6 +2471,13 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
             median(&report.step_ms),
             (args.batch * gpt.seq_len) as f64 / (median(&report.step_ms) / 1e3)
         );
+        if args.grad_accum > 1 {
+            println!(
+                "gradient accumulation: {} micro-batches of {} sequences per step",
+                args.grad_accum,
+                args.batch / args.grad_accum
+            );
+        }
         println!("collectives per step: {coll:?}");
         if let Some(m) = summary.get("moe") {
             println!("mixture of experts: {m}");

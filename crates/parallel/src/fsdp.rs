@@ -30,6 +30,13 @@
 //!   all_reduces over the replicate dim) and puts each shard's gradient into the `GradStore`,
 //!   where candle-nn optimizers find it. A parameter that got a gradient on no rank gets none
 //!   (as on one device); they are reported once ([`Fsdp::params_without_grad`]).
+//! - Gradient accumulation ([`Fsdp::set_requires_gradient_sync`], FSDP2's name): with sync
+//!   off, a backward adds each parameter's complete (unsharded) gradient into an f32
+//!   accumulator of this rank and issues no reduction; the next backward with sync on adds the
+//!   accumulators into its gradients, so each unit is reduce-scattered (HSDP: all-reduced) ONCE
+//!   per optimizer step whatever the number of micro-batches. The price is memory: the
+//!   accumulators hold one unsharded gradient of every parameter between micro-batches (counted
+//!   in [`FsdpStats::peak_unsharded_bytes`]), as PyTorch's `no_sync`.
 //! - Mixed precision: full parameters (and so the compute) in `param_dtype`, shards and the
 //!   gradient reduction in f32.
 //!
@@ -134,6 +141,8 @@ struct UnitState {
     pending_ag: Option<Work<Tensor>>,
     /// This rank's complete gradient of each parameter, once its backward ran.
     grads: Vec<Option<Tensor>>,
+    /// Gradients accumulated (f32, unsharded) by backwards run with gradient sync off.
+    accum: Vec<Option<Tensor>>,
     reducing: bool,
 }
 
@@ -163,6 +172,10 @@ struct Run {
     unsharded_bytes: usize,
     /// A backward stashed gradients that [`Fsdp::finish_backward`] has not reduced yet.
     backward_open: bool,
+    /// Whether a backward reduces the gradients ([`Fsdp::set_requires_gradient_sync`]).
+    sync: bool,
+    /// Accumulators hold gradients of backwards run without sync, not reduced yet.
+    accumulated: bool,
     /// Parameters of undriven units that got a gradient this step (for the one-time warning).
     undriven_used: BTreeSet<String>,
     warned_undriven: bool,
@@ -353,6 +366,8 @@ impl Fsdp {
                     stats: FsdpStats::default(),
                     unsharded_bytes: 0,
                     backward_open: false,
+                    sync: true,
+                    accumulated: false,
                     undriven_used: BTreeSet::new(),
                     warned_undriven: false,
                     without_grad: Vec::new(),
@@ -488,6 +503,7 @@ impl Fsdp {
             full: full_t.clone(),
         });
         u.state.grads.push(None);
+        u.state.accum.push(None);
         u.state.unsharded = true;
         let held = storage::held_bytes(&full_t);
         run.unsharded_bytes += held;
@@ -680,6 +696,28 @@ impl Fsdp {
         Ok(())
     }
 
+    /// Gradient accumulation: with `sync` off, every following backward only adds each
+    /// parameter's unsharded gradient into a per-rank f32 accumulator (no collective); the next
+    /// backward with `sync` on (the step's last micro-batch) adds the accumulators into its
+    /// gradients and reduces each unit once, and [`Fsdp::finish_backward`] puts the shard
+    /// gradients of the whole step into the `GradStore`. FSDP2's `set_requires_gradient_sync`;
+    /// on by default. Forwards are allowed between such backwards (the parameters did not
+    /// change); an [`FsdpOptimizer`] step is refused while accumulated gradients are unreduced.
+    /// [`Fsdp::finish_backward`] called with sync off reduces what was accumulated.
+    pub fn set_requires_gradient_sync(&self, sync: bool) {
+        self.run().sync = sync;
+    }
+
+    /// Whether backwards reduce the gradients (see [`Fsdp::set_requires_gradient_sync`]).
+    pub fn requires_gradient_sync(&self) -> bool {
+        self.run().sync
+    }
+
+    /// Whether gradients accumulated with sync off wait for their reduction.
+    pub fn has_accumulated_grads(&self) -> bool {
+        self.run().accumulated
+    }
+
     fn check_no_open_backward(&self, what: &str) -> Result<()> {
         if self.run().backward_open {
             return Err(ParallelError::Config(format!(
@@ -800,13 +838,48 @@ impl Fsdp {
     fn stash_grad(&self, unit: usize, param: usize, grad: &Tensor) -> Result<()> {
         let complete = {
             let mut run = self.run();
-            run.backward_open = true;
-            let extra = grad.elem_count() * grad.dtype().size_in_bytes();
-            run.unsharded_bytes += extra;
+            let sync = run.sync;
+            let acc_bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+            let prior = run.units[unit].state.accum[param].take();
+            let freed_acc = prior.as_ref().map_or(0, acc_bytes);
+            let (grad, extra) = match (sync, prior) {
+                // The step's last micro-batch: its gradient plus what the others accumulated.
+                (true, Some(acc)) => {
+                    let g = (acc + grad.to_dtype(DType::F32)?)?;
+                    let b = acc_bytes(&g);
+                    (g, b)
+                }
+                (true, None) => (grad.clone(), acc_bytes(grad)),
+                (false, prior) => {
+                    let g = grad.to_dtype(DType::F32)?;
+                    let g = match prior {
+                        Some(acc) => (acc + g)?,
+                        None => g,
+                    };
+                    let b = acc_bytes(&g);
+                    (g, b)
+                }
+            };
+            run.unsharded_bytes = run.unsharded_bytes.saturating_sub(freed_acc) + extra;
             run.stats.peak_unsharded_bytes =
                 run.stats.peak_unsharded_bytes.max(run.unsharded_bytes);
+            if !sync {
+                // Accumulate only: no reduction until a backward with sync on.
+                run.accumulated = true;
+                let u = &mut run.units[unit];
+                u.state.accum[param] = Some(grad);
+                let freed = release(&u.params[param])?;
+                u.state.unsharded = false;
+                let undriven = (!u.driven).then(|| u.params[param].name.clone());
+                run.unsharded_bytes = run.unsharded_bytes.saturating_sub(freed);
+                if let Some(name) = undriven {
+                    run.undriven_used.insert(name);
+                }
+                return Ok(());
+            }
+            run.backward_open = true;
             let u = &mut run.units[unit];
-            u.state.grads[param] = Some(grad.clone());
+            u.state.grads[param] = Some(grad);
             // Every consumer of this parameter has run its backward (candle calls a node's
             // backward after all of them): its full storage can go now, not at the unit's end.
             let freed = release(&u.params[param])?;
@@ -840,6 +913,13 @@ impl Fsdp {
             }
             u.state.reducing = true;
             let mut grad_bytes = 0;
+            // A gradient accumulated by an earlier micro-batch counts as one: it is reduced
+            // with this step's gradients.
+            for (g, acc) in u.state.grads.iter_mut().zip(u.state.accum.iter_mut()) {
+                if g.is_none() {
+                    *g = acc.take();
+                }
+            }
             had = u.state.grads.iter().map(Option::is_some).collect();
             let device = u.params[0].full.device().clone();
             let flags: Vec<f32> = had.iter().map(|&h| f32::from(u8::from(h))).collect();
@@ -967,6 +1047,7 @@ impl Fsdp {
                 let u = &run.units[unit];
                 !u.state.reducing && !u.params.is_empty()
             };
+            // (reduce_unit also takes the accumulators of gradient accumulation.)
             if needs {
                 self.reduce_unit(unit)?;
             }
@@ -1040,6 +1121,7 @@ impl Fsdp {
     fn report(&self, without: Vec<String>) {
         let mut run = self.run();
         run.backward_open = false;
+        run.accumulated = false;
         if !without.is_empty() && !run.warned_without_grad {
             run.warned_without_grad = true;
             tracing::warn!(
@@ -1106,6 +1188,12 @@ impl<O: candle_nn::Optimizer> FsdpOptimizer<O> {
     /// Unreduced gradients, or the optimizer's or a collective's failure.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
         self.fsdp.check_no_open_backward("an optimizer step")?;
+        if self.fsdp.has_accumulated_grads() {
+            return Err(ParallelError::Config(
+                "FSDP: an optimizer step while gradients accumulated with gradient sync off                  were never reduced: run the step's last backward with                  `set_requires_gradient_sync(true)` and `finish_backward`"
+                    .into(),
+            ));
+        }
         self.inner.step(grads)?;
         self.fsdp.gather_undriven()
     }

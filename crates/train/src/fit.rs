@@ -71,6 +71,19 @@
 //! parallelism where every rank computes the whole loss (there is no plain data parallelism
 //! without FSDP here).
 //!
+//! # Gradient accumulation
+//!
+//! [`Trainer::step_accum`] / [`Trainer::forward_backward_accum`] (and [`Trainer::fit_accum`]
+//! with [`TrainerConfig::grad_accum`]) split a step's batch into `K` micro-batches, run
+//! forward and backward on each in turn and make one optimizer update. The step's loss is the
+//! mean over ALL its tokens whatever `K` is: micro-batch `i`'s mean loss is scaled by its
+//! share of the step's tokens, `tokens[i] / sum(tokens)` (not by `1 / K`, which is wrong as
+//! soon as micro-batches hold different numbers of real tokens), so the same tokens split any
+//! way give the same gradients and loss as one batch. FSDP's reduce-scatter (and HSDP's
+//! all-reduce) runs once per step: the first `K - 1` backwards only accumulate each rank's
+//! unsharded gradients ([`Fsdp::set_requires_gradient_sync`]), which costs one unsharded
+//! gradient of the model in memory between micro-batches.
+//!
 //! # Checkpoints
 //!
 //! [`Trainer::save`] writes the parameters and AdamW's state (moments, step count) in
@@ -736,8 +749,12 @@ pub struct TrainerConfig {
     /// Without clipping, compute the global gradient norm every this many steps for
     /// [`StepInfo::grad_norm`] (0: never; it costs one all_reduce and one host read).
     pub grad_norm_every: usize,
-    /// Tokens (or samples) per global step, reported in [`StepInfo::tokens`].
+    /// Tokens (or samples) per global step, reported in [`StepInfo::tokens`] (all
+    /// micro-batches of the step together).
     pub tokens_per_step: usize,
+    /// Gradient accumulation: micro-batches per optimizer step for [`Trainer::fit_accum`]
+    /// (at least 1; default 1). [`Trainer::step_accum`] takes the count from its argument.
+    pub grad_accum: usize,
 }
 
 impl Default for TrainerConfig {
@@ -755,8 +772,21 @@ impl Default for TrainerConfig {
             clip: None,
             grad_norm_every: 0,
             tokens_per_step: 0,
+            grad_accum: 1,
         }
     }
+}
+
+/// A loss must be one value.
+fn check_loss(loss: &Tensor) -> Result<()> {
+    if loss.elem_count() != 1 {
+        return Err(bad(
+            "loss",
+            format!("a tensor of shape {:?}", loss.dims()),
+            "the forward returns one value (this rank's mean loss)",
+        ));
+    }
+    Ok(())
 }
 
 fn bad(field: &'static str, value: impl std::fmt::Display, rule: &'static str) -> TrainerError {
@@ -803,8 +833,35 @@ impl TrainerConfig {
                 return Err(bad("clip", c, "a finite number > 0"));
             }
         }
+        if self.grad_accum == 0 {
+            return Err(bad(
+                "grad_accum",
+                0,
+                "at least 1 micro-batch per optimizer step",
+            ));
+        }
         Ok(())
     }
+}
+
+/// The micro-batch size of gradient accumulation: `batch / grad_accum`, checked. Every rank
+/// computes the same answer from the same settings, so a bad setting fails on every rank
+/// before any step runs.
+///
+/// # Errors
+///
+/// [`TrainerError::Config`] naming `grad_accum`, both values and the rule, when `grad_accum`
+/// is 0 or does not divide `batch`.
+pub fn micro_batch_size(batch: usize, grad_accum: usize) -> Result<usize> {
+    if grad_accum == 0 || !batch.is_multiple_of(grad_accum) {
+        return Err(bad(
+            "grad_accum",
+            format!("{grad_accum} (global batch {batch})"),
+            "grad_accum >= 1 and it divides the global batch: each optimizer step runs \
+             grad_accum micro-batches of batch / grad_accum sequences",
+        ));
+    }
+    Ok(batch / grad_accum)
 }
 
 /// One finished step.
@@ -816,8 +873,11 @@ pub struct StepInfo {
     pub loss: f32,
     /// Wall time of the step (ms).
     pub step_ms: f64,
-    /// Global tokens per step ([`TrainerConfig::tokens_per_step`]).
+    /// Global tokens per step ([`TrainerConfig::tokens_per_step`]; all micro-batches).
     pub tokens: usize,
+    /// Micro-batches run forward and backward before this step's one optimizer update
+    /// (gradient accumulation; 1 without).
+    pub micro_batches: usize,
     /// The learning rate the step used.
     pub lr: f64,
     /// The global gradient norm before clipping (computed when clipping, or when
@@ -843,8 +903,10 @@ pub struct Gradients {
     grad_norm: Option<f64>,
     clipped: bool,
     step: usize,
+    micro_batches: usize,
     t0: Instant,
-    t_fwd: Instant,
+    /// Time in the forwards (all micro-batches).
+    fwd: std::time::Duration,
     t_bwd: Instant,
 }
 
@@ -867,6 +929,11 @@ impl Gradients {
     /// Whether clipping scaled the gradients.
     pub fn clipped(&self) -> bool {
         self.clipped
+    }
+
+    /// Micro-batches these gradients were accumulated over (1 without accumulation).
+    pub fn micro_batches(&self) -> usize {
+        self.micro_batches
     }
 }
 
@@ -1213,13 +1280,7 @@ impl Trainer {
 
     /// Starts reading `loss` as its global mean.
     fn start_loss(&self, loss: &Tensor) -> Result<LossRead> {
-        if loss.elem_count() != 1 {
-            return Err(bad(
-                "loss",
-                format!("a tensor of shape {:?}", loss.dims()),
-                "the forward returns one value (this rank's mean loss)",
-            ));
-        }
+        check_loss(loss)?;
         let value = loss.detach().to_dtype(DType::F32)?.reshape(1)?;
         match (&self.fsdp, &self.mesh) {
             (Some(f), Some(mesh)) if f.config().grad_reduce == GradReduce::Avg => {
@@ -1296,11 +1357,99 @@ impl Trainer {
         &mut self,
         forward: impl FnOnce() -> candle_core::Result<Tensor>,
     ) -> Result<Gradients> {
+        let mut forward = Some(forward);
+        self.forward_backward_accum(&[1], |_| match forward.take() {
+            Some(f) => f(),
+            None => Err(candle_core::Error::Msg(
+                "internal: the forward of a one-micro-batch step ran twice".into(),
+            )),
+        })
+    }
+
+    /// Gradient accumulation: [`Trainer::forward_backward`] over `tokens.len()` micro-batches
+    /// run one after the other, giving the gradients of the step's whole batch for ONE
+    /// optimizer update ([`Trainer::apply`]). Collective.
+    ///
+    /// `forward(i)` returns micro-batch `i`'s loss, the mean over its own tokens (as the
+    /// forward of [`Trainer::forward_backward`] does for a whole batch), and `tokens[i]` is that
+    /// micro-batch's token count (global, over the data-parallel ranks, for a DTensor loss
+    /// that is a global mean; this rank's with [`GradReduce::Avg`], whose ranks hold equal
+    /// counts). **The loss is normalised as the mean over all tokens of the step, whatever
+    /// the split**: micro-batch `i`'s loss is scaled by `tokens[i] / sum(tokens)` before its
+    /// backward (not by `1 / K`), so micro-batches of unequal token counts (padding, masked
+    /// tokens) weigh what they would in one large batch, and the gradients and the reported
+    /// loss equal those of one batch of all the tokens (up to floating-point summation order).
+    ///
+    /// Reductions happen once per step, not per micro-batch: FSDP units run the first
+    /// `K - 1` backwards with gradient sync off ([`Fsdp::set_requires_gradient_sync`]), adding
+    /// their unsharded gradients into per-rank accumulators, and reduce-scatter (HSDP: then
+    /// all-reduce) each unit once in the last backward; the loss is read (and averaged over
+    /// ranks with [`GradReduce::Avg`]) once, the gradient norm and clipping run once on the
+    /// accumulated gradients. Gradients a DTensor op reduces inside its own backward (the
+    /// gradient rule's all_reduce of a replicated parameter without FSDP, tensor-parallel
+    /// norms) are reduced in each micro-batch's backward. With one micro-batch this is exactly
+    /// [`Trainer::forward_backward`].
+    ///
+    /// # Errors
+    ///
+    /// No micro-batch, or a total of 0 tokens ([`TrainerError::Config`]); any forward's error,
+    /// a loss of more than one element, a failed backward or collective. After an error the
+    /// FSDP accumulators may hold a partial step: rebuild or call
+    /// [`Fsdp::finish_backward`] before going on.
+    pub fn forward_backward_accum(
+        &mut self,
+        tokens: &[usize],
+        mut forward: impl FnMut(usize) -> candle_core::Result<Tensor>,
+    ) -> Result<Gradients> {
+        let k = tokens.len();
+        let total: usize = tokens.iter().sum();
+        if k == 0 || total == 0 {
+            return Err(bad(
+                "micro-batch tokens",
+                format!("{tokens:?}"),
+                "at least one micro-batch and more than 0 tokens in the step",
+            ));
+        }
         let t0 = Instant::now();
-        let loss = forward()?;
-        let t_fwd = Instant::now();
+        let mut fwd = std::time::Duration::ZERO;
+        let mut acc: Option<(GradStore, Tensor)> = None;
+        for (i, &n) in tokens.iter().enumerate() {
+            let last = i + 1 == k;
+            if let Some(f) = &self.fsdp {
+                // Reduce only in the last micro-batch's backward.
+                f.set_requires_gradient_sync(last);
+            }
+            let res = self.micro_step(&mut forward, i, k, n as f64 / total as f64, &mut fwd);
+            let (g, l) = match res {
+                Ok(x) => x,
+                Err(e) => {
+                    if let Some(f) = &self.fsdp {
+                        f.set_requires_gradient_sync(true);
+                    }
+                    return Err(e);
+                }
+            };
+            acc = Some(match acc {
+                None => (g, l),
+                Some((mut sum, sum_l)) => {
+                    let mut g = g;
+                    for p in &self.params {
+                        if let Some(gi) = g.remove(&p.var) {
+                            let total = match sum.get(&p.var) {
+                                Some(a) => (a + gi)?,
+                                None => gi,
+                            };
+                            sum.insert(&p.var, total);
+                        }
+                    }
+                    (sum, (sum_l + l)?)
+                }
+            });
+        }
+        let Some((mut grads, loss)) = acc else {
+            return Err(bad("micro-batch tokens", "[]", "at least one micro-batch"));
+        };
         let read = self.start_loss(&loss)?;
-        let mut grads = loss.backward()?;
         if let Some(f) = &self.fsdp {
             f.finish_backward(&mut grads)?;
         }
@@ -1324,10 +1473,35 @@ impl Trainer {
             grad_norm,
             clipped,
             step: self.step,
+            micro_batches: k,
             t0,
-            t_fwd,
+            fwd,
             t_bwd,
         })
+    }
+
+    /// Micro-batch `i` of `k`: its forward, the loss scaled by `weight` (its share of the
+    /// step's tokens; unscaled when `k == 1`), its backward. Returns the gradients and the
+    /// scaled loss (detached).
+    fn micro_step(
+        &self,
+        forward: &mut impl FnMut(usize) -> candle_core::Result<Tensor>,
+        i: usize,
+        k: usize,
+        weight: f64,
+        fwd: &mut std::time::Duration,
+    ) -> Result<(GradStore, Tensor)> {
+        let t = Instant::now();
+        let loss = forward(i)?;
+        *fwd += t.elapsed();
+        check_loss(&loss)?;
+        let loss = if k == 1 {
+            loss
+        } else {
+            loss.affine(weight, 0.0)?
+        };
+        let value = loss.detach().to_dtype(DType::F32)?.reshape(1)?;
+        Ok((loss.backward()?, value))
     }
 
     /// The optimizer step on `g` at the schedule's rate, and the step's record.
@@ -1352,7 +1526,8 @@ impl Trainer {
         }
         let t_opt = Instant::now();
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-        let phase_ms = [ms(g.t0, g.t_fwd), ms(g.t_fwd, g.t_bwd), ms(g.t_bwd, t_opt)];
+        let fwd_ms = g.fwd.as_secs_f64() * 1e3;
+        let phase_ms = [fwd_ms, ms(g.t0, g.t_bwd) - fwd_ms, ms(g.t_bwd, t_opt)];
         let step_ms = g.t0.elapsed().as_secs_f64() * 1e3;
         let mut exposed = candle_dtensor_core::debug::take_comm_wait().as_secs_f64() * 1e3;
         let mut unsharded = 0;
@@ -1368,6 +1543,7 @@ impl Trainer {
             loss: g.loss,
             step_ms,
             tokens: self.cfg.tokens_per_step,
+            micro_batches: g.micro_batches,
             lr,
             grad_norm: g.grad_norm,
             phase_ms,
@@ -1388,6 +1564,22 @@ impl Trainer {
         forward: impl FnOnce() -> candle_core::Result<Tensor>,
     ) -> Result<StepInfo> {
         let g = self.forward_backward(forward)?;
+        self.apply(g)
+    }
+
+    /// One whole step with gradient accumulation: [`Trainer::forward_backward_accum`] over
+    /// the micro-batches (`tokens[i]`: micro-batch `i`'s token count; `forward(i)`: its mean
+    /// loss), then [`Trainer::apply`]: one optimizer update.
+    ///
+    /// # Errors
+    ///
+    /// As both.
+    pub fn step_accum(
+        &mut self,
+        tokens: &[usize],
+        forward: impl FnMut(usize) -> candle_core::Result<Tensor>,
+    ) -> Result<StepInfo> {
+        let g = self.forward_backward_accum(tokens, forward)?;
         self.apply(g)
     }
 
@@ -1424,9 +1616,45 @@ impl Trainer {
         &mut self,
         steps: usize,
         mut data: impl FnMut(usize) -> candle_core::Result<B>,
+        loss: impl FnMut(&B) -> candle_core::Result<Tensor>,
+        opts: FitOptions<'_>,
+    ) -> Result<FitReport> {
+        if self.cfg.grad_accum != 1 {
+            return Err(bad(
+                "grad_accum",
+                self.cfg.grad_accum,
+                "Trainer::fit takes one batch per step (grad_accum = 1); with gradient \
+                 accumulation use Trainer::fit_accum, whose data closure gives each micro-batch",
+            ));
+        }
+        self.fit_accum(steps, |k, _| data(k), |_| 1, loss, opts)
+    }
+
+    /// [`Trainer::fit`] with gradient accumulation over [`TrainerConfig::grad_accum`] (`K`)
+    /// micro-batches per step: `data(k, i)` gives micro-batch `i` of step `k` (this rank's
+    /// rows of it), `tokens(&batch)` its token count (as [`Trainer::forward_backward_accum`]
+    /// takes it; the loss of a step is the mean over all its tokens), `loss(&batch)` its mean
+    /// loss. One optimizer update per step. Collective.
+    ///
+    /// # Errors
+    ///
+    /// As [`Trainer::fit`].
+    pub fn fit_accum<B>(
+        &mut self,
+        steps: usize,
+        mut data: impl FnMut(usize, usize) -> candle_core::Result<B>,
+        mut tokens: impl FnMut(&B) -> usize,
         mut loss: impl FnMut(&B) -> candle_core::Result<Tensor>,
         mut opts: FitOptions<'_>,
     ) -> Result<FitReport> {
+        let micro = self.cfg.grad_accum;
+        if micro == 0 {
+            return Err(bad(
+                "grad_accum",
+                0,
+                "at least 1 micro-batch per optimizer step",
+            ));
+        }
         if let Some(s) = &self.cfg.schedule {
             if s.warmup > steps {
                 return Err(ScheduleError::WarmupTooLong {
@@ -1487,7 +1715,15 @@ impl Trainer {
         }
         while self.step < steps {
             let k = self.step;
-            let info = self.step(|| loss(&data(k)?))?;
+            let info = if micro == 1 {
+                self.step(|| loss(&data(k, 0)?))?
+            } else {
+                let batches = (0..micro)
+                    .map(|i| data(k, i))
+                    .collect::<candle_core::Result<Vec<B>>>()?;
+                let counts: Vec<usize> = batches.iter().map(&mut tokens).collect();
+                self.step_accum(&counts, |i| loss(&batches[i]))?
+            };
             if let Some(f) = &mut opts.on_step {
                 f(&info);
             }

@@ -145,8 +145,14 @@ pub struct TrainConfig {
     pub gpt: GptConfig,
     /// The tensor-parallel plan.
     pub plan: TpPlan,
-    /// Global batch size (sequences per step).
+    /// Global batch size (sequences per step, all micro-batches together).
     pub batch: usize,
+    /// Gradient accumulation: each step's batch is split into this many micro-batches of
+    /// `batch / grad_accum` sequences (the same sequences whatever the split), run forward and
+    /// backward one after the other, then one optimizer update; the loss is the mean over all
+    /// the step's tokens (see [`Trainer::forward_backward_accum`]). At least 1 and it divides
+    /// `batch` (checked before any step, on every rank).
+    pub grad_accum: usize,
     /// Steps to run.
     pub steps: usize,
     /// Seed of the parameters and the data.
@@ -254,6 +260,7 @@ impl TrainConfig {
             gpt,
             plan,
             batch: 8,
+            grad_accum: 1,
             steps: 100,
             seed: 0,
             lr: 1e-3,
@@ -436,6 +443,7 @@ impl Setup {
                 clip: cfg.clip,
                 grad_norm_every: cfg.grad_norm_every,
                 tokens_per_step: cfg.batch * cfg.gpt.seq_len,
+                grad_accum: cfg.grad_accum,
             },
         )?;
         Ok(Setup {
@@ -503,9 +511,23 @@ fn forward_backward(
     let all_r = vec![Placement::Replicate; s.mesh.ndim()];
     let (gpt, mesh) = (&s.gpt, &s.mesh);
     s.trainer.set_steps_done(step);
-    s.trainer.forward_backward(|| {
-        let (x, y) = global_batch(gpt, mesh, corpus, step as u64, cfg.batch, cfg.seed)?;
-        // Replicated: the loss is the global mean on every rank.
+    if cfg.grad_accum <= 1 {
+        return s.trainer.forward_backward(|| {
+            let (x, y) = global_batch(gpt, mesh, corpus, step as u64, cfg.batch, cfg.seed)?;
+            // Replicated: the loss is the global mean on every rank.
+            Ok(gpt.loss(&x, &y)?.redistribute(&all_r)?.to_local().clone())
+        });
+    }
+    // Gradient accumulation: micro-batch i is rows [i * micro, (i + 1) * micro) of the step's
+    // global batch, so the step trains on the same sequences whatever the split. Every
+    // sequence has seq_len targets: each micro-batch holds micro * seq_len tokens (global).
+    let micro = crate::fit::micro_batch_size(cfg.batch, cfg.grad_accum)?;
+    let t = gpt.cfg.seq_len;
+    let (xs, ys) = corpus.batch(step as u64, cfg.batch, t, cfg.seed);
+    let tokens = vec![micro * t; cfg.grad_accum];
+    s.trainer.forward_backward_accum(&tokens, |i| {
+        let rows = i * micro * t..(i + 1) * micro * t;
+        let (x, y) = distribute_batch(gpt, mesh, &xs[rows.clone()], &ys[rows], micro)?;
         Ok(gpt.loss(&x, &y)?.redistribute(&all_r)?.to_local().clone())
     })
 }
@@ -635,6 +657,8 @@ pub fn train_rank(
     cfg: &TrainConfig,
     mut on_step: impl FnMut(&StepInfo),
 ) -> Result<RankReport> {
+    // Every rank checks the same settings: a bad split fails everywhere before any step.
+    crate::fit::micro_batch_size(cfg.batch, cfg.grad_accum)?;
     let rep_dim = if cfg.fault_tolerant {
         let rep = cfg.fsdp.as_ref().and_then(|f| f.replicate.as_ref());
         let Some(rep) = rep else {
@@ -911,10 +935,23 @@ fn global_batch(
 ) -> Result<(DTensor, DTensor), ModelError> {
     let t = gpt.cfg.seq_len;
     let (x, y) = corpus.batch(index, batch, t, seed);
+    distribute_batch(gpt, mesh, &x, &y, batch)
+}
+
+/// `batch` rows of `(ids, targets)`, distributed as the model takes them.
+#[allow(clippy::result_large_err)]
+fn distribute_batch(
+    gpt: &Gpt,
+    mesh: &DeviceMesh,
+    x: &[u32],
+    y: &[u32],
+    batch: usize,
+) -> Result<(DTensor, DTensor), ModelError> {
+    let t = gpt.cfg.seq_len;
     let dev = mesh.root_comm().device();
     let placements = gpt.batch_placements();
-    let x = Tensor::from_vec(x, (batch, t), dev)?;
-    let y = Tensor::from_vec(y, (batch, t), dev)?;
+    let x = Tensor::from_slice(x, (batch, t), dev)?;
+    let y = Tensor::from_slice(y, (batch, t), dev)?;
     Ok((
         distribute_tensor(&x, mesh, &placements)?,
         distribute_tensor(&y, mesh, &placements)?,
