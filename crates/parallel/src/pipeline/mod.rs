@@ -14,12 +14,14 @@ pub mod executor;
 pub mod schedule;
 pub mod sim;
 pub mod split;
+pub mod timed;
 
 pub use error::{PipelineError, ScheduleError, StageError};
 pub use executor::{run_schedule, PipeComms, PipelineReport, Stage, StepTime};
 pub use schedule::{Action, Schedule, ScheduleKind};
 pub use sim::{CostModel, Slot, Timeline};
 pub use split::{split_balanced, split_explicit};
+pub use timed::TimedStage;
 
 #[cfg(test)]
 mod tests;
