@@ -1190,7 +1190,9 @@ impl<O: candle_nn::Optimizer> FsdpOptimizer<O> {
         self.fsdp.check_no_open_backward("an optimizer step")?;
         if self.fsdp.has_accumulated_grads() {
             return Err(ParallelError::Config(
-                "FSDP: an optimizer step while gradients accumulated with gradient sync off                  were never reduced: run the step's last backward with                  `set_requires_gradient_sync(true)` and `finish_backward`"
+                "FSDP: an optimizer step while gradients accumulated with gradient sync off \
+                 were never reduced: run the step's last backward with \
+                 `set_requires_gradient_sync(true)` and `finish_backward`"
                     .into(),
             ));
         }

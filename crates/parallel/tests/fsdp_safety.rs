@@ -596,3 +596,37 @@ fn a_var_builder_on_another_device_or_a_parameter_requested_twice_is_an_error() 
     }
     let _ = Var::new(&[0f32], &Device::Cpu);
 }
+
+#[test]
+fn a_step_on_gradients_accumulated_without_sync_is_an_error() {
+    let out = on_fsdp_world(2, |_, _, fsdp, map| {
+        let l = map.wrap(
+            "l",
+            candle_nn::linear(4, 2, map.var_builder(DType::F32).pp("l"))?,
+        )?;
+        let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu)?;
+        let mut opt = fsdp.optimizer(candle_nn::SGD::new(map.all_vars(), 0.1)?);
+        // A micro-batch with gradient sync off: accumulated, not reduced.
+        fsdp.set_requires_gradient_sync(false);
+        let loss = l.forward(&x)?.sum(D::Minus1)?.mean_all()?;
+        let grads = loss.backward()?;
+        let accumulated = fsdp.has_accumulated_grads();
+        let step_err = opt.step(&grads).err().map(|e| e.to_string());
+        // The step's last micro-batch reduces what was accumulated; the step then runs.
+        fsdp.set_requires_gradient_sync(true);
+        let loss = l.forward(&x)?.sum(D::Minus1)?.mean_all()?;
+        let grads = fsdp.backward(&loss)?;
+        let after = fsdp.has_accumulated_grads();
+        opt.step(&grads)?;
+        Ok((accumulated, step_err, after))
+    });
+    for (accumulated, step_err, after) in out {
+        assert!(accumulated, "sync off accumulates");
+        let s = step_err.expect("a step on unreduced accumulated gradients is refused");
+        assert!(
+            s.contains("never reduced") && s.contains("set_requires_gradient_sync"),
+            "{s}"
+        );
+        assert!(!after, "the synced backward reduced the accumulators");
+    }
+}
