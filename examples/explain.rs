@@ -11,7 +11,12 @@
 //!     --mesh tp=4 --op matmul --shapes 8x16,16x12 --placements "R;S(1)" --run --json
 //! cargo run --release --example explain -- \
 //!     --op moe --mesh dp=2,ep=2 --moe experts=8,top_k=2 --shapes 4x16x32 --run
+//! cargo run --release --example explain -- --pp 4 --microbatches 8 --pp-schedule 1f1b
 //! ```
+//!
+//! `--pp P` explains a pipeline schedule instead of an op: each rank's actions (`--pp-schedule
+//! gpipe|1f1b|interleaved-1f1b|zb-h1`, `--microbatches M`, `--pp-virtual V` chunks per rank
+//! for interleaved) and its bubble fraction from the unit-time simulation, beside the formula.
 //!
 //! `--op moe` plans one mixture-of-experts layer instead (`--moe` as train_gpt's, `--shapes`
 //! the global `BxTxD`): the count exchange, the dispatch and combine exchanges both ways with
@@ -56,10 +61,10 @@ struct Args {
     #[arg(long)]
     moe: Option<String>,
     /// Mesh, e.g. `dp=2,tp=2`.
-    #[arg(long)]
+    #[arg(long, required_unless_present = "pp", default_value = "")]
     mesh: String,
     /// DTensor method name (`matmul`, `add`, `sum`, `softmax`, ...) or `redistribute`.
-    #[arg(long)]
+    #[arg(long, required_unless_present = "pp", default_value = "")]
     op: String,
     /// Input shapes, e.g. `64x32,32x64` (optional `:dtype` per shape).
     #[arg(long, default_value = "")]
@@ -113,6 +118,19 @@ struct Args {
     /// the rank waited for it.
     #[arg(long)]
     link: Option<String>,
+    /// Explain a pipeline schedule on this many stages (ranks) instead of an op: each rank's
+    /// actions and the bubble fraction (`parallel::pipeline`).
+    #[arg(long)]
+    pp: Option<usize>,
+    /// With `--pp`: micro-batches per step.
+    #[arg(long, default_value_t = 8)]
+    microbatches: usize,
+    /// With `--pp`: the schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1).
+    #[arg(long, default_value = "1f1b")]
+    pp_schedule: String,
+    /// With `--pp` and interleaved 1F1B: model chunks (virtual stages) per rank.
+    #[arg(long, default_value_t = 2)]
+    pp_virtual: usize,
 }
 
 #[path = "common/logging.rs"]
@@ -122,6 +140,15 @@ fn main() {
     logging::init_logging();
     candle_dtensor::init_cpu_threads();
     let a = Args::parse();
+    if let Some(p) = a.pp {
+        match pipeline::explain(p, a.microbatches, &a.pp_schedule, a.pp_virtual, a.json) {
+            Ok(()) => return,
+            Err(e) => {
+                eprintln!("error: --pp: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
     if a.op == "moe" {
         match moe::explain(&a.mesh, a.moe.as_deref(), &a.shapes, a.run, a.seed, a.json) {
             Ok(()) => return,
@@ -632,3 +659,55 @@ fn run(
 
 #[path = "common/explain_moe.rs"]
 mod moe;
+
+/// `--pp`: a pipeline schedule's action lists and bubble.
+mod pipeline {
+    use candle_dtensor::parallel::pipeline::{sim, CostModel, Schedule, ScheduleKind};
+
+    pub fn explain(
+        p: usize,
+        m: usize,
+        name: &str,
+        virtual_stages: usize,
+        json: bool,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let kind = ScheduleKind::from_name(name)?;
+        let v = if kind == ScheduleKind::Interleaved1F1B {
+            virtual_stages
+        } else {
+            1
+        };
+        let s = Schedule::generate(kind, p, m, v)?;
+        let cost = CostModel::default();
+        let bubble = s.bubble_fraction_with(&cost)?;
+        let formula = match kind {
+            ScheduleKind::Interleaved1F1B => sim::bubble_interleaved(p, m, v),
+            ScheduleKind::ZeroBubbleH1 => sim::bubble_zb_h1(p, m),
+            _ => sim::bubble_gpipe(p, m),
+        };
+        if json {
+            let ranks: Vec<Vec<String>> = (0..p)
+                .map(|r| s.actions(r).iter().map(|a| a.to_string()).collect())
+                .collect();
+            let v = serde_json::json!({
+                "schedule": kind.to_string(), "p": p, "m": m, "v": v,
+                "cost": {"forward": cost.forward, "backward": cost.backward,
+                         "backward_input": cost.backward_input,
+                         "backward_weight": cost.backward_weight},
+                "bubble_fraction": bubble, "formula": formula, "ranks": ranks,
+            });
+            println!("{v}");
+        } else {
+            println!("schedule {kind}: p={p} stages, m={m} micro-batches, v={v} chunks per rank");
+            println!(
+                "F = forward, B = backward, I/W = input-/weight-gradient backward; mb[.chunk]"
+            );
+            print!("{}", s.table());
+            println!(
+                "bubble fraction {bubble:.4} (unit-time simulation, F={} B={} I={} W={}; formula {formula:.4})",
+                cost.forward, cost.backward, cost.backward_input, cost.backward_weight
+            );
+        }
+        Ok(())
+    }
+}

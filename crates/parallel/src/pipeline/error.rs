@@ -42,6 +42,14 @@ pub enum ScheduleError {
         /// What is wrong.
         problem: String,
     },
+    /// A schedule name no generator answers to (`--pp-schedule`).
+    #[error("unknown pipeline schedule {name:?}: known are {}", known.join(", "))]
+    Unknown {
+        /// The name given.
+        name: String,
+        /// The names a generator answers to.
+        known: Vec<&'static str>,
+    },
     /// Simulating the action lists got stuck: every rank's next action waits for one that
     /// never runs (the lists would deadlock if executed).
     #[error(

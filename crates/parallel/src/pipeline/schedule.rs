@@ -124,6 +124,31 @@ impl fmt::Display for ScheduleKind {
     }
 }
 
+impl ScheduleKind {
+    /// The names [`ScheduleKind::from_name`] takes (`--pp-schedule`), one per generator.
+    pub const NAMES: [&'static str; 4] = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"];
+
+    /// The generator named `name` (case-insensitive; `interleaved` and `zbh1` also accepted).
+    ///
+    /// # Errors
+    ///
+    /// [`ScheduleError::Unknown`] listing [`ScheduleKind::NAMES`].
+    pub fn from_name(name: &str) -> Result<ScheduleKind, ScheduleError> {
+        Ok(match name.to_ascii_lowercase().as_str() {
+            "gpipe" => ScheduleKind::GPipe,
+            "1f1b" => ScheduleKind::OneFOneB,
+            "interleaved-1f1b" | "interleaved" => ScheduleKind::Interleaved1F1B,
+            "zb-h1" | "zbh1" => ScheduleKind::ZeroBubbleH1,
+            _ => {
+                return Err(ScheduleError::Unknown {
+                    name: name.to_string(),
+                    known: ScheduleKind::NAMES.to_vec(),
+                })
+            }
+        })
+    }
+}
+
 /// A pipeline schedule: for each rank, the ordered compute actions it runs.
 ///
 /// Built by a generator ([`Schedule::gpipe`], [`Schedule::one_f_one_b`],
@@ -337,6 +362,48 @@ impl Schedule {
             .iter()
             .flatten()
             .any(|a| matches!(a, Action::BackwardInput { .. }))
+    }
+
+    /// The schedule of generator `kind` for `p` ranks, `m` micro-batches and `v` chunks per
+    /// rank (`v` is used by interleaved 1F1B only and must be 1 for the others).
+    ///
+    /// # Errors
+    ///
+    /// The generator's [`ScheduleError::Rule`], or a `v` other than 1 for a schedule without
+    /// virtual stages, or [`ScheduleKind::Custom`] (which has no generator).
+    pub fn generate(
+        kind: ScheduleKind,
+        p: usize,
+        m: usize,
+        v: usize,
+    ) -> Result<Schedule, ScheduleError> {
+        let flat = |s: Schedule| {
+            if v == 1 {
+                Ok(s)
+            } else {
+                Err(ScheduleError::Rule {
+                    schedule: kind.to_string(),
+                    p,
+                    m,
+                    v,
+                    rule: format!("only interleaved 1F1B has virtual stages; v must be 1, got {v}"),
+                })
+            }
+        };
+        match kind {
+            ScheduleKind::GPipe => flat(Schedule::gpipe(p, m)?),
+            ScheduleKind::OneFOneB => flat(Schedule::one_f_one_b(p, m)?),
+            ScheduleKind::Interleaved1F1B => Schedule::interleaved(p, m, v),
+            ScheduleKind::ZeroBubbleH1 => flat(Schedule::zero_bubble_h1(p, m)?),
+            ScheduleKind::Custom => Err(ScheduleError::Rule {
+                schedule: kind.to_string(),
+                p,
+                m,
+                v,
+                rule: "a custom schedule has no generator: build it with Schedule::from_actions"
+                    .into(),
+            }),
+        }
     }
 
     /// The schedule as text: one line per rank, actions as `F3`, `B3`, `I3`, `W3` (with the

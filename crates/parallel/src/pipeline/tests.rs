@@ -181,3 +181,38 @@ fn p2p_latency_and_custom_costs() {
         .unwrap();
     assert!((b - bubble_gpipe(4, 8)).abs() < 1e-9);
 }
+
+#[test]
+fn schedules_by_name() {
+    for (name, kind) in [
+        ("gpipe", ScheduleKind::GPipe),
+        ("1F1B", ScheduleKind::OneFOneB),
+        ("interleaved", ScheduleKind::Interleaved1F1B),
+        ("interleaved-1f1b", ScheduleKind::Interleaved1F1B),
+        ("zb-h1", ScheduleKind::ZeroBubbleH1),
+    ] {
+        assert_eq!(ScheduleKind::from_name(name).unwrap(), kind, "{name}");
+    }
+    for name in ScheduleKind::NAMES {
+        let kind = ScheduleKind::from_name(name).unwrap();
+        let v = if kind == ScheduleKind::Interleaved1F1B {
+            2
+        } else {
+            1
+        };
+        let s = Schedule::generate(kind, 4, 8, v).unwrap();
+        assert_eq!(
+            (s.kind(), s.ranks(), s.micro_batches(), s.chunks()),
+            (kind, 4, 8, v)
+        );
+    }
+    let e = ScheduleKind::from_name("dualpipe").unwrap_err();
+    assert!(
+        e.to_string().contains("\"dualpipe\"") && e.to_string().contains("zb-h1"),
+        "{e}"
+    );
+    let e = Schedule::generate(ScheduleKind::OneFOneB, 4, 8, 2).unwrap_err();
+    assert!(e.to_string().contains("v must be 1"), "{e}");
+    assert!(Schedule::generate(ScheduleKind::Interleaved1F1B, 4, 6, 2).is_err());
+    assert!(Schedule::generate(ScheduleKind::Custom, 2, 2, 1).is_err());
+}
