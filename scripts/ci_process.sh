@@ -5,7 +5,9 @@
 # same losses as the local backend (threads), bit for bit (both reduce in rank order), and a
 # 4-process mp_allreduce run checks collectives and DTensor matmuls against one device; a
 # `dtrun --max-restarts 1` run with a rank SIGKILLed mid-run (`--inject-fault`) resumes from its
-# checkpoint and must end with the uninterrupted run's final loss (1e-4 relative).
+# checkpoint and must end with the uninterrupted run's final loss (1e-4 relative). The same
+# 4-process world formed from Slurm-style variables alone (what srun sets; no dtrun) must
+# print the local losses too.
 # A `dtrun --allow-failures 1` run of `train_gpt --hsdp --fault-tolerant` with rank 3 SIGKILLed
 # must finish every step on the surviving replica and exit 0, with the losses of the same fault
 # on the local backend. First, the binary's exit status on failed checks: `--check-against` a
@@ -85,6 +87,37 @@ assert diff == 0.0, f"process and local losses differ by up to {diff}"
 assert proc["backend"] == "process" and proc["world"] == 4, proc
 print(f"train_gpt: process backend (4 processes) == local backend, bit for bit; "
       f"step {proc['step_ms_median']:.1f} ms vs {local['step_ms_median']:.1f} ms")
+PY
+
+echo "== the same world from Slurm-style variables alone (as srun sets them, no dtrun)"
+# Two "nodes" of two tasks each on this host: SLURM_PROCID / SLURM_STEP_NUM_TASKS / SLURM_LOCALID
+# / SLURM_NODEID / SLURM_STEP_TASKS_PER_NODE, the store on the node list's first host at the port
+# of the job id (comm::env::slurm); every rank's environment is only what srun would give it.
+job_id=$((RANDOM * 32768 + RANDOM))
+pids=()
+for r in 0 1 2 3; do
+    env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT SLURM_STEP_ID=0 SLURM_JOB_ID="$job_id" \
+        SLURM_PROCID=$r SLURM_NTASKS=4 SLURM_STEP_NUM_TASKS=4 SLURM_LOCALID=$((r % 2)) \
+        SLURM_NODEID=$((r / 2)) SLURM_STEP_TASKS_PER_NODE='2(x2)' \
+        SLURM_JOB_NODELIST='localhost' CDT_JOB_TOKEN=ci-slurm-token \
+        timeout 300 "$tg" --backend process "${args[@]}" --out "$out/slurm$r" \
+        > "$out/slurm$r.json" 2> "$out/slurm$r.log" &
+    pids+=($!)
+done
+for i in "${!pids[@]}"; do
+    if ! wait "${pids[$i]}"; then
+        echo "rank $i of the Slurm-style world failed:" >&2
+        cat "$out/slurm$i.log" >&2
+        exit 1
+    fi
+done
+python3 - "$out/local.json" "$out/slurm0.json" <<'PY'
+import json, sys
+local = json.load(open(sys.argv[1]))
+slurm = json.loads(open(sys.argv[2]).read().strip().splitlines()[-1])
+assert slurm["backend"] == "process" and slurm["world"] == 4, slurm
+assert slurm["losses"] == local["losses"], (slurm["losses"], local["losses"])
+print("train_gpt: a world formed from SLURM_* variables alone (4 processes) == local backend, bit for bit")
 PY
 
 echo "== dtrun --max-restarts 1 -- train_gpt --backend process, rank 1 SIGKILLed after step 3"

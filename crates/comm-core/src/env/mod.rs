@@ -5,10 +5,14 @@
 //! 1. torchrun / `dtrun`: `RANK`, `WORLD_SIZE`, optionally `LOCAL_RANK`;
 //! 2. Open MPI (`mpirun`): `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`,
 //!    `OMPI_COMM_WORLD_LOCAL_RANK`;
-//! 3. PMI (MPICH, Intel MPI, Slurm's PMI): `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`.
+//! 3. PMI (MPICH, Intel MPI, Slurm's PMI): `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`;
+//! 4. Slurm's `srun` ([`slurm`]): `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` (or `SLURM_NTASKS`),
+//!    `SLURM_LOCALID`, and the local task count from `SLURM_STEP_TASKS_PER_NODE` at
+//!    `SLURM_NODEID`; only inside an srun step (`SLURM_STEP_ID` set).
 //!
-//! The rendezvous store's address always comes from `MASTER_ADDR` and `MASTER_PORT` (MPI
-//! launchers do not set them; export them yourself). A variable that is set but malformed is an
+//! The rendezvous store's address comes from `MASTER_ADDR` and `MASTER_PORT` (MPI launchers do
+//! not set them; export them yourself); under srun, when they are not set, from the first host
+//! of `SLURM_JOB_NODELIST` and a port derived from `SLURM_JOB_ID` ([`slurm::port_of_job`]). A variable that is set but malformed is an
 //! error naming it and its value; a missing one is an error listing what was looked for.
 //!
 //! ```
@@ -25,6 +29,8 @@ use std::fmt;
 
 use crate::error::CommError;
 
+pub mod slurm;
+
 /// Which launcher convention the rank came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EnvSource {
@@ -34,6 +40,8 @@ pub enum EnvSource {
     OpenMpi,
     /// `PMI_RANK` / `PMI_SIZE` (MPICH, Intel MPI, Slurm).
     Pmi,
+    /// `SLURM_PROCID` / `SLURM_NTASKS` (an srun step).
+    Slurm,
 }
 
 impl fmt::Display for EnvSource {
@@ -42,6 +50,7 @@ impl fmt::Display for EnvSource {
             EnvSource::Torchrun => "RANK/WORLD_SIZE",
             EnvSource::OpenMpi => "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE",
             EnvSource::Pmi => "PMI_RANK/PMI_SIZE",
+            EnvSource::Slurm => "SLURM_PROCID/SLURM_NTASKS",
         })
     }
 }
@@ -120,6 +129,19 @@ where
     })
 }
 
+/// `MASTER_PORT`'s value as a port that can be dialled.
+fn parse_port(v: String) -> Result<u16, EnvError> {
+    let p: u16 = parse("MASTER_PORT", v.clone(), "a TCP port (1-65535)")?;
+    if p == 0 {
+        return Err(EnvError::Invalid {
+            var: "MASTER_PORT",
+            value: v,
+            reason: "port 0 cannot be dialled".into(),
+        });
+    }
+    Ok(p)
+}
+
 impl LaunchEnv {
     /// Reads the process environment; see the module docs.
     ///
@@ -130,12 +152,15 @@ impl LaunchEnv {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
 
-    /// Whether a launcher set this process's rank (`RANK`, `OMPI_COMM_WORLD_RANK` or
-    /// `PMI_RANK`), i.e. whether it is one rank of a launched world rather than a plain run.
+    /// Whether a launcher set this process's rank (`RANK`, `OMPI_COMM_WORLD_RANK`,
+    /// `PMI_RANK`, or `SLURM_PROCID` inside an srun step), i.e. whether it is one rank of a
+    /// launched world rather than a plain run.
     pub fn is_launched() -> bool {
         ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
             .iter()
             .any(|v| std::env::var_os(v).is_some())
+            || (std::env::var_os("SLURM_PROCID").is_some()
+                && std::env::var_os("SLURM_STEP_ID").is_some())
     }
 
     /// This process's index among the processes of its host: the launcher's local rank, else
@@ -177,9 +202,19 @@ impl LaunchEnv {
         ];
         let found = SCHEMES.iter().find(|(_, r, ..)| get(r).is_some());
         let Some(&(source, rank_var, size_var, local_rank_var, local_size_var)) = found else {
+            if get("SLURM_PROCID").is_some() && get("SLURM_STEP_ID").is_some() {
+                return Self::from_slurm(&get);
+            }
             return Err(EnvError::Missing {
                 what: "the rank",
-                looked_for: "RANK, OMPI_COMM_WORLD_RANK, PMI_RANK".into(),
+                looked_for: if get("SLURM_PROCID").is_some() {
+                    "RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID inside an srun step \
+                     (SLURM_PROCID is set but SLURM_STEP_ID is not: a batch script's own \
+                     shell; start the ranks with srun)"
+                        .into()
+                } else {
+                    "RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_PROCID".into()
+                },
             });
         };
         let rank: usize = parse(rank_var, get(rank_var).unwrap_or_default(), "a rank >= 0")?;
@@ -224,20 +259,7 @@ impl LaunchEnv {
             None => None,
         };
         let master_addr = get("MASTER_ADDR").filter(|s| !s.trim().is_empty());
-        let master_port = match get("MASTER_PORT") {
-            Some(v) => {
-                let p: u16 = parse("MASTER_PORT", v.clone(), "a TCP port (1-65535)")?;
-                if p == 0 {
-                    return Err(EnvError::Invalid {
-                        var: "MASTER_PORT",
-                        value: v,
-                        reason: "port 0 cannot be dialled".into(),
-                    });
-                }
-                Some(p)
-            }
-            None => None,
-        };
+        let master_port = get("MASTER_PORT").map(parse_port).transpose()?;
         Ok(LaunchEnv {
             rank,
             world_size,
@@ -246,6 +268,92 @@ impl LaunchEnv {
             master_addr: master_addr.map(|s| s.trim().to_string()),
             master_port,
             source,
+        })
+    }
+
+    /// An srun step's world (see [`slurm`]).
+    fn from_slurm(get: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, EnvError> {
+        let int = |var: &'static str, what: &str| -> Result<Option<usize>, EnvError> {
+            get(var).map(|v| parse(var, v, what)).transpose()
+        };
+        let rank = int("SLURM_PROCID", "a rank >= 0")?.unwrap_or_default();
+        let (size_var, world_size) = match int("SLURM_STEP_NUM_TASKS", "a task count >= 1")? {
+            Some(n) => ("SLURM_STEP_NUM_TASKS", n),
+            None => match int("SLURM_NTASKS", "a task count >= 1")? {
+                Some(n) => ("SLURM_NTASKS", n),
+                None => {
+                    return Err(EnvError::Missing {
+                        what: "the world size",
+                        looked_for: "SLURM_STEP_NUM_TASKS, SLURM_NTASKS".into(),
+                    })
+                }
+            },
+        };
+        if world_size == 0 {
+            return Err(EnvError::Invalid {
+                var: size_var,
+                value: "0".into(),
+                reason: "a world needs at least one rank".into(),
+            });
+        }
+        if rank >= world_size {
+            return Err(EnvError::RankOutOfRange {
+                rank,
+                world_size,
+                convention: EnvSource::Slurm,
+            });
+        }
+        let local_rank = int("SLURM_LOCALID", "a local rank >= 0")?;
+        let node = int("SLURM_NODEID", "a node index >= 0")?;
+        let per_node = get("SLURM_STEP_TASKS_PER_NODE").or_else(|| get("SLURM_TASKS_PER_NODE"));
+        let local_world_size = match (per_node, node) {
+            (Some(list), Some(node)) => Some(slurm::tasks_on_node(&list, node).map_err(
+                |reason| EnvError::Invalid {
+                    var: "SLURM_STEP_TASKS_PER_NODE",
+                    value: list.clone(),
+                    reason,
+                },
+            )?),
+            _ => None,
+        };
+        let master_addr = match get("MASTER_ADDR").filter(|s| !s.trim().is_empty()) {
+            Some(a) => Some(a.trim().to_string()),
+            None => {
+                let (var, list) = [
+                    "SLURM_STEP_NODELIST",
+                    "SLURM_JOB_NODELIST",
+                    "SLURM_NODELIST",
+                ]
+                .iter()
+                .find_map(|v| get(v).map(|l| (*v, l)))
+                .ok_or(EnvError::Missing {
+                    what: "the store address",
+                    looked_for: "MASTER_ADDR, SLURM_STEP_NODELIST, SLURM_JOB_NODELIST".into(),
+                })?;
+                Some(
+                    slurm::first_host(&list).map_err(|reason| EnvError::Invalid {
+                        var,
+                        value: list.clone(),
+                        reason,
+                    })?,
+                )
+            }
+        };
+        let master_port = match get("MASTER_PORT") {
+            Some(v) => Some(parse_port(v)?),
+            None => match get("SLURM_JOB_ID") {
+                Some(id) => Some(slurm::port_of_job(parse("SLURM_JOB_ID", id, "a job id")?)),
+                None => None,
+            },
+        };
+        Ok(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            source: EnvSource::Slurm,
         })
     }
 
@@ -445,5 +553,64 @@ mod tests {
         );
         let c: CommError = e.into();
         assert!(matches!(c, CommError::Bootstrap { .. }));
+    }
+
+    #[test]
+    fn srun_steps_form_a_world_from_slurm_variables() {
+        let step = [
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_JOB_ID", "123456"),
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_STEP_NUM_TASKS", "6"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2(x3)"),
+            ("SLURM_JOB_NODELIST", "gpu[07-09]"),
+        ];
+        let e = env(&step).unwrap();
+        assert_eq!(e.source, EnvSource::Slurm);
+        assert_eq!(
+            (e.rank, e.world_size),
+            (5, 6),
+            "the step's tasks, not the job's"
+        );
+        assert_eq!((e.local_rank, e.local_world_size), (Some(1), Some(2)));
+        assert_eq!(e.store_addr().unwrap(), "gpu07:18456");
+        // MASTER_ADDR / MASTER_PORT win.
+        let mut v = step.to_vec();
+        v.extend([("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500")]);
+        assert_eq!(env(&v).unwrap().store_addr().unwrap(), "10.0.0.1:29500");
+        // dtrun under srun: torchrun's variables win.
+        let mut v = step.to_vec();
+        v.extend([("RANK", "0"), ("WORLD_SIZE", "2")]);
+        assert_eq!(env(&v).unwrap().source, EnvSource::Torchrun);
+        // A batch script's own shell is not a launched rank.
+        let batch = [
+            ("SLURM_JOB_ID", "7"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "8"),
+        ];
+        let e = env(&batch).unwrap_err();
+        assert!(e.to_string().contains("start the ranks with srun"), "{e}");
+        // Malformed values name the variable.
+        let mut v = step.to_vec();
+        v[8] = ("SLURM_JOB_NODELIST", "gpu[07-");
+        let e = env(&v).unwrap_err();
+        assert!(e.to_string().contains("SLURM_JOB_NODELIST"), "{e}");
+        let mut v = step.to_vec();
+        v[2] = ("SLURM_PROCID", "6");
+        assert!(matches!(
+            env(&v),
+            Err(EnvError::RankOutOfRange {
+                rank: 6,
+                world_size: 6,
+                convention: EnvSource::Slurm
+            })
+        ));
+        let mut v = step.to_vec();
+        v[6] = ("SLURM_NODEID", "3");
+        let e = env(&v).unwrap_err();
+        assert!(e.to_string().contains("node 3 is beyond"), "{e}");
     }
 }
