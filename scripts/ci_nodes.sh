@@ -182,4 +182,58 @@ t0, a, b, good = map(float, sys.argv[1:5])
 # At most the clean run's time plus the op timeout (10s) and a few seconds.
 assert max(a, b) - t0 <= good + 10 + 5, (a - t0, b - t0, good)
 PY
+
+echo "== --max-restarts 1 on both nodes: rank 3 (node 1) SIGKILLed after step 3, every node restarts"
+t0=$(date +%s.%N)
+ck="$out/ckpt"
+for r in 0 1; do
+    ns=$ns0; ((r == 1)) && ns=$ns1
+    node "$ns" "$r" "$out/r$r" --nproc-per-node 2 --token-file "$out/token" --max-restarts 1 -- \
+        "$tg" --backend process "${args[@]}" --save-dir "$ck" --save-every 2 --resume \
+        --inject-fault rank=3,step=3 --out "$out/restart$r"
+done
+wait_nodes
+if ((rc0 != 0 || rc1 != 0)); then
+    echo "ci_nodes.sh: the restarted 2-node run failed (node 0: exit $rc0, node 1: exit $rc1)" >&2
+    tail -n 30 "$out/r0.err" "$out/r1.err" >&2
+    exit 1
+fi
+for r in 0 1; do
+    grep -q "restarting the job (1 of at most 1 restarts)" "$out/r$r.err" \
+        || { echo "ci_nodes.sh: node $r did not restart" >&2; cat "$out/r$r.err" >&2; exit 1; }
+done
+sed -n 's/^\[rank 0\] \({.*\)$/\1/p' "$out/r0.out" | tail -n 1 > "$out/restart.json"
+python3 - "$out/single.json" "$out/restart.json" "$(secs "$t0" "$t_1")" <<'PY'
+import json, sys
+whole, restarted = (json.load(open(p)) for p in sys.argv[1:3])
+a, b = whole["final_loss"], restarted["final_loss"]
+assert restarted["start_step"] == 2, restarted["start_step"]
+rel = abs(a - b) / abs(a)
+assert rel <= 1e-4, f"restarted final loss {b} vs uninterrupted {a} (rel {rel})"
+print(f"   both nodes restarted together, resumed from step 2, final loss {b} == {a} (rel {rel:.1e}; {float(sys.argv[3]):.1f}s wall)")
+PY
+
+echo "== --allow-failures 1 across nodes: train_gpt --hsdp --fault-tolerant, rank 3 (node 1) SIGKILLed after step 4"
+ft=(--mesh replicate=2,shard=2 --hsdp --fault-tolerant --steps 8 --timeout 1 --json --inject-fault rank=3,step=4)
+for r in 0 1; do
+    ns=$ns0; ((r == 1)) && ns=$ns1
+    node "$ns" "$r" "$out/a$r" --nproc-per-node 2 --token-file "$out/token" --allow-failures 1 -- \
+        "$tg" --backend process "${ft[@]}" --out "$out/ft$r"
+done
+wait_nodes
+if ((rc0 != 0 || rc1 != 0)); then
+    echo "ci_nodes.sh: the fault-tolerant 2-node run failed (node 0: exit $rc0, node 1: exit $rc1)" >&2
+    tail -n 30 "$out/a0.err" "$out/a1.err" >&2
+    exit 1
+fi
+sed -n 's/^\[rank 0\] \({.*\)$/\1/p' "$out/a0.out" | tail -n 1 > "$out/ft.json"
+ip netns exec "$ns0" "$tg" "${ft[@]}" --out "$out/ft_local" 2> "$out/ft_local.err" | tail -n 1 > "$out/ft_local.json"
+python3 - "$out/ft.json" "$out/ft_local.json" <<'PY'
+import json, sys
+p, l = (json.load(open(f)) for f in sys.argv[1:3])
+assert p["steps_completed"] == 8, p["steps_completed"]
+assert p["lost_ranks"] == [2, 3] == l["lost_ranks"], (p["lost_ranks"], l["lost_ranks"])
+assert p["losses"] == l["losses"], (p["losses"], l["losses"])
+print("   node 1's replica lost, node 0 finished 8 steps with the local backend's losses; both dtruns exit 0")
+PY
 echo "ci_nodes.sh: OK"

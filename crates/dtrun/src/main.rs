@@ -1,8 +1,23 @@
-//! `dtrun`: starts N ranks of a multi-process job on this host.
+//! `dtrun`: starts the ranks of a multi-process job on this host: the whole job, or one node
+//! of a job across nodes (torchrun's static rendezvous).
 //!
 //! ```text
 //! dtrun --nproc 4 [--master-port P] [--timeout S] [--grace S] [--max-restarts N] [--allow-failures K] [--insecure] -- CMD ARGS...
+//! dtrun --nnodes N --node-rank R --nproc-per-node G --master-addr HOST --master-port P
+//!       [--token-file PATH | CDT_JOB_TOKEN=...] [--rdzv-timeout S] [the flags above] -- CMD ARGS...
 //! ```
+//!
+//! Across nodes (`--nnodes` > 1; `--nproc` is `--nproc-per-node` of a 1-node job), one dtrun
+//! runs on each node with the same settings but its own `--node-rank`; its ranks get
+//! `RANK = R * G + LOCAL_RANK`, `WORLD_SIZE = N * G`, `LOCAL_WORLD_SIZE = G`, `GROUP_RANK = R`,
+//! `GROUP_WORLD_SIZE = N` and `MASTER_ADDR = HOST`. Node 0's dtrun hosts a control store on
+//! port P of every interface, which all dtruns join; rank 0 (on node 0) hosts the ranks' store
+//! at `HOST:MASTER_PORT`, a port node 0's dtrun picks per start. The nodes share the job token
+//! (`CDT_JOB_TOKEN` or `--token-file`; without one a multi-node dtrun refuses to start, unless
+//! `--insecure`), check each other's settings at join, and fail as one: a rank's failure on any
+//! node stops every node's ranks, and every dtrun names the node and rank. `--max-restarts`
+//! restarts every node together; `--allow-failures K` counts failures job-wide. How: the
+//! `nodes` module's doc.
 //!
 //! Each rank runs `CMD ARGS...` with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 //! `MASTER_ADDR` and `MASTER_PORT` set (what torchrun sets; the `process` backend reads them),

@@ -267,6 +267,9 @@ impl Cluster {
         );
         if me.node_rank == 0 {
             let verdict = check_nodes(&ctl, &me, deadline);
+            if let Err(e) = &verdict {
+                tracing::debug!(error = %e, "the nodes' settings are refused");
+            }
             let text = match &verdict {
                 Ok(()) => "ok\n".to_string(),
                 Err(m) => format!("error\n{m}"),
@@ -592,45 +595,49 @@ impl Heartbeats {
     }
 }
 
-/// Checks the settings of the first `me.nnodes` arrivals (node 0), waiting for them until
-/// `deadline`. The error names the node(s), the setting and the values seen.
+/// Checks the settings of the first `me.nnodes` arrivals (node 0) as they arrive: the first
+/// disagreement is an error at once; all of them in time, `Ok`; else an error at `deadline`
+/// listing who came. The error names the node(s), the setting and the values seen.
 fn check_nodes(ctl: &TcpStore, me: &Settings, deadline: Instant) -> Result<(), String> {
     let n = me.nnodes;
-    let keys: Vec<String> = (1..=n).map(|i| format!("join/{i}")).collect();
-    let refs: Vec<&str> = keys.iter().map(|s| s.as_str()).collect();
-    let left = deadline.saturating_duration_since(Instant::now());
-    let mut nodes = Vec::new();
-    match ctl.wait(&refs, left) {
-        Ok(()) => {}
-        Err(StoreError::Timeout { missing, .. }) => {
-            for k in &keys {
-                if !missing.contains(k) {
-                    if let Ok(s) = read_text(ctl, k, CTL_TIMEOUT)
-                        .and_then(|v| Settings::decode(k, v.as_bytes()))
-                    {
-                        nodes.push(s.who());
-                    }
-                }
-            }
+    let started = Instant::now();
+    let mut all: Vec<Settings> = Vec::new();
+    loop {
+        let count = ctl
+            .add("join/count", 0)
+            .map_err(|e| format!("waiting for the nodes to join: {e}"))?;
+        while (all.len() as i64) < count.min(i64::from(n)) {
+            let k = format!("join/{}", all.len() + 1);
+            let v = read_text(ctl, &k, CTL_TIMEOUT).map_err(|e| e.to_string())?;
+            all.push(Settings::decode(&k, v.as_bytes()).map_err(|e| e.to_string())?);
+        }
+        let errors = disagreements(&all, me);
+        if !errors.is_empty() {
+            return Err(errors.join("; "));
+        }
+        if all.len() as u32 >= n {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
             return Err(format!(
                 "only {} of {n} nodes (--nnodes {n} on node 0) joined within --rdzv-timeout \
                  {:?}: {}; a node whose job token differs is refused by the control store (see \
                  the warnings above), one with another --master-addr or --master-port never \
                  arrives",
-                nodes.len(),
-                left,
-                nodes.join(", ")
+                all.len(),
+                deadline.saturating_duration_since(started),
+                all.iter().map(|s| s.who()).collect::<Vec<_>>().join(", ")
             ));
         }
-        Err(e) => return Err(format!("waiting for the nodes to join: {e}")),
+        std::thread::sleep(Duration::from_millis(50));
     }
-    let mut all = Vec::new();
-    for k in &keys {
-        let v = read_text(ctl, k, CTL_TIMEOUT).map_err(|e| e.to_string())?;
-        all.push(Settings::decode(k, v.as_bytes()).map_err(|e| e.to_string())?);
-    }
+}
+
+/// What is wrong with the settings of the nodes that joined, against node 0's (`me`).
+fn disagreements(all: &[Settings], me: &Settings) -> Vec<String> {
+    let n = me.nnodes;
     let mut errors = Vec::new();
-    for s in &all {
+    for s in all {
         if s.node_rank >= n {
             errors.push(format!(
                 "{}: --node-rank {} is out of range for --nnodes {n} (node ranks 0..{})",
@@ -667,11 +674,7 @@ fn check_nodes(ctl: &TcpStore, me: &Settings, deadline: Instant) -> Result<(), S
     };
     errors.extend(setting("--nnodes", |s| s.nnodes));
     errors.extend(setting("--nproc-per-node", |s| s.nproc_per_node));
-    if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(errors.join("; "))
-    }
+    errors
 }
 
 /// The job token of a multi-node job: `--token-file` (its first line), else `CDT_JOB_TOKEN`.
