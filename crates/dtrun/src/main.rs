@@ -315,8 +315,10 @@ fn free_port(addr: &str) -> Result<u16, String> {
 enum Event {
     Exited(usize, ExitStatus),
     WaitFailed(usize, String),
-    /// Another node stopped the job (or node 0's dtrun was lost), with why.
+    /// Another node stopped the job, with why.
     Remote(String),
+    /// Node 0's dtrun (its control store) stopped answering, with why.
+    ControlLost(String),
 }
 
 fn main() {
@@ -607,7 +609,7 @@ fn run_once(
             let _ = tx.send(ev);
         });
     }
-    let _watcher = cluster.map(|c| c.watch(restart, tx.clone(), Event::Remote));
+    let _watcher = cluster.map(|c| c.watch(restart, tx.clone(), Event::Remote, Event::ControlLost));
     drop(tx);
     // Tells the other nodes why this node stops the job.
     let post = |killed: bool, code: i32, what: String| {
@@ -625,6 +627,8 @@ fn run_once(
     };
     // Why another node stopped the job, if it did.
     let mut remote_stop: Option<String> = None;
+    // Node 0's dtrun is gone: there is no one to record this node's end with.
+    let mut control_lost = false;
 
     let started = pids.len();
     let mut exited = vec![false; started];
@@ -724,7 +728,13 @@ fn run_once(
                     first_failure = Some((rank, format!("could not be waited for: {e}"), 1));
                 }
             }
-            Ok(Event::Remote(why)) => {
+            Ok(ev @ (Event::Remote(_) | Event::ControlLost(_))) => {
+                let (why, lost) = match ev {
+                    Event::ControlLost(why) => (why, true),
+                    Event::Remote(why) => (why, false),
+                    _ => (String::new(), false),
+                };
+                control_lost |= lost;
                 if stopping.is_none() && remote_stop.is_none() {
                     say(&format!(
                         "node {}: the job is stopping: {why}; stopping this node's {remaining} rank(s)",
@@ -830,6 +840,17 @@ fn run_once(
         return Ended { code, rank_failed };
     };
     drop(_watcher);
+    if control_lost {
+        say(&format!(
+            "node {}: job failed: {}",
+            c.node_rank,
+            remote_stop.as_deref().unwrap_or("lost node 0's dtrun")
+        ));
+        return Ended {
+            code: if code == 0 { 1 } else { code },
+            rank_failed: false,
+        };
+    }
     let mine = nodes::NodeEnd {
         code,
         // A node stopped for another node's failure, or that ended well, does not stand in the

@@ -32,9 +32,13 @@
 //!   `gen/<g>/nfailed`), that got a signal or hit `--timeout` writes its reason to
 //!   `gen/<g>/report/<node>` and sets `gen/<g>/failed`.
 //! - Node 0's watcher also watches the other nodes' heartbeats: one unchanged for
-//!   [`NODE_LOST`] marks the job failed ("node k's dtrun stopped answering"). A non-zero
-//!   node's watcher that cannot reach the control store for [`CTL_TIMEOUT`] stops its ranks
-//!   ("lost node 0's dtrun").
+//!   [`NODE_LOST`] marks the job failed ("node k's dtrun stopped answering", and
+//!   `gen/<g>/lost`, so that no node waits for that node's end). A non-zero node's watcher
+//!   that cannot reach the control store for [`CTL_TIMEOUT`] (a request that fails retries
+//!   its connection for as long again, so about twice that) stops its ranks and ends without
+//!   waiting for anyone ("lost node 0's dtrun"). (A dtrun killed with SIGKILL takes its ranks
+//!   with it, `PR_SET_PDEATHSIG`; the other nodes' ranks usually fail first, by their own
+//!   op timeouts or closed connections.)
 //! - When its ranks have ended, each dtrun writes `gen/<g>/done/<node>` (its exit code and
 //!   whether its end allows a restart) and waits for every node's record, as long as the
 //!   missing nodes' heartbeats move (a node silent for [`NODE_LOST`] is given up on). Every
@@ -384,12 +388,14 @@ impl Cluster {
 
     /// Starts the watcher of start `gen`: heartbeats, the `failed` flag, and (node 0) the
     /// other nodes' heartbeats. It sends `remote(msg)` when the job must stop because of
-    /// another node, and ends when the returned guard is dropped.
+    /// another node, `lost(msg)` when node 0's control store stopped answering, and ends when
+    /// the returned guard is dropped.
     pub(crate) fn watch<E: Send + 'static>(
         &self,
         gen: u32,
         tx: Sender<E>,
         remote: fn(String) -> E,
+        lost: fn(String) -> E,
     ) -> Watcher {
         let stop = Arc::new(AtomicBool::new(false));
         let w = Watcher { stop: stop.clone() };
@@ -399,18 +405,24 @@ impl Cluster {
         std::thread::spawn(move || {
             let failed = format!("gen/{gen}/failed");
             let mut beats = Heartbeats::new(nnodes, me);
-            let mut last_beat = Instant::now() - HEARTBEAT;
+            // The first heartbeat at once.
+            let mut last_beat = Instant::now()
+                .checked_sub(HEARTBEAT)
+                .unwrap_or_else(Instant::now);
             let mut last_ok = Instant::now();
             while !stop.load(Ordering::SeqCst) {
                 if last_beat.elapsed() >= HEARTBEAT {
                     last_beat = Instant::now();
                     let _ = ctl.add(&format!("alive/{me}"), 1);
                     if me == 0 {
-                        if let Some(lost) = beats.poll(&ctl) {
+                        if let Some(gone) = beats.poll(&ctl) {
                             let msg = format!(
-                                "node {lost}'s dtrun stopped answering (no heartbeat for {:?})",
+                                "node {gone}'s dtrun stopped answering (no heartbeat for {:?})",
                                 NODE_LOST
                             );
+                            // So that no node waits for its end again.
+                            let _ =
+                                ctl.set(&format!("gen/{gen}/lost"), gone.to_string().as_bytes());
                             if ctl.add(&format!("gen/{gen}/nstops"), 1).unwrap_or(1) == 1 {
                                 let _ = ctl.set(&failed, msg.as_bytes());
                             }
@@ -429,7 +441,7 @@ impl Cluster {
                     Err(StoreError::Timeout { .. }) => last_ok = Instant::now(),
                     Err(e) => {
                         if last_ok.elapsed() >= CTL_TIMEOUT {
-                            let _ = tx.send(remote(format!(
+                            let _ = tx.send(lost(format!(
                                 "lost node 0's dtrun (its control store at {ctl_addr} has not \
                                  answered for {CTL_TIMEOUT:?}: {e})"
                             )));
@@ -467,6 +479,15 @@ impl Cluster {
             match self.ctl.wait(&refs, POLL) {
                 Ok(()) => break,
                 Err(StoreError::Timeout { missing, .. }) => {
+                    let gone = format!("gen/{gen}/lost");
+                    if self.ctl.check(&[gone.as_str()]).is_ok_and(|m| m.is_empty()) {
+                        let n = read_text(&self.ctl, &gone, CTL_TIMEOUT).unwrap_or_default();
+                        return Err(NodeError::Rendezvous(format!(
+                            "node {}'s dtrun stopped answering (no heartbeat for {NODE_LOST:?}); \
+                             still missing: {missing:?}",
+                            clean(n.trim())
+                        )));
+                    }
                     if last_beat.elapsed() >= HEARTBEAT {
                         last_beat = Instant::now();
                         let _ = self.ctl.add(&format!("alive/{}", self.node_rank), 1);

@@ -157,3 +157,49 @@ fn a_multi_node_job_without_a_token_or_port_does_not_start() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("needs --master-port"), "{err}");
 }
+
+/// SIGKILLs node `victim`'s dtrun two seconds in; the other dtrun must stop its ranks and fail
+/// within `within`, saying `says`.
+fn kill_a_dtrun(victim: u32, within: Duration, says: &str) {
+    let port = free_port();
+    let n0 = node(
+        port,
+        2,
+        0,
+        &["--nproc-per-node", "1"],
+        TOKEN,
+        "exec sleep 60",
+    );
+    let n1 = node(
+        port,
+        2,
+        1,
+        &["--nproc-per-node", "1"],
+        TOKEN,
+        "exec sleep 60",
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let t0 = Instant::now();
+    let (mut dead, other) = if victim == 0 { (n0, n1) } else { (n1, n0) };
+    dead.kill().expect("SIGKILL");
+    let _ = dead.wait();
+    let (o, _, err) = finish(other);
+    let took = t0.elapsed();
+    assert!(took < within, "took {took:?}: {err}");
+    assert_ne!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains(says), "{err}");
+}
+
+#[test]
+fn a_lost_node_0_dtrun_stops_node_1() {
+    kill_a_dtrun(0, Duration::from_secs(20), "lost node 0's dtrun");
+}
+
+#[test]
+fn a_lost_node_1_dtrun_stops_node_0_after_the_heartbeat_timeout() {
+    kill_a_dtrun(
+        1,
+        Duration::from_secs(25),
+        "node 1's dtrun stopped answering",
+    );
+}
