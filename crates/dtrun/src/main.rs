@@ -51,7 +51,8 @@
 //!   above and dtrun exits 124.
 //! - `--max-restarts N`: when a rank fails, the job is stopped as above and started again (at
 //!   most N times), with the same command and environment, a new store port (unless
-//!   `--master-port` fixes it), a new token and `TORCHELASTIC_RESTART_COUNT` one higher; the
+//!   `--master-port` fixes it), a new token (across nodes: the shared one) and
+//!   `TORCHELASTIC_RESTART_COUNT` one higher; the
 //!   program resumes from its checkpoint if it can. A job stopped by a signal to dtrun or by
 //!   `--timeout` is not restarted.
 //!
@@ -327,11 +328,11 @@ fn main() {
     std::process::exit(run(args));
 }
 
-/// A `tracing` subscriber (`RUST_LOG` if set, else `warn`; plain text on stderr). Nothing dtrun
-/// links logs through `tracing` yet, so today it prints nothing; it is there for when dtrun
-/// hosts the store across nodes (issue 34). `RUST_LOG` reaches the ranks through their
-/// inherited environment either way. (dtrun's own messages are `dtrun: ...` lines; the ranks' output,
-/// their warnings included, is forwarded with the `[rank r] ` prefix.)
+/// A `tracing` subscriber (`RUST_LOG` if set, else `warn`; plain text on stderr): the control
+/// store's warnings across nodes (a connection refused for a wrong token, an insecure store)
+/// and dtrun's own (`RUST_LOG=dtrun=info` shows the rendezvous). `RUST_LOG` reaches the ranks
+/// through their inherited environment either way. (dtrun's own messages are `dtrun: ...`
+/// lines; the ranks' output, their warnings included, is forwarded with the `[rank r] ` prefix.)
 fn init_logging() {
     use tracing_subscriber::filter::{EnvFilter, LevelFilter};
     let filter = EnvFilter::builder()
