@@ -1,8 +1,23 @@
-//! `dtrun`: starts N ranks of a multi-process job on this host.
+//! `dtrun`: starts the ranks of a multi-process job on this host: the whole job, or one node
+//! of a job across nodes (torchrun's static rendezvous).
 //!
 //! ```text
 //! dtrun --nproc 4 [--master-port P] [--timeout S] [--grace S] [--max-restarts N] [--allow-failures K] [--insecure] -- CMD ARGS...
+//! dtrun --nnodes N --node-rank R --nproc-per-node G --master-addr HOST --master-port P
+//!       [--token-file PATH | CDT_JOB_TOKEN=...] [--rdzv-timeout S] [the flags above] -- CMD ARGS...
 //! ```
+//!
+//! Across nodes (`--nnodes` > 1; `--nproc` is `--nproc-per-node` of a 1-node job), one dtrun
+//! runs on each node with the same settings but its own `--node-rank`; its ranks get
+//! `RANK = R * G + LOCAL_RANK`, `WORLD_SIZE = N * G`, `LOCAL_WORLD_SIZE = G`, `GROUP_RANK = R`,
+//! `GROUP_WORLD_SIZE = N` and `MASTER_ADDR = HOST`. Node 0's dtrun hosts a control store on
+//! port P of every interface, which all dtruns join; rank 0 (on node 0) hosts the ranks' store
+//! at `HOST:MASTER_PORT`, a port node 0's dtrun picks per start. The nodes share the job token
+//! (`CDT_JOB_TOKEN` or `--token-file`; without one a multi-node dtrun refuses to start, unless
+//! `--insecure`), check each other's settings at join, and fail as one: a rank's failure on any
+//! node stops every node's ranks, and every dtrun names the node and rank. `--max-restarts`
+//! restarts every node together; `--allow-failures K` counts failures job-wide. How: the
+//! `nodes` module's doc.
 //!
 //! Each rank runs `CMD ARGS...` with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 //! `MASTER_ADDR` and `MASTER_PORT` set (what torchrun sets; the `process` backend reads them),
@@ -36,7 +51,8 @@
 //!   above and dtrun exits 124.
 //! - `--max-restarts N`: when a rank fails, the job is stopped as above and started again (at
 //!   most N times), with the same command and environment, a new store port (unless
-//!   `--master-port` fixes it), a new token and `TORCHELASTIC_RESTART_COUNT` one higher; the
+//!   `--master-port` fixes it), a new token (across nodes: the shared one) and
+//!   `TORCHELASTIC_RESTART_COUNT` one higher; the
 //!   program resumes from its checkpoint if it can. A job stopped by a signal to dtrun or by
 //!   `--timeout` is not restarted.
 //!
@@ -51,24 +67,46 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 
+mod nodes;
+use nodes::{Cluster, NodeError};
+use std::str::FromStr;
+
 /// Command line of dtrun.
 #[derive(Parser, Debug)]
 #[command(
     name = "dtrun",
     args_override_self = true,
-    about = "Start N ranks of a multi-process candle-dtensor job on this host",
+    about = "Start the ranks of a multi-process candle-dtensor job on this host (one node of it)",
     after_help = "Example: dtrun --nproc 4 -- target/release/examples/train_gpt --backend process --mesh dp=2,tp=2"
 )]
 struct Args {
-    /// Number of ranks (processes) to start.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    /// Number of ranks (processes) to start on this node (`--nproc` is the same flag).
+    #[arg(long = "nproc-per-node", visible_alias = "nproc", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
     nproc: u32,
-    /// Address of rank 0's rendezvous store (MASTER_ADDR).
+    /// Number of nodes (hosts) of the job, each running one dtrun with the same settings
+    /// but its own `--node-rank`.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    nnodes: u32,
+    /// This node's index, 0..nnodes (node 0 hosts the control store; its rank 0 the ranks'
+    /// store). Ranks get `RANK = node_rank * nproc_per_node + local rank`.
+    #[arg(long, default_value_t = 0)]
+    node_rank: u32,
+    /// Address of node 0, reachable from every node (MASTER_ADDR). One node: the address
+    /// of rank 0's rendezvous store.
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
-    /// Port of the rendezvous store (MASTER_PORT); default: a free port.
+    /// One node: port of the rendezvous store (MASTER_PORT); default: a free port. Several
+    /// nodes (required): the port of node 0's control store, which every dtrun joins (the
+    /// ranks' store gets a free port node 0 picks).
     #[arg(long)]
     master_port: Option<u16>,
+    /// A file whose first line is the job token (instead of `CDT_JOB_TOKEN`): with several
+    /// nodes, every node must hold the same one. One node: used instead of a fresh token.
+    #[arg(long)]
+    token_file: Option<std::path::PathBuf>,
+    /// Several nodes: how long the nodes wait for each other at join (seconds).
+    #[arg(long, default_value_t = 60.0)]
+    rdzv_timeout: f64,
     /// Stop the job (exit 124) if it runs longer than this many seconds.
     #[arg(long)]
     timeout: Option<f64>,
@@ -278,6 +316,10 @@ fn free_port(addr: &str) -> Result<u16, String> {
 enum Event {
     Exited(usize, ExitStatus),
     WaitFailed(usize, String),
+    /// Another node stopped the job, with why.
+    Remote(String),
+    /// Node 0's dtrun (its control store) stopped answering, with why.
+    ControlLost(String),
 }
 
 fn main() {
@@ -286,11 +328,11 @@ fn main() {
     std::process::exit(run(args));
 }
 
-/// A `tracing` subscriber (`RUST_LOG` if set, else `warn`; plain text on stderr). Nothing dtrun
-/// links logs through `tracing` yet, so today it prints nothing; it is there for when dtrun
-/// hosts the store across nodes (issue 34). `RUST_LOG` reaches the ranks through their
-/// inherited environment either way. (dtrun's own messages are `dtrun: ...` lines; the ranks' output,
-/// their warnings included, is forwarded with the `[rank r] ` prefix.)
+/// A `tracing` subscriber (`RUST_LOG` if set, else `warn`; plain text on stderr): the control
+/// store's warnings across nodes (a connection refused for a wrong token, an insecure store)
+/// and dtrun's own (`RUST_LOG=dtrun=info` shows the rendezvous). `RUST_LOG` reaches the ranks
+/// through their inherited environment either way. (dtrun's own messages are `dtrun: ...`
+/// lines; the ranks' output, their warnings included, is forwarded with the `[rank r] ` prefix.)
 fn init_logging() {
     use tracing_subscriber::filter::{EnvFilter, LevelFilter};
     let filter = EnvFilter::builder()
@@ -325,15 +367,100 @@ struct Ended {
     rank_failed: bool,
 }
 
+/// Joins the other nodes (`--nnodes` > 1); `Ok(None)` on one node. `Err` is the exit code.
+fn join_nodes(args: &Args) -> Result<(Option<Cluster>, Option<String>), i32> {
+    let shared = match &args.token_file {
+        Some(p) if args.nnodes == 1 && !args.insecure => match nodes::shared_token(Some(p)) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                say(&e.to_string());
+                return Err(2);
+            }
+        },
+        _ => None,
+    };
+    if args.nnodes == 1 {
+        if args.node_rank != 0 {
+            say(&format!(
+                "--node-rank {} is out of range for --nnodes 1",
+                args.node_rank
+            ));
+            return Err(2);
+        }
+        return Ok((None, shared));
+    }
+    let Some(port) = args.master_port else {
+        say("--nnodes > 1 needs --master-port: the port of node 0's control store, the same on every node");
+        return Err(2);
+    };
+    let token = if args.insecure {
+        say("--insecure: the nodes and ranks run without a job token; anything that reaches the stores or the mesh ports can join the job or read and replace its keys");
+        None
+    } else {
+        match nodes::shared_token(args.token_file.as_deref()) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                say(&format!("node {}: {e}", args.node_rank));
+                return Err(2);
+            }
+        }
+    };
+    if args.node_rank >= args.nnodes {
+        // Still join: node 0 names this node to every node.
+        say(&format!(
+            "node {}: --node-rank {} is out of range for --nnodes {}; joining to tell the other nodes",
+            args.node_rank, args.node_rank, args.nnodes
+        ));
+    }
+    if std::net::IpAddr::from_str(&args.master_addr).is_ok_and(|ip| ip.is_loopback()) {
+        tracing::warn!(master_addr = %args.master_addr, "--nnodes > 1 with a loopback --master-addr: only nodes on this host can join");
+    }
+    let me = nodes::settings(args.node_rank, args.nnodes, args.nproc);
+    let rdzv = Duration::from_secs_f64(args.rdzv_timeout.clamp(0.1, 86_400.0));
+    match Cluster::join(
+        &me,
+        &args.master_addr,
+        port,
+        token.as_deref(),
+        args.insecure,
+        rdzv,
+    ) {
+        Ok(c) => {
+            if args.node_rank >= args.nnodes {
+                return Err(2);
+            }
+            Ok((Some(c), token))
+        }
+        Err(e) => {
+            say(&format!("node {}: {e}", args.node_rank));
+            Err(match e {
+                NodeError::Config(_) => 2,
+                NodeError::Rendezvous(_) => 1,
+            })
+        }
+    }
+}
+
 fn run(args: Args) -> i32 {
     install_signal_handlers();
     let job_deadline = args
         .timeout
         .map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
+    let (cluster, shared_token) = match join_nodes(&args) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
     let mut restart = 0;
     let mut last_port = None;
     loop {
-        let ended = run_once(&args, restart, job_deadline, &mut last_port);
+        let ended = run_once(
+            &args,
+            restart,
+            job_deadline,
+            &mut last_port,
+            cluster.as_ref(),
+            shared_token.as_deref(),
+        );
         if ended.code == 0 || !ended.rank_failed || restart >= args.max_restarts {
             if restart > 0 {
                 say(&format!(
@@ -356,14 +483,30 @@ fn run_once(
     restart: u32,
     job_deadline: Option<Instant>,
     last_port: &mut Option<u16>,
+    cluster: Option<&Cluster>,
+    shared_token: Option<&str>,
 ) -> Ended {
     let failed_to_start = |code| Ended {
         code,
         rank_failed: false,
     };
     let n = args.nproc as usize;
-    let token = if args.insecure {
-        say("--insecure: the ranks run without a job token; anything that reaches the store or the mesh ports can join the job or read and replace its keys");
+    // This node's first global rank, and the world.
+    let (rank0, world) = match cluster {
+        Some(c) => (c.node_rank as usize * n, c.nnodes as usize * n),
+        None => (0, n),
+    };
+    // A rank in messages: its global rank, with the node and local rank across nodes.
+    let name = |r: usize| match cluster {
+        Some(c) => format!("node {} rank {} (local rank {r})", c.node_rank, rank0 + r),
+        None => format!("rank {r}"),
+    };
+    let token = if let Some(t) = shared_token {
+        Some(t.to_string())
+    } else if args.insecure {
+        if cluster.is_none() {
+            say("--insecure: the ranks run without a job token; anything that reaches the store or the mesh ports can join the job or read and replace its keys");
+        }
         None
     } else {
         match new_token() {
@@ -374,16 +517,29 @@ fn run_once(
             }
         }
     };
-    let port = match args.master_port {
-        Some(p) => p,
-        // A restart gets another port than the start before it (the kernel may hand the one
-        // just released out again; a straggler of the failed start must not reach the new
-        // store): a few tries, then whatever it gives.
-        None => match (0..8)
+    // A restart gets another port than the start before it (the kernel may hand the one
+    // just released out again; a straggler of the failed start must not reach the new
+    // store): a few tries, then whatever it gives.
+    let prev = *last_port;
+    let pick = || {
+        (0..8)
             .map(|_| free_port(&args.master_addr))
-            .find(|p| p.as_ref().map_or(true, |p| Some(*p) != *last_port))
+            .find(|p| p.as_ref().map_or(true, |p| Some(*p) != prev))
             .unwrap_or_else(|| free_port(&args.master_addr))
-        {
+    };
+    let port = match (cluster, args.master_port) {
+        (Some(c), _) => {
+            let rdzv = Duration::from_secs_f64(args.rdzv_timeout.clamp(0.1, 86_400.0));
+            match c.world_port(restart, pick, rdzv) {
+                Ok(p) => p,
+                Err(e) => {
+                    say(&format!("node {}: {e}", c.node_rank));
+                    return failed_to_start(1);
+                }
+            }
+        }
+        (None, Some(p)) => p,
+        (None, None) => match pick() {
             Ok(p) => p,
             Err(e) => {
                 say(&e);
@@ -400,10 +556,15 @@ fn run_once(
     for rank in 0..n {
         let mut cmd = Command::new(&args.cmd[0]);
         cmd.args(&args.cmd[1..])
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
+            .env("RANK", (rank0 + rank).to_string())
+            .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", rank.to_string())
             .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("GROUP_RANK", cluster.map_or(0, |c| c.node_rank).to_string())
+            .env(
+                "GROUP_WORLD_SIZE",
+                cluster.map_or(1, |c| c.nnodes).to_string(),
+            )
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", port.to_string())
             .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
@@ -419,16 +580,21 @@ fn run_once(
         let mut child: Child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
-                spawn_error = Some(format!("cannot start rank {rank} ({}): {e}", args.cmd[0]));
+                spawn_error = Some(format!(
+                    "cannot start {} ({}): {e}",
+                    name(rank),
+                    args.cmd[0]
+                ));
                 break;
             }
         };
         pids.push(child.id());
+        let global = rank0 + rank;
         if let Some(out) = child.stdout.take() {
-            outputs.push(std::thread::spawn(move || forward(rank, out, false)));
+            outputs.push(std::thread::spawn(move || forward(global, out, false)));
         }
         if let Some(err) = child.stderr.take() {
-            outputs.push(std::thread::spawn(move || forward(rank, err, true)));
+            outputs.push(std::thread::spawn(move || forward(global, err, true)));
         }
         let tx = tx.clone();
         let pid = child.id();
@@ -444,7 +610,26 @@ fn run_once(
             let _ = tx.send(ev);
         });
     }
+    let _watcher = cluster.map(|c| c.watch(restart, tx.clone(), Event::Remote, Event::ControlLost));
     drop(tx);
+    // Tells the other nodes why this node stops the job.
+    let post = |killed: bool, code: i32, what: String| {
+        if let Some(c) = cluster {
+            c.post_failure(
+                restart,
+                &nodes::Report {
+                    killed,
+                    code,
+                    what,
+                    seq: 0,
+                },
+            );
+        }
+    };
+    // Why another node stopped the job, if it did.
+    let mut remote_stop: Option<String> = None;
+    // Node 0's dtrun is gone: there is no one to record this node's end with.
+    let mut control_lost = false;
 
     let started = pids.len();
     let mut exited = vec![false; started];
@@ -465,6 +650,7 @@ fn run_once(
     };
     if let Some(e) = spawn_error {
         say(&e);
+        post(false, 127, e);
         code = 127;
         stop(&pids, &exited, SIGTERM);
         stopping = Some((Instant::now() + grace, false));
@@ -477,26 +663,44 @@ fn run_once(
                 exited[rank] = true;
                 let (what, c) = describe(&st);
                 statuses[rank] = Some(what.clone());
-                if !st.success()
-                    && first_failure.is_none()
-                    && stopping.is_none()
-                    && tolerated.len() < args.allow_failures as usize
-                {
+                let failed_now = !st.success() && first_failure.is_none() && stopping.is_none();
+                let tolerate = failed_now
+                    && args.allow_failures > 0
+                    && match cluster {
+                        // Counted job-wide, across the nodes.
+                        Some(c) => c
+                            .count_failure(restart)
+                            .is_ok_and(|k| k <= i64::from(args.allow_failures)),
+                        None => tolerated.len() < args.allow_failures as usize,
+                    };
+                if tolerate {
                     tolerated.push(rank);
                     let others = exited.iter().filter(|e| !**e).count();
                     say(&format!(
-                        "rank {rank} (pid {}) failed: {what}; failure {} of at most {} allowed \
-                         (--allow-failures): the other {others} rank(s) run on",
+                        "{} (pid {}) failed: {what}; failure {} of at most {} allowed \
+                         (--allow-failures{}): the other {others} rank(s) run on",
+                        name(rank),
                         pids[rank],
                         tolerated.len(),
-                        args.allow_failures
+                        args.allow_failures,
+                        if cluster.is_some() {
+                            ", this node's count"
+                        } else {
+                            ""
+                        }
                     ));
-                } else if !st.success() && first_failure.is_none() && stopping.is_none() {
+                } else if failed_now {
                     let others = exited.iter().filter(|e| !**e).count();
                     say(&format!(
-                        "rank {rank} (pid {}) failed: {what}; stopping the other {others} rank(s)",
+                        "{} (pid {}) failed: {what}; stopping the other {others} rank(s)",
+                        name(rank),
                         pids[rank]
                     ));
+                    post(
+                        killed_from_outside(&st, None),
+                        if c == 0 { 1 } else { c },
+                        format!("{} failed: {what}", name(rank)),
+                    );
                     first_failure = Some((rank, what, c));
                     stop(&pids, &exited, SIGTERM);
                     stopping = Some((Instant::now() + grace, false));
@@ -506,9 +710,11 @@ fn run_once(
                     // sent yet (SIGTERM is dtrun's; SIGKILL only after the grace period) is
                     // the cause, not a consequence: report it as the first failure.
                     say(&format!(
-                        "rank {rank} (pid {}) was {what} (not by dtrun): the likely cause",
+                        "{} (pid {}) was {what} (not by dtrun): the likely cause",
+                        name(rank),
                         pids[rank]
                     ));
+                    post(true, c, format!("{} failed: {what}", name(rank)));
                     first_failure = Some((rank, what, c));
                 }
                 if first_failure.as_ref().is_some_and(|f| f.0 == rank) {
@@ -523,6 +729,23 @@ fn run_once(
                     first_failure = Some((rank, format!("could not be waited for: {e}"), 1));
                 }
             }
+            Ok(ev @ (Event::Remote(_) | Event::ControlLost(_))) => {
+                let (why, lost) = match ev {
+                    Event::ControlLost(why) => (why, true),
+                    Event::Remote(why) => (why, false),
+                    _ => (String::new(), false),
+                };
+                control_lost |= lost;
+                if stopping.is_none() && remote_stop.is_none() {
+                    say(&format!(
+                        "node {}: the job is stopping: {why}; stopping this node's {remaining} rank(s)",
+                        cluster.map_or(0, |c| c.node_rank)
+                    ));
+                    stop(&pids, &exited, SIGTERM);
+                    stopping = Some((Instant::now() + grace, false));
+                }
+                remote_stop.get_or_insert(why);
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
@@ -533,6 +756,15 @@ fn run_once(
                 signal_name(sig)
             ));
             code = 128 + sig;
+            post(
+                false,
+                code,
+                format!(
+                    "node {}'s dtrun received {}",
+                    cluster.map_or(0, |c| c.node_rank),
+                    signal_name(sig)
+                ),
+            );
             stop(&pids, &exited, SIGTERM);
             stopping.get_or_insert((Instant::now() + grace, false));
         }
@@ -544,6 +776,14 @@ fn run_once(
                     args.timeout.unwrap_or(0.0)
                 ));
                 code = 124;
+                post(
+                    false,
+                    code,
+                    format!(
+                        "node {} reached --timeout",
+                        cluster.map_or(0, |c| c.node_rank)
+                    ),
+                );
                 stop(&pids, &exited, SIGTERM);
                 stopping = Some((Instant::now() + grace, false));
             }
@@ -579,20 +819,85 @@ fn run_once(
         ));
     }
     let rank_failed = first_failure.is_some() && code == 0;
+    let node = cluster.map(|c| format!("node {}: ", c.node_rank));
     if let Some((rank, what, c)) = first_failure {
         let others: Vec<String> = statuses
             .iter()
             .enumerate()
             .filter(|(r, _)| *r != rank)
-            .map(|(r, s)| format!("rank {r}: {}", s.as_deref().unwrap_or("unknown")))
+            .map(|(r, s)| format!("rank {}: {}", rank0 + r, s.as_deref().unwrap_or("unknown")))
             .collect();
         say(&format!(
-            "job failed: rank {rank} failed first ({what}); {}",
+            "{}{} failed first ({what}); {}",
+            node.as_deref().unwrap_or("job failed: "),
+            name(rank),
             others.join(", ")
         ));
         if code == 0 {
             code = if c == 0 { 1 } else { c };
         }
     }
-    Ended { code, rank_failed }
+    let Some(c) = cluster else {
+        return Ended { code, rank_failed };
+    };
+    drop(_watcher);
+    if control_lost {
+        say(&format!(
+            "node {}: job failed: {}",
+            c.node_rank,
+            remote_stop.as_deref().unwrap_or("lost node 0's dtrun")
+        ));
+        return Ended {
+            code: if code == 0 { 1 } else { code },
+            rank_failed: false,
+        };
+    }
+    let mine = nodes::NodeEnd {
+        code,
+        // A node stopped for another node's failure, or that ended well, does not stand in the
+        // way of a restart; one stopped by a signal or by --timeout does.
+        restartable: rank_failed || code == 0,
+    };
+    match c.finish(restart, &mine, job_deadline) {
+        Ok((ends, mut reports)) => {
+            let failed = ends.iter().any(|e| e.code != 0) || !reports.is_empty();
+            if !failed {
+                return Ended {
+                    code: 0,
+                    rank_failed: false,
+                };
+            }
+            // The likely cause first: a rank killed by a signal nobody sent, then the order
+            // in which the nodes reported.
+            reports.sort_by_key(|(_, r)| (!r.killed, r.seq));
+            let job_code = reports
+                .first()
+                .map(|(_, r)| r.code)
+                .or_else(|| ends.iter().map(|e| e.code).find(|&c| c != 0))
+                .filter(|&c| c != 0)
+                .unwrap_or(1);
+            let text: Vec<String> = reports.iter().map(|(_, r)| r.what.clone()).collect();
+            say(&format!(
+                "job failed on {} node(s): {}{}",
+                ends.iter().filter(|e| e.code != 0).count().max(1),
+                text.first().map_or("(no node said why)", |s| s.as_str()),
+                if text.len() > 1 {
+                    format!(" (first); then: {}", text[1..].join("; "))
+                } else {
+                    String::new()
+                }
+            ));
+            Ended {
+                code: job_code,
+                rank_failed: ends.iter().all(|e| e.restartable),
+            }
+        }
+        Err(e) => {
+            say(&format!("node {}: {e}", c.node_rank));
+            Ended {
+                code: if code == 0 { 1 } else { code },
+                rank_failed: false,
+            }
+        }
+    }
 }
