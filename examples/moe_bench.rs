@@ -25,7 +25,7 @@ use candle_dtensor::dtensor::functional::{
     exchange_gathered_rows, exchange_rows, ExchangePlan, Group, RmaExchange, Transport,
 };
 use candle_dtensor::mesh::DeviceMesh;
-use candle_dtensor::parallel::moe::ops::weighted_combine;
+use candle_dtensor::parallel::moe::local::weighted_combine;
 use candle_dtensor::parallel::moe::routing::owned_experts;
 use clap::Parser;
 
@@ -83,7 +83,7 @@ struct Row {
     dispatch: &'static str,
     /// Where the time goes (medians over the iterations, rank 0, ms): the count all_gather,
     /// the expert-major permutation (index_select), the dispatch exchange, the reverse
-    /// exchange, and the weighted scatter-add combine (`parallel::moe::ops::weighted_combine`).
+    /// exchange, and the weighted scatter-add combine (`parallel::moe::local::weighted_combine`).
     phase_ms: Phases,
 }
 

@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::agree::Agreement;
 use crate::error::{CommError, Result};
-use crate::op::{OpCtx, P2POp, ReduceOp};
+use crate::vocab::{OpCtx, P2POp, ReduceOp};
 use crate::window::WindowBackend;
 use crate::work::Work;
 

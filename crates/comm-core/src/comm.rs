@@ -18,7 +18,7 @@ use crate::cpu::kernels::data_addr;
 use crate::error::{CommError, Result};
 use crate::flight::{dump_on_failure, FlightRecorder};
 use crate::hooks::{HookHandle, HookSet, OpRecord};
-use crate::op::{dtype_supported, reduce_supported, OpCtx, OpName, P2POp, ReduceOp};
+use crate::vocab::{dtype_supported, reduce_supported, OpCtx, OpName, P2POp, ReduceOp};
 use crate::window::Window;
 use crate::work::{Work, WorkState};
 

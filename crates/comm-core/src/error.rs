@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::op::OpCtx;
+use crate::vocab::OpCtx;
 
 /// Everything that can go wrong in a communicator.
 ///

@@ -16,7 +16,7 @@ use std::time::Duration;
 use candle_core::DType;
 
 use crate::error::CommError;
-use crate::op::{OpName, ReduceOp};
+use crate::vocab::{OpName, ReduceOp};
 use crate::work::WorkState;
 
 /// What hooks see of an operation.

@@ -50,8 +50,8 @@ mod hooks;
 pub mod kit;
 pub mod link;
 pub mod memory;
-mod op;
 pub mod store;
+mod vocab;
 mod window;
 mod work;
 
@@ -67,6 +67,8 @@ pub use comm::{new_comm, Comm};
 pub use error::{CommError, Result};
 pub use flight::{FlightEntry, FlightRecorder, FR_DUMP_DIR_ENV};
 pub use hooks::{AbortHook, HookHandle, OpRecord, PostHook, PreHook};
-pub use op::{dtype_supported, reduce_supported, OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES};
+pub use vocab::{
+    dtype_supported, reduce_supported, OpCtx, OpName, P2POp, ReduceOp, SUPPORTED_DTYPES,
+};
 pub use window::{Window, WindowBackend};
 pub use work::{InlineRun, Work, WorkCompleter, WorkState, WorkStatus};

@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::op::OpName;
+use crate::vocab::OpName;
 
 /// One modeled link: a fixed latency per collective and a bandwidth per rank.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -13,7 +13,7 @@ use candle_core::{DType, Tensor};
 
 use crate::comm::Comm;
 use crate::error::{CommError, Result};
-use crate::op::{OpCtx, OpName};
+use crate::vocab::{OpCtx, OpName};
 
 /// The backend side of a window. Offsets here are in bytes and already bounds-checked.
 pub trait WindowBackend: Send + Sync {
@@ -107,7 +107,7 @@ impl Window {
     pub fn get(&self, src: usize, offset: usize, len: usize, dtype: DType) -> Result<Tensor> {
         let ctx = self.comm.next_ctx(OpName::WindowGet);
         let start = self.check_range(&ctx, src, offset, len, dtype)?;
-        if !crate::op::dtype_supported(dtype) {
+        if !crate::vocab::dtype_supported(dtype) {
             return Err(CommError::UnsupportedDType {
                 ctx,
                 dtype,

@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{CommError, Result};
-use crate::op::OpCtx;
+use crate::vocab::OpCtx;
 
 /// Extra time [`Work::wait`] allows beyond the operation's own timeout before it gives up on a
 /// backend that never completed the work (a backend bug, not a slow peer: slow peers are the

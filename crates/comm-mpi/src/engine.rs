@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::desc::{self, Desc};
+use super::framing::{self, Desc};
 use super::raw::{self, MpiError, RawComm, RawRequest};
 use candle_dtensor_comm_core::kit::desc::Failure;
 use candle_dtensor_comm_core::CommError;
@@ -279,7 +279,7 @@ struct Exchange {
 impl Exchange {
     fn post(cx: &mut Cx, mine: Desc) -> Result<Exchange, Fail> {
         let n = cx.size;
-        let words = desc::HEADER_WORDS + 2 * n + 8;
+        let words = framing::HEADER_WORDS + 2 * n + 8;
         let send = mine.encode().into_boxed_slice();
         let u64t = raw::element_type(8);
         let mut x = Exchange {
@@ -635,7 +635,7 @@ impl CommState {
             return Ok(false);
         };
         let len = raw::received_count(&status, raw::element_type(8));
-        match desc::decode_notice(&self.notice[..len.min(NOTICE_WORDS)], self.uid) {
+        match framing::decode_notice(&self.notice[..len.min(NOTICE_WORDS)], self.uid) {
             Some(f) => {
                 self.shared.fail(f, false);
             }
@@ -660,7 +660,7 @@ impl CommState {
 
     /// Tells every peer about a failure raised here.
     fn tell_peers(&mut self, f: &Failure, detached: &mut Vec<Detached>) {
-        let Some(words) = desc::encode_notice(f, self.uid, NOTICE_WORDS) else {
+        let Some(words) = framing::encode_notice(f, self.uid, NOTICE_WORDS) else {
             return;
         };
         let buf = words.into_boxed_slice();
@@ -909,7 +909,7 @@ fn progress_main(tx: std::sync::mpsc::Sender<Result<Arc<Engine>, String>>) {
             return;
         }
     };
-    let boot_uid = desc::hash_str("cdt-mpi-bootstrap");
+    let boot_uid = framing::hash_str("cdt-mpi-bootstrap");
     let boot_state = match CommState::new(0, boot, boot_uid, rank, size) {
         Ok(s) => s,
         Err(e) => {

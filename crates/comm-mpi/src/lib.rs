@@ -47,11 +47,11 @@
 //! - No RMA windows (`Capabilities::rma_*` are false; `new_window` is `Unsupported`).
 
 // Pure encoding logic, so its unit tests run in every test build (no MPI needed).
-#[cfg(any(feature = "mpi", test))]
-#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-mod desc;
 #[cfg(feature = "mpi")]
 mod engine;
+#[cfg(any(feature = "mpi", test))]
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+mod framing;
 #[cfg(feature = "mpi")]
 mod ops;
 #[cfg(feature = "mpi")]
@@ -175,12 +175,12 @@ mod imp {
         Ok(match op {
             P2POp::Send { tensor, peer } => P2P::Send(Input::of(ctx, &tensor)?, peer),
             P2POp::Recv { peer, shape, dtype } => {
-                if shape.rank() > super::desc::MAX_DIMS {
+                if shape.rank() > super::framing::MAX_DIMS {
                     return Err(CommError::invalid(
                         ctx,
                         format!(
                             "the mpi backend moves tensors of at most {} dims",
-                            super::desc::MAX_DIMS
+                            super::framing::MAX_DIMS
                         ),
                     ));
                 }

@@ -11,11 +11,11 @@ use std::sync::Arc;
 
 use candle_core::{DType, Shape, Tensor};
 
-use super::desc::{self, Desc, MAX_DIMS};
 use super::engine::{
     Body, CommShared, Cx, Fail, Reqs, Step, TAG_P2P_DATA, TAG_P2P_HDR, TAG_SCATTER_DATA,
     TAG_SCATTER_HDR,
 };
+use super::framing::{self, Desc, MAX_DIMS};
 use super::raw::{self, MpiResult, RawComm, VCounts};
 use candle_dtensor_comm_core::kit::cpu::bytes::Bytes;
 use candle_dtensor_comm_core::kit::cpu::kernels::{read_view, reduce_into, OutBuf};
@@ -1181,7 +1181,7 @@ impl Body for Split {
                 ),
             }));
         }
-        let uid = desc::mix(desc::mix(cx.uid, cx.coll), color as u64);
+        let uid = framing::mix(framing::mix(cx.uid, cx.coll), color as u64);
         let shared = cx.register(new, uid, rank, size)?;
         Ok(Some(Some((self.make)(shared))))
     }
@@ -1210,13 +1210,13 @@ impl Body for NewComm {
 
     fn desc(&self, uid: u64, coll: u64) -> Option<Desc> {
         let mut d = Desc::new(uid, coll, OpDesc::new(OpName::NewComm));
-        d.extra = vec![desc::hash_str(&self.name)];
+        d.extra = vec![framing::hash_str(&self.name)];
         Some(d)
     }
 
     fn step(&mut self, cx: &mut Cx, descs: &[Desc], reqs: &mut Reqs) -> Step<Arc<CommShared>> {
         if !self.posted {
-            let mine = desc::hash_str(&self.name);
+            let mine = framing::hash_str(&self.name);
             if let Some(r) = descs.iter().position(|d| d.extra.first() != Some(&mine)) {
                 return Err(op_err(
                     cx.ctx,
@@ -1230,9 +1230,9 @@ impl Body for NewComm {
             self.posted = true;
             return Ok(None);
         }
-        let uid = desc::mix(
-            desc::hash_str("world"),
-            desc::mix(desc::hash_str(&self.name), cx.coll),
+        let uid = framing::mix(
+            framing::hash_str("world"),
+            framing::mix(framing::hash_str(&self.name), cx.coll),
         );
         let raw = *self.raw;
         let (rank, size) = raw::rank_size(raw)?;

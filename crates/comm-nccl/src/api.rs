@@ -1,7 +1,7 @@
 //! The seam between the backend and the NCCL library: [`NcclApi`], one method per raw call the
 //! backend makes, with plain-Rust argument types.
 //!
-//! The real implementation (`cuda.rs`, feature `nccl`) forwards to `cudarc::nccl::sys`; the mock
+//! The real implementation (`driver.rs`, feature `nccl`) forwards to `cudarc::nccl::sys`; the mock
 //! (`mock.rs`, tests only) records the calls and plays back scripted status codes, so bootstrap,
 //! nonblocking polling, timeouts, abort and the call plans of every collective run without a GPU
 //! (torchcomms' `NcclApi` / `NcclMock` split).

@@ -11,7 +11,7 @@ use super::api::{Call, DataType, DevPtr, NcclApi, RawComm, RedOp};
 use super::bootstrap::{exchange_unique_id, mark_joined, missing_ranks};
 use super::calls;
 use super::config::ConfigSpec;
-use super::cuda::{cuda_device, dev_ptr, CudaStreams, CudarcApi};
+use super::driver::{cuda_device, dev_ptr, CudaStreams, CudarcApi};
 use super::engine::{init_comm, Core, Delivery, Ident, InitArgs};
 use super::version::{Gates, NcclVersion};
 use super::window::NcclWindow;
@@ -309,7 +309,7 @@ impl NcclBackend {
                 .and_then(|t| t.narrow(0, 0, 0))
                 .and_then(|t| t.reshape(shape.clone()))
         } else {
-            super::cuda::empty(shape, dtype, &self.device)
+            super::driver::empty(shape, dtype, &self.device)
         };
         t.map_err(|e| CommError::candle(ctx, e))
     }

@@ -75,7 +75,7 @@ pub(crate) mod version;
 #[cfg(feature = "nccl")]
 mod backend;
 #[cfg(feature = "nccl")]
-mod cuda;
+mod driver;
 #[cfg(feature = "nccl")]
 mod window;
 

@@ -26,7 +26,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 use super::api::{Call, DevPtr, NcclCode, RawWindow};
 use super::backend::Owner;
 use super::calls;
-use super::cuda::{dev_ptr, CudaStreams};
+use super::driver::{dev_ptr, CudaStreams};
 use super::engine::{detail, wait_ready, Delivery, Ready};
 use super::errors::bootstrap_error;
 use candle_dtensor_comm_core::OpCtx;
@@ -191,7 +191,7 @@ impl WindowBackend for NcclWindow {
                 .and_then(|t| t.narrow(0, 0, 0))
                 .map_err(|e| CommError::candle(ctx, e))?
         } else {
-            super::cuda::empty(&Shape::from(len), dtype, &self.device)
+            super::driver::empty(&Shape::from(len), dtype, &self.device)
                 .map_err(|e| CommError::candle(ctx, e))?
         };
         if len == 0 {

@@ -16,7 +16,7 @@
 //! - Collectives are the classic CPU algorithms (ring all-gather, pairwise reduce-scatter and
 //!   all-to-all, reduce-scatter + ring all-gather all-reduce, binomial broadcast) with
 //!   reductions in rank order, so results are bitwise equal to the local backend's. See
-//!   `ops.rs` for the list and `wire.rs` for the frame format.
+//!   `ops.rs` for the list and `frame.rs` for the frame format.
 //! - Failures: the op timeout names the ranks that never reached the collective; ranks that
 //!   issue different collectives get a desync error naming both; a peer whose connection
 //!   closes without a goodbye (its process died) fails every pending and later op at once,
@@ -32,11 +32,11 @@ mod ops;
 mod tests;
 // The store's test support (a warnings recorder, an allocation counter), shared with
 // candle-dtensor-comm-core's store tests.
+mod frame;
 #[cfg(test)]
 #[path = "../../comm-core/src/store/test_support.rs"]
 mod test_support;
 mod transport;
-mod wire;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::sync::{Arc, Condvar, Mutex};

@@ -25,8 +25,8 @@ use std::net::SocketAddr;
 
 use candle_core::{DType, Shape, Tensor};
 
+use super::frame::{decode_tensor, decode_usizes, encode_usizes, tensor_preamble, Payload};
 use super::transport::Exec;
-use super::wire::{decode_tensor, decode_usizes, encode_usizes, tensor_preamble, Payload};
 use candle_dtensor_comm_core::kit::cpu::kernels::{detached_copy, read_view, OutBuf};
 use candle_dtensor_comm_core::kit::cpu::{
     candle_err, deliver, produce, put_bytes as put, reduced, view_err, EAGER_BYTES,

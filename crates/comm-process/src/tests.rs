@@ -520,8 +520,8 @@ fn an_oversized_control_frame_closes_the_connection_naming_the_peer() {
         1 << 20,
     )
     .unwrap();
-    let h = wire::Header {
-        kind: wire::HELLO,
+    let h = frame::Header {
+        kind: frame::HELLO,
         step: 0,
         tag: 0,
         len: 1 << 30,

@@ -12,7 +12,7 @@
 //! past it, it stops reading that socket until an op consumes some, so a peer that floods sends
 //! is slowed by TCP flow control (its writes block, and fail with a timeout naming this rank if
 //! nothing is consumed within its op timeout) instead of growing this process's memory. Control
-//! frames (HELLO, FAIL, BYE, AGREE) are small (fixed caps per frame, `wire.rs`) and never
+//! frames (HELLO, FAIL, BYE, AGREE) are small (fixed caps per frame, `frame.rs`) and never
 //! counted, so their number is not bounded per peer (peers are authenticated); no body's
 //! buffer is allocated from its declared length alone (it grows as bytes arrive), and a frame
 //! over its kind's cap or malformed closes that connection. Once the communicator has failed, frames its ops can no longer use are read and dropped, so a failed communicator
@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::wire::{
+use super::frame::{
     read_frame, Frame, Header, Payload, ReadEnd, AGREE, BYE, DATA, FAIL, HEADER, HELLO,
     MAX_NOTICE_WORDS, P2P,
 };

@@ -11,7 +11,7 @@ use candle_dtensor_core::functional::{copy_to_group, ExchangeTimes};
 use candle_dtensor_core::{debug, DTensor, Placement, Placements};
 use candle_dtensor_parallel::init::Init;
 use candle_dtensor_parallel::moe::routing::{self, Admission, DispatchPlan, LocalRouting};
-use candle_dtensor_parallel::moe::{ops, MoeConfig, MoeError, MoeGroups, MoeStats};
+use candle_dtensor_parallel::moe::{local, MoeConfig, MoeError, MoeGroups, MoeStats};
 
 use crate::builder::Builder;
 use crate::error::{ModelError, Result};
@@ -171,22 +171,22 @@ impl MoeLayer {
         let _l = debug::label("experts");
         let w1 = self.local_weight(&self.w1)?;
         let b1 = self.local_weight(&self.b1)?;
-        let h = ops::grouped_linear(recv, &w1, &b1, segments)?;
+        let h = local::grouped_linear(recv, &w1, &b1, segments)?;
         let h = match &self.w3 {
             Some((w3, b3)) => {
-                let gate = ops::grouped_linear(
+                let gate = local::grouped_linear(
                     recv,
                     &self.local_weight(w3)?,
                     &self.local_weight(b3)?,
                     segments,
                 )?;
-                ops::swiglu(&h, &gate)?
+                local::swiglu(&h, &gate)?
             }
             None => candle_dtensor_core::gelu_local(&h)?,
         };
         let w2 = self.local_weight(&self.w2)?;
         let b2 = self.local_weight(&self.b2)?;
-        Ok(ops::grouped_linear(&h, &w2, &b2, segments)?)
+        Ok(local::grouped_linear(&h, &w2, &b2, segments)?)
     }
 
     /// `x: [B, T, D]` to `(y: [B, T, D], balancing loss)` (the loss is `None` with a zero
@@ -251,7 +251,7 @@ impl MoeLayer {
         let out = {
             let _l = debug::label("combine");
             let back = g.exchange(&y, &plan.matrix, true, &self.combine_times)?;
-            ops::weighted_combine(
+            local::weighted_combine(
                 &back,
                 &gates.to_local().reshape((n, cfg.top_k))?,
                 &plan.send_slots,

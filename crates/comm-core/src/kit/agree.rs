@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::error::CommError;
-use crate::op::OpCtx;
+use crate::vocab::OpCtx;
 
 /// What a participant heard from a peer.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use std::fmt;
 use candle_core::{DType, Tensor};
 
 use crate::error::CommError;
-use crate::op::{OpCtx, OpName, ReduceOp, SUPPORTED_DTYPES};
+use crate::vocab::{OpCtx, OpName, ReduceOp, SUPPORTED_DTYPES};
 
 /// How shapes must agree across ranks for an op.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -33,7 +33,7 @@
 //!    [`DispatchKind::Rma`]); the receiver holds, per source rank, its rows for each local
 //!    expert.
 //! 3. **Experts**: one grouped matmul per (source, local expert) run of rows, no per-token
-//!    loop ([`ops::grouped_linear`]).
+//!    loop ([`local::grouped_linear`]).
 //! 4. **Combine**: the reverse exchange, then each token's rows weighted by its router weights
 //!    (f32) and summed.
 //!
@@ -45,7 +45,7 @@
 //! the same graph as their peers.
 
 pub(crate) mod error;
-pub mod ops;
+pub mod local;
 pub mod routing;
 
 pub use error::MoeError;
@@ -511,7 +511,7 @@ impl MoeGroups {
         times: &ExchangeTimes,
     ) -> Result<Tensor> {
         let Some(g) = &self.ep else {
-            return Ok(ops::gather_rows(x, rows)?);
+            return Ok(local::gather_rows(x, rows)?);
         };
         let plan = ExchangePlan::new(matrix.to_vec(), g.rank())?;
         Ok(exchange_gathered_rows(

@@ -3,7 +3,7 @@
 
 use candle_dtensor_comm::CommError;
 
-use super::schedule::Action;
+use super::actions::Action;
 
 /// A schedule that cannot run: its parameters break the generator's rule, its action lists are
 /// malformed, or its dependencies cannot be satisfied. Every variant names the schedule, `p`

@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Shape, Tensor};
 use candle_dtensor_comm::{Comm, Work};
 
+use super::actions::{Action, Schedule};
 use super::error::{PipelineError, StageError};
-use super::schedule::{Action, Schedule};
 
 /// One rank's share of a pipelined model: `v` model chunks (one with non-interleaved
 /// schedules), each holding a contiguous run of layers.

@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
+use super::actions::{Action, Schedule};
 use super::error::ScheduleError;
-use super::schedule::{Action, Schedule};
 
 /// Time units of each action, for one rank's whole share of the model (one stage when
 /// `v == 1`): an action on one of `v` chunks costs `1 / v` of it. `p2p` is added to every

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::data::{
+use super::chunks::{
     check_chunks, copy_box, intersect, local_dims, parse_dtype, safetensors_header, set_var,
     strides, Array, DataFiles, OpenFile,
 };

@@ -55,7 +55,7 @@
 //! mesh (every rank calls them) and exchange small messages on its root communicator with a
 //! timeout of at least [`IO_TIMEOUT`], so a slow disk on one rank does not time its peers out.
 
-mod data;
+mod chunks;
 mod exchange;
 mod load;
 mod save;

@@ -8,7 +8,7 @@ use std::path::Path;
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::data::{box_data, check_chunks, safetensors_header, tensor_bytes};
+use super::chunks::{box_data, check_chunks, safetensors_header, tensor_bytes};
 use super::exchange::{agreed, checkpoint_comm, exchange};
 use super::{
     corrupt, fqn, fsync_dir, io, step_dir, CheckpointError, CheckpointVar, ChunkMeta, FileMeta,

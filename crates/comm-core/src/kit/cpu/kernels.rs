@@ -8,7 +8,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Shape, Storage, StorageRef, Tensor};
 use half::{bf16, f16};
 
-use crate::op::ReduceOp;
+use crate::vocab::ReduceOp;
 
 /// Runs `$body` with `$T` bound to the Rust element type of `$dtype` (for supported dtypes);
 /// evaluates `$other` for the rest.

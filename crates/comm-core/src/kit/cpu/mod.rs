@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::backend::{check_output, dtype_names, Capabilities};
 use crate::error::{CommError, Result};
-use crate::op::{OpCtx, ReduceOp, SUPPORTED_DTYPES};
+use crate::vocab::{OpCtx, ReduceOp, SUPPORTED_DTYPES};
 use kernels::{reduce_into, write_into, OutBuf};
 
 /// Inputs up to this many bytes per rank take the one-round (eager) path of a collective:

@@ -9,7 +9,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::error::{CommError, Result};
-use crate::op::OpCtx;
+use crate::vocab::OpCtx;
 use crate::work::{InlineRun, Work};
 
 type Task = Box<dyn FnOnce() + Send>;

@@ -1,5 +1,5 @@
 //! What travels between two ranks of a process communicator: frame headers, op descriptors
-//! and failures (as JSON), and tensors with their shape.
+//! and failures (in the shared word form of the kit's `desc`), and tensors with their shape.
 //!
 //! A frame is a 24-byte header followed by `len` payload bytes:
 //!
