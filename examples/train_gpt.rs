@@ -349,8 +349,12 @@ pub(crate) struct Args {
     check_device: Option<String>,
     /// Fault injection, `rank=R,step=S[,kind=kill|hang]`: after step S (0-based, global),
     /// rank R dies (a process rank SIGKILLs itself; a rank thread fails) or hangs (for twice
-    /// the op timeout, then fails). Only on a job's first start (`TORCHELASTIC_RESTART_COUNT`
-    /// unset or 0, which `dtrun --max-restarts` raises), so a restarted job runs through.
+    /// the op timeout, then fails). `rank=R,collective=N[,kind=...]` instead: inside rank R's
+    /// N-th collective (1-based, counted over the mesh's communicators), after it was issued
+    /// and before it completes, so its peers are in the middle of it (process ranks only: a
+    /// rank thread cannot die alone). Only on a job's first start
+    /// (`TORCHELASTIC_RESTART_COUNT` unset or 0, which `dtrun --max-restarts` raises), so a
+    /// restarted job runs through.
     #[arg(long, value_parser = parse_fault)]
     inject_fault: Option<Fault>,
     /// Fault-tolerant HSDP (needs --hsdp): when ranks die, the survivors agree on them, drop
@@ -462,16 +466,25 @@ pub(crate) enum FaultKind {
     Hang,
 }
 
-/// `--inject-fault`: rank `rank` dies or hangs after step `step`.
+/// When an injected fault strikes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FaultAt {
+    /// After this step (0-based, global).
+    Step(usize),
+    /// Inside the rank's N-th collective (1-based), after issuing it.
+    Collective(u64),
+}
+
+/// `--inject-fault`: rank `rank` dies or hangs at `at`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Fault {
     pub(crate) rank: usize,
-    pub(crate) step: usize,
+    pub(crate) at: FaultAt,
     pub(crate) kind: FaultKind,
 }
 
 pub(crate) fn parse_fault(s: &str) -> Result<Fault, String> {
-    let (mut rank, mut step, mut kind) = (None, None, FaultKind::Kill);
+    let (mut rank, mut step, mut collective, mut kind) = (None, None, None, FaultKind::Kill);
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (k, v) = part
             .split_once('=')
@@ -483,6 +496,10 @@ pub(crate) fn parse_fault(s: &str) -> Result<Fault, String> {
         match k {
             "rank" => rank = Some(num()?),
             "step" => step = Some(num()?),
+            "collective" => match num()? {
+                0 => return Err("--inject-fault: collective=0: collectives count from 1".into()),
+                n => collective = Some(n as u64),
+            },
             "kind" => {
                 kind = match v {
                     "kill" => FaultKind::Kill,
@@ -496,14 +513,28 @@ pub(crate) fn parse_fault(s: &str) -> Result<Fault, String> {
             }
             other => {
                 return Err(format!(
-                    "--inject-fault: unknown key {other:?} (rank, step, kind)"
+                    "--inject-fault: unknown key {other:?} (rank, step, collective, kind)"
                 ))
             }
         }
     }
-    match (rank, step) {
-        (Some(rank), Some(step)) => Ok(Fault { rank, step, kind }),
-        _ => Err(format!("--inject-fault {s:?}: needs rank=R,step=S")),
+    match (rank, step, collective) {
+        (Some(rank), Some(step), None) => Ok(Fault {
+            rank,
+            at: FaultAt::Step(step),
+            kind,
+        }),
+        (Some(rank), None, Some(n)) => Ok(Fault {
+            rank,
+            at: FaultAt::Collective(n),
+            kind,
+        }),
+        (_, Some(_), Some(_)) => Err(format!(
+            "--inject-fault {s:?}: step=S and collective=N exclude each other"
+        )),
+        _ => Err(format!(
+            "--inject-fault {s:?}: needs rank=R,step=S or rank=R,collective=N"
+        )),
     }
 }
 
@@ -518,7 +549,7 @@ fn fault_of_this_start(fault: Option<Fault>) -> Option<Fault> {
 /// thread cannot be killed alone, so it fails (a panic the launcher reports as the rank's
 /// failure). A hang sleeps twice the op timeout first, so the peers' ops time out on it.
 fn inject(fault: Option<&Fault>, rank: usize, step: usize, thread_rank: bool, timeout_s: f64) {
-    let Some(f) = fault.filter(|f| f.rank == rank && f.step == step) else {
+    let Some(f) = fault.filter(|f| f.rank == rank && f.at == FaultAt::Step(step)) else {
         return;
     };
     tracing::warn!(rank, step, kind = ?f.kind, "injecting a fault (--inject-fault)");
@@ -541,6 +572,62 @@ fn inject(fault: Option<&Fault>, rank: usize, step: usize, thread_rank: bool, ti
             FaultKind::Hang => "hung",
         }
     ));
+}
+
+/// Arms `fault` if it strikes inside a collective of this rank: a post-hook on the mesh's
+/// root and per-dim communicators counts collectives, and inside the N-th one (issued, not
+/// completed, so the peers are in the middle of it) the process SIGKILLs itself, after
+/// twice the op timeout for a hang. The handles keep the hooks registered.
+fn arm_collective_fault(
+    mesh: &DeviceMesh,
+    fault: Option<&Fault>,
+    timeout_s: f64,
+) -> Result<Vec<candle_dtensor::comm::HookHandle>, BoxErr> {
+    let Some(&Fault {
+        rank,
+        at: FaultAt::Collective(n),
+        kind,
+    }) = fault.filter(|f| f.rank == mesh.rank())
+    else {
+        return Ok(Vec::new());
+    };
+    let seen = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut comms = vec![mesh.root_comm().clone()];
+    for d in 0..mesh.ndim() {
+        comms.push(mesh.comm(d)?.clone());
+    }
+    Ok(comms
+        .iter()
+        .map(|c| {
+            let seen = seen.clone();
+            c.register_post_hook(move |rec, _| {
+                if !rec.op.is_collective() {
+                    return;
+                }
+                if seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 != n {
+                    return;
+                }
+                tracing::warn!(
+                    rank,
+                    collective = n,
+                    op = %rec.op,
+                    comm = %rec.comm,
+                    seq = rec.seq,
+                    kind = ?kind,
+                    "injecting a fault inside a collective (--inject-fault)"
+                );
+                if kind == FaultKind::Hang {
+                    std::thread::sleep(Duration::from_secs_f64(timeout_s.max(0.0) * 2.0));
+                }
+                #[cfg(unix)]
+                // SAFETY: kill(2) on our own pid has no memory-safety preconditions.
+                unsafe {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+                std::process::abort();
+            })
+        })
+        .collect())
 }
 
 /// The communicator options of a run: the op timeout (seconds) and the links' hints.
@@ -1394,6 +1481,7 @@ fn train_on(
     let d: Vec<(&str, usize)> = dims.iter().map(|(n, s)| (n.as_str(), *s)).collect();
     let mesh = DeviceMesh::new(comm, &d)?;
     let rank = mesh.rank();
+    let _fault_hooks = arm_collective_fault(&mesh, job.fault.as_ref(), job.timeout)?;
     let mut first = true;
     let report = train_rank(&mesh, cfg, |info| {
         if let (0, Some(bar)) = (rank, bar) {
@@ -2130,6 +2218,19 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     device.device_for(0).map_err(|e| format!("--device: {e}"))?;
     if args.backend == "nccl" && !device.is_cuda() {
         return Err("--backend nccl needs --device cuda (one GPU per process)".into());
+    }
+    if let Some(Fault {
+        at: FaultAt::Collective(n),
+        ..
+    }) = args.inject_fault
+    {
+        if args.backend == "local" {
+            return Err(format!(
+                "--inject-fault collective={n} needs process ranks (--backend process, mpi or \
+                 nccl): a rank thread of the local backend cannot die alone; use step=S"
+            )
+            .into());
+        }
     }
     let mut cfg = TrainConfig::new(model_config(args)?, TpPlan::gpt(args.sp));
     if let Some(m) = &args.moe {

@@ -10,9 +10,11 @@
 # print the local losses too.
 # A `dtrun --allow-failures 1` run of `train_gpt --hsdp --fault-tolerant` with rank 3 SIGKILLed
 # must finish every step on the surviving replica and exit 0, with the losses of the same fault
-# on the local backend. First, the binary's exit status on failed checks: `--check-against` a
-# loss CSV with a planted NaN, a changed loss, a missing or an extra row exits 1, a malformed CSV
-# 2, the unplanted CSV 0 (tests/train_gpt_check.rs checks the same through real_main).
+# on the local backend. Faults inside a collective (`--inject-fault rank=R,collective=N`): a plain
+# job stops every rank naming the killed one; FT-HSDP recovers and finishes every step.
+# First, the binary's exit status on failed checks: `--check-against` a loss CSV with a planted
+# NaN, a changed loss, a missing or an extra row exits 1, a malformed CSV 2, the unplanted CSV 0
+# (tests/train_gpt_check.rs checks the same through real_main).
 #
 # Usage: scripts/ci_process.sh   (about a minute after `cargo test --workspace`, whose dev-profile
 #                                 build it reuses)
@@ -162,4 +164,36 @@ p, l = (json.load(open(f)) for f in sys.argv[1:3])
 assert p["losses"] == l["losses"], (p["losses"], l["losses"])
 assert p["lost_ranks"] == l["lost_ranks"], (p["lost_ranks"], l["lost_ranks"])
 print("fault-tolerant HSDP: process and local runs lose the same ranks and print the same losses")
+PY
+
+echo "== faults inside collectives (--inject-fault rank=R,collective=N): a plain job stops, FT-HSDP recovers"
+# A plain job: rank 1 SIGKILLs itself inside its 30th collective (issued, not completed, so its
+# peers are in the middle of it); dtrun must stop every rank and name rank 1.
+rc=0
+"$dir/dtrun" --nproc 4 --timeout 300 -- "$tg" --backend process "${args[@]}" \
+  --inject-fault rank=1,collective=30 --out "$out/mid" > /dev/null 2> "$out/mid.err" || rc=$?
+if ((rc == 0)) || ! grep -q "rank 1 failed first (killed by signal 9 (SIGKILL))" "$out/mid.err"; then
+    echo "a rank killed inside a collective: dtrun exit $rc, expected a failure naming rank 1" >&2
+    cat "$out/mid.err" >&2
+    exit 1
+fi
+grep -q "injecting a fault inside a collective" "$out/mid.err" \
+  || { echo "the fault was not injected inside a collective" >&2; cat "$out/mid.err" >&2; exit 1; }
+echo "   plain job: dtrun stopped every rank, naming rank 1 (killed inside a collective)"
+# FT-HSDP: rank 3 dies inside its 50th collective (mid-step: an FSDP all-gather or
+# reduce-scatter); the surviving replica finishes every step and reports the recovery.
+"$dir/dtrun" --nproc 4 --timeout 300 --allow-failures 1 -- "$tg" --backend process \
+  --mesh replicate=2,shard=2 --hsdp --fault-tolerant --steps 8 --timeout 1 --json \
+  --inject-fault rank=3,collective=50 --out "$out/ftmid" 2> "$out/ftmid.err" \
+  | sed -n 's/^\[rank [0-9]*\] \({.*\)$/\1/p' > "$out/ftmid.json"
+python3 - "$out/ftmid.json" "$out/ftmid.err" <<'PY'
+import json, sys
+d = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+err = open(sys.argv[2]).read()
+assert "injecting a fault inside a collective" in err, err[-2000:]
+assert d["steps_completed"] == 8, d["steps_completed"]
+assert d["lost_ranks"] == [2, 3], d["lost_ranks"]
+assert d["recovery_ms"] is not None and d["recoveries"][0]["failed"] == [3], d["recoveries"]
+print(f"   FT-HSDP: rank 3 killed inside a collective, the survivors finished 8 steps, "
+      f"recovery {d['recovery_ms']:.0f} ms")
 PY

@@ -330,22 +330,36 @@ fn a_job_killed_mid_run_and_resumed_ends_as_an_uninterrupted_run() {
 
 #[test]
 fn inject_fault_flags_parse_or_name_the_problem() {
-    use train_gpt::{parse_fault, Fault, FaultKind};
+    use train_gpt::{parse_fault, Fault, FaultAt, FaultKind};
     assert_eq!(
         parse_fault("rank=2,step=10,kind=hang"),
         Ok(Fault {
             rank: 2,
-            step: 10,
+            at: FaultAt::Step(10),
             kind: FaultKind::Hang
         })
     );
+    assert_eq!(
+        parse_fault("rank=3,collective=7"),
+        Ok(Fault {
+            rank: 3,
+            at: FaultAt::Collective(7),
+            kind: FaultKind::Kill
+        })
+    );
+    assert!(parse_fault("rank=3,collective=0")
+        .unwrap_err()
+        .contains("count from 1"));
+    assert!(parse_fault("rank=3,step=1,collective=2")
+        .unwrap_err()
+        .contains("exclude each other"));
     assert_eq!(
         parse_fault("step=1,rank=0").map(|f| f.kind),
         Ok(FaultKind::Kill)
     );
     assert!(parse_fault("rank=1")
         .unwrap_err()
-        .contains("needs rank=R,step=S"));
+        .contains("needs rank=R,step=S or rank=R,collective=N"));
     assert!(parse_fault("rank=1,step=2,kind=melt")
         .unwrap_err()
         .contains("melt"));
