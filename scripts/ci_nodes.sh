@@ -7,7 +7,10 @@
 #     same losses as the single-node 4-rank run (`dtrun --nproc 4`), bit for bit;
 #  3. a rank SIGKILLed on node 1 (`--inject-fault rank=3,step=2`: global rank 3 is node 1's local
 #     rank 1) stops every rank on both nodes within a few seconds, and both dtruns name node 1
-#     rank 3 and exit non-zero.
+#     rank 3 and exit non-zero;
+#  4. --max-restarts and --allow-failures across nodes;
+#  5. the same 4-rank world formed from Slurm-style variables alone (2 tasks per namespace, no
+#     dtrun, the store on the node list's first host) prints the single-node losses.
 # All traffic stays inside the namespaces; they are deleted on exit (trap). Needs root and `ip`
 # (iproute2): without them it says so and exits 0, or 1 when CI=true.
 #
@@ -235,5 +238,35 @@ assert p["steps_completed"] == 8, p["steps_completed"]
 assert p["lost_ranks"] == [2, 3] == l["lost_ranks"], (p["lost_ranks"], l["lost_ranks"])
 assert p["losses"] == l["losses"], (p["losses"], l["losses"])
 print("   node 1's replica lost, node 0 finished 8 steps with the local backend's losses; both dtruns exit 0")
+PY
+echo "== the same world from Slurm-style variables alone: 2 tasks per namespace, no dtrun"
+# What srun gives each task (comm::env::slurm): the store on the node list's first host
+# (10.77.0.1, node 0) at the port of the job id; each task's environment holds only these.
+job_id=$((RANDOM * 32768 + RANDOM))
+pids=()
+for r in 0 1 2 3; do
+    ns=$ns0; ((r >= 2)) && ns=$ns1
+    ip netns exec "$ns" env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT \
+        SLURM_STEP_ID=0 SLURM_JOB_ID="$job_id" SLURM_PROCID=$r SLURM_NTASKS=4 \
+        SLURM_STEP_NUM_TASKS=4 SLURM_LOCALID=$((r % 2)) SLURM_NODEID=$((r / 2)) \
+        SLURM_STEP_TASKS_PER_NODE='2(x2)' SLURM_JOB_NODELIST='10.77.0.1,10.77.0.2' \
+        CDT_JOB_TOKEN="$(cat "$out/token")" timeout 300 "$tg" --backend process "${args[@]}" \
+        --out "$out/slurm$r" > "$out/slurm$r.json" 2> "$out/slurm$r.err" &
+    pids+=($!)
+done
+for i in "${!pids[@]}"; do
+    if ! wait "${pids[$i]}"; then
+        echo "ci_nodes.sh: task $i of the Slurm-style world failed:" >&2
+        tail -n 30 "$out/slurm$i.err" >&2
+        exit 1
+    fi
+done
+python3 - "$out/single.json" "$out/slurm0.json" <<'PY'
+import json, sys
+single = json.load(open(sys.argv[1]))
+slurm = json.loads(open(sys.argv[2]).read().strip().splitlines()[-1])
+assert slurm["world"] == 4 and slurm["backend"] == "process", slurm
+assert slurm["losses"] == single["losses"], (slurm["losses"], single["losses"])
+print("   4 tasks on 2 namespaces from SLURM_* variables == 1 node x 4 ranks, bit for bit")
 PY
 echo "ci_nodes.sh: OK"
