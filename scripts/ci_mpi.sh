@@ -77,4 +77,17 @@ paste -d' ' "$out/local.txt" "$out/mpi.txt" | awk '
         if (max > 1e-6) { print "train_gpt: mpi and local losses differ by more than 1e-6"; exit 1 }
     }'
 
+step "train_gpt --backend process under mpirun (Open MPI gives rank and size; MASTER_ADDR/PORT exported)"
+timeout 600 mpirun "${mpirun_args[@]}" -np 4 -x MASTER_ADDR=127.0.0.1 \
+    -x MASTER_PORT=$((20000 + RANDOM % 20000)) -x CDT_JOB_TOKEN="ci-mpirun-$RANDOM$RANDOM$RANDOM" \
+    "$bin_dir/train_gpt" --backend process --mesh dp=2,tp=2 --steps 5 --json \
+    --out "$out/mpirun_process" >"$out/mpirun_process.json"
+losses "$out/mpirun_process.json" >"$out/mpirun_process.txt"
+if ! cmp -s "$out/local.txt" "$out/mpirun_process.txt"; then
+    echo "train_gpt: process backend under mpirun differs from local:" >&2
+    paste -d' ' "$out/local.txt" "$out/mpirun_process.txt" >&2
+    exit 1
+fi
+echo "train_gpt: process backend under mpirun (4 processes) == local backend, bit for bit"
+
 step "done"
