@@ -88,14 +88,14 @@ fn main() -> Result<(), BoxErr> {
                     .with_timeout(Duration::from_secs(120))
                     .launch(|comm| {
                         let comms = PipeComms::new(&comm)?;
-                        let mut stage = TimedStage::new(CostModel::default(), unit, v);
+                        let mut stage = TimedStage::new(CostModel::default(), unit, v)?;
                         Ok::<_, BoxErr>(run_schedule(&mut stage, &schedule, &comms)?)
                     })?;
                 let measured = PipelineReport::combined_bubble(&reports);
                 let wall_ms = reports
                     .iter()
                     .map(|r| r.wall.as_secs_f64() * 1e3)
-                    .fold(0.0, f64::max);
+                    .fold(0.0, candle_dtensor::kernels::compare::nan_max);
                 let row = Row {
                     schedule: schedule.kind().to_string(),
                     p,

@@ -394,7 +394,7 @@ fn measured_bubble_is_at_least_the_schedules() -> Result<(), BoxErr> {
             .with_timeout(Duration::from_secs(60))
             .launch(|comm| {
                 let comms = PipeComms::new(&comm)?;
-                let mut stage = TimedStage::new(CostModel::default(), unit, schedule.chunks());
+                let mut stage = TimedStage::new(CostModel::default(), unit, schedule.chunks())?;
                 Ok::<_, BoxErr>(run_schedule(&mut stage, &schedule, &comms)?)
             })?;
         let measured = PipelineReport::combined_bubble(&reports);
@@ -475,7 +475,7 @@ fn bad_input_is_refused_before_running() {
         .launch(|comm| {
             let comms = PipeComms::new(&comm)?;
             let schedule = Schedule::gpipe(4, 4)?;
-            let mut stage = TimedStage::new(CostModel::default(), Duration::ZERO, 1);
+            let mut stage = TimedStage::new(CostModel::default(), Duration::ZERO, 1)?;
             match run_schedule(&mut stage, &schedule, &comms) {
                 Err(PipelineError::Setup(msg)) => Ok::<_, BoxErr>(msg),
                 other => Err(format!("expected a setup error, got {other:?}").into()),

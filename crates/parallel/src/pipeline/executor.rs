@@ -232,7 +232,7 @@ impl PipelineReport {
         let wall = reports
             .iter()
             .map(|r| r.wall.as_secs_f64())
-            .fold(0.0, f64::max);
+            .fold(0.0, candle_dtensor_kernels::compare::nan_max);
         if reports.is_empty() || wall <= 0.0 {
             return 0.0;
         }

@@ -3,6 +3,8 @@
 
 use std::collections::HashMap;
 
+use candle_dtensor_kernels::compare::nan_max;
+
 use super::actions::{Action, Schedule};
 use super::error::ScheduleError;
 
@@ -24,6 +26,30 @@ pub struct CostModel {
     pub backward_weight: f64,
     /// Latency of one transfer between ranks.
     pub p2p: f64,
+}
+
+impl CostModel {
+    /// Every cost finite and `>= 0`; otherwise the rule broken, naming the cost (a NaN would
+    /// vanish from a makespan or a sleep and report a wrong bubble).
+    ///
+    /// # Errors
+    ///
+    /// The first cost that is negative, NaN or infinite.
+    pub fn check(&self) -> Result<(), String> {
+        let costs = [
+            ("forward", self.forward),
+            ("backward", self.backward),
+            ("backward_input", self.backward_input),
+            ("backward_weight", self.backward_weight),
+            ("p2p", self.p2p),
+        ];
+        match costs.iter().find(|(_, c)| !(c.is_finite() && *c >= 0.0)) {
+            Some((name, c)) => Err(format!(
+                "cost model: {name} = {c}; every cost must be finite and >= 0"
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 impl Default for CostModel {
@@ -101,9 +127,20 @@ impl Schedule {
     ///
     /// # Errors
     ///
-    /// [`ScheduleError::Deadlock`] when no rank can run its next action.
+    /// [`ScheduleError::Deadlock`] when no rank can run its next action;
+    /// [`ScheduleError::Rule`] for a cost that is negative, NaN or infinite (a NaN would
+    /// otherwise vanish from the makespan and report a wrong bubble).
     pub fn simulate(&self, cost: &CostModel) -> Result<Timeline, ScheduleError> {
         let (p, v) = (self.ranks(), self.chunks());
+        if let Err(rule) = cost.check() {
+            return Err(ScheduleError::Rule {
+                schedule: self.kind().to_string(),
+                p,
+                m: self.micro_batches(),
+                v,
+                rule,
+            });
+        }
         let stages = self.stages();
         let mut done: HashMap<Key, (f64, usize)> = HashMap::new();
         let mut next = vec![0usize; p];
@@ -181,7 +218,7 @@ impl Schedule {
                 });
             }
         }
-        let makespan = free.iter().copied().fold(0.0, f64::max);
+        let makespan = free.iter().copied().fold(0.0, nan_max);
         Ok(Timeline { ranks, makespan })
     }
 

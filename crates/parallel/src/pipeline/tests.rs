@@ -216,3 +216,26 @@ fn schedules_by_name() {
     assert!(Schedule::generate(ScheduleKind::Interleaved1F1B, 4, 6, 2).is_err());
     assert!(Schedule::generate(ScheduleKind::Custom, 2, 2, 1).is_err());
 }
+
+#[test]
+fn a_cost_model_with_nan_or_negative_costs_is_refused() {
+    let s = Schedule::one_f_one_b(2, 4).unwrap();
+    for bad in [f64::NAN, -1.0, f64::INFINITY] {
+        let c = CostModel {
+            backward: bad,
+            ..CostModel::default()
+        };
+        let e = s.bubble_fraction_with(&c).unwrap_err();
+        assert!(e.to_string().contains("backward = "), "{e}");
+    }
+    let c = CostModel {
+        p2p: f64::NAN,
+        ..CostModel::default()
+    };
+    assert!(s.simulate(&c).is_err());
+    let nan = CostModel {
+        forward: f64::NAN,
+        ..CostModel::default()
+    };
+    assert!(TimedStage::new(nan, std::time::Duration::from_millis(1), 1).is_err());
+}

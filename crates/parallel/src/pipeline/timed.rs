@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
-use super::error::StageError;
+use super::error::{PipelineError, StageError};
 use super::executor::Stage;
 use super::sim::CostModel;
 
@@ -24,16 +24,23 @@ pub struct TimedStage {
 impl TimedStage {
     /// Actions take `cost` units of `unit` each, split over `chunks` chunks per rank (the
     /// schedule's virtual stages, [`Schedule::chunks`](super::Schedule::chunks)).
-    pub fn new(cost: CostModel, unit: Duration, chunks: usize) -> Self {
-        TimedStage {
+    ///
+    /// # Errors
+    ///
+    /// [`PipelineError::Setup`] for a cost that is negative, NaN or infinite
+    /// ([`CostModel::check`]).
+    pub fn new(cost: CostModel, unit: Duration, chunks: usize) -> Result<Self, PipelineError> {
+        cost.check().map_err(PipelineError::Setup)?;
+        Ok(TimedStage {
             cost,
             unit,
             chunks: u32::try_from(chunks.max(1)).unwrap_or(u32::MAX),
-        }
+        })
     }
 
     fn take(&self, units: f64) -> Result<Tensor, StageError> {
-        std::thread::sleep(self.unit.mul_f64(units.max(0.0)) / self.chunks);
+        // `units` is one of the checked costs: finite and >= 0.
+        std::thread::sleep(self.unit.mul_f64(units) / self.chunks);
         Ok(Tensor::zeros(1, DType::F32, &Device::Cpu)?)
     }
 }
