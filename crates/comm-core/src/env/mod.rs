@@ -129,6 +129,30 @@ where
     })
 }
 
+/// A world of at least one rank that holds `rank`.
+fn check_world(
+    rank: usize,
+    world_size: usize,
+    size_var: &'static str,
+    convention: EnvSource,
+) -> Result<(), EnvError> {
+    if world_size == 0 {
+        return Err(EnvError::Invalid {
+            var: size_var,
+            value: "0".into(),
+            reason: "a world needs at least one rank".into(),
+        });
+    }
+    if rank >= world_size {
+        return Err(EnvError::RankOutOfRange {
+            rank,
+            world_size,
+            convention,
+        });
+    }
+    Ok(())
+}
+
 /// `MASTER_PORT`'s value as a port that can be dialled.
 fn parse_port(v: String) -> Result<u16, EnvError> {
     let p: u16 = parse("MASTER_PORT", v.clone(), "a TCP port (1-65535)")?;
@@ -227,20 +251,7 @@ impl LaunchEnv {
                 })
             }
         };
-        if world_size == 0 {
-            return Err(EnvError::Invalid {
-                var: size_var,
-                value: "0".into(),
-                reason: "a world needs at least one rank".into(),
-            });
-        }
-        if rank >= world_size {
-            return Err(EnvError::RankOutOfRange {
-                rank,
-                world_size,
-                convention: source,
-            });
-        }
+        check_world(rank, world_size, size_var, source)?;
         let local_rank = match get(local_rank_var) {
             Some(v) => Some(parse(local_rank_var, v, "a local rank >= 0")?),
             None => None,
@@ -289,20 +300,7 @@ impl LaunchEnv {
                 }
             },
         };
-        if world_size == 0 {
-            return Err(EnvError::Invalid {
-                var: size_var,
-                value: "0".into(),
-                reason: "a world needs at least one rank".into(),
-            });
-        }
-        if rank >= world_size {
-            return Err(EnvError::RankOutOfRange {
-                rank,
-                world_size,
-                convention: EnvSource::Slurm,
-            });
-        }
+        check_world(rank, world_size, size_var, EnvSource::Slurm)?;
         let local_rank = int("SLURM_LOCALID", "a local rank >= 0")?;
         let node = int("SLURM_NODEID", "a node index >= 0")?;
         let per_node = get("SLURM_STEP_TASKS_PER_NODE").or_else(|| get("SLURM_TASKS_PER_NODE"));
