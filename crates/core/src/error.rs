@@ -121,11 +121,7 @@ pub type Result<T, E = DTensorError> = std::result::Result<T, E>;
 /// backward passes and user code and [`DTensorError::from_candle`] recovers it.
 impl From<DTensorError> for candle_core::Error {
     fn from(e: DTensorError) -> Self {
-        candle_core::Error::WrappedContext {
-            wrapped: Box::new(e),
-            context: "raised by candle-dtensor".into(),
-        }
-        .bt()
+        into_candle(e)
     }
 }
 
@@ -159,6 +155,18 @@ impl DTensorError {
     fn take_typed(e: candle_core::Error) -> std::result::Result<DTensorError, candle_core::Error> {
         typed_in_candle(e)
     }
+}
+
+/// A typed error as a candle error: candle's `WrappedContext` (the one variant that keeps a
+/// `std::error::Error` a caller can downcast) with a backtrace, so candle passes it through
+/// backward passes and user code, and [`typed_in_candle`] gets it back. Every crate's
+/// `From<ItsError> for candle_core::Error` is this.
+pub fn into_candle<E: std::error::Error + Send + Sync + 'static>(e: E) -> candle_core::Error {
+    candle_core::Error::WrappedContext {
+        wrapped: Box::new(e),
+        context: "raised by candle-dtensor".into(),
+    }
+    .bt()
 }
 
 /// The typed error `T` a candle error carries (raised inside a candle op, or a closure candle

@@ -56,7 +56,7 @@ pub use candle_dtensor_kernels::{fused, region};
 pub use candle_dtensor_strategies::{
     format_placements, parse_placements, Placement, Placements, ReduceOp,
 };
-pub use error::{typed_in_candle, CollectiveError, DTensorError, Result};
+pub use error::{into_candle, typed_in_candle, CollectiveError, DTensorError, Result};
 pub use fused::gelu as gelu_local;
 pub use mesh_ctx::MeshCtx;
 pub use ops::generic::{apply, apply_all, reference_apply, reference_apply_all};

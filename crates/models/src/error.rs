@@ -58,11 +58,7 @@ pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 /// downcastable; `From<candle_core::Error>` recovers it.
 impl From<ModelError> for candle_core::Error {
     fn from(e: ModelError) -> Self {
-        candle_core::Error::WrappedContext {
-            wrapped: Box::new(e),
-            context: "raised by candle-dtensor".into(),
-        }
-        .bt()
+        candle_dtensor_core::into_candle(e)
     }
 }
 

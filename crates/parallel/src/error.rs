@@ -58,11 +58,7 @@ pub type Result<T, E = ParallelError> = std::result::Result<T, E>;
 /// the typed error downcastable; `From<candle_core::Error>` recovers it.
 impl From<ParallelError> for candle_core::Error {
     fn from(e: ParallelError) -> Self {
-        candle_core::Error::WrappedContext {
-            wrapped: Box::new(e),
-            context: "raised by candle-dtensor".into(),
-        }
-        .bt()
+        candle_dtensor_core::into_candle(e)
     }
 }
 
