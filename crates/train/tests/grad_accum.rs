@@ -12,9 +12,7 @@ use candle_dtensor_comm::LocalWorld;
 use candle_dtensor_core::debug::CommDebugMode;
 use candle_dtensor_kernels::compare::{check_series, compare_series_f32, max_abs_diff};
 use candle_dtensor_mesh::DeviceMesh;
-use candle_dtensor_parallel::fsdp::{Fsdp, FsdpConfig, GradReduce};
-use candle_dtensor_parallel::fsdp_vb::{reference_var_builder, FsdpVarMap};
-use candle_dtensor_parallel::tp_nn::Group;
+use candle_dtensor_parallel::fsdp_vb::reference_var_builder;
 use candle_dtensor_parallel::TpPlan;
 use candle_dtensor_train::fit::{
     micro_batch_size, OptimizerKind, TrainVars, Trainer, TrainerConfig, TrainerError,
@@ -26,7 +24,7 @@ mod common;
 #[path = "common/user_mlp.rs"]
 mod user_mlp;
 use common::{fsdp_over, micro_gpt, short_run};
-use user_mlp::{batch, Layer, Mlp, BATCH};
+use user_mlp::{batch, model_and_trainer, no_wrap, Layout, Mlp, BATCH};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -35,27 +33,6 @@ const STEPS: usize = 3;
 /// f32 results of differently split batches: the same sums in another order.
 const TOL: f64 = 1e-6;
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Layout {
-    One,
-    Fsdp,
-    FsdpTp,
-    Hsdp,
-    Tp,
-}
-
-impl Layout {
-    fn dims(self) -> Vec<(&'static str, usize)> {
-        match self {
-            Layout::One => vec![],
-            Layout::Fsdp => vec![("dp", 2)],
-            Layout::FsdpTp => vec![("dp", 2), ("tp", 2)],
-            Layout::Hsdp => vec![("replicate", 2), ("shard", 2)],
-            Layout::Tp => vec![("tp", 2)],
-        }
-    }
-}
 
 /// What one rank saw of a run: each step's loss and gradient norm, the first step's gradient
 /// of every parameter (name, values: this rank's var), and per step the collectives
@@ -78,51 +55,14 @@ fn config() -> TrainerConfig {
     }
 }
 
-fn no_wrap(_: &str, l: Layer) -> candle_core::Result<Layer> {
-    Ok(l)
-}
-
 /// One rank's run of the user's model: this rank's rows split into micro-batches of
 /// `split[i]` rows each (`split` sums to the rank's rows).
 fn rank_run(mesh: Option<&DeviceMesh>, layout: Layout, split: &[usize]) -> R<Run> {
     let coord = mesh.map(DeviceMesh::coordinate).unwrap_or_default();
-    let (dpi, dpn) = match layout {
-        Layout::Fsdp | Layout::FsdpTp => (coord[0], 2),
-        Layout::Hsdp => (coord[0] * 2 + coord[1], 4),
-        Layout::One | Layout::Tp => (0, 1),
-    };
+    let (dpi, dpn) = layout.data_parallel(&coord);
     let rows = BATCH / dpn;
     assert_eq!(split.iter().sum::<usize>(), rows, "{layout:?} {split:?}");
-    let tp = match (layout, mesh) {
-        (Layout::FsdpTp | Layout::Tp, Some(m)) => Some(Group::from_mesh(m, "tp")?),
-        _ => None,
-    };
-    let (model, mut trainer) = match (layout, mesh) {
-        (Layout::One | Layout::Tp, _) => {
-            let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
-            let vars = TrainVars::local(mesh, &map, vb);
-            let model = Mlp::new(vars.var_builder()?, tp.as_ref(), &no_wrap)?;
-            (model, Trainer::new(vars, config())?)
-        }
-        (_, Some(mesh)) => {
-            let mut fc = match layout {
-                Layout::Hsdp => FsdpConfig::new(1, GradReduce::Avg),
-                _ => FsdpConfig::new(0, GradReduce::Avg),
-            };
-            if layout == Layout::Hsdp {
-                fc.replicate_dim = Some(0);
-            }
-            let fsdp = Fsdp::new(mesh, fc)?;
-            let map = FsdpVarMap::new(&fsdp, SEED);
-            let vars = TrainVars::fsdp(mesh, &fsdp, &map, DType::F32);
-            let wrap = |key: &str, l: Layer| -> candle_core::Result<Layer> {
-                Ok(Layer(Box::new(map.wrap(key, l)?)))
-            };
-            let model = Mlp::new(vars.var_builder()?, tp.as_ref(), &wrap)?;
-            (model, Trainer::new(vars, config())?)
-        }
-        (_, None) => unreachable!("distributed layouts have a mesh"),
-    };
+    let (model, mut trainer) = model_and_trainer(mesh, layout, SEED, config())?;
     let mut run = Run {
         losses: Vec::new(),
         norms: Vec::new(),

@@ -13,7 +13,6 @@ use candle_dtensor_kernels::compare::{check_series, compare_series_f32};
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_parallel::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use candle_dtensor_parallel::fsdp_vb::{reference_var_builder, FsdpVarMap};
-use candle_dtensor_parallel::tp_nn::Group;
 use candle_dtensor_train::fit::{
     FitOptions, StepInfo, TrainVars, Trainer, TrainerConfig, TrainerError,
 };
@@ -21,7 +20,7 @@ use candle_dtensor_train::schedule::{Decay, LrSchedule, ScheduleError, WeightDec
 
 #[path = "common/user_mlp.rs"]
 mod user_mlp;
-use user_mlp::{batch, Layer, Mlp, BATCH};
+use user_mlp::{batch, model_and_trainer, no_wrap, Layout, Mlp, BATCH};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -46,10 +45,6 @@ fn config() -> TrainerConfig {
     }
 }
 
-fn no_wrap(_: &str, l: Layer) -> candle_core::Result<Layer> {
-    Ok(l)
-}
-
 /// One device: the whole batch every step.
 fn one_device(cfg: TrainerConfig) -> R<Vec<StepInfo>> {
     let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
@@ -65,30 +60,6 @@ fn one_device(cfg: TrainerConfig) -> R<Vec<StepInfo>> {
     Ok(report.steps)
 }
 
-/// How a distributed run lays the model out.
-#[derive(Debug, Clone, Copy)]
-enum Layout {
-    /// FSDP over `dp`.
-    Fsdp,
-    /// FSDP over `dp`, tensor parallelism over `tp`.
-    FsdpTp,
-    /// FSDP over `shard`, replicated over `replicate`.
-    Hsdp,
-    /// Tensor parallelism over `tp`, no FSDP.
-    Tp,
-}
-
-impl Layout {
-    fn dims(self) -> Vec<(&'static str, usize)> {
-        match self {
-            Layout::Fsdp => vec![("dp", 2)],
-            Layout::FsdpTp => vec![("dp", 2), ("tp", 2)],
-            Layout::Hsdp => vec![("replicate", 2), ("shard", 2)],
-            Layout::Tp => vec![("tp", 2)],
-        }
-    }
-}
-
 /// A rank's steps and the copies of each of its parameters, by name.
 type RankRun = (Vec<StepInfo>, Vec<(String, usize)>);
 
@@ -96,42 +67,10 @@ type RankRun = (Vec<StepInfo>, Vec<(String, usize)>);
 fn rank_run(mesh: &DeviceMesh, layout: Layout) -> R<RankRun> {
     let coord = mesh.coordinate();
     // Data-parallel index and count: this rank's rows of the global batch.
-    let (dpi, dpn) = match layout {
-        Layout::Fsdp | Layout::FsdpTp => (coord[0], 2),
-        Layout::Hsdp => (coord[0] * 2 + coord[1], 4),
-        Layout::Tp => (0, 1),
-    };
+    let (dpi, dpn) = layout.data_parallel(&coord);
     let rows = BATCH / dpn;
     let rows = dpi * rows..(dpi + 1) * rows;
-    let tp = match layout {
-        Layout::FsdpTp | Layout::Tp => Some(Group::from_mesh(mesh, "tp")?),
-        _ => None,
-    };
-    let (model, mut trainer) = match layout {
-        Layout::Tp => {
-            let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
-            let vars = TrainVars::local(Some(mesh), &map, vb);
-            let model = Mlp::new(vars.var_builder()?, tp.as_ref(), &no_wrap)?;
-            (model, Trainer::new(vars, config())?)
-        }
-        _ => {
-            let mut fc = match layout {
-                Layout::Hsdp => FsdpConfig::new(1, GradReduce::Avg),
-                _ => FsdpConfig::new(0, GradReduce::Avg),
-            };
-            if let Layout::Hsdp = layout {
-                fc.replicate_dim = Some(0);
-            }
-            let fsdp = Fsdp::new(mesh, fc)?;
-            let map = FsdpVarMap::new(&fsdp, SEED);
-            let vars = TrainVars::fsdp(mesh, &fsdp, &map, DType::F32);
-            let wrap = |key: &str, l: Layer| -> candle_core::Result<Layer> {
-                Ok(Layer(Box::new(map.wrap(key, l)?)))
-            };
-            let model = Mlp::new(vars.var_builder()?, tp.as_ref(), &wrap)?;
-            (model, Trainer::new(vars, config())?)
-        }
-    };
+    let (model, mut trainer) = model_and_trainer(Some(mesh), layout, SEED, config())?;
     let copies = trainer
         .params()
         .iter()
@@ -218,6 +157,7 @@ fn every_layout_trains_the_users_model_as_one_device_does() {
                 Layout::FsdpTp => (1, 2),
                 Layout::Hsdp => (2, 2),
                 Layout::Tp => (1, 2),
+                Layout::One => (1, 1),
             };
             assert_eq!(copies_of("fc1.weight"), piece, "{what}: {copies:?}");
             assert_eq!(copies_of("fc2.weight"), piece, "{what}: {copies:?}");

@@ -22,7 +22,7 @@ use candle_dtensor_train::schedule::{Decay, LrSchedule, WeightDecay};
 
 #[path = "common/user_mlp.rs"]
 mod user_mlp;
-use user_mlp::{batch, Layer, Mlp, BATCH};
+use user_mlp::{batch, no_wrap, Layer, Mlp, BATCH};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -38,10 +38,6 @@ fn config() -> TrainerConfig {
         clip: Some(0.05),
         ..TrainerConfig::default()
     }
-}
-
-fn no_wrap(_: &str, l: Layer) -> candle_core::Result<Layer> {
-    Ok(l)
 }
 
 fn tmp(name: &str) -> PathBuf {

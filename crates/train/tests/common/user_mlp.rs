@@ -87,3 +87,96 @@ pub fn batch(step: usize, rows: std::ops::Range<usize>) -> candle_core::Result<(
     let n = rows.len();
     Ok((x.narrow(0, rows.start, n)?, y.narrow(0, rows.start, n)?))
 }
+
+// ---------------------------------------------------------------------------------------------
+// The layouts the library trainer's tests run the model on, and the model with its trainer.
+
+type BoxErr = Box<dyn std::error::Error + Send + Sync>;
+
+/// How a run lays the user's model out.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Layout {
+    /// One device, no mesh.
+    One,
+    /// FSDP over `dp`.
+    Fsdp,
+    /// FSDP over `dp`, tensor parallelism over `tp`.
+    FsdpTp,
+    /// FSDP over `shard`, replicated over `replicate`.
+    Hsdp,
+    /// Tensor parallelism over `tp`, no FSDP.
+    Tp,
+}
+
+impl Layout {
+    /// The mesh (empty: one device).
+    pub fn dims(self) -> Vec<(&'static str, usize)> {
+        match self {
+            Layout::One => vec![],
+            Layout::Fsdp => vec![("dp", 2)],
+            Layout::FsdpTp => vec![("dp", 2), ("tp", 2)],
+            Layout::Hsdp => vec![("replicate", 2), ("shard", 2)],
+            Layout::Tp => vec![("tp", 2)],
+        }
+    }
+
+    /// This rank's data-parallel index and the data-parallel count (whose rows of the global
+    /// batch it trains on), from its mesh coordinate.
+    pub fn data_parallel(self, coord: &[usize]) -> (usize, usize) {
+        match self {
+            Layout::Fsdp | Layout::FsdpTp => (coord[0], 2),
+            Layout::Hsdp => (coord[0] * 2 + coord[1], 4),
+            Layout::One | Layout::Tp => (0, 1),
+        }
+    }
+}
+
+/// A layer as it is (no FSDP unit).
+pub fn no_wrap(_: &str, l: Layer) -> candle_core::Result<Layer> {
+    Ok(l)
+}
+
+/// The user's model laid out as `layout` (parameters from `seed`; each layer an FSDP unit
+/// under FSDP) and a library trainer with `config` over its vars.
+pub fn model_and_trainer(
+    mesh: Option<&candle_dtensor_mesh::DeviceMesh>,
+    layout: Layout,
+    seed: u64,
+    config: candle_dtensor_train::fit::TrainerConfig,
+) -> Result<(Mlp, candle_dtensor_train::fit::Trainer), BoxErr> {
+    use candle_core::DType;
+    use candle_dtensor_parallel::fsdp::{Fsdp, FsdpConfig, GradReduce};
+    use candle_dtensor_parallel::fsdp_vb::{reference_var_builder, FsdpVarMap};
+    use candle_dtensor_train::fit::{TrainVars, Trainer};
+
+    let tp = match (layout, mesh) {
+        (Layout::FsdpTp | Layout::Tp, Some(m)) => Some(Group::from_mesh(m, "tp")?),
+        _ => None,
+    };
+    match (layout, mesh) {
+        (Layout::One | Layout::Tp, _) => {
+            let (map, vb) = reference_var_builder(seed, DType::F32, &Device::Cpu);
+            let vars = TrainVars::local(mesh, &map, vb);
+            let model = Mlp::new(vars.var_builder()?, tp.as_ref(), &no_wrap)?;
+            Ok((model, Trainer::new(vars, config)?))
+        }
+        (_, Some(mesh)) => {
+            let mut fc = match layout {
+                Layout::Hsdp => FsdpConfig::new(1, GradReduce::Avg),
+                _ => FsdpConfig::new(0, GradReduce::Avg),
+            };
+            if layout == Layout::Hsdp {
+                fc.replicate_dim = Some(0);
+            }
+            let fsdp = Fsdp::new(mesh, fc)?;
+            let map = FsdpVarMap::new(&fsdp, seed);
+            let vars = TrainVars::fsdp(mesh, &fsdp, &map, DType::F32);
+            let wrap = |key: &str, l: Layer| -> candle_core::Result<Layer> {
+                Ok(Layer(Box::new(map.wrap(key, l)?)))
+            };
+            let model = Mlp::new(vars.var_builder()?, tp.as_ref(), &wrap)?;
+            Ok((model, Trainer::new(vars, config)?))
+        }
+        (_, None) => Err(format!("{layout:?} needs a mesh").into()),
+    }
+}
