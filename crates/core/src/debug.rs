@@ -354,3 +354,48 @@ fn push(kind: &'static str, mesh_dim: &str, bytes: u64, modeled_us: Option<f64>,
         s.pending = pending;
     })
 }
+
+/// Bytes the autograd graph behind `t` keeps alive for the backward pass: the distinct
+/// storages of the tensors that lead to `t` and track gradients, parameters (variables)
+/// excluded, `t` included. This is the activation memory of a step at the end of its forward
+/// pass, where it peaks: what activation checkpointing and context parallelism shrink.
+///
+/// Views share their storage and count once. Not counted: tensors a custom op's backward
+/// keeps in its own closure (none of the runtime's collectives keep more than the shapes),
+/// inputs that track no gradient (token ids), and memory freed before the graph was built.
+/// On a DTensor pass its local piece: `graph_bytes(&loss.to_local())` is this rank's share.
+pub fn graph_bytes(t: &candle_core::Tensor) -> usize {
+    // A storage's extent, as far as the nodes that use it reach (the whole storage whenever
+    // the tensor that owns it is in the graph, as a view's base is).
+    let mut extent: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+    for n in t.sorted_nodes() {
+        if n.is_variable() {
+            continue;
+        }
+        let (storage, layout) = n.storage_and_layout();
+        let key = &*storage as *const candle_core::Storage as usize;
+        let reach = (layout.start_offset() + n.elem_count()) * n.dtype().size_in_bytes();
+        let e = extent.entry(key).or_insert(0);
+        *e = (*e).max(reach);
+    }
+    extent.values().sum()
+}
+
+#[cfg(test)]
+mod graph_bytes_tests {
+    use candle_core::{Device, Tensor, Var};
+
+    #[test]
+    fn counts_kept_activations_once_and_not_parameters() -> candle_core::Result<()> {
+        let w = Var::from_tensor(&Tensor::ones(100, candle_core::DType::F32, &Device::Cpu)?)?;
+        let data = Tensor::ones(100, candle_core::DType::F32, &Device::Cpu)?;
+        let y = (w.as_tensor() * 2.0)?; // 400 B
+        let z = y.exp()?; // 400 B
+        let v = z.narrow(0, 10, 50)?; // a view of z: no new storage
+        let loss = (v.sum_all()? + data.sum_all()?)?; // 4 B (the data's sum tracks nothing)
+        assert_eq!(super::graph_bytes(&loss), 400 + 400 + 4 + 4);
+        // Nothing tracks gradients: no graph.
+        assert_eq!(super::graph_bytes(&data.exp()?.sum_all()?), 0);
+        Ok(())
+    }
+}
