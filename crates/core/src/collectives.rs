@@ -55,7 +55,7 @@ fn record_on(kind: &'static str, ax: &Axis, bytes: u64) {
 }
 
 /// Waits for `w`, adding the blocked time to the thread's comm-wait counter.
-fn timed<T: Send + 'static>(w: candle_dtensor_comm::Work<T>) -> CResult<T> {
+pub(crate) fn timed<T: Send + 'static>(w: candle_dtensor_comm::Work<T>) -> CResult<T> {
     let t0 = std::time::Instant::now();
     let r = w.wait();
     crate::debug::add_comm_wait(t0.elapsed());

@@ -40,6 +40,7 @@
 
 mod collectives;
 mod convert;
+pub mod cp;
 pub mod debug;
 mod dispatch;
 mod error;

@@ -56,7 +56,19 @@ impl MeshCtx {
         for d in 0..names.len() {
             rma &= mesh.comm(d)?.capabilities().rma_get;
         }
-        let topo = topo.with_rma_get(rma);
+        let mut topo = topo.with_rma_get(rma);
+        // A mesh dim whose communicator runs over a modeled link (`comm::link` hints) is
+        // priced as that link: its alpha per collective, its bandwidth per rank.
+        for d in 0..names.len() {
+            let comm = mesh.comm(d)?;
+            if let Ok(Some(link)) =
+                candle_dtensor_comm::link::LinkModel::from_hints(&comm.options().hints, comm.name())
+            {
+                topo = topo
+                    .with_link(d, 0.0, link.gbps)
+                    .with_launch(d, link.alpha_us);
+            }
+        }
         let coord = mesh.coordinate();
         let mut axes = Vec::with_capacity(dims.len());
         for (d, name) in names.iter().enumerate() {

@@ -3,7 +3,8 @@
 
 use std::sync::Mutex;
 
-use candle_core::DType;
+use candle_core::{DType, Tensor};
+use candle_dtensor_core::cp::{self, SeqLayout};
 use candle_dtensor_core::{DTensor, Placement};
 use candle_dtensor_mesh::DeviceMesh;
 
@@ -173,6 +174,15 @@ impl GptConfig {
         }
         Ok(())
     }
+}
+
+/// How a forward pass lays the sequence over the `cp` mesh dim.
+struct CpPlan {
+    dim: usize,
+    n: usize,
+    layout: SeqLayout,
+    /// The stored order: position of each stored token.
+    order: Vec<usize>,
 }
 
 /// The GPT; see the module docs.
@@ -397,12 +407,89 @@ impl Gpt {
 
     /// Logits `[B, T, V]` for ids `[B, T]` (vocab-sharded under tensor parallelism with
     /// loss-parallel; replicated otherwise).
+    ///
+    /// With a `cp` mesh dim the sequence is sharded over it (see [`Gpt::forward_aux`]); the
+    /// logits come back in the natural order of `ids`.
     pub fn forward(&self, ids: &DTensor) -> Result<DTensor> {
-        Ok(self.forward_aux(ids)?.0)
+        let logits = self.forward_aux(ids)?.0;
+        match self.context_parallel(ids)? {
+            Some(cp) if cp.layout == SeqLayout::LoadBalanced => {
+                let t = ids.dim(1)?;
+                let mut inv = vec![0u32; t];
+                for (i, &p) in cp.order.iter().enumerate() {
+                    inv[p] = i as u32;
+                }
+                Ok(logits.index_select(&self.replicated_ids(&inv, ids)?, 1)?)
+            }
+            _ => Ok(logits),
+        }
+    }
+
+    /// The context-parallel layout for ids `[B, T]` on a mesh with a `cp` dim of size > 1:
+    /// load-balanced when `2 x cp` divides `T`, else contiguous.
+    fn context_parallel(&self, ids: &DTensor) -> Result<Option<CpPlan>> {
+        let Some(d) = self.roles.cp else {
+            return Ok(None);
+        };
+        let n = ids.mesh().shape()[d];
+        if n <= 1 {
+            return Ok(None);
+        }
+        let t = ids.dim(1)?;
+        let layout = if t % (2 * n) == 0 {
+            SeqLayout::LoadBalanced
+        } else {
+            SeqLayout::Contiguous
+        };
+        let order = match layout {
+            SeqLayout::LoadBalanced => cp::load_balanced_order(t, n)?,
+            SeqLayout::Contiguous => {
+                // Every rank holds part of the sequence (checked, typed).
+                cp::positions("gpt", t, n, 0, layout)?;
+                (0..t).collect()
+            }
+        };
+        Ok(Some(CpPlan {
+            dim: d,
+            n,
+            layout,
+            order,
+        }))
+    }
+
+    /// `v` as a replicated u32 DTensor on `like`'s mesh.
+    fn replicated_ids(&self, v: &[u32], like: &DTensor) -> Result<DTensor> {
+        let t = Tensor::new(v, like.to_local().device())?;
+        let pl = vec![Placement::Replicate; like.mesh().ndim()];
+        Ok(candle_dtensor_core::distribute_tensor(
+            &t,
+            like.mesh(),
+            &pl,
+        )?)
+    }
+
+    /// `x [B, T, ..]` in the context-parallel stored order, sharded on the sequence over `cp`.
+    fn to_stored(&self, x: &DTensor, cp: &CpPlan) -> Result<DTensor> {
+        let x = if cp.layout == SeqLayout::LoadBalanced {
+            let order: Vec<u32> = cp.order.iter().map(|&i| i as u32).collect();
+            x.index_select(&self.replicated_ids(&order, x)?, 1)?
+        } else {
+            x.clone()
+        };
+        let mut pl = x.placements().to_vec();
+        pl[cp.dim] = Placement::Shard(1);
+        Ok(x.redistribute(&pl)?)
     }
 
     /// [`Gpt::forward`] and the load-balancing loss of the mixture-of-experts blocks (summed;
     /// `None` without them).
+    ///
+    /// Context parallelism: on a mesh with a `cp` dim (of size > 1) the ids are stored in the
+    /// load-balanced order when `2 x cp` divides `T` (rank `i` holds chunks `i` and `2cp-1-i`),
+    /// contiguously otherwise, and sharded on the sequence over `cp`; positions follow, and
+    /// attention runs context-parallel (`candle_dtensor_core::cp`). The logits returned here
+    /// are in that stored order ([`Gpt::forward`] restores the natural one; [`Gpt::loss`]
+    /// stores the targets alike, the mean being order-free).
     pub fn forward_aux(&self, ids: &DTensor) -> Result<(DTensor, Option<DTensor>)> {
         let t = ids.dim(1)?;
         if t > self.cfg.seq_len {
@@ -411,6 +498,16 @@ impl Gpt {
                 self.cfg.seq_len
             )));
         }
+        let cp_plan = self.context_parallel(ids)?;
+        let _cp_scope = cp_plan.as_ref().map(|c| cp::layout_scope(c.layout, c.n));
+        let stored;
+        let ids = match &cp_plan {
+            Some(c) => {
+                stored = self.to_stored(ids, c)?;
+                &stored
+            }
+            None => ids,
+        };
         if let (Some(f), Some(u)) = (&self.fsdp, self.embed_unit) {
             f.pre_forward(u)?;
         }
@@ -418,6 +515,13 @@ impl Gpt {
             let _l = candle_dtensor_core::debug::label("embed");
             let x = self.tok_emb.forward(ids)?;
             let pos = self.pos_emb.narrow(0, 0, t)?;
+            let pos = match &cp_plan {
+                Some(c) if c.layout == SeqLayout::LoadBalanced => {
+                    let order: Vec<u32> = c.order.iter().map(|&i| i as u32).collect();
+                    pos.index_select(&self.replicated_ids(&order, &pos)?, 0)?
+                }
+                _ => pos,
+            };
             x.add(&pos)?
         };
         if let (Some(f), Some(u)) = (&self.fsdp, self.embed_unit) {
@@ -487,6 +591,14 @@ impl Gpt {
     /// mixture-of-experts blocks' load-balancing loss ([`Gpt::last_aux_loss`]).
     pub fn loss(&self, ids: &DTensor, targets: &DTensor) -> Result<DTensor> {
         let (logits, aux) = self.forward_aux(ids)?;
+        let stored;
+        let targets = match self.context_parallel(ids)? {
+            Some(c) => {
+                stored = self.to_stored(targets, &c)?;
+                &stored
+            }
+            None => targets,
+        };
         let (b, t, v) = (logits.dim(0)?, logits.dim(1)?, logits.dim(2)?);
         let _l = candle_dtensor_core::debug::label("loss");
         let logits = logits.reshape(&[b * t, v])?;

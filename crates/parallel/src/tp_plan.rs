@@ -123,13 +123,16 @@ pub struct MeshRoles {
     pub ep: Option<usize>,
     /// Mesh dims sharding the batch, outermost first.
     pub data: Vec<usize>,
+    /// The context-parallel mesh dim (`cp`): activations sharded on the sequence,
+    /// parameters replicated (their gradients all-reduced over it by the dispatch rule).
+    pub cp: Option<usize>,
     /// The mesh's number of dims.
     pub ndim: usize,
 }
 
 impl MeshRoles {
     /// Reads roles from dim names: `tp`; `dp`, `replicate`, `shard` (data); `ep` (data, and
-    /// the experts of mixture-of-experts layers).
+    /// the experts of mixture-of-experts layers); `cp` (the sequence).
     ///
     /// # Errors
     ///
@@ -139,11 +142,13 @@ impl MeshRoles {
             tp: None,
             ep: None,
             data: Vec::new(),
+            cp: None,
             ndim: mesh.ndim(),
         };
         for (i, name) in mesh.dim_names().iter().enumerate() {
             match *name {
                 "tp" => roles.tp = Some(i),
+                "cp" => roles.cp = Some(i),
                 "dp" | "replicate" | "shard" => roles.data.push(i),
                 "ep" => {
                     roles.ep = Some(i);
@@ -151,7 +156,7 @@ impl MeshRoles {
                 }
                 other => {
                     return Err(ParallelError::Config(format!(
-                        "unknown mesh dim name \"{other}\"; use dp, tp, ep, replicate or shard"
+                        "unknown mesh dim name \"{other}\"; use dp, tp, ep, cp, replicate or shard"
                     )))
                 }
             }

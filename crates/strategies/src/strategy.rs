@@ -39,6 +39,9 @@ pub struct InternalComm {
     /// The tensor whose sharding on the OTHER mesh dims shrinks `bytes` (the expander multiplies by
     /// its local/global element ratio with this row's mesh dim treated as replicated).
     pub scale_by: TensorRef,
+    /// The collective's buffer is one rank's piece along THIS row's mesh dim (an all_to_all
+    /// of a tensor the row shards there): the expander also divides `bytes` by the dim's size.
+    pub per_piece: bool,
 }
 
 /// One valid placement assignment for one mesh dim.
@@ -59,6 +62,10 @@ pub struct StrategyRow {
     /// combination (e.g. the one-sided `rma_get` plan fetches rows from the owners along its own
     /// mesh dim only).
     pub requires_sole: SmallVec<[(TensorRef, usize); 1]>,
+    /// `(tensor, dim)` pairs whose every local size (after the OTHER mesh dims' sharding) this
+    /// row's mesh dim size must divide (the op re-shards that dim over this mesh dim itself,
+    /// e.g. the heads of all-to-all context parallelism).
+    pub requires_divides: SmallVec<[(TensorRef, usize); 1]>,
     /// Whether `Shard(d)` may be replaced by `StridedShard { dim: d, sf }` throughout the row
     /// (true when the op does not care about the order of indices along sharded dims).
     pub strided_ok: bool,
@@ -74,6 +81,7 @@ impl StrategyRow {
             requires_even: SmallVec::new(),
             requires_nonempty: SmallVec::new(),
             requires_sole: SmallVec::new(),
+            requires_divides: SmallVec::new(),
             strided_ok: true,
         }
     }
@@ -102,12 +110,37 @@ impl StrategyRow {
         self
     }
 
+    /// Requires this row's mesh dim size to divide every local size of `tensor`'s `dim` (see
+    /// [`StrategyRow::requires_divides`]).
+    pub fn divides(mut self, tensor: TensorRef, dim: usize) -> Self {
+        self.requires_divides.push((tensor, dim));
+        self
+    }
+
     /// Adds an internal collective.
     pub fn with_internal(mut self, kind: CollectiveKind, bytes: u64, scale_by: TensorRef) -> Self {
         self.internal.push(InternalComm {
             kind,
             bytes,
             scale_by,
+            per_piece: false,
+        });
+        self
+    }
+
+    /// Adds an internal collective whose buffer is one rank's piece along this row's mesh dim
+    /// (see [`InternalComm::per_piece`]).
+    pub fn with_internal_piece(
+        mut self,
+        kind: CollectiveKind,
+        bytes: u64,
+        scale_by: TensorRef,
+    ) -> Self {
+        self.internal.push(InternalComm {
+            kind,
+            bytes,
+            scale_by,
+            per_piece: true,
         });
         self
     }

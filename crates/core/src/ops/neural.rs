@@ -25,6 +25,57 @@ use candle_dtensor_comm::ReduceOp;
 
 type CResult<T> = candle_core::Result<T>;
 
+/// Which context-parallel strategy the compiler chose for an attention op.
+#[derive(Clone, Copy)]
+enum CpKind {
+    KvExchange,
+    AllToAll,
+}
+
+impl CpKind {
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        ax: &Axis,
+        t: usize,
+        causal: bool,
+        scale: f64,
+    ) -> CResult<Tensor> {
+        match self {
+            CpKind::KvExchange => crate::cp::kv_exchange(q, k, v, ax, t, causal, scale),
+            CpKind::AllToAll => crate::cp::all_to_all_heads(q, k, v, ax, t, causal, scale),
+        }
+    }
+}
+
+/// The context-parallel mesh dim of an attention op whose first input has its sequence at
+/// `seq` (the compiler allows at most one mesh dim of size > 1 to shard it): its axis, the
+/// global sequence length and the strategy (read back from the row's internal comms).
+fn context_parallel(p: &Prepared, seq: usize) -> CResult<Option<(Axis, usize, CpKind)>> {
+    let ctx = p.ctx();
+    let spec = &p.sharding.input_specs[0];
+    let Some(m) = (0..spec.placements.len())
+        .find(|&m| spec.placements[m].shard_dim() == Some(seq) && ctx.shape[m] > 1)
+    else {
+        return Ok(None);
+    };
+    let kind = if p
+        .sharding
+        .internal
+        .iter()
+        .any(|(d, c)| *d == m && c.kind == candle_dtensor_strategies::CollectiveKind::AllToAll)
+    {
+        CpKind::AllToAll
+    } else {
+        CpKind::KvExchange
+    };
+    let ax = ctx.axis(p.first().mesh(), &[m])?;
+    Ok(Some((ax, spec.meta.shape[seq], kind)))
+}
+
 /// Mesh dims (of size > 1: a group of one communicates nothing) on which `spec` shards tensor
 /// dim `dim`, and this rank's (offset, size) of it.
 fn sharded_range(
@@ -178,8 +229,17 @@ impl DTensor {
             causal,
             scale: scale.map(Into::into),
         };
-        run1(&op, &[self, k, v], |p| {
-            sdpa_local(&p.locals[0], &p.locals[1], &p.locals[2], causal, s)
+        run1(&op, &[self, k, v], |p| match context_parallel(p, 2)? {
+            Some((ax, t, cp)) => {
+                cp.run(&p.locals[0], &p.locals[1], &p.locals[2], &ax, t, causal, s)
+            }
+            None => {
+                let (q, k, v) = (&p.locals[0], &p.locals[1], &p.locals[2]);
+                match crate::cp::stored_order_attention(q, k, v, causal, s)? {
+                    Some(y) => Ok(y),
+                    None => sdpa_local(q, k, v, causal, s),
+                }
+            }
         })
     }
 
@@ -194,7 +254,32 @@ impl DTensor {
             causal,
             scale: scale.map(Into::into),
         };
-        run1(&op, &[self], |p| packed_sdpa_local(&p.locals[0], causal, s))
+        run1(&op, &[self], |p| {
+            // [B, T, H, 3, d] -> q, k, v [B, H, T, d]; the output back to [B, T, H, d].
+            let x = &p.locals[0];
+            let part = |i: usize| x.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2);
+            let y = match context_parallel(p, 1)? {
+                Some((ax, t, cp)) => cp.run(&part(0)?, &part(1)?, &part(2)?, &ax, t, causal, s)?,
+                None => {
+                    let balanced =
+                        crate::cp::current_layout().0 == crate::cp::SeqLayout::LoadBalanced;
+                    if !(causal && balanced) {
+                        return packed_sdpa_local(x, causal, s);
+                    }
+                    match crate::cp::stored_order_attention(
+                        &part(0)?,
+                        &part(1)?,
+                        &part(2)?,
+                        causal,
+                        s,
+                    )? {
+                        Some(y) => y,
+                        None => return packed_sdpa_local(x, causal, s),
+                    }
+                }
+            };
+            y.transpose(1, 2)?.contiguous()
+        })
     }
 
     /// Embedding lookup: `self` is the integer ids `[..]`, `weight` is `[V, D]`; the output is

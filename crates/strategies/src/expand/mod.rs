@@ -319,7 +319,8 @@ impl<'a> Problem<'a> {
         }
     }
 
-    /// Checks `requires_even` / `requires_sole` / `requires_nonempty` of the chosen rows.
+    /// Checks `requires_even` / `requires_sole` / `requires_divides` / `requires_nonempty` of the
+    /// chosen rows.
     fn requirements_ok(&self, rows: &[usize]) -> bool {
         for m in 0..self.mesh.ndim() {
             let row = &self.rows[self.row_of(rows, m)];
@@ -349,6 +350,24 @@ impl<'a> Problem<'a> {
                     .enumerate()
                     .any(|(mm, p)| mm != m && self.mesh.dim_size(mm) > 1 && p.shards(d));
                 if other {
+                    return false;
+                }
+            }
+            for &(t, d) in &row.requires_divides {
+                let pl = self.placements_of(t, rows);
+                let n = self.tensor_ctx(t).shape.get(d).copied().unwrap_or(0);
+                let mut sizes: SmallVec<[usize; 4]> = smallvec::smallvec![n];
+                for (mm, p) in pl.iter().enumerate() {
+                    let size = self.mesh.dim_size(mm);
+                    if mm != m && size > 1 && p.shards(d) {
+                        sizes = sizes
+                            .iter()
+                            .flat_map(|&l| piece_sizes(l, size, p))
+                            .collect();
+                    }
+                }
+                let here = self.mesh.dim_size(m).max(1);
+                if sizes.iter().any(|&l| l % here != 0) {
                     return false;
                 }
             }
@@ -391,15 +410,19 @@ impl<'a> Problem<'a> {
                 let ctx = self.tensor_ctx(c.scale_by);
                 let global: u64 = ctx.shape.iter().product::<usize>() as u64;
                 let local: u64 = ctx.local_shape(&pl, &[]).iter().product::<usize>() as u64;
-                let bytes = if global == 0 {
+                let mut bytes = if global == 0 {
                     0
                 } else {
                     (c.bytes as u128 * local as u128 / global as u128) as u64
                 };
+                if c.per_piece {
+                    bytes /= self.mesh.dim_size(m) as u64;
+                }
                 let comm = crate::InternalComm {
                     kind: c.kind,
                     bytes,
                     scale_by: c.scale_by,
+                    per_piece: c.per_piece,
                 };
                 out.push((
                     m,

@@ -3,10 +3,11 @@
 //! `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` shards the batch (dim 0) or the heads (dim 2).
 
 use super::{expect_same_dtype, meta, s};
+use crate::cost::CollectiveKind;
 use crate::error::{Result, StrategyError};
 use crate::op::Op;
 use crate::spec::TensorMeta;
-use crate::strategy::StrategyRow;
+use crate::strategy::{StrategyRow, TensorRef};
 
 pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
     if matches!(op, Op::PackedSdpa { .. }) {
@@ -32,13 +33,64 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
     Ok(vec![meta(&out, q.dtype)])
 }
 
-pub(super) fn rows(op: &Op, _inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec<StrategyRow> {
+pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec<StrategyRow> {
     if matches!(op, Op::PackedSdpa { .. }) {
-        return packed_rows();
+        return packed_rows(inputs[0]);
     }
-    (0..2)
+    let mut rows: Vec<StrategyRow> = (0..2)
         .map(|d| StrategyRow::new(&[s(d)], &[s(d), s(d), s(d)]))
-        .collect()
+        .collect();
+    let bytes = |t: &TensorMeta| (t.numel() * t.dtype.size_in_bytes()) as u64;
+    let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+    let o = bytes(q) / q.shape[3].max(1) as u64 * v.shape[3] as u64;
+    rows.extend(context_parallel_rows(
+        &[s(2)],
+        &[s(2), s(2), s(2)],
+        3,
+        2,
+        1,
+        bytes(k) + bytes(v),
+        [bytes(q), bytes(k), bytes(v), o],
+    ));
+    rows
+}
+
+/// Context parallelism: the sequence dim (`seq` of every input) sharded. Two rows with the
+/// same placements, told apart by their internal comms (which the runtime reads back to run
+/// the chosen one, `candle_dtensor_core::cp`):
+/// * KV exchange: ring attention (or all-gather K/V), priced as an all_gather of K and V
+///   (`kv` bytes: the ring moves the same bytes, in `n-1` send/recv steps);
+/// * all-to-all (Ulysses): sequence-to-heads all_to_alls of q, k, v and heads-to-sequence of
+///   the output (`a2a` bytes, global; each buffer is one rank's piece).
+///
+/// Both need every rank to hold part of the sequence, and no other mesh dim may also shard it
+/// (the ring's positions are those of one dim); all-to-all needs the mesh dim to divide the
+/// (local) heads.
+fn context_parallel_rows(
+    outs: &[crate::Placement],
+    ins: &[crate::Placement],
+    n_inputs: usize,
+    seq: usize,
+    heads: usize,
+    kv: u64,
+    a2a: [u64; 4],
+) -> Vec<StrategyRow> {
+    let seal = |mut r: StrategyRow| {
+        for i in 0..n_inputs {
+            r = r.sole(TensorRef::Input(i), seq);
+        }
+        r.nonempty(TensorRef::Input(0), seq).no_strided()
+    };
+    let exchange = seal(StrategyRow::new(outs, ins).with_internal(
+        CollectiveKind::AllGather,
+        kv,
+        TensorRef::Input(0),
+    ));
+    let mut ulysses = StrategyRow::new(outs, ins);
+    for b in a2a {
+        ulysses = ulysses.with_internal_piece(CollectiveKind::AllToAll, b, TensorRef::Input(0));
+    }
+    vec![exchange, seal(ulysses).divides(TensorRef::Input(0), heads)]
 }
 
 fn packed_metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
@@ -53,10 +105,22 @@ fn packed_metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
     Ok(vec![meta(&out, x.dtype)])
 }
 
-fn packed_rows() -> Vec<StrategyRow> {
-    // Batch or heads; the sequence dim needs every key, and q/k/v (dim 3) belong together.
-    [0, 2]
+fn packed_rows(x: &TensorMeta) -> Vec<StrategyRow> {
+    // Batch or heads; q/k/v (dim 3) belong together; the sequence (dim 1) by context
+    // parallelism.
+    let mut rows: Vec<StrategyRow> = [0, 2]
         .into_iter()
         .map(|d| StrategyRow::new(&[s(d)], &[s(d)]))
-        .collect()
+        .collect();
+    let third = (x.numel() * x.dtype.size_in_bytes()) as u64 / 3;
+    rows.extend(context_parallel_rows(
+        &[s(1)],
+        &[s(1)],
+        1,
+        1,
+        2,
+        2 * third,
+        [third, third, third, third],
+    ));
+    rows
 }

@@ -80,7 +80,18 @@ fn norms_attention_loss_index() {
         },
         &[(q, F), (q, F), (q, F)],
     );
-    assert_eq!(t, ["S(0) <- S(0), S(0), S(0)", "S(1) <- S(1), S(1), S(1)"]);
+    // Batch, heads, and the sequence (context parallelism): the KV exchange (priced as an
+    // all_gather of K and V) and the all-to-all to the heads (four per-piece all_to_alls).
+    assert_eq!(
+        t,
+        [
+            "S(0) <- S(0), S(0), S(0)",
+            "S(1) <- S(1), S(1), S(1)",
+            "S(2) <- S(2), S(2), S(2) [+all_gather 8192 B]",
+            "S(2) <- S(2), S(2), S(2) [+all_to_all 4096 B] [+all_to_all 4096 B] [+all_to_all 4096 B] \
+             [+all_to_all 4096 B]"
+        ]
+    );
     let t = table(
         &Op::PackedSdpa {
             causal: true,
@@ -88,7 +99,16 @@ fn norms_attention_loss_index() {
         },
         &[(&[2, 8, 4, 3, 16], F)],
     );
-    assert_eq!(t, ["S(0) <- S(0)", "S(2) <- S(2)"]);
+    assert_eq!(
+        t,
+        [
+            "S(0) <- S(0)",
+            "S(2) <- S(2)",
+            "S(1) <- S(1) [+all_gather 8192 B]",
+            "S(1) <- S(1) [+all_to_all 4096 B] [+all_to_all 4096 B] [+all_to_all 4096 B] \
+             [+all_to_all 4096 B]"
+        ]
+    );
     let t = table(&Op::CrossEntropy, &[(&[4, 16], F), (&[4], DType::I64)]);
     assert_eq!(
         t,

@@ -1,0 +1,656 @@
+//! Context parallelism: attention over a sequence sharded on a mesh dim.
+//!
+//! When `q`, `k` and `v` of [`DTensor::sdpa`](crate::DTensor::sdpa) (or the packed `qkv` of
+//! `packed_sdpa`) are sharded on their sequence dim over a mesh dim of size `n`, no rank holds
+//! every key. The sharding compiler prices two single-dim strategies for that layout (see
+//! `candle_dtensor_strategies`' attention rows) and dispatch runs the one it chose:
+//!
+//! * **KV exchange** (`S(seq)` in and out, priced as an all_gather of K and V): by default
+//!   **ring attention** ([`CpVariant::Ring`]): every rank keeps its queries, the key/value
+//!   blocks travel the ring with send/recv, the next block's transfer in flight while the
+//!   current block is computed, blocks combined with the online-softmax rescaling (running max
+//!   and sum per query row). The backward pass runs the ring again, recomputing each block's
+//!   probabilities from the saved log-sum-exp, and sends the dK/dV accumulators along with the
+//!   blocks so they arrive back at their owner after `n` hops. Per rank it holds two K/V blocks
+//!   and one block of scores, never the whole sequence. [`CpVariant::AllGatherKv`] gathers K
+//!   and V instead (one collective, `n` blocks resident; its backward reduce-scatters dK/dV);
+//!   pick it with [`variant_scope`].
+//! * **All-to-all** (Ulysses): `q`, `k`, `v` re-sharded from the sequence to the heads, attention
+//!   on whole sequences for `H/n` heads, the output re-sharded back; four all_to_alls of the local
+//!   pieces, cheaper than the exchange once `n > 2`; needs `n` to divide the heads.
+//!
+//! Causal masks use global positions. The layout of the sequence over the ranks is a
+//! [`SeqLayout`]: [`SeqLayout::Contiguous`] (torch.chunk pieces, any length `T >= n`: what a
+//! plain `Shard(seq)` DTensor is) or [`SeqLayout::LoadBalanced`] (the sequence cut into `2n`
+//! chunks, rank `i` holding chunks `i` and `2n-1-i`, so every rank does the same causal work;
+//! needs `2n` to divide `T`). Under the balanced layout the tokens are stored permuted:
+//! [`load_balanced_order`] gives the order (apply it to ids, targets and position embeddings
+//! before sharding), and attention must know it: [`layout_scope`] declares it for the current
+//! thread. Supported masks: none and causal (over global positions); arbitrary masks are not.
+
+use std::cell::Cell;
+
+use candle_core::{DType, Tensor, D};
+use candle_dtensor_comm::P2POp;
+use candle_dtensor_strategies::layout::shard_size_and_offset;
+
+use crate::collectives::{self, Axis, GatherGrad};
+use crate::error::invalid;
+
+type CResult<T> = candle_core::Result<T>;
+
+/// How a sequence sharded over a context-parallel mesh dim is laid out over its ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SeqLayout {
+    /// torch.chunk pieces in order: rank `i` holds positions `[off_i, off_i + len_i)`.
+    #[default]
+    Contiguous,
+    /// `2n` equal chunks, rank `i` holding chunks `i` and `2n-1-i` (stored permuted, see
+    /// [`load_balanced_order`]): every rank has the same causal attention work.
+    LoadBalanced,
+}
+
+/// Which context-parallel attention runs for the KV-exchange strategy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpVariant {
+    /// Ring attention: K/V blocks passed around the ring, overlapped with compute.
+    Ring,
+    /// All-gather K and V, attend locally; backward reduce-scatters dK/dV.
+    AllGatherKv,
+}
+
+thread_local! {
+    static LAYOUT: Cell<(SeqLayout, usize)> = const { Cell::new((SeqLayout::Contiguous, 1)) };
+    static VARIANT: Cell<CpVariant> = const { Cell::new(CpVariant::Ring) };
+}
+
+/// Restores the previous [`SeqLayout`] when dropped.
+#[must_use = "the layout holds while the guard lives"]
+pub struct LayoutGuard((SeqLayout, usize));
+
+impl Drop for LayoutGuard {
+    fn drop(&mut self) {
+        LAYOUT.with(|l| l.set(self.0));
+    }
+}
+
+/// Declares, on this thread (a rank) until the guard drops, that sequences are stored in
+/// `layout` for a context-parallel mesh dim of `cp` ranks. Attention uses it for its causal
+/// mask wherever the sequence is: sharded over that dim (the positions of each rank's piece),
+/// or whole on a rank after the compiler gathered it (still in the stored order). The
+/// backward pass uses what the forward captured.
+pub fn layout_scope(layout: SeqLayout, cp: usize) -> LayoutGuard {
+    LayoutGuard(LAYOUT.with(|l| l.replace((layout, cp.max(1)))))
+}
+
+/// The layout declared on this thread and its context-parallel size
+/// (`(SeqLayout::Contiguous, 1)` unless a [`layout_scope`] is alive).
+pub fn current_layout() -> (SeqLayout, usize) {
+    LAYOUT.with(|l| l.get())
+}
+
+/// Restores the previous [`CpVariant`] when dropped.
+#[must_use = "the variant holds while the guard lives"]
+pub struct VariantGuard(CpVariant);
+
+impl Drop for VariantGuard {
+    fn drop(&mut self) {
+        VARIANT.with(|v| v.set(self.0));
+    }
+}
+
+/// Runs the KV-exchange strategy as `variant` on this thread until the guard drops (default
+/// [`CpVariant::Ring`]). Every rank of the mesh dim must choose the same.
+pub fn variant_scope(variant: CpVariant) -> VariantGuard {
+    VariantGuard(VARIANT.with(|v| v.replace(variant)))
+}
+
+/// The KV-exchange variant chosen on this thread.
+pub fn current_variant() -> CpVariant {
+    VARIANT.with(|v| v.get())
+}
+
+/// The global positions of rank `r`'s piece of a sequence of `t` tokens over `n` ranks.
+///
+/// Refused (naming `op` and the rule): a contiguous sequence shorter than `n` (a rank would
+/// hold nothing), a balanced one shorter than `2n` chunks or not divisible into them.
+pub fn positions(
+    op: &str,
+    t: usize,
+    n: usize,
+    r: usize,
+    layout: SeqLayout,
+) -> crate::Result<Vec<usize>> {
+    check_len(op, t, n, r, layout)?;
+    Ok(match layout {
+        SeqLayout::Contiguous => {
+            let (len, off) = shard_size_and_offset(t, n, r);
+            (off..off + len).collect()
+        }
+        SeqLayout::LoadBalanced => {
+            let c = t / (2 * n);
+            let lo = r * c;
+            let hi = (2 * n - 1 - r) * c;
+            (lo..lo + c).chain(hi..hi + c).collect()
+        }
+    })
+}
+
+fn check_len(op: &str, t: usize, n: usize, r: usize, layout: SeqLayout) -> crate::Result<()> {
+    match layout {
+        SeqLayout::Contiguous if t < n => Err(invalid(
+            op,
+            r,
+            format!(
+                "a sequence of {t} tokens over a context-parallel dim of {n} ranks: the rule is \
+                 at least one token per rank (T >= cp)"
+            ),
+        )),
+        SeqLayout::LoadBalanced if t < 2 * n || t % (2 * n) != 0 => Err(invalid(
+            op,
+            r,
+            format!(
+                "a sequence of {t} tokens in the load-balanced layout over {n} ranks: the rule \
+                 is T a multiple of 2 x cp = {} (two equal chunks per rank)",
+                2 * n
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The order in which a sequence of `t` tokens is stored for `layout` over `n` ranks: the
+/// concatenation of every rank's [`positions`]. `Contiguous` is the identity; apply the
+/// `LoadBalanced` order (`index_select` on the sequence dim) to ids, targets and position
+/// embeddings before sharding them with `Shard(seq)`.
+pub fn load_balanced_order(t: usize, n: usize) -> crate::Result<Vec<usize>> {
+    let mut order = Vec::with_capacity(t);
+    for r in 0..n {
+        order.extend(positions(
+            "load_balanced_order",
+            t,
+            n,
+            r,
+            SeqLayout::LoadBalanced,
+        )?);
+    }
+    Ok(order)
+}
+
+/// Which keys a block of queries sees.
+enum Vis {
+    All,
+    None,
+    /// Additive mask `[Tq, Tk]`: 0 where seen, -inf where not.
+    Mask(Tensor),
+}
+
+fn visibility(pq: &[usize], pk: &[usize], causal: bool, like: &Tensor) -> CResult<Vis> {
+    if !causal || pq.is_empty() || pk.is_empty() {
+        return Ok(Vis::All);
+    }
+    let (qmin, qmax) = (pq.iter().min(), pq.iter().max());
+    let (kmin, kmax) = (pk.iter().min(), pk.iter().max());
+    if let (Some(&qmin), Some(&qmax), Some(&kmin), Some(&kmax)) = (qmin, qmax, kmin, kmax) {
+        if kmax <= qmin {
+            return Ok(Vis::All);
+        }
+        if kmin > qmax {
+            return Ok(Vis::None);
+        }
+    }
+    let mut m = Vec::with_capacity(pq.len() * pk.len());
+    for &i in pq {
+        for &j in pk {
+            m.push(if j <= i { 0f32 } else { f32::NEG_INFINITY });
+        }
+    }
+    Ok(Vis::Mask(Tensor::from_vec(
+        m,
+        (pq.len(), pk.len()),
+        like.device(),
+    )?))
+}
+
+fn scores(q: &Tensor, k: &Tensor, vis: &Vis, scale: f64) -> CResult<Tensor> {
+    let s = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+    match vis {
+        Vis::Mask(m) => s.broadcast_add(m),
+        _ => Ok(s),
+    }
+}
+
+/// Running online-softmax state of one rank's queries: row max, row sum, unnormalised output.
+struct Online {
+    m: Tensor,
+    l: Tensor,
+    acc: Tensor,
+}
+
+impl Online {
+    fn new(q: &Tensor, dv: usize) -> CResult<Self> {
+        let (b, h, t, _) = q.dims4()?;
+        Ok(Online {
+            m: Tensor::full(f32::NEG_INFINITY, (b, h, t, 1), q.device())?,
+            l: Tensor::zeros((b, h, t, 1), DType::F32, q.device())?,
+            acc: Tensor::zeros((b, h, t, dv), DType::F32, q.device())?,
+        })
+    }
+
+    /// Folds in one block. The first block folded must leave every row's max finite (each
+    /// query sees at least one key of it: its own position under a causal mask, every key
+    /// otherwise), so later blocks never compute `exp(-inf - -inf)`.
+    fn fold(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, vis: &Vis, scale: f64) -> CResult<()> {
+        if matches!(vis, Vis::None) {
+            return Ok(());
+        }
+        let s = scores(q, k, vis, scale)?;
+        let mb = s.max_keepdim(D::Minus1)?;
+        let m_new = self.m.maximum(&mb)?;
+        let p = s.broadcast_sub(&m_new)?.exp()?;
+        let alpha = (&self.m - &m_new)?.exp()?;
+        self.l = (self.l.broadcast_mul(&alpha)? + p.sum_keepdim(D::Minus1)?)?;
+        self.acc = (self.acc.broadcast_mul(&alpha)? + p.matmul(v)?)?;
+        self.m = m_new;
+        Ok(())
+    }
+
+    /// The normalised output and the log-sum-exp per row.
+    fn finish(self) -> CResult<(Tensor, Tensor)> {
+        let o = self.acc.broadcast_div(&self.l)?;
+        let lse = (self.m + self.l.log()?)?;
+        Ok((o, lse))
+    }
+}
+
+/// One block's share of the backward: `(dq, dk, dv)` for queries `q` against keys `k`/`v`,
+/// given the saved log-sum-exp and `dsum = rowsum(dO * O)`.
+#[allow(clippy::too_many_arguments)]
+fn block_grads(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    vis: &Vis,
+    scale: f64,
+    lse: &Tensor,
+    g: &Tensor,
+    dsum: &Tensor,
+) -> CResult<Option<(Tensor, Tensor, Tensor)>> {
+    if matches!(vis, Vis::None) {
+        return Ok(None);
+    }
+    let p = scores(q, k, vis, scale)?.broadcast_sub(lse)?.exp()?;
+    let dv = p.t()?.contiguous()?.matmul(g)?;
+    let dp = g.matmul(&v.t()?.contiguous()?)?;
+    let ds = (p * dp.broadcast_sub(dsum)?)?;
+    let dq = (ds.matmul(k)? * scale)?;
+    let dk = (ds.t()?.contiguous()?.matmul(q)? * scale)?;
+    Ok(Some((dq, dk, dv)))
+}
+
+fn f32c(t: &Tensor) -> CResult<Tensor> {
+    t.to_dtype(DType::F32)?.contiguous()
+}
+
+fn block_shape(like: &Tensor, len: usize) -> CResult<Vec<usize>> {
+    let mut d = like.dims().to_vec();
+    d[2] = len;
+    Ok(d)
+}
+
+fn add_into(acc: Option<Tensor>, x: Tensor) -> CResult<Tensor> {
+    match acc {
+        Some(a) => a + x,
+        None => Ok(x),
+    }
+}
+
+/// Sends `send` to the next rank and receives tensors of `shapes` from the previous one, as
+/// one group; returns the pending work.
+fn rotate(
+    ax: &Axis,
+    send: &[&Tensor],
+    shapes: &[Vec<usize>],
+    dtype: DType,
+) -> CResult<candle_dtensor_comm::Work<Vec<Tensor>>> {
+    let (n, r) = (ax.n, ax.coord);
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let bytes: usize = send
+        .iter()
+        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+        .sum();
+    crate::debug::record_on("send_recv", &ax.comm, &ax.name, bytes as u64);
+    let mut ops: Vec<P2POp> = send
+        .iter()
+        .map(|t| P2POp::Send {
+            tensor: (*t).clone(),
+            peer: next,
+        })
+        .collect();
+    for s in shapes {
+        ops.push(P2POp::Recv {
+            peer: prev,
+            shape: s.clone().into(),
+            dtype,
+        });
+    }
+    ax.comm.batch_p2p(ops).map_err(candle_core::Error::wrap)
+}
+
+fn take2(mut v: Vec<Tensor>, what: &str) -> CResult<(Tensor, Tensor)> {
+    match (v.pop(), v.pop()) {
+        (Some(b), Some(a)) => Ok((a, b)),
+        _ => Err(candle_core::Error::msg(format!(
+            "ring attention: {what}: expected two received blocks"
+        ))),
+    }
+}
+
+/// The ring's forward: `(o, lse)` in f32 for this rank's queries. `pos[i]` are rank `i`'s
+/// global positions (its queries' and, since q/k/v share the layout, its keys').
+fn ring_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ax: &Axis,
+    pos: &[Vec<usize>],
+    causal: bool,
+    scale: f64,
+) -> CResult<(Tensor, Tensor)> {
+    let (n, r) = (ax.n, ax.coord);
+    let qf = f32c(q)?;
+    let mut st = Online::new(&qf, v.dim(3)?)?;
+    let (mut ck, mut cv) = (k.contiguous()?, v.contiguous()?);
+    for s in 0..n {
+        let owner = (r + n - s) % n;
+        let pending = if s + 1 < n {
+            let src = (r + n - s - 1) % n;
+            let shapes = [
+                block_shape(k, pos[src].len())?,
+                block_shape(v, pos[src].len())?,
+            ];
+            Some(rotate(ax, &[&ck, &cv], &shapes, k.dtype())?)
+        } else {
+            None
+        };
+        let vis = visibility(&pos[r], &pos[owner], causal, &qf)?;
+        st.fold(&qf, &f32c(&ck)?, &f32c(&cv)?, &vis, scale)?;
+        if let Some(w) = pending {
+            (ck, cv) = take2(collectives::timed(w)?, "forward")?;
+        }
+    }
+    st.finish()
+}
+
+/// The ring's backward: `(dq, dk, dv)` in f32.
+#[allow(clippy::too_many_arguments)]
+fn ring_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    g: &Tensor,
+    ax: &Axis,
+    pos: &[Vec<usize>],
+    causal: bool,
+    scale: f64,
+) -> CResult<(Tensor, Tensor, Tensor)> {
+    let (n, r) = (ax.n, ax.coord);
+    let qf = f32c(q)?;
+    let g = f32c(g)?;
+    let dsum = (&g * o)?.sum_keepdim(D::Minus1)?;
+    let mut dq: Option<Tensor> = None;
+    let (mut ck, mut cv) = (k.contiguous()?, v.contiguous()?);
+    let mut pending_grads: Option<candle_dtensor_comm::Work<Vec<Tensor>>> = None;
+    for s in 0..n {
+        let owner = (r + n - s) % n;
+        let kv_pending = if s + 1 < n {
+            let src = (r + n - s - 1) % n;
+            let shapes = [
+                block_shape(k, pos[src].len())?,
+                block_shape(v, pos[src].len())?,
+            ];
+            Some(rotate(ax, &[&ck, &cv], &shapes, k.dtype())?)
+        } else {
+            None
+        };
+        let (kf, vf) = (f32c(&ck)?, f32c(&cv)?);
+        let vis = visibility(&pos[r], &pos[owner], causal, &qf)?;
+        let part = block_grads(&qf, &kf, &vf, &vis, scale, lse, &g, &dsum)?;
+        let (dk_part, dv_part) = match part {
+            Some((dqp, dkp, dvp)) => {
+                dq = Some(add_into(dq, dqp)?);
+                (dkp, dvp)
+            }
+            None => (kf.zeros_like()?, vf.zeros_like()?),
+        };
+        // The accumulators of this block, with every earlier holder's share, arrived from the
+        // previous rank while this block was computed.
+        let (dk_acc, dv_acc) = match pending_grads.take() {
+            None => (dk_part, dv_part),
+            Some(w) => {
+                let (a, b) = take2(collectives::timed(w)?, "backward dK/dV")?;
+                ((a + dk_part)?, (b + dv_part)?)
+            }
+        };
+        if n == 1 {
+            let dq = dq.unwrap_or(qf.zeros_like()?);
+            return Ok((dq, dk_acc, dv_acc));
+        }
+        // Onward to the next rank, which holds this block at its next step (or, after the
+        // last step, owns it); receive the accumulators of the block this rank holds next.
+        let next_owner = (r + n - s - 1) % n;
+        let shapes = [
+            block_shape(k, pos[next_owner].len())?,
+            block_shape(v, pos[next_owner].len())?,
+        ];
+        pending_grads = Some(rotate(ax, &[&dk_acc, &dv_acc], &shapes, DType::F32)?);
+        if let Some(w) = kv_pending {
+            (ck, cv) = take2(collectives::timed(w)?, "backward K/V")?;
+        }
+    }
+    let w = pending_grads
+        .ok_or_else(|| candle_core::Error::msg("ring attention: no dK/dV in flight"))?;
+    let (dk, dv) = take2(collectives::timed(w)?, "backward own dK/dV")?;
+    let dq = dq.unwrap_or(qf.zeros_like()?);
+    Ok((dq, dk, dv))
+}
+
+/// Attention of this rank's `q` against keys `k`/`v` at global positions `pq`/`pk`, as one
+/// graph node (f32 math, the inputs' dtype out). Used by the all-gather and all-to-all
+/// variants, whose communication is differentiable on its own.
+fn local_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pq: Vec<usize>,
+    pk: Vec<usize>,
+    causal: bool,
+    scale: f64,
+) -> CResult<Tensor> {
+    let qf = f32c(&q.detach())?;
+    let vis = visibility(&pq, &pk, causal, &qf)?;
+    let mut st = Online::new(&qf, v.dim(3)?)?;
+    st.fold(&qf, &f32c(&k.detach())?, &f32c(&v.detach())?, &vis, scale)?;
+    let (o, lse) = st.finish()?;
+    let y = o.to_dtype(q.dtype())?;
+    if !(q.track_op() || k.track_op() || v.track_op()) {
+        return Ok(y);
+    }
+    let dtype = (q.dtype(), k.dtype(), v.dtype());
+    let label = crate::debug::current_label();
+    candle_dtensor_kernels::region::node3("cp-attention", q, k, v, y, move |q, k, v, g| {
+        let _phase = crate::debug::enter_backward_labeled(label.clone());
+        let qf = f32c(q)?;
+        let g = f32c(g)?;
+        let dsum = (&g * &o)?.sum_keepdim(D::Minus1)?;
+        let vis = visibility(&pq, &pk, causal, &qf)?;
+        let (kf, vf) = (f32c(k)?, f32c(v)?);
+        let (dq, dk, dv) = match block_grads(&qf, &kf, &vf, &vis, scale, &lse, &g, &dsum)? {
+            Some(t) => t,
+            None => (qf.zeros_like()?, kf.zeros_like()?, vf.zeros_like()?),
+        };
+        Ok((
+            dq.to_dtype(dtype.0)?,
+            dk.to_dtype(dtype.1)?,
+            dv.to_dtype(dtype.2)?,
+        ))
+    })
+}
+
+/// The declared layout, which must be for `ax`'s size when balanced.
+fn scoped_layout(ax: &Axis) -> CResult<SeqLayout> {
+    match current_layout() {
+        (SeqLayout::LoadBalanced, n) if n != ax.n => Err(invalid(
+            "sdpa",
+            ax.coord,
+            format!(
+                "the load-balanced layout was declared for {n} context-parallel ranks, but the                  sequence is sharded over `{}` of {} ranks (rule: layout_scope's cp is the size                  of the mesh dim that shards the sequence)",
+                ax.name, ax.n
+            ),
+        )
+        .into()),
+        (layout, _) => Ok(layout),
+    }
+}
+
+/// Attention on whole sequences stored in the declared order, when a balanced layout is
+/// declared and the mask is causal (`None` otherwise: the plain local kernel applies). The
+/// compiler gathers a sharded sequence for strategies that shard the batch or the heads
+/// instead; the gathered sequence keeps the stored order, which the causal mask must follow.
+pub(crate) fn stored_order_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+    scale: f64,
+) -> CResult<Option<Tensor>> {
+    let (layout, n) = current_layout();
+    if !causal || layout != SeqLayout::LoadBalanced || n == 1 {
+        return Ok(None);
+    }
+    let (t, tk) = (q.dim(2)?, k.dim(2)?);
+    if tk != t {
+        return Err(invalid(
+            "sdpa",
+            0,
+            format!(
+                "causal attention of {t} queries over {tk} keys in the load-balanced layout: \
+                 the rule is one sequence for both"
+            ),
+        )
+        .into());
+    }
+    let order = load_balanced_order(t, n)?;
+    local_attention(q, k, v, order.clone(), order, causal, scale).map(Some)
+}
+
+/// Every rank's positions for a sequence of `t` over `ax`.
+fn all_positions(op: &str, t: usize, ax: &Axis, layout: SeqLayout) -> CResult<Vec<Vec<usize>>> {
+    (0..ax.n)
+        .map(|r| positions(op, t, ax.n, r, layout).map_err(candle_core::Error::from))
+        .collect()
+}
+
+/// Context-parallel attention of local pieces `q [B, H, Tq, d]`, `k`/`v [B, H, Tk, d]`
+/// sharded on dim 2 over `ax` (global length `t`), KV-exchange strategy.
+pub(crate) fn kv_exchange(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ax: &Axis,
+    t: usize,
+    causal: bool,
+    scale: f64,
+) -> CResult<Tensor> {
+    let layout = scoped_layout(ax)?;
+    let pos = all_positions("sdpa", t, ax, layout)?;
+    for (name, x) in [("q", q), ("k", k), ("v", v)] {
+        if x.rank() != 4 || x.dim(2)? != pos[ax.coord].len() {
+            return Err(invalid(
+                "sdpa",
+                ax.coord,
+                format!(
+                    "context-parallel attention over `{}`: {name} piece {:?} does not hold this \
+                     rank's {} of {t} positions ({layout:?} layout)",
+                    ax.name,
+                    x.dims(),
+                    pos[ax.coord].len()
+                ),
+            )
+            .into());
+        }
+    }
+    match current_variant() {
+        CpVariant::AllGatherKv => {
+            let kf = collectives::all_gather(k, ax, 2, t, GatherGrad::ReduceScatter)?;
+            let vf = collectives::all_gather(v, ax, 2, t, GatherGrad::ReduceScatter)?;
+            let pk: Vec<usize> = pos.iter().flatten().copied().collect();
+            local_attention(q, &kf, &vf, pos[ax.coord].clone(), pk, causal, scale)
+        }
+        CpVariant::Ring => {
+            let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+            let (o, lse) = ring_forward(&qd, &kd, &vd, ax, &pos, causal, scale)?;
+            let y = o.to_dtype(q.dtype())?;
+            if !(q.track_op() || k.track_op() || v.track_op()) {
+                return Ok(y);
+            }
+            let bax = ax.clone();
+            let dtype = (q.dtype(), k.dtype(), v.dtype());
+            let label = crate::debug::current_label();
+            candle_dtensor_kernels::region::node3(
+                "ring-attention",
+                q,
+                k,
+                v,
+                y,
+                move |q, k, v, g| {
+                    let _phase = crate::debug::enter_backward_labeled(label.clone());
+                    let (dq, dk, dv) =
+                        ring_backward(q, k, v, &o, &lse, g, &bax, &pos, causal, scale)?;
+                    Ok((
+                        dq.to_dtype(dtype.0)?,
+                        dk.to_dtype(dtype.1)?,
+                        dv.to_dtype(dtype.2)?,
+                    ))
+                },
+            )
+        }
+    }
+}
+
+/// Context-parallel attention, all-to-all (Ulysses) strategy: pieces sharded on dim 2 (the
+/// sequence, global length `t`) are re-sharded to dim 1 (the heads, `h` in all), attended over
+/// whole sequences, and re-sharded back.
+pub(crate) fn all_to_all_heads(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ax: &Axis,
+    t: usize,
+    causal: bool,
+    scale: f64,
+) -> CResult<Tensor> {
+    let h = q.dim(1)?;
+    if h % ax.n != 0 {
+        return Err(invalid(
+            "sdpa",
+            ax.coord,
+            format!(
+                "all-to-all context parallelism over `{}`: {h} heads over {} ranks; the rule is \
+                 cp divides the heads",
+                ax.name, ax.n
+            ),
+        )
+        .into());
+    }
+    let layout = scoped_layout(ax)?;
+    let pos = all_positions("sdpa", t, ax, layout)?;
+    let order: Vec<usize> = pos.iter().flatten().copied().collect();
+    let qh = collectives::all_to_all(q, ax, 2, 1, t, h)?;
+    let kh = collectives::all_to_all(k, ax, 2, 1, t, h)?;
+    let vh = collectives::all_to_all(v, ax, 2, 1, t, h)?;
+    let o = local_attention(&qh, &kh, &vh, order.clone(), order, causal, scale)?;
+    collectives::all_to_all(&o, ax, 1, 2, h, t)
+}
