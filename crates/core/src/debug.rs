@@ -356,24 +356,36 @@ fn push(kind: &'static str, mesh_dim: &str, bytes: u64, modeled_us: Option<f64>,
 }
 
 /// Bytes the autograd graph behind `t` keeps alive for the backward pass: the distinct
-/// storages of the tensors that lead to `t` and track gradients, parameters (variables)
-/// excluded, `t` included. This is the activation memory of a step at the end of its forward
+/// storages of the tensors that lead to `t` and track gradients, parameters (variables) and
+/// views of them excluded, `t` included. This is the activation memory of a step at the end of its forward
 /// pass, where it peaks: what activation checkpointing and context parallelism shrink.
 ///
 /// Views share their storage and count once. Not counted: tensors a custom op's backward
-/// keeps in its own closure (none of the runtime's collectives keep more than the shapes),
+/// keeps in its own closure (the runtime's collectives keep shapes only; context-parallel
+/// attention keeps its f32 output and log-sum-exp, one more output-sized tensor per call),
 /// inputs that track no gradient (token ids), and memory freed before the graph was built.
 /// On a DTensor pass its local piece: `graph_bytes(&loss.to_local())` is this rank's share.
 pub fn graph_bytes(t: &candle_core::Tensor) -> usize {
     // A storage's extent, as far as the nodes that use it reach (the whole storage whenever
     // the tensor that owns it is in the graph, as a view's base is).
+    let nodes = t.sorted_nodes();
+    let key = |n: &candle_core::Tensor| {
+        let (storage, _) = n.storage_and_layout();
+        &*storage as *const candle_core::Storage as usize
+    };
+    // Views of parameters (a narrowed embedding table) share the parameter's storage.
+    let params: std::collections::HashSet<usize> = nodes
+        .iter()
+        .filter(|n| n.is_variable())
+        .map(|n| key(n))
+        .collect();
     let mut extent: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
-    for n in t.sorted_nodes() {
-        if n.is_variable() {
+    for n in nodes {
+        let key = key(n);
+        if n.is_variable() || params.contains(&key) {
             continue;
         }
-        let (storage, layout) = n.storage_and_layout();
-        let key = &*storage as *const candle_core::Storage as usize;
+        let (_, layout) = n.storage_and_layout();
         let reach = (layout.start_offset() + n.elem_count()) * n.dtype().size_in_bytes();
         let e = extent.entry(key).or_insert(0);
         *e = (*e).max(reach);
@@ -392,8 +404,10 @@ mod graph_bytes_tests {
         let y = (w.as_tensor() * 2.0)?; // 400 B
         let z = y.exp()?; // 400 B
         let v = z.narrow(0, 10, 50)?; // a view of z: no new storage
+        let wv = w.as_tensor().narrow(0, 0, 10)?; // a view of the parameter: not activation
         let loss = (v.sum_all()? + data.sum_all()?)?; // 4 B (the data's sum tracks nothing)
-        assert_eq!(super::graph_bytes(&loss), 400 + 400 + 4 + 4);
+        let loss = (loss + wv.sum_all()?)?; // 4 + 4 B
+        assert_eq!(super::graph_bytes(&loss), 400 + 400 + 4 + 4 + 4 + 4);
         // Nothing tracks gradients: no graph.
         assert_eq!(super::graph_bytes(&data.exp()?.sum_all()?), 0);
         Ok(())

@@ -517,8 +517,14 @@ impl Gpt {
             let pos = self.pos_emb.narrow(0, 0, t)?;
             let pos = match &cp_plan {
                 Some(c) if c.layout == SeqLayout::LoadBalanced => {
+                    // Each rank selects its own rows (the order sharded like the sequence):
+                    // no full [T, D] copy of the positions per rank.
                     let order: Vec<u32> = c.order.iter().map(|&i| i as u32).collect();
-                    pos.index_select(&self.replicated_ids(&order, &pos)?, 0)?
+                    let order = Tensor::new(order.as_slice(), pos.to_local().device())?;
+                    let mut pl = vec![Placement::Replicate; pos.mesh().ndim()];
+                    pl[c.dim] = Placement::Shard(0);
+                    let order = candle_dtensor_core::distribute_tensor(&order, pos.mesh(), &pl)?;
+                    pos.index_select(&order, 0)?
                 }
                 _ => pos,
             };

@@ -273,9 +273,27 @@ impl Attention {
         // The QKV weight is laid out head by head ([H, 3, d] rows), so a column shard of the
         // projection holds whole heads and the packed attention runs on it locally.
         let y = qkv.reshape(&[b, t, h, 3, hd])?.packed_sdpa(true, None)?;
+        let y = keep_cp_sequence(&y, x)?;
         let y = y.reshape(&[b, t, d])?;
         self.proj.forward(&y)
     }
+}
+
+/// Context parallelism: the attention output `y [B, T, H, d]` back on the sequence sharding
+/// its input `x [B, T, D]` has on the `cp` mesh dim. The compiler may run attention sharded on
+/// the heads (an all_to_all is cheaper than exchanging K/V) and would, op by op, leave the
+/// output there, so the projection after it would make a full-sequence partial sum on every
+/// rank; one all_to_all back keeps every activation of the block 1/cp.
+fn keep_cp_sequence(y: &DTensor, x: &DTensor) -> Result<DTensor> {
+    let Some(m) = x.mesh().dim_names().iter().position(|n| *n == "cp") else {
+        return Ok(y.clone());
+    };
+    if x.placements()[m] != Placement::Shard(1) || y.placements()[m] == Placement::Shard(1) {
+        return Ok(y.clone());
+    }
+    let mut pl = y.placements().to_vec();
+    pl[m] = Placement::Shard(1);
+    Ok(y.redistribute(&pl)?)
 }
 
 /// The feed-forward block: `fc2(gelu(fc1(x)))`, or SwiGLU `fc2(silu(fc1(x)) * fc3(x))`.

@@ -84,19 +84,20 @@ fn cp_matches_one_device() {
 #[test]
 fn activation_memory_falls_with_cp() {
     let cfg = GptConfig {
-        seq_len: 512,
+        seq_len: 2048,
         ..micro_gpt()
     };
     // One sequence: the batch cannot be sharded instead of the sequence.
-    let (_, one) = train(&cfg, &[("dp", 1)], (1, 512), 1);
-    let (_, four) = train(&cfg, &[("cp", 4)], (1, 512), 1);
+    let (_, one) = train(&cfg, &[("dp", 1)], (1, 2048), 1);
+    let (_, four) = train(&cfg, &[("cp", 4)], (1, 2048), 1);
     let ratio = four as f64 / one as f64;
-    // Measured 0.395 on this micro model (d_model 32): what does not shrink is the
-    // replicated position embedding rows and the copies made while re-sharding between the
-    // sequence and the heads; the 0.3 at long sequences on the presets is not yet
-    // shown.
+    // Measured 0.332 on this micro model (d_model 32, one sequence of 2048): the compiler
+    // runs attention re-sharded to the heads (cheapest on the wire), which keeps both the
+    // projection's qkv and its all_to_all'd copy for backward, and the gradient-sync node of
+    // every parameter replicated over cp holds a copy of it (constant in T). The 0.3
+    // is not reached here.
     assert!(
-        ratio <= 0.42,
+        ratio <= 0.34,
         "activation bytes per rank: cp=4 {four}, cp=1 {one}, ratio {ratio:.3}"
     );
 }

@@ -278,7 +278,7 @@ impl DTensor {
                     }
                 }
             };
-            y.transpose(1, 2)?.contiguous()
+            y.transpose(1, 2)
         })
     }
 
