@@ -654,3 +654,70 @@ pub(crate) fn all_to_all_heads(
     let o = local_attention(&qh, &kh, &vh, order.clone(), order, causal, scale)?;
     collectives::all_to_all(&o, ax, 1, 2, h, t)
 }
+
+/// A context-parallel attention strategy, for [`attention`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    /// The KV exchange, as the given variant.
+    Exchange(CpVariant),
+    /// All-to-all to the heads (Ulysses).
+    AllToAll,
+}
+
+/// Context-parallel attention with a strategy chosen by the caller instead of the compiler
+/// (benchmarks, or a model that knows better): `q [B, H, T, d]`, `k`/`v [B, H, T, d]` sharded
+/// on the sequence (dim 2) over exactly one mesh dim of size > 1, the same placements on all
+/// three; the output has them too. Differentiable; the layout is [`current_layout`]'s.
+pub fn attention(
+    q: &crate::DTensor,
+    k: &crate::DTensor,
+    v: &crate::DTensor,
+    causal: bool,
+    scale: Option<f64>,
+    strategy: Strategy,
+) -> crate::Result<crate::DTensor> {
+    let rank = q.mesh_rank();
+    let pl = q.placements();
+    if k.placements() != pl || v.placements() != pl || q.shape().len() != 4 {
+        return Err(invalid(
+            "cp::attention",
+            rank,
+            format!(
+                "q {:?} {:?}, k {:?}, v {:?}: the rule is 4-D q/k/v with the same placements",
+                q.shape(),
+                pl,
+                k.placements(),
+                v.placements()
+            ),
+        ));
+    }
+    let ctx = q.ctx();
+    let dims: Vec<usize> = (0..pl.len())
+        .filter(|&m| pl[m].shard_dim() == Some(2) && ctx.shape[m] > 1)
+        .collect();
+    let [m] = dims[..] else {
+        return Err(invalid(
+            "cp::attention",
+            rank,
+            format!(
+                "placements {pl:?}: the rule is the sequence (dim 2) sharded over exactly one \
+                 mesh dim of size > 1"
+            ),
+        ));
+    };
+    let ax = ctx.axis(q.mesh(), &[m])?;
+    let t = q.shape()[2];
+    let s = scale.unwrap_or(1.0 / (q.shape()[3] as f64).sqrt());
+    let (ql, kl, vl) = (q.to_local(), k.to_local(), v.to_local());
+    let y = match strategy {
+        Strategy::Exchange(variant) => {
+            let _v = variant_scope(variant);
+            kv_exchange(ql, kl, vl, &ax, t, causal, s)
+        }
+        Strategy::AllToAll => all_to_all_heads(ql, kl, vl, &ax, t, causal, s),
+    }
+    .map_err(|e| invalid("cp::attention", rank, e.to_string()))?;
+    let mut shape = q.shape().to_vec();
+    shape[3] = v.shape()[3];
+    crate::DTensor::from_local_with_shape(&y, q.mesh(), pl, &shape)
+}

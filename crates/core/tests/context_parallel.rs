@@ -439,3 +439,71 @@ fn layouts_and_bad_sequences() {
         );
     }
 }
+
+#[test]
+fn strategies_chosen_by_the_caller_match() {
+    use candle_dtensor_core::cp::{attention, Strategy};
+    let (b, h, t, d) = (1, 3, 9, 4);
+    let (q, k, v, w) = (
+        fixed(&[b, h, t, d], 1),
+        fixed(&[b, h, t, d], 2),
+        fixed(&[b, h, t, d], 3),
+        fixed(&[b, h, t, d], 4),
+    );
+    let want = reference(&q, &k, &v, &w, true);
+    for strategy in [
+        Strategy::Exchange(CpVariant::Ring),
+        Strategy::Exchange(CpVariant::AllGatherKv),
+        Strategy::AllToAll,
+    ] {
+        let (q, k, v, w) = (q.clone(), k.clone(), v.clone(), w.clone());
+        let out = LocalWorld::new(3)
+            .with_timeout(Duration::from_secs(60))
+            .launch(move |comm| -> R<_> {
+                let mesh = DeviceMesh::new(comm, CP3)?;
+                let pl = [Placement::Shard(2)];
+                let mut dts = Vec::new();
+                for x in [&q, &k, &v] {
+                    let xd = distribute_tensor(x, &mesh, &pl)?;
+                    let var = Var::from_tensor(xd.to_local())?;
+                    dts.push(DTensor::from_local_with_shape(
+                        var.as_tensor(),
+                        &mesh,
+                        &pl,
+                        x.dims(),
+                    )?);
+                }
+                let o = attention(&dts[0], &dts[1], &dts[2], true, None, strategy)?;
+                let g = o
+                    .mul(&distribute_tensor(&w, &mesh, &pl)?)?
+                    .sum_all()?
+                    .backward()?;
+                let mut gs = vec![o.full_tensor()?];
+                for x in &dts {
+                    gs.push(x.grad(&g)?.ok_or("no gradient")?.full_tensor()?);
+                }
+                // Not sharded on the sequence: refused, typed.
+                let r = distribute_tensor(&q, &mesh, &[Placement::Replicate])?;
+                let e = attention(&r, &r, &r, true, None, strategy)
+                    .err()
+                    .map(|e| e.to_string())
+                    .unwrap_or_default();
+                Ok((gs, e))
+            })
+            .unwrap();
+        for (gs, e) in out {
+            close(&gs[0], &want.o, &format!("{strategy:?} output"));
+            for i in 0..3 {
+                close(
+                    &gs[i + 1],
+                    &want.grads[i],
+                    &format!("{strategy:?} grad {i}"),
+                );
+            }
+            assert!(
+                e.contains("cp::attention") && e.contains("exactly one"),
+                "{e}"
+            );
+        }
+    }
+}
