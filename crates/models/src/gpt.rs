@@ -14,6 +14,7 @@ use candle_dtensor_parallel::params::ParamStore;
 use candle_dtensor_parallel::tp_plan::{MeshRoles, TpPlan};
 
 use crate::builder::Builder;
+use crate::checkpoint::{checkpoint, AcMode};
 use crate::error::{ModelError, Result};
 use crate::layers::{
     Attention, Block, Embedding, FeedForward, LayerNorm, Linear, Mlp, Norm, RmsNorm,
@@ -54,6 +55,9 @@ pub struct GptConfig {
     pub eps: f64,
     /// Mixture-of-experts blocks (`None`: every block dense).
     pub moe: Option<MoeConfig>,
+    /// Activation checkpointing of the blocks ([`AcMode`]; the presets: none). It changes
+    /// what backward keeps and recomputes, never a value or a gradient.
+    pub ac: AcMode,
 }
 
 impl GptConfig {
@@ -72,6 +76,7 @@ impl GptConfig {
             norm: NormKind::LayerNorm,
             eps: 1e-5,
             moe: None,
+            ac: AcMode::None,
         }
     }
 
@@ -439,7 +444,7 @@ impl Gpt {
             match (&self.fsdp, self.block_units.get(i)) {
                 (Some(f), Some(&u)) => {
                     f.pre_forward(u)?;
-                    let (y, a) = blk.forward_aux(&x)?;
+                    let (y, a) = self.block_forward(i, blk, &x)?;
                     add_aux(a)?;
                     let local = f.post_forward(u, y.to_local())?;
                     x = DTensor::from_local_with_shape(
@@ -450,7 +455,7 @@ impl Gpt {
                     )?;
                 }
                 _ => {
-                    let (y, a) = blk.forward_aux(&x)?;
+                    let (y, a) = self.block_forward(i, blk, &x)?;
                     add_aux(a)?;
                     x = y;
                 }
@@ -481,6 +486,31 @@ impl Gpt {
             ));
         }
         Ok((logits, aux))
+    }
+
+    /// Block `i`'s forward, under [`checkpoint`] where [`GptConfig::ac`] says so (dense blocks
+    /// only: a mixture-of-experts block's routing statistics would be counted twice).
+    fn block_forward(
+        &self,
+        i: usize,
+        blk: &Block,
+        x: &DTensor,
+    ) -> Result<(DTensor, Option<DTensor>)> {
+        match blk.mlp.dense() {
+            Some(mlp) if self.cfg.ac.checkpoints(i) => {
+                // The recompute outlives this call: it owns a copy of the block (its parameters
+                // are shared handles, so FSDP's refills reach it).
+                let b = Block {
+                    ln1: blk.ln1.clone(),
+                    attn: blk.attn.clone(),
+                    ln2: blk.ln2.clone(),
+                    mlp: FeedForward::Dense(mlp.clone()),
+                };
+                let label = format!("blocks.{i}");
+                Ok((checkpoint(x, Some(&label), move |x| b.forward(x))?, None))
+            }
+            _ => blk.forward_aux(x),
+        }
     }
 
     /// Mean next-token cross-entropy of ids `[B, T]` against targets `[B, T]`, plus the

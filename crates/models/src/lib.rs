@@ -21,12 +21,14 @@
 //! candle-dtensor-train's, which builds on this one.
 
 pub mod builder;
+pub mod checkpoint;
 pub mod dropins;
 mod error;
 pub mod gpt;
 pub mod layers;
 pub mod moe_layer;
 
+pub use checkpoint::{checkpoint, AcMode};
 pub use error::{ModelError, Result};
 pub use gpt::{Gpt, GptConfig, NormKind};
 pub use moe_layer::MoeLayer;
