@@ -250,3 +250,25 @@ fn full_keeps_at_most_a_third_on_small_at_512_tokens() {
         );
     }
 }
+
+#[test]
+fn training_run_reports_peak_activation_bytes() {
+    // train's run (FSDP over dp=2, two micro-batches per step): the same losses with full
+    // checkpointing, and the report's peak activation bytes drop.
+    let run = |ac: AcMode| {
+        let mut c = common::short_run(with_ac(&cfg4(), ac), TpPlan::new(), 3, 9);
+        c.fsdp = Some(common::fsdp_over("dp", None));
+        c.grad_accum = 2;
+        common::train_on_mesh(&[("dp", 2)], &c, Duration::from_secs(120))
+    };
+    let none = run(AcMode::None);
+    let full = run(AcMode::Full);
+    common::assert_close(&full.losses, &none.losses, 1e-6, "full vs none losses");
+    assert!(
+        none.peak_activation_bytes > 0
+            && 2 * full.peak_activation_bytes < none.peak_activation_bytes,
+        "peak activation bytes: full {}, none {}",
+        full.peak_activation_bytes,
+        none.peak_activation_bytes
+    );
+}
