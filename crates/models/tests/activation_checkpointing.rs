@@ -272,3 +272,177 @@ fn training_run_reports_peak_activation_bytes() {
         none.peak_activation_bytes
     );
 }
+
+/// Pipeline stage `s` of 2 over the micro GPT's blocks (stage 0: blocks 0-1 on the
+/// micro-batch's embeddings-shaped input; stage 1: blocks 2-3, then the mean square of the
+/// output as the loss), each block checkpointed or not.
+struct BlockStage {
+    stage: usize,
+    m: usize,
+    gpt: Gpt,
+    vars: Vec<candle_core::Var>,
+    mesh: DeviceMesh,
+    ac: bool,
+    saved: std::collections::HashMap<usize, (Option<candle_core::Var>, Tensor)>,
+    grads: Vec<Option<Tensor>>,
+}
+
+impl BlockStage {
+    fn input(&self, mb: usize) -> candle_core::Result<Tensor> {
+        let d = self.gpt.cfg.d_model;
+        let t = self.gpt.cfg.seq_len;
+        let n = 2 * t * d;
+        let v: Vec<f32> = (0..n)
+            .map(|i| (((i * 7919 + mb * 104_729 + 13) % 1000) as f32) / 1000.0 - 0.5)
+            .collect();
+        Tensor::from_vec(v, (2, t, d), &candle_core::Device::Cpu)
+    }
+}
+
+impl candle_dtensor_parallel::pipeline::Stage for BlockStage {
+    // The checkpointed function returns the models' own `Result` (`checkpoint`'s contract).
+    #[allow(clippy::result_large_err)]
+    fn forward(
+        &mut self,
+        _chunk: usize,
+        mb: usize,
+        input: Option<Tensor>,
+    ) -> Result<Tensor, candle_dtensor_parallel::pipeline::StageError> {
+        let (h, var) = match input {
+            None => (self.input(mb)?, None),
+            Some(t) => {
+                let v = candle_core::Var::from_tensor(&t)?;
+                (v.as_tensor().clone(), Some(v))
+            }
+        };
+        let mut x = candle_dtensor_core::DTensor::from_local_with_shape(
+            &h,
+            &self.mesh,
+            &[Placement::Replicate],
+            h.dims(),
+        )?;
+        for i in 2 * self.stage..2 * self.stage + 2 {
+            let blk = &self.gpt.blocks[i];
+            x = if self.ac {
+                let mlp = blk.mlp.dense().ok_or("a dense block")?.clone();
+                let b = candle_dtensor_models::layers::Block {
+                    ln1: blk.ln1.clone(),
+                    attn: blk.attn.clone(),
+                    ln2: blk.ln2.clone(),
+                    mlp: candle_dtensor_models::layers::FeedForward::Dense(mlp),
+                };
+                candle_dtensor_models::checkpoint(&x, None, move |x| b.forward(x))?
+            } else {
+                blk.forward(&x)?
+            };
+        }
+        let out = x.to_local().clone();
+        let out = if self.stage == 1 {
+            (out.sqr()?.mean_all()? / self.m as f64)?
+        } else {
+            out
+        };
+        self.saved.insert(mb, (var, out.clone()));
+        Ok(out)
+    }
+
+    fn backward(
+        &mut self,
+        _chunk: usize,
+        mb: usize,
+        grad_out: Option<Tensor>,
+    ) -> Result<Option<Tensor>, candle_dtensor_parallel::pipeline::StageError> {
+        let (var, out) = self.saved.remove(&mb).ok_or("backward before forward")?;
+        let grads = match grad_out {
+            None => out.backward()?,
+            Some(g) => (out * g)?.sum_all()?.backward()?,
+        };
+        for (slot, v) in self.grads.iter_mut().zip(&self.vars) {
+            if let Some(g) = grads.get(v) {
+                *slot = Some(match slot.take() {
+                    Some(a) => (a + g)?,
+                    None => g.clone(),
+                });
+            }
+        }
+        Ok(var.and_then(|v| grads.get(v.as_tensor()).cloned()))
+    }
+
+    fn input_shape(
+        &self,
+        _chunk: usize,
+        _mb: usize,
+    ) -> Result<(candle_core::Shape, DType), candle_dtensor_parallel::pipeline::StageError> {
+        let c = &self.gpt.cfg;
+        Ok(((2, c.seq_len, c.d_model).into(), DType::F32))
+    }
+
+    fn output_shape(
+        &self,
+        chunk: usize,
+        mb: usize,
+    ) -> Result<(candle_core::Shape, DType), candle_dtensor_parallel::pipeline::StageError> {
+        self.input_shape(chunk, mb)
+    }
+}
+
+/// Losses (on the last stage) and every block parameter's gradient of a 2-stage GPipe run of
+/// `m` micro-batches; per rank.
+fn pipeline(ac: bool, m: usize) -> Vec<(Vec<f32>, Vec<Vec<f32>>)> {
+    use candle_dtensor_parallel::pipeline::{run_schedule, PipeComms, Schedule};
+    let cfg = cfg4();
+    LocalWorld::new(2)
+        .with_timeout(Duration::from_secs(60))
+        .launch(|comm| -> R<_> {
+            let comms = PipeComms::new(&comm)?;
+            // Each stage's blocks on a mesh of its own rank (pp=2 x dp=1).
+            let mesh = DeviceMesh::new(comm, &[("pp", 2), ("dp", 1)])?.dim("dp")?;
+            let (gpt, store) = Gpt::new(&cfg, &mesh, &TpPlan::new(), 7, DType::F32)?;
+            let vars = store.vars();
+            let mut s = BlockStage {
+                stage: comms.rank(),
+                m,
+                gpt,
+                grads: vec![None; vars.len()],
+                vars,
+                mesh,
+                ac,
+                saved: Default::default(),
+            };
+            let report = run_schedule(&mut s, &Schedule::gpipe(2, m)?, &comms)?;
+            let grads = s
+                .grads
+                .iter()
+                .flatten()
+                .map(|g| g.flatten_all()?.to_vec1::<f32>())
+                .collect::<Result<Vec<_>, _>>()?;
+            assert!(!grads.is_empty());
+            let losses = report
+                .losses
+                .iter()
+                .map(|(_, l)| l.to_scalar::<f32>())
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((losses, grads))
+        })
+        .unwrap()
+}
+
+#[test]
+fn checkpointed_blocks_inside_pipeline_stages() {
+    let none = pipeline(false, 3);
+    let full = pipeline(true, 3);
+    for (rank, ((ln, gn), (lf, gf))) in none.iter().zip(&full).enumerate() {
+        common::assert_close(lf, ln, 1e-6, &format!("rank {rank}: losses"));
+        let want = Run {
+            grads: vec![gn.clone()],
+            losses: ln.clone(),
+            ..Run::default()
+        };
+        let got = Run {
+            grads: vec![gf.clone()],
+            losses: lf.clone(),
+            ..Run::default()
+        };
+        assert_same(&format!("pipeline rank {rank}"), &got, &want);
+    }
+}
