@@ -211,7 +211,7 @@ pub(crate) struct Args {
     /// block's forward; the autograd graph keeps only the blocks' inputs) or `selective` (every
     /// other block, 1, 3, 5, ...). The losses and gradients do not change; the summary's
     /// `peak_activation_bytes` shows the memory kept. Mixture-of-experts blocks are never
-    /// checkpointed.
+    /// checkpointed (`selective` then counts the dense blocks only).
     #[arg(long, default_value = "none")]
     ac: String,
     /// AdamW learning rate (the peak rate of the schedule).

@@ -53,8 +53,9 @@ pub enum AcMode {
     /// Checkpoint every dense block: backward recomputes each block's forward, the graph keeps
     /// only each block's input.
     Full,
-    /// Checkpoint every other dense block (blocks 1, 3, 5, ...: torchtitan's layer-selective
-    /// policy with frequency 2): about half of `Full`'s saving for half of its recompute.
+    /// Checkpoint every other dense block (the 2nd, 4th, ... dense block: blocks 1, 3, 5, ...
+    /// of a model without mixture-of-experts blocks; torchtitan's layer-selective policy with
+    /// frequency 2): about half of `Full`'s saving for half of its recompute.
     Selective,
 }
 
@@ -62,8 +63,9 @@ impl AcMode {
     /// The names [`AcMode::from_str`] knows.
     pub const NAMES: [&'static str; 3] = ["none", "full", "selective"];
 
-    /// Whether block `i` (counted from 0) runs under [`checkpoint`]. Mixture-of-experts blocks
-    /// never do (their routing statistics and dispatch are not replayed), whatever this says.
+    /// Whether the `i`-th dense block (counted from 0 over the dense blocks only) runs under
+    /// [`checkpoint`]. Mixture-of-experts blocks never do (their routing statistics and
+    /// dispatch are not replayed).
     pub fn checkpoints(self, i: usize) -> bool {
         match self {
             AcMode::None => false,

@@ -488,16 +488,22 @@ impl Gpt {
         Ok((logits, aux))
     }
 
-    /// Block `i`'s forward, under [`checkpoint`] where [`GptConfig::ac`] says so (dense blocks
-    /// only: a mixture-of-experts block's routing statistics would be counted twice).
+    /// Block `i`'s forward, under [`checkpoint`] where [`GptConfig::ac`] says so for its rank
+    /// among the dense blocks (mixture-of-experts blocks are not checkpointed: their routing
+    /// statistics would be counted twice).
     fn block_forward(
         &self,
         i: usize,
         blk: &Block,
         x: &DTensor,
     ) -> Result<(DTensor, Option<DTensor>)> {
+        // The policy counts dense blocks only (mixture-of-experts blocks are never checkpointed).
+        let dense = self.blocks[..i]
+            .iter()
+            .filter(|b| b.mlp.dense().is_some())
+            .count();
         match blk.mlp.dense() {
-            Some(mlp) if self.cfg.ac.checkpoints(i) => {
+            Some(mlp) if self.cfg.ac.checkpoints(dense) => {
                 // The recompute outlives this call: it owns a copy of the block (its parameters
                 // are shared handles, so FSDP's refills reach it).
                 let b = Block {

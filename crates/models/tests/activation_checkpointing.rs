@@ -446,3 +446,20 @@ fn checkpointed_blocks_inside_pipeline_stages() {
         assert_same(&format!("pipeline rank {rank}"), &got, &want);
     }
 }
+
+#[test]
+fn mixture_of_experts_blocks_run_unchecked_and_selective_counts_dense_blocks() {
+    // Blocks 1 and 3 are mixture-of-experts blocks (never checkpointed); selective checkpoints
+    // every other DENSE block, here block 2, so it still saves something.
+    let mut moe = candle_dtensor_parallel::moe::MoeConfig::new(4, 2);
+    moe.every = 2;
+    let cfg = GptConfig {
+        moe: Some(moe),
+        ..cfg4()
+    };
+    let none = run(&with_ac(&cfg, AcMode::None), Layout::Dp2, 3, 4);
+    for ac in [AcMode::Full, AcMode::Selective] {
+        let r = run(&with_ac(&cfg, ac), Layout::Dp2, 3, 4);
+        assert_same_for_less(&format!("moe dp=2 {ac}"), &r, &none);
+    }
+}
