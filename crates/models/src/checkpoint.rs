@@ -164,9 +164,9 @@ impl CustomOp2 for Recomputed {
         let y = (self.f)(&input)?;
         let y = y.to_local();
         if y.shape() != grad.shape() {
-            return Err(ModelError::Config(format!(
-                "checkpoint: the recompute gave {:?}, forward gave {:?} (rule: the checkpointed \
-                 function is deterministic)",
+            return Err(ModelError::Recompute(format!(
+                "the recompute gave shape {:?}, forward {:?} (rule: the checkpointed function \
+                 is deterministic)",
                 y.dims(),
                 grad.dims()
             ))
@@ -233,7 +233,9 @@ impl CustomOp2 for Tie {
 ///
 /// # Errors
 ///
-/// `f`'s own errors; candle's, building the nodes.
+/// `f`'s own errors; candle's, building the nodes. In backward (as a candle error wrapping
+/// it): [`ModelError::Recompute`] when the recompute's output shape differs from forward's,
+/// and the recompute's own errors.
 pub fn checkpoint<F>(x: &DTensor, label: Option<&str>, f: F) -> Result<DTensor>
 where
     F: Fn(&DTensor) -> Result<DTensor> + Send + Sync + 'static,

@@ -463,3 +463,32 @@ fn mixture_of_experts_blocks_run_unchecked_and_selective_counts_dense_blocks() {
         assert_same_for_less(&format!("moe dp=2 {ac}"), &r, &none);
     }
 }
+
+#[test]
+fn a_recompute_that_disagrees_with_forward_is_a_typed_error() {
+    // A function whose output shape changes between forward and the recompute.
+    let out = LocalWorld::new(1)
+        .launch(|comm| -> R<String> {
+            let mesh = DeviceMesh::new(comm, &[("dp", 1)])?;
+            let w = candle_core::Var::ones(4, DType::F32, &candle_core::Device::Cpu)?;
+            let x = candle_dtensor_core::DTensor::from_local_with_shape(
+                w.as_tensor(),
+                &mesh,
+                &[Placement::Replicate],
+                &[4],
+            )?;
+            let calls = std::sync::atomic::AtomicUsize::new(0);
+            let y = candle_dtensor_models::checkpoint(&x, None, move |x| {
+                let n = 4 - calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok(x.narrow(0, 0, n.max(1))?.exp()?)
+            })?;
+            let e = y.to_local().sum_all()?.backward().unwrap_err();
+            Ok(e.to_string())
+        })
+        .unwrap();
+    assert!(
+        out[0].contains("activation checkpointing") && out[0].contains("deterministic"),
+        "{}",
+        out[0]
+    );
+}
