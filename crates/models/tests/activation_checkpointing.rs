@@ -1,6 +1,9 @@
 //! Activation checkpointing ([`AcMode`]): the same losses and gradients as without it, on one
 //! device and under data parallelism, tensor parallelism and FSDP, for much less autograd-graph
 //! memory.
+// Checkpointed closures return the models' own `Result` (`checkpoint`'s contract), whose error
+// is large.
+#![allow(clippy::result_large_err)]
 // The GPT-training helpers every crate's GPT tests share.
 #[path = "../../train/tests/common/mod.rs"]
 mod common;
@@ -300,8 +303,6 @@ impl BlockStage {
 }
 
 impl candle_dtensor_parallel::pipeline::Stage for BlockStage {
-    // The checkpointed function returns the models' own `Result` (`checkpoint`'s contract).
-    #[allow(clippy::result_large_err)]
     fn forward(
         &mut self,
         _chunk: usize,
