@@ -9,7 +9,7 @@
 //! - [`Gpt`]: token + position embedding, pre-norm blocks, final norm, tied or untied head;
 //!   optionally mixture-of-experts blocks ([`moe_layer`]: router, experts and balancing loss,
 //!   whose tokens travel through candle-dtensor-parallel's expert-parallel dispatch).
-//! - [`checkpoint`]: activation checkpointing (recompute a block's forward in backward
+//! - [`checkpoint`](mod@checkpoint): activation checkpointing (recompute a block's forward in backward
 //!   instead of keeping its activations; [`AcMode`] picks the GPT's blocks).
 //! - [`dropins`]: differentiable drop-ins for candle-nn's fused norms, softmax and rotary
 //!   embeddings, which cut the autograd graph (candle#2168, #3011); the facade exports them as
