@@ -227,30 +227,37 @@ fn fsdp_same_losses_and_gradients() {
 // The measured bytes are printed for the record (`--nocapture`).
 #[allow(clippy::print_stderr)]
 fn full_keeps_at_most_a_third_on_small_at_512_tokens() {
-    // The target: the small preset at 512 tokens, one sequence.
+    // The target: the small preset at 512 tokens, per rank: one sequence on one
+    // device and under TP=2, two sequences (one per rank) under FSDP dp=2.
     let cfg = GptConfig {
         seq_len: 512,
         ..GptConfig::small()
     };
-    let mut bytes = Vec::new();
-    for ac in [AcMode::None, AcMode::Full, AcMode::Selective] {
-        let r = run(&with_ac(&cfg, ac), Layout::Single, 1, 1);
-        bytes.push((ac, r.bytes[0], r.losses[0]));
-    }
-    let (none, full, sel) = (bytes[0].1, bytes[1].1, bytes[2].1);
-    eprintln!("graph bytes on small@512, batch 1: {bytes:?}");
-    assert!(
-        3 * full <= none,
-        "full keeps {full} B, none {none} B: more than a third"
-    );
-    assert!(full < sel && sel < none, "{bytes:?}");
-    for (ac, _, loss) in &bytes[1..] {
-        assert_eq!(
-            loss.to_bits(),
-            bytes[0].2.to_bits(),
-            "{ac}: loss {loss} vs {}",
-            bytes[0].2
+    for (layout, rows) in [
+        (Layout::Single, 1),
+        (Layout::Tp2 { sp: false }, 1),
+        (Layout::Fsdp2, 2),
+    ] {
+        let mut bytes = Vec::new();
+        for ac in [AcMode::None, AcMode::Full, AcMode::Selective] {
+            let r = run(&with_ac(&cfg, ac), layout, 1, rows);
+            bytes.push((ac, r.bytes[0], r.losses[0]));
+        }
+        let (none, full, sel) = (bytes[0].1, bytes[1].1, bytes[2].1);
+        eprintln!("graph bytes per rank on small@512, {layout:?}: {bytes:?}");
+        assert!(
+            3 * full <= none,
+            "{layout:?}: full keeps {full} B, none {none} B: more than a third"
         );
+        assert!(full < sel && sel < none, "{layout:?}: {bytes:?}");
+        for (ac, _, loss) in &bytes[1..] {
+            assert_eq!(
+                loss.to_bits(),
+                bytes[0].2.to_bits(),
+                "{layout:?} {ac}: loss {loss} vs {}",
+                bytes[0].2
+            );
+        }
     }
 }
 
