@@ -500,3 +500,20 @@ fn a_recompute_that_disagrees_with_forward_is_a_typed_error() {
         out[0]
     );
 }
+
+#[test]
+fn fsdp_without_reshard_after_forward() {
+    // Units kept gathered after forward (no pre-backward node): the recompute still finds the
+    // full parameters, and FSDP's own nodes release them after it.
+    let run = |ac: AcMode| {
+        let mut c = common::short_run(with_ac(&cfg4(), ac), TpPlan::new(), 3, 9);
+        let mut f = common::fsdp_over("dp", None);
+        f.reshard_after_forward = false;
+        c.fsdp = Some(f);
+        common::train_on_mesh(&[("dp", 2)], &c, Duration::from_secs(120))
+    };
+    let none = run(AcMode::None);
+    let full = run(AcMode::Full);
+    common::assert_close(&full.losses, &none.losses, 1e-6, "full vs none losses");
+    assert!(full.peak_activation_bytes < none.peak_activation_bytes);
+}
