@@ -207,6 +207,13 @@ pub(crate) struct Args {
     /// --batch, and the micro-batch must divide over the data-parallel ranks.
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
+    /// Activation checkpointing of the blocks: `none`, `full` (backward recomputes every
+    /// block's forward; the autograd graph keeps only the blocks' inputs) or `selective` (every
+    /// other block, 1, 3, 5, ...). The losses and gradients do not change; the summary's
+    /// `peak_activation_bytes` shows the memory kept. Mixture-of-experts blocks are never
+    /// checkpointed (`selective` then counts the dense blocks only).
+    #[arg(long, default_value = "none")]
+    ac: String,
     /// AdamW learning rate (the peak rate of the schedule).
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
@@ -406,6 +413,7 @@ pub(crate) const SECTIONS: job::Sections = &[
             "steps",
             "batch",
             "grad-accum",
+            "ac",
             "seed",
             "device",
             "mixed-precision",
@@ -798,6 +806,7 @@ fn model_config(args: &Args) -> Result<GptConfig, String> {
     if args.untied {
         g.tied = false;
     }
+    g.ac = args.ac.parse().map_err(|e| format!("--ac: {e}"))?;
     Ok(g)
 }
 
@@ -2399,6 +2408,10 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
         "backward_ms_median": median(&report.phase_ms.iter().map(|p| p[1]).collect::<Vec<_>>()),
         "optimizer_ms_median": median(&report.phase_ms.iter().map(|p| p[2]).collect::<Vec<_>>()),
     });
+    // Activation checkpointing, and the most graph bytes one of rank 0's losses kept for
+    // backward (the ranks of a layout hold equal pieces).
+    summary["ac"] = serde_json::json!(gpt.ac.name());
+    summary["peak_activation_bytes"] = serde_json::json!(report.peak_activation_bytes);
     // Fault tolerance (outside the macro above: its recursion limit).
     summary["fault_tolerant"] = serde_json::json!(args.fault_tolerant);
     // The global steps done when the run ended (a resumed run counts its checkpoint's).

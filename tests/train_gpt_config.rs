@@ -784,3 +784,52 @@ fn resuming_another_model_shape_is_refused() {
     let s = ok(&with(&["--steps", "4", "--resume"]));
     assert_eq!(s["start_step"], 2);
 }
+
+/// `--ac` (issue 35, item 5): `full` and `selective` give the default's losses (FSDP x TP)
+/// with less peak activation memory in the summary (`full` least); an unknown mode is
+/// refused before training, naming the flag, the value and the choices.
+#[test]
+fn ac_flag_keeps_the_losses_and_cuts_activation_bytes() {
+    let dir = Scratch::new("ac");
+    let out = dir.path("curves");
+    let o = out.to_str().unwrap();
+    let run = |ac: &str| {
+        let s = ok(&[
+            "--mesh",
+            "dp=2,tp=2",
+            "--preset",
+            "small",
+            "--steps",
+            "2",
+            "--seq-len",
+            "64",
+            "--ac",
+            ac,
+            "--json",
+            "--out",
+            o,
+        ]);
+        assert_eq!(s["ac"], ac);
+        let bytes = s["peak_activation_bytes"].as_u64().unwrap();
+        (floats(&s["losses"]), bytes)
+    };
+    let (none, none_b) = run("none");
+    for ac in ["full", "selective"] {
+        let (l, b) = run(ac);
+        assert_eq!(l, none, "--ac {ac}: losses");
+        assert!(b < none_b, "--ac {ac}: {b} activation bytes, none {none_b}");
+        if ac == "full" {
+            assert!(3 * b <= none_b, "full {b}, none {none_b}");
+        }
+    }
+    let bad = dir.path("refused");
+    let b = bad.to_str().unwrap();
+    let e = refused(
+        &["--ac", "half", "--steps", "1", "--json", "--out", b],
+        &bad,
+    );
+    assert!(
+        e.contains("--ac") && e.contains("\"half\"") && e.contains("none, full, selective"),
+        "{e}"
+    );
+}

@@ -363,7 +363,8 @@ fn push(kind: &'static str, mesh_dim: &str, bytes: u64, modeled_us: Option<f64>,
 /// Views share their storage and count once. Not counted: tensors a custom op's backward
 /// keeps in its own closure (the runtime's collectives keep shapes only; context-parallel
 /// attention keeps its f32 output and log-sum-exp, one more output-sized tensor per call),
-/// inputs that track no gradient (token ids), and memory freed before the graph was built.
+/// inputs that track no gradient (token ids), memory freed before the graph was built, and
+/// released storages (`kernels::storage::release`: FSDP's resharded full parameters).
 /// On a DTensor pass its local piece: `graph_bytes(&loss.to_local())` is this rank's share.
 pub fn graph_bytes(t: &candle_core::Tensor) -> usize {
     // A storage's extent, as far as the nodes that use it reach (the whole storage whenever
@@ -381,8 +382,14 @@ pub fn graph_bytes(t: &candle_core::Tensor) -> usize {
         .collect();
     let mut extent: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
     for n in nodes {
+        // A released storage (FSDP's full parameters between their unit's forward and
+        // backward) holds nothing: counting its shape would charge the parameters as
+        // activations.
+        if n.is_variable() || candle_dtensor_kernels::storage::is_released(n) {
+            continue;
+        }
         let key = key(n);
-        if n.is_variable() || params.contains(&key) {
+        if params.contains(&key) {
             continue;
         }
         let (_, layout) = n.storage_and_layout();
@@ -410,6 +417,13 @@ mod graph_bytes_tests {
         assert_eq!(super::graph_bytes(&loss), 400 + 400 + 4 + 4 + 4 + 4);
         // Nothing tracks gradients: no graph.
         assert_eq!(super::graph_bytes(&data.exp()?.sum_all()?), 0);
+        // A released storage (FSDP's resharded full parameters) holds nothing.
+        let full = (w.as_tensor() * 1.0)?; // 400 B, a graph node
+        let out = full.exp()?.sum_all()?; // 400 + 4 B
+        assert_eq!(super::graph_bytes(&out), 400 + 400 + 4);
+        candle_dtensor_kernels::storage::release(&full, "full")
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        assert_eq!(super::graph_bytes(&out), 400 + 4);
         Ok(())
     }
 }

@@ -26,6 +26,10 @@ pub enum ModelError {
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// An activation checkpoint's recompute disagreed with its forward (a checkpointed
+    /// function must be deterministic).
+    #[error("activation checkpointing: {0}")]
+    Recompute(String),
     /// A candle op failed.
     #[error("candle: {0}")]
     Candle(candle_core::Error),

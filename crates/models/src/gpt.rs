@@ -15,6 +15,7 @@ use candle_dtensor_parallel::params::ParamStore;
 use candle_dtensor_parallel::tp_plan::{MeshRoles, TpPlan};
 
 use crate::builder::Builder;
+use crate::checkpoint::{checkpoint, AcMode};
 use crate::error::{ModelError, Result};
 use crate::layers::{
     Attention, Block, Embedding, FeedForward, LayerNorm, Linear, Mlp, Norm, RmsNorm,
@@ -55,6 +56,9 @@ pub struct GptConfig {
     pub eps: f64,
     /// Mixture-of-experts blocks (`None`: every block dense).
     pub moe: Option<MoeConfig>,
+    /// Activation checkpointing of the blocks ([`AcMode`]; the presets: none). It changes
+    /// what backward keeps and recomputes, never a value or a gradient.
+    pub ac: AcMode,
 }
 
 impl GptConfig {
@@ -73,6 +77,7 @@ impl GptConfig {
             norm: NormKind::LayerNorm,
             eps: 1e-5,
             moe: None,
+            ac: AcMode::None,
         }
     }
 
@@ -549,7 +554,7 @@ impl Gpt {
             match (&self.fsdp, self.block_units.get(i)) {
                 (Some(f), Some(&u)) => {
                     f.pre_forward(u)?;
-                    let (y, a) = blk.forward_aux(&x)?;
+                    let (y, a) = self.block_forward(i, blk, &x)?;
                     add_aux(a)?;
                     let local = f.post_forward(u, y.to_local())?;
                     x = DTensor::from_local_with_shape(
@@ -560,7 +565,7 @@ impl Gpt {
                     )?;
                 }
                 _ => {
-                    let (y, a) = blk.forward_aux(&x)?;
+                    let (y, a) = self.block_forward(i, blk, &x)?;
                     add_aux(a)?;
                     x = y;
                 }
@@ -591,6 +596,37 @@ impl Gpt {
             ));
         }
         Ok((logits, aux))
+    }
+
+    /// Block `i`'s forward, under [`checkpoint`] where [`GptConfig::ac`] says so for its rank
+    /// among the dense blocks (mixture-of-experts blocks are not checkpointed: their routing
+    /// statistics would be counted twice).
+    fn block_forward(
+        &self,
+        i: usize,
+        blk: &Block,
+        x: &DTensor,
+    ) -> Result<(DTensor, Option<DTensor>)> {
+        // The policy counts dense blocks only (mixture-of-experts blocks are never checkpointed).
+        let dense = self.blocks[..i]
+            .iter()
+            .filter(|b| b.mlp.dense().is_some())
+            .count();
+        match blk.mlp.dense() {
+            Some(mlp) if self.cfg.ac.checkpoints(dense) => {
+                // The recompute outlives this call: it owns a copy of the block (its parameters
+                // are shared handles, so FSDP's refills reach it).
+                let b = Block {
+                    ln1: blk.ln1.clone(),
+                    attn: blk.attn.clone(),
+                    ln2: blk.ln2.clone(),
+                    mlp: FeedForward::Dense(mlp.clone()),
+                };
+                let label = format!("blocks.{i}");
+                Ok((checkpoint(x, Some(&label), move |x| b.forward(x))?, None))
+            }
+            _ => blk.forward_aux(x),
+        }
     }
 
     /// Mean next-token cross-entropy of ids `[B, T]` against targets `[B, T]`, plus the

@@ -15,6 +15,7 @@ use crate::error::{ModelError, Result};
 use crate::moe_layer::MoeLayer;
 
 /// `y = x W^T + b` with `W: [out, in]`, `b: [out]`, `x: [.., in]`.
+#[derive(Clone)]
 pub struct Linear {
     /// `[out, in]`.
     pub weight: DTensor,
@@ -156,6 +157,7 @@ impl Embedding {
 
 /// Layer norm over the last dim, with weight and optional bias (built from primitives, so it
 /// has a gradient).
+#[derive(Clone)]
 pub struct LayerNorm {
     /// `[D]`.
     pub weight: DTensor,
@@ -189,6 +191,7 @@ impl LayerNorm {
 }
 
 /// RMS norm over the last dim.
+#[derive(Clone)]
 pub struct RmsNorm {
     /// `[D]`.
     pub weight: DTensor,
@@ -212,6 +215,7 @@ impl RmsNorm {
 }
 
 /// A norm layer of either kind.
+#[derive(Clone)]
 pub enum Norm {
     /// Layer norm.
     Layer(LayerNorm),
@@ -232,6 +236,7 @@ impl Norm {
 /// Causal multi-head self-attention: a fused `qkv` projection `[3D, D]` whose output features
 /// are ordered (head, {q, k, v}, head dim), so a column-parallel split keeps whole heads on each
 /// rank and attention runs on the local heads; then `proj` `[D, D]`.
+#[derive(Clone)]
 pub struct Attention {
     /// The fused q/k/v projection.
     pub qkv: Linear,
@@ -297,6 +302,7 @@ fn keep_cp_sequence(y: &DTensor, x: &DTensor) -> Result<DTensor> {
 }
 
 /// The feed-forward block: `fc2(gelu(fc1(x)))`, or SwiGLU `fc2(silu(fc1(x)) * fc3(x))`.
+#[derive(Clone)]
 pub struct Mlp {
     /// `[H, D]`.
     pub fc1: Linear,

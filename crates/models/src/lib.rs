@@ -9,6 +9,8 @@
 //! - [`Gpt`]: token + position embedding, pre-norm blocks, final norm, tied or untied head;
 //!   optionally mixture-of-experts blocks ([`moe_layer`]: router, experts and balancing loss,
 //!   whose tokens travel through candle-dtensor-parallel's expert-parallel dispatch).
+//! - [`checkpoint`](mod@checkpoint): activation checkpointing (recompute a block's forward in backward
+//!   instead of keeping its activations; [`AcMode`] picks the GPT's blocks).
 //! - [`dropins`]: differentiable drop-ins for candle-nn's fused norms, softmax and rotary
 //!   embeddings, which cut the autograd graph (candle#2168, #3011); the facade exports them as
 //!   `candle_dtensor::nn`.
@@ -21,12 +23,14 @@
 //! candle-dtensor-train's, which builds on this one.
 
 pub mod builder;
+pub mod checkpoint;
 pub mod dropins;
 mod error;
 pub mod gpt;
 pub mod layers;
 pub mod moe_layer;
 
+pub use checkpoint::{checkpoint, AcMode};
 pub use error::{ModelError, Result};
 pub use gpt::{Gpt, GptConfig, NormKind};
 pub use moe_layer::MoeLayer;

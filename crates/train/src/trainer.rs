@@ -326,6 +326,10 @@ pub struct RankReport {
     /// the tensors: shards, their gradients, AdamW's two moments, and FSDP's unsharded
     /// parameters and gradients in flight).
     pub param_grad_optim_bytes: usize,
+    /// Peak activation memory of this rank: the most bytes the autograd graph of one of its
+    /// losses kept for backward, over the steps (and micro-batches) run
+    /// ([`candle_dtensor_core::debug::graph_bytes`]; what [`GptConfig::ac`] reduces).
+    pub peak_activation_bytes: usize,
     /// (params + grads + optimizer state) / N + the largest unit's unsharded parameters, from
     /// the model's sizes (FSDP only; N = the shard group size).
     pub zero3_theory_bytes: Option<usize>,
@@ -501,22 +505,34 @@ impl Setup {
 }
 
 /// Forward, backward (with FSDP's gradient reduction) and clipping of step `step`: the
-/// trainer's step before the optimizer's update.
+/// trainer's step before the optimizer's update. Also returns the most autograd-graph bytes
+/// one of its losses kept on this rank ([`candle_dtensor_core::debug::graph_bytes`]).
 fn forward_backward(
     s: &mut Setup,
     cfg: &TrainConfig,
     corpus: &Corpus,
     step: usize,
-) -> std::result::Result<Gradients, TrainerError> {
+) -> std::result::Result<(Gradients, usize), TrainerError> {
     let all_r = vec![Placement::Replicate; s.mesh.ndim()];
     let (gpt, mesh) = (&s.gpt, &s.mesh);
     s.trainer.set_steps_done(step);
+    let graph = std::cell::Cell::new(0usize);
+    // This rank's loss as the model returns it: its graph is what backward keeps.
+    let measured = |loss: DTensor| -> candle_core::Result<DTensor> {
+        let b = candle_dtensor_core::debug::graph_bytes(loss.to_local());
+        graph.set(graph.get().max(b));
+        Ok(loss)
+    };
     if cfg.grad_accum <= 1 {
-        return s.trainer.forward_backward(|| {
+        let g = s.trainer.forward_backward(|| {
             let (x, y) = global_batch(gpt, mesh, corpus, step as u64, cfg.batch, cfg.seed)?;
             // Replicated: the loss is the global mean on every rank.
-            Ok(gpt.loss(&x, &y)?.redistribute(&all_r)?.to_local().clone())
-        });
+            Ok(measured(gpt.loss(&x, &y)?)?
+                .redistribute(&all_r)?
+                .to_local()
+                .clone())
+        })?;
+        return Ok((g, graph.get()));
     }
     // Gradient accumulation: micro-batch i is rows [i * micro, (i + 1) * micro) of the step's
     // global batch, so the step trains on the same sequences whatever the split. Every
@@ -525,11 +541,15 @@ fn forward_backward(
     let t = gpt.cfg.seq_len;
     let (xs, ys) = corpus.batch(step as u64, cfg.batch, t, cfg.seed);
     let tokens = vec![micro * t; cfg.grad_accum];
-    s.trainer.forward_backward_accum(&tokens, |i| {
+    let g = s.trainer.forward_backward_accum(&tokens, |i| {
         let rows = i * micro * t..(i + 1) * micro * t;
         let (x, y) = distribute_batch(gpt, mesh, &xs[rows.clone()], &ys[rows], micro)?;
-        Ok(gpt.loss(&x, &y)?.redistribute(&all_r)?.to_local().clone())
-    })
+        Ok(measured(gpt.loss(&x, &y)?)?
+            .redistribute(&all_r)?
+            .to_local()
+            .clone())
+    })?;
+    Ok((g, graph.get()))
 }
 
 /// Where fault-tolerant training stands: the original world rank of each rank of the current
@@ -829,6 +849,8 @@ pub fn train_rank(
                 }
             }
         };
+        let (out, graph) = out;
+        report.peak_activation_bytes = report.peak_activation_bytes.max(graph);
         let info = s.trainer.apply(out)?;
         report.lrs.push(info.lr);
         report.phase_ms.push(info.phase_ms);
