@@ -1347,9 +1347,9 @@ fn parse_mesh(s: &str) -> Result<Vec<(String, usize)>, String> {
             .split_once('=')
             .ok_or_else(|| format!("mesh dim {part:?} is not NAME=SIZE (e.g. dp=2,tp=2)"))?;
         let name = name.trim();
-        if !["dp", "tp", "replicate", "shard", "ep"].contains(&name) {
+        if !["dp", "tp", "replicate", "shard", "ep", "cp"].contains(&name) {
             return Err(format!(
-                "unknown mesh dim name {name:?}; use dp, tp, replicate, shard or ep"
+                "unknown mesh dim name {name:?}; use dp, tp, replicate, shard, ep or cp"
             ));
         }
         if dims.iter().any(|(n, _)| n == name) {
@@ -1381,11 +1381,22 @@ fn validate(args: &Args, dims: &[(String, usize)], cfg: &GptConfig) -> Result<us
     }
     // Heads and vocabulary against tp: GptConfig::validate, run before this.
     let tp = tp_of(dims);
+    // cp shards the sequence, not the batch.
     let data: usize = dims
         .iter()
-        .filter(|(n, _)| n != "tp")
+        .filter(|(n, _)| n != "tp" && n != "cp")
         .map(|(_, s)| s)
         .product();
+    if let Some((_, cp)) = dims.iter().find(|(n, _)| n == "cp") {
+        if cfg.seq_len < *cp {
+            return Err(format!(
+                "--mesh {} with --seq-len {}: the rule is seq-len >= cp = {cp} (every rank \
+                 holds part of each sequence; with seq-len a multiple of 2 x cp the sequence \
+                 is load-balanced for causal attention)",
+                args.mesh, cfg.seq_len
+            ));
+        }
+    }
     if !args.batch.is_multiple_of(data) {
         return Err(format!(
             "the batch of {} is not divisible by the {data} data-parallel ranks",

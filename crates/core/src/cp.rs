@@ -475,16 +475,17 @@ fn local_attention(
     st.fold(&qf, &f32c(&k.detach())?, &f32c(&v.detach())?, &vis, scale)?;
     let (o, lse) = st.finish()?;
     let y = o.to_dtype(q.dtype())?;
+    drop(o);
     if !(q.track_op() || k.track_op() || v.track_op()) {
         return Ok(y);
     }
     let dtype = (q.dtype(), k.dtype(), v.dtype());
     let label = crate::debug::current_label();
-    candle_dtensor_kernels::region::node3("cp-attention", q, k, v, y, move |q, k, v, g| {
+    candle_dtensor_kernels::region::node3_out("cp-attention", q, k, v, y, move |q, k, v, o, g| {
         let _phase = crate::debug::enter_backward_labeled(label.clone());
         let qf = f32c(q)?;
         let g = f32c(g)?;
-        let dsum = (&g * &o)?.sum_keepdim(D::Minus1)?;
+        let dsum = (&g * f32c(o)?)?.sum_keepdim(D::Minus1)?;
         let vis = visibility(&pq, &pk, causal, &qf)?;
         let (kf, vf) = (f32c(k)?, f32c(v)?);
         let (dq, dk, dv) = match block_grads(&qf, &kf, &vf, &vis, scale, &lse, &g, &dsum)? {
@@ -593,22 +594,23 @@ pub(crate) fn kv_exchange(
             let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
             let (o, lse) = ring_forward(&qd, &kd, &vd, ax, &pos, causal, scale)?;
             let y = o.to_dtype(q.dtype())?;
+            drop(o);
             if !(q.track_op() || k.track_op() || v.track_op()) {
                 return Ok(y);
             }
             let bax = ax.clone();
             let dtype = (q.dtype(), k.dtype(), v.dtype());
             let label = crate::debug::current_label();
-            candle_dtensor_kernels::region::node3(
+            candle_dtensor_kernels::region::node3_out(
                 "ring-attention",
                 q,
                 k,
                 v,
                 y,
-                move |q, k, v, g| {
+                move |q, k, v, o, g| {
                     let _phase = crate::debug::enter_backward_labeled(label.clone());
                     let (dq, dk, dv) =
-                        ring_backward(q, k, v, &o, &lse, g, &bax, &pos, causal, scale)?;
+                        ring_backward(q, k, v, &f32c(o)?, &lse, g, &bax, &pos, causal, scale)?;
                     Ok((
                         dq.to_dtype(dtype.0)?,
                         dk.to_dtype(dtype.1)?,

@@ -362,7 +362,7 @@ fn push(kind: &'static str, mesh_dim: &str, bytes: u64, modeled_us: Option<f64>,
 ///
 /// Views share their storage and count once. Not counted: tensors a custom op's backward
 /// keeps in its own closure (the runtime's collectives keep shapes only; context-parallel
-/// attention keeps its f32 output and log-sum-exp, one more output-sized tensor per call),
+/// attention keeps the log-sum-exp, one float per query row and head),
 /// inputs that track no gradient (token ids), memory freed before the graph was built, and
 /// released storages (`kernels::storage::release`: FSDP's resharded full parameters).
 /// On a DTensor pass its local piece: `graph_bytes(&loss.to_local())` is this rank's share.

@@ -50,6 +50,15 @@ type Bwd3 = Box<
     dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> CResult<(Tensor, Tensor, Tensor)> + Send + Sync,
 >;
 
+type Bwd3Out = Box<
+    dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor) -> CResult<(Tensor, Tensor, Tensor)>
+        + Send
+        + Sync,
+>;
+
+/// A [`node3_out`] node: the backward also reads the node's output.
+struct WithOutput(Bwd3Out);
+
 /// A region's graph node over one to three inputs (`B`: the backward closure of that arity):
 /// the forward hands out the output computed beforehand, the backward calls `bwd` on the
 /// inputs and the output gradient.
@@ -124,6 +133,26 @@ impl CustomOp3 for Region<Bwd3> {
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (da, db, dc) = (self.bwd)(a, b, c, g)?;
+        Ok((Some(da), Some(db), Some(dc)))
+    }
+}
+
+impl CustomOp3 for Region<WithOutput> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    crate::device_fwd3!(output, first_only);
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (da, db, dc) = (self.bwd.0)(a, b, c, res, g)?;
         Ok((Some(da), Some(db), Some(dc)))
     }
 }
@@ -319,4 +348,25 @@ pub fn node3(
         + 'static,
 ) -> CResult<Tensor> {
     a.apply_op3(b, c, Region::<Bwd3>::new(name, y, None, Box::new(bwd)))
+}
+
+/// [`node3`] whose backward also gets the node's output (the graph keeps it anyway, so a
+/// backward that needs it, such as attention's `rowsum(dO * O)`, need not hold a copy):
+/// `bwd(a, b, c, output, grad) -> (grad of a, grad of b, grad of c)`.
+pub fn node3_out(
+    name: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    y: Tensor,
+    bwd: impl Fn(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor) -> CResult<(Tensor, Tensor, Tensor)>
+        + Send
+        + Sync
+        + 'static,
+) -> CResult<Tensor> {
+    a.apply_op3(
+        b,
+        c,
+        Region::<WithOutput>::new(name, y, None, WithOutput(Box::new(bwd))),
+    )
 }

@@ -181,6 +181,52 @@ impl GptConfig {
     }
 }
 
+/// Whether every mesh dim that shards dim 0 or 1 of `x` (batch, sequence) does so evenly (and
+/// none strided).
+fn evenly_sharded_rows(x: &DTensor) -> bool {
+    let shape = x.mesh().shape();
+    let mut per = [1usize, 1usize];
+    for (m, p) in x.placements().iter().enumerate() {
+        match p {
+            Placement::Shard(d) if *d < 2 => per[*d] *= shape[m],
+            Placement::StridedShard { .. } => return false,
+            _ => {}
+        }
+    }
+    x.shape()[0] % per[0] == 0 && x.shape()[1] % per[1] == 0
+}
+
+/// `x [B, T, ..]` as `[B*T, ..]` by flattening each rank's own `[b, t, ..]` piece: the rows
+/// of every mesh dim that shards the batch or the sequence become one row shard (in an order
+/// that is not the global `b*T + t` one when both are sharded: only for order-free uses such
+/// as the mean loss, with logits and targets flattened alike). Pieces must be even
+/// ([`evenly_sharded_rows`]).
+fn flatten_rows(x: &DTensor) -> Result<DTensor> {
+    let local = x.to_local();
+    let mut dims = local.dims().to_vec();
+    let rows = dims[0] * dims[1];
+    dims.splice(0..2, [rows]);
+    let local = local.reshape(dims)?;
+    let pl: Vec<Placement> = x
+        .placements()
+        .iter()
+        .map(|p| match p.shard_dim() {
+            Some(0) | Some(1) => Placement::Shard(0),
+            Some(d) => Placement::Shard(d - 1),
+            None => *p,
+        })
+        .collect();
+    let mut shape = x.shape().to_vec();
+    let rows = shape[0] * shape[1];
+    shape.splice(0..2, [rows]);
+    Ok(DTensor::from_local_with_shape(
+        &local,
+        x.mesh(),
+        &pl,
+        &shape,
+    )?)
+}
+
 /// How a forward pass lays the sequence over the `cp` mesh dim.
 struct CpPlan {
     dim: usize,
@@ -634,28 +680,35 @@ impl Gpt {
     pub fn loss(&self, ids: &DTensor, targets: &DTensor) -> Result<DTensor> {
         let (logits, aux) = self.forward_aux(ids)?;
         let stored;
-        let targets = match self.context_parallel(ids)? {
+        let cp_plan = self.context_parallel(ids)?;
+        let targets = match &cp_plan {
             Some(c) => {
-                stored = self.to_stored(targets, &c)?;
+                stored = self.to_stored(targets, c)?;
                 &stored
             }
             None => targets,
         };
         let (b, t, v) = (logits.dim(0)?, logits.dim(1)?, logits.dim(2)?);
         let _l = candle_dtensor_core::debug::label("loss");
-        let logits = logits.reshape(&[b * t, v])?;
+        // Context parallelism: the batch and the sequence are sharded by different mesh dims,
+        // a merge the compiler cannot express without moving the logits (a nested strided
+        // shard), so each rank flattens its own rows and they are declared one row shard.
+        let (logits, targets) = match &cp_plan {
+            Some(_) if evenly_sharded_rows(&logits) && evenly_sharded_rows(targets) => {
+                (flatten_rows(&logits)?, flatten_rows(targets)?)
+            }
+            _ => (logits.reshape(&[b * t, v])?, targets.reshape(&[b * t])?),
+        };
         // Mixed precision: the loss in f32.
         let logits = if logits.dtype() == DType::F32 {
             logits
         } else {
             logits.to_dtype(DType::F32)?
         };
-        let targets = targets.reshape(&[b * t])?;
-        // Loss-parallel: keep the logits where they are (sharded on the vocab dim).
-        let layout = self
-            .plan
-            .loss_parallel
-            .then(|| logits.placements().to_vec());
+        // Loss-parallel: keep the logits where they are (sharded on the vocab dim). Context
+        // parallelism: keep them on their rows too.
+        let layout =
+            (self.plan.loss_parallel || cp_plan.is_some()).then(|| logits.placements().to_vec());
         let ce = logits.cross_entropy_with_layout(&targets, layout.as_deref())?;
         *self.last_aux.lock().unwrap_or_else(|e| e.into_inner()) = aux.clone();
         match aux {

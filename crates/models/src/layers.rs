@@ -5,6 +5,7 @@
 //! Each layer is written as for one device; its parameters' placements and its boundary
 //! layouts come from the [`TpPlan`](candle_dtensor_parallel::TpPlan) style of its name. Shapes in the docs are global.
 
+use candle_dtensor_core::cp;
 use candle_dtensor_core::{DTensor, Placement};
 
 use candle_dtensor_parallel::init::Init;
@@ -277,11 +278,41 @@ impl Attention {
         let qkv = self.qkv.forward(x)?;
         // The QKV weight is laid out head by head ([H, 3, d] rows), so a column shard of the
         // projection holds whole heads and the packed attention runs on it locally.
-        let y = qkv.reshape(&[b, t, h, 3, hd])?.packed_sdpa(true, None)?;
-        let y = keep_cp_sequence(&y, x)?;
+        let qkv = qkv.reshape(&[b, t, h, 3, hd])?;
+        let y = match cp_dim(&qkv) {
+            // Context parallelism: ring attention on the sequence pieces. The compiler would
+            // often re-shard q/k/v to the heads or the batch instead (fewer bytes on the
+            // wire), but each re-sharding keeps one more copy of them for backward; the ring
+            // keeps only the projection's output and overlaps its transfers with compute.
+            Some(_) => {
+                let parts = qkv.unbind(3)?;
+                let [q, k, v] = [0, 1, 2].map(|i| parts[i].transpose(1, 2));
+                let y = cp::attention(
+                    &q?,
+                    &k?,
+                    &v?,
+                    true,
+                    None,
+                    cp::Strategy::Exchange(cp::current_variant()),
+                )?;
+                y.transpose(1, 2)?
+            }
+            None => keep_cp_sequence(&qkv.packed_sdpa(true, None)?, x)?,
+        };
         let y = y.reshape(&[b, t, d])?;
         self.proj.forward(&y)
     }
+}
+
+/// The `cp` mesh dim (of size > 1) when it shards the sequence (dim 1) of `qkv [B, T, ..]`
+/// and no other mesh dim does.
+fn cp_dim(qkv: &DTensor) -> Option<usize> {
+    let names = qkv.mesh().dim_names();
+    let m = names.iter().position(|n| *n == "cp")?;
+    let shape = qkv.mesh().shape();
+    let pl = qkv.placements();
+    let sole = (0..pl.len()).all(|o| o == m || shape[o] == 1 || pl[o].shard_dim() != Some(1));
+    (shape[m] > 1 && pl[m] == Placement::Shard(1) && sole).then_some(m)
 }
 
 /// Context parallelism: the attention output `y [B, T, H, d]` back on the sequence sharding

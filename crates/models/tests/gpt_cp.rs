@@ -91,13 +91,11 @@ fn activation_memory_falls_with_cp() {
     let (_, one) = train(&cfg, &[("dp", 1)], (1, 2048), 1);
     let (_, four) = train(&cfg, &[("cp", 4)], (1, 2048), 1);
     let ratio = four as f64 / one as f64;
-    // Measured 0.332 on this micro model (d_model 32, one sequence of 2048): the compiler
-    // runs attention re-sharded to the heads (cheapest on the wire), which keeps both the
-    // projection's qkv and its all_to_all'd copy for backward, and the gradient-sync node of
-    // every parameter replicated over cp holds a copy of it (constant in T). The 0.3
-    // is not reached here.
+    // The target: at most 0.3 of cp=1 at cp=4. Measured 0.296 on this micro model
+    // (d_model 32, one sequence of 2048, ring attention); what does not shrink is the copy of
+    // every parameter the gradient-sync node of a cp-replicated parameter holds (constant in T).
     assert!(
-        ratio <= 0.34,
+        ratio <= 0.3,
         "activation bytes per rank: cp=4 {four}, cp=1 {one}, ratio {ratio:.3}"
     );
 }
