@@ -5,7 +5,8 @@
 //! every key. The sharding compiler prices two single-dim strategies for that layout (see
 //! `candle_dtensor_strategies`' attention rows) and dispatch runs the one it chose:
 //!
-//! * **KV exchange** (`S(seq)` in and out, priced as an all_gather of K and V): by default
+//! * **KV exchange** (`S(seq)` in and out, a `ring_exchange` of K and V, priced as the
+//!   all_gather that moves the same bytes; CommDebugMode records one per pass): by default
 //!   **ring attention** ([`CpVariant::Ring`]): every rank keeps its queries, the key/value
 //!   blocks travel the ring with send/recv, the next block's transfer in flight while the
 //!   current block is computed, blocks combined with the online-softmax rescaling (running max
@@ -315,11 +316,6 @@ fn rotate(
 ) -> CResult<candle_dtensor_comm::Work<Vec<Tensor>>> {
     let (n, r) = (ax.n, ax.coord);
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let bytes: usize = send
-        .iter()
-        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-        .sum();
-    crate::debug::record_on("send_recv", &ax.comm, &ax.name, bytes as u64);
     let mut ops: Vec<P2POp> = send
         .iter()
         .map(|t| P2POp::Send {
@@ -335,6 +331,15 @@ fn rotate(
         });
     }
     ax.comm.batch_p2p(ops).map_err(candle_core::Error::wrap)
+}
+
+/// Records one pass of K/V-shaped blocks around the ring for CommDebugMode, as the compiler
+/// plans it (`ring_exchange`, sized as every rank's blocks together).
+fn record_ring(ax: &Axis, k: &Tensor, v: &Tensor, pos: &[Vec<usize>], dtype: DType) {
+    let t: usize = pos.iter().map(Vec::len).sum();
+    let per_pos = |x: &Tensor| x.elem_count() / x.dim(2).unwrap_or(1).max(1);
+    let bytes = (per_pos(k) + per_pos(v)) * t * dtype.size_in_bytes();
+    crate::debug::record_on("ring_exchange", &ax.comm, &ax.name, bytes as u64);
 }
 
 fn take2(mut v: Vec<Tensor>, what: &str) -> CResult<(Tensor, Tensor)> {
@@ -358,6 +363,7 @@ fn ring_forward(
     scale: f64,
 ) -> CResult<(Tensor, Tensor)> {
     let (n, r) = (ax.n, ax.coord);
+    record_ring(ax, k, v, pos, k.dtype());
     let qf = f32c(q)?;
     let mut st = Online::new(&qf, v.dim(3)?)?;
     let (mut ck, mut cv) = (k.contiguous()?, v.contiguous()?);
@@ -397,6 +403,9 @@ fn ring_backward(
     scale: f64,
 ) -> CResult<(Tensor, Tensor, Tensor)> {
     let (n, r) = (ax.n, ax.coord);
+    // K/V around the ring once more, and the f32 dK/dV accumulators all the way round.
+    record_ring(ax, k, v, pos, k.dtype());
+    record_ring(ax, k, v, pos, DType::F32);
     let qf = f32c(q)?;
     let g = f32c(g)?;
     let dsum = (&g * o)?.sum_keepdim(D::Minus1)?;

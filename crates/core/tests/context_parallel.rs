@@ -125,7 +125,7 @@ fn placements(case: &Case, seq_dim: usize) -> Vec<Placement> {
 fn forward_counts(mode: &CommDebugMode) -> (usize, usize, usize) {
     (
         mode.count("all_to_all", Phase::Forward),
-        mode.count("send_recv", Phase::Forward),
+        mode.count("ring_exchange", Phase::Forward),
         mode.count("all_gather", Phase::Forward),
     )
 }
@@ -254,7 +254,7 @@ fn run(case: Case) {
                 assert_eq!(a2a, 0, "{what}: KV exchange expected\n{table}");
                 match case.variant {
                     CpVariant::Ring => {
-                        assert_eq!(ring, cp - 1, "{what}: ring steps\n{table}")
+                        assert_eq!(ring, 1, "{what}: one ring exchange\n{table}")
                     }
                     CpVariant::AllGatherKv => {
                         assert_eq!(gathers, 2, "{what}: K/V gathers\n{table}")

@@ -11,6 +11,7 @@
 //! | all_reduce      | the buffer                                    | 2(n-1)/n · S      | 2(n-1)   |
 //! | all_to_all      | the LOCAL buffer (padded)                     | (n-1)/n · S       | n-1      |
 //! | rma_get         | all requested bytes (rows owned anywhere)     | (n-1)/n · S ÷ 0.5 | n-1      |
+//! | ring_exchange   | every rank's blocks (the gathered size)       | (n-1)/n · S       | n-1      |
 //! | local / noop    | -                                             | 0                 | 0 (free) |
 //!
 //! all_to_all is priced for what it moves, not as an all_gather plus a penalty (PyTorch's +1.0).
@@ -18,6 +19,8 @@
 //! (n-1)/n of the requested rows to live elsewhere and assume such fine-grained transfers reach
 //! half the link bandwidth ([`RMA_EFFICIENCY`]). Local ops (chunk, partition, relabel) cost 0: a
 //! local copy is far cheaper than any collective, and a zero keeps "no communication" exact.
+//! ring_exchange: blocks passed around the ring by send/recv, `n-1` hops (ring attention's K/V);
+//! priced like the all_gather it replaces, which moves the same bytes in as many steps.
 //! A group of size 1 costs 0 for every kind.
 
 use std::fmt;
@@ -43,6 +46,9 @@ pub enum CollectiveKind {
     AllToAll,
     /// One-sided get of remote rows (index ops over a sharded source).
     RmaGet,
+    /// Blocks passed around the ring with send/recv, each rank seeing every block once (ring
+    /// attention's keys and values).
+    RingExchange,
     /// `Replicate -> Shard` (local `chunk`/index select, no communication).
     LocalChunk,
     /// `Replicate -> Partial` (local: `sum` divides by n, `avg`/`max`/`min` keep the value).
@@ -60,6 +66,7 @@ impl CollectiveKind {
             CollectiveKind::ReduceScatter => "reduce_scatter",
             CollectiveKind::AllToAll => "all_to_all",
             CollectiveKind::RmaGet => "rma_get",
+            CollectiveKind::RingExchange => "ring_exchange",
             CollectiveKind::LocalChunk => "local_chunk",
             CollectiveKind::LocalPartition => "local_partition",
             CollectiveKind::Noop => "noop",
@@ -75,6 +82,7 @@ impl CollectiveKind {
                 | CollectiveKind::ReduceScatter
                 | CollectiveKind::AllToAll
                 | CollectiveKind::RmaGet
+                | CollectiveKind::RingExchange
         )
     }
 
@@ -104,9 +112,10 @@ pub fn wire_bytes(kind: CollectiveKind, bytes: u64, n: usize) -> f64 {
     let b = bytes as f64;
     match kind {
         CollectiveKind::AllReduce => 2.0 * frac * b,
-        CollectiveKind::AllGather | CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => {
-            frac * b
-        }
+        CollectiveKind::AllGather
+        | CollectiveKind::ReduceScatter
+        | CollectiveKind::AllToAll
+        | CollectiveKind::RingExchange => frac * b,
         CollectiveKind::RmaGet => frac * b,
         _ => 0.0,
     }

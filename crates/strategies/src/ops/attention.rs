@@ -58,8 +58,8 @@ pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec
 /// Context parallelism: the sequence dim (`seq` of every input) sharded. Two rows with the
 /// same placements, told apart by their internal comms (which the runtime reads back to run
 /// the chosen one, `candle_dtensor_core::cp`):
-/// * KV exchange: ring attention (or all-gather K/V), priced as an all_gather of K and V
-///   (`kv` bytes: the ring moves the same bytes, in `n-1` send/recv steps);
+/// * KV exchange: ring attention (or all-gather K/V), a ring exchange of K and V (`kv` bytes,
+///   priced as the all_gather that moves the same bytes in as many steps);
 /// * all-to-all (Ulysses): sequence-to-heads all_to_alls of q, k, v and heads-to-sequence of
 ///   the output (`a2a` bytes, global; each buffer is one rank's piece).
 ///
@@ -82,7 +82,7 @@ fn context_parallel_rows(
         r.nonempty(TensorRef::Input(0), seq).no_strided()
     };
     let exchange = seal(StrategyRow::new(outs, ins).with_internal(
-        CollectiveKind::AllGather,
+        CollectiveKind::RingExchange,
         kv,
         TensorRef::Input(0),
     ));

@@ -80,14 +80,14 @@ fn norms_attention_loss_index() {
         },
         &[(q, F), (q, F), (q, F)],
     );
-    // Batch, heads, and the sequence (context parallelism): the KV exchange (priced as an
-    // all_gather of K and V) and the all-to-all to the heads (four per-piece all_to_alls).
+    // Batch, heads, and the sequence (context parallelism): the KV exchange (a ring exchange
+    // of K and V) and the all-to-all to the heads (four per-piece all_to_alls).
     assert_eq!(
         t,
         [
             "S(0) <- S(0), S(0), S(0)",
             "S(1) <- S(1), S(1), S(1)",
-            "S(2) <- S(2), S(2), S(2) [+all_gather 8192 B]",
+            "S(2) <- S(2), S(2), S(2) [+ring_exchange 8192 B]",
             "S(2) <- S(2), S(2), S(2) [+all_to_all 4096 B] [+all_to_all 4096 B] [+all_to_all 4096 B] \
              [+all_to_all 4096 B]"
         ]
@@ -104,7 +104,7 @@ fn norms_attention_loss_index() {
         [
             "S(0) <- S(0)",
             "S(2) <- S(2)",
-            "S(1) <- S(1) [+all_gather 8192 B]",
+            "S(1) <- S(1) [+ring_exchange 8192 B]",
             "S(1) <- S(1) [+all_to_all 4096 B] [+all_to_all 4096 B] [+all_to_all 4096 B] \
              [+all_to_all 4096 B]"
         ]

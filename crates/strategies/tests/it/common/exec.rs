@@ -206,7 +206,9 @@ pub fn apply_step(locals: &mut [Arr], step: &Step, mesh: &[usize]) -> Result<(),
                 Placement::Partial(_) => old[rank].clone(),
                 _ => return Err(format!("partition to {}", step.to)),
             },
-            CollectiveKind::RmaGet => return Err("rma_get is not a redistribution step".into()),
+            CollectiveKind::RmaGet | CollectiveKind::RingExchange => {
+                return Err(format!("{} is not a redistribution step", step.kind))
+            }
         };
         locals[rank] = new;
     }
