@@ -3,7 +3,7 @@
 #
 #   scripts/bench.sh            # everything (about 4 minutes on the 2-core dev box, build excluded)
 #   scripts/bench.sh train      # only the train_gpt layouts (also: comm, redistribute,
-#                               # dispatch, moe, ckpt, strategies)
+#                               # dispatch, moe, ckpt, cp, strategies)
 #   ROUNDS=5 scripts/bench.sh   # more interleaved rounds per layout (default 3)
 #
 # Every figure is a median. train_gpt layouts are run in interleaved rounds (layout A, B, C, then
@@ -140,6 +140,16 @@ if [[ "$what" == all || "$what" == ckpt ]]; then
     echo '```json'
     "$bin/ckpt_bench" --reps 3 --reshard-to tp=1 --json
     echo '```'
+    echo
+fi
+
+if [[ "$what" == all || "$what" == cp ]]; then
+    echo "## cp_bench (context-parallel attention per layer, causal, load-balanced, 4 heads of 64, link cp=50us:1GBps)"
+    echo
+    echo "| strategy | T | cp | attention ms (fwd+bwd) | exposed comm ms | exposed share | one ring step modeled ms |"
+    echo "|---|---:|---:|---:|---:|---:|---:|"
+    "$bin/cp_bench" --t 1024,2048 --cp 2,4 --json |
+        json_rows "| {strategy} | {t} | {cp} | {attn_ms:.1f} | {exposed_ms:.2f} | {exposed_frac:.3f} | {block_xfer_ms:.3f} |" strategy
     echo
 fi
 

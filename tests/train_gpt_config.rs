@@ -835,7 +835,7 @@ fn ac_flag_keeps_the_losses_and_cuts_activation_bytes() {
 }
 
 /// `--mesh ..,cp=N` (issue 36): context parallelism over FSDP (dp=2 x cp=2) and TP (tp=2 x
-/// cp=2) matches the single-device model step by step (`--check`), with less activation
+/// cp=2, with and without sequence parallelism) matches the single-device model step by step (`--check`), with less activation
 /// memory per rank than the same batch without cp at 1024 tokens (at 128 the copy of every
 /// cp-replicated parameter that its gradient-sync node holds, a constant, outweighs the
 /// halved activations); a sequence shorter than cp is refused
@@ -868,6 +868,10 @@ fn cp_mesh_matches_one_device_and_holds_less() {
         s
     };
     let base = run("dp=2", &[]);
+    // With sequence parallelism the sequence is sharded over tp too: attention is planned by
+    // the compiler (the ring needs cp to be the only dim sharding the sequence).
+    let s = run("tp=2,cp=2", &["--check", "--sp", "--no-fsdp"]);
+    assert_eq!(s["check_passed"], true, "tp=2,cp=2 --sp: {s}");
     for mesh in ["dp=2,cp=2", "tp=2,cp=2"] {
         let s = run(mesh, &["--check"]);
         assert_eq!(s["check_passed"], true, "{mesh}: {s}");
