@@ -121,3 +121,43 @@ fn bad_sequences_are_refused() {
         assert!(e.contains("T >= cp") && e.contains("3 tokens"), "{e}");
     }
 }
+
+#[test]
+fn forward_logits_come_back_in_natural_order() {
+    let cfg = micro_gpt();
+    let corpus = Corpus::synthetic(cfg.vocab, 4096, 5);
+    let logits = |dims: &'static [(&'static str, usize)]| {
+        let world: usize = dims.iter().map(|d| d.1).product();
+        let corpus = &corpus;
+        let cfg = &cfg;
+        LocalWorld::new(world)
+            .with_timeout(Duration::from_secs(60))
+            .launch(move |comm| -> R<_> {
+                let mesh = DeviceMesh::new(comm, dims)?;
+                let (gpt, _) = Gpt::new(cfg, &mesh, &TpPlan::gpt(false), 7, DType::F32)?;
+                let (x, _) = common::gpt_batch(corpus, 0, (2, 16, 11), &gpt, &mesh)?;
+                Ok(gpt.forward(&x)?.full_tensor()?)
+            })
+            .unwrap()
+            .remove(0)
+    };
+    let want = logits(&[("dp", 1)]);
+    for dims in [
+        &[("cp", 2)][..],
+        &[("cp", 4)][..],
+        &[("dp", 2), ("cp", 2)][..],
+    ] {
+        let got = logits(dims);
+        let (g, w) = (
+            got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert_eq!(g.len(), w.len());
+        let d = g
+            .iter()
+            .zip(&w)
+            .map(|(a, b)| f64::from((a - b).abs()))
+            .fold(0.0, candle_dtensor_kernels::compare::nan_max);
+        assert!(d <= 1e-5, "{dims:?}: logits differ by {d} (NaN counts)");
+    }
+}
