@@ -76,6 +76,12 @@ pub struct FsdpConfig {
     /// HSDP: mesh dim over which the shards are replicated (gradients all-reduced over it after
     /// the reduce_scatter).
     pub replicate_dim: Option<usize>,
+    /// Run the replicate-dim all_reduces on a communicator split from that dim's, for a
+    /// replicate dim the model also communicates over (context parallelism's `cp`): the
+    /// reductions start as their reduce_scatters finish, a moment that differs between ranks,
+    /// so on a shared communicator they would interleave with the model's own ops in a
+    /// different order on each rank.
+    pub separate_replicate_group: bool,
     /// Release non-root units' full parameters after their forward (re-gathered in backward).
     pub reshard_after_forward: bool,
     /// Give reduce_scatter its own communicator so it overlaps all_gathers.
@@ -98,6 +104,7 @@ impl FsdpConfig {
         FsdpConfig {
             shard_dim,
             replicate_dim: None,
+            separate_replicate_group: false,
             reshard_after_forward: true,
             separate_reduce_scatter_group: false,
             param_dtype: None,
@@ -339,6 +346,18 @@ impl Fsdp {
                 return Err(ParallelError::Config(format!(
                     "FSDP: the replicate dim {d} is also the shard dim"
                 )))
+            }
+            Some(d) if cfg.separate_replicate_group => {
+                let c = mesh.comm(d)?;
+                let ranks: Vec<usize> = (0..c.size()).collect();
+                Some(
+                    c.split(&ranks, &format!("{}_grad", c.name()))?
+                        .ok_or_else(|| {
+                            ParallelError::Config(
+                                "replicate-group split returned no communicator".into(),
+                            )
+                        })?,
+                )
             }
             Some(d) => Some(mesh.comm(d)?.clone()),
             None => None,

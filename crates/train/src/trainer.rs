@@ -243,7 +243,8 @@ pub struct SampleSpec {
 pub struct FsdpSpec {
     /// Mesh dim the parameters are sharded over (`dp`, or `shard` for HSDP).
     pub shard: String,
-    /// HSDP: mesh dim the shards are replicated over (`replicate`).
+    /// HSDP: mesh dim the shards are replicated over (`replicate`). With a `cp` mesh dim and
+    /// no HSDP, FSDP reduces the gradients over `cp` the same way.
     pub replicate: Option<String>,
     /// A separate reduce-scatter communicator.
     pub separate_rs: bool,
@@ -408,9 +409,28 @@ impl Setup {
             Some(spec) => {
                 // The loss is a DTensor global mean: shard gradients are summed.
                 let mut fc = FsdpConfig::new(mesh.dim_index(&spec.shard)?, GradReduce::Sum);
-                fc.replicate_dim = match &spec.replicate {
-                    Some(r) => Some(mesh.dim_index(r)?),
-                    None => None,
+                // Context parallelism: parameters are replicated over `cp` and each cp rank's
+                // gradient is a partial sum over its tokens. FSDP sums them over cp after the
+                // reduce_scatter, as HSDP does over its replicate dim, so the gradient-sync
+                // nodes dispatch would otherwise put on every full parameter (each holding a
+                // copy of it until backward) are not needed.
+                let cp = mesh
+                    .dim_names()
+                    .iter()
+                    .position(|n| *n == "cp")
+                    .filter(|&d| mesh.shape()[d] > 1);
+                // The model's ring attention runs over cp too: the reductions get their own
+                // communicator.
+                fc.separate_replicate_group = spec.replicate.is_none() && cp.is_some();
+                fc.replicate_dim = match (&spec.replicate, cp) {
+                    (Some(r), None) => Some(mesh.dim_index(r)?),
+                    (None, cp) => cp,
+                    (Some(r), Some(_)) => {
+                        return Err(RunError::Config(format!(
+                            "FSDP reduces gradients over one replicate dim: HSDP's {r:?} and \
+                             context parallelism's \"cp\" together are not supported"
+                        )))
+                    }
                 };
                 fc.separate_reduce_scatter_group = spec.separate_rs;
                 fc.param_dtype = spec.param_dtype;
