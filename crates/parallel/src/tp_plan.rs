@@ -160,9 +160,11 @@ impl MeshRoles {
                     roles.ep = Some(i);
                     roles.data.push(i);
                 }
-                other => return Err(ParallelError::Config(format!(
+                other => {
+                    return Err(ParallelError::Config(format!(
                     "unknown mesh dim name \"{other}\"; use dp, tp, ep, cp, pp, replicate or shard"
-                ))),
+                )))
+                }
             }
         }
         Ok(roles)

@@ -13,6 +13,7 @@
 //! step's global batch of `B` sequences (the rows the one-device run trains on), micro-batch
 //! `i` the `i`-th run of `B / (dp M)` of them. The stages accumulate their parameter gradients
 //! over the micro-batches; then the gradients are summed over `dp` (one all_reduce per step),
+//! the global gradient norm is taken (one all_reduce over `pp`) when clipping or asked for,
 //! and AdamW (as [`crate::fit::Trainer`] sets it up) steps each stage's own parameters.
 //!
 //! **The loss is normalised as the mean over all tokens of the step**: the last stage scales
@@ -28,7 +29,7 @@
 //! operands' gradients of a matmul together, so `BackwardInput` alone cannot be had without
 //! hand-written backwards of attention and the norms), FSDP, tensor / context / expert
 //! parallelism and mesh dims other than `pp` and `dp`, checkpoints and resumption,
-//! held-out evaluation, sampling, gradient clipping and norms, SGD, fault tolerance, and
+//! held-out evaluation, sampling, SGD, fault tolerance, and
 //! [`GptStage::check_config`]'s refusals (tied head, MoE, activation checkpointing).
 
 use std::collections::HashMap;
@@ -126,7 +127,7 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
              dp (data-parallel replicas of the pipeline) are implemented"
         )));
     }
-    let refusals: [(bool, &str); 10] = [
+    let refusals: [(bool, &str); 8] = [
         (cfg.fsdp.is_some(), "FSDP"),
         (
             cfg.save_dir.is_some() || cfg.resume,
@@ -135,8 +136,6 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
         (cfg.init_from.is_some(), "initialising from a file"),
         (cfg.eval.is_some(), "held-out evaluation"),
         (cfg.sample.is_some(), "sampling"),
-        (cfg.clip.is_some(), "gradient clipping"),
-        (cfg.grad_norm_every > 0, "gradient norms"),
         (cfg.sgd, "SGD"),
         (cfg.fault_tolerant, "fault-tolerant training"),
         (
@@ -485,6 +484,32 @@ pub(crate) fn train_rank_pp(
                 off += n;
             }
         }
+        // The global gradient norm: every stage's parameters are distinct, and the dp
+        // replicas hold the same sums, so the squares add up over the pipeline.
+        let want_norm = cfg.clip.is_some()
+            || (cfg.grad_norm_every > 0 && step.is_multiple_of(cfg.grad_norm_every));
+        let grad_norm = if want_norm {
+            let mut sq = 0.0f64;
+            for g in &grads {
+                sq += g
+                    .to_dtype(DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?;
+            }
+            Some(sum_over(&pp_comm, sq, &dev, ReduceOp::Sum)?.sqrt())
+        } else {
+            None
+        };
+        if let (Some(max), Some(norm)) = (cfg.clip, grad_norm) {
+            if norm > max {
+                // As the library trainer clips.
+                let scale = max / (norm + 1e-6);
+                for g in grads.iter_mut() {
+                    *g = g.affine(scale, 0.0)?;
+                }
+            }
+        }
         let lr = cfg.schedule.map_or(cfg.lr, |s| s.lr_at(step));
         opt.set_learning_rate(lr);
         let t_bwd = Instant::now();
@@ -525,7 +550,7 @@ pub(crate) fn train_rank_pp(
             tokens: cfg.batch * t,
             micro_batches: m,
             lr,
-            grad_norm: None,
+            grad_norm,
             phase_ms: [ms(fwd_bwd), ms(t_bwd - t0) - ms(fwd_bwd), ms(t_opt - t_bwd)],
             exposed_comm_ms: 0.0,
             peak_bytes: 0,

@@ -162,6 +162,35 @@ fn refused(dims: &[(&str, usize)], c: &TrainConfig) -> Vec<RunError> {
         .collect()
 }
 
+/// Gradient clipping: the global norm over the stages (and dp replicas) clips as on one device.
+#[test]
+fn clipping_matches_one_device() -> R<()> {
+    let clipped = |pipeline| {
+        let mut c = cfg(pipeline);
+        c.clip = Some(0.1);
+        c
+    };
+    let reference = run_all(&[("dp", 1)], &clipped(None))
+        .pop()
+        .ok_or("no rank")??;
+    let norms = LocalWorld::new(4)
+        .with_timeout(TIMEOUT)
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, &[("dp", 2), ("pp", 2)])?;
+            let mut norms = Vec::new();
+            let c = clipped(Some(spec(ScheduleKind::OneFOneB, 2, 1)));
+            let r = train_rank(&mesh, &c, |i| norms.push(i.grad_norm))?;
+            assert_close(&r.losses, &reference.losses, 1e-5, "clipped dp=2 x pp=2");
+            Ok(norms)
+        })?;
+    for n in norms.into_iter().flatten() {
+        // The clip is active: every step's norm exceeds it.
+        let n = n.ok_or("no gradient norm")?;
+        assert!(n > 0.1, "norm {n}");
+    }
+    Ok(())
+}
+
 #[test]
 fn bad_settings_are_refused_on_every_rank() {
     // Zero-bubble: a GPT stage cannot split its backward.
