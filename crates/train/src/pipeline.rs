@@ -420,9 +420,11 @@ pub(crate) fn train_rank_pp(
     let holds_last = parts.iter().any(GptStage::is_last);
     let t = cfg.gpt.seq_len;
     let m = lay.schedule.micro_batches();
+    // The model's parameter count: the stages hold distinct parameters.
+    let params = sum_over(&pp_comm, store.global_numel() as f64, &dev, ReduceOp::Sum)? as usize;
     let mut report = RankReport {
         param_bytes: store.local_bytes(),
-        params: store.global_numel(),
+        params,
         rank: mesh.rank(),
         ..RankReport::default()
     };

@@ -30,7 +30,15 @@ fn gpt4() -> GptConfig {
 }
 
 fn cfg(pipeline: Option<PipelineSpec>) -> TrainConfig {
-    let mut c = short_run(gpt4(), TpPlan::gpt(false), STEPS, 7);
+    cfg_layers(4, pipeline)
+}
+
+fn cfg_layers(layers: usize, pipeline: Option<PipelineSpec>) -> TrainConfig {
+    let g = GptConfig {
+        n_layers: layers,
+        ..micro_gpt()
+    };
+    let mut c = short_run(g, TpPlan::gpt(false), STEPS, 7);
     c.pipeline = pipeline;
     c
 }
@@ -94,35 +102,52 @@ fn stage_parameters_equal_the_one_device_models() -> R<()> {
     Ok(())
 }
 
+/// A mesh, the model's blocks, the pipeline.
+type Case = (&'static [(&'static str, usize)], usize, PipelineSpec);
+
 #[test]
 fn pipelines_match_one_device() -> R<()> {
-    let reference = run_all(&[("dp", 1)], &cfg(None))
-        .pop()
-        .ok_or("no rank")??
-        .losses;
-    assert_eq!(reference.len(), STEPS);
-    // The run trains (a comparison of constant losses would prove little).
-    assert!(reference[STEPS - 1] < reference[0], "{reference:?}");
-    let cases: [(&[(&str, usize)], PipelineSpec); 7] = [
-        (&[("pp", 2)], spec(ScheduleKind::GPipe, 4, 1)),
-        (&[("pp", 2)], spec(ScheduleKind::OneFOneB, 4, 1)),
-        (&[("pp", 2)], spec(ScheduleKind::Interleaved1F1B, 4, 2)),
-        (&[("pp", 4)], spec(ScheduleKind::GPipe, 4, 1)),
-        (&[("pp", 4)], spec(ScheduleKind::OneFOneB, 8, 1)),
-        (&[("dp", 2), ("pp", 2)], spec(ScheduleKind::OneFOneB, 4, 1)),
-        (&[("pp", 2), ("dp", 2)], spec(ScheduleKind::GPipe, 2, 1)),
+    let mut uneven = spec(ScheduleKind::OneFOneB, 4, 1);
+    uneven.split = Some(vec![3, 1]);
+    let cases: [Case; 9] = [
+        (&[("pp", 2)], 4, uneven),
+        (&[("pp", 4)], 8, spec(ScheduleKind::Interleaved1F1B, 8, 2)),
+        (&[("pp", 2)], 4, spec(ScheduleKind::GPipe, 4, 1)),
+        (&[("pp", 2)], 4, spec(ScheduleKind::OneFOneB, 4, 1)),
+        (&[("pp", 2)], 4, spec(ScheduleKind::Interleaved1F1B, 4, 2)),
+        (&[("pp", 4)], 4, spec(ScheduleKind::GPipe, 4, 1)),
+        (&[("pp", 4)], 4, spec(ScheduleKind::OneFOneB, 8, 1)),
+        (
+            &[("dp", 2), ("pp", 2)],
+            4,
+            spec(ScheduleKind::OneFOneB, 4, 1),
+        ),
+        (&[("pp", 2), ("dp", 2)], 4, spec(ScheduleKind::GPipe, 2, 1)),
     ];
-    for (dims, s) in cases {
+    let mut references = std::collections::HashMap::new();
+    for (dims, layers, s) in cases {
         let what = format!(
-            "{dims:?} {} m={} v={}",
-            s.schedule, s.micro_batches, s.chunks
+            "{dims:?} {layers} blocks {} m={} v={} split {:?}",
+            s.schedule, s.micro_batches, s.chunks, s.split
         );
-        let reports = run_all(dims, &cfg(Some(s)));
+        if let std::collections::hash_map::Entry::Vacant(slot) = references.entry(layers) {
+            let r = run_all(&[("dp", 1)], &cfg_layers(layers, None))
+                .pop()
+                .ok_or("no rank")??;
+            assert_eq!(r.losses.len(), STEPS);
+            // The run trains (a comparison of constant losses would prove little).
+            assert!(r.losses[STEPS - 1] < r.losses[0], "{:?}", r.losses);
+            slot.insert((r.losses, r.params));
+        }
+        let (reference, params) = &references[&layers];
+        let reports = run_all(dims, &cfg_layers(layers, Some(s)));
         let mut worst = 0.0f64;
         for r in reports {
             let r = r?;
-            assert_close(&r.losses, &reference, 1e-5, &what);
-            for (a, b) in r.losses.iter().zip(&reference) {
+            assert_close(&r.losses, reference, 1e-5, &what);
+            // The whole model's parameter count, on every rank.
+            assert_eq!(r.params, *params, "{what}");
+            for (a, b) in r.losses.iter().zip(reference) {
                 worst = worst.max(f64::from((a - b).abs() / b.abs()));
             }
             assert_eq!(r.pipeline.len(), STEPS, "{what}");
