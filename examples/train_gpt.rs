@@ -1477,7 +1477,7 @@ fn pipeline_spec(
             args.mesh
         ));
     }
-    let refused: [(bool, &str); 12] = [
+    let refused: [(bool, &str); 11] = [
         (args.fsdp || args.hsdp, "--fsdp / --hsdp"),
         (args.sp, "--sp"),
         (
@@ -1491,10 +1491,6 @@ fn pipeline_spec(
         (args.grad_accum > 1, "--grad-accum (use --microbatches)"),
         (args.moe.is_some(), "--moe"),
         (cfg.ac != AcMode::None, "--ac"),
-        (
-            cfg.tied,
-            "a tied head (--tied, or the preset's; use --untied)",
-        ),
         (args.mixed_precision.is_some(), "--mixed-precision"),
     ];
     if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
@@ -1511,6 +1507,12 @@ fn pipeline_spec(
              dp x microbatches divides the batch (micro-batches of batch / (dp x microbatches) \
              sequences)",
             args.batch
+        ));
+    }
+    if cfg.tied && p == 1 && v > 1 {
+        return Err(format!(
+            "--mesh pp=1 with --pp-chunks {v} and a tied head: the two copies of the token table \
+             would be on one rank (not implemented); use --untied or pp >= 2"
         ));
     }
     if v == 0 || p * v > cfg.n_layers {

@@ -1,7 +1,8 @@
 //! train_gpt over a `pp` mesh dim (issue 35, item 3), through the example's own `parse_args`
 //! and `real_main`: `--mesh pp=2` and `dp=2,pp=2` train to the single-device run's losses
 //! (`--check`), the summary reports the schedule's analytic bubble and the measured one per
-//! step, and bad pipeline settings fail before training, naming the flags, values and rule.
+//! step (a tied head too), and bad pipeline settings fail before training, naming the flags,
+//! values and rule.
 #[path = "../examples/train_gpt.rs"]
 #[allow(dead_code)]
 mod train_gpt;
@@ -31,12 +32,14 @@ fn run(args: &[&str]) -> Result<Option<serde_json::Value>, Failure> {
 fn pipelined_runs_match_one_device_and_report_bubbles() {
     let dir = Scratch::new("pp");
     let out = dir.s("curves");
-    for (mesh, m, schedule, chunks, analytic) in [
-        ("pp=2", "4", "1f1b", "1", 0.2),
-        ("dp=2,pp=2", "2", "gpipe", "1", 1.0 / 3.0),
-        ("pp=2", "4", "interleaved-1f1b", "2", 1.0 / 9.0),
+    for (mesh, m, schedule, chunks, analytic, head) in [
+        ("pp=2", "4", "1f1b", "1", 0.2, "--untied"),
+        ("dp=2,pp=2", "2", "gpipe", "1", 1.0 / 3.0, "--untied"),
+        ("pp=2", "4", "interleaved-1f1b", "2", 1.0 / 9.0, "--untied"),
+        ("pp=4", "4", "1f1b", "1", 3.0 / 7.0, "--tied"),
     ] {
         let s = match run(&[
+            head,
             "--mesh",
             mesh,
             "--layers",

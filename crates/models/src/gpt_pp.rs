@@ -9,10 +9,15 @@
 //! so a stage's parameters equal the corresponding ones of [`Gpt::new`](crate::Gpt::new) with
 //! the same seed.
 //!
-//! Not covered (refused with [`ModelError::Unsupported`]): a tied LM head (the token table
-//! would be needed on the first and the last stage, with its gradient synchronised between
-//! them), mixture-of-experts blocks, activation checkpointing. Tensor and context parallelism
-//! inside a stage are not wired up either: build stages on a mesh without `tp` and `cp` dims.
+//! A tied LM head: the last stage holds its own copy of the token table (`tok_emb.weight`, the
+//! same initial values as the first stage's) and uses it as the head; the trainer keeps the
+//! copies equal by summing their gradients between the first and the last stage before every
+//! update (`candle_dtensor_train::pipeline` does). A single stage (first and last) uses one
+//! table for both.
+//!
+//! Not covered (refused with [`ModelError::Unsupported`]): mixture-of-experts blocks,
+//! activation checkpointing. Tensor and context parallelism inside a stage are not wired up
+//! either: build stages on a mesh without `tp` and `cp` dims.
 
 use std::ops::Range;
 
@@ -49,7 +54,7 @@ pub struct GptStage {
     pub stages: usize,
     /// The blocks this stage holds (global block indices).
     pub layers: Range<usize>,
-    /// Token embedding (first stage only).
+    /// Token embedding: on the first stage, and on the last with a tied head (its copy).
     pub tok_emb: Option<Embedding>,
     /// Position embedding `[seq_len, D]` (first stage only).
     pub pos_emb: Option<DTensor>,
@@ -57,8 +62,9 @@ pub struct GptStage {
     pub blocks: Vec<Block>,
     /// Final norm (last stage only).
     pub ln_f: Option<Norm>,
-    /// LM head `[V, D]` (last stage only).
+    /// Untied LM head `[V, D]` (last stage only).
     pub head: Option<Linear>,
+    roles: MeshRoles,
 }
 
 fn norm(b: &mut Builder, name: &str, cfg: &GptConfig) -> Result<Norm> {
@@ -98,22 +104,14 @@ fn block(b: &mut Builder, cfg: &GptConfig, i: usize) -> Result<Block> {
 
 impl GptStage {
     /// Checks that `cfg` can be split into pipeline stages: refuses (with
-    /// [`ModelError::Unsupported`]) a tied LM head, mixture-of-experts blocks and activation
-    /// checkpointing, which the stages do not implement.
+    /// [`ModelError::Unsupported`]) mixture-of-experts blocks and activation checkpointing,
+    /// which the stages do not implement.
     ///
     /// # Errors
     ///
     /// As above, and [`GptConfig::validate`]'s errors.
     pub fn check_config(cfg: &GptConfig) -> Result<()> {
         cfg.validate(1)?;
-        if cfg.tied {
-            return Err(ModelError::Unsupported(
-                "a tied LM head over pipeline stages (the token table would live on the first \
-                 and the last stage with its gradient synchronised between them; not \
-                 implemented): use an untied head"
-                    .into(),
-            ));
-        }
         if cfg
             .moe
             .as_ref()
@@ -190,7 +188,7 @@ impl GptStage {
         };
         let std = 0.02;
         let (first, last) = (stage == 0, stage + 1 == stages);
-        let (tok_emb, pos_emb) = if first {
+        let (mut tok_emb, pos_emb) = if first {
             let tok = Embedding::new(&mut b, "tok_emb", cfg.vocab, cfg.d_model, std)?;
             let pl = roles
                 .placements(Placement::Replicate, Placement::Replicate)
@@ -211,8 +209,29 @@ impl GptStage {
             .collect::<Result<Vec<_>>>()?;
         let (ln_f, head) = if last {
             let ln = norm(&mut b, "ln_f", cfg)?;
-            let head = Linear::new(&mut b, "lm_head", cfg.d_model, cfg.vocab, false, std)?;
-            (Some(ln), Some(head))
+            let head = if cfg.tied {
+                if tok_emb.is_none() {
+                    // The tied head's copy of the token table (same name, same values).
+                    tok_emb = Some(Embedding::new(
+                        &mut b,
+                        "tok_emb",
+                        cfg.vocab,
+                        cfg.d_model,
+                        std,
+                    )?);
+                }
+                None
+            } else {
+                Some(Linear::new(
+                    &mut b,
+                    "lm_head",
+                    cfg.d_model,
+                    cfg.vocab,
+                    false,
+                    std,
+                )?)
+            };
+            (Some(ln), head)
         } else {
             (None, None)
         };
@@ -226,6 +245,7 @@ impl GptStage {
             blocks,
             ln_f,
             head,
+            roles,
         })
     }
 
@@ -248,8 +268,12 @@ impl GptStage {
     /// Ids given to a later stage or hidden states to the first, a sequence longer than the
     /// context, a failed op.
     pub fn forward(&self, input: StageInput<'_>) -> Result<DTensor> {
-        let mut x = match (input, &self.tok_emb, &self.pos_emb) {
-            (StageInput::Ids(ids), Some(tok), Some(pos)) => {
+        let embed = match (&self.tok_emb, &self.pos_emb) {
+            (Some(tok), Some(pos)) if self.is_first() => Some((tok, pos)),
+            _ => None,
+        };
+        let mut x = match (input, embed) {
+            (StageInput::Ids(ids), Some((tok, pos))) => {
                 let t = ids.dim(1)?;
                 if t > self.cfg.seq_len {
                     return Err(ModelError::Config(format!(
@@ -260,7 +284,7 @@ impl GptStage {
                 let _l = candle_dtensor_core::debug::label("embed");
                 tok.forward(ids)?.add(&pos.narrow(0, 0, t)?)?
             }
-            (StageInput::Hidden(h), None, None) => h.clone(),
+            (StageInput::Hidden(h), None) => h.clone(),
             _ => {
                 return Err(ModelError::Config(format!(
                     "pipeline stage {}: the first stage takes token ids, the others the \
@@ -273,12 +297,22 @@ impl GptStage {
             let _l = candle_dtensor_core::debug::label(&format!("blocks.{i}"));
             x = blk.forward(&x)?;
         }
-        match (&self.ln_f, &self.head) {
-            (Some(ln), Some(head)) => {
-                let _l = candle_dtensor_core::debug::label("head");
-                head.forward(&ln.forward(&x)?)
+        let Some(ln) = &self.ln_f else {
+            return Ok(x);
+        };
+        let _l = candle_dtensor_core::debug::label("head");
+        let x = ln.forward(&x)?;
+        match (&self.head, &self.tok_emb) {
+            (Some(head), _) => head.forward(&x),
+            // Tied: as `Gpt`'s head.
+            (None, Some(tok)) => {
+                let layout = self.roles.with_tp(x.placements(), Placement::Replicate);
+                Ok(x.linear_with_layout(&tok.weight, None, Some(&layout))?)
             }
-            _ => Ok(x),
+            (None, None) => Err(ModelError::Config(format!(
+                "pipeline stage {}: the last stage has no head",
+                self.stage
+            ))),
         }
     }
 

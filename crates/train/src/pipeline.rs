@@ -11,7 +11,11 @@
 //! of the same seed) on a one-rank sub-mesh. A step is one [`run_schedule`] over `M`
 //! micro-batches: pipeline replica `d` of `dp` takes rows `[d B / dp, (d + 1) B / dp)` of the
 //! step's global batch of `B` sequences (the rows the one-device run trains on), micro-batch
-//! `i` the `i`-th run of `B / (dp M)` of them. The stages accumulate their parameter gradients
+//! `i` the `i`-th run of `B / (dp M)` of them. With a tied head the last stage holds a copy of
+//! the token table (`GptStage`), kept equal to the first stage's: after the dp reduction the
+//! two copies' gradients are summed over a two-rank communicator of pipeline ranks 0 and
+//! `p - 1` (the one-device model's gradient of the shared table), and both take the same
+//! AdamW update; the gradient norm and the parameter count count the table once. The stages accumulate their parameter gradients
 //! over the micro-batches; then the gradients are summed over `dp` (one all_reduce per step),
 //! the global gradient norm is taken (one all_reduce over `pp`) when clipping or asked for,
 //! and AdamW (as [`crate::fit::Trainer`] sets it up) steps each stage's own parameters.
@@ -28,9 +32,10 @@
 //! cannot split its backward into input and weight gradients: candle's autograd computes both
 //! operands' gradients of a matmul together, so `BackwardInput` alone cannot be had without
 //! hand-written backwards of attention and the norms), FSDP, tensor / context / expert
-//! parallelism and mesh dims other than `pp` and `dp`, checkpoints and resumption,
+//! parallelism and mesh dims other than `pp` and `dp`, checkpoints and resumption, a tied
+//! head with one pipeline rank and several chunks (both copies would be on one rank),
 //! held-out evaluation, sampling, SGD, fault tolerance, and
-//! [`GptStage::check_config`]'s refusals (tied head, MoE, activation checkpointing).
+//! [`GptStage::check_config`]'s refusals (MoE, activation checkpointing).
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -173,6 +178,12 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
         )));
     }
     let stages = schedule.stages();
+    if cfg.gpt.tied && p == 1 && stages > 1 {
+        return Err(unsupported(format!(
+            "a tied head with pp=1 and {stages} chunks (the first and the last stage would hold \
+             two copies of the token table on one rank)"
+        )));
+    }
     let ranges = match &spec.split {
         Some(sizes) => {
             if sizes.len() != stages {
@@ -401,6 +412,35 @@ pub(crate) fn train_rank_pp(
         None => None,
     };
     let comms = PipeComms::new(&pp_comm).map_err(|e| RunError::Pipeline(Box::new(e)))?;
+    // A tied head: the token table's copies on pipeline ranks 0 and p - 1 (collective over pp).
+    let tied = if cfg.gpt.tied && p > 1 {
+        let ends = [0, p - 1];
+        let mine: &[usize] = if ends.contains(&lay.pp_rank) {
+            &ends
+        } else {
+            &[]
+        };
+        let comm = pp_comm.split(mine, &format!("{}.pp_tied", pp_comm.name()))?;
+        match comm {
+            Some(c) => {
+                let idx = store
+                    .params()
+                    .iter()
+                    .position(|q| q.name == "tok_emb.weight")
+                    .ok_or_else(|| {
+                        RunError::Config(format!(
+                            "pipeline rank {}: no token table for the tied head",
+                            lay.pp_rank
+                        ))
+                    })?;
+                // The last stage's copy is not counted again (norm, parameter count).
+                Some((c, idx, lay.pp_rank == p - 1))
+            }
+            None => None,
+        }
+    } else {
+        None
+    };
     let dev = solo.root_comm().device().clone();
     let corpus = match &cfg.data {
         Some(c) => c.clone(),
@@ -421,7 +461,16 @@ pub(crate) fn train_rank_pp(
     let t = cfg.gpt.seq_len;
     let m = lay.schedule.micro_batches();
     // The model's parameter count: the stages hold distinct parameters.
-    let params = sum_over(&pp_comm, store.global_numel() as f64, &dev, ReduceOp::Sum)? as usize;
+    let copy = match &tied {
+        Some((_, idx, true)) => store.params()[*idx].var.elem_count(),
+        _ => 0,
+    };
+    let params = sum_over(
+        &pp_comm,
+        (store.global_numel() - copy) as f64,
+        &dev,
+        ReduceOp::Sum,
+    )? as usize;
     let mut report = RankReport {
         param_bytes: store.local_bytes(),
         params,
@@ -486,13 +535,21 @@ pub(crate) fn train_rank_pp(
                 off += n;
             }
         }
-        // The global gradient norm: every stage's parameters are distinct, and the dp
-        // replicas hold the same sums, so the squares add up over the pipeline.
+        // The tied table: the sum of both copies' gradients on both.
+        if let Some((c, idx, _)) = &tied {
+            grads[*idx] = c.all_reduce(&grads[*idx], ReduceOp::Sum)?.wait()?;
+        }
+        // The global gradient norm: every stage's parameters are distinct (the tied copy
+        // counted once), and the dp replicas hold the same sums, so the squares add up over
+        // the pipeline.
         let want_norm = cfg.clip.is_some()
             || (cfg.grad_norm_every > 0 && step.is_multiple_of(cfg.grad_norm_every));
         let grad_norm = if want_norm {
             let mut sq = 0.0f64;
-            for g in &grads {
+            for (i, g) in grads.iter().enumerate() {
+                if matches!(&tied, Some((_, idx, true)) if *idx == i) {
+                    continue;
+                }
                 sq += g
                     .to_dtype(DType::F64)?
                     .sqr()?

@@ -68,33 +68,38 @@ fn stage_parameters_equal_the_one_device_models() -> R<()> {
         .with_timeout(TIMEOUT)
         .launch(|comm| -> R<_> {
             let mesh = DeviceMesh::new(comm, &[("dp", 1)])?;
-            let cfg = gpt4();
-            let (_, full) = Gpt::new(&cfg, &mesh, &TpPlan::new(), 11, DType::F32)?;
-            let mut store = ParamStore::new(&mesh, 11, DType::F32);
-            for (s, r) in [(0, 0..1), (1, 1..3), (2, 3..4)] {
-                GptStage::new(&cfg, &mesh, s, 3, r, &mut store)?;
-            }
-            let mut n = 0;
-            for p in store.params() {
-                let q = full
-                    .params()
-                    .iter()
-                    .find(|q| q.name == p.name)
-                    .ok_or_else(|| format!("{} is not a parameter of the model", p.name))?;
-                let d = (p.var.as_tensor() - q.var.as_tensor())?
-                    .abs()?
-                    .max_all()?
-                    .to_scalar::<f32>()?;
-                if d != 0.0 {
-                    return Err(format!("{} differs by {d}", p.name).into());
+            for tied in [false, true] {
+                let cfg = GptConfig { tied, ..gpt4() };
+                let (_, full) = Gpt::new(&cfg, &mesh, &TpPlan::new(), 11, DType::F32)?;
+                let mut store = ParamStore::new(&mesh, 11, DType::F32);
+                for (s, r) in [(0, 0..1), (1, 1..3), (2, 3..4)] {
+                    GptStage::new(&cfg, &mesh, s, 3, r, &mut store)?;
                 }
-                n += 1;
-            }
-            // The three stages hold every parameter of the model, once.
-            if n != full.params().len() {
-                return Err(
-                    format!("{n} stage parameters, {} in the model", full.params().len()).into(),
-                );
+                let mut n = 0;
+                for p in store.params() {
+                    let q = full
+                        .params()
+                        .iter()
+                        .find(|q| q.name == p.name)
+                        .ok_or_else(|| format!("{} is not a parameter of the model", p.name))?;
+                    let d = (p.var.as_tensor() - q.var.as_tensor())?
+                        .abs()?
+                        .max_all()?
+                        .to_scalar::<f32>()?;
+                    if d != 0.0 {
+                        return Err(format!("tied {tied}: {} differs by {d}", p.name).into());
+                    }
+                    n += 1;
+                }
+                // The three stages hold every parameter of the model, once (a tied table
+                // twice: the last stage's copy).
+                if n != full.params().len() + usize::from(tied) {
+                    return Err(format!(
+                        "tied {tied}: {n} stage parameters, {} in the model",
+                        full.params().len()
+                    )
+                    .into());
+                }
             }
             Ok(())
         })?;
@@ -187,6 +192,46 @@ fn refused(dims: &[(&str, usize)], c: &TrainConfig) -> Vec<RunError> {
         .collect()
 }
 
+/// A tied head: the last stage's copy of the token table is kept equal to the first stage's,
+/// so every layout trains the one-device tied model; the gradient norm counts the table once.
+#[test]
+fn tied_head_matches_one_device() -> R<()> {
+    let tied = |pipeline| {
+        let mut c = cfg(pipeline);
+        c.gpt.tied = true;
+        c.grad_norm_every = 1;
+        c
+    };
+    let train = |dims: &[(&str, usize)], c: &TrainConfig| -> R<Vec<(Vec<f32>, Vec<f64>)>> {
+        let n: usize = dims.iter().map(|d| d.1).product();
+        Ok(LocalWorld::new(n)
+            .with_timeout(TIMEOUT)
+            .launch(|comm| -> R<_> {
+                let mesh = DeviceMesh::new(comm, dims)?;
+                let mut norms = Vec::new();
+                let r = train_rank(&mesh, c, |i| norms.push(i.grad_norm.unwrap_or(f64::NAN)))?;
+                Ok((r.losses, norms))
+            })?)
+    };
+    let (want, want_norms) = train(&[("dp", 1)], &tied(None))?.remove(0);
+    let cases: [Case; 4] = [
+        (&[("pp", 2)], 4, spec(ScheduleKind::OneFOneB, 4, 1)),
+        (&[("pp", 2)], 4, spec(ScheduleKind::Interleaved1F1B, 4, 2)),
+        (&[("pp", 4)], 4, spec(ScheduleKind::OneFOneB, 4, 1)),
+        (&[("dp", 2), ("pp", 2)], 4, spec(ScheduleKind::GPipe, 2, 1)),
+    ];
+    for (dims, _, s) in cases {
+        let what = format!("tied {dims:?} {}", s.schedule);
+        for (losses, norms) in train(dims, &tied(Some(s)))? {
+            assert_close(&losses, &want, 1e-5, &what);
+            let n: Vec<f32> = norms.iter().map(|&x| x as f32).collect();
+            let w: Vec<f32> = want_norms.iter().map(|&x| x as f32).collect();
+            assert_close(&n, &w, 1e-5, &format!("{what}: gradient norms"));
+        }
+    }
+    Ok(())
+}
+
 /// Gradient clipping: the global norm over the stages (and dp replicas) clips as on one device.
 #[test]
 fn clipping_matches_one_device() -> R<()> {
@@ -273,9 +318,17 @@ fn bad_settings_are_refused_on_every_rank() {
             "{e}"
         );
     }
-    // A tied head, and combinations not implemented.
-    let mut c = cfg(Some(spec(ScheduleKind::GPipe, 2, 1)));
+    // A tied head on one pipeline rank with two chunks, and combinations not implemented.
+    let mut c = cfg(Some(spec(ScheduleKind::Interleaved1F1B, 2, 2)));
     c.gpt.tied = true;
+    for e in refused(&[("pp", 1)], &c) {
+        assert!(
+            matches!(&e, RunError::Unsupported(m) if m.contains("tied")),
+            "{e}"
+        );
+    }
+    let mut c = cfg(Some(spec(ScheduleKind::GPipe, 2, 1)));
+    c.gpt.ac = candle_dtensor_models::AcMode::Full;
     for e in refused(&[("pp", 2)], &c) {
         assert!(
             matches!(&e, RunError::Model(m) if matches!(**m, ModelError::Unsupported(_))),
