@@ -2522,7 +2522,8 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
         "steps": args.steps,
         "batch": args.batch,
         "grad_accum": args.grad_accum,
-        "micro_batch": args.batch / args.grad_accum.max(1),
+        // Sequences per micro-batch over all data-parallel ranks (pipeline: --microbatches).
+        "micro_batch": args.batch / cfg.pipeline.as_ref().map_or(args.grad_accum, |p| p.micro_batches).max(1),
         "start_step": report.start_step,
         "saved_steps": report.saved_steps,
         "save_ms": report.save_ms,

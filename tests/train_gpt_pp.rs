@@ -61,6 +61,12 @@ fn pipelined_runs_match_one_device_and_report_bubbles() {
             other => panic!("{mesh} {schedule}: {other:?}"),
         };
         assert_eq!(s["check_passed"], true, "{mesh} {schedule}: {s}");
+        // 8 sequences in m micro-batches.
+        assert_eq!(
+            s["micro_batch"].as_u64(),
+            Some(8 / m.parse::<u64>().unwrap()),
+            "{s}"
+        );
         let p = &s["pipeline"];
         assert_eq!(p["schedule"], schedule, "{p}");
         let a = p["analytic_bubble"].as_f64().unwrap();
