@@ -88,7 +88,7 @@ use candle_dtensor::comm::link::{link_hints, parse_link_spec, LinkModel};
 use candle_dtensor::comm::{new_comm, Comm, CommOptions, LocalWorld};
 use candle_dtensor::kernels::compare::{compare_series_f32, nan_max, Mismatch};
 use candle_dtensor::mesh::DeviceMesh;
-use candle_dtensor::models::{AcMode, GptConfig};
+use candle_dtensor::models::GptConfig;
 use candle_dtensor::parallel::pipeline::{split_explicit, Schedule, ScheduleKind};
 use candle_dtensor::parallel::{MoeConfig, TpPlan};
 use candle_dtensor::train::data::Corpus;
@@ -1477,7 +1477,7 @@ fn pipeline_spec(
             args.mesh
         ));
     }
-    let refused: [(bool, &str); 11] = [
+    let refused: [(bool, &str); 10] = [
         (args.fsdp || args.hsdp, "--fsdp / --hsdp"),
         (args.sp, "--sp"),
         (
@@ -1490,7 +1490,6 @@ fn pipeline_spec(
         (args.fault_tolerant, "--fault-tolerant"),
         (args.grad_accum > 1, "--grad-accum (use --microbatches)"),
         (args.moe.is_some(), "--moe"),
-        (cfg.ac != AcMode::None, "--ac"),
         (args.mixed_precision.is_some(), "--mixed-precision"),
     ];
     if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {

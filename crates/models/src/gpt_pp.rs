@@ -15,9 +15,12 @@
 //! update (`candle_dtensor_train::pipeline` does). A single stage (first and last) uses one
 //! table for both.
 //!
-//! Not covered (refused with [`ModelError::Unsupported`]): mixture-of-experts blocks,
-//! activation checkpointing. Tensor and context parallelism inside a stage are not wired up
-//! either: build stages on a mesh without `tp` and `cp` dims.
+//! Activation checkpointing ([`GptConfig::ac`]) applies to the stage's blocks by their global
+//! index, as in [`Gpt`](crate::Gpt) (`full`: every block; `selective`: blocks 1, 3, 5, ...).
+//!
+//! Not covered (refused with [`ModelError::Unsupported`]): mixture-of-experts blocks. Tensor
+//! and context parallelism inside a stage are not wired up either: build stages on a mesh
+//! without `tp` and `cp` dims.
 
 use std::ops::Range;
 
@@ -29,7 +32,7 @@ use candle_dtensor_parallel::params::ParamStore;
 use candle_dtensor_parallel::tp_plan::{MeshRoles, TpPlan};
 
 use crate::builder::Builder;
-use crate::checkpoint::AcMode;
+use crate::checkpoint::checkpoint;
 use crate::error::{ModelError, Result};
 use crate::gpt::{GptConfig, NormKind};
 use crate::layers::{
@@ -104,8 +107,8 @@ fn block(b: &mut Builder, cfg: &GptConfig, i: usize) -> Result<Block> {
 
 impl GptStage {
     /// Checks that `cfg` can be split into pipeline stages: refuses (with
-    /// [`ModelError::Unsupported`]) mixture-of-experts blocks and activation checkpointing,
-    /// which the stages do not implement.
+    /// [`ModelError::Unsupported`]) mixture-of-experts blocks, which the stages do not
+    /// implement.
     ///
     /// # Errors
     ///
@@ -119,11 +122,6 @@ impl GptStage {
         {
             return Err(ModelError::Unsupported(
                 "mixture-of-experts blocks in pipeline stages".into(),
-            ));
-        }
-        if cfg.ac != AcMode::None {
-            return Err(ModelError::Unsupported(
-                "activation checkpointing in pipeline stages".into(),
             ));
         }
         Ok(())
@@ -294,8 +292,23 @@ impl GptStage {
             }
         };
         for (i, blk) in self.layers.clone().zip(&self.blocks) {
-            let _l = candle_dtensor_core::debug::label(&format!("blocks.{i}"));
-            x = blk.forward(&x)?;
+            let label = format!("blocks.{i}");
+            let _l = candle_dtensor_core::debug::label(&label);
+            // Every block is dense (MoE is refused): the policy's index is the block's.
+            x = match &blk.mlp {
+                FeedForward::Dense(mlp) if self.cfg.ac.checkpoints(i) => {
+                    // The recompute outlives this call: it owns a copy of the block (shared
+                    // parameter handles).
+                    let b = Block {
+                        ln1: blk.ln1.clone(),
+                        attn: blk.attn.clone(),
+                        ln2: blk.ln2.clone(),
+                        mlp: FeedForward::Dense(mlp.clone()),
+                    };
+                    checkpoint(&x, Some(&label), move |x| b.forward(x))?
+                }
+                _ => blk.forward(&x)?,
+            };
         }
         let Some(ln) = &self.ln_f else {
             return Ok(x);

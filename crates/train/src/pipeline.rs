@@ -35,7 +35,7 @@
 //! parallelism and mesh dims other than `pp` and `dp`, checkpoints and resumption, a tied
 //! head with one pipeline rank and several chunks (both copies would be on one rank),
 //! held-out evaluation, sampling, SGD, fault tolerance, and
-//! [`GptStage::check_config`]'s refusals (MoE, activation checkpointing).
+//! [`GptStage::check_config`]'s refusal (MoE blocks).
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -238,6 +238,8 @@ struct GptPipeStage<'a> {
     saved: HashMap<(usize, usize), Saved>,
     /// Accumulated gradient of each var.
     grads: Vec<Option<Tensor>>,
+    /// The most autograd-graph bytes one chunk's output kept for backward.
+    graph_bytes: usize,
 }
 
 impl GptPipeStage<'_> {
@@ -279,6 +281,9 @@ impl Stage for GptPipeStage<'_> {
         } else {
             h.to_local().clone()
         };
+        self.graph_bytes = self
+            .graph_bytes
+            .max(candle_dtensor_core::debug::graph_bytes(&out));
         self.saved.insert(
             (chunk, mb),
             Saved {
@@ -503,10 +508,12 @@ pub(crate) fn train_rank_pp(
             shape: (lay.rows, t, cfg.gpt.d_model).into(),
             saved: HashMap::new(),
             grads: vec![None; vars.len()],
+            graph_bytes: 0,
         };
         let run = run_schedule(&mut stage, &lay.schedule, &comms)
             .map_err(|e| RunError::Pipeline(Box::new(e)))?;
         let fwd_bwd = t0.elapsed();
+        report.peak_activation_bytes = report.peak_activation_bytes.max(stage.graph_bytes);
         let mut grads = Vec::with_capacity(vars.len());
         for (i, g) in stage.grads.into_iter().enumerate() {
             match g {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use candle_core::DType;
 use candle_dtensor_comm::LocalWorld;
 use candle_dtensor_mesh::DeviceMesh;
-use candle_dtensor_models::{Gpt, GptConfig, GptStage, ModelError};
+use candle_dtensor_models::{AcMode, Gpt, GptConfig, GptStage, ModelError};
 use candle_dtensor_parallel::params::ParamStore;
 use candle_dtensor_parallel::pipeline::{PipelineError, ScheduleError, ScheduleKind};
 use candle_dtensor_parallel::TpPlan;
@@ -232,6 +232,30 @@ fn tied_head_matches_one_device() -> R<()> {
     Ok(())
 }
 
+/// Activation checkpointing inside the stages changes no loss, and keeps less for backward.
+#[test]
+fn checkpointed_stages_match_one_device() -> R<()> {
+    let reference = run_all(&[("dp", 1)], &cfg(None))
+        .pop()
+        .ok_or("no rank")??
+        .losses;
+    let mut bytes = Vec::new();
+    for ac in [AcMode::None, AcMode::Selective, AcMode::Full] {
+        let mut c = cfg(Some(spec(ScheduleKind::OneFOneB, 4, 1)));
+        c.gpt.ac = ac;
+        let mut most = 0;
+        for r in run_all(&[("pp", 2)], &c) {
+            let r = r?;
+            assert_close(&r.losses, &reference, 1e-5, &format!("--ac {}", ac.name()));
+            most = most.max(r.peak_activation_bytes);
+        }
+        bytes.push(most);
+    }
+    // none > selective > full, per stage (the largest over the ranks).
+    assert!(bytes[0] > bytes[1] && bytes[1] > bytes[2], "{bytes:?}");
+    Ok(())
+}
+
 /// Gradient clipping: the global norm over the stages (and dp replicas) clips as on one device.
 #[test]
 fn clipping_matches_one_device() -> R<()> {
@@ -328,7 +352,7 @@ fn bad_settings_are_refused_on_every_rank() {
         );
     }
     let mut c = cfg(Some(spec(ScheduleKind::GPipe, 2, 1)));
-    c.gpt.ac = candle_dtensor_models::AcMode::Full;
+    c.gpt.moe = Some(candle_dtensor_parallel::MoeConfig::new(4, 2));
     for e in refused(&[("pp", 2)], &c) {
         assert!(
             matches!(&e, RunError::Model(m) if matches!(**m, ModelError::Unsupported(_))),
