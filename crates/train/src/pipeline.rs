@@ -478,6 +478,9 @@ pub(crate) fn train_rank_pp(
     )? as usize;
     let mut report = RankReport {
         param_bytes: store.local_bytes(),
+        // This rank's parameters, their gradients and AdamW's two moments (f32), as the
+        // GPT run counts them without FSDP.
+        param_grad_optim_bytes: 4 * store.local_bytes(),
         params,
         rank: mesh.rank(),
         ..RankReport::default()
@@ -619,7 +622,7 @@ pub(crate) fn train_rank_pp(
             grad_norm,
             phase_ms: [ms(fwd_bwd), ms(t_bwd - t0) - ms(fwd_bwd), ms(t_opt - t_bwd)],
             exposed_comm_ms: 0.0,
-            peak_bytes: 0,
+            peak_bytes: report.param_grad_optim_bytes,
         });
     }
     Ok(report)

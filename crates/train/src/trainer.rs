@@ -675,6 +675,10 @@ fn recover(
 /// Trains on `mesh` (every rank of the mesh calls this) and reports per-step losses.
 /// `on_step` runs after every step on this rank.
 ///
+/// On a mesh with a `pp` dim the run is pipelined ([`crate::pipeline`]; it needs
+/// [`TrainConfig::pipeline`] and covers only what that module says, refusing the rest before
+/// any step).
+///
 /// # Fault tolerance
 ///
 /// With [`TrainConfig::fault_tolerant`] (HSDP: FSDP with a replicate dim), every step ends
