@@ -142,13 +142,16 @@ fn pipelines_match_one_device() -> R<()> {
             assert_eq!(r.losses.len(), STEPS);
             // The run trains (a comparison of constant losses would prove little).
             assert!(r.losses[STEPS - 1] < r.losses[0], "{:?}", r.losses);
-            slot.insert((r.losses, r.params));
+            slot.insert((r.losses, r.params, r.param_bytes));
         }
-        let (reference, params) = &references[&layers];
+        let (reference, params, bytes) = &references[&layers];
         let reports = run_all(dims, &cfg_layers(layers, Some(s)));
+        let dp = dims.iter().find(|d| d.0 == "dp").map_or(1, |d| d.1);
+        let mut held = 0;
         let mut worst = 0.0f64;
         for r in reports {
             let r = r?;
+            held += r.param_bytes;
             assert_close(&r.losses, reference, 1e-5, &what);
             // The whole model's parameter count, on every rank.
             assert_eq!(r.params, *params, "{what}");
@@ -177,6 +180,9 @@ fn pipelines_match_one_device() -> R<()> {
                 );
             }
         }
+        // Each rank builds only its stages' parameters: every pipeline replica holds the
+        // model once.
+        assert_eq!(held, dp * bytes, "{what}: parameter bytes over the ranks");
     }
     Ok(())
 }
