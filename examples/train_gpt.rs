@@ -89,9 +89,11 @@ use candle_dtensor::comm::{new_comm, Comm, CommOptions, LocalWorld};
 use candle_dtensor::kernels::compare::{compare_series_f32, nan_max, Mismatch};
 use candle_dtensor::mesh::DeviceMesh;
 use candle_dtensor::models::GptConfig;
+use candle_dtensor::parallel::pipeline::{split_explicit, Schedule, ScheduleKind};
 use candle_dtensor::parallel::{MoeConfig, TpPlan};
 use candle_dtensor::train::data::Corpus;
 use candle_dtensor::train::device::DeviceSpec;
+use candle_dtensor::train::pipeline::PipelineSpec;
 use candle_dtensor::train::schedule::{Decay, LrSchedule, WeightDecay};
 use candle_dtensor::train::trainer::{
     train_rank, EvalSpec, FsdpSpec, RankReport, SampleSpec, StepInfo, TrainConfig,
@@ -117,8 +119,9 @@ pub(crate) struct Args {
     /// Number of ranks (threads). Defaults to the product of --mesh.
     #[arg(long)]
     world: Option<usize>,
-    /// Mesh, e.g. `tp=4`, `dp=2,tp=2`, `replicate=2,shard=2`, `dp=2,ep=2`. Dim names: dp, tp,
-    /// replicate, shard, ep (experts of --moe sharded over it; a data dim otherwise).
+    /// Mesh, e.g. `tp=4`, `dp=2,tp=2`, `replicate=2,shard=2`, `dp=2,ep=2`, `dp=2,pp=2`. Dim
+    /// names: dp, tp, replicate, shard, ep (experts of --moe sharded over it; a data dim
+    /// otherwise), pp (pipeline stages; combines with dp only, see --microbatches).
     #[arg(long, default_value = "dp=2,tp=2")]
     mesh: String,
     /// Shard parameters, gradients and optimizer state over the data-parallel dim (FSDP).
@@ -207,6 +210,24 @@ pub(crate) struct Args {
     /// --batch, and the micro-batch must divide over the data-parallel ranks.
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
+    /// Pipeline parallelism (a `pp` mesh dim): micro-batches per step. Each pipeline replica's
+    /// share of --batch (batch / dp) is split into this many micro-batches, which the
+    /// --pp-schedule runs through the stages; the loss is the mean over all the step's tokens.
+    /// dp x microbatches must divide --batch.
+    #[arg(long, default_value_t = 1)]
+    microbatches: usize,
+    /// Pipeline schedule over the `pp` mesh dim: gpipe, 1f1b, interleaved-1f1b (with
+    /// --pp-chunks model chunks per rank; needs microbatches % pp == 0). zb-h1 is refused for
+    /// the GPT (its stages cannot split backward into input and weight gradients).
+    #[arg(long, default_value = "1f1b")]
+    pp_schedule: String,
+    /// Model chunks per pipeline rank (interleaved-1f1b's virtual stages; 1 otherwise).
+    #[arg(long, default_value_t = 1)]
+    pp_chunks: usize,
+    /// Blocks per pipeline stage, e.g. `3,1` (pp x pp-chunks sizes adding up to the blocks);
+    /// default: balanced by parameter count.
+    #[arg(long)]
+    pp_split: Option<String>,
     /// Activation checkpointing of the blocks: `none`, `full` (backward recomputes every
     /// block's forward; the autograd graph keeps only the blocks' inputs) or `selective` (every
     /// other block, 1, 3, 5, ...). The losses and gradients do not change; the summary's
@@ -413,6 +434,7 @@ pub(crate) const SECTIONS: job::Sections = &[
             "steps",
             "batch",
             "grad-accum",
+            "microbatches",
             "ac",
             "seed",
             "device",
@@ -428,6 +450,9 @@ pub(crate) const SECTIONS: job::Sections = &[
             "fsdp",
             "no-fsdp",
             "hsdp",
+            "pp-schedule",
+            "pp-chunks",
+            "pp-split",
             "separate-rs-group",
             "sp",
             "backend",
@@ -1347,9 +1372,9 @@ fn parse_mesh(s: &str) -> Result<Vec<(String, usize)>, String> {
             .split_once('=')
             .ok_or_else(|| format!("mesh dim {part:?} is not NAME=SIZE (e.g. dp=2,tp=2)"))?;
         let name = name.trim();
-        if !["dp", "tp", "replicate", "shard", "ep", "cp"].contains(&name) {
+        if !["dp", "tp", "replicate", "shard", "ep", "cp", "pp"].contains(&name) {
             return Err(format!(
-                "unknown mesh dim name {name:?}; use dp, tp, replicate, shard, ep or cp"
+                "unknown mesh dim name {name:?}; use dp, tp, replicate, shard, ep, cp or pp"
             ));
         }
         if dims.iter().any(|(n, _)| n == name) {
@@ -1379,12 +1404,13 @@ fn validate(args: &Args, dims: &[(String, usize)], cfg: &GptConfig) -> Result<us
             args.mesh
         ));
     }
+    pipeline_spec(args, dims, cfg)?;
     // Heads and vocabulary against tp: GptConfig::validate, run before this.
     let tp = tp_of(dims);
-    // cp shards the sequence, not the batch.
+    // cp shards the sequence, pp the layers; neither the batch.
     let data: usize = dims
         .iter()
-        .filter(|(n, _)| n != "tp" && n != "cp")
+        .filter(|(n, _)| n != "tp" && n != "cp" && n != "pp")
         .map(|(_, s)| s)
         .product();
     if let Some((_, cp)) = dims.iter().find(|(n, _)| n == "cp") {
@@ -1437,6 +1463,119 @@ fn validate(args: &Args, dims: &[(String, usize)], cfg: &GptConfig) -> Result<us
     Ok(world)
 }
 
+/// The pipeline the flags ask for (None without a `pp` mesh dim), every rule checked before
+/// any rank starts; the errors name the flags, their values and the rule.
+fn pipeline_spec(
+    args: &Args,
+    dims: &[(String, usize)],
+    cfg: &GptConfig,
+) -> Result<Option<PipelineSpec>, String> {
+    let size = |n: &str| dims.iter().find(|(d, _)| d == n).map(|(_, s)| *s);
+    let Some(p) = size("pp") else {
+        if args.microbatches != 1 || args.pp_chunks != 1 || args.pp_split.is_some() {
+            return Err(format!(
+                "--microbatches {}, --pp-chunks {}, --pp-split {:?}: pipeline settings need a pp \
+                 mesh dim (--mesh {})",
+                args.microbatches, args.pp_chunks, args.pp_split, args.mesh
+            ));
+        }
+        return Ok(None);
+    };
+    if let Some((other, _)) = dims.iter().find(|(d, _)| d != "pp" && d != "dp") {
+        return Err(format!(
+            "--mesh {}: a pp dim combines with dp only (pipeline with {other} is not \
+             implemented)",
+            args.mesh
+        ));
+    }
+    let refused: [(bool, &str); 10] = [
+        (args.fsdp || args.hsdp, "--fsdp / --hsdp"),
+        (args.sp, "--sp"),
+        (
+            args.save_dir.is_some() || args.resume,
+            "--save-dir / --resume",
+        ),
+        (args.init_from.is_some(), "--init-from"),
+        (args.eval_every > 0, "--eval-every"),
+        (args.sample > 0, "--sample"),
+        (args.fault_tolerant, "--fault-tolerant"),
+        (args.grad_accum > 1, "--grad-accum (use --microbatches)"),
+        (args.moe.is_some(), "--moe"),
+        (args.mixed_precision.is_some(), "--mixed-precision"),
+    ];
+    if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
+        return Err(format!(
+            "--mesh {} with {flag}: not implemented with pipeline parallelism",
+            args.mesh
+        ));
+    }
+    let dp = size("dp").unwrap_or(1);
+    let (m, v) = (args.microbatches, args.pp_chunks);
+    if m == 0 || !args.batch.is_multiple_of(dp * m) {
+        return Err(format!(
+            "--microbatches {m} with --batch {} and dp={dp}: the rule is microbatches >= 1 and \
+             dp x microbatches divides the batch (micro-batches of batch / (dp x microbatches) \
+             sequences)",
+            args.batch
+        ));
+    }
+    if cfg.tied && p == 1 && v > 1 {
+        return Err(format!(
+            "--mesh pp=1 with --pp-chunks {v} and a tied head: the two copies of the token table \
+             would be on one rank (not implemented); use --untied or pp >= 2"
+        ));
+    }
+    if v == 0 || p * v > cfg.n_layers {
+        return Err(format!(
+            "--mesh pp={p} with --pp-chunks {v} and {} blocks (--layers / --preset {}): the \
+             rule is 1 <= pp x pp-chunks <= blocks (every stage needs at least one block)",
+            cfg.n_layers, args.preset
+        ));
+    }
+    let kind =
+        ScheduleKind::from_name(&args.pp_schedule).map_err(|e| format!("--pp-schedule: {e}"))?;
+    let schedule = Schedule::generate(kind, p, m, v).map_err(|e| {
+        format!(
+            "--pp-schedule {} with --microbatches {m}, --mesh pp={p}, --pp-chunks {v}: {e}",
+            args.pp_schedule
+        )
+    })?;
+    if schedule.splits_backward() {
+        return Err(format!(
+            "--pp-schedule {}: the GPT's stages cannot split backward into input and weight \
+             gradients (candle computes both operands' gradients of a matmul together); use \
+             gpipe, 1f1b or interleaved-1f1b",
+            args.pp_schedule
+        ));
+    }
+    let split = match &args.pp_split {
+        Some(text) => {
+            let sizes = text
+                .split(',')
+                .map(|x| x.trim().parse::<usize>())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("--pp-split {text:?}: not a list of block counts ({e})"))?;
+            if sizes.len() != p * v {
+                return Err(format!(
+                    "--pp-split {text:?}: {} sizes for pp={p} x pp-chunks {v} = {} stages",
+                    sizes.len(),
+                    p * v
+                ));
+            }
+            split_explicit(cfg.n_layers, &sizes)
+                .map_err(|e| format!("--pp-split {text:?}: {e}"))?;
+            Some(sizes)
+        }
+        None => None,
+    };
+    Ok(Some(PipelineSpec {
+        micro_batches: m,
+        schedule: kind,
+        chunks: v,
+        split,
+    }))
+}
+
 /// The FSDP settings the flags ask for (None: no FSDP).
 fn fsdp_spec(args: &Args, dims: &[(String, usize)]) -> Result<Option<FsdpSpec>, String> {
     let param_dtype = match args.mixed_precision.as_deref() {
@@ -1450,6 +1589,10 @@ fn fsdp_spec(args: &Args, dims: &[(String, usize)]) -> Result<Option<FsdpSpec>, 
         }
     };
     let has = |n: &str| dims.iter().any(|(d, _)| d == n);
+    if has("pp") {
+        // Refused by `pipeline_spec` when asked for; not the default over dp with pp.
+        return Ok(None);
+    }
     if args.hsdp {
         return Ok(Some(FsdpSpec {
             shard: "shard".into(),
@@ -2287,6 +2430,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     cfg.seed = args.seed;
     cfg.batch = args.batch;
     cfg.grad_accum = args.grad_accum;
+    cfg.pipeline = pipeline_spec(args, &dims, &gpt)?;
     if (args.resume || args.save_every > 0) && args.save_dir.is_none() {
         return Err("--resume and --save-every need --save-dir".into());
     }
@@ -2388,7 +2532,8 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
         "steps": args.steps,
         "batch": args.batch,
         "grad_accum": args.grad_accum,
-        "micro_batch": args.batch / args.grad_accum.max(1),
+        // Sequences per micro-batch over all data-parallel ranks (pipeline: --microbatches).
+        "micro_batch": args.batch / cfg.pipeline.as_ref().map_or(args.grad_accum, |p| p.micro_batches).max(1),
         "start_step": report.start_step,
         "saved_steps": report.saved_steps,
         "save_ms": report.save_ms,
@@ -2423,6 +2568,21 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     // backward (the ranks of a layout hold equal pieces).
     summary["ac"] = serde_json::json!(gpt.ac.name());
     summary["peak_activation_bytes"] = serde_json::json!(report.peak_activation_bytes);
+    // Pipeline parallelism: the schedule, its analytic bubble (unit-time simulation: forward 1,
+    // backward 2) and the bubble measured per step over rank 0's pipeline.
+    summary["pipeline"] = match &cfg.pipeline {
+        Some(p) => serde_json::json!({
+            "schedule": args.pp_schedule,
+            "microbatches": p.micro_batches,
+            "chunks": p.chunks,
+            "split": p.split,
+            "analytic_bubble": report.pipeline.first().map(|s| s.analytic_bubble),
+            "measured_bubble": report.pipeline.iter().map(|s| s.measured_bubble).collect::<Vec<_>>(),
+            "measured_bubble_median": median(&report.pipeline.iter().map(|s| s.measured_bubble).collect::<Vec<_>>()),
+            "rank0_bubble": report.pipeline.iter().map(|s| s.rank_bubble).collect::<Vec<_>>(),
+        }),
+        None => serde_json::Value::Null,
+    };
     // Fault tolerance (outside the macro above: its recursion limit).
     summary["fault_tolerant"] = serde_json::json!(args.fault_tolerant);
     // The global steps done when the run ended (a resumed run counts its checkpoint's).
@@ -2462,6 +2622,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
         single.save_every = 0;
         single.resume = false;
         single.fault_tolerant = false;
+        single.pipeline = None;
         let reference = run(
             "local",
             check_device,

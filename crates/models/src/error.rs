@@ -30,6 +30,10 @@ pub enum ModelError {
     /// function must be deterministic).
     #[error("activation checkpointing: {0}")]
     Recompute(String),
+    /// A combination of settings this crate does not implement (e.g. a tied LM head split
+    /// over pipeline stages); refused rather than run wrong.
+    #[error("not supported: {0}")]
+    Unsupported(String),
     /// A candle op failed.
     #[error("candle: {0}")]
     Candle(candle_core::Error),

@@ -27,10 +27,12 @@ pub mod checkpoint;
 pub mod dropins;
 mod error;
 pub mod gpt;
+pub mod gpt_pp;
 pub mod layers;
 pub mod moe_layer;
 
 pub use checkpoint::{checkpoint, AcMode};
 pub use error::{ModelError, Result};
 pub use gpt::{Gpt, GptConfig, NormKind};
+pub use gpt_pp::{GptStage, StageInput};
 pub use moe_layer::MoeLayer;

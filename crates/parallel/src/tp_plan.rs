@@ -126,13 +126,17 @@ pub struct MeshRoles {
     /// The context-parallel mesh dim (`cp`): activations sharded on the sequence,
     /// parameters replicated (their gradients all-reduced over it by the dispatch rule).
     pub cp: Option<usize>,
+    /// The pipeline-parallel mesh dim (`pp`): each coordinate along it holds one pipeline
+    /// stage; the other dims form the sub-mesh a stage runs on. Parameters and activations
+    /// are Replicate on it (a stage's parameters live on its own `pp` coordinate only).
+    pub pp: Option<usize>,
     /// The mesh's number of dims.
     pub ndim: usize,
 }
 
 impl MeshRoles {
     /// Reads roles from dim names: `tp`; `dp`, `replicate`, `shard` (data); `ep` (data, and
-    /// the experts of mixture-of-experts layers); `cp` (the sequence).
+    /// the experts of mixture-of-experts layers); `cp` (the sequence); `pp` (pipeline stages).
     ///
     /// # Errors
     ///
@@ -143,12 +147,14 @@ impl MeshRoles {
             ep: None,
             data: Vec::new(),
             cp: None,
+            pp: None,
             ndim: mesh.ndim(),
         };
         for (i, name) in mesh.dim_names().iter().enumerate() {
             match *name {
                 "tp" => roles.tp = Some(i),
                 "cp" => roles.cp = Some(i),
+                "pp" => roles.pp = Some(i),
                 "dp" | "replicate" | "shard" => roles.data.push(i),
                 "ep" => {
                     roles.ep = Some(i);
@@ -156,8 +162,8 @@ impl MeshRoles {
                 }
                 other => {
                     return Err(ParallelError::Config(format!(
-                        "unknown mesh dim name \"{other}\"; use dp, tp, ep, cp, replicate or shard"
-                    )))
+                    "unknown mesh dim name \"{other}\"; use dp, tp, ep, cp, pp, replicate or shard"
+                )))
                 }
             }
         }

@@ -11,6 +11,8 @@
 //!   and clipping, the learning-rate schedule, AdamW and per-step metrics.
 //! - [`trainer`]: the GPT's training run on top of it (data, evaluation, checkpoints, fault
 //!   tolerance), shared by the `train_gpt` example and the tests.
+//! - [`pipeline`]: the GPT over a `pp` mesh dim (pipeline stages run by any schedule of
+//!   candle-dtensor-parallel's executor, optionally replicated over `dp`).
 //! - [`data`]: a synthetic corpus and token streams.
 //! - [`checkpoint`]: distributed checkpoints (every rank writes its pieces, one manifest) that
 //!   load into any layout, consolidate into one plain safetensors file, and verify checksums.
@@ -29,6 +31,7 @@ pub mod data;
 pub mod device;
 pub mod fit;
 pub mod optim;
+pub mod pipeline;
 pub mod schedule;
 pub mod trainer;
 

@@ -25,12 +25,14 @@ use candle_dtensor_models::gpt::{Gpt, GptConfig};
 use candle_dtensor_models::ModelError;
 use candle_dtensor_parallel::fsdp::{Fsdp, FsdpConfig, GradReduce};
 use candle_dtensor_parallel::params::ParamStore;
+use candle_dtensor_parallel::pipeline::PipelineError;
 use candle_dtensor_parallel::tp_plan::TpPlan;
 use candle_dtensor_parallel::ParallelError;
 
 use crate::checkpoint::{self, CheckpointError, StoreCheckpoint, Which};
 use crate::data::Corpus;
 use crate::fit::{Gradients, OptimizerKind, TrainVars, Trainer, TrainerConfig, TrainerError};
+use crate::pipeline::{PipelineSpec, PipelineStepReport};
 use crate::schedule::{LrSchedule, WeightDecay};
 
 pub use crate::fit::StepInfo;
@@ -65,6 +67,14 @@ pub enum RunError {
     /// names).
     #[error(transparent)]
     Checkpoint(Box<CheckpointError>),
+    /// Pipeline parallelism ([`TrainConfig::pipeline`]): a schedule whose rule fails, a stage
+    /// split that cannot be made, or a failure while a schedule runs (boxed: large).
+    #[error(transparent)]
+    Pipeline(Box<PipelineError>),
+    /// A combination of settings that is not implemented (e.g. pipeline parallelism with
+    /// FSDP); refused before any step rather than run wrong.
+    #[error("not supported: {0}")]
+    Unsupported(String),
 }
 
 /// Debug prints the message, as [`ModelError`]'s does.
@@ -208,6 +218,9 @@ pub struct TrainConfig {
     /// (see [`train_rank`]). Needs FSDP with a replicate dim; no held-out evaluation,
     /// checkpoints or mixture-of-experts blocks (their collectives are not covered).
     pub fault_tolerant: bool,
+    /// Pipeline parallelism over the mesh's `pp` dim (needed when the mesh has one; see
+    /// [`crate::pipeline`] for what it covers).
+    pub pipeline: Option<PipelineSpec>,
 }
 
 /// Held-out evaluation: the mean loss over `batches` fixed batches of `corpus` (forward
@@ -284,6 +297,7 @@ impl TrainConfig {
             resume: false,
             init_from: None,
             fault_tolerant: false,
+            pipeline: None,
         }
     }
 
@@ -352,6 +366,9 @@ pub struct RankReport {
     pub lost_ranks: Vec<usize>,
     /// Each recovery from a lost replica group (fault-tolerant training).
     pub recoveries: Vec<Recovery>,
+    /// Per step, with pipeline parallelism ([`TrainConfig::pipeline`]): the schedule's
+    /// analytic bubble and the measured one (empty otherwise).
+    pub pipeline: Vec<PipelineStepReport>,
 }
 
 /// One recovery of fault-tolerant training ([`TrainConfig::fault_tolerant`]).
@@ -678,6 +695,10 @@ fn recover(
 /// Trains on `mesh` (every rank of the mesh calls this) and reports per-step losses.
 /// `on_step` runs after every step on this rank.
 ///
+/// On a mesh with a `pp` dim the run is pipelined ([`crate::pipeline`]; it needs
+/// [`TrainConfig::pipeline`] and covers only what that module says, refusing the rest before
+/// any step).
+///
 /// # Fault tolerance
 ///
 /// With [`TrainConfig::fault_tolerant`] (HSDP: FSDP with a replicate dim), every step ends
@@ -697,6 +718,18 @@ pub fn train_rank(
     cfg: &TrainConfig,
     mut on_step: impl FnMut(&StepInfo),
 ) -> Result<RankReport> {
+    // A `pp` dim: the pipelined run (which checks its own settings).
+    if candle_dtensor_parallel::tp_plan::MeshRoles::of(mesh)?
+        .pp
+        .is_some()
+    {
+        return crate::pipeline::train_rank_pp(mesh, cfg, on_step);
+    }
+    if cfg.pipeline.is_some() {
+        return Err(RunError::Config(
+            "TrainConfig::pipeline needs a pp mesh dim".into(),
+        ));
+    }
     // Every rank checks the same settings: a bad split fails everywhere before any step.
     crate::fit::micro_batch_size(cfg.batch, cfg.grad_accum)?;
     let rep_dim = if cfg.fault_tolerant {

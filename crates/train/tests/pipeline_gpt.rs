@@ -1,0 +1,392 @@
+//! The GPT over a `pp` mesh dim: pipeline stages whose parameters equal the one-device
+//! model's, trained by GPipe, 1F1B and interleaved 1F1B on pp = 2 and 4 (and dp = 2 x pp = 2)
+//! to the one-device run's losses at every step; bad settings refused before any step.
+
+mod common;
+
+use std::time::Duration;
+
+use candle_core::DType;
+use candle_dtensor_comm::LocalWorld;
+use candle_dtensor_mesh::DeviceMesh;
+use candle_dtensor_models::{AcMode, Gpt, GptConfig, GptStage, ModelError};
+use candle_dtensor_parallel::params::ParamStore;
+use candle_dtensor_parallel::pipeline::{PipelineError, ScheduleError, ScheduleKind};
+use candle_dtensor_parallel::TpPlan;
+use candle_dtensor_train::pipeline::PipelineSpec;
+use candle_dtensor_train::trainer::{train_rank, RankReport, TrainConfig};
+use candle_dtensor_train::RunError;
+use common::{assert_close, micro_gpt, short_run, R};
+
+const STEPS: usize = 4;
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The micro GPT with 4 blocks.
+fn gpt4() -> GptConfig {
+    GptConfig {
+        n_layers: 4,
+        ..micro_gpt()
+    }
+}
+
+fn cfg(pipeline: Option<PipelineSpec>) -> TrainConfig {
+    cfg_layers(4, pipeline)
+}
+
+fn cfg_layers(layers: usize, pipeline: Option<PipelineSpec>) -> TrainConfig {
+    let g = GptConfig {
+        n_layers: layers,
+        ..micro_gpt()
+    };
+    let mut c = short_run(g, TpPlan::gpt(false), STEPS, 7);
+    c.pipeline = pipeline;
+    c
+}
+
+/// Every rank's report (or error) of training `c` on a local world shaped `dims`.
+fn run_all(dims: &[(&str, usize)], c: &TrainConfig) -> Vec<Result<RankReport, RunError>> {
+    let n: usize = dims.iter().map(|d| d.1).product();
+    LocalWorld::new(n)
+        .with_timeout(TIMEOUT)
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, dims)?;
+            Ok(train_rank(&mesh, c, |_| {}))
+        })
+        .unwrap()
+}
+
+fn spec(kind: ScheduleKind, m: usize, v: usize) -> PipelineSpec {
+    PipelineSpec {
+        chunks: v,
+        ..PipelineSpec::new(kind, m)
+    }
+}
+
+#[test]
+fn stage_parameters_equal_the_one_device_models() -> R<()> {
+    let out = LocalWorld::new(1)
+        .with_timeout(TIMEOUT)
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, &[("dp", 1)])?;
+            for tied in [false, true] {
+                let cfg = GptConfig { tied, ..gpt4() };
+                let (_, full) = Gpt::new(&cfg, &mesh, &TpPlan::new(), 11, DType::F32)?;
+                let mut store = ParamStore::new(&mesh, 11, DType::F32);
+                for (s, r) in [(0, 0..1), (1, 1..3), (2, 3..4)] {
+                    GptStage::new(&cfg, &mesh, s, 3, r, &mut store)?;
+                }
+                let mut n = 0;
+                for p in store.params() {
+                    let q = full
+                        .params()
+                        .iter()
+                        .find(|q| q.name == p.name)
+                        .ok_or_else(|| format!("{} is not a parameter of the model", p.name))?;
+                    let d = (p.var.as_tensor() - q.var.as_tensor())?
+                        .abs()?
+                        .max_all()?
+                        .to_scalar::<f32>()?;
+                    if d != 0.0 {
+                        return Err(format!("tied {tied}: {} differs by {d}", p.name).into());
+                    }
+                    n += 1;
+                }
+                // The three stages hold every parameter of the model, once (a tied table
+                // twice: the last stage's copy).
+                if n != full.params().len() + usize::from(tied) {
+                    return Err(format!(
+                        "tied {tied}: {n} stage parameters, {} in the model",
+                        full.params().len()
+                    )
+                    .into());
+                }
+            }
+            Ok(())
+        })?;
+    assert_eq!(out.len(), 1);
+    Ok(())
+}
+
+/// A mesh, the model's blocks, the pipeline.
+type Case = (&'static [(&'static str, usize)], usize, PipelineSpec);
+
+#[test]
+fn pipelines_match_one_device() -> R<()> {
+    let mut uneven = spec(ScheduleKind::OneFOneB, 4, 1);
+    uneven.split = Some(vec![3, 1]);
+    let cases: [Case; 9] = [
+        (&[("pp", 2)], 4, uneven),
+        (&[("pp", 4)], 8, spec(ScheduleKind::Interleaved1F1B, 8, 2)),
+        (&[("pp", 2)], 4, spec(ScheduleKind::GPipe, 4, 1)),
+        (&[("pp", 2)], 4, spec(ScheduleKind::OneFOneB, 4, 1)),
+        (&[("pp", 2)], 4, spec(ScheduleKind::Interleaved1F1B, 4, 2)),
+        (&[("pp", 4)], 4, spec(ScheduleKind::GPipe, 4, 1)),
+        (&[("pp", 4)], 4, spec(ScheduleKind::OneFOneB, 8, 1)),
+        (
+            &[("dp", 2), ("pp", 2)],
+            4,
+            spec(ScheduleKind::OneFOneB, 4, 1),
+        ),
+        (&[("pp", 2), ("dp", 2)], 4, spec(ScheduleKind::GPipe, 2, 1)),
+    ];
+    let mut references = std::collections::HashMap::new();
+    for (dims, layers, s) in cases {
+        let what = format!(
+            "{dims:?} {layers} blocks {} m={} v={} split {:?}",
+            s.schedule, s.micro_batches, s.chunks, s.split
+        );
+        if let std::collections::hash_map::Entry::Vacant(slot) = references.entry(layers) {
+            let r = run_all(&[("dp", 1)], &cfg_layers(layers, None))
+                .pop()
+                .ok_or("no rank")??;
+            assert_eq!(r.losses.len(), STEPS);
+            // The run trains (a comparison of constant losses would prove little).
+            assert!(r.losses[STEPS - 1] < r.losses[0], "{:?}", r.losses);
+            slot.insert((r.losses, r.params, r.param_bytes));
+        }
+        let (reference, params, bytes) = &references[&layers];
+        let reports = run_all(dims, &cfg_layers(layers, Some(s)));
+        let dp = dims.iter().find(|d| d.0 == "dp").map_or(1, |d| d.1);
+        let mut held = 0;
+        let mut worst = 0.0f64;
+        for r in reports {
+            let r = r?;
+            held += r.param_bytes;
+            assert_close(&r.losses, reference, 1e-5, &what);
+            // The whole model's parameter count, on every rank.
+            assert_eq!(r.params, *params, "{what}");
+            for (a, b) in r.losses.iter().zip(reference) {
+                worst = worst.max(f64::from((a - b).abs() / b.abs()));
+            }
+            assert_eq!(r.pipeline.len(), STEPS, "{what}");
+            for st in &r.pipeline {
+                assert!(
+                    st.analytic_bubble > 0.0 && st.analytic_bubble < 1.0,
+                    "{what}: {st:?}"
+                );
+                assert!(
+                    st.measured_bubble.is_finite() && st.measured_bubble < 1.0,
+                    "{what}: {st:?}"
+                );
+            }
+            if r.rank == 0 {
+                let last = &r.pipeline[STEPS - 1];
+                tracing::info!(
+                    what,
+                    worst,
+                    analytic = last.analytic_bubble,
+                    measured = last.measured_bubble,
+                    "pipelined run against one device"
+                );
+            }
+        }
+        // Each rank builds only its stages' parameters: every pipeline replica holds the
+        // model once.
+        assert_eq!(held, dp * bytes, "{what}: parameter bytes over the ranks");
+    }
+    Ok(())
+}
+
+/// Every rank returns the same kind of error.
+fn refused(dims: &[(&str, usize)], c: &TrainConfig) -> Vec<RunError> {
+    run_all(dims, c)
+        .into_iter()
+        .map(|r| match r {
+            Err(e) => e,
+            Ok(_) => panic!("{dims:?}: the run was not refused"),
+        })
+        .collect()
+}
+
+/// A tied head: the last stage's copy of the token table is kept equal to the first stage's,
+/// so every layout trains the one-device tied model; the gradient norm counts the table once.
+#[test]
+fn tied_head_matches_one_device() -> R<()> {
+    let tied = |pipeline| {
+        let mut c = cfg(pipeline);
+        c.gpt.tied = true;
+        c.grad_norm_every = 1;
+        c
+    };
+    let train = |dims: &[(&str, usize)], c: &TrainConfig| -> R<Vec<(Vec<f32>, Vec<f64>)>> {
+        let n: usize = dims.iter().map(|d| d.1).product();
+        Ok(LocalWorld::new(n)
+            .with_timeout(TIMEOUT)
+            .launch(|comm| -> R<_> {
+                let mesh = DeviceMesh::new(comm, dims)?;
+                let mut norms = Vec::new();
+                let r = train_rank(&mesh, c, |i| norms.push(i.grad_norm.unwrap_or(f64::NAN)))?;
+                Ok((r.losses, norms))
+            })?)
+    };
+    let (want, want_norms) = train(&[("dp", 1)], &tied(None))?.remove(0);
+    let cases: [Case; 4] = [
+        (&[("pp", 2)], 4, spec(ScheduleKind::OneFOneB, 4, 1)),
+        (&[("pp", 2)], 4, spec(ScheduleKind::Interleaved1F1B, 4, 2)),
+        (&[("pp", 4)], 4, spec(ScheduleKind::OneFOneB, 4, 1)),
+        (&[("dp", 2), ("pp", 2)], 4, spec(ScheduleKind::GPipe, 2, 1)),
+    ];
+    for (dims, _, s) in cases {
+        let what = format!("tied {dims:?} {}", s.schedule);
+        for (losses, norms) in train(dims, &tied(Some(s)))? {
+            assert_close(&losses, &want, 1e-5, &what);
+            let n: Vec<f32> = norms.iter().map(|&x| x as f32).collect();
+            let w: Vec<f32> = want_norms.iter().map(|&x| x as f32).collect();
+            assert_close(&n, &w, 1e-5, &format!("{what}: gradient norms"));
+        }
+    }
+    Ok(())
+}
+
+/// Activation checkpointing inside the stages changes no loss, and keeps less for backward.
+#[test]
+fn checkpointed_stages_match_one_device() -> R<()> {
+    let reference = run_all(&[("dp", 1)], &cfg(None))
+        .pop()
+        .ok_or("no rank")??
+        .losses;
+    let mut bytes = Vec::new();
+    for ac in [AcMode::None, AcMode::Selective, AcMode::Full] {
+        let mut c = cfg(Some(spec(ScheduleKind::OneFOneB, 4, 1)));
+        c.gpt.ac = ac;
+        let mut most = 0;
+        for r in run_all(&[("pp", 2)], &c) {
+            let r = r?;
+            assert_close(&r.losses, &reference, 1e-5, &format!("--ac {}", ac.name()));
+            most = most.max(r.peak_activation_bytes);
+        }
+        bytes.push(most);
+    }
+    // none > selective > full, per stage (the largest over the ranks).
+    assert!(bytes[0] > bytes[1] && bytes[1] > bytes[2], "{bytes:?}");
+    Ok(())
+}
+
+/// Gradient clipping: the global norm over the stages (and dp replicas) clips as on one device.
+#[test]
+fn clipping_matches_one_device() -> R<()> {
+    let clipped = |pipeline| {
+        let mut c = cfg(pipeline);
+        c.clip = Some(0.1);
+        c
+    };
+    let reference = run_all(&[("dp", 1)], &clipped(None))
+        .pop()
+        .ok_or("no rank")??;
+    let norms = LocalWorld::new(4)
+        .with_timeout(TIMEOUT)
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, &[("dp", 2), ("pp", 2)])?;
+            let mut norms = Vec::new();
+            let c = clipped(Some(spec(ScheduleKind::OneFOneB, 2, 1)));
+            let r = train_rank(&mesh, &c, |i| norms.push(i.grad_norm))?;
+            assert_close(&r.losses, &reference.losses, 1e-5, "clipped dp=2 x pp=2");
+            Ok(norms)
+        })?;
+    for n in norms.into_iter().flatten() {
+        // The clip is active: every step's norm exceeds it.
+        let n = n.ok_or("no gradient norm")?;
+        assert!(n > 0.1, "norm {n}");
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_settings_are_refused_on_every_rank() {
+    // Zero-bubble: a GPT stage cannot split its backward.
+    for e in refused(
+        &[("pp", 2)],
+        &cfg(Some(spec(ScheduleKind::ZeroBubbleH1, 4, 1))),
+    ) {
+        assert!(
+            matches!(&e, RunError::Unsupported(m) if m.contains("ZB-H1")),
+            "{e}"
+        );
+    }
+    // More stages than blocks (pp 4 x 2 chunks = 8 stages for 4 blocks).
+    for e in refused(
+        &[("pp", 4)],
+        &cfg(Some(spec(ScheduleKind::Interleaved1F1B, 4, 2))),
+    ) {
+        assert!(
+            matches!(
+                &e,
+                RunError::Pipeline(p) if matches!(**p, PipelineError::Split { layers: 4, stages: 8, .. })
+            ),
+            "{e}"
+        );
+    }
+    // An explicit split leaving a stage empty.
+    let mut s = spec(ScheduleKind::GPipe, 2, 1);
+    s.split = Some(vec![4, 0]);
+    for e in refused(&[("pp", 2)], &cfg(Some(s))) {
+        assert!(
+            e.to_string().contains("stage 1") && e.to_string().contains("empty"),
+            "{e}"
+        );
+    }
+    // Micro-batches not dividing the batch (8 rows, dp 2 x 3 micro-batches).
+    for e in refused(
+        &[("dp", 2), ("pp", 2)],
+        &cfg(Some(spec(ScheduleKind::GPipe, 3, 1))),
+    ) {
+        assert!(
+            matches!(&e, RunError::Config(m) if m.contains("micro-batches 3") && m.contains("batch 8")),
+            "{e}"
+        );
+    }
+    // Interleaved needs m % p == 0.
+    for e in refused(
+        &[("pp", 2)],
+        &cfg(Some(spec(ScheduleKind::Interleaved1F1B, 1, 2))),
+    ) {
+        assert!(
+            matches!(
+                &e,
+                RunError::Pipeline(p) if matches!(&**p, PipelineError::Schedule(ScheduleError::Rule { p: 2, m: 1, v: 2, .. }))
+            ),
+            "{e}"
+        );
+    }
+    // A tied head on one pipeline rank with two chunks, and combinations not implemented.
+    let mut c = cfg(Some(spec(ScheduleKind::Interleaved1F1B, 2, 2)));
+    c.gpt.tied = true;
+    for e in refused(&[("pp", 1)], &c) {
+        assert!(
+            matches!(&e, RunError::Unsupported(m) if m.contains("tied")),
+            "{e}"
+        );
+    }
+    let mut c = cfg(Some(spec(ScheduleKind::GPipe, 2, 1)));
+    c.gpt.moe = Some(candle_dtensor_parallel::MoeConfig::new(4, 2));
+    for e in refused(&[("pp", 2)], &c) {
+        assert!(
+            matches!(&e, RunError::Model(m) if matches!(**m, ModelError::Unsupported(_))),
+            "{e}"
+        );
+    }
+    for e in refused(
+        &[("tp", 2), ("pp", 2)],
+        &cfg(Some(spec(ScheduleKind::GPipe, 2, 1))),
+    ) {
+        assert!(
+            matches!(&e, RunError::Unsupported(m) if m.contains("\"tp\"")),
+            "{e}"
+        );
+    }
+    let mut c = cfg(Some(spec(ScheduleKind::GPipe, 2, 1)));
+    c.fsdp = Some(common::fsdp_over("dp", None));
+    for e in refused(&[("dp", 2), ("pp", 2)], &c) {
+        assert!(
+            matches!(&e, RunError::Unsupported(m) if m.contains("FSDP")),
+            "{e}"
+        );
+    }
+    // A pipeline setting without a pp dim.
+    for e in refused(&[("dp", 2)], &cfg(Some(spec(ScheduleKind::GPipe, 2, 1)))) {
+        assert!(
+            matches!(&e, RunError::Config(m) if m.contains("pp mesh dim")),
+            "{e}"
+        );
+    }
+}

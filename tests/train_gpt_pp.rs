@@ -1,0 +1,158 @@
+//! train_gpt over a `pp` mesh dim (issue 35, item 3), through the example's own `parse_args`
+//! and `real_main`: `--mesh pp=2` and `dp=2,pp=2` train to the single-device run's losses
+//! (`--check`), the summary reports the schedule's analytic bubble and the measured one per
+//! step (a tied head too), and bad pipeline settings fail before training, naming the flags,
+//! values and rule.
+#[path = "../examples/train_gpt.rs"]
+#[allow(dead_code)]
+mod train_gpt;
+
+mod common;
+
+use common::Scratch;
+use std::ffi::OsString;
+
+use train_gpt::Failure;
+
+/// `real_main` sizes the gemm threads through a process environment variable: one run at a
+/// time.
+static RUN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn run(args: &[&str]) -> Result<Option<serde_json::Value>, Failure> {
+    let argv: Vec<OsString> = std::iter::once("train_gpt")
+        .chain(args.iter().copied())
+        .map(OsString::from)
+        .collect();
+    let a = train_gpt::parse_args(argv).map_err(|e| Failure::Error(e.to_string()))?;
+    let _one = RUN.lock().unwrap_or_else(|e| e.into_inner());
+    train_gpt::real_main(&a)
+}
+
+#[test]
+fn pipelined_runs_match_one_device_and_report_bubbles() {
+    let dir = Scratch::new("pp");
+    let out = dir.s("curves");
+    for (mesh, m, schedule, chunks, analytic, head) in [
+        ("pp=2", "4", "1f1b", "1", 0.2, "--untied"),
+        ("dp=2,pp=2", "2", "gpipe", "1", 1.0 / 3.0, "--untied"),
+        ("pp=2", "4", "interleaved-1f1b", "2", 1.0 / 9.0, "--untied"),
+        ("pp=4", "4", "1f1b", "1", 3.0 / 7.0, "--tied"),
+    ] {
+        let s = match run(&[
+            head,
+            "--mesh",
+            mesh,
+            "--layers",
+            "4",
+            "--microbatches",
+            m,
+            "--pp-schedule",
+            schedule,
+            "--pp-chunks",
+            chunks,
+            "--steps",
+            "3",
+            "--check",
+            "--json",
+            "--out",
+            &out,
+        ]) {
+            Ok(Some(s)) => s,
+            other => panic!("{mesh} {schedule}: {other:?}"),
+        };
+        assert_eq!(s["check_passed"], true, "{mesh} {schedule}: {s}");
+        // 8 sequences in m micro-batches.
+        assert_eq!(
+            s["micro_batch"].as_u64(),
+            Some(8 / m.parse::<u64>().unwrap()),
+            "{s}"
+        );
+        let p = &s["pipeline"];
+        assert_eq!(p["schedule"], schedule, "{p}");
+        let a = p["analytic_bubble"].as_f64().unwrap();
+        assert!(
+            (a - analytic).abs() < 1e-9,
+            "{mesh} {schedule}: analytic {a}"
+        );
+        let measured = p["measured_bubble"].as_array().unwrap();
+        assert_eq!(measured.len(), 3, "{p}");
+        for x in measured {
+            let x = x.as_f64().unwrap();
+            assert!((0.0..1.0).contains(&x), "{mesh} {schedule}: measured {x}");
+        }
+    }
+}
+
+#[test]
+fn bad_pipeline_settings_are_refused_before_training() {
+    let dir = Scratch::new("pp-bad");
+    let out = dir.s("curves");
+    let cases: [(&[&str], &[&str]); 7] = [
+        (
+            &["--mesh", "pp=4", "--layers", "2"],
+            &["pp=4", "2 blocks", "pp x pp-chunks <= blocks"],
+        ),
+        (
+            &[
+                "--mesh",
+                "dp=2,pp=2",
+                "--layers",
+                "4",
+                "--microbatches",
+                "3",
+            ],
+            &["--microbatches 3", "--batch 8", "dp=2", "divides the batch"],
+        ),
+        (
+            &[
+                "--mesh",
+                "pp=4",
+                "--layers",
+                "4",
+                "--microbatches",
+                "2",
+                "--pp-schedule",
+                "interleaved",
+            ],
+            &[
+                "--pp-schedule interleaved",
+                "--microbatches 2",
+                "m % p == 0",
+            ],
+        ),
+        (
+            &["--mesh", "pp=2", "--layers", "4", "--pp-split", "4,0"],
+            &["--pp-split", "stage 1", "empty"],
+        ),
+        (
+            &["--mesh", "pp=2", "--layers", "4", "--pp-schedule", "zb-h1"],
+            &["--pp-schedule zb-h1", "cannot split backward"],
+        ),
+        (
+            &["--mesh", "tp=2,pp=2", "--layers", "4"],
+            &["--mesh tp=2,pp=2", "dp only"],
+        ),
+        (
+            &["--mesh", "dp=2,pp=2", "--layers", "4", "--fsdp"],
+            &["--fsdp", "not implemented with pipeline parallelism"],
+        ),
+    ];
+    for (args, want) in cases {
+        let mut a = args.to_vec();
+        a.extend(["--steps", "1", "--json", "--out", &out]);
+        let r = run(&a);
+        assert_eq!(
+            train_gpt::exit_code(&r),
+            train_gpt::EXIT_ERROR,
+            "{args:?}: {r:?}"
+        );
+        let e = r.unwrap_err().to_string();
+        for w in want {
+            assert!(e.contains(w), "{args:?}: {e:?} lacks {w:?}");
+        }
+        assert!(
+            !dir.path("curves.csv").exists(),
+            "{args:?}: a loss CSV was written"
+        );
+    }
+}
