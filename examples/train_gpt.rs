@@ -1488,13 +1488,9 @@ fn pipeline_spec(
             args.mesh
         ));
     }
-    let refused: [(bool, &str); 10] = [
+    let refused: [(bool, &str); 9] = [
         (args.fsdp || args.hsdp, "--fsdp / --hsdp"),
         (args.sp, "--sp"),
-        (
-            args.save_dir.is_some() || args.resume,
-            "--save-dir / --resume",
-        ),
         (args.init_from.is_some(), "--init-from"),
         (args.eval_every > 0, "--eval-every"),
         (args.sample > 0, "--sample"),

@@ -156,3 +156,70 @@ fn bad_pipeline_settings_are_refused_before_training() {
         );
     }
 }
+
+/// `--save-dir` / `--resume` across pipeline sizes: saved on pp=2 after 2 steps, resumed on
+/// dp=2 (FSDP, no pipeline) and on pp=4, each ends with the uninterrupted single-device run's
+/// losses (`--check` compares the steps it ran).
+#[test]
+fn a_pipelined_checkpoint_resumes_on_other_layouts() {
+    let dir = Scratch::new("pp_resume");
+    let out = dir.s("curves");
+    for (i, (mesh, extra)) in [
+        ("dp=2", &[][..]),
+        (
+            "pp=4",
+            &["--microbatches", "4", "--pp-schedule", "gpipe"][..],
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let ckpt = dir.s(&format!("ckpt{i}"));
+        let first = run(&[
+            "--mesh",
+            "pp=2",
+            "--layers",
+            "4",
+            "--microbatches",
+            "2",
+            "--pp-schedule",
+            "1f1b",
+            "--steps",
+            "2",
+            "--save-dir",
+            &ckpt,
+            "--save-every",
+            "2",
+            "--json",
+            "--out",
+            &out,
+        ]);
+        let s = match first {
+            Ok(Some(s)) => s,
+            other => panic!("saving on pp=2: {other:?}"),
+        };
+        assert_eq!(s["saved_steps"], serde_json::json!([2]), "{s}");
+        let mut args = vec![
+            "--mesh",
+            mesh,
+            "--layers",
+            "4",
+            "--steps",
+            "4",
+            "--save-dir",
+            &ckpt,
+            "--resume",
+            "--check",
+            "--json",
+            "--out",
+            &out,
+        ];
+        args.extend_from_slice(extra);
+        let s = match run(&args) {
+            Ok(Some(s)) => s,
+            other => panic!("resuming on {mesh}: {other:?}"),
+        };
+        assert_eq!(s["start_step"], 2, "{mesh}: {s}");
+        assert_eq!(s["check_passed"], true, "{mesh}: {s}");
+    }
+}

@@ -26,14 +26,21 @@
 //! the global batch, and the gradients are those of one batch of all the tokens (up to
 //! floating-point summation order).
 //!
+//! # Checkpoints
+//!
+//! `save_dir` / `resume` write and read the format of every other layout: each rank saves its
+//! stages' parameters and AdamW moments under their one-device names (the first data-parallel
+//! replica writes; the tied head's copy on the last stage is not written twice), so a run saved
+//! on `pp=2` resumes on `pp=4`, on `dp=2` without a pipeline, and back.
+//!
 //! # Not covered
 //!
 //! Refused before any step ([`RunError::Unsupported`]): zero-bubble schedules (a GPT stage
 //! cannot split its backward into input and weight gradients: candle's autograd computes both
 //! operands' gradients of a matmul together, so `BackwardInput` alone cannot be had without
 //! hand-written backwards of attention and the norms), FSDP, tensor / context / expert
-//! parallelism and mesh dims other than `pp` and `dp`, checkpoints and resumption, a tied
-//! head with one pipeline rank and several chunks (both copies would be on one rank),
+//! parallelism and mesh dims other than `pp` and `dp`, a tied head with one pipeline rank and
+//! several chunks (both copies would be on one rank),
 //! held-out evaluation, sampling, SGD, fault tolerance, and
 //! [`GptStage::check_config`]'s refusal (MoE blocks).
 
@@ -54,6 +61,7 @@ use candle_dtensor_parallel::pipeline::{
 use candle_dtensor_parallel::tp_plan::MeshRoles;
 use candle_nn::{Optimizer, ParamsAdamW};
 
+use crate::checkpoint::{self, CheckpointError, CheckpointVar, StoreCheckpoint, Which};
 use crate::optim::AdamW;
 use crate::trainer::{RankReport, RunError, StepInfo, TrainConfig};
 
@@ -132,12 +140,8 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
              dp (data-parallel replicas of the pipeline) are implemented"
         )));
     }
-    let refusals: [(bool, &str); 8] = [
+    let refusals: [(bool, &str); 7] = [
         (cfg.fsdp.is_some(), "FSDP"),
-        (
-            cfg.save_dir.is_some() || cfg.resume,
-            "checkpoints and resumption",
-        ),
         (cfg.init_from.is_some(), "initialising from a file"),
         (cfg.eval.is_some(), "held-out evaluation"),
         (cfg.sample.is_some(), "sampling"),
@@ -476,7 +480,42 @@ pub(crate) fn train_rank_pp(
         &dev,
         ReduceOp::Sum,
     )? as usize;
+    // Checkpoints: every rank saves its stages' parameters (and moments) under their
+    // one-device names, written by the first data-parallel replica; the tied head's copy on
+    // the last stage is not written again (after the step's sync it equals the first
+    // stage's). The format is the one every layout reads, so a run saved on pp=2 resumes on
+    // pp=4, on dp=2 without a pipeline, and back.
+    if (cfg.resume || cfg.save_every > 0) && cfg.save_dir.is_none() {
+        return Err(RunError::Config(
+            "resume and save_every need a save_dir".into(),
+        ));
+    }
+    let ckpt_vars: Vec<CheckpointVar> = store
+        .checkpoint_vars()
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut v)| {
+            let tied_copy = matches!(&tied, Some((_, idx, true)) if *idx == i);
+            v.writer = v.writer && lay.dp_rank == 0 && !tied_copy;
+            v
+        })
+        .collect();
+    let extra = crate::trainer::checkpoint_extra(cfg, &corpus.fingerprint().to_string());
+    let mut start = 0;
+    if let (true, Some(dir)) = (cfg.resume, &cfg.save_dir) {
+        match checkpoint::load_vars(dir, Which::Latest, Some(mesh), &ckpt_vars, Some(&mut opt)) {
+            Ok(info) => {
+                start = info.step;
+                crate::trainer::warn_data_changes(&info, &extra);
+            }
+            Err(CheckpointError::NotFound { .. }) => {
+                tracing::info!(dir = %dir.display(), "no checkpoint to resume; starting at step 0");
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
     let mut report = RankReport {
+        start_step: start,
         param_bytes: store.local_bytes(),
         // This rank's parameters, their gradients and AdamW's two moments (f32), as the
         // GPT run counts them without FSDP.
@@ -485,7 +524,7 @@ pub(crate) fn train_rank_pp(
         rank: mesh.rank(),
         ..RankReport::default()
     };
-    for step in 0..cfg.steps {
+    for step in start..cfg.steps {
         let t0 = Instant::now();
         let (xs, ys) = corpus.batch(step as u64, cfg.batch, t, cfg.seed);
         let first_row = lay.dp_rank * cfg.batch / lay.dp;
@@ -624,6 +663,15 @@ pub(crate) fn train_rank_pp(
             exposed_comm_ms: 0.0,
             peak_bytes: report.param_grad_optim_bytes,
         });
+        if let Some(dir) = &cfg.save_dir {
+            let done = step + 1;
+            if (cfg.save_every > 0 && done.is_multiple_of(cfg.save_every)) || done == cfg.steps {
+                let t0 = Instant::now();
+                checkpoint::save_vars(dir, done, Some(mesh), &ckpt_vars, Some(&opt), &extra)?;
+                report.save_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                report.saved_steps.push(done);
+            }
+        }
     }
     Ok(report)
 }

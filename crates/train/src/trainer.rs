@@ -692,6 +692,36 @@ fn recover(
     ))
 }
 
+/// What the data stream depends on, saved with every checkpoint (`fingerprint`: the
+/// corpus's).
+pub(crate) fn checkpoint_extra(cfg: &TrainConfig, fingerprint: &str) -> serde_json::Value {
+    serde_json::json!({
+        "seed": cfg.seed,
+        "batch": cfg.batch,
+        "corpus_tokens": cfg.corpus_tokens,
+        "data": match cfg.data {
+            None => "synthetic corpus; batches are a function of (seed, step) only",
+            Some(_) => "given tokens; batches are a function of (tokens, seed, step) only",
+        },
+        "data_fingerprint": fingerprint,
+    })
+}
+
+/// Warns about every data setting a resumed checkpoint was saved with that differs now.
+pub(crate) fn warn_data_changes(info: &crate::checkpoint::LoadInfo, extra: &serde_json::Value) {
+    for key in ["seed", "batch", "corpus_tokens", "data_fingerprint"] {
+        if info.extra.get(key) != extra.get(key) {
+            tracing::warn!(
+                key,
+                saved = %info.extra.get(key).unwrap_or(&serde_json::Value::Null),
+                now = %extra.get(key).unwrap_or(&serde_json::Value::Null),
+                "resuming with a different data setting: the data stream differs"
+            );
+        }
+    }
+    tracing::info!(step = info.step, dir = %info.dir.display(), "resumed");
+}
+
 /// Trains on `mesh` (every rank of the mesh calls this) and reports per-step losses.
 /// `on_step` runs after every step on this rank.
 ///
@@ -766,17 +796,7 @@ pub fn train_rank(
             )));
         }
     }
-    // What the data stream depends on, saved with every checkpoint.
-    let extra = serde_json::json!({
-        "seed": cfg.seed,
-        "batch": cfg.batch,
-        "corpus_tokens": cfg.corpus_tokens,
-        "data": match cfg.data {
-            None => "synthetic corpus; batches are a function of (seed, step) only",
-            Some(_) => "given tokens; batches are a function of (tokens, seed, step) only",
-        },
-        "data_fingerprint": corpus.fingerprint().to_string(),
-    });
+    let extra = checkpoint_extra(cfg, &corpus.fingerprint().to_string());
     if (cfg.resume || cfg.save_every > 0) && cfg.save_dir.is_none() {
         return Err(RunError::Config(
             "resume and save_every need a save_dir".into(),
@@ -789,17 +809,7 @@ pub fn train_rank(
             Ok(info) => {
                 start = info.step;
                 resumed = true;
-                for key in ["seed", "batch", "corpus_tokens", "data_fingerprint"] {
-                    if info.extra.get(key) != extra.get(key) {
-                        tracing::warn!(
-                            key,
-                            saved = %info.extra.get(key).unwrap_or(&serde_json::Value::Null),
-                            now = %extra.get(key).unwrap_or(&serde_json::Value::Null),
-                            "resuming with a different data setting: the data stream differs"
-                        );
-                    }
-                }
-                tracing::info!(step = start, dir = %info.dir.display(), "resumed");
+                warn_data_changes(&info, &extra);
             }
             Err(CheckpointError::NotFound { .. }) => {
                 tracing::info!(dir = %dir.display(), "no checkpoint to resume; starting at step 0");

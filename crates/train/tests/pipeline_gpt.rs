@@ -390,3 +390,63 @@ fn bad_settings_are_refused_on_every_rank() {
         );
     }
 }
+
+/// Checkpoints across pipeline sizes (issue 35, item 6): a run saved after step 2 on one
+/// layout resumes on another and continues with the uninterrupted one-device run's losses:
+/// pp=2 -> pp=4, pp=4 -> pp=2, pp=2 -> dp=2 (no pipeline), dp=2 -> pp=2 x dp=2, pp=2 ->
+/// interleaved pp=2; untied and tied heads (the last stage's copy of the table is read back
+/// from the first stage's).
+#[test]
+fn checkpoints_resume_across_pipeline_sizes() -> R<()> {
+    let scratch = common::Scratch::new("pp_ckpt");
+    type Layout = (&'static [(&'static str, usize)], Option<PipelineSpec>);
+    let pp2: Layout = (&[("pp", 2)], Some(spec(ScheduleKind::OneFOneB, 4, 1)));
+    let pp4: Layout = (&[("pp", 4)], Some(spec(ScheduleKind::GPipe, 4, 1)));
+    let dp2: Layout = (&[("dp", 2)], None);
+    let dp2pp2: Layout = (
+        &[("dp", 2), ("pp", 2)],
+        Some(spec(ScheduleKind::OneFOneB, 2, 1)),
+    );
+    let pp2v2: Layout = (
+        &[("pp", 2)],
+        Some(spec(ScheduleKind::Interleaved1F1B, 4, 2)),
+    );
+    for tied in [false, true] {
+        let base = |pipeline: Option<PipelineSpec>| {
+            let mut c = cfg(pipeline);
+            c.gpt.tied = tied;
+            c
+        };
+        let want = run_all(&[("dp", 1)], &base(None)).remove(0)?.losses;
+        assert_eq!(want.len(), STEPS);
+        let cases = [
+            (pp2.clone(), pp4.clone()),
+            (pp4.clone(), pp2.clone()),
+            (pp2.clone(), dp2.clone()),
+            (dp2.clone(), dp2pp2.clone()),
+            (pp2.clone(), pp2v2.clone()),
+        ];
+        for (i, ((sd, ss), (ld, ls))) in cases.into_iter().enumerate() {
+            let what = format!("tied {tied}: saved on {sd:?}, resumed on {ld:?}");
+            let dir = scratch.0.join(format!("{tied}-{i}"));
+            let mut first = base(ss);
+            first.steps = 2;
+            first.save_dir = Some(dir.clone());
+            first.save_every = 2;
+            for r in run_all(sd, &first) {
+                let r = r.map_err(|e| format!("{what}: first half: {e}"))?;
+                assert_eq!(r.saved_steps, vec![2], "{what}");
+                assert_close(&r.losses, &want[..2], 1e-5, &format!("{what}: first half"));
+            }
+            let mut second = base(ls);
+            second.save_dir = Some(dir);
+            second.resume = true;
+            for r in run_all(ld, &second) {
+                let r = r.map_err(|e| format!("{what}: resumed: {e}"))?;
+                assert_eq!(r.start_step, 2, "{what}");
+                assert_close(&r.losses, &want[2..], 1e-5, &format!("{what}: resumed"));
+            }
+        }
+    }
+    Ok(())
+}

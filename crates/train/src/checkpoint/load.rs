@@ -269,6 +269,21 @@ fn load_with(
     let rank = comm.map_or(0, Comm::rank);
     let _span = tracing::info_span!("checkpoint_load", rank).entered();
     let step = agreed(comm, resolve(root, which))?;
+    // The model's parameters are those of every rank together (a pipeline stage holds only
+    // its own): a saved parameter none of them holds is unexpected.
+    let own: Vec<&str> = vars.iter().map(|p| p.name.as_str()).collect();
+    let gathered = all_gather_bytes(comm, own.join("\n").as_bytes())?;
+    let mut model: Vec<String> = Vec::new();
+    for b in &gathered {
+        let text = String::from_utf8_lossy(b);
+        model.extend(
+            text.split('\n')
+                .filter(|n| !n.is_empty())
+                .map(str::to_string),
+        );
+    }
+    model.sort();
+    model.dedup();
     let steps = all_gather_bytes(comm, &(step as u64).to_le_bytes())?;
     if steps
         .iter()
@@ -311,7 +326,7 @@ fn load_with(
                 file: step_dir(root, step).join(MANIFEST),
             });
         }
-        let names: Vec<&str> = vars.iter().map(|p| p.name.as_str()).collect();
+        let names: Vec<&str> = model.iter().map(String::as_str).collect();
         let bytes_read = fill_targets(root, &manifest, &mut targets, &names)?;
         Ok((manifest, targets, bytes_read))
     })();

@@ -28,11 +28,41 @@ struct Piece {
     data: Tensor,
 }
 
-/// The chunk list a rank reports to rank 0.
+/// The chunk list a rank reports to rank 0, and the tensors it holds (their global shape
+/// and dtype, no chunks): a pipeline stage's rank holds only its stage's parameters, so rank
+/// 0's own list does not name them all.
 #[derive(Serialize, Deserialize)]
 struct RankReport {
     file: Option<(String, u64)>,
     chunks: Vec<(String, ChunkMeta)>,
+    #[serde(default)]
+    tensors: Vec<(String, TensorMeta)>,
+}
+
+/// The tensors of `vars` (and, with `opt`, their moments) as the manifest lists them, without
+/// chunks.
+fn declared(vars: &[CheckpointVar], opt: Option<&AdamW>) -> Vec<(String, TensorMeta)> {
+    let kinds: &[TensorKind] = if opt.is_some() {
+        &[TensorKind::Param, TensorKind::ExpAvg, TensorKind::ExpAvgSq]
+    } else {
+        &[TensorKind::Param]
+    };
+    let mut out = Vec::with_capacity(vars.len() * kinds.len());
+    for p in vars {
+        for &kind in kinds {
+            out.push((
+                fqn(kind, &p.name),
+                TensorMeta {
+                    param: p.name.clone(),
+                    kind,
+                    shape: p.global_dims.clone(),
+                    dtype: p.var.dtype().as_str().to_string(),
+                    chunks: Vec::new(),
+                },
+            ));
+        }
+    }
+    out
 }
 
 fn pieces(vars: &[CheckpointVar], opt: Option<&AdamW>) -> Result<Vec<Piece>> {
@@ -74,6 +104,7 @@ fn write_rank_file(dir: &Path, rank: usize, pieces: &[Piece]) -> Result<RankRepo
         return Ok(RankReport {
             file: None,
             chunks: Vec::new(),
+            tensors: Vec::new(),
         });
     }
     std::fs::create_dir_all(dir).map_err(io("create", dir))?;
@@ -116,6 +147,7 @@ fn write_rank_file(dir: &Path, rank: usize, pieces: &[Piece]) -> Result<RankRepo
     Ok(RankReport {
         file: Some((name, bytes)),
         chunks,
+        tensors: Vec::new(),
     })
 }
 
@@ -137,7 +169,7 @@ fn prepare_dir(root: &Path, dir: &Path) -> Result<()> {
     fsync_dir(root)
 }
 
-/// Rank 0: the manifest from its own var list (tensor list) and every rank's report.
+/// Rank 0: the manifest from the tensors every rank declared and every rank's report.
 fn build_manifest(
     vars: &[CheckpointVar],
     mesh: Option<&DeviceMesh>,
@@ -147,24 +179,26 @@ fn build_manifest(
     reports: &[RankReport],
     path: &Path,
 ) -> Result<Manifest> {
-    let mut tensors = BTreeMap::new();
-    for p in vars {
-        let kinds: &[TensorKind] = if opt.is_some() {
-            &[TensorKind::Param, TensorKind::ExpAvg, TensorKind::ExpAvgSq]
-        } else {
-            &[TensorKind::Param]
-        };
-        for &kind in kinds {
-            tensors.insert(
-                fqn(kind, &p.name),
-                TensorMeta {
-                    param: p.name.clone(),
-                    kind,
-                    shape: p.global_dims.clone(),
-                    dtype: p.var.dtype().as_str().to_string(),
-                    chunks: Vec::new(),
-                },
-            );
+    // Every tensor some rank holds, declared alike by every rank that holds it.
+    let mut tensors: BTreeMap<String, TensorMeta> = declared(vars, opt).into_iter().collect();
+    for (rank, r) in reports.iter().enumerate() {
+        for (name, meta) in &r.tensors {
+            match tensors.get(name) {
+                None => {
+                    tensors.insert(name.clone(), meta.clone());
+                }
+                Some(m)
+                    if m.shape == meta.shape && m.dtype == meta.dtype && m.kind == meta.kind => {}
+                Some(m) => {
+                    return Err(corrupt(
+                        path,
+                        format!(
+                            "rank {rank} holds tensor {name} as {:?} {}, rank 0 as {:?} {}",
+                            meta.shape, meta.dtype, m.shape, m.dtype
+                        ),
+                    ))
+                }
+            }
         }
     }
     let mut files = BTreeMap::new();
@@ -184,7 +218,7 @@ fn build_manifest(
                 .ok_or_else(|| {
                     corrupt(
                         path,
-                        format!("rank {rank} saved tensor {name}, which rank 0's model lacks"),
+                        format!("rank {rank} saved tensor {name}, which no rank declared"),
                     )
                 })?
                 .chunks
@@ -337,7 +371,12 @@ fn save_with(
     };
     let report = match unusable {
         Some(e) => Err(e),
-        None => pieces(&vars, opt).and_then(|p| write_rank_file(&dir, rank, &p)),
+        None => pieces(&vars, opt)
+            .and_then(|p| write_rank_file(&dir, rank, &p))
+            .map(|mut r| {
+                r.tensors = declared(&vars, opt);
+                r
+            }),
     };
     let status = match &report {
         Ok(r) => serde_json::to_vec(r).map_err(|e| e.to_string()),
