@@ -289,6 +289,172 @@ fn block_grads(
     Ok(Some((dq, dk, dv)))
 }
 
+/// About this many f32 elements in one tile's block of scores by default (16 MiB): queries
+/// are cut into tiles of rows so that a block's scores, probabilities and their gradients stay
+/// bounded whatever the sequence length (flash attention's query tiling; a block's keys are
+/// whole). [`tile_scope`] changes it.
+pub const TILE_ELEMS: usize = 1 << 22;
+
+thread_local! {
+    static TILE: Cell<usize> = const { Cell::new(TILE_ELEMS) };
+}
+
+/// Restores the previous tile size when dropped.
+#[must_use = "the tile size holds while the guard lives"]
+pub struct TileGuard(usize);
+
+impl Drop for TileGuard {
+    fn drop(&mut self) {
+        TILE.with(|t| t.set(self.0));
+    }
+}
+
+/// Cuts context-parallel attention's queries into tiles whose block of scores holds about
+/// `elems` f32 elements (at least one query row per tile) on this thread until the guard
+/// drops: smaller tiles hold less memory and launch more ops. The result does not depend on it
+/// beyond floating-point summation order.
+pub fn tile_scope(elems: usize) -> TileGuard {
+    TileGuard(TILE.with(|t| t.replace(elems.max(1))))
+}
+
+/// This rank's queries (f32) cut into tiles of rows along dim 2, with their global positions.
+struct QueryTiles {
+    tiles: Vec<(Tensor, Vec<usize>)>,
+    spans: Vec<(usize, usize)>,
+}
+
+impl QueryTiles {
+    /// `qf [B, H, Tq, d]` at positions `pq`, for blocks of at most `tk_max` keys.
+    fn new(qf: &Tensor, pq: &[usize], tk_max: usize) -> CResult<Self> {
+        let (b, h, tq, _) = qf.dims4()?;
+        let budget = TILE.with(|t| t.get());
+        let rows = (budget / (b * h * tk_max.max(1)).max(1)).max(1);
+        let mut tiles = Vec::new();
+        let mut spans = Vec::new();
+        let mut at = 0;
+        while at < tq {
+            let len = rows.min(tq - at);
+            tiles.push((
+                qf.narrow(2, at, len)?.contiguous()?,
+                pq[at..at + len].to_vec(),
+            ));
+            spans.push((at, len));
+            at += len;
+        }
+        Ok(QueryTiles { tiles, spans })
+    }
+
+    /// `x [B, H, Tq, ..]` cut like the queries.
+    fn split(&self, x: &Tensor) -> CResult<Vec<Tensor>> {
+        self.spans
+            .iter()
+            .map(|&(at, len)| x.narrow(2, at, len)?.contiguous())
+            .collect()
+    }
+
+    /// One online-softmax state per tile.
+    fn states(&self, dv: usize) -> CResult<Vec<Online>> {
+        self.tiles.iter().map(|(q, _)| Online::new(q, dv)).collect()
+    }
+
+    /// Folds the block `k`/`v` at positions `pk` into every tile's state.
+    #[allow(clippy::too_many_arguments)]
+    fn fold(
+        &self,
+        states: &mut [Online],
+        k: &Tensor,
+        v: &Tensor,
+        pk: &[usize],
+        causal: bool,
+        scale: f64,
+    ) -> CResult<()> {
+        for ((q, pq), st) in self.tiles.iter().zip(states.iter_mut()) {
+            let vis = visibility(pq, pk, causal, q)?;
+            st.fold(q, k, v, &vis, scale)?;
+        }
+        Ok(())
+    }
+
+    /// The output and log-sum-exp of every tile's state, joined along dim 2.
+    fn finish(states: Vec<Online>) -> CResult<(Tensor, Tensor)> {
+        let mut os = Vec::with_capacity(states.len());
+        let mut ls = Vec::with_capacity(states.len());
+        for st in states {
+            let (o, l) = st.finish()?;
+            os.push(o);
+            ls.push(l);
+        }
+        Ok((Tensor::cat(&os, 2)?, Tensor::cat(&ls, 2)?))
+    }
+
+    /// The block `k`/`v`'s share of the backward, tile by tile: adds each tile's dq into
+    /// `dq[tile]` and returns the block's `(dk, dv)` (`None` when no query sees it).
+    #[allow(clippy::too_many_arguments)]
+    fn grads(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        pk: &[usize],
+        causal: bool,
+        scale: f64,
+        back: &TileBackward,
+        dq: &mut [Option<Tensor>],
+    ) -> CResult<Option<(Tensor, Tensor)>> {
+        let mut dkv: Option<(Tensor, Tensor)> = None;
+        for (i, (q, pq)) in self.tiles.iter().enumerate() {
+            let vis = visibility(pq, pk, causal, q)?;
+            let Some((dqp, dkp, dvp)) = block_grads(
+                q,
+                k,
+                v,
+                &vis,
+                scale,
+                &back.lse[i],
+                &back.g[i],
+                &back.dsum[i],
+            )?
+            else {
+                continue;
+            };
+            dq[i] = Some(add_into(dq[i].take(), dqp)?);
+            dkv = Some(match dkv {
+                Some((a, b)) => ((a + dkp)?, (b + dvp)?),
+                None => (dkp, dvp),
+            });
+        }
+        Ok(dkv)
+    }
+
+    /// The tiles' dq joined along dim 2 (zeros for tiles no block touched).
+    fn join_dq(&self, dq: Vec<Option<Tensor>>) -> CResult<Tensor> {
+        let parts = dq
+            .into_iter()
+            .zip(&self.tiles)
+            .map(|(d, (q, _))| d.map_or_else(|| q.zeros_like(), Ok))
+            .collect::<CResult<Vec<_>>>()?;
+        Tensor::cat(&parts, 2)
+    }
+}
+
+/// What every block's backward reads, cut into the query tiles: the log-sum-exp, the output
+/// gradient and `rowsum(dO * O)`.
+struct TileBackward {
+    lse: Vec<Tensor>,
+    g: Vec<Tensor>,
+    dsum: Vec<Tensor>,
+}
+
+impl TileBackward {
+    fn new(tiles: &QueryTiles, lse: &Tensor, g: &Tensor, o: &Tensor) -> CResult<Self> {
+        let dsum = (g * o)?.sum_keepdim(D::Minus1)?;
+        Ok(TileBackward {
+            lse: tiles.split(lse)?,
+            g: tiles.split(g)?,
+            dsum: tiles.split(&dsum)?,
+        })
+    }
+}
+
 fn f32c(t: &Tensor) -> CResult<Tensor> {
     t.to_dtype(DType::F32)?.contiguous()
 }
@@ -365,7 +531,9 @@ fn ring_forward(
     let (n, r) = (ax.n, ax.coord);
     record_ring(ax, k, v, pos, k.dtype());
     let qf = f32c(q)?;
-    let mut st = Online::new(&qf, v.dim(3)?)?;
+    let tk_max = pos.iter().map(Vec::len).max().unwrap_or(0);
+    let tiles = QueryTiles::new(&qf, &pos[r], tk_max)?;
+    let mut states = tiles.states(v.dim(3)?)?;
     let (mut ck, mut cv) = (k.contiguous()?, v.contiguous()?);
     for s in 0..n {
         let owner = (r + n - s) % n;
@@ -379,13 +547,19 @@ fn ring_forward(
         } else {
             None
         };
-        let vis = visibility(&pos[r], &pos[owner], causal, &qf)?;
-        st.fold(&qf, &f32c(&ck)?, &f32c(&cv)?, &vis, scale)?;
+        tiles.fold(
+            &mut states,
+            &f32c(&ck)?,
+            &f32c(&cv)?,
+            &pos[owner],
+            causal,
+            scale,
+        )?;
         if let Some(w) = pending {
             (ck, cv) = take2(collectives::timed(w)?, "forward")?;
         }
     }
-    st.finish()
+    QueryTiles::finish(states)
 }
 
 /// The ring's backward: `(dq, dk, dv)` in f32.
@@ -407,9 +581,10 @@ fn ring_backward(
     record_ring(ax, k, v, pos, k.dtype());
     record_ring(ax, k, v, pos, DType::F32);
     let qf = f32c(q)?;
-    let g = f32c(g)?;
-    let dsum = (&g * o)?.sum_keepdim(D::Minus1)?;
-    let mut dq: Option<Tensor> = None;
+    let tk_max = pos.iter().map(Vec::len).max().unwrap_or(0);
+    let tiles = QueryTiles::new(&qf, &pos[r], tk_max)?;
+    let back = TileBackward::new(&tiles, lse, &f32c(g)?, o)?;
+    let mut dq: Vec<Option<Tensor>> = vec![None; tiles.tiles.len()];
     let (mut ck, mut cv) = (k.contiguous()?, v.contiguous()?);
     let mut pending_grads: Option<candle_dtensor_comm::Work<Vec<Tensor>>> = None;
     for s in 0..n {
@@ -425,15 +600,11 @@ fn ring_backward(
             None
         };
         let (kf, vf) = (f32c(&ck)?, f32c(&cv)?);
-        let vis = visibility(&pos[r], &pos[owner], causal, &qf)?;
-        let part = block_grads(&qf, &kf, &vf, &vis, scale, lse, &g, &dsum)?;
-        let (dk_part, dv_part) = match part {
-            Some((dqp, dkp, dvp)) => {
-                dq = Some(add_into(dq, dqp)?);
-                (dkp, dvp)
-            }
-            None => (kf.zeros_like()?, vf.zeros_like()?),
-        };
+        let (dk_part, dv_part) =
+            match tiles.grads(&kf, &vf, &pos[owner], causal, scale, &back, &mut dq)? {
+                Some(d) => d,
+                None => (kf.zeros_like()?, vf.zeros_like()?),
+            };
         // The accumulators of this block, with every earlier holder's share, arrived from the
         // previous rank while this block was computed.
         let (dk_acc, dv_acc) = match pending_grads.take() {
@@ -444,8 +615,7 @@ fn ring_backward(
             }
         };
         if n == 1 {
-            let dq = dq.unwrap_or(qf.zeros_like()?);
-            return Ok((dq, dk_acc, dv_acc));
+            return Ok((tiles.join_dq(dq)?, dk_acc, dv_acc));
         }
         // Onward to the next rank, which holds this block at its next step (or, after the
         // last step, owns it); receive the accumulators of the block this rank holds next.
@@ -462,8 +632,7 @@ fn ring_backward(
     let w = pending_grads
         .ok_or_else(|| candle_core::Error::msg("ring attention: no dK/dV in flight"))?;
     let (dk, dv) = take2(collectives::timed(w)?, "backward own dK/dV")?;
-    let dq = dq.unwrap_or(qf.zeros_like()?);
-    Ok((dq, dk, dv))
+    Ok((tiles.join_dq(dq)?, dk, dv))
 }
 
 /// Attention of this rank's `q` against keys `k`/`v` at global positions `pq`/`pk`, as one
@@ -479,10 +648,17 @@ fn local_attention(
     scale: f64,
 ) -> CResult<Tensor> {
     let qf = f32c(&q.detach())?;
-    let vis = visibility(&pq, &pk, causal, &qf)?;
-    let mut st = Online::new(&qf, v.dim(3)?)?;
-    st.fold(&qf, &f32c(&k.detach())?, &f32c(&v.detach())?, &vis, scale)?;
-    let (o, lse) = st.finish()?;
+    let tiles = QueryTiles::new(&qf, &pq, pk.len())?;
+    let mut states = tiles.states(v.dim(3)?)?;
+    tiles.fold(
+        &mut states,
+        &f32c(&k.detach())?,
+        &f32c(&v.detach())?,
+        &pk,
+        causal,
+        scale,
+    )?;
+    let (o, lse) = QueryTiles::finish(states)?;
     let y = o.to_dtype(q.dtype())?;
     drop(o);
     if !(q.track_op() || k.track_op() || v.track_op()) {
@@ -493,16 +669,16 @@ fn local_attention(
     candle_dtensor_kernels::region::node3_out("cp-attention", q, k, v, y, move |q, k, v, o, g| {
         let _phase = crate::debug::enter_backward_labeled(label.clone());
         let qf = f32c(q)?;
-        let g = f32c(g)?;
-        let dsum = (&g * f32c(o)?)?.sum_keepdim(D::Minus1)?;
-        let vis = visibility(&pq, &pk, causal, &qf)?;
+        let tiles = QueryTiles::new(&qf, &pq, pk.len())?;
+        let back = TileBackward::new(&tiles, &lse, &f32c(g)?, &f32c(o)?)?;
         let (kf, vf) = (f32c(k)?, f32c(v)?);
-        let (dq, dk, dv) = match block_grads(&qf, &kf, &vf, &vis, scale, &lse, &g, &dsum)? {
-            Some(t) => t,
-            None => (qf.zeros_like()?, kf.zeros_like()?, vf.zeros_like()?),
+        let mut dq = vec![None; tiles.tiles.len()];
+        let (dk, dv) = match tiles.grads(&kf, &vf, &pk, causal, scale, &back, &mut dq)? {
+            Some(d) => d,
+            None => (kf.zeros_like()?, vf.zeros_like()?),
         };
         Ok((
-            dq.to_dtype(dtype.0)?,
+            tiles.join_dq(dq)?.to_dtype(dtype.0)?,
             dk.to_dtype(dtype.1)?,
             dv.to_dtype(dtype.2)?,
         ))

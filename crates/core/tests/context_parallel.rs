@@ -12,7 +12,7 @@ use candle_core::{Device, Tensor, Var, D};
 use candle_dtensor_comm::link::{link_hints, parse_link_spec};
 use candle_dtensor_comm::{CommOptions, LocalWorld};
 use candle_dtensor_core::cp::{
-    layout_scope, load_balanced_order, positions, variant_scope, CpVariant, SeqLayout,
+    layout_scope, load_balanced_order, positions, tile_scope, variant_scope, CpVariant, SeqLayout,
 };
 use candle_dtensor_core::debug::{CommDebugMode, Phase};
 use candle_dtensor_core::{distribute_tensor, DTensor, Placement};
@@ -106,6 +106,8 @@ struct Case {
     /// A modeled link on the `cp` dim (`comm::link` spec), which the compiler prices.
     link: Option<&'static str>,
     packed: bool,
+    /// Query tiles of about this many score elements (`cp::tile_scope`).
+    tile: Option<usize>,
 }
 
 fn placements(case: &Case, seq_dim: usize) -> Vec<Placement> {
@@ -169,6 +171,7 @@ fn run(case: Case) {
             let mesh = DeviceMesh::new(comm, case.mesh)?;
             let _l = layout_scope(case.layout, cp);
             let _v = variant_scope(case.variant);
+            let _t = case.tile.map(tile_scope);
             let mode = CommDebugMode::start();
             let counts;
             let (o, grads) = if case.packed {
@@ -283,6 +286,7 @@ fn base(mesh: &'static [(&'static str, usize)]) -> Case {
         expect: Expect::Exchange,
         link: None,
         packed: false,
+        tile: None,
     }
 }
 
@@ -506,4 +510,30 @@ fn strategies_chosen_by_the_caller_match() {
             );
         }
     }
+}
+
+#[test]
+fn tiled_queries_match_one_device() {
+    // Tiles of about 7 score elements: one query row per tile here (uneven last tiles on the
+    // uneven sequence), so every block runs tile by tile, forward and backward.
+    for (mesh, layout, t, variant) in [
+        (CP2, SeqLayout::LoadBalanced, 8, CpVariant::Ring),
+        (CP3, SeqLayout::Contiguous, 7, CpVariant::Ring),
+        (CP2, SeqLayout::Contiguous, 9, CpVariant::AllGatherKv),
+    ] {
+        run(Case {
+            layout,
+            t,
+            variant,
+            tile: Some(7),
+            ..base(mesh)
+        });
+    }
+    run(Case {
+        h: 4,
+        expect: Expect::AllToAll,
+        link: Some("cp=1us:0.01GBps"),
+        tile: Some(40),
+        ..base(CP4)
+    });
 }
