@@ -668,10 +668,13 @@ fn local_attention(
     let label = crate::debug::current_label();
     candle_dtensor_kernels::region::node3_out("cp-attention", q, k, v, y, move |q, k, v, o, g| {
         let _phase = crate::debug::enter_backward_labeled(label.clone());
-        let qf = f32c(q)?;
+        // The node's inputs track gradients: computing on them would record a graph that
+        // keeps every tile's probabilities alive until the gradients are stored.
+        let (q, k, v, o, g) = (q.detach(), k.detach(), v.detach(), o.detach(), g.detach());
+        let qf = f32c(&q)?;
         let tiles = QueryTiles::new(&qf, &pq, pk.len())?;
-        let back = TileBackward::new(&tiles, &lse, &f32c(g)?, &f32c(o)?)?;
-        let (kf, vf) = (f32c(k)?, f32c(v)?);
+        let back = TileBackward::new(&tiles, &lse, &f32c(&g)?, &f32c(&o)?)?;
+        let (kf, vf) = (f32c(&k)?, f32c(&v)?);
         let mut dq = vec![None; tiles.tiles.len()];
         let (dk, dv) = match tiles.grads(&kf, &vf, &pk, causal, scale, &back, &mut dq)? {
             Some(d) => d,
@@ -794,8 +797,12 @@ pub(crate) fn kv_exchange(
                 y,
                 move |q, k, v, o, g| {
                     let _phase = crate::debug::enter_backward_labeled(label.clone());
+                    // Detached: on the tracked inputs every op would record a graph keeping
+                    // each block's probabilities alive until the gradients are stored.
+                    let (q, k, v) = (q.detach(), k.detach(), v.detach());
+                    let (o, g) = (f32c(&o.detach())?, g.detach());
                     let (dq, dk, dv) =
-                        ring_backward(q, k, v, &f32c(o)?, &lse, g, &bax, &pos, causal, scale)?;
+                        ring_backward(&q, &k, &v, &o, &lse, &g, &bax, &pos, causal, scale)?;
                     Ok((
                         dq.to_dtype(dtype.0)?,
                         dk.to_dtype(dtype.1)?,
