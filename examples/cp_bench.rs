@@ -9,9 +9,11 @@
 //!
 //! Prints per case: `strategy`, `t`, `cp`, `attn_ms` (forward + backward, slowest rank, best
 //! of `--reps`), `exposed_ms` (time the slowest rank blocked on the strategy's transfers),
-//! `exposed_frac` (`exposed_ms / attn_ms`) and `block_xfer_ms`, the modeled time of one ring
-//! step (a K and a V block), to set against the compute of one block (`attn_ms` over the
-//! ring's `3cp - 1` steps, forward and backward, is an upper bound of it).
+//! `exposed_frac` (`exposed_ms / attn_ms`), the same two with no link model (`*_nolink`:
+//! ranks waiting for a slower peer, which on a shared CPU is most of the waiting), `link_frac`
+//! (`(exposed_ms - exposed_nolink_ms) / attn_ms`: what the modeled link itself adds, the
+//! communication the overlap failed to hide) and `block_xfer_ms`, the modeled time of one
+//! ring step (a K and a V block), to set against the compute of one block.
 #![allow(clippy::print_stdout)]
 
 use std::time::{Duration, Instant};
@@ -62,6 +64,9 @@ struct Row {
     attn_ms: f64,
     exposed_ms: f64,
     exposed_frac: f64,
+    attn_nolink_ms: f64,
+    exposed_nolink_ms: f64,
+    link_frac: f64,
     block_xfer_ms: f64,
 }
 
@@ -87,8 +92,17 @@ fn main() -> Result<(), BoxErr> {
     let model = link[0].1;
     if !args.json {
         println!(
-            "{:<10} {:>6} {:>3} {:>9} {:>10} {:>12} {:>13}",
-            "strategy", "t", "cp", "attn_ms", "exposed_ms", "exposed_frac", "block_xfer_ms"
+            "{:<10} {:>6} {:>3} {:>9} {:>10} {:>12} {:>9} {:>10} {:>9} {:>13}",
+            "strategy",
+            "t",
+            "cp",
+            "attn_ms",
+            "exposed_ms",
+            "exposed_frac",
+            "nolink_ms",
+            "nolink_exp",
+            "link_frac",
+            "block_xfer_ms"
         );
     }
     for name in &args.strategy {
@@ -99,45 +113,53 @@ fn main() -> Result<(), BoxErr> {
                     return Err(format!("--t {t} is not a multiple of 2 x cp = {}", 2 * cp).into());
                 }
                 let (h, d) = (args.heads, args.head_dim);
-                let mut options = CommOptions::default().with_timeout(Duration::from_secs(600));
-                for (k, v) in link_hints(&link) {
-                    options = options.with_hint(k, v);
-                }
                 let reps = args.reps.max(1);
-                let per_rank = LocalWorld::new(cp).with_options(options).launch(|comm| {
-                    let mesh = DeviceMesh::new(comm, &[("cp", cp)])?;
-                    let _l = layout_scope(SeqLayout::LoadBalanced, cp);
-                    let pl = [Placement::Shard(2)];
-                    let mut dts = Vec::new();
-                    for salt in 0..3u64 {
-                        let x = Tensor::randn(0f32, 1.0, (1, h, t, d), &Device::Cpu)?;
-                        let x = (x + salt as f64 * 0.01)?;
-                        let xd = distribute_tensor(&x, &mesh, &pl)?;
-                        let var = Var::from_tensor(xd.to_local())?;
-                        dts.push(DTensor::from_local_with_shape(
-                            var.as_tensor(),
-                            &mesh,
-                            &pl,
-                            x.dims(),
-                        )?);
-                    }
-                    let mut best = (f64::INFINITY, 0.0);
-                    for rep in 0..=reps {
-                        mesh.comm(0)?.barrier()?.wait()?;
-                        let _ = take_comm_wait();
-                        let t0 = Instant::now();
-                        let o = attention(&dts[0], &dts[1], &dts[2], true, None, strat)?;
-                        let _g = o.sum_all()?.backward()?;
-                        let ms = t0.elapsed().as_secs_f64() * 1e3;
-                        let exposed = take_comm_wait().as_secs_f64() * 1e3;
-                        if rep > 0 && ms < best.0 {
-                            best = (ms, exposed);
+                let measure = |with_link: bool| -> Result<(f64, f64), BoxErr> {
+                    let mut options = CommOptions::default().with_timeout(Duration::from_secs(600));
+                    if with_link {
+                        for (k, v) in link_hints(&link) {
+                            options = options.with_hint(k, v);
                         }
                     }
-                    Ok::<_, BoxErr>(best)
-                })?;
-                let attn_ms = per_rank.iter().map(|r| r.0).fold(0.0, f64::max);
-                let exposed_ms = per_rank.iter().map(|r| r.1).fold(0.0, f64::max);
+                    let per_rank = LocalWorld::new(cp).with_options(options).launch(|comm| {
+                        let mesh = DeviceMesh::new(comm, &[("cp", cp)])?;
+                        let _l = layout_scope(SeqLayout::LoadBalanced, cp);
+                        let pl = [Placement::Shard(2)];
+                        let mut dts = Vec::new();
+                        for salt in 0..3u64 {
+                            let x = Tensor::randn(0f32, 1.0, (1, h, t, d), &Device::Cpu)?;
+                            let x = (x + salt as f64 * 0.01)?;
+                            let xd = distribute_tensor(&x, &mesh, &pl)?;
+                            let var = Var::from_tensor(xd.to_local())?;
+                            dts.push(DTensor::from_local_with_shape(
+                                var.as_tensor(),
+                                &mesh,
+                                &pl,
+                                x.dims(),
+                            )?);
+                        }
+                        let mut best = (f64::INFINITY, 0.0);
+                        for rep in 0..=reps {
+                            mesh.comm(0)?.barrier()?.wait()?;
+                            let _ = take_comm_wait();
+                            let t0 = Instant::now();
+                            let o = attention(&dts[0], &dts[1], &dts[2], true, None, strat)?;
+                            let _g = o.sum_all()?.backward()?;
+                            let ms = t0.elapsed().as_secs_f64() * 1e3;
+                            let exposed = take_comm_wait().as_secs_f64() * 1e3;
+                            if rep > 0 && ms < best.0 {
+                                best = (ms, exposed);
+                            }
+                        }
+                        Ok::<_, BoxErr>(best)
+                    })?;
+                    Ok((
+                        per_rank.iter().map(|r| r.0).fold(0.0, f64::max),
+                        per_rank.iter().map(|r| r.1).fold(0.0, f64::max),
+                    ))
+                };
+                let (attn_ms, exposed_ms) = measure(true)?;
+                let (attn_nolink_ms, exposed_nolink_ms) = measure(false)?;
                 let block = 2 * h * (t / cp) * d * 4;
                 let block_xfer_ms = model.alpha_us / 1e3 + block as f64 / (model.gbps * 1e6);
                 let row = Row {
@@ -147,14 +169,27 @@ fn main() -> Result<(), BoxErr> {
                     attn_ms,
                     exposed_ms,
                     exposed_frac: exposed_ms / attn_ms,
+                    attn_nolink_ms,
+                    exposed_nolink_ms,
+                    link_frac: (exposed_ms - exposed_nolink_ms) / attn_ms,
                     block_xfer_ms,
                 };
                 if args.json {
                     println!("{}", serde_json::to_string(&row)?);
                 } else {
                     println!(
-                        "{:<10} {:>6} {:>3} {:>9.1} {:>10.2} {:>12.3} {:>13.3}",
-                        row.strategy, t, cp, attn_ms, exposed_ms, row.exposed_frac, block_xfer_ms
+                        "{:<10} {:>6} {:>3} {:>9.1} {:>10.2} {:>12.3} {:>9.1} {:>10.2} {:>9.3} \
+                         {:>13.3}",
+                        row.strategy,
+                        t,
+                        cp,
+                        attn_ms,
+                        exposed_ms,
+                        row.exposed_frac,
+                        attn_nolink_ms,
+                        exposed_nolink_ms,
+                        row.link_frac,
+                        block_xfer_ms
                     );
                 }
             }

@@ -146,10 +146,10 @@ fi
 if [[ "$what" == all || "$what" == cp ]]; then
     echo "## cp_bench (context-parallel attention per layer, causal, load-balanced, 4 heads of 64, link cp=50us:1GBps)"
     echo
-    echo "| strategy | T | cp | attention ms (fwd+bwd) | exposed comm ms | exposed share | one ring step modeled ms |"
-    echo "|---|---:|---:|---:|---:|---:|---:|"
-    "$bin/cp_bench" --t 1024,2048 --cp 2,4 --json |
-        json_rows "| {strategy} | {t} | {cp} | {attn_ms:.1f} | {exposed_ms:.2f} | {exposed_frac:.3f} | {block_xfer_ms:.3f} |" strategy
+    echo "| strategy | T | cp | attention ms (fwd+bwd) | waited ms | waited share | no link: ms | no link: waited ms | link's share | one ring step modeled ms |"
+    echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "$bin/cp_bench" --t 1024,2048,4096 --cp 2,4 --reps 3 --json |
+        json_rows "| {strategy} | {t} | {cp} | {attn_ms:.1f} | {exposed_ms:.2f} | {exposed_frac:.3f} | {attn_nolink_ms:.1f} | {exposed_nolink_ms:.2f} | {link_frac:+.3f} | {block_xfer_ms:.3f} |" strategy
     echo
 fi
 

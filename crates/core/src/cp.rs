@@ -238,9 +238,10 @@ impl Online {
         })
     }
 
-    /// Folds in one block. The first block folded must leave every row's max finite (each
-    /// query sees at least one key of it: its own position under a causal mask, every key
-    /// otherwise), so later blocks never compute `exp(-inf - -inf)`.
+    /// Folds in one block. A row that has seen no key yet (max still -inf) is shifted by 0
+    /// instead of -inf, so blocks may come in any order without `exp(-inf - -inf)`; a row
+    /// that never sees a key cannot happen under the supported masks (causal self-attention
+    /// sees its own position).
     fn fold(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, vis: &Vis, scale: f64) -> CResult<()> {
         if matches!(vis, Vis::None) {
             return Ok(());
@@ -248,6 +249,8 @@ impl Online {
         let s = scores(q, k, vis, scale)?;
         let mb = s.max_keepdim(D::Minus1)?;
         let m_new = self.m.maximum(&mb)?;
+        let unseen = m_new.eq(f32::NEG_INFINITY)?;
+        let m_new = unseen.where_cond(&m_new.zeros_like()?, &m_new)?;
         let p = s.broadcast_sub(&m_new)?.exp()?;
         let alpha = (&self.m - &m_new)?.exp()?;
         self.l = (self.l.broadcast_mul(&alpha)? + p.sum_keepdim(D::Minus1)?)?;
@@ -256,7 +259,8 @@ impl Online {
         Ok(())
     }
 
-    /// The normalised output and the log-sum-exp per row.
+    /// The normalised output and the log-sum-exp per row (a row that saw nothing keeps
+    /// max 0, which its zero sum turns into -inf).
     fn finish(self) -> CResult<(Tensor, Tensor)> {
         let o = self.acc.broadcast_div(&self.l)?;
         let lse = (self.m + self.l.log()?)?;
@@ -368,9 +372,16 @@ impl QueryTiles {
         causal: bool,
         scale: f64,
     ) -> CResult<()> {
+        let segs = segments(pk);
         for ((q, pq), st) in self.tiles.iter().zip(states.iter_mut()) {
-            let vis = visibility(pq, pk, causal, q)?;
-            st.fold(q, k, v, &vis, scale)?;
+            for &(at, len) in &segs {
+                let vis = visibility(pq, &pk[at..at + len], causal, q)?;
+                if matches!(vis, Vis::None) {
+                    continue;
+                }
+                let (ks, vs) = (k.narrow(2, at, len)?, v.narrow(2, at, len)?);
+                st.fold(q, &ks, &vs, &vis, scale)?;
+            }
         }
         Ok(())
     }
@@ -400,29 +411,54 @@ impl QueryTiles {
         back: &TileBackward,
         dq: &mut [Option<Tensor>],
     ) -> CResult<Option<(Tensor, Tensor)>> {
-        let mut dkv: Option<(Tensor, Tensor)> = None;
+        // Per key segment: its dK/dV summed over the tiles that see it.
+        let segs = segments(pk);
+        let mut seg_dkv: Vec<Option<(Tensor, Tensor)>> = vec![None; segs.len()];
         for (i, (q, pq)) in self.tiles.iter().enumerate() {
-            let vis = visibility(pq, pk, causal, q)?;
-            let Some((dqp, dkp, dvp)) = block_grads(
-                q,
-                k,
-                v,
-                &vis,
-                scale,
-                &back.lse[i],
-                &back.g[i],
-                &back.dsum[i],
-            )?
-            else {
-                continue;
-            };
-            dq[i] = Some(add_into(dq[i].take(), dqp)?);
-            dkv = Some(match dkv {
-                Some((a, b)) => ((a + dkp)?, (b + dvp)?),
-                None => (dkp, dvp),
-            });
+            for (j, &(at, len)) in segs.iter().enumerate() {
+                let vis = visibility(pq, &pk[at..at + len], causal, q)?;
+                if matches!(vis, Vis::None) {
+                    continue;
+                }
+                let (ks, vs) = (k.narrow(2, at, len)?, v.narrow(2, at, len)?);
+                let Some((dqp, dkp, dvp)) = block_grads(
+                    q,
+                    &ks,
+                    &vs,
+                    &vis,
+                    scale,
+                    &back.lse[i],
+                    &back.g[i],
+                    &back.dsum[i],
+                )?
+                else {
+                    continue;
+                };
+                dq[i] = Some(add_into(dq[i].take(), dqp)?);
+                seg_dkv[j] = Some(match seg_dkv[j].take() {
+                    Some((a, b)) => ((a + dkp)?, (b + dvp)?),
+                    None => (dkp, dvp),
+                });
+            }
         }
-        Ok(dkv)
+        if seg_dkv.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        // The block's dK/dV: its segments' in order, zeros where no query looked.
+        let mut dks = Vec::with_capacity(segs.len());
+        let mut dvs = Vec::with_capacity(segs.len());
+        for (d, &(at, len)) in seg_dkv.into_iter().zip(&segs) {
+            let (dk, dv) = match d {
+                Some(d) => d,
+                None => (
+                    k.narrow(2, at, len)?.zeros_like()?,
+                    v.narrow(2, at, len)?.zeros_like()?,
+                ),
+            };
+            dks.push(dk);
+            dvs.push(dv);
+        }
+        Ok(Some((Tensor::cat(&dks, 2)?, Tensor::cat(&dvs, 2)?)))
     }
 
     /// The tiles' dq joined along dim 2 (zeros for tiles no block touched).
@@ -434,6 +470,21 @@ impl QueryTiles {
             .collect::<CResult<Vec<_>>>()?;
         Tensor::cat(&parts, 2)
     }
+}
+
+/// The runs of consecutive positions in `pk` as `(start, len)`: a load-balanced block is two
+/// chunks far apart, and a query tile usually sees one of them whole and the other not at all,
+/// so cutting the keys there lets the masked half be skipped instead of computed and masked
+/// (which would give the ranks unequal work, the imbalance the layout exists to remove).
+fn segments(pk: &[usize]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (i, &p) in pk.iter().enumerate() {
+        match out.last_mut() {
+            Some((at, len)) if pk[*at + *len - 1] + 1 == p => *len += 1,
+            _ => out.push((i, 1)),
+        }
+    }
+    out
 }
 
 /// What every block's backward reads, cut into the query tiles: the log-sum-exp, the output
