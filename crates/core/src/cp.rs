@@ -13,7 +13,9 @@
 //!   and sum per query row). The backward pass runs the ring again, recomputing each block's
 //!   probabilities from the saved log-sum-exp, and sends the dK/dV accumulators along with the
 //!   blocks so they arrive back at their owner after `n` hops. Per rank it holds two K/V blocks
-//!   and one block of scores, never the whole sequence. [`CpVariant::AllGatherKv`] gathers K
+//!   and one tile's scores, never the whole sequence: queries are cut into tiles
+//!   ([`tile_scope`]) and a block's keys at its runs of consecutive positions, so the half of a
+//!   load-balanced block a tile cannot see is skipped. [`CpVariant::AllGatherKv`] gathers K
 //!   and V instead (one collective, `n` blocks resident; its backward reduce-scatters dK/dV);
 //!   pick it with [`variant_scope`].
 //! * **All-to-all** (Ulysses): `q`, `k`, `v` re-sharded from the sequence to the heads, attention
