@@ -113,6 +113,45 @@ pub fn current_variant() -> CpVariant {
     VARIANT.with(|v| v.get())
 }
 
+/// This thread's context-parallel settings (sequence layout, KV-exchange variant, tile size),
+/// captured to replay a forward elsewhere: activation checkpointing recomputes a block inside
+/// backward, after the forward's scopes have ended, and must attend with the same causal
+/// positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Settings {
+    layout: (SeqLayout, usize),
+    variant: CpVariant,
+    tile: usize,
+}
+
+/// Restores the settings [`Settings::enter`] replaced when dropped.
+#[must_use = "the settings hold while the guard lives"]
+pub struct SettingsGuard {
+    _layout: LayoutGuard,
+    _variant: VariantGuard,
+    _tile: TileGuard,
+}
+
+impl Settings {
+    /// The settings in force on this thread.
+    pub fn current() -> Settings {
+        Settings {
+            layout: current_layout(),
+            variant: current_variant(),
+            tile: TILE.with(|t| t.get()),
+        }
+    }
+
+    /// Puts these settings in force on this thread until the guard drops.
+    pub fn enter(self) -> SettingsGuard {
+        SettingsGuard {
+            _layout: layout_scope(self.layout.0, self.layout.1),
+            _variant: variant_scope(self.variant),
+            _tile: tile_scope(self.tile),
+        }
+    }
+}
+
 /// The global positions of rank `r`'s piece of a sequence of `t` tokens over `n` ranks.
 ///
 /// Refused (naming `op` and the rule): a contiguous sequence shorter than `n` (a rank would

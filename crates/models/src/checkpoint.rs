@@ -117,6 +117,8 @@ type Stash = Arc<Mutex<HashMap<usize, Tensor>>>;
 struct Recomputed {
     value: Mutex<Option<Tensor>>,
     f: Recompute,
+    /// The context-parallel settings the forward ran under.
+    cp: candle_dtensor_core::cp::Settings,
     /// The input's mesh, placements and global shape.
     mesh: DeviceMesh,
     placements: Vec<Placement>,
@@ -161,6 +163,9 @@ impl CustomOp2 for Recomputed {
             &self.shape,
         )
         .map_err(ModelError::from)?;
+        // The forward's context-parallel settings (its causal positions) hold for the recompute
+        // too: backward runs after the forward's scopes have ended.
+        let _cp = self.cp.enter();
         let y = (self.f)(&input)?;
         let y = y.to_local();
         if y.shape() != grad.shape() {
@@ -281,6 +286,7 @@ where
         Recomputed {
             value: Mutex::new(Some(value)),
             f: Arc::new(f),
+            cp: candle_dtensor_core::cp::Settings::current(),
             mesh: x.mesh().clone(),
             placements: x.placements().to_vec(),
             shape: x.shape().to_vec(),

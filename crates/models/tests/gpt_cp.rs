@@ -12,7 +12,7 @@ use candle_dtensor_core::debug::graph_bytes;
 use candle_dtensor_core::Placement;
 use candle_dtensor_kernels::compare::compare_series_f32;
 use candle_dtensor_mesh::DeviceMesh;
-use candle_dtensor_models::{Gpt, GptConfig};
+use candle_dtensor_models::{AcMode, Gpt, GptConfig};
 use candle_dtensor_parallel::TpPlan;
 use candle_dtensor_train::data::Corpus;
 use candle_nn::Optimizer;
@@ -159,5 +159,21 @@ fn forward_logits_come_back_in_natural_order() {
             .map(|(a, b)| f64::from((a - b).abs()))
             .fold(0.0, candle_dtensor_kernels::compare::nan_max);
         assert!(d <= 1e-5, "{dims:?}: logits differ by {d} (NaN counts)");
+    }
+}
+
+/// Activation checkpointing under cp: the recompute runs inside backward, after the forward's
+/// layout scope ended, and must attend with the same (load-balanced) causal positions: the
+/// losses equal the run without checkpointing (a recompute with the contiguous mask changes
+/// them from the second step on).
+#[test]
+fn checkpointed_blocks_keep_the_cp_layout() {
+    for ac in [AcMode::Full, AcMode::Selective] {
+        let cfg = GptConfig { ac, ..micro_gpt() };
+        let (want, _) = train(&micro_gpt(), &[("cp", 2)], (2, 16), 4);
+        let (got, _) = train(&cfg, &[("cp", 2)], (2, 16), 4);
+        if let Err(e) = compare_series_f32("loss", &got, &want).and_then(|d| d.within(1e-6)) {
+            panic!("--ac {ac}: {e} ({got:?} vs {want:?})");
+        }
     }
 }
