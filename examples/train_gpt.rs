@@ -1481,9 +1481,12 @@ fn pipeline_spec(
         }
         return Ok(None);
     };
-    if let Some((other, _)) = dims.iter().find(|(d, _)| d != "pp" && d != "dp") {
+    if let Some((other, _)) = dims
+        .iter()
+        .find(|(d, _)| !["pp", "dp", "tp"].contains(&d.as_str()))
+    {
         return Err(format!(
-            "--mesh {}: a pp dim combines with dp only (pipeline with {other} is not \
+            "--mesh {}: a pp dim combines with dp and tp only (pipeline with {other} is not \
              implemented)",
             args.mesh
         ));

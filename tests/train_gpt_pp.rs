@@ -37,6 +37,7 @@ fn pipelined_runs_match_one_device_and_report_bubbles() {
         ("dp=2,pp=2", "2", "gpipe", "1", 1.0 / 3.0, "--untied"),
         ("pp=2", "4", "interleaved-1f1b", "2", 1.0 / 9.0, "--untied"),
         ("pp=4", "4", "1f1b", "1", 3.0 / 7.0, "--tied"),
+        ("tp=2,pp=2", "2", "1f1b", "1", 1.0 / 3.0, "--untied"),
     ] {
         let s = match run(&[
             head,
@@ -87,7 +88,7 @@ fn pipelined_runs_match_one_device_and_report_bubbles() {
 fn bad_pipeline_settings_are_refused_before_training() {
     let dir = Scratch::new("pp-bad");
     let out = dir.s("curves");
-    let cases: [(&[&str], &[&str]); 7] = [
+    let cases: [(&[&str], &[&str]); 8] = [
         (
             &["--mesh", "pp=4", "--layers", "2"],
             &["pp=4", "2 blocks", "pp x pp-chunks <= blocks"],
@@ -129,8 +130,12 @@ fn bad_pipeline_settings_are_refused_before_training() {
             &["--pp-schedule zb-h1", "cannot split backward"],
         ),
         (
-            &["--mesh", "tp=2,pp=2", "--layers", "4"],
-            &["--mesh tp=2,pp=2", "dp only"],
+            &["--mesh", "cp=2,pp=2", "--layers", "4"],
+            &["--mesh cp=2,pp=2", "dp and tp only"],
+        ),
+        (
+            &["--mesh", "tp=2,pp=2", "--layers", "4", "--sp"],
+            &["--sp", "not implemented with pipeline parallelism"],
         ),
         (
             &["--mesh", "dp=2,pp=2", "--layers", "4", "--fsdp"],

@@ -18,9 +18,13 @@
 //! Activation checkpointing ([`GptConfig::ac`]) applies to the stage's blocks by their global
 //! index, as in [`Gpt`](crate::Gpt) (`full`: every block; `selective`: blocks 1, 3, 5, ...).
 //!
-//! Not covered (refused with [`ModelError::Unsupported`]): mixture-of-experts blocks. Tensor
-//! and context parallelism inside a stage are not wired up either: build stages on a mesh
-//! without `tp` and `cp` dims.
+//! Tensor parallelism inside a stage: build it on a mesh with a `tp` dim and the plan
+//! ([`TpPlan::gpt`] without sequence parallelism); the hidden states between stages are then
+//! replicated over `tp`, so each tensor-parallel rank exchanges the whole activation with its
+//! counterpart in the neighbouring stage.
+//!
+//! Not covered (refused with [`ModelError::Unsupported`]): mixture-of-experts blocks, and
+//! context or sequence parallelism inside a stage.
 
 use std::ops::Range;
 
@@ -68,6 +72,7 @@ pub struct GptStage {
     /// Untied LM head `[V, D]` (last stage only).
     pub head: Option<Linear>,
     roles: MeshRoles,
+    plan: TpPlan,
 }
 
 fn norm(b: &mut Builder, name: &str, cfg: &GptConfig) -> Result<Norm> {
@@ -154,10 +159,13 @@ impl GptStage {
     /// # Errors
     ///
     /// [`GptStage::check_config`]'s; `stage >= stages`, blocks out of range or empty; a mesh
-    /// with a `tp`, `cp` or `pp` dim ([`ModelError::Unsupported`]); a failed build.
+    /// with a `cp` or `pp` dim or a sequence-parallel plan ([`ModelError::Unsupported`]);
+    /// heads or vocabulary not divisible by `tp`; a failed build.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: &GptConfig,
         mesh: &DeviceMesh,
+        plan: &TpPlan,
         stage: usize,
         stages: usize,
         layers: Range<usize>,
@@ -172,17 +180,25 @@ impl GptStage {
             )));
         }
         let roles = MeshRoles::of(mesh)?;
-        if roles.tp.is_some() || roles.cp.is_some() || roles.pp.is_some() {
+        if roles.cp.is_some() || roles.pp.is_some() || plan.sequence_parallel {
             return Err(ModelError::Unsupported(format!(
-                "a pipeline stage on a mesh with dims {:?} (tp, cp and pp inside a stage are \
-                 not implemented)",
-                mesh.dim_names()
+                "a pipeline stage on a mesh with dims {:?}{} (cp, pp and sequence parallelism \
+                 inside a stage are not implemented)",
+                mesh.dim_names(),
+                if plan.sequence_parallel {
+                    ", sequence parallel"
+                } else {
+                    ""
+                }
             )));
+        }
+        if let Some(d) = roles.tp {
+            cfg.validate(mesh.size(d)?)?;
         }
         let mut b = Builder {
             store,
             roles: roles.clone(),
-            plan: TpPlan::new(),
+            plan: plan.clone(),
         };
         let std = 0.02;
         let (first, last) = (stage == 0, stage + 1 == stages);
@@ -244,6 +260,7 @@ impl GptStage {
             ln_f,
             head,
             roles,
+            plan: plan.clone(),
         })
     }
 
@@ -315,18 +332,28 @@ impl GptStage {
         };
         let _l = candle_dtensor_core::debug::label("head");
         let x = ln.forward(&x)?;
-        match (&self.head, &self.tok_emb) {
-            (Some(head), _) => head.forward(&x),
+        let logits = match (&self.head, &self.tok_emb) {
+            (Some(head), _) => head.forward(&x)?,
             // Tied: as `Gpt`'s head.
             (None, Some(tok)) => {
                 let layout = self.roles.with_tp(x.placements(), Placement::Replicate);
-                Ok(x.linear_with_layout(&tok.weight, None, Some(&layout))?)
+                x.linear_with_layout(&tok.weight, None, Some(&layout))?
             }
-            (None, None) => Err(ModelError::Config(format!(
-                "pipeline stage {}: the last stage has no head",
-                self.stage
-            ))),
+            (None, None) => {
+                return Err(ModelError::Config(format!(
+                    "pipeline stage {}: the last stage has no head",
+                    self.stage
+                )))
+            }
+        };
+        // As `Gpt`: without loss-parallel the logits are replicated over tp.
+        if !self.plan.loss_parallel && self.roles.tp.is_some() {
+            let pl = self
+                .roles
+                .with_tp(logits.placements(), Placement::Replicate);
+            return Ok(logits.redistribute(&pl)?);
         }
+        Ok(logits)
     }
 
     /// Mean next-token cross-entropy over the tokens of `logits [B, T, V]` against
@@ -345,6 +372,11 @@ impl GptStage {
             logits.to_dtype(DType::F32)?
         };
         let targets = targets.reshape(&[b * t])?;
-        Ok(logits.cross_entropy(&targets)?)
+        // Loss-parallel (as `Gpt::loss`): the logits stay sharded on the vocab.
+        let layout = self
+            .plan
+            .loss_parallel
+            .then(|| logits.placements().to_vec());
+        Ok(logits.cross_entropy_with_layout(&targets, layout.as_deref())?)
     }
 }

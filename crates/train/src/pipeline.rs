@@ -26,6 +26,15 @@
 //! the global batch, and the gradients are those of one batch of all the tokens (up to
 //! floating-point summation order).
 //!
+//! # Tensor parallelism inside the stages
+//!
+//! With a `tp` mesh dim each stage runs on its rank's tensor-parallel group with the
+//! [`TrainConfig`]'s plan (without sequence parallelism): the hidden states between stages are
+//! replicated over `tp`, so every tensor-parallel rank exchanges the whole activation with its
+//! counterpart in the next stage (one pipeline per tp coordinate, `pp`'s communicator). The
+//! global gradient norm sums a sharded parameter's squares over `tp` and counts a replicated
+//! one once; the step's loss is counted by the first tp rank of the last stage.
+//!
 //! # Checkpoints
 //!
 //! `save_dir` / `resume` write and read the format of every other layout: each rank saves its
@@ -38,9 +47,9 @@
 //! Refused before any step ([`RunError::Unsupported`]): zero-bubble schedules (a GPT stage
 //! cannot split its backward into input and weight gradients: candle's autograd computes both
 //! operands' gradients of a matmul together, so `BackwardInput` alone cannot be had without
-//! hand-written backwards of attention and the norms), FSDP, tensor / context / expert
-//! parallelism and mesh dims other than `pp` and `dp`, a tied head with one pipeline rank and
-//! several chunks (both copies would be on one rank),
+//! hand-written backwards of attention and the norms), FSDP, sequence / context / expert
+//! parallelism and mesh dims other than `pp`, `dp` and `tp`, a tied head with one pipeline
+//! rank and several chunks (both copies would be on one rank),
 //! held-out evaluation, sampling, SGD, fault tolerance, and
 //! [`GptStage::check_config`]'s refusal (MoE blocks).
 
@@ -58,7 +67,7 @@ use candle_dtensor_parallel::pipeline::{
     run_schedule, split_balanced, split_explicit, CostModel, PipeComms, PipelineError, Schedule,
     ScheduleKind, Stage, StageError,
 };
-use candle_dtensor_parallel::tp_plan::MeshRoles;
+use candle_dtensor_parallel::tp_plan::{MeshRoles, TpPlan};
 use candle_nn::{Optimizer, ParamsAdamW};
 
 use crate::checkpoint::{self, CheckpointError, CheckpointVar, StoreCheckpoint, Which};
@@ -134,11 +143,17 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
         ));
     };
     let names = mesh.dim_names();
-    if let Some(other) = names.iter().find(|n| !["pp", "dp"].contains(n)) {
+    if let Some(other) = names.iter().find(|n| !["pp", "dp", "tp"].contains(n)) {
         return Err(unsupported(format!(
-            "pipeline parallelism with mesh dim {other:?} (mesh dims {names:?}): only pp and \
-             dp (data-parallel replicas of the pipeline) are implemented"
+            "pipeline parallelism with mesh dim {other:?} (mesh dims {names:?}): only pp, dp \
+             (data-parallel replicas of the pipeline) and tp (tensor parallelism inside each \
+             stage) are implemented"
         )));
+    }
+    if roles.tp.is_some() && cfg.plan.sequence_parallel {
+        return Err(unsupported(
+            "pipeline parallelism with sequence parallelism".to_string(),
+        ));
     }
     let refusals: [(bool, &str); 7] = [
         (cfg.fsdp.is_some(), "FSDP"),
@@ -370,14 +385,25 @@ pub(crate) fn train_rank_pp(
     cfg: &TrainConfig,
     mut on_step: impl FnMut(&StepInfo),
 ) -> Result<RankReport, RunError> {
-    // The stages run on a one-rank mesh of this rank (dp replicas are reduced by hand).
-    let me = mesh.root_comm().rank();
-    let groups: Vec<usize> = vec![me];
-    let solo = mesh
-        .root_comm()
-        .split(&groups, &format!("{}.pp_stage", mesh.root_comm().name()))?
-        .ok_or_else(|| RunError::Config("the stage communicator split returned none".into()))?;
-    let solo = DeviceMesh::new(solo, &[("dp", 1)])?;
+    // The stages run on a mesh of this rank alone, or of its tensor-parallel group (the
+    // mesh's `tp` dim); dp replicas are reduced by hand.
+    let has_tp = mesh.dim_names().contains(&"tp");
+    let solo = if has_tp {
+        mesh.slice(&["tp"])?
+    } else {
+        let me = mesh.root_comm().rank();
+        let groups: Vec<usize> = vec![me];
+        let solo = mesh
+            .root_comm()
+            .split(&groups, &format!("{}.pp_stage", mesh.root_comm().name()))?
+            .ok_or_else(|| RunError::Config("the stage communicator split returned none".into()))?;
+        DeviceMesh::new(solo, &[("dp", 1)])?
+    };
+    let plan = if has_tp {
+        cfg.plan.clone()
+    } else {
+        TpPlan::new()
+    };
     let counts = GptStage::block_param_counts(&cfg.gpt, &solo)?;
     let lay = check(mesh, cfg, &counts)?;
     let (p, v) = (lay.p, lay.schedule.chunks());
@@ -391,6 +417,7 @@ pub(crate) fn train_rank_pp(
         parts.push(GptStage::new(
             &cfg.gpt,
             &solo,
+            &plan,
             s,
             stages,
             lay.ranges[s].clone(),
@@ -416,6 +443,12 @@ pub(crate) fn train_rank_pp(
         );
     }
     let pp_comm = mesh.comm(lay.pp_dim)?.clone();
+    let tp_comm = if has_tp {
+        Some(mesh.comm_by_name("tp")?.clone())
+    } else {
+        None
+    };
+    let tp_size = tp_comm.as_ref().map_or(1, Comm::size);
     let dp_comm = match lay.dp_dim {
         Some(d) => Some(mesh.comm(d)?.clone()),
         None => None,
@@ -594,16 +627,31 @@ pub(crate) fn train_rank_pp(
         let want_norm = cfg.clip.is_some()
             || (cfg.grad_norm_every > 0 && step.is_multiple_of(cfg.grad_norm_every));
         let grad_norm = if want_norm {
+            // Over tp: a sharded parameter's squares add up over the tp ranks; a replicated
+            // one's are the same on each, so each rank counts 1/tp of them.
             let mut sq = 0.0f64;
             for (i, g) in grads.iter().enumerate() {
                 if matches!(&tied, Some((_, idx, true)) if *idx == i) {
                     continue;
                 }
-                sq += g
-                    .to_dtype(DType::F64)?
-                    .sqr()?
-                    .sum_all()?
-                    .to_scalar::<f64>()?;
+                let share = if store.params()[i]
+                    .tensor
+                    .placements()
+                    .iter()
+                    .any(|p| p.is_shard())
+                {
+                    1.0
+                } else {
+                    1.0 / tp_size as f64
+                };
+                sq += share
+                    * g.to_dtype(DType::F64)?
+                        .sqr()?
+                        .sum_all()?
+                        .to_scalar::<f64>()?;
+            }
+            if let Some(tc) = tp_comm.as_ref() {
+                sq = sum_over(tc, sq, &dev, ReduceOp::Sum)?;
             }
             Some(sum_over(&pp_comm, sq, &dev, ReduceOp::Sum)?.sqrt())
         } else {
@@ -623,9 +671,10 @@ pub(crate) fn train_rank_pp(
         let t_bwd = Instant::now();
         opt.step(&grad_store(&vars, grads, &dev)?)?;
         let t_opt = Instant::now();
-        // The step's loss: the last stages' scaled micro-batch losses summed over the world.
+        // The step's loss: the last stages' scaled micro-batch losses summed over the world
+        // (the tp ranks of a last stage hold the same loss: the first of them counts it).
         let mut local = 0.0f64;
-        if holds_last {
+        if holds_last && tp_comm.as_ref().is_none_or(|c| c.rank() == 0) {
             for (_, l) in &run.losses {
                 local += f64::from(l.to_dtype(DType::F32)?.to_scalar::<f32>()?);
             }
