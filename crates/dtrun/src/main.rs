@@ -704,11 +704,14 @@ fn run_once(
                     first_failure = Some((rank, what, c));
                     stop(&pids, &exited, SIGTERM);
                     stopping = Some((Instant::now() + grace, false));
-                } else if killed_from_outside(&st, stopping) && first_failure_was_exit {
+                } else if killed_from_outside(&st, stopping)
+                    && (first_failure_was_exit || first_failure.is_none())
+                {
                     // Peers of a killed rank exit with an error naming it within milliseconds,
-                    // and their exits can be reaped first. A death by a signal dtrun has not
-                    // sent yet (SIGTERM is dtrun's; SIGKILL only after the grace period) is
-                    // the cause, not a consequence: report it as the first failure.
+                    // and their exits can be reaped first, on this node or on another (whose
+                    // stop then reaches this node before the death does). A death by a signal
+                    // dtrun has not sent yet (SIGTERM is dtrun's; SIGKILL only after the grace
+                    // period) is the cause, not a consequence: report it as the first failure.
                     say(&format!(
                         "{} (pid {}) was {what} (not by dtrun): the likely cause",
                         name(rank),
