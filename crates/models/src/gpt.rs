@@ -261,11 +261,85 @@ pub struct Gpt {
     last_aux: Mutex<Option<DTensor>>,
 }
 
-fn norm(b: &mut Builder, name: &str, cfg: &GptConfig) -> Result<Norm> {
+/// The configured norm `name` (shared with the pipeline stages, `gpt_pp`).
+pub(crate) fn norm(b: &mut Builder, name: &str, cfg: &GptConfig) -> Result<Norm> {
     Ok(match cfg.norm {
         NormKind::LayerNorm => Norm::Layer(LayerNorm::new(b, name, cfg.d_model, true, cfg.eps)?),
         NormKind::RmsNorm => Norm::Rms(RmsNorm::new(b, name, cfg.d_model, cfg.eps)?),
     })
+}
+
+/// Initialisation scale of the weights, and of the output projections (scaled by the whole
+/// model's depth, GPT-2's residual scaling).
+pub(crate) fn init_stds(cfg: &GptConfig) -> (f64, f64) {
+    (0.02, 0.02 / ((2 * cfg.n_layers.max(1)) as f64).sqrt())
+}
+
+/// Block `i` (`blocks.{i}.ln1`, `.attn`, `.ln2`, then its feed-forward from `ff`, given the
+/// block's name prefix), its parameters created in that order (shared with `gpt_pp`).
+pub(crate) fn block(
+    b: &mut Builder,
+    cfg: &GptConfig,
+    i: usize,
+    ff: impl FnOnce(&mut Builder, &str) -> Result<FeedForward>,
+) -> Result<Block> {
+    let (std, proj_std) = init_stds(cfg);
+    let p = format!("blocks.{i}");
+    Ok(Block {
+        ln1: norm(b, &format!("{p}.ln1"), cfg)?,
+        attn: Attention::new(
+            b,
+            &format!("{p}.attn"),
+            cfg.d_model,
+            cfg.n_heads,
+            std,
+            proj_std,
+        )?,
+        ln2: norm(b, &format!("{p}.ln2"), cfg)?,
+        mlp: ff(b, &p)?,
+    })
+}
+
+/// The dense feed-forward of the block named `p`.
+pub(crate) fn dense_ff(b: &mut Builder, cfg: &GptConfig, p: &str) -> Result<FeedForward> {
+    let (std, proj_std) = init_stds(cfg);
+    Ok(FeedForward::Dense(Mlp::new(
+        b,
+        &format!("{p}.mlp"),
+        cfg.d_model,
+        cfg.mlp_ratio * cfg.d_model,
+        cfg.swiglu,
+        std,
+        proj_std,
+    )?))
+}
+
+/// Logits `[B, T, V]` of the final hidden states `x`: the untied `head`, or the token table
+/// `tok` tied (replicated over tp), the head first; replicated over tp unless the plan is loss-parallel
+/// (shared with `gpt_pp`).
+pub(crate) fn lm_logits(
+    x: &DTensor,
+    head: Option<&Linear>,
+    tok: Option<&Embedding>,
+    roles: &MeshRoles,
+    plan: &TpPlan,
+) -> Result<DTensor> {
+    let logits = match (head, tok) {
+        (Some(h), _) => h.forward(x)?,
+        (None, Some(tok)) => {
+            let layout = roles.with_tp(x.placements(), Placement::Replicate);
+            x.linear_with_layout(&tok.weight, None, Some(&layout))?
+        }
+        (None, None) => {
+            return Err(ModelError::Config(
+                "the LM head: neither an untied head nor the token table to tie".into(),
+            ))
+        }
+    };
+    if !plan.loss_parallel && roles.tp.is_some() {
+        return Ok(logits.redistribute(&roles.with_tp(logits.placements(), Placement::Replicate))?);
+    }
+    Ok(logits)
 }
 
 impl Gpt {
@@ -322,8 +396,7 @@ impl Gpt {
                 roles: roles.clone(),
                 plan: plan.clone(),
             };
-            let std = 0.02;
-            let proj_std = 0.02 / ((2 * cfg.n_layers.max(1)) as f64).sqrt();
+            let (std, proj_std) = init_stds(cfg);
             let tok_emb = Embedding::new(&mut b, "tok_emb", cfg.vocab, cfg.d_model, std)?;
             let pp = b
                 .roles
@@ -337,48 +410,27 @@ impl Gpt {
             )?;
             let mut blocks = Vec::with_capacity(cfg.n_layers);
             for i in 0..cfg.n_layers {
-                let p = format!("blocks.{i}");
                 if let Some(f) = fsdp {
-                    let u = f.add_unit(&p, false);
+                    let u = f.add_unit(&format!("blocks.{i}"), false);
                     b.store.set_unit(u);
                     block_units.push(u);
                 }
-                blocks.push(Block {
-                    ln1: norm(&mut b, &format!("{p}.ln1"), cfg)?,
-                    attn: Attention::new(
-                        &mut b,
-                        &format!("{p}.attn"),
-                        cfg.d_model,
-                        cfg.n_heads,
-                        std,
-                        proj_std,
-                    )?,
-                    ln2: norm(&mut b, &format!("{p}.ln2"), cfg)?,
-                    mlp: match (moe, &groups) {
-                        (Some(m), Some(g)) if m.is_moe_block(i) => {
-                            FeedForward::Moe(Box::new(MoeLayer::new(
-                                &mut b,
-                                &format!("{p}.moe"),
-                                i as u32,
-                                g,
-                                cfg.d_model,
-                                m.expert_hidden(dense_hidden),
-                                cfg.swiglu,
-                                std,
-                                proj_std,
-                            )?))
-                        }
-                        _ => FeedForward::Dense(Mlp::new(
-                            &mut b,
-                            &format!("{p}.mlp"),
+                blocks.push(block(&mut b, cfg, i, |b, p| match (moe, &groups) {
+                    (Some(m), Some(g)) if m.is_moe_block(i) => {
+                        Ok(FeedForward::Moe(Box::new(MoeLayer::new(
+                            b,
+                            &format!("{p}.moe"),
+                            i as u32,
+                            g,
                             cfg.d_model,
-                            dense_hidden,
+                            m.expert_hidden(dense_hidden),
                             cfg.swiglu,
                             std,
                             proj_std,
-                        )?),
-                    },
-                });
+                        )?)))
+                    }
+                    _ => dense_ff(b, cfg, p),
+                })?);
             }
             let head_unit = match (fsdp, embed_unit) {
                 (Some(_), Some(u)) if cfg.tied => Some(u),
@@ -624,23 +676,13 @@ impl Gpt {
             }
         }
         let x = self.ln_f.forward(&x)?;
-        let logits = match &self.head {
-            Some(h) => h.forward(&x)?,
-            None => {
-                let layout = self.roles.with_tp(x.placements(), Placement::Replicate);
-                x.linear_with_layout(&self.tok_emb.weight, None, Some(&layout))?
-            }
-        };
-        if !self.plan.loss_parallel && self.roles.tp.is_some() {
-            return Ok((
-                logits.redistribute(
-                    &self
-                        .roles
-                        .with_tp(logits.placements(), Placement::Replicate),
-                )?,
-                aux,
-            ));
-        }
+        let logits = lm_logits(
+            &x,
+            self.head.as_ref(),
+            Some(&self.tok_emb),
+            &self.roles,
+            &self.plan,
+        )?;
         Ok((logits, aux))
     }
 
@@ -658,16 +700,8 @@ impl Gpt {
             .iter()
             .filter(|b| b.mlp.dense().is_some())
             .count();
-        match blk.mlp.dense() {
-            Some(mlp) if self.cfg.ac.checkpoints(dense) => {
-                // The recompute outlives this call: it owns a copy of the block (its parameters
-                // are shared handles, so FSDP's refills reach it).
-                let b = Block {
-                    ln1: blk.ln1.clone(),
-                    attn: blk.attn.clone(),
-                    ln2: blk.ln2.clone(),
-                    mlp: FeedForward::Dense(mlp.clone()),
-                };
+        match blk.dense_copy() {
+            Some(b) if self.cfg.ac.checkpoints(dense) => {
                 let label = format!("blocks.{i}");
                 Ok((checkpoint(x, Some(&label), move |x| b.forward(x))?, None))
             }

@@ -38,10 +38,8 @@ use candle_dtensor_parallel::tp_plan::{MeshRoles, TpPlan};
 use crate::builder::Builder;
 use crate::checkpoint::checkpoint;
 use crate::error::{ModelError, Result};
-use crate::gpt::{GptConfig, NormKind};
-use crate::layers::{
-    Attention, Block, Embedding, FeedForward, LayerNorm, Linear, Mlp, Norm, RmsNorm,
-};
+use crate::gpt::{block, dense_ff, init_stds, lm_logits, norm, GptConfig};
+use crate::layers::{Block, Embedding, Linear, Norm};
 
 /// What a stage's forward starts from.
 pub enum StageInput<'a> {
@@ -73,41 +71,6 @@ pub struct GptStage {
     pub head: Option<Linear>,
     roles: MeshRoles,
     plan: TpPlan,
-}
-
-fn norm(b: &mut Builder, name: &str, cfg: &GptConfig) -> Result<Norm> {
-    Ok(match cfg.norm {
-        NormKind::LayerNorm => Norm::Layer(LayerNorm::new(b, name, cfg.d_model, true, cfg.eps)?),
-        NormKind::RmsNorm => Norm::Rms(RmsNorm::new(b, name, cfg.d_model, cfg.eps)?),
-    })
-}
-
-fn block(b: &mut Builder, cfg: &GptConfig, i: usize) -> Result<Block> {
-    let std = 0.02;
-    // The whole model's depth, as `Gpt::new` scales it.
-    let proj_std = 0.02 / ((2 * cfg.n_layers.max(1)) as f64).sqrt();
-    let p = format!("blocks.{i}");
-    Ok(Block {
-        ln1: norm(b, &format!("{p}.ln1"), cfg)?,
-        attn: Attention::new(
-            b,
-            &format!("{p}.attn"),
-            cfg.d_model,
-            cfg.n_heads,
-            std,
-            proj_std,
-        )?,
-        ln2: norm(b, &format!("{p}.ln2"), cfg)?,
-        mlp: FeedForward::Dense(Mlp::new(
-            b,
-            &format!("{p}.mlp"),
-            cfg.d_model,
-            cfg.mlp_ratio * cfg.d_model,
-            cfg.swiglu,
-            std,
-            proj_std,
-        )?),
-    })
 }
 
 impl GptStage {
@@ -148,7 +111,7 @@ impl GptStage {
             roles: MeshRoles::of(mesh)?,
             plan: TpPlan::new(),
         };
-        block(&mut b, cfg, 0)?;
+        block(&mut b, cfg, 0, |b, p| dense_ff(b, cfg, p))?;
         Ok(vec![store.global_numel(); cfg.n_layers])
     }
 
@@ -200,7 +163,7 @@ impl GptStage {
             roles: roles.clone(),
             plan: plan.clone(),
         };
-        let std = 0.02;
+        let (std, _) = init_stds(cfg);
         let (first, last) = (stage == 0, stage + 1 == stages);
         let (mut tok_emb, pos_emb) = if first {
             let tok = Embedding::new(&mut b, "tok_emb", cfg.vocab, cfg.d_model, std)?;
@@ -219,7 +182,7 @@ impl GptStage {
         };
         let blocks = layers
             .clone()
-            .map(|i| block(&mut b, cfg, i))
+            .map(|i| block(&mut b, cfg, i, |b, p| dense_ff(b, cfg, p)))
             .collect::<Result<Vec<_>>>()?;
         let (ln_f, head) = if last {
             let ln = norm(&mut b, "ln_f", cfg)?;
@@ -312,16 +275,8 @@ impl GptStage {
             let label = format!("blocks.{i}");
             let _l = candle_dtensor_core::debug::label(&label);
             // Every block is dense (MoE is refused): the policy's index is the block's.
-            x = match &blk.mlp {
-                FeedForward::Dense(mlp) if self.cfg.ac.checkpoints(i) => {
-                    // The recompute outlives this call: it owns a copy of the block (shared
-                    // parameter handles).
-                    let b = Block {
-                        ln1: blk.ln1.clone(),
-                        attn: blk.attn.clone(),
-                        ln2: blk.ln2.clone(),
-                        mlp: FeedForward::Dense(mlp.clone()),
-                    };
+            x = match blk.dense_copy() {
+                Some(b) if self.cfg.ac.checkpoints(i) => {
                     checkpoint(&x, Some(&label), move |x| b.forward(x))?
                 }
                 _ => blk.forward(&x)?,
@@ -332,28 +287,19 @@ impl GptStage {
         };
         let _l = candle_dtensor_core::debug::label("head");
         let x = ln.forward(&x)?;
-        let logits = match (&self.head, &self.tok_emb) {
-            (Some(head), _) => head.forward(&x)?,
-            // Tied: as `Gpt`'s head.
-            (None, Some(tok)) => {
-                let layout = self.roles.with_tp(x.placements(), Placement::Replicate);
-                x.linear_with_layout(&tok.weight, None, Some(&layout))?
+        lm_logits(
+            &x,
+            self.head.as_ref(),
+            self.tok_emb.as_ref(),
+            &self.roles,
+            &self.plan,
+        )
+        .map_err(|e| match e {
+            ModelError::Config(m) => {
+                ModelError::Config(format!("pipeline stage {}: {m}", self.stage))
             }
-            (None, None) => {
-                return Err(ModelError::Config(format!(
-                    "pipeline stage {}: the last stage has no head",
-                    self.stage
-                )))
-            }
-        };
-        // As `Gpt`: without loss-parallel the logits are replicated over tp.
-        if !self.plan.loss_parallel && self.roles.tp.is_some() {
-            let pl = self
-                .roles
-                .with_tp(logits.placements(), Placement::Replicate);
-            return Ok(logits.redistribute(&pl)?);
-        }
-        Ok(logits)
+            other => other,
+        })
     }
 
     /// Mean next-token cross-entropy over the tokens of `logits [B, T, V]` against

@@ -437,6 +437,18 @@ impl Block {
         Ok(self.forward_aux(x)?.0)
     }
 
+    /// A copy of a dense block (`None` for a mixture-of-experts one), for a recompute that
+    /// outlives the forward (activation checkpointing): its parameters are shared handles, so
+    /// FSDP's refills reach it.
+    pub(crate) fn dense_copy(&self) -> Option<Block> {
+        Some(Block {
+            ln1: self.ln1.clone(),
+            attn: self.attn.clone(),
+            ln2: self.ln2.clone(),
+            mlp: FeedForward::Dense(self.mlp.dense()?.clone()),
+        })
+    }
+
     /// Applies the block; the second value is its mixture of experts' load-balancing loss.
     pub fn forward_aux(&self, x: &DTensor) -> Result<(DTensor, Option<DTensor>)> {
         let a = {
