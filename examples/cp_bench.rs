@@ -24,6 +24,7 @@ use candle_dtensor::comm::{CommOptions, LocalWorld};
 use candle_dtensor::dtensor::cp::{attention, layout_scope, CpVariant, SeqLayout, Strategy};
 use candle_dtensor::dtensor::debug::take_comm_wait;
 use candle_dtensor::dtensor::{distribute_tensor, DTensor, Placement};
+use candle_dtensor::kernels::compare::nan_max;
 use candle_dtensor::mesh::DeviceMesh;
 use clap::Parser;
 
@@ -154,8 +155,8 @@ fn main() -> Result<(), BoxErr> {
                         Ok::<_, BoxErr>(best)
                     })?;
                     Ok((
-                        per_rank.iter().map(|r| r.0).fold(0.0, f64::max),
-                        per_rank.iter().map(|r| r.1).fold(0.0, f64::max),
+                        per_rank.iter().map(|r| r.0).fold(0.0, nan_max),
+                        per_rank.iter().map(|r| r.1).fold(0.0, nan_max),
                     ))
                 };
                 let (attn_ms, exposed_ms) = measure(true)?;

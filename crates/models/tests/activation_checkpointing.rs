@@ -126,13 +126,14 @@ fn assert_same(what: &str, got: &Run, want: &Run) {
         for (p, (g, w)) in gs.iter().zip(ws).enumerate() {
             assert_eq!(g.len(), w.len(), "{what}: step {s} parameter {p}: sizes");
             let scale = w.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+            // NaN-aware: a NaN difference is the worst, never dropped.
             let worst = g
                 .iter()
                 .zip(w)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+                .map(|(a, b)| f64::from((a - b).abs()))
+                .fold(0.0, candle_dtensor_kernels::compare::nan_max);
             assert!(
-                worst <= 1e-5 * scale,
+                worst <= 1e-5 * f64::from(scale),
                 "{what}: step {s} parameter {p}: gradient off by {worst} (largest {scale})"
             );
         }
