@@ -206,6 +206,14 @@ pub struct Fsdp {
     inner: Arc<Inner>,
 }
 
+/// Rank `rank`'s rows of a parameter with `rows` rows sharded over `ranks` ranks:
+/// `(count, offset)`, torch.chunk as [`Fsdp::add_param`] cuts them (an empty shard reports
+/// `(0, rows)`). For layouts that shard parameters by FSDP's rule without an [`Fsdp`] (the
+/// pipeline trainer's stages, which stay gathered for a whole step).
+pub fn chunk_rows(rows: usize, ranks: usize, rank: usize) -> (usize, usize) {
+    shard_size_and_offset(rows, ranks, rank)
+}
+
 fn check_float(name: &str, dtype: DType) -> Result<()> {
     if dtype.is_float() {
         Ok(())

@@ -1,6 +1,7 @@
 //! Training the GPT over a `pp` mesh dim: pipeline parallelism with any schedule of
 //! [`candle_dtensor_parallel::pipeline`] (GPipe, 1F1B, interleaved 1F1B), optionally
-//! replicated over a `dp` dim (plain data parallelism of whole pipelines).
+//! replicated over a `dp` dim (plain data parallelism of whole pipelines, or FSDP: each
+//! stage's parameters sharded over `dp`).
 //!
 //! # A step
 //!
@@ -15,8 +16,9 @@
 //! the token table (`GptStage`), kept equal to the first stage's: after the dp reduction the
 //! two copies' gradients are summed over a two-rank communicator of pipeline ranks 0 and
 //! `p - 1` (the one-device model's gradient of the shared table), and both take the same
-//! AdamW update; the gradient norm and the parameter count count the table once. The stages accumulate their parameter gradients
-//! over the micro-batches; then the gradients are summed over `dp` (one all_reduce per step),
+//! AdamW update; the gradient norm and the parameter count count the table once. The stages
+//! accumulate their parameter gradients over the micro-batches; then the gradients are summed
+//! over `dp` (one all_reduce per step; with FSDP reduce-scattered, see below),
 //! the global gradient norm is taken (one all_reduce over `pp`) when clipping or asked for,
 //! and AdamW (as [`crate::fit::Trainer`] sets it up) steps each stage's own parameters.
 //!
@@ -35,19 +37,59 @@
 //! global gradient norm sums a sharded parameter's squares over `tp` and counts a replicated
 //! one once; the step's loss is counted by the first tp rank of the last stage.
 //!
+//! # FSDP over `dp`
+//!
+//! With [`TrainConfig::fsdp`] (sharding over `dp`), each rank keeps its stages' parameters as
+//! f32 dim-0 shards over its `dp` group (torch.chunk rows of the tensor-parallel-local piece,
+//! [`candle_dtensor_parallel::fsdp`]'s rule): the master copies AdamW steps, with their
+//! moments. Each chunk of the rank is one unit, like torchtitan's pipeline FSDP:
+//!
+//! - at the start of a step one all_gather per chunk (over `dp`, all issued before the first
+//!   is waited for) refills the chunk's full parameters in place, in the compute dtype;
+//! - the full parameters stay gathered for all the step's micro-batches (no re-gather per
+//!   micro-batch), and each micro-batch's gradients are summed into one f32 full gradient per
+//!   parameter;
+//! - after the chunk's last backward of the step (its `M`-th: every forward of the chunk
+//!   precedes its backward, so nothing of the chunk runs again this step) one reduce_scatter
+//!   (sum over `dp`, f32) is issued asynchronously, so it overlaps the rest of the schedule,
+//!   and the chunk's full parameters are released (the storage seam's release, as FSDP's);
+//! - after the schedule the reductions are waited for; the tied table's shard gradients are
+//!   summed between the first and the last stage (the two ranks share their dp coordinate, so
+//!   their shards hold the same rows), the norm's squares add up over `dp` too, and AdamW
+//!   steps the shards.
+//!
+//! So FSDP's collectives run once per step per chunk whatever `M` is (`RankReport::collectives`
+//! counts them). **Memory**: between steps a rank holds only its shards (f32), their
+//! gradients and AdamW's moments (1/dp of its stages); during a step it also holds every full
+//! parameter of its chunks (compute dtype) and one f32 full gradient of each, from the
+//! chunk's first backward until its reduce_scatter: what plain dp holds, so FSDP inside a
+//! pipeline saves the optimizer state and the parameters' memory between steps, not the peak
+//! of a step (torchtitan's choice for pipelines, where re-gathering per micro-batch would
+//! multiply the all_gathers by `M`). `reshard_after_forward` does not apply (the chunk stays
+//! gathered until its last backward); `separate_rs` gives the reduce_scatters their own
+//! communicator split from `dp`'s.
+//!
+//! Mixed precision (`param_dtype`, e.g. bf16): the full parameters, the stages' compute and
+//! the hidden states and their gradients sent between stages are in `param_dtype`; the
+//! shards, the accumulated gradients, the reduction, the loss and AdamW stay f32 (FSDP's
+//! mixed precision elsewhere).
+//!
 //! # Checkpoints
 //!
 //! `save_dir` / `resume` write and read the format of every other layout: each rank saves its
 //! stages' parameters and AdamW moments under their one-device names (the first data-parallel
-//! replica writes; the tied head's copy on the last stage is not written twice), so a run saved
-//! on `pp=2` resumes on `pp=4`, on `dp=2` without a pipeline, and back.
+//! replica writes, or with FSDP every dp rank its shard's rows; the tied head's copy on the
+//! last stage is not written twice), so a run saved on `pp=2` resumes on `pp=4`, on `dp=2`
+//! without a pipeline, and back, and one saved with FSDP on `dp=2 x pp=2` resumes on FSDP
+//! `dp=2`, on `pp=4`, and back.
 //!
 //! # Not covered
 //!
 //! Refused before any step ([`RunError::Unsupported`]): zero-bubble schedules (a GPT stage
 //! cannot split its backward into input and weight gradients: candle's autograd computes both
 //! operands' gradients of a matmul together, so `BackwardInput` alone cannot be had without
-//! hand-written backwards of attention and the norms), FSDP, sequence / context / expert
+//! hand-written backwards of attention and the norms), HSDP and FSDP over a dim other than
+//! `dp`, sequence / context / expert
 //! parallelism and mesh dims other than `pp`, `dp` and `tp`, a tied head with one pipeline
 //! rank and several chunks (both copies would be on one rank),
 //! held-out evaluation, sampling, SGD, fault tolerance, and
@@ -58,10 +100,13 @@ use std::time::Instant;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
-use candle_dtensor_comm::{Comm, ReduceOp};
+use candle_dtensor_comm::{Comm, ReduceOp, Work};
+use candle_dtensor_core::debug::{self, CommDebugMode, Phase};
 use candle_dtensor_core::{DTensor, Placement};
+use candle_dtensor_kernels::storage;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::{GptStage, StageInput};
+use candle_dtensor_parallel::fsdp::chunk_rows;
 use candle_dtensor_parallel::params::ParamStore;
 use candle_dtensor_parallel::pipeline::{
     run_schedule, split_balanced, split_explicit, CostModel, PipeComms, PipelineError, Schedule,
@@ -155,8 +200,7 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
             "pipeline parallelism with sequence parallelism".to_string(),
         ));
     }
-    let refusals: [(bool, &str); 7] = [
-        (cfg.fsdp.is_some(), "FSDP"),
+    let refusals: [(bool, &str); 6] = [
         (cfg.init_from.is_some(), "initialising from a file"),
         (cfg.eval.is_some(), "held-out evaluation"),
         (cfg.sample.is_some(), "sampling"),
@@ -173,6 +217,26 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
     GptStage::check_config(&cfg.gpt)?;
     let p = mesh.size(pp_dim)?;
     let dp_dim = names.iter().position(|n| *n == "dp");
+    if let Some(f) = &cfg.fsdp {
+        if let Some(r) = &f.replicate {
+            return Err(unsupported(format!(
+                "pipeline parallelism with HSDP (FSDP replicated over {r:?}): the stages are \
+                 sharded over the dp mesh dim only"
+            )));
+        }
+        if f.shard != "dp" || dp_dim.is_none() {
+            return Err(unsupported(format!(
+                "pipeline parallelism with FSDP over {:?} (mesh dims {names:?}): the stages are \
+                 sharded over the mesh's dp dim (FsdpSpec::shard \"dp\")",
+                f.shard
+            )));
+        }
+        if let Some(dt) = f.param_dtype.filter(|d| !d.is_float()) {
+            return Err(RunError::Config(format!(
+                "FSDP param_dtype {dt:?}: the compute dtype must be floating point"
+            )));
+        }
+    }
     let dp = match dp_dim {
         Some(d) => mesh.size(d)?,
         None => 1,
@@ -259,6 +323,16 @@ struct GptPipeStage<'a> {
     grads: Vec<Option<Tensor>>,
     /// The most autograd-graph bytes one chunk's output kept for backward.
     graph_bytes: usize,
+    /// The dtype of the hidden states between stages (the parameters' compute dtype).
+    act_dtype: DType,
+    /// FSDP over dp: a chunk's gradients are reduce-scattered after its last backward.
+    fsdp: Option<&'a StageFsdp>,
+    /// Backwards run per chunk this step.
+    backwards: Vec<usize>,
+    /// Micro-batches per step (a chunk's last backward is its `micro_batches`-th).
+    micro_batches: usize,
+    /// FSDP: the chunks' reduce_scatters in flight.
+    reducing: Vec<(usize, Work<Tensor>)>,
 }
 
 impl GptPipeStage<'_> {
@@ -327,25 +401,52 @@ impl Stage for GptPipeStage<'_> {
             Some(g) => (saved.out * g)?.sum_all()?.backward()?,
         };
         let owned = self.owned.get(chunk).cloned().unwrap_or(0..0);
-        for i in owned {
+        for i in owned.clone() {
             let var = &self.vars[i];
             let Some(g) = store.get(var.as_tensor()) else {
                 continue;
             };
+            // FSDP accumulates in f32 (the reduction's dtype), whatever the compute dtype.
+            let g = match self.fsdp {
+                Some(_) => g.to_dtype(DType::F32)?,
+                None => g.clone(),
+            };
             self.grads[i] = Some(match self.grads[i].take() {
                 Some(acc) => (acc + g)?,
-                None => g.clone(),
+                None => g,
             });
         }
-        Ok(saved.input.and_then(|v| store.get(v.as_tensor()).cloned()))
+        let input_grad = saved.input.and_then(|v| store.get(v.as_tensor()).cloned());
+        if let Some(f) = self.fsdp {
+            let done = self
+                .backwards
+                .get_mut(chunk)
+                .ok_or_else(|| format!("chunk {chunk} is not on this rank"))?;
+            *done += 1;
+            if *done == self.micro_batches {
+                // The chunk's last backward of the step: its gradients are complete.
+                let grads = owned
+                    .map(|i| {
+                        self.grads[i].take().ok_or_else(|| {
+                            format!(
+                                "pipeline stage: no gradient for parameter {i} of chunk {chunk}"
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let work = f.reduce_scatter(chunk, &grads, self.vars)?;
+                self.reducing.push((chunk, work));
+            }
+        }
+        Ok(input_grad)
     }
 
     fn input_shape(&self, _chunk: usize, _mb: usize) -> Result<(Shape, DType), StageError> {
-        Ok((self.shape.clone(), DType::F32))
+        Ok((self.shape.clone(), self.act_dtype))
     }
 
     fn output_shape(&self, _chunk: usize, _mb: usize) -> Result<(Shape, DType), StageError> {
-        Ok((self.shape.clone(), DType::F32))
+        Ok((self.shape.clone(), self.act_dtype))
     }
 }
 
@@ -358,6 +459,279 @@ fn grad_store(vars: &[Var], grads: Vec<Tensor>, dev: &Device) -> candle_core::Re
         store.insert(v.as_tensor(), g);
     }
     Ok(store)
+}
+
+// === FSDP of the stages over dp ===
+
+/// One parameter of a rank's stages, sharded over `dp` by FSDP's rule (torch.chunk rows of
+/// dim 0 of its tensor-parallel-local piece).
+struct ShardParam {
+    /// Its index in the rank's full (compute-dtype) vars.
+    var: usize,
+    name: String,
+    /// Rows (dim 0; 1 for a scalar) and elements per row.
+    rows: usize,
+    row: usize,
+    /// Elements of this parameter in a rank's block of a collective (padded rows x row).
+    padded: usize,
+    /// Its offset in a rank's block (elements).
+    offset: usize,
+    /// This rank's rows in f32: the master copy AdamW steps.
+    shard: Var,
+}
+
+/// One chunk's parameters: gathered by one all_gather, reduced by one reduce_scatter per step.
+struct ShardUnit {
+    params: Vec<ShardParam>,
+    /// Elements of one rank's block.
+    block: usize,
+}
+
+/// FSDP over `dp` of one rank's pipeline stages (see the module docs): each chunk is a unit
+/// whose full parameters are gathered at the start of a step and released after the chunk's
+/// last backward, when its gradients (summed over the step's micro-batches) are
+/// reduce-scattered.
+struct StageFsdp {
+    /// The dp communicator (all_gathers).
+    dp: Comm,
+    /// The reduce_scatters' communicator: dp's, or its own split of it
+    /// ([`crate::trainer::FsdpSpec::separate_rs`]).
+    rs: Comm,
+    units: Vec<ShardUnit>,
+}
+
+impl StageFsdp {
+    /// Shards `initial[i]` (the f32 value of parameter `names[i]`; chunk `c` owns the
+    /// consecutive indices `owned[c]`) over `dp`.
+    fn new(
+        dp: Comm,
+        rs: Comm,
+        owned: &[std::ops::Range<usize>],
+        names: &[String],
+        initial: &[Tensor],
+    ) -> Result<StageFsdp, RunError> {
+        let (n, me) = (dp.size(), dp.rank());
+        let mut units = Vec::with_capacity(owned.len());
+        let mut next = 0;
+        for range in owned {
+            if range.start != next {
+                return Err(RunError::Config(format!(
+                    "pipeline FSDP: chunk parameters {range:?} do not follow {next}"
+                )));
+            }
+            next = range.end;
+            let mut params = Vec::with_capacity(range.len());
+            let mut block = 0;
+            for i in range.clone() {
+                let full = initial.get(i).ok_or_else(|| {
+                    RunError::Config(format!("pipeline FSDP: no initial value of parameter {i}"))
+                })?;
+                let dims = full.dims();
+                let rows = dims.first().copied().unwrap_or(1);
+                let row: usize = dims.iter().skip(1).product();
+                let (mine, off) = chunk_rows(rows, n, me);
+                let mut shape = dims.to_vec();
+                match shape.first_mut() {
+                    Some(s0) => *s0 = mine,
+                    None => shape = vec![mine],
+                }
+                let shard = full
+                    .detach()
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .narrow(0, off * row, mine * row)?
+                    .reshape(shape)?
+                    .contiguous()?;
+                let padded = rows.div_ceil(n.max(1)) * row;
+                params.push(ShardParam {
+                    var: i,
+                    name: names.get(i).cloned().unwrap_or_default(),
+                    rows,
+                    row,
+                    padded,
+                    offset: block,
+                    shard: Var::from_tensor(&shard)?,
+                });
+                block += padded;
+            }
+            units.push(ShardUnit { params, block });
+        }
+        Ok(StageFsdp { dp, rs, units })
+    }
+
+    /// Every parameter's shard, indexed like the rank's vars.
+    fn shards(&self) -> Vec<Var> {
+        self.units
+            .iter()
+            .flat_map(|u| u.params.iter().map(|p| p.shard.clone()))
+            .collect()
+    }
+
+    /// Bytes of this rank's shards.
+    fn shard_bytes(&self) -> usize {
+        self.units
+            .iter()
+            .flat_map(|u| &u.params)
+            .map(|p| p.shard.elem_count() * p.shard.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// The checkpoint entries of the shards: `full` (the stage store's entries, indexed like
+    /// the vars) with each var replaced by its shard and its boxes cut to the shard's rows.
+    fn checkpoint_vars(&self, full: Vec<CheckpointVar>) -> Vec<CheckpointVar> {
+        let (n, me) = (self.dp.size(), self.dp.rank());
+        full.into_iter()
+            .zip(self.units.iter().flat_map(|u| &u.params))
+            .map(|(mut v, p)| {
+                let (mine, off) = chunk_rows(p.rows, n, me);
+                v.boxes = v
+                    .boxes
+                    .iter()
+                    .filter_map(|b| {
+                        let (Some(&lo), Some(&len)) = (b.local_offset.first(), b.shape.first())
+                        else {
+                            // A scalar: the first shard holds it.
+                            return (mine > 0).then(|| b.clone());
+                        };
+                        let (a, z) = (lo.max(off), (lo + len).min(off + mine));
+                        (a < z).then(|| {
+                            let mut c = b.clone();
+                            c.local_offset[0] = a - off;
+                            c.global_offset[0] += a - lo;
+                            c.shape[0] = z - a;
+                            c
+                        })
+                    })
+                    .collect();
+                v.var = p.shard.clone();
+                v
+            })
+            .collect()
+    }
+
+    /// Releases every full parameter's storage (until the next [`StageFsdp::gather`]).
+    fn release_all(&self, vars: &[Var]) -> Result<usize, RunError> {
+        let mut freed = 0;
+        for p in self.units.iter().flat_map(|u| &u.params) {
+            freed += storage::release(vars[p.var].as_tensor(), &p.name)?;
+        }
+        Ok(freed)
+    }
+
+    /// The start of a step: one all_gather of every chunk's shards over `dp` (all issued, then
+    /// waited for), each full parameter refilled in place (in its compute dtype), so the
+    /// stages' modules see the values of the last optimizer step.
+    fn gather(&self, vars: &[Var]) -> Result<(), RunError> {
+        let n = self.dp.size();
+        let mut works = Vec::with_capacity(self.units.len());
+        for u in &self.units {
+            let Some(first) = u.params.first() else {
+                works.push(None);
+                continue;
+            };
+            let dtype = vars[first.var].dtype();
+            let dev = vars[first.var].device();
+            let mut parts = Vec::with_capacity(2 * u.params.len());
+            for p in &u.params {
+                let s = p
+                    .shard
+                    .as_tensor()
+                    .detach()
+                    .flatten_all()?
+                    .to_dtype(dtype)?;
+                let pad = p.padded - s.elem_count();
+                parts.push(s);
+                if pad > 0 {
+                    parts.push(Tensor::zeros(pad, dtype, dev)?);
+                }
+            }
+            let send = Tensor::cat(&parts, 0)?;
+            let bytes = send.elem_count() * dtype.size_in_bytes() * n;
+            debug::record("all_gather", "dp", bytes as u64);
+            works.push(Some(self.dp.all_gather_single(&send)?));
+        }
+        for (u, w) in self.units.iter().zip(works) {
+            let Some(w) = w else { continue };
+            let gathered = w.wait()?;
+            for p in &u.params {
+                let segs: Vec<(usize, usize)> = (0..n)
+                    .map(|r| (r * u.block + p.offset, chunk_rows(p.rows, n, r).0 * p.row))
+                    .collect();
+                storage::refill_from_segments(vars[p.var].as_tensor(), &gathered, &segs)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After chunk `unit`'s last backward of the step: issues the reduce_scatter (summed over
+    /// `dp`, in f32) of `grads`, its parameters' complete gradients summed over the step's
+    /// micro-batches, and releases the chunk's full parameters (nothing of the chunk runs
+    /// again this step).
+    fn reduce_scatter(
+        &self,
+        unit: usize,
+        grads: &[Tensor],
+        vars: &[Var],
+    ) -> Result<Work<Tensor>, RunError> {
+        let n = self.rs.size();
+        let u = self.units.get(unit).ok_or_else(|| {
+            RunError::Config(format!("pipeline FSDP: chunk {unit} is not on this rank"))
+        })?;
+        let flat = grads
+            .iter()
+            .map(|g| g.to_dtype(DType::F32)?.flatten_all())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let mut parts = Vec::with_capacity(n * u.params.len() * 2);
+        // Rank-major: rank r's rows of every parameter, each padded to its block.
+        for r in 0..n {
+            for (p, g) in u.params.iter().zip(&flat) {
+                let (s, off) = chunk_rows(p.rows, n, r);
+                parts.push(g.narrow(0, off * p.row, s * p.row)?);
+                let pad = p.padded - s * p.row;
+                if pad > 0 {
+                    parts.push(Tensor::zeros(pad, DType::F32, g.device())?);
+                }
+            }
+        }
+        let send = Tensor::cat(&parts, 0)?;
+        let work = {
+            let _b = debug::enter_backward(Some(&format!("pp.chunk{unit}")));
+            debug::record("reduce_scatter", "dp", (send.elem_count() * 4) as u64);
+            self.rs.reduce_scatter_single(&send, ReduceOp::Sum)?
+        };
+        for p in &u.params {
+            storage::release(vars[p.var].as_tensor(), &p.name)?;
+        }
+        Ok(work)
+    }
+
+    /// Waits for the step's reduce_scatters (one per chunk) and returns every parameter's
+    /// shard gradient, indexed like the vars.
+    fn finish(&self, works: Vec<(usize, Work<Tensor>)>) -> Result<Vec<Tensor>, RunError> {
+        let mut out: Vec<Option<Tensor>> =
+            vec![None; self.units.iter().map(|u| u.params.len()).sum()];
+        for (unit, w) in works {
+            let reduced = w.wait()?;
+            for p in &self.units[unit].params {
+                let g = reduced
+                    .narrow(0, p.offset, p.shard.elem_count())?
+                    .reshape(p.shard.shape())?;
+                out[p.var] = Some(g);
+            }
+        }
+        let names = self.units.iter().flat_map(|u| &u.params).map(|p| &p.name);
+        out.into_iter()
+            .zip(names)
+            .map(|(g, name)| {
+                g.ok_or_else(|| {
+                    RunError::Config(format!(
+                        "pipeline FSDP: the gradient of {name} was not reduced this step (its \
+                         chunk ran fewer backwards than micro-batches)"
+                    ))
+                })
+            })
+            .collect()
+    }
 }
 
 /// A scalar summed over `comm`.
@@ -408,26 +782,88 @@ pub(crate) fn train_rank_pp(
     let lay = check(mesh, cfg, &counts)?;
     let (p, v) = (lay.p, lay.schedule.chunks());
     let stages = p * v;
-    let mut store = ParamStore::new(&solo, cfg.seed, DType::F32);
-    let mut parts = Vec::with_capacity(v);
-    let mut owned = Vec::with_capacity(v);
-    for c in 0..v {
-        let s = c * p + lay.pp_rank;
-        let before = store.params().len();
-        parts.push(GptStage::new(
-            &cfg.gpt,
-            &solo,
-            &plan,
-            s,
-            stages,
-            lay.ranges[s].clone(),
-            &mut store,
-        )?);
-        owned.push(before..store.params().len());
-    }
+    // This rank's chunks, their parameters in a store of `dtype` (chunk c owning the
+    // parameters `owned[c]`).
+    let build = |dtype: DType| -> Result<_, RunError> {
+        let mut store = ParamStore::new(&solo, cfg.seed, dtype);
+        let mut parts = Vec::with_capacity(v);
+        let mut owned = Vec::with_capacity(v);
+        for c in 0..v {
+            let s = c * p + lay.pp_rank;
+            let before = store.params().len();
+            parts.push(GptStage::new(
+                &cfg.gpt,
+                &solo,
+                &plan,
+                s,
+                stages,
+                lay.ranges[s].clone(),
+                &mut store,
+            )?);
+            owned.push(before..store.params().len());
+        }
+        Ok((store, parts, owned))
+    };
+    // FSDP's mixed precision: the stages compute in `param_dtype` (their full parameters and
+    // the hidden states between stages); the master shards, their gradients and the
+    // reduction stay f32.
+    let act_dtype = cfg
+        .fsdp
+        .as_ref()
+        .and_then(|f| f.param_dtype)
+        .unwrap_or(DType::F32);
+    let (store, parts, owned) = build(act_dtype)?;
     let vars: Vec<Var> = store.params().iter().map(|p| p.var.clone()).collect();
+    let dp_comm = match lay.dp_dim {
+        Some(d) => Some(mesh.comm(d)?.clone()),
+        None => None,
+    };
+    let fsdp = match (&cfg.fsdp, &dp_comm) {
+        (Some(spec), Some(dc)) => {
+            // The initial values in f32 (the one-device model's; the compute store rounds
+            // them to param_dtype).
+            let initial: Vec<Tensor> = if act_dtype == DType::F32 {
+                vars.iter().map(|v| v.as_tensor().clone()).collect()
+            } else {
+                let (f32_store, _, _) = build(DType::F32)?;
+                f32_store
+                    .params()
+                    .iter()
+                    .map(|p| p.var.as_tensor().clone())
+                    .collect()
+            };
+            let rs = if spec.separate_rs {
+                let ranks: Vec<usize> = (0..dc.size()).collect();
+                dc.split(&ranks, &format!("{}_rs", dc.name()))?
+                    .ok_or_else(|| {
+                        RunError::Config("the reduce-scatter split returned none".into())
+                    })?
+            } else {
+                dc.clone()
+            };
+            let names: Vec<String> = store.params().iter().map(|p| p.name.clone()).collect();
+            let f = StageFsdp::new(dc.clone(), rs, &owned, &names, &initial)?;
+            // Sharded until the first step's gather.
+            f.release_all(&vars)?;
+            Some(f)
+        }
+        (Some(_), None) => {
+            return Err(RunError::Config("pipeline FSDP needs a dp mesh dim".into()))
+        }
+        (None, _) => None,
+    };
+    // What AdamW steps: the f32 shards with FSDP, the stages' parameters without.
+    let opt_vars: Vec<Var> = match &fsdp {
+        Some(f) => f.shards(),
+        None => vars.clone(),
+    };
     let mut opt = AdamW::new(
-        vars.clone(),
+        // candle-nn-style optimizers refuse empty vars (a shard past a small parameter's rows).
+        opt_vars
+            .iter()
+            .filter(|t| t.elem_count() > 0)
+            .cloned()
+            .collect(),
         ParamsAdamW {
             lr: cfg.schedule.map_or(cfg.lr, |s| s.lr_at(0)),
             beta1: cfg.beta1,
@@ -436,9 +872,9 @@ pub(crate) fn train_rank_pp(
             weight_decay: cfg.weight_decay,
         },
     )?;
-    for prm in store.params() {
+    for (prm, target) in store.params().iter().zip(&opt_vars) {
         opt.set_decay(
-            &prm.var,
+            target,
             cfg.decay_policy.decays(&prm.name, prm.tensor.shape()),
         );
     }
@@ -449,10 +885,6 @@ pub(crate) fn train_rank_pp(
         None
     };
     let tp_size = tp_comm.as_ref().map_or(1, Comm::size);
-    let dp_comm = match lay.dp_dim {
-        Some(d) => Some(mesh.comm(d)?.clone()),
-        None => None,
-    };
     let comms = PipeComms::new(&pp_comm).map_err(|e| RunError::Pipeline(Box::new(e)))?;
     // A tied head: the token table's copies on pipeline ranks 0 and p - 1 (collective over pp).
     let tied = if cfg.gpt.tied && p > 1 {
@@ -523,16 +955,21 @@ pub(crate) fn train_rank_pp(
             "resume and save_every need a save_dir".into(),
         ));
     }
-    let ckpt_vars: Vec<CheckpointVar> = store
-        .checkpoint_vars()
-        .into_iter()
-        .enumerate()
-        .map(|(i, mut v)| {
-            let tied_copy = matches!(&tied, Some((_, idx, true)) if *idx == i);
-            v.writer = v.writer && lay.dp_rank == 0 && !tied_copy;
-            v
-        })
-        .collect();
+    // With FSDP the shards are saved (every data-parallel rank writes its rows).
+    let full_vars = store.checkpoint_vars();
+    let sharded = fsdp.is_some();
+    let ckpt_vars: Vec<CheckpointVar> = match &fsdp {
+        Some(f) => f.checkpoint_vars(full_vars),
+        None => full_vars,
+    }
+    .into_iter()
+    .enumerate()
+    .map(|(i, mut v)| {
+        let tied_copy = matches!(&tied, Some((_, idx, true)) if *idx == i);
+        v.writer = v.writer && (sharded || lay.dp_rank == 0) && !tied_copy;
+        v
+    })
+    .collect();
     let extra = crate::trainer::checkpoint_extra(cfg, &corpus.fingerprint().to_string());
     let mut start = 0;
     if let (true, Some(dir)) = (cfg.resume, &cfg.save_dir) {
@@ -547,18 +984,36 @@ pub(crate) fn train_rank_pp(
             Err(e) => return Err(e.into()),
         }
     }
-    let mut report = RankReport {
-        start_step: start,
-        param_bytes: store.local_bytes(),
+    let (param_bytes, param_grad_optim_bytes) = match &fsdp {
+        // The f32 shards, their gradients and AdamW's two moments, plus what a step holds
+        // unsharded: the full parameters (compute dtype) and their f32 gradients summed over
+        // the micro-batches (both kept until the chunk's last backward).
+        Some(f) => {
+            let full: usize = vars.iter().map(|v| v.elem_count()).sum();
+            (
+                f.shard_bytes(),
+                4 * f.shard_bytes() + store.local_bytes() + 4 * full,
+            )
+        }
         // This rank's parameters, their gradients and AdamW's two moments (f32), as the
         // GPT run counts them without FSDP.
-        param_grad_optim_bytes: 4 * store.local_bytes(),
+        None => (store.local_bytes(), 4 * store.local_bytes()),
+    };
+    let mut report = RankReport {
+        start_step: start,
+        param_bytes,
+        param_grad_optim_bytes,
         params,
         rank: mesh.rank(),
         ..RankReport::default()
     };
     for step in start..cfg.steps {
+        // The collectives of the last step, in the report (as the other layouts count them).
+        let mode = (step + 1 == cfg.steps).then(CommDebugMode::start);
         let t0 = Instant::now();
+        if let Some(f) = &fsdp {
+            f.gather(&vars)?;
+        }
         let (xs, ys) = corpus.batch(step as u64, cfg.batch, t, cfg.seed);
         let first_row = lay.dp_rank * cfg.batch / lay.dp;
         let mb_rows = |all: &[u32], i: usize| -> candle_core::Result<Tensor> {
@@ -584,25 +1039,36 @@ pub(crate) fn train_rank_pp(
             saved: HashMap::new(),
             grads: vec![None; vars.len()],
             graph_bytes: 0,
+            act_dtype,
+            fsdp: fsdp.as_ref(),
+            backwards: vec![0; v],
+            micro_batches: m,
+            reducing: Vec::new(),
         };
         let run = run_schedule(&mut stage, &lay.schedule, &comms)
             .map_err(|e| RunError::Pipeline(Box::new(e)))?;
         let fwd_bwd = t0.elapsed();
         report.peak_activation_bytes = report.peak_activation_bytes.max(stage.graph_bytes);
         let mut grads = Vec::with_capacity(vars.len());
-        for (i, g) in stage.grads.into_iter().enumerate() {
-            match g {
-                Some(g) => grads.push(g),
-                None => {
-                    return Err(RunError::Config(format!(
-                        "pipeline stage: no gradient for parameter {}",
-                        store.params()[i].name
-                    )))
+        if let Some(f) = &fsdp {
+            // One reduce_scatter per chunk, issued after its last backward: the shards'
+            // gradients summed over dp.
+            grads = f.finish(std::mem::take(&mut stage.reducing))?;
+        } else {
+            for (i, g) in stage.grads.into_iter().enumerate() {
+                match g {
+                    Some(g) => grads.push(g),
+                    None => {
+                        return Err(RunError::Config(format!(
+                            "pipeline stage: no gradient for parameter {}",
+                            store.params()[i].name
+                        )))
+                    }
                 }
             }
         }
         // Data-parallel replicas of the pipeline: one all_reduce of every gradient per step.
-        if let Some(dc) = dp_comm.as_ref().filter(|c| c.size() > 1) {
+        if let Some(dc) = dp_comm.as_ref().filter(|c| c.size() > 1 && fsdp.is_none()) {
             let flat = grads
                 .iter()
                 .map(|g| g.flatten_all())
@@ -617,9 +1083,12 @@ pub(crate) fn train_rank_pp(
                 off += n;
             }
         }
-        // The tied table: the sum of both copies' gradients on both.
+        // The tied table: the sum of both copies' gradients on both (with FSDP, of the two
+        // copies' shards of the same rows: the two ranks share their dp coordinate).
         if let Some((c, idx, _)) = &tied {
-            grads[*idx] = c.all_reduce(&grads[*idx], ReduceOp::Sum)?.wait()?;
+            if grads[*idx].elem_count() > 0 {
+                grads[*idx] = c.all_reduce(&grads[*idx], ReduceOp::Sum)?.wait()?;
+            }
         }
         // The global gradient norm: every stage's parameters are distinct (the tied copy
         // counted once), and the dp replicas hold the same sums, so the squares add up over
@@ -653,6 +1122,10 @@ pub(crate) fn train_rank_pp(
             if let Some(tc) = tp_comm.as_ref() {
                 sq = sum_over(tc, sq, &dev, ReduceOp::Sum)?;
             }
+            // FSDP: the dp ranks hold disjoint rows.
+            if let (Some(_), Some(dc)) = (&fsdp, &dp_comm) {
+                sq = sum_over(dc, sq, &dev, ReduceOp::Sum)?;
+            }
             Some(sum_over(&pp_comm, sq, &dev, ReduceOp::Sum)?.sqrt())
         } else {
             None
@@ -669,7 +1142,7 @@ pub(crate) fn train_rank_pp(
         let lr = cfg.schedule.map_or(cfg.lr, |s| s.lr_at(step));
         opt.set_learning_rate(lr);
         let t_bwd = Instant::now();
-        opt.step(&grad_store(&vars, grads, &dev)?)?;
+        opt.step(&grad_store(&opt_vars, grads, &dev)?)?;
         let t_opt = Instant::now();
         // The step's loss: the last stages' scaled micro-batch losses summed over the world
         // (the tp ranks of a last stage hold the same loss: the first of them counts it).
@@ -700,6 +1173,21 @@ pub(crate) fn train_rank_pp(
         report
             .phase_ms
             .push([ms(fwd_bwd), ms(t_bwd - t0) - ms(fwd_bwd), ms(t_opt - t_bwd)]);
+        if let Some(mode) = mode {
+            report.collectives.clear();
+            for ((phase, kind), n) in mode.counts() {
+                let phase = match phase {
+                    Phase::Forward => "forward",
+                    Phase::Backward => "backward",
+                };
+                *report
+                    .collectives
+                    .entry(kind.to_string())
+                    .or_default()
+                    .entry(phase.to_string())
+                    .or_insert(0) += n;
+            }
+        }
         on_step(&StepInfo {
             step,
             loss,
