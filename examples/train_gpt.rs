@@ -121,7 +121,8 @@ pub(crate) struct Args {
     world: Option<usize>,
     /// Mesh, e.g. `tp=4`, `dp=2,tp=2`, `replicate=2,shard=2`, `dp=2,ep=2`, `dp=2,pp=2`. Dim
     /// names: dp, tp, replicate, shard, ep (experts of --moe sharded over it; a data dim
-    /// otherwise), pp (pipeline stages; combines with dp only, see --microbatches).
+    /// otherwise), pp (pipeline stages; combines with dp, FSDP over dp with --fsdp, and tp;
+    /// see --microbatches).
     #[arg(long, default_value = "dp=2,tp=2")]
     mesh: String,
     /// Shard parameters, gradients and optimizer state over the data-parallel dim (FSDP).
@@ -1491,8 +1492,8 @@ fn pipeline_spec(
             args.mesh
         ));
     }
-    let refused: [(bool, &str); 9] = [
-        (args.fsdp || args.hsdp, "--fsdp / --hsdp"),
+    let refused: [(bool, &str); 8] = [
+        (args.hsdp, "--hsdp"),
         (args.sp, "--sp"),
         (args.init_from.is_some(), "--init-from"),
         (args.eval_every > 0, "--eval-every"),
@@ -1500,7 +1501,6 @@ fn pipeline_spec(
         (args.fault_tolerant, "--fault-tolerant"),
         (args.grad_accum > 1, "--grad-accum (use --microbatches)"),
         (args.moe.is_some(), "--moe"),
-        (args.mixed_precision.is_some(), "--mixed-precision"),
     ];
     if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
         return Err(format!(
@@ -1589,7 +1589,32 @@ fn fsdp_spec(args: &Args, dims: &[(String, usize)]) -> Result<Option<FsdpSpec>, 
     };
     let has = |n: &str| dims.iter().any(|(d, _)| d == n);
     if has("pp") {
-        // Refused by `pipeline_spec` when asked for; not the default over dp with pp.
+        // FSDP inside a pipeline (each stage's parameters sharded over dp) only when asked
+        // for with --fsdp: plain dp replicas of the pipeline otherwise. --hsdp is refused by
+        // `pipeline_spec`.
+        if args.fsdp && !args.no_fsdp {
+            if !has("dp") {
+                return Err(format!(
+                    "--fsdp with --mesh {}: FSDP inside a pipeline shards over a dp mesh dim",
+                    args.mesh
+                ));
+            }
+            return Ok(Some(FsdpSpec {
+                shard: "dp".into(),
+                replicate: None,
+                separate_rs: args.separate_rs_group,
+                param_dtype,
+                // Does not apply: a stage stays gathered for the whole step.
+                reshard_after_forward: true,
+            }));
+        }
+        if param_dtype.is_some() || args.separate_rs_group {
+            return Err(format!(
+                "--mesh {} with --mixed-precision / --separate-rs-group: with a pp dim these \
+                 need --fsdp (FSDP over dp inside the pipeline)",
+                args.mesh
+            ));
+        }
         return Ok(None);
     }
     if args.hsdp {

@@ -605,7 +605,7 @@ fn gradient_revealing(c: TrainConfig) -> TrainConfig {
 }
 
 /// FSDP over dp inside a pipeline: dp=2 x pp=2 under GPipe, 1F1B (an uneven stage split) and
-/// interleaved 1F1B, dp=3 x pp=2 (every parameter's rows split unevenly, 6 sequences),
+/// interleaved 1F1B, dp=3 x pp=2 (most parameters' rows split unevenly, 6 sequences),
 /// dp=2 x tp=2 x pp=2, tied and untied heads, an odd vocabulary (uneven token tables): losses
 /// and global gradient norms within 1e-5 of one device at every step, every parameter's first
 /// update (the gradient, see [`gradient_revealing`]) within 1e-4, and the shards hold the model
@@ -715,28 +715,36 @@ fn fsdp_stages_match_one_device() -> R<()> {
 
 /// FSDP's collectives inside a pipeline, counted in the last step: one all_gather (at the
 /// step's start) and one reduce_scatter (after the chunk's last backward) per chunk of a rank,
-/// whatever the number of micro-batches; none without FSDP.
+/// whatever the number of micro-batches (also with the reduce_scatters on their own
+/// communicator, which changes no loss); none without FSDP.
 #[test]
 fn fsdp_reduces_once_per_step_per_stage() -> R<()> {
+    let want = run_all(&[("dp", 1)], &cfg(None)).remove(0)?.losses;
+    // (pipeline, FSDP, separate reduce-scatter communicator, collectives per step)
     let cases = [
-        (spec(ScheduleKind::GPipe, 2, 1), true, 1),
-        (spec(ScheduleKind::GPipe, 4, 1), true, 1),
-        (spec(ScheduleKind::OneFOneB, 4, 1), true, 1),
-        (spec(ScheduleKind::Interleaved1F1B, 2, 2), true, 2),
-        (spec(ScheduleKind::Interleaved1F1B, 4, 2), true, 2),
-        (spec(ScheduleKind::OneFOneB, 4, 1), false, 0),
+        (spec(ScheduleKind::GPipe, 2, 1), true, false, 1),
+        (spec(ScheduleKind::GPipe, 4, 1), true, false, 1),
+        (spec(ScheduleKind::OneFOneB, 4, 1), true, false, 1),
+        (spec(ScheduleKind::OneFOneB, 4, 1), true, true, 1),
+        (spec(ScheduleKind::Interleaved1F1B, 2, 2), true, false, 2),
+        (spec(ScheduleKind::Interleaved1F1B, 4, 2), true, false, 2),
+        (spec(ScheduleKind::OneFOneB, 4, 1), false, false, 0),
     ];
-    for (s, fsdp, per_step) in cases {
+    for (s, fsdp, separate_rs, per_step) in cases {
         let what = format!(
-            "dp=2 x pp=2 {} m={} v={} fsdp {fsdp}",
+            "dp=2 x pp=2 {} m={} v={} fsdp {fsdp} separate rs {separate_rs}",
             s.schedule, s.micro_batches, s.chunks
         );
         let mut c = cfg(Some(s));
         if fsdp {
             c = with_fsdp(c, None);
         }
+        if let Some(f) = c.fsdp.as_mut() {
+            f.separate_rs = separate_rs;
+        }
         for r in run_all(&[("dp", 2), ("pp", 2)], &c) {
             let r = r?;
+            assert_close(&r.losses, &want, 1e-5, &what);
             let count = |kind: &str, phase: &str| {
                 r.collectives
                     .get(kind)
