@@ -62,6 +62,9 @@ def derive(run, gemm_flops):
     fpt = flops_per_token(run["params"], run["layers"], run["seq_len"], run["width"])
     return {
         "step_ms": st,
+        # Only the median of all steps, warm-up included (train_gpt run with --log-every 0
+        # and no per-step list in its summary).
+        "warmup_included": "WARM-UP INCLUDED" in (run.get("timing_source") or ""),
         "tokens_per_s": tps,
         "flops_per_token": fpt,
         "mfu": tps * fpt / gemm_flops if finite(gemm_flops) else None,
@@ -100,6 +103,8 @@ def ratio(a, b):
 
 def fmt_ms(f):
     s = f["step_ms"]
+    if f.get("warmup_included"):
+        return f"{s['median']:.1f} (median of all steps, warm-up included)"
     return f"{s['median']:.1f} ({s['p10']:.1f}-{s['p90']:.1f})"
 
 

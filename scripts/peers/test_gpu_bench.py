@@ -210,6 +210,15 @@ class Driver(unittest.TestCase):
         self.assertIn("| tiny | f32 | 8 x 128 | 14.0 (12.0-15.0) |", md)
         self.assertIn("- tiny bf16 ours: timeout", md)
 
+    def test_summary_median_is_marked_when_the_warmup_is_in_it(self):
+        d = self.drive("--presets", "tiny", "--precisions", "f32", "--ours-log-every", "0")
+        (r,) = d["runs"]
+        self.assertEqual(r["status"], "ok", r.get("error"))
+        self.assertNotIn("--metrics", r["command"])
+        self.assertEqual(r["step_ms_measured"], [12.0])
+        with open(os.path.join(self.out, "table.md")) as f:
+            self.assertIn("| 12.0 (median of all steps, warm-up included) |", f.read())
+
     def test_budget_skips_runs(self):
         d = self.drive("--budget", "0", "--min-run-s", "1")
         self.assertEqual({r["status"] for r in d["runs"]}, {"skipped"})
