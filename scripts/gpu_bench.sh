@@ -107,7 +107,7 @@ if [[ "$device" == cuda* ]]; then
 import glob, os, site
 roots = list(getattr(site, "getsitepackages", lambda: [])()) + [site.getusersitepackages()]
 for r in roots:
-    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))) + sorted(glob.glob(os.path.join(r, "nvidia", "cu*", "lib"))):
+    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))):
         print(d)' 2>/dev/null || true)
     lib_dirs=()
     for lib in cuda nccl cublas cublasLt curand nvrtc cudart; do

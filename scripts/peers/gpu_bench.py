@@ -99,7 +99,11 @@ def run_cmd(cmd, stdout_path, stderr_path, timeout, env=None, gpu=None, mem_inte
     peak_dev = None
     t0 = time.monotonic()
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+        try:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+        except OSError as e:  # not found, not executable: a failed run like any other
+            err.write(f"error: cannot start {cmd[0]}: {e}\n".encode())
+            return {"rc": 127, "seconds": 0.0, "peak_rss_bytes": None, "peak_device_bytes": None}
         status = rusage = None
         timed_out = False
         next_sample = t0

@@ -13,6 +13,9 @@ Definitions (the same for every side; computed here from the raw figures the JSO
   FLOPs/token   6 N + 12 L T D (N parameters, L layers, T sequence length, D width)
   MFU           tokens/s x FLOPs/token / the bf16 GEMM rate measured in the same run
   ours/eager    ours' tokens/s over eager's (above 1: ours is faster); likewise ours/compile
+  peak GiB      on CUDA the device's memory.used (nvidia-smi, sampled every second) above its
+                value before the run, CUDA context and caching pools included, the same for
+                every side; on the CPU the process's peak resident set
 A run that failed, timed out or was skipped shows its status instead of figures, and a target
 that depends on it reads "not measured".
 """

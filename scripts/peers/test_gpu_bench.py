@@ -219,6 +219,14 @@ class Driver(unittest.TestCase):
         with open(os.path.join(self.out, "table.md")) as f:
             self.assertIn("| 12.0 (median of all steps, warm-up included) |", f.read())
 
+    def test_a_python_that_does_not_exist_fails_its_runs_only(self):
+        d = self.drive("--presets", "tiny", "--precisions", "f32", "--sides", "ours,eager",
+                       "--python", os.path.join(self.tmp.name, "no-such-python"))
+        by = {r["side"]: r for r in d["runs"]}
+        self.assertEqual(by["ours"]["status"], "ok", by["ours"].get("error"))
+        self.assertEqual(by["eager"]["status"], "failed")
+        self.assertIn("cannot start", by["eager"]["error"])
+
     def test_budget_skips_runs(self):
         d = self.drive("--budget", "0", "--min-run-s", "1")
         self.assertEqual({r["status"] for r in d["runs"]}, {"skipped"})
