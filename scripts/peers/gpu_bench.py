@@ -143,6 +143,11 @@ def _signal_group(pid, sig):
         pass
 
 
+def has_flag(help_text, flag):
+    """Whether a --help output lists the flag (at the start of a line, as clap prints it)."""
+    return re.search(rf"^\s*{re.escape(flag)}\b", help_text, re.M) is not None
+
+
 def read_text(path):
     with open(path, errors="replace") as f:
         return f.read()
@@ -265,7 +270,7 @@ class Bench:
                    "--batch", str(batch), "--seq-len", str(cfg["seq_len"]), "--steps", str(total),
                    "--json", "--out", os.path.join(self.logs, rid),
                    "--log-every", str(a.ours_log_every)]
-            if "--precision" in self.ours_help:
+            if has_flag(self.ours_help, "--precision"):
                 cmd += ["--precision", prec]
             elif prec != "f32":
                 rec.update(status="failed", error="this train_gpt has no --precision flag")
@@ -312,10 +317,9 @@ class Bench:
         rec["reported_params"] = s.get("params")
         if s.get("params") not in (None, params):
             rec["warning"] = f"train_gpt reports {s.get('params')} parameters, the preset's count is {params}"
-        for k in ("precision", "mixed_precision", "host_syncs_per_step", "kernel_launches_per_step",
-                  "forward_ms_median", "backward_ms_median", "optimizer_ms_median", "flops_per_token"):
-            if k in s:
-                rec.setdefault("ours_summary", {})[k] = s[k]
+        # The whole summary (its phase split, precision and whatever counters this train_gpt
+        # reports, e.g. host syncs and kernel launches per step), long per-step lists left out.
+        rec["ours_summary"] = {k: v for k, v in s.items() if not (isinstance(v, list) and len(v) > 64)}
         steps = a.warmup + a.steps
         if a.ours_log_every > 0:
             m = read_metrics(os.path.join(self.logs, rec["id"] + ".metrics.jsonl"))
@@ -410,7 +414,7 @@ class Bench:
         init = os.path.join(d, "init.safetensors")
         tw = [a.python, os.path.join(HERE, "train_gpt_torch.py")] + common + ["--device", a.device]
         prec = [] if a.real_precision == "f32" else ["--precision", a.real_precision]
-        if prec and (self.ours_help is None or "--precision" not in self.ours_help):
+        if prec and (self.ours_help is None or not has_flag(self.ours_help, "--precision")):
             rec["error"] = "this train_gpt has no --precision flag"
             return rec
         steps_run = [

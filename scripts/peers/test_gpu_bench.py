@@ -232,6 +232,11 @@ class Driver(unittest.TestCase):
         self.assertEqual({r["status"] for r in d["runs"]}, {"skipped"})
         self.assertFalse(os.path.exists(os.path.join(self.tmp.name, "calls")))
 
+    def test_has_flag(self):
+        h = "      --mixed-precision <MIXED_PRECISION>\n          as with --precision bf16\n"
+        self.assertFalse(drv.has_flag(h, "--precision"))
+        self.assertTrue(drv.has_flag(h + "      --precision <PRECISION>\n", "--precision"))
+
     def test_error_line_prefers_out_of_memory(self):
         p = os.path.join(self.tmp.name, "log")
         with open(p, "w") as f:
