@@ -133,6 +133,11 @@ def cell(side_entry, what):
     raise ValueError(what)
 
 
+def shape_of(sides):
+    run = next(iter(sides.values()))[0]
+    return f"{run.get('batch')} x {run.get('seq_len')}"
+
+
 def fmt_ratio(r):
     return "-" if r is None else f"{r:.2f}x"
 
@@ -195,29 +200,29 @@ def markdown(doc):
     lines = []
     g = doc.get("gemm") or {}
     tf = g.get("tflops") or {}
-    rates = ", ".join(f"{k} {v:.1f}" for k, v in tf.items() if finite(v)) or f"not measured ({g.get('error', 'no record')})"
+    rates = ", ".join(f"{k} {v:.4g}" for k, v in tf.items() if finite(v)) or f"not measured ({g.get('error', 'no record')})"
     lines.append(f"GPU benchmark, {doc.get('date', '?')}: {doc.get('gpu', '?')} (device {doc.get('device', '?')}), "
                  f"commit {doc.get('commit', '?')}, torch {doc.get('torch', '?')}.")
     lines.append(f"Measured GEMM rate ({g.get('size', '?')}^3 matmuls), TFLOP/s: {rates}. "
                  f"Steps per run: {doc.get('warmup', '?')} warm-up + {doc.get('steps', '?')} measured.")
     lines.append("")
+    rows = table(doc)
+    # Two tables of the same rows: speed (step time and the ratios), then throughput, MFU, memory.
     lines.append("| preset | precision | batch x T | step ms median (p10-p90): ours | eager | compile "
-                 "| tokens/s: ours | eager | compile | ours/eager | ours/compile | MFU: ours | eager | compile "
-                 "| peak GiB: ours | eager | compile |")
-    lines.append("|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for (preset, prec), sides in table(doc).items():
-        any_run = next(iter(sides.values()))[0]
-        shape = f"{any_run.get('batch')} x {any_run.get('seq_len')}"
+                 "| ours/eager | ours/compile |")
+    lines.append("|---|---|---|---|---|---|---:|---:|")
+    for (preset, prec), sides in rows.items():
         e = [sides.get(s) for s in SIDES]
         f = [None if x is None else x[1] for x in e]
-        lines.append(
-            f"| {preset} | {prec} | {shape} | "
-            + " | ".join(cell(x, "ms") for x in e) + " | "
-            + " | ".join(cell(x, "tps") for x in e) + " | "
-            + f"{fmt_ratio(ratio(f[0], f[1]))} | {fmt_ratio(ratio(f[0], f[2]))} | "
-            + " | ".join(cell(x, "mfu") for x in e) + " | "
-            + " | ".join(cell(x, "mem") for x in e) + " |"
-        )
+        lines.append(f"| {preset} | {prec} | {shape_of(sides)} | " + " | ".join(cell(x, "ms") for x in e)
+                     + f" | {fmt_ratio(ratio(f[0], f[1]))} | {fmt_ratio(ratio(f[0], f[2]))} |")
+    lines.append("")
+    lines.append("| preset | precision | tokens/s: ours | eager | compile | MFU: ours | eager | compile "
+                 "| peak GiB: ours | eager | compile |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for (preset, prec), sides in rows.items():
+        e = [sides.get(s) for s in SIDES]
+        lines.append(f"| {preset} | {prec} | " + " | ".join(cell(x, w) for w in ("tps", "mfu", "mem") for x in e) + " |")
     failed = [r for r in doc.get("runs", []) if r.get("status") != "ok"]
     if failed:
         lines.append("")
