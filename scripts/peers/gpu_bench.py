@@ -541,7 +541,7 @@ def main(argv=None):
     p.add_argument("--ours-log-every", type=int, default=1)
     p.add_argument("--ours-ld-library-path", default=os.environ.get("CDT_OURS_LD_LIBRARY_PATH", ""))
     p.add_argument("--mem-interval", type=float, default=1.0)
-    p.add_argument("--gemm-size", type=int, default=8192)
+    p.add_argument("--gemm-size", type=int, help="N of the N^3 GEMMs (default 8192 on CUDA, 512 on the CPU)")
     p.add_argument("--gemm-iters", type=int, default=40)
     p.add_argument("--no-gemm", action="store_true")
     p.add_argument("--no-matrix", action="store_true", help="only the GEMM rate and --real-text")
@@ -563,6 +563,8 @@ def main(argv=None):
     sides = parse_list(a.sides, list(report.SIDES), "--sides")
     if a.steps < 1 or a.warmup < 0:
         sys.exit("--steps must be >= 1 and --warmup >= 0")
+    if a.gemm_size is None:
+        a.gemm_size = 8192 if a.device.startswith("cuda") else 512
     os.makedirs(a.out, exist_ok=True)
 
     b = Bench(a)
