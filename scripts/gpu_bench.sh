@@ -2,10 +2,10 @@
 # The GPU benchmark: train_gpt side by side with its PyTorch twin on the same GPU, in one
 # prepared command (issue 33, items 5 and 6). Nothing is built or downloaded here.
 #
-#   scripts/gpu_bench.sh --bin-dir target/gpu/bin                 # the matrix, about 8 minutes
-#   scripts/gpu_bench.sh --bin-dir target/gpu/bin --real-text     # and the real-text run
+#   scripts/gpu_bench.sh --bin-dir target/gpu/bin                 # the matrix, at most 8 minutes
+#   scripts/gpu_bench.sh --bin-dir target/gpu/bin --real-text     # and the real run, same budget
 #   scripts/gpu_bench.sh --bin-dir target/gpu/bin --no-matrix --real-text   # only the real run
-#   scripts/gpu_bench.sh --bin-dir target/gpu/bin --quick         # a smoke run, about 3 minutes
+#   scripts/gpu_bench.sh --bin-dir target/gpu/bin --quick         # a smoke run, at most 4 minutes
 #   scripts/gpu_bench.sh --bin target/debug/examples/train_gpt --device cpu --quick --presets tiny
 #
 # Options of this script (the rest go to scripts/peers/gpu_bench.py; see its --help):
@@ -52,7 +52,7 @@ while (($#)); do
         --device) device="$2"; shift ;;
         --out) out="$2"; shift ;;
         --quick) quick=1 ;;
-        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
         *) rest+=("$1") ;;
     esac
     shift
