@@ -611,8 +611,9 @@ def main(argv=None):
             continue
         rec = b.run_one(*item)
         doc["runs"].append(rec)
-        if rec["status"] == "ok":
-            f = report.derive(rec, report.gemm_rate(doc))
+        # The derived figures (gpu_bench_report.py's definitions), kept beside the raw ones.
+        rec["figures"] = f = report.derive(rec, report.gemm_rate(doc))
+        if f is not None:
             b.say(f"{rec['id']}: ok, {f['step_ms']['median']:.1f} ms/step, {f['tokens_per_s']:,.0f} tokens/s")
         else:
             b.say(f"{rec['id']}: {rec['status']}: {rec.get('error')}")

@@ -202,6 +202,10 @@ class Driver(unittest.TestCase):
         ok = by["tiny.f32.ours"]
         self.assertEqual(ok["status"], "ok", ok.get("error"))
         self.assertEqual(ok["step_ms_measured"], [12, 13, 14, 15])  # warm-up steps 0, 1 left out
+        self.assertEqual(ok["figures"]["step_ms"], {"median": 14, "p10": 12, "p90": 15, "n": 4})
+        self.assertAlmostEqual(ok["figures"]["tokens_per_s"], 8 * 128 / 0.014)
+        self.assertIsNone(ok["figures"]["mfu"])  # --no-gemm
+        self.assertIsNone(by["small.f32.ours"]["figures"])
         self.assertIn("--precision", ok["command"])
         self.assertEqual(by["small.f32.ours"]["status"], "oom")
         self.assertIn("CUDA_ERROR_OUT_OF_MEMORY", by["small.f32.ours"]["error"])
