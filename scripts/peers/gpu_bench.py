@@ -259,6 +259,7 @@ class Bench:
         if left < a.min_run_s:
             rec.update(status="skipped", error=f"budget: {left:.0f} s left of --budget {a.budget:.0f}")
             return rec
+        cut = left < limit
         limit = min(limit, left)
         total = a.warmup + a.steps
         out, err = os.path.join(self.logs, rid + ".out"), os.path.join(self.logs, rid + ".log")
@@ -293,6 +294,8 @@ class Bench:
         res = run_cmd(cmd, out, err, limit, env=env, gpu=self.gpu, mem_interval=a.mem_interval)
         res["timeout"] = round(limit)
         status, error = status_of(res, err)
+        if status == "timeout" and cut:
+            error += " (its own timeout cut to the --budget left)"
         rec.update(status=status, error=error, seconds=res["seconds"])
         rec["peak_mem_bytes"] = res["peak_device_bytes"] if self.gpu else res["peak_rss_bytes"]
         rec["peak_mem_source"] = ("nvidia-smi memory.used above idle" if self.gpu else "peak RSS (ru_maxrss)")
