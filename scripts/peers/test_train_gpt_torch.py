@@ -88,6 +88,28 @@ class Model(unittest.TestCase):
             ref = load_file(path)
             self.assertTrue(all(torch.equal(p[n], torch.from_numpy(ref[n])) for n in p))
 
+    def test_timing_summary_leaves_the_warmup_out(self):
+        import json
+
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "run")
+            argv = ["--preset", "tiny", "--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "16",
+                    "--vocab", "64", "--batch", "2", "--steps", "4", "--timing-warmup", "1",
+                    "--attention", "sdpa", "--precision", "bf16", "--out", out, "--quiet"]
+            self.assertEqual(t.main(argv), 0)
+            with open(out + ".json") as f:
+                s = json.load(f)
+            self.assertEqual(len(s["step_ms_all"]), 4)
+            self.assertEqual(s["step_ms"], t.step_stats(s["step_ms_all"][1:]))
+            self.assertEqual(s["step_ms"]["n"], 3)
+            self.assertAlmostEqual(s["tokens_per_s"], 2 * 16 / (s["step_ms"]["median"] / 1e3))
+            self.assertIsNone(s["gpu_step_ms"])
+            self.assertEqual((s["precision"], s["attention"]), ("bf16", "sdpa"))
+            self.assertTrue(all(math.isfinite(x) for x in s["losses"]))
+            with self.assertRaises(SystemExit) as e:
+                t.main(argv + ["--timing-warmup", "4"])  # the last --timing-warmup counts
+            self.assertIn("--timing-warmup 4", str(e.exception.code))
+
     def test_f32_str_reads_back(self):
         import struct
 

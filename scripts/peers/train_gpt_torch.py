@@ -16,9 +16,20 @@ policy (crates/train/src/schedule.rs), and the same loss CSV as `train_gpt --out
 trains the same model from the same parameters on the same batches and compares every step.
 The flags mirror train_gpt's (same names, same defaults); the twin's own are --save-init,
 --init-only, --summary, --device, --threads, --attention, --precision, --compile,
---fingerprint. Only f32 with manual attention on the CPU has been compared with train_gpt
-(scripts/real_text.sh, BENCHMARKS.md); --device cuda, sdpa, tf32, bf16 and --compile are there
-for the GPU comparison of issue 33 and are unchecked against train_gpt so far.
+--timing-warmup, --fingerprint. Only f32 with manual attention on the CPU has been compared with
+train_gpt (scripts/real_text.sh, BENCHMARKS.md); --device cuda, sdpa, tf32, bf16 and --compile
+are there for the GPU comparison of issue 33 (scripts/gpu_bench.sh) and are unchecked against
+train_gpt so far.
+
+Precision, the standard PyTorch recipes: f32 (no TF32 anywhere); tf32 (float32 matmuls on TF32
+tensor cores: allow_tf32 and set_float32_matmul_precision("high")); bf16 (torch.autocast to
+bfloat16 around forward and loss: GEMMs and attention in bf16, LayerNorm, softmax and the
+cross-entropy in f32 by autocast's policy, f32 parameters, gradients and AdamW state).
+
+Timing (the JSON summary): every step's wall time from taking its batch to reading its loss back
+(which synchronizes the device) in step_ms_all; median / p10 / p90 over the steps after
+--timing-warmup in step_ms; on CUDA the same span by CUDA events in gpu_step_ms, and
+torch.cuda.max_memory_allocated / max_memory_reserved in peak_memory.
 
 The model, per train_gpt:
   x = tok_emb[ids] + pos_emb[:T]
@@ -337,6 +348,29 @@ def f32_str(x):
     return repr(f)
 
 
+def step_stats(ms):
+    """Median, p10 and p90 of step times (nearest rank: the value at index floor(q * n) of the
+    sorted list; the median of an even count is the upper middle one), and the count."""
+    if not ms:
+        return {"median": None, "p10": None, "p90": None, "n": 0}
+    s = sorted(ms)
+
+    def pct(q):
+        return s[min(len(s) - 1, int(q * len(s)))]
+
+    return {"median": pct(0.5), "p10": pct(0.1), "p90": pct(0.9), "n": len(s)}
+
+
+def peak_rss_bytes():
+    """This process's peak resident set (Linux reports ru_maxrss in KiB); None elsewhere."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if sys.platform.startswith("linux") else None
+    except Exception:
+        return None
+
+
 def parse_args(argv=None):
     a = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # train_gpt's flags (same names and defaults).
@@ -380,7 +414,11 @@ def parse_args(argv=None):
                    help="manual: softmax(QK^T/sqrt(d)) V as train_gpt; sdpa: torch's fused kernel")
     a.add_argument("--precision", default="f32", choices=["f32", "tf32", "bf16"],
                    help="f32; tf32 matmuls (CUDA); bf16 autocast (f32 master weights, loss in f32)")
-    a.add_argument("--compile", action="store_true", help="torch.compile the loss function")
+    a.add_argument("--compile", action="store_true",
+                   help="torch.compile the model's forward and loss (the step's backward follows the compiled graph)")
+    a.add_argument("--timing-warmup", type=int, default=0,
+                   help="the first N steps are left out of the step-time statistics (compilation, "
+                        "allocator and cuBLAS warm-up); every step's time is still in step_ms_all")
     a.add_argument("--fingerprint", action="store_true",
                    help="also report Corpus::fingerprint of the training tokens (slow in Python)")
     a.add_argument("--quiet", action="store_true")
@@ -413,12 +451,14 @@ def main(argv=None):
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
-    if args.precision == "tf32":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    # tf32: float32 matmuls on TF32 tensor cores (10-bit mantissa inputs, f32 accumulation);
+    # f32 and bf16 keep full f32 for the f32 matmuls (under bf16 autocast the GEMMs are bf16).
+    tf32 = args.precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    if args.timing_warmup < 0 or args.timing_warmup >= max(args.steps, 1):
+        sys.exit(f"--timing-warmup {args.timing_warmup}: must be >= 0 and less than --steps {args.steps}")
     if args.warmup > args.steps:
         sys.exit(f"lr schedule: warmup of {args.warmup} steps exceeds the {args.steps} steps of the run")
     cfg = model_config(args)
@@ -483,10 +523,17 @@ def main(argv=None):
             torch.cuda.synchronize(dev)
 
     losses, lrs, evals, step_ms, eval_ms = [], [], [], [], []
+    cuda = dev.type == "cuda"
+    events = []  # (start, end) CUDA events per step: the device's time of each step
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
     sync()
     t_start = time.perf_counter()
     for step in range(args.steps):
         t0 = time.perf_counter()
+        if cuda:
+            events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            events[-1][0].record()
         x, y = to_dev(*batch_ids(train, step, bsz, seq, args.seed))
         loss = step_loss(x, y)
         opt.zero_grad(set_to_none=True)
@@ -503,6 +550,8 @@ def main(argv=None):
         for g in opt.param_groups:
             g["lr"] = lr
         opt.step()
+        if cuda:
+            events[-1][1].record()
         value = float(loss.item())  # synchronizes
         step_ms.append((time.perf_counter() - t0) * 1e3)
         losses.append(value)
@@ -524,10 +573,15 @@ def main(argv=None):
         for i, l in enumerate(losses):
             e = ev.get(i + 1)
             f.write(f"{i},{f32_str(l)},{'' if e is None else f32_str(e)}\n")
-    sorted_ms = sorted(step_ms)
-
-    def pct(q):
-        return sorted_ms[min(len(sorted_ms) - 1, int(q * len(sorted_ms)))] if sorted_ms else None
+    timed = step_ms[args.timing_warmup :]
+    gpu_ms = [a.elapsed_time(b) for a, b in events]
+    stats = step_stats(timed)
+    peak = None
+    if cuda:
+        peak = {
+            "allocated_bytes": torch.cuda.max_memory_allocated(dev),
+            "reserved_bytes": torch.cuda.max_memory_reserved(dev),
+        }
 
     summary = {
         "twin": "scripts/peers/train_gpt_torch.py",
@@ -550,8 +604,16 @@ def main(argv=None):
         "final_loss": losses[-1] if losses else None,
         "wall_s": wall_s,
         "eval_ms_total": sum(eval_ms),
-        "step_ms": {"median": pct(0.5), "p10": pct(0.1), "p90": pct(0.9)},
-        "tokens_per_s": (bsz * seq) / (pct(0.5) / 1e3) if sorted_ms else None,
+        # Wall time per step (from taking the batch to the loss read back, which synchronizes);
+        # statistics over the steps after --timing-warmup.
+        "timing_warmup": args.timing_warmup,
+        "step_ms": stats,
+        "step_ms_all": step_ms,
+        # CUDA events around the same span (null on the CPU).
+        "gpu_step_ms": step_stats(gpu_ms[args.timing_warmup :]) if cuda else None,
+        "tokens_per_s": (bsz * seq) / (stats["median"] / 1e3) if stats["median"] else None,
+        "peak_memory": peak,
+        "peak_rss_bytes": peak_rss_bytes(),
     }
     if args.fingerprint:
         summary["train_fingerprint"] = str(fingerprint(train, data_vocab))
