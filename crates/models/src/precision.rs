@@ -7,6 +7,7 @@
 //! | GEMMs: linears, LM head, experts | f32 | f32 inputs, TF32 tensor cores (CUDA) | bf16 inputs, f32 accumulation, f32 out |
 //! | attention `QK^T`, `PV` | f32 | as GEMMs | bf16 inputs, f32 accumulation, f32 out |
 //! | attention softmax, norms, GELU / SiLU, loss, optimizer | f32 | f32 | f32 |
+//! | mixture-of-experts router (its top-k is sensitive to rounding) | f32 | as GEMMs | f32 |
 //! | activations between ops, master weights, their gradients | f32 | f32 | f32 |
 //!
 //! The master weights are f32 variables; a bf16 GEMM casts its pieces inside the op
