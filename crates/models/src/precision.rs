@@ -79,18 +79,22 @@ impl Precision {
     }
 
     /// Sets candle's process-global GEMM switches for this policy and checks `device` can run
-    /// it. TF32 (`tf32` on CUDA) on, or off for the others; bf16 GEMMs keep f32 accumulation
-    /// (candle's default, set explicitly). The switches are process-wide: set once at startup
-    /// (setting the same value from several rank threads is harmless).
+    /// it. On a CUDA device: TF32 on for `tf32`, off for the others; bf16 GEMMs keep f32
+    /// accumulation (candle's default, set explicitly). On the CPU the switches (which only
+    /// CUDA reads) are left alone. They are process-wide: set once at startup (setting the
+    /// same value from several rank threads is harmless).
     ///
     /// # Errors
     ///
     /// `bf16` where a bf16 GEMM fails or gives a wrong product on `device` (a probe: a small
     /// product against f32): [`ModelError::Unsupported`] naming the op and the device.
     pub fn apply(self, device: &Device) -> Result<Applied> {
-        candle_core::cuda::set_gemm_reduced_precision_bf16(false);
-        let tf32 = self == Precision::Tf32 && device.is_cuda();
-        candle_core::cuda::set_gemm_reduced_precision_f32(tf32);
+        if device.is_cuda() {
+            // Only for a CUDA device: a CPU run in the same process (train_gpt's --check
+            // reference with --check-device cpu) must not switch the GPU run's TF32 off.
+            candle_core::cuda::set_gemm_reduced_precision_bf16(false);
+            candle_core::cuda::set_gemm_reduced_precision_f32(self == Precision::Tf32);
+        }
         let fallback = match self {
             Precision::Tf32 if !device.is_cuda() => {
                 let m = format!(
@@ -163,6 +167,14 @@ fn device_name(device: &Device) -> String {
 
 /// A bf16 GEMM on `device` against its f32 product: it must run and agree to bf16 rounding.
 fn probe_bf16(device: &Device) -> Result<()> {
+    probe_with(device, |a, b| a.matmul(b))
+}
+
+/// [`probe_bf16`] with the bf16 product computed by `product` (the test plants failures).
+fn probe_with(
+    device: &Device,
+    product: impl Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+) -> Result<()> {
     let unsupported = |why: String| {
         ModelError::Unsupported(format!(
             "precision bf16: the bf16 GEMM (matmul) on {}: {why}",
@@ -175,9 +187,7 @@ fn probe_bf16(device: &Device) -> Result<()> {
         let a = Tensor::from_vec(a, (8, 8), device)?;
         let b = Tensor::from_vec(b, (8, 8), device)?;
         let want = a.matmul(&b)?.flatten_all()?.to_vec1::<f32>()?;
-        let got = a
-            .to_dtype(DType::BF16)?
-            .matmul(&b.to_dtype(DType::BF16)?)?
+        let got = product(&a.to_dtype(DType::BF16)?, &b.to_dtype(DType::BF16)?)?
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
@@ -301,6 +311,27 @@ mod tests {
         let a = Precision::Bf16.apply(&Device::Cpu).unwrap();
         assert_eq!((a.effective, a.fallback), (Precision::Bf16, None));
         assert_eq!(Precision::Bf16.grad_reduce_dtype(), DType::F32);
+    }
+
+    /// bf16 where the device's bf16 GEMM fails, or gives a wrong product: a typed error naming
+    /// the op and the device, never a run with wrong results.
+    #[test]
+    fn a_device_without_a_working_bf16_gemm_is_refused() {
+        let e = probe_with(&Device::Cpu, |_, _| {
+            Err(candle_core::Error::Msg("no bf16 kernel".into()))
+        })
+        .unwrap_err();
+        assert!(matches!(e, ModelError::Unsupported(_)), "{e:?}");
+        let m = e.to_string();
+        assert!(
+            m.contains("bf16 GEMM (matmul)") && m.contains("the CPU") && m.contains("no bf16"),
+            "{m}"
+        );
+        let e = probe_with(&Device::Cpu, |a, b| a.matmul(b)?.affine(1.5, 0.0))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("wrong product") && e.contains("the CPU"), "{e}");
+        probe_with(&Device::Cpu, |a, b| a.matmul(b)).unwrap();
     }
 
     #[test]
