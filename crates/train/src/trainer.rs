@@ -151,7 +151,8 @@ impl From<CommError> for RunError {
 /// What to train.
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
-    /// The model.
+    /// The model; its [`GptConfig::precision`] is the run's precision policy (applied by
+    /// [`train_rank`], reported in [`RankReport::precision`]).
     pub gpt: GptConfig,
     /// The tensor-parallel plan.
     pub plan: TpPlan,
@@ -261,7 +262,10 @@ pub struct FsdpSpec {
     pub replicate: Option<String>,
     /// A separate reduce-scatter communicator.
     pub separate_rs: bool,
-    /// Mixed precision: compute dtype of the parameters (f32 master shards and reduction).
+    /// Mixed precision: dtype FSDP gathers the parameters in (f32 master shards and
+    /// reduction). Storage and communication only: [`GptConfig::precision`] decides what each
+    /// op computes in (norms, softmax and the loss in f32 either way; GEMMs in this dtype
+    /// unless the policy says bf16).
     pub param_dtype: Option<DType>,
     /// Release non-root units' parameters after forward.
     pub reshard_after_forward: bool,
