@@ -28,7 +28,8 @@
 //! object.
 //!
 //! The checks fail loudly: a relative loss difference above `--check-tol` (default 1e-4; with
-//! `--mixed-precision` 2e-3 for f16, 2e-2 for bf16), a NaN or infinite loss on either side, or
+//! `--mixed-precision` 2e-3 for f16, 2e-2 for bf16; with `--precision` 2e-3 for tf32, 2e-2
+//! for bf16), a NaN or infinite loss on either side, or
 //! a different number of steps or evaluations fails the run. The summary still prints (`"check_passed": false`,
 //! `"check_error"`: what failed, where, and the values), then `train_gpt: check failed: ...` on
 //! stderr. Exit status: 0 success; 1 a failed check (the run itself finished); 2 an error (bad
@@ -38,6 +39,13 @@
 //! cargo run --release --example train_gpt -- --data input.txt --eval-every 25 --sample 200
 //! cargo run --release --example train_gpt -- --data input.txt --tokenizer tokenizer.json --sample 50 --temperature 0.8
 //! ```
+//!
+//! `--precision f32|tf32|bf16` picks the precision policy of every op in every layout
+//! (`models::precision`): bf16 GEMMs and attention products with f32 accumulation, everything
+//! else and the master weights in f32, so gradients are reduced in f32; tf32 is candle's
+//! process-global reduced-precision f32 GEMM switch on CUDA, set once at startup (f32, with a
+//! warning, on the CPU). The summary records `precision`, `precision_effective`,
+//! `precision_fallback`, `gemm_dtype` and `grad_reduce_dtype`.
 //!
 //! # Job files, model shapes, schedules, metrics
 //!
@@ -139,9 +147,19 @@ pub(crate) struct Args {
     #[arg(long)]
     separate_rs_group: bool,
     /// FSDP mixed precision: compute dtype of the parameters (`bf16` or `f16`; master shards
-    /// and gradient reduction stay f32).
+    /// and gradient reduction stay f32). A storage and communication choice: FSDP gathers the
+    /// parameters in it; norms, softmax and the loss still compute in f32 (cast up), and the
+    /// GEMMs run in it unless --precision bf16 says bf16.
     #[arg(long)]
     mixed_precision: Option<String>,
+    /// Precision policy of every op, in every layout: `f32` (default), `tf32` (f32, with
+    /// TF32 tensor-core GEMMs on CUDA through candle's process-global switch, set once at
+    /// startup; on the CPU it runs as f32, with a warning and `precision_fallback` in the
+    /// summary) or `bf16` (GEMMs and attention's QK^T / PV in bf16 with f32 accumulation;
+    /// norms, softmax, GELU, the loss and AdamW in f32; f32 master weights, so gradients are
+    /// reduced in f32). --check compares with the one-device run under the same policy.
+    #[arg(long, default_value = "f32")]
+    precision: String,
     /// Mixture-of-experts blocks: `experts=8,top_k=2[,every=1][,hidden=H][,capacity=F]
     /// [,aux=0.01][,normalize=true][,dispatch=a2a|rma]` (dropless without `capacity`).
     #[arg(long)]
@@ -440,6 +458,7 @@ pub(crate) const SECTIONS: job::Sections = &[
             "seed",
             "device",
             "mixed-precision",
+            "precision",
             "init-from",
         ],
     ),
@@ -833,6 +852,11 @@ fn model_config(args: &Args) -> Result<GptConfig, String> {
         g.tied = false;
     }
     g.ac = args.ac.parse().map_err(|e| format!("--ac: {e}"))?;
+    // The error names the flag, the value and the choices.
+    g.precision = args
+        .precision
+        .parse()
+        .map_err(|e: candle_dtensor::models::ModelError| e.to_string())?;
     Ok(g)
 }
 
@@ -2108,8 +2132,9 @@ impl std::fmt::Display for CheckError {
     }
 }
 
-/// `--check-tol`, or its default: 1e-4 for f32, 2e-3 with `--mixed-precision f16`, 2e-2
-/// with bf16 (what the f32 reference differs by, with a margin: see the flag's help).
+/// `--check-tol`, or its default: 1e-4 for f32, 2e-3 with `--mixed-precision f16` or
+/// `--precision tf32`, 2e-2 with bf16 either way (what the reference differs by, with a
+/// margin: see the flag's help).
 pub(crate) fn check_tol(args: &Args) -> Result<f64, String> {
     let checked = args.check || args.check_against.is_some();
     match args.check_tol {
@@ -2118,11 +2143,13 @@ pub(crate) fn check_tol(args: &Args) -> Result<f64, String> {
             Err(format!("--check-tol {t}: not a finite number >= 0"))
         }
         Some(t) => Ok(t),
-        None => Ok(match args.mixed_precision.as_deref() {
-            Some("bf16") => 2e-2,
-            Some("f16") => 2e-3,
-            _ => 1e-4,
-        }),
+        None => Ok(
+            match (args.mixed_precision.as_deref(), args.precision.as_str()) {
+                (Some("bf16"), _) | (_, "bf16") => 2e-2,
+                (Some("f16"), _) | (_, "tf32") => 2e-3,
+                _ => 1e-4,
+            },
+        ),
     }
 }
 
@@ -2438,6 +2465,14 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
         .map_err(|e| shape_error(args, &dims, &e.to_string()))?;
     let gpt = cfg.gpt.clone();
     let world = validate(args, &dims, &gpt)?;
+    // The precision policy: candle's process-global GEMM switches (TF32 on CUDA for `tf32`,
+    // off otherwise; f32 accumulation for bf16), set once here before any rank starts (each
+    // rank's trainer sets the same values again), and bf16's device check. `tf32` on the CPU
+    // runs as f32: a warning, and `precision_fallback` in the summary.
+    let precision = gpt
+        .precision
+        .apply(&device.device_for(0).map_err(|e| format!("--device: {e}"))?)
+        .map_err(|e| format!("--precision {}: {e}", gpt.precision))?;
     let tol = check_tol(args)?;
     optimizer_settings(args, &mut cfg)?;
     if let (true, Some(dir)) = (args.resume, &args.save_dir) {
@@ -2580,6 +2615,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
         "link": links.iter().map(|(d, l)| (d.clone(), serde_json::json!({"alpha_us": l.alpha_us, "gbps": l.gbps}))).collect::<serde_json::Map<_, _>>(),
         "link_scale": link_scale.map(|s| serde_json::json!({"factor": s.factor, "rank_flops": s.rank_flops, "gpu_reference_flops": candle_dtensor::comm::link::GPU_REFERENCE_FLOPS})),
         "mixed_precision": args.mixed_precision.clone().unwrap_or_else(|| "f32".into()),
+        "precision": gpt.precision.name(),
         "param_grad_optim_bytes_per_rank": report.param_grad_optim_bytes,
         "zero3_theory_bytes_per_rank": report.zero3_theory_bytes,
         "largest_param_bytes": report.largest_param_bytes,
@@ -2591,6 +2627,23 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     // Activation checkpointing, and the most graph bytes one of rank 0's losses kept for
     // backward (the ranks of a layout hold equal pieces).
     summary["ac"] = serde_json::json!(gpt.ac.name());
+    // The precision policy: asked for, run (tf32 on the CPU runs f32, and says why), the
+    // GEMMs' dtype and the gradient reduction's (f32 master weights: f32 under every policy;
+    // with --mixed-precision FSDP still reduce-scatters in f32).
+    summary["precision_effective"] = serde_json::json!(precision.effective.name());
+    summary["precision_fallback"] = serde_json::json!(precision.fallback);
+    summary["gemm_dtype"] = serde_json::json!(match (
+        precision.effective.gemm_dtype(),
+        args.mixed_precision.as_deref()
+    ) {
+        (Some(d), _) => format!("{d:?}").to_lowercase(),
+        (None, Some(mp)) if mp != "f32" => mp.to_string(),
+        (None, _) if precision.effective == candle_dtensor::models::Precision::Tf32 =>
+            "tf32".into(),
+        _ => "f32".into(),
+    });
+    summary["grad_reduce_dtype"] =
+        serde_json::json!(format!("{:?}", precision.effective.grad_reduce_dtype()).to_lowercase());
     summary["peak_activation_bytes"] = serde_json::json!(report.peak_activation_bytes);
     // Pipeline parallelism: the schedule, its analytic bubble (unit-time simulation: forward 1,
     // backward 2) and the bubble measured per step over rank 0's pipeline.

@@ -21,6 +21,7 @@ use crate::layers::{
     Attention, Block, Embedding, FeedForward, LayerNorm, Linear, Mlp, Norm, RmsNorm,
 };
 use crate::moe_layer::MoeLayer;
+use crate::precision::{self, Precision};
 
 /// Which norm the blocks use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +60,9 @@ pub struct GptConfig {
     /// Activation checkpointing of the blocks ([`AcMode`]; the presets: none). It changes
     /// what backward keeps and recomputes, never a value or a gradient.
     pub ac: AcMode,
+    /// Mixed-precision policy ([`Precision`]; the presets: f32): which dtype each op computes
+    /// in. The master weights stay in the build dtype either way.
+    pub precision: Precision,
 }
 
 impl GptConfig {
@@ -78,6 +82,7 @@ impl GptConfig {
             eps: 1e-5,
             moe: None,
             ac: AcMode::None,
+            precision: Precision::F32,
         }
     }
 
@@ -259,6 +264,8 @@ pub struct Gpt {
     head_unit: Option<usize>,
     /// The load-balancing loss of the last [`Gpt::loss`] (summed over the MoE blocks).
     last_aux: Mutex<Option<DTensor>>,
+    /// The master weights' dtype (the activations' between ops under [`GptConfig::precision`]).
+    dtype: DType,
 }
 
 /// The configured norm `name` (shared with the pipeline stages, `gpt_pp`).
@@ -328,7 +335,7 @@ pub(crate) fn lm_logits(
         (Some(h), _) => h.forward(x)?,
         (None, Some(tok)) => {
             let layout = roles.with_tp(x.placements(), Placement::Replicate);
-            x.linear_with_layout(&tok.weight, None, Some(&layout))?
+            precision::linear(x, &tok.weight, None, Some(&layout))?
         }
         (None, None) => {
             return Err(ModelError::Config(
@@ -467,6 +474,7 @@ impl Gpt {
                 embed_unit,
                 head_unit,
                 last_aux: Mutex::new(None),
+                dtype,
             }
         };
         // The forward drives every unit: nothing needs to stay gathered until first use.
@@ -594,6 +602,7 @@ impl Gpt {
     /// are in that stored order ([`Gpt::forward`] restores the natural one; [`Gpt::loss`]
     /// stores the targets alike, the mean being order-free).
     pub fn forward_aux(&self, ids: &DTensor) -> Result<(DTensor, Option<DTensor>)> {
+        let _precision = precision::scope(self.cfg.precision, self.dtype);
         let t = ids.dim(1)?;
         if t > self.cfg.seq_len {
             return Err(ModelError::Config(format!(
@@ -631,7 +640,7 @@ impl Gpt {
                 }
                 _ => pos,
             };
-            x.add(&pos)?
+            x.add(&precision::to_master(&pos)?)?
         };
         if let (Some(f), Some(u)) = (&self.fsdp, self.embed_unit) {
             let local = f.post_forward(u, x.to_local())?;
@@ -703,7 +712,14 @@ impl Gpt {
         match blk.dense_copy() {
             Some(b) if self.cfg.ac.checkpoints(dense) => {
                 let label = format!("blocks.{i}");
-                Ok((checkpoint(x, Some(&label), move |x| b.forward(x))?, None))
+                // The recompute (in backward, outside this forward's scope) runs under the
+                // same precision policy as the forward it replays.
+                let (p, dt) = (self.cfg.precision, self.dtype);
+                let y = checkpoint(x, Some(&label), move |x| {
+                    let _precision = precision::scope(p, dt);
+                    b.forward(x)
+                })?;
+                Ok((y, None))
             }
             _ => blk.forward_aux(x),
         }

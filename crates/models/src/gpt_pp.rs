@@ -71,6 +71,8 @@ pub struct GptStage {
     pub head: Option<Linear>,
     roles: MeshRoles,
     plan: TpPlan,
+    /// The master weights' dtype (the activations' between ops under the precision policy).
+    dtype: DType,
 }
 
 impl GptStage {
@@ -212,6 +214,7 @@ impl GptStage {
         } else {
             (None, None)
         };
+        let dtype = b.store.vars().first().map_or(DType::F32, |v| v.dtype());
         Ok(GptStage {
             cfg: cfg.clone(),
             stage,
@@ -224,7 +227,12 @@ impl GptStage {
             head,
             roles,
             plan: plan.clone(),
+            dtype,
         })
+    }
+
+    fn master_dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Whether this is the first stage (embeddings).
@@ -246,6 +254,8 @@ impl GptStage {
     /// Ids given to a later stage or hidden states to the first, a sequence longer than the
     /// context, a failed op.
     pub fn forward(&self, input: StageInput<'_>) -> Result<DTensor> {
+        // The GPT's precision policy (as `Gpt::forward_aux`); parameters in the store's dtype.
+        let _precision = crate::precision::scope(self.cfg.precision, self.master_dtype());
         let embed = match (&self.tok_emb, &self.pos_emb) {
             (Some(tok), Some(pos)) if self.is_first() => Some((tok, pos)),
             _ => None,
@@ -260,7 +270,8 @@ impl GptStage {
                     )));
                 }
                 let _l = candle_dtensor_core::debug::label("embed");
-                tok.forward(ids)?.add(&pos.narrow(0, 0, t)?)?
+                let pos = crate::precision::to_master(&pos.narrow(0, 0, t)?)?;
+                tok.forward(ids)?.add(&pos)?
             }
             (StageInput::Hidden(h), None) => h.clone(),
             _ => {
@@ -277,7 +288,11 @@ impl GptStage {
             // Every block is dense (MoE is refused): the policy's index is the block's.
             x = match blk.dense_copy() {
                 Some(b) if self.cfg.ac.checkpoints(i) => {
-                    checkpoint(&x, Some(&label), move |x| b.forward(x))?
+                    let (p, dt) = (self.cfg.precision, self.master_dtype());
+                    checkpoint(&x, Some(&label), move |x| {
+                        let _precision = crate::precision::scope(p, dt);
+                        b.forward(x)
+                    })?
                 }
                 _ => blk.forward(&x)?,
             };

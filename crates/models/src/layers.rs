@@ -14,6 +14,7 @@ use candle_dtensor_parallel::tp_plan::{MeshRoles, ParallelStyle};
 pub use crate::builder::Builder;
 use crate::error::{ModelError, Result};
 use crate::moe_layer::MoeLayer;
+use crate::precision;
 
 /// `y = x W^T + b` with `W: [out, in]`, `b: [out]`, `x: [.., in]`.
 #[derive(Clone)]
@@ -74,17 +75,17 @@ impl Linear {
         })
     }
 
-    /// Applies the layer.
+    /// Applies the layer (its GEMM in the current [`precision`] policy's dtype).
     pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
         match (self.style, self.roles.tp) {
             (ParallelStyle::Colwise, Some(_)) => {
                 let layout = self.roles.with_tp(x.placements(), Placement::Replicate);
-                Ok(x.linear_with_layout(&self.weight, self.bias.as_ref(), Some(&layout))?)
+                precision::linear(x, &self.weight, self.bias.as_ref(), Some(&layout))
             }
             (ParallelStyle::Rowwise, Some(_)) => {
                 let last = x.rank().saturating_sub(1);
                 let layout = self.roles.with_tp(x.placements(), Placement::Shard(last));
-                let y = x.linear_with_layout(&self.weight, None, Some(&layout))?;
+                let y = precision::linear(x, &self.weight, None, Some(&layout))?;
                 let out = if self.sp && y.rank() == 3 {
                     Placement::Shard(1)
                 } else {
@@ -92,11 +93,11 @@ impl Linear {
                 };
                 let y = y.redistribute(&self.roles.with_tp(y.placements(), out))?;
                 match &self.bias {
-                    Some(b) => Ok(y.add(b)?),
+                    Some(b) => Ok(y.add(&precision::cast(b, y.dtype())?)?),
                     None => Ok(y),
                 }
             }
-            _ => Ok(x.linear(&self.weight, self.bias.as_ref())?),
+            _ => precision::linear(x, &self.weight, self.bias.as_ref(), None),
         }
     }
 }
@@ -141,9 +142,11 @@ impl Embedding {
     }
 
     /// Looks `ids` up; a vocab-parallel table's masked partial output is reduced (to the
-    /// sequence dim under sequence parallelism).
+    /// sequence dim under sequence parallelism). The rows come out in the current
+    /// [`precision`] scope's master dtype (FSDP's gathered bf16 table cast up).
     pub fn forward(&self, ids: &DTensor) -> Result<DTensor> {
         let y = ids.embedding_with_layout(&self.weight, Some(self.weight.placements()))?;
+        let y = precision::to_master(&y)?;
         if self.style == ParallelStyle::VocabParallel && self.roles.tp.is_some() {
             let out = if self.sp && y.rank() == 3 {
                 Placement::Shard(1)
@@ -185,9 +188,17 @@ impl LayerNorm {
         Ok(LayerNorm { weight, bias, eps })
     }
 
-    /// Applies the layer.
+    /// Applies the layer, in the current [`precision`] scope's master dtype (f32: input and
+    /// parameters cast up where they are not).
     pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
-        Ok(x.layer_norm(Some(&self.weight), self.bias.as_ref(), self.eps)?)
+        let x = precision::to_master(x)?;
+        let w = precision::cast(&self.weight, x.dtype())?;
+        let b = self
+            .bias
+            .as_ref()
+            .map(|b| precision::cast(b, x.dtype()))
+            .transpose()?;
+        Ok(x.layer_norm(Some(&w), b.as_ref(), self.eps)?)
     }
 }
 
@@ -209,9 +220,12 @@ impl RmsNorm {
         Ok(RmsNorm { weight, eps })
     }
 
-    /// Applies the layer.
+    /// Applies the layer, in the current [`precision`] scope's master dtype (as
+    /// [`LayerNorm::forward`]).
     pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
-        Ok(x.rms_norm(&self.weight, self.eps)?)
+        let x = precision::to_master(x)?;
+        let w = precision::cast(&self.weight, x.dtype())?;
+        Ok(x.rms_norm(&w, self.eps)?)
     }
 }
 
@@ -279,12 +293,19 @@ impl Attention {
         // The QKV weight is laid out head by head ([H, 3, d] rows), so a column shard of the
         // projection holds whole heads and the packed attention runs on it locally.
         let qkv = qkv.reshape(&[b, t, h, 3, hd])?;
+        let bf16 = precision::local_gemm_dtype();
         let y = match cp_dim(&qkv) {
             // Context parallelism: ring attention on the sequence pieces. The compiler would
             // often re-shard q/k/v to the heads or the batch instead (fewer bytes on the
             // wire), but each re-sharding keeps one more copy of them for backward; the ring
             // keeps only the projection's output and overlaps its transfers with compute.
+            // Mixed precision: q/k/v go in (and K/V round the ring) in the GEMM dtype; the
+            // ring computes each block in f32 (`cp`'s online softmax).
             Some(_) => {
+                let qkv = match bf16 {
+                    Some(d) => precision::cast(&qkv, d)?,
+                    None => qkv,
+                };
                 let parts = qkv.unbind(3)?;
                 let [q, k, v] = [0, 1, 2].map(|i| parts[i].transpose(1, 2));
                 let y = cp::attention(
@@ -295,13 +316,43 @@ impl Attention {
                     None,
                     cp::Strategy::Exchange(cp::current_variant()),
                 )?;
-                y.transpose(1, 2)?
+                precision::cast(&y.transpose(1, 2)?, x.dtype())?
+            }
+            // Mixed precision: QK^T and PV in bf16, the masked softmax in f32. The
+            // load-balanced context-parallel order (attention not sharded on the sequence
+            // here) needs the stored-order mask of `packed_sdpa`: f32 there.
+            None if bf16.is_some() && cp::current_layout().0 != cp::SeqLayout::LoadBalanced => {
+                keep_cp_sequence(&mixed_attention(&qkv, hd)?, x)?
             }
             None => keep_cp_sequence(&qkv.packed_sdpa(true, None)?, x)?,
         };
         let y = y.reshape(&[b, t, d])?;
         self.proj.forward(&y)
     }
+}
+
+/// Causal attention on `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` under a mixed-precision policy:
+/// `QK^T` and `PV` in the policy's GEMM dtype ([`precision::matmul`], f32 accumulation, f32
+/// out), the scale, mask and softmax in f32.
+fn mixed_attention(qkv: &DTensor, hd: usize) -> Result<DTensor> {
+    let t = qkv.dim(1)?;
+    let parts = qkv.unbind(3)?;
+    let [q, k, v] = [0, 1, 2].map(|i| parts[i].transpose(1, 2));
+    let (q, k, v) = (q?, k?, v?);
+    let scores = precision::matmul(&q, &k.transpose(2, 3)?)?;
+    let scores = scores.affine(1.0 / (hd as f64).sqrt(), 0.0)?;
+    // The causal mask [T, T]: 1 above the diagonal (a future key), replicated.
+    let mask: Vec<u8> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| u8::from(j > i)))
+        .collect();
+    let mask = candle_core::Tensor::from_vec(mask, (t, t), qkv.to_local().device())?;
+    let mask = candle_dtensor_core::distribute_tensor(
+        &mask,
+        qkv.mesh(),
+        &vec![Placement::Replicate; qkv.mesh().ndim()],
+    )?;
+    let probs = scores.masked_fill(&mask, f64::NEG_INFINITY)?.softmax(3)?;
+    Ok(precision::matmul(&probs, &v)?.transpose(1, 2)?)
 }
 
 /// The `cp` mesh dim (of size > 1) when it shards the sequence (dim 1) of `qkv [B, T, ..]`

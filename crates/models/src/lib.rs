@@ -9,6 +9,8 @@
 //! - [`Gpt`]: token + position embedding, pre-norm blocks, final norm, tied or untied head;
 //!   optionally mixture-of-experts blocks ([`moe_layer`]: router, experts and balancing loss,
 //!   whose tokens travel through candle-dtensor-parallel's expert-parallel dispatch).
+//! - [`precision`]: mixed precision as a policy ([`Precision`]: f32, tf32, bf16) that the layers
+//!   apply op by op; it travels on [`GptConfig::precision`].
 //! - [`checkpoint`](mod@checkpoint): activation checkpointing (recompute a block's forward in backward
 //!   instead of keeping its activations; [`AcMode`] picks the GPT's blocks).
 //! - [`dropins`]: differentiable drop-ins for candle-nn's fused norms, softmax and rotary
@@ -30,9 +32,11 @@ pub mod gpt;
 pub mod gpt_pp;
 pub mod layers;
 pub mod moe_layer;
+pub mod precision;
 
 pub use checkpoint::{checkpoint, AcMode};
 pub use error::{ModelError, Result};
 pub use gpt::{Gpt, GptConfig, NormKind};
 pub use gpt_pp::{GptStage, StageInput};
 pub use moe_layer::MoeLayer;
+pub use precision::Precision;

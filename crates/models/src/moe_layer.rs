@@ -15,6 +15,7 @@ use candle_dtensor_parallel::moe::{local, MoeConfig, MoeError, MoeGroups, MoeSta
 
 use crate::builder::Builder;
 use crate::error::{ModelError, Result};
+use crate::precision;
 
 /// A mixture-of-experts feed-forward layer; see the module docs.
 pub struct MoeLayer {
@@ -166,27 +167,36 @@ impl MoeLayer {
         Ok(t)
     }
 
-    /// The local experts on the received rows.
+    /// The local experts on the received rows. Each grouped GEMM runs in the current
+    /// [`precision`] policy's GEMM dtype (bf16: rows, weights and biases cast after the weights'
+    /// gradient syncs, so those stay in the master dtype) or the weights' dtype, and comes back
+    /// in the rows' dtype; the activation (GELU / SwiGLU) runs in the rows' dtype.
     fn experts(&self, recv: &Tensor, segments: &Arc<Vec<routing::Segment>>) -> Result<Tensor> {
         let _l = debug::label("experts");
-        let w1 = self.local_weight(&self.w1)?;
-        let b1 = self.local_weight(&self.b1)?;
-        let h = local::grouped_linear(recv, &w1, &b1, segments)?;
+        let out = recv.dtype();
+        let gemm = |x: &Tensor, w: &DTensor, b: &DTensor| -> Result<Tensor> {
+            let (w, b) = (self.local_weight(w)?, self.local_weight(b)?);
+            let dt = precision::local_gemm_dtype().unwrap_or(w.dtype());
+            let c = |t: &Tensor| -> candle_core::Result<Tensor> {
+                if t.dtype() == dt {
+                    Ok(t.clone())
+                } else {
+                    t.to_dtype(dt)
+                }
+            };
+            let y = local::grouped_linear(&c(x)?, &c(&w)?, &c(&b)?, segments)?;
+            Ok(if y.dtype() == out {
+                y
+            } else {
+                y.to_dtype(out)?
+            })
+        };
+        let h = gemm(recv, &self.w1, &self.b1)?;
         let h = match &self.w3 {
-            Some((w3, b3)) => {
-                let gate = local::grouped_linear(
-                    recv,
-                    &self.local_weight(w3)?,
-                    &self.local_weight(b3)?,
-                    segments,
-                )?;
-                local::swiglu(&h, &gate)?
-            }
+            Some((w3, b3)) => local::swiglu(&h, &gemm(recv, w3, b3)?)?,
             None => candle_dtensor_core::gelu_local(&h)?,
         };
-        let w2 = self.local_weight(&self.w2)?;
-        let b2 = self.local_weight(&self.b2)?;
-        Ok(local::grouped_linear(&h, &w2, &b2, segments)?)
+        gemm(&h, &self.w2, &self.b2)
     }
 
     /// `x: [B, T, D]` to `(y: [B, T, D], balancing loss)` (the loss is `None` with a zero

@@ -151,7 +151,8 @@ impl From<CommError> for RunError {
 /// What to train.
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
-    /// The model.
+    /// The model; its [`GptConfig::precision`] is the run's precision policy (applied by
+    /// [`train_rank`], reported in [`RankReport::precision`]).
     pub gpt: GptConfig,
     /// The tensor-parallel plan.
     pub plan: TpPlan,
@@ -261,7 +262,10 @@ pub struct FsdpSpec {
     pub replicate: Option<String>,
     /// A separate reduce-scatter communicator.
     pub separate_rs: bool,
-    /// Mixed precision: compute dtype of the parameters (f32 master shards and reduction).
+    /// Mixed precision: dtype FSDP gathers the parameters in (f32 master shards and
+    /// reduction). Storage and communication only: [`GptConfig::precision`] decides what each
+    /// op computes in (norms, softmax and the loss in f32 either way; GEMMs in this dtype
+    /// unless the policy says bf16).
     pub param_dtype: Option<DType>,
     /// Release non-root units' parameters after forward.
     pub reshard_after_forward: bool,
@@ -369,6 +373,11 @@ pub struct RankReport {
     /// Per step, with pipeline parallelism ([`TrainConfig::pipeline`]): the schedule's
     /// analytic bubble and the measured one (empty otherwise).
     pub pipeline: Vec<PipelineStepReport>,
+    /// The precision policy the run applied ([`GptConfig::precision`]: requested, effective,
+    /// and why they differ; `tf32` on the CPU runs as f32). Gradients are reduced in
+    /// [`Precision::grad_reduce_dtype`](candle_dtensor_models::Precision::grad_reduce_dtype)
+    /// (f32) under every policy.
+    pub precision: Option<candle_dtensor_models::precision::Applied>,
 }
 
 /// One recovery of fault-tolerant training ([`TrainConfig::fault_tolerant`]).
@@ -746,15 +755,34 @@ pub(crate) fn warn_data_changes(info: &crate::checkpoint::LoadInfo, extra: &serd
 pub fn train_rank(
     mesh: &DeviceMesh,
     cfg: &TrainConfig,
-    mut on_step: impl FnMut(&StepInfo),
+    on_step: impl FnMut(&StepInfo),
 ) -> Result<RankReport> {
+    // The precision policy ([`GptConfig::precision`]): candle's process-global GEMM switches
+    // (TF32 on CUDA, f32 accumulation for bf16) and the device check, before any op.
+    let applied = cfg
+        .gpt
+        .precision
+        .apply(mesh.root_comm().device())
+        .map_err(RunError::from)?;
     // A `pp` dim: the pipelined run (which checks its own settings).
-    if candle_dtensor_parallel::tp_plan::MeshRoles::of(mesh)?
+    let mut report = if candle_dtensor_parallel::tp_plan::MeshRoles::of(mesh)?
         .pp
         .is_some()
     {
-        return crate::pipeline::train_rank_pp(mesh, cfg, on_step);
-    }
+        crate::pipeline::train_rank_pp(mesh, cfg, on_step)?
+    } else {
+        train_rank_spmd(mesh, cfg, on_step)?
+    };
+    report.precision = Some(applied);
+    Ok(report)
+}
+
+/// [`train_rank`] without a `pp` mesh dim.
+fn train_rank_spmd(
+    mesh: &DeviceMesh,
+    cfg: &TrainConfig,
+    mut on_step: impl FnMut(&StepInfo),
+) -> Result<RankReport> {
     if cfg.pipeline.is_some() {
         return Err(RunError::Config(
             "TrainConfig::pipeline needs a pp mesh dim".into(),

@@ -1,6 +1,6 @@
 //! Matrix products: `matmul` (mm / bmm), `broadcast_matmul`, `linear`.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use candle_dtensor_strategies::{Op, Placement};
 
 use crate::dispatch::{run1, run1_with};
@@ -116,6 +116,68 @@ impl DTensor {
                 linear_local(&p.locals[0], &p.locals[1], None)
             }),
         }
+    }
+}
+
+/// `a` cast to `dtype` (no node when it already is).
+fn cast(a: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    if a.dtype() == dtype {
+        Ok(a.clone())
+    } else {
+        a.to_dtype(dtype)
+    }
+}
+
+impl DTensor {
+    /// [`DTensor::linear_with_layout`] with the GEMM computed in `compute` (mixed precision):
+    /// dispatch places the inputs in their own dtype, then each rank casts its pieces of `x`
+    /// and `w` to `compute`, multiplies, and casts the product back to `x`'s dtype before
+    /// adding the bias (kept in that dtype). So every collective dispatch adds (the input's
+    /// all_gather, the gradient sync of a replicated weight) runs in the inputs' dtype: with
+    /// f32 master weights the gradient reduction is f32, and only the GEMM runs in `compute`
+    /// (on CUDA and the CPU, candle's bf16 GEMM accumulates in f32). With `compute` equal to
+    /// `x`'s dtype this is [`DTensor::linear_with_layout`]. `x`, `w` and `b` share a dtype.
+    pub fn linear_with_layout_in(
+        &self,
+        w: &DTensor,
+        b: Option<&DTensor>,
+        input_layout: Option<&[Placement]>,
+        compute: DType,
+    ) -> Result<DTensor> {
+        let out = self.dtype();
+        if compute == out {
+            return self.linear_with_layout(w, b, input_layout);
+        }
+        let op = Op::Linear { bias: b.is_some() };
+        let gemm = move |x: &Tensor, w: &Tensor| -> candle_core::Result<Tensor> {
+            cast(
+                &linear_local(&cast(x, compute)?, &cast(w, compute)?, None)?,
+                out,
+            )
+        };
+        match b {
+            Some(b) => run1_with(&op, &[self, w, b], &[input_layout], |p| {
+                crate::fused::add(&gemm(&p.locals[0], &p.locals[1])?, &p.locals[2])
+            }),
+            None => run1_with(&op, &[self, w], &[input_layout], |p| {
+                gemm(&p.locals[0], &p.locals[1])
+            }),
+        }
+    }
+
+    /// [`DTensor::matmul`] computed in `compute`: the local pieces are cast to `compute`, multiplied
+    /// and the product cast back to `self`'s dtype (see [`DTensor::linear_with_layout_in`]).
+    pub fn matmul_in(&self, rhs: &DTensor, compute: DType) -> Result<DTensor> {
+        let out = self.dtype();
+        if compute == out {
+            return self.matmul(rhs);
+        }
+        run1(&Op::Matmul, &[self, rhs], |p| {
+            cast(
+                &cast(&p.locals[0], compute)?.matmul(&cast(&p.locals[1], compute)?)?,
+                out,
+            )
+        })
     }
 }
 

@@ -1,0 +1,174 @@
+//! Mixed-precision GEMMs (`DTensor::linear_with_layout_in`, `DTensor::matmul_in`): the product
+//! is single-device candle's bf16 product (cast in, multiplied in bf16, cast back), sharded or
+//! not, and differs from the f32 one by bf16 rounding; the gradient of an f32 weight is f32 and
+//! so is its data-parallel all_reduce (the bytes on the wire), unlike a cast before the op.
+//!
+//! Tolerance: the forward runs the same local GEMM rows on any row sharding, so it agrees with
+//! one device to 1e-6; a data-parallel weight gradient sums per-rank bf16 GEMMs (each rounded
+//! to bf16) where one device rounds the whole sum once: an ulp of bf16 (2^-8 relative) of
+//! each partial. bf16 against f32 differs by more than 1e-4 here (8 mantissa bits on operands
+//! of size ~1).
+
+mod common;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_dtensor_core::debug::{CommDebugMode, Phase};
+use candle_dtensor_core::{DTensor, Placement};
+use common::*;
+
+use Placement::{Replicate as Rep, Shard as S};
+
+fn data(shape: &[usize], k: f32) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| ((i as f32 * 0.7312 + k).sin() * 1.37) + 0.01 * i as f32)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+fn bf16_linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    x.to_dtype(DType::BF16)?
+        .matmul(&w.to_dtype(DType::BF16)?.t()?)?
+        .to_dtype(DType::F32)?
+        .broadcast_add(b)
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// One device: the bf16 product, not the f32 one; the gradients are f32 and are candle's.
+#[test]
+fn linear_in_bf16_is_the_bf16_product_with_f32_gradients() {
+    let (x, w, b) = (data(&[6, 8], 0.0), data(&[5, 8], 1.0), data(&[5], 2.0));
+    let want = bf16_linear(&x, &w, &b).unwrap();
+    let f32_product = x
+        .matmul(&w.t().unwrap())
+        .unwrap()
+        .broadcast_add(&b)
+        .unwrap();
+    assert!(
+        max_abs_diff(&want, &f32_product) > 1e-4,
+        "the bf16 product must differ from the f32 one"
+    );
+    let res = on_mesh(&[1], |mesh| {
+        let wv = Var::from_tensor(&w)?;
+        let xd = DTensor::from_local(&x, &mesh, &[Rep])?;
+        let wd = DTensor::from_local(wv.as_tensor(), &mesh, &[Rep])?;
+        let bd = DTensor::from_local(&b, &mesh, &[Rep])?;
+        let y = xd.linear_with_layout_in(&wd, Some(&bd), None, DType::BF16)?;
+        let g = y.to_local().sum_all()?.backward()?;
+        let gw = g.get(wv.as_tensor()).ok_or("no weight gradient")?.clone();
+        Ok((y.dtype(), y.to_local().clone(), gw))
+    })
+    .unwrap();
+    let (dt, y, gw) = res.into_iter().next().unwrap();
+    assert_eq!(dt, DType::F32);
+    close(&y, &want, 1e-6).unwrap();
+    // Single-device candle's gradient of the same composition.
+    let wv = Var::from_tensor(&w).unwrap();
+    let g = bf16_linear(&x, wv.as_tensor(), &b)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let want_gw = g.get(wv.as_tensor()).unwrap();
+    assert_eq!(gw.dtype(), DType::F32);
+    close(&gw, want_gw, 1e-6).unwrap();
+}
+
+/// dp = 2 (rows sharded, weight replicated): the rows are one device's; the weight gradient's
+/// all_reduce runs in f32 (4 bytes per element), where casting the weight before the op would
+/// reduce it in bf16 (2 bytes).
+#[test]
+fn sharded_linear_in_bf16_reduces_the_weight_gradient_in_f32() {
+    let (x, w, b) = (data(&[6, 8], 0.0), data(&[5, 8], 1.0), data(&[5], 2.0));
+    let want = bf16_linear(&x, &w, &b).unwrap();
+    let wv = Var::from_tensor(&w).unwrap();
+    let want_gw = bf16_linear(&x, wv.as_tensor(), &b)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap()
+        .get(wv.as_tensor())
+        .unwrap()
+        .clone();
+    let res = on_mesh(&[2], |mesh| {
+        let wv = Var::from_tensor(&w)?;
+        let xd = candle_dtensor_core::distribute_tensor(&x, &mesh, &[S(0)])?;
+        let wd = DTensor::from_local(wv.as_tensor(), &mesh, &[Rep])?;
+        let bd = DTensor::from_local(&b, &mesh, &[Rep])?;
+        let mode = CommDebugMode::start();
+        let y = xd.linear_with_layout_in(&wd, Some(&bd), None, DType::BF16)?;
+        let full = y.redistribute(&[Rep])?.to_local().clone();
+        let g = y.to_local().sum_all()?.backward()?;
+        let gw = g.get(wv.as_tensor()).ok_or("no weight gradient")?.clone();
+        let reduced: Vec<u64> = mode
+            .records()
+            .iter()
+            .filter(|r| r.phase == Phase::Backward && r.kind == "all_reduce")
+            .map(|r| r.bytes)
+            .collect();
+        // The contrast: the weight cast before the op, its gradient synced in bf16.
+        let wv2 = Var::from_tensor(&w)?;
+        let wd2 = DTensor::from_local(wv2.as_tensor(), &mesh, &[Rep])?.to_dtype(DType::BF16)?;
+        let mode = CommDebugMode::start();
+        let y2 = xd.to_dtype(DType::BF16)?.linear(&wd2, None)?;
+        y2.to_local().to_dtype(DType::F32)?.sum_all()?.backward()?;
+        let reduced_cast_first: Vec<u64> = mode
+            .records()
+            .iter()
+            .filter(|r| r.phase == Phase::Backward && r.kind == "all_reduce")
+            .map(|r| r.bytes)
+            .collect();
+        Ok((full, gw, reduced, reduced_cast_first))
+    })
+    .unwrap();
+    for (full, gw, reduced, cast_first) in res {
+        close(&full, &want, 1e-6).unwrap();
+        // Each rank's weight gradient is a bf16 GEMM over its 3 rows (rounded to bf16 before
+        // the f32 sum), one device's over all 6: they differ by up to an ulp of bf16 (2^-8
+        // relative) of each partial, |partial| <= 4 here.
+        close(&gw, &want_gw, 2e-2).unwrap();
+        assert!(max_abs_diff(&gw, &want_gw) <= 2.0 * 4.0 / 256.0);
+        // The weight's (5 x 8) gradient, in f32 (the bias is a constant here).
+        assert_eq!(reduced, vec![4 * 40], "the weight gradient reduces in f32");
+        assert_eq!(cast_first, vec![2 * 40], "the contrast reduces in bf16");
+    }
+}
+
+/// `matmul_in`: heads sharded (dim 1), the bf16 product of one device, back in f32.
+#[test]
+fn matmul_in_bf16_is_the_bf16_product() {
+    let (a, b) = (data(&[2, 4, 3, 8], 0.5), data(&[2, 4, 8, 3], 1.5));
+    let want = a
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .matmul(&b.to_dtype(DType::BF16).unwrap())
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    assert!(max_abs_diff(&want, &a.matmul(&b).unwrap()) > 1e-4);
+    let res = on_mesh(&[2], |mesh| {
+        let ad = candle_dtensor_core::distribute_tensor(&a, &mesh, &[S(1)])?;
+        let bd = candle_dtensor_core::distribute_tensor(&b, &mesh, &[S(1)])?;
+        let y = ad.matmul_in(&bd, DType::BF16)?;
+        Ok((y.dtype(), y.redistribute(&[Rep])?.to_local().clone()))
+    })
+    .unwrap();
+    for (dt, y) in res {
+        assert_eq!(dt, DType::F32);
+        close(&y, &want, 1e-6).unwrap();
+    }
+}

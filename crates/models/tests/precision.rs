@@ -1,0 +1,293 @@
+//! The mixed-precision policy (`GptConfig::precision`, `precision::scope`): what each op
+//! computes in, read from the values and from the autograd graph, on one device and in every
+//! layout the GPT runs (data parallel, FSDP with f32 and bf16 parameters, tensor + sequence
+//! parallel, context parallel, expert parallel, a pipeline stage).
+//!
+//! - The linear's GEMM is candle's bf16 product (operands cast to bf16, f32 out), not the f32
+//!   one; without the policy it is the f32 one, bit for bit.
+//! - Norms compute in f32 even on bf16 inputs (FSDP's bf16 parameters); attention's softmax and
+//!   the loss in f32: no reduction over a last dim of size 1 (a norm's or softmax's statistics,
+//!   the loss's log-sum-exp) is bf16 anywhere in the graph, while the GEMMs' operands and
+//!   products are.
+//! - The master weights' gradients are f32 in every layout.
+//!
+//! Tolerances: a layout's bf16 loss against one device's bf16 loss, relative 5e-3 (each GEMM
+//! output is rounded to bf16, 2^-9 relative; layouts round different partial sums, e.g. tensor
+//! parallelism's row-parallel pieces, and context parallelism's ring computes attention's
+//! blocks in f32; the loss is a mean over 64 tokens, so such roundings average out to ~1e-4);
+//! bf16 against f32, relative 5e-3 and not equal.
+#[path = "../../train/tests/common/mod.rs"]
+mod common;
+
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use candle_dtensor_comm::LocalWorld;
+use candle_dtensor_core::{DTensor, Placement};
+use candle_dtensor_mesh::DeviceMesh;
+use candle_dtensor_models::layers::{Builder, LayerNorm, Linear};
+use candle_dtensor_models::precision::{self, Precision};
+use candle_dtensor_models::{Gpt, GptConfig, GptStage, StageInput};
+use candle_dtensor_parallel::fsdp::{Fsdp, FsdpConfig, GradReduce};
+use candle_dtensor_parallel::moe::MoeConfig;
+use candle_dtensor_parallel::params::ParamStore;
+use candle_dtensor_parallel::tp_plan::MeshRoles;
+use candle_dtensor_parallel::TpPlan;
+use candle_dtensor_train::data::Corpus;
+
+use common::{micro_gpt, R};
+
+/// What the graph behind a loss holds: bf16 tensors in all, and the shapes of bf16 tensors
+/// whose last dim is 1 (a reduction's statistics).
+#[derive(Debug, Default)]
+struct GraphDtypes {
+    bf16: usize,
+    bf16_reductions: Vec<Vec<usize>>,
+}
+
+fn graph_dtypes(loss: &Tensor) -> GraphDtypes {
+    let mut g = GraphDtypes::default();
+    for t in loss.sorted_nodes() {
+        if t.dtype() == DType::BF16 {
+            g.bf16 += 1;
+            if t.dims().last() == Some(&1) {
+                g.bf16_reductions.push(t.dims().to_vec());
+            }
+        }
+    }
+    g
+}
+
+/// One rank's view of a forward + backward.
+#[derive(Debug)]
+struct Run {
+    loss: f32,
+    graph: GraphDtypes,
+    /// Dtypes of the master weights' gradients.
+    grad_dtypes: Vec<DType>,
+    logits_dtype: DType,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    One,
+    Dp2,
+    Fsdp2 {
+        bf16_params: bool,
+    },
+    Tp2Sp,
+    Cp2,
+    Ep2Moe,
+    /// The mixture-of-experts GPT on one device (ep = 1).
+    OneMoe,
+    /// The GPT as one pipeline stage (`GptStage`: the stage code path).
+    Stage,
+}
+
+fn cfg_for(layout: Layout, p: Precision) -> GptConfig {
+    let mut c = GptConfig {
+        precision: p,
+        ..micro_gpt()
+    };
+    if let Layout::Ep2Moe | Layout::OneMoe = layout {
+        c.moe = Some("experts=4,top_k=2".parse::<MoeConfig>().unwrap());
+    }
+    c
+}
+
+/// A forward and backward of the loss of one batch (8 sequences of 16 tokens) under `layout`.
+fn run(layout: Layout, p: Precision) -> Run {
+    let cfg = cfg_for(layout, p);
+    let (world, dims, plan): (usize, Vec<(&str, usize)>, TpPlan) = match layout {
+        Layout::One | Layout::Stage => (1, vec![("dp", 1)], TpPlan::gpt(false)),
+        Layout::Dp2 | Layout::Fsdp2 { .. } => (2, vec![("dp", 2)], TpPlan::gpt(false)),
+        Layout::Tp2Sp => (2, vec![("tp", 2)], TpPlan::gpt(true)),
+        Layout::Cp2 => (2, vec![("cp", 2)], TpPlan::gpt(false)),
+        Layout::Ep2Moe => (2, vec![("ep", 2)], TpPlan::gpt(false)),
+        Layout::OneMoe => (1, vec![("ep", 1)], TpPlan::gpt(false)),
+    };
+    let corpus = Corpus::synthetic(cfg.vocab, 4096, 5);
+    LocalWorld::new(world)
+        .with_timeout(Duration::from_secs(120))
+        .launch(|comm| -> R<Run> {
+            let mesh = DeviceMesh::new(comm, &dims)?;
+            if let Layout::Stage = layout {
+                let mut store = ParamStore::new(&mesh, 7, DType::F32);
+                let stage = GptStage::new(&cfg, &mesh, &plan, 0, 1, 0..cfg.n_layers, &mut store)?;
+                let (x, y) = corpus.batch(0, 8, 16, 11);
+                let rep = vec![Placement::Replicate; mesh.ndim()];
+                let x = Tensor::from_vec(x, (8, 16), &Device::Cpu)?;
+                let y = Tensor::from_vec(y, (8, 16), &Device::Cpu)?;
+                let x = candle_dtensor_core::distribute_tensor(&x, &mesh, &rep)?;
+                let y = candle_dtensor_core::distribute_tensor(&y, &mesh, &rep)?;
+                let logits = stage.forward(StageInput::Ids(&x))?;
+                let loss = stage.loss(&logits, &y)?;
+                return finish(&loss, logits.dtype(), &store, None);
+            }
+            let fsdp = match layout {
+                Layout::Fsdp2 { bf16_params } => {
+                    let mut fc = FsdpConfig::new(0, GradReduce::Sum);
+                    fc.param_dtype = bf16_params.then_some(DType::BF16);
+                    Some(Fsdp::new(&mesh, fc)?)
+                }
+                _ => None,
+            };
+            let (gpt, store) = Gpt::build(&cfg, &mesh, &plan, 7, DType::F32, fsdp.as_ref())?;
+            let (x, y) = common::gpt_batch(&corpus, 0, (8, 16, 11), &gpt, &mesh)?;
+            let logits_dtype = gpt.forward(&x)?.dtype();
+            let loss = gpt.loss(&x, &y)?;
+            finish(&loss, logits_dtype, &store, fsdp.as_ref())
+        })
+        .unwrap()
+        .into_iter()
+        .next()
+        .unwrap()
+}
+
+fn finish(loss: &DTensor, logits_dtype: DType, store: &ParamStore, fsdp: Option<&Fsdp>) -> R<Run> {
+    assert_eq!(loss.dtype(), DType::F32, "the loss computes in f32");
+    let graph = graph_dtypes(loss.to_local());
+    let full = loss.redistribute(&vec![Placement::Replicate; loss.mesh().ndim()])?;
+    let mut grads = full.to_local().backward()?;
+    if let Some(f) = fsdp {
+        // FSDP's reduce-scatter of the full gradients into the shards' (f32) ones.
+        f.finish_backward(&mut grads)?;
+    }
+    let grad_dtypes = store
+        .vars()
+        .iter()
+        .filter_map(|v| grads.get(v.as_tensor()).map(|g| g.dtype()))
+        .collect();
+    Ok(Run {
+        loss: full.to_local().to_dtype(DType::F32)?.to_scalar::<f32>()?,
+        graph,
+        grad_dtypes,
+        logits_dtype,
+    })
+}
+
+fn rel(a: f32, b: f32) -> f32 {
+    (a - b).abs() / b.abs()
+}
+
+/// Every layout: the bf16 GEMMs are in the graph (3 bf16 tensors, operands and product, per
+/// GEMM: 4 linears and 2 attention products per block and the head; at least as many as on
+/// one device, so no layout's code path skips one), no bf16 reduction statistics, f32
+/// logits, loss and master gradients; the loss is one device's bf16 loss. Under f32 no tensor
+/// is bf16.
+#[test]
+fn every_layout_runs_gemms_in_bf16_and_the_rest_in_f32() {
+    let one_bf16 = run(Layout::One, Precision::Bf16);
+    let one_f32 = run(Layout::One, Precision::F32);
+    assert_eq!(one_f32.graph.bf16, 0, "{:?}", one_f32.graph);
+    assert_ne!(one_bf16.loss, one_f32.loss, "bf16 must change the rounding");
+    assert!(rel(one_bf16.loss, one_f32.loss) < 5e-3);
+    let gemms = micro_gpt().n_layers * 6 + 1;
+    assert!(one_bf16.graph.bf16 >= 3 * gemms, "{:?}", one_bf16.graph);
+    let moe_one = run(Layout::OneMoe, Precision::Bf16);
+    // Every block's MLP is a mixture of experts: two expert GEMMs per block in place of the
+    // dense MLP's two (the router stays f32).
+    assert!(moe_one.graph.bf16 >= 3 * gemms, "{:?}", moe_one.graph);
+    for layout in [
+        Layout::One,
+        Layout::Dp2,
+        Layout::Fsdp2 { bf16_params: false },
+        Layout::Fsdp2 { bf16_params: true },
+        Layout::Tp2Sp,
+        Layout::Cp2,
+        Layout::Ep2Moe,
+        Layout::Stage,
+    ] {
+        let r = run(layout, Precision::Bf16);
+        let one = if let Layout::Ep2Moe = layout {
+            &moe_one
+        } else {
+            &one_bf16
+        };
+        assert!(
+            r.graph.bf16 >= one.graph.bf16,
+            "{layout:?}: {} bf16 tensors, {} on one device",
+            r.graph.bf16,
+            one.graph.bf16
+        );
+        assert!(
+            r.graph.bf16_reductions.is_empty(),
+            "{layout:?}: bf16 statistics {:?} (norm / softmax / loss not in f32)",
+            r.graph.bf16_reductions
+        );
+        assert_eq!(r.logits_dtype, DType::F32, "{layout:?}");
+        assert!(!r.grad_dtypes.is_empty(), "{layout:?}: no gradients");
+        assert!(
+            r.grad_dtypes.iter().all(|d| *d == DType::F32),
+            "{layout:?}: master gradients {:?}",
+            r.grad_dtypes
+        );
+        assert!(
+            rel(r.loss, one.loss) < 5e-3,
+            "{layout:?}: {} vs one device {}",
+            r.loss,
+            one.loss
+        );
+    }
+}
+
+/// Layers on one device: the linear's product is candle's bf16 product under the policy and
+/// the f32 one without it (bit for bit); a norm on a bf16 input computes in f32.
+#[test]
+fn the_linear_runs_in_bf16_and_the_norm_in_f32() {
+    LocalWorld::new(1)
+        .launch(|comm| -> R<()> {
+            let mesh = DeviceMesh::new(comm, &[("dp", 1)])?;
+            let mut store = ParamStore::new(&mesh, 3, DType::F32);
+            let mut b = Builder {
+                store: &mut store,
+                roles: MeshRoles::of(&mesh)?,
+                plan: TpPlan::new(),
+            };
+            let lin = Linear::new(&mut b, "fc", 16, 8, true, 0.5)?;
+            let ln = LayerNorm::new(&mut b, "ln", 16, true, 1e-5)?;
+            let rep = vec![Placement::Replicate; 1];
+            let xs: Vec<f32> = (0..48).map(|i| (i as f32 * 0.37).sin() * 1.3).collect();
+            let x = Tensor::from_vec(xs, (3, 16), &Device::Cpu)?;
+            let xd = DTensor::from_local(&x, &mesh, &rep)?;
+            let (w, bias) = (
+                lin.weight.to_local().clone(),
+                lin.bias.as_ref().ok_or("bias")?.to_local().clone(),
+            );
+            let f32_product = x.matmul(&w.t()?)?.broadcast_add(&bias)?;
+            let bf16_product = x
+                .to_dtype(DType::BF16)?
+                .matmul(&w.to_dtype(DType::BF16)?.t()?)?
+                .to_dtype(DType::F32)?
+                .broadcast_add(&bias)?;
+            let diff = |a: &Tensor, b: &Tensor| -> R<f32> {
+                Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+            };
+            assert!(diff(&f32_product, &bf16_product)? > 1e-4);
+            let plain = lin.forward(&xd)?;
+            assert_eq!(diff(plain.to_local(), &f32_product)?, 0.0);
+            {
+                let _f32 = precision::scope(Precision::F32, DType::F32);
+                assert_eq!(diff(lin.forward(&xd)?.to_local(), &f32_product)?, 0.0);
+            }
+            let _bf16 = precision::scope(Precision::Bf16, DType::F32);
+            let y = lin.forward(&xd)?;
+            assert_eq!(y.dtype(), DType::F32);
+            assert!(diff(y.to_local(), &bf16_product)? <= 1e-6);
+            // The norm on a bf16 input (FSDP's bf16 activations): f32 out, the f32 norm of it.
+            let xb = DTensor::from_local(&x.to_dtype(DType::BF16)?, &mesh, &rep)?;
+            let n = ln.forward(&xb)?;
+            assert_eq!(n.dtype(), DType::F32);
+            let want = {
+                let _none = precision::scope(Precision::F32, DType::F32);
+                ln.forward(&DTensor::from_local(
+                    &x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?,
+                    &mesh,
+                    &rep,
+                )?)?
+            };
+            assert_eq!(diff(n.to_local(), want.to_local())?, 0.0);
+            Ok(())
+        })
+        .unwrap();
+}
