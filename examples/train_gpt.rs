@@ -2603,6 +2603,9 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
         "vocab": gpt.vocab,
         "eval_losses": report.eval_losses,
         "step_ms_median": median(&report.step_ms),
+        // Every step's wall time (rank 0), for benchmarks that leave warm-up steps out
+        // (scripts/gpu_bench.sh).
+        "step_ms": report.step_ms,
         "tokens_per_s": (args.batch * gpt.seq_len) as f64 / (median(&report.step_ms) / 1e3),
         "collectives": report.collectives,
         "params": report.params,
