@@ -1,8 +1,10 @@
 //! Differentiable neural-network ops on plain candle tensors, any device: softmax,
 //! log_softmax, layer_norm, rms_norm and scaled dot-product attention.
 //!
-//! Each `*_local` function takes the fused kernel ([`crate::fused`], [`crate::region`]) for f32
-//! on the CPU and the primitive composition ([`mod@reference`]) otherwise (other dtypes, CUDA).
+//! Each `*_local` function takes the fused kernel ([`crate::fused`], [`crate::region`]) where it
+//! applies (f32 on the CPU; softmax, log-softmax and the norms also f32/bf16 on CUDA with the
+//! `cuda` feature, [`fused::device_applies`]) and the primitive composition
+//! ([`mod@reference`]) otherwise (other dtypes and devices, attention on CUDA).
 //! Both have backward passes; candle-nn's fused `softmax_last_dim`, `layer_norm`, `rms_norm`
 //! and `sdpa` have none and silently cut the graph (candle#2168, #3011).
 
@@ -12,7 +14,7 @@ use crate::fused;
 
 type CResult<T> = candle_core::Result<T>;
 
-/// A normalization over `dim`: `last` (the fused kernel) for f32 over the last dim,
+/// A normalization over `dim`: `last` (the fused kernel) over the last dim where it applies,
 /// `reference(x, dim)` otherwise, and an empty piece (uneven sharding of another dim) as it is,
 /// since candle's max refuses empty input.
 fn over_dim(
@@ -24,7 +26,7 @@ fn over_dim(
     if x.elem_count() == 0 {
         return Ok(x.clone());
     }
-    if fused::applies(x) && dim + 1 == x.rank() {
+    if fused::device_applies(x) && dim + 1 == x.rank() {
         return last(x);
     }
     reference(x, dim)
@@ -40,7 +42,7 @@ pub fn log_softmax_local(x: &Tensor, dim: usize) -> CResult<Tensor> {
     over_dim(x, dim, fused::log_softmax_last, reference::log_softmax)
 }
 
-/// Layer norm over the last dim (fused for f32 with a weight).
+/// Layer norm over the last dim (fused with a weight where it applies).
 pub fn layer_norm_local(
     x: &Tensor,
     w: Option<&Tensor>,
@@ -48,14 +50,20 @@ pub fn layer_norm_local(
     eps: f64,
 ) -> CResult<Tensor> {
     match w {
-        Some(w) if fused::applies(x) && w.dtype() == x.dtype() => fused::layer_norm(x, w, b, eps),
+        Some(w)
+            if fused::device_applies(x)
+                && w.dtype() == x.dtype()
+                && b.is_none_or(|b| b.dtype() == x.dtype()) =>
+        {
+            fused::layer_norm(x, w, b, eps)
+        }
         _ => reference::layer_norm(x, w, b, eps),
     }
 }
 
-/// RMS norm over the last dim (fused for f32).
+/// RMS norm over the last dim (fused where it applies).
 pub fn rms_norm_local(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
-    if fused::applies(x) && w.dtype() == x.dtype() {
+    if fused::device_applies(x) && w.dtype() == x.dtype() {
         return fused::rms_norm(x, w, eps);
     }
     reference::rms_norm(x, w, eps)
