@@ -51,6 +51,10 @@ const GELU: Module = Module {
     name: "cdt_fused_gelu",
     ptx: ptx::GELU,
 };
+const MULTI_TENSOR: Module = Module {
+    name: "cdt_multi_tensor",
+    ptx: ptx::MULTI_TENSOR,
+};
 
 /// The longest row the row kernels take (their row length is a 32-bit `int`).
 pub const MAX_ROW: usize = i32::MAX as usize;
@@ -925,4 +929,272 @@ pub(crate) fn xent_backward(
         &lg.contiguous()?,
         &Bwd::Xent { ignore },
     )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Multi-tensor: the global gradient norm and clip coefficient
+
+/// Elements per block of the sum of squares: at least 8192, and at most 1024 blocks (the one
+/// block of the second stage adds their partials).
+fn sumsq_chunk(total: usize) -> usize {
+    total.div_ceil(1024).max(8192)
+}
+
+/// The device address of element `offset` of a float storage, and the guard that records the
+/// read on the stream once the launch using it is enqueued.
+fn float_ptr<'a>(
+    s: &'a CudaStorage,
+    offset: usize,
+    stream: &'a candle_core::cuda_backend::cudarc::driver::CudaStream,
+) -> Result<(
+    u64,
+    candle_core::cuda_backend::cudarc::driver::SyncOnDrop<'a>,
+)> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let (base, guard, size) = match &s.slice {
+        CudaStorageSlice::F32(v) => {
+            let (p, g) = v.device_ptr(stream);
+            (p, g, 4)
+        }
+        CudaStorageSlice::BF16(v) => {
+            let (p, g) = v.device_ptr(stream);
+            (p, g, 2)
+        }
+        _ => {
+            return Err(mismatch(
+                "grad_norm",
+                format!("a gradient of {:?}", s.dtype()),
+            ))
+        }
+    };
+    Ok((base + (offset * size) as u64, guard))
+}
+
+/// `[norm, clip coefficient]` (f32 `[2]`) of the contiguous float tensors `parts` (storage,
+/// layout), all of one dtype on `dev`: two launches and two small uploads (the pointer table and
+/// the prefix sums), no host read.
+pub(crate) fn grad_norm(
+    dev: &CudaDevice,
+    parts: &[(&CudaStorage, &Layout)],
+    max_norm: Option<f64>,
+) -> Result<CudaStorage> {
+    let op = "grad_norm";
+    let dtype = parts
+        .first()
+        .map(|(s, _)| s.dtype())
+        .ok_or_else(|| mismatch(op, "no gradients".into()))?;
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        other => return Err(unsupported(op, other, "f32 or bf16", &Shape::from(0)).into()),
+    };
+    let stream = dev.cuda_stream();
+    let mut ptrs = Vec::with_capacity(parts.len());
+    let mut guards = Vec::with_capacity(parts.len());
+    let mut starts = Vec::with_capacity(parts.len() + 1);
+    let mut total = 0usize;
+    for (s, l) in parts {
+        if s.dtype() != dtype {
+            return Err(mismatch(
+                op,
+                format!("gradients of {dtype:?} and {:?} in one call", s.dtype()),
+            ));
+        }
+        let (a, b) = l
+            .contiguous_offsets()
+            .ok_or_else(|| KernelError::NotContiguous {
+                op,
+                operand: "gradient",
+                shape: l.dims().to_vec(),
+            })?;
+        let (ptr, guard) = float_ptr(s, a, &stream)?;
+        ptrs.push(ptr);
+        guards.push(guard);
+        starts.push(total as i64);
+        total += b - a;
+    }
+    starts.push(total as i64);
+    let max_norm = max_norm.unwrap_or(0.0) as f32;
+    let mut out = alloc_out::<f32>(dev, 2)?;
+    let finish =
+        dev.get_or_load_custom_func("cdt_norm_finish", MULTI_TENSOR.name, MULTI_TENSOR.ptx)?;
+    if total == 0 {
+        // Nothing to sum: the finish kernel with no partials writes norm 0, coefficient 1.
+        let (blocks_arg, null) = (0i32, 0u64);
+        let mut b = finish.builder();
+        b.arg(&null);
+        b.arg(&blocks_arg);
+        b.arg(&max_norm);
+        b.arg(&mut out);
+        // SAFETY: `cdt_norm_finish(const float* partial, int blocks, float max_norm, float*
+        // out)`; with blocks 0 `partial` is never read; out holds 2 floats.
+        unsafe { b.launch(row_cfg(1, 32)) }.w()?;
+        drop(guards);
+        return Ok(wrap(dev, out));
+    }
+    let chunk = sumsq_chunk(total);
+    let blocks = total.div_ceil(chunk);
+    let ptrs_dev = dev.clone_htod(&ptrs)?;
+    let starts_dev = dev.clone_htod(&starts)?;
+    let mut partial = alloc_out::<f32>(dev, blocks)?;
+    {
+        let f = dev.get_or_load_custom_func(
+            &format!("cdt_sumsq_partial_{suffix}"),
+            MULTI_TENSOR.name,
+            MULTI_TENSOR.ptx,
+        )?;
+        let (k_arg, chunk_arg) = (parts.len() as i32, chunk as i64);
+        let mut b = f.builder();
+        b.arg(&ptrs_dev);
+        b.arg(&starts_dev);
+        b.arg(&k_arg);
+        b.arg(&chunk_arg);
+        b.arg(&mut partial);
+        // SAFETY: `cdt_sumsq_partial_*(const unsigned long long* ptrs, const long long*
+        // starts, int k, long long chunk, float* partial)`: ptrs[i] is the address of the
+        // first element of part i, which holds starts[i + 1] - starts[i] elements of the
+        // kernel's type (checked above; the storages stay borrowed, and their read events
+        // are recorded by `guards` after this launch); blocks = ceil(total / chunk), each
+        // writing partial[its index].
+        unsafe { b.launch(row_cfg(blocks, 1024)) }.w()?;
+    }
+    {
+        let blocks_arg = blocks as i32;
+        let mut b = finish.builder();
+        b.arg(&partial);
+        b.arg(&blocks_arg);
+        b.arg(&max_norm);
+        b.arg(&mut out);
+        // SAFETY: as above, with `blocks` partials.
+        unsafe { b.launch(row_cfg(1, 1024)) }.w()?;
+    }
+    // Record the reads of every part on the stream after the launch that made them.
+    drop(guards);
+    Ok(wrap(dev, out))
+}
+
+/// The f32 constants of one AdamW step (`cdt_adamw_f32`'s `AdamWConsts`, field for field).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct AdamWConsts {
+    pub beta1: f32,
+    pub one_beta1: f32,
+    pub beta2: f32,
+    pub one_beta2: f32,
+    pub scale_m: f32,
+    pub scale_v: f32,
+    pub decay: f32,
+    pub eps: f32,
+    pub lr: f32,
+}
+
+// SAFETY: a `#[repr(C)]` struct of nine f32, laid out as the kernel's `struct AdamWConsts` of
+// nine floats (36 bytes, 4-byte aligned); passed by value as a kernel parameter.
+unsafe impl DeviceRepr for AdamWConsts {}
+
+/// One AdamW step in place over every `(param, grad, m, v)` of `sets` (contiguous f32 storages
+/// on `dev`, each quadruple of one length), in one launch; `coef` a device f32 whose first
+/// element multiplies every gradient (the clip coefficient), or none.
+///
+/// The parameters and moments are written through device addresses taken from shared
+/// borrows: no host memory is involved, and the writes are ordered after every earlier use of
+/// those buffers by the device's one stream (each address is taken with `device_ptr`, which
+/// makes the stream wait for earlier writes). The caller (`multi_tensor::adamw_step`) checked
+/// that no two of the written buffers, and no gradient, share a storage.
+pub(crate) fn adamw(
+    dev: &CudaDevice,
+    sets: &[[(&CudaStorage, &Layout); 4]],
+    consts: AdamWConsts,
+    coef: Option<(&CudaStorage, &Layout)>,
+) -> Result<()> {
+    let op = "adamw";
+    let stream = dev.cuda_stream();
+    let mut tables: [Vec<u64>; 4] = Default::default();
+    let mut guards = Vec::with_capacity(4 * sets.len() + 1);
+    let mut starts = Vec::with_capacity(sets.len() + 1);
+    let mut total = 0usize;
+    for set in sets {
+        let mut len = None;
+        for (i, (s, l)) in set.iter().enumerate() {
+            if s.dtype() != DType::F32 {
+                return Err(unsupported(op, s.dtype(), "f32", l.shape()).into());
+            }
+            let (a, b) = l
+                .contiguous_offsets()
+                .ok_or_else(|| KernelError::NotContiguous {
+                    op,
+                    operand: ["param", "grad", "m", "v"][i],
+                    shape: l.dims().to_vec(),
+                })?;
+            if *len.get_or_insert(b - a) != b - a {
+                return Err(mismatch(
+                    op,
+                    format!(
+                        "a parameter and its gradient/moments differ in length ({:?})",
+                        l.dims()
+                    ),
+                ));
+            }
+            let (ptr, guard) = float_ptr(s, a, &stream)?;
+            tables[i].push(ptr);
+            guards.push(guard);
+        }
+        starts.push(total as i64);
+        total += len.unwrap_or(0);
+    }
+    starts.push(total as i64);
+    if total == 0 {
+        return Ok(());
+    }
+    let coef_ptr = match coef {
+        Some((s, l)) => {
+            let (a, _) = l
+                .contiguous_offsets()
+                .filter(|(a, b)| b > a)
+                .ok_or_else(|| {
+                    mismatch(
+                        op,
+                        "the gradient scale must be a contiguous f32 of one element or more".into(),
+                    )
+                })?;
+            let (ptr, guard) = float_ptr(s, a, &stream)?;
+            guards.push(guard);
+            ptr
+        }
+        None => 0,
+    };
+    let chunk = sumsq_chunk(total);
+    let blocks = total.div_ceil(chunk);
+    let [ps, gs, ms, vs] = tables;
+    let (ps, gs, ms, vs) = (
+        dev.clone_htod(&ps)?,
+        dev.clone_htod(&gs)?,
+        dev.clone_htod(&ms)?,
+        dev.clone_htod(&vs)?,
+    );
+    let starts_dev = dev.clone_htod(&starts)?;
+    let f = dev.get_or_load_custom_func("cdt_adamw_f32", MULTI_TENSOR.name, MULTI_TENSOR.ptx)?;
+    let (k_arg, chunk_arg) = (sets.len() as i32, chunk as i64);
+    {
+        let mut b = f.builder();
+        b.arg(&ps);
+        b.arg(&gs);
+        b.arg(&ms);
+        b.arg(&vs);
+        b.arg(&starts_dev);
+        b.arg(&k_arg);
+        b.arg(&chunk_arg);
+        b.arg(&coef_ptr);
+        b.arg(&consts);
+        // SAFETY: `cdt_adamw_f32(const u64* ps, gs, ms, vs, const long long* starts, int k,
+        // long long chunk, const float* coef, AdamWConsts c)`: entry i of each table is the
+        // address of the first element of a contiguous f32 buffer of starts[i + 1] - starts[i]
+        // elements (checked above; the storages stay borrowed until `guards` is dropped after
+        // the launch); coef is null or one readable f32; blocks = ceil(total / chunk) cover the
+        // concatenation, each element read and written by one thread only (the written
+        // buffers are distinct storages).
+        unsafe { b.launch(row_cfg(blocks, 1024)) }.w()?;
+    }
+    drop(guards);
+    Ok(())
 }

@@ -8,6 +8,8 @@
 //!   row kernels among them also on CUDA (f32/bf16, feature `cuda`, kernels in `cuda/*.cu`
 //!   compiled by build.rs).
 //! - [`error`]: the typed errors of the fused kernels' device paths.
+//! - [`multi_tensor`]: the global gradient norm and clip coefficient over many tensors, kept on
+//!   the device (two launches on CUDA, no host read).
 //! - [`region`]: a few candle ops computed on detached tensors and recorded as one graph node
 //!   (linear, attention).
 //! - [`autodiff`]: differentiable neural-network ops on plain tensors, any device: the fused kernel
@@ -25,4 +27,5 @@ pub mod compare;
 mod cuda;
 pub mod error;
 pub mod fused;
+pub mod multi_tensor;
 pub mod region;

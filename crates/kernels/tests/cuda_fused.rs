@@ -4,7 +4,9 @@
 //! without an ignore index), f32 and bf16, rows of 1, 31, 33, 1000 and 4097 elements (and the
 //! GPT-2 vocabulary for the cross-entropy), empty tensors, plus the bad inputs: an f16 tensor
 //! (typed error), a strided view (made contiguous), an out-of-range class id (NaN, not a
-//! number). The weight/bias gradient reduction is checked to be bitwise repeatable.
+//! number). The weight/bias gradient reduction is checked to be bitwise repeatable. The
+//! multi-tensor kernels: the global gradient norm and clip coefficient against the CPU's, and
+//! the AdamW step bitwise equal to the CPU's over three steps with clipping.
 //!
 //! Inputs are made on the CPU in f32, rounded to the dtype under test, and given to both
 //! sides: the CUDA fused path in that dtype, the CPU reference (`autodiff::reference`, candle
@@ -23,7 +25,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 use candle_dtensor_kernels::autodiff::{self, reference};
 use candle_dtensor_kernels::compare::max_rel_diff;
-use candle_dtensor_kernels::fused;
+use candle_dtensor_kernels::{fused, multi_tensor};
 
 type R<T> = candle_core::Result<T>;
 type Op<'a> = &'a dyn Fn(&[Tensor]) -> R<Tensor>;
@@ -499,6 +501,111 @@ fn bad_input(dev: &Device, rep: &mut Report) {
     );
 }
 
+/// The global gradient norm and clip coefficient on CUDA against the CPU's (f64) values.
+fn grad_norm_case(dev: &Device, dtype: DType, sizes: &[usize], max: Option<f64>) -> R<String> {
+    let cpu: Vec<Tensor> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| values(&[n], 1.0, 300 + i as u64).to_dtype(dtype))
+        .collect::<R<_>>()?;
+    let on_dev: Vec<Tensor> = cpu.iter().map(|t| t.to_device(dev)).collect::<R<_>>()?;
+    let want: Vec<f32> = multi_tensor::grad_norm_clip(&cpu, max)?.to_vec1()?;
+    let got: Vec<f32> = multi_tensor::grad_norm_clip(&on_dev, max)?.to_vec1()?;
+    let rel = |a: f32, b: f32| ((a - b).abs() / b.abs().max(1e-30)) as f64;
+    let (dn, dc) = (rel(got[0], want[0]), rel(got[1], want[1]));
+    if dn <= 1e-5 && dc <= 1e-5 {
+        Ok(format!(
+            "norm {} (rel diff {dn:.1e}), coefficient {}",
+            got[0], got[1]
+        ))
+    } else {
+        candle_core::bail!("CUDA {got:?} vs CPU {want:?}")
+    }
+}
+
+/// Three AdamW steps of the same parameters on CUDA (one launch per step and decay group) and
+/// on the CPU, with clipping by a coefficient computed once on the device and used by both:
+/// bitwise equal (the kernel rounds every operation as the CPU does).
+fn adamw_case(dev: &Device) -> R<String> {
+    let sizes = [1usize, 0, 31, 8193, 40_000, 33];
+    let decay: Vec<bool> = (0..sizes.len()).map(|i| i % 3 != 1).collect();
+    let make = |seed: u64, scale: f32, d: &Device| -> R<Vec<Tensor>> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| values(&[n], scale, seed + i as u64).to_device(d))
+            .collect()
+    };
+    let zeros = |d: &Device| -> R<Vec<Tensor>> {
+        sizes
+            .iter()
+            .map(|&n| Tensor::zeros(n, DType::F32, d))
+            .collect()
+    };
+    let (pc, mc, vc) = (
+        make(500, 1.0, &Device::Cpu)?,
+        zeros(&Device::Cpu)?,
+        zeros(&Device::Cpu)?,
+    );
+    let (pd, md, vd) = (make(500, 1.0, dev)?, zeros(dev)?, zeros(dev)?);
+    for t in 1..=3 {
+        let step = multi_tensor::AdamWStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            t,
+        };
+        let gc = make(600 + 10 * t as u64, 4.0, &Device::Cpu)?;
+        let gd: Vec<Tensor> = gc.iter().map(|g| g.to_device(dev)).collect::<R<_>>()?;
+        let clip_d = multi_tensor::grad_norm_clip(&gd, Some(1.0))?;
+        let clip_c = clip_d.to_device(&Device::Cpu)?;
+        multi_tensor::adamw_step(&pd, &gd, &md, &vd, &decay, &step, Some(&clip_d))?;
+        multi_tensor::adamw_step(&pc, &gc, &mc, &vc, &decay, &step, Some(&clip_c))?;
+    }
+    for (what, a, b) in [("param", &pd, &pc), ("m", &md, &mc), ("v", &vd, &vc)] {
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            let xs: Vec<f32> = x.to_device(&Device::Cpu)?.to_vec1()?;
+            let ys: Vec<f32> = y.to_vec1()?;
+            if let Some(j) = (0..xs.len()).find(|&j| xs[j].to_bits() != ys[j].to_bits()) {
+                candle_core::bail!("{what} {i}[{j}]: CUDA {} vs CPU {}", xs[j], ys[j]);
+            }
+        }
+    }
+    Ok("3 steps, bitwise equal".into())
+}
+
+fn shared_storage_refused(dev: &Device) -> R<String> {
+    let g = values(&[10], 1.0, 1).to_device(dev)?;
+    match multi_tensor::grad_norm_clip(&[g.clone(), g], None) {
+        Ok(_) => candle_core::bail!("a storage given twice was accepted"),
+        Err(e) if e.to_string().contains("share one storage") => Ok(e.to_string()),
+        Err(e) => candle_core::bail!("unexpected error: {e}"),
+    }
+}
+
+fn multi_tensor_cases(dev: &Device, rep: &mut Report) {
+    let sizes = [0usize, 1, 31, 8193, 100_003, 33];
+    for dtype in [DType::F32, DType::BF16] {
+        for max in [None, Some(1.0), Some(1e9)] {
+            rep.record(
+                &format!("grad_norm_clip {dtype:?} {sizes:?} max {max:?}"),
+                grad_norm_case(dev, dtype, &sizes, max),
+            );
+        }
+    }
+    rep.record(
+        "grad_norm_clip of empty tensors only",
+        grad_norm_case(dev, DType::F32, &[0, 0], Some(1.0)),
+    );
+    rep.record(
+        "grad_norm_clip refuses a storage twice",
+        shared_storage_refused(dev),
+    );
+    rep.record("adamw_step CUDA vs CPU", adamw_case(dev));
+}
+
 #[test]
 fn fused_cuda_kernels_match_the_cpu_reference() {
     let Some(dev) = cuda_device() else {
@@ -510,6 +617,7 @@ fn fused_cuda_kernels_match_the_cpu_reference() {
         cross_entropy(&dev, dtype, &mut rep);
     }
     bad_input(&dev, &mut rep);
+    multi_tensor_cases(&dev, &mut rep);
     if !rep.failures.is_empty() {
         panic!(
             "cuda_fused: {} of {} checks failed:\n{}",
