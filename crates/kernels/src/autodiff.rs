@@ -2,9 +2,9 @@
 //! log_softmax, layer_norm, rms_norm and scaled dot-product attention.
 //!
 //! Each `*_local` function takes the fused kernel ([`crate::fused`], [`crate::region`]) where it
-//! applies (f32 on the CPU; softmax, log-softmax and the norms also f32/bf16 on CUDA with the
-//! `cuda` feature, [`fused::device_applies`]) and the primitive composition
-//! ([`mod@reference`]) otherwise (other dtypes and devices, attention on CUDA).
+//! applies (f32 on the CPU; softmax, log-softmax, the norms and attention's softmax also
+//! f32/bf16 on CUDA with the `cuda` feature, [`fused::device_applies`]) and the primitive
+//! composition ([`mod@reference`]) otherwise (other dtypes and devices).
 //! Both have backward passes; candle-nn's fused `softmax_last_dim`, `layer_norm`, `rms_norm`
 //! and `sdpa` have none and silently cut the graph (candle#2168, #3011).
 
@@ -69,7 +69,9 @@ pub fn rms_norm_local(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
     reference::rms_norm(x, w, eps)
 }
 
-/// Scaled dot-product attention on `[B, H, T, d]` pieces (fused scaled causal softmax for f32).
+/// Scaled dot-product attention on `[B, H, T, d]` pieces: the one-node region for f32 on the
+/// CPU, candle's matmuls around the fused scaled causal softmax on CUDA (f32/bf16), the
+/// composition otherwise.
 pub fn sdpa_local(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> CResult<Tensor> {
     if q.elem_count() == 0 || k.elem_count() == 0 {
         // An empty batch/head piece: an empty result that keeps the graph (softmax refuses
@@ -79,6 +81,14 @@ pub fn sdpa_local(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) 
     if fused::applies(q) && scale > 0.0 {
         return crate::region::sdpa(q, k, v, causal, scale as f32);
     }
+    if fused::device_applies(q) && !q.device().is_cpu() && scale > 0.0 {
+        // CUDA: candle's matmuls around the fused scaled (causal) softmax, whose mask is
+        // computed in the kernel (the composition builds it on the host and uploads it on
+        // every call, and takes ~6 more kernels forward and backward).
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        let att = q.matmul(&k.t()?)?;
+        return fused::scaled_causal_softmax(&att, scale as f32, causal)?.matmul(&v);
+    }
     reference::sdpa(q, k, v, causal, scale)
 }
 
@@ -87,6 +97,11 @@ pub fn sdpa_local(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) 
 pub fn packed_sdpa_local(qkv: &Tensor, causal: bool, scale: f64) -> CResult<Tensor> {
     if qkv.elem_count() > 0 && fused::applies(qkv) && scale > 0.0 {
         return crate::region::packed_sdpa(qkv, causal, scale as f32);
+    }
+    if qkv.elem_count() > 0 && fused::device_applies(qkv) && !qkv.device().is_cpu() {
+        // CUDA: split as the reference does, then `sdpa_local` (the fused softmax).
+        let part = |i: usize| qkv.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2);
+        return sdpa_local(&part(0)?, &part(1)?, &part(2)?, causal, scale)?.transpose(1, 2);
     }
     reference::packed_sdpa(qkv, causal, scale)
 }

@@ -1,7 +1,7 @@
 //! The fused CUDA kernels against the CPU reference compositions, forward and backward, on a
 //! GPU: every kernel of `crates/kernels/cuda/` (GELU, softmax, scaled-causal softmax,
 //! log-softmax, layer norm with and without bias, RMS norm, softmax cross-entropy with and
-//! without an ignore index), f32 and bf16, rows of 1, 31, 33, 1000 and 4097 elements (and the
+//! without an ignore index, attention through the fused softmax), f32 and bf16, rows of 1, 31, 33, 1000 and 4097 elements (and the
 //! GPT-2 vocabulary for the cross-entropy), empty tensors, plus the bad inputs: an f16 tensor
 //! (typed error), a strided view (made contiguous), an out-of-range class id (NaN, not a
 //! number). The weight/bias gradient reduction is checked to be bitwise repeatable. The
@@ -11,7 +11,8 @@
 //! Inputs are made on the CPU in f32, rounded to the dtype under test, and given to both
 //! sides: the CUDA fused path in that dtype, the CPU reference (`autodiff::reference`, candle
 //! primitives) in f32 on the rounded values. Tolerances: `max |a - b| / max |b|` below 2e-5
-//! (f32) and 2e-2 (bf16, whose outputs are rounded to 8 bits of mantissa).
+//! (f32) and 2e-2 (bf16, whose outputs are rounded to 8 bits of mantissa; 4e-2 for attention,
+//! whose bf16 GEMMs round the scores).
 //!
 //! One test walks all cases and reports every mismatch, then fails if any; without a CUDA
 //! device it prints that it skipped and passes. scripts/gpu_check.sh runs the binary
@@ -119,8 +120,20 @@ impl Report {
 }
 
 /// `fast` on `dev` in `dtype` against `slow` on the CPU in f32, forward and backward, on the
-/// same (rounded) inputs and upstream gradient.
+/// same (rounded) inputs and upstream gradient, within the dtype's tolerance.
 fn compare(dev: &Device, dtype: DType, inputs: &[Tensor], fast: Op, slow: Op) -> R<String> {
+    compare_within(dev, dtype, inputs, fast, slow, tol(dtype))
+}
+
+/// [`compare`] within `limit` (max |a - b| / max |b|, per output and per gradient).
+fn compare_within(
+    dev: &Device,
+    dtype: DType,
+    inputs: &[Tensor],
+    fast: Op,
+    slow: Op,
+    limit: f64,
+) -> R<String> {
     let rounded: Vec<Tensor> = inputs
         .iter()
         .map(|t| t.to_dtype(dtype)?.to_dtype(DType::F32))
@@ -135,7 +148,6 @@ fn compare(dev: &Device, dtype: DType, inputs: &[Tensor], fast: Op, slow: Op) ->
         .map(|t| t.to_dtype(dtype)?.to_device(dev))
         .collect::<R<_>>()?;
     let (ya, ga) = run(&on_dev, fast, &seed.to_device(dev)?)?;
-    let limit = tol(dtype);
     let mut worst = max_rel_diff(&ya, &yb)?;
     let check = |what: &str, d: f64| -> R<()> {
         // NaN fails (the comparison is false).
@@ -501,6 +513,50 @@ fn bad_input(dev: &Device, rep: &mut Report) {
     );
 }
 
+/// Attention on CUDA (candle's matmuls around the fused scaled causal softmax) against the
+/// CPU composition, `[B, H, T, S]` with S >= T, causal and not; and the packed form.
+fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
+    // Attention's bf16 error is the GEMMs' (scores and output rounded to bf16), not the
+    // softmax's: a looser bound there; f32 as the other kernels.
+    let limit = if dtype == DType::BF16 { 4e-2 } else { 2e-5 };
+    for (b, h, t, s, d) in [
+        (2, 3, 5, 5, 8),
+        (1, 2, 33, 33, 16),
+        (2, 2, 3, 7, 8),
+        (1, 1, 1, 1, 4),
+    ] {
+        for causal in [true, false] {
+            let q = values(&[b, h, t, d], 0.5, 41);
+            let k = values(&[b, h, s, d], 0.5, 42);
+            let v = values(&[b, h, s, d], 1.0, 43);
+            let scale = 1.0 / (d as f64).sqrt();
+            rep.record(
+                &format!("sdpa_local {dtype:?} [{b}, {h}, {t}/{s}, {d}] causal {causal}"),
+                compare_within(
+                    dev,
+                    dtype,
+                    &[q, k, v],
+                    &|x| autodiff::sdpa_local(&x[0], &x[1], &x[2], causal, scale),
+                    &|x| reference::sdpa(&x[0], &x[1], &x[2], causal, scale),
+                    limit,
+                ),
+            );
+        }
+    }
+    let qkv = values(&[2, 9, 3, 3, 8], 0.5, 44);
+    rep.record(
+        &format!("packed_sdpa_local {dtype:?} [2, 9, 3, 3, 8] causal"),
+        compare_within(
+            dev,
+            dtype,
+            &[qkv],
+            &|x| autodiff::packed_sdpa_local(&x[0], true, 0.35),
+            &|x| reference::packed_sdpa(&x[0], true, 0.35),
+            limit,
+        ),
+    );
+}
+
 /// The global gradient norm and clip coefficient on CUDA against the CPU's (f64) values.
 fn grad_norm_case(dev: &Device, dtype: DType, sizes: &[usize], max: Option<f64>) -> R<String> {
     let cpu: Vec<Tensor> = sizes
@@ -615,6 +671,7 @@ fn fused_cuda_kernels_match_the_cpu_reference() {
     for dtype in [DType::F32, DType::BF16] {
         row_kernels(&dev, dtype, &mut rep);
         cross_entropy(&dev, dtype, &mut rep);
+        attention(&dev, dtype, &mut rep);
     }
     bad_input(&dev, &mut rep);
     multi_tensor_cases(&dev, &mut rep);
