@@ -767,15 +767,18 @@ impl UnaryKernel for CrossEntropy {
     }
 }
 
-/// Mean cross-entropy of logits `[N, C]` (N, C > 0) against integer targets `[N]`. On the CPU
-/// (f32) one graph node (see `CrossEntropy`); on CUDA (f32/bf16, see [`device_applies`]) the
-/// mean of [`cross_entropy_rows`], with no host read of the targets or the loss.
+/// Mean cross-entropy of logits `[N, C]` (N, C > 0) against integer targets `[N]`, in the
+/// logits' dtype. On the CPU (f32) one graph node (see `CrossEntropy`); on CUDA (f32/bf16, see
+/// [`device_applies`]) the mean of [`cross_entropy_rows`] (f32 per row and summed in f32, then
+/// cast, as the composition's result has the logits' dtype), with no host read of the targets
+/// or the loss.
 pub fn cross_entropy(x: &Tensor, targets: &Tensor) -> CResult<Tensor> {
     if on_cuda(x) {
         let n = x.dim(0)?;
         return cross_entropy_rows(x, targets, None)?
             .sum_all()?
-            .affine(1.0 / n.max(1) as f64, 0.0);
+            .affine(1.0 / n.max(1) as f64, 0.0)?
+            .to_dtype(x.dtype());
     }
     let targets = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
     apply1(x, CrossEntropy { targets })
