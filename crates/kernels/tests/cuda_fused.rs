@@ -673,6 +673,12 @@ fn fused_cuda_kernels_match_the_cpu_reference() {
     let Some(dev) = cuda_device() else {
         return;
     };
+    // With the fused CUDA path switched off the autodiff cases would compare the composition
+    // with itself.
+    assert!(
+        std::env::var("CDT_FUSED_CUDA").map_or(true, |v| v.trim() != "0"),
+        "cuda_fused: unset CDT_FUSED_CUDA=0 to check the fused kernels"
+    );
     let mut rep = Report::default();
     for dtype in [DType::F32, DType::BF16] {
         row_kernels(&dev, dtype, &mut rep);
