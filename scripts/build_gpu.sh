@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds the binaries scripts/gpu_check.sh runs, on a machine WITHOUT a GPU, so a GPU machine
 # only runs them (its minutes are scarce; a build there takes longer than the whole check).
+# Besides the examples and dtrun: kernels_cuda_fused, the test binary of
+# crates/kernels/tests/cuda_fused.rs (the fused CUDA kernels against their CPU references).
 #
 #   scripts/build_gpu.sh              # -> target/gpu/bin/ (stripped) and target/gpu/gpu_bins.tar.xz
 #   CUDA_COMPUTE_CAP=80 scripts/build_gpu.sh   # another GPU generation (default 90: H100/H200)
@@ -69,12 +71,18 @@ args=()
 for e in "${examples[@]}"; do args+=(--example "$e"); done
 LIBRARY_PATH="$stubs${LIBRARY_PATH:+:$LIBRARY_PATH}" \
     cargo build --release --features nccl,cuda "${args[@]}"
+# The fused-kernel test binary (cargo names it with a hash; the path is in its JSON messages).
+kernels_test=$(LIBRARY_PATH="$stubs${LIBRARY_PATH:+:$LIBRARY_PATH}" \
+    cargo test --release -p candle-dtensor-kernels --features cuda --test cuda_fused --no-run \
+    --message-format=json | sed -n 's/.*"executable":"\([^"]*cuda_fused[^"]*\)".*/\1/p' | tail -n 1)
+[[ -n "$kernels_test" ]] || { echo "build_gpu.sh: no cuda_fused test executable" >&2; exit 1; }
 # dtrun launches processes; it has no CUDA dependency.
 cargo build --release -p dtrun
 
 echo "== 4/4 $out and the tarball"
 rm -rf "$out" && mkdir -p "$out"
 for e in "${examples[@]}"; do cp "$CARGO_TARGET_DIR/release/examples/$e" "$out/"; done
+cp "$kernels_test" "$out/kernels_cuda_fused"
 cp "$CARGO_TARGET_DIR/release/dtrun" "$out/"
 cp "$cudart" "$out/"
 {

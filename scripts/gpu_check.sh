@@ -16,6 +16,10 @@
 #   a2      dtrun --nproc <GPUs> -- nccl_check (one rank per GPU; --nproc 1 on a single GPU)
 #   b       nccl_local_cuda: the local backend with 4 rank threads on the GPUs, collectives and
 #           DTensor matmuls against one device
+#   k       kernels_cuda_fused (the test binary of crates/kernels/tests/cuda_fused.rs): every
+#           fused CUDA kernel against its CPU reference composition, forward and backward, f32
+#           and bf16, uneven and empty shapes, bad input. Passes only on its summary line
+#           `cuda_fused: <n> checks passed` (a run that finds no GPU prints SKIPPED instead)
 #   c0      train_gpt --device cuda on one GPU (tokens/s of the tiny preset)
 #   c1-c3   train_gpt --device cuda --check --check-device cpu --check-tol 1e-4 for TP=2, FSDP
 #           dp=2 and FSDP x TP dp=2,tp=2 (rank threads sharing the GPU): every step's loss
@@ -45,7 +49,7 @@ while (($#)); do
         --no-build) build=0 ;;
         --bin-dir) build=0; bin="$2"; shift ;;
         --bin-tar) build=0; bin_tar="$2"; shift ;;
-        -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -138,9 +142,14 @@ if ((build)); then
         exit 1
     fi
     # dtrun is its own package (no features): a second cargo call, under the same time limit.
+    # The fused-kernel test binary is copied to target/release/kernels_cuda_fused (cargo names
+    # test executables with a hash; its path comes from the JSON messages).
     if step build 420 build.log bash -c 'cargo build --release --features nccl,cuda \
         --example nccl_check --example nccl_bench --example nccl_local_cuda \
-        --example train_gpt --example train_llama && cargo build --release -p dtrun'; then
+        --example train_gpt --example train_llama && cargo build --release -p dtrun &&
+        t=$(cargo test --release -p candle-dtensor-kernels --features cuda --test cuda_fused \
+            --no-run --message-format=json | sed -n "s/.*\"executable\":\"\([^\"]*cuda_fused[^\"]*\)\".*/\1/p" | tail -n 1) &&
+        [ -n "$t" ] && cp "$t" target/release/kernels_cuda_fused'; then
         add_row build PASS "$last_secs" "release build, features nccl,cuda"
     else
         add_row build FAIL "$last_secs" "see $logdir/build.log"
@@ -149,7 +158,7 @@ fi
 
 # Every binary's libraries resolve.
 missing=""
-for b in nccl_check nccl_bench nccl_local_cuda train_gpt train_llama; do
+for b in nccl_check nccl_bench nccl_local_cuda train_gpt train_llama kernels_cuda_fused; do
     f="$bin/$b"; [[ -x "$f" ]] || f="$bin/examples/$b"
     [[ -x "$f" ]] || continue
     m="$(ldd "$f" 2>&1 | awk '/not found/ {print $1}' | paste -sd, -)"
@@ -250,6 +259,10 @@ run_step a1 'nccl_check:' 60 a1_nccl_check.log "$(exe nccl_check)" --timeout 60
 run_step a2 'nccl_check:' 70 a2_nccl_check_dtrun.log "$(exe dtrun)" --nproc "$ngpu" --timeout 65 -- \
     "$(exe nccl_check)" --timeout 60
 run_step b 'nccl_local_cuda:' 70 b_local_cuda.log "$(exe nccl_local_cuda)" --ranks 4 --timeout 60
+# The fused CUDA kernels against their CPU references (a libtest binary: one test, its lines
+# printed with --nocapture).
+run_step k 'cuda_fused: [0-9]+ checks passed' 180 k_cuda_fused.log "$(exe kernels_cuda_fused)" \
+    --nocapture --test-threads=1
 train_step c0 45 c0_train_single.log tp=1 --device "$dev" --no-fsdp --steps 20
 train_step c1 60 c1_train_tp2.log tp=2 --device "$dev" --no-fsdp --steps 10 --check --check-device cpu --check-tol "$check_tol"
 train_step c2 60 c2_train_fsdp2.log dp=2 --device "$dev" --steps 10 --check --check-device cpu --check-tol "$check_tol"

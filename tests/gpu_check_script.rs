@@ -65,6 +65,10 @@ fn fake_bins(bin: &Path) {
         "echo '#  size  algbw  busbw'\necho 'peak busbw 1.0 GB/s'\n",
     );
     script(&bin.join("train_llama"), "echo 'check vs one device: ok'\n");
+    script(
+        &bin.join("kernels_cuda_fused"),
+        "echo 'ok   gelu F32 [3, 1]: max rel diff 0.00e0'\necho 'cuda_fused: 3 checks passed on Cuda'\n",
+    );
     // dtrun runs the command after `--` (one rank).
     script(
         &bin.join("dtrun"),
@@ -158,7 +162,8 @@ fn gpu_check_passes_only_with_every_required_binary_and_figure() {
     let good = gpu_check(&dir, &bin, "good");
     assert_eq!(good.code, Some(0), "{}", good.out);
     for id in [
-        "libs", "a1", "a2", "b", "c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7", "e1", "e2", "d",
+        "libs", "a1", "a2", "b", "k", "c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7", "e1", "e2",
+        "d",
     ] {
         assert_row(&good, id, "PASS", "");
     }
@@ -211,6 +216,21 @@ fn gpu_check_passes_only_with_every_required_binary_and_figure() {
     let r = gpu_check(&dir, &bin, "good");
     assert_eq!(r.code, Some(1), "{}", r.out);
     assert_row(&r, "a1", "FAIL", "no line matching 'nccl_check:'");
+
+    // The kernel test binary finding no GPU skips and exits 0: a FAIL here, not a pass.
+    fake_bins(&bin);
+    script(
+        &bin.join("kernels_cuda_fused"),
+        "echo 'cuda_fused: SKIPPED, no CUDA device: none'\n",
+    );
+    let r = gpu_check(&dir, &bin, "good");
+    assert_eq!(r.code, Some(1), "{}", r.out);
+    assert_row(
+        &r,
+        "k",
+        "FAIL",
+        "no line matching 'cuda_fused: [0-9]+ checks passed'",
+    );
 
     // The optional benchmark missing: SKIP, and the check still passes.
     fake_bins(&bin);

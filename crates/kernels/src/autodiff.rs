@@ -1,8 +1,10 @@
 //! Differentiable neural-network ops on plain candle tensors, any device: softmax,
 //! log_softmax, layer_norm, rms_norm and scaled dot-product attention.
 //!
-//! Each `*_local` function takes the fused kernel ([`crate::fused`], [`crate::region`]) for f32
-//! on the CPU and the primitive composition ([`mod@reference`]) otherwise (other dtypes, CUDA).
+//! Each `*_local` function takes the fused kernel ([`crate::fused`], [`crate::region`]) where it
+//! applies (f32 on the CPU; softmax, log-softmax, the norms and attention's softmax also
+//! f32/bf16 on CUDA with the `cuda` feature, [`fused::device_applies`]) and the primitive
+//! composition ([`mod@reference`]) otherwise (other dtypes and devices).
 //! Both have backward passes; candle-nn's fused `softmax_last_dim`, `layer_norm`, `rms_norm`
 //! and `sdpa` have none and silently cut the graph (candle#2168, #3011).
 
@@ -12,7 +14,7 @@ use crate::fused;
 
 type CResult<T> = candle_core::Result<T>;
 
-/// A normalization over `dim`: `last` (the fused kernel) for f32 over the last dim,
+/// A normalization over `dim`: `last` (the fused kernel) over the last dim where it applies,
 /// `reference(x, dim)` otherwise, and an empty piece (uneven sharding of another dim) as it is,
 /// since candle's max refuses empty input.
 fn over_dim(
@@ -24,7 +26,7 @@ fn over_dim(
     if x.elem_count() == 0 {
         return Ok(x.clone());
     }
-    if fused::applies(x) && dim + 1 == x.rank() {
+    if fused::device_applies(x) && dim + 1 == x.rank() {
         return last(x);
     }
     reference(x, dim)
@@ -40,7 +42,7 @@ pub fn log_softmax_local(x: &Tensor, dim: usize) -> CResult<Tensor> {
     over_dim(x, dim, fused::log_softmax_last, reference::log_softmax)
 }
 
-/// Layer norm over the last dim (fused for f32 with a weight).
+/// Layer norm over the last dim (fused with a weight where it applies).
 pub fn layer_norm_local(
     x: &Tensor,
     w: Option<&Tensor>,
@@ -48,20 +50,28 @@ pub fn layer_norm_local(
     eps: f64,
 ) -> CResult<Tensor> {
     match w {
-        Some(w) if fused::applies(x) && w.dtype() == x.dtype() => fused::layer_norm(x, w, b, eps),
+        Some(w)
+            if fused::device_applies(x)
+                && w.dtype() == x.dtype()
+                && b.is_none_or(|b| b.dtype() == x.dtype()) =>
+        {
+            fused::layer_norm(x, w, b, eps)
+        }
         _ => reference::layer_norm(x, w, b, eps),
     }
 }
 
-/// RMS norm over the last dim (fused for f32).
+/// RMS norm over the last dim (fused where it applies).
 pub fn rms_norm_local(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
-    if fused::applies(x) && w.dtype() == x.dtype() {
+    if fused::device_applies(x) && w.dtype() == x.dtype() {
         return fused::rms_norm(x, w, eps);
     }
     reference::rms_norm(x, w, eps)
 }
 
-/// Scaled dot-product attention on `[B, H, T, d]` pieces (fused scaled causal softmax for f32).
+/// Scaled dot-product attention on `[B, H, T, d]` pieces: the one-node region for f32 on the
+/// CPU, candle's matmuls around the fused scaled causal softmax on CUDA (f32/bf16), the
+/// composition otherwise.
 pub fn sdpa_local(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> CResult<Tensor> {
     if q.elem_count() == 0 || k.elem_count() == 0 {
         // An empty batch/head piece: an empty result that keeps the graph (softmax refuses
@@ -71,6 +81,14 @@ pub fn sdpa_local(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) 
     if fused::applies(q) && scale > 0.0 {
         return crate::region::sdpa(q, k, v, causal, scale as f32);
     }
+    if fused::device_applies(q) && !q.device().is_cpu() && scale > 0.0 {
+        // CUDA: candle's matmuls around the fused scaled (causal) softmax, whose mask is
+        // computed in the kernel (the composition builds it on the host and uploads it on
+        // every call, and takes ~6 more kernels forward and backward).
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        let att = q.matmul(&k.t()?)?;
+        return fused::scaled_causal_softmax(&att, scale as f32, causal)?.matmul(&v);
+    }
     reference::sdpa(q, k, v, causal, scale)
 }
 
@@ -79,6 +97,11 @@ pub fn sdpa_local(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) 
 pub fn packed_sdpa_local(qkv: &Tensor, causal: bool, scale: f64) -> CResult<Tensor> {
     if qkv.elem_count() > 0 && fused::applies(qkv) && scale > 0.0 {
         return crate::region::packed_sdpa(qkv, causal, scale as f32);
+    }
+    if qkv.elem_count() > 0 && fused::device_applies(qkv) && !qkv.device().is_cpu() {
+        // CUDA: split as the reference does, then `sdpa_local` (the fused softmax).
+        let part = |i: usize| qkv.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2);
+        return sdpa_local(&part(0)?, &part(1)?, &part(2)?, causal, scale)?.transpose(1, 2);
     }
     reference::packed_sdpa(qkv, causal, scale)
 }

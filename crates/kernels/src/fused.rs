@@ -1,12 +1,16 @@
-//! Fused CPU kernels with hand-written backward passes, for the ops that dominate a
-//! transformer step outside matmuls: GELU (tanh form), layer norm, RMS norm, softmax (plain and
-//! scaled-causal for attention) and log-softmax, all over the last dim of contiguous f32 data.
+//! Fused kernels with hand-written backward passes, for the ops that dominate a transformer
+//! step outside matmuls: GELU (tanh form), layer norm, RMS norm, softmax (plain and
+//! scaled-causal for attention), log-softmax and softmax cross-entropy, all over the last dim
+//! of contiguous data.
 //!
 //! Built from candle primitives these ops take 5-30x longer (GELU: `powf` and `tanh` from libm
 //! and a ten-op backward; norms and softmax: a dozen passes and allocations each). Each kernel
-//! here is one pass forward and one or two backward. Other dtypes and devices use the
-//! primitive compositions in `ops::neural`, which are the reference these kernels are tested
-//! against.
+//! here is one pass forward and one or two backward. On the CPU they take f32; with the `cuda`
+//! feature the same nodes have CUDA forwards and backward nodes for f32 and bf16
+//! (`crate::cuda`, f32 arithmetic). Other dtypes and devices use the primitive compositions in
+//! `ops::neural` ([`crate::autodiff::reference`]), which are the reference these kernels are
+//! tested against. [`applies`] says where the CPU kernels run, [`device_applies`] where the
+//! row kernels (GELU, norms, softmax family, cross-entropy) run.
 
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Error, Layout, Shape, Tensor,
@@ -38,9 +42,37 @@ fn from_vec(v: Vec<f32>, shape: &Shape, like: &Tensor) -> CResult<Tensor> {
     Tensor::from_vec(v, shape.clone(), like.device())
 }
 
-/// Whether the fused path applies: f32 on the CPU.
+/// Whether the fused CPU path applies: f32 on the CPU (every kernel of this module).
 pub fn applies(t: &Tensor) -> bool {
     t.dtype() == DType::F32 && t.device().is_cpu()
+}
+
+/// Whether the fused row kernels with a device implementation apply: [`applies`], or, with the
+/// `cuda` feature, f32 or bf16 on a CUDA device. These are [`gelu`], [`softmax_last`],
+/// [`scaled_causal_softmax`], [`log_softmax_last`], [`layer_norm`], [`rms_norm`] and
+/// [`cross_entropy_rows`] (and [`cross_entropy`] through it); the others are CPU-only.
+///
+/// `CDT_FUSED_CUDA=0` in the environment (read once) turns the CUDA path off: those tensors then
+/// take the primitive compositions, as without the feature (a fallback while a kernel is in
+/// doubt on some GPU; the CPU kernels are unaffected).
+pub fn device_applies(t: &Tensor) -> bool {
+    applies(t)
+        || (cfg!(feature = "cuda")
+            && t.device().is_cuda()
+            && matches!(t.dtype(), DType::F32 | DType::BF16)
+            && cuda_enabled())
+}
+
+/// Whether the fused CUDA path is on (`CDT_FUSED_CUDA` unset or anything but `0`).
+fn cuda_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CDT_FUSED_CUDA").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether `t` lives on a CUDA device (always false without the `cuda` feature, where no
+/// tensor can).
+fn on_cuda(t: &Tensor) -> bool {
+    cfg!(feature = "cuda") && t.device().is_cuda()
 }
 
 /// `exp(x)` for f32 without libm: range reduction by ln 2 and a degree-6 polynomial
@@ -146,6 +178,22 @@ trait UnaryKernel: Send + Sync + 'static {
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)>;
     /// The gradient of the input `arg`, given the output `res` and its gradient `g`.
     fn backward(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> CResult<Tensor>;
+    /// The forward on a CUDA device (`crate::cuda`); none by default.
+    #[cfg(feature = "cuda")]
+    fn cuda_forward(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        Err(crate::error::KernelError::UnsupportedDType {
+            op: Self::OP,
+            device: "CUDA",
+            dtype: candle_core::backend::BackendStorage::dtype(s),
+            supported: "nothing (a CPU-only kernel)",
+            shape: l.dims().to_vec(),
+        }
+        .into())
+    }
 }
 
 /// The graph node of a [`UnaryKernel`].
@@ -159,6 +207,15 @@ impl<K: UnaryKernel> CustomOp1 for Fused1<K> {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
         let (y, shape) = self.0.forward(f32_slice(s, l, K::OP)?, l.shape())?;
         Ok((CpuStorage::F32(y), shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        self.0.cuda_forward(s, l)
     }
 
     fn bwd(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
@@ -217,7 +274,20 @@ impl UnaryKernel for Gelu {
         Ok((y, shape.clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_forward(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::gelu_fwd(s, l)
+    }
+
     fn backward(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Tensor> {
+        #[cfg(feature = "cuda")]
+        if on_cuda(arg) {
+            return crate::cuda::gelu_backward(arg, g);
+        }
         let g = g.contiguous()?;
         let dx = with_f32(arg, |x| {
             with_f32(&g, |g| {
@@ -236,9 +306,9 @@ impl UnaryKernel for Gelu {
     }
 }
 
-/// GELU (tanh form) with a fused kernel for f32, candle's otherwise.
+/// GELU (tanh form) with a fused kernel where [`device_applies`], candle's otherwise.
 pub fn gelu(x: &Tensor) -> CResult<Tensor> {
-    if applies(x) {
+    if device_applies(x) {
         apply1(x, Gelu)
     } else {
         x.gelu()
@@ -314,12 +384,25 @@ impl UnaryKernel for Softmax {
         Ok((y, shape.clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_forward(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::softmax_fwd(s, l, self.scale, self.causal, false)
+    }
+
     fn backward(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> CResult<Tensor> {
+        #[cfg(feature = "cuda")]
+        if on_cuda(arg) {
+            return crate::cuda::softmax_backward(res, g, self.scale, false);
+        }
         softmax_grad(res, g, self.scale, arg)
     }
 }
 
-/// Softmax over the last dim (fused for f32).
+/// Softmax over the last dim (fused: f32 on the CPU, f32/bf16 on CUDA).
 pub fn softmax_last(x: &Tensor) -> CResult<Tensor> {
     apply1(
         x,
@@ -330,7 +413,8 @@ pub fn softmax_last(x: &Tensor) -> CResult<Tensor> {
     )
 }
 
-/// `softmax(scale * x)` over the last dim with a causal mask on `[.., T, S]` (fused, f32).
+/// `softmax(scale * x)` over the last dim with a causal mask on `[.., T, S]` (fused: f32 on
+/// the CPU, f32/bf16 on CUDA).
 pub fn scaled_causal_softmax(x: &Tensor, scale: f32, causal: bool) -> CResult<Tensor> {
     apply1(x, Softmax { scale, causal })
 }
@@ -354,7 +438,20 @@ impl UnaryKernel for LogSoftmax {
         Ok((y, shape.clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_forward(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::softmax_fwd(s, l, 1.0, false, true)
+    }
+
     fn backward(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> CResult<Tensor> {
+        #[cfg(feature = "cuda")]
+        if on_cuda(arg) {
+            return crate::cuda::softmax_backward(res, g, 1.0, true);
+        }
         grad_from_output(arg, res, g, Self::OP, |yr, gr, dr| {
             let s: f32 = gr.iter().sum();
             for ((d, &yv), &gv) in dr.iter_mut().zip(yr).zip(gr) {
@@ -364,7 +461,7 @@ impl UnaryKernel for LogSoftmax {
     }
 }
 
-/// Log-softmax over the last dim (fused for f32).
+/// Log-softmax over the last dim (fused: f32 on the CPU, f32/bf16 on CUDA).
 pub fn log_softmax_last(x: &Tensor) -> CResult<Tensor> {
     apply1(x, LogSoftmax)
 }
@@ -477,13 +574,21 @@ impl Norm {
 
     /// The node's backward: `dx` and `dw` as tensors like `x` and `w`, and `db` (used by the
     /// node with a bias).
-    fn grads(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> CResult<(Tensor, Tensor, Vec<f32>)> {
+    fn grads(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> CResult<(Tensor, Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if on_cuda(x) {
+            return crate::cuda::norm_backward(x, w, g, self.eps, self.center);
+        }
         let n = last_dim(x.shape(), "norm")?;
         let g = g.contiguous()?;
         let (dx, dw, db) = with_f32(x, |xs| {
             with_f32(w, |ws| with_f32(&g, |gs| self.backward(xs, ws, gs, n)))
         })???;
-        Ok((from_vec(dx, x.shape(), x)?, from_vec(dw, w.shape(), w)?, db))
+        Ok((
+            from_vec(dx, x.shape(), x)?,
+            from_vec(dw, w.shape(), w)?,
+            from_vec(db, w.shape(), w)?,
+        ))
     }
 }
 
@@ -503,6 +608,17 @@ impl CustomOp2 for NormAffine {
         l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
         self.0.cpu_fwd((s1, l1), (s2, l2), None)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::norm_fwd(s1, l1, s2, l2, None, self.0.eps, self.0.center)
     }
 
     fn bwd(
@@ -535,6 +651,20 @@ impl CustomOp3 for NormAffineBias {
         self.0.cpu_fwd((s1, l1), (s2, l2), Some((s3, l3)))
     }
 
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::too_many_arguments)]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::norm_fwd(s1, l1, s2, l2, Some((s3, l3)), self.0.eps, self.0.center)
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -544,11 +674,12 @@ impl CustomOp3 for NormAffineBias {
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, db) = self.0.grads(x, w, g)?;
-        Ok((Some(dx), Some(dw), Some(from_vec(db, b.shape(), b)?)))
+        Ok((Some(dx), Some(dw), Some(db.reshape(b.shape())?)))
     }
 }
 
-/// Layer norm over the last dim (fused for f32 with a weight; `w`/`b` of the last dim's size).
+/// Layer norm over the last dim with a weight (`w`/`b` of the last dim's size; fused: f32 on
+/// the CPU, f32/bf16 on CUDA with `w`, `b` of `x`'s dtype).
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> CResult<Tensor> {
     let norm = Norm {
         eps: eps as f32,
@@ -562,7 +693,7 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> CResu
     }
 }
 
-/// RMS norm over the last dim (fused for f32).
+/// RMS norm over the last dim (fused: f32 on the CPU, f32/bf16 on CUDA).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
     let norm = Norm {
         eps: eps as f32,
@@ -636,11 +767,235 @@ impl UnaryKernel for CrossEntropy {
     }
 }
 
-/// Mean cross-entropy of f32 logits `[N, C]` (N, C > 0) against integer targets `[N]` as one
-/// graph node (see `CrossEntropy`).
+/// Mean cross-entropy of logits `[N, C]` (N, C > 0) against integer targets `[N]`, in the
+/// logits' dtype. On the CPU (f32) one graph node (see `CrossEntropy`); on CUDA (f32/bf16, see
+/// [`device_applies`]) the mean of [`cross_entropy_rows`] (f32 per row and summed in f32, then
+/// cast, as the composition's result has the logits' dtype), with no host read of the targets
+/// or the loss.
 pub fn cross_entropy(x: &Tensor, targets: &Tensor) -> CResult<Tensor> {
+    if on_cuda(x) {
+        let n = x.dim(0)?;
+        return cross_entropy_rows(x, targets, None)?
+            .sum_all()?
+            .affine(1.0 / n.max(1) as f64, 0.0)?
+            .to_dtype(x.dtype());
+    }
     let targets = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
     apply1(x, CrossEntropy { targets })
+}
+
+/// Softmax cross-entropy of each row of logits `[N, C]` against its class id, as one node with
+/// two outputs per row, `[N, 2]` f32 `(loss, lse)`: `lse = log sum_j exp(x_j)` and
+/// `loss = lse - x[target]`. The backward writes `g * (exp(x - lse) - onehot(target))`
+/// straight into the logits' gradient (one pass, no softmax or one-hot of the logits' size
+/// kept), from the saved `lse`. A row whose target is the ignore index has loss 0 and no
+/// gradient. CPU: f32 logits, u32/i64 targets, an out-of-range target is an error; CUDA
+/// (`crate::cuda`): f32/bf16 logits, f32 arithmetic, and an out-of-range target gives that
+/// row a NaN loss and gradient (checking would read the targets on the host).
+struct CrossEntropyRows {
+    ignore: Option<i64>,
+}
+
+/// The class of row `i` for [`CrossEntropyRows`]: `Ok(None)` when ignored.
+fn ce_class(t: i64, ignore: Option<i64>, c: usize) -> CResult<Option<usize>> {
+    if ignore == Some(t) {
+        return Ok(None);
+    }
+    match usize::try_from(t) {
+        Ok(k) if k < c => Ok(Some(k)),
+        _ => Err(crate::error::KernelError::Mismatch {
+            op: "cross_entropy",
+            detail: format!("class id {t} outside 0..{c}"),
+        }
+        .into()),
+    }
+}
+
+/// The class ids of a contiguous CPU targets operand (u32 or i64) as i64.
+fn ce_targets(s: &CpuStorage, l: &Layout) -> CResult<Vec<i64>> {
+    let (a, b) =
+        l.contiguous_offsets()
+            .ok_or_else(|| crate::error::KernelError::NotContiguous {
+                op: "cross_entropy",
+                operand: "targets",
+                shape: l.dims().to_vec(),
+            })?;
+    let outside = || Error::msg("cross_entropy: the targets' view lies outside its storage");
+    match s {
+        CpuStorage::U32(v) => Ok(v
+            .get(a..b)
+            .ok_or_else(outside)?
+            .iter()
+            .map(|&t| i64::from(t))
+            .collect()),
+        CpuStorage::I64(v) => Ok(v.get(a..b).ok_or_else(outside)?.to_vec()),
+        other => Err(crate::error::KernelError::UnsupportedDType {
+            op: "cross_entropy",
+            device: "CPU",
+            dtype: candle_core::backend::BackendStorage::dtype(other),
+            supported: "u32 or i64 targets",
+            shape: l.dims().to_vec(),
+        }
+        .into()),
+    }
+}
+
+impl CustomOp2 for CrossEntropyRows {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ts: &CpuStorage,
+        tl: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let x = f32_slice(xs, xl, "cross_entropy")?;
+        let targets = ce_targets(ts, tl)?;
+        let rows = targets.len();
+        let c = logit_rows(x, xl.shape(), (rows, 0), "cross_entropy", "targets")?;
+        let mut out = vec![0f32; 2 * rows];
+        for ((xr, &t), o) in x.chunks_exact(c).zip(&targets).zip(out.chunks_exact_mut(2)) {
+            let m = row_max(xr);
+            let lse = m + sum_exp(xr, m).ln();
+            o[0] = match ce_class(t, self.ignore, c)? {
+                Some(k) => lse - xr[k],
+                None => 0.0,
+            };
+            o[1] = lse;
+        }
+        Ok((CpuStorage::F32(out), Shape::from((rows, 2))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ts: &candle_core::CudaStorage,
+        tl: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::xent_fwd(xs, xl, ts, tl, self.ignore)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        // Per row (lse, upstream gradient of the loss): [N, 2], small.
+        let lg = Tensor::cat(
+            &[
+                res.narrow(1, 1, 1)?,
+                g.to_dtype(DType::F32)?.narrow(1, 0, 1)?,
+            ],
+            1,
+        )?;
+        #[cfg(feature = "cuda")]
+        if on_cuda(x) {
+            let dx = crate::cuda::xent_backward(x, targets, &lg, self.ignore)?;
+            return Ok((Some(dx), None));
+        }
+        let c = last_dim(x.shape(), "cross_entropy")?;
+        let lg = lg.flatten_all()?.to_vec1::<f32>()?;
+        let targets = targets
+            .to_dtype(DType::I64)?
+            .flatten_all()?
+            .to_vec1::<i64>()?;
+        let classes = targets
+            .iter()
+            .map(|&t| ce_class(t, self.ignore, c))
+            .collect::<CResult<Vec<_>>>()?;
+        let dx = grad_from_input(
+            x,
+            "cross_entropy",
+            classes.iter().zip(lg.chunks_exact(2)),
+            |xr, dr, (&k, lg)| {
+                let Some(k) = k else { return };
+                let (lse, gv) = (lg[0], lg[1]);
+                for (d, &v) in dr.iter_mut().zip(xr) {
+                    *d = gv * fast_exp(v - lse);
+                }
+                dr[k] -= gv;
+            },
+        )?;
+        Ok((Some(dx), None))
+    }
+}
+
+/// Whether [`cross_entropy_rows`] (and [`cross_entropy`]'s fused path) takes logits `x`: f32 on
+/// the CPU, f32/bf16 on CUDA with the `cuda` feature (see [`device_applies`]).
+pub fn cross_entropy_applies(x: &Tensor) -> bool {
+    device_applies(x)
+}
+
+/// Per-row softmax cross-entropy `[N]` (f32) of logits `[N, C]` (C > 0) against integer class
+/// ids `[N]` (u32 or i64 as they are, other integer types converted to i64), as one fused node
+/// (see `CrossEntropyRows`); rows whose target equals `ignore_index` have loss 0 and no
+/// gradient. The mean over rows (or over the rows not ignored) is the caller's: the per-row
+/// form is what a sharded batch or a token mask needs.
+///
+/// Logits the fused node does not take ([`cross_entropy_applies`] false) are refused with a
+/// typed error naming the dtype and device; the composition `log_softmax` + `gather` is the
+/// fallback for those.
+pub fn cross_entropy_rows(
+    logits: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<i64>,
+) -> CResult<Tensor> {
+    let op = "cross_entropy";
+    let (n, c) = logits.dims2()?;
+    if c == 0 {
+        return Err(crate::error::KernelError::Mismatch {
+            op,
+            detail: format!("logits {:?} have no classes", logits.dims()),
+        }
+        .into());
+    }
+    if targets.elem_count() != n {
+        return Err(crate::error::KernelError::Mismatch {
+            op,
+            detail: format!(
+                "targets of shape {:?} for logits {:?}",
+                targets.dims(),
+                logits.dims()
+            ),
+        }
+        .into());
+    }
+    if !cross_entropy_applies(logits) {
+        return Err(crate::error::KernelError::UnsupportedDType {
+            op,
+            device: if logits.device().is_cpu() {
+                "CPU"
+            } else {
+                "non-CPU"
+            },
+            dtype: logits.dtype(),
+            supported: "f32 on the CPU, f32 or bf16 on CUDA",
+            shape: logits.dims().to_vec(),
+        }
+        .into());
+    }
+    let t = targets.flatten_all()?;
+    let t = match t.dtype() {
+        DType::U32 | DType::I64 => t.contiguous()?,
+        _ => t.to_dtype(DType::I64)?,
+    };
+    logits
+        .contiguous()?
+        .apply_op2(
+            &t,
+            CrossEntropyRows {
+                ignore: ignore_index,
+            },
+        )?
+        .narrow(1, 0, 1)?
+        .squeeze(1)
 }
 
 /// `sum_j exp(x[i, j] - m[i])` of f32 logits `[N, C]` with a detached row shift `m [N, 1]`, as

@@ -4,7 +4,12 @@
 //!   tensor's memory (byte and typed views, row copies, graph-node outputs on any device, the
 //!   release and refill of a parameter's storage, host staging).
 //! - [`fused`]: one-pass f32 CPU kernels with hand-written backward passes (GELU, norms,
-//!   softmax, log-softmax, cross-entropy and its loss-parallel parts, row-broadcast add).
+//!   softmax, log-softmax, cross-entropy and its loss-parallel parts, row-broadcast add); the
+//!   row kernels among them also on CUDA (f32/bf16, feature `cuda`, kernels in `cuda/*.cu`
+//!   compiled by build.rs).
+//! - [`error`]: the typed errors of the fused kernels' device paths.
+//! - [`multi_tensor`]: the global gradient norm and clip coefficient over many tensors, kept on
+//!   the device (two launches on CUDA, no host read).
 //! - [`region`]: a few candle ops computed on detached tensors and recorded as one graph node
 //!   (linear, attention).
 //! - [`autodiff`]: differentiable neural-network ops on plain tensors, any device: the fused kernel
@@ -18,5 +23,9 @@ pub mod storage;
 
 pub mod autodiff;
 pub mod compare;
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod error;
 pub mod fused;
+pub mod multi_tensor;
 pub mod region;

@@ -403,7 +403,7 @@ fn names() -> &'static Mutex<HashMap<usize, Arc<str>>> {
     NAMES.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-fn storage_key(t: &Tensor) -> usize {
+pub(crate) fn storage_key(t: &Tensor) -> usize {
     let (g, _) = t.storage_and_layout();
     std::ptr::from_ref::<Storage>(&*g) as usize
 }

@@ -350,7 +350,9 @@ impl DTensor {
             let (cdims, off, cols) = sharded_range(p, &p.sharding.input_specs[0], 1)?;
             if cdims.is_empty() {
                 let n = x.dim(0)?;
-                if fused::applies(x) && x.track_op() && n > 0 && x.dim(1)? > 0 {
+                // The fused node: f32 on the CPU, f32/bf16 on CUDA (no host read of the
+                // targets or the loss there).
+                if fused::cross_entropy_applies(x) && x.track_op() && n > 0 && x.dim(1)? > 0 {
                     let mean = fused::cross_entropy(x, t)?;
                     return if n == global_n {
                         Ok(mean)

@@ -1,0 +1,1200 @@
+//! The fused kernels on CUDA (feature `cuda`): launches of `crates/kernels/cuda/*.cu`, whose
+//! PTX `build.rs` compiles with nvcc and this module embeds; candle's device loads each file
+//! as a module at its first use (`get_or_load_custom_func`, cached per device).
+//!
+//! Forward passes are the `cuda_fwd` of the nodes in [`crate::fused`]; backward passes are
+//! nodes of their own ([`Bwd`], applied without a backward: no double backward, as on the
+//! CPU). f32 and bf16, f32 arithmetic and accumulation throughout; contiguous operands (the
+//! public functions make them so); any row length up to [`MAX_ROW`]; empty tensors launch
+//! nothing. The CPU kernels and the primitive compositions are the reference
+//! (`crates/kernels/tests/cuda_fused.rs` compares them on a GPU).
+//!
+//! Launch shapes: row kernels one block per row (grid-stride over rows; 32..=1024 threads, the
+//! row length rounded up to a warp), warp-shuffle reductions whose order depends only on the
+//! block size; elementwise kernels 256 threads, grid-stride. The norms' weight and bias
+//! gradients are column sums reduced in two deterministic stages (no atomics).
+
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+use candle_core::{
+    CpuStorage, CudaDevice, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor,
+};
+use half::bf16;
+
+use crate::error::KernelError;
+
+type Result<T> = candle_core::Result<T>;
+
+/// The PTX of each kernel file (`$OUT_DIR/ptx.rs`, written by build.rs).
+mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+}
+
+/// One kernel file: its module name in candle's per-device cache and its PTX.
+struct Module {
+    name: &'static str,
+    ptx: &'static str,
+}
+
+const SOFTMAX: Module = Module {
+    name: "cdt_fused_softmax",
+    ptx: ptx::SOFTMAX,
+};
+const NORM: Module = Module {
+    name: "cdt_fused_norm",
+    ptx: ptx::NORM,
+};
+const GELU: Module = Module {
+    name: "cdt_fused_gelu",
+    ptx: ptx::GELU,
+};
+const MULTI_TENSOR: Module = Module {
+    name: "cdt_multi_tensor",
+    ptx: ptx::MULTI_TENSOR,
+};
+
+/// The longest row the row kernels take (their row length is a 32-bit `int`).
+pub const MAX_ROW: usize = i32::MAX as usize;
+/// The largest grid dim x (rows beyond it are walked grid-stride).
+const MAX_GRID_X: usize = i32::MAX as usize;
+/// Threads of an elementwise block, and the most blocks an elementwise launch uses.
+const ELEM_THREADS: usize = 256;
+const ELEM_MAX_BLOCKS: usize = 1 << 16;
+
+/// A float type the kernels take: its name suffix and its variant of candle's CUDA storage.
+trait Float: DeviceRepr + Copy + 'static {
+    const SUFFIX: &'static str;
+    fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>>;
+    fn wrap(s: CudaSlice<Self>) -> CudaStorageSlice;
+}
+
+impl Float for f32 {
+    const SUFFIX: &'static str = "f32";
+    fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>> {
+        match s {
+            CudaStorageSlice::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn wrap(s: CudaSlice<Self>) -> CudaStorageSlice {
+        CudaStorageSlice::F32(s)
+    }
+}
+
+impl Float for bf16 {
+    const SUFFIX: &'static str = "bf16";
+    fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>> {
+        match s {
+            CudaStorageSlice::BF16(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn wrap(s: CudaSlice<Self>) -> CudaStorageSlice {
+        CudaStorageSlice::BF16(s)
+    }
+}
+
+/// Runs `$f::<T>(args)` for the float type of `$dt`, or fails naming `$op` and `$shape`.
+macro_rules! by_float {
+    ($dt:expr, $op:expr, $shape:expr, $f:ident($($a:expr),* $(,)?)) => {
+        match $dt {
+            DType::F32 => $f::<f32>($($a),*),
+            DType::BF16 => $f::<bf16>($($a),*),
+            other => Err(unsupported($op, other, "f32 or bf16", $shape).into()),
+        }
+    };
+}
+
+fn unsupported(
+    op: &'static str,
+    dtype: DType,
+    supported: &'static str,
+    shape: &Shape,
+) -> KernelError {
+    KernelError::UnsupportedDType {
+        op,
+        device: "CUDA",
+        dtype,
+        supported,
+        shape: shape.dims().to_vec(),
+    }
+}
+
+fn mismatch(op: &'static str, detail: String) -> candle_core::Error {
+    KernelError::Mismatch { op, detail }.into()
+}
+
+/// The elements of the contiguous operand `(s, l)` as a typed device view.
+fn view<'a, T: Float>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    op: &'static str,
+    operand: &'static str,
+) -> Result<CudaView<'a, T>> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| KernelError::NotContiguous {
+            op,
+            operand,
+            shape: l.dims().to_vec(),
+        })?;
+    let slice = T::of(&s.slice).ok_or_else(|| {
+        mismatch(
+            op,
+            format!(
+                "operand {operand} is {:?}, the other operands {}",
+                s.dtype(),
+                T::SUFFIX
+            ),
+        )
+    })?;
+    slice.try_slice(a..b).ok_or_else(|| {
+        mismatch(
+            op,
+            format!("operand {operand}'s view lies outside its storage"),
+        )
+    })
+}
+
+/// `(rows, n)` of a last-dim row kernel's input: `n` the last dim (at most [`MAX_ROW`]), rows
+/// the product of the others (0 when `n` is 0: nothing to launch).
+fn rows_n(op: &'static str, shape: &Shape) -> Result<(usize, usize)> {
+    let n = *shape
+        .dims()
+        .last()
+        .ok_or_else(|| mismatch(op, "needs at least one dim".into()))?;
+    if n > MAX_ROW {
+        return Err(KernelError::TooLarge {
+            op,
+            what: "a row length",
+            value: n,
+            limit: MAX_ROW,
+            shape: shape.dims().to_vec(),
+        }
+        .into());
+    }
+    Ok((shape.elem_count().checked_div(n).unwrap_or(0), n))
+}
+
+/// One block per row: the row rounded up to a warp, 32..=1024 threads.
+fn row_cfg(rows: usize, n: usize) -> LaunchConfig {
+    let threads = n.div_ceil(32).clamp(1, 32) * 32;
+    LaunchConfig {
+        grid_dim: (rows.min(MAX_GRID_X) as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn elem_cfg(len: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (len.div_ceil(ELEM_THREADS).min(ELEM_MAX_BLOCKS) as u32, 1, 1),
+        block_dim: (ELEM_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn wrap<T: Float>(dev: &CudaDevice, out: CudaSlice<T>) -> CudaStorage {
+    CudaStorage {
+        slice: T::wrap(out),
+        device: dev.clone(),
+    }
+}
+
+/// `len` uninitialized elements for a kernel to write.
+fn alloc_out<T: Float>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: every caller launches, on this device's stream, a kernel that writes each of the
+    // `len` elements before anything reads them (stream order); the slice is not read on the
+    // host before that.
+    unsafe { dev.alloc::<T>(len) }
+}
+
+fn same_shape(op: &'static str, a: &Layout, b: &Layout, what: &str) -> Result<()> {
+    if a.dims() != b.dims() {
+        return Err(mismatch(
+            op,
+            format!("{what} has shape {:?}, the input {:?}", b.dims(), a.dims()),
+        ));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU
+
+fn gelu_launch<T: Float>(
+    x: &CudaStorage,
+    xl: &Layout,
+    g: Option<(&CudaStorage, &Layout)>,
+) -> Result<CudaStorage> {
+    let op = "gelu";
+    let dev = &x.device;
+    let len = xl.shape().elem_count();
+    if let Some((_, gl)) = g {
+        same_shape(op, xl, gl, "the output gradient")?;
+    }
+    if len == 0 {
+        return dev.zeros_impl(xl.shape(), x.dtype());
+    }
+    let xv = view::<T>(x, xl, op, "x")?;
+    let gv = g
+        .map(|(gs, gl)| view::<T>(gs, gl, op, "grad"))
+        .transpose()?;
+    let mut out = alloc_out::<T>(dev, len)?;
+    let len_arg = len as i64;
+    let name = match gv {
+        None => format!("cdt_gelu_fwd_{}", T::SUFFIX),
+        Some(_) => format!("cdt_gelu_bwd_{}", T::SUFFIX),
+    };
+    let f = dev.get_or_load_custom_func(&name, GELU.name, GELU.ptx)?;
+    {
+        let mut b = f.builder();
+        b.arg(&xv);
+        if let Some(gv) = &gv {
+            b.arg(gv);
+        }
+        b.arg(&mut out);
+        b.arg(&len_arg);
+        // SAFETY: the arguments match the kernel's signature (`const T*[, const T*], T*, long
+        // long`); every pointer holds `len` elements of T and the kernel touches indices below
+        // `len` only.
+        unsafe { b.launch(elem_cfg(len)) }.w()?;
+    }
+    Ok(wrap(dev, out))
+}
+
+/// GELU (tanh form) forward of a contiguous f32/bf16 CUDA tensor.
+pub(crate) fn gelu_fwd(x: &CudaStorage, xl: &Layout) -> Result<(CudaStorage, Shape)> {
+    let s = by_float!(x.dtype(), "gelu", xl.shape(), gelu_launch(x, xl, None))?;
+    Ok((s, xl.shape().clone()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax, scaled-causal softmax, log-softmax
+
+fn softmax_launch<T: Float>(
+    x: &CudaStorage,
+    xl: &Layout,
+    scale: f32,
+    causal: bool,
+    log: bool,
+) -> Result<CudaStorage> {
+    let op = if log { "log_softmax" } else { "softmax" };
+    let dev = &x.device;
+    let (rows, n) = rows_n(op, xl.shape())?;
+    if rows == 0 {
+        return dev.zeros_impl(xl.shape(), x.dtype());
+    }
+    let dims = xl.dims();
+    let t = if dims.len() >= 2 {
+        dims[dims.len() - 2]
+    } else {
+        1
+    };
+    let xv = view::<T>(x, xl, op, "x")?;
+    let mut out = alloc_out::<T>(dev, rows * n)?;
+    let (rows_arg, n_arg, t_arg) = (rows as i64, n as i32, t as i64);
+    let (causal_arg, log_arg) = (i32::from(causal), i32::from(log));
+    let name = format!("cdt_softmax_fwd_{}", T::SUFFIX);
+    let f = dev.get_or_load_custom_func(&name, SOFTMAX.name, SOFTMAX.ptx)?;
+    {
+        let mut b = f.builder();
+        b.arg(&xv);
+        b.arg(&mut out);
+        b.arg(&rows_arg);
+        b.arg(&n_arg);
+        b.arg(&t_arg);
+        b.arg(&scale);
+        b.arg(&causal_arg);
+        b.arg(&log_arg);
+        // SAFETY: arguments as `cdt_softmax_fwd_*` declares them (const T*, T*, long long, int,
+        // long long, float, int, int); x and out hold rows * n elements; t > 0 because
+        // rows > 0 is the product of the leading dims, t among them.
+        unsafe { b.launch(row_cfg(rows, n)) }.w()?;
+    }
+    Ok(wrap(dev, out))
+}
+
+/// `softmax(scale * x)` over the last dim (causal: masked on `[.., T, S]` as the CPU kernel),
+/// or log-softmax (`log`, with scale 1 and no mask).
+pub(crate) fn softmax_fwd(
+    x: &CudaStorage,
+    xl: &Layout,
+    scale: f32,
+    causal: bool,
+    log: bool,
+) -> Result<(CudaStorage, Shape)> {
+    let op = if log { "log_softmax" } else { "softmax" };
+    let s = by_float!(
+        x.dtype(),
+        op,
+        xl.shape(),
+        softmax_launch(x, xl, scale, causal, log)
+    )?;
+    Ok((s, xl.shape().clone()))
+}
+
+fn softmax_bwd_launch<T: Float>(
+    y: &CudaStorage,
+    yl: &Layout,
+    g: &CudaStorage,
+    gl: &Layout,
+    scale: f32,
+    log: bool,
+) -> Result<CudaStorage> {
+    let op = if log {
+        "log_softmax backward"
+    } else {
+        "softmax backward"
+    };
+    let dev = &y.device;
+    same_shape(op, yl, gl, "the output gradient")?;
+    let (rows, n) = rows_n(op, yl.shape())?;
+    if rows == 0 {
+        return dev.zeros_impl(yl.shape(), y.dtype());
+    }
+    let yv = view::<T>(y, yl, op, "y")?;
+    let gv = view::<T>(g, gl, op, "grad")?;
+    let mut out = alloc_out::<T>(dev, rows * n)?;
+    let (rows_arg, n_arg, log_arg) = (rows as i64, n as i32, i32::from(log));
+    let name = format!("cdt_softmax_bwd_{}", T::SUFFIX);
+    let f = dev.get_or_load_custom_func(&name, SOFTMAX.name, SOFTMAX.ptx)?;
+    {
+        let mut b = f.builder();
+        b.arg(&yv);
+        b.arg(&gv);
+        b.arg(&mut out);
+        b.arg(&rows_arg);
+        b.arg(&n_arg);
+        b.arg(&scale);
+        b.arg(&log_arg);
+        // SAFETY: arguments as `cdt_softmax_bwd_*` declares them (const T*, const T*, T*, long
+        // long, int, float, int); y, g and out hold rows * n elements (same shapes, checked).
+        unsafe { b.launch(row_cfg(rows, n)) }.w()?;
+    }
+    Ok(wrap(dev, out))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layer norm, RMS norm
+
+/// Checks a norm's weight (and bias) against the row length `n`.
+fn check_affine(op: &'static str, n: usize, w: &Layout, b: Option<&Layout>) -> Result<()> {
+    for (what, l) in std::iter::once(("weight", w)).chain(b.map(|b| ("bias", b))) {
+        if l.shape().elem_count() != n {
+            return Err(mismatch(
+                op,
+                format!("{what} of shape {:?} for a last dim of {n}", l.dims()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn norm_launch<T: Float>(
+    x: &CudaStorage,
+    xl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+    b: Option<(&CudaStorage, &Layout)>,
+    eps: f32,
+    center: bool,
+) -> Result<CudaStorage> {
+    let op = if center { "layer_norm" } else { "rms_norm" };
+    let dev = &x.device;
+    let (rows, n) = rows_n(op, xl.shape())?;
+    check_affine(op, n, wl, b.map(|(_, l)| l))?;
+    if rows == 0 {
+        return dev.zeros_impl(xl.shape(), x.dtype());
+    }
+    let xv = view::<T>(x, xl, op, "x")?;
+    let wv = view::<T>(w, wl, op, "weight")?;
+    let bv = b
+        .map(|(bs, bl)| view::<T>(bs, bl, op, "bias"))
+        .transpose()?;
+    let mut out = alloc_out::<T>(dev, rows * n)?;
+    let (rows_arg, n_arg, center_arg, null) = (rows as i64, n as i32, i32::from(center), 0u64);
+    let name = format!("cdt_norm_fwd_{}", T::SUFFIX);
+    let f = dev.get_or_load_custom_func(&name, NORM.name, NORM.ptx)?;
+    {
+        let mut bld = f.builder();
+        bld.arg(&xv);
+        bld.arg(&wv);
+        match &bv {
+            Some(bv) => bld.arg(bv),
+            // A null `const T*`: the kernel adds no bias.
+            None => bld.arg(&null),
+        };
+        bld.arg(&mut out);
+        bld.arg(&rows_arg);
+        bld.arg(&n_arg);
+        bld.arg(&eps);
+        bld.arg(&center_arg);
+        // SAFETY: arguments as `cdt_norm_fwd_*` declares them (const T* x, const T* w, const
+        // T* b or null, T* y, long long, int, float, int); x and y hold rows * n elements, w
+        // and b n (checked).
+        unsafe { bld.launch(row_cfg(rows, n)) }.w()?;
+    }
+    Ok(wrap(dev, out))
+}
+
+/// Layer norm (`center`) or RMS norm of `x` with weight `w` and optional bias over the last dim.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn norm_fwd(
+    x: &CudaStorage,
+    xl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+    b: Option<(&CudaStorage, &Layout)>,
+    eps: f32,
+    center: bool,
+) -> Result<(CudaStorage, Shape)> {
+    let op = if center { "layer_norm" } else { "rms_norm" };
+    let s = by_float!(
+        x.dtype(),
+        op,
+        xl.shape(),
+        norm_launch(x, xl, w, wl, b, eps, center)
+    )?;
+    Ok((s, xl.shape().clone()))
+}
+
+/// Rows per chunk of the first stage of the weight/bias gradient: at most 64 chunks (so the
+/// second stage adds at most 64 partials per column), at least 32 rows each.
+fn norm_chunk_rows(rows: usize) -> usize {
+    rows.div_ceil(64).max(32)
+}
+
+/// The norm backward as one storage `[dx (rows * n) | dw (n) | db (n)]` (db all of the column
+/// sums of g, also for RMS norm, where the caller drops it).
+#[allow(clippy::too_many_arguments)]
+fn norm_bwd_launch<T: Float>(
+    x: &CudaStorage,
+    xl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+    g: &CudaStorage,
+    gl: &Layout,
+    eps: f32,
+    center: bool,
+) -> Result<CudaStorage> {
+    let op = if center {
+        "layer_norm backward"
+    } else {
+        "rms_norm backward"
+    };
+    let dev = &x.device;
+    same_shape(op, xl, gl, "the output gradient")?;
+    let (rows, n) = rows_n(op, xl.shape())?;
+    check_affine(op, n, wl, None)?;
+    let total = rows * n + 2 * n;
+    if total == 0 {
+        return dev.zeros_impl(&Shape::from(0), x.dtype());
+    }
+    let mut out = alloc_out::<T>(dev, total)?;
+    let n_arg = n as i32;
+    let final_f = dev.get_or_load_custom_func(
+        &format!("cdt_norm_bwd_final_{}", T::SUFFIX),
+        NORM.name,
+        NORM.ptx,
+    )?;
+    if rows == 0 {
+        // No rows: dw = db = 0 (the final stage adds no chunk).
+        let (chunks_arg, null) = (0i32, 0u64);
+        {
+            let mut b = final_f.builder();
+            b.arg(&null);
+            b.arg(&mut out);
+            b.arg(&chunks_arg);
+            b.arg(&n_arg);
+            // SAFETY: `cdt_norm_bwd_final_*(const float* part, T* wb, int chunks, int n)`;
+            // with chunks 0 the kernel never reads `part` and writes wb[0 .. 2n), all of `out`.
+            unsafe { b.launch(elem_cfg(n)) }.w()?;
+        }
+        return Ok(wrap(dev, out));
+    }
+    let xv = view::<T>(x, xl, op, "x")?;
+    let wv = view::<T>(w, wl, op, "weight")?;
+    let gv = view::<T>(g, gl, op, "grad")?;
+    let rn = rows * n;
+    let mut stats = alloc_out::<f32>(dev, 2 * rows)?;
+    let (rows_arg, center_arg) = (rows as i64, i32::from(center));
+    {
+        let f = dev.get_or_load_custom_func(
+            &format!("cdt_norm_bwd_dx_{}", T::SUFFIX),
+            NORM.name,
+            NORM.ptx,
+        )?;
+        let mut dx = out.slice_mut(..rn);
+        let mut b = f.builder();
+        b.arg(&xv);
+        b.arg(&wv);
+        b.arg(&gv);
+        b.arg(&mut dx);
+        b.arg(&mut stats);
+        b.arg(&rows_arg);
+        b.arg(&n_arg);
+        b.arg(&eps);
+        b.arg(&center_arg);
+        // SAFETY: `cdt_norm_bwd_dx_*(const T* x, const T* w, const T* g, T* dx, float* stats,
+        // long long rows, int n, float eps, int center)`; x, g and dx hold rows * n elements,
+        // w n, stats 2 * rows: each row's block writes its dx row and its two stats.
+        unsafe { b.launch(row_cfg(rows, n)) }.w()?;
+    }
+    let per_chunk = norm_chunk_rows(rows);
+    let chunks = rows.div_ceil(per_chunk);
+    let mut part = alloc_out::<f32>(dev, chunks * 2 * n)?;
+    {
+        let f = dev.get_or_load_custom_func(
+            &format!("cdt_norm_bwd_partial_{}", T::SUFFIX),
+            NORM.name,
+            NORM.ptx,
+        )?;
+        let per_chunk_arg = per_chunk as i64;
+        let mut b = f.builder();
+        b.arg(&xv);
+        b.arg(&gv);
+        b.arg(&stats);
+        b.arg(&mut part);
+        b.arg(&rows_arg);
+        b.arg(&n_arg);
+        b.arg(&per_chunk_arg);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(32) as u32, chunks as u32, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `cdt_norm_bwd_partial_*(const T* x, const T* g, const float* stats, float*
+        // part, long long rows, int n, long long per_chunk)` with block (32, 8) as the kernel
+        // requires (NB_TX, NB_TY) and grid (ceil(n / 32), chunks), chunks <= 64; block
+        // (tile, chunk) reads rows of its chunk below `rows` and writes part[chunk][0..2][tile
+        // columns below n]: every element of part (chunks * 2 * n) is written.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    {
+        let chunks_arg = chunks as i32;
+        let mut wb = out.slice_mut(rn..);
+        let mut b = final_f.builder();
+        b.arg(&part);
+        b.arg(&mut wb);
+        b.arg(&chunks_arg);
+        b.arg(&n_arg);
+        // SAFETY: `cdt_norm_bwd_final_*(const float* part, T* wb, int chunks, int n)`: part
+        // holds chunks * 2 * n floats, wb the last 2 * n elements of out; columns below n.
+        unsafe { b.launch(elem_cfg(n)) }.w()?;
+    }
+    Ok(wrap(dev, out))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax cross-entropy
+
+/// The class ids of a cross-entropy: u32 or i64 (the public function converts other integer
+/// types to i64).
+enum Targets<'a> {
+    U32(CudaView<'a, u32>),
+    I64(CudaView<'a, i64>),
+}
+
+impl<'a> Targets<'a> {
+    fn of(op: &'static str, s: &'a CudaStorage, l: &Layout, rows: usize) -> Result<Self> {
+        let (a, b) = l
+            .contiguous_offsets()
+            .ok_or_else(|| KernelError::NotContiguous {
+                op,
+                operand: "targets",
+                shape: l.dims().to_vec(),
+            })?;
+        if b - a != rows {
+            return Err(mismatch(
+                op,
+                format!("{} targets for {rows} rows of logits", b - a),
+            ));
+        }
+        let outside = || mismatch(op, "the targets' view lies outside its storage".into());
+        match &s.slice {
+            CudaStorageSlice::U32(v) => Ok(Self::U32(v.try_slice(a..b).ok_or_else(outside)?)),
+            CudaStorageSlice::I64(v) => Ok(Self::I64(v.try_slice(a..b).ok_or_else(outside)?)),
+            _ => Err(unsupported(op, s.dtype(), "u32 or i64 targets", l.shape()).into()),
+        }
+    }
+
+    fn suffix(&self) -> &'static str {
+        match self {
+            Self::U32(_) => "u32",
+            Self::I64(_) => "i64",
+        }
+    }
+}
+
+/// `(ignore, has_ignore)` kernel arguments.
+fn ignore_args(ignore: Option<i64>) -> (i64, i32) {
+    (ignore.unwrap_or(0), i32::from(ignore.is_some()))
+}
+
+fn xent_launch<T: Float>(
+    x: &CudaStorage,
+    xl: &Layout,
+    t: &CudaStorage,
+    tl: &Layout,
+    ignore: Option<i64>,
+) -> Result<CudaStorage> {
+    let op = "cross_entropy";
+    let dev = &x.device;
+    let (rows, n) = rows_n(op, xl.shape())?;
+    if n == 0 {
+        return Err(mismatch(
+            op,
+            format!("logits {:?} have no classes", xl.dims()),
+        ));
+    }
+    let tv = Targets::of(op, t, tl, rows)?;
+    if rows == 0 {
+        return dev.zeros_impl(&Shape::from((0, 2)), DType::F32);
+    }
+    let xv = view::<T>(x, xl, op, "logits")?;
+    let mut out = alloc_out::<f32>(dev, 2 * rows)?;
+    let (rows_arg, n_arg) = (rows as i64, n as i32);
+    let (ignore_arg, has_ignore) = ignore_args(ignore);
+    let name = format!("cdt_xent_fwd_{}_{}", T::SUFFIX, tv.suffix());
+    let f = dev.get_or_load_custom_func(&name, SOFTMAX.name, SOFTMAX.ptx)?;
+    {
+        let mut b = f.builder();
+        b.arg(&xv);
+        match &tv {
+            Targets::U32(v) => b.arg(v),
+            Targets::I64(v) => b.arg(v),
+        };
+        b.arg(&mut out);
+        b.arg(&rows_arg);
+        b.arg(&n_arg);
+        b.arg(&ignore_arg);
+        b.arg(&has_ignore);
+        // SAFETY: arguments as `cdt_xent_fwd_*_*` declares them (const T* x, const I* tgt,
+        // float* out, long long rows, int n, long long ignore, int has_ignore) with I the
+        // targets' type named by the suffix; x holds rows * n elements, tgt rows, out 2 * rows
+        // (each row's block writes its two). A target outside [0, n) is never used as an index.
+        unsafe { b.launch(row_cfg(rows, n)) }.w()?;
+    }
+    Ok(wrap(dev, out))
+}
+
+/// Per-row `(loss, lse)` `[rows, 2]` f32 of logits `[.., C]` against `rows` class ids.
+pub(crate) fn xent_fwd(
+    x: &CudaStorage,
+    xl: &Layout,
+    t: &CudaStorage,
+    tl: &Layout,
+    ignore: Option<i64>,
+) -> Result<(CudaStorage, Shape)> {
+    let (rows, _) = rows_n("cross_entropy", xl.shape())?;
+    let s = by_float!(
+        x.dtype(),
+        "cross_entropy",
+        xl.shape(),
+        xent_launch(x, xl, t, tl, ignore)
+    )?;
+    Ok((s, Shape::from((rows, 2))))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn xent_bwd_launch<T: Float>(
+    x: &CudaStorage,
+    xl: &Layout,
+    t: &CudaStorage,
+    tl: &Layout,
+    lg: &CudaStorage,
+    lgl: &Layout,
+    ignore: Option<i64>,
+) -> Result<CudaStorage> {
+    let op = "cross_entropy backward";
+    let dev = &x.device;
+    let (rows, n) = rows_n(op, xl.shape())?;
+    let tv = Targets::of(op, t, tl, rows)?;
+    if lgl.shape().elem_count() != 2 * rows {
+        return Err(mismatch(
+            op,
+            format!("(lse, grad) of shape {:?} for {rows} rows", lgl.dims()),
+        ));
+    }
+    if rows == 0 {
+        return dev.zeros_impl(xl.shape(), x.dtype());
+    }
+    let xv = view::<T>(x, xl, op, "logits")?;
+    let lgv = view::<f32>(lg, lgl, op, "(lse, grad)")?;
+    let mut out = alloc_out::<T>(dev, rows * n)?;
+    let (rows_arg, n_arg) = (rows as i64, n as i32);
+    let (ignore_arg, has_ignore) = ignore_args(ignore);
+    let name = format!("cdt_xent_bwd_{}_{}", T::SUFFIX, tv.suffix());
+    let f = dev.get_or_load_custom_func(&name, SOFTMAX.name, SOFTMAX.ptx)?;
+    {
+        let mut b = f.builder();
+        b.arg(&xv);
+        match &tv {
+            Targets::U32(v) => b.arg(v),
+            Targets::I64(v) => b.arg(v),
+        };
+        b.arg(&lgv);
+        b.arg(&mut out);
+        b.arg(&rows_arg);
+        b.arg(&n_arg);
+        b.arg(&ignore_arg);
+        b.arg(&has_ignore);
+        // SAFETY: arguments as `cdt_xent_bwd_*_*` declares them (const T* x, const I* tgt,
+        // const float* lg, T* dx, long long rows, int n, long long ignore, int has_ignore);
+        // x and dx hold rows * n elements, tgt rows, lg 2 * rows (checked); each row's block
+        // writes its whole dx row.
+        unsafe { b.launch(row_cfg(rows, n)) }.w()?;
+    }
+    Ok(wrap(dev, out))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward nodes
+
+/// A backward kernel as a graph node of its own (applied with `apply_op*_no_bwd`).
+enum Bwd {
+    /// `(x, g) -> dx`.
+    Gelu,
+    /// `(y, g) -> dx` from the forward's output.
+    Softmax { scale: f32, log: bool },
+    /// `(x, w, g) -> [dx | dw | db]` flat.
+    Norm { eps: f32, center: bool },
+    /// `(logits, targets, (lse, g) [rows, 2] f32) -> dlogits`.
+    Xent { ignore: Option<i64> },
+}
+
+impl Bwd {
+    fn cpu_refused(&self) -> candle_core::Error {
+        mismatch(
+            "fused backward",
+            "a CUDA backward node was given CPU tensors".into(),
+        )
+    }
+}
+
+impl CustomOp2 for Bwd {
+    fn name(&self) -> &'static str {
+        "fused-cuda-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Err(self.cpu_refused())
+    }
+
+    fn cuda_fwd(
+        &self,
+        a: &CudaStorage,
+        al: &Layout,
+        g: &CudaStorage,
+        gl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let s = match *self {
+            Bwd::Gelu => by_float!(
+                a.dtype(),
+                "gelu backward",
+                al.shape(),
+                gelu_launch(a, al, Some((g, gl)))
+            )?,
+            Bwd::Softmax { scale, log } => by_float!(
+                a.dtype(),
+                "softmax backward",
+                al.shape(),
+                softmax_bwd_launch(a, al, g, gl, scale, log)
+            )?,
+            _ => {
+                return Err(mismatch(
+                    "fused backward",
+                    "a three-operand backward node was applied to two".into(),
+                ))
+            }
+        };
+        Ok((s, al.shape().clone()))
+    }
+}
+
+impl CustomOp3 for Bwd {
+    fn name(&self) -> &'static str {
+        "fused-cuda-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Err(self.cpu_refused())
+    }
+
+    fn cuda_fwd(
+        &self,
+        a: &CudaStorage,
+        al: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+        c: &CudaStorage,
+        cl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        match *self {
+            Bwd::Norm { eps, center } => {
+                let s = by_float!(
+                    a.dtype(),
+                    "norm backward",
+                    al.shape(),
+                    norm_bwd_launch(a, al, b, bl, c, cl, eps, center)
+                )?;
+                let len = al.shape().elem_count() + 2 * bl.shape().elem_count();
+                Ok((s, Shape::from(len)))
+            }
+            Bwd::Xent { ignore } => {
+                let s = by_float!(
+                    a.dtype(),
+                    "cross_entropy backward",
+                    al.shape(),
+                    xent_bwd_launch(a, al, b, bl, c, cl, ignore)
+                )?;
+                Ok((s, al.shape().clone()))
+            }
+            _ => Err(mismatch(
+                "fused backward",
+                "a two-operand backward node was applied to three".into(),
+            )),
+        }
+    }
+}
+
+/// The GELU gradient `dx` for input `x` and output gradient `g` (CUDA).
+pub(crate) fn gelu_backward(x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    x.contiguous()?
+        .apply_op2_no_bwd(&g.contiguous()?, &Bwd::Gelu)
+}
+
+/// The softmax (or log-softmax, `log`) gradient from the output `y` and its gradient `g`.
+pub(crate) fn softmax_backward(y: &Tensor, g: &Tensor, scale: f32, log: bool) -> Result<Tensor> {
+    y.contiguous()?
+        .apply_op2_no_bwd(&g.contiguous()?, &Bwd::Softmax { scale, log })
+}
+
+/// `(dx, dw, db)` of a norm (db meaningful for layer norm with a bias), shaped like x, w, w.
+pub(crate) fn norm_backward(
+    x: &Tensor,
+    w: &Tensor,
+    g: &Tensor,
+    eps: f32,
+    center: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let packed = x.contiguous()?.apply_op3_no_bwd(
+        &w.contiguous()?,
+        &g.contiguous()?,
+        &Bwd::Norm { eps, center },
+    )?;
+    let (rn, n) = (x.elem_count(), w.elem_count());
+    let dx = packed.narrow(0, 0, rn)?.reshape(x.shape())?;
+    // The parameter gradients get storages of their own (a parameter's gradient may be read
+    // as raw storage downstream, e.g. by a reduce-scatter); dx stays a view at offset 0.
+    let dw = packed
+        .narrow(0, rn, n)?
+        .force_contiguous()?
+        .reshape(w.shape())?;
+    let db = packed
+        .narrow(0, rn + n, n)?
+        .force_contiguous()?
+        .reshape(w.shape())?;
+    Ok((dx, dw, db))
+}
+
+/// The cross-entropy gradient of `logits` from `lg` = `(lse, g)` per row (`[rows, 2]` f32).
+pub(crate) fn xent_backward(
+    logits: &Tensor,
+    targets: &Tensor,
+    lg: &Tensor,
+    ignore: Option<i64>,
+) -> Result<Tensor> {
+    logits.contiguous()?.apply_op3_no_bwd(
+        &targets.contiguous()?,
+        &lg.contiguous()?,
+        &Bwd::Xent { ignore },
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Multi-tensor: the global gradient norm and clip coefficient
+
+/// Elements per block of the sum of squares: at least 8192, and at most 1024 blocks (the one
+/// block of the second stage adds their partials).
+fn sumsq_chunk(total: usize) -> usize {
+    total.div_ceil(1024).max(8192)
+}
+
+/// The device address of element `offset` of a float storage, and the guard that records the
+/// read on the stream once the launch using it is enqueued.
+fn float_ptr<'a>(
+    s: &'a CudaStorage,
+    offset: usize,
+    stream: &'a candle_core::cuda_backend::cudarc::driver::CudaStream,
+) -> Result<(
+    u64,
+    candle_core::cuda_backend::cudarc::driver::SyncOnDrop<'a>,
+)> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let (base, guard, size) = match &s.slice {
+        CudaStorageSlice::F32(v) => {
+            let (p, g) = v.device_ptr(stream);
+            (p, g, 4)
+        }
+        CudaStorageSlice::BF16(v) => {
+            let (p, g) = v.device_ptr(stream);
+            (p, g, 2)
+        }
+        _ => {
+            return Err(mismatch(
+                "grad_norm",
+                format!("a gradient of {:?}", s.dtype()),
+            ))
+        }
+    };
+    Ok((base + (offset * size) as u64, guard))
+}
+
+/// `[norm, clip coefficient]` (f32 `[2]`) of the contiguous float tensors `parts` (storage,
+/// layout), all of one dtype on `dev`: two launches and two small uploads (the pointer table and
+/// the prefix sums), no host read.
+pub(crate) fn grad_norm(
+    dev: &CudaDevice,
+    parts: &[(&CudaStorage, &Layout)],
+    max_norm: Option<f64>,
+) -> Result<CudaStorage> {
+    let op = "grad_norm";
+    let dtype = parts
+        .first()
+        .map(|(s, _)| s.dtype())
+        .ok_or_else(|| mismatch(op, "no gradients".into()))?;
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        other => return Err(unsupported(op, other, "f32 or bf16", &Shape::from(0)).into()),
+    };
+    let stream = dev.cuda_stream();
+    let mut ptrs = Vec::with_capacity(parts.len());
+    let mut guards = Vec::with_capacity(parts.len());
+    let mut starts = Vec::with_capacity(parts.len() + 1);
+    let mut total = 0usize;
+    for (s, l) in parts {
+        if s.dtype() != dtype {
+            return Err(mismatch(
+                op,
+                format!("gradients of {dtype:?} and {:?} in one call", s.dtype()),
+            ));
+        }
+        let (a, b) = l
+            .contiguous_offsets()
+            .ok_or_else(|| KernelError::NotContiguous {
+                op,
+                operand: "gradient",
+                shape: l.dims().to_vec(),
+            })?;
+        let (ptr, guard) = float_ptr(s, a, &stream)?;
+        ptrs.push(ptr);
+        guards.push(guard);
+        starts.push(total as i64);
+        total += b - a;
+    }
+    starts.push(total as i64);
+    let max_norm = max_norm.unwrap_or(0.0) as f32;
+    let mut out = alloc_out::<f32>(dev, 2)?;
+    let finish =
+        dev.get_or_load_custom_func("cdt_norm_finish", MULTI_TENSOR.name, MULTI_TENSOR.ptx)?;
+    if total == 0 {
+        // Nothing to sum: the finish kernel with no partials writes norm 0, coefficient 1.
+        let (blocks_arg, null) = (0i32, 0u64);
+        let mut b = finish.builder();
+        b.arg(&null);
+        b.arg(&blocks_arg);
+        b.arg(&max_norm);
+        b.arg(&mut out);
+        // SAFETY: `cdt_norm_finish(const float* partial, int blocks, float max_norm, float*
+        // out)`; with blocks 0 `partial` is never read; out holds 2 floats.
+        unsafe { b.launch(row_cfg(1, 32)) }.w()?;
+        drop(guards);
+        return Ok(wrap(dev, out));
+    }
+    let chunk = sumsq_chunk(total);
+    let blocks = total.div_ceil(chunk);
+    let ptrs_dev = dev.clone_htod(&ptrs)?;
+    let starts_dev = dev.clone_htod(&starts)?;
+    let mut partial = alloc_out::<f32>(dev, blocks)?;
+    {
+        let f = dev.get_or_load_custom_func(
+            &format!("cdt_sumsq_partial_{suffix}"),
+            MULTI_TENSOR.name,
+            MULTI_TENSOR.ptx,
+        )?;
+        let (k_arg, chunk_arg) = (parts.len() as i32, chunk as i64);
+        let mut b = f.builder();
+        b.arg(&ptrs_dev);
+        b.arg(&starts_dev);
+        b.arg(&k_arg);
+        b.arg(&chunk_arg);
+        b.arg(&mut partial);
+        // SAFETY: `cdt_sumsq_partial_*(const unsigned long long* ptrs, const long long*
+        // starts, int k, long long chunk, float* partial)`: ptrs[i] is the address of the
+        // first element of part i, which holds starts[i + 1] - starts[i] elements of the
+        // kernel's type (checked above; the storages stay borrowed, and their read events
+        // are recorded by `guards` after this launch); blocks = ceil(total / chunk), each
+        // writing partial[its index].
+        unsafe { b.launch(row_cfg(blocks, 1024)) }.w()?;
+    }
+    {
+        let blocks_arg = blocks as i32;
+        let mut b = finish.builder();
+        b.arg(&partial);
+        b.arg(&blocks_arg);
+        b.arg(&max_norm);
+        b.arg(&mut out);
+        // SAFETY: as above, with `blocks` partials.
+        unsafe { b.launch(row_cfg(1, 1024)) }.w()?;
+    }
+    // Record the reads of every part on the stream after the launch that made them.
+    drop(guards);
+    Ok(wrap(dev, out))
+}
+
+/// The f32 constants of one AdamW step (`cdt_adamw_f32`'s `AdamWConsts`, field for field).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct AdamWConsts {
+    pub beta1: f32,
+    pub one_beta1: f32,
+    pub beta2: f32,
+    pub one_beta2: f32,
+    pub scale_m: f32,
+    pub scale_v: f32,
+    pub decay: f32,
+    pub eps: f32,
+    pub lr: f32,
+}
+
+// SAFETY: a `#[repr(C)]` struct of nine f32, laid out as the kernel's `struct AdamWConsts` of
+// nine floats (36 bytes, 4-byte aligned); passed by value as a kernel parameter.
+unsafe impl DeviceRepr for AdamWConsts {}
+
+/// One AdamW step in place over every `(param, grad, m, v)` of `sets` (contiguous f32 storages
+/// on `dev`, each quadruple of one length), in one launch; `coef` a device f32 whose first
+/// element multiplies every gradient (the clip coefficient), or none.
+///
+/// The parameters and moments are written through device addresses taken from shared
+/// borrows: no host memory is involved, and the writes are ordered after every earlier use of
+/// those buffers by the device's one stream (each address is taken with `device_ptr`, which
+/// makes the stream wait for earlier writes). The caller (`multi_tensor::adamw_step`) checked
+/// that no two of the written buffers, and no gradient, share a storage.
+pub(crate) fn adamw(
+    dev: &CudaDevice,
+    sets: &[[(&CudaStorage, &Layout); 4]],
+    consts: AdamWConsts,
+    coef: Option<(&CudaStorage, &Layout)>,
+) -> Result<()> {
+    let op = "adamw";
+    let stream = dev.cuda_stream();
+    let mut tables: [Vec<u64>; 4] = Default::default();
+    let mut guards = Vec::with_capacity(4 * sets.len() + 1);
+    let mut starts = Vec::with_capacity(sets.len() + 1);
+    let mut total = 0usize;
+    for set in sets {
+        let mut len = None;
+        for (i, (s, l)) in set.iter().enumerate() {
+            if s.dtype() != DType::F32 {
+                return Err(unsupported(op, s.dtype(), "f32", l.shape()).into());
+            }
+            let (a, b) = l
+                .contiguous_offsets()
+                .ok_or_else(|| KernelError::NotContiguous {
+                    op,
+                    operand: ["param", "grad", "m", "v"][i],
+                    shape: l.dims().to_vec(),
+                })?;
+            if *len.get_or_insert(b - a) != b - a {
+                return Err(mismatch(
+                    op,
+                    format!(
+                        "a parameter and its gradient/moments differ in length ({:?})",
+                        l.dims()
+                    ),
+                ));
+            }
+            let (ptr, guard) = float_ptr(s, a, &stream)?;
+            tables[i].push(ptr);
+            guards.push(guard);
+        }
+        starts.push(total as i64);
+        total += len.unwrap_or(0);
+    }
+    starts.push(total as i64);
+    if total == 0 {
+        return Ok(());
+    }
+    let coef_ptr = match coef {
+        Some((s, l)) => {
+            let (a, _) = l
+                .contiguous_offsets()
+                .filter(|(a, b)| b > a)
+                .ok_or_else(|| {
+                    mismatch(
+                        op,
+                        "the gradient scale must be a contiguous f32 of one element or more".into(),
+                    )
+                })?;
+            let (ptr, guard) = float_ptr(s, a, &stream)?;
+            guards.push(guard);
+            ptr
+        }
+        None => 0,
+    };
+    let chunk = sumsq_chunk(total);
+    let blocks = total.div_ceil(chunk);
+    let [ps, gs, ms, vs] = tables;
+    let (ps, gs, ms, vs) = (
+        dev.clone_htod(&ps)?,
+        dev.clone_htod(&gs)?,
+        dev.clone_htod(&ms)?,
+        dev.clone_htod(&vs)?,
+    );
+    let starts_dev = dev.clone_htod(&starts)?;
+    let f = dev.get_or_load_custom_func("cdt_adamw_f32", MULTI_TENSOR.name, MULTI_TENSOR.ptx)?;
+    let (k_arg, chunk_arg) = (sets.len() as i32, chunk as i64);
+    {
+        let mut b = f.builder();
+        b.arg(&ps);
+        b.arg(&gs);
+        b.arg(&ms);
+        b.arg(&vs);
+        b.arg(&starts_dev);
+        b.arg(&k_arg);
+        b.arg(&chunk_arg);
+        b.arg(&coef_ptr);
+        b.arg(&consts);
+        // SAFETY: `cdt_adamw_f32(const u64* ps, gs, ms, vs, const long long* starts, int k,
+        // long long chunk, const float* coef, AdamWConsts c)`: entry i of each table is the
+        // address of the first element of a contiguous f32 buffer of starts[i + 1] - starts[i]
+        // elements (checked above; the storages stay borrowed until `guards` is dropped after
+        // the launch); coef is null or one readable f32; blocks = ceil(total / chunk) cover the
+        // concatenation, each element read and written by one thread only (the written
+        // buffers are distinct storages).
+        unsafe { b.launch(row_cfg(blocks, 1024)) }.w()?;
+    }
+    drop(guards);
+    Ok(())
+}

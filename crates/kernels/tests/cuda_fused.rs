@@ -1,0 +1,699 @@
+//! The fused CUDA kernels against the CPU reference compositions, forward and backward, on a
+//! GPU: every kernel of `crates/kernels/cuda/` (GELU, softmax, scaled-causal softmax,
+//! log-softmax, layer norm with and without bias, RMS norm, softmax cross-entropy with and
+//! without an ignore index, attention through the fused softmax), f32 and bf16, rows of 1, 31, 33, 1000 and 4097 elements (and the
+//! GPT-2 vocabulary for the cross-entropy), empty tensors, plus the bad inputs: an f16 tensor
+//! (typed error), a strided view (made contiguous), an out-of-range class id (NaN, not a
+//! number). The weight/bias gradient reduction is checked to be bitwise repeatable. The
+//! multi-tensor kernels: the global gradient norm and clip coefficient against the CPU's, and
+//! the AdamW step bitwise equal to the CPU's over three steps with clipping.
+//!
+//! Inputs are made on the CPU in f32, rounded to the dtype under test, and given to both
+//! sides: the CUDA fused path in that dtype, the CPU reference (`autodiff::reference`, candle
+//! primitives) in f32 on the rounded values. Tolerances: `max |a - b| / max |b|` below 2e-5
+//! (f32) and 2e-2 (bf16, whose outputs are rounded to 8 bits of mantissa; 4e-2 for attention,
+//! whose bf16 GEMMs round the scores).
+//!
+//! One test walks all cases and reports every mismatch, then fails if any; without a CUDA
+//! device it prints that it skipped and passes. scripts/gpu_check.sh runs the binary
+//! (`--nocapture`) and passes the step only on the summary line, which a skip never prints:
+//!
+//!   cuda_fused: <n> checks passed on <device>
+#![cfg(feature = "cuda")]
+// The per-case lines and the summary are this test's output (gpu_check.sh greps them).
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_dtensor_kernels::autodiff::{self, reference};
+use candle_dtensor_kernels::compare::max_rel_diff;
+use candle_dtensor_kernels::{fused, multi_tensor};
+
+type R<T> = candle_core::Result<T>;
+type Op<'a> = &'a dyn Fn(&[Tensor]) -> R<Tensor>;
+
+/// Row lengths of the row kernels: one, below a warp, just past one, a few blocks' worth, and
+/// past a 1024-thread block by one.
+const ROWS: [usize; 5] = [1, 31, 33, 1000, 4097];
+
+fn cuda_device() -> Option<Device> {
+    match std::panic::catch_unwind(|| Device::new_cuda(0)) {
+        Ok(Ok(d)) => Some(d),
+        Ok(Err(e)) => {
+            println!("cuda_fused: SKIPPED, no CUDA device: {e}");
+            None
+        }
+        Err(_) => {
+            println!("cuda_fused: SKIPPED, the CUDA driver bindings panicked (no driver?)");
+            None
+        }
+    }
+}
+
+/// Deterministic pseudo-normal f32 values of `shape` (no RNG state shared between cases).
+fn values(shape: &[usize], scale: f32, seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            // Sum of 4 uniforms, centred: close enough to normal for test inputs.
+            let mut acc = 0f32;
+            for _ in 0..4 {
+                s = s
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                acc += (s >> 40) as f32 / (1u64 << 24) as f32;
+            }
+            (acc - 2.0) * 1.7 * scale
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+fn tol(dtype: DType) -> f64 {
+    if dtype == DType::BF16 {
+        2e-2
+    } else {
+        2e-5
+    }
+}
+
+/// Runs `f` forward and backward (upstream gradient `seed`) on fresh vars of `inputs`; the
+/// output and the input gradients, as f32 on the CPU.
+fn run(inputs: &[Tensor], f: Op, seed: &Tensor) -> R<(Tensor, Vec<Tensor>)> {
+    let vars: Vec<Var> = inputs.iter().map(Var::from_tensor).collect::<R<_>>()?;
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&ts)?;
+    let grads = y.mul(&seed.to_dtype(y.dtype())?)?.sum_all()?.backward()?;
+    let host = |t: &Tensor| t.to_dtype(DType::F32)?.to_device(&Device::Cpu);
+    let gs = vars
+        .iter()
+        .map(|v| {
+            grads
+                .get(v)
+                .ok_or_else(|| candle_core::Error::msg("an input got no gradient"))
+                .and_then(host)
+        })
+        .collect::<R<Vec<_>>>()?;
+    Ok((host(&y)?, gs))
+}
+
+/// The outcome of all cases.
+#[derive(Default)]
+struct Report {
+    passed: usize,
+    failures: Vec<String>,
+}
+
+impl Report {
+    fn record(&mut self, name: &str, outcome: R<String>) {
+        match outcome {
+            Ok(detail) => {
+                self.passed += 1;
+                println!("ok   {name}: {detail}");
+            }
+            Err(e) => {
+                println!("FAIL {name}: {e}");
+                self.failures.push(format!("{name}: {e}"));
+            }
+        }
+    }
+}
+
+/// `fast` on `dev` in `dtype` against `slow` on the CPU in f32, forward and backward, on the
+/// same (rounded) inputs and upstream gradient, within the dtype's tolerance.
+fn compare(dev: &Device, dtype: DType, inputs: &[Tensor], fast: Op, slow: Op) -> R<String> {
+    compare_within(dev, dtype, inputs, fast, slow, tol(dtype))
+}
+
+/// [`compare`] within `limit` (max |a - b| / max |b|, per output and per gradient).
+fn compare_within(
+    dev: &Device,
+    dtype: DType,
+    inputs: &[Tensor],
+    fast: Op,
+    slow: Op,
+    limit: f64,
+) -> R<String> {
+    let rounded: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.to_dtype(dtype)?.to_dtype(DType::F32))
+        .collect::<R<_>>()?;
+    let y_ref = slow(&rounded)?;
+    let seed = values(y_ref.dims(), 1.0, 99)
+        .to_dtype(dtype)?
+        .to_dtype(DType::F32)?;
+    let (yb, gb) = run(&rounded, slow, &seed)?;
+    let on_dev: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.to_dtype(dtype)?.to_device(dev))
+        .collect::<R<_>>()?;
+    let (ya, ga) = run(&on_dev, fast, &seed.to_device(dev)?)?;
+    let mut worst = max_rel_diff(&ya, &yb)?;
+    let check = |what: &str, d: f64| -> R<()> {
+        // NaN fails (the comparison is false).
+        if d <= limit {
+            Ok(())
+        } else {
+            Err(candle_core::Error::msg(format!(
+                "{what}: max rel diff {d:e} > {limit:e}"
+            )))
+        }
+    };
+    check("forward", worst)?;
+    for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
+        let d = max_rel_diff(a, b)?;
+        check(&format!("grad {i}"), d)?;
+        worst = worst.max(d);
+    }
+    Ok(format!("max rel diff {worst:.2e}"))
+}
+
+/// An empty input: the fused path gives an empty output and empty gradients of the right shapes.
+/// On a driver that refuses zero-byte allocations candle cannot make an empty CUDA tensor at
+/// all (its own zeros fail, before any kernel of ours): the case is then reported, not failed.
+fn empty_case(dev: &Device, dtype: DType, inputs: &[Tensor], fast: Op) -> R<String> {
+    if let Err(e) = Tensor::zeros((0, 1), dtype, dev) {
+        return Ok(format!(
+            "not run: candle cannot allocate an empty tensor on this device ({e})"
+        ));
+    }
+    let on_dev: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.to_dtype(dtype)?.to_device(dev))
+        .collect::<R<_>>()?;
+    let y = fast(&on_dev)?;
+    let seed = Tensor::zeros(y.dims(), DType::F32, &Device::Cpu)?;
+    let (y, gs) = run(&on_dev, fast, &seed)?;
+    for (g, t) in gs.iter().zip(inputs) {
+        if g.dims() != t.dims() {
+            candle_core::bail!("gradient of shape {:?} for {:?}", g.dims(), t.dims());
+        }
+    }
+    Ok(format!("output {:?}", y.dims()))
+}
+
+fn causal_reference(x: &Tensor, scale: f64) -> R<Tensor> {
+    let d = x.dims();
+    let (t, s) = (d[d.len() - 2], d[d.len() - 1]);
+    let mask: Vec<u8> = (0..t)
+        .flat_map(|i| (0..s).map(move |j| u8::from(j + t > i + s)))
+        .collect();
+    let a = (x * scale)?;
+    let mask = Tensor::from_vec(mask, (t, s), x.device())?.broadcast_as(a.shape())?;
+    let ninf = Tensor::new(f32::NEG_INFINITY, x.device())?.broadcast_as(a.shape())?;
+    reference::softmax(&mask.where_cond(&ninf, &a)?, d.len() - 1)
+}
+
+/// The reference per-row cross-entropy (`-log_softmax` gathered at the target, 0 where ignored).
+fn ce_reference(x: &Tensor, ids: &[i64], ignore: Option<i64>) -> R<Tensor> {
+    let idx: Vec<u32> = ids
+        .iter()
+        .map(|&t| if Some(t) == ignore { 0 } else { t as u32 })
+        .collect();
+    let keep: Vec<f32> = ids
+        .iter()
+        .map(|&t| f32::from(u8::from(Some(t) != ignore)))
+        .collect();
+    let n = ids.len();
+    let idx = Tensor::from_vec(idx, (n, 1), x.device())?;
+    let keep = Tensor::from_vec(keep, n, x.device())?;
+    reference::log_softmax(x, 1)?
+        .gather(&idx, 1)?
+        .squeeze(1)?
+        .neg()?
+        .mul(&keep)
+}
+
+fn class_ids(n: usize, c: usize, ignore_every: Option<usize>) -> Vec<i64> {
+    (0..n)
+        .map(|i| match ignore_every {
+            Some(k) if i % k == 1 => -1,
+            _ => ((i * 2_654_435_761usize + 7) % c) as i64,
+        })
+        .collect()
+}
+
+fn row_kernels(dev: &Device, dtype: DType, rep: &mut Report) {
+    for n in ROWS {
+        let x = values(&[3, n], 2.0, n as u64);
+        let w = (values(&[n], 0.3, 7) + 1.0).unwrap();
+        let b = values(&[n], 0.3, 8);
+        let tag = format!("{dtype:?} [3, {n}]");
+        rep.record(
+            &format!("gelu {tag}"),
+            compare(
+                dev,
+                dtype,
+                std::slice::from_ref(&x),
+                &|t| fused::gelu(&t[0]),
+                &|t| reference::gelu(&t[0]),
+            ),
+        );
+        rep.record(
+            &format!("softmax {tag}"),
+            compare(
+                dev,
+                dtype,
+                std::slice::from_ref(&x),
+                &|t| autodiff::softmax_local(&t[0], 1),
+                &|t| reference::softmax(&t[0], 1),
+            ),
+        );
+        rep.record(
+            &format!("log_softmax {tag}"),
+            compare(
+                dev,
+                dtype,
+                std::slice::from_ref(&x),
+                &|t| autodiff::log_softmax_local(&t[0], 1),
+                &|t| reference::log_softmax(&t[0], 1),
+            ),
+        );
+        rep.record(
+            &format!("layer_norm {tag}"),
+            compare(
+                dev,
+                dtype,
+                &[x.clone(), w.clone(), b.clone()],
+                &|t| autodiff::layer_norm_local(&t[0], Some(&t[1]), Some(&t[2]), 1e-5),
+                &|t| reference::layer_norm(&t[0], Some(&t[1]), Some(&t[2]), 1e-5),
+            ),
+        );
+        rep.record(
+            &format!("layer_norm (no bias) {tag}"),
+            compare(
+                dev,
+                dtype,
+                &[x.clone(), w.clone()],
+                &|t| autodiff::layer_norm_local(&t[0], Some(&t[1]), None, 1e-5),
+                &|t| reference::layer_norm(&t[0], Some(&t[1]), None, 1e-5),
+            ),
+        );
+        rep.record(
+            &format!("rms_norm {tag}"),
+            compare(
+                dev,
+                dtype,
+                &[x.clone(), w.clone()],
+                &|t| autodiff::rms_norm_local(&t[0], &t[1], 1e-6),
+                &|t| reference::rms_norm(&t[0], &t[1], 1e-6),
+            ),
+        );
+    }
+    // Many rows of a model's width (more rows than one chunk of the weight-gradient reduction).
+    let x = values(&[4, 300, 96], 1.5, 11);
+    let w = (values(&[96], 0.3, 12) + 1.0).unwrap();
+    let b = values(&[96], 0.3, 13);
+    rep.record(
+        &format!("layer_norm {dtype:?} [4, 300, 96]"),
+        compare(
+            dev,
+            dtype,
+            &[x.clone(), w.clone(), b],
+            &|t| fused::layer_norm(&t[0], &t[1], Some(&t[2]), 1e-5),
+            &|t| reference::layer_norm(&t[0], Some(&t[1]), Some(&t[2]), 1e-5),
+        ),
+    );
+    rep.record(
+        &format!("rms_norm {dtype:?} [4, 300, 96]"),
+        compare(
+            dev,
+            dtype,
+            &[x, w],
+            &|t| fused::rms_norm(&t[0], &t[1], 1e-6),
+            &|t| reference::rms_norm(&t[0], &t[1], 1e-6),
+        ),
+    );
+    // Scaled causal softmax on [B, H, T, S], square and with S > T (the CPU kernel's mask).
+    for (t, s) in [(5, 5), (3, 7), (33, 33), (4, 1000), (2, 4097)] {
+        let x = values(&[2, 3, t, s], 3.0, (t * s) as u64);
+        rep.record(
+            &format!("scaled_causal_softmax {dtype:?} [2, 3, {t}, {s}]"),
+            compare(
+                dev,
+                dtype,
+                &[x],
+                &|v| fused::scaled_causal_softmax(&v[0], 0.5, true),
+                &|v| causal_reference(&v[0], 0.5),
+            ),
+        );
+    }
+    // Empty tensors: no launch, shapes kept, gradients of the inputs' shapes.
+    let e = Tensor::zeros((0, 33), DType::F32, &Device::Cpu).unwrap();
+    let w = Tensor::ones(33, DType::F32, &Device::Cpu).unwrap();
+    rep.record(
+        &format!("gelu {dtype:?} empty"),
+        empty_case(dev, dtype, std::slice::from_ref(&e), &|t| {
+            fused::gelu(&t[0])
+        }),
+    );
+    rep.record(
+        &format!("softmax {dtype:?} empty"),
+        empty_case(dev, dtype, std::slice::from_ref(&e), &|t| {
+            fused::softmax_last(&t[0])
+        }),
+    );
+    rep.record(
+        &format!("log_softmax {dtype:?} empty"),
+        empty_case(dev, dtype, std::slice::from_ref(&e), &|t| {
+            fused::log_softmax_last(&t[0])
+        }),
+    );
+    rep.record(
+        &format!("layer_norm {dtype:?} empty"),
+        empty_case(dev, dtype, &[e.clone(), w.clone(), w.clone()], &|t| {
+            fused::layer_norm(&t[0], &t[1], Some(&t[2]), 1e-5)
+        }),
+    );
+    rep.record(
+        &format!("rms_norm {dtype:?} empty"),
+        empty_case(dev, dtype, &[e, w], &|t| {
+            fused::rms_norm(&t[0], &t[1], 1e-6)
+        }),
+    );
+}
+
+fn cross_entropy(dev: &Device, dtype: DType, rep: &mut Report) {
+    for (n, c) in [(3, 1), (5, 31), (4, 33), (7, 1000), (2, 4097), (3, 50304)] {
+        for (ignore, every) in [(None, None), (Some(-1i64), Some(3))] {
+            let ids = class_ids(n, c, every);
+            let x = values(&[n, c], 3.0, (n * c) as u64);
+            for tdt in [DType::U32, DType::I64] {
+                if ignore.is_some() && tdt == DType::U32 {
+                    continue; // -1 is not a u32
+                }
+                let t_cpu = Tensor::new(ids.as_slice(), &Device::Cpu)
+                    .and_then(|t| t.to_dtype(tdt))
+                    .unwrap();
+                let t_dev = t_cpu.to_device(dev).unwrap();
+                rep.record(
+                    &format!("cross_entropy_rows {dtype:?} [{n}, {c}] {tdt:?} ignore {ignore:?}"),
+                    compare(
+                        dev,
+                        dtype,
+                        std::slice::from_ref(&x),
+                        &|v| fused::cross_entropy_rows(&v[0], &t_dev, ignore),
+                        &|v| ce_reference(&v[0], &ids, ignore),
+                    ),
+                );
+            }
+        }
+    }
+    // The mean (what the loss uses on CUDA): no host read, the mean of the rows.
+    let (n, c) = (6, 257);
+    let ids = class_ids(n, c, None);
+    let x = values(&[n, c], 2.0, 5);
+    let t_dev = Tensor::new(ids.as_slice(), dev).unwrap();
+    rep.record(
+        &format!("cross_entropy (mean) {dtype:?} [{n}, {c}]"),
+        compare(
+            dev,
+            dtype,
+            &[x],
+            &|v| fused::cross_entropy(&v[0], &t_dev)?.reshape(1),
+            &|v| ce_reference(&v[0], &ids, None)?.mean_all()?.reshape(1),
+        ),
+    );
+    // No rows.
+    let e = Tensor::zeros((0, 9), DType::F32, &Device::Cpu).unwrap();
+    rep.record(
+        &format!("cross_entropy_rows {dtype:?} empty"),
+        empty_case(dev, dtype, &[e], &|v| {
+            fused::cross_entropy_rows(&v[0], &Tensor::zeros(0, DType::U32, v[0].device())?, None)
+        }),
+    );
+}
+
+fn f16_is_refused(dev: &Device, x: &Tensor) -> R<String> {
+    let h = x.to_dtype(DType::F16)?.to_device(dev)?;
+    match fused::softmax_last(&h) {
+        Ok(_) => candle_core::bail!("an f16 softmax ran"),
+        Err(e) => {
+            let msg = e.to_string();
+            if msg.contains("softmax") && msg.contains("F16") && msg.contains("[3, 40]") {
+                Ok(msg)
+            } else {
+                candle_core::bail!("error does not name op, dtype and shape: {msg}")
+            }
+        }
+    }
+}
+
+fn f16_falls_back(dev: &Device, x: &Tensor) -> R<String> {
+    let h = x.to_dtype(DType::F16)?.to_device(dev)?;
+    let a = autodiff::softmax_local(&h, 1)?;
+    let b = reference::softmax(&h, 1)?;
+    let d = max_rel_diff(&a, &b)?;
+    if d == 0.0 {
+        Ok("identical".into())
+    } else {
+        candle_core::bail!("differs by {d:e}")
+    }
+}
+
+fn out_of_range_is_nan(dev: &Device, x: &Tensor) -> R<String> {
+    let t = Tensor::new(&[0u32, 40, 2], dev)?;
+    let loss = fused::cross_entropy_rows(&x.to_device(dev)?, &t, None)?;
+    let v: Vec<f32> = loss.to_vec1()?;
+    if v[1].is_nan() && v[0].is_finite() && v[2].is_finite() {
+        Ok(format!("{v:?}"))
+    } else {
+        candle_core::bail!("losses {v:?}")
+    }
+}
+
+fn norm_grads_repeat(dev: &Device) -> R<String> {
+    let x = values(&[4096, 96], 1.0, 23).to_device(dev)?;
+    let w = Var::from_tensor(&values(&[96], 1.0, 24).to_device(dev)?)?;
+    let b = Var::from_tensor(&values(&[96], 1.0, 25).to_device(dev)?)?;
+    let grads = || -> R<Vec<f32>> {
+        let y = fused::layer_norm(&x, w.as_tensor(), Some(b.as_tensor()), 1e-5)?;
+        let g = y.sqr()?.sum_all()?.backward()?;
+        let missing = || candle_core::Error::msg("no gradient");
+        let mut v: Vec<f32> = g.get(&w).ok_or_else(missing)?.to_vec1()?;
+        v.extend(g.get(&b).ok_or_else(missing)?.to_vec1::<f32>()?);
+        Ok(v)
+    };
+    let (first, second) = (grads()?, grads()?);
+    if first
+        .iter()
+        .zip(&second)
+        .all(|(p, q)| p.to_bits() == q.to_bits())
+    {
+        Ok("two runs, same bits".into())
+    } else {
+        candle_core::bail!("two runs differ")
+    }
+}
+
+/// Bad input: a dtype without a kernel, a strided view, an out-of-range class id; and the
+/// weight-gradient reduction's determinism.
+fn bad_input(dev: &Device, rep: &mut Report) {
+    let x = values(&[3, 40], 1.0, 21);
+    rep.record(
+        "f16 on CUDA: typed error naming op, dtype, shape",
+        f16_is_refused(dev, &x),
+    );
+    rep.record(
+        "f16 on CUDA: the autodiff ops fall back to the composition",
+        f16_falls_back(dev, &x),
+    );
+    let xt = values(&[40, 3], 1.0, 22).t().unwrap();
+    rep.record(
+        "softmax f32 of a transposed view",
+        compare(
+            dev,
+            DType::F32,
+            &[xt],
+            &|t| fused::softmax_last(&t[0]),
+            &|t| reference::softmax(&t[0], 1),
+        ),
+    );
+    rep.record(
+        "cross_entropy_rows: an out-of-range id gives NaN on CUDA",
+        out_of_range_is_nan(dev, &x),
+    );
+    rep.record(
+        "layer_norm backward is bitwise repeatable",
+        norm_grads_repeat(dev),
+    );
+}
+
+/// Attention on CUDA (candle's matmuls around the fused scaled causal softmax) against the
+/// CPU composition, `[B, H, T, S]` with S >= T, causal and not; and the packed form.
+fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
+    // Attention's bf16 error is the GEMMs' (scores and output rounded to bf16), not the
+    // softmax's: a looser bound there; f32 as the other kernels.
+    let limit = if dtype == DType::BF16 { 4e-2 } else { 2e-5 };
+    for (b, h, t, s, d) in [
+        (2, 3, 5, 5, 8),
+        (1, 2, 33, 33, 16),
+        (2, 2, 3, 7, 8),
+        (1, 1, 1, 1, 4),
+    ] {
+        for causal in [true, false] {
+            let q = values(&[b, h, t, d], 0.5, 41);
+            let k = values(&[b, h, s, d], 0.5, 42);
+            let v = values(&[b, h, s, d], 1.0, 43);
+            let scale = 1.0 / (d as f64).sqrt();
+            rep.record(
+                &format!("sdpa_local {dtype:?} [{b}, {h}, {t}/{s}, {d}] causal {causal}"),
+                compare_within(
+                    dev,
+                    dtype,
+                    &[q, k, v],
+                    &|x| autodiff::sdpa_local(&x[0], &x[1], &x[2], causal, scale),
+                    &|x| reference::sdpa(&x[0], &x[1], &x[2], causal, scale),
+                    limit,
+                ),
+            );
+        }
+    }
+    let qkv = values(&[2, 9, 3, 3, 8], 0.5, 44);
+    rep.record(
+        &format!("packed_sdpa_local {dtype:?} [2, 9, 3, 3, 8] causal"),
+        compare_within(
+            dev,
+            dtype,
+            &[qkv],
+            &|x| autodiff::packed_sdpa_local(&x[0], true, 0.35),
+            &|x| reference::packed_sdpa(&x[0], true, 0.35),
+            limit,
+        ),
+    );
+}
+
+/// The global gradient norm and clip coefficient on CUDA against the CPU's (f64) values.
+fn grad_norm_case(dev: &Device, dtype: DType, sizes: &[usize], max: Option<f64>) -> R<String> {
+    let cpu: Vec<Tensor> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| values(&[n], 1.0, 300 + i as u64).to_dtype(dtype))
+        .collect::<R<_>>()?;
+    let on_dev: Vec<Tensor> = cpu.iter().map(|t| t.to_device(dev)).collect::<R<_>>()?;
+    let want: Vec<f32> = multi_tensor::grad_norm_clip(&cpu, max)?.to_vec1()?;
+    let got: Vec<f32> = multi_tensor::grad_norm_clip(&on_dev, max)?.to_vec1()?;
+    let rel = |a: f32, b: f32| ((a - b).abs() / b.abs().max(1e-30)) as f64;
+    let (dn, dc) = (rel(got[0], want[0]), rel(got[1], want[1]));
+    if dn <= 1e-5 && dc <= 1e-5 {
+        Ok(format!(
+            "norm {} (rel diff {dn:.1e}), coefficient {}",
+            got[0], got[1]
+        ))
+    } else {
+        candle_core::bail!("CUDA {got:?} vs CPU {want:?}")
+    }
+}
+
+/// Three AdamW steps of the same parameters on CUDA (one launch per step and decay group) and
+/// on the CPU, with clipping by a coefficient computed once on the device and used by both:
+/// bitwise equal (the kernel rounds every operation as the CPU does).
+fn adamw_case(dev: &Device) -> R<String> {
+    let sizes = [1usize, 0, 31, 8193, 40_000, 33];
+    let decay: Vec<bool> = (0..sizes.len()).map(|i| i % 3 != 1).collect();
+    let make = |seed: u64, scale: f32, d: &Device| -> R<Vec<Tensor>> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| values(&[n], scale, seed + i as u64).to_device(d))
+            .collect()
+    };
+    let zeros = |d: &Device| -> R<Vec<Tensor>> {
+        sizes
+            .iter()
+            .map(|&n| Tensor::zeros(n, DType::F32, d))
+            .collect()
+    };
+    let (pc, mc, vc) = (
+        make(500, 1.0, &Device::Cpu)?,
+        zeros(&Device::Cpu)?,
+        zeros(&Device::Cpu)?,
+    );
+    let (pd, md, vd) = (make(500, 1.0, dev)?, zeros(dev)?, zeros(dev)?);
+    for t in 1..=3 {
+        let step = multi_tensor::AdamWStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            t,
+        };
+        let gc = make(600 + 10 * t as u64, 4.0, &Device::Cpu)?;
+        let gd: Vec<Tensor> = gc.iter().map(|g| g.to_device(dev)).collect::<R<_>>()?;
+        let clip_d = multi_tensor::grad_norm_clip(&gd, Some(1.0))?;
+        let clip_c = clip_d.to_device(&Device::Cpu)?;
+        multi_tensor::adamw_step(&pd, &gd, &md, &vd, &decay, &step, Some(&clip_d))?;
+        multi_tensor::adamw_step(&pc, &gc, &mc, &vc, &decay, &step, Some(&clip_c))?;
+    }
+    for (what, a, b) in [("param", &pd, &pc), ("m", &md, &mc), ("v", &vd, &vc)] {
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            let xs: Vec<f32> = x.to_device(&Device::Cpu)?.to_vec1()?;
+            let ys: Vec<f32> = y.to_vec1()?;
+            if let Some(j) = (0..xs.len()).find(|&j| xs[j].to_bits() != ys[j].to_bits()) {
+                candle_core::bail!("{what} {i}[{j}]: CUDA {} vs CPU {}", xs[j], ys[j]);
+            }
+        }
+    }
+    Ok("3 steps, bitwise equal".into())
+}
+
+fn shared_storage_refused(dev: &Device) -> R<String> {
+    let g = values(&[10], 1.0, 1).to_device(dev)?;
+    match multi_tensor::grad_norm_clip(&[g.clone(), g], None) {
+        Ok(_) => candle_core::bail!("a storage given twice was accepted"),
+        Err(e) if e.to_string().contains("share one storage") => Ok(e.to_string()),
+        Err(e) => candle_core::bail!("unexpected error: {e}"),
+    }
+}
+
+fn multi_tensor_cases(dev: &Device, rep: &mut Report) {
+    let sizes = [0usize, 1, 31, 8193, 100_003, 33];
+    for dtype in [DType::F32, DType::BF16] {
+        for max in [None, Some(1.0), Some(1e9)] {
+            rep.record(
+                &format!("grad_norm_clip {dtype:?} {sizes:?} max {max:?}"),
+                grad_norm_case(dev, dtype, &sizes, max),
+            );
+        }
+    }
+    rep.record(
+        "grad_norm_clip of empty tensors only",
+        grad_norm_case(dev, DType::F32, &[0, 0], Some(1.0)),
+    );
+    rep.record(
+        "grad_norm_clip refuses a storage twice",
+        shared_storage_refused(dev),
+    );
+    rep.record("adamw_step CUDA vs CPU", adamw_case(dev));
+}
+
+#[test]
+fn fused_cuda_kernels_match_the_cpu_reference() {
+    let Some(dev) = cuda_device() else {
+        return;
+    };
+    // With the fused CUDA path switched off the autodiff cases would compare the composition
+    // with itself.
+    assert!(
+        std::env::var("CDT_FUSED_CUDA").map_or(true, |v| v.trim() != "0"),
+        "cuda_fused: unset CDT_FUSED_CUDA=0 to check the fused kernels"
+    );
+    let mut rep = Report::default();
+    for dtype in [DType::F32, DType::BF16] {
+        row_kernels(&dev, dtype, &mut rep);
+        cross_entropy(&dev, dtype, &mut rep);
+        attention(&dev, dtype, &mut rep);
+    }
+    bad_input(&dev, &mut rep);
+    multi_tensor_cases(&dev, &mut rep);
+    if !rep.failures.is_empty() {
+        panic!(
+            "cuda_fused: {} of {} checks failed:\n{}",
+            rep.failures.len(),
+            rep.failures.len() + rep.passed,
+            rep.failures.join("\n")
+        );
+    }
+    println!("cuda_fused: {} checks passed on {dev:?}", rep.passed);
+}
