@@ -14,9 +14,11 @@
 //   here the scheduler finds that no thread can run and the launch fails, naming the kernel,
 //   block and waiting threads (`emu::LaunchError`).
 // - The fibers of a block run in an order chosen per launch (`emu::Order`): forward, reverse or
-//   a seeded shuffle between each pair of barriers. A kernel that reads shared memory another
-//   thread writes without a barrier in between gives different results under different orders;
-//   tests run each kernel under several orders and compare the outputs bit for bit.
+//   a seeded shuffle between each pair of barriers, and the warps run one at a time (lowest or
+//   highest first) or in random subsets, a warp going on through its warp syncs while others
+//   wait, so warps drift apart between __syncthreads as they may on a GPU. A kernel that reads shared memory another thread
+//   writes without a barrier in between gives different results under different orders; tests
+//   run each kernel under several orders and compare the outputs bit for bit.
 // - Warp shuffles exchange through a per-warp slot array between two warp barriers.
 //   Reading a lane no thread runs (a partial last warp) is undefined on a GPU and fails the launch,
 //   as does a shuffle or __syncthreads some threads of the warp / block exited before.
@@ -27,6 +29,8 @@
 // Device pointers are host pointers.
 
 #pragma once
+
+#include <math.h>
 
 #include <cmath>
 #include <cstddef>
@@ -156,6 +160,10 @@ inline int max(int a, unsigned b) { return a > static_cast<int>(b) ? a : static_
 inline int min(int a, unsigned b) { return a < static_cast<int>(b) ? a : static_cast<int>(b); }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
+inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }
+inline float __uint_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
+inline int __float_as_int(float f) { int v; std::memcpy(&v, &f, 4); return v; }
+inline unsigned __float_as_uint(float f) { unsigned v; std::memcpy(&v, &f, 4); return v; }
 
 #ifndef CUDART_INF_F
 #define CUDART_INF_F INFINITY

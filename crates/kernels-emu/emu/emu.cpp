@@ -30,7 +30,8 @@ constexpr unsigned kMaxBlockZ = 64;
 constexpr unsigned kMaxGridYZ = 65535;
 // Dynamic shared memory a kernel gets without cudaFuncSetAttribute's opt-in.
 constexpr size_t kMaxDynShared = 48 * 1024;
-constexpr size_t kStack = 256 * 1024;
+// Each fiber's stack. Kernels keep a few scalars and loop indices there; 64 KiB is ample.
+constexpr size_t kStack = 64 * 1024;
 
 enum class St { Ready, BlockWait, WarpWait, Done };
 
@@ -45,7 +46,6 @@ struct Block {
     unsigned cur = 0;
     ucontext_t sched;
     std::vector<Fiber> fibers;
-    std::unique_ptr<char[]> stacks;
     std::vector<uint64_t> slots;
     std::vector<unsigned char> dyn;
     std::string fault;
@@ -53,6 +53,18 @@ struct Block {
 
 // The block being run; the emulator is single-threaded per launch and launches do not nest.
 thread_local Block* g_block = nullptr;
+
+// The fibers' stacks, kept per OS thread between launches (allocating up to 64 MiB per launch
+// was most of a small launch's time).
+char* stacks(size_t n) {
+    thread_local std::unique_ptr<char[]> pool;
+    thread_local size_t have = 0;
+    if (have < n) {
+        pool.reset(new char[n * kStack]);
+        have = n;
+    }
+    return pool.get();
+}
 
 void set_index(unsigned t) {
     threadIdx.x = t % blockDim.x;
@@ -156,7 +168,7 @@ void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, Order 
     b.body = &body;
     b.n = n;
     b.fibers.resize(n);
-    b.stacks.reset(new char[n * kStack]);
+    char* stack_base = stacks(n);
     b.slots.assign(((n + 31) / 32) * 32, 0);
     b.dyn.resize(std::max<size_t>(shared_bytes, 1));
     blockDim = block;
@@ -167,6 +179,8 @@ void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, Order 
     } reset;
 
     std::vector<unsigned> perm(n);
+    std::vector<unsigned> ready;
+    std::vector<char> run_warp;
     uint64_t rng = seed * 0x9E3779B97F4A7C15ull + 1;
     for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
@@ -176,50 +190,14 @@ void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, Order 
                 for (unsigned t = 0; t < n; ++t) {
                     Fiber& f = b.fibers[t];
                     getcontext(&f.ctx);
-                    f.ctx.uc_stack.ss_sp = b.stacks.get() + static_cast<size_t>(t) * kStack;
+                    f.ctx.uc_stack.ss_sp = stack_base + static_cast<size_t>(t) * kStack;
                     f.ctx.uc_stack.ss_size = kStack;
                     f.ctx.uc_link = &b.sched;
                     makecontext(&f.ctx, trampoline, 0);
                     f.st = St::Ready;
                 }
                 for (;;) {
-                    std::iota(perm.begin(), perm.end(), 0u);
-                    if (order == Order::Reverse) {
-                        std::reverse(perm.begin(), perm.end());
-                    } else if (order == Order::Shuffled) {
-                        for (unsigned i = n; i > 1; --i) {
-                            std::swap(perm[i - 1], perm[next_random(rng) % i]);
-                        }
-                    }
-                    for (unsigned t : perm) {
-                        if (b.fibers[t].st != St::Ready) continue;
-                        b.cur = t;
-                        set_index(t);
-                        swapcontext(&b.sched, &b.fibers[t].ctx);
-                    }
-                    if (!b.fault.empty()) throw LaunchError{describe(name, b, b.fault.c_str())};
-                    // Every fiber is now waiting or done. Release what can go on.
-                    bool any_live = false, all_block = true, any_done = false, released = false;
-                    for (unsigned t = 0; t < n; ++t) {
-                        St st = b.fibers[t].st;
-                        if (st == St::Done) {
-                            any_done = true;
-                            continue;
-                        }
-                        any_live = true;
-                        if (st != St::BlockWait) all_block = false;
-                    }
-                    if (!any_live) break;
-                    if (all_block) {
-                        if (any_done) {
-                            throw LaunchError{describe(
-                                name, b,
-                                "__syncthreads after some threads of the block exited "
-                                "(undefined on a GPU)")};
-                        }
-                        for (auto& f : b.fibers) f.st = St::Ready;
-                        continue;
-                    }
+                    // Warps whose live lanes all wait at a warp sync go on at once.
                     for (unsigned w = 0; w * 32 < n; ++w) {
                         unsigned end = std::min(n, w * 32 + 32);
                         bool live = false, all_warp = true, done = false;
@@ -232,23 +210,90 @@ void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, Order 
                             live = true;
                             if (st != St::WarpWait) all_warp = false;
                         }
-                        if (live && all_warp) {
-                            if (done) {
-                                throw LaunchError{describe(
-                                    name, b,
-                                    "a warp sync or shuffle after some lanes of the warp exited "
-                                    "(undefined on a GPU)")};
+                        if (!live || !all_warp) continue;
+                        if (done) {
+                            throw LaunchError{describe(
+                                name, b,
+                                "a warp sync or shuffle after some lanes of the warp exited "
+                                "(undefined on a GPU)")};
+                        }
+                        for (unsigned t = w * 32; t < end; ++t)
+                            if (b.fibers[t].st == St::WarpWait) b.fibers[t].st = St::Ready;
+                    }
+                    // Which warps run this round: of those with a thread ready, the lowest
+                    // (Forward), the highest (Reverse) or a random non-empty subset
+                    // (Shuffled). A warp chosen alone runs on through its warp syncs while the
+                    // others wait, so warps drift apart between __syncthreads as they may on a
+                    // GPU, and a race between warps shows as a difference between orders.
+                    ready.clear();
+                    for (unsigned w = 0; w * 32 < n; ++w) {
+                        unsigned end = std::min(n, w * 32 + 32);
+                        for (unsigned t = w * 32; t < end; ++t) {
+                            if (b.fibers[t].st == St::Ready) {
+                                ready.push_back(w);
+                                break;
                             }
-                            for (unsigned t = w * 32; t < end; ++t)
-                                if (b.fibers[t].st == St::WarpWait) b.fibers[t].st = St::Ready;
-                            released = true;
                         }
                     }
-                    if (!released) {
+                    if (!ready.empty()) {
+                        run_warp.assign((n + 31) / 32, 0);
+                        if (order == Order::Forward) {
+                            run_warp[ready.front()] = 1;
+                        } else if (order == Order::Reverse) {
+                            run_warp[ready.back()] = 1;
+                        } else {
+                            bool any = false;
+                            for (unsigned w : ready) {
+                                if (next_random(rng) & 1) {
+                                    run_warp[w] = 1;
+                                    any = true;
+                                }
+                            }
+                            if (!any) run_warp[ready[next_random(rng) % ready.size()]] = 1;
+                        }
+                        // Within the chosen warps, the threads in the order's order.
+                        std::iota(perm.begin(), perm.end(), 0u);
+                        if (order == Order::Reverse) {
+                            std::reverse(perm.begin(), perm.end());
+                        } else if (order == Order::Shuffled) {
+                            for (unsigned i = n; i > 1; --i) {
+                                std::swap(perm[i - 1], perm[next_random(rng) % i]);
+                            }
+                        }
+                        for (unsigned t : perm) {
+                            if (b.fibers[t].st != St::Ready || !run_warp[t / 32]) continue;
+                            b.cur = t;
+                            set_index(t);
+                            swapcontext(&b.sched, &b.fibers[t].ctx);
+                        }
+                        if (!b.fault.empty()) throw LaunchError{describe(name, b, b.fault.c_str())};
+                        continue;
+                    }
+                    // No thread can run: every live one waits at __syncthreads (release them),
+                    // or the block is stuck.
+                    bool any_live = false, all_block = true, any_done = false;
+                    for (unsigned t = 0; t < n; ++t) {
+                        St st = b.fibers[t].st;
+                        if (st == St::Done) {
+                            any_done = true;
+                            continue;
+                        }
+                        any_live = true;
+                        if (st != St::BlockWait) all_block = false;
+                    }
+                    if (!any_live) break;
+                    if (!all_block) {
                         throw LaunchError{describe(
                             name, b,
                             "deadlock: live threads wait at barriers the others never reach")};
                     }
+                    if (any_done) {
+                        throw LaunchError{describe(
+                            name, b,
+                            "__syncthreads after some threads of the block exited "
+                            "(undefined on a GPU)")};
+                    }
+                    for (auto& f : b.fibers) f.st = St::Ready;
                 }
             }
 }

@@ -47,3 +47,22 @@ __global__ void dyn(float* y) {
 
 // Writes one element per thread with no bounds check.
 __global__ void unguarded(float* y) { y[blockIdx.x * blockDim.x + threadIdx.x] = 2.f; }
+
+// Two block sums in a row through one shared array, without a barrier before the second one's
+// writes: a fast warp overwrites a slot a slow warp has not read yet. Only shows when warps
+// drift apart between __syncthreads.
+__device__ float selftest_block_sum_no_lead(float v, float* buf) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = selftest_warp_sum(v);
+    if (lane == 0) buf[wid] = v;
+    __syncthreads();
+    v = lane < nw ? buf[lane] : 0.f;
+    return selftest_warp_sum(v);
+}
+
+__global__ void reuse_race(const float* x, float* y) {
+    __shared__ float buf[32];
+    const float a = selftest_block_sum_no_lead(x[threadIdx.x], buf);
+    const float b = selftest_block_sum_no_lead(2.f * x[threadIdx.x], buf);
+    y[threadIdx.x] = a + 10.f * b;
+}

@@ -6,6 +6,11 @@
 
 #include "selftest.cu"
 
+// The kernels under test, as nvcc compiles them (crates/kernels/build.rs).
+#include "gelu.cu"
+#include "norm.cu"
+#include "softmax.cu"
+
 namespace {
 
 // The launch configuration as the Rust side passes it (`#[repr(C)] RawLaunch`).
@@ -48,5 +53,64 @@ int emu_selftest_racy(EMU_ERR, float* y) { EMU_RUN(racy, y); }
 int emu_selftest_deadlock(EMU_ERR, float* y) { EMU_RUN(deadlock, y); }
 int emu_selftest_dyn(EMU_ERR, float* y) { EMU_RUN(dyn, y); }
 int emu_selftest_unguarded(EMU_ERR, float* y) { EMU_RUN(unguarded, y); }
+int emu_selftest_reuse_race(EMU_ERR, const float* x, float* y) { EMU_RUN(reuse_race, x, y); }
+
+
+#define GELU_SHIM(NAME, T)                                                                    \
+    int emu_gelu_fwd_##NAME(EMU_ERR, const T* x, T* y, long long len) {                       \
+        EMU_RUN(cdt_gelu_fwd_##NAME, x, y, len);                                              \
+    }                                                                                         \
+    int emu_gelu_bwd_##NAME(EMU_ERR, const T* x, const T* g, T* dx, long long len) {          \
+        EMU_RUN(cdt_gelu_bwd_##NAME, x, g, dx, len);                                          \
+    }
+GELU_SHIM(f32, float)
+GELU_SHIM(bf16, bf16_t)
+
+#define NORM_SHIM(NAME, T)                                                                    \
+    int emu_norm_fwd_##NAME(EMU_ERR, const T* x, const T* w, const T* b, T* y,                \
+                            long long rows, int n, float eps, int center) {                   \
+        EMU_RUN(cdt_norm_fwd_##NAME, x, w, b, y, rows, n, eps, center);                       \
+    }                                                                                         \
+    int emu_norm_bwd_dx_##NAME(EMU_ERR, const T* x, const T* w, const T* g, T* dx,            \
+                               float* stats, long long rows, int n, float eps, int center) {  \
+        EMU_RUN(cdt_norm_bwd_dx_##NAME, x, w, g, dx, stats, rows, n, eps, center);            \
+    }                                                                                         \
+    int emu_norm_bwd_partial_##NAME(EMU_ERR, const T* x, const T* g, const float* stats,      \
+                                    float* part, long long rows, int n, long long per_chunk) { \
+        EMU_RUN(cdt_norm_bwd_partial_##NAME, x, g, stats, part, rows, n, per_chunk);          \
+    }                                                                                         \
+    int emu_norm_bwd_final_##NAME(EMU_ERR, const float* part, T* wb, int chunks, int n) {     \
+        EMU_RUN(cdt_norm_bwd_final_##NAME, part, wb, chunks, n);                              \
+    }
+NORM_SHIM(f32, float)
+NORM_SHIM(bf16, bf16_t)
+
+#define SOFTMAX_SHIM(NAME, T)                                                                 \
+    int emu_softmax_fwd_##NAME(EMU_ERR, const T* x, T* y, long long rows, int n, long long t, \
+                               float scale, int causal, int log_out) {                        \
+        EMU_RUN(cdt_softmax_fwd_##NAME, x, y, rows, n, t, scale, causal, log_out);            \
+    }                                                                                         \
+    int emu_softmax_bwd_##NAME(EMU_ERR, const T* y, const T* g, T* dx, long long rows, int n, \
+                               float scale, int log_out) {                                    \
+        EMU_RUN(cdt_softmax_bwd_##NAME, y, g, dx, rows, n, scale, log_out);                   \
+    }
+SOFTMAX_SHIM(f32, float)
+SOFTMAX_SHIM(bf16, bf16_t)
+
+#define XENT_SHIM(NAME, T, INAME, I)                                                          \
+    int emu_xent_fwd_##NAME##_##INAME(EMU_ERR, const T* x, const I* tgt, float* out,          \
+                                      long long rows, int n, long long ignore,                \
+                                      int has_ignore) {                                       \
+        EMU_RUN(cdt_xent_fwd_##NAME##_##INAME, x, tgt, out, rows, n, ignore, has_ignore);     \
+    }                                                                                         \
+    int emu_xent_bwd_##NAME##_##INAME(EMU_ERR, const T* x, const I* tgt, const float* lg,     \
+                                      T* dx, long long rows, int n, long long ignore,         \
+                                      int has_ignore) {                                       \
+        EMU_RUN(cdt_xent_bwd_##NAME##_##INAME, x, tgt, lg, dx, rows, n, ignore, has_ignore);  \
+    }
+XENT_SHIM(f32, float, u32, unsigned int)
+XENT_SHIM(f32, float, i64, long long)
+XENT_SHIM(bf16, bf16_t, u32, unsigned int)
+XENT_SHIM(bf16, bf16_t, i64, long long)
 
 }  // extern "C"

@@ -24,6 +24,8 @@ use std::ffi::{c_char, c_int};
 
 use thiserror::Error;
 
+pub mod fused;
+
 /// What went wrong running a kernel under the emulator.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum EmuError {
@@ -106,9 +108,10 @@ impl Launch {
     }
 }
 
-/// The C layout of a launch (`EmuLaunch` in `emu/shims.cpp`).
+/// The C layout of a launch (`EmuLaunch` in `emu/shims.cpp`); only this crate builds one.
+#[doc(hidden)]
 #[repr(C)]
-struct RawLaunch {
+pub struct RawLaunch {
     grid: [u32; 3],
     block: [u32; 3],
     shared: u64,
@@ -304,6 +307,13 @@ extern "C" {
         err_len: usize,
         y: *mut f32,
     ) -> c_int;
+    fn emu_selftest_reuse_race(
+        l: *const RawLaunch,
+        err: *mut c_char,
+        err_len: usize,
+        x: *const f32,
+        y: *mut f32,
+    ) -> c_int;
     fn emu_selftest_unguarded(
         l: *const RawLaunch,
         err: *mut c_char,
@@ -354,7 +364,7 @@ pub mod selftest {
         launch: &Launch,
         order: Order,
         y: &mut Buf<f32>,
-        f: unsafe extern "C" fn(*const RawLaunch, *mut c_char, usize, *mut f32) -> c_int,
+        f: impl FnOnce(*const RawLaunch, *mut c_char, usize, *mut f32) -> c_int,
     ) -> Result<()> {
         if launch.grid != (1, 1, 1) || launch.block.1 != 1 || launch.block.2 != 1 {
             return Err(EmuError::Args {
@@ -363,22 +373,26 @@ pub mod selftest {
             });
         }
         need_elems(k, y.len(), launch.block.0 as usize)?;
-        // SAFETY: the kernel's thread t of the single 1-D block writes y[t] only, t < block.x
+        // `f` runs a kernel whose thread t of the single 1-D block writes y[t] only, t < block.x
         // <= y.len() (checked above). The buffer outlives the synchronous call.
-        run(launch, order, |l, e, el| unsafe {
-            f(l, e, el, y.mut_ptr())
-        })?;
+        run(launch, order, |l, e, el| f(l, e, el, y.mut_ptr()))?;
         y.check(k)
     }
 
     /// Thread `t` reads thread `t + 1`'s shared slot without a barrier.
     pub fn racy(launch: &Launch, order: Order, y: &mut Buf<f32>) -> Result<()> {
-        per_thread("racy", launch, order, y, emu_selftest_racy)
+        // SAFETY: the kernel writes y[t] for thread t of one 1-D block only (per_thread checks).
+        per_thread("racy", launch, order, y, |l, e, el, y| unsafe {
+            emu_selftest_racy(l, e, el, y)
+        })
     }
 
     /// A barrier only threads 0..10 reach.
     pub fn deadlock(launch: &Launch, order: Order, y: &mut Buf<f32>) -> Result<()> {
-        per_thread("deadlock", launch, order, y, emu_selftest_deadlock)
+        // SAFETY: the kernel writes y[t] for thread t of one 1-D block only (per_thread checks).
+        per_thread("deadlock", launch, order, y, |l, e, el, y| unsafe {
+            emu_selftest_deadlock(l, e, el, y)
+        })
     }
 
     /// Copies unwritten dynamic shared memory to `y`.
@@ -389,7 +403,21 @@ pub mod selftest {
                 what: "dynamic shared memory of 4 bytes per thread".into(),
             });
         }
-        per_thread("dyn", launch, order, y, emu_selftest_dyn)
+        // SAFETY: the kernel writes y[t] for thread t of one 1-D block only (per_thread checks).
+        per_thread("dyn", launch, order, y, |l, e, el, y| unsafe {
+            emu_selftest_dyn(l, e, el, y)
+        })
+    }
+
+    /// Two block sums through one shared array without the barrier between them: thread `t`
+    /// reads `x[t]` and writes `y[t]` of one 1-D block.
+    pub fn reuse_race(launch: &Launch, order: Order, x: &Buf<f32>, y: &mut Buf<f32>) -> Result<()> {
+        need_elems("reuse_race", x.len(), launch.block.0 as usize)?;
+        // SAFETY: per_thread checks the single 1-D block and y; x is checked above; thread t
+        // reads x[t] only.
+        per_thread("reuse_race", launch, order, y, |l, e, el, y| unsafe {
+            emu_selftest_reuse_race(l, e, el, x.ptr(), y)
+        })
     }
 
     /// Writes `y[i]` for every thread `i` of the grid, with no bounds check: `y` may be

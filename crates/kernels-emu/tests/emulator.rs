@@ -114,3 +114,24 @@ fn invalid_launches_are_refused() {
         "{e}"
     );
 }
+
+#[test]
+fn warps_drift_apart_between_barriers_so_a_reused_shared_array_races() {
+    let x: Vec<f32> = (0..128).map(|i| i as f32).collect();
+    let run = |order| {
+        let mut y = Buf::filled("y", 128, 0.0);
+        selftest::reuse_race(
+            &Launch::linear(1, 128, 0),
+            order,
+            &Buf::from_slice("x", &x),
+            &mut y,
+        )
+        .unwrap();
+        y.as_slice().to_vec()
+    };
+    let outs: Vec<Vec<f32>> = ORDERS.iter().map(|&o| run(o)).collect();
+    assert!(
+        outs.windows(2).any(|w| !same_bits(&w[0], &w[1])),
+        "every order gave the same result: warps ran in step"
+    );
+}
