@@ -10,6 +10,7 @@
 #include "gelu.cu"
 #include "norm.cu"
 #include "softmax.cu"
+#include "flash_attn.cu"
 
 namespace {
 
@@ -112,5 +113,32 @@ XENT_SHIM(f32, float, u32, unsigned int)
 XENT_SHIM(f32, float, i64, long long)
 XENT_SHIM(bf16, bf16_t, u32, unsigned int)
 XENT_SHIM(bf16, bf16_t, i64, long long)
+
+
+#define FA_SHIM(NAME, T, D)                                                                   \
+    int emu_fa_fwd_##NAME##_d##D(EMU_ERR, const T* q, const T* k, const T* v, T* o,           \
+                                 float* lse, int tq, int tk, float scale, int causal) {       \
+        EMU_RUN(cdt_fa_fwd_##NAME##_d##D, q, k, v, o, lse, tq, tk, scale, causal);            \
+    }                                                                                         \
+    int emu_fa_bwd_delta_##NAME##_d##D(EMU_ERR, const T* o, const T* d_o, float* delta,       \
+                                       long long rows) {                                      \
+        EMU_RUN(cdt_fa_bwd_delta_##NAME##_d##D, o, d_o, delta, rows);                         \
+    }                                                                                         \
+    int emu_fa_bwd_dkv_##NAME##_d##D(EMU_ERR, const T* q, const T* k, const T* v,             \
+                                     const T* d_o, const float* lse, const float* delta,      \
+                                     T* dk, T* dv, int tq, int tk, float scale, int causal) { \
+        EMU_RUN(cdt_fa_bwd_dkv_##NAME##_d##D, q, k, v, d_o, lse, delta, dk, dv, tq, tk,       \
+                scale, causal);                                                               \
+    }                                                                                         \
+    int emu_fa_bwd_dq_##NAME##_d##D(EMU_ERR, const T* q, const T* k, const T* v,              \
+                                    const T* d_o, const float* lse, const float* delta,       \
+                                    T* dq, int tq, int tk, float scale, int causal) {         \
+        EMU_RUN(cdt_fa_bwd_dq_##NAME##_d##D, q, k, v, d_o, lse, delta, dq, tq, tk, scale,     \
+                causal);                                                                      \
+    }
+#define FA_SHIM_DIMS(NAME, T) \
+    FA_SHIM(NAME, T, 32) FA_SHIM(NAME, T, 48) FA_SHIM(NAME, T, 64) FA_SHIM(NAME, T, 96) FA_SHIM(NAME, T, 128)
+FA_SHIM_DIMS(f32, float)
+FA_SHIM_DIMS(bf16, bf16_t)
 
 }  // extern "C"

@@ -25,6 +25,61 @@ type NormBwdPartial<T> =
 type NormBwdFinal<T> = unsafe fn(Head, *const f32, *mut T, c_int, c_int) -> c_int;
 type SoftmaxFwd<T> = unsafe fn(Head, *const T, *mut T, Ll, c_int, Ll, f32, c_int, c_int) -> c_int;
 type SoftmaxBwd<T> = unsafe fn(Head, *const T, *const T, *mut T, Ll, c_int, f32, c_int) -> c_int;
+type FaFwd<T> = unsafe fn(
+    Head,
+    *const T,
+    *const T,
+    *const T,
+    *mut T,
+    *mut f32,
+    c_int,
+    c_int,
+    f32,
+    c_int,
+) -> c_int;
+type FaDelta<T> = unsafe fn(Head, *const T, *const T, *mut f32, Ll) -> c_int;
+type FaDkv<T> = unsafe fn(
+    Head,
+    *const T,
+    *const T,
+    *const T,
+    *const T,
+    *const f32,
+    *const f32,
+    *mut T,
+    *mut T,
+    c_int,
+    c_int,
+    f32,
+    c_int,
+) -> c_int;
+type FaDq<T> = unsafe fn(
+    Head,
+    *const T,
+    *const T,
+    *const T,
+    *const T,
+    *const f32,
+    *const f32,
+    *mut T,
+    c_int,
+    c_int,
+    f32,
+    c_int,
+) -> c_int;
+
+/// The flash-attention shims of one element type and head dim.
+#[doc(hidden)]
+#[derive(Clone, Copy)]
+pub struct FaFns<T> {
+    fwd: FaFwd<T>,
+    delta: FaDelta<T>,
+    dkv: FaDkv<T>,
+    dq: FaDq<T>,
+}
+
+/// The head dims the flash-attention kernels are built for.
+pub const FA_HEAD_DIMS: [usize; 5] = [32, 48, 64, 96, 128];
 type XentFwd<E, I> = unsafe fn(Head, *const E, *const I, *mut f32, Ll, c_int, Ll, c_int) -> c_int;
 type XentBwd<E, I> =
     unsafe fn(Head, *const E, *const I, *const f32, *mut E, Ll, c_int, Ll, c_int) -> c_int;
@@ -67,6 +122,8 @@ pub trait Dt: Element + sealed::Sealed {
     const SOFTMAX_FWD: SoftmaxFwd<Self>;
     #[doc(hidden)]
     const SOFTMAX_BWD: SoftmaxBwd<Self>;
+    #[doc(hidden)]
+    fn fa(d: usize) -> Option<FaFns<Self>>;
 }
 
 /// A class-index type of the cross-entropy kernels, with their shims for element type `T`.
@@ -121,6 +178,46 @@ shims! {
     emu_xent_bwd_f32_u32(x: *const f32, t: *const u32, lg: *const f32, dx: *mut f32, rows: Ll, n: c_int, ignore: Ll, has_ignore: c_int);
     emu_xent_bwd_f32_i64(x: *const f32, t: *const i64, lg: *const f32, dx: *mut f32, rows: Ll, n: c_int, ignore: Ll, has_ignore: c_int);
     emu_xent_bwd_bf16_u32(x: *const bf16, t: *const u32, lg: *const f32, dx: *mut bf16, rows: Ll, n: c_int, ignore: Ll, has_ignore: c_int);
+    emu_fa_fwd_f32_d32(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_f32_d32(o: *const f32, d_o: *const f32, delta: *mut f32, rows: Ll);
+    emu_fa_bwd_dkv_f32_d32(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dk: *mut f32, dv: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_f32_d32(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_f32_d48(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_f32_d48(o: *const f32, d_o: *const f32, delta: *mut f32, rows: Ll);
+    emu_fa_bwd_dkv_f32_d48(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dk: *mut f32, dv: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_f32_d48(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_f32_d64(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_f32_d64(o: *const f32, d_o: *const f32, delta: *mut f32, rows: Ll);
+    emu_fa_bwd_dkv_f32_d64(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dk: *mut f32, dv: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_f32_d64(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_f32_d96(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_f32_d96(o: *const f32, d_o: *const f32, delta: *mut f32, rows: Ll);
+    emu_fa_bwd_dkv_f32_d96(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dk: *mut f32, dv: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_f32_d96(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_f32_d128(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_f32_d128(o: *const f32, d_o: *const f32, delta: *mut f32, rows: Ll);
+    emu_fa_bwd_dkv_f32_d128(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dk: *mut f32, dv: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_f32_d128(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_bf16_d32(o: *const bf16, d_o: *const bf16, delta: *mut f32, rows: Ll);
+    emu_fa_bwd_dkv_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_bf16_d48(o: *const bf16, d_o: *const bf16, delta: *mut f32, rows: Ll);
+    emu_fa_bwd_dkv_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_bf16_d64(o: *const bf16, d_o: *const bf16, delta: *mut f32, rows: Ll);
+    emu_fa_bwd_dkv_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_bf16_d96(o: *const bf16, d_o: *const bf16, delta: *mut f32, rows: Ll);
+    emu_fa_bwd_dkv_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_bf16_d128(o: *const bf16, d_o: *const bf16, delta: *mut f32, rows: Ll);
+    emu_fa_bwd_dkv_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
     emu_xent_bwd_bf16_i64(x: *const bf16, t: *const i64, lg: *const f32, dx: *mut bf16, rows: Ll, n: c_int, ignore: Ll, has_ignore: c_int);
 }
 
@@ -140,6 +237,41 @@ impl Dt for f32 {
     const NORM_BWD_FINAL: NormBwdFinal<Self> = emu_norm_bwd_final_f32;
     const SOFTMAX_FWD: SoftmaxFwd<Self> = emu_softmax_fwd_f32;
     const SOFTMAX_BWD: SoftmaxBwd<Self> = emu_softmax_bwd_f32;
+    fn fa(d: usize) -> Option<FaFns<Self>> {
+        match d {
+            32 => Some(FaFns {
+                fwd: emu_fa_fwd_f32_d32,
+                delta: emu_fa_bwd_delta_f32_d32,
+                dkv: emu_fa_bwd_dkv_f32_d32,
+                dq: emu_fa_bwd_dq_f32_d32,
+            }),
+            48 => Some(FaFns {
+                fwd: emu_fa_fwd_f32_d48,
+                delta: emu_fa_bwd_delta_f32_d48,
+                dkv: emu_fa_bwd_dkv_f32_d48,
+                dq: emu_fa_bwd_dq_f32_d48,
+            }),
+            64 => Some(FaFns {
+                fwd: emu_fa_fwd_f32_d64,
+                delta: emu_fa_bwd_delta_f32_d64,
+                dkv: emu_fa_bwd_dkv_f32_d64,
+                dq: emu_fa_bwd_dq_f32_d64,
+            }),
+            96 => Some(FaFns {
+                fwd: emu_fa_fwd_f32_d96,
+                delta: emu_fa_bwd_delta_f32_d96,
+                dkv: emu_fa_bwd_dkv_f32_d96,
+                dq: emu_fa_bwd_dq_f32_d96,
+            }),
+            128 => Some(FaFns {
+                fwd: emu_fa_fwd_f32_d128,
+                delta: emu_fa_bwd_delta_f32_d128,
+                dkv: emu_fa_bwd_dkv_f32_d128,
+                dq: emu_fa_bwd_dq_f32_d128,
+            }),
+            _ => None,
+        }
+    }
 }
 
 impl Dt for bf16 {
@@ -158,6 +290,41 @@ impl Dt for bf16 {
     const NORM_BWD_FINAL: NormBwdFinal<Self> = emu_norm_bwd_final_bf16;
     const SOFTMAX_FWD: SoftmaxFwd<Self> = emu_softmax_fwd_bf16;
     const SOFTMAX_BWD: SoftmaxBwd<Self> = emu_softmax_bwd_bf16;
+    fn fa(d: usize) -> Option<FaFns<Self>> {
+        match d {
+            32 => Some(FaFns {
+                fwd: emu_fa_fwd_bf16_d32,
+                delta: emu_fa_bwd_delta_bf16_d32,
+                dkv: emu_fa_bwd_dkv_bf16_d32,
+                dq: emu_fa_bwd_dq_bf16_d32,
+            }),
+            48 => Some(FaFns {
+                fwd: emu_fa_fwd_bf16_d48,
+                delta: emu_fa_bwd_delta_bf16_d48,
+                dkv: emu_fa_bwd_dkv_bf16_d48,
+                dq: emu_fa_bwd_dq_bf16_d48,
+            }),
+            64 => Some(FaFns {
+                fwd: emu_fa_fwd_bf16_d64,
+                delta: emu_fa_bwd_delta_bf16_d64,
+                dkv: emu_fa_bwd_dkv_bf16_d64,
+                dq: emu_fa_bwd_dq_bf16_d64,
+            }),
+            96 => Some(FaFns {
+                fwd: emu_fa_fwd_bf16_d96,
+                delta: emu_fa_bwd_delta_bf16_d96,
+                dkv: emu_fa_bwd_dkv_bf16_d96,
+                dq: emu_fa_bwd_dq_bf16_d96,
+            }),
+            128 => Some(FaFns {
+                fwd: emu_fa_fwd_bf16_d128,
+                delta: emu_fa_bwd_delta_bf16_d128,
+                dkv: emu_fa_bwd_dkv_bf16_d128,
+                dq: emu_fa_bwd_dq_bf16_d128,
+            }),
+            _ => None,
+        }
+    }
 }
 
 macro_rules! index_impl {
@@ -524,4 +691,184 @@ pub fn xent_bwd<T: Dt, I: Index<T>>(
         )
     })?;
     dx.check(k)
+}
+
+/// The shape of an attention: `bh` heads (batch times heads), `tq` queries and `tk` keys of
+/// head dim `d`, tensors `[bh, t, d]` contiguous.
+#[derive(Debug, Clone, Copy)]
+pub struct Attn {
+    /// Batch times heads.
+    pub bh: usize,
+    /// Queries per head.
+    pub tq: usize,
+    /// Keys per head.
+    pub tk: usize,
+    /// Head dim.
+    pub d: usize,
+}
+
+/// Query or key rows per block, and threads per block, of the flash-attention kernels.
+pub const FA_ROWS: usize = 32;
+const FA_THREADS: u32 = 128;
+
+impl Attn {
+    fn check<T: Dt>(&self, k: &str) -> Result<(FaFns<T>, c_int, c_int, u32)> {
+        let fns = T::fa(self.d).ok_or_else(|| {
+            args(
+                k,
+                format!("head dim {} is not one of {FA_HEAD_DIMS:?}", self.d),
+            )
+        })?;
+        let tq = int(k, "tq", self.tq)?;
+        let tk = int(k, "tk", self.tk)?;
+        let bh = u32::try_from(self.bh)
+            .ok()
+            .filter(|&b| (1..=65535).contains(&b))
+            .ok_or_else(|| args(k, format!("bh = {} outside the grid's 1..=65535", self.bh)))?;
+        for (name, n) in [("q", self.tq), ("k", self.tk)] {
+            self.bh
+                .checked_mul(n)
+                .and_then(|v| v.checked_mul(self.d))
+                .and_then(|v| Ll::try_from(v).ok())
+                .ok_or_else(|| args(k, format!("{name} of {self:?} overflows")))?;
+        }
+        Ok((fns, tq, tk, bh))
+    }
+
+    fn blocks(k: &str, rows: usize, bh: u32) -> Result<Launch> {
+        let blocks = u32::try_from(rows.div_ceil(FA_ROWS).max(1))
+            .map_err(|_| args(k, format!("{rows} rows need too many blocks")))?;
+        Ok(Launch {
+            grid: (blocks, bh, 1),
+            block: (FA_THREADS, 1, 1),
+            shared_bytes: 0,
+        })
+    }
+}
+
+/// Flash-attention forward: `o = softmax(scale q k^T [causal]) v` and `lse` per query, with
+/// the launch the CUDA op uses (grid `(ceil(tq / 32), bh)`, 128 threads).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_fwd<T: Dt>(
+    order: Order,
+    q: &Buf<T>,
+    k: &Buf<T>,
+    v: &Buf<T>,
+    o: &mut Buf<T>,
+    lse: &mut Buf<f32>,
+    shape: Attn,
+    scale: f32,
+    causal: bool,
+) -> Result<()> {
+    let kn = "flash_attn_fwd";
+    let (fns, tq, tk, bh) = shape.check::<T>(kn)?;
+    let (nq, nk) = (shape.bh * shape.tq * shape.d, shape.bh * shape.tk * shape.d);
+    need_elems(kn, q.len(), nq)?;
+    need_elems(kn, o.len(), nq)?;
+    need_elems(kn, k.len(), nk)?;
+    need_elems(kn, v.len(), nk)?;
+    need_elems(kn, lse.len(), shape.bh * shape.tq)?;
+    let launch = Attn::blocks(kn, shape.tq, bh)?;
+    // SAFETY: block (x, h) reads q, writes o at rows [32 x, 32 x + 32) ∩ [0, tq) of head h
+    // (h < bh), reads k and v rows [0, tk) of head h, writes lse[h tq + i] for i < tq: all in
+    // bounds of the checked lengths; the block is the 128 threads the kernel's row mapping
+    // assumes.
+    run(&launch, order, |l, e, el| unsafe {
+        (fns.fwd)(
+            (l, e, el),
+            q.ptr(),
+            k.ptr(),
+            v.ptr(),
+            o.mut_ptr(),
+            lse.mut_ptr(),
+            tq,
+            tk,
+            scale,
+            c_int::from(causal),
+        )
+    })?;
+    o.check(kn)?;
+    lse.check(kn)
+}
+
+/// Flash-attention backward: `dq`, `dk`, `dv` from the forward's `o` and `lse` and the
+/// output's gradient `d_o` (three kernels: delta, dK/dV per key block, dQ per query block).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_bwd<T: Dt>(
+    order: Order,
+    q: &Buf<T>,
+    k: &Buf<T>,
+    v: &Buf<T>,
+    o: &Buf<T>,
+    lse: &Buf<f32>,
+    d_o: &Buf<T>,
+    dq: &mut Buf<T>,
+    dk: &mut Buf<T>,
+    dv: &mut Buf<T>,
+    shape: Attn,
+    scale: f32,
+    causal: bool,
+) -> Result<()> {
+    let kn = "flash_attn_bwd";
+    let (fns, tq, tk, bh) = shape.check::<T>(kn)?;
+    let (nq, nk) = (shape.bh * shape.tq * shape.d, shape.bh * shape.tk * shape.d);
+    for len in [q.len(), o.len(), d_o.len(), dq.len()] {
+        need_elems(kn, len, nq)?;
+    }
+    for len in [k.len(), v.len(), dk.len(), dv.len()] {
+        need_elems(kn, len, nk)?;
+    }
+    let rows = shape.bh * shape.tq;
+    need_elems(kn, lse.len(), rows)?;
+    let mut delta = Buf::filled("delta", rows, f32::NAN);
+    let rows_ll = ll(kn, "rows", rows)?;
+    // SAFETY: grid-stride over rows < bh tq: reads o, d_o rows, writes delta[row] (sized rows).
+    run(&Launch::linear(4, 64, 0), order, |l, e, el| unsafe {
+        (fns.delta)((l, e, el), o.ptr(), d_o.ptr(), delta.mut_ptr(), rows_ll)
+    })?;
+    delta.check("flash_attn_bwd_delta")?;
+    let c = c_int::from(causal);
+    let launch = Attn::blocks(kn, shape.tk, bh)?;
+    // SAFETY: block (x, h) reads k, v and writes dk, dv at key rows [32 x, 32 x + 32) ∩
+    // [0, tk) of head h, reads q, d_o rows [0, tq) and lse, delta [h tq, (h + 1) tq): in
+    // bounds (checked); 128 threads as the kernel assumes.
+    run(&launch, order, |l, e, el| unsafe {
+        (fns.dkv)(
+            (l, e, el),
+            q.ptr(),
+            k.ptr(),
+            v.ptr(),
+            d_o.ptr(),
+            lse.ptr(),
+            delta.ptr(),
+            dk.mut_ptr(),
+            dv.mut_ptr(),
+            tq,
+            tk,
+            scale,
+            c,
+        )
+    })?;
+    dk.check("flash_attn_bwd_dkv")?;
+    dv.check("flash_attn_bwd_dkv")?;
+    let launch = Attn::blocks(kn, shape.tq, bh)?;
+    // SAFETY: block (x, h) reads q, d_o, lse, delta at query rows [32 x, 32 x + 32) ∩ [0, tq)
+    // of head h, k and v rows [0, tk), writes dq at its query rows: in bounds (checked).
+    run(&launch, order, |l, e, el| unsafe {
+        (fns.dq)(
+            (l, e, el),
+            q.ptr(),
+            k.ptr(),
+            v.ptr(),
+            d_o.ptr(),
+            lse.ptr(),
+            delta.ptr(),
+            dq.mut_ptr(),
+            tq,
+            tk,
+            scale,
+            c,
+        )
+    })?;
+    dq.check("flash_attn_bwd_dq")
 }
