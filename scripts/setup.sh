@@ -30,6 +30,7 @@ fi
 # tool | Debian package | who needs it. `python3 -m pip` stands for pip.
 TOOLS=(
     "cc|gcc libc6-dev|cargo (the linker of every build)"
+    "c++|g++|cargo test (crates/kernels-emu compiles the CUDA C kernels as C++ for the CPU emulator)"
     "python3|python3|scripts/ci_process.sh, scripts/check_msrv.sh, scripts/build_release.sh, scripts/setup_cuda.sh"
     "pip|python3-pip|scripts/setup_cuda.sh (ci_nccl_check.sh), scripts/build_release.sh (pip install --target)"
     "objdump|binutils|scripts/check_glibc.sh"

@@ -1,0 +1,68 @@
+// Kernels the emulator's own tests run (crates/kernels-emu/tests/emulator.rs): a correct block
+// reduction and one kernel for each kind of bug the emulator must report.
+
+__device__ float selftest_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// y[row] = sum of row `blockIdx.x` of x (n columns): a grid-stride loop, a warp shuffle
+// reduction and a cross-warp step through shared memory. Correct for a multiple of 32 threads;
+// with a partial last warp its shuffles read lanes no thread runs.
+__global__ void row_sum(const float* x, float* y, int n) {
+    __shared__ float part[32];
+    const float* xr = x + static_cast<size_t>(blockIdx.x) * n;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i];
+    s = selftest_warp_sum(s);
+    int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    if (lane == 0) part[w] = s;
+    __syncthreads();
+    if (w == 0) {
+        int nw = (blockDim.x + 31) / 32;
+        s = lane < nw ? part[lane] : 0.f;
+        s = selftest_warp_sum(s);
+        if (lane == 0) y[blockIdx.x] = s;
+    }
+}
+
+// Reads a neighbour's shared-memory slot without a barrier after the writes.
+__global__ void racy(float* y) {
+    __shared__ float v[1024];
+    v[threadIdx.x] = static_cast<float>(threadIdx.x);
+    y[threadIdx.x] = v[(threadIdx.x + 1) % blockDim.x];
+}
+
+// A __syncthreads only some threads reach.
+__global__ void deadlock(float* y) {
+    if (threadIdx.x < 10) __syncthreads();
+    y[threadIdx.x] = 1.f;
+}
+
+// Reads dynamic shared memory nobody wrote.
+__global__ void dyn(float* y) {
+    CDT_DYN_SHARED(float, buf);
+    y[threadIdx.x] = buf[threadIdx.x];
+}
+
+// Writes one element per thread with no bounds check.
+__global__ void unguarded(float* y) { y[blockIdx.x * blockDim.x + threadIdx.x] = 2.f; }
+
+// Two block sums in a row through one shared array, without a barrier before the second one's
+// writes: a fast warp overwrites a slot a slow warp has not read yet. Only shows when warps
+// drift apart between __syncthreads.
+__device__ float selftest_block_sum_no_lead(float v, float* buf) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = selftest_warp_sum(v);
+    if (lane == 0) buf[wid] = v;
+    __syncthreads();
+    v = lane < nw ? buf[lane] : 0.f;
+    return selftest_warp_sum(v);
+}
+
+__global__ void reuse_race(const float* x, float* y) {
+    __shared__ float buf[32];
+    const float a = selftest_block_sum_no_lead(x[threadIdx.x], buf);
+    const float b = selftest_block_sum_no_lead(2.f * x[threadIdx.x], buf);
+    y[threadIdx.x] = a + 10.f * b;
+}

@@ -1,0 +1,144 @@
+// Launch shims: one `extern "C"` function per kernel the Rust side tests, running it under the
+// emulator. The kernels' sources are included unchanged.
+
+#include <cstdio>
+#include <exception>
+
+#include "selftest.cu"
+
+// The kernels under test, as nvcc compiles them (crates/kernels/build.rs).
+#include "gelu.cu"
+#include "norm.cu"
+#include "softmax.cu"
+#include "flash_attn.cu"
+
+namespace {
+
+// The launch configuration as the Rust side passes it (`#[repr(C)] RawLaunch`).
+struct EmuLaunch {
+    unsigned grid[3];
+    unsigned block[3];
+    uint64_t shared;
+    int32_t order;
+    uint64_t seed;
+};
+
+// Runs `body` as the launch `l` describes; 0 on success, else 1 with the reason in `err`. No
+// exception crosses into Rust.
+int run(const char* name, const EmuLaunch* l, char* err, size_t err_len,
+        const std::function<void()>& body) {
+    try {
+        emu::launch(name, dim3(l->grid[0], l->grid[1], l->grid[2]),
+                    dim3(l->block[0], l->block[1], l->block[2]), l->shared,
+                    static_cast<emu::Order>(l->order), l->seed, body);
+        return 0;
+    } catch (const emu::LaunchError& e) {
+        std::snprintf(err, err_len, "%s", e.message.c_str());
+    } catch (const std::exception& e) {
+        std::snprintf(err, err_len, "kernel %s: %s", name, e.what());
+    } catch (...) {
+        std::snprintf(err, err_len, "kernel %s: an unknown C++ exception", name);
+    }
+    return 1;
+}
+
+}  // namespace
+
+#define EMU_ERR const EmuLaunch *l, char *err, size_t err_len
+#define EMU_RUN(kernel, ...) return run(#kernel, l, err, err_len, [&] { kernel(__VA_ARGS__); })
+
+extern "C" {
+
+int emu_selftest_row_sum(EMU_ERR, const float* x, float* y, int n) { EMU_RUN(row_sum, x, y, n); }
+int emu_selftest_racy(EMU_ERR, float* y) { EMU_RUN(racy, y); }
+int emu_selftest_deadlock(EMU_ERR, float* y) { EMU_RUN(deadlock, y); }
+int emu_selftest_dyn(EMU_ERR, float* y) { EMU_RUN(dyn, y); }
+int emu_selftest_unguarded(EMU_ERR, float* y) { EMU_RUN(unguarded, y); }
+int emu_selftest_reuse_race(EMU_ERR, const float* x, float* y) { EMU_RUN(reuse_race, x, y); }
+
+
+#define GELU_SHIM(NAME, T)                                                                    \
+    int emu_gelu_fwd_##NAME(EMU_ERR, const T* x, T* y, long long len) {                       \
+        EMU_RUN(cdt_gelu_fwd_##NAME, x, y, len);                                              \
+    }                                                                                         \
+    int emu_gelu_bwd_##NAME(EMU_ERR, const T* x, const T* g, T* dx, long long len) {          \
+        EMU_RUN(cdt_gelu_bwd_##NAME, x, g, dx, len);                                          \
+    }
+GELU_SHIM(f32, float)
+GELU_SHIM(bf16, bf16_t)
+
+#define NORM_SHIM(NAME, T)                                                                    \
+    int emu_norm_fwd_##NAME(EMU_ERR, const T* x, const T* w, const T* b, T* y,                \
+                            long long rows, int n, float eps, int center) {                   \
+        EMU_RUN(cdt_norm_fwd_##NAME, x, w, b, y, rows, n, eps, center);                       \
+    }                                                                                         \
+    int emu_norm_bwd_dx_##NAME(EMU_ERR, const T* x, const T* w, const T* g, T* dx,            \
+                               float* stats, long long rows, int n, float eps, int center) {  \
+        EMU_RUN(cdt_norm_bwd_dx_##NAME, x, w, g, dx, stats, rows, n, eps, center);            \
+    }                                                                                         \
+    int emu_norm_bwd_partial_##NAME(EMU_ERR, const T* x, const T* g, const float* stats,      \
+                                    float* part, long long rows, int n, long long per_chunk) { \
+        EMU_RUN(cdt_norm_bwd_partial_##NAME, x, g, stats, part, rows, n, per_chunk);          \
+    }                                                                                         \
+    int emu_norm_bwd_final_##NAME(EMU_ERR, const float* part, T* wb, int chunks, int n) {     \
+        EMU_RUN(cdt_norm_bwd_final_##NAME, part, wb, chunks, n);                              \
+    }
+NORM_SHIM(f32, float)
+NORM_SHIM(bf16, bf16_t)
+
+#define SOFTMAX_SHIM(NAME, T)                                                                 \
+    int emu_softmax_fwd_##NAME(EMU_ERR, const T* x, T* y, long long rows, int n, long long t, \
+                               float scale, int causal, int log_out) {                        \
+        EMU_RUN(cdt_softmax_fwd_##NAME, x, y, rows, n, t, scale, causal, log_out);            \
+    }                                                                                         \
+    int emu_softmax_bwd_##NAME(EMU_ERR, const T* y, const T* g, T* dx, long long rows, int n, \
+                               float scale, int log_out) {                                    \
+        EMU_RUN(cdt_softmax_bwd_##NAME, y, g, dx, rows, n, scale, log_out);                   \
+    }
+SOFTMAX_SHIM(f32, float)
+SOFTMAX_SHIM(bf16, bf16_t)
+
+#define XENT_SHIM(NAME, T, INAME, I)                                                          \
+    int emu_xent_fwd_##NAME##_##INAME(EMU_ERR, const T* x, const I* tgt, float* out,          \
+                                      long long rows, int n, long long ignore,                \
+                                      int has_ignore) {                                       \
+        EMU_RUN(cdt_xent_fwd_##NAME##_##INAME, x, tgt, out, rows, n, ignore, has_ignore);     \
+    }                                                                                         \
+    int emu_xent_bwd_##NAME##_##INAME(EMU_ERR, const T* x, const I* tgt, const float* lg,     \
+                                      T* dx, long long rows, int n, long long ignore,         \
+                                      int has_ignore) {                                       \
+        EMU_RUN(cdt_xent_bwd_##NAME##_##INAME, x, tgt, lg, dx, rows, n, ignore, has_ignore);  \
+    }
+XENT_SHIM(f32, float, u32, unsigned int)
+XENT_SHIM(f32, float, i64, long long)
+XENT_SHIM(bf16, bf16_t, u32, unsigned int)
+XENT_SHIM(bf16, bf16_t, i64, long long)
+
+
+#define FA_SHIM(NAME, T, D)                                                                   \
+    int emu_fa_fwd_##NAME##_d##D(EMU_ERR, const T* q, const T* k, const T* v, T* o,           \
+                                 float* lse, int tq, int tk, float scale, int causal) {       \
+        EMU_RUN(cdt_fa_fwd_##NAME##_d##D, q, k, v, o, lse, tq, tk, scale, causal);            \
+    }                                                                                         \
+    int emu_fa_bwd_delta_##NAME##_d##D(EMU_ERR, const T* o, const T* d_o, float* delta,       \
+                                       long long rows) {                                      \
+        EMU_RUN(cdt_fa_bwd_delta_##NAME##_d##D, o, d_o, delta, rows);                         \
+    }                                                                                         \
+    int emu_fa_bwd_dkv_##NAME##_d##D(EMU_ERR, const T* q, const T* k, const T* v,             \
+                                     const T* d_o, const float* lse, const float* delta,      \
+                                     T* dk, T* dv, int tq, int tk, float scale, int causal) { \
+        EMU_RUN(cdt_fa_bwd_dkv_##NAME##_d##D, q, k, v, d_o, lse, delta, dk, dv, tq, tk,       \
+                scale, causal);                                                               \
+    }                                                                                         \
+    int emu_fa_bwd_dq_##NAME##_d##D(EMU_ERR, const T* q, const T* k, const T* v,              \
+                                    const T* d_o, const float* lse, const float* delta,       \
+                                    T* dq, int tq, int tk, float scale, int causal) {         \
+        EMU_RUN(cdt_fa_bwd_dq_##NAME##_d##D, q, k, v, d_o, lse, delta, dq, tq, tk, scale,     \
+                causal);                                                                      \
+    }
+#define FA_SHIM_DIMS(NAME, T) \
+    FA_SHIM(NAME, T, 32) FA_SHIM(NAME, T, 48) FA_SHIM(NAME, T, 64) FA_SHIM(NAME, T, 96) FA_SHIM(NAME, T, 128)
+FA_SHIM_DIMS(f32, float)
+FA_SHIM_DIMS(bf16, bf16_t)
+
+}  // extern "C"

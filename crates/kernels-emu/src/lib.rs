@@ -1,0 +1,442 @@
+//! The CUDA C kernels of `candle-dtensor-kernels` (`crates/kernels/cuda/*.cu`), run on the CPU
+//! under an emulator of the CUDA execution model, so that their logic is tested on every
+//! machine, CI included, where no GPU is.
+//!
+//! The kernel sources are compiled unchanged as C++ with `emu/cuda_emu.h` force-included
+//! (see that header for what is emulated and what is not). A launch runs the grid's blocks one
+//! after another, each block's threads as cooperative fibers switched at `__syncthreads`,
+//! warp syncs and shuffles, in an [`Order`] chosen per launch. A launch fails with
+//! [`EmuError::Launch`] on what would hang or be undefined on a GPU: a barrier some threads
+//! never reach or reach after others exited, a shuffle from a lane no thread runs, an invalid
+//! launch configuration. Buffers passed to a kernel are [`Buf`]s with guard zones on both
+//! sides; a kernel that writes into one fails with [`EmuError::OutOfBounds`]. Running a kernel
+//! under two orders and comparing the outputs bit for bit finds shared-memory races.
+//!
+//! What this does not show: speed, and anything of the real hardware beyond the programming
+//! model (the memory model past barriers, floating-point contraction choices of nvcc, bf16
+//! intrinsics' exact rounding where the kernels rely on it). The GPU tests
+//! (`crates/kernels/tests/cuda_fused.rs`, run by `scripts/gpu_check.sh`) check those.
+//!
+//! The crate is test infrastructure (`publish = false`): the library exposes one safe wrapper
+//! per kernel, each checking that its buffers are large enough for the shape it launches.
+
+use std::ffi::{c_char, c_int};
+
+use thiserror::Error;
+
+pub mod fused;
+
+/// What went wrong running a kernel under the emulator.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum EmuError {
+    /// The emulator refused or stopped the launch (deadlock, divergent barrier, bad shuffle,
+    /// invalid configuration); the message names the kernel, block and threads.
+    #[error("{0}")]
+    Launch(String),
+    /// The kernel wrote into a buffer's guard zone.
+    #[error(
+        "kernel {kernel}: wrote outside buffer `{buffer}` of {len} elements ({side} guard zone, \
+         element {offset} past the edge)"
+    )]
+    OutOfBounds {
+        /// The kernel.
+        kernel: String,
+        /// The buffer's name.
+        buffer: String,
+        /// Its length in elements.
+        len: usize,
+        /// `before` or `after`.
+        side: &'static str,
+        /// How far past the edge (0 = the first element outside).
+        offset: usize,
+    },
+    /// The arguments do not describe a launch the wrapper can run safely.
+    #[error("kernel {kernel}: {what}")]
+    Args {
+        /// The kernel.
+        kernel: String,
+        /// What is wrong.
+        what: String,
+    },
+}
+
+/// Result of an emulated launch.
+pub type Result<T> = std::result::Result<T, EmuError>;
+
+/// The order in which the fibers of a block take turns between synchronisation points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// Thread 0 first.
+    Forward,
+    /// The last thread first.
+    Reverse,
+    /// A shuffled order, reshuffled between every pair of barriers (the seed picks it).
+    Shuffled(u64),
+}
+
+/// The orders a kernel's determinism is checked under.
+pub const ORDERS: [Order; 3] = [Order::Forward, Order::Reverse, Order::Shuffled(0x5eed)];
+
+/// A launch configuration: grid and block dimensions and dynamic shared memory in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    /// Blocks (x, y, z).
+    pub grid: (u32, u32, u32),
+    /// Threads per block (x, y, z).
+    pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block, in bytes.
+    pub shared_bytes: usize,
+}
+
+impl Launch {
+    /// A one-dimensional launch.
+    pub fn linear(blocks: u32, threads: u32, shared_bytes: usize) -> Self {
+        Self {
+            grid: (blocks, 1, 1),
+            block: (threads, 1, 1),
+            shared_bytes,
+        }
+    }
+
+    /// The number of threads of the whole grid.
+    pub fn threads(&self) -> u64 {
+        let (g, b) = (self.grid, self.block);
+        [g.0, g.1, g.2, b.0, b.1, b.2]
+            .iter()
+            .map(|&v| u64::from(v))
+            .product()
+    }
+}
+
+/// The C layout of a launch (`EmuLaunch` in `emu/shims.cpp`); only this crate builds one.
+#[doc(hidden)]
+#[repr(C)]
+pub struct RawLaunch {
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared: u64,
+    order: i32,
+    seed: u64,
+}
+
+const ERR_LEN: usize = 2048;
+
+/// Runs one shim: `call(raw launch, error buffer, its length)` returns 0 on success.
+fn run(
+    launch: &Launch,
+    order: Order,
+    call: impl FnOnce(*const RawLaunch, *mut c_char, usize) -> c_int,
+) -> Result<()> {
+    let (order, seed) = match order {
+        Order::Forward => (0, 0),
+        Order::Reverse => (1, 0),
+        Order::Shuffled(s) => (2, s),
+    };
+    let raw = RawLaunch {
+        grid: [launch.grid.0, launch.grid.1, launch.grid.2],
+        block: [launch.block.0, launch.block.1, launch.block.2],
+        shared: launch.shared_bytes as u64,
+        order,
+        seed,
+    };
+    let mut err = vec![0u8; ERR_LEN];
+    if call(&raw, err.as_mut_ptr().cast::<c_char>(), ERR_LEN) == 0 {
+        return Ok(());
+    }
+    let end = err.iter().position(|&b| b == 0).unwrap_or(ERR_LEN);
+    Err(EmuError::Launch(
+        String::from_utf8_lossy(&err[..end]).into_owned(),
+    ))
+}
+
+/// Elements of guard zone on each side of a [`Buf`].
+pub const GUARD: usize = 4096;
+
+/// An element type a [`Buf`] holds, with the byte pattern its guard zones are filled with.
+pub trait Element: Copy + PartialEq + std::fmt::Debug {
+    /// The guard value (a bit pattern no kernel output is expected to produce).
+    const GUARD: Self;
+}
+
+impl Element for f32 {
+    // A signalling NaN with a payload: compared by bits, never produced by arithmetic.
+    const GUARD: Self = f32::from_bits(0x7fa5_a5a5);
+}
+impl Element for u16 {
+    const GUARD: Self = 0x7fa5;
+}
+impl Element for i32 {
+    const GUARD: Self = 0x5a5a_a5a5;
+}
+impl Element for u32 {
+    const GUARD: Self = 0xa5a5_5a5a;
+}
+impl Element for i64 {
+    const GUARD: Self = 0x5a5a_a5a5_5a5a_a5a5;
+}
+
+/// A device buffer of the emulator: `len` elements between two guard zones of [`GUARD`]
+/// elements, so a kernel that writes up to `GUARD` elements past either edge is caught
+/// ([`Buf::check`]) instead of corrupting memory. Kernels get pointers to its interior only.
+#[derive(Debug, Clone)]
+pub struct Buf<T: Element> {
+    name: &'static str,
+    data: Vec<T>,
+    len: usize,
+}
+
+impl<T: Element> Buf<T> {
+    /// A buffer holding `v`.
+    pub fn from_slice(name: &'static str, v: &[T]) -> Self {
+        let mut data = vec![T::GUARD; v.len() + 2 * GUARD];
+        data[GUARD..GUARD + v.len()].copy_from_slice(v);
+        Self {
+            name,
+            data,
+            len: v.len(),
+        }
+    }
+
+    /// A buffer of `len` copies of `fill`.
+    pub fn filled(name: &'static str, len: usize, fill: T) -> Self {
+        Self::from_slice(name, &vec![fill; len])
+    }
+
+    /// Its elements.
+    pub fn as_slice(&self) -> &[T] {
+        &self.data[GUARD..GUARD + self.len]
+    }
+
+    /// Its length in elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A pointer to its first element, for a kernel that reads it.
+    pub(crate) fn ptr(&self) -> *const T {
+        self.data[GUARD..].as_ptr()
+    }
+
+    /// A pointer to its first element, for a kernel that writes it.
+    pub(crate) fn mut_ptr(&mut self) -> *mut T {
+        self.data[GUARD..].as_mut_ptr()
+    }
+
+    /// [`EmuError::OutOfBounds`] if a guard zone changed (the element nearest the buffer
+    /// first).
+    pub fn check(&self, kernel: &str) -> Result<()> {
+        let same = |a: &T| a == &T::GUARD || bits_eq(a, &T::GUARD);
+        let before = &self.data[..GUARD];
+        let after = &self.data[GUARD + self.len..];
+        let oob = |side, offset| EmuError::OutOfBounds {
+            kernel: kernel.to_string(),
+            buffer: self.name.to_string(),
+            len: self.len,
+            side,
+            offset,
+        };
+        if let Some(i) = before.iter().rev().position(|v| !same(v)) {
+            return Err(oob("before", i));
+        }
+        if let Some(i) = after.iter().position(|v| !same(v)) {
+            return Err(oob("after", i));
+        }
+        Ok(())
+    }
+}
+
+/// Bitwise equality (a NaN guard value equals itself).
+fn bits_eq<T: Copy>(a: &T, b: &T) -> bool {
+    let n = std::mem::size_of::<T>();
+    // SAFETY: `a` and `b` are valid, initialised values of the same `Copy` type of size `n`;
+    // reading their bytes is reading initialised memory (the Element types have no padding).
+    let (x, y) = unsafe {
+        (
+            std::slice::from_raw_parts((a as *const T).cast::<u8>(), n),
+            std::slice::from_raw_parts((b as *const T).cast::<u8>(), n),
+        )
+    };
+    x == y
+}
+
+/// The same values, bit for bit (NaNs compared by their bits).
+pub fn same_bits<T: Element>(a: &[T], b: &[T]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| bits_eq(x, y))
+}
+
+/// [`EmuError::Args`] unless a buffer of `len` elements holds the `need` a launch touches.
+pub(crate) fn need_elems(kernel: &str, len: usize, need: usize) -> Result<()> {
+    if len < need {
+        return Err(EmuError::Args {
+            kernel: kernel.into(),
+            what: format!("a buffer of {len} elements where the launch needs {need}"),
+        });
+    }
+    Ok(())
+}
+
+extern "C" {
+    fn emu_selftest_row_sum(
+        l: *const RawLaunch,
+        err: *mut c_char,
+        err_len: usize,
+        x: *const f32,
+        y: *mut f32,
+        n: c_int,
+    ) -> c_int;
+    fn emu_selftest_racy(
+        l: *const RawLaunch,
+        err: *mut c_char,
+        err_len: usize,
+        y: *mut f32,
+    ) -> c_int;
+    fn emu_selftest_deadlock(
+        l: *const RawLaunch,
+        err: *mut c_char,
+        err_len: usize,
+        y: *mut f32,
+    ) -> c_int;
+    fn emu_selftest_dyn(
+        l: *const RawLaunch,
+        err: *mut c_char,
+        err_len: usize,
+        y: *mut f32,
+    ) -> c_int;
+    fn emu_selftest_reuse_race(
+        l: *const RawLaunch,
+        err: *mut c_char,
+        err_len: usize,
+        x: *const f32,
+        y: *mut f32,
+    ) -> c_int;
+    fn emu_selftest_unguarded(
+        l: *const RawLaunch,
+        err: *mut c_char,
+        err_len: usize,
+        y: *mut f32,
+    ) -> c_int;
+}
+
+/// The emulator's own kernels (`emu/selftest.cu`): a correct block reduction and one kernel
+/// per kind of bug the emulator must report. Used by `tests/emulator.rs`.
+pub mod selftest {
+    use super::*;
+
+    /// `y[r] = sum(x[r, ..])` for `rows = launch.grid.0` rows of `n`.
+    pub fn row_sum(
+        launch: &Launch,
+        order: Order,
+        x: &Buf<f32>,
+        y: &mut Buf<f32>,
+        n: usize,
+    ) -> Result<()> {
+        let k = "row_sum";
+        let rows = launch.grid.0 as usize;
+        need_elems(k, x.len(), rows * n)?;
+        need_elems(k, y.len(), rows)?;
+        let n = c_int::try_from(n).map_err(|_| EmuError::Args {
+            kernel: k.into(),
+            what: format!("row length {n} beyond a C int"),
+        })?;
+        if launch.grid.1 != 1 || launch.grid.2 != 1 || launch.block.1 != 1 || launch.block.2 != 1 {
+            return Err(EmuError::Args {
+                kernel: k.into(),
+                what: "a 1-D launch".into(),
+            });
+        }
+        // SAFETY: block r reads x[r n .. (r + 1) n] and writes y[r] for r < grid.x = rows,
+        // both in bounds (checked above); the launch is 1-D, so no other block exists. The
+        // buffers outlive the call, which is synchronous.
+        run(launch, order, |l, e, el| unsafe {
+            emu_selftest_row_sum(l, e, el, x.ptr(), y.mut_ptr(), n)
+        })?;
+        y.check(k)
+    }
+
+    /// Thread `t` writes `y[t]`: needs `y.len() >= threads`.
+    fn per_thread(
+        k: &str,
+        launch: &Launch,
+        order: Order,
+        y: &mut Buf<f32>,
+        f: impl FnOnce(*const RawLaunch, *mut c_char, usize, *mut f32) -> c_int,
+    ) -> Result<()> {
+        if launch.grid != (1, 1, 1) || launch.block.1 != 1 || launch.block.2 != 1 {
+            return Err(EmuError::Args {
+                kernel: k.into(),
+                what: "one 1-D block".into(),
+            });
+        }
+        need_elems(k, y.len(), launch.block.0 as usize)?;
+        // `f` runs a kernel whose thread t of the single 1-D block writes y[t] only, t < block.x
+        // <= y.len() (checked above). The buffer outlives the synchronous call.
+        run(launch, order, |l, e, el| f(l, e, el, y.mut_ptr()))?;
+        y.check(k)
+    }
+
+    /// Thread `t` reads thread `t + 1`'s shared slot without a barrier.
+    pub fn racy(launch: &Launch, order: Order, y: &mut Buf<f32>) -> Result<()> {
+        // SAFETY: the kernel writes y[t] for thread t of one 1-D block only (per_thread checks).
+        per_thread("racy", launch, order, y, |l, e, el, y| unsafe {
+            emu_selftest_racy(l, e, el, y)
+        })
+    }
+
+    /// A barrier only threads 0..10 reach.
+    pub fn deadlock(launch: &Launch, order: Order, y: &mut Buf<f32>) -> Result<()> {
+        // SAFETY: the kernel writes y[t] for thread t of one 1-D block only (per_thread checks).
+        per_thread("deadlock", launch, order, y, |l, e, el, y| unsafe {
+            emu_selftest_deadlock(l, e, el, y)
+        })
+    }
+
+    /// Copies unwritten dynamic shared memory to `y`.
+    pub fn dyn_shared(launch: &Launch, order: Order, y: &mut Buf<f32>) -> Result<()> {
+        if launch.shared_bytes < 4 * launch.block.0 as usize {
+            return Err(EmuError::Args {
+                kernel: "dyn".into(),
+                what: "dynamic shared memory of 4 bytes per thread".into(),
+            });
+        }
+        // SAFETY: the kernel writes y[t] for thread t of one 1-D block only (per_thread checks).
+        per_thread("dyn", launch, order, y, |l, e, el, y| unsafe {
+            emu_selftest_dyn(l, e, el, y)
+        })
+    }
+
+    /// Two block sums through one shared array without the barrier between them: thread `t`
+    /// reads `x[t]` and writes `y[t]` of one 1-D block.
+    pub fn reuse_race(launch: &Launch, order: Order, x: &Buf<f32>, y: &mut Buf<f32>) -> Result<()> {
+        need_elems("reuse_race", x.len(), launch.block.0 as usize)?;
+        // SAFETY: per_thread checks the single 1-D block and y; x is checked above; thread t
+        // reads x[t] only.
+        per_thread("reuse_race", launch, order, y, |l, e, el, y| unsafe {
+            emu_selftest_reuse_race(l, e, el, x.ptr(), y)
+        })
+    }
+
+    /// Writes `y[i]` for every thread `i` of the grid, with no bounds check: `y` may be
+    /// shorter by at most [`GUARD`] elements (the guard zone catches the overrun).
+    pub fn unguarded(launch: &Launch, order: Order, y: &mut Buf<f32>) -> Result<()> {
+        let k = "unguarded";
+        if launch.grid.1 != 1 || launch.grid.2 != 1 || launch.block.1 != 1 || launch.block.2 != 1 {
+            return Err(EmuError::Args {
+                kernel: k.into(),
+                what: "a 1-D launch".into(),
+            });
+        }
+        let threads = launch.threads() as usize;
+        need_elems(k, y.len() + GUARD, threads)?;
+        // SAFETY: thread i writes element i < threads <= y.len() + GUARD of the interior
+        // pointer, which is inside y's allocation (interior plus the after-guard zone).
+        run(launch, order, |l, e, el| unsafe {
+            emu_selftest_unguarded(l, e, el, y.mut_ptr())
+        })?;
+        y.check(k)
+    }
+}

@@ -1,0 +1,137 @@
+//! The emulator itself: a correct kernel gives the right answer under every order, and each
+//! kind of kernel bug it exists to find is reported.
+use candle_dtensor_kernels_emu::{same_bits, selftest, Buf, EmuError, Launch, Order, ORDERS};
+
+#[test]
+fn a_block_reduction_is_right_under_every_order() {
+    let (rows, n) = (3usize, 1000usize);
+    let x: Vec<f32> = (0..rows * n)
+        .map(|i| ((i * 7919) % 13) as f32 - 6.0)
+        .collect();
+    let want: Vec<f32> = x.chunks(n).map(|r| r.iter().sum()).collect();
+    for threads in [32u32, 64, 256, 1024] {
+        let mut outs = Vec::new();
+        for order in ORDERS {
+            let xb = Buf::from_slice("x", &x);
+            let mut y = Buf::filled("y", rows, f32::NAN);
+            selftest::row_sum(
+                &Launch::linear(rows as u32, threads, 0),
+                order,
+                &xb,
+                &mut y,
+                n,
+            )
+            .unwrap();
+            for (g, w) in y.as_slice().iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= 1e-3,
+                    "{threads} threads {order:?}: {g} vs {w}"
+                );
+            }
+            outs.push(y.as_slice().to_vec());
+        }
+        // The same reduction tree whatever the order: bit for bit.
+        assert!(outs.windows(2).all(|w| same_bits(&w[0], &w[1])));
+    }
+}
+
+#[test]
+fn a_shuffle_from_a_lane_no_thread_runs_fails() {
+    let x = Buf::from_slice("x", &[1.0f32; 200]);
+    let mut y = Buf::filled("y", 1, 0.0);
+    let e =
+        selftest::row_sum(&Launch::linear(1, 200, 0), Order::Forward, &x, &mut y, 200).unwrap_err();
+    let EmuError::Launch(m) = e else {
+        panic!("{e:?}")
+    };
+    assert!(
+        m.contains("row_sum") && m.contains("warp shuffle reads lane"),
+        "{m}"
+    );
+}
+
+#[test]
+fn a_missing_barrier_shows_as_order_dependence() {
+    let run = |order| {
+        let mut y = Buf::filled("y", 64, 0.0);
+        selftest::racy(&Launch::linear(1, 64, 0), order, &mut y).unwrap();
+        y.as_slice().to_vec()
+    };
+    assert!(!same_bits(&run(Order::Forward), &run(Order::Reverse)));
+}
+
+#[test]
+fn a_barrier_some_threads_skip_fails_and_names_them() {
+    let mut y = Buf::filled("y", 64, 0.0);
+    let e = selftest::deadlock(&Launch::linear(1, 64, 0), Order::Forward, &mut y).unwrap_err();
+    let EmuError::Launch(m) = e else {
+        panic!("{e:?}")
+    };
+    assert!(
+        m.contains("kernel deadlock") && m.contains("10 __syncthreads"),
+        "{m}"
+    );
+}
+
+#[test]
+fn unwritten_dynamic_shared_memory_reads_as_nan() {
+    let mut y = Buf::filled("y", 8, 0.0);
+    selftest::dyn_shared(&Launch::linear(1, 8, 32), Order::Forward, &mut y).unwrap();
+    assert!(y.as_slice().iter().all(|v| v.is_nan()));
+}
+
+#[test]
+fn a_write_past_the_end_is_caught() {
+    let mut y = Buf::filled("y", 100, 0.0);
+    let e = selftest::unguarded(&Launch::linear(1, 128, 0), Order::Forward, &mut y).unwrap_err();
+    assert_eq!(
+        e,
+        EmuError::OutOfBounds {
+            kernel: "unguarded".into(),
+            buffer: "y".into(),
+            len: 100,
+            side: "after",
+            offset: 0
+        }
+    );
+    let mut y = Buf::filled("y", 128, 0.0);
+    selftest::unguarded(&Launch::linear(1, 128, 0), Order::Forward, &mut y).unwrap();
+}
+
+#[test]
+fn invalid_launches_are_refused() {
+    let mut y = Buf::filled("y", 2048, 0.0);
+    let e = selftest::unguarded(&Launch::linear(1, 2048, 0), Order::Forward, &mut y).unwrap_err();
+    assert!(
+        matches!(&e, EmuError::Launch(m) if m.contains("not 1..1024 threads")),
+        "{e}"
+    );
+    let mut y = Buf::filled("y", 64, 0.0);
+    let e = selftest::dyn_shared(&Launch::linear(1, 64, 64 * 1024), Order::Forward, &mut y)
+        .unwrap_err();
+    assert!(
+        matches!(&e, EmuError::Launch(m) if m.contains("dynamic shared memory")),
+        "{e}"
+    );
+}
+
+#[test]
+fn warps_drift_apart_between_barriers_so_a_reused_shared_array_races() {
+    let x: Vec<f32> = (0..128).map(|i| i as f32).collect();
+    let run = |order| {
+        let mut y = Buf::filled("y", 128, 0.0);
+        selftest::reuse_race(
+            &Launch::linear(1, 128, 0),
+            order,
+            &Buf::from_slice("x", &x),
+            &mut y,
+        )
+        .unwrap();
+        y.as_slice().to_vec()
+    };
+    let outs: Vec<Vec<f32>> = ORDERS.iter().map(|&o| run(o)).collect();
+    assert!(
+        outs.windows(2).any(|w| !same_bits(&w[0], &w[1])),
+        "every order gave the same result: warps ran in step"
+    );
+}

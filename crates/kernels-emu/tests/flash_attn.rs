@@ -1,0 +1,354 @@
+//! The flash-attention kernels of `crates/kernels/cuda/flash_attn.cu` under the emulator,
+//! against candle's reference attention (`reference::sdpa`: the full score matrix, a -inf
+//! mask, softmax), forward and backward, f32 and bf16, every head dim built, causal and not,
+//! fewer queries than keys, lengths that are not multiples of the 32-row tiles. Each case runs
+//! under every fiber order and must give the same bits.
+use candle_core::{Device, Tensor, Var};
+use candle_dtensor_kernels::autodiff::reference;
+use candle_dtensor_kernels_emu::fused::{self, Attn, Dt, FA_HEAD_DIMS};
+use candle_dtensor_kernels_emu::{same_bits, Buf, Order, ORDERS};
+use half::bf16;
+
+fn values(len: usize, scale: f32, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn as_dt<T: Dt>(v: &[f32]) -> (Vec<T>, Vec<f32>) {
+    let t: Vec<T> = v.iter().map(|&x| T::from_f32(x)).collect();
+    let back = t.iter().map(|&x| x.to_f32()).collect();
+    (t, back)
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+#[track_caller]
+fn close<T: Dt>(what: &str, got: &[T], want: &[f32], atol: f32, rtol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = (0.0f32, 0usize);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let g = g.to_f32();
+        assert!(
+            g.is_finite(),
+            "{what} [{}]: element {i} is {g} (reference {w})",
+            T::NAME
+        );
+        let err = (g - w).abs() - rtol * w.abs();
+        if err > worst.0 {
+            worst = (err, i);
+        }
+    }
+    let i = worst.1;
+    assert!(
+        worst.0 <= atol,
+        "{what} [{}]: element {i}: {} vs reference {} (beyond {atol} + {rtol} |ref|)",
+        T::NAME,
+        got[i].to_f32(),
+        want[i]
+    );
+}
+
+struct Case {
+    bh: usize,
+    tq: usize,
+    tk: usize,
+    d: usize,
+    causal: bool,
+}
+
+/// Reference forward and backward on the f32 values of the inputs: o, dq, dk, dv.
+fn reference(c: &Case, q: &[f32], k: &[f32], v: &[f32], g: &[f32], scale: f32) -> [Vec<f32>; 4] {
+    let t = |x: &[f32], n: usize| {
+        Var::from_tensor(&Tensor::from_vec(x.to_vec(), (c.bh, 1, n, c.d), &Device::Cpu).unwrap())
+            .unwrap()
+    };
+    let (qv, kv, vv) = (t(q, c.tq), t(k, c.tk), t(v, c.tk));
+    let o = reference::sdpa(
+        qv.as_tensor(),
+        kv.as_tensor(),
+        vv.as_tensor(),
+        c.causal,
+        scale.into(),
+    )
+    .unwrap();
+    let gt = Tensor::from_vec(g.to_vec(), (c.bh, 1, c.tq, c.d), &Device::Cpu).unwrap();
+    let grads = (&o * gt).unwrap().sum_all().unwrap().backward().unwrap();
+    let gr = |x: &Var| flat(grads.get(x.as_tensor()).unwrap());
+    [flat(&o), gr(&qv), gr(&kv), gr(&vv)]
+}
+
+fn run_case<T: Dt>(c: &Case, seed: u64) {
+    let (nq, nk) = (c.bh * c.tq * c.d, c.bh * c.tk * c.d);
+    let scale = 1.0 / (c.d as f32).sqrt();
+    let (q, qf) = as_dt::<T>(&values(nq, 2.0, seed));
+    let (k, kf) = as_dt::<T>(&values(nk, 2.0, seed + 1));
+    let (v, vf) = as_dt::<T>(&values(nk, 1.0, seed + 2));
+    let (g, gf) = as_dt::<T>(&values(nq, 1.0, seed + 3));
+    let [want_o, want_dq, want_dk, want_dv] = reference(c, &qf, &kf, &vf, &gf, scale);
+    let shape = Attn {
+        bh: c.bh,
+        tq: c.tq,
+        tk: c.tk,
+        d: c.d,
+    };
+    let what = format!(
+        "bh {} tq {} tk {} d {} causal {}",
+        c.bh, c.tq, c.tk, c.d, c.causal
+    );
+    let mut outs = Vec::new();
+    for order in ORDERS {
+        let (qb, kb, vb, gb) = (
+            Buf::from_slice("q", &q),
+            Buf::from_slice("k", &k),
+            Buf::from_slice("v", &v),
+            Buf::from_slice("d_o", &g),
+        );
+        let nan = T::from_f32(f32::NAN);
+        let mut o = Buf::filled("o", nq, nan);
+        let mut lse = Buf::filled("lse", c.bh * c.tq, f32::NAN);
+        fused::flash_attn_fwd(
+            order, &qb, &kb, &vb, &mut o, &mut lse, shape, scale, c.causal,
+        )
+        .unwrap();
+        let (mut dq, mut dk, mut dv) = (
+            Buf::filled("dq", nq, nan),
+            Buf::filled("dk", nk, nan),
+            Buf::filled("dv", nk, nan),
+        );
+        fused::flash_attn_bwd(
+            order, &qb, &kb, &vb, &o, &lse, &gb, &mut dq, &mut dk, &mut dv, shape, scale, c.causal,
+        )
+        .unwrap();
+        outs.push([o, dq, dk, dv].map(|b| b.as_slice().to_vec()));
+    }
+    for (order, out) in ORDERS.iter().zip(&outs).skip(1) {
+        for (name, (a, b)) in ["o", "dq", "dk", "dv"].iter().zip(outs[0].iter().zip(out)) {
+            assert!(
+                same_bits(a, b),
+                "{what} {name} [{}]: {order:?} differs from Forward",
+                T::NAME
+            );
+        }
+    }
+    // f32: summation order only. bf16: the inputs are the same bf16 values on both sides, so
+    // the difference is the output's rounding (2^-8 relative) on values of magnitude ~1 and
+    // the gradients' sums over up to 100 terms.
+    let (atol, rtol) = if T::NAME == "bf16" {
+        (2e-2, 1e-2)
+    } else {
+        (2e-5, 1e-4)
+    };
+    let [o, dq, dk, dv] = &outs[0];
+    close(&format!("{what} o"), o, &want_o, atol, rtol);
+    close(&format!("{what} dq"), dq, &want_dq, atol, rtol);
+    close(&format!("{what} dk"), dk, &want_dk, atol, rtol);
+    close(&format!("{what} dv"), dv, &want_dv, atol, rtol);
+}
+
+fn cases() -> Vec<Case> {
+    vec![
+        // One tile, every head dim, causal.
+        Case {
+            bh: 2,
+            tq: 33,
+            tk: 33,
+            d: 32,
+            causal: true,
+        },
+        Case {
+            bh: 1,
+            tq: 40,
+            tk: 40,
+            d: 48,
+            causal: true,
+        },
+        Case {
+            bh: 3,
+            tq: 70,
+            tk: 70,
+            d: 64,
+            causal: true,
+        },
+        Case {
+            bh: 1,
+            tq: 45,
+            tk: 45,
+            d: 96,
+            causal: false,
+        },
+        Case {
+            bh: 1,
+            tq: 64,
+            tk: 64,
+            d: 128,
+            causal: true,
+        },
+        // Fewer queries than keys (bottom-right causal alignment), several key tiles.
+        Case {
+            bh: 2,
+            tq: 17,
+            tk: 75,
+            d: 64,
+            causal: true,
+        },
+        Case {
+            bh: 1,
+            tq: 5,
+            tk: 100,
+            d: 32,
+            causal: false,
+        },
+        // One token.
+        Case {
+            bh: 1,
+            tq: 1,
+            tk: 1,
+            d: 64,
+            causal: true,
+        },
+    ]
+}
+
+#[test]
+fn flash_attention_f32_matches_the_reference() {
+    for (i, c) in cases().iter().enumerate() {
+        run_case::<f32>(c, 10 * i as u64 + 1);
+    }
+}
+
+#[test]
+fn flash_attention_bf16_matches_the_reference() {
+    for (i, c) in cases().iter().enumerate().filter(|(i, _)| i % 2 == 0) {
+        run_case::<bf16>(c, 10 * i as u64 + 5);
+    }
+}
+
+#[test]
+fn queries_that_see_no_key_get_zero_and_no_gradient() {
+    // tq > tk, causal: query i sees keys j <= i - 3; queries 0..3 see none.
+    let c = Case {
+        bh: 1,
+        tq: 8,
+        tk: 5,
+        d: 32,
+        causal: true,
+    };
+    let (nq, nk) = (c.tq * c.d, c.tk * c.d);
+    let shape = Attn {
+        bh: 1,
+        tq: c.tq,
+        tk: c.tk,
+        d: c.d,
+    };
+    let (q, k, v) = (values(nq, 1.0, 1), values(nk, 1.0, 2), values(nk, 1.0, 3));
+    let (qb, kb, vb) = (
+        Buf::from_slice("q", &q),
+        Buf::from_slice("k", &k),
+        Buf::from_slice("v", &v),
+    );
+    let mut o = Buf::filled("o", nq, f32::NAN);
+    let mut lse = Buf::filled("lse", c.tq, f32::NAN);
+    fused::flash_attn_fwd(
+        Order::Forward,
+        &qb,
+        &kb,
+        &vb,
+        &mut o,
+        &mut lse,
+        shape,
+        0.5,
+        true,
+    )
+    .unwrap();
+    assert!(o.as_slice()[..3 * c.d].iter().all(|&x| x == 0.0));
+    assert!(lse.as_slice()[..3].iter().all(|&x| x == f32::NEG_INFINITY));
+    assert!(
+        o.as_slice()[3 * c.d..].iter().all(|x| x.is_finite())
+            && lse.as_slice()[3..].iter().all(|x| x.is_finite())
+    );
+    let gb = Buf::from_slice("d_o", &values(nq, 1.0, 4));
+    let (mut dq, mut dk, mut dv) = (
+        Buf::filled("dq", nq, f32::NAN),
+        Buf::filled("dk", nk, f32::NAN),
+        Buf::filled("dv", nk, f32::NAN),
+    );
+    fused::flash_attn_bwd(
+        Order::Forward,
+        &qb,
+        &kb,
+        &vb,
+        &o,
+        &lse,
+        &gb,
+        &mut dq,
+        &mut dk,
+        &mut dv,
+        shape,
+        0.5,
+        true,
+    )
+    .unwrap();
+    assert!(dq.as_slice()[..3 * c.d].iter().all(|&x| x == 0.0));
+    for b in [&dq, &dk, &dv] {
+        assert!(b.as_slice().iter().all(|x| x.is_finite()));
+    }
+}
+
+#[test]
+fn unsupported_head_dims_and_short_buffers_are_refused() {
+    let shape = Attn {
+        bh: 1,
+        tq: 4,
+        tk: 4,
+        d: 40,
+    };
+    let b = Buf::filled("x", 4 * 40, 0.0f32);
+    let mut o = Buf::filled("o", 4 * 40, 0.0f32);
+    let mut lse = Buf::filled("lse", 4, 0.0f32);
+    let e = fused::flash_attn_fwd(
+        Order::Forward,
+        &b,
+        &b,
+        &b,
+        &mut o,
+        &mut lse,
+        shape,
+        1.0,
+        true,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("head dim 40")
+            && e.to_string().contains(&format!("{FA_HEAD_DIMS:?}")),
+        "{e}"
+    );
+    let shape = Attn {
+        bh: 2,
+        tq: 4,
+        tk: 4,
+        d: 32,
+    };
+    let b = Buf::filled("x", 4 * 32, 0.0f32);
+    let e = fused::flash_attn_fwd(
+        Order::Forward,
+        &b,
+        &b,
+        &b,
+        &mut o,
+        &mut lse,
+        shape,
+        1.0,
+        true,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("flash_attn_fwd"), "{e}");
+}

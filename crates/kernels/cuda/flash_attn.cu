@@ -1,0 +1,295 @@
+// Attention that never materialises the T x T scores (flash-attention style, SIMT, f32
+// accumulation), forward and backward, for f32 and bf16 and head dims 32, 48, 64, 96, 128.
+//
+// Layout: q [BH, tq, D], k and v [BH, tk, D], o and the gradients likewise, contiguous; lse and
+// delta [BH, tq] in f32. Causal: key j is visible to query i iff j <= i + (tk - tq) (the
+// bottom-right alignment of the CPU reference's mask). A query that sees no key (tq > tk only)
+// gets output 0 and lse -inf, and contributes no gradient.
+//
+// Work split: a block owns FA_ROWS rows (queries in the forward and the dQ kernel, keys in the
+// dK/dV kernel), FA_TPR consecutive lanes per row, each lane D / FA_TPR of the head dim in
+// registers; a dot product is the lanes' partial sums combined by two shuffles. The other side
+// (keys, or queries) streams through shared memory in tiles of FA_TILE rows. The scores of a
+// tile stay in registers: memory is O(T D), not O(T^2).
+//
+// Forward: online softmax over key tiles (running max and sum, the accumulator rescaled once
+// per tile); writes o and lse = max + log(sum).
+// Backward (FlashAttention-2's, without atomics, so it is deterministic): `fa_bwd_delta`
+// computes delta_i = sum_e dO_ie O_ie; `fa_bwd_dkv` (a block per key tile) walks the query
+// tiles recomputing p_ij = exp(s_ij - lse_i) and accumulates dV_j += p dO_i and
+// dK_j += p (dO_i . v_j - delta_i) q_i scale; `fa_bwd_dq` (a block per query tile) walks the key
+// tiles and accumulates dQ_i += p (dO_i . v_j - delta_i) k_j scale.
+#include "common.cuh"
+
+#define FA_ROWS 32
+#define FA_TPR 4
+#define FA_TILE 32
+#define FA_THREADS (FA_ROWS * FA_TPR)
+
+// The partial dot products of a row's FA_TPR lanes, summed (every lane gets the sum).
+__device__ __forceinline__ float fa_row_sum(float p) {
+    p += __shfl_xor_sync(0xffffffffu, p, 1);
+    p += __shfl_xor_sync(0xffffffffu, p, 2);
+    return p;
+}
+
+// The last key (exclusive) any of the queries [q0, q0 + FA_ROWS) sees.
+__device__ __forceinline__ long long fa_key_end(long long q0, int tq, int tk, int causal) {
+    if (!causal) return tk;
+    long long last = q0 + FA_ROWS - 1;
+    if (last > tq - 1) last = tq - 1;
+    long long end = last + (long long)tk - tq + 1;
+    return end < 0 ? 0 : (end > tk ? tk : end);
+}
+
+// The first query any of the keys [k0, k0 + FA_ROWS) is seen by (causal: i >= j - (tk - tq)).
+__device__ __forceinline__ long long fa_query_begin(long long k0, int tq, int tk, int causal) {
+    if (!causal) return 0;
+    long long first = k0 - ((long long)tk - tq);
+    return first < 0 ? 0 : first;
+}
+
+// Loads rows [r0, r0 + FA_TILE) of a [n, D] matrix (zeros past n) into a shared tile, as f32.
+template <typename T, int D>
+__device__ __forceinline__ void fa_load_tile(float (*tile)[D], const T* m, long long r0, int n) {
+    for (int idx = threadIdx.x; idx < FA_TILE * D; idx += blockDim.x) {
+        const int rr = idx / D, e = idx % D;
+        const long long r = r0 + rr;
+        tile[rr][e] = r < n ? to_f32(m[r * D + e]) : 0.f;
+    }
+}
+
+template <typename T, int D>
+__device__ void fa_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                       T* __restrict__ o, float* __restrict__ lse, int tq, int tk, float scale,
+                       int causal) {
+    constexpr int DS = D / FA_TPR;
+    __shared__ float ks[FA_TILE][D];
+    __shared__ float vs[FA_TILE][D];
+    const long long bh = blockIdx.y;
+    const int r = threadIdx.x / FA_TPR, sub = threadIdx.x % FA_TPR;
+    const long long q0 = (long long)blockIdx.x * FA_ROWS;
+    const long long i = q0 + r;
+    const bool active = i < tq;
+    const T* qr_ptr = q + (bh * tq + (active ? i : 0)) * D + sub * DS;
+    const T* kb = k + bh * tk * D;
+    const T* vb = v + bh * tk * D;
+    const long long shift = (long long)tk - tq;
+    float qr[DS], acc[DS];
+#pragma unroll
+    for (int e = 0; e < DS; ++e) {
+        qr[e] = active ? to_f32(qr_ptr[e]) * scale : 0.f;
+        acc[e] = 0.f;
+    }
+    float m = CDT_NEG_INF, l = 0.f;
+    const long long kend = fa_key_end(q0, tq, tk, causal);
+    for (long long j0 = 0; j0 < kend; j0 += FA_TILE) {
+        __syncthreads();  // the previous tile is consumed
+        fa_load_tile<T, D>(ks, kb, j0, tk);
+        fa_load_tile<T, D>(vs, vb, j0, tk);
+        __syncthreads();
+        float s[FA_TILE];
+        float tmax = CDT_NEG_INF;
+#pragma unroll
+        for (int jj = 0; jj < FA_TILE; ++jj) {
+            float p = 0.f;
+#pragma unroll
+            for (int e = 0; e < DS; ++e) p += qr[e] * ks[jj][sub * DS + e];
+            p = fa_row_sum(p);
+            const long long j = j0 + jj;
+            const bool vis = active && j < tk && (!causal || j <= i + shift);
+            s[jj] = vis ? p : CDT_NEG_INF;
+            tmax = fmaxf(tmax, s[jj]);
+        }
+        const float mn = fmaxf(m, tmax);
+        if (mn == CDT_NEG_INF) continue;  // nothing visible to this row yet
+        const float alpha = m == CDT_NEG_INF ? 0.f : expf(m - mn);
+        l *= alpha;
+#pragma unroll
+        for (int e = 0; e < DS; ++e) acc[e] *= alpha;
+#pragma unroll
+        for (int jj = 0; jj < FA_TILE; ++jj) {
+            const float p = s[jj] == CDT_NEG_INF ? 0.f : expf(s[jj] - mn);
+            l += p;
+#pragma unroll
+            for (int e = 0; e < DS; ++e) acc[e] += p * vs[jj][sub * DS + e];
+        }
+        m = mn;
+    }
+    if (active) {
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        T* orow = o + (bh * tq + i) * D + sub * DS;
+#pragma unroll
+        for (int e = 0; e < DS; ++e) orow[e] = from_f32<T>(acc[e] * inv);
+        if (sub == 0) lse[bh * tq + i] = l > 0.f ? m + logf(l) : CDT_NEG_INF;
+    }
+}
+
+// delta[row] = sum_e dO[row, e] O[row, e], rows = BH tq (grid-stride, a thread per row).
+template <typename T, int D>
+__device__ void fa_bwd_delta(const T* __restrict__ o, const T* __restrict__ d_o,
+                             float* __restrict__ delta, long long rows) {
+    for (long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x; row < rows;
+         row += (long long)gridDim.x * blockDim.x) {
+        float s = 0.f;
+        for (int e = 0; e < D; ++e) s += to_f32(o[row * D + e]) * to_f32(d_o[row * D + e]);
+        delta[row] = s;
+    }
+}
+
+// dK, dV for the keys [blockIdx.x FA_ROWS, +FA_ROWS) of head blockIdx.y.
+template <typename T, int D>
+__device__ void fa_bwd_dkv(const T* __restrict__ q, const T* __restrict__ k,
+                           const T* __restrict__ v, const T* __restrict__ d_o,
+                           const float* __restrict__ lse, const float* __restrict__ delta,
+                           T* __restrict__ dk, T* __restrict__ dv, int tq, int tk, float scale,
+                           int causal) {
+    constexpr int DS = D / FA_TPR;
+    __shared__ float qs[FA_TILE][D];
+    __shared__ float dos[FA_TILE][D];
+    __shared__ float ls[FA_TILE], dl[FA_TILE];
+    const long long bh = blockIdx.y;
+    const int r = threadIdx.x / FA_TPR, sub = threadIdx.x % FA_TPR;
+    const long long k0 = (long long)blockIdx.x * FA_ROWS;
+    const long long j = k0 + r;
+    const bool active = j < tk;
+    const long long koff = (bh * tk + (active ? j : 0)) * D + sub * DS;
+    const long long shift = (long long)tk - tq;
+    float kr[DS], vr[DS], dka[DS], dva[DS];
+#pragma unroll
+    for (int e = 0; e < DS; ++e) {
+        kr[e] = active ? to_f32(k[koff + e]) : 0.f;
+        vr[e] = active ? to_f32(v[koff + e]) : 0.f;
+        dka[e] = 0.f;
+        dva[e] = 0.f;
+    }
+    const T* qb = q + bh * tq * D;
+    const T* dob = d_o + bh * tq * D;
+    long long i0 = fa_query_begin(k0, tq, tk, causal);
+    i0 -= i0 % FA_TILE;
+    for (; i0 < tq; i0 += FA_TILE) {
+        __syncthreads();
+        fa_load_tile<T, D>(qs, qb, i0, tq);
+        fa_load_tile<T, D>(dos, dob, i0, tq);
+        for (int idx = threadIdx.x; idx < FA_TILE; idx += blockDim.x) {
+            const long long ii = i0 + idx;
+            ls[idx] = ii < tq ? lse[bh * tq + ii] : CDT_NEG_INF;
+            dl[idx] = ii < tq ? delta[bh * tq + ii] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int ii = 0; ii < FA_TILE; ++ii) {
+            const long long i = i0 + ii;
+            float s = 0.f, dp = 0.f;
+#pragma unroll
+            for (int e = 0; e < DS; ++e) {
+                s += qs[ii][sub * DS + e] * kr[e];
+                dp += dos[ii][sub * DS + e] * vr[e];
+            }
+            s = fa_row_sum(s) * scale;
+            dp = fa_row_sum(dp);
+            const bool vis = active && i < tq && (!causal || j <= i + shift) &&
+                             ls[ii] != CDT_NEG_INF;
+            const float p = vis ? expf(s - ls[ii]) : 0.f;
+            const float ds = p * (dp - dl[ii]) * scale;
+#pragma unroll
+            for (int e = 0; e < DS; ++e) {
+                dva[e] += p * dos[ii][sub * DS + e];
+                dka[e] += ds * qs[ii][sub * DS + e];
+            }
+        }
+    }
+    if (active) {
+#pragma unroll
+        for (int e = 0; e < DS; ++e) {
+            dk[koff + e] = from_f32<T>(dka[e]);
+            dv[koff + e] = from_f32<T>(dva[e]);
+        }
+    }
+}
+
+// dQ for the queries [blockIdx.x FA_ROWS, +FA_ROWS) of head blockIdx.y.
+template <typename T, int D>
+__device__ void fa_bwd_dq(const T* __restrict__ q, const T* __restrict__ k,
+                          const T* __restrict__ v, const T* __restrict__ d_o,
+                          const float* __restrict__ lse, const float* __restrict__ delta,
+                          T* __restrict__ dq, int tq, int tk, float scale, int causal) {
+    constexpr int DS = D / FA_TPR;
+    __shared__ float ks[FA_TILE][D];
+    __shared__ float vs[FA_TILE][D];
+    const long long bh = blockIdx.y;
+    const int r = threadIdx.x / FA_TPR, sub = threadIdx.x % FA_TPR;
+    const long long q0 = (long long)blockIdx.x * FA_ROWS;
+    const long long i = q0 + r;
+    const bool active = i < tq;
+    const long long qoff = (bh * tq + (active ? i : 0)) * D + sub * DS;
+    const long long shift = (long long)tk - tq;
+    const float li = active ? lse[bh * tq + i] : CDT_NEG_INF;
+    const float di = active ? delta[bh * tq + i] : 0.f;
+    float qr[DS], dor[DS], dqa[DS];
+#pragma unroll
+    for (int e = 0; e < DS; ++e) {
+        qr[e] = active ? to_f32(q[qoff + e]) : 0.f;
+        dor[e] = active ? to_f32(d_o[qoff + e]) : 0.f;
+        dqa[e] = 0.f;
+    }
+    const T* kb = k + bh * tk * D;
+    const T* vb = v + bh * tk * D;
+    const long long kend = fa_key_end(q0, tq, tk, causal);
+    for (long long j0 = 0; j0 < kend; j0 += FA_TILE) {
+        __syncthreads();
+        fa_load_tile<T, D>(ks, kb, j0, tk);
+        fa_load_tile<T, D>(vs, vb, j0, tk);
+        __syncthreads();
+#pragma unroll 4
+        for (int jj = 0; jj < FA_TILE; ++jj) {
+            const long long j = j0 + jj;
+            float s = 0.f, dp = 0.f;
+#pragma unroll
+            for (int e = 0; e < DS; ++e) {
+                s += qr[e] * ks[jj][sub * DS + e];
+                dp += dor[e] * vs[jj][sub * DS + e];
+            }
+            s = fa_row_sum(s) * scale;
+            dp = fa_row_sum(dp);
+            const bool vis = active && j < tk && (!causal || j <= i + shift) && li != CDT_NEG_INF;
+            const float p = vis ? expf(s - li) : 0.f;
+            const float ds = p * (dp - di) * scale;
+#pragma unroll
+            for (int e = 0; e < DS; ++e) dqa[e] += ds * ks[jj][sub * DS + e];
+        }
+    }
+    if (active) {
+#pragma unroll
+        for (int e = 0; e < DS; ++e) dq[qoff + e] = from_f32<T>(dqa[e]);
+    }
+}
+
+// Entry points: cdt_fa_{fwd,bwd_delta,bwd_dkv,bwd_dq}_{f32,bf16}_d{D}. Launch: fwd and bwd_dq
+// grid (ceil(tq / FA_ROWS), BH), bwd_dkv grid (ceil(tk / FA_ROWS), BH), block FA_THREADS (128);
+// bwd_delta any 1-D launch (grid-stride over BH tq rows).
+#define FA(NAME, T, D)                                                                       \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) cdt_fa_fwd_##NAME##_d##D(        \
+        const T* q, const T* k, const T* v, T* o, float* lse, int tq, int tk, float scale,    \
+        int causal) {                                                                        \
+        fa_fwd<T, D>(q, k, v, o, lse, tq, tk, scale, causal);                                \
+    }                                                                                        \
+    extern "C" __global__ void cdt_fa_bwd_delta_##NAME##_d##D(const T* o, const T* d_o,       \
+                                                              float* delta, long long rows) { \
+        fa_bwd_delta<T, D>(o, d_o, delta, rows);                                             \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) cdt_fa_bwd_dkv_##NAME##_d##D(    \
+        const T* q, const T* k, const T* v, const T* d_o, const float* lse,                  \
+        const float* delta, T* dk, T* dv, int tq, int tk, float scale, int causal) {          \
+        fa_bwd_dkv<T, D>(q, k, v, d_o, lse, delta, dk, dv, tq, tk, scale, causal);           \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) cdt_fa_bwd_dq_##NAME##_d##D(     \
+        const T* q, const T* k, const T* v, const T* d_o, const float* lse,                  \
+        const float* delta, T* dq, int tq, int tk, float scale, int causal) {                 \
+        fa_bwd_dq<T, D>(q, k, v, d_o, lse, delta, dq, tq, tk, scale, causal);                \
+    }
+
+#define FA_DIMS(NAME, T) FA(NAME, T, 32) FA(NAME, T, 48) FA(NAME, T, 64) FA(NAME, T, 96) FA(NAME, T, 128)
+
+FA_DIMS(f32, float)
+FA_DIMS(bf16, bf16_t)
