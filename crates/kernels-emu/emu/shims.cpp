@@ -11,6 +11,7 @@
 #include "norm.cu"
 #include "softmax.cu"
 #include "flash_attn.cu"
+#include "multi_tensor.cu"
 
 namespace {
 
@@ -140,5 +141,24 @@ XENT_SHIM(bf16, bf16_t, i64, long long)
     FA_SHIM(NAME, T, 32) FA_SHIM(NAME, T, 48) FA_SHIM(NAME, T, 64) FA_SHIM(NAME, T, 96) FA_SHIM(NAME, T, 128)
 FA_SHIM_DIMS(f32, float)
 FA_SHIM_DIMS(bf16, bf16_t)
+
+
+int emu_sumsq_partial_f32(EMU_ERR, const unsigned long long* ptrs, const long long* starts, int k,
+                          long long chunk, float* partial) {
+    EMU_RUN(cdt_sumsq_partial_f32, ptrs, starts, k, chunk, partial);
+}
+int emu_sumsq_partial_bf16(EMU_ERR, const unsigned long long* ptrs, const long long* starts,
+                           int k, long long chunk, float* partial) {
+    EMU_RUN(cdt_sumsq_partial_bf16, ptrs, starts, k, chunk, partial);
+}
+int emu_norm_finish(EMU_ERR, const float* partial, int blocks, float max_norm, float* out) {
+    EMU_RUN(cdt_norm_finish, partial, blocks, max_norm, out);
+}
+int emu_adamw_f32(EMU_ERR, const unsigned long long* ps, const unsigned long long* gs,
+                  const unsigned long long* ms, const unsigned long long* vs,
+                  const long long* starts, int k, long long chunk, const float* coef,
+                  const AdamWConsts* c) {
+    EMU_RUN(cdt_adamw_f32, ps, gs, ms, vs, starts, k, chunk, coef, *c);
+}
 
 }  // extern "C"

@@ -25,6 +25,7 @@ use std::ffi::{c_char, c_int};
 use thiserror::Error;
 
 pub mod fused;
+pub mod multi;
 
 /// What went wrong running a kernel under the emulator.
 #[derive(Debug, Error, Clone, PartialEq)]

@@ -159,9 +159,11 @@ pub struct AdamWStep {
 }
 
 impl AdamWStep {
-    /// The kernel's f32 constants; `decay` false gives `1 - lr * 0` (a parameter group without
-    /// weight decay, as the CPU optimizer does it).
-    fn consts(&self, decay: bool) -> [f32; 9] {
+    /// The kernel's f32 constants (`AdamWConsts` of `cuda/multi_tensor.cu`, in its field order:
+    /// beta1, 1 - beta1, beta2, 1 - beta2, the two bias corrections' reciprocals, the decay
+    /// factor, eps, lr); `decay` false gives `1 - lr * 0` (a parameter group without weight
+    /// decay, as the CPU optimizer does it).
+    pub fn consts(&self, decay: bool) -> [f32; 9] {
         let t = self.t as i32;
         let wd = if decay { self.weight_decay } else { 0.0 };
         [
