@@ -21,6 +21,8 @@ fn main() {
         // The kernels' own warnings are nvcc's business; the emulator's are ours.
         .warnings(true)
         .flag_if_supported("-Wno-unused-parameter")
+        // `#pragma unroll` is nvcc's; g++ ignores it.
+        .flag_if_supported("-Wno-unknown-pragmas")
         .opt_level(2)
         // No multiply-add contraction: a kernel's `a * b + c` rounds twice here as nvcc's
         // `__fmul_rn`/`__fadd_rn` do (nvcc does contract plain `a * b + c`: tolerances cover it).

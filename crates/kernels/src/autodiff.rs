@@ -70,8 +70,8 @@ pub fn rms_norm_local(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
 }
 
 /// Scaled dot-product attention on `[B, H, T, d]` pieces: the one-node region for f32 on the
-/// CPU, candle's matmuls around the fused scaled causal softmax on CUDA (f32/bf16), the
-/// composition otherwise.
+/// CPU; on CUDA (f32/bf16) flash attention where [`crate::flash::applies`], else candle's
+/// matmuls around the fused scaled causal softmax; the composition otherwise.
 pub fn sdpa_local(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> CResult<Tensor> {
     if q.elem_count() == 0 || k.elem_count() == 0 {
         // An empty batch/head piece: an empty result that keeps the graph (softmax refuses
@@ -81,8 +81,13 @@ pub fn sdpa_local(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) 
     if fused::applies(q) && scale > 0.0 {
         return crate::region::sdpa(q, k, v, causal, scale as f32);
     }
+    if scale > 0.0 && crate::flash::applies(q, k, v) {
+        // CUDA: flash attention, no [T, T] scores in memory.
+        return crate::flash::attention(q, k, v, causal, scale as f32);
+    }
     if fused::device_applies(q) && !q.device().is_cpu() && scale > 0.0 {
-        // CUDA: candle's matmuls around the fused scaled (causal) softmax, whose mask is
+        // CUDA, a head dim the flash kernels are not built for (or CDT_FLASH_ATTN=0): candle's
+        // matmuls around the fused scaled (causal) softmax, whose mask is
         // computed in the kernel (the composition builds it on the host and uploads it on
         // every call, and takes ~6 more kernels forward and backward).
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);

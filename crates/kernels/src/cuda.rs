@@ -1198,3 +1198,466 @@ pub(crate) fn adamw(
     drop(guards);
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------
+// Flash attention (`cuda/flash_attn.cu`): [BH, T, d] operands, never the T x T scores
+
+const FLASH_ATTN: Module = Module {
+    name: "cdt_flash_attn",
+    ptx: ptx::FLASH_ATTN,
+};
+
+/// Query (or key) rows per block and threads per block of the flash-attention kernels
+/// (`FA_ROWS`, `FA_THREADS` in the source: the kernels' row mapping assumes exactly these).
+const FA_ROWS: usize = 32;
+const FA_THREADS: u32 = 128;
+/// The largest grid dim y: the heads (batch times heads) of one launch.
+pub(crate) const FA_MAX_HEADS: usize = 65_535;
+
+/// The shape of an attention: `bh` heads of `tq` queries and `tk` keys of dim `d`.
+#[derive(Clone, Copy, Debug)]
+struct Fa {
+    bh: usize,
+    tq: usize,
+    tk: usize,
+    d: usize,
+}
+
+impl Fa {
+    /// From `q [.., tq, d]` and `k`, `v` `[.., tk, d]` with equal leading dims (checked).
+    fn of(op: &'static str, ql: &Layout, kl: &Layout, vl: &Layout) -> Result<Self> {
+        let (qd, kd) = (ql.dims(), kl.dims());
+        if qd.len() < 2 || kd.len() != qd.len() || vl.dims() != kd {
+            return Err(mismatch(
+                op,
+                format!(
+                    "q {:?}, k {:?}, v {:?}: [.., T, d] with k and v alike",
+                    qd,
+                    kd,
+                    vl.dims()
+                ),
+            ));
+        }
+        let r = qd.len();
+        if qd[..r - 2] != kd[..r - 2] || qd[r - 1] != kd[r - 1] {
+            return Err(mismatch(
+                op,
+                format!("q {qd:?} and k {kd:?} differ in their leading dims or head dim"),
+            ));
+        }
+        let s = Fa {
+            bh: qd[..r - 2].iter().product(),
+            tq: qd[r - 2],
+            tk: kd[r - 2],
+            d: qd[r - 1],
+        };
+        for (what, value, limit) in [
+            ("the heads (batch x heads)", s.bh, FA_MAX_HEADS),
+            ("the queries", s.tq, i32::MAX as usize),
+            ("the keys", s.tk, i32::MAX as usize),
+        ] {
+            if value > limit {
+                return Err(KernelError::TooLarge {
+                    op,
+                    what,
+                    value,
+                    limit,
+                    shape: qd.to_vec(),
+                }
+                .into());
+            }
+        }
+        if !crate::flash::HEAD_DIMS.contains(&s.d) {
+            return Err(mismatch(
+                op,
+                format!(
+                    "head dim {} (q {qd:?}): the kernels are built for {:?}",
+                    s.d,
+                    crate::flash::HEAD_DIMS
+                ),
+            ));
+        }
+        Ok(s)
+    }
+
+    /// Grid `(ceil(rows / 32), bh)` of 128-thread blocks.
+    fn cfg(&self, rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows.div_ceil(FA_ROWS).max(1) as u32, self.bh as u32, 1),
+            block_dim: (FA_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// The CUDA storage of a tensor the op did not receive as an operand (held by the node).
+fn held<'a>(
+    op: &'static str,
+    what: &'static str,
+    s: &'a candle_core::Storage,
+) -> Result<&'a CudaStorage> {
+    match s {
+        candle_core::Storage::Cuda(c) => Ok(c),
+        _ => Err(mismatch(op, format!("{what} is not a CUDA tensor"))),
+    }
+}
+
+fn fa_fwd_launch<T: Float>(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    causal: bool,
+    scale: f32,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let op = "flash_attention";
+    let dev = &q.0.device;
+    let s = Fa::of(op, q.1, k.1, v.1)?;
+    let (qv, kv, vv) = (
+        view::<T>(q.0, q.1, op, "q")?,
+        view::<T>(k.0, k.1, op, "k")?,
+        view::<T>(v.0, v.1, op, "v")?,
+    );
+    let mut o = alloc_out::<T>(dev, s.bh * s.tq * s.d)?;
+    let mut lse = alloc_out::<f32>(dev, s.bh * s.tq)?;
+    if s.bh * s.tq > 0 {
+        let name = format!("cdt_fa_fwd_{}_d{}", T::SUFFIX, s.d);
+        let f = dev.get_or_load_custom_func(&name, FLASH_ATTN.name, FLASH_ATTN.ptx)?;
+        let (tq, tk, c) = (s.tq as i32, s.tk as i32, i32::from(causal));
+        let mut b = f.builder();
+        b.arg(&qv);
+        b.arg(&kv);
+        b.arg(&vv);
+        b.arg(&mut o);
+        b.arg(&mut lse);
+        b.arg(&tq);
+        b.arg(&tk);
+        b.arg(&scale);
+        b.arg(&c);
+        // SAFETY: `cdt_fa_fwd_*_d{d}(const T* q, k, v, T* o, float* lse, int tq, int tk, float
+        // scale, int causal)` with d the head dim it was built for (checked by `Fa::of`): q
+        // and o hold bh tq d elements, k and v bh tk d, lse bh tq (contiguous views and fresh
+        // allocations of those lengths); block (x, h) touches rows below tq / tk of head h < bh
+        // only, and writes every o and lse element of its rows; the block is the 128 threads
+        // its row mapping assumes.
+        unsafe { b.launch(s.cfg(s.tq)) }.w()?;
+    }
+    Ok((wrap(dev, o), wrap(dev, lse)))
+}
+
+/// The forward as a graph node of no backward: the output `o` (q's shape), with `lse`
+/// (`[bh tq]` f32) handed over through `lse` for [`flash_fwd`] to wrap.
+struct FaFwd {
+    causal: bool,
+    scale: f32,
+    lse: std::sync::Mutex<Option<CudaStorage>>,
+}
+
+impl CustomOp3 for FaFwd {
+    fn name(&self) -> &'static str {
+        "flash-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Err(mismatch(
+            "flash_attention",
+            "the flash-attention kernels run on CUDA only".into(),
+        ))
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        ql: &Layout,
+        k: &CudaStorage,
+        kl: &Layout,
+        v: &CudaStorage,
+        vl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (o, lse) = by_float!(
+            q.dtype(),
+            "flash_attention",
+            ql.shape(),
+            fa_fwd_launch((q, ql), (k, kl), (v, vl), self.causal, self.scale)
+        )?;
+        *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
+        Ok((o, ql.shape().clone()))
+    }
+}
+
+/// Hands over a storage computed by another node (an op's second output) as a tensor of
+/// `shape`: the input only picks the device.
+struct Handover(std::sync::Mutex<Option<(CudaStorage, Shape)>>);
+
+impl candle_core::CustomOp1 for Handover {
+    fn name(&self) -> &'static str {
+        "flash-attention-output"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Err(mismatch(
+            "flash_attention",
+            "a CUDA output handed to a CPU tensor".into(),
+        ))
+    }
+
+    fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| mismatch("flash_attention", "an output handed over twice".into()))
+    }
+}
+
+fn hand_over(like: &Tensor, s: CudaStorage, shape: Shape) -> Result<Tensor> {
+    like.apply_op1_no_bwd(&Handover(std::sync::Mutex::new(Some((s, shape)))))
+}
+
+/// `(o, lse)`: attention of contiguous `q [.., tq, d]`, `k`, `v` `[.., tk, d]` (f32 or bf16,
+/// one CUDA device), `lse` f32 of q's leading dims and tq. No graph node for backward.
+pub(crate) fn flash_fwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+    scale: f32,
+) -> Result<(Tensor, Tensor)> {
+    let op = FaFwd {
+        causal,
+        scale,
+        lse: std::sync::Mutex::new(None),
+    };
+    let o = q.apply_op3_no_bwd(k, v, &op)?;
+    let lse = op
+        .lse
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+        .ok_or_else(|| mismatch("flash_attention", "the forward wrote no lse".into()))?;
+    let dims = q.dims();
+    let lse = hand_over(q, lse, Shape::from(&dims[..dims.len() - 1]))?;
+    Ok((o, lse))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn fa_bwd_launch<T: Float>(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    o: (&CudaStorage, &Layout),
+    d_o: (&CudaStorage, &Layout),
+    lse: (&CudaStorage, &Layout),
+    causal: bool,
+    scale: f32,
+) -> Result<[CudaStorage; 3]> {
+    let op = "flash_attention backward";
+    let dev = &q.0.device;
+    let s = Fa::of(op, q.1, k.1, v.1)?;
+    same_shape(op, q.1, o.1, "the output")?;
+    same_shape(op, q.1, d_o.1, "the output gradient")?;
+    if lse.1.shape().elem_count() != s.bh * s.tq || lse.0.dtype() != DType::F32 {
+        return Err(mismatch(
+            op,
+            format!(
+                "lse of {:?} {:?}, not {} f32",
+                lse.1.dims(),
+                lse.0.dtype(),
+                s.bh * s.tq
+            ),
+        ));
+    }
+    let (qv, kv, vv) = (
+        view::<T>(q.0, q.1, op, "q")?,
+        view::<T>(k.0, k.1, op, "k")?,
+        view::<T>(v.0, v.1, op, "v")?,
+    );
+    let (ov, dov) = (
+        view::<T>(o.0, o.1, op, "o")?,
+        view::<T>(d_o.0, d_o.1, op, "d_o")?,
+    );
+    let lsev = view::<f32>(lse.0, lse.1, op, "lse")?;
+    let (nq, nk, rows) = (s.bh * s.tq * s.d, s.bh * s.tk * s.d, s.bh * s.tq);
+    if rows == 0 || s.tk == 0 {
+        // Nothing attended to: every gradient is zero.
+        let z = |l: &Layout| dev.zeros_impl(l.shape(), q.0.dtype());
+        return Ok([z(q.1)?, z(k.1)?, z(v.1)?]);
+    }
+    let mut dq = alloc_out::<T>(dev, nq)?;
+    let mut dk = alloc_out::<T>(dev, nk)?;
+    let mut dv = alloc_out::<T>(dev, nk)?;
+    let mut delta = alloc_out::<f32>(dev, rows)?;
+    let sfx = format!("{}_d{}", T::SUFFIX, s.d);
+    {
+        let f = dev.get_or_load_custom_func(
+            &format!("cdt_fa_bwd_delta_{sfx}"),
+            FLASH_ATTN.name,
+            FLASH_ATTN.ptx,
+        )?;
+        let rows_arg = rows as i64;
+        let mut b = f.builder();
+        b.arg(&ov);
+        b.arg(&dov);
+        b.arg(&mut delta);
+        b.arg(&rows_arg);
+        // SAFETY: `cdt_fa_bwd_delta_*(const T* o, const T* d_o, float* delta, long long
+        // rows)`: o and d_o hold rows d elements, delta rows; grid-stride over rows.
+        unsafe { b.launch(elem_cfg(rows)) }.w()?;
+    }
+    let (tq, tk, c) = (s.tq as i32, s.tk as i32, i32::from(causal));
+    {
+        let f = dev.get_or_load_custom_func(
+            &format!("cdt_fa_bwd_dkv_{sfx}"),
+            FLASH_ATTN.name,
+            FLASH_ATTN.ptx,
+        )?;
+        let mut b = f.builder();
+        b.arg(&qv);
+        b.arg(&kv);
+        b.arg(&vv);
+        b.arg(&dov);
+        b.arg(&lsev);
+        b.arg(&delta);
+        b.arg(&mut dk);
+        b.arg(&mut dv);
+        b.arg(&tq);
+        b.arg(&tk);
+        b.arg(&scale);
+        b.arg(&c);
+        // SAFETY: `cdt_fa_bwd_dkv_*_d{d}(q, k, v, d_o, lse, delta, T* dk, T* dv, int tq, int
+        // tk, float scale, int causal)`: lengths as in the forward (checked above), delta
+        // written by the launch before it on the same stream; block (x, h) writes dk, dv at
+        // its key rows below tk of head h only, all of them.
+        unsafe { b.launch(s.cfg(s.tk)) }.w()?;
+    }
+    {
+        let f = dev.get_or_load_custom_func(
+            &format!("cdt_fa_bwd_dq_{sfx}"),
+            FLASH_ATTN.name,
+            FLASH_ATTN.ptx,
+        )?;
+        let mut b = f.builder();
+        b.arg(&qv);
+        b.arg(&kv);
+        b.arg(&vv);
+        b.arg(&dov);
+        b.arg(&lsev);
+        b.arg(&delta);
+        b.arg(&mut dq);
+        b.arg(&tq);
+        b.arg(&tk);
+        b.arg(&scale);
+        b.arg(&c);
+        // SAFETY: `cdt_fa_bwd_dq_*_d{d}(q, k, v, d_o, lse, delta, T* dq, int tq, int tk, float
+        // scale, int causal)`: as above; block (x, h) writes dq at its query rows, all of them.
+        unsafe { b.launch(s.cfg(s.tq)) }.w()?;
+    }
+    Ok([wrap(dev, dq), wrap(dev, dk), wrap(dev, dv)])
+}
+
+/// The backward as a graph node over `(q, k, v)` holding the forward's `o`, `lse` and the
+/// output gradient: `dq` is its output, `dk` and `dv` are handed over through `dkv`.
+struct FaBwd {
+    causal: bool,
+    scale: f32,
+    o: Tensor,
+    d_o: Tensor,
+    lse: Tensor,
+    dkv: std::sync::Mutex<Option<(CudaStorage, CudaStorage)>>,
+}
+
+impl CustomOp3 for FaBwd {
+    fn name(&self) -> &'static str {
+        "flash-attention-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Err(mismatch(
+            "flash_attention backward",
+            "the flash-attention kernels run on CUDA only".into(),
+        ))
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        ql: &Layout,
+        k: &CudaStorage,
+        kl: &Layout,
+        v: &CudaStorage,
+        vl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let op = "flash_attention backward";
+        // Read guards on the held tensors: fresh outputs and gradients, never the storage of
+        // q, k or v (whose guards candle holds around this call).
+        let (os, ol) = self.o.storage_and_layout();
+        let (gs, gl) = self.d_o.storage_and_layout();
+        let (ls, ll) = self.lse.storage_and_layout();
+        let [dq, dk, dv] = by_float!(
+            q.dtype(),
+            op,
+            ql.shape(),
+            fa_bwd_launch(
+                (q, ql),
+                (k, kl),
+                (v, vl),
+                (held(op, "o", &os)?, ol),
+                (held(op, "the output gradient", &gs)?, gl),
+                (held(op, "lse", &ls)?, ll),
+                self.causal,
+                self.scale,
+            )
+        )?;
+        *self.dkv.lock().unwrap_or_else(|e| e.into_inner()) = Some((dk, dv));
+        Ok((dq, ql.shape().clone()))
+    }
+}
+
+/// `(dq, dk, dv)` of [`flash_fwd`] from its inputs, output `o`, `lse` and the output gradient
+/// `g` (all contiguous made here).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    g: &Tensor,
+    causal: bool,
+    scale: f32,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let node = FaBwd {
+        causal,
+        scale,
+        o: o.contiguous()?,
+        d_o: g.contiguous()?,
+        lse: lse.contiguous()?,
+        dkv: std::sync::Mutex::new(None),
+    };
+    let dq = q.apply_op3_no_bwd(&k, &v, &node)?;
+    let (dk, dv) = node
+        .dkv
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+        .ok_or_else(|| mismatch("flash_attention backward", "no dk/dv written".into()))?;
+    let dk = hand_over(&k, dk, k.shape().clone())?;
+    let dv = hand_over(&v, dv, v.shape().clone())?;
+    Ok((dq, dk, dv))
+}

@@ -26,6 +26,7 @@ pub mod compare;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod error;
+pub mod flash;
 pub mod fused;
 pub mod multi_tensor;
 pub mod region;

@@ -519,8 +519,9 @@ fn bad_input(dev: &Device, rep: &mut Report) {
     );
 }
 
-/// Attention on CUDA (candle's matmuls around the fused scaled causal softmax) against the
-/// CPU composition, `[B, H, T, S]` with S >= T, causal and not; and the packed form.
+/// Attention on CUDA against the CPU composition, `[B, H, T, S]` with S >= T, causal and not:
+/// candle's matmuls around the fused scaled causal softmax (head dims the flash kernels are
+/// not built for), the flash-attention kernels (their head dims), and the packed form.
 fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
     // Attention's bf16 error is the GEMMs' (scores and output rounded to bf16), not the
     // softmax's: a looser bound there; f32 as the other kernels.
@@ -548,6 +549,49 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
                 ),
             );
         }
+    }
+    // Flash attention (head dims the kernels are built for): every one of them, several key
+    // tiles, fewer queries than keys, a GPT-2-long sequence; the node must really be the
+    // flash one (`flash::applies`), or the case fails instead of testing the fallback.
+    for (b, h, t, s, d, causal) in [
+        (1, 2, 70, 70, 64, true),
+        (2, 1, 17, 75, 32, true),
+        (1, 3, 40, 40, 48, true),
+        (1, 1, 45, 45, 96, false),
+        (1, 1, 64, 64, 128, true),
+        (2, 3, 33, 100, 64, false),
+        (1, 2, 1024, 1024, 64, true),
+    ] {
+        let q = values(&[b, h, t, d], 0.5, 45);
+        let k = values(&[b, h, s, d], 0.5, 46);
+        let v = values(&[b, h, s, d], 1.0, 47);
+        let scale = 1.0 / (d as f64).sqrt();
+        let used = (|| -> R<bool> {
+            let on = |x: &Tensor| x.to_dtype(dtype)?.to_device(dev);
+            Ok(candle_dtensor_kernels::flash::applies(
+                &on(&q)?,
+                &on(&k)?,
+                &on(&v)?,
+            ))
+        })();
+        let outcome = match used {
+            Ok(true) => compare_within(
+                dev,
+                dtype,
+                &[q, k, v],
+                &|x| autodiff::sdpa_local(&x[0], &x[1], &x[2], causal, scale),
+                &|x| reference::sdpa(&x[0], &x[1], &x[2], causal, scale),
+                limit,
+            ),
+            Ok(false) => Err(candle_core::Error::msg(
+                "flash::applies is false (CDT_FLASH_ATTN=0?): the flash kernels were not tested",
+            )),
+            Err(e) => Err(e),
+        };
+        rep.record(
+            &format!("flash attention {dtype:?} [{b}, {h}, {t}/{s}, {d}] causal {causal}"),
+            outcome,
+        );
     }
     let qkv = values(&[2, 9, 3, 3, 8], 0.5, 44);
     rep.record(

@@ -1,0 +1,93 @@
+//! Attention that never materialises the `[T, T]` scores: the flash-attention CUDA kernels
+//! (`cuda/flash_attn.cu`, SIMT, f32 accumulation, f32 or bf16 operands, a deterministic
+//! backward without atomics) as one graph node with a hand-written backward.
+//!
+//! [`applies`] says where: CUDA tensors (feature `cuda`) of f32 or bf16, head dims in
+//! [`HEAD_DIMS`], at most 65,535 heads (batch times heads) per call, unless `CDT_FLASH_ATTN=0`
+//! switches it off (then `autodiff::sdpa_local` takes candle's matmuls around the fused
+//! softmax). The kernels' logic is tested on the CPU under the CUDA emulator
+//! (`crates/kernels-emu/tests/flash_attn.rs`); on a GPU, `crates/kernels/tests/cuda_fused.rs`
+//! compares this node with the CPU reference, forward and backward.
+//!
+//! Memory: the forward keeps `o` and `lse` (`[B, H, T]` f32) for the backward, which
+//! recomputes the probabilities tile by tile; nothing of size `T x T` exists at any point.
+
+use candle_core::Tensor;
+
+type CResult<T> = candle_core::Result<T>;
+
+/// The head dims the kernels are built for (one template instance each).
+pub const HEAD_DIMS: [usize; 5] = [32, 48, 64, 96, 128];
+
+/// Whether [`attention`] runs `q [.., tq, d]`, `k`, `v` `[.., tk, d]`: CUDA (feature `cuda`),
+/// f32 or bf16 alike, a head dim of [`HEAD_DIMS`], equal leading dims whose product is at most
+/// 65,535, lengths below 2^31, and `CDT_FLASH_ATTN` not `0`.
+pub fn applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::DType;
+        let (qd, kd) = (q.dims(), k.dims());
+        let r = qd.len();
+        enabled()
+            && q.device().is_cuda()
+            && matches!(q.dtype(), DType::F32 | DType::BF16)
+            && k.dtype() == q.dtype()
+            && v.dtype() == q.dtype()
+            && r >= 2
+            && kd.len() == r
+            && v.dims() == kd
+            && qd[..r - 2] == kd[..r - 2]
+            && qd[r - 1] == kd[r - 1]
+            && HEAD_DIMS.contains(&qd[r - 1])
+            && qd[..r - 2].iter().product::<usize>() <= crate::cuda::FA_MAX_HEADS
+            && qd[r - 2] <= i32::MAX as usize
+            && kd[r - 2] <= i32::MAX as usize
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (q, k, v);
+        false
+    }
+}
+
+/// Whether the flash path is on (`CDT_FLASH_ATTN` unset or anything but `0`).
+#[cfg(feature = "cuda")]
+fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CDT_FLASH_ATTN").map_or(true, |v| v.trim() != "0"))
+}
+
+/// `softmax(scale q k^T [causal]) v` for `q [.., tq, d]`, `k`, `v` `[.., tk, d]` where
+/// [`applies`] holds (causal: key j is seen by query i iff `j <= i + tk - tq`; a query that
+/// sees no key gets 0), as one graph node whose backward is the flash-attention backward.
+///
+/// # Errors
+///
+/// Where [`applies`] is false: a typed error naming the op and what it takes (without the
+/// `cuda` feature, always).
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f32) -> CResult<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        let (qc, kc, vc) = (
+            q.detach().contiguous()?,
+            k.detach().contiguous()?,
+            v.detach().contiguous()?,
+        );
+        let (o, lse) = crate::cuda::flash_fwd(&qc, &kc, &vc, causal, scale)?;
+        crate::region::node3_out("flash-attention", q, k, v, o, move |q, k, v, o, g| {
+            crate::cuda::flash_bwd(q, k, v, o, &lse, g, causal, scale)
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (k, v, causal, scale);
+        Err(crate::error::KernelError::UnsupportedDType {
+            op: "flash_attention",
+            device: "CPU",
+            dtype: q.dtype(),
+            supported: "CUDA tensors (a build with the `cuda` feature)",
+            shape: q.dims().to_vec(),
+        }
+        .into())
+    }
+}
