@@ -321,6 +321,18 @@ impl Attention {
             // Mixed precision: QK^T and PV in bf16, the masked softmax in f32. The
             // load-balanced context-parallel order (attention not sharded on the sequence
             // here) needs the stored-order mask of `packed_sdpa`: f32 there.
+            // On CUDA the fused attention (flash attention, or the fused scaled softmax for
+            // other head dims) takes bf16 operands, accumulates in f32 and computes the softmax
+            // in f32 from bf16 scores, as autocast does: q/k/v go in as bf16, the output comes
+            // back in the master dtype, and no [T, T] mask is built on the host.
+            None if bf16.is_some()
+                && qkv.to_local().device().is_cuda()
+                && cp::current_layout().0 != cp::SeqLayout::LoadBalanced =>
+            {
+                let lowp = precision::cast(&qkv, bf16.unwrap_or(x.dtype()))?;
+                let y = keep_cp_sequence(&lowp.packed_sdpa(true, None)?, x)?;
+                precision::cast(&y, x.dtype())?
+            }
             None if bf16.is_some() && cp::current_layout().0 != cp::SeqLayout::LoadBalanced => {
                 keep_cp_sequence(&mixed_attention(&qkv, hd)?, x)?
             }
