@@ -63,8 +63,9 @@ pub fn device_applies(t: &Tensor) -> bool {
             && cuda_enabled())
 }
 
-/// Whether the fused CUDA path is on (`CDT_FUSED_CUDA` unset or anything but `0`).
-fn cuda_enabled() -> bool {
+/// Whether the fused CUDA path is on (`CDT_FUSED_CUDA` unset or anything but `0`): the row
+/// kernels here and the optimizer's one-launch AdamW (`candle_dtensor_train::optim`).
+pub fn cuda_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("CDT_FUSED_CUDA").map_or(true, |v| v.trim() != "0"))
 }

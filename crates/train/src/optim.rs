@@ -5,8 +5,10 @@
 //! memory and a fresh allocation) and keeps its moments private. [`AdamW`] performs the same
 //! f32 / f64 operations, in the same order and with the same constants, element by element in
 //! one pass that updates the parameter and both moments in place: the results are bitwise
-//! identical (tested). Variables of other floating dtypes (bf16, f16), and variables on a GPU,
-//! take candle-nn's tensor path verbatim.
+//! identical (tested). f32 variables on a CUDA device are updated together, one kernel launch
+//! per decay group with the same element-wise arithmetic (`kernels::multi_tensor::adamw_step`;
+//! `CDT_FUSED_CUDA=0` turns it off); variables of other floating dtypes (bf16, f16), and CUDA
+//! variables the kernel refuses, take candle-nn's tensor path verbatim.
 //!
 //! ```
 //! # fn main() -> candle_core::Result<()> {
@@ -30,6 +32,7 @@ use std::ops::{Add, Div, Mul, Sub};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Error, Result, Tensor, TensorId, Var};
+use candle_dtensor_kernels::multi_tensor::{adamw_step, AdamWStep};
 use candle_dtensor_kernels::storage::{update_with, Elem as StorageElem};
 use candle_nn::{Optimizer, ParamsAdamW};
 
@@ -243,7 +246,12 @@ impl Optimizer for AdamW {
             decay: 1.0,
             ..consts
         };
-        for s in &mut self.vars {
+        let fused = self.step_cuda_fused(grads)?;
+        let p = &self.params;
+        for (i, s) in self.vars.iter_mut().enumerate() {
+            if fused.contains(&i) {
+                continue;
+            }
             let Some(g) = grads.get(&s.var) else {
                 continue;
             };
@@ -292,6 +300,66 @@ impl Optimizer for AdamW {
 }
 
 impl AdamW {
+    /// The f32 variables on a CUDA device, all updated by one launch per decay group
+    /// (`kernels::multi_tensor::adamw_step`: the CPU path's arithmetic, element by element, no
+    /// host read) instead of candle-nn's nine tensor ops each. Returns the indices it updated
+    /// (none when the fused CUDA path is off, `CDT_FUSED_CUDA=0`, or the kernel refuses the
+    /// set, e.g. two gradients sharing a storage: those then take the per-variable path).
+    fn step_cuda_fused(&self, grads: &GradStore) -> Result<Vec<usize>> {
+        let picked: Vec<usize> = self
+            .vars
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| {
+                matches!(s.moments, Moments::Tensors { .. })
+                    && s.var.dtype() == DType::F32
+                    && s.var.device().is_cuda()
+                    && s.var.elem_count() > 0
+                    && grads.get(&s.var).is_some_and(|g| g.dims() == s.var.dims())
+            })
+            .map(|(i, _)| i)
+            .collect();
+        if picked.is_empty() || !candle_dtensor_kernels::fused::cuda_enabled() {
+            return Ok(Vec::new());
+        }
+        let mut params = Vec::with_capacity(picked.len());
+        let mut gs = Vec::with_capacity(picked.len());
+        let mut ms = Vec::with_capacity(picked.len());
+        let mut vs = Vec::with_capacity(picked.len());
+        let mut decay = Vec::with_capacity(picked.len());
+        for &i in &picked {
+            let s = &self.vars[i];
+            let Moments::Tensors { m, v } = &s.moments else {
+                continue;
+            };
+            let Some(g) = grads.get(&s.var) else {
+                continue;
+            };
+            params.push(s.var.as_tensor().clone());
+            gs.push(g.clone());
+            ms.push(m.as_tensor().clone());
+            vs.push(v.as_tensor().clone());
+            decay.push(s.decay);
+        }
+        let p = &self.params;
+        let step = AdamWStep {
+            lr: p.lr,
+            beta1: p.beta1,
+            beta2: p.beta2,
+            eps: p.eps,
+            weight_decay: p.weight_decay,
+            t: self.step_t,
+        };
+        match adamw_step(&params, &gs, &ms, &vs, &decay, &step, None) {
+            Ok(()) => Ok(picked),
+            Err(e) => {
+                // Refused before any launch (the checks come first): the per-variable path.
+                tracing::debug!(error = %e, "adamw: the one-launch CUDA step refused this set");
+                Ok(Vec::new())
+            }
+        }
+    }
+
     /// AdamW with candle-nn's default hyper-parameters and learning rate `lr`.
     ///
     /// # Errors
