@@ -1038,7 +1038,8 @@ enum LossRead {
 }
 
 impl LossRead {
-    fn read(self) -> Result<f32> {
+    /// The loss and, when given, `extra`'s one f64 value, in one host read.
+    fn read_with(self, extra: Option<&Tensor>) -> Result<(f32, Option<f64>)> {
         let t = match self {
             LossRead::Local(t) => t,
             LossRead::Avg(work, replicate) => {
@@ -1049,7 +1050,15 @@ impl LossRead {
                 }
             }
         };
-        Ok(t.to_vec1::<f32>()?[0])
+        match extra {
+            None => Ok((t.to_vec1::<f32>()?[0], None)),
+            Some(x) => {
+                // f32 -> f64 -> f32 is exact: the loss reads as it would alone.
+                let both = Tensor::cat(&[&t.to_dtype(DType::F64)?.reshape(1)?, &x.reshape(1)?], 0)?
+                    .to_vec1::<f64>()?;
+                Ok((both[0] as f32, Some(both[1])))
+            }
+        }
     }
 }
 
@@ -1303,6 +1312,12 @@ impl Trainer {
     ///
     /// A failed op or collective.
     pub fn grad_norm(&self, grads: &GradStore) -> Result<f64> {
+        Ok(self.grad_norm_sq(grads)?.to_vec1::<f64>()?[0].sqrt())
+    }
+
+    /// The global sum of squares of the gradients (f64 `[1]` on the parameters' device, after
+    /// the all_reduce over the mesh): [`Trainer::grad_norm`] without its host read.
+    fn grad_norm_sq(&self, grads: &GradStore) -> Result<Tensor> {
         let mut local: Option<Tensor> = None;
         for (p, div) in self.params.iter().zip(&self.divisors) {
             let Some(g) = grads.get(&p.var) else { continue };
@@ -1320,30 +1335,45 @@ impl Trainer {
             Some(t) => t.reshape(1)?,
             None => Tensor::zeros(1, DType::F64, &self.device)?,
         };
-        let total = match &self.mesh {
+        Ok(match &self.mesh {
             Some(m) if m.num_ranks() > 1 => {
                 m.root_comm().all_reduce(&local, ReduceOp::Sum)?.wait()?
             }
             _ => local,
-        };
-        Ok(total.to_vec1::<f64>()?[0].sqrt())
+        })
     }
 
-    /// Scales every gradient so that the global norm is at most `max_norm`; returns the norm
-    /// before clipping and whether it scaled. Collective.
-    fn clip(&self, grads: &mut GradStore, max_norm: f64) -> Result<(f64, bool)> {
-        let norm = self.grad_norm(grads)?;
-        if norm > max_norm {
-            let scale = max_norm / (norm + 1e-6);
-            for p in &self.params {
-                if let Some(g) = grads.get(&p.var) {
-                    let scaled = g.affine(scale, 0.0)?;
-                    grads.insert(&p.var, scaled);
-                }
+    /// Scales every gradient so that the global norm is at most `max_norm`, on the device: the
+    /// factor `max_norm / (norm + 1e-6)` where the norm exceeds `max_norm`, else 1 (so an
+    /// unclipped gradient is unchanged, bit for bit), computed and applied without a host read.
+    /// Returns the global sum of squares before clipping (read with the loss). Collective.
+    fn clip(&self, grads: &mut GradStore, max_norm: f64) -> Result<Tensor> {
+        let sq = self.grad_norm_sq(grads)?;
+        let norm = sq.sqrt()?;
+        let over = norm.gt(max_norm)?;
+        let dev = norm.device().clone();
+        // max_norm / (norm + 1e-6): one division, as the host computed it.
+        let factor = Tensor::full(max_norm, 1, &dev)?.div(&(norm + 1e-6)?)?;
+        let one = Tensor::ones(1, DType::F64, &dev)?;
+        let factor = over.where_cond(&factor, &one)?;
+        let mut cast: Vec<(DType, Tensor)> = Vec::new();
+        for p in &self.params {
+            if let Some(g) = grads.get(&p.var) {
+                // The factor in the gradient's dtype, cast once per dtype (f64 -> f32 as the
+                // scalar `affine` the host path used).
+                let f = match cast.iter().find(|(d, _)| *d == g.dtype()) {
+                    Some((_, f)) => f.clone(),
+                    None => {
+                        let f = factor.to_dtype(g.dtype())?;
+                        cast.push((g.dtype(), f.clone()));
+                        f
+                    }
+                };
+                let scaled = g.broadcast_mul(&f)?;
+                grads.insert(&p.var, scaled);
             }
-            return Ok((norm, true));
         }
-        Ok((norm, false))
+        Ok(sq)
     }
 
     /// Forward (`forward`: this rank's loss), backward, FSDP's gradient reduction, the
@@ -1453,20 +1483,21 @@ impl Trainer {
         if let Some(f) = &self.fsdp {
             f.finish_backward(&mut grads)?;
         }
-        let (grad_norm, clipped) = match self.cfg.clip {
-            Some(c) => {
-                let (n, clipped) = self.clip(&mut grads, c)?;
-                (Some(n), clipped)
-            }
+        // The norm (and clipping) stay on the device; the sum of squares is read with the loss,
+        // in one host read.
+        let norm_sq = match self.cfg.clip {
+            Some(c) => Some(self.clip(&mut grads, c)?),
             None if self.cfg.grad_norm_every > 0
                 && self.step.is_multiple_of(self.cfg.grad_norm_every) =>
             {
-                (Some(self.grad_norm(&grads)?), false)
+                Some(self.grad_norm_sq(&grads)?)
             }
-            None => (None, false),
+            None => None,
         };
         let t_bwd = Instant::now();
-        let loss = read.read()?;
+        let (loss, norm_sq) = read.read_with(norm_sq.as_ref())?;
+        let grad_norm = norm_sq.map(f64::sqrt);
+        let clipped = matches!((self.cfg.clip, grad_norm), (Some(c), Some(n)) if n > c);
         Ok(Gradients {
             grads,
             loss,
@@ -1591,7 +1622,7 @@ impl Trainer {
     /// The forward's error, a loss of more than one element, a failed collective.
     pub fn eval(&mut self, forward: impl FnOnce() -> candle_core::Result<Tensor>) -> Result<f32> {
         let loss = forward()?;
-        let v = self.start_loss(&loss)?.read()?;
+        let (v, _) = self.start_loss(&loss)?.read_with(None)?;
         // Not part of the next step's measurements.
         let _ = candle_dtensor_core::debug::take_comm_wait();
         if let Some(f) = &self.fsdp {

@@ -423,3 +423,65 @@ fn bad_settings_and_untracked_parameters_are_named() {
     // The last evaluation ran at the parameters the run ended with.
     assert_eq!(report.eval_losses[2].1, direct);
 }
+
+/// The gradients of the first step of one device under `clip`, each flattened, in the
+/// trainer's parameter order, with the norm before clipping and whether it clipped.
+fn first_grads(clip: Option<f64>) -> R<(Vec<Vec<f32>>, f64, bool)> {
+    let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+    let vars = TrainVars::local(None, &map, vb);
+    let model = Mlp::new(vars.var_builder()?, None, &no_wrap)?;
+    // By name: the map's own order is a hash map's.
+    let mut named: Vec<(String, candle_core::Var)> = map
+        .data()
+        .lock()
+        .map_err(|_| "a poisoned var map")?
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let params: Vec<candle_core::Var> = named.into_iter().map(|(_, v)| v).collect();
+    let mut trainer = Trainer::new(
+        vars,
+        TrainerConfig {
+            clip,
+            grad_norm_every: 1,
+            ..config()
+        },
+    )?;
+    let (x, y) = batch(0, 0..BATCH)?;
+    let g = trainer.forward_backward(|| model.loss(&x, &y))?;
+    let grads = params
+        .iter()
+        .map(|p| -> R<Vec<f32>> {
+            Ok(g.grads()
+                .get(p)
+                .ok_or("a parameter without a gradient")?
+                .flatten_all()?
+                .to_vec1::<f32>()?)
+        })
+        .collect::<R<Vec<_>>>()?;
+    Ok((grads, g.grad_norm().ok_or("no norm")?, g.clipped()))
+}
+
+#[test]
+fn clipping_on_the_device_scales_by_max_over_norm_and_leaves_small_gradients_alone() -> R<()> {
+    let (free, norm, clipped) = first_grads(None)?;
+    assert!(!clipped && norm.is_finite() && norm > 0.0);
+    // A threshold above the norm: the gradients are untouched, bit for bit.
+    let (same, n2, c2) = first_grads(Some(norm * 2.0))?;
+    assert!(!c2 && n2 == norm);
+    for (a, b) in free.iter().zip(&same) {
+        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+    // Below it: every element times max / (norm + 1e-6), the f64 factor rounded to f32 once.
+    let max = norm / 3.0;
+    let (scaled, n3, c3) = first_grads(Some(max))?;
+    assert!(c3 && n3 == norm);
+    let factor = (max / (norm + 1e-6)) as f32;
+    for (a, b) in free.iter().zip(&scaled) {
+        for (x, y) in a.iter().zip(b) {
+            assert_eq!((x * factor).to_bits(), y.to_bits(), "{x} * {factor} vs {y}");
+        }
+    }
+    Ok(())
+}
