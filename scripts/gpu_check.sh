@@ -29,11 +29,13 @@
 #   c4      dtrun --nproc 1 -- train_gpt --backend nccl --device cuda (the NCCL backend end to end)
 #   c5, c6  as c1-c3 for HSDP replicate=2,shard=2 and an MoE layer over ep=2 (experts=4, top_k=2)
 #   c7      train_gpt --preset small on one GPU (tokens/s of a model big enough to time)
+#   c8, c9  train_gpt --precision bf16 (one GPU) and --precision tf32 (FSDP dp=2) --check against
+#           the CPU under the same policy, within 2e-2 and 2e-3 (train_gpt's defaults for them)
 #   e1, e2  train_llama --check: candle-transformers' llama under FSDP, and the candle-nn llama
 #           under FSDP x TP (2x2), rank threads on the GPU, losses and gradients vs the CPU
 #   d       (optional) nccl_bench: all_gather / all_reduce sweep with algbw/busbw like nccl-tests
 #
-# CDT_GPU_CHECK_DEVICE (default cuda) is the --device of c0-c3, c5-c7, e1 and e2 (`cpu` dry-runs the
+# CDT_GPU_CHECK_DEVICE (default cuda) is the --device of c0-c3, c5-c9, e1 and e2 (`cpu` dry-runs the
 # script's own plumbing on a machine whose nvidia-smi is faked; the GPU-only binaries a CPU build
 # lacks then FAIL by name. tests/gpu_check_script.rs dry-runs it with fake binaries).
 # Writes $CDT_GPU_LOG_DIR (default target/gpu_check/): one log per step, gpu_check.json (one
@@ -270,6 +272,11 @@ train_step c3 70 c3_train_fsdp_tp.log dp=2,tp=2 --device "$dev" --steps 10 --che
 train_step c5 60 c5_train_hsdp.log replicate=2,shard=2 --hsdp --device "$dev" --steps 6 --check --check-device cpu --check-tol "$check_tol"
 train_step c6 60 c6_train_moe.log ep=2 --moe experts=4,top_k=2 --device "$dev" --no-fsdp --steps 6 --check --check-device cpu --check-tol "$check_tol"
 train_step c7 60 c7_train_small.log tp=1 --preset small --device "$dev" --no-fsdp --steps 20
+# The precision policies against the CPU under the same policy (the CPU runs tf32 as f32), at
+# train_gpt's own default tolerances for them: bf16 (GEMMs and attention in bf16 with f32
+# accumulation: the flash-attention node, fused AdamW) 2e-2, tf32 2e-3.
+check_tol=2e-2 train_step c8 60 c8_train_bf16.log tp=1 --device "$dev" --no-fsdp --steps 10 --precision bf16 --check --check-device cpu --check-tol 2e-2
+check_tol=2e-3 train_step c9 60 c9_train_tf32.log dp=2 --device "$dev" --steps 10 --precision tf32 --check --check-device cpu --check-tol 2e-3
 # Bring your own candle model: candle-transformers' llama through FsdpVarMap, and the candle-nn
 # llama with the drop-ins under FSDP x TP, each against one device on the CPU.
 run_step e1 'check vs one device' 60 e1_llama_transformers.log "$(exe train_llama)" \
