@@ -88,7 +88,7 @@ fn pipelined_runs_match_one_device_and_report_bubbles() {
 fn bad_pipeline_settings_are_refused_before_training() {
     let dir = Scratch::new("pp-bad");
     let out = dir.s("curves");
-    let cases: [(&[&str], &[&str]); 10] = [
+    let cases: [(&[&str], &[&str]); 13] = [
         (
             &["--mesh", "pp=4", "--layers", "2"],
             &["pp=4", "2 blocks", "pp x pp-chunks <= blocks"],
@@ -131,7 +131,7 @@ fn bad_pipeline_settings_are_refused_before_training() {
         ),
         (
             &["--mesh", "cp=2,pp=2", "--layers", "4"],
-            &["--mesh cp=2,pp=2", "dp and tp only"],
+            &["--mesh cp=2,pp=2", "dp, tp and ep only"],
         ),
         (
             &["--mesh", "tp=2,pp=2", "--layers", "4", "--sp"],
@@ -155,6 +155,43 @@ fn bad_pipeline_settings_are_refused_before_training() {
                 "bf16",
             ],
             &["--mixed-precision", "need --fsdp"],
+        ),
+        (
+            &["--mesh", "ep=2,tp=2,pp=2", "--layers", "4"],
+            &["--mesh ep=2,tp=2,pp=2", "both ep and tp"],
+        ),
+        (
+            &[
+                "--mesh",
+                "tp=2,pp=2",
+                "--layers",
+                "4",
+                "--moe",
+                "experts=4,top_k=2",
+            ],
+            &[
+                "--mesh tp=2,pp=2 with --moe",
+                "tensor-parallel pipeline stages",
+                "the other mesh dims are dp and ep",
+            ],
+        ),
+        (
+            &[
+                "--mesh",
+                "dp=2,ep=2,pp=2",
+                "--layers",
+                "4",
+                "--moe",
+                "experts=4,top_k=2",
+                "--microbatches",
+                "4",
+            ],
+            &[
+                "--microbatches 4",
+                "--batch 8",
+                "dp=2, ep=2",
+                "dp x ep x microbatches divides the batch",
+            ],
         ),
     ];
     for (args, want) in cases {
@@ -288,5 +325,53 @@ fn a_pipelined_checkpoint_resumes_on_other_layouts() {
         };
         assert_eq!(s["start_step"], 2, "{mesh}: {s}");
         assert_eq!(s["check_passed"], true, "{mesh}: {s}");
+    }
+}
+
+/// Mixture-of-experts blocks inside the pipeline (issue 35, item 3): `--mesh ep=2,pp=2 --moe
+/// ... --microbatches 4 --pp-schedule 1f1b` (experts sharded over ep inside each stage), pp=2
+/// with every expert on each stage's rank, and dp=2 x ep=2 x pp=2 with FSDP over dp train to
+/// the single-device run accumulating the same micro-batches (`--check`, the balancing loss
+/// included); the summary reports the balancing loss of every step.
+#[test]
+fn moe_inside_the_pipeline_matches_one_device() {
+    let dir = Scratch::new("pp-moe");
+    let out = dir.s("curves");
+    for (mesh, m, schedule, extra) in [
+        ("ep=2,pp=2", "4", "1f1b", &[][..]),
+        ("pp=2", "2", "gpipe", &[][..]),
+        ("dp=2,ep=2,pp=2", "2", "gpipe", &["--fsdp"][..]),
+    ] {
+        let mut args = vec![
+            "--mesh",
+            mesh,
+            "--layers",
+            "4",
+            "--moe",
+            "experts=4,top_k=2,every=2,aux=1",
+            "--microbatches",
+            m,
+            "--pp-schedule",
+            schedule,
+            "--steps",
+            "3",
+            "--check",
+            "--json",
+            "--out",
+            &out,
+        ];
+        args.extend_from_slice(extra);
+        let s = match run(&args) {
+            Ok(Some(s)) => s,
+            other => panic!("{mesh} {schedule} {extra:?}: {other:?}"),
+        };
+        assert_eq!(s["check_passed"], true, "{mesh} {schedule} {extra:?}: {s}");
+        assert_eq!(s["pipeline"]["schedule"], schedule, "{s}");
+        let aux = s["moe"]["aux_loss"].as_array().expect("moe.aux_loss");
+        assert_eq!(aux.len(), 3, "{s}");
+        assert!(
+            aux.iter().all(|a| a.as_f64().is_some_and(|a| a > 0.0)),
+            "{mesh}: {s}"
+        );
     }
 }
