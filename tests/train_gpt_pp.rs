@@ -331,8 +331,10 @@ fn a_pipelined_checkpoint_resumes_on_other_layouts() {
 /// Mixture-of-experts blocks inside the pipeline (issue 35, item 3): `--mesh ep=2,pp=2 --moe
 /// ... --microbatches 4 --pp-schedule 1f1b` (experts sharded over ep inside each stage), pp=2
 /// with every expert on each stage's rank, and dp=2 x ep=2 x pp=2 with FSDP over dp train to
-/// the single-device run accumulating the same micro-batches (`--check`, the balancing loss
-/// included); the summary reports the balancing loss of every step.
+/// the single-device run accumulating the same micro-batches (`--check`, 1e-4; the balancing
+/// loss included, with coefficient 1 so that a reference on the whole batch would differ by
+/// more), also in bf16 mixed precision (2e-2 from the f32 reference); the summary reports the
+/// balancing loss of every step.
 #[test]
 fn moe_inside_the_pipeline_matches_one_device() {
     let dir = Scratch::new("pp-moe");
@@ -341,6 +343,12 @@ fn moe_inside_the_pipeline_matches_one_device() {
         ("ep=2,pp=2", "4", "1f1b", &[][..]),
         ("pp=2", "2", "gpipe", &[][..]),
         ("dp=2,ep=2,pp=2", "2", "gpipe", &["--fsdp"][..]),
+        (
+            "dp=2,ep=2,pp=2",
+            "2",
+            "1f1b",
+            &["--fsdp", "--mixed-precision", "bf16"][..],
+        ),
     ] {
         let mut args = vec![
             "--mesh",

@@ -1,6 +1,7 @@
 //! The GPT over a `pp` mesh dim: pipeline stages whose parameters equal the one-device
-//! model's, trained by GPipe, 1F1B and interleaved 1F1B on pp = 2 and 4 (and dp = 2 x pp = 2)
-//! to the one-device run's losses at every step; bad settings refused before any step.
+//! model's, trained by GPipe, 1F1B and interleaved 1F1B on pp = 2 and 4 (and dp = 2 x pp = 2,
+//! tp and FSDP inside the stages, mixture-of-experts blocks with experts over ep) to the
+//! one-device run's losses at every step; bad settings refused before any step.
 
 mod common;
 
@@ -114,7 +115,7 @@ type Case = (&'static [(&'static str, usize)], usize, PipelineSpec);
 fn pipelines_match_one_device() -> R<()> {
     let mut uneven = spec(ScheduleKind::OneFOneB, 4, 1);
     uneven.split = Some(vec![3, 1]);
-    let cases: [Case; 9] = [
+    let cases: [Case; 10] = [
         (&[("pp", 2)], 4, uneven),
         (&[("pp", 4)], 8, spec(ScheduleKind::Interleaved1F1B, 8, 2)),
         (&[("pp", 2)], 4, spec(ScheduleKind::GPipe, 4, 1)),
@@ -128,6 +129,12 @@ fn pipelines_match_one_device() -> R<()> {
             spec(ScheduleKind::OneFOneB, 4, 1),
         ),
         (&[("pp", 2), ("dp", 2)], 4, spec(ScheduleKind::GPipe, 2, 1)),
+        // ep without mixture-of-experts blocks: one more data dim.
+        (
+            &[("ep", 2), ("pp", 2)],
+            4,
+            spec(ScheduleKind::OneFOneB, 2, 1),
+        ),
     ];
     let mut references = std::collections::HashMap::new();
     for (dims, layers, s) in cases {
@@ -146,7 +153,11 @@ fn pipelines_match_one_device() -> R<()> {
         }
         let (reference, params, bytes) = &references[&layers];
         let reports = run_all(dims, &cfg_layers(layers, Some(s)));
-        let dp = dims.iter().find(|d| d.0 == "dp").map_or(1, |d| d.1);
+        let dp: usize = dims
+            .iter()
+            .filter(|d| d.0 == "dp" || d.0 == "ep")
+            .map(|d| d.1)
+            .product();
         let mut held = 0;
         let mut worst = 0.0f64;
         for r in reports {
@@ -937,53 +948,74 @@ fn moe_cfg(pipeline: Option<PipelineSpec>, micro_batches: usize) -> TrainConfig 
 /// MoE blocks inside the stages (issue 35, item 3): pp=2 (every expert on each stage's rank),
 /// ep=2 x pp=2 (experts sharded over ep, tokens dispatched over the stage's ep group) under
 /// GPipe, 1F1B and interleaved 1F1B, ep and pp in either order, dp=2 x ep=2 x pp=2 with plain
-/// dp and with FSDP over dp: losses (the balancing loss included) and global gradient norms
-/// within 1e-5 of one device accumulating the same micro-batches, and every parameter's first
-/// update (the gradient, see [`gradient_revealing`]) within 1e-4, experts included; the step's
-/// balancing loss is reported.
+/// dp and with FSDP over dp, a tied head on ep=2 x pp=2: losses (the balancing loss included)
+/// and global gradient norms within 1e-5 of one device accumulating the same micro-batches,
+/// and every parameter's first update (the gradient, see [`gradient_revealing`]) within 1e-4,
+/// experts included; the step's balancing loss is reported.
 #[test]
 fn moe_stages_match_one_device() -> R<()> {
     let scratch = common::Scratch::new("pp_moe");
-    // (mesh, pipeline, FSDP over dp)
-    type MCase = (&'static [(&'static str, usize)], PipelineSpec, bool);
-    let cases: [MCase; 7] = [
-        (&[("pp", 2)], spec(ScheduleKind::GPipe, 4, 1), false),
-        (&[("pp", 2)], spec(ScheduleKind::OneFOneB, 2, 1), false),
+    // (mesh, pipeline, FSDP over dp, tied head)
+    type MCase = (&'static [(&'static str, usize)], PipelineSpec, bool, bool);
+    let cases: [MCase; 8] = [
+        (&[("pp", 2)], spec(ScheduleKind::GPipe, 4, 1), false, false),
+        (
+            &[("pp", 2)],
+            spec(ScheduleKind::OneFOneB, 2, 1),
+            false,
+            false,
+        ),
         (
             &[("ep", 2), ("pp", 2)],
             spec(ScheduleKind::OneFOneB, 4, 1),
+            false,
             false,
         ),
         (
             &[("pp", 2), ("ep", 2)],
             spec(ScheduleKind::GPipe, 2, 1),
             false,
+            false,
         ),
         (
             &[("ep", 2), ("pp", 2)],
             spec(ScheduleKind::Interleaved1F1B, 2, 2),
+            false,
             false,
         ),
         (
             &[("dp", 2), ("ep", 2), ("pp", 2)],
             spec(ScheduleKind::OneFOneB, 2, 1),
             false,
+            false,
         ),
         (
             &[("dp", 2), ("ep", 2), ("pp", 2)],
             spec(ScheduleKind::GPipe, 2, 1),
             true,
+            false,
+        ),
+        (
+            &[("ep", 2), ("pp", 2)],
+            spec(ScheduleKind::OneFOneB, 2, 1),
+            false,
+            true,
         ),
     ];
     let mut references = std::collections::HashMap::new();
-    for (i, (dims, s, fsdp)) in cases.into_iter().enumerate() {
+    for (i, (dims, s, fsdp, tied)) in cases.into_iter().enumerate() {
         let m = s.micro_batches;
         let what = format!(
-            "MoE {dims:?} {} m={m} v={} fsdp {fsdp}",
+            "MoE {dims:?} {} m={m} v={} fsdp {fsdp} tied {tied}",
             s.schedule, s.chunks
         );
-        if let std::collections::hash_map::Entry::Vacant(slot) = references.entry(m) {
-            let one = train_with_norms(&[("dp", 1)], &moe_cfg(None, m))?.remove(0);
+        let base = |pipeline: Option<PipelineSpec>| {
+            let mut c = moe_cfg(pipeline, m);
+            c.gpt.tied = tied;
+            c
+        };
+        if let std::collections::hash_map::Entry::Vacant(slot) = references.entry((m, tied)) {
+            let one = train_with_norms(&[("dp", 1)], &base(None))?.remove(0);
             assert!(
                 one.0.losses[STEPS - 1] < one.0.losses[0],
                 "{:?}",
@@ -993,13 +1025,13 @@ fn moe_stages_match_one_device() -> R<()> {
             assert!(aux.iter().all(|&a| a > 0.0), "{aux:?}");
             let updates = first_updates(
                 &[("dp", 1)],
-                &gradient_revealing(moe_cfg(None, m)),
-                &scratch.0.join(format!("one-{m}")),
+                &gradient_revealing(base(None)),
+                &scratch.0.join(format!("one-{m}-{tied}")),
             )?;
             slot.insert((one.0.losses, one.1, one.0.params, updates));
         }
-        let (want, want_norms, params, reference) = &references[&m];
-        let mut c = moe_cfg(Some(s), m);
+        let (want, want_norms, params, reference) = &references[&(m, tied)];
+        let mut c = base(Some(s));
         if fsdp {
             c = with_fsdp(c, None);
         }
