@@ -1,7 +1,8 @@
 //! Training the GPT over a `pp` mesh dim: pipeline parallelism with any schedule of
 //! [`candle_dtensor_parallel::pipeline`] (GPipe, 1F1B, interleaved 1F1B), optionally
 //! replicated over a `dp` dim (plain data parallelism of whole pipelines, or FSDP: each
-//! stage's parameters sharded over `dp`).
+//! stage's parameters sharded over `dp`), with tensor parallelism (`tp`) or
+//! mixture-of-experts blocks and expert parallelism (`ep`) inside the stages.
 //!
 //! # A step
 //!
@@ -9,10 +10,12 @@
 //! schedules): the blocks by [`split_balanced`] on their parameter counts (or
 //! [`PipelineSpec::split`]), the embeddings on the first stage, the final norm, head and loss
 //! on the last. Each rank builds only its stages' parameters (equal to the one-device model's
-//! of the same seed) on a one-rank sub-mesh. A step is one [`run_schedule`] over `M`
-//! micro-batches: pipeline replica `d` of `dp` takes rows `[d B / dp, (d + 1) B / dp)` of the
-//! step's global batch of `B` sequences (the rows the one-device run trains on), micro-batch
-//! `i` the `i`-th run of `B / (dp M)` of them. With a tied head the last stage holds a copy of
+//! of the same seed) on its stage mesh: a one-rank sub-mesh, or its `tp` or `ep` group. A step
+//! is one [`run_schedule`] over `M` micro-batches: micro-batch `i` is rows
+//! `[i B / M, (i + 1) B / M)` of the step's global batch of `B` sequences (gradient
+//! accumulation's micro-batch `i`, the rows the one-device run trains on), split over the
+//! `D = dp x ep` data-parallel ranks of a stage (raveled in mesh order, as the one-device
+//! model's data dims shard a batch): each rank runs `B / (D M)` of its rows. With a tied head the last stage holds a copy of
 //! the token table (`GptStage`), kept equal to the first stage's: after the dp reduction the
 //! two copies' gradients are summed over a two-rank communicator of pipeline ranks 0 and
 //! `p - 1` (the one-device model's gradient of the shared table), and both take the same
@@ -23,10 +26,11 @@
 //! and AdamW (as [`crate::fit::Trainer`] sets it up) steps each stage's own parameters.
 //!
 //! **The loss is normalised as the mean over all tokens of the step**: the last stage scales
-//! each micro-batch's mean cross-entropy by its share of the step's tokens
-//! (`B / (dp M)` rows of `B`), so the micro-batch losses of all replicas add up to the mean over
-//! the global batch, and the gradients are those of one batch of all the tokens (up to
-//! floating-point summation order).
+//! each micro-batch's mean cross-entropy (over its stage mesh's rows: `ep B / (D M)` of them)
+//! by its share of the step's tokens (`ep B / (D M)` rows of `B`), so the micro-batch losses of
+//! all replicas add up to the mean over the global batch, and the gradients are those of one
+//! batch of all the tokens (up to floating-point summation order). Mixture-of-experts blocks'
+//! balancing losses are scaled by the same share, on whichever stage the block is (see below).
 //!
 //! # Tensor parallelism inside the stages
 //!
@@ -36,6 +40,41 @@
 //! counterpart in the next stage (one pipeline per tp coordinate, `pp`'s communicator). The
 //! global gradient norm sums a sharded parameter's squares over `tp` and counts a replicated
 //! one once; the step's loss is counted by the first tp rank of the last stage.
+//!
+//! # Mixture of experts and expert parallelism inside the stages
+//!
+//! With [`GptConfig::moe`](candle_dtensor_models::GptConfig::moe) the stages hold the
+//! one-device model's MoE blocks (`GptStage::with_moe`). With an `ep` mesh dim each stage runs
+//! on its rank's ep group (one pipeline per dp x ep coordinate, `pp`'s communicator): the
+//! micro-batch's rows are `Shard(0)` over `ep`, the experts `Shard(0)` over `ep` (torch.chunk,
+//! as without a pipeline), everything else replicated over it; the hidden states between stages
+//! are each rank's own rows. One set of MoE communicators serves all of a rank's chunks, built
+//! on the `dp` x `ep` sub-mesh of its stage: each forward's count exchange (and so the
+//! capacity admission and the balancing loss's assignment fractions `f_i`) spans the whole
+//! micro-batch over every data-parallel rank, the dispatch and combine run over `ep`, exactly
+//! as one micro-batch of the layout without a pipeline under gradient accumulation; so a
+//! pipelined run equals `dp x ep` without a pipeline accumulating the same `M` micro-batches
+//! (one device with `grad_accum = M`), the balancing loss included. Each stage's balancing
+//! loss (its blocks' sum, the router probabilities' mean over the ep group's rows) is scaled by
+//! the micro-batch's share like the cross-entropy: summed over the dp replicas it is the
+//! micro-batch's loss (linear in the probabilities' mean), summed over the micro-batches the
+//! accumulated one. A non-last stage adds it to its backward's seed (with the gradient from the
+//! next stage) and to the step's reported loss; the last stage's is part of its loss output.
+//!
+//! Gradients are reduced as without a pipeline: a replicated parameter's over `ep` in each
+//! micro-batch's backward (the dispatch rule's all_reduce, as on any DTensor mesh) and over
+//! `dp` by the step's reduction; an expert's only over `dp` (its tokens came to it over `ep`);
+//! the layers add no dp all_reduce of their own (`MoeLayer::without_grad_sync`). FSDP over `dp`
+//! shards each rank's ep-local pieces (experts included) as any stage parameter. The global
+//! gradient norm counts an expert's squares on its ep rank and a replicated parameter's once
+//! (1/ep on each ep rank, summed over `ep`). Checkpoints write the experts' ep shards under
+//! their one-device names (every ep rank its rows, replicated parameters from ep rank 0), so a
+//! run saved on `ep=2 x pp=2` resumes on `ep=2` without a pipeline, and back. The step's
+//! [`RankReport::moe`] holds the balancing loss (summed over the micro-batches and stages), the
+//! drops and kept assignments per expert (the last micro-batch's) over the pipeline, and this
+//! rank's dispatch and combine times.
+//!
+//! Without MoE blocks an `ep` dim is one more data dim of the stages (as without a pipeline).
 //!
 //! # FSDP over `dp`
 //!
@@ -89,11 +128,13 @@
 //! cannot split its backward into input and weight gradients: candle's autograd computes both
 //! operands' gradients of a matmul together, so `BackwardInput` alone cannot be had without
 //! hand-written backwards of attention and the norms), HSDP and FSDP over a dim other than
-//! `dp`, sequence / context / expert
-//! parallelism and mesh dims other than `pp`, `dp` and `tp`, a tied head with one pipeline
-//! rank and several chunks (both copies would be on one rank),
-//! held-out evaluation, sampling, SGD, fault tolerance, and
-//! [`GptStage::check_config`]'s refusal (MoE blocks).
+//! `dp`, sequence and context parallelism and mesh dims other than `pp`, `dp`, `tp` and `ep`,
+//! `ep` and `tp` together, MoE blocks with a `tp` dim (the MoE communicators would span
+//! `dp` x `tp` while the stage's tensors live on `tp`), a tied head with one pipeline rank and
+//! several chunks (both copies would be on one rank), held-out evaluation, sampling, SGD, fault
+//! tolerance and gradient accumulation on top of the micro-batches. MoE settings no layout can
+//! run (more ep ranks than experts, `top_k` above the experts) are refused by the MoE
+//! communicators before any step, on every rank.
 
 use std::collections::HashMap;
 use std::time::Instant;
