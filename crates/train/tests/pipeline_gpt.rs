@@ -1117,3 +1117,120 @@ fn moe_checkpoints_resume_across_layouts() -> R<()> {
     }
     Ok(())
 }
+
+/// MoE stages hold the one-device model's parameters (same names, same values, every one once,
+/// also with SwiGLU experts of their own hidden size), `GptStage::new` without the MoE
+/// communicators refuses a stage holding an MoE block, and the per-block parameter counts
+/// that balance the split are the model's.
+#[test]
+fn moe_stage_parameters_and_counts_equal_the_one_device_models() -> R<()> {
+    let out = LocalWorld::new(1)
+        .with_timeout(TIMEOUT)
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, &[("dp", 1)])?;
+            for swiglu in [false, true] {
+                let mut cfg = moe_cfg(None, 1).gpt;
+                cfg.swiglu = swiglu;
+                if swiglu {
+                    if let Some(m) = cfg.moe.as_mut() {
+                        m.hidden = Some(48);
+                    }
+                }
+                let m = cfg.moe.clone().ok_or("no MoE")?;
+                let (_, full) = Gpt::new(&cfg, &mesh, &TpPlan::new(), 11, DType::F32)?;
+                let hidden = m.expert_hidden(cfg.mlp_ratio * cfg.d_model);
+                let groups =
+                    candle_dtensor_parallel::MoeGroups::new(&mesh, &m, cfg.d_model, hidden)?;
+                let mut store = ParamStore::new(&mesh, 11, DType::F32);
+                for (s, r) in [(0, 0..1), (1, 1..3), (2, 3..4)] {
+                    GptStage::with_moe(
+                        &cfg,
+                        &mesh,
+                        &TpPlan::new(),
+                        s,
+                        3,
+                        r,
+                        &mut store,
+                        Some(&groups),
+                    )?;
+                }
+                for p in store.params() {
+                    let q = full
+                        .params()
+                        .iter()
+                        .find(|q| q.name == p.name)
+                        .ok_or_else(|| format!("{} is not a parameter of the model", p.name))?;
+                    let d = (p.var.as_tensor() - q.var.as_tensor())?
+                        .abs()?
+                        .max_all()?
+                        .to_scalar::<f32>()?;
+                    if d != 0.0 {
+                        return Err(format!("swiglu {swiglu}: {} differs by {d}", p.name).into());
+                    }
+                }
+                assert_eq!(store.params().len(), full.params().len(), "swiglu {swiglu}");
+                // Per block: the model's parameters named blocks.{i}.
+                let counts = GptStage::block_param_counts(&cfg, &mesh)?;
+                for (i, &c) in counts.iter().enumerate() {
+                    let want: usize = full
+                        .params()
+                        .iter()
+                        .filter(|p| p.name.starts_with(&format!("blocks.{i}.")))
+                        .map(|p| p.tensor.shape().iter().product::<usize>())
+                        .sum();
+                    assert_eq!(c, want, "swiglu {swiglu}: block {i}");
+                }
+                assert!(counts[1] > counts[0], "{counts:?}");
+                // Without the communicators a stage with an MoE block is refused.
+                let mut scratch = ParamStore::new(&mesh, 11, DType::F32);
+                match GptStage::new(&cfg, &mesh, &TpPlan::new(), 0, 2, 0..2, &mut scratch) {
+                    Err(e) => assert!(e.to_string().contains("MoE groups"), "{e}"),
+                    Ok(_) => return Err("a stage with an MoE block built without groups".into()),
+                }
+            }
+            Ok(())
+        })?;
+    assert_eq!(out.len(), 1);
+    Ok(())
+}
+
+/// Activation checkpointing inside MoE stages (the policy counts dense blocks only, as the
+/// one-device model's): ep=2 x pp=2 under `full` and `selective` gives the one-device losses
+/// under the same policy (which equal the run without checkpointing), and keeps less for
+/// backward: `full` on every rank, `selective` on the second stage, whose dense block 2 is the
+/// model's second dense block (by the global index it would be an even block: kept whole).
+#[test]
+fn moe_stages_with_activation_checkpointing_match_one_device() -> R<()> {
+    let want = run_all(&[("dp", 1)], &moe_cfg(None, 2)).remove(0)?.losses;
+    let peaks = |ac: AcMode| -> R<Vec<(usize, usize)>> {
+        let mut one = moe_cfg(None, 2);
+        one.gpt.ac = ac;
+        let one = run_all(&[("dp", 1)], &one).remove(0)?.losses;
+        assert_close(&one, &want, 1e-5, &format!("one device {ac:?}"));
+        let mut c = moe_cfg(Some(spec(ScheduleKind::OneFOneB, 2, 1)), 2);
+        c.gpt.ac = ac;
+        let mut out = Vec::new();
+        for r in run_all(&[("ep", 2), ("pp", 2)], &c) {
+            let r = r?;
+            assert_close(&r.losses, &want, 1e-5, &format!("ep=2 x pp=2 {ac:?}"));
+            out.push((r.rank, r.peak_activation_bytes));
+        }
+        out.sort();
+        Ok(out)
+    };
+    let none = peaks(AcMode::None)?;
+    let full = peaks(AcMode::Full)?;
+    let selective = peaks(AcMode::Selective)?;
+    for i in 0..none.len() {
+        let (rank, kept) = none[i];
+        assert!(full[i].1 < kept, "rank {rank}: full {full:?} none {none:?}");
+        // Mesh ep=2 x pp=2: odd ranks hold the second stage (blocks 2 and 3).
+        if rank % 2 == 1 {
+            assert!(
+                selective[i].1 < kept,
+                "rank {rank}: selective {selective:?} none {none:?}"
+            );
+        }
+    }
+    Ok(())
+}
