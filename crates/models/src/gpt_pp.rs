@@ -350,8 +350,9 @@ impl GptStage {
     }
 
     /// [`GptStage::forward`] and the load-balancing loss of the stage's mixture-of-experts
-    /// blocks (summed over them, over the micro-batch's tokens as [`Gpt::forward_aux`](crate::Gpt::forward_aux)
-    /// computes it; `None` without such blocks or with a zero coefficient).
+    /// blocks (summed over them, over the micro-batch's tokens as
+    /// [`Gpt::forward_aux`](crate::Gpt::forward_aux) computes it; `None` without such blocks
+    /// or with a zero coefficient).
     ///
     /// # Errors
     ///

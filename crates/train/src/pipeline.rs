@@ -15,15 +15,16 @@
 //! `[i B / M, (i + 1) B / M)` of the step's global batch of `B` sequences (gradient
 //! accumulation's micro-batch `i`, the rows the one-device run trains on), split over the
 //! `D = dp x ep` data-parallel ranks of a stage (raveled in mesh order, as the one-device
-//! model's data dims shard a batch): each rank runs `B / (D M)` of its rows. With a tied head the last stage holds a copy of
-//! the token table (`GptStage`), kept equal to the first stage's: after the dp reduction the
-//! two copies' gradients are summed over a two-rank communicator of pipeline ranks 0 and
-//! `p - 1` (the one-device model's gradient of the shared table), and both take the same
-//! AdamW update; the gradient norm and the parameter count count the table once. The stages
-//! accumulate their parameter gradients over the micro-batches; then the gradients are summed
-//! over `dp` (one all_reduce per step; with FSDP reduce-scattered, see below),
-//! the global gradient norm is taken (one all_reduce over `pp`) when clipping or asked for,
-//! and AdamW (as [`crate::fit::Trainer`] sets it up) steps each stage's own parameters.
+//! model's data dims shard a batch): each rank runs `B / (D M)` of its rows. With a tied head
+//! the last stage holds a copy of the token table (`GptStage`), kept equal to the first
+//! stage's: after the dp reduction the two copies' gradients are summed over a two-rank
+//! communicator of pipeline ranks 0 and `p - 1` (the one-device model's gradient of the shared
+//! table), and both take the same AdamW update; the gradient norm and the parameter count
+//! count the table once. The stages accumulate their parameter gradients over the
+//! micro-batches; then the gradients are summed over `dp` (one all_reduce per step; with FSDP
+//! reduce-scattered, see below), the global gradient norm is taken (one all_reduce over `pp`)
+//! when clipping or asked for, and AdamW (as [`crate::fit::Trainer`] sets it up) steps each
+//! stage's own parameters.
 //!
 //! **The loss is normalised as the mean over all tokens of the step**: the last stage scales
 //! each micro-batch's mean cross-entropy (over its stage mesh's rows: `ep B / (D M)` of them)
