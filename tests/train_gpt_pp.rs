@@ -1,8 +1,9 @@
 //! train_gpt over a `pp` mesh dim (issue 35, item 3), through the example's own `parse_args`
 //! and `real_main`: `--mesh pp=2` and `dp=2,pp=2` train to the single-device run's losses
 //! (`--check`), the summary reports the schedule's analytic bubble and the measured one per
-//! step (a tied head too), and bad pipeline settings fail before training, naming the flags,
-//! values and rule.
+//! step (a tied head too), MoE blocks with experts over ep inside the stages match too (and
+//! their checkpoints resume without the pipeline), and bad pipeline settings fail before
+//! training, naming the flags, values and rule.
 #[path = "../examples/train_gpt.rs"]
 #[allow(dead_code)]
 mod train_gpt;
@@ -382,4 +383,63 @@ fn moe_inside_the_pipeline_matches_one_device() {
             "{mesh}: {s}"
         );
     }
+}
+
+/// `--save-dir` / `--resume` of MoE stages: saved on `ep=2,pp=2` after 2 steps (2
+/// micro-batches), resumed on `ep=2` without a pipeline accumulating the same micro-batches
+/// (`--grad-accum 2`), ends with the uninterrupted single-device run's losses (`--check`).
+#[test]
+fn a_pipelined_moe_checkpoint_resumes_without_the_pipeline() {
+    let dir = Scratch::new("pp_moe_resume");
+    let out = dir.s("curves");
+    let ckpt = dir.s("ckpt");
+    let moe = "experts=4,top_k=2,every=2,aux=1";
+    let first = run(&[
+        "--mesh",
+        "ep=2,pp=2",
+        "--layers",
+        "4",
+        "--moe",
+        moe,
+        "--microbatches",
+        "2",
+        "--steps",
+        "2",
+        "--save-dir",
+        &ckpt,
+        "--save-every",
+        "2",
+        "--json",
+        "--out",
+        &out,
+    ]);
+    let s = match first {
+        Ok(Some(s)) => s,
+        other => panic!("saving on ep=2,pp=2: {other:?}"),
+    };
+    assert_eq!(s["saved_steps"], serde_json::json!([2]), "{s}");
+    let s = match run(&[
+        "--mesh",
+        "ep=2",
+        "--layers",
+        "4",
+        "--moe",
+        moe,
+        "--grad-accum",
+        "2",
+        "--steps",
+        "4",
+        "--save-dir",
+        &ckpt,
+        "--resume",
+        "--check",
+        "--json",
+        "--out",
+        &out,
+    ]) {
+        Ok(Some(s)) => s,
+        other => panic!("resuming on ep=2: {other:?}"),
+    };
+    assert_eq!(s["start_step"], 2, "{s}");
+    assert_eq!(s["check_passed"], true, "{s}");
 }
