@@ -1234,3 +1234,38 @@ fn moe_stages_with_activation_checkpointing_match_one_device() -> R<()> {
     }
     Ok(())
 }
+
+/// Capacity drops and uneven experts inside the stages: 3 experts over ep=2 (torch.chunk: 2
+/// and 1), top-1, every block MoE, capacity factor 1 (assignments dropped: the admission spans
+/// every data-parallel rank of the micro-batch, as one device's micro-batch), dp=2 x ep=2 x
+/// pp=2 with FSDP over dp under interleaved 1F1B: the one-device losses (accumulating the
+/// same micro-batches) within 1e-5, and the same drops.
+#[test]
+fn moe_stages_with_capacity_and_uneven_experts_match_one_device() -> R<()> {
+    let with = |pipeline: Option<PipelineSpec>| {
+        let mut c = moe_cfg(pipeline, 2);
+        if let Some(m) = c.gpt.moe.as_mut() {
+            m.experts = 3;
+            m.top_k = 1;
+            m.every = 1;
+            m.capacity_factor = Some(1.0);
+        }
+        c
+    };
+    let one = run_all(&[("dp", 1)], &with(None)).remove(0)?;
+    let dropped: Vec<usize> = one.moe.iter().map(|s| s.dropped).collect();
+    assert!(dropped.iter().all(|&d| d > 0), "{dropped:?}");
+    let c = with_fsdp(with(Some(spec(ScheduleKind::Interleaved1F1B, 2, 2))), None);
+    for r in run_all(&[("dp", 2), ("ep", 2), ("pp", 2)], &c) {
+        let r = r?;
+        assert_close(
+            &r.losses,
+            &one.losses,
+            1e-5,
+            "capacity, 3 experts over ep=2",
+        );
+        let got: Vec<usize> = r.moe.iter().map(|s| s.dropped).collect();
+        assert_eq!(got, dropped, "rank {}: dropped assignments", r.rank);
+    }
+    Ok(())
+}
