@@ -129,8 +129,8 @@ pub(crate) struct Args {
     world: Option<usize>,
     /// Mesh, e.g. `tp=4`, `dp=2,tp=2`, `replicate=2,shard=2`, `dp=2,ep=2`, `dp=2,pp=2`. Dim
     /// names: dp, tp, replicate, shard, ep (experts of --moe sharded over it; a data dim
-    /// otherwise), pp (pipeline stages; combines with dp, FSDP over dp with --fsdp, and tp;
-    /// see --microbatches).
+    /// otherwise), pp (pipeline stages; combines with dp, FSDP over dp with --fsdp, tp, and ep
+    /// (--moe experts sharded inside each stage; not ep with tp); see --microbatches).
     #[arg(long, default_value = "dp=2,tp=2")]
     mesh: String,
     /// Shard parameters, gradients and optimizer state over the data-parallel dim (FSDP).
@@ -229,10 +229,12 @@ pub(crate) struct Args {
     /// --batch, and the micro-batch must divide over the data-parallel ranks.
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
-    /// Pipeline parallelism (a `pp` mesh dim): micro-batches per step. Each pipeline replica's
-    /// share of --batch (batch / dp) is split into this many micro-batches, which the
-    /// --pp-schedule runs through the stages; the loss is the mean over all the step's tokens.
-    /// dp x microbatches must divide --batch.
+    /// Pipeline parallelism (a `pp` mesh dim): micro-batches per step. Micro-batch i is the
+    /// i-th run of batch / microbatches sequences of --batch (as --grad-accum's), split over the
+    /// dp x ep data-parallel ranks; the --pp-schedule runs them through the stages; the loss
+    /// is the mean over all the step's tokens (with --moe, each micro-batch's balancing loss
+    /// scaled by its share, as --grad-accum microbatches does). dp x ep x microbatches must
+    /// divide --batch.
     #[arg(long, default_value_t = 1)]
     microbatches: usize,
     /// Pipeline schedule over the `pp` mesh dim: gpipe, 1f1b, interleaved-1f1b (with
@@ -1508,15 +1510,30 @@ fn pipeline_spec(
     };
     if let Some((other, _)) = dims
         .iter()
-        .find(|(d, _)| !["pp", "dp", "tp"].contains(&d.as_str()))
+        .find(|(d, _)| !["pp", "dp", "tp", "ep"].contains(&d.as_str()))
     {
         return Err(format!(
-            "--mesh {}: a pp dim combines with dp and tp only (pipeline with {other} is not \
+            "--mesh {}: a pp dim combines with dp, tp and ep only (pipeline with {other} is not \
              implemented)",
             args.mesh
         ));
     }
-    let refused: [(bool, &str); 8] = [
+    if size("ep").is_some() && size("tp").is_some() {
+        return Err(format!(
+            "--mesh {}: a pp dim with both ep and tp is not implemented (a stage runs on its \
+             ep group or on its tp group, not both)",
+            args.mesh
+        ));
+    }
+    if args.moe.is_some() && size("tp").is_some() {
+        return Err(format!(
+            "--mesh {} with --moe: mixture-of-experts blocks inside tensor-parallel pipeline \
+             stages are not implemented (the rule: with pp and --moe, the other mesh dims are \
+             dp and ep)",
+            args.mesh
+        ));
+    }
+    let refused: [(bool, &str); 7] = [
         (args.hsdp, "--hsdp"),
         (args.sp, "--sp"),
         (args.init_from.is_some(), "--init-from"),
@@ -1524,7 +1541,6 @@ fn pipeline_spec(
         (args.sample > 0, "--sample"),
         (args.fault_tolerant, "--fault-tolerant"),
         (args.grad_accum > 1, "--grad-accum (use --microbatches)"),
-        (args.moe.is_some(), "--moe"),
     ];
     if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
         return Err(format!(
@@ -1533,12 +1549,17 @@ fn pipeline_spec(
         ));
     }
     let dp = size("dp").unwrap_or(1);
+    let ep = size("ep").unwrap_or(1);
     let (m, v) = (args.microbatches, args.pp_chunks);
-    if m == 0 || !args.batch.is_multiple_of(dp * m) {
+    if m == 0 || !args.batch.is_multiple_of(dp * ep * m) {
+        let (what, rule) = if ep > 1 {
+            (format!("dp={dp}, ep={ep}"), "dp x ep x microbatches")
+        } else {
+            (format!("dp={dp}"), "dp x microbatches")
+        };
         return Err(format!(
-            "--microbatches {m} with --batch {} and dp={dp}: the rule is microbatches >= 1 and \
-             dp x microbatches divides the batch (micro-batches of batch / (dp x microbatches) \
-             sequences)",
+            "--microbatches {m} with --batch {} and {what}: the rule is microbatches >= 1 and \
+             {rule} divides the batch (micro-batches of batch / ({rule}) sequences)",
             args.batch
         ));
     }
@@ -2702,6 +2723,11 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
         single.save_every = 0;
         single.resume = false;
         single.fault_tolerant = false;
+        // With mixture-of-experts blocks the balancing loss is per micro-batch: the reference
+        // accumulates the pipeline's micro-batches (the same rows, --grad-accum's split).
+        if let (Some(p), Some(_)) = (&single.pipeline, &single.gpt.moe) {
+            single.grad_accum = p.micro_batches;
+        }
         single.pipeline = None;
         let reference = run(
             "local",

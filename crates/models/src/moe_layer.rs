@@ -38,6 +38,9 @@ pub struct MoeLayer {
     dispatch_times: ExchangeTimes,
     combine_times: ExchangeTimes,
     stats: Mutex<MoeStats>,
+    /// Whether the expert weights' gradients are all-reduced in backward over the data dims
+    /// other than `ep` ([`MoeLayer::without_grad_sync`]).
+    sync_grads: bool,
 }
 
 impl MoeLayer {
@@ -115,7 +118,18 @@ impl MoeLayer {
             dispatch_times: ExchangeTimes::new(),
             combine_times: ExchangeTimes::new(),
             stats: Mutex::new(MoeStats::default()),
+            sync_grads: true,
         })
+    }
+
+    /// The layer without the backward all_reduce of the expert weights' gradients over the
+    /// groups' data dims other than `ep`: for a caller that reduces every gradient over those
+    /// dims itself, once per step (the pipeline trainer sums its stages' gradients over `dp`
+    /// after the step's last micro-batch). Its [`MoeGroups`] may then live on a larger mesh
+    /// than the parameters (the count exchange spans `dp` x `ep`, the parameters only `ep`).
+    pub fn without_grad_sync(mut self) -> Self {
+        self.sync_grads = false;
+        self
     }
 
     /// The settings.
@@ -159,6 +173,9 @@ impl MoeLayer {
     /// dims other than `ep` that FSDP does not manage.
     fn local_weight(&self, w: &DTensor) -> Result<Tensor> {
         let mut t = w.to_local().clone();
+        if !self.sync_grads {
+            return Ok(t);
+        }
         for (d, g) in self.groups.sync_groups() {
             if !w.managed_grad_dims().contains(d) {
                 t = copy_to_group(&t, g)?;

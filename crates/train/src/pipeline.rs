@@ -1,7 +1,8 @@
 //! Training the GPT over a `pp` mesh dim: pipeline parallelism with any schedule of
 //! [`candle_dtensor_parallel::pipeline`] (GPipe, 1F1B, interleaved 1F1B), optionally
 //! replicated over a `dp` dim (plain data parallelism of whole pipelines, or FSDP: each
-//! stage's parameters sharded over `dp`).
+//! stage's parameters sharded over `dp`), with tensor parallelism (`tp`) or
+//! mixture-of-experts blocks and expert parallelism (`ep`) inside the stages.
 //!
 //! # A step
 //!
@@ -9,24 +10,28 @@
 //! schedules): the blocks by [`split_balanced`] on their parameter counts (or
 //! [`PipelineSpec::split`]), the embeddings on the first stage, the final norm, head and loss
 //! on the last. Each rank builds only its stages' parameters (equal to the one-device model's
-//! of the same seed) on a one-rank sub-mesh. A step is one [`run_schedule`] over `M`
-//! micro-batches: pipeline replica `d` of `dp` takes rows `[d B / dp, (d + 1) B / dp)` of the
-//! step's global batch of `B` sequences (the rows the one-device run trains on), micro-batch
-//! `i` the `i`-th run of `B / (dp M)` of them. With a tied head the last stage holds a copy of
-//! the token table (`GptStage`), kept equal to the first stage's: after the dp reduction the
-//! two copies' gradients are summed over a two-rank communicator of pipeline ranks 0 and
-//! `p - 1` (the one-device model's gradient of the shared table), and both take the same
-//! AdamW update; the gradient norm and the parameter count count the table once. The stages
-//! accumulate their parameter gradients over the micro-batches; then the gradients are summed
-//! over `dp` (one all_reduce per step; with FSDP reduce-scattered, see below),
-//! the global gradient norm is taken (one all_reduce over `pp`) when clipping or asked for,
-//! and AdamW (as [`crate::fit::Trainer`] sets it up) steps each stage's own parameters.
+//! of the same seed) on its stage mesh: a one-rank sub-mesh, or its `tp` or `ep` group. A step
+//! is one [`run_schedule`] over `M` micro-batches: micro-batch `i` is rows
+//! `[i B / M, (i + 1) B / M)` of the step's global batch of `B` sequences (gradient
+//! accumulation's micro-batch `i`, the rows the one-device run trains on), split over the
+//! `D = dp x ep` data-parallel ranks of a stage (raveled in mesh order, as the one-device
+//! model's data dims shard a batch): each rank runs `B / (D M)` of its rows. With a tied head
+//! the last stage holds a copy of the token table (`GptStage`), kept equal to the first
+//! stage's: after the dp reduction the two copies' gradients are summed over a two-rank
+//! communicator of pipeline ranks 0 and `p - 1` (the one-device model's gradient of the shared
+//! table), and both take the same AdamW update; the gradient norm and the parameter count
+//! count the table once. The stages accumulate their parameter gradients over the
+//! micro-batches; then the gradients are summed over `dp` (one all_reduce per step; with FSDP
+//! reduce-scattered, see below), the global gradient norm is taken (one all_reduce over `pp`)
+//! when clipping or asked for, and AdamW (as [`crate::fit::Trainer`] sets it up) steps each
+//! stage's own parameters.
 //!
 //! **The loss is normalised as the mean over all tokens of the step**: the last stage scales
-//! each micro-batch's mean cross-entropy by its share of the step's tokens
-//! (`B / (dp M)` rows of `B`), so the micro-batch losses of all replicas add up to the mean over
-//! the global batch, and the gradients are those of one batch of all the tokens (up to
-//! floating-point summation order).
+//! each micro-batch's mean cross-entropy (over its stage mesh's rows: `ep B / (D M)` of them)
+//! by its share of the step's tokens (`ep B / (D M)` rows of `B`), so the micro-batch losses of
+//! all replicas add up to the mean over the global batch, and the gradients are those of one
+//! batch of all the tokens (up to floating-point summation order). Mixture-of-experts blocks'
+//! balancing losses are scaled by the same share, on whichever stage the block is (see below).
 //!
 //! # Tensor parallelism inside the stages
 //!
@@ -36,6 +41,41 @@
 //! counterpart in the next stage (one pipeline per tp coordinate, `pp`'s communicator). The
 //! global gradient norm sums a sharded parameter's squares over `tp` and counts a replicated
 //! one once; the step's loss is counted by the first tp rank of the last stage.
+//!
+//! # Mixture of experts and expert parallelism inside the stages
+//!
+//! With [`GptConfig::moe`](candle_dtensor_models::GptConfig::moe) the stages hold the
+//! one-device model's MoE blocks (`GptStage::with_moe`). With an `ep` mesh dim each stage runs
+//! on its rank's ep group (one pipeline per dp x ep coordinate, `pp`'s communicator): the
+//! micro-batch's rows are `Shard(0)` over `ep`, the experts `Shard(0)` over `ep` (torch.chunk,
+//! as without a pipeline), everything else replicated over it; the hidden states between stages
+//! are each rank's own rows. One set of MoE communicators serves all of a rank's chunks, built
+//! on the `dp` x `ep` sub-mesh of its stage: each forward's count exchange (and so the
+//! capacity admission and the balancing loss's assignment fractions `f_i`) spans the whole
+//! micro-batch over every data-parallel rank, the dispatch and combine run over `ep`, exactly
+//! as one micro-batch of the layout without a pipeline under gradient accumulation; so a
+//! pipelined run equals `dp x ep` without a pipeline accumulating the same `M` micro-batches
+//! (one device with `grad_accum = M`), the balancing loss included. Each stage's balancing
+//! loss (its blocks' sum, the router probabilities' mean over the ep group's rows) is scaled by
+//! the micro-batch's share like the cross-entropy: summed over the dp replicas it is the
+//! micro-batch's loss (linear in the probabilities' mean), summed over the micro-batches the
+//! accumulated one. A non-last stage adds it to its backward's seed (with the gradient from the
+//! next stage) and to the step's reported loss; the last stage's is part of its loss output.
+//!
+//! Gradients are reduced as without a pipeline: a replicated parameter's over `ep` in each
+//! micro-batch's backward (the dispatch rule's all_reduce, as on any DTensor mesh) and over
+//! `dp` by the step's reduction; an expert's only over `dp` (its tokens came to it over `ep`);
+//! the layers add no dp all_reduce of their own (`MoeLayer::without_grad_sync`). FSDP over `dp`
+//! shards each rank's ep-local pieces (experts included) as any stage parameter. The global
+//! gradient norm counts an expert's squares on its ep rank and a replicated parameter's once
+//! (1/ep on each ep rank, summed over `ep`). Checkpoints write the experts' ep shards under
+//! their one-device names (every ep rank its rows, replicated parameters from ep rank 0), so a
+//! run saved on `ep=2 x pp=2` resumes on `ep=2` without a pipeline, and back. The step's
+//! [`RankReport::moe`] holds the balancing loss (summed over the micro-batches and stages), the
+//! drops and kept assignments per expert (the last micro-batch's) over the pipeline, and this
+//! rank's dispatch and combine times.
+//!
+//! Without MoE blocks an `ep` dim is one more data dim of the stages (as without a pipeline).
 //!
 //! # FSDP over `dp`
 //!
@@ -89,11 +129,13 @@
 //! cannot split its backward into input and weight gradients: candle's autograd computes both
 //! operands' gradients of a matmul together, so `BackwardInput` alone cannot be had without
 //! hand-written backwards of attention and the norms), HSDP and FSDP over a dim other than
-//! `dp`, sequence / context / expert
-//! parallelism and mesh dims other than `pp`, `dp` and `tp`, a tied head with one pipeline
-//! rank and several chunks (both copies would be on one rank),
-//! held-out evaluation, sampling, SGD, fault tolerance, and
-//! [`GptStage::check_config`]'s refusal (MoE blocks).
+//! `dp`, sequence and context parallelism and mesh dims other than `pp`, `dp`, `tp` and `ep`,
+//! `ep` and `tp` together, MoE blocks with a `tp` dim (the MoE communicators would span
+//! `dp` x `tp` while the stage's tensors live on `tp`), a tied head with one pipeline rank and
+//! several chunks (both copies would be on one rank), held-out evaluation, sampling, SGD, fault
+//! tolerance and gradient accumulation on top of the micro-batches. MoE settings no layout can
+//! run (more ep ranks than experts, `top_k` above the experts) are refused by the MoE
+//! communicators before any step, on every rank.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -107,6 +149,7 @@ use candle_dtensor_kernels::storage;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::{GptStage, StageInput};
 use candle_dtensor_parallel::fsdp::chunk_rows;
+use candle_dtensor_parallel::moe::MoeGroups;
 use candle_dtensor_parallel::params::ParamStore;
 use candle_dtensor_parallel::pipeline::{
     run_schedule, split_balanced, split_explicit, CostModel, PipeComms, PipelineError, Schedule,
@@ -161,8 +204,11 @@ pub struct PipelineStepReport {
 struct Layout {
     p: usize,
     pp_rank: usize,
-    dp: usize,
     dp_rank: usize,
+    /// The `ep` dim's size (1 without one).
+    ep: usize,
+    /// This rank's index among the `dp x ep` data-parallel ranks of its stage.
+    data_rank: usize,
     pp_dim: usize,
     dp_dim: Option<usize>,
     schedule: Schedule,
@@ -188,11 +234,24 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
         ));
     };
     let names = mesh.dim_names();
-    if let Some(other) = names.iter().find(|n| !["pp", "dp", "tp"].contains(n)) {
+    if let Some(other) = names.iter().find(|n| !["pp", "dp", "tp", "ep"].contains(n)) {
         return Err(unsupported(format!(
             "pipeline parallelism with mesh dim {other:?} (mesh dims {names:?}): only pp, dp \
-             (data-parallel replicas of the pipeline) and tp (tensor parallelism inside each \
-             stage) are implemented"
+             (data-parallel replicas of the pipeline), tp (tensor parallelism inside each \
+             stage) and ep (experts sharded inside each stage, a data dim otherwise) are \
+             implemented"
+        )));
+    }
+    if roles.ep.is_some() && roles.tp.is_some() {
+        return Err(unsupported(format!(
+            "pipeline parallelism with both an ep and a tp mesh dim (mesh dims {names:?}): a \
+             stage runs on its rank's ep group or on its tp group, not on both"
+        )));
+    }
+    if roles.tp.is_some() && GptStage::has_moe(&cfg.gpt) {
+        return Err(unsupported(format!(
+            "pipeline parallelism with mixture-of-experts blocks and a tp mesh dim (mesh dims \
+             {names:?}): the MoE blocks of a stage run on dp and ep only"
         )));
     }
     if roles.tp.is_some() && cfg.plan.sequence_parallel {
@@ -241,12 +300,21 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
         Some(d) => mesh.size(d)?,
         None => 1,
     };
+    let ep = match roles.ep {
+        Some(d) => mesh.size(d)?,
+        None => 1,
+    };
     let m = spec.micro_batches;
-    if m == 0 || !cfg.batch.is_multiple_of(dp * m) {
+    if m == 0 || !cfg.batch.is_multiple_of(dp * ep * m) {
+        let (what, rule) = if ep > 1 {
+            (format!("dp {dp} and ep {ep}"), "dp x ep x micro-batches")
+        } else {
+            (format!("dp {dp}"), "dp x micro-batches")
+        };
         return Err(RunError::Config(format!(
-            "micro-batches {m} with batch {} and dp {dp}: the rule is micro-batches >= 1 and \
-             dp x micro-batches divides the batch (each pipeline replica runs micro-batches of \
-             batch / (dp x micro-batches) sequences)",
+            "micro-batches {m} with batch {} and {what}: the rule is micro-batches >= 1 and \
+             {rule} divides the batch (each pipeline replica runs micro-batches of batch / \
+             ({rule}) sequences)",
             cfg.batch
         )));
     }
@@ -286,16 +354,25 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
     }
     .map_err(|e| RunError::Pipeline(Box::new(e)))?;
     let coord = mesh.coordinate();
+    // This rank's place among the data-parallel ranks of its stage (dp and ep, raveled in
+    // mesh order: the order in which the one-device model's data dims shard the batch).
+    let shape = mesh.shape();
+    let data_rank = names
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| ["dp", "ep"].contains(n))
+        .fold(0, |r, (d, _)| r * shape[d] + coord[d]);
     Ok(Layout {
         p,
         pp_rank: coord[pp_dim],
-        dp,
         dp_rank: dp_dim.map_or(0, |d| coord[d]),
+        ep,
+        data_rank,
         pp_dim,
         dp_dim,
         schedule,
         ranges,
-        rows: cfg.batch / (dp * m),
+        rows: cfg.batch / (dp * ep * m),
     })
 }
 
@@ -304,6 +381,8 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
 struct Saved {
     input: Option<Var>,
     out: Tensor,
+    /// A non-last chunk's scaled load-balancing loss (the last chunk's is in `out`).
+    aux: Option<Tensor>,
 }
 
 /// One rank's chunks of the GPT as an executor [`Stage`].
@@ -313,10 +392,16 @@ struct GptPipeStage<'a> {
     owned: &'a [std::ops::Range<usize>],
     vars: &'a [Var],
     mesh: &'a DeviceMesh,
+    /// The placements of a micro-batch on `mesh`: `Shard(0)` over `ep`, Replicate otherwise.
+    batch_pl: &'a [Placement],
     ids: Vec<Tensor>,
     targets: Vec<Tensor>,
-    /// Each micro-batch's share of the step's tokens.
+    /// Each micro-batch's share of the step's tokens (of the rows of the stage mesh's batch:
+    /// `ep` ranks' rows together).
     weight: f64,
+    /// The scaled load-balancing losses of the step's forwards (detached), each with whether
+    /// it came from a last chunk (whose loss output already holds it).
+    aux_losses: Vec<(bool, Tensor)>,
     shape: Shape,
     saved: HashMap<(usize, usize), Saved>,
     /// Accumulated gradient of each var.
@@ -335,15 +420,25 @@ struct GptPipeStage<'a> {
     reducing: Vec<(usize, Work<Tensor>)>,
 }
 
-impl GptPipeStage<'_> {
-    fn part(&self, chunk: usize) -> Result<&GptStage, StageError> {
+impl<'a> GptPipeStage<'a> {
+    fn part(&self, chunk: usize) -> Result<&'a GptStage, StageError> {
         self.parts
             .get(chunk)
             .ok_or_else(|| format!("chunk {chunk} is not on this rank").into())
     }
 
     fn local(&self, t: &Tensor) -> Result<DTensor, StageError> {
-        Ok(DTensor::from_local(t, self.mesh, &[Placement::Replicate])?)
+        Ok(DTensor::from_local(t, self.mesh, self.batch_pl)?)
+    }
+
+    /// A scalar DTensor of the stage mesh (a loss) as this rank's local value scaled by the
+    /// micro-batch's share of the step's tokens.
+    fn scaled(&self, x: &DTensor) -> Result<Tensor, StageError> {
+        let all_r = vec![Placement::Replicate; self.mesh.ndim()];
+        Ok(x.redistribute(&all_r)?
+            .to_local()
+            .to_dtype(DType::F32)?
+            .affine(self.weight, 0.0)?)
     }
 }
 
@@ -355,24 +450,34 @@ impl Stage for GptPipeStage<'_> {
         input: Option<Tensor>,
     ) -> Result<Tensor, StageError> {
         let part = self.part(chunk)?;
-        let (h, var) = match input {
+        let ((h, aux), var) = match input {
             None => {
                 let ids = self.ids.get(mb).ok_or("micro-batch out of range")?;
                 let ids = self.local(ids)?;
-                (part.forward(StageInput::Ids(&ids))?, None)
+                (part.forward_aux(StageInput::Ids(&ids))?, None)
             }
             Some(t) => {
                 let v = Var::from_tensor(&t)?;
                 let x = self.local(v.as_tensor())?;
-                (part.forward(StageInput::Hidden(&x))?, Some(v))
+                (part.forward_aux(StageInput::Hidden(&x))?, Some(v))
             }
         };
-        let out = if part.is_last() {
+        // The MoE blocks' balancing loss, scaled like the cross-entropy: its share of the
+        // step's tokens.
+        let aux = aux.map(|a| self.scaled(&a)).transpose()?;
+        if let Some(a) = &aux {
+            self.aux_losses.push((part.is_last(), a.detach()));
+        }
+        let (out, aux) = if part.is_last() {
             let y = self.targets.get(mb).ok_or("micro-batch out of range")?;
             let y = self.local(y)?;
-            part.loss(&h, &y)?.to_local().affine(self.weight, 0.0)?
+            let ce = self.scaled(&part.loss(&h, &y)?)?;
+            match aux {
+                Some(a) => ((ce + a)?, None),
+                None => (ce, None),
+            }
         } else {
-            h.to_local().clone()
+            (h.to_local().clone(), aux)
         };
         self.graph_bytes = self
             .graph_bytes
@@ -382,6 +487,7 @@ impl Stage for GptPipeStage<'_> {
             Saved {
                 input: var,
                 out: out.clone(),
+                aux,
             },
         );
         Ok(out)
@@ -396,9 +502,14 @@ impl Stage for GptPipeStage<'_> {
         let saved = self.saved.remove(&(chunk, mb)).ok_or_else(|| {
             format!("backward of micro-batch {mb} chunk {chunk} before its forward")
         })?;
-        let store = match grad_out {
-            None => saved.out.backward()?,
-            Some(g) => (saved.out * g)?.sum_all()?.backward()?,
+        let store = match (grad_out, saved.aux) {
+            (None, _) => saved.out.backward()?,
+            (Some(g), None) => (saved.out * g)?.sum_all()?.backward()?,
+            // The chunk's balancing loss joins the gradient from the next stage.
+            (Some(g), Some(a)) => {
+                let s = (saved.out * g)?.sum_all()?.to_dtype(a.dtype())?;
+                (s + a)?.backward()?
+            }
         };
         let owned = self.owned.get(chunk).cloned().unwrap_or(0..0);
         for i in owned.clone() {
@@ -734,7 +845,41 @@ impl StageFsdp {
     }
 }
 
-/// A scalar summed over `comm`.
+/// What the rank's mixture-of-experts layers measured in the step just run (each layer's
+/// statistics taken, so they restart every step), as the layout without a pipeline reports
+/// it: the dispatch and combine times of this rank's layers, the fewest and most kept
+/// assignments of any expert of any layer in its last micro-batch (over the pipeline), the
+/// drops (over the pipeline: each stage's layers see the whole micro-batch's counts) and the
+/// step's balancing loss (`aux`: this rank's counted share, summed over the world).
+fn moe_step(
+    parts: &[GptStage],
+    aux: f64,
+    mesh: &DeviceMesh,
+    pp: &Comm,
+    dev: &Device,
+) -> Result<crate::trainer::MoeStepReport, RunError> {
+    let stats: Vec<_> = parts
+        .iter()
+        .flat_map(GptStage::moe_layers)
+        .map(|l| l.take_stats())
+        .collect();
+    let per_expert = stats
+        .iter()
+        .flat_map(|s| s.tokens_per_expert.iter().copied());
+    let min = per_expert.clone().min().map_or(f64::INFINITY, |x| x as f64);
+    let max = per_expert.max().map_or(0.0, |x| x as f64);
+    let dropped: usize = stats.iter().map(|s| s.dropped).sum();
+    Ok(crate::trainer::MoeStepReport {
+        dispatch_ms: stats.iter().map(|s| s.dispatch_ms).sum(),
+        combine_ms: stats.iter().map(|s| s.combine_ms).sum(),
+        tokens_per_expert_min: sum_over(pp, min, dev, ReduceOp::Min)? as usize,
+        tokens_per_expert_max: sum_over(pp, max, dev, ReduceOp::Max)? as usize,
+        dropped: sum_over(pp, dropped as f64, dev, ReduceOp::Sum)? as usize,
+        aux_loss: sum_over(mesh.root_comm(), aux, dev, ReduceOp::Sum)? as f32,
+    })
+}
+
+/// A scalar over `comm` (`op`: summed, or its min or max).
 fn sum_over(comm: &Comm, x: f64, dev: &Device, op: ReduceOp) -> Result<f64, RunError> {
     let t = Tensor::new(&[x], dev)?;
     let t = if comm.size() > 1 {
@@ -759,11 +904,15 @@ pub(crate) fn train_rank_pp(
     cfg: &TrainConfig,
     mut on_step: impl FnMut(&StepInfo),
 ) -> Result<RankReport, RunError> {
-    // The stages run on a mesh of this rank alone, or of its tensor-parallel group (the
-    // mesh's `tp` dim); dp replicas are reduced by hand.
-    let has_tp = mesh.dim_names().contains(&"tp");
+    // The stages run on a mesh of this rank alone, of its tensor-parallel group (the mesh's
+    // `tp` dim) or of its expert-parallel group (`ep`); dp replicas are reduced by hand.
+    let names = mesh.dim_names();
+    let has_tp = names.contains(&"tp");
+    let has_ep = names.contains(&"ep");
     let solo = if has_tp {
         mesh.slice(&["tp"])?
+    } else if has_ep {
+        mesh.slice(&["ep"])?
     } else {
         let me = mesh.root_comm().rank();
         let groups: Vec<usize> = vec![me];
@@ -780,6 +929,42 @@ pub(crate) fn train_rank_pp(
     };
     let counts = GptStage::block_param_counts(&cfg.gpt, &solo)?;
     let lay = check(mesh, cfg, &counts)?;
+    // Mixture-of-experts blocks: one set of communicators for all of the rank's chunks, on
+    // the mesh of the stage's data-parallel ranks (dp x ep): each micro-batch's count
+    // exchange, capacity and balancing-loss fractions span every data-parallel rank, as one
+    // micro-batch of the layout without a pipeline (gradient accumulation) spans them.
+    // Collective over the world (every rank builds it, whether its chunks hold MoE blocks or
+    // not).
+    let moe_groups = match cfg.gpt.moe.as_ref().filter(|_| GptStage::has_moe(&cfg.gpt)) {
+        Some(m) => {
+            let data: Vec<&str> = names
+                .iter()
+                .copied()
+                .filter(|n| ["dp", "ep"].contains(n))
+                .collect();
+            let gm = if data.is_empty() {
+                solo.clone()
+            } else {
+                mesh.slice(&data)?
+            };
+            let hidden = m.expert_hidden(cfg.gpt.mlp_ratio * cfg.gpt.d_model);
+            Some(MoeGroups::new(&gm, m, cfg.gpt.d_model, hidden)?)
+        }
+        None => None,
+    };
+    // A micro-batch on the stage mesh: its rows sharded over ep (the ep group's rows form the
+    // stage's batch), replicated over tp.
+    let batch_pl: Vec<Placement> = solo
+        .dim_names()
+        .iter()
+        .map(|n| {
+            if *n == "ep" {
+                Placement::Shard(0)
+            } else {
+                Placement::Replicate
+            }
+        })
+        .collect();
     let (p, v) = (lay.p, lay.schedule.chunks());
     let stages = p * v;
     // This rank's chunks, their parameters in a store of `dtype` (chunk c owning the
@@ -791,7 +976,7 @@ pub(crate) fn train_rank_pp(
         for c in 0..v {
             let s = c * p + lay.pp_rank;
             let before = store.params().len();
-            parts.push(GptStage::new(
+            parts.push(GptStage::with_moe(
                 &cfg.gpt,
                 &solo,
                 &plan,
@@ -799,6 +984,7 @@ pub(crate) fn train_rank_pp(
                 stages,
                 lay.ranges[s].clone(),
                 &mut store,
+                moe_groups.as_ref(),
             )?);
             owned.push(before..store.params().len());
         }
@@ -879,12 +1065,15 @@ pub(crate) fn train_rank_pp(
         );
     }
     let pp_comm = mesh.comm(lay.pp_dim)?.clone();
-    let tp_comm = if has_tp {
-        Some(mesh.comm_by_name("tp")?.clone())
-    } else {
-        None
+    // The stage mesh's group (tp or ep), whose ranks hold one stage's pieces together.
+    let stage_comm = match (has_tp, has_ep) {
+        (true, _) => Some(mesh.comm_by_name("tp")?.clone()),
+        (_, true) => Some(mesh.comm_by_name("ep")?.clone()),
+        _ => None,
     };
-    let tp_size = tp_comm.as_ref().map_or(1, Comm::size);
+    let stage_size = stage_comm.as_ref().map_or(1, Comm::size);
+    // The first rank of the stage group counts the stage's (replicated) losses.
+    let counts_loss = stage_comm.as_ref().is_none_or(|c| c.rank() == 0);
     let comms = PipeComms::new(&pp_comm).map_err(|e| RunError::Pipeline(Box::new(e)))?;
     // A tied head: the token table's copies on pipeline ranks 0 and p - 1 (collective over pp).
     let tied = if cfg.gpt.tied && p > 1 {
@@ -1015,9 +1204,10 @@ pub(crate) fn train_rank_pp(
             f.gather(&vars)?;
         }
         let (xs, ys) = corpus.batch(step as u64, cfg.batch, t, cfg.seed);
-        let first_row = lay.dp_rank * cfg.batch / lay.dp;
+        // Micro-batch i is rows [i B / M, (i + 1) B / M) of the step's batch (gradient
+        // accumulation's micro-batch i), split over the stage's dp x ep data-parallel ranks.
         let mb_rows = |all: &[u32], i: usize| -> candle_core::Result<Tensor> {
-            let start = (first_row + i * lay.rows) * t;
+            let start = (i * cfg.batch / m + lay.data_rank * lay.rows) * t;
             let rows = &all[start..start + lay.rows * t];
             Tensor::from_slice(rows, (lay.rows, t), &dev)
         };
@@ -1032,9 +1222,11 @@ pub(crate) fn train_rank_pp(
             owned: &owned,
             vars: &vars,
             mesh: &solo,
+            batch_pl: &batch_pl,
             ids,
             targets,
-            weight: lay.rows as f64 / cfg.batch as f64,
+            weight: (lay.rows * lay.ep) as f64 / cfg.batch as f64,
+            aux_losses: Vec::new(),
             shape: (lay.rows, t, cfg.gpt.d_model).into(),
             saved: HashMap::new(),
             grads: vec![None; vars.len()],
@@ -1096,8 +1288,9 @@ pub(crate) fn train_rank_pp(
         let want_norm = cfg.clip.is_some()
             || (cfg.grad_norm_every > 0 && step.is_multiple_of(cfg.grad_norm_every));
         let grad_norm = if want_norm {
-            // Over tp: a sharded parameter's squares add up over the tp ranks; a replicated
-            // one's are the same on each, so each rank counts 1/tp of them.
+            // Over the stage group (tp or ep): a sharded parameter's squares (tp's pieces, ep's
+            // experts) add up over its ranks; a replicated one's are the same on each, so each
+            // rank counts 1/size of them.
             let mut sq = 0.0f64;
             for (i, g) in grads.iter().enumerate() {
                 if matches!(&tied, Some((_, idx, true)) if *idx == i) {
@@ -1111,7 +1304,7 @@ pub(crate) fn train_rank_pp(
                 {
                     1.0
                 } else {
-                    1.0 / tp_size as f64
+                    1.0 / stage_size as f64
                 };
                 sq += share
                     * g.to_dtype(DType::F64)?
@@ -1119,7 +1312,7 @@ pub(crate) fn train_rank_pp(
                         .sum_all()?
                         .to_scalar::<f64>()?;
             }
-            if let Some(tc) = tp_comm.as_ref() {
+            if let Some(tc) = stage_comm.as_ref() {
                 sq = sum_over(tc, sq, &dev, ReduceOp::Sum)?;
             }
             // FSDP: the dp ranks hold disjoint rows.
@@ -1144,15 +1337,31 @@ pub(crate) fn train_rank_pp(
         let t_bwd = Instant::now();
         opt.step(&grad_store(&opt_vars, grads, &dev)?)?;
         let t_opt = Instant::now();
-        // The step's loss: the last stages' scaled micro-batch losses summed over the world
-        // (the tp ranks of a last stage hold the same loss: the first of them counts it).
+        // The step's loss: the last stages' scaled micro-batch losses and the other stages'
+        // scaled balancing losses, summed over the world (the ranks of a stage group hold the
+        // same losses: the first of them counts them).
         let mut local = 0.0f64;
-        if holds_last && tp_comm.as_ref().is_none_or(|c| c.rank() == 0) {
-            for (_, l) in &run.losses {
-                local += f64::from(l.to_dtype(DType::F32)?.to_scalar::<f32>()?);
+        let mut aux_local = 0.0f64;
+        if counts_loss {
+            if holds_last {
+                for (_, l) in &run.losses {
+                    local += f64::from(l.to_dtype(DType::F32)?.to_scalar::<f32>()?);
+                }
+            }
+            for (last, a) in &stage.aux_losses {
+                let a = f64::from(a.to_scalar::<f32>()?);
+                aux_local += a;
+                if !last {
+                    local += a;
+                }
             }
         }
         let loss = sum_over(mesh.root_comm(), local, &dev, ReduceOp::Sum)? as f32;
+        if moe_groups.is_some() {
+            report
+                .moe
+                .push(moe_step(&parts, aux_local, mesh, &pp_comm, &dev)?);
+        }
         let busy = sum_over(&pp_comm, run.busy.as_secs_f64(), &dev, ReduceOp::Sum)?;
         let wall = sum_over(&pp_comm, run.wall.as_secs_f64(), &dev, ReduceOp::Max)?;
         let measured = if wall > 0.0 {
