@@ -327,6 +327,14 @@ impl GptStage {
         self.dtype
     }
 
+    /// Sets the dtype the activations are kept in between ops (the precision policy's master
+    /// dtype; by default the parameters' dtype). A pipeline whose FSDP gathers bf16 copies of
+    /// f32 master shards sets f32, so the stage computes as the model without a pipeline does
+    /// (bf16 parameters cast up where the policy computes in f32).
+    pub fn set_master_dtype(&mut self, dtype: DType) {
+        self.dtype = dtype;
+    }
+
     /// Whether this is the first stage (embeddings).
     pub fn is_first(&self) -> bool {
         self.stage == 0

@@ -109,10 +109,11 @@
 //! gathered until its last backward); `separate_rs` gives the reduce_scatters their own
 //! communicator split from `dp`'s.
 //!
-//! Mixed precision (`param_dtype`, e.g. bf16): the full parameters, the stages' compute and
-//! the hidden states and their gradients sent between stages are in `param_dtype`; the
-//! shards, the accumulated gradients, the reduction, the loss and AdamW stay f32 (FSDP's
-//! mixed precision elsewhere).
+//! Mixed precision (`param_dtype`, e.g. bf16): the full parameters are gathered in
+//! `param_dtype`; as without a pipeline, that is storage and communication only: the
+//! activations, the hidden states and their gradients sent between stages, the shards, the
+//! accumulated gradients, the reduction, the loss and AdamW stay f32 (bf16 parameters cast up
+//! where the precision policy computes in f32; `--precision bf16` makes the GEMMs bf16).
 //!
 //! # Checkpoints
 //!
@@ -408,7 +409,8 @@ struct GptPipeStage<'a> {
     grads: Vec<Option<Tensor>>,
     /// The most autograd-graph bytes one chunk's output kept for backward.
     graph_bytes: usize,
-    /// The dtype of the hidden states between stages (the parameters' compute dtype).
+    /// The dtype of the hidden states between stages (f32: the master dtype, whatever FSDP's
+    /// param_dtype).
     act_dtype: DType,
     /// FSDP over dp: a chunk's gradients are reduce-scattered after its last backward.
     fsdp: Option<&'a StageFsdp>,
@@ -990,15 +992,20 @@ pub(crate) fn train_rank_pp(
         }
         Ok((store, parts, owned))
     };
-    // FSDP's mixed precision: the stages compute in `param_dtype` (their full parameters and
-    // the hidden states between stages); the master shards, their gradients and the
-    // reduction stay f32.
+    // FSDP's mixed precision: the stages' full parameters in `param_dtype`; the master
+    // shards, their gradients and the reduction stay f32.
     let act_dtype = cfg
         .fsdp
         .as_ref()
         .and_then(|f| f.param_dtype)
         .unwrap_or(DType::F32);
-    let (store, parts, owned) = build(act_dtype)?;
+    let (store, mut parts, owned) = build(act_dtype)?;
+    // The activations (and the hidden states between stages) stay in the f32 of the master
+    // shards, as in the model without a pipeline: FSDP's param_dtype is storage and
+    // communication only, its gathered parameters are cast up where the policy computes in f32.
+    for part in &mut parts {
+        part.set_master_dtype(DType::F32);
+    }
     let vars: Vec<Var> = store.params().iter().map(|p| p.var.clone()).collect();
     let dp_comm = match lay.dp_dim {
         Some(d) => Some(mesh.comm(d)?.clone()),
@@ -1231,7 +1238,7 @@ pub(crate) fn train_rank_pp(
             saved: HashMap::new(),
             grads: vec![None; vars.len()],
             graph_bytes: 0,
-            act_dtype,
+            act_dtype: DType::F32,
             fsdp: fsdp.as_ref(),
             backwards: vec![0; v],
             micro_batches: m,
