@@ -86,43 +86,28 @@ fn blocks_of(kernel: &str, total: usize, chunk: usize) -> Result<u32> {
         .map_err(|_| args(kernel, format!("{total} / {chunk} blocks")))
 }
 
+/// The sum-of-squares shim of one element type.
+type SumsqFn = unsafe extern "C" fn(
+    *const RawLaunch,
+    *mut c_char,
+    usize,
+    *const u64,
+    *const Ll,
+    c_int,
+    Ll,
+    *mut f32,
+) -> c_int;
+
 /// An element type of the sum-of-squares kernel (sealed by the crate's own impls).
 pub trait SumsqDt: crate::fused::Dt {
     #[doc(hidden)]
-    const SUMSQ: unsafe extern "C" fn(
-        *const RawLaunch,
-        *mut c_char,
-        usize,
-        *const u64,
-        *const Ll,
-        c_int,
-        Ll,
-        *mut f32,
-    ) -> c_int;
+    const SUMSQ: SumsqFn;
 }
 impl SumsqDt for f32 {
-    const SUMSQ: unsafe extern "C" fn(
-        *const RawLaunch,
-        *mut c_char,
-        usize,
-        *const u64,
-        *const Ll,
-        c_int,
-        Ll,
-        *mut f32,
-    ) -> c_int = emu_sumsq_partial_f32;
+    const SUMSQ: SumsqFn = emu_sumsq_partial_f32;
 }
 impl SumsqDt for bf16 {
-    const SUMSQ: unsafe extern "C" fn(
-        *const RawLaunch,
-        *mut c_char,
-        usize,
-        *const u64,
-        *const Ll,
-        c_int,
-        Ll,
-        *mut f32,
-    ) -> c_int = emu_sumsq_partial_bf16;
+    const SUMSQ: SumsqFn = emu_sumsq_partial_bf16;
 }
 
 /// `[norm, clip coefficient]` of the tensors `parts` with `threads` per block and `chunk`

@@ -3,29 +3,13 @@
 //! mask, softmax), forward and backward, f32 and bf16, every head dim built, causal and not,
 //! fewer queries than keys, lengths that are not multiples of the 32-row tiles. Each case runs
 //! under every fiber order and must give the same bits.
+mod common;
 use candle_core::{Device, Tensor, Var};
 use candle_dtensor_kernels::autodiff::reference;
 use candle_dtensor_kernels_emu::fused::{self, Attn, Dt, FA_HEAD_DIMS};
 use candle_dtensor_kernels_emu::{same_bits, Buf, Order, ORDERS};
+use common::{as_dt, values};
 use half::bf16;
-
-fn values(len: usize, scale: f32, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn as_dt<T: Dt>(v: &[f32]) -> (Vec<T>, Vec<f32>) {
-    let t: Vec<T> = v.iter().map(|&x| T::from_f32(x)).collect();
-    let back = t.iter().map(|&x| x.to_f32()).collect();
-    (t, back)
-}
 
 fn flat(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1().unwrap()

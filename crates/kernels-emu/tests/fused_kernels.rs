@@ -4,31 +4,13 @@
 //! lengths, several block sizes and grids smaller than the rows (the grid-stride loops). Each
 //! case runs under every fiber order and must give the same bits: a missing barrier shows.
 //! NaN anywhere a reference value is finite fails.
+mod common;
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_dtensor_kernels::autodiff::reference;
 use candle_dtensor_kernels_emu::fused::{self, Dt, Index, Rows};
 use candle_dtensor_kernels_emu::{same_bits, Buf, Launch, Order, ORDERS};
+use common::{as_dt, values};
 use half::bf16;
-
-/// Deterministic values in `[-scale, scale)`.
-fn values(len: usize, scale: f32, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-/// `v` rounded to `T`, and back as the f32 the reference computes on.
-fn as_dt<T: Dt>(v: &[f32]) -> (Vec<T>, Vec<f32>) {
-    let t: Vec<T> = v.iter().map(|&x| T::from_f32(x)).collect();
-    let back = t.iter().map(|&x| x.to_f32()).collect();
-    (t, back)
-}
 
 fn tol<T: Dt>() -> (f32, f32) {
     // (absolute, relative): f32 is reassociation and libm-vs-reference error; bf16 is one

@@ -3,22 +3,12 @@
 //! bit for bit against `multi_tensor::adamw_reference` (itself bitwise candle-nn's AdamW), over
 //! tables of tensors of odd and empty lengths with chunks that cross tensor boundaries, under
 //! every fiber order.
+mod common;
 use candle_dtensor_kernels::multi_tensor::{adamw_reference, AdamWStep};
 use candle_dtensor_kernels_emu::multi::{self, SumsqDt};
 use candle_dtensor_kernels_emu::{same_bits, Buf, ORDERS};
+use common::values;
 use half::bf16;
-
-fn values(len: usize, scale: f32, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
 
 const LENS: [usize; 7] = [5, 0, 1000, 33, 0, 4097, 1];
 
