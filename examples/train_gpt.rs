@@ -2651,6 +2651,12 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     // Activation checkpointing, and the most graph bytes one of rank 0's losses kept for
     // backward (the ranks of a layout hold equal pieces).
     summary["ac"] = serde_json::json!(gpt.ac.name());
+    // Device-to-host reads per step on rank 0 (each a host synchronisation on a GPU): the loss
+    // with the gradient norm, FSDP's gradient-presence flags (one per unit), the MoE balancing
+    // loss, the pipeline's scalars. Not counted: reads inside candle's ops and a backend's
+    // synchronisations inside its collectives (the local backend's CUDA path synchronizes the
+    // stream around each collective).
+    summary["host_reads_per_step"] = serde_json::json!(report.host_reads);
     // The precision policy: asked for, run (tf32 on the CPU runs f32, and says why), the
     // GEMMs' dtype and the gradient reduction's (f32 master weights: f32 under every policy;
     // with --mixed-precision FSDP still reduce-scatters in f32).

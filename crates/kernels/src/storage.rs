@@ -937,3 +937,23 @@ pub fn set_from_bytes(t: &Tensor, bytes: &[u8]) -> Result<()> {
     }
     t.inplace_op1(&Write(bytes))
 }
+
+// --------------------------------------------------------------------------------------------
+// Host reads: what a training step reads back from the device.
+
+thread_local! {
+    static HOST_READS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Notes that this thread read device data back to the host (on a GPU, a synchronisation of
+/// the host with the device's stream). The training code calls it wherever a step reads a
+/// value back: the loss, the gradient norm, FSDP's gradient-presence flags, the MoE balancing
+/// loss, the pipeline's scalars. [`take_host_reads`] gives a step's count.
+pub fn note_host_read() {
+    HOST_READS.with(|c| c.set(c.get() + 1));
+}
+
+/// The host reads this thread noted since the last call (and starts counting afresh).
+pub fn take_host_reads() -> usize {
+    HOST_READS.with(|c| c.replace(0))
+}

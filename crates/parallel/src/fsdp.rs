@@ -1103,6 +1103,7 @@ impl Fsdp {
             run.stats.exposed_comm_ms += waited;
             let mut freed = 0;
             let u = &mut run.units[unit];
+            candle_dtensor_kernels::storage::note_host_read();
             let flags = reduced
                 .narrow(0, u.block, u.params.len())?
                 .to_vec1::<f32>()?;

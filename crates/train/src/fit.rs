@@ -893,6 +893,11 @@ pub struct StepInfo {
     /// rank's variables, their gradients and optimizer state, plus FSDP's unsharded parameters
     /// and gradients in flight).
     pub peak_bytes: usize,
+    /// Device-to-host reads this rank's step made (`kernels::storage::note_host_read`: the
+    /// loss with the gradient norm, FSDP's gradient-presence flags, ...): each is a host
+    /// synchronisation on a GPU. Not counted: reads inside candle's own ops and a backend's
+    /// synchronisations inside its collectives.
+    pub host_reads: usize,
 }
 
 /// The gradients of one step, reduced (and clipped), before the optimizer step:
@@ -1040,6 +1045,7 @@ enum LossRead {
 impl LossRead {
     /// The loss and, when given, `extra`'s one f64 value, in one host read.
     fn read_with(self, extra: Option<&Tensor>) -> Result<(f32, Option<f64>)> {
+        candle_dtensor_kernels::storage::note_host_read();
         let t = match self {
             LossRead::Local(t) => t,
             LossRead::Avg(work, replicate) => {
@@ -1312,6 +1318,7 @@ impl Trainer {
     ///
     /// A failed op or collective.
     pub fn grad_norm(&self, grads: &GradStore) -> Result<f64> {
+        candle_dtensor_kernels::storage::note_host_read();
         Ok(self.grad_norm_sq(grads)?.to_vec1::<f64>()?[0].sqrt())
     }
 
@@ -1580,6 +1587,7 @@ impl Trainer {
             phase_ms,
             exposed_comm_ms: exposed,
             peak_bytes: self.peak_bytes,
+            host_reads: candle_dtensor_kernels::storage::take_host_reads(),
         };
         self.step += 1;
         Ok(info)
@@ -1625,6 +1633,7 @@ impl Trainer {
         let (v, _) = self.start_loss(&loss)?.read_with(None)?;
         // Not part of the next step's measurements.
         let _ = candle_dtensor_core::debug::take_comm_wait();
+        let _ = candle_dtensor_kernels::storage::take_host_reads();
         if let Some(f) = &self.fsdp {
             f.take_stats();
         }

@@ -889,6 +889,7 @@ fn sum_over(comm: &Comm, x: f64, dev: &Device, op: ReduceOp) -> Result<f64, RunE
     } else {
         t
     };
+    candle_dtensor_kernels::storage::note_host_read();
     Ok(t.to_vec1::<f64>()?[0])
 }
 
@@ -1203,6 +1204,8 @@ pub(crate) fn train_rank_pp(
         rank: mesh.rank(),
         ..RankReport::default()
     };
+    // The setup's reads are not the first step's.
+    let _ = candle_dtensor_kernels::storage::take_host_reads();
     for step in start..cfg.steps {
         // The collectives of the last step, in the report (as the other layouts count them).
         let mode = (step + 1 == cfg.steps).then(CommDebugMode::start);
@@ -1313,6 +1316,7 @@ pub(crate) fn train_rank_pp(
                 } else {
                     1.0 / stage_size as f64
                 };
+                candle_dtensor_kernels::storage::note_host_read();
                 sq += share
                     * g.to_dtype(DType::F64)?
                         .sqr()?
@@ -1352,10 +1356,12 @@ pub(crate) fn train_rank_pp(
         if counts_loss {
             if holds_last {
                 for (_, l) in &run.losses {
+                    candle_dtensor_kernels::storage::note_host_read();
                     local += f64::from(l.to_dtype(DType::F32)?.to_scalar::<f32>()?);
                 }
             }
             for (last, a) in &stage.aux_losses {
+                candle_dtensor_kernels::storage::note_host_read();
                 let a = f64::from(a.to_scalar::<f32>()?);
                 aux_local += a;
                 if !last {
@@ -1386,6 +1392,8 @@ pub(crate) fn train_rank_pp(
         report.losses.push(loss);
         report.lrs.push(lr);
         report.step_ms.push(step_ms);
+        let host_reads = candle_dtensor_kernels::storage::take_host_reads();
+        report.host_reads.push(host_reads);
         report
             .phase_ms
             .push([ms(fwd_bwd), ms(t_bwd - t0) - ms(fwd_bwd), ms(t_opt - t_bwd)]);
@@ -1415,6 +1423,7 @@ pub(crate) fn train_rank_pp(
             phase_ms: [ms(fwd_bwd), ms(t_bwd - t0) - ms(fwd_bwd), ms(t_opt - t_bwd)],
             exposed_comm_ms: 0.0,
             peak_bytes: report.param_grad_optim_bytes,
+            host_reads,
         });
         if let Some(dir) = &cfg.save_dir {
             let done = step + 1;

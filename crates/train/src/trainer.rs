@@ -330,6 +330,9 @@ pub struct RankReport {
     pub save_ms: Vec<f64>,
     /// Wall time per step (ms).
     pub step_ms: Vec<f64>,
+    /// Device-to-host reads of each step run, on this rank ([`StepInfo::host_reads`], plus the
+    /// MoE balancing loss's read): each a host synchronisation on a GPU.
+    pub host_reads: Vec<usize>,
     /// Collectives issued in the last step by (kind, phase) -> count.
     pub collectives: BTreeMap<String, BTreeMap<String, usize>>,
     /// Bytes of this rank's parameter pieces.
@@ -876,6 +879,8 @@ fn train_rank_spmd(
     // A failure being recovered from: when this rank detected it, and when its step started.
     let mut fault: Option<(Instant, Instant)> = None;
     let _ = candle_dtensor_core::debug::take_comm_wait();
+    // The setup's reads are not the first step's.
+    let _ = candle_dtensor_kernels::storage::take_host_reads();
     let mut step = start;
     while step < cfg.steps {
         let t0 = Instant::now();
@@ -968,6 +973,9 @@ fn train_rank_spmd(
         if let Some(m) = moe_step(&s.gpt, &all_r)? {
             report.moe.push(m);
         }
+        report
+            .host_reads
+            .push(info.host_reads + candle_dtensor_kernels::storage::take_host_reads());
         report.param_grad_optim_bytes = report.param_grad_optim_bytes.max(base_bytes + peak);
         report.losses.push(info.loss);
         report.step_ms.push(info.step_ms);
@@ -1014,7 +1022,10 @@ fn moe_step(gpt: &Gpt, all_r: &[Placement]) -> Result<Option<MoeStepReport>> {
         return Ok(None);
     }
     let aux_loss = match gpt.last_aux_loss() {
-        Some(a) => a.redistribute(all_r)?.to_local().to_scalar::<f32>()?,
+        Some(a) => {
+            candle_dtensor_kernels::storage::note_host_read();
+            a.redistribute(all_r)?.to_local().to_scalar::<f32>()?
+        }
         None => 0.0,
     };
     let per_expert = stats

@@ -1,0 +1,59 @@
+//! `train_gpt --json` counts the device-to-host reads of every step on rank 0
+//! (`host_reads_per_step`, issue 33 item 4): each is a host synchronisation on a GPU. Exactly
+//! one per step where the trainer reads only the loss, the gradient norm riding along
+//! (clipping included: the norm and the clip factor stay on the device); one more per FSDP unit
+//! (its gradient-presence flags) and one for the MoE balancing loss. Tiny preset (one block:
+//! three FSDP units: embeddings, the block, the head), 3 steps on the CPU.
+#[path = "../examples/train_gpt.rs"]
+#[allow(dead_code)]
+mod train_gpt;
+
+mod common;
+
+use common::Scratch;
+use std::ffi::OsString;
+
+/// `real_main` sizes the gemm threads through a process environment variable: one run at a
+/// time.
+static RUN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn reads(out: &Scratch, extra: &[&str]) -> Vec<u64> {
+    let prefix = out.0.join("run");
+    let args: Vec<OsString> = ["train_gpt", "--steps", "3", "--json", "--timeout", "120"]
+        .iter()
+        .copied()
+        .chain(["--out", prefix.to_str().unwrap()])
+        .chain(extra.iter().copied())
+        .map(OsString::from)
+        .collect();
+    let a = train_gpt::parse_args(args).unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+    let _one = RUN.lock().unwrap_or_else(|e| e.into_inner());
+    let summary = match train_gpt::real_main(&a) {
+        Ok(Some(s)) => s,
+        Ok(None) => panic!("{extra:?}: no summary"),
+        Err(e) => panic!("{extra:?}: {e}"),
+    };
+    summary["host_reads_per_step"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{extra:?}: no host_reads_per_step in {summary}"))
+        .iter()
+        .map(|v| v.as_u64().expect("a count"))
+        .collect()
+}
+
+#[test]
+fn one_host_read_per_step_without_fsdp_and_one_more_per_fsdp_unit() {
+    let out = Scratch::new("host_reads");
+    for (extra, want) in [
+        (&["--mesh", "tp=1", "--no-fsdp"][..], 1),
+        (&["--mesh", "tp=1", "--no-fsdp", "--clip", "0.5"][..], 1),
+        (&["--mesh", "tp=2", "--no-fsdp", "--clip", "0.5"][..], 1),
+        (&["--mesh", "dp=2", "--clip", "0.5"][..], 1 + 3),
+        (
+            &["--mesh", "ep=2", "--no-fsdp", "--moe", "experts=4,top_k=2"][..],
+            1 + 1,
+        ),
+    ] {
+        assert_eq!(reads(&out, extra), vec![want; 3], "{extra:?}");
+    }
+}
