@@ -2652,7 +2652,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     // backward (the ranks of a layout hold equal pieces).
     summary["ac"] = serde_json::json!(gpt.ac.name());
     // Device-to-host reads per step on rank 0 (each a host synchronisation on a GPU): the loss
-    // with the gradient norm, FSDP's gradient-presence flags (one per unit), the MoE balancing
+    // with the gradient norm, FSDP's gradient-presence flags (one read for all units), the MoE balancing
     // loss, the pipeline's scalars. Not counted: reads inside candle's ops and a backend's
     // synchronisations inside its collectives (the local backend's CUDA path synchronizes the
     // stream around each collective).

@@ -1092,22 +1092,50 @@ impl Fsdp {
             w.wait()?;
         }
         let pending = std::mem::take(&mut self.run().pending_rs);
-        let mut without = Vec::new();
+        let mut reduced_units = Vec::with_capacity(pending.len());
         for (unit, r) in pending {
             let t0 = Instant::now();
             let reduced = match r {
                 Reduction::Scatter(work) | Reduction::Replicate(work) => work.wait()?,
             };
-            let waited = t0.elapsed().as_secs_f64() * 1e3;
+            self.run().stats.exposed_comm_ms += t0.elapsed().as_secs_f64() * 1e3;
+            reduced_units.push((unit, reduced));
+        }
+        // Every unit's gradient-presence flags in one host read (one synchronisation on a GPU,
+        // not one per unit).
+        let flags: Vec<f32> = {
+            let run = self.run();
+            let slices = reduced_units
+                .iter()
+                .map(|(unit, reduced)| {
+                    let u = &run.units[*unit];
+                    reduced.narrow(0, u.block, u.params.len())
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            if slices.is_empty() {
+                Vec::new()
+            } else {
+                candle_dtensor_kernels::storage::note_host_read();
+                Tensor::cat(&slices, 0)?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?
+            }
+        };
+        let mut without = Vec::new();
+        let mut at = 0;
+        for (unit, reduced) in reduced_units {
             let mut run = self.run();
-            run.stats.exposed_comm_ms += waited;
             let mut freed = 0;
             let u = &mut run.units[unit];
-            candle_dtensor_kernels::storage::note_host_read();
-            let flags = reduced
-                .narrow(0, u.block, u.params.len())?
-                .to_vec1::<f32>()?;
-            for (p, flag) in u.params.iter().zip(flags) {
+            let unit_flags = flags.get(at..at + u.params.len()).ok_or_else(|| {
+                ParallelError::Config(format!(
+                    "FSDP: {} gradient-presence flags read for unit {unit}'s {} parameters",
+                    flags.len().saturating_sub(at),
+                    u.params.len()
+                ))
+            })?;
+            at += u.params.len();
+            for (p, &flag) in u.params.iter().zip(unit_flags) {
                 if flag <= 0.0 {
                     without.push(p.name.clone());
                     continue;
