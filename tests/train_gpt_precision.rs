@@ -23,6 +23,7 @@ mod common;
 use common::Scratch;
 use std::ffi::OsString;
 
+use candle_dtensor::kernels::compare::{nan_max, rel_diff};
 use train_gpt::{Args, Failure};
 
 /// `real_main` sizes the gemm threads through a process environment variable: one run at a
@@ -70,20 +71,15 @@ fn losses(v: &serde_json::Value) -> Vec<f64> {
         .collect()
 }
 
-/// The largest relative difference of `a` from `b` (NaN counts as a failure: infinite).
+/// The largest relative difference of `a` from `b`, by the project's shared rule
+/// (`kernels::compare`): a NaN anywhere makes it NaN, which every `<=` bound and every `> 0`
+/// check below rejects.
 fn max_rel(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)
-        .map(|(x, y)| {
-            let d = (x - y).abs() / y.abs();
-            if d.is_nan() {
-                f64::INFINITY
-            } else {
-                d
-            }
-        })
-        .fold(0.0, f64::max)
+        .map(|(x, y)| rel_diff(*x, *y))
+        .fold(0.0, nan_max)
 }
 
 #[test]
