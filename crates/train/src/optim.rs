@@ -306,40 +306,35 @@ impl AdamW {
     /// (none when the fused CUDA path is off, `CDT_FUSED_CUDA=0`, or the kernel refuses the
     /// set, e.g. two gradients sharing a storage: those then take the per-variable path).
     fn step_cuda_fused(&self, grads: &GradStore) -> Result<Vec<usize>> {
-        let picked: Vec<usize> = self
-            .vars
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| {
-                matches!(s.moments, Moments::Tensors { .. })
-                    && s.var.dtype() == DType::F32
-                    && s.var.device().is_cuda()
-                    && s.var.elem_count() > 0
-                    && grads.get(&s.var).is_some_and(|g| g.dims() == s.var.dims())
-            })
-            .map(|(i, _)| i)
-            .collect();
-        if picked.is_empty() || !candle_dtensor_kernels::fused::cuda_enabled() {
+        if !candle_dtensor_kernels::fused::cuda_enabled() {
             return Ok(Vec::new());
         }
-        let mut params = Vec::with_capacity(picked.len());
-        let mut gs = Vec::with_capacity(picked.len());
-        let mut ms = Vec::with_capacity(picked.len());
-        let mut vs = Vec::with_capacity(picked.len());
-        let mut decay = Vec::with_capacity(picked.len());
-        for &i in &picked {
-            let s = &self.vars[i];
+        let mut picked = Vec::new();
+        let (mut params, mut gs, mut ms, mut vs, mut decay) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, s) in self.vars.iter().enumerate() {
             let Moments::Tensors { m, v } = &s.moments else {
                 continue;
             };
             let Some(g) = grads.get(&s.var) else {
                 continue;
             };
+            if s.var.dtype() != DType::F32
+                || !s.var.device().is_cuda()
+                || s.var.elem_count() == 0
+                || g.dims() != s.var.dims()
+            {
+                continue;
+            }
+            picked.push(i);
             params.push(s.var.as_tensor().clone());
             gs.push(g.clone());
             ms.push(m.as_tensor().clone());
             vs.push(v.as_tensor().clone());
             decay.push(s.decay);
+        }
+        if picked.is_empty() {
+            return Ok(Vec::new());
         }
         let p = &self.params;
         let step = AdamWStep {
