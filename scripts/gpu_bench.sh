@@ -99,31 +99,10 @@ if [[ "$device" == cuda* ]]; then
     # with prebuilt binaries). Set for train_gpt only, so that torch loads its own as usual.
     libdir="$(mktemp -d)"
     trap 'rm -rf "$libdir" ${tmpbin:+"$tmpbin"}' EXIT
-    search=()
-    IFS=: read -r -a extra <<< "${CDT_CUDA_LIB_DIRS:-}"
-    search+=("${extra[@]}" "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64
-             /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib)
-    while IFS= read -r d; do [[ -n "$d" ]] && search+=("$d"); done < <("$python" -c '
-import glob, os, site
-roots = list(getattr(site, "getsitepackages", lambda: [])()) + [site.getusersitepackages()]
-for r in roots:
-    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))):
-        print(d)' 2>/dev/null || true)
-    lib_dirs=()
-    for lib in cuda nccl cublas cublasLt curand nvrtc cudart; do
-        for d in "${search[@]}"; do
-            [[ -d "$d" ]] || continue
-            f="$(ls -1 "$d"/lib"$lib".so "$d"/lib"$lib".so.[0-9]* 2>/dev/null | head -n 1 || true)"
-            if [[ -n "$f" ]]; then
-                ln -sf "$f" "$libdir/lib$lib.so"
-                lib_dirs+=("$d")
-                break
-            fi
-        done
-    done
-    ls "$bin_dir"/libcudart.so.* >/dev/null 2>&1 && lib_dirs=("$bin_dir" "${lib_dirs[@]}")
-    dirs="$(printf '%s\n' "${lib_dirs[@]}" | awk '!seen[$0]++' | paste -sd: -)"
-    ours_ld="$libdir${dirs:+:$dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # shellcheck source=lib/cuda_libs.sh
+    source "$root/scripts/lib/cuda_libs.sh"
+    cdt_cuda_libs "$libdir" "$bin_dir" "$python"
+    ours_ld="$cuda_lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     missing="$(LD_LIBRARY_PATH="$ours_ld" ldd "$bin" 2>&1 | awk '/not found/ {print $1}' | paste -sd, -)"
     [[ -n "$missing" ]] && say "warning: train_gpt's libraries not found: $missing (its runs will fail)"
 fi

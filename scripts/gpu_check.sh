@@ -96,34 +96,11 @@ fi
 # directory a pip or system install may use on LD_LIBRARY_PATH.
 libdir="$(mktemp -d)"
 trap 'rm -rf "$libdir" ${tmpbin:+"$tmpbin"}' EXIT
-search=()
-IFS=: read -r -a extra <<< "${CDT_CUDA_LIB_DIRS:-}"
-search+=("${extra[@]}" "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib)
-if py="$(command -v python3 2>/dev/null)"; then
-    while IFS= read -r d; do [[ -n "$d" ]] && search+=("$d"); done < <("$py" -c '
-import glob, os, site
-roots = list(getattr(site, "getsitepackages", lambda: [])()) + [site.getusersitepackages()]
-for r in roots:
-    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))):
-        print(d)' 2>/dev/null || true)
-fi
-lib_dirs=()
-for lib in cuda nccl cublas cublasLt curand nvrtc cudart; do
-    for d in "${search[@]}"; do
-        [[ -d "$d" ]] || continue
-        f="$(ls -1 "$d"/lib"$lib".so "$d"/lib"$lib".so.[0-9]* 2>/dev/null | head -n 1 || true)"
-        if [[ -n "$f" ]]; then
-            ln -sf "$f" "$libdir/lib$lib.so"
-            lib_dirs+=("$d")
-            break
-        fi
-    done
-done
-# Prebuilt binaries bring the CUDA runtime they were linked with (scripts/build_gpu.sh).
-ls "$bin"/libcudart.so.* >/dev/null 2>&1 && lib_dirs=("$(cd "$bin" && pwd)" "${lib_dirs[@]}")
-dirs="$(printf '%s\n' "${lib_dirs[@]}" | awk '!seen[$0]++' | paste -sd: -)"
+# shellcheck source=lib/cuda_libs.sh
+source scripts/lib/cuda_libs.sh
+cdt_cuda_libs "$libdir" "$bin" "$(command -v python3 2>/dev/null || true)"
 export LIBRARY_PATH="$libdir${LIBRARY_PATH:+:$LIBRARY_PATH}"
-export LD_LIBRARY_PATH="$libdir${dirs:+:$dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$cuda_lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 step() { # name timeout-seconds log command...
     local name="$1" limit="$2" log="$3"

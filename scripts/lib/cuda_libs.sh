@@ -1,0 +1,40 @@
+# Sourced by scripts/gpu_check.sh and scripts/gpu_bench.sh: finds the CUDA runtime libraries a
+# prebuilt binary needs on a GPU machine.
+#
+#   cdt_cuda_libs LIBDIR BINDIR PYTHON
+#
+# Links each of libcuda, libnccl, libcublas, libcublasLt, libcurand, libnvrtc and libcudart
+# under its unversioned name in LIBDIR (cudarc's loader asks for e.g. `libnccl.so`), searching
+# $CDT_CUDA_LIB_DIRS, $CUDA_HOME/lib64, the usual system directories and the `nvidia/*/lib`
+# directories of PYTHON's pip wheels (PYTHON may be empty: no wheel search). Sets `cuda_lib_path`
+# to LIBDIR, BINDIR when it carries a libcudart (scripts/build_gpu.sh ships the runtime the
+# binaries were linked with), and every directory a library was found in, `:`-joined without
+# repeats, for LD_LIBRARY_PATH.
+cdt_cuda_libs() {
+    local libdir="$1" bindir="$2" py="$3" d f lib
+    local search=() extra=() found=()
+    IFS=: read -r -a extra <<< "${CDT_CUDA_LIB_DIRS:-}"
+    search+=("${extra[@]}" "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64
+             /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib)
+    if [[ -n "$py" ]]; then
+        while IFS= read -r d; do [[ -n "$d" ]] && search+=("$d"); done < <("$py" -c '
+import glob, os, site
+roots = list(getattr(site, "getsitepackages", lambda: [])()) + [site.getusersitepackages()]
+for r in roots:
+    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))):
+        print(d)' 2>/dev/null || true)
+    fi
+    for lib in cuda nccl cublas cublasLt curand nvrtc cudart; do
+        for d in "${search[@]}"; do
+            [[ -d "$d" ]] || continue
+            f="$(ls -1 "$d"/lib"$lib".so "$d"/lib"$lib".so.[0-9]* 2>/dev/null | head -n 1 || true)"
+            if [[ -n "$f" ]]; then
+                ln -sf "$f" "$libdir/lib$lib.so"
+                found+=("$d")
+                break
+            fi
+        done
+    done
+    ls "$bindir"/libcudart.so.* >/dev/null 2>&1 && found=("$(cd "$bindir" && pwd)" "${found[@]}")
+    cuda_lib_path="$(printf '%s\n' "$libdir" "${found[@]}" | awk 'NF && !seen[$0]++' | paste -sd: -)"
+}
