@@ -1512,9 +1512,14 @@ fn fa_bwd_launch<T: Float>(
         unsafe { b.launch(elem_cfg(rows)) }.w()?;
     }
     let (tq, tk, c) = (s.tq as i32, s.tk as i32, i32::from(causal));
-    {
+    // dK and dV (a block per key tile), then dQ (a block per query tile): the same inputs, their
+    // own outputs and grid.
+    for (pass, outs, rows) in [
+        ("dkv", vec![&mut dk, &mut dv], s.tk),
+        ("dq", vec![&mut dq], s.tq),
+    ] {
         let f = dev.get_or_load_custom_func(
-            &format!("cdt_fa_bwd_dkv_{sfx}"),
+            &format!("cdt_fa_bwd_{pass}_{sfx}"),
             FLASH_ATTN.name,
             FLASH_ATTN.ptx,
         )?;
@@ -1525,39 +1530,19 @@ fn fa_bwd_launch<T: Float>(
         b.arg(&dov);
         b.arg(&lsev);
         b.arg(&delta);
-        b.arg(&mut dk);
-        b.arg(&mut dv);
+        for out in outs {
+            b.arg(out);
+        }
         b.arg(&tq);
         b.arg(&tk);
         b.arg(&scale);
         b.arg(&c);
-        // SAFETY: `cdt_fa_bwd_dkv_*_d{d}(q, k, v, d_o, lse, delta, T* dk, T* dv, int tq, int
-        // tk, float scale, int causal)`: lengths as in the forward (checked above), delta
-        // written by the launch before it on the same stream; block (x, h) writes dk, dv at
-        // its key rows below tk of head h only, all of them.
-        unsafe { b.launch(s.cfg(s.tk)) }.w()?;
-    }
-    {
-        let f = dev.get_or_load_custom_func(
-            &format!("cdt_fa_bwd_dq_{sfx}"),
-            FLASH_ATTN.name,
-            FLASH_ATTN.ptx,
-        )?;
-        let mut b = f.builder();
-        b.arg(&qv);
-        b.arg(&kv);
-        b.arg(&vv);
-        b.arg(&dov);
-        b.arg(&lsev);
-        b.arg(&delta);
-        b.arg(&mut dq);
-        b.arg(&tq);
-        b.arg(&tk);
-        b.arg(&scale);
-        b.arg(&c);
-        // SAFETY: `cdt_fa_bwd_dq_*_d{d}(q, k, v, d_o, lse, delta, T* dq, int tq, int tk, float
-        // scale, int causal)`: as above; block (x, h) writes dq at its query rows, all of them.
-        unsafe { b.launch(s.cfg(s.tq)) }.w()?;
+        // SAFETY: `cdt_fa_bwd_dkv_*_d{d}(q, k, v, d_o, lse, delta, T* dk, T* dv, int tq, int tk,
+        // float scale, int causal)` and `cdt_fa_bwd_dq_*_d{d}(.., T* dq, ..)`, the outputs in
+        // that order: lengths as in the forward (checked above), delta written by the launch
+        // before on the same stream; block (x, h) writes its key rows (dkv) or query rows (dq)
+        // below tk / tq of head h only, every element of them.
+        unsafe { b.launch(s.cfg(rows)) }.w()?;
     }
     Ok([wrap(dev, dq), wrap(dev, dk), wrap(dev, dv)])
 }
