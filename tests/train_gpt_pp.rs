@@ -39,6 +39,10 @@ fn pipelined_runs_match_one_device_and_report_bubbles() {
         ("pp=2", "4", "interleaved-1f1b", "2", 1.0 / 9.0, "--untied"),
         ("pp=4", "4", "1f1b", "1", 3.0 / 7.0, "--tied"),
         ("tp=2,pp=2", "2", "1f1b", "1", 1.0 / 3.0, "--untied"),
+        // Zero bubble: each backward split into input and weight gradients ((p-1)/(3m+p-1)).
+        ("pp=2", "4", "zb-h1", "1", 1.0 / 13.0, "--untied"),
+        ("pp=4", "4", "zb-h1", "1", 3.0 / 15.0, "--tied"),
+        ("dp=2,tp=2,pp=2", "2", "zb-h1", "1", 1.0 / 7.0, "--untied"),
     ] {
         let s = match run(&[
             head,
@@ -127,8 +131,17 @@ fn bad_pipeline_settings_are_refused_before_training() {
             &["--pp-split", "stage 1", "empty"],
         ),
         (
-            &["--mesh", "pp=2", "--layers", "4", "--pp-schedule", "zb-h1"],
-            &["--pp-schedule zb-h1", "cannot split backward"],
+            &[
+                "--mesh",
+                "pp=2",
+                "--layers",
+                "4",
+                "--pp-chunks",
+                "2",
+                "--pp-schedule",
+                "zb-h1",
+            ],
+            &["--pp-schedule zb-h1", "--pp-chunks 2", "v must be 1"],
         ),
         (
             &["--mesh", "cp=2,pp=2", "--layers", "4"],
@@ -232,6 +245,13 @@ fn fsdp_inside_the_pipeline_matches_one_device() {
             "2",
             "1f1b",
             &["--untied", "--mixed-precision", "bf16"][..],
+        ),
+        // Zero bubble with bf16 GEMMs: the linears' weights are casts of the parameters.
+        (
+            "dp=2,pp=2",
+            "4",
+            "zb-h1",
+            &["--untied", "--precision", "bf16"][..],
         ),
     ] {
         let mut args = vec![
@@ -342,6 +362,7 @@ fn moe_inside_the_pipeline_matches_one_device() {
     let out = dir.s("curves");
     for (mesh, m, schedule, extra) in [
         ("ep=2,pp=2", "4", "1f1b", &[][..]),
+        ("ep=2,pp=2", "4", "zb-h1", &[][..]),
         ("pp=2", "2", "gpipe", &[][..]),
         ("dp=2,ep=2,pp=2", "2", "gpipe", &["--fsdp"][..]),
         (

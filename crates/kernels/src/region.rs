@@ -7,6 +7,7 @@
 //! region has edges only to its real inputs. Used for `linear` (x, W, b) and the attention core
 //! (q, k, v), the two largest sources of edges in a transformer block.
 
+use std::cell::{Cell, RefCell};
 use std::sync::Mutex;
 
 use candle_core::{CustomOp1, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
@@ -164,15 +165,203 @@ fn tracked(ts: &[&Tensor]) -> bool {
     ts.iter().all(|t| t.device().is_cpu()) && ts.iter().any(|t| t.track_op())
 }
 
-/// Whether [`linear`] applies: CPU tensors, one of which tracks gradients, `x` of rank >= 2 and
-/// no empty operand (empty pieces take the plain path, which keeps the graph edges).
+/// Whether [`linear`] applies: tensors one of which tracks gradients, `x` of rank >= 2 and no
+/// empty operand (empty pieces take the plain path, which keeps the graph edges), on the CPU,
+/// or on any device inside [`splittable_forward`].
 pub fn linear_applies(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> bool {
     let all: Vec<&Tensor> = [x, w].into_iter().chain(b).collect();
-    tracked(&all) && x.rank() >= 2 && all.iter().all(|t| t.elem_count() > 0)
+    let on_device = tracked(&all) || (split_forward() && all.iter().any(|t| t.track_op()));
+    on_device && x.rank() >= 2 && all.iter().all(|t| t.elem_count() > 0)
+}
+
+// --------------------------------------------------------------------------------------------
+// Split backward (zero-bubble pipeline schedules).
+
+thread_local! {
+    /// Inside [`splittable_forward`] on this thread.
+    static SPLIT_FORWARD: Cell<bool> = const { Cell::new(false) };
+    /// Inside [`defer_weight_grads`] on this thread: the deferred weight gradients so far.
+    static DEFERRED: RefCell<Option<Vec<DeferredWeightGrad>>> = const { RefCell::new(None) };
+}
+
+fn split_forward() -> bool {
+    SPLIT_FORWARD.with(Cell::get)
+}
+
+/// A [`linear`] node's weight gradient, deferred by [`defer_weight_grads`]: the operands of
+/// `dW = g^T x`, kept until [`DeferredWeightGrad::grad`] computes it.
+#[derive(Debug, Clone)]
+pub struct DeferredWeightGrad {
+    /// The weight as the node saw it (with its graph: the parameter itself, or e.g. a cast of
+    /// it under a precision policy).
+    w: Tensor,
+    /// The node's input as `[rows, in]` (detached).
+    x: Tensor,
+    /// The output's gradient as `[rows, out]` (detached).
+    g: Tensor,
+}
+
+impl DeferredWeightGrad {
+    /// The weight whose gradient this is, as the linear saw it. When it is not a variable
+    /// itself, its gradient reaches the parameters through its graph: run a backward of
+    /// `sum(weight * grad)` (the gradient of that sum with respect to `weight` is `grad`).
+    pub fn weight(&self) -> &Tensor {
+        &self.w
+    }
+
+    /// `dW = g^T x`, of the weight's shape and dtype: what the node's backward would have
+    /// given the weight.
+    ///
+    /// # Errors
+    ///
+    /// A failed matmul.
+    pub fn grad(&self) -> CResult<Tensor> {
+        self.g.t()?.matmul(&self.x)
+    }
+}
+
+/// Restores a thread-local on drop, so a panic inside a scope does not leave it set.
+struct Restore<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Restore<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
+}
+
+/// Runs `f`, a forward whose backward will be split by [`defer_weight_grads`], with every
+/// [`linear`] recorded as a region node on every device. (On the CPU linears are regions
+/// anyway; elsewhere they are plain candle ops, whose matmul backward computes both operands'
+/// gradients together and so cannot defer one.)
+pub fn splittable_forward<R>(f: impl FnOnce() -> R) -> R {
+    let before = SPLIT_FORWARD.with(|c| c.replace(true));
+    let _restore = Restore(move || SPLIT_FORWARD.with(|c| c.set(before)));
+    f()
+}
+
+/// Runs `f`, a backward, with the weight gradients of the [`linear`] region nodes it reaches
+/// deferred, and returns them with `f`'s result: the backward computes the input and bias
+/// gradients (zero-bubble's `B`, on the critical path of a pipeline) and leaves the GEMMs
+/// `dW = g^T x` (zero-bubble's `W`) to the caller, who computes them later with
+/// [`DeferredWeightGrad::grad`] and adds them where the weight leads. A weight that is a
+/// variable gets no gradient from the node during `f`; a computed weight (such as a cast
+/// parameter) gets zeros, which candle's backward needs on every node it reaches. Linears that
+/// ran as plain ops (see [`linear_applies`]) are not deferred. Scopes nest: an inner one takes
+/// what its own backward defers.
+pub fn defer_weight_grads<R>(f: impl FnOnce() -> R) -> (R, Vec<DeferredWeightGrad>) {
+    let outer = DEFERRED.with(|d| d.borrow_mut().replace(Vec::new()));
+    let mut outer = Some(outer);
+    let restore = Restore(move || {
+        if let Some(o) = outer.take() {
+            DEFERRED.with(|d| *d.borrow_mut() = o);
+        }
+    });
+    let r = f();
+    let deferred = DEFERRED.with(|d| d.borrow_mut().take()).unwrap_or_default();
+    drop(restore);
+    (r, deferred)
+}
+
+/// The weight gradient of a linear node's backward: computed now, or deferred (`None` for a
+/// variable weight, zeros for a computed one) inside [`defer_weight_grads`].
+fn weight_grad(w: &Tensor, x2: &Tensor, g2: &Tensor) -> CResult<Option<Tensor>> {
+    let deferring = DEFERRED.with(|d| d.borrow().is_some());
+    if !deferring || !w.track_op() {
+        return Ok(Some(g2.t()?.matmul(x2)?));
+    }
+    let item = DeferredWeightGrad {
+        w: w.clone(),
+        x: x2.detach(),
+        g: g2.detach(),
+    };
+    DEFERRED.with(|d| {
+        if let Some(v) = d.borrow_mut().as_mut() {
+            v.push(item);
+        }
+    });
+    if w.is_variable() {
+        Ok(None)
+    } else {
+        Ok(Some(w.zeros_like()?))
+    }
+}
+
+/// [`linear`]'s graph node: `(x, w)` or `(x, w, b)`.
+struct Linear {
+    out: Mutex<Option<Tensor>>,
+    /// An f32 bias added while the output is copied into the node's storage (CPU only).
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn output<S: DeviceStorage>(&self, s: &S, _: &Layout) -> CResult<(S, Shape)> {
+        output_storage(s, &self.out, self.bias.as_ref())
+    }
+
+    /// `(dx, dw, db)`: `dx = g @ w`, `dw = g^T @ x` (or deferred), `db` = `g` summed over rows.
+    fn grads(
+        x: &Tensor,
+        w: &Tensor,
+        g: &Tensor,
+        bias: bool,
+    ) -> CResult<(Tensor, Option<Tensor>, Option<Tensor>)> {
+        let inner = x.dim(candle_core::D::Minus1)?;
+        let out = w.dim(0)?;
+        let g2 = g.contiguous()?.reshape(((), out))?;
+        let x2 = x.reshape(((), inner))?;
+        let dx = g2.matmul(w)?.reshape(x.shape())?;
+        let dw = weight_grad(w, &x2, &g2)?;
+        let db = if bias {
+            Some(crate::fused::row_sum(&g2, out)?)
+        } else {
+            None
+        };
+        Ok((dx, dw, db))
+    }
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "fused-linear"
+    }
+
+    crate::device_fwd2!(output, first_only);
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = Linear::grads(x, w, g, false)?;
+        Ok((Some(dx), dw))
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "fused-linear"
+    }
+
+    crate::device_fwd3!(output, first_only);
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = Linear::grads(x, w, g, true)?;
+        Ok((Some(dx), dw, db))
+    }
 }
 
 /// `y = x @ w^T (+ b)` for `x: [.., in]`, `w: [out, in]`, `b: [out]`, as one graph node
-/// (plain candle ops where [`linear_applies`] is false).
+/// (plain candle ops where [`linear_applies`] is false). Its backward defers the weight's
+/// gradient inside [`defer_weight_grads`].
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
     let compute = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| -> CResult<Tensor> {
         let dims = x.dims().to_vec();
@@ -196,8 +385,10 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
         return compute(x, w, b);
     }
     let x = x.contiguous()?;
-    // An f32 bias is added while the output is copied into the node's storage (one pass).
-    let fuse_bias = x.dtype() == candle_core::DType::F32
+    // An f32 bias is added while the output is copied into the node's storage (one pass; a
+    // host loop, so CPU only).
+    let fuse_bias = x.device().is_cpu()
+        && x.dtype() == candle_core::DType::F32
         && b.is_some_and(|b| b.dtype() == candle_core::DType::F32);
     let bias = b.map(|b| b.detach());
     let y = if fuse_bias {
@@ -205,32 +396,13 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
     } else {
         compute(&x.detach(), &w.detach(), bias.as_ref())?
     };
-    let bias = bias.filter(|_| fuse_bias);
-    // dx = g @ w; dw = g^T @ x; db = sum of g over rows.
-    let grads = |x: &Tensor, w: &Tensor, g: &Tensor| -> CResult<(Tensor, Tensor, Tensor)> {
-        let inner = x.dim(candle_core::D::Minus1)?;
-        let out = w.dim(0)?;
-        let g2 = g.contiguous()?.reshape(((), out))?;
-        let x2 = x.reshape(((), inner))?;
-        let dx = g2.matmul(w)?.reshape(x.shape())?;
-        let dw = g2.t()?.matmul(&x2)?;
-        let db = crate::fused::row_sum(&g2, out)?;
-        Ok((dx, dw, db))
+    let node = Linear {
+        out: Mutex::new(Some(y)),
+        bias: bias.filter(|_| fuse_bias),
     };
     match b {
-        Some(b) => {
-            let op = Region::<Bwd3>::new(
-                "fused-linear",
-                y,
-                bias,
-                Box::new(move |x, w, _b, g| grads(x, w, g)),
-            );
-            x.apply_op3(w, b, op)
-        }
-        None => node2("fused-linear", &x, w, y, move |x, w, g| {
-            let (dx, dw, _) = grads(x, w, g)?;
-            Ok((dx, dw))
-        }),
+        Some(b) => x.apply_op3(w, b, node),
+        None => x.apply_op2(w, node),
     }
 }
 

@@ -114,3 +114,150 @@ fn row_sum_matches_candle() {
         );
     }
 }
+
+/// The reference gradients of `sum(r * (x @ w'^T + b))` with `w' = w * scale`, from candle's
+/// own ops: (dx, dw, db).
+fn linear_reference(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor, scale: f64) -> [Tensor; 3] {
+    let (x, w, b) = (
+        Var::from_tensor(x).unwrap(),
+        Var::from_tensor(w).unwrap(),
+        Var::from_tensor(b).unwrap(),
+    );
+    let wc = w.as_tensor().affine(scale, 0.0).unwrap();
+    let y = x
+        .as_tensor()
+        .broadcast_matmul(&wc.t().unwrap())
+        .unwrap()
+        .broadcast_add(b.as_tensor())
+        .unwrap();
+    let store = (y * r).unwrap().sum_all().unwrap().backward().unwrap();
+    [x, w, b].map(|v| store.get(v.as_tensor()).unwrap().clone())
+}
+
+#[test]
+fn deferred_weight_grads_are_the_backwards_dw() {
+    let (x0, w0, b0, r) = (
+        randn(&[2, 3, 7]),
+        randn(&[4, 7]),
+        randn(&[4]),
+        randn(&[2, 3, 4]),
+    );
+    // scale 1: the weight is the variable itself; scale 2: a computed weight (as a cast
+    // parameter is), whose gradient reaches the variable through a backward of sum(w' * dW).
+    for scale in [1.0, 2.0] {
+        let [dx_ref, dw_ref, db_ref] = linear_reference(&x0, &w0, &b0, &r, scale);
+        let (x, w, b) = (
+            Var::from_tensor(&x0).unwrap(),
+            Var::from_tensor(&w0).unwrap(),
+            Var::from_tensor(&b0).unwrap(),
+        );
+        let wc = if scale == 1.0 {
+            w.as_tensor().clone()
+        } else {
+            w.as_tensor().affine(scale, 0.0).unwrap()
+        };
+        let y =
+            region::splittable_forward(|| region::linear(x.as_tensor(), &wc, Some(b.as_tensor())))
+                .unwrap();
+        let loss = (y * &r).unwrap().sum_all().unwrap();
+        let (store, deferred) = region::defer_weight_grads(|| loss.backward());
+        let store = store.unwrap();
+        close(
+            store.get(x.as_tensor()).unwrap(),
+            &dx_ref,
+            TOL,
+            "dx under deferral",
+        );
+        close(
+            store.get(b.as_tensor()).unwrap(),
+            &db_ref,
+            TOL,
+            "db under deferral",
+        );
+        match store.get(w.as_tensor()) {
+            // A variable weight gets nothing in the input-gradient pass.
+            None => assert_eq!(scale, 1.0, "a computed weight must get zeros"),
+            // A computed one gets zeros (candle's backward needs a gradient on every node).
+            Some(g) => {
+                assert_eq!(scale, 2.0, "a variable weight must get no gradient");
+                let zero = g
+                    .abs()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert_eq!(zero, 0.0, "the deferred weight got a non-zero gradient");
+            }
+        }
+        assert_eq!(
+            deferred.len(),
+            1,
+            "one linear, one deferred weight gradient"
+        );
+        let d = &deferred[0];
+        assert_eq!(
+            d.weight().id(),
+            wc.id(),
+            "the deferred weight is the node's"
+        );
+        let dw = d.grad().unwrap();
+        if scale == 1.0 {
+            close(&dw, &dw_ref, TOL, "deferred dW");
+        } else {
+            let through = (d.weight() * &dw)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            close(
+                through.get(w.as_tensor()).unwrap(),
+                &dw_ref,
+                TOL,
+                "deferred dW through the computed weight's graph",
+            );
+        }
+    }
+}
+
+#[test]
+fn deferral_scopes_nest_and_end_even_on_panic() {
+    let (x0, w0) = (randn(&[5, 7]), randn(&[4, 7]));
+    let run = || {
+        let (x, w) = (
+            Var::from_tensor(&x0).unwrap(),
+            Var::from_tensor(&w0).unwrap(),
+        );
+        let y = region::linear(x.as_tensor(), w.as_tensor(), None).unwrap();
+        (w, y.sum_all().unwrap())
+    };
+    // Nested: the inner scope takes its own backward's deferral, the outer keeps its own.
+    let (outer_w, outer_loss) = run();
+    let ((), outer) = region::defer_weight_grads(|| {
+        let (_, inner_loss) = run();
+        let (_, inner) = region::defer_weight_grads(|| inner_loss.backward().unwrap());
+        assert_eq!(inner.len(), 1, "the inner scope's own deferral");
+        let store = outer_loss.backward().unwrap();
+        assert!(
+            store.get(outer_w.as_tensor()).is_none(),
+            "deferred in the outer scope"
+        );
+    });
+    assert_eq!(
+        outer.len(),
+        1,
+        "the outer scope's own deferral, not the inner's"
+    );
+    // A panic inside a scope ends it: the next backward computes dW in place.
+    let caught = std::panic::catch_unwind(|| {
+        region::defer_weight_grads(|| panic!("inside the scope"));
+    });
+    assert!(caught.is_err());
+    let (w, loss) = run();
+    let store = loss.backward().unwrap();
+    assert!(
+        store.get(w.as_tensor()).is_some(),
+        "a scope left by a panic still deferred the weight gradient"
+    );
+}

@@ -1,5 +1,6 @@
 //! Training the GPT over a `pp` mesh dim: pipeline parallelism with any schedule of
-//! [`candle_dtensor_parallel::pipeline`] (GPipe, 1F1B, interleaved 1F1B), optionally
+//! [`candle_dtensor_parallel::pipeline`] (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1),
+//! optionally
 //! replicated over a `dp` dim (plain data parallelism of whole pipelines, or FSDP: each
 //! stage's parameters sharded over `dp`), with tensor parallelism (`tp`) or
 //! mixture-of-experts blocks and expert parallelism (`ep`) inside the stages.
@@ -77,6 +78,27 @@
 //!
 //! Without MoE blocks an `ep` dim is one more data dim of the stages (as without a pipeline).
 //!
+//! # Zero-bubble schedules: the backward split in two
+//!
+//! A zero-bubble schedule (ZB-H1) runs each micro-batch's backward as two actions: `B`, the
+//! input gradient the previous stage waits for, and `W`, the weight gradients, which nobody
+//! waits for and which fill what would be bubbles. A GPT stage splits it at its GEMMs, where
+//! the work is: every linear (attention's QKV and output projections, the MLP's two, the LM
+//! head, in every precision and tensor-parallel layout) is one graph node
+//! ([`region::linear`]) whose backward computes `dx = g W` and the bias gradient, and, inside
+//! [`region::defer_weight_grads`], leaves `dW = g^T x` undone and hands back its operands. `B`
+//! is the stage's backward in that scope; `W` computes the deferred GEMMs and adds each to its
+//! parameter (directly when the linear saw the parameter itself, through the weight's graph
+//! otherwise: a backward of `sum(W' * dW)` over a cast parameter, say). What is not a GEMM of
+//! a linear (norms' and embeddings' gradients, attention's core, the MoE experts' grouped
+//! GEMMs and router) stays in `B`, so `W` is a little under half of a dense stage's backward
+//! (the linears' dW is half of their backward; attention's core, a share growing with the
+//! sequence length, is all in `B`), and none of an expert's. The forwards of such a schedule record every linear as a node on every device
+//! ([`region::splittable_forward`]; on CUDA linears are plain candle ops otherwise). Memory:
+//! each linear's output gradient `g` is held from `B` until `W` (ZB-H1 keeps at most `p`
+//! micro-batches' in flight, as 1F1B does their activations); `peak_activation_bytes` does not
+//! count it. With FSDP a chunk's reduce_scatter is issued after its last `W`.
+//!
 //! # FSDP over `dp`
 //!
 //! With [`TrainConfig::fsdp`] (sharding over `dp`), each rank keeps its stages' parameters as
@@ -126,10 +148,7 @@
 //!
 //! # Not covered
 //!
-//! Refused before any step ([`RunError::Unsupported`]): zero-bubble schedules (a GPT stage
-//! cannot split its backward into input and weight gradients: candle's autograd computes both
-//! operands' gradients of a matmul together, so `BackwardInput` alone cannot be had without
-//! hand-written backwards of attention and the norms), HSDP and FSDP over a dim other than
+//! Refused before any step ([`RunError::Unsupported`]): HSDP and FSDP over a dim other than
 //! `dp`, sequence and context parallelism and mesh dims other than `pp`, `dp`, `tp` and `ep`,
 //! `ep` and `tp` together, MoE blocks with a `tp` dim (the MoE communicators would span
 //! `dp` x `tp` while the stage's tensors live on `tp`), a tied head with one pipeline rank and
@@ -142,10 +161,11 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_core::{DType, Device, Shape, Tensor, TensorId, Var};
 use candle_dtensor_comm::{Comm, ReduceOp, Work};
 use candle_dtensor_core::debug::{self, CommDebugMode, Phase};
 use candle_dtensor_core::{DTensor, Placement};
+use candle_dtensor_kernels::region::{self, DeferredWeightGrad};
 use candle_dtensor_kernels::storage;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_models::{GptStage, StageInput};
@@ -153,8 +173,8 @@ use candle_dtensor_parallel::fsdp::chunk_rows;
 use candle_dtensor_parallel::moe::MoeGroups;
 use candle_dtensor_parallel::params::ParamStore;
 use candle_dtensor_parallel::pipeline::{
-    run_schedule, split_balanced, split_explicit, CostModel, PipeComms, PipelineError, Schedule,
-    ScheduleKind, Stage, StageError,
+    run_schedule, split_balanced, split_explicit, Action, CostModel, PipeComms, PipelineError,
+    Schedule, ScheduleKind, Stage, StageError,
 };
 use candle_dtensor_parallel::tp_plan::{MeshRoles, TpPlan};
 use candle_nn::{Optimizer, ParamsAdamW};
@@ -199,6 +219,11 @@ pub struct PipelineStepReport {
     pub measured_bubble: f64,
     /// This rank's own measured bubble (`1 - busy / wall`).
     pub rank_bubble: f64,
+    /// Zero-bubble schedules: the linears' weight-gradient GEMMs this rank's `B` actions
+    /// deferred to its `W` actions (0 for schedules that do not split the backward).
+    pub deferred_weight_grads: usize,
+    /// This rank's time in `W` actions (ms; 0 without a split backward).
+    pub weight_grad_ms: f64,
 }
 
 /// The checked layout of a pipelined run on one rank.
@@ -321,14 +346,6 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
     }
     let schedule = Schedule::generate(spec.schedule, p, m, spec.chunks)
         .map_err(|e| RunError::Pipeline(Box::new(e.into())))?;
-    if schedule.splits_backward() {
-        return Err(unsupported(format!(
-            "schedule {} for the GPT: its stages cannot split backward into input and weight \
-             gradients (candle's autograd computes both operands' gradients of a matmul \
-             together)",
-            schedule.kind()
-        )));
-    }
     let stages = schedule.stages();
     if cfg.gpt.tied && p == 1 && stages > 1 {
         return Err(unsupported(format!(
@@ -420,6 +437,15 @@ struct GptPipeStage<'a> {
     micro_batches: usize,
     /// FSDP: the chunks' reduce_scatters in flight.
     reducing: Vec<(usize, Work<Tensor>)>,
+    /// The schedule splits backward (zero-bubble): forwards record every linear as a node
+    /// whose weight gradient `backward_input` can defer.
+    split: bool,
+    /// Zero-bubble: the weight gradients `backward_input` deferred, per (chunk, micro-batch).
+    deferred: HashMap<(usize, usize), Vec<DeferredWeightGrad>>,
+    /// The index in `vars` of each parameter tensor.
+    var_index: HashMap<TensorId, usize>,
+    /// Weight gradients deferred this step.
+    deferred_count: usize,
 }
 
 impl<'a> GptPipeStage<'a> {
@@ -433,19 +459,8 @@ impl<'a> GptPipeStage<'a> {
         Ok(DTensor::from_local(t, self.mesh, self.batch_pl)?)
     }
 
-    /// A scalar DTensor of the stage mesh (a loss) as this rank's local value scaled by the
-    /// micro-batch's share of the step's tokens.
-    fn scaled(&self, x: &DTensor) -> Result<Tensor, StageError> {
-        let all_r = vec![Placement::Replicate; self.mesh.ndim()];
-        Ok(x.redistribute(&all_r)?
-            .to_local()
-            .to_dtype(DType::F32)?
-            .affine(self.weight, 0.0)?)
-    }
-}
-
-impl Stage for GptPipeStage<'_> {
-    fn forward(
+    /// The forward of [`Stage::forward`]: keeps what the backward needs in `saved`.
+    fn forward_graph(
         &mut self,
         chunk: usize,
         mb: usize,
@@ -495,63 +510,171 @@ impl Stage for GptPipeStage<'_> {
         Ok(out)
     }
 
+    /// The backward of `mb` through `chunk` from the saved forward: accumulates the parameters'
+    /// gradients and returns the input gradient. With `split` (zero-bubble's `B`) the linears'
+    /// weight gradients are left out and returned, for [`Stage::backward_weight`].
+    fn run_backward(
+        &mut self,
+        chunk: usize,
+        mb: usize,
+        grad_out: Option<Tensor>,
+        split: bool,
+    ) -> Result<(Option<Tensor>, Vec<DeferredWeightGrad>), StageError> {
+        let saved = self.saved.remove(&(chunk, mb)).ok_or_else(|| {
+            format!("backward of micro-batch {mb} chunk {chunk} before its forward")
+        })?;
+        let out = saved.out;
+        let backward = move || -> candle_core::Result<GradStore> {
+            match (grad_out, saved.aux) {
+                (None, _) => out.backward(),
+                (Some(g), None) => (out * g)?.sum_all()?.backward(),
+                // The chunk's balancing loss joins the gradient from the next stage.
+                (Some(g), Some(a)) => {
+                    let s = (out * g)?.sum_all()?.to_dtype(a.dtype())?;
+                    (s + a)?.backward()
+                }
+            }
+        };
+        let (store, deferred) = if split {
+            region::defer_weight_grads(backward)
+        } else {
+            (backward(), Vec::new())
+        };
+        let store = store?;
+        for i in self.owned.get(chunk).cloned().unwrap_or(0..0) {
+            if let Some(g) = store.get(self.vars[i].as_tensor()) {
+                self.accumulate(i, g)?;
+            }
+        }
+        let input_grad = saved.input.and_then(|v| store.get(v.as_tensor()).cloned());
+        Ok((input_grad, deferred))
+    }
+
+    /// Adds `g` to parameter `i`'s gradient over the step (in f32 under FSDP: the reduction's
+    /// dtype, whatever the compute dtype).
+    fn accumulate(&mut self, i: usize, g: &Tensor) -> Result<(), StageError> {
+        let g = match self.fsdp {
+            Some(_) => g.to_dtype(DType::F32)?,
+            None => g.clone(),
+        };
+        let slot = self
+            .grads
+            .get_mut(i)
+            .ok_or_else(|| format!("pipeline stage: no parameter {i}"))?;
+        *slot = Some(match slot.take() {
+            Some(acc) => (acc + g)?,
+            None => g,
+        });
+        Ok(())
+    }
+
+    /// One more micro-batch's gradients of `chunk` are complete (after its full backward, or
+    /// its weight gradients under a zero-bubble schedule). With FSDP, the chunk's last one of
+    /// the step issues its reduce_scatter.
+    fn chunk_backward_done(&mut self, chunk: usize) -> Result<(), StageError> {
+        let Some(f) = self.fsdp else {
+            return Ok(());
+        };
+        let done = self
+            .backwards
+            .get_mut(chunk)
+            .ok_or_else(|| format!("chunk {chunk} is not on this rank"))?;
+        *done += 1;
+        if *done == self.micro_batches {
+            let grads = self
+                .owned
+                .get(chunk)
+                .cloned()
+                .unwrap_or(0..0)
+                .map(|i| {
+                    self.grads[i].take().ok_or_else(|| {
+                        format!("pipeline stage: no gradient for parameter {i} of chunk {chunk}")
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let work = f.reduce_scatter(chunk, &grads, self.vars)?;
+            self.reducing.push((chunk, work));
+        }
+        Ok(())
+    }
+
+    /// A scalar DTensor of the stage mesh (a loss) as this rank's local value scaled by the
+    /// micro-batch's share of the step's tokens.
+    fn scaled(&self, x: &DTensor) -> Result<Tensor, StageError> {
+        let all_r = vec![Placement::Replicate; self.mesh.ndim()];
+        Ok(x.redistribute(&all_r)?
+            .to_local()
+            .to_dtype(DType::F32)?
+            .affine(self.weight, 0.0)?)
+    }
+}
+
+impl Stage for GptPipeStage<'_> {
+    fn forward(
+        &mut self,
+        chunk: usize,
+        mb: usize,
+        input: Option<Tensor>,
+    ) -> Result<Tensor, StageError> {
+        if self.split {
+            region::splittable_forward(|| self.forward_graph(chunk, mb, input))
+        } else {
+            self.forward_graph(chunk, mb, input)
+        }
+    }
+
     fn backward(
         &mut self,
         chunk: usize,
         mb: usize,
         grad_out: Option<Tensor>,
     ) -> Result<Option<Tensor>, StageError> {
-        let saved = self.saved.remove(&(chunk, mb)).ok_or_else(|| {
-            format!("backward of micro-batch {mb} chunk {chunk} before its forward")
-        })?;
-        let store = match (grad_out, saved.aux) {
-            (None, _) => saved.out.backward()?,
-            (Some(g), None) => (saved.out * g)?.sum_all()?.backward()?,
-            // The chunk's balancing loss joins the gradient from the next stage.
-            (Some(g), Some(a)) => {
-                let s = (saved.out * g)?.sum_all()?.to_dtype(a.dtype())?;
-                (s + a)?.backward()?
-            }
-        };
-        let owned = self.owned.get(chunk).cloned().unwrap_or(0..0);
-        for i in owned.clone() {
-            let var = &self.vars[i];
-            let Some(g) = store.get(var.as_tensor()) else {
-                continue;
-            };
-            // FSDP accumulates in f32 (the reduction's dtype), whatever the compute dtype.
-            let g = match self.fsdp {
-                Some(_) => g.to_dtype(DType::F32)?,
-                None => g.clone(),
-            };
-            self.grads[i] = Some(match self.grads[i].take() {
-                Some(acc) => (acc + g)?,
-                None => g,
-            });
-        }
-        let input_grad = saved.input.and_then(|v| store.get(v.as_tensor()).cloned());
-        if let Some(f) = self.fsdp {
-            let done = self
-                .backwards
-                .get_mut(chunk)
-                .ok_or_else(|| format!("chunk {chunk} is not on this rank"))?;
-            *done += 1;
-            if *done == self.micro_batches {
-                // The chunk's last backward of the step: its gradients are complete.
-                let grads = owned
-                    .map(|i| {
-                        self.grads[i].take().ok_or_else(|| {
-                            format!(
-                                "pipeline stage: no gradient for parameter {i} of chunk {chunk}"
-                            )
-                        })
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                let work = f.reduce_scatter(chunk, &grads, self.vars)?;
-                self.reducing.push((chunk, work));
-            }
-        }
+        let (input_grad, _) = self.run_backward(chunk, mb, grad_out, false)?;
+        self.chunk_backward_done(chunk)?;
         Ok(input_grad)
+    }
+
+    fn backward_input(
+        &mut self,
+        chunk: usize,
+        mb: usize,
+        grad_out: Option<Tensor>,
+    ) -> Result<Option<Tensor>, StageError> {
+        let (input_grad, deferred) = self.run_backward(chunk, mb, grad_out, true)?;
+        self.deferred_count += deferred.len();
+        self.deferred.insert((chunk, mb), deferred);
+        Ok(input_grad)
+    }
+
+    fn backward_weight(&mut self, chunk: usize, mb: usize) -> Result<(), StageError> {
+        let deferred = self.deferred.remove(&(chunk, mb)).ok_or_else(|| {
+            format!("weight gradients of micro-batch {mb} chunk {chunk} before its input gradients")
+        })?;
+        // Each deferred GEMM's dW goes to its parameter: directly when the linear saw the
+        // parameter itself, through the weight's graph (a cast, a redistribution) otherwise.
+        let mut through: Option<Tensor> = None;
+        for d in deferred {
+            let dw = d.grad()?;
+            match self.var_index.get(&d.weight().id()) {
+                Some(&i) => self.accumulate(i, &dw)?,
+                None => {
+                    let term = (d.weight() * dw)?.sum_all()?.to_dtype(DType::F32)?;
+                    through = Some(match through {
+                        Some(acc) => (acc + term)?,
+                        None => term,
+                    });
+                }
+            }
+        }
+        if let Some(t) = through {
+            let store = t.backward()?;
+            for i in self.owned.get(chunk).cloned().unwrap_or(0..0) {
+                if let Some(g) = store.get(self.vars[i].as_tensor()) {
+                    self.accumulate(i, g)?;
+                }
+            }
+        }
+        self.chunk_backward_done(chunk)
     }
 
     fn input_shape(&self, _chunk: usize, _mb: usize) -> Result<(Shape, DType), StageError> {
@@ -1246,10 +1369,25 @@ pub(crate) fn train_rank_pp(
             backwards: vec![0; v],
             micro_batches: m,
             reducing: Vec::new(),
+            split: lay.schedule.splits_backward(),
+            deferred: HashMap::new(),
+            var_index: vars
+                .iter()
+                .enumerate()
+                .map(|(i, v)| (v.as_tensor().id(), i))
+                .collect(),
+            deferred_count: 0,
         };
         let run = run_schedule(&mut stage, &lay.schedule, &comms)
             .map_err(|e| RunError::Pipeline(Box::new(e)))?;
         let fwd_bwd = t0.elapsed();
+        let deferred_weight_grads = stage.deferred_count;
+        let weight_grad_ms: f64 = run
+            .steps
+            .iter()
+            .filter(|st| matches!(st.action, Action::BackwardWeight { .. }))
+            .map(|st| (st.end - st.start).as_secs_f64() * 1e3)
+            .sum();
         report.peak_activation_bytes = report.peak_activation_bytes.max(stage.graph_bytes);
         let mut grads = Vec::with_capacity(vars.len());
         if let Some(f) = &fsdp {
@@ -1386,6 +1524,8 @@ pub(crate) fn train_rank_pp(
             analytic_bubble: analytic,
             measured_bubble: measured,
             rank_bubble: run.bubble_fraction(),
+            deferred_weight_grads,
+            weight_grad_ms,
         });
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         let step_ms = ms(t0.elapsed());

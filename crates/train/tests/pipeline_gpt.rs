@@ -115,8 +115,21 @@ type Case = (&'static [(&'static str, usize)], usize, PipelineSpec);
 fn pipelines_match_one_device() -> R<()> {
     let mut uneven = spec(ScheduleKind::OneFOneB, 4, 1);
     uneven.split = Some(vec![3, 1]);
-    let cases: [Case; 10] = [
+    let cases: [Case; 14] = [
         (&[("pp", 2)], 4, uneven),
+        // Zero bubble: each backward split into input and weight gradients.
+        (&[("pp", 2)], 4, spec(ScheduleKind::ZeroBubbleH1, 4, 1)),
+        (&[("pp", 4)], 4, spec(ScheduleKind::ZeroBubbleH1, 8, 1)),
+        (
+            &[("dp", 2), ("pp", 2)],
+            4,
+            spec(ScheduleKind::ZeroBubbleH1, 2, 1),
+        ),
+        (
+            &[("ep", 2), ("pp", 2)],
+            4,
+            spec(ScheduleKind::ZeroBubbleH1, 2, 1),
+        ),
         (&[("pp", 4)], 8, spec(ScheduleKind::Interleaved1F1B, 8, 2)),
         (&[("pp", 2)], 4, spec(ScheduleKind::GPipe, 4, 1)),
         (&[("pp", 2)], 4, spec(ScheduleKind::OneFOneB, 4, 1)),
@@ -138,6 +151,7 @@ fn pipelines_match_one_device() -> R<()> {
     ];
     let mut references = std::collections::HashMap::new();
     for (dims, layers, s) in cases {
+        let (split, m) = (s.schedule == ScheduleKind::ZeroBubbleH1, s.micro_batches);
         let what = format!(
             "{dims:?} {layers} blocks {} m={} v={} split {:?}",
             s.schedule, s.micro_batches, s.chunks, s.split
@@ -179,6 +193,16 @@ fn pipelines_match_one_device() -> R<()> {
                     st.measured_bubble.is_finite() && st.measured_bubble < 1.0,
                     "{what}: {st:?}"
                 );
+                // A split backward leaves every micro-batch's linear dW GEMMs (the same
+                // number each) to W, which does real work; otherwise nothing is deferred.
+                if split {
+                    let d = st.deferred_weight_grads;
+                    assert!(d >= 4 * m && d % m == 0, "{what}: {st:?}");
+                    assert!(st.weight_grad_ms > 0.0, "{what}: {st:?}");
+                } else {
+                    assert_eq!(st.deferred_weight_grads, 0, "{what}: {st:?}");
+                    assert_eq!(st.weight_grad_ms, 0.0, "{what}: {st:?}");
+                }
             }
             if r.rank == 0 {
                 let last = &r.pipeline[STEPS - 1];
@@ -304,16 +328,6 @@ fn clipping_matches_one_device() -> R<()> {
 
 #[test]
 fn bad_settings_are_refused_on_every_rank() {
-    // Zero-bubble: a GPT stage cannot split its backward.
-    for e in refused(
-        &[("pp", 2)],
-        &cfg(Some(spec(ScheduleKind::ZeroBubbleH1, 4, 1))),
-    ) {
-        assert!(
-            matches!(&e, RunError::Unsupported(m) if m.contains("ZB-H1")),
-            "{e}"
-        );
-    }
     // More stages than blocks (pp 4 x 2 chunks = 8 stages for 4 blocks).
     for e in refused(
         &[("pp", 4)],
@@ -543,8 +557,16 @@ fn tensor_parallel_stages_match_one_device() -> R<()> {
             c
         };
         let (want, want_norms) = train(&[("dp", 1)], &base(None))?.remove(0);
-        let cases: [(&[(&str, usize)], PipelineSpec); 4] = [
+        let cases: [(&[(&str, usize)], PipelineSpec); 6] = [
             (&[("tp", 2), ("pp", 2)], spec(ScheduleKind::GPipe, 4, 1)),
+            (
+                &[("tp", 2), ("pp", 2)],
+                spec(ScheduleKind::ZeroBubbleH1, 4, 1),
+            ),
+            (
+                &[("dp", 2), ("tp", 2), ("pp", 2)],
+                spec(ScheduleKind::ZeroBubbleH1, 2, 1),
+            ),
             (&[("pp", 2), ("tp", 2)], spec(ScheduleKind::OneFOneB, 4, 1)),
             (
                 &[("tp", 2), ("pp", 2)],
@@ -665,7 +687,22 @@ fn fsdp_stages_match_one_device() -> R<()> {
         usize,
         PipelineSpec,
     );
-    let cases: [FCase; 6] = [
+    let cases: [FCase; 8] = [
+        // Zero bubble: the chunk's reduce_scatter after its last W.
+        (
+            &[("dp", 2), ("pp", 2)],
+            true,
+            61,
+            8,
+            spec(ScheduleKind::ZeroBubbleH1, 4, 1),
+        ),
+        (
+            &[("dp", 2), ("tp", 2), ("pp", 2)],
+            false,
+            64,
+            8,
+            spec(ScheduleKind::ZeroBubbleH1, 2, 1),
+        ),
         (
             &[("dp", 2), ("pp", 2)],
             false,
@@ -755,6 +792,50 @@ fn fsdp_stages_match_one_device() -> R<()> {
     Ok(())
 }
 
+/// Zero bubble without FSDP (issue 35, item 2): ZB-H1 on pp=2 (untied), pp=4 (tied: the
+/// head's copy of the token table takes its dW in W, the embedding's gradient in B) and
+/// tp=2 x pp=2 (tied), and pp=2 with every block checkpointed: every parameter's first update (the gradient, see
+/// [`gradient_revealing`]) within 1e-4 of one device, so no weight gradient is lost, doubled
+/// or left in B's zeros.
+#[test]
+fn zero_bubble_gradients_match_one_device() -> R<()> {
+    let scratch = common::Scratch::new("pp_zb");
+    /// (mesh, tied head, micro-batches, activation checkpointing)
+    type ZbCase = (&'static [(&'static str, usize)], bool, usize, AcMode);
+    let cases: [ZbCase; 4] = [
+        (&[("pp", 2)], false, 4, AcMode::None),
+        (&[("pp", 4)], true, 4, AcMode::None),
+        (&[("tp", 2), ("pp", 2)], true, 2, AcMode::None),
+        // Checkpointed blocks: the recompute's backward (inside B) defers its dW too.
+        (&[("pp", 2)], false, 2, AcMode::Full),
+    ];
+    for (i, (dims, tied, m, ac)) in cases.into_iter().enumerate() {
+        let what = format!("ZB-H1 {dims:?} tied {tied} m={m} --ac {}", ac.name());
+        let base = |pipeline: Option<PipelineSpec>| {
+            let mut c = cfg(pipeline);
+            c.gpt.tied = tied;
+            c.gpt.ac = ac;
+            gradient_revealing(c)
+        };
+        let dir = scratch.0.join(format!("{i}"));
+        let got = first_updates(
+            dims,
+            &base(Some(spec(ScheduleKind::ZeroBubbleH1, m, 1))),
+            &dir.join("pp"),
+        )?;
+        let reference = first_updates(&[("dp", 1)], &base(None), &dir.join("one"))?;
+        for (name, want) in &reference {
+            let d = candle_dtensor_kernels::compare::max_rel_diff(&got[name], want)?;
+            // NaN fails too.
+            assert!(
+                d <= 1e-4,
+                "{what}: the first update of {name} differs by {d}"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// FSDP's collectives inside a pipeline, counted in the last step: one all_gather (at the
 /// step's start) and one reduce_scatter (after the chunk's last backward) per chunk of a rank,
 /// whatever the number of micro-batches (also with the reduce_scatters on their own
@@ -770,6 +851,7 @@ fn fsdp_reduces_once_per_step_per_stage() -> R<()> {
         (spec(ScheduleKind::OneFOneB, 4, 1), true, true, 1),
         (spec(ScheduleKind::Interleaved1F1B, 2, 2), true, false, 2),
         (spec(ScheduleKind::Interleaved1F1B, 4, 2), true, false, 2),
+        (spec(ScheduleKind::ZeroBubbleH1, 4, 1), true, false, 1),
         (spec(ScheduleKind::OneFOneB, 4, 1), false, false, 0),
     ];
     for (s, fsdp, separate_rs, per_step) in cases {
@@ -890,7 +972,7 @@ fn fsdp_checkpoints_resume_across_layouts() -> R<()> {
 
 /// FSDP's mixed precision inside a pipeline: the stages compute in bf16 (their full
 /// parameters and the hidden states between stages) from f32 master shards. dp=2 x pp=2
-/// (1F1B, and tp=2 inside the stages) follows one device's FSDP bf16 run within 5e-5 relative
+/// (1F1B, ZB-H1, and tp=2 inside the stages) follows one device's FSDP bf16 run within 5e-5 relative
 /// (micro-batching changes bf16 rounding only), closer than the f32 run is (about 1.2e-4
 /// away: bf16 is in effect).
 #[test]
@@ -904,11 +986,17 @@ fn fsdp_mixed_precision_stages_match_one_device() -> R<()> {
             .map(|(x, y)| f64::from((x - y).abs() / y.abs()))
             .fold(0.0, candle_dtensor_kernels::compare::nan_max)
     };
-    let cases: [(&[(&str, usize)], PipelineSpec); 2] = [
+    let cases: [(&[(&str, usize)], PipelineSpec); 3] = [
         (&[("dp", 2), ("pp", 2)], spec(ScheduleKind::OneFOneB, 2, 1)),
         (
             &[("dp", 2), ("tp", 2), ("pp", 2)],
             spec(ScheduleKind::GPipe, 2, 1),
+        ),
+        // Zero bubble: the linears saw cast parameters, so W's dW reaches each bf16
+        // parameter through its cast.
+        (
+            &[("dp", 2), ("pp", 2)],
+            spec(ScheduleKind::ZeroBubbleH1, 2, 1),
         ),
     ];
     for (dims, s) in cases {
