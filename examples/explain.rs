@@ -15,7 +15,7 @@
 //! ```
 //!
 //! `--pp P` explains a pipeline schedule instead of an op: each rank's actions (`--pp-schedule
-//! gpipe|1f1b|interleaved-1f1b|zb-h1`, `--microbatches M`, `--pp-virtual V` chunks per rank
+//! gpipe|1f1b|interleaved-1f1b|zb-h1|zb-v`, `--microbatches M`, `--pp-virtual V` chunks per rank
 //! for interleaved) and its bubble fraction from the unit-time simulation, beside the formula.
 //!
 //! `--op moe` plans one mixture-of-experts layer instead (`--moe` as train_gpt's, `--shapes`
@@ -125,7 +125,7 @@ struct Args {
     /// With `--pp`: micro-batches per step.
     #[arg(long, default_value_t = 8)]
     microbatches: usize,
-    /// With `--pp`: the schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1).
+    /// With `--pp`: the schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v).
     #[arg(long, default_value = "1f1b")]
     pp_schedule: String,
     /// With `--pp` and interleaved 1F1B: model chunks (virtual stages) per rank.
@@ -672,10 +672,10 @@ mod pipeline {
         json: bool,
     ) -> Result<(), Box<dyn std::error::Error>> {
         let kind = ScheduleKind::from_name(name)?;
-        let v = if kind == ScheduleKind::Interleaved1F1B {
-            virtual_stages
-        } else {
-            1
+        let v = match kind {
+            ScheduleKind::Interleaved1F1B => virtual_stages,
+            ScheduleKind::ZeroBubbleV => 2,
+            _ => 1,
         };
         let s = Schedule::generate(kind, p, m, v)?;
         let cost = CostModel::default();
@@ -683,6 +683,7 @@ mod pipeline {
         let formula = match kind {
             ScheduleKind::Interleaved1F1B => sim::bubble_interleaved(p, m, v),
             ScheduleKind::ZeroBubbleH1 => sim::bubble_zb_h1(p, m),
+            ScheduleKind::ZeroBubbleV => sim::bubble_zb_v(p, m),
             _ => sim::bubble_gpipe(p, m),
         };
         if json {

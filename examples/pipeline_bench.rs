@@ -75,19 +75,21 @@ fn main() -> Result<(), BoxErr> {
                 Schedule::one_f_one_b(p, m)?,
                 Schedule::interleaved(p, m, 2)?,
                 Schedule::zero_bubble_h1(p, m)?,
+                Schedule::zero_bubble_v(p, m)?,
             ];
             for schedule in schedules {
                 let v = schedule.chunks();
                 let formula = match schedule.kind() {
                     ScheduleKind::Interleaved1F1B => sim::bubble_interleaved(p, m, v),
                     ScheduleKind::ZeroBubbleH1 => sim::bubble_zb_h1(p, m),
+                    ScheduleKind::ZeroBubbleV => sim::bubble_zb_v(p, m),
                     _ => sim::bubble_gpipe(p, m),
                 };
                 let simulated = schedule.bubble_fraction_with(&CostModel::default())?;
                 let reports = LocalWorld::new(p)
                     .with_timeout(Duration::from_secs(120))
                     .launch(|comm| {
-                        let comms = PipeComms::new(&comm)?;
+                        let comms = PipeComms::for_schedule(&comm, &schedule)?;
                         let mut stage = TimedStage::new(CostModel::default(), unit, v)?;
                         Ok::<_, BoxErr>(run_schedule(&mut stage, &schedule, &comms)?)
                     })?;

@@ -238,9 +238,10 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 1)]
     microbatches: usize,
     /// Pipeline schedule over the `pp` mesh dim: gpipe, 1f1b, interleaved-1f1b (with
-    /// --pp-chunks model chunks per rank; needs microbatches % pp == 0), or zb-h1 (zero
-    /// bubble: each backward split into the input gradient and the linears' weight gradients,
-    /// which fill the bubbles).
+    /// --pp-chunks model chunks per rank; needs microbatches % pp == 0), zb-h1 (zero bubble:
+    /// each backward split into the input gradient and the linears' weight gradients, which
+    /// fill the bubbles) or zb-v (zero bubble over two chunks per rank placed in a V, rank r
+    /// holding stages r and 2 pp - 1 - r: half zb-h1's bubble; needs --pp-chunks 2).
     #[arg(long, default_value = "1f1b")]
     pp_schedule: String,
     /// Model chunks per pipeline rank (interleaved-1f1b's virtual stages; 1 otherwise).
@@ -1562,12 +1563,6 @@ fn pipeline_spec(
             "--microbatches {m} with --batch {} and {what}: the rule is microbatches >= 1 and \
              {rule} divides the batch (micro-batches of batch / ({rule}) sequences)",
             args.batch
-        ));
-    }
-    if cfg.tied && p == 1 && v > 1 {
-        return Err(format!(
-            "--mesh pp=1 with --pp-chunks {v} and a tied head: the two copies of the token table \
-             would be on one rank (not implemented); use --untied or pp >= 2"
         ));
     }
     if v == 0 || p * v > cfg.n_layers {

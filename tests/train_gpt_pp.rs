@@ -43,6 +43,8 @@ fn pipelined_runs_match_one_device_and_report_bubbles() {
         ("pp=2", "4", "zb-h1", "1", 1.0 / 13.0, "--untied"),
         ("pp=4", "4", "zb-h1", "1", 3.0 / 15.0, "--tied"),
         ("dp=2,tp=2,pp=2", "2", "zb-h1", "1", 1.0 / 7.0, "--untied"),
+        // ZB-V: two chunks per rank in a V ((p-1)/(6m+p-1)), both tables on rank 0.
+        ("pp=2", "4", "zb-v", "2", 1.0 / 25.0, "--tied"),
     ] {
         let s = match run(&[
             head,

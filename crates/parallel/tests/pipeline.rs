@@ -102,15 +102,14 @@ struct MlpStage {
 impl MlpStage {
     fn new(
         rank: usize,
-        p: usize,
-        v: usize,
+        schedule: &Schedule,
         ranges: &[std::ops::Range<usize>],
-        m: usize,
         split: bool,
     ) -> Result<Self, BoxErr> {
+        let (v, m) = (schedule.chunks(), schedule.micro_batches());
         let chunks: Vec<(usize, Vec<usize>)> = (0..v)
             .map(|c| {
-                let s = c * p + rank;
+                let s = schedule.stage_of(rank, c);
                 (s, ranges[s].clone().collect())
             })
             .collect();
@@ -123,7 +122,7 @@ impl MlpStage {
         let (x, t) = batch(m)?;
         Ok(MlpStage {
             chunks,
-            stages: p * v,
+            stages: schedule.stages(),
             layers,
             x,
             t,
@@ -290,18 +289,14 @@ type RankOut = (PipelineReport, Vec<(usize, Tensor, Tensor)>);
 
 /// Runs `schedule` over `p` LocalWorld ranks; returns every rank's report and gradients.
 fn run(schedule: &Schedule, split: bool) -> Result<Vec<RankOut>, BoxErr> {
-    let (p, m, v) = (
-        schedule.ranks(),
-        schedule.micro_batches(),
-        schedule.chunks(),
-    );
+    let (p, v) = (schedule.ranks(), schedule.chunks());
     let counts = vec![D * D + D; LAYERS];
     let ranges = split_balanced(&counts, p * v)?;
     let out = LocalWorld::new(p)
         .with_timeout(Duration::from_secs(60))
         .launch(|comm| {
-            let comms = PipeComms::new(&comm)?;
-            let mut stage = MlpStage::new(comm.rank(), p, v, &ranges, m, split)?;
+            let comms = PipeComms::for_schedule(&comm, schedule)?;
+            let mut stage = MlpStage::new(comm.rank(), schedule, &ranges, split)?;
             let report = run_schedule(&mut stage, schedule, &comms)?;
             let grads = stage
                 .grads
@@ -369,6 +364,10 @@ fn every_schedule_matches_one_device() -> Result<(), BoxErr> {
         for m in [p, 2 * p] {
             check(&Schedule::interleaved(p, m, 2)?, false)?;
         }
+        // The V: activations turn on rank p - 1 and come back down; uneven m too.
+        for m in [1, p, 2 * p + 1] {
+            check(&Schedule::zero_bubble_v(p, m)?, true)?;
+        }
     }
     Ok(())
 }
@@ -388,12 +387,13 @@ fn measured_bubble_is_at_least_the_schedules() -> Result<(), BoxErr> {
         Schedule::one_f_one_b(p, m)?,
         Schedule::interleaved(p, m, 2)?,
         Schedule::zero_bubble_h1(p, m)?,
+        Schedule::zero_bubble_v(p, m)?,
     ] {
         let sim = schedule.bubble_fraction_with(&CostModel::default())?;
         let reports = LocalWorld::new(p)
             .with_timeout(Duration::from_secs(60))
             .launch(|comm| {
-                let comms = PipeComms::new(&comm)?;
+                let comms = PipeComms::for_schedule(&comm, &schedule)?;
                 let mut stage = TimedStage::new(CostModel::default(), unit, schedule.chunks())?;
                 Ok::<_, BoxErr>(run_schedule(&mut stage, &schedule, &comms)?)
             })?;
@@ -483,6 +483,21 @@ fn bad_input_is_refused_before_running() {
         })
         .unwrap();
     assert!(r[0].contains("4 ranks"), "{}", r[0]);
+    // ZB-V's activations also flow down the ranks: on 3 ranks the looped communicators lack
+    // those streams (on 2, their wrap-around streams happen to be the V's).
+    let r = LocalWorld::new(3)
+        .with_timeout(Duration::from_secs(20))
+        .launch(|comm| {
+            let comms = PipeComms::new(&comm)?;
+            let schedule = Schedule::zero_bubble_v(3, 3)?;
+            let mut stage = TimedStage::new(CostModel::default(), Duration::ZERO, 2)?;
+            match run_schedule(&mut stage, &schedule, &comms) {
+                Err(PipelineError::Setup(msg)) => Ok::<_, BoxErr>(msg),
+                other => Err(format!("expected a setup error, got {other:?}").into()),
+            }
+        })
+        .unwrap();
+    assert!(r.iter().any(|m| m.contains("for_schedule")), "{r:?}");
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! Training the GPT over a `pp` mesh dim: pipeline parallelism with any schedule of
-//! [`candle_dtensor_parallel::pipeline`] (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1),
+//! [`candle_dtensor_parallel::pipeline`] (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 and
+//! ZB-V),
 //! optionally
 //! replicated over a `dp` dim (plain data parallelism of whole pipelines, or FSDP: each
 //! stage's parameters sharded over `dp`), with tensor parallelism (`tp`) or
@@ -18,9 +19,11 @@
 //! `D = dp x ep` data-parallel ranks of a stage (raveled in mesh order, as the one-device
 //! model's data dims shard a batch): each rank runs `B / (D M)` of its rows. With a tied head
 //! the last stage holds a copy of the token table (`GptStage`), kept equal to the first
-//! stage's: after the dp reduction the two copies' gradients are summed over a two-rank
-//! communicator of pipeline ranks 0 and `p - 1` (the one-device model's gradient of the shared
-//! table), and both take the same AdamW update; the gradient norm and the parameter count
+//! stage's: after the dp reduction the two copies' gradients are summed (the one-device
+//! model's gradient of the shared table) over a two-rank communicator of the pipeline ranks
+//! holding the first and the last stage (0 and `p - 1` for looped chunks), or in place where
+//! one rank holds both (ZB-V's V puts them on rank 0; one rank with several chunks), and both
+//! take the same AdamW update; the gradient norm and the parameter count
 //! count the table once. The stages accumulate their parameter gradients over the
 //! micro-batches; then the gradients are summed over `dp` (one all_reduce per step; with FSDP
 //! reduce-scattered, see below), the global gradient norm is taken (one all_reduce over `pp`)
@@ -80,7 +83,7 @@
 //!
 //! # Zero-bubble schedules: the backward split in two
 //!
-//! A zero-bubble schedule (ZB-H1) runs each micro-batch's backward as two actions: `B`, the
+//! A zero-bubble schedule (ZB-H1, ZB-V) runs each micro-batch's backward as two actions: `B`, the
 //! input gradient the previous stage waits for, and `W`, the weight gradients, which nobody
 //! waits for and which fill what would be bubbles. A GPT stage splits it at its GEMMs, where
 //! the work is: every linear (attention's QKV and output projections, the MLP's two, the LM
@@ -151,8 +154,7 @@
 //! Refused before any step ([`RunError::Unsupported`]): HSDP and FSDP over a dim other than
 //! `dp`, sequence and context parallelism and mesh dims other than `pp`, `dp`, `tp` and `ep`,
 //! `ep` and `tp` together, MoE blocks with a `tp` dim (the MoE communicators would span
-//! `dp` x `tp` while the stage's tensors live on `tp`), a tied head with one pipeline rank and
-//! several chunks (both copies would be on one rank), held-out evaluation, sampling, SGD, fault
+//! `dp` x `tp` while the stage's tensors live on `tp`), held-out evaluation, sampling, SGD, fault
 //! tolerance and gradient accumulation on top of the micro-batches. MoE settings no layout can
 //! run (more ep ranks than experts, `top_k` above the experts) are refused by the MoE
 //! communicators before any step, on every rank.
@@ -347,12 +349,6 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
     let schedule = Schedule::generate(spec.schedule, p, m, spec.chunks)
         .map_err(|e| RunError::Pipeline(Box::new(e.into())))?;
     let stages = schedule.stages();
-    if cfg.gpt.tied && p == 1 && stages > 1 {
-        return Err(unsupported(format!(
-            "a tied head with pp=1 and {stages} chunks (the first and the last stage would hold \
-             two copies of the token table on one rank)"
-        )));
-    }
     let ranges = match &spec.split {
         Some(sizes) => {
             if sizes.len() != stages {
@@ -392,6 +388,27 @@ fn check(mesh: &DeviceMesh, cfg: &TrainConfig, counts: &[usize]) -> Result<Layou
         ranges,
         rows: cfg.batch / (dp * ep * m),
     })
+}
+
+/// A tied head's token table and its copy on the last stage, kept equal: their gradients are
+/// summed after the step's dp reduction, and the copy is not counted again (norm, parameter
+/// count, checkpoint).
+enum Tied {
+    /// On two pipeline ranks: a two-rank communicator of them; `idx` is this rank's table
+    /// (`copy`: the last stage's).
+    Ranks { comm: Comm, idx: usize, copy: bool },
+    /// Both on this rank (ZB-V's V, or one pipeline rank with several chunks).
+    Local { table: usize, copy: usize },
+}
+
+impl Tied {
+    /// Whether parameter `i` of this rank is the last stage's copy.
+    fn is_copy(&self, i: usize) -> bool {
+        match *self {
+            Tied::Ranks { idx, copy, .. } => copy && idx == i,
+            Tied::Local { copy, .. } => copy == i,
+        }
+    }
 }
 
 /// What a chunk's forward keeps for its backward: the input as a `Var` (not on the first
@@ -1100,7 +1117,7 @@ pub(crate) fn train_rank_pp(
         let mut parts = Vec::with_capacity(v);
         let mut owned = Vec::with_capacity(v);
         for c in 0..v {
-            let s = c * p + lay.pp_rank;
+            let s = lay.schedule.stage_of(lay.pp_rank, c);
             let before = store.params().len();
             parts.push(GptStage::with_moe(
                 &cfg.gpt,
@@ -1205,35 +1222,52 @@ pub(crate) fn train_rank_pp(
     let stage_size = stage_comm.as_ref().map_or(1, Comm::size);
     // The first rank of the stage group counts the stage's (replicated) losses.
     let counts_loss = stage_comm.as_ref().is_none_or(|c| c.rank() == 0);
-    let comms = PipeComms::new(&pp_comm).map_err(|e| RunError::Pipeline(Box::new(e)))?;
-    // A tied head: the token table's copies on pipeline ranks 0 and p - 1 (collective over pp).
-    let tied = if cfg.gpt.tied && p > 1 {
-        let ends = [0, p - 1];
+    let comms = PipeComms::for_schedule(&pp_comm, &lay.schedule)
+        .map_err(|e| RunError::Pipeline(Box::new(e)))?;
+    // A tied head: the token table of the first stage and its copy on the last.
+    let (first_rank, first_chunk) = lay.schedule.place_of(0);
+    let (last_rank, last_chunk) = lay.schedule.place_of(stages - 1);
+    let table_in = |chunk: usize| -> Result<usize, RunError> {
+        owned
+            .get(chunk)
+            .cloned()
+            .unwrap_or(0..0)
+            .find(|&i| store.params()[i].name == "tok_emb.weight")
+            .ok_or_else(|| {
+                RunError::Config(format!(
+                    "pipeline rank {}: no token table for the tied head in chunk {chunk}",
+                    lay.pp_rank
+                ))
+            })
+    };
+    let tied = if !cfg.gpt.tied || stages == 1 {
+        None
+    } else if first_rank == last_rank {
+        // Both on this rank (ZB-V's V, or one rank with several chunks): summed in place.
+        (lay.pp_rank == first_rank)
+            .then(|| -> Result<_, RunError> {
+                Ok(Tied::Local {
+                    table: table_in(first_chunk)?,
+                    copy: table_in(last_chunk)?,
+                })
+            })
+            .transpose()?
+    } else {
+        // On two pipeline ranks: summed over a two-rank communicator (collective over pp).
+        let ends = [first_rank, last_rank];
         let mine: &[usize] = if ends.contains(&lay.pp_rank) {
             &ends
         } else {
             &[]
         };
-        let comm = pp_comm.split(mine, &format!("{}.pp_tied", pp_comm.name()))?;
-        match comm {
-            Some(c) => {
-                let idx = store
-                    .params()
-                    .iter()
-                    .position(|q| q.name == "tok_emb.weight")
-                    .ok_or_else(|| {
-                        RunError::Config(format!(
-                            "pipeline rank {}: no token table for the tied head",
-                            lay.pp_rank
-                        ))
-                    })?;
-                // The last stage's copy is not counted again (norm, parameter count).
-                Some((c, idx, lay.pp_rank == p - 1))
+        match pp_comm.split(mine, &format!("{}.pp_tied", pp_comm.name()))? {
+            Some(comm) => {
+                let copy = lay.pp_rank == last_rank;
+                let idx = table_in(if copy { last_chunk } else { first_chunk })?;
+                Some(Tied::Ranks { comm, idx, copy })
             }
             None => None,
         }
-    } else {
-        None
     };
     let dev = solo.root_comm().device().clone();
     let corpus = match &cfg.data {
@@ -1255,10 +1289,10 @@ pub(crate) fn train_rank_pp(
     let t = cfg.gpt.seq_len;
     let m = lay.schedule.micro_batches();
     // The model's parameter count: the stages hold distinct parameters.
-    let copy = match &tied {
-        Some((_, idx, true)) => store.params()[*idx].var.elem_count(),
-        _ => 0,
-    };
+    let copy = (0..store.params().len())
+        .filter(|&i| tied.as_ref().is_some_and(|t| t.is_copy(i)))
+        .map(|i| store.params()[i].var.elem_count())
+        .sum::<usize>();
     let params = sum_over(
         &pp_comm,
         (store.global_numel() - copy) as f64,
@@ -1285,7 +1319,7 @@ pub(crate) fn train_rank_pp(
     .into_iter()
     .enumerate()
     .map(|(i, mut v)| {
-        let tied_copy = matches!(&tied, Some((_, idx, true)) if *idx == i);
+        let tied_copy = tied.as_ref().is_some_and(|t| t.is_copy(i));
         v.writer = v.writer && (sharded || lay.dp_rank == 0) && !tied_copy;
         v
     })
@@ -1425,10 +1459,16 @@ pub(crate) fn train_rank_pp(
         }
         // The tied table: the sum of both copies' gradients on both (with FSDP, of the two
         // copies' shards of the same rows: the two ranks share their dp coordinate).
-        if let Some((c, idx, _)) = &tied {
-            if grads[*idx].elem_count() > 0 {
-                grads[*idx] = c.all_reduce(&grads[*idx], ReduceOp::Sum)?.wait()?;
+        match &tied {
+            Some(Tied::Ranks { comm, idx, .. }) if grads[*idx].elem_count() > 0 => {
+                grads[*idx] = comm.all_reduce(&grads[*idx], ReduceOp::Sum)?.wait()?;
             }
+            Some(Tied::Local { table, copy }) => {
+                let sum = (&grads[*table] + &grads[*copy])?;
+                grads[*copy] = sum.clone();
+                grads[*table] = sum;
+            }
+            _ => {}
         }
         // The global gradient norm: every stage's parameters are distinct (the tied copy
         // counted once), and the dp replicas hold the same sums, so the squares add up over
@@ -1441,7 +1481,7 @@ pub(crate) fn train_rank_pp(
             // rank counts 1/size of them.
             let mut sq = 0.0f64;
             for (i, g) in grads.iter().enumerate() {
-                if matches!(&tied, Some((_, idx, true)) if *idx == i) {
+                if tied.as_ref().is_some_and(|t| t.is_copy(i)) {
                     continue;
                 }
                 let share = if store.params()[i]

@@ -115,8 +115,16 @@ type Case = (&'static [(&'static str, usize)], usize, PipelineSpec);
 fn pipelines_match_one_device() -> R<()> {
     let mut uneven = spec(ScheduleKind::OneFOneB, 4, 1);
     uneven.split = Some(vec![3, 1]);
-    let cases: [Case; 14] = [
+    let cases: [Case; 17] = [
         (&[("pp", 2)], 4, uneven),
+        // ZB-V: two chunks per rank in a V (rank 0 holds the first and the last stage).
+        (&[("pp", 2)], 4, spec(ScheduleKind::ZeroBubbleV, 4, 2)),
+        (&[("pp", 4)], 8, spec(ScheduleKind::ZeroBubbleV, 4, 2)),
+        (
+            &[("dp", 2), ("pp", 2)],
+            4,
+            spec(ScheduleKind::ZeroBubbleV, 2, 2),
+        ),
         // Zero bubble: each backward split into input and weight gradients.
         (&[("pp", 2)], 4, spec(ScheduleKind::ZeroBubbleH1, 4, 1)),
         (&[("pp", 4)], 4, spec(ScheduleKind::ZeroBubbleH1, 8, 1)),
@@ -151,7 +159,11 @@ fn pipelines_match_one_device() -> R<()> {
     ];
     let mut references = std::collections::HashMap::new();
     for (dims, layers, s) in cases {
-        let (split, m) = (s.schedule == ScheduleKind::ZeroBubbleH1, s.micro_batches);
+        let split = matches!(
+            s.schedule,
+            ScheduleKind::ZeroBubbleH1 | ScheduleKind::ZeroBubbleV
+        );
+        let m = s.micro_batches;
         let what = format!(
             "{dims:?} {layers} blocks {} m={} v={} split {:?}",
             s.schedule, s.micro_batches, s.chunks, s.split
@@ -255,9 +267,12 @@ fn tied_head_matches_one_device() -> R<()> {
             })?)
     };
     let (want, want_norms) = train(&[("dp", 1)], &tied(None))?.remove(0);
-    let cases: [Case; 4] = [
+    let cases: [Case; 6] = [
         (&[("pp", 2)], 4, spec(ScheduleKind::OneFOneB, 4, 1)),
         (&[("pp", 2)], 4, spec(ScheduleKind::Interleaved1F1B, 4, 2)),
+        // Both tables on one rank: ZB-V's V, and one rank with two chunks.
+        (&[("pp", 2)], 4, spec(ScheduleKind::ZeroBubbleV, 4, 2)),
+        (&[("pp", 1)], 4, spec(ScheduleKind::Interleaved1F1B, 4, 2)),
         (&[("pp", 4)], 4, spec(ScheduleKind::OneFOneB, 4, 1)),
         (&[("dp", 2), ("pp", 2)], 4, spec(ScheduleKind::GPipe, 2, 1)),
     ];
@@ -373,16 +388,26 @@ fn bad_settings_are_refused_on_every_rank() {
             "{e}"
         );
     }
-    // A tied head on one pipeline rank with two chunks, and combinations not implemented.
-    let mut c = cfg(Some(spec(ScheduleKind::Interleaved1F1B, 2, 2)));
-    c.gpt.tied = true;
-    for e in refused(&[("pp", 1)], &c) {
+    // ZB-V: two chunks per rank, so 2 pp stages (8 on pp=4 for 4 blocks), and no other v.
+    for e in refused(
+        &[("pp", 4)],
+        &cfg(Some(spec(ScheduleKind::ZeroBubbleV, 4, 2))),
+    ) {
         assert!(
-            matches!(&e, RunError::Unsupported(m) if m.contains("tied")),
+            matches!(&e, RunError::Pipeline(p) if matches!(&**p, PipelineError::Split { layers: 4, stages: 8, .. })),
             "{e}"
         );
     }
-    // Mixture-of-experts blocks next to tp inside the stages, ep next to tp, micro-batches
+    for e in refused(
+        &[("pp", 2)],
+        &cfg(Some(spec(ScheduleKind::ZeroBubbleV, 4, 1))),
+    ) {
+        assert!(
+            matches!(&e, RunError::Pipeline(p) if p.to_string().contains("v must be 2")),
+            "{e}"
+        );
+    }
+    // Combinations not implemented: mixture-of-experts blocks next to tp inside the stages, ep next to tp, micro-batches
     // not dividing the batch over dp x ep, more ep ranks than experts.
     let moe = moe_cfg(Some(spec(ScheduleKind::GPipe, 2, 1)), 2);
     for e in refused(&[("tp", 2), ("pp", 2)], &moe) {
@@ -557,8 +582,12 @@ fn tensor_parallel_stages_match_one_device() -> R<()> {
             c
         };
         let (want, want_norms) = train(&[("dp", 1)], &base(None))?.remove(0);
-        let cases: [(&[(&str, usize)], PipelineSpec); 6] = [
+        let cases: [(&[(&str, usize)], PipelineSpec); 7] = [
             (&[("tp", 2), ("pp", 2)], spec(ScheduleKind::GPipe, 4, 1)),
+            (
+                &[("tp", 2), ("pp", 2)],
+                spec(ScheduleKind::ZeroBubbleV, 4, 2),
+            ),
             (
                 &[("tp", 2), ("pp", 2)],
                 spec(ScheduleKind::ZeroBubbleH1, 4, 1),
@@ -687,7 +716,15 @@ fn fsdp_stages_match_one_device() -> R<()> {
         usize,
         PipelineSpec,
     );
-    let cases: [FCase; 8] = [
+    let cases: [FCase; 9] = [
+        // ZB-V with a tied head: the table and its copy are shards on one rank.
+        (
+            &[("dp", 2), ("pp", 2)],
+            true,
+            61,
+            8,
+            spec(ScheduleKind::ZeroBubbleV, 2, 2),
+        ),
         // Zero bubble: the chunk's reduce_scatter after its last W.
         (
             &[("dp", 2), ("pp", 2)],
@@ -793,24 +830,52 @@ fn fsdp_stages_match_one_device() -> R<()> {
 }
 
 /// Zero bubble without FSDP (issue 35, item 2): ZB-H1 on pp=2 (untied), pp=4 (tied: the
-/// head's copy of the token table takes its dW in W, the embedding's gradient in B) and
-/// tp=2 x pp=2 (tied), and pp=2 with every block checkpointed: every parameter's first update (the gradient, see
+/// head's copy of the token table takes its dW in W, the embedding's gradient in B),
+/// tp=2 x pp=2 (tied), pp=2 with every block checkpointed, and ZB-V on pp=2 (tied: both tables
+/// on rank 0) and tp=2 x pp=2: every parameter's first update (the gradient, see
 /// [`gradient_revealing`]) within 1e-4 of one device, so no weight gradient is lost, doubled
 /// or left in B's zeros.
 #[test]
 fn zero_bubble_gradients_match_one_device() -> R<()> {
     let scratch = common::Scratch::new("pp_zb");
-    /// (mesh, tied head, micro-batches, activation checkpointing)
-    type ZbCase = (&'static [(&'static str, usize)], bool, usize, AcMode);
-    let cases: [ZbCase; 4] = [
-        (&[("pp", 2)], false, 4, AcMode::None),
-        (&[("pp", 4)], true, 4, AcMode::None),
-        (&[("tp", 2), ("pp", 2)], true, 2, AcMode::None),
+    /// (mesh, tied head, micro-batches, activation checkpointing, schedule)
+    type ZbCase = (
+        &'static [(&'static str, usize)],
+        bool,
+        usize,
+        AcMode,
+        ScheduleKind,
+    );
+    let zbh1 = ScheduleKind::ZeroBubbleH1;
+    let cases: [ZbCase; 6] = [
+        // ZB-V: the V's turn on rank p - 1, both tables on rank 0.
+        (
+            &[("pp", 2)],
+            true,
+            4,
+            AcMode::None,
+            ScheduleKind::ZeroBubbleV,
+        ),
+        (
+            &[("tp", 2), ("pp", 2)],
+            false,
+            2,
+            AcMode::None,
+            ScheduleKind::ZeroBubbleV,
+        ),
+        (&[("pp", 2)], false, 4, AcMode::None, zbh1),
+        (&[("pp", 4)], true, 4, AcMode::None, zbh1),
+        (&[("tp", 2), ("pp", 2)], true, 2, AcMode::None, zbh1),
         // Checkpointed blocks: the recompute's backward (inside B) defers its dW too.
-        (&[("pp", 2)], false, 2, AcMode::Full),
+        (&[("pp", 2)], false, 2, AcMode::Full, zbh1),
     ];
-    for (i, (dims, tied, m, ac)) in cases.into_iter().enumerate() {
-        let what = format!("ZB-H1 {dims:?} tied {tied} m={m} --ac {}", ac.name());
+    for (i, (dims, tied, m, ac, kind)) in cases.into_iter().enumerate() {
+        let what = format!("{kind} {dims:?} tied {tied} m={m} --ac {}", ac.name());
+        let v = if kind == ScheduleKind::ZeroBubbleV {
+            2
+        } else {
+            1
+        };
         let base = |pipeline: Option<PipelineSpec>| {
             let mut c = cfg(pipeline);
             c.gpt.tied = tied;
@@ -818,11 +883,7 @@ fn zero_bubble_gradients_match_one_device() -> R<()> {
             gradient_revealing(c)
         };
         let dir = scratch.0.join(format!("{i}"));
-        let got = first_updates(
-            dims,
-            &base(Some(spec(ScheduleKind::ZeroBubbleH1, m, 1))),
-            &dir.join("pp"),
-        )?;
+        let got = first_updates(dims, &base(Some(spec(kind, m, v))), &dir.join("pp"))?;
         let reference = first_updates(&[("dp", 1)], &base(None), &dir.join("one"))?;
         for (name, want) in &reference {
             let d = candle_dtensor_kernels::compare::max_rel_diff(&got[name], want)?;
@@ -852,6 +913,7 @@ fn fsdp_reduces_once_per_step_per_stage() -> R<()> {
         (spec(ScheduleKind::Interleaved1F1B, 2, 2), true, false, 2),
         (spec(ScheduleKind::Interleaved1F1B, 4, 2), true, false, 2),
         (spec(ScheduleKind::ZeroBubbleH1, 4, 1), true, false, 1),
+        (spec(ScheduleKind::ZeroBubbleV, 4, 2), true, false, 2),
         (spec(ScheduleKind::OneFOneB, 4, 1), false, false, 0),
     ];
     for (s, fsdp, separate_rs, per_step) in cases {

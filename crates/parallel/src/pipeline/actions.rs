@@ -2,7 +2,9 @@
 //!
 //! Stage numbering follows Megatron: with `p` ranks and `v` model chunks per rank there are
 //! `p * v` stages, and chunk `c` of rank `r` is stage `c * p + r` (so with `v == 1` the stage
-//! is the rank). Transfers are not actions: they are implied by the compute actions and
+//! is the rank). ZB-V places its two chunks per rank in a V instead: chunk 0 of rank `r` is
+//! stage `r`, chunk 1 is stage `2 p - 1 - r` (rank 0 holds the first and the last stage, and
+//! the turn from stage `p - 1` to `p` stays on rank `p - 1`). Transfers are not actions: they are implied by the compute actions and
 //! derived by the executor and the simulator (a forward on stage `s > 0` needs stage `s - 1`'s
 //! output of the same micro-batch; a backward on stage `s < p * v - 1` needs stage `s + 1`'s
 //! input gradient).
@@ -108,6 +110,9 @@ pub enum ScheduleKind {
     /// Zero-bubble ZB-H1 (Qi et al., 2023): backward split into input-gradient (`I`) and
     /// weight-gradient (`W`) work; `W`s fill the bubbles, with 1F1B's activation memory.
     ZeroBubbleH1,
+    /// Zero-bubble ZB-V (Qi et al., 2024): two chunks per rank placed in a V, backward split
+    /// into `I` and `W`; half ZB-H1's bubble with 1F1B's activation memory.
+    ZeroBubbleV,
     /// Action lists given by the caller ([`Schedule::from_actions`]).
     Custom,
 }
@@ -119,6 +124,7 @@ impl fmt::Display for ScheduleKind {
             ScheduleKind::OneFOneB => "1F1B",
             ScheduleKind::Interleaved1F1B => "interleaved-1F1B",
             ScheduleKind::ZeroBubbleH1 => "ZB-H1",
+            ScheduleKind::ZeroBubbleV => "ZB-V",
             ScheduleKind::Custom => "custom",
         })
     }
@@ -126,9 +132,10 @@ impl fmt::Display for ScheduleKind {
 
 impl ScheduleKind {
     /// The names [`ScheduleKind::from_name`] takes (`--pp-schedule`), one per generator.
-    pub const NAMES: [&'static str; 4] = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"];
+    pub const NAMES: [&'static str; 5] = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"];
 
-    /// The generator named `name` (case-insensitive; `interleaved` and `zbh1` also accepted).
+    /// The generator named `name` (case-insensitive; `interleaved`, `zbh1` and `zbv` also
+    /// accepted).
     ///
     /// # Errors
     ///
@@ -139,6 +146,7 @@ impl ScheduleKind {
             "1f1b" => ScheduleKind::OneFOneB,
             "interleaved-1f1b" | "interleaved" => ScheduleKind::Interleaved1F1B,
             "zb-h1" | "zbh1" => ScheduleKind::ZeroBubbleH1,
+            "zb-v" | "zbv" => ScheduleKind::ZeroBubbleV,
             _ => {
                 return Err(ScheduleError::Unknown {
                     name: name.to_string(),
@@ -152,7 +160,8 @@ impl ScheduleKind {
 /// A pipeline schedule: for each rank, the ordered compute actions it runs.
 ///
 /// Built by a generator ([`Schedule::gpipe`], [`Schedule::one_f_one_b`],
-/// [`Schedule::interleaved`], [`Schedule::zero_bubble_h1`]) or from explicit lists
+/// [`Schedule::interleaved`], [`Schedule::zero_bubble_h1`], [`Schedule::zero_bubble_v`]) or
+/// from explicit lists
 /// ([`Schedule::from_actions`]); every constructor validates ([`Schedule::validate`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Schedule {
@@ -160,6 +169,8 @@ pub struct Schedule {
     p: usize,
     m: usize,
     v: usize,
+    /// Chunks placed in a V (ZB-V) rather than looped (Megatron's `c * p + r`).
+    v_shape: bool,
     actions: Vec<Vec<Action>>,
 }
 
@@ -282,6 +293,38 @@ impl Schedule {
         Self::checked(kind, p, m, 1, actions)
     }
 
+    /// ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024): two chunks per
+    /// rank placed in a V (chunk 0 of rank `r` is stage `r`, chunk 1 stage `2 p - 1 - r`), the
+    /// backward split into `I` and `W` as in ZB-H1.
+    ///
+    /// The order is made by a greedy list scheduler over unit times (every chunk action 1):
+    /// whenever rank `r` is free it runs, in priority order, the oldest pending `W` if `2 p`
+    /// micro-batch chunks wait for theirs, else the next `I` whose output gradient has arrived
+    /// (chunk 1's first: it is earlier in the backward), else the next `F` of chunk 1, then of
+    /// chunk 0, whose input has arrived, if fewer than `2 p` chunk activations are alive on the
+    /// rank (1F1B's peak: `p` micro-batches of a whole stage), else the oldest pending `W`. For
+    /// `m >= p` its unit-time bubble is `(p - 1) / (6 m + p - 1)`, half ZB-H1's: each rank
+    /// waits `p - 1` chunk actions (half a stage's) per step instead of `p - 1` stage actions.
+    ///
+    /// # Errors
+    ///
+    /// [`ScheduleError::Rule`] when `p` or `m` is 0.
+    pub fn zero_bubble_v(p: usize, m: usize) -> Result<Self, ScheduleError> {
+        let kind = ScheduleKind::ZeroBubbleV;
+        check_basic(kind, p, m, 2)?;
+        let actions = greedy_zb_v(p, m);
+        let s = Schedule {
+            kind,
+            p,
+            m,
+            v: 2,
+            v_shape: true,
+            actions,
+        };
+        s.validate()?;
+        Ok(s)
+    }
+
     /// A schedule from explicit per-rank action lists (`actions[r]` is rank `r`'s), with `m`
     /// micro-batches and `v` chunks per rank; validated like the generated ones.
     ///
@@ -310,6 +353,7 @@ impl Schedule {
             p,
             m,
             v,
+            v_shape: false,
             actions,
         };
         s.validate()?;
@@ -341,14 +385,28 @@ impl Schedule {
         self.p * self.v
     }
 
-    /// The stage that chunk `chunk` of rank `rank` holds: `chunk * p + rank`.
+    /// The stage that chunk `chunk` of rank `rank` holds: `chunk * p + rank` (looped), or for
+    /// ZB-V's V `rank` (chunk 0) and `2 p - 1 - rank` (chunk 1).
     pub fn stage_of(&self, rank: usize, chunk: usize) -> usize {
-        chunk * self.p + rank
+        if self.v_shape && chunk == 1 {
+            2 * self.p - 1 - rank
+        } else {
+            chunk * self.p + rank
+        }
     }
 
     /// The rank and chunk holding stage `stage`.
     pub fn place_of(&self, stage: usize) -> (usize, usize) {
-        (stage % self.p, stage / self.p)
+        if self.v_shape && stage >= self.p {
+            (2 * self.p - 1 - stage, 1)
+        } else {
+            (stage % self.p, stage / self.p)
+        }
+    }
+
+    /// Whether the chunks are placed in a V (ZB-V) rather than looped.
+    pub fn v_shaped(&self) -> bool {
+        self.v_shape
     }
 
     /// Rank `rank`'s actions in order (empty for a rank out of range).
@@ -365,7 +423,7 @@ impl Schedule {
     }
 
     /// The schedule of generator `kind` for `p` ranks, `m` micro-batches and `v` chunks per
-    /// rank (`v` is used by interleaved 1F1B only and must be 1 for the others).
+    /// rank (`v` is chosen for interleaved 1F1B, must be 2 for ZB-V and 1 for the others).
     ///
     /// # Errors
     ///
@@ -395,6 +453,17 @@ impl Schedule {
             ScheduleKind::OneFOneB => flat(Schedule::one_f_one_b(p, m)?),
             ScheduleKind::Interleaved1F1B => Schedule::interleaved(p, m, v),
             ScheduleKind::ZeroBubbleH1 => flat(Schedule::zero_bubble_h1(p, m)?),
+            ScheduleKind::ZeroBubbleV if v == 2 => Schedule::zero_bubble_v(p, m),
+            ScheduleKind::ZeroBubbleV => Err(ScheduleError::Rule {
+                schedule: kind.to_string(),
+                p,
+                m,
+                v,
+                rule: format!(
+                    "ZB-V runs two chunks per rank, placed in a V (stages r and 2p-1-r); v must \
+                     be 2, got {v}"
+                ),
+            }),
             ScheduleKind::Custom => Err(ScheduleError::Rule {
                 schedule: kind.to_string(),
                 p,
@@ -601,6 +670,76 @@ fn greedy_zb(p: usize, m: usize) -> Vec<Vec<Action>> {
                 next_f[r] += 1;
             } else if let Some(mb) = pending_w[r].pop_front() {
                 out[r].push(Action::BackwardWeight { mb, chunk: 0 });
+            }
+        }
+        t += 1;
+    }
+    out
+}
+
+/// ZB-V's order: a unit-time greedy list scheduler (see [`Schedule::zero_bubble_v`]).
+fn greedy_zb_v(p: usize, m: usize) -> Vec<Vec<Action>> {
+    let stages = 2 * p;
+    let stage_of = |r: usize, c: usize| if c == 0 { r } else { stages - 1 - r };
+    // Finish times (unit steps) of F and I per (stage, mb).
+    let mut f_done = vec![vec![usize::MAX; m]; stages];
+    let mut i_done = vec![vec![usize::MAX; m]; stages];
+    // Per rank and chunk: the next micro-batch to run F / I on.
+    let mut next_f = vec![[0usize; 2]; p];
+    let mut next_i = vec![[0usize; 2]; p];
+    let mut pending_w: Vec<std::collections::VecDeque<(usize, usize)>> =
+        vec![Default::default(); p];
+    let mut out = vec![Vec::with_capacity(6 * m); p];
+    let cap = 2 * p;
+    let finished = |next_i: &[[usize; 2]], pending: &[std::collections::VecDeque<_>]| {
+        next_i.iter().all(|n| n[0] == m && n[1] == m) && pending.iter().all(|q| q.is_empty())
+    };
+    // Each step every rank runs at most one unit action; results are visible from the next
+    // step. The loop ends: some rank can always act (rank 0's chunk 0 F needs nothing, the
+    // last stage's I only its own F), and each step of work shrinks what is left.
+    let mut t = 0usize;
+    while !finished(&next_i, &pending_w) && t < 16 * (m + p) + 16 {
+        for r in 0..p {
+            let alive: usize = (0..2).map(|c| next_f[r][c] - next_i[r][c]).sum();
+            let i_ready = |c: usize| {
+                let (s, mb) = (stage_of(r, c), next_i[r][c]);
+                mb < next_f[r][c]
+                    && if s + 1 == stages {
+                        f_done[s][mb] <= t
+                    } else {
+                        i_done[s + 1][mb] <= t
+                    }
+            };
+            let f_ready = |c: usize| {
+                let (s, mb) = (stage_of(r, c), next_f[r][c]);
+                mb < m && alive < cap && (s == 0 || f_done[s - 1][mb] <= t)
+            };
+            let action = if pending_w[r].len() >= cap {
+                pending_w[r].pop_front().map(|(chunk, mb)| (2, chunk, mb))
+            } else if let Some(c) = [1, 0].into_iter().find(|&c| i_ready(c)) {
+                Some((1, c, next_i[r][c]))
+            } else if let Some(c) = [1, 0].into_iter().find(|&c| f_ready(c)) {
+                Some((0, c, next_f[r][c]))
+            } else {
+                pending_w[r].pop_front().map(|(chunk, mb)| (2, chunk, mb))
+            };
+            let Some((kind, chunk, mb)) = action else {
+                continue;
+            };
+            let s = stage_of(r, chunk);
+            match kind {
+                0 => {
+                    out[r].push(Action::Forward { mb, chunk });
+                    f_done[s][mb] = t + 1;
+                    next_f[r][chunk] += 1;
+                }
+                1 => {
+                    out[r].push(Action::BackwardInput { mb, chunk });
+                    i_done[s][mb] = t + 1;
+                    next_i[r][chunk] += 1;
+                    pending_w[r].push_back((chunk, mb));
+                }
+                _ => out[r].push(Action::BackwardWeight { mb, chunk }),
             }
         }
         t += 1;

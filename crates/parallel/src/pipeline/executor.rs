@@ -4,12 +4,15 @@
 //! # Transfers
 //!
 //! Transfers are derived from the compute actions. A `Forward` on stage `s < p v - 1` sends
-//! its output to stage `s + 1` (rank `(r + 1) % p`); a `Backward` / `BackwardInput` on stage
-//! `s > 0` sends its input gradient to stage `s - 1` (rank `(r - 1) % p`). Each direction of
-//! each neighbouring pair has a two-rank communicator of its own ([`PipeComms`]), so every
-//! communicator carries one stream in one direction. That matters because a communicator runs
-//! its ops in issue order: on one shared communicator a receive posted early would hold up the
-//! sends queued behind it, and 1F1B's crossing streams could deadlock.
+//! its output to stage `s + 1`; a `Backward` / `BackwardInput` on stage `s > 0` sends its
+//! input gradient to stage `s - 1`, on whichever rank holds it ([`Schedule::place_of`]: rank
+//! `(r + 1) % p` and `(r - 1) % p` for looped chunks, either neighbour or the rank itself in
+//! ZB-V's V). A transfer to a stage on the same rank is handed over in memory. Each stream (a
+//! sender, a receiver, activations or gradients) has a two-rank communicator of its own
+//! ([`PipeComms`]), so every communicator carries one stream in one direction. That matters
+//! because a communicator runs its ops in issue order: on one shared communicator a receive
+//! posted early would hold up the sends queued behind it, and 1F1B's crossing streams could
+//! deadlock.
 //!
 //! A receiver knows its sender's action list (every rank holds the whole schedule), so it
 //! knows the order of the messages on each incoming stream and posts the receives in that
@@ -36,7 +39,8 @@ use super::error::{PipelineError, StageError};
 /// One rank's share of a pipelined model: `v` model chunks (one with non-interleaved
 /// schedules), each holding a contiguous run of layers.
 ///
-/// Stage `chunk * p + rank` is the first stage when it is 0 (its forward reads the
+/// Chunk `chunk`'s stage ([`Schedule::stage_of`]: `chunk * p + rank`, or the V of ZB-V) is the
+/// first stage when it is 0 (its forward reads the
 /// micro-batch itself: `input` is `None`) and the last when it is `p v - 1` (its forward
 /// returns the micro-batch's loss, and its backward starts from it: `grad_out` is `None`).
 /// For a correct global loss the last stage scales each micro-batch's loss by the global
@@ -122,53 +126,83 @@ pub trait Stage {
     fn output_shape(&self, chunk: usize, mb: usize) -> Result<(Shape, DType), StageError>;
 }
 
-/// The point-to-point communicators of one pipeline rank: for each direction of each
-/// neighbouring pair (including the wrap from the last rank to the first that interleaved
-/// schedules use), a two-rank communicator split from the pipeline communicator.
+/// One direction of transfers: (sending rank, receiving rank, gradients rather than
+/// activations), ranks of the pipeline communicator.
+type Stream = (usize, usize, bool);
+
+/// The point-to-point communicators of one pipeline rank: for each stream it sends or
+/// receives, a two-rank communicator split from the pipeline communicator (the sender is its
+/// rank 0, the receiver its rank 1).
 pub struct PipeComms {
     pp: Comm,
-    /// Activations to rank `r + 1` (we are rank 0 of it).
-    act_send: Option<Comm>,
-    /// Activations from rank `r - 1` (we are rank 1 of it).
-    act_recv: Option<Comm>,
-    /// Gradients to rank `r - 1` (we are rank 1 of it).
-    grad_send: Option<Comm>,
-    /// Gradients from rank `r + 1` (we are rank 0 of it).
-    grad_recv: Option<Comm>,
+    streams: HashMap<Stream, Comm>,
 }
 
 impl PipeComms {
-    /// Splits the pipeline communicator `pp` (its rank `r` holds stage `r`, and chunk `c`'s
-    /// stage `c p + r`) into the per-direction communicators. Collective over `pp`.
+    /// The streams of looped schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1): activations
+    /// from each rank to the next and gradients back, including the wrap from the last rank to
+    /// the first that interleaved schedules use. Collective over `pp` (whose rank `r` holds
+    /// stage `r`, and chunk `c`'s stage `c p + r`).
     ///
     /// # Errors
     ///
     /// A failed split.
     pub fn new(pp: &Comm) -> Result<Self, PipelineError> {
-        let (p, r) = (pp.size(), pp.rank());
+        let p = pp.size();
+        let streams: Vec<Stream> = if p == 1 {
+            Vec::new()
+        } else {
+            (0..p)
+                .flat_map(|i| [(i, (i + 1) % p, false), ((i + 1) % p, i, true)])
+                .collect()
+        };
+        Self::split(pp, &streams)
+    }
+
+    /// The streams `schedule`'s transfers use (those between different ranks), e.g. for
+    /// ZB-V's V both directions of activations and gradients between neighbours, and no wrap.
+    /// Collective over `pp`: every rank passes the same schedule.
+    ///
+    /// # Errors
+    ///
+    /// A failed split; a schedule whose ranks differ from `pp`'s.
+    pub fn for_schedule(pp: &Comm, schedule: &Schedule) -> Result<Self, PipelineError> {
+        if schedule.ranks() != pp.size() {
+            return Err(PipelineError::Setup(format!(
+                "schedule {} has {} ranks, the pipeline communicator {}",
+                schedule.kind(),
+                schedule.ranks(),
+                pp.size()
+            )));
+        }
+        let mut streams: Vec<Stream> = (0..schedule.ranks())
+            .flat_map(|r| {
+                schedule
+                    .actions(r)
+                    .iter()
+                    .filter_map(move |a| destination(schedule, r, a))
+                    .filter(move |&(to, _, _)| to != r)
+                    .map(move |(to, grad, _)| (r, to, grad))
+            })
+            .collect();
+        streams.sort_unstable();
+        streams.dedup();
+        Self::split(pp, &streams)
+    }
+
+    /// Splits one communicator per stream, in the same order on every rank.
+    fn split(pp: &Comm, streams: &[Stream]) -> Result<Self, PipelineError> {
+        let r = pp.rank();
         let mut out = PipeComms {
             pp: pp.clone(),
-            act_send: None,
-            act_recv: None,
-            grad_send: None,
-            grad_recv: None,
+            streams: HashMap::new(),
         };
-        if p == 1 {
-            return Ok(out);
-        }
-        for i in 0..p {
-            let next = (i + 1) % p;
-            let members = [i, next];
-            let mine: &[usize] = if r == i || r == next { &members } else { &[] };
-            let act = pp.split(mine, &format!("{}.pp_act{i}", pp.name()))?;
-            let grad = pp.split(mine, &format!("{}.pp_grad{i}", pp.name()))?;
-            if r == i {
-                out.act_send = act.clone();
-                out.grad_recv = grad.clone();
-            }
-            if r == next {
-                out.act_recv = act;
-                out.grad_send = grad;
+        for &(from, to, grad) in streams {
+            let members = [from, to];
+            let mine: &[usize] = if r == from || r == to { &members } else { &[] };
+            let kind = if grad { "grad" } else { "act" };
+            if let Some(c) = pp.split(mine, &format!("{}.pp_{kind}{from}to{to}", pp.name()))? {
+                out.streams.insert((from, to, grad), c);
             }
         }
         Ok(out)
@@ -182,6 +216,45 @@ impl PipeComms {
     /// Pipeline ranks.
     pub fn size(&self) -> usize {
         self.pp.size()
+    }
+
+    /// The communicator of a stream this rank is an end of.
+    fn stream(&self, s: Stream) -> Result<&Comm, PipelineError> {
+        self.streams.get(&s).ok_or_else(|| {
+            PipelineError::Setup(format!(
+                "rank {}: no communicator for the {} from pipeline rank {} to {} (build \
+                 PipeComms with for_schedule for this schedule)",
+                self.rank(),
+                if s.2 { "gradients" } else { "activations" },
+                s.0,
+                s.1
+            ))
+        })
+    }
+}
+
+/// Where action `a` of rank `r` sends its result: (receiving rank, gradient, key), or `None`
+/// (the last stage's forward, the first stage's backward, `W`).
+fn destination(schedule: &Schedule, r: usize, a: &Action) -> Option<(usize, bool, Key)> {
+    let s = schedule.stage_of(r, a.chunk());
+    match a {
+        Action::Forward { .. } if s + 1 < schedule.stages() => {
+            Some((schedule.place_of(s + 1).0, false, (a.mb(), s + 1)))
+        }
+        _ if a.sends_grad() && s > 0 => Some((schedule.place_of(s - 1).0, true, (a.mb(), s - 1))),
+        _ => None,
+    }
+}
+
+/// What action `a` of rank `r` receives: (sending rank, gradient, key), or `None`.
+fn source(schedule: &Schedule, r: usize, a: &Action) -> Option<(usize, bool, Key)> {
+    let s = schedule.stage_of(r, a.chunk());
+    match a {
+        Action::Forward { .. } if s > 0 => Some((schedule.place_of(s - 1).0, false, (a.mb(), s))),
+        _ if a.sends_grad() && s + 1 < schedule.stages() => {
+            Some((schedule.place_of(s + 1).0, true, (a.mb(), s)))
+        }
+        _ => None,
     }
 }
 
@@ -245,8 +318,7 @@ type Key = (usize, usize); // (micro-batch, receiving stage)
 
 /// One incoming stream: the keys in the sender's order, the receives posted, what arrived.
 struct Inbound {
-    comm: Option<Comm>,
-    peer: usize,
+    comm: Comm,
     grads: bool,
     order: Vec<Key>,
     index: HashMap<Key, usize>,
@@ -256,11 +328,10 @@ struct Inbound {
 }
 
 impl Inbound {
-    fn new(comm: Option<Comm>, peer: usize, grads: bool, order: Vec<Key>) -> Self {
+    fn new(comm: Comm, grads: bool, order: Vec<Key>) -> Self {
         let index = order.iter().enumerate().map(|(i, k)| (*k, i)).collect();
         Inbound {
             comm,
-            peer,
             grads,
             order,
             index,
@@ -275,13 +346,10 @@ impl Inbound {
         &mut self,
         key: Key,
         stage: &dyn Stage,
-        p: usize,
+        schedule: &Schedule,
         rank: usize,
         action: Action,
     ) -> Result<(), PipelineError> {
-        let Some(comm) = &self.comm else {
-            return Ok(()); // local delivery (p == 1)
-        };
         let want =
             self.index.get(&key).copied().ok_or_else(|| {
                 PipelineError::Setup(format!(
@@ -293,7 +361,7 @@ impl Inbound {
             })?;
         while self.next_post <= want {
             let k = self.order[self.next_post];
-            let chunk = k.1 / p;
+            let chunk = schedule.place_of(k.1).1;
             let shape = if self.grads {
                 stage.output_shape(chunk, k.0)
             } else {
@@ -304,8 +372,10 @@ impl Inbound {
                 action,
                 source,
             })?;
+            // The sender is the stream communicator's rank 0.
             let work =
-                comm.recv(self.peer, shape.0, shape.1)
+                self.comm
+                    .recv(0, shape.0, shape.1)
                     .map_err(|source| PipelineError::Comm {
                         rank,
                         action,
@@ -364,43 +434,28 @@ pub fn run_schedule(
             schedule.ranks()
         )));
     }
-    let stages = schedule.stages();
-    let last = stages - 1;
-    let prev = (rank + p - 1) % p;
-    let next = (rank + 1) % p;
-    // Incoming streams in their senders' order.
-    let act_order: Vec<Key> = schedule
-        .actions(prev)
-        .iter()
-        .filter(|a| matches!(a, Action::Forward { .. }))
-        .map(|a| (a.mb(), schedule.stage_of(prev, a.chunk()) + 1))
-        .filter(|&(_, s)| s <= last)
-        .collect();
-    let grad_order: Vec<Key> = schedule
-        .actions(next)
-        .iter()
-        .filter(|a| a.sends_grad())
-        .map(|a| (a.mb(), schedule.stage_of(next, a.chunk())))
-        .filter(|&(_, s)| s > 0)
-        .map(|(mb, s)| (mb, s - 1))
-        .collect();
-    // Senders are communicator rank 0 on activation streams... and rank 1 on gradient ones.
-    let mut acts_in = Inbound::new(comms.act_recv.clone(), 0, false, act_order);
-    let mut grads_in = Inbound::new(comms.grad_recv.clone(), 1, true, grad_order);
+    let last = schedule.stages() - 1;
+    // Incoming streams, each in its sender's order.
+    let mut inbound: HashMap<(usize, bool), Inbound> = HashMap::new();
+    for from in (0..p).filter(|&r| r != rank) {
+        for grad in [false, true] {
+            let order: Vec<Key> = schedule
+                .actions(from)
+                .iter()
+                .filter_map(|a| destination(schedule, from, a))
+                .filter(|&(to, g, _)| to == rank && g == grad)
+                .map(|(_, _, key)| key)
+                .collect();
+            if !order.is_empty() {
+                let comm = comms.stream((from, rank, grad))?.clone();
+                inbound.insert((from, grad), Inbound::new(comm, grad, order));
+            }
+        }
+    }
+    // Transfers between two stages of this rank, kept until used.
+    let mut local: HashMap<(bool, Key), Tensor> = HashMap::new();
     let mut sends: Vec<(Action, Work<()>)> = Vec::new();
     let actions = schedule.actions(rank);
-
-    // What an action receives: (is it a gradient, key).
-    let need = |a: &Action| -> Option<(bool, Key)> {
-        let s = schedule.stage_of(rank, a.chunk());
-        match a {
-            Action::Forward { .. } if s > 0 => Some((false, (a.mb(), s))),
-            Action::Backward { .. } | Action::BackwardInput { .. } if s < last => {
-                Some((true, (a.mb(), s)))
-            }
-            _ => None,
-        }
-    };
 
     comms
         .pp
@@ -415,16 +470,32 @@ pub fn run_schedule(
     for (i, &a) in actions.iter().enumerate() {
         for j in [i, i + 1] {
             if let Some(b) = actions.get(j) {
-                if let Some((g, key)) = need(b) {
-                    let inbound = if g { &mut grads_in } else { &mut acts_in };
-                    inbound.post_until(key, &*stage, p, rank, a)?;
+                if let Some((from, g, key)) = source(schedule, rank, b) {
+                    if let Some(stream) = inbound.get_mut(&(from, g)) {
+                        stream.post_until(key, &*stage, schedule, rank, a)?;
+                    }
                 }
             }
         }
         let w0 = Instant::now();
-        let input = match need(&a) {
-            Some((true, key)) => Some(grads_in.take(key, rank, a)?),
-            Some((false, key)) => Some(acts_in.take(key, rank, a)?),
+        let input = match source(schedule, rank, &a) {
+            Some((from, g, key)) if from == rank => {
+                Some(local.remove(&(g, key)).ok_or_else(|| {
+                    PipelineError::Setup(format!(
+                        "rank {rank}: {a}: its input from stage {} of this rank was not made \
+                         before it",
+                        if g { key.1 + 1 } else { key.1 - 1 }
+                    ))
+                })?)
+            }
+            Some((from, g, key)) => {
+                let stream = inbound.get_mut(&(from, g)).ok_or_else(|| {
+                    PipelineError::Setup(format!(
+                        "rank {rank}: {a} needs input from pipeline rank {from}, which sends none"
+                    ))
+                })?;
+                Some(stream.take(key, rank, a)?)
+            }
             None => None,
         };
         let start = Instant::now();
@@ -477,29 +548,27 @@ pub fn run_schedule(
             end: end - t0,
             waited,
         });
-        if let Some((grad, t)) = out {
-            let key = if grad {
-                (a.mb(), s - 1)
-            } else {
-                (a.mb(), s + 1)
-            };
-            let (comm, peer, local) = if grad {
-                (&comms.grad_send, 0, &mut grads_in)
-            } else {
-                (&comms.act_send, 1, &mut acts_in)
-            };
-            match comm {
-                Some(c) => {
-                    let w = c.send(&t, peer).map_err(|source| PipelineError::Comm {
-                        rank,
-                        action: a,
-                        source: Box::new(source),
+        if let Some((_, t)) = out {
+            match destination(schedule, rank, &a) {
+                // A stage of this rank (one rank, or ZB-V's turn): handed over in memory.
+                Some((to, g, key)) if to == rank => {
+                    local.insert((g, key), t);
+                }
+                Some((to, g, _)) => {
+                    // The receiver is the stream communicator's rank 1.
+                    let w = comms.stream((rank, to, g))?.send(&t, 1).map_err(|source| {
+                        PipelineError::Comm {
+                            rank,
+                            action: a,
+                            source: Box::new(source),
+                        }
                     })?;
                     sends.push((a, w));
                 }
-                // One rank: the stream loops back.
                 None => {
-                    local.arrived.insert(key, t);
+                    return Err(PipelineError::Setup(format!(
+                        "rank {rank}: {a} on stage {s} made a result no stage takes"
+                    )))
                 }
             }
         }

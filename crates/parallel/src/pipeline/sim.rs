@@ -259,3 +259,10 @@ pub fn bubble_interleaved(p: usize, m: usize, v: usize) -> f64 {
 pub fn bubble_zb_h1(p: usize, m: usize) -> f64 {
     (p as f64 - 1.0) / (3.0 * m as f64 + p as f64 - 1.0)
 }
+
+/// ZB-V's with every chunk action one unit (`F = I = W = 1/2` of a stage's): bubble time
+/// `p - 1` chunk actions per rank against `6 m` of them: `(p - 1) / (6 m + p - 1)`, half ZB-H1's
+/// (for `m >= p`; fewer micro-batches cannot fill the V).
+pub fn bubble_zb_v(p: usize, m: usize) -> f64 {
+    (p as f64 - 1.0) / (6.0 * m as f64 + p as f64 - 1.0)
+}

@@ -1,6 +1,6 @@
 //! Unit tests of the schedules and the simulator.
 
-use super::sim::{bubble_gpipe, bubble_interleaved, bubble_zb_h1};
+use super::sim::{bubble_gpipe, bubble_interleaved, bubble_zb_h1, bubble_zb_v};
 use super::*;
 
 const EPS: f64 = 1e-9;
@@ -134,6 +134,62 @@ fn zero_bubble_h1_beats_1f1b() {
 }
 
 #[test]
+fn zero_bubble_v_halves_zb_h1_with_1f1b_memory() {
+    for p in [1, 2, 3, 4, 8] {
+        for m in [p, 2 * p, 4 * p] {
+            let s = Schedule::zero_bubble_v(p, m).unwrap();
+            assert!(s.splits_backward() && s.v_shaped());
+            assert_eq!((s.chunks(), s.stages()), (2, 2 * p));
+            // The V: rank r holds stages r and 2p-1-r; place_of inverts stage_of.
+            for r in 0..p {
+                assert_eq!(s.stage_of(r, 0), r);
+                assert_eq!(s.stage_of(r, 1), 2 * p - 1 - r);
+                for c in 0..2 {
+                    assert_eq!(s.place_of(s.stage_of(r, c)), (r, c));
+                }
+            }
+            let got = s.bubble_fraction().unwrap();
+            let want = bubble_zb_v(p, m);
+            assert!(
+                (got - want).abs() < EPS,
+                "ZB-V p={p} m={m}: {got} vs {want}\n{}",
+                s.table()
+            );
+            if p > 1 {
+                assert!(got < bubble_zb_h1(p, m), "p={p} m={m}: {got}");
+            }
+            // Activation memory: at most 2p chunk activations alive (1F1B's rank-0 peak of p
+            // whole-stage micro-batches), at most 2p chunk micro-batches waiting for their W.
+            for r in 0..p {
+                let (mut alive, mut pending) = (0i64, 0i64);
+                for a in s.actions(r) {
+                    match a {
+                        Action::Forward { .. } => alive += 1,
+                        Action::BackwardInput { .. } => {
+                            alive -= 1;
+                            pending += 1
+                        }
+                        Action::BackwardWeight { .. } => pending -= 1,
+                        Action::Backward { .. } => unreachable!("ZB-V splits every backward"),
+                    }
+                    assert!(alive as usize <= 2 * p, "p={p} m={m} r={r}: {alive} alive");
+                    assert!(
+                        pending as usize <= 2 * p,
+                        "p={p} m={m} r={r}: {pending} pending"
+                    );
+                }
+            }
+        }
+    }
+    // Fewer micro-batches than ranks run, with a larger bubble than the formula.
+    let s = Schedule::zero_bubble_v(4, 1).unwrap();
+    assert!(s.bubble_fraction().unwrap() > bubble_zb_v(4, 1));
+    // ZB-V has exactly two chunks per rank.
+    let e = Schedule::generate(ScheduleKind::ZeroBubbleV, 2, 4, 1).unwrap_err();
+    assert!(e.to_string().contains("v must be 2"), "{e}");
+}
+
+#[test]
 fn validate_catches_bad_lists() {
     let f = |mb| Action::Forward { mb, chunk: 0 };
     let b = |mb| Action::Backward { mb, chunk: 0 };
@@ -190,15 +246,15 @@ fn schedules_by_name() {
         ("interleaved", ScheduleKind::Interleaved1F1B),
         ("interleaved-1f1b", ScheduleKind::Interleaved1F1B),
         ("zb-h1", ScheduleKind::ZeroBubbleH1),
+        ("ZBV", ScheduleKind::ZeroBubbleV),
     ] {
         assert_eq!(ScheduleKind::from_name(name).unwrap(), kind, "{name}");
     }
     for name in ScheduleKind::NAMES {
         let kind = ScheduleKind::from_name(name).unwrap();
-        let v = if kind == ScheduleKind::Interleaved1F1B {
-            2
-        } else {
-            1
+        let v = match kind {
+            ScheduleKind::Interleaved1F1B | ScheduleKind::ZeroBubbleV => 2,
+            _ => 1,
         };
         let s = Schedule::generate(kind, 4, 8, v).unwrap();
         assert_eq!(
