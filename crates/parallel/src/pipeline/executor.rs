@@ -507,15 +507,16 @@ pub fn run_schedule(
             action: a,
             source,
         };
-        // What to send: (is it a gradient, tensor).
-        let out: Option<(bool, Tensor)> = match a {
+        // What to pass on: the output (not the last stage's loss), or the input gradient (not
+        // on the first stage).
+        let out: Option<Tensor> = match a {
             Action::Forward { mb, chunk } => {
                 let y = stage.forward(chunk, mb, input).map_err(stage_err)?;
                 if s == last {
                     losses.push((mb, y.detach()));
                     None
                 } else {
-                    Some((false, y))
+                    Some(y)
                 }
             }
             Action::Backward { mb, chunk } | Action::BackwardInput { mb, chunk } => {
@@ -527,7 +528,7 @@ pub fn run_schedule(
                 .map_err(stage_err)?;
                 match (g, s) {
                     (_, 0) => None,
-                    (Some(g), _) => Some((true, g)),
+                    (Some(g), _) => Some(g),
                     (None, _) => {
                         return Err(PipelineError::Setup(format!(
                             "rank {rank}: {a} on stage {s} returned no input gradient"
@@ -548,7 +549,7 @@ pub fn run_schedule(
             end: end - t0,
             waited,
         });
-        if let Some((_, t)) = out {
+        if let Some(t) = out {
             match destination(schedule, rank, &a) {
                 // A stage of this rank (one rank, or ZB-V's turn): handed over in memory.
                 Some((to, g, key)) if to == rank => {
