@@ -2675,6 +2675,13 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
             "analytic_bubble": report.pipeline.first().map(|s| s.analytic_bubble),
             "measured_bubble": report.pipeline.iter().map(|s| s.measured_bubble).collect::<Vec<_>>(),
             "measured_bubble_median": median(&report.pipeline.iter().map(|s| s.measured_bubble).collect::<Vec<_>>()),
+            // The schedule simulated with each step's mean action times (F, B, I, W).
+            "modelled_bubble": report.pipeline.iter().map(|s| s.modelled_bubble).collect::<Vec<_>>(),
+            "modelled_bubble_median": median(&report.pipeline.iter().map(|s| s.modelled_bubble).collect::<Vec<_>>()),
+            "action_ms": report.pipeline.last().map(|s| serde_json::json!({
+                "forward": s.action_ms[0], "backward": s.action_ms[1],
+                "backward_input": s.action_ms[2], "backward_weight": s.action_ms[3],
+            })),
             "rank0_bubble": report.pipeline.iter().map(|s| s.rank_bubble).collect::<Vec<_>>(),
             // Zero-bubble: rank 0's weight-gradient GEMMs moved from B to W, and its W time.
             "rank0_deferred_weight_grads": report.pipeline.iter().map(|s| s.deferred_weight_grads).collect::<Vec<_>>(),

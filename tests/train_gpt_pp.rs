@@ -84,6 +84,13 @@ fn pipelined_runs_match_one_device_and_report_bubbles() {
         );
         let measured = p["measured_bubble"].as_array().unwrap();
         assert_eq!(measured.len(), 3, "{p}");
+        let modelled = p["modelled_bubble"].as_array().unwrap();
+        assert_eq!(modelled.len(), 3, "{p}");
+        for x in modelled {
+            let x = x.as_f64().unwrap();
+            assert!((0.0..1.0).contains(&x), "{mesh} {schedule}: modelled {x}");
+        }
+        assert!(p["action_ms"]["forward"].as_f64().unwrap() > 0.0, "{p}");
         for x in measured {
             let x = x.as_f64().unwrap();
             assert!((0.0..1.0).contains(&x), "{mesh} {schedule}: measured {x}");

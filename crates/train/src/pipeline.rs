@@ -219,6 +219,15 @@ pub struct PipelineStepReport {
     /// The measured bubble of this rank's pipeline: `1 - sum(busy) / (p * max(wall))` over its
     /// `p` stage ranks ([`candle_dtensor_parallel::pipeline::PipelineReport::combined_bubble`]).
     pub measured_bubble: f64,
+    /// The schedule's bubble simulated with this step's mean action times over the pipeline
+    /// ([`PipelineStepReport::action_ms`]) instead of unit times: what the model's real
+    /// forward / backward / `I` / `W` proportions imply on balanced stages with free
+    /// transfers. `measured_bubble` above it is the stages' imbalance, the transfers and the
+    /// executor's own cost.
+    pub modelled_bubble: f64,
+    /// Mean time of one action (ms) over the pipeline's ranks this step: forward, full
+    /// backward, `I`, `W` (0 for a kind the schedule does not run).
+    pub action_ms: [f64; 4],
     /// This rank's own measured bubble (`1 - busy / wall`).
     pub rank_bubble: f64,
     /// Zero-bubble schedules: the linears' weight-gradient GEMMs this rank's `B` actions
@@ -1553,16 +1562,64 @@ pub(crate) fn train_rank_pp(
                 .moe
                 .push(moe_step(&parts, aux_local, mesh, &pp_comm, &dev)?);
         }
-        let busy = sum_over(&pp_comm, run.busy.as_secs_f64(), &dev, ReduceOp::Sum)?;
+        // Busy time and, per kind of action (F, B, I, W), the time and count over the
+        // pipeline: the schedule simulated with these mean costs is the bubble this model's
+        // actions imply (the unit-time analytic one assumes F = I = W = B / 2).
+        let mut sums = [0.0f64; 9];
+        sums[0] = run.busy.as_secs_f64();
+        for st in &run.steps {
+            let k = match st.action {
+                Action::Forward { .. } => 0,
+                Action::Backward { .. } => 1,
+                Action::BackwardInput { .. } => 2,
+                Action::BackwardWeight { .. } => 3,
+            };
+            sums[1 + 2 * k] += (st.end - st.start).as_secs_f64();
+            sums[2 + 2 * k] += 1.0;
+        }
+        let sums = {
+            let t = Tensor::new(&sums, &dev)?;
+            let t = if pp_comm.size() > 1 {
+                pp_comm.all_reduce(&t, ReduceOp::Sum)?.wait()?
+            } else {
+                t
+            };
+            candle_dtensor_kernels::storage::note_host_read();
+            t.to_vec1::<f64>()?
+        };
+        let busy = sums[0];
         let wall = sum_over(&pp_comm, run.wall.as_secs_f64(), &dev, ReduceOp::Max)?;
         let measured = if wall > 0.0 {
             1.0 - busy / (p as f64 * wall)
         } else {
             0.0
         };
+        // The cost model's costs are per rank's share (an action on one of v chunks costs
+        // 1/v of it).
+        let mean = |k: usize| {
+            let n = sums[2 + 2 * k];
+            if n > 0.0 {
+                sums[1 + 2 * k] / n * v as f64
+            } else {
+                0.0
+            }
+        };
+        let costs = CostModel {
+            forward: mean(0),
+            backward: mean(1),
+            backward_input: mean(2),
+            backward_weight: mean(3),
+            p2p: 0.0,
+        };
+        let modelled = lay
+            .schedule
+            .bubble_fraction_with(&costs)
+            .map_err(|e| RunError::Pipeline(Box::new(e.into())))?;
         report.pipeline.push(PipelineStepReport {
             analytic_bubble: analytic,
             measured_bubble: measured,
+            modelled_bubble: modelled,
+            action_ms: [mean(0), mean(1), mean(2), mean(3)].map(|c| c * 1e3 / v as f64),
             rank_bubble: run.bubble_fraction(),
             deferred_weight_grads,
             weight_grad_ms,

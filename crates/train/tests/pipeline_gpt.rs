@@ -207,6 +207,16 @@ fn pipelines_match_one_device() -> R<()> {
                 );
                 // A split backward leaves every micro-batch's linear dW GEMMs (the same
                 // number each) to W, which does real work; otherwise nothing is deferred.
+                // The schedule simulated with the step's mean action times: a fraction, and
+                // the kinds of action this schedule runs timed.
+                assert!((0.0..1.0).contains(&st.modelled_bubble), "{what}: {st:?}");
+                let [f, b, i, w] = st.action_ms;
+                assert!(f > 0.0, "{what}: {st:?}");
+                if split {
+                    assert!(b == 0.0 && i > 0.0 && w > 0.0, "{what}: {st:?}");
+                } else {
+                    assert!(b > 0.0 && i == 0.0 && w == 0.0, "{what}: {st:?}");
+                }
                 if split {
                     let d = st.deferred_weight_grads;
                     assert!(d >= 4 * m && d % m == 0, "{what}: {st:?}");
