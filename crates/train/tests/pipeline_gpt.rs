@@ -523,6 +523,8 @@ fn checkpoints_resume_across_pipeline_sizes() -> R<()> {
         &[("tp", 2), ("pp", 2)],
         Some(spec(ScheduleKind::OneFOneB, 4, 1)),
     );
+    // The V: with a tied head, rank 0 holds the table and the head's copy.
+    let zbv: Layout = (&[("pp", 2)], Some(spec(ScheduleKind::ZeroBubbleV, 4, 2)));
     for tied in [false, true] {
         let base = |pipeline: Option<PipelineSpec>| {
             let mut c = cfg(pipeline);
@@ -539,6 +541,8 @@ fn checkpoints_resume_across_pipeline_sizes() -> R<()> {
             (pp2.clone(), pp2v2.clone()),
             (tp2pp2.clone(), dp2.clone()),
             (pp4.clone(), tp2pp2.clone()),
+            (zbv.clone(), pp4.clone()),
+            (dp2.clone(), zbv.clone()),
         ];
         for (i, ((sd, ss), (ld, ls))) in cases.into_iter().enumerate() {
             let what = format!("tied {tied}: saved on {sd:?}, resumed on {ld:?}");
