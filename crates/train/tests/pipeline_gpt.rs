@@ -571,7 +571,8 @@ fn checkpoints_resume_across_pipeline_sizes() -> R<()> {
 
 /// Tensor parallelism inside the stages (issue 35, item 3): every stage on its rank's `tp`
 /// group with the GPT's plan (column/row-parallel blocks, vocab-parallel embedding, loss-parallel
-/// head), tp=2 x pp=2 under GPipe, 1F1B and interleaved, dp=2 x tp=2 x pp=2, tied and untied:
+/// head), tp=2 x pp=2 under GPipe, 1F1B, interleaved, ZB-H1 and ZB-V, dp=2 x tp=2 x pp=2
+/// (1F1B, ZB-H1, ZB-V), tied and untied:
 /// losses and global gradient norms (sharded parameters summed over tp, replicated ones once)
 /// within 1e-5 of one device; clipping on.
 #[test]
@@ -596,11 +597,15 @@ fn tensor_parallel_stages_match_one_device() -> R<()> {
             c
         };
         let (want, want_norms) = train(&[("dp", 1)], &base(None))?.remove(0);
-        let cases: [(&[(&str, usize)], PipelineSpec); 7] = [
+        let cases: [(&[(&str, usize)], PipelineSpec); 8] = [
             (&[("tp", 2), ("pp", 2)], spec(ScheduleKind::GPipe, 4, 1)),
             (
                 &[("tp", 2), ("pp", 2)],
                 spec(ScheduleKind::ZeroBubbleV, 4, 2),
+            ),
+            (
+                &[("dp", 2), ("tp", 2), ("pp", 2)],
+                spec(ScheduleKind::ZeroBubbleV, 2, 2),
             ),
             (
                 &[("tp", 2), ("pp", 2)],
