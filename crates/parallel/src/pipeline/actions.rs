@@ -4,10 +4,10 @@
 //! `p * v` stages, and chunk `c` of rank `r` is stage `c * p + r` (so with `v == 1` the stage
 //! is the rank). ZB-V places its two chunks per rank in a V instead: chunk 0 of rank `r` is
 //! stage `r`, chunk 1 is stage `2 p - 1 - r` (rank 0 holds the first and the last stage, and
-//! the turn from stage `p - 1` to `p` stays on rank `p - 1`). Transfers are not actions: they are implied by the compute actions and
-//! derived by the executor and the simulator (a forward on stage `s > 0` needs stage `s - 1`'s
-//! output of the same micro-batch; a backward on stage `s < p * v - 1` needs stage `s + 1`'s
-//! input gradient).
+//! the turn from stage `p - 1` to `p` stays on rank `p - 1`). Transfers are not actions: they
+//! are implied by the compute actions and derived by the executor and the simulator (a
+//! forward on stage `s > 0` needs stage `s - 1`'s output of the same micro-batch; a backward
+//! on stage `s < p * v - 1` needs stage `s + 1`'s input gradient).
 
 use std::collections::HashMap;
 use std::fmt;
