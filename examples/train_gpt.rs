@@ -2686,6 +2686,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
             // Zero-bubble: rank 0's weight-gradient GEMMs moved from B to W, and its W time.
             "rank0_deferred_weight_grads": report.pipeline.iter().map(|s| s.deferred_weight_grads).collect::<Vec<_>>(),
             "rank0_weight_grad_ms": report.pipeline.iter().map(|s| s.weight_grad_ms).collect::<Vec<_>>(),
+            "rank0_peak_deferred_bytes": report.pipeline.iter().map(|s| s.peak_deferred_bytes).max(),
         }),
         None => serde_json::Value::Null,
     };

@@ -218,6 +218,12 @@ impl DeferredWeightGrad {
     pub fn grad(&self) -> CResult<Tensor> {
         self.g.t()?.matmul(&self.x)
     }
+
+    /// Bytes of the operands held until [`DeferredWeightGrad::grad`] (the input may also be
+    /// held elsewhere: an upper bound of what the deferral keeps alive).
+    pub fn held_bytes(&self) -> usize {
+        (self.x.elem_count() + self.g.elem_count()) * self.g.dtype().size_in_bytes()
+    }
 }
 
 /// Restores a thread-local on drop, so a panic inside a scope does not leave it set.

@@ -96,10 +96,11 @@
 //! linears' dW is half of their backward; attention's core, a share growing with the sequence
 //! length, is all in `B`; measured on the small preset, `W` takes about 0.7 of `B`'s time), and
 //! none of an expert's. The forwards of such a schedule record every linear as a node on every
-//! device ([`region::splittable_forward`]; on CUDA linears are plain candle ops otherwise). Memory:
-//! each linear's output gradient `g` is held from `B` until `W` (ZB-H1 keeps at most `p`
-//! micro-batches' in flight, as 1F1B does their activations); `peak_activation_bytes` does not
-//! count it. With FSDP a chunk's reduce_scatter is issued after its last `W`.
+//! device ([`region::splittable_forward`]; on CUDA linears are plain candle ops otherwise).
+//! Memory: each linear's input and output gradient `g` are held from `B` until `W` (ZB-H1
+//! keeps at most `p` micro-batches waiting for `W`, ZB-V `2 p` chunk micro-batches);
+//! `peak_activation_bytes` does not count them, [`PipelineStepReport::peak_deferred_bytes`]
+//! does. With FSDP a chunk's reduce_scatter is issued after its last `W`.
 //!
 //! # FSDP over `dp`
 //!
@@ -234,6 +235,10 @@ pub struct PipelineStepReport {
     pub deferred_weight_grads: usize,
     /// This rank's time in `W` actions (ms; 0 without a split backward).
     pub weight_grad_ms: f64,
+    /// The most bytes the deferred weight gradients' operands (each linear's input and output
+    /// gradient, from `B` to `W`) held at once on this rank this step: zero-bubble's memory on
+    /// top of the activations.
+    pub peak_deferred_bytes: usize,
 }
 
 /// The checked layout of a pipelined run on one rank.
@@ -471,6 +476,9 @@ struct GptPipeStage<'a> {
     var_index: HashMap<TensorId, usize>,
     /// Weight gradients deferred this step.
     deferred_count: usize,
+    /// Bytes the deferred weight gradients hold now, and the most this step.
+    deferred_bytes: usize,
+    peak_deferred_bytes: usize,
 }
 
 impl<'a> GptPipeStage<'a> {
@@ -667,6 +675,11 @@ impl Stage for GptPipeStage<'_> {
     ) -> Result<Option<Tensor>, StageError> {
         let (input_grad, deferred) = self.run_backward(chunk, mb, grad_out, true)?;
         self.deferred_count += deferred.len();
+        self.deferred_bytes += deferred
+            .iter()
+            .map(DeferredWeightGrad::held_bytes)
+            .sum::<usize>();
+        self.peak_deferred_bytes = self.peak_deferred_bytes.max(self.deferred_bytes);
         self.deferred.insert((chunk, mb), deferred);
         Ok(input_grad)
     }
@@ -678,6 +691,9 @@ impl Stage for GptPipeStage<'_> {
         // Each deferred GEMM's dW goes to its parameter: directly when the linear saw the
         // parameter itself, through the weight's graph (a cast, a redistribution) otherwise.
         let mut through: Option<Tensor> = None;
+        self.deferred_bytes = self
+            .deferred_bytes
+            .saturating_sub(deferred.iter().map(DeferredWeightGrad::held_bytes).sum());
         for d in deferred {
             let dw = d.grad()?;
             match self.var_index.get(&d.weight().id()) {
@@ -1419,11 +1435,14 @@ pub(crate) fn train_rank_pp(
                 .map(|(i, v)| (v.as_tensor().id(), i))
                 .collect(),
             deferred_count: 0,
+            deferred_bytes: 0,
+            peak_deferred_bytes: 0,
         };
         let run = run_schedule(&mut stage, &lay.schedule, &comms)
             .map_err(|e| RunError::Pipeline(Box::new(e)))?;
         let fwd_bwd = t0.elapsed();
         let deferred_weight_grads = stage.deferred_count;
+        let peak_deferred_bytes = stage.peak_deferred_bytes;
         let weight_grad_ms: f64 = run
             .steps
             .iter()
@@ -1622,6 +1641,7 @@ pub(crate) fn train_rank_pp(
             rank_bubble: run.bubble_fraction(),
             deferred_weight_grads,
             weight_grad_ms,
+            peak_deferred_bytes,
         });
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         let step_ms = ms(t0.elapsed());

@@ -221,8 +221,10 @@ fn pipelines_match_one_device() -> R<()> {
                     let d = st.deferred_weight_grads;
                     assert!(d >= 4 * m && d % m == 0, "{what}: {st:?}");
                     assert!(st.weight_grad_ms > 0.0, "{what}: {st:?}");
+                    assert!(st.peak_deferred_bytes > 0, "{what}: {st:?}");
                 } else {
                     assert_eq!(st.deferred_weight_grads, 0, "{what}: {st:?}");
+                    assert_eq!(st.peak_deferred_bytes, 0, "{what}: {st:?}");
                     assert_eq!(st.weight_grad_ms, 0.0, "{what}: {st:?}");
                 }
             }
