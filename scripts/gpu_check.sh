@@ -31,6 +31,9 @@
 #   c7      train_gpt --preset small on one GPU (tokens/s of a model big enough to time)
 #   c8, c9  train_gpt --precision bf16 (one GPU) and --precision tf32 (FSDP dp=2) --check against
 #           the CPU under the same policy, within 2e-2 and 2e-3 (train_gpt's defaults for them)
+#   c10     train_gpt pipelined over pp=2 with the zero-bubble ZB-V schedule (rank threads on the
+#           GPU; on CUDA the linears become region nodes only under a split backward) --check
+#           against the CPU like c1-c3
 #   e1, e2  train_llama --check: candle-transformers' llama under FSDP, and the candle-nn llama
 #           under FSDP x TP (2x2), rank threads on the GPU, losses and gradients vs the CPU
 #   d       (optional) nccl_bench: all_gather / all_reduce sweep with algbw/busbw like nccl-tests
@@ -254,6 +257,8 @@ train_step c7 60 c7_train_small.log tp=1 --preset small --device "$dev" --no-fsd
 # accumulation: the flash-attention node, fused AdamW) 2e-2, tf32 2e-3.
 check_tol=2e-2 train_step c8 60 c8_train_bf16.log tp=1 --device "$dev" --no-fsdp --steps 10 --precision bf16 --check --check-device cpu --check-tol 2e-2
 check_tol=2e-3 train_step c9 60 c9_train_tf32.log dp=2 --device "$dev" --steps 10 --precision tf32 --check --check-device cpu --check-tol 2e-3
+# A zero-bubble pipeline: the split backward's region linears, deferred dW and the V's turn.
+train_step c10 60 c10_train_pp_zbv.log pp=2 --layers 4 --microbatches 4 --pp-schedule zb-v --pp-chunks 2 --device "$dev" --steps 6 --check --check-device cpu --check-tol "$check_tol"
 # Bring your own candle model: candle-transformers' llama through FsdpVarMap, and the candle-nn
 # llama with the drop-ins under FSDP x TP, each against one device on the CPU.
 run_step e1 'check vs one device' 60 e1_llama_transformers.log "$(exe train_llama)" \
