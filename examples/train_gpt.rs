@@ -244,7 +244,7 @@ pub(crate) struct Args {
     /// holding stages r and 2 pp - 1 - r: half zb-h1's bubble; needs --pp-chunks 2).
     #[arg(long, default_value = "1f1b")]
     pp_schedule: String,
-    /// Model chunks per pipeline rank (interleaved-1f1b's virtual stages; 1 otherwise).
+    /// Model chunks per pipeline rank (interleaved-1f1b's virtual stages, zb-v's 2; 1 otherwise).
     #[arg(long, default_value_t = 1)]
     pp_chunks: usize,
     /// Blocks per pipeline stage, e.g. `3,1` (pp x pp-chunks sizes adding up to the blocks);
