@@ -125,12 +125,18 @@ struct Args {
     /// With `--pp`: micro-batches per step.
     #[arg(long, default_value_t = 8)]
     microbatches: usize,
-    /// With `--pp`: the schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v).
+    /// With `--pp`: the schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v), or `all` to
+    /// compare every one.
     #[arg(long, default_value = "1f1b")]
     pp_schedule: String,
     /// With `--pp` and interleaved 1F1B: model chunks (virtual stages) per rank.
     #[arg(long, default_value_t = 2)]
     pp_virtual: usize,
+    /// With `--pp`: `F,B,I,W`, a model's own times of one forward, full backward,
+    /// input-gradient and weight-gradient backward on one rank's whole share (train_gpt's
+    /// `pipeline.action_ms` times `--pp-chunks`): the schedule's bubble and makespan with them.
+    #[arg(long)]
+    pp_costs: Option<String>,
 }
 
 #[path = "common/logging.rs"]
@@ -141,8 +147,23 @@ fn main() {
     candle_dtensor::init_cpu_threads();
     let a = Args::parse();
     if let Some(p) = a.pp {
-        match pipeline::explain(p, a.microbatches, &a.pp_schedule, a.pp_virtual, a.json) {
-            Ok(()) => return,
+        let costs = a
+            .pp_costs
+            .as_deref()
+            .map(explain_pp::parse_costs)
+            .transpose();
+        let report = costs.and_then(|c| {
+            explain_pp::report(p, a.microbatches, &a.pp_schedule, a.pp_virtual, c.as_ref())
+        });
+        match report {
+            Ok(r) if a.json => {
+                println!("{r}");
+                return;
+            }
+            Ok(r) => {
+                print!("{}", explain_pp::text(&r));
+                return;
+            }
             Err(e) => {
                 eprintln!("error: --pp: {e}");
                 std::process::exit(2);
@@ -660,55 +681,5 @@ fn run(
 #[path = "common/explain_moe.rs"]
 mod moe;
 
-/// `--pp`: a pipeline schedule's action lists and bubble.
-mod pipeline {
-    use candle_dtensor::parallel::pipeline::{sim, CostModel, Schedule, ScheduleKind};
-
-    pub fn explain(
-        p: usize,
-        m: usize,
-        name: &str,
-        virtual_stages: usize,
-        json: bool,
-    ) -> Result<(), Box<dyn std::error::Error>> {
-        let kind = ScheduleKind::from_name(name)?;
-        let v = match kind {
-            ScheduleKind::Interleaved1F1B => virtual_stages,
-            ScheduleKind::ZeroBubbleV => 2,
-            _ => 1,
-        };
-        let s = Schedule::generate(kind, p, m, v)?;
-        let cost = CostModel::default();
-        let bubble = s.bubble_fraction_with(&cost)?;
-        let formula = match kind {
-            ScheduleKind::Interleaved1F1B => sim::bubble_interleaved(p, m, v),
-            ScheduleKind::ZeroBubbleH1 => sim::bubble_zb_h1(p, m),
-            ScheduleKind::ZeroBubbleV => sim::bubble_zb_v(p, m),
-            _ => sim::bubble_gpipe(p, m),
-        };
-        if json {
-            let ranks: Vec<Vec<String>> = (0..p)
-                .map(|r| s.actions(r).iter().map(|a| a.to_string()).collect())
-                .collect();
-            let v = serde_json::json!({
-                "schedule": kind.to_string(), "p": p, "m": m, "v": v,
-                "cost": {"forward": cost.forward, "backward": cost.backward,
-                         "backward_input": cost.backward_input,
-                         "backward_weight": cost.backward_weight},
-                "bubble_fraction": bubble, "formula": formula, "ranks": ranks,
-            });
-            println!("{v}");
-        } else {
-            println!("schedule {kind}: p={p} stages, m={m} micro-batches, v={v} chunks per rank");
-            println!(
-                "F = forward, B = backward, I/W = input-/weight-gradient backward; mb[.chunk]"
-            );
-            print!("{}", s.table());
-            println!(
-                "bubble fraction {bubble:.4} (unit-time simulation, F={} B={} I={} W={}; formula {formula:.4})",
-                cost.forward, cost.backward, cost.backward_input, cost.backward_weight
-            );
-        }
-        Ok(())
-    }
-}
+#[path = "common/explain_pp.rs"]
+mod explain_pp;
