@@ -473,7 +473,7 @@ struct GptPipeStage<'a> {
     /// Zero-bubble: the weight gradients `backward_input` deferred, per (chunk, micro-batch).
     deferred: HashMap<(usize, usize), Vec<DeferredWeightGrad>>,
     /// The index in `vars` of each parameter tensor.
-    var_index: HashMap<TensorId, usize>,
+    var_index: &'a HashMap<TensorId, usize>,
     /// Weight gradients deferred this step.
     deferred_count: usize,
     /// Bytes the deferred weight gradients hold now, and the most this step.
@@ -1047,14 +1047,19 @@ fn moe_step(
 
 /// A scalar over `comm` (`op`: summed, or its min or max).
 fn sum_over(comm: &Comm, x: f64, dev: &Device, op: ReduceOp) -> Result<f64, RunError> {
-    let t = Tensor::new(&[x], dev)?;
+    Ok(reduce_over(comm, &[x], dev, op)?[0])
+}
+
+/// `xs` reduced elementwise over `comm` (one all_reduce, one host read).
+fn reduce_over(comm: &Comm, xs: &[f64], dev: &Device, op: ReduceOp) -> Result<Vec<f64>, RunError> {
+    let t = Tensor::new(xs, dev)?;
     let t = if comm.size() > 1 {
         comm.all_reduce(&t, op)?.wait()?
     } else {
         t
     };
     candle_dtensor_kernels::storage::note_host_read();
-    Ok(t.to_vec1::<f64>()?[0])
+    Ok(t.to_vec1::<f64>()?)
 }
 
 /// [`crate::trainer::train_rank`] on a mesh with a `pp` dim; see the module docs.
@@ -1387,6 +1392,12 @@ pub(crate) fn train_rank_pp(
     };
     // The setup's reads are not the first step's.
     let _ = candle_dtensor_kernels::storage::take_host_reads();
+    // Where a deferred weight gradient's weight is a parameter itself: its index in `vars`.
+    let var_index: HashMap<TensorId, usize> = vars
+        .iter()
+        .enumerate()
+        .map(|(i, v)| (v.as_tensor().id(), i))
+        .collect();
     for step in start..cfg.steps {
         // The collectives of the last step, in the report (as the other layouts count them).
         let mode = (step + 1 == cfg.steps).then(CommDebugMode::start);
@@ -1429,11 +1440,7 @@ pub(crate) fn train_rank_pp(
             reducing: Vec::new(),
             split: lay.schedule.splits_backward(),
             deferred: HashMap::new(),
-            var_index: vars
-                .iter()
-                .enumerate()
-                .map(|(i, v)| (v.as_tensor().id(), i))
-                .collect(),
+            var_index: &var_index,
             deferred_count: 0,
             deferred_bytes: 0,
             peak_deferred_bytes: 0,
@@ -1443,12 +1450,20 @@ pub(crate) fn train_rank_pp(
         let fwd_bwd = t0.elapsed();
         let deferred_weight_grads = stage.deferred_count;
         let peak_deferred_bytes = stage.peak_deferred_bytes;
-        let weight_grad_ms: f64 = run
-            .steps
-            .iter()
-            .filter(|st| matches!(st.action, Action::BackwardWeight { .. }))
-            .map(|st| (st.end - st.start).as_secs_f64() * 1e3)
-            .sum();
+        // This rank's busy time and, per kind of action (F, B, I, W), its time and count.
+        let mut sums = [0.0f64; 9];
+        sums[0] = run.busy.as_secs_f64();
+        for st in &run.steps {
+            let k = match st.action {
+                Action::Forward { .. } => 0,
+                Action::Backward { .. } => 1,
+                Action::BackwardInput { .. } => 2,
+                Action::BackwardWeight { .. } => 3,
+            };
+            sums[1 + 2 * k] += (st.end - st.start).as_secs_f64();
+            sums[2 + 2 * k] += 1.0;
+        }
+        let weight_grad_ms = sums[7] * 1e3;
         report.peak_activation_bytes = report.peak_activation_bytes.max(stage.graph_bytes);
         let mut grads = Vec::with_capacity(vars.len());
         if let Some(f) = &fsdp {
@@ -1580,31 +1595,10 @@ pub(crate) fn train_rank_pp(
                 .moe
                 .push(moe_step(&parts, aux_local, mesh, &pp_comm, &dev)?);
         }
-        // Busy time and, per kind of action (F, B, I, W), the time and count over the
-        // pipeline: the schedule simulated with these mean costs is the bubble this model's
-        // actions imply (the unit-time analytic one assumes F = I = W = B / 2).
-        let mut sums = [0.0f64; 9];
-        sums[0] = run.busy.as_secs_f64();
-        for st in &run.steps {
-            let k = match st.action {
-                Action::Forward { .. } => 0,
-                Action::Backward { .. } => 1,
-                Action::BackwardInput { .. } => 2,
-                Action::BackwardWeight { .. } => 3,
-            };
-            sums[1 + 2 * k] += (st.end - st.start).as_secs_f64();
-            sums[2 + 2 * k] += 1.0;
-        }
-        let sums = {
-            let t = Tensor::new(&sums, &dev)?;
-            let t = if pp_comm.size() > 1 {
-                pp_comm.all_reduce(&t, ReduceOp::Sum)?.wait()?
-            } else {
-                t
-            };
-            candle_dtensor_kernels::storage::note_host_read();
-            t.to_vec1::<f64>()?
-        };
+        // The busy time and the per-kind action times and counts over the pipeline: the
+        // schedule simulated with these mean costs is the bubble this model's actions imply
+        // (the unit-time analytic one assumes F = I = W = B / 2).
+        let sums = reduce_over(&pp_comm, &sums, &dev, ReduceOp::Sum)?;
         let busy = sums[0];
         let wall = sum_over(&pp_comm, run.wall.as_secs_f64(), &dev, ReduceOp::Max)?;
         let measured = if wall > 0.0 {

@@ -312,17 +312,15 @@ impl Schedule {
     pub fn zero_bubble_v(p: usize, m: usize) -> Result<Self, ScheduleError> {
         let kind = ScheduleKind::ZeroBubbleV;
         check_basic(kind, p, m, 2)?;
-        let actions = greedy_zb_v(p, m);
-        let s = Schedule {
+        Schedule {
             kind,
             p,
             m,
             v: 2,
             v_shape: true,
-            actions,
-        };
-        s.validate()?;
-        Ok(s)
+            actions: greedy_zb_v(p, m),
+        }
+        .validated()
     }
 
     /// A schedule from explicit per-rank action lists (`actions[r]` is rank `r`'s), with `m`
@@ -348,16 +346,21 @@ impl Schedule {
         v: usize,
         actions: Vec<Vec<Action>>,
     ) -> Result<Self, ScheduleError> {
-        let s = Schedule {
+        Schedule {
             kind,
             p,
             m,
             v,
             v_shape: false,
             actions,
-        };
-        s.validate()?;
-        Ok(s)
+        }
+        .validated()
+    }
+
+    /// The schedule if [`Schedule::validate`] passes.
+    fn validated(self) -> Result<Self, ScheduleError> {
+        self.validate()?;
+        Ok(self)
     }
 
     /// The generator that made this schedule.
