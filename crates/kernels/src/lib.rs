@@ -14,6 +14,8 @@
 //!   (linear, attention).
 //! - [`autodiff`]: differentiable neural-network ops on plain tensors, any device: the fused kernel
 //!   for f32 on the CPU, the primitive composition ([`autodiff::reference`]) otherwise.
+//! - [`profile`]: what a step costs on the device, counted: GPU time between CUDA timing
+//!   events, and the kernels the process ran (CUPTI, loaded at run time).
 //! - [`compare`]: element-wise comparisons for checking a kernel against its reference.
 
 #[doc(hidden)]
@@ -29,4 +31,5 @@ pub mod error;
 pub mod flash;
 pub mod fused;
 pub mod multi_tensor;
+pub mod profile;
 pub mod region;

@@ -104,6 +104,7 @@ use std::time::Instant;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_dtensor_comm::{CommError, ReduceOp, Work};
+use candle_dtensor_kernels::profile::{Mark, Phases};
 use candle_dtensor_mesh::{DeviceMesh, MeshError};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Optimizer, ParamsAdamW, VarBuilder, VarMap};
@@ -898,6 +899,38 @@ pub struct StepInfo {
     /// synchronisation on a GPU. Not counted: reads inside candle's own ops and a backend's
     /// synchronisations inside its collectives.
     pub host_reads: usize,
+    /// GPU time of the phases of the *previous* step (CUDA timing events on this rank's
+    /// stream; `None` on the CPU and on the first step). One step late, because reading it
+    /// now would wait for this step's optimizer; [`Trainer::last_gpu_phases`] gives the last
+    /// step's at the end.
+    pub gpu_phases: Option<GpuPhases>,
+}
+
+/// GPU milliseconds of one step's phases, split as [`StepInfo::phase_ms`] splits host time
+/// (forward, backward with the gradient reduction and clipping, optimizer), measured between
+/// CUDA timing events on the rank's stream: what the GPU spent, not what the host took to
+/// queue it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GpuPhases {
+    /// The step measured.
+    pub step: usize,
+    /// Forward, backward, optimizer (ms).
+    pub phase_ms: [f64; 3],
+}
+
+/// The GPU timing marks of one step, kept until they can be read without waiting.
+type StepMarks = Phases<Mark>;
+
+/// Records a timing mark on `device` (`None` on the CPU). A failure to record only turns the
+/// step's GPU times off (logged): timing never fails a step.
+fn gpu_mark(device: &Device) -> Option<Mark> {
+    match Mark::record(device) {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!(error = %e, "no GPU timing mark for this step");
+            None
+        }
+    }
 }
 
 /// The gradients of one step, reduced (and clipped), before the optimizer step:
@@ -913,6 +946,8 @@ pub struct Gradients {
     /// Time in the forwards (all micro-batches).
     fwd: std::time::Duration,
     t_bwd: Instant,
+    /// GPU timing marks of the step so far (CUDA only).
+    marks: Option<StepMarks>,
 }
 
 impl Gradients {
@@ -1084,6 +1119,8 @@ pub struct Trainer {
     last_fsdp: Option<FsdpStats>,
     /// The parameters as checkpoints see them (`None`: [`TrainVars::given`]).
     ckpt: Option<Vec<CheckpointVar>>,
+    /// The last applied step's GPU timing marks, read one step later.
+    pending_gpu: Option<(usize, StepMarks)>,
 }
 
 impl Trainer {
@@ -1159,6 +1196,7 @@ impl Trainer {
             peak_bytes: 0,
             last_fsdp: None,
             ckpt,
+            pending_gpu: None,
         })
     }
 
@@ -1448,6 +1486,7 @@ impl Trainer {
             ));
         }
         let t0 = Instant::now();
+        let mut marks = gpu_mark(&self.device).map(Phases::new);
         let mut fwd = std::time::Duration::ZERO;
         let mut acc: Option<(GradStore, Tensor)> = None;
         for (i, &n) in tokens.iter().enumerate() {
@@ -1456,7 +1495,13 @@ impl Trainer {
                 // Reduce only in the last micro-batch's backward.
                 f.set_requires_gradient_sync(last);
             }
-            let res = self.micro_step(&mut forward, i, k, n as f64 / total as f64, &mut fwd);
+            let res = self.micro_step(
+                &mut forward,
+                (i, k),
+                n as f64 / total as f64,
+                &mut fwd,
+                &mut marks,
+            );
             let (g, l) = match res {
                 Ok(x) => x,
                 Err(e) => {
@@ -1502,6 +1547,9 @@ impl Trainer {
             None => None,
         };
         let t_bwd = Instant::now();
+        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&self.device)) {
+            m.backward_end(s);
+        }
         let (loss, norm_sq) = read.read_with(norm_sq.as_ref())?;
         let grad_norm = norm_sq.map(f64::sqrt);
         let clipped = matches!((self.cfg.clip, grad_norm), (Some(c), Some(n)) if n > c);
@@ -1515,6 +1563,7 @@ impl Trainer {
             t0,
             fwd,
             t_bwd,
+            marks,
         })
     }
 
@@ -1524,13 +1573,19 @@ impl Trainer {
     fn micro_step(
         &self,
         forward: &mut impl FnMut(usize) -> candle_core::Result<Tensor>,
-        i: usize,
-        k: usize,
+        (i, k): (usize, usize),
         weight: f64,
         fwd: &mut std::time::Duration,
+        marks: &mut Option<StepMarks>,
     ) -> Result<(GradStore, Tensor)> {
         let t = Instant::now();
+        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&self.device)) {
+            m.forward_start(s);
+        }
         let loss = forward(i)?;
+        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&self.device)) {
+            m.forward_end(s);
+        }
         *fwd += t.elapsed();
         check_loss(&loss)?;
         let loss = if k == 1 {
@@ -1563,6 +1618,13 @@ impl Trainer {
             f.gather_undriven()?;
         }
         let t_opt = Instant::now();
+        let mut marks = g.marks;
+        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&self.device)) {
+            m.optimizer_end(s);
+        }
+        // The previous step's marks: complete since this step's loss read (same stream).
+        let gpu_phases = self.take_gpu_phases(false);
+        self.pending_gpu = marks.map(|m| (self.step, m));
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
         let fwd_ms = g.fwd.as_secs_f64() * 1e3;
         let phase_ms = [fwd_ms, ms(g.t0, g.t_bwd) - fwd_ms, ms(g.t_bwd, t_opt)];
@@ -1588,9 +1650,41 @@ impl Trainer {
             exposed_comm_ms: exposed,
             peak_bytes: self.peak_bytes,
             host_reads: candle_dtensor_kernels::storage::take_host_reads(),
+            gpu_phases,
         };
         self.step += 1;
         Ok(info)
+    }
+
+    /// The GPU phase times of the last applied step, waiting for its optimizer step to finish
+    /// on the device (a host synchronisation: call it once, after training). `None` on the
+    /// CPU, before the first step, or when already taken.
+    pub fn last_gpu_phases(&mut self) -> Option<GpuPhases> {
+        self.take_gpu_phases(true)
+    }
+
+    /// Reads and forgets the pending step's GPU times; `wait` first waits for them.
+    fn take_gpu_phases(&mut self, wait: bool) -> Option<GpuPhases> {
+        let (step, marks) = self.pending_gpu.take()?;
+        let read = (|| {
+            if wait {
+                if let Some(end) = marks.end() {
+                    end.wait()?;
+                }
+            }
+            marks.ms()
+        })();
+        match read {
+            Ok(Some(phase_ms)) => Some(GpuPhases { step, phase_ms }),
+            Ok(None) => {
+                tracing::debug!(step, "GPU times not complete yet; skipped");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(step, error = %e, "GPU times unreadable");
+                None
+            }
+        }
     }
 
     /// One whole step: [`Trainer::forward_backward`] then [`Trainer::apply`].

@@ -1674,6 +1674,8 @@ pub(crate) fn train_rank_pp(
             exposed_comm_ms: 0.0,
             peak_bytes: report.param_grad_optim_bytes,
             host_reads,
+            // Not measured: a pipeline step interleaves its micro-batches' phases.
+            gpu_phases: None,
         });
         if let Some(dir) = &cfg.save_dir {
             let done = step + 1;

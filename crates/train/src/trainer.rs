@@ -35,7 +35,7 @@ use crate::fit::{Gradients, OptimizerKind, TrainVars, Trainer, TrainerConfig, Tr
 use crate::pipeline::{PipelineSpec, PipelineStepReport};
 use crate::schedule::{LrSchedule, WeightDecay};
 
-pub use crate::fit::StepInfo;
+pub use crate::fit::{GpuPhases, StepInfo};
 
 /// Why the GPT's training run stopped.
 #[non_exhaustive]
@@ -344,6 +344,9 @@ pub struct RankReport {
     /// Per step: milliseconds in forward (data to loss), backward (including FSDP's gradient
     /// reduction and clipping) and the optimizer step.
     pub phase_ms: Vec<[f64; 3]>,
+    /// GPU time of each step's phases, as `phase_ms` splits host time, from CUDA timing
+    /// events ([`StepInfo::gpu_phases`]; empty on the CPU). Each names its step.
+    pub gpu_phase_ms: Vec<GpuPhases>,
     /// Peak bytes held in parameters + gradients + optimizer state on this rank (counted from
     /// the tensors: shards, their gradients, AdamW's two moments, and FSDP's unsharded
     /// parameters and gradients in flight).
@@ -950,6 +953,7 @@ fn train_rank_spmd(
         let info = s.trainer.apply(out)?;
         report.lrs.push(info.lr);
         report.phase_ms.push(info.phase_ms);
+        report.gpu_phase_ms.extend(info.gpu_phases);
         if let Some(mode) = mode {
             for ((phase, kind), n) in mode.counts() {
                 let phase = match phase {
@@ -1008,6 +1012,8 @@ fn train_rank_spmd(
         }
         step += 1;
     }
+    // The last step's GPU times: one wait, after training.
+    report.gpu_phase_ms.extend(s.trainer.last_gpu_phases());
     if let Some(spec) = &cfg.sample {
         report.sample = generate(&s.gpt, &s.mesh, cfg, spec, corpus.vocab())?;
     }

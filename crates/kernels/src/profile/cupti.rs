@@ -1,0 +1,306 @@
+//! Kernel counts from CUPTI's activity API: every kernel the process runs on any GPU leaves
+//! one record (start and end timestamps), whichever library launched it (candle's kernels,
+//! cuBLAS, NCCL, the fused kernels), so a step's launches are counted, not estimated.
+//!
+//! CUPTI is loaded at run time (`$CDT_CUPTI_LIB`, else `libcupti.so`, `libcupti.so.13`,
+//! `libcupti.so.12` on the loader's path), never linked: a binary without it on the machine
+//! still starts, and [`KernelCounter::start`] says why counting is off. CUPTI's activity
+//! buffers are process-global, so one counter is on at a time, and it counts every thread's
+//! kernels (with several rank threads in a process: all of them).
+//!
+//! Only the kernel records are enabled (`CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL`, which does
+//! not serialize kernels); the cost is one record written per kernel by CUPTI.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use super::ProfileError;
+
+/// `CUpti_ActivityKind`s of kernel records (`KERNEL` serialized, `CONCURRENT_KERNEL`).
+const KIND_KERNEL: u32 = 3;
+const KIND_CONCURRENT_KERNEL: u32 = 10;
+/// `CUPTI_ACTIVITY_FLAG_FLUSH_FORCED`: flush buffers that are not full yet.
+const FLUSH_FORCED: u32 = 1;
+/// `CUPTI_SUCCESS`; `CUPTI_ERROR_MAX_LIMIT_REACHED` ends a buffer's records.
+const SUCCESS: i32 = 0;
+const END_OF_BUFFER: i32 = 12;
+/// The offsets of `start` and `end` (u64 nanoseconds) in every kernel record layout since
+/// `CUpti_ActivityKernel3` (kind u32, cache config u8, shared memory config u8, registers
+/// u16, two partitioned-cache enums u32, then start and end), and the bytes read.
+const START_AT: usize = 16;
+const END_AT: usize = 24;
+const KERNEL_RECORD_MIN: usize = 32;
+/// Each activity buffer: 8 MiB, 8-byte aligned (a `u64` allocation).
+const BUF_WORDS: usize = 1 << 20;
+const BUF_BYTES: usize = BUF_WORDS * 8;
+
+type CuptiResult = i32;
+type RequestFn = unsafe extern "C" fn(*mut *mut u8, *mut usize, *mut usize);
+type CompleteFn = unsafe extern "C" fn(*mut std::ffi::c_void, u32, *mut u8, usize, usize);
+
+/// The CUPTI functions used, resolved once; the library stays loaded for the process.
+struct Api {
+    _lib: libloading::Library,
+    register: unsafe extern "C" fn(Option<RequestFn>, Option<CompleteFn>) -> CuptiResult,
+    enable: unsafe extern "C" fn(u32) -> CuptiResult,
+    disable: unsafe extern "C" fn(u32) -> CuptiResult,
+    flush_all: unsafe extern "C" fn(u32) -> CuptiResult,
+    next_record: unsafe extern "C" fn(*mut u8, usize, *mut *mut u8) -> CuptiResult,
+    dropped: unsafe extern "C" fn(*mut std::ffi::c_void, u32, *mut usize) -> CuptiResult,
+}
+
+static API: OnceLock<Result<Api, ProfileError>> = OnceLock::new();
+static REGISTERED: OnceLock<Result<(), ProfileError>> = OnceLock::new();
+static ON: AtomicBool = AtomicBool::new(false);
+static KERNELS: AtomicU64 = AtomicU64::new(0);
+static BUSY_NS: AtomicU64 = AtomicU64::new(0);
+static DROPPED: AtomicU64 = AtomicU64::new(0);
+static MALFORMED: AtomicU64 = AtomicU64::new(0);
+
+fn candidates() -> Vec<String> {
+    let mut names = Vec::new();
+    if let Ok(p) = std::env::var("CDT_CUPTI_LIB") {
+        if !p.is_empty() {
+            names.push(p);
+        }
+    }
+    names.extend(["libcupti.so", "libcupti.so.13", "libcupti.so.12"].map(String::from));
+    names
+}
+
+fn load() -> Result<Api, ProfileError> {
+    let names = candidates();
+    let mut last = String::from("no candidate");
+    for name in &names {
+        // SAFETY: loading CUPTI runs its initialisers, which only set up the library; the
+        // handle is kept in `API` for the rest of the process, so no resolved function
+        // outlives it.
+        let lib = match unsafe { libloading::Library::new(name) } {
+            Ok(l) => l,
+            Err(e) => {
+                last = e.to_string();
+                continue;
+            }
+        };
+        let missing = |e: libloading::Error| ProfileError::NoCupti {
+            tried: name.clone(),
+            message: e.to_string(),
+        };
+        // SAFETY: each symbol is the CUPTI function of that name, whose C signature
+        // (cupti_activity.h, unchanged since CUDA 5.5) is the function type it is read as;
+        // the pointers are copied out while `lib`, moved into `Api` with them, is alive.
+        unsafe {
+            return Ok(Api {
+                register: *lib
+                    .get(b"cuptiActivityRegisterCallbacks\0")
+                    .map_err(missing)?,
+                enable: *lib.get(b"cuptiActivityEnable\0").map_err(missing)?,
+                disable: *lib.get(b"cuptiActivityDisable\0").map_err(missing)?,
+                flush_all: *lib.get(b"cuptiActivityFlushAll\0").map_err(missing)?,
+                next_record: *lib.get(b"cuptiActivityGetNextRecord\0").map_err(missing)?,
+                dropped: *lib
+                    .get(b"cuptiActivityGetNumDroppedRecords\0")
+                    .map_err(missing)?,
+                _lib: lib,
+            });
+        }
+    }
+    Err(ProfileError::NoCupti {
+        tried: names.join(", "),
+        message: last,
+    })
+}
+
+fn api() -> Result<&'static Api, ProfileError> {
+    API.get_or_init(load).as_ref().map_err(Clone::clone)
+}
+
+fn check(call: &'static str, code: CuptiResult) -> Result<(), ProfileError> {
+    if code == SUCCESS {
+        Ok(())
+    } else {
+        Err(ProfileError::Cupti { call, code })
+    }
+}
+
+/// CUPTI asks for a buffer to write records into.
+///
+/// # Safety
+///
+/// Called by CUPTI with valid out-pointers.
+unsafe extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, max: *mut usize) {
+    let words: Box<[u64]> = vec![0u64; BUF_WORDS].into_boxed_slice();
+    // SAFETY: CUPTI passes valid, writable out-pointers. The buffer is leaked here and
+    // reclaimed, with the same length, in `buffer_completed`, the only place CUPTI hands it
+    // back.
+    unsafe {
+        *buffer = Box::into_raw(words).cast::<u8>();
+        *size = BUF_BYTES;
+        *max = 0; // as many records as fit
+    }
+}
+
+/// CUPTI hands back a buffer with `valid` bytes of records: count the kernels, free it.
+///
+/// # Safety
+///
+/// `buffer` is one `buffer_requested` allocated, and CUPTI passes it back once.
+unsafe extern "C" fn buffer_completed(
+    ctx: *mut std::ffi::c_void,
+    stream: u32,
+    buffer: *mut u8,
+    _size: usize,
+    valid: usize,
+) {
+    if buffer.is_null() {
+        return;
+    }
+    if let Ok(api) = api() {
+        let valid = valid.min(BUF_BYTES);
+        let mut record: *mut u8 = std::ptr::null_mut();
+        loop {
+            // SAFETY: `buffer` holds `valid` bytes of records CUPTI wrote; `record` is the
+            // previous record (null for the first), as the iteration requires.
+            let code = unsafe { (api.next_record)(buffer, valid, &mut record) };
+            if code != SUCCESS || record.is_null() {
+                if code != END_OF_BUFFER && code != SUCCESS {
+                    MALFORMED.fetch_add(1, Ordering::Relaxed);
+                }
+                break;
+            }
+            let offset = (record as usize).wrapping_sub(buffer as usize);
+            if offset >= valid || valid - offset < 4 {
+                MALFORMED.fetch_add(1, Ordering::Relaxed);
+                break;
+            }
+            // SAFETY: `record` lies inside the buffer with at least 4 bytes left (checked);
+            // unaligned reads copy the bytes out.
+            let kind = unsafe { record.cast::<u32>().read_unaligned() };
+            if kind != KIND_KERNEL && kind != KIND_CONCURRENT_KERNEL {
+                continue;
+            }
+            if valid - offset < KERNEL_RECORD_MIN {
+                MALFORMED.fetch_add(1, Ordering::Relaxed);
+                break;
+            }
+            // SAFETY: a kernel record with at least `KERNEL_RECORD_MIN` bytes inside the
+            // buffer (checked): `start` and `end` are its u64s at `START_AT` and `END_AT`.
+            let (start, end) = unsafe {
+                (
+                    record.add(START_AT).cast::<u64>().read_unaligned(),
+                    record.add(END_AT).cast::<u64>().read_unaligned(),
+                )
+            };
+            KERNELS.fetch_add(1, Ordering::Relaxed);
+            BUSY_NS.fetch_add(end.saturating_sub(start), Ordering::Relaxed);
+        }
+        let mut dropped = 0usize;
+        // SAFETY: `ctx` and `stream` are the ones CUPTI passed for this buffer; `dropped` is a
+        // valid out-pointer.
+        if unsafe { (api.dropped)(ctx, stream, &mut dropped) } == SUCCESS {
+            DROPPED.fetch_add(dropped as u64, Ordering::Relaxed);
+        }
+    }
+    // SAFETY: `buffer` came from `buffer_requested` as a leaked `Box<[u64]>` of `BUF_WORDS`
+    // words, and CUPTI hands each buffer back once.
+    drop(unsafe {
+        Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+            buffer.cast::<u64>(),
+            BUF_WORDS,
+        ))
+    });
+}
+
+/// Kernels counted since the counter started (or since the last [`KernelCounter::take`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KernelCount {
+    /// Kernels that ran (one record each).
+    pub kernels: u64,
+    /// Their summed GPU time, nanoseconds (overlapping kernels on several streams count
+    /// each: this is kernel time, not wall time).
+    pub busy_ns: u64,
+    /// Records CUPTI dropped (a buffer overflowed): when non-zero the counts are low.
+    pub dropped: u64,
+    /// Records that could not be read (an unexpected CUPTI result or layout): when non-zero
+    /// the counts are low.
+    pub malformed: u64,
+}
+
+/// Counts every kernel the process runs while it lives (see the module docs).
+#[derive(Debug)]
+pub struct KernelCounter {
+    _private: (),
+}
+
+impl KernelCounter {
+    /// Loads CUPTI (once per process) and starts counting.
+    ///
+    /// # Errors
+    ///
+    /// [`ProfileError::NoCupti`] without the library, [`ProfileError::Busy`] while another
+    /// counter is on, [`ProfileError::Cupti`] when CUPTI refuses (for example another CUPTI
+    /// client, such as a profiler, holds the activity API).
+    pub fn start() -> Result<KernelCounter, ProfileError> {
+        let api = api()?;
+        if ON.swap(true, Ordering::AcqRel) {
+            return Err(ProfileError::Busy);
+        }
+        let started = (|| {
+            REGISTERED
+                .get_or_init(|| {
+                    // SAFETY: both callbacks have the C signatures CUPTI calls them with and
+                    // live for the whole process.
+                    check("cuptiActivityRegisterCallbacks", unsafe {
+                        (api.register)(Some(buffer_requested), Some(buffer_completed))
+                    })
+                })
+                .clone()?;
+            // SAFETY: a plain call with a valid activity kind.
+            check("cuptiActivityEnable", unsafe {
+                (api.enable)(KIND_CONCURRENT_KERNEL)
+            })
+        })();
+        if let Err(e) = started {
+            ON.store(false, Ordering::Release);
+            return Err(e);
+        }
+        let counter = KernelCounter { _private: () };
+        counter.take()?;
+        Ok(counter)
+    }
+
+    /// Flushes CUPTI's buffers and returns the kernels counted since the start or the last
+    /// call, then counts afresh. Kernels still running are not in it yet: synchronize the
+    /// device first for an exact count of the work queued so far.
+    ///
+    /// # Errors
+    ///
+    /// CUPTI failed to flush.
+    pub fn take(&self) -> Result<KernelCount, ProfileError> {
+        let api = api()?;
+        // SAFETY: a plain call; the completion callback runs inside it or on CUPTI's thread.
+        check("cuptiActivityFlushAll", unsafe {
+            (api.flush_all)(FLUSH_FORCED)
+        })?;
+        Ok(KernelCount {
+            kernels: KERNELS.swap(0, Ordering::AcqRel),
+            busy_ns: BUSY_NS.swap(0, Ordering::AcqRel),
+            dropped: DROPPED.swap(0, Ordering::AcqRel),
+            malformed: MALFORMED.swap(0, Ordering::AcqRel),
+        })
+    }
+}
+
+impl Drop for KernelCounter {
+    fn drop(&mut self) {
+        if let Ok(api) = api() {
+            // SAFETY: plain calls with a valid kind and flag; failures only mean records are
+            // lost, and counting is over.
+            unsafe {
+                let _ = (api.disable)(KIND_CONCURRENT_KERNEL);
+                let _ = (api.flush_all)(FLUSH_FORCED);
+            }
+        }
+        ON.store(false, Ordering::Release);
+    }
+}

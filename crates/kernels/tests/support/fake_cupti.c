@@ -1,0 +1,75 @@
+/* A stand-in for libcupti's activity API, for tests of kernels::profile::cupti without a GPU.
+ * `fake_run(n)` "runs" n kernels; the next cuptiActivityFlushAll writes their records (and
+ * one non-kernel record) into a buffer the client supplies and hands it back. `fake_mode`
+ * makes it misbehave the ways a real library could: records running past the valid bytes, a
+ * truncated kernel record, dropped records, an error from the iteration. */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef void (*req_t)(uint8_t **, size_t *, size_t *);
+typedef void (*done_t)(void *, uint32_t, uint8_t *, size_t, size_t);
+
+enum { REC = 64, MODE_OK = 0, MODE_PAST_END = 1, MODE_TRUNCATED = 2, MODE_DROPPED = 3, MODE_ERROR = 4 };
+
+static req_t req;
+static done_t done;
+static int enabled;
+static int pending;
+static int mode;
+static uint64_t clock_ns = 1000;
+
+void fake_run(int n) { if (enabled) pending += n; }
+void fake_mode(int m) { mode = m; }
+int fake_enabled(void) { return enabled; }
+
+int cuptiActivityRegisterCallbacks(req_t r, done_t d) { req = r; done = d; return 0; }
+int cuptiActivityEnable(uint32_t kind) { if (kind != 10) return 21; enabled = 1; return 0; }
+int cuptiActivityDisable(uint32_t kind) { (void)kind; enabled = 0; return 0; }
+
+static void put_u32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static void put_u64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+
+int cuptiActivityFlushAll(uint32_t flag) {
+    (void)flag;
+    if (!req || !done || pending == 0) return 0;
+    uint8_t *buf = NULL;
+    size_t size = 0, max = 0;
+    req(&buf, &size, &max);
+    if (!buf || size < (size_t)(pending + 1) * REC) return 1;
+    memset(buf, 0, (size_t)(pending + 1) * REC);
+    size_t valid = 0;
+    /* One memcpy record (kind 1) first: not a kernel. */
+    put_u32(buf, 1);
+    valid += REC;
+    for (int i = 0; i < pending; i++) {
+        uint8_t *r = buf + valid;
+        put_u32(r, 10);
+        put_u64(r + 16, clock_ns);
+        put_u64(r + 24, clock_ns + 250); /* every kernel 250 ns */
+        clock_ns += 1000;
+        valid += REC;
+    }
+    if (mode == MODE_TRUNCATED) valid -= REC - 20; /* the last kernel record cut to 20 bytes */
+    pending = 0;
+    done(NULL, 0, buf, size, valid);
+    return 0;
+}
+
+int cuptiActivityGetNextRecord(uint8_t *buf, size_t valid, uint8_t **rec) {
+    uint8_t *next = *rec ? *rec + REC : buf;
+    if (mode == MODE_ERROR && *rec) return 7;
+    if (mode == MODE_PAST_END && *rec) { /* claims a record past the valid bytes */
+        *rec = buf + valid + REC;
+        return 0;
+    }
+    if (next >= buf + valid) return 12;
+    *rec = next;
+    return 0;
+}
+
+int cuptiActivityGetNumDroppedRecords(void *ctx, uint32_t stream, size_t *dropped) {
+    (void)ctx; (void)stream;
+    *dropped = mode == MODE_DROPPED ? 5 : 0;
+    return 0;
+}
