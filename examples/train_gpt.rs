@@ -80,6 +80,8 @@
 
 #[path = "common/job.rs"]
 pub(crate) mod job;
+#[path = "common/kernel_count.rs"]
+mod kernel_count;
 #[path = "common/rank_device.rs"]
 mod rank_device;
 #[path = "common/text.rs"]
@@ -342,6 +344,12 @@ pub(crate) struct Args {
     /// H100's dense BF16); without it the MFU is null.
     #[arg(long)]
     peak_tflops: Option<f64>,
+    /// Count the GPU kernels of the run's last step with CUPTI (loaded at run time:
+    /// `$CDT_CUPTI_LIB` or `libcupti.so` on the loader's path); needs 2 or more steps, and adds
+    /// two device synchronisations around that step only. The summary's `kernels` says how
+    /// many and their summed GPU time, or why it could not count. CUDA only.
+    #[arg(long)]
+    count_kernels: bool,
     /// Op timeout in seconds (fractions allowed, e.g. 0.5 for a quick fault detection with
     /// --fault-tolerant).
     #[arg(long, default_value_t = 120.0)]
@@ -499,7 +507,14 @@ pub(crate) const SECTIONS: job::Sections = &[
     ),
     (
         "logging",
-        &["out", "json", "metrics", "log-every", "peak-tflops"],
+        &[
+            "out",
+            "json",
+            "metrics",
+            "log-every",
+            "peak-tflops",
+            "count-kernels",
+        ],
     ),
     (
         "check",
@@ -1364,6 +1379,13 @@ impl MetricsLog {
         if let Some(e) = &self.error {
             return Err(e.clone());
         }
+        for g in &report.gpu_phase_ms {
+            if let Some(r) = self.records.get_mut(&g.step) {
+                r["gpu_forward_ms"] = serde_json::json!(g.phase_ms[0]);
+                r["gpu_backward_ms"] = serde_json::json!(g.phase_ms[1]);
+                r["gpu_optimizer_ms"] = serde_json::json!(g.phase_ms[2]);
+            }
+        }
         for &(done, loss) in &report.eval_losses {
             let step = done.saturating_sub(1);
             if !self.records.contains_key(&step) {
@@ -1688,6 +1710,8 @@ struct Job {
     timeout: f64,
     fault: Option<Fault>,
     metrics: Option<Arc<std::sync::Mutex<MetricsLog>>>,
+    /// `--count-kernels`: rank 0 opens and closes the counting window.
+    kernels: Option<Arc<std::sync::Mutex<kernel_count::KernelWindow>>>,
 }
 
 /// What one rank does: build the mesh over `comm` and train.
@@ -1699,6 +1723,7 @@ fn train_on(
     job: Job,
 ) -> Result<RankReport, BoxErr> {
     let thread_rank = comm.backend_name() == "local";
+    let device = comm.device().clone();
     let d: Vec<(&str, usize)> = dims.iter().map(|(n, s)| (n.as_str(), *s)).collect();
     let mesh = DeviceMesh::new(comm, &d)?;
     let rank = mesh.rank();
@@ -1720,6 +1745,11 @@ fn train_on(
         }
         if let (0, Some(m)) = (rank, &job.metrics) {
             m.lock().unwrap_or_else(|e| e.into_inner()).on_step(info);
+        }
+        if let (0, Some(k)) = (rank, &job.kernels) {
+            k.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .on_step(info.step, &device);
         }
         inject(
             job.fault.as_ref(),
@@ -2443,6 +2473,9 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     if args.backend == "nccl" && !device.is_cuda() {
         return Err("--backend nccl needs --device cuda (one GPU per process)".into());
     }
+    if args.count_kernels && !device.is_cuda() {
+        return Err("--count-kernels needs --device cuda: the CPU runs no GPU kernels".into());
+    }
     if let Some(Fault {
         at: FaultAt::Collective(n),
         ..
@@ -2562,6 +2595,11 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     if let (Some(dir), true) = (&args.save_dir, writes_outputs) {
         write_run_record(dir, &cfg)?;
     }
+    let kernels = args.count_kernels.then(|| {
+        Arc::new(std::sync::Mutex::new(kernel_count::KernelWindow::new(
+            args.steps,
+        )))
+    });
     let bar = ProgressBar::new(args.steps as u64);
     if args.json {
         bar.set_draw_target(ProgressDrawTarget::hidden());
@@ -2583,6 +2621,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
             timeout: args.timeout,
             fault: fault_of_this_start(args.inject_fault),
             metrics: metrics.clone(),
+            kernels: kernels.clone(),
         },
         Some(bar.clone()),
     )?
@@ -2646,6 +2685,36 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     // synchronisations inside its collectives (the local backend's CUDA path synchronizes the
     // stream around each collective).
     summary["host_reads_per_step"] = serde_json::json!(report.host_reads);
+    // GPU time per phase (CUDA timing events on rank 0's stream; absent on the CPU), and the
+    // kernels per step with --count-kernels (CUPTI; every rank thread of this process).
+    if !report.gpu_phase_ms.is_empty() {
+        let col = |i: usize| {
+            report
+                .gpu_phase_ms
+                .iter()
+                .map(|g| g.phase_ms[i])
+                .collect::<Vec<_>>()
+        };
+        let step: Vec<f64> = report
+            .gpu_phase_ms
+            .iter()
+            .map(|g| g.phase_ms.iter().sum())
+            .collect();
+        summary["gpu_phases"] = serde_json::json!({
+            "steps": report.gpu_phase_ms.len(),
+            "gpu_forward_ms_median": median(&col(0)),
+            "gpu_backward_ms_median": median(&col(1)),
+            "gpu_optimizer_ms_median": median(&col(2)),
+            "gpu_step_ms_median": median(&step),
+        });
+    }
+    if let Some(k) = &kernels {
+        let in_process = if args.backend == "local" { world } else { 1 };
+        summary["kernels"] = k
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .summary(in_process);
+    }
     // The precision policy: asked for, run (tf32 on the CPU runs f32, and says why), the
     // GEMMs' dtype and the gradient reduction's (f32 master weights: f32 under every policy;
     // with --mixed-precision FSDP still reduce-scatters in f32).
@@ -2746,6 +2815,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
                 timeout: args.timeout,
                 fault: None,
                 metrics: None,
+                kernels: None,
             },
             None,
         )?

@@ -34,11 +34,14 @@
 #   c10     train_gpt pipelined over pp=2 with the zero-bubble ZB-V schedule (rank threads on the
 #           GPU; on CUDA the linears become region nodes only under a split backward) --check
 #           against the CPU like c1-c3
+#   c11     train_gpt --preset small --count-kernels on one GPU: passes only with a kernel count
+#           of the last step (CUPTI, `kernels_per_step` > 0) and GPU phase times from CUDA
+#           events (`gpu_step_ms_median`); the figures go into the table
 #   e1, e2  train_llama --check: candle-transformers' llama under FSDP, and the candle-nn llama
 #           under FSDP x TP (2x2), rank threads on the GPU, losses and gradients vs the CPU
 #   d       (optional) nccl_bench: all_gather / all_reduce sweep with algbw/busbw like nccl-tests
 #
-# CDT_GPU_CHECK_DEVICE (default cuda) is the --device of c0-c3, c5-c9, e1 and e2 (`cpu` dry-runs the
+# CDT_GPU_CHECK_DEVICE (default cuda) is the --device of c0-c3, c5-c11, e1 and e2 (`cpu` dry-runs the
 # script's own plumbing on a machine whose nvidia-smi is faked; the GPU-only binaries a CPU build
 # lacks then FAIL by name. tests/gpu_check_script.rs dry-runs it with fake binaries).
 # Writes $CDT_GPU_LOG_DIR (default target/gpu_check/): one log per step, gpu_check.json (one
@@ -259,6 +262,33 @@ check_tol=2e-2 train_step c8 60 c8_train_bf16.log tp=1 --device "$dev" --no-fsdp
 check_tol=2e-3 train_step c9 60 c9_train_tf32.log dp=2 --device "$dev" --steps 10 --precision tf32 --check --check-device cpu --check-tol 2e-3
 # A zero-bubble pipeline: the split backward's region linears, deferred dW and the V's turn.
 train_step c10 60 c10_train_pp_zbv.log pp=2 --layers 4 --microbatches 4 --pp-schedule zb-v --pp-chunks 2 --device "$dev" --steps 6 --check --check-device cpu --check-tol "$check_tol"
+# Counted, not estimated: the kernels of one step (CUPTI) and the GPU time of its phases.
+count_step() { # id limit log
+    local id="$1" limit="$2" log="$3" rc=0 tg
+    tg="$(exe train_gpt)"
+    if [[ ! -x "$tg" ]]; then
+        add_row "$id" FAIL 0 "required binary missing: train_gpt (not in $bin)"
+        return
+    fi
+    step "$id" "$limit" "$log" "$tg" --mesh tp=1 --no-fsdp --preset small --device "$dev" --steps 8 \
+        --count-kernels --json || rc=$?
+    local f="$logdir/$log" k kms gms problems=()
+    k="$(num "$f" kernels_per_step)"
+    kms="$(num "$f" kernel_ms_per_step)"
+    gms="$(num "$f" gpu_step_ms_median)"
+    ((rc == 0)) || problems+=("exit $rc; $(grep -E 'error|panick' "$f" | head -n 1 | cut -c1-80)")
+    if ! is_num "$k" || ! awk -v k="$k" 'BEGIN { exit !(k > 0) }'; then
+        problems+=("no kernel count: $(grep '^{' "$f" | tail -n 1 | grep -o '"kernels":{[^}]*}' | cut -c1-100)")
+    fi
+    is_num "$gms" || problems+=("gpu_step_ms_median missing")
+    local figures="\"kernels_per_step\":${k:-null},\"kernel_ms_per_step\":${kms:-null},\"gpu_step_ms_median\":${gms:-null}"
+    if ((${#problems[@]})); then
+        add_row "$id" FAIL "$last_secs" "$(IFS=';'; echo "${problems[*]}")" "$figures"
+        return
+    fi
+    add_row "$id" PASS "$last_secs" "small: $k kernels in a step ($kms ms of kernels), GPU step $gms ms" "$figures"
+}
+count_step c11 60 c11_count_kernels.log
 # Bring your own candle model: candle-transformers' llama through FsdpVarMap, and the candle-nn
 # llama with the drop-ins under FSDP x TP, each against one device on the CPU.
 run_step e1 'check vs one device' 60 e1_llama_transformers.log "$(exe train_llama)" \

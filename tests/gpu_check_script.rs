@@ -30,10 +30,19 @@ esac
 
 /// A fake train_gpt: its JSON summary as the real one prints it; `FAKE_TG` picks a fault for
 /// the `--check` runs (`nofigure`: no max_rel_loss_diff; `nullfigure`: null; `exit1`: a figure
-/// within tolerance but exit status 1, the real binary's failed check).
-const TRAIN_GPT: &str = r#"check=0
-for a in "$@"; do [ "$a" = --check ] && check=1; done
+/// within tolerance but exit status 1, the real binary's failed check) or for `--count-kernels`
+/// (`nokernels`: the counter's error instead of a count).
+const TRAIN_GPT: &str = r#"check=0 count=0
+for a in "$@"; do [ "$a" = --check ] && check=1; [ "$a" = --count-kernels ] && count=1; done
 echo "train_gpt: some log line on stderr" >&2
+if [ "$count" = 1 ]; then
+  if [ "${FAKE_TG:-good}" = nokernels ]; then
+    echo '{"final_loss":5.25,"gpu_phases":{"gpu_step_ms_median":1.25,"steps":8},"kernels":{"error":"kernel counting: cannot load CUPTI"},"step_ms_median":1.5,"tokens_per_s":1000.0}'
+  else
+    echo '{"final_loss":5.25,"gpu_phases":{"gpu_step_ms_median":1.25,"steps":8},"kernels":{"kernel_ms_per_step":1.1,"kernels_per_step":321,"step":7},"step_ms_median":1.5,"tokens_per_s":1000.0}'
+  fi
+  exit 0
+fi
 if [ "$check" = 0 ]; then
   echo '{"final_loss":5.25,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":null}'
   exit 0
@@ -163,10 +172,11 @@ fn gpu_check_passes_only_with_every_required_binary_and_figure() {
     assert_eq!(good.code, Some(0), "{}", good.out);
     for id in [
         "libs", "a1", "a2", "b", "k", "c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7", "c8", "c9",
-        "c10", "e1", "e2", "d",
+        "c10", "c11", "e1", "e2", "d",
     ] {
         assert_row(&good, id, "PASS", "");
     }
+    assert_row(&good, "c11", "PASS", "321 kernels in a step");
     assert_row(&good, "c1", "PASS", "max rel loss diff vs CPU 8.9e-8");
     let json = std::fs::read_to_string(dir.path("logs-good/gpu_check.json")).unwrap();
     assert!(
@@ -184,6 +194,12 @@ fn gpu_check_passes_only_with_every_required_binary_and_figure() {
         // The steps without --check need no such figure.
         assert_row(&r, "c0", "PASS", "");
     }
+
+    // No kernel count (CUPTI missing on the GPU machine): c11 fails, naming why.
+    let r = gpu_check(&dir, &bin, "nokernels");
+    assert_eq!(r.code, Some(1), "{}", r.out);
+    assert_row(&r, "c11", "FAIL", "cannot load CUPTI");
+    assert_row(&r, "c0", "PASS", "");
 
     // train_gpt's own check failed (exit 1), whatever figure it printed.
     let r = gpu_check(&dir, &bin, "exit1");

@@ -57,3 +57,48 @@ fn one_host_read_per_step_without_fsdp_and_one_more_for_fsdp_flags() {
         assert_eq!(reads(&out, extra), vec![want; 3], "{extra:?}");
     }
 }
+
+/// The GPU-side counters of issue 33 item 4 on the CPU: no GPU phase times and no kernel
+/// counting (which refuses the CPU before training, by name), never made-up figures.
+#[test]
+fn gpu_counters_are_absent_or_refused_on_the_cpu() {
+    let out = Scratch::new("gpu_counters");
+    let prefix = out.0.join("run");
+    let args = |extra: &[&str]| -> Vec<OsString> {
+        [
+            "train_gpt",
+            "--steps",
+            "3",
+            "--json",
+            "--mesh",
+            "tp=1",
+            "--no-fsdp",
+        ]
+        .iter()
+        .copied()
+        .chain(["--out", prefix.to_str().unwrap()])
+        .chain(extra.iter().copied())
+        .map(OsString::from)
+        .collect()
+    };
+    let _one = RUN.lock().unwrap_or_else(|e| e.into_inner());
+    let a = train_gpt::parse_args(args(&["--count-kernels"])).expect("the flag parses");
+    match train_gpt::real_main(&a) {
+        Err(train_gpt::Failure::Error(e)) => assert!(
+            e.contains("--count-kernels needs --device cuda"),
+            "unexpected error: {e}"
+        ),
+        Err(train_gpt::Failure::Check(c)) => panic!("a check failure: {c:?}"),
+        Ok(s) => panic!("--count-kernels ran on the CPU: {s:?}"),
+    }
+    let a = train_gpt::parse_args(args(&[])).expect("parses");
+    let s = train_gpt::real_main(&a)
+        .expect("trains")
+        .expect("a summary");
+    assert!(s.get("gpu_phases").is_none(), "GPU times on the CPU: {s}");
+    assert!(
+        s.get("kernels").is_none(),
+        "a kernel count without the flag: {s}"
+    );
+    assert!(s["final_loss"].as_f64().is_some_and(f64::is_finite), "{s}");
+}

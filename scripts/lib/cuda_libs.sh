@@ -3,9 +3,10 @@
 #
 #   cdt_cuda_libs LIBDIR BINDIR PYTHON
 #
-# Links each of libcuda, libnccl, libcublas, libcublasLt, libcurand, libnvrtc and libcudart
-# under its unversioned name in LIBDIR (cudarc's loader asks for e.g. `libnccl.so`), searching
-# $CDT_CUDA_LIB_DIRS, $CUDA_HOME/lib64, the usual system directories and the `nvidia/*/lib`
+# Links each of libcuda, libnccl, libcublas, libcublasLt, libcurand, libnvrtc, libcudart and
+# libcupti (optional: `train_gpt --count-kernels` loads it at run time) under its unversioned
+# name in LIBDIR (cudarc's loader asks for e.g. `libnccl.so`), searching $CDT_CUDA_LIB_DIRS,
+# $CUDA_HOME/lib64, CUPTI's extras/CUPTI/lib64, the usual system directories and the `nvidia/*/lib`
 # directories of PYTHON's pip wheels (PYTHON may be empty: no wheel search). Sets `cuda_lib_path`
 # to LIBDIR, BINDIR when it carries a libcudart (scripts/build_gpu.sh ships the runtime the
 # binaries were linked with), and every directory a library was found in, `:`-joined without
@@ -15,6 +16,7 @@ cdt_cuda_libs() {
     local search=() extra=() found=()
     IFS=: read -r -a extra <<< "${CDT_CUDA_LIB_DIRS:-}"
     search+=("${extra[@]}" "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64
+             "${CUDA_HOME:-/usr/local/cuda}/extras/CUPTI/lib64" /usr/local/cuda/extras/CUPTI/lib64
              /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib)
     if [[ -n "$py" ]]; then
         while IFS= read -r d; do [[ -n "$d" ]] && search+=("$d"); done < <("$py" -c '
@@ -24,7 +26,7 @@ for r in roots:
     for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))):
         print(d)' 2>/dev/null || true)
     fi
-    for lib in cuda nccl cublas cublasLt curand nvrtc cudart; do
+    for lib in cuda nccl cublas cublasLt curand nvrtc cudart cupti; do
         for d in "${search[@]}"; do
             [[ -d "$d" ]] || continue
             f="$(ls -1 "$d"/lib"$lib".so "$d"/lib"$lib".so.[0-9]* 2>/dev/null | head -n 1 || true)"

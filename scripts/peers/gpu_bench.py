@@ -20,7 +20,10 @@ the summary's `step_ms` list when train_gpt has one, otherwise `step_ms_median` 
 warm-up included, recorded as such). Peak memory: on CUDA the device's memory.used sampled by
 nvidia-smi every --mem-interval seconds above its idle value before the run (the same for both
 sides; it includes the CUDA context and caching pools), plus the twin's own
-torch.cuda.max_memory_allocated; on the CPU the peak resident set of the process.
+torch.cuda.max_memory_allocated; on the CPU the peak resident set of the process. Kernel
+launches: both sides count the GPU kernels of their last step under CUPTI (train_gpt
+--count-kernels; the twin's torch.profiler), so only that one of the measured steps carries
+CUPTI's cost. GPU time: ours from CUDA events around its phases, the twin's around its step.
 """
 
 import argparse
@@ -278,6 +281,8 @@ class Bench:
                 return rec
             if a.ours_log_every > 0:
                 cmd += ["--metrics", os.path.join(self.logs, rid + ".metrics.jsonl")]
+            if a.count_kernels and has_flag(self.ours_help, "--count-kernels"):
+                cmd.append("--count-kernels")
             env = self.ours_env
         else:
             cmd = [a.python, os.path.join(HERE, "train_gpt_torch.py"), "--preset", preset, "--batch", str(batch),
@@ -287,6 +292,8 @@ class Bench:
                    "--quiet"]
             if side == "compile":
                 cmd.append("--compile")
+            if a.count_kernels:
+                cmd.append("--count-kernels")
             env = None
         rec["command"] = cmd
         rec["log"] = os.path.relpath(err, a.out)
@@ -323,6 +330,13 @@ class Bench:
         # The whole summary (its phase split, precision and whatever counters this train_gpt
         # reports, e.g. host syncs and kernel launches per step), long per-step lists left out.
         rec["ours_summary"] = {k: v for k, v in s.items() if not (isinstance(v, list) and len(v) > 64)}
+        # Kernels of the last step (--count-kernels, CUPTI), GPU time per step (CUDA events
+        # around the phases, median), host reads per step (median).
+        rec["kernels"] = s.get("kernels")
+        rec["gpu_step_ms_median"] = (s.get("gpu_phases") or {}).get("gpu_step_ms_median")
+        reads = s.get("host_reads_per_step")
+        if isinstance(reads, list) and reads:
+            rec["host_reads_per_step"] = sorted(reads)[len(reads) // 2]
         steps = a.warmup + a.steps
         if a.ours_log_every > 0:
             m = read_metrics(os.path.join(self.logs, rec["id"] + ".metrics.jsonl"))
@@ -358,6 +372,8 @@ class Bench:
         rec["step_ms_all"] = s.get("step_ms_all")
         rec["step_ms_measured"] = (s.get("step_ms_all") or [])[self.a.warmup:]
         rec["gpu_step_ms"] = s.get("gpu_step_ms")
+        rec["gpu_step_ms_median"] = (s.get("gpu_step_ms") or {}).get("median")
+        rec["kernels"] = s.get("kernels")
         rec["torch_peak_memory"] = s.get("peak_memory")
         rec["torch"] = s.get("torch")
         if rec["side"] == "compile" and rec["step_ms_all"]:
@@ -544,6 +560,9 @@ def main(argv=None):
     p.add_argument("--ours-log-every", type=int, default=1)
     p.add_argument("--ours-ld-library-path", default=os.environ.get("CDT_OURS_LD_LIBRARY_PATH", ""))
     p.add_argument("--mem-interval", type=float, default=1.0)
+    p.add_argument("--no-count-kernels", dest="count_kernels", action="store_false",
+                   help="do not count the last step's kernels (train_gpt --count-kernels, the twin's "
+                        "torch.profiler): by default both sides count, under CUPTI, in their last step only")
     p.add_argument("--gemm-size", type=int, help="N of the N^3 GEMMs (default 8192 on CUDA, 512 on the CPU)")
     p.add_argument("--gemm-iters", type=int, default=40)
     p.add_argument("--no-gemm", action="store_true")

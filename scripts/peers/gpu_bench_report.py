@@ -133,6 +133,29 @@ def cell(side_entry, what):
     raise ValueError(what)
 
 
+def device_cell(side_entry, what):
+    """GPU time, kernel counts and host reads of a run (recorded by gpu_bench.py; "-" when the
+    run has no such figure, with the counter's error when counting failed)."""
+    if side_entry is None:
+        return "not run"
+    run, _ = side_entry
+    if what == "gpu":
+        v = run.get("gpu_step_ms_median")
+        return f"{v:.1f}" if finite(v) else "-"
+    if what == "reads":
+        v = run.get("host_reads_per_step")
+        return str(v) if v is not None else "-"
+    k = run.get("kernels")
+    if not isinstance(k, dict):
+        return "-"
+    if "error" in k:
+        return "error: " + str(k["error"])[:60]
+    v = k.get("kernels_per_step" if what == "kernels" else "kernel_ms_per_step")
+    if not finite(v):
+        return "-"
+    return f"{v:.0f}" if what == "kernels" else f"{v:.1f}"
+
+
 def shape_of(sides):
     run = next(iter(sides.values()))[0]
     return f"{run.get('batch')} x {run.get('seq_len')}"
@@ -223,6 +246,15 @@ def markdown(doc):
     for (preset, prec), sides in rows.items():
         e = [sides.get(s) for s in SIDES]
         lines.append(f"| {preset} | {prec} | " + " | ".join(cell(x, w) for w in ("tps", "mfu", "mem") for x in e) + " |")
+    lines.append("")
+    lines.append("| preset | precision | GPU ms per step: ours | eager | compile | kernels in a step: ours "
+                 "| eager | compile | kernel ms in a step: ours | eager | compile | host reads per step: ours |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for (preset, prec), sides in rows.items():
+        e = [sides.get(s) for s in SIDES]
+        lines.append(f"| {preset} | {prec} | " + " | ".join(device_cell(x, w) for w in ("gpu", "kernels", "kernel_ms")
+                                                         for x in e)
+                     + f" | {device_cell(e[0], 'reads')} |")
     failed = [r for r in doc.get("runs", []) if r.get("status") != "ok"]
     if failed:
         lines.append("")

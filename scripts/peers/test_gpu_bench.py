@@ -114,6 +114,22 @@ class Report(unittest.TestCase):
         self.assertEqual(rep.table(d)[("gpt2", "bf16")]["eager"][1]["mfu"], None)
         self.assertEqual(verdicts(d)["gpt2 bf16: tokens/s >= PyTorch eager"], "not measured")
 
+    def test_gpu_time_kernels_and_host_reads(self):
+        ours = run("small", "bf16", "ours", [10.0] * 5)
+        ours.update(gpu_step_ms_median=8.5, host_reads_per_step=1,
+                    kernels={"kernels_per_step": 412, "kernel_ms_per_step": 7.25})
+        eager = run("small", "bf16", "eager", [9.0] * 5)
+        eager.update(gpu_step_ms_median=8.0, kernels={"error": "--count-kernels needs CUDA"})
+        md = rep.markdown(doc([ours, eager]))
+        row = next(l for l in md.splitlines() if l.startswith("| small | bf16 | 8.5 |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        # preset, precision, GPU ms x3, kernels x3, kernel ms x3, host reads.
+        self.assertEqual(cells[2:5], ["8.5", "8.0", "not run"])
+        self.assertEqual(cells[5], "412")
+        self.assertTrue(cells[6].startswith("error: --count-kernels needs CUDA"), cells[6])
+        self.assertEqual(cells[8], "7.2")
+        self.assertEqual(cells[11], "1")
+
     def test_real_text(self):
         real = {"status": "ok", "steps": 500, "batch": 64, "seq_len": 256, "precision": "f32",
                 "text_bytes": 5057198, "wall_s": {"ours": 60.0, "twin": 30.0}, "max_rel_diff_eval": 0.01,

@@ -421,6 +421,9 @@ def parse_args(argv=None):
                         "allocator and cuBLAS warm-up); every step's time is still in step_ms_all")
     a.add_argument("--fingerprint", action="store_true",
                    help="also report Corpus::fingerprint of the training tokens (slow in Python)")
+    a.add_argument("--count-kernels", action="store_true",
+                   help="count the GPU kernels of the last step (torch.profiler, CUPTI underneath; "
+                        "needs --steps >= 2 and CUDA), as train_gpt --count-kernels does")
     a.add_argument("--quiet", action="store_true")
     return a.parse_args(argv)
 
@@ -442,6 +445,20 @@ def model_config(args):
     if cfg["heads"] <= 0 or cfg["width"] % cfg["heads"]:
         sys.exit(f"width {cfg['width']} is not divisible by {cfg['heads']} heads")
     return cfg
+
+
+def count_kernels(prof, torch):
+    """The GPU kernels in a finished torch.profiler run (its CUDA-device events less the
+    memory copies and sets), and their summed time, as train_gpt --count-kernels reports them."""
+    n, busy_us = 0, 0.0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if e.name.startswith(("Memcpy", "Memset")):
+            continue
+        n += 1
+        busy_us += e.time_range.elapsed_us()
+    return {"kernels_per_step": n, "kernel_ms_per_step": busy_us / 1e3, "source": "torch.profiler"}
 
 
 def main(argv=None):
@@ -527,9 +544,20 @@ def main(argv=None):
     events = []  # (start, end) CUDA events per step: the device's time of each step
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
+    kernels = None
+    if args.count_kernels and not cuda:
+        kernels = {"error": "--count-kernels needs CUDA: the CPU runs no GPU kernels"}
+    elif args.count_kernels and args.steps < 2:
+        kernels = {"error": "--count-kernels counts the last step after at least one other: --steps >= 2"}
+    prof = None
     sync()
     t_start = time.perf_counter()
     for step in range(args.steps):
+        if kernels is None and args.count_kernels and step == args.steps - 1:
+            # Only the last step runs under the profiler, after everything before finished.
+            sync()
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
         t0 = time.perf_counter()
         if cuda:
             events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
@@ -554,6 +582,11 @@ def main(argv=None):
             events[-1][1].record()
         value = float(loss.item())  # synchronizes
         step_ms.append((time.perf_counter() - t0) * 1e3)
+        if prof is not None:
+            sync()
+            prof.__exit__(None, None, None)
+            kernels = count_kernels(prof, torch)
+            prof = None
         losses.append(value)
         lrs.append(lr)
         done = step + 1
@@ -614,6 +647,8 @@ def main(argv=None):
         "tokens_per_s": (bsz * seq) / (stats["median"] / 1e3) if stats["median"] else None,
         "peak_memory": peak,
         "peak_rss_bytes": peak_rss_bytes(),
+        # --count-kernels: the last step's GPU kernels (null without the flag).
+        "kernels": kernels,
     }
     if args.fingerprint:
         summary["train_fingerprint"] = str(fingerprint(train, data_vocab))
