@@ -235,6 +235,100 @@ fn comm_cases(c: &Comm, dev: &Device, log: &Log) {
     });
 }
 
+/// The cross-stream ordering of the local CUDA path (`CDT_LOCAL_CUDA_ORDER`): inputs whose
+/// producing kernels are still queued when the op is issued, an input overwritten the moment
+/// the wait returns, and works dropped unwaited while their kernels may still run, each on
+/// 16 MiB per rank so the kernels take long enough for a missing order to show.
+fn ordering_cases(c: &Comm, dev: &Device, log: &Log) {
+    let (n, me) = (c.size(), c.rank());
+    let len = 1 << 22;
+    let cpu = Device::Cpu;
+    let sum_of = |len: usize| -> R<Tensor> {
+        let mut acc = vec![0f32; len];
+        for r in 0..n {
+            for (a, v) in acc.iter_mut().zip(vals(r, len)) {
+                *a += v;
+            }
+        }
+        Ok(Tensor::new(acc, &cpu)?)
+    };
+    // `vals` times 2 then halved, 20 times: exact, and 40 kernels still queued at the issue.
+    let produced = |r: usize| -> R<Tensor> {
+        let mut x = Tensor::new(vals(r, len), dev)?;
+        for _ in 0..20 {
+            x = ((x * 2.0)? * 0.5)?;
+        }
+        Ok(x)
+    };
+    case(
+        log,
+        me,
+        "comm",
+        "ordering: inputs still being produced",
+        || {
+            let y = c.all_reduce(&produced(me)?, ReduceOp::Sum)?.wait()?;
+            expect(
+                "all_reduce of just-produced inputs",
+                &y,
+                &sum_of(len)?,
+                1e-4,
+            )?;
+            let y = c
+                .reduce_scatter_single(&produced(me)?, ReduceOp::Sum)?
+                .wait()?;
+            let chunk = len / n;
+            expect(
+                "reduce_scatter of just-produced inputs",
+                &y,
+                &sum_of(len)?.narrow(0, me * chunk, chunk)?,
+                1e-4,
+            )
+        },
+    );
+    case(
+        log,
+        me,
+        "comm",
+        "ordering: input overwritten after the wait",
+        || {
+            let want = sum_of(len)?;
+            for _ in 0..3 {
+                let x = produced(me)?;
+                let y = c.all_reduce(&x, ReduceOp::Sum)?.wait()?;
+                // Peers must have read x before this write lands.
+                x.slice_set(&Tensor::zeros(len, DType::F32, dev)?, 0, 0)?;
+                expect("all_reduce, then its input zeroed", &y, &want, 1e-4)?;
+            }
+            // In place: the output aliases the input and is written after every read.
+            let x = produced(me)?;
+            c.all_reduce_into(&x, &x, ReduceOp::Sum)?.wait()?;
+            expect("all_reduce_into in place", &x, &want, 1e-4)
+        },
+    );
+    case(
+        log,
+        me,
+        "comm",
+        "ordering: works dropped without waiting",
+        || {
+            for _ in 0..4 {
+                // Results and inputs released while their kernels may run; their memory must not
+                // be reused under them.
+                drop(c.all_reduce(&produced(me)?, ReduceOp::Sum)?);
+                drop(c.all_gather_single(&produced(me)?.narrow(0, 0, 1 << 16)?)?);
+            }
+            let ones = Tensor::ones(len, DType::F32, dev)?;
+            let y = c.all_reduce(&ones, ReduceOp::Sum)?.wait()?;
+            expect(
+                "all_reduce after dropped works",
+                &y,
+                &Tensor::full(n as f32, len, &cpu)?,
+                0.0,
+            )
+        },
+    );
+}
+
 fn dtensor_cases(c: &Comm, dev: &Device, log: &Log) {
     let me = c.rank();
     let x = Tensor::arange(0f32, 48., &Device::Cpu)
@@ -325,6 +419,7 @@ fn run(args: &Args) -> R<bool> {
                 .with_bootstrap_timeout(t);
             let c = new_comm("local", &dev, "cuda", options)?;
             comm_cases(&c, &dev, &log);
+            ordering_cases(&c, &dev, &log);
             dtensor_cases(&c, &dev, &log);
             Ok(())
         })?;

@@ -14,8 +14,9 @@
 #   libs    every binary's shared libraries resolve (ldd)
 #   a1      nccl_check: every collective of the nccl backend, a world of one, no launcher
 #   a2      dtrun --nproc <GPUs> -- nccl_check (one rank per GPU; --nproc 1 on a single GPU)
-#   b       nccl_local_cuda: the local backend with 4 rank threads on the GPUs, collectives and
-#           DTensor matmuls against one device
+#   b, b2   nccl_local_cuda: the local backend with 4 rank threads on the GPUs, collectives and
+#           DTensor matmuls against one device; b orders the GPU work by events (the default),
+#           b2 by synchronizing (CDT_LOCAL_CUDA_ORDER=sync, the first protocol)
 #   k       kernels_cuda_fused (the test binary of crates/kernels/tests/cuda_fused.rs): every
 #           fused CUDA kernel against its CPU reference composition, forward and backward, f32
 #           and bf16, uneven and empty shapes, bad input. Passes only on its summary line
@@ -244,6 +245,9 @@ run_step a1 'nccl_check:' 60 a1_nccl_check.log "$(exe nccl_check)" --timeout 60
 run_step a2 'nccl_check:' 70 a2_nccl_check_dtrun.log "$(exe dtrun)" --nproc "$ngpu" --timeout 65 -- \
     "$(exe nccl_check)" --timeout 60
 run_step b 'nccl_local_cuda:' 70 b_local_cuda.log "$(exe nccl_local_cuda)" --ranks 4 --timeout 60
+# The same under the first protocol (the issuer and each rank synchronize): b alone failing
+# points at the event ordering (CDT_LOCAL_CUDA_ORDER, comm-local/src/order.rs).
+CDT_LOCAL_CUDA_ORDER=sync run_step b2 'nccl_local_cuda:' 70 b2_local_cuda_sync.log "$(exe nccl_local_cuda)" --ranks 4 --timeout 60
 # The fused CUDA kernels against their CPU references (a libtest binary: one test, its lines
 # printed with --nocapture).
 run_step k 'cuda_fused: [0-9]+ checks passed' 180 k_cuda_fused.log "$(exe kernels_cuda_fused)" \

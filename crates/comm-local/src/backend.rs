@@ -37,6 +37,10 @@ pub(crate) struct Exec<'a> {
     pub coll: u64,
     pub ctx: &'a OpCtx,
     pub deadline: Instant,
+    /// CUDA, ordered by events: the event the issuing thread recorded on its stream when it
+    /// queued the op (its inputs are complete after it; `cuda.rs`).
+    #[cfg(feature = "cuda")]
+    pub ready: Option<Arc<candle_core::cuda_backend::cudarc::driver::CudaEvent>>,
 }
 
 impl Exec<'_> {
@@ -81,6 +85,9 @@ pub(crate) struct Core {
     link: std::sync::OnceLock<Arc<candle_dtensor_comm_core::link::Link>>,
     /// Agreements and shrinks started on this communicator (their instance numbers).
     ft_seq: AtomicU64,
+    /// CUDA ranks: the tensors of ops whose GPU work may still run (`cuda::Retirement`).
+    #[cfg(feature = "cuda")]
+    pub(crate) retired: Arc<super::cuda::Retirement>,
 }
 
 /// One rank of a local communicator.
@@ -117,6 +124,8 @@ impl LocalBackend {
                 queue,
                 link: std::sync::OnceLock::new(),
                 ft_seq: AtomicU64::new(0),
+                #[cfg(feature = "cuda")]
+                retired: Arc::default(),
             }),
         }))
     }
@@ -203,14 +212,14 @@ impl Core {
         collective: bool,
         body: impl FnOnce(&Exec) -> Result<T> + Send + 'static,
     ) -> Result<Work<T>> {
+        // candle's stream is per thread: the op runs on another thread (the progress thread),
+        // which must see the issuer's work producing the inputs complete (`cuda::issue`).
         #[cfg(feature = "cuda")]
-        if self.device.is_cuda() {
-            // candle's stream is per thread: the op runs on another thread (the progress
-            // thread), so the issuer's work producing the inputs must be complete first.
-            self.device
-                .synchronize()
-                .map_err(|e| CommError::candle(&ctx, e))?;
-        }
+        let ready = if self.device.is_cuda() {
+            super::cuda::issue(&ctx, &self.device)?
+        } else {
+            None
+        };
         let (group, rank) = (self.group.clone(), self.rank);
         let on_panic_group = group.clone();
         self.queue.submit(
@@ -223,6 +232,8 @@ impl Core {
                     coll,
                     ctx,
                     deadline: Instant::now() + ctx.timeout,
+                    #[cfg(feature = "cuda")]
+                    ready,
                 })
             },
             move |ctx, _, reason| {
@@ -671,8 +682,7 @@ fn batch_p2p(e: &Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
     for op in &ops {
         if let P2POp::Send { tensor, peer } = op {
             let copy = detached_copy(tensor).map_err(view_err(ctx))?;
-            e.group
-                .post_message(e.rank, *peer, Message { tensor: copy });
+            e.group.post_message(e.rank, *peer, Message::new(copy));
         }
     }
     for op in ops {
@@ -693,7 +703,7 @@ fn batch_p2p(e: &Exec, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
 /// The nccl-tests size S of `op` for the link model: the gathered output of all_gather and
 /// gather, the rows sent by all_to_all_v_rows, the input otherwise; `None` for the ops the
 /// model does not pace (a scatter's size is known on its root only).
-fn link_size(op: &Collective, n: usize) -> Option<usize> {
+pub(crate) fn link_size(op: &Collective, n: usize) -> Option<usize> {
     let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
     match op {
         Collective::AllReduce { input, .. }
@@ -713,14 +723,8 @@ fn link_size(op: &Collective, n: usize) -> Option<usize> {
     }
 }
 
-/// Runs `op` on the progress thread: this module's bodies, or `cuda`'s when the rank's
-/// tensors live on a CUDA device.
-fn run(e: &Exec, op: Collective, device: &Device) -> Result<CollectiveOutput> {
-    #[cfg(feature = "cuda")]
-    if device.is_cuda() {
-        return super::cuda::run(e, op, device);
-    }
-    let _ = device;
+/// Runs `op` on the progress thread (CPU tensors; CUDA ranks queue through `cuda::submit`).
+fn run(e: &Exec, op: Collective) -> Result<CollectiveOutput> {
     Ok(match op {
         Collective::AllReduce { input, op, output } => all_reduce(e, input, op, output)?.into(),
         Collective::AllGather { input, output } => all_gather(e, input, output)?.into(),
@@ -782,15 +786,15 @@ impl Backend for LocalBackend {
         } else {
             op.gather_rows(&ctx)?
         };
-        let device = self.core.device.clone();
+        #[cfg(feature = "cuda")]
+        if self.core.device.is_cuda() {
+            return super::cuda::submit(&self.core, ctx, op);
+        }
         match link_size(&op, self.core.group.size()) {
-            Some(bytes) => self
-                .core
-                .submit_paced(ctx, bytes, move |e| run(e, op, &device)),
+            Some(bytes) => self.core.submit_paced(ctx, bytes, move |e| run(e, op)),
             None => {
                 let collective = !matches!(op, Collective::BatchP2p { .. });
-                self.core
-                    .submit(ctx, collective, move |e| run(e, op, &device))
+                self.core.submit(ctx, collective, move |e| run(e, op))
             }
         }
     }

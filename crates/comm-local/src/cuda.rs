@@ -3,22 +3,44 @@
 //! reductions on the GPU).
 //!
 //! The slot protocol is the CPU one (`group.rs`: arrive with a descriptor, read the peers'
-//! posts, depart), with the synchronization CUDA needs because candle's default stream is per
-//! thread: the issuing thread synchronizes its stream before queuing the op (so its input is
-//! complete when a peer reads it, `Core::submit`), each rank synchronizes its own stream after
-//! computing its result (so it has finished reading its peers' inputs), and every rank departs
-//! only when all have (so no rank returns, and lets its caller change or free its input, while a
-//! peer still reads it). Results are fresh tensors; an `*_into` output is written after the
-//! departure, so it may alias the input. Reductions run in rank order, half types in `f32`,
-//! `avg` divides once at the end, as on the CPU (NaN propagation in `max`/`min` follows candle's
-//! CUDA kernels).
+//! posts, depart), with the ordering CUDA needs because candle's default stream is per thread:
+//! the issuer's stream, its progress thread's and every peer's progress thread's are different
+//! streams. Two protocols (`order.rs`, `CDT_LOCAL_CUDA_ORDER`):
+//!
+//! - **events** (default), no host synchronisation:
+//!   1. the issuing thread records an event on its stream when it queues the op (`issue`);
+//!   2. each progress thread posts it with its input; after the arrival its stream waits on
+//!      every rank's event (inputs complete), then computes;
+//!   3. it records an event after its reads, the ranks exchange those in a second rendezvous
+//!      (`Group::arrive_late`), and its stream waits on all of them, so nothing it does later
+//!      (an `*_into` write that may alias its input, a release) precedes a peer's read;
+//!   4. it records the op's final event; the caller's stream waits on it in `Work::wait`, so
+//!      the caller's next use (or change) of the input or result follows every read and write;
+//!   5. every tensor the op touched (all posts, the result) stays referenced in the rank's
+//!      [`Retirement`] until that final event has completed on the GPU (checked without
+//!      waiting before each op and after each wait), so no release, by whichever thread drops
+//!      the last reference, can free memory a queued kernel still reads or writes.
+//! - **sync**, the first protocol: the issuer synchronizes its stream before queuing, each
+//!   progress thread synchronizes after computing, and every rank departs only when all have.
+//!
+//! Results are fresh tensors; an `*_into` output is written after every rank's reads, so it
+//! may alias the input. Reductions run in rank order, half types in `f32`, `avg` divides once
+//! at the end, as on the CPU (NaN propagation in `max`/`min` follows candle's CUDA kernels).
+//! Reading a peer's tensor copies only the elements of its view (`on`), never the whole
+//! storage behind a narrowed view.
 
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream, DriverError};
 use candle_core::{DType, Device, Shape, Tensor};
 
-use super::backend::{barrier, Exec};
+use super::backend::{barrier, link_size, Core, Exec};
 use super::group::{Message, Post};
+use super::order::CudaOrder;
 use candle_dtensor_comm_core::kit::desc::{check_recv, OpDesc, ShapeRule};
-use candle_dtensor_comm_core::{Collective, CollectiveOutput};
+use candle_dtensor_comm_core::{Collective, CollectiveOutput, Work};
 use candle_dtensor_comm_core::{CommError, Result};
 use candle_dtensor_comm_core::{OpCtx, OpName, P2POp, ReduceOp};
 
@@ -33,9 +55,44 @@ fn input_of<'a>(ctx: &OpCtx, posts: &'a [Post], r: usize) -> Result<&'a Tensor> 
         .ok_or_else(|| CommError::invalid(ctx, format!("rank {r} posted no input")))
 }
 
-/// `t` on `dev`, without a copy when it already is (for reading).
+/// `t` on `dev`, without a copy when it already is (for reading). A peer's tensor is another
+/// candle device (each rank thread opens its own): candle's `to_device` copies the whole
+/// storage behind a view, so a view smaller than its storage (a peer's chunk of a
+/// reduce_scatter or all_to_all input) is first copied alone, on this thread's stream.
 fn on(ctx: &OpCtx, t: &Tensor, dev: &Device) -> Result<Tensor> {
+    if t.device().same_device(dev) {
+        return Ok(t.clone());
+    }
+    let t = if covers_storage(t) {
+        t.clone()
+    } else {
+        t.copy().map_err(candle(ctx))?
+    };
     t.to_device(dev).map_err(candle(ctx))
+}
+
+/// Whether `t` is a contiguous view of all of its storage (so moving the storage moves only
+/// `t`'s elements).
+fn covers_storage(t: &Tensor) -> bool {
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(cs) = &*storage else {
+        return false;
+    };
+    let len = match &cs.slice {
+        S::U8(s) => s.len(),
+        S::U32(s) => s.len(),
+        S::I16(s) => s.len(),
+        S::I32(s) => s.len(),
+        S::I64(s) => s.len(),
+        S::BF16(s) => s.len(),
+        S::F16(s) => s.len(),
+        S::F32(s) => s.len(),
+        S::F64(s) => s.len(),
+        #[allow(unreachable_patterns)]
+        _ => return false,
+    };
+    layout.is_contiguous() && layout.start_offset() == 0 && t.elem_count() == len
 }
 
 /// A copy of `t` on `dev` that shares no storage with `t`.
@@ -110,8 +167,146 @@ fn sync(ctx: &OpCtx, dev: &Device) -> Result<()> {
     dev.synchronize().map_err(candle(ctx))
 }
 
-/// The protocol every CUDA collective follows: post, arrive, compute from the posts on this
-/// rank's stream, synchronize it, depart once every rank has. `dev` is this rank's device.
+type Event = Arc<CudaEvent>;
+
+fn driver<'a>(ctx: &'a OpCtx, what: &'static str) -> impl Fn(DriverError) -> CommError + 'a {
+    move |e| CommError::Aborted {
+        ctx: ctx.clone(),
+        reason: format!("CUDA error {what}: {e}"),
+    }
+}
+
+/// This thread's stream on `dev` (candle's per-thread default stream).
+fn stream(ctx: &OpCtx, dev: &Device) -> Result<Arc<CudaStream>> {
+    match dev {
+        Device::Cuda(d) => Ok(d.cuda_stream()),
+        _ => Err(CommError::invalid(
+            ctx,
+            "the local CUDA path got a non-CUDA device",
+        )),
+    }
+}
+
+/// An event after the work queued so far on this thread's stream.
+fn record(ctx: &OpCtx, dev: &Device) -> Result<Event> {
+    stream(ctx, dev)?
+        .record_event(None)
+        .map(Arc::new)
+        .map_err(driver(ctx, "recording an event"))
+}
+
+/// Makes this thread's stream wait (on the GPU) for each event.
+fn wait_for<'a>(
+    ctx: &OpCtx,
+    dev: &Device,
+    events: impl IntoIterator<Item = &'a Event>,
+) -> Result<()> {
+    let s = stream(ctx, dev)?;
+    for ev in events {
+        s.wait(ev)
+            .map_err(driver(ctx, "making a stream wait for an event"))?;
+    }
+    Ok(())
+}
+
+/// Waits on the host for everything queued on every stream of `dev`'s context: the fallback
+/// where an event could not be recorded or exchanged.
+fn sync_all(ctx: &OpCtx, dev: &Device) -> Result<()> {
+    stream(ctx, dev)?
+        .context()
+        .synchronize()
+        .map_err(driver(ctx, "synchronizing the context"))
+}
+
+/// The issuing thread's side of queuing an op on a CUDA rank (`Core::submit`): under `events`
+/// an event after the work producing the inputs; under `sync` the stream drained.
+pub(crate) fn issue(ctx: &OpCtx, dev: &Device) -> Result<Option<Event>> {
+    match CudaOrder::get() {
+        CudaOrder::Events => record(ctx, dev).map(Some),
+        CudaOrder::Sync => sync(ctx, dev).map(|()| None),
+    }
+}
+
+/// The tensors an op still references, until its final event completed.
+struct Retired {
+    done: Event,
+    /// Held only for their references: dropped after `done` completed.
+    _keep: Vec<Tensor>,
+}
+
+/// At most this many ops' tensors wait for their final events on one rank of a communicator;
+/// past it the oldest is waited for on the host (a bound on the memory held, not a normal
+/// path).
+const MAX_RETIRED: usize = 256;
+
+/// One CUDA rank's retired ops, oldest first (`Core::retired`): released once their final
+/// events completed, checked without waiting before each op and after each wait on a work.
+/// Whatever remains when the communicator goes is waited for before it is released.
+#[derive(Default)]
+pub(crate) struct Retirement(Mutex<VecDeque<Retired>>);
+
+impl Retirement {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Retired>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn push(&self, r: Retired) {
+        self.lock().push_back(r);
+    }
+
+    /// Releases the ops whose final events completed (no waiting), and waits for the oldest
+    /// while more than [`MAX_RETIRED`] are held.
+    fn reap(&self) {
+        let mut q = self.lock();
+        while let Some(front) = q.front() {
+            // A GPU in error completes nothing; its tensors are released (waiting would
+            // return the error at once).
+            let done = front.done.try_is_complete().unwrap_or(true);
+            if !done && q.len() <= MAX_RETIRED {
+                break;
+            }
+            if !done {
+                let _ = front.done.synchronize();
+            }
+            q.pop_front();
+        }
+    }
+}
+
+impl Drop for Retirement {
+    fn drop(&mut self) {
+        let q = std::mem::take(self.0.get_mut().unwrap_or_else(|e| e.into_inner()));
+        for r in q {
+            // A failed wait leaves a GPU in error; the tensors are released either way.
+            let _ = r.done.synchronize();
+        }
+    }
+}
+
+thread_local! {
+    /// The tensors of the op running on this progress thread (`exchange`, `batch_p2p`).
+    static TOUCHED: RefCell<Vec<Tensor>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Keeps `t` referenced until the running op's final event completes.
+fn touch(t: &Tensor) {
+    TOUCHED.with(|k| k.borrow_mut().push(t.clone()));
+}
+
+fn touch_posts(posts: &[Post]) {
+    for p in posts {
+        if let Some(t) = &p.input {
+            touch(t);
+        }
+        for t in &p.inputs {
+            touch(t);
+        }
+    }
+}
+
+/// The protocol every CUDA collective follows (see the module docs): post, arrive, compute
+/// from the posts on this rank's stream, and leave so that no rank's later use of an input
+/// precedes a peer's read of it. `dev` is this rank's device.
 fn exchange<R>(
     e: &Exec,
     dev: &Device,
@@ -119,11 +314,52 @@ fn exchange<R>(
     post: Post,
     compute: impl FnOnce(&[Post]) -> Result<R>,
 ) -> Result<R> {
+    if CudaOrder::get() == CudaOrder::Sync {
+        let posts = e.arrive(desc, post)?;
+        let out = compute(&posts).and_then(|r| sync(e.ctx, dev).map(|()| r));
+        drop(posts);
+        let departed = e.depart(true);
+        let out = out?;
+        departed?;
+        return Ok(out);
+    }
+    let ctx = e.ctx;
+    let post = Post {
+        ready: e.ready.clone(),
+        ..post
+    };
     let posts = e.arrive(desc, post)?;
-    let out = compute(&posts).and_then(|r| sync(e.ctx, dev).map(|()| r));
+    touch_posts(&posts);
+    let out = wait_for(ctx, dev, posts.iter().filter_map(|p| p.ready.as_ref()))
+        .and_then(|()| compute(&posts));
     drop(posts);
-    let departed = e.depart(true);
+    // This rank's reads of its peers' inputs are done after `read`; where it cannot be
+    // recorded, they are made complete on the host instead (and no event is posted).
+    let read = match record(ctx, dev) {
+        Ok(ev) => Ok(Some(ev)),
+        Err(err) => sync_all(ctx, dev).and(Err(err)),
+    };
+    let late = e.group.arrive_late(
+        ctx,
+        e.coll,
+        e.rank,
+        Post {
+            ready: read.as_ref().ok().cloned().flatten(),
+            ..Post::default()
+        },
+        e.deadline,
+    );
+    let waited = match &late {
+        Ok(reads) => wait_for(ctx, dev, reads.iter().filter_map(|p| p.ready.as_ref())),
+        // A peer failed or timed out between the two exchanges: its reads are not ordered
+        // by an event; every stream of the context is drained instead.
+        Err(_) => sync_all(ctx, dev),
+    };
+    let departed = e.depart(false);
     let out = out?;
+    read?;
+    late?;
+    waited?;
     departed?;
     Ok(out)
 }
@@ -158,14 +394,93 @@ fn deliver(ctx: &OpCtx, result: Tensor, output: Option<Tensor>) -> Result<Tensor
         let dst = out.flatten_all().map_err(candle(ctx))?;
         let src = result.flatten_all().map_err(candle(ctx))?;
         dst.slice_set(&src, 0, 0).map_err(candle(ctx))?;
-        sync(ctx, out.device())?;
+        if CudaOrder::get() == CudaOrder::Sync {
+            sync(ctx, out.device())?;
+        }
     }
     Ok(out)
 }
 
+/// Queues collective `op` on a CUDA rank (`LocalBackend::collective`): the progress thread
+/// runs it, and waiting on the work makes the waiting thread's stream wait for the op's final
+/// event (under `events`).
+pub(crate) fn submit(core: &Core, ctx: OpCtx, op: Collective) -> Result<Work<CollectiveOutput>> {
+    let device = core.device().clone();
+    let bytes = link_size(&op, core.group.size());
+    let collective = !matches!(op, Collective::BatchP2p { .. });
+    let (dev, retired) = (device.clone(), core.retired.clone());
+    let body = move |e: &Exec| run(e, op, &dev, &retired);
+    let work = match bytes {
+        Some(b) => core.submit_paced(ctx.clone(), b, body)?,
+        None => core.submit(ctx.clone(), collective, body)?,
+    };
+    let retired = core.retired.clone();
+    Ok(work.and_then(move |(out, done)| {
+        if let Some(done) = done {
+            wait_for(&ctx, &device, [&done])?;
+        }
+        retired.reap();
+        Ok(out)
+    }))
+}
+
+/// The tensors of a result, kept with the op until its final event completed.
+fn output_tensors(out: &CollectiveOutput) -> Vec<Tensor> {
+    match out {
+        CollectiveOutput::Tensor(t) | CollectiveOutput::Rooted(Some(t)) => vec![t.clone()],
+        CollectiveOutput::Gathered(Some(ts)) | CollectiveOutput::Received(ts) => ts.clone(),
+        CollectiveOutput::Rooted(None)
+        | CollectiveOutput::Gathered(None)
+        | CollectiveOutput::Done => Vec::new(),
+    }
+}
+
+/// Runs `op` on the progress thread; under `events` also returns the op's final event on this
+/// thread's stream, and keeps every tensor it touched referenced until that event completed.
+fn run(
+    e: &Exec,
+    op: Collective,
+    dev: &Device,
+    retired: &Retirement,
+) -> Result<(CollectiveOutput, Option<Event>)> {
+    if CudaOrder::get() == CudaOrder::Sync {
+        return run_op(e, op, dev).map(|o| (o, None));
+    }
+    retired.reap();
+    TOUCHED.with(|k| k.borrow_mut().clear());
+    // The op's own tensors (an `*_into` output, a send) are the issuer's: every path uses
+    // them after this wait. (A failure here is a GPU in error; the op still runs, so that the
+    // peers fail with it rather than wait for this rank.)
+    let ready = wait_for(e.ctx, dev, e.ready.iter());
+    let out = run_op(e, op, dev).and_then(|o| ready.map(|()| o));
+    let mut keep = TOUCHED.with(|k| std::mem::take(&mut *k.borrow_mut()));
+    if let Ok(o) = &out {
+        keep.extend(output_tensors(o));
+    }
+    match record(e.ctx, dev) {
+        Ok(done) => {
+            retired.push(Retired {
+                done: done.clone(),
+                _keep: keep,
+            });
+            out.map(|o| (o, Some(done)))
+        }
+        Err(err) => {
+            // No final event: finish everything on the host before releasing anything; the
+            // caller then has nothing to wait for.
+            tracing::warn!(rank = e.rank, op = ?e.ctx.op, error = %err, "no final event; drained the GPU");
+            let drained = sync_all(e.ctx, dev);
+            drop(keep);
+            let o = out?;
+            drained?;
+            Ok((o, None))
+        }
+    }
+}
+
 /// Runs `op` on CUDA tensors (`AllToAllVRows` normally arrives gathered: the backend gathers
 /// the rows on the GPU before queuing the exchange).
-pub(crate) fn run(e: &Exec, op: Collective, dev: &Device) -> Result<CollectiveOutput> {
+fn run_op(e: &Exec, op: Collective, dev: &Device) -> Result<CollectiveOutput> {
     Ok(match op {
         Collective::AllReduce { input, op, output } => all_reduce(e, input, op, output)?.into(),
         Collective::AllGather { input, output } => all_gather(e, input, output)?.into(),
@@ -178,7 +493,7 @@ pub(crate) fn run(e: &Exec, op: Collective, dev: &Device) -> Result<CollectiveOu
             output_split_sizes: o,
             input_split_sizes: i,
         } => all_to_all_v(e, input, o, i)?.into(),
-        rows @ Collective::AllToAllVRows { .. } => return run(e, rows.gather_rows(e.ctx)?, dev),
+        rows @ Collective::AllToAllVRows { .. } => return run_op(e, rows.gather_rows(e.ctx)?, dev),
         Collective::Broadcast { tensor, root } => broadcast(e, tensor, root)?.into(),
         Collective::Reduce { input, root, op } => reduce(e, input, root, op)?.into(),
         Collective::Gather { input, root } => gather(e, input, root)?.into(),
@@ -429,18 +744,33 @@ pub(crate) fn batch_p2p(e: &Exec, ops: Vec<P2POp>, dev: &Device) -> Result<Vec<T
     if let Some(f) = e.group.failure() {
         return Err(f.to_error(ctx, None));
     }
-    // Sends are detached copies (the sender never waits), complete before they are posted.
+    let events = CudaOrder::get() == CudaOrder::Events;
+    // Sends are detached copies (the sender never waits), complete before they are read:
+    // under `events` the receiver's stream waits for `ready`, else the copies are finished
+    // before they are posted.
     let mut sends = Vec::new();
     for op in &ops {
         if let P2POp::Send { tensor, peer } = op {
-            sends.push((*peer, own_copy(ctx, tensor, tensor.device())?));
+            let copy = own_copy(ctx, tensor, tensor.device())?;
+            if events {
+                touch(tensor);
+                touch(&copy);
+            }
+            sends.push((*peer, copy));
         }
     }
-    if !sends.is_empty() {
-        sync(ctx, dev)?;
-    }
+    let ready = match (sends.is_empty(), events) {
+        (true, _) => None,
+        (false, true) => Some(record(ctx, dev)?),
+        (false, false) => {
+            sync(ctx, dev)?;
+            None
+        }
+    };
     for (peer, copy) in sends {
-        e.group.post_message(e.rank, peer, Message { tensor: copy });
+        let mut m = Message::new(copy);
+        m.ready = ready.clone();
+        e.group.post_message(e.rank, peer, m);
     }
     let mut received = Vec::new();
     for op in ops {
@@ -452,12 +782,18 @@ pub(crate) fn batch_p2p(e: &Exec, ops: Vec<P2POp>, dev: &Device) -> Result<Vec<T
                 (m.tensor.dims(), m.tensor.dtype()),
             )
             .map_err(|e| CommError::invalid(ctx, e))?;
+            if let Some(r) = &m.ready {
+                wait_for(ctx, dev, [r])?;
+            }
+            if events {
+                touch(&m.tensor);
+            }
             // The message is a detached copy nobody else holds: moved, not copied, when it is
             // already on this device.
             received.push(on(ctx, &m.tensor, dev)?);
         }
     }
-    if !received.is_empty() {
+    if !events && !received.is_empty() {
         sync(ctx, dev)?;
     }
     Ok(received)

@@ -37,22 +37,47 @@ pub(crate) struct Post {
     pub rows: Option<Arc<Vec<u32>>>,
     /// split: the caller's new group.
     pub ranks: Option<Vec<usize>>,
+    /// CUDA: the event after which this post's tensors may be read (recorded by the issuing
+    /// thread), or, in the second exchange, after which this rank's reads of its peers' posts
+    /// are done (`cuda.rs`).
+    #[cfg(feature = "cuda")]
+    pub ready: Option<Arc<candle_core::cuda_backend::cudarc::driver::CudaEvent>>,
 }
 
 /// Per-rank progress inside one slot.
 const ARRIVED: u8 = 1;
+/// Posted a second time (`Group::arrive_late`).
+#[cfg(feature = "cuda")]
+const LATE: u8 = 2;
 /// Departed (finished reading peers' buffers).
 pub(crate) const DONE: u8 = u8::MAX;
 
 struct Slot {
     desc: Option<(usize, OpDesc)>,
     posts: Vec<Option<Post>>,
+    /// The second exchange's posts (`Group::arrive_late`).
+    #[cfg(feature = "cuda")]
+    late: Vec<Option<Post>>,
     stage: Vec<u8>,
 }
 
 /// A queued point-to-point message.
 pub(crate) struct Message {
     pub tensor: Tensor,
+    /// CUDA: the event after which `tensor` may be read (`cuda.rs`).
+    #[cfg(feature = "cuda")]
+    pub ready: Option<Arc<candle_core::cuda_backend::cudarc::driver::CudaEvent>>,
+}
+
+impl Message {
+    /// A message of `tensor`, readable at once.
+    pub(crate) fn new(tensor: Tensor) -> Self {
+        Message {
+            tensor,
+            #[cfg(feature = "cuda")]
+            ready: None,
+        }
+    }
 }
 
 pub(crate) struct GroupState {
@@ -304,6 +329,8 @@ impl Group {
         let slot = st.slots.entry(coll).or_insert_with(|| Slot {
             desc: None,
             posts: vec![None; n],
+            #[cfg(feature = "cuda")]
+            late: vec![None; n],
             stage: vec![0; n],
         });
         match &slot.desc {
@@ -327,6 +354,36 @@ impl Group {
             .ok_or_else(|| CommError::invalid(ctx, "collective slot vanished"))?;
         Ok(slot
             .posts
+            .iter()
+            .map(|p| p.clone().unwrap_or_default())
+            .collect())
+    }
+
+    /// A second exchange inside collective `coll`, after [`Group::arrive`]: posts `post` and
+    /// waits for every rank's (the CUDA path's events saying each rank's reads are done).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn arrive_late(
+        &self,
+        ctx: &OpCtx,
+        coll: u64,
+        rank: usize,
+        post: Post,
+        deadline: Instant,
+    ) -> Result<Vec<Post>> {
+        let mut st = self.lock();
+        let slot = st.slots.get_mut(&coll).ok_or_else(|| {
+            CommError::invalid(ctx, "collective slot vanished before its second exchange")
+        })?;
+        slot.late[rank] = Some(post);
+        slot.stage[rank] = LATE;
+        self.cv.notify_all();
+        let mut st = self.wait_stage(st, ctx, coll, LATE, deadline)?;
+        let slot = st
+            .slots
+            .get_mut(&coll)
+            .ok_or_else(|| CommError::invalid(ctx, "collective slot vanished"))?;
+        Ok(slot
+            .late
             .iter()
             .map(|p| p.clone().unwrap_or_default())
             .collect())

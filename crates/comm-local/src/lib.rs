@@ -13,6 +13,7 @@ mod backend;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod group;
+mod order;
 mod tuning;
 mod window;
 
