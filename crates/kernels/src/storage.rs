@@ -938,6 +938,42 @@ pub fn set_from_bytes(t: &Tensor, bytes: &[u8]) -> Result<()> {
     t.inplace_op1(&Write(bytes))
 }
 
+/// Keeps GPU memory freed into `device`'s default stream-ordered pool there, instead of
+/// handing it back to the driver at every synchronisation (CUDA's default release threshold is
+/// 0): candle allocates every op's output with `cuMemAllocAsync` from that pool, so without
+/// this a step re-obtains its working memory from the driver after each loss read. The caching
+/// allocator PyTorch uses keeps it the same way. Returns whether a pool was set (`false` on
+/// the CPU, and without the `cuda` feature).
+///
+/// # Errors
+///
+/// The driver refused (a device without memory pools).
+pub fn retain_freed_memory(device: &candle_core::Device) -> Result<bool> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        use candle_core::cuda_backend::cudarc::driver::{result, sys};
+        let ctx = d.cuda_stream().context().clone();
+        ctx.bind_to_thread().map_err(candle_core::Error::wrap)?;
+        let mut threshold: u64 = u64::MAX;
+        // SAFETY: `ctx.cu_device()` is the device of a live context; the default pool exists
+        // for every device with memory pools (an error otherwise); the release threshold
+        // attribute is a `cuuint64_t`, and `threshold` is one that outlives the call.
+        unsafe {
+            let pool = result::device::get_default_mem_pool(ctx.cu_device())
+                .map_err(candle_core::Error::wrap)?;
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            )
+            .map_err(candle_core::Error::wrap)?;
+        }
+        return Ok(true);
+    }
+    let _ = device;
+    Ok(false)
+}
+
 // --------------------------------------------------------------------------------------------
 // Host reads: what a training step reads back from the device.
 

@@ -712,6 +712,46 @@ fn multi_tensor_cases(dev: &Device, rep: &mut Report) {
     rep.record("adamw_step CUDA vs CPU", adamw_case(dev));
 }
 
+/// `storage::retain_freed_memory` sets the pool's release threshold, and allocation still
+/// works after it.
+fn pool_case(dev: &Device) -> R<String> {
+    if !candle_dtensor_kernels::storage::retain_freed_memory(dev)? {
+        candle_core::bail!("retain_freed_memory set no pool on a CUDA device");
+    }
+    let x = Tensor::ones((1024, 1024), DType::F32, dev)?;
+    drop(x);
+    let y = Tensor::ones((1024, 1024), DType::F32, dev)?.sum_all()?;
+    let v = y.to_scalar::<f32>()?;
+    if v != 1024.0 * 1024.0 {
+        candle_core::bail!("sum after a freed allocation: {v}");
+    }
+    Ok("release threshold set; allocation after a free works".into())
+}
+
+/// `profile::Mark`: GPU time between two marks around a known amount of work is positive,
+/// unreadable never after `wait`.
+fn marks_case(dev: &Device) -> R<String> {
+    use candle_dtensor_kernels::profile::{Mark, Stamp};
+    let a = Mark::record(dev)
+        .map_err(candle_core::Error::wrap)?
+        .ok_or_else(|| candle_core::Error::msg("no mark on a CUDA device"))?;
+    let x = Tensor::ones((2048, 2048), DType::F32, dev)?;
+    let y = x.matmul(&x)?;
+    let b = Mark::record(dev)
+        .map_err(candle_core::Error::wrap)?
+        .ok_or_else(|| candle_core::Error::msg("no mark on a CUDA device"))?;
+    b.wait().map_err(candle_core::Error::wrap)?;
+    let ms = b
+        .ms_since(&a)
+        .map_err(candle_core::Error::wrap)?
+        .ok_or_else(|| candle_core::Error::msg("marks unreadable after waiting"))?;
+    drop(y);
+    if !(ms.is_finite() && ms > 0.0) {
+        candle_core::bail!("a 2048^3 matmul took {ms} ms between marks");
+    }
+    Ok(format!("a 2048^3 matmul: {ms:.3} ms between marks"))
+}
+
 #[test]
 fn fused_cuda_kernels_match_the_cpu_reference() {
     let Some(dev) = cuda_device() else {
@@ -731,6 +771,8 @@ fn fused_cuda_kernels_match_the_cpu_reference() {
     }
     bad_input(&dev, &mut rep);
     multi_tensor_cases(&dev, &mut rep);
+    rep.record("memory pool keeps freed memory", pool_case(&dev));
+    rep.record("GPU timing marks", marks_case(&dev));
     if !rep.failures.is_empty() {
         panic!(
             "cuda_fused: {} of {} checks failed:\n{}",

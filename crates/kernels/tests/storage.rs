@@ -212,3 +212,9 @@ fn host_staging_round_trips_every_dtype() {
         assert!(storage::set_from_bytes(&back, &bytes[1..]).is_err());
     }
 }
+
+/// Only a CUDA device has a memory pool to keep freed memory in; the CPU is left alone.
+#[test]
+fn retaining_freed_memory_is_a_no_op_on_the_cpu() {
+    assert!(!candle_dtensor_kernels::storage::retain_freed_memory(&Device::Cpu).unwrap());
+}

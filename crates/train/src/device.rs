@@ -101,7 +101,9 @@ impl DeviceSpec {
         (0..64).take_while(|&n| open_cuda(n).is_ok()).count()
     }
 
-    /// The device of the rank with index `local_rank` among the ranks of this host.
+    /// The device of the rank with index `local_rank` among the ranks of this host. A CUDA
+    /// device keeps freed memory in its pool
+    /// (`candle_dtensor_kernels::storage::retain_freed_memory`).
     ///
     /// # Errors
     ///
@@ -128,10 +130,15 @@ impl DeviceSpec {
         if !candle_core::utils::cuda_is_available() {
             return Err(DeviceError::NotCompiled(self.to_string()));
         }
-        open_cuda(ordinal).map_err(|reason| DeviceError::Unavailable {
+        let device = open_cuda(ordinal).map_err(|reason| DeviceError::Unavailable {
             device: format!("cuda:{ordinal}"),
             reason,
-        })
+        })?;
+        // Freed memory stays in the pool across steps (a failure only costs speed).
+        if let Err(e) = candle_dtensor_kernels::storage::retain_freed_memory(&device) {
+            tracing::warn!(ordinal, error = %e, "freed GPU memory goes back to the driver");
+        }
+        Ok(device)
     }
 }
 
