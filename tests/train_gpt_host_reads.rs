@@ -1,9 +1,9 @@
 //! `train_gpt --json` counts the device-to-host reads of every step on rank 0
 //! (`host_reads_per_step`, issue 33 item 4): each is a host synchronisation on a GPU. Exactly
 //! one per step where the trainer reads only the loss, the gradient norm riding along
-//! (clipping included: the norm and the clip factor stay on the device); one more for FSDP's
-//! gradient-presence flags (all units in one read) and one for the MoE balancing loss. Tiny
-//! preset (one block: three FSDP units), 3 steps on the CPU.
+//! (clipping included: the norm and the clip factor stay on the device), FSDP's
+//! gradient-presence flags of every unit riding along too; one more for the MoE balancing loss.
+//! Tiny preset (one block: three FSDP units), 3 steps on the CPU.
 #[path = "../examples/train_gpt.rs"]
 #[allow(dead_code)]
 mod train_gpt;
@@ -42,13 +42,15 @@ fn reads(out: &Scratch, extra: &[&str]) -> Vec<u64> {
 }
 
 #[test]
-fn one_host_read_per_step_without_fsdp_and_one_more_for_fsdp_flags() {
+fn one_host_read_per_step_with_or_without_fsdp_and_one_more_for_moe() {
     let out = Scratch::new("host_reads");
     for (extra, want) in [
         (&["--mesh", "tp=1", "--no-fsdp"][..], 1),
         (&["--mesh", "tp=1", "--no-fsdp", "--clip", "0.5"][..], 1),
         (&["--mesh", "tp=2", "--no-fsdp", "--clip", "0.5"][..], 1),
-        (&["--mesh", "dp=2", "--clip", "0.5"][..], 1 + 1),
+        (&["--mesh", "dp=2", "--clip", "0.5"][..], 1),
+        (&["--mesh", "dp=2,tp=2"][..], 1),
+        (&["--mesh", "replicate=2,shard=2", "--hsdp"][..], 1),
         (
             &["--mesh", "ep=2", "--no-fsdp", "--moe", "experts=4,top_k=2"][..],
             1 + 1,

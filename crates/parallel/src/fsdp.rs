@@ -68,6 +68,24 @@ pub enum GradReduce {
     Avg,
 }
 
+/// The gradient-presence flags [`Fsdp::finish_backward_deferred`] leaves for the caller to
+/// read (with its own values, in one host read) and pass to [`Fsdp::apply_grad_flags`].
+#[derive(Debug)]
+#[must_use = "pass the flags to Fsdp::apply_grad_flags before the optimizer step"]
+pub struct PendingGradFlags {
+    flags: Option<Tensor>,
+    /// (unit, its parameter count), in flag order.
+    units: Vec<(usize, usize)>,
+}
+
+impl PendingGradFlags {
+    /// One f32 per parameter of the reduced units (> 0: some rank had a gradient), on the
+    /// device; `None` when no unit was reduced.
+    pub fn flags(&self) -> Option<&Tensor> {
+        self.flags.as_ref()
+    }
+}
+
 /// FSDP settings.
 #[derive(Debug, Clone)]
 pub struct FsdpConfig {
@@ -1061,12 +1079,35 @@ impl Fsdp {
     /// After `loss.backward()`: reduces every unit whose gradients are not all in, waits for
     /// the reductions (HSDP: all_reduce over the replicate dim), and puts each shard's gradient
     /// into `grads`. A parameter that got a gradient on no rank gets none (candle-nn optimizers
-    /// then skip it, as on one device); those are reported once.
+    /// then skip it, as on one device); those are reported once. One host read (the
+    /// gradient-presence flags of every unit); [`Fsdp::finish_backward_deferred`] and
+    /// [`Fsdp::apply_grad_flags`] let a caller read them together with its own values.
     ///
     /// # Errors
     ///
     /// A failed collective.
     pub fn finish_backward(&self, grads: &mut GradStore) -> Result<()> {
+        let pending = self.finish_backward_deferred(grads)?;
+        let flags = match pending.flags() {
+            Some(t) => {
+                candle_dtensor_kernels::storage::note_host_read();
+                t.to_vec1::<f32>()?
+            }
+            None => Vec::new(),
+        };
+        self.apply_grad_flags(grads, pending, &flags)
+    }
+
+    /// [`Fsdp::finish_backward`] without its host read: every reduced shard gradient goes into
+    /// `grads`, including those of parameters that got a gradient on no rank (zeros, which
+    /// add nothing to a norm and stay zero under clipping). The returned flags, read on the
+    /// host by the caller (with whatever else it reads), go to [`Fsdp::apply_grad_flags`]
+    /// before the optimizer step, which takes those gradients out again.
+    ///
+    /// # Errors
+    ///
+    /// A failed collective.
+    pub fn finish_backward_deferred(&self, grads: &mut GradStore) -> Result<PendingGradFlags> {
         let units = self.num_units();
         for unit in 0..units {
             let needs = {
@@ -1101,48 +1142,24 @@ impl Fsdp {
             self.run().stats.exposed_comm_ms += t0.elapsed().as_secs_f64() * 1e3;
             reduced_units.push((unit, reduced));
         }
-        // Every unit's gradient-presence flags in one host read (one synchronisation on a GPU,
-        // not one per unit).
-        let flags: Vec<f32> = {
-            let run = self.run();
-            let slices = reduced_units
-                .iter()
-                .map(|(unit, reduced)| {
-                    let u = &run.units[*unit];
-                    reduced.narrow(0, u.block, u.params.len())
-                })
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            if slices.is_empty() {
-                Vec::new()
-            } else {
-                candle_dtensor_kernels::storage::note_host_read();
-                Tensor::cat(&slices, 0)?
-                    .to_dtype(DType::F32)?
-                    .to_vec1::<f32>()?
-            }
+        // Every unit's gradient-presence flags in one tensor (one read, not one per unit).
+        let run = self.run();
+        let slices = reduced_units
+            .iter()
+            .map(|(unit, reduced)| {
+                let u = &run.units[*unit];
+                reduced.narrow(0, u.block, u.params.len())
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let flags = if slices.is_empty() {
+            None
+        } else {
+            Some(Tensor::cat(&slices, 0)?.to_dtype(DType::F32)?)
         };
-        let mut without = Vec::new();
-        let mut at = 0;
+        let mut units = Vec::with_capacity(reduced_units.len());
         for (unit, reduced) in reduced_units {
-            let mut run = self.run();
-            let mut freed = 0;
-            let u = &mut run.units[unit];
-            let unit_flags = flags.get(at..at + u.params.len()).ok_or_else(|| {
-                ParallelError::Config(format!(
-                    "FSDP: {} gradient-presence flags read for unit {unit}'s {} parameters",
-                    flags.len().saturating_sub(at),
-                    u.params.len()
-                ))
-            })?;
-            at += u.params.len();
-            for (p, &flag) in u.params.iter().zip(unit_flags) {
-                if flag <= 0.0 {
-                    without.push(p.name.clone());
-                    continue;
-                }
-                // Another rank's gradient changes this shard at the next step: values this
-                // rank still holds unsharded would be stale.
-                freed += release(p)?;
+            let u = &run.units[unit];
+            for p in &u.params {
                 let len = p.shard.elem_count();
                 if len == 0 {
                     continue;
@@ -1153,6 +1170,50 @@ impl Fsdp {
                     .to_dtype(p.shard.dtype())?;
                 grads.insert(&p.shard, g);
             }
+            units.push((unit, u.params.len()));
+        }
+        Ok(PendingGradFlags { flags, units })
+    }
+
+    /// Completes [`Fsdp::finish_backward_deferred`] with its flags read on the host (`flags`:
+    /// [`PendingGradFlags::flags`] as f32 values, empty when it had none): the gradients of
+    /// parameters that got one on no rank leave `grads` again, and the others' unsharded
+    /// values are released.
+    ///
+    /// # Errors
+    ///
+    /// `flags` does not have one value per parameter of the reduced units.
+    pub fn apply_grad_flags(
+        &self,
+        grads: &mut GradStore,
+        pending: PendingGradFlags,
+        flags: &[f32],
+    ) -> Result<()> {
+        let want: usize = pending.units.iter().map(|&(_, n)| n).sum();
+        if flags.len() != want {
+            return Err(ParallelError::Config(format!(
+                "FSDP: {} gradient-presence flags given for {want} parameters of {} reduced units",
+                flags.len(),
+                pending.units.len()
+            )));
+        }
+        let mut without = Vec::new();
+        let mut at = 0;
+        for (unit, n) in pending.units {
+            let mut run = self.run();
+            let mut freed = 0;
+            let u = &mut run.units[unit];
+            for (p, &flag) in u.params.iter().zip(&flags[at..at + n]) {
+                if flag <= 0.0 {
+                    grads.remove(&p.shard);
+                    without.push(p.name.clone());
+                    continue;
+                }
+                // Another rank's gradient changes this shard at the next step: values this
+                // rank still holds unsharded would be stale.
+                freed += release(p)?;
+            }
+            at += n;
             u.state.reducing = false;
             u.state.unsharded = u.params.iter().all(|p| !storage::is_released(&p.full));
             run.unsharded_bytes = run.unsharded_bytes.saturating_sub(freed);

@@ -1080,8 +1080,42 @@ enum LossRead {
 impl LossRead {
     /// The loss and, when given, `extra`'s one f64 value, in one host read.
     fn read_with(self, extra: Option<&Tensor>) -> Result<(f32, Option<f64>)> {
+        let (loss, extra, _) = self.read_all(extra, None)?;
+        Ok((loss, extra))
+    }
+
+    /// The loss, `extra`'s one f64 value and `flags`' f32 values (FSDP's gradient-presence
+    /// flags), in one host read.
+    fn read_all(
+        self,
+        extra: Option<&Tensor>,
+        flags: Option<&Tensor>,
+    ) -> Result<(f32, Option<f64>, Vec<f32>)> {
+        let Some(flags) = flags else {
+            let (loss, extra) = self.read_one(extra)?;
+            return Ok((loss, extra, Vec::new()));
+        };
         candle_dtensor_kernels::storage::note_host_read();
-        let t = match self {
+        let t = self.reduced()?;
+        let mut parts = vec![t.to_dtype(DType::F64)?.reshape(1)?];
+        if let Some(x) = extra {
+            parts.push(x.to_dtype(DType::F64)?.reshape(1)?);
+        }
+        let n = flags.elem_count();
+        parts.push(flags.to_dtype(DType::F64)?.reshape(n)?);
+        let all = Tensor::cat(&parts, 0)?.to_vec1::<f64>()?;
+        let k = 1 + usize::from(extra.is_some());
+        // f32 -> f64 -> f32 is exact: each value reads as it would alone.
+        Ok((
+            all[0] as f32,
+            extra.map(|_| all[1]),
+            all[k..].iter().map(|&v| v as f32).collect(),
+        ))
+    }
+
+    /// The loss tensor, its reduction finished.
+    fn reduced(self) -> Result<Tensor> {
+        Ok(match self {
             LossRead::Local(t) => t,
             LossRead::Avg(work, replicate) => {
                 let t = work.wait()?;
@@ -1090,7 +1124,13 @@ impl LossRead {
                     None => t,
                 }
             }
-        };
+        })
+    }
+
+    /// The loss and, when given, `extra`'s one f64 value, in one host read.
+    fn read_one(self, extra: Option<&Tensor>) -> Result<(f32, Option<f64>)> {
+        candle_dtensor_kernels::storage::note_host_read();
+        let t = self.reduced()?;
         match extra {
             None => Ok((t.to_vec1::<f32>()?[0], None)),
             Some(x) => {
@@ -1532,9 +1572,12 @@ impl Trainer {
             return Err(bad("micro-batch tokens", "[]", "at least one micro-batch"));
         };
         let read = self.start_loss(&loss)?;
-        if let Some(f) = &self.fsdp {
-            f.finish_backward(&mut grads)?;
-        }
+        // FSDP's gradient-presence flags are read with the loss (one host read per step); until
+        // then every reduced shard gradient is in `grads`, zeros where no rank had one.
+        let flags = match &self.fsdp {
+            Some(f) => Some(f.finish_backward_deferred(&mut grads)?),
+            None => None,
+        };
         // The norm (and clipping) stay on the device; the sum of squares is read with the loss,
         // in one host read.
         let norm_sq = match self.cfg.clip {
@@ -1550,7 +1593,11 @@ impl Trainer {
         if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&self.device)) {
             m.backward_end(s);
         }
-        let (loss, norm_sq) = read.read_with(norm_sq.as_ref())?;
+        let (loss, norm_sq, flag_values) =
+            read.read_all(norm_sq.as_ref(), flags.as_ref().and_then(|p| p.flags()))?;
+        if let (Some(f), Some(p)) = (&self.fsdp, flags) {
+            f.apply_grad_flags(&mut grads, p, &flag_values)?;
+        }
         let grad_norm = norm_sq.map(f64::sqrt);
         let clipped = matches!((self.cfg.clip, grad_norm), (Some(c), Some(n)) if n > c);
         Ok(Gradients {

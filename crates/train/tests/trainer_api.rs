@@ -485,3 +485,136 @@ fn clipping_on_the_device_scales_by_max_over_norm_and_leaves_small_gradients_alo
     }
     Ok(())
 }
+
+/// A model whose first layers candle-nn cuts from the graph (its fused `RmsNorm` forward has no
+/// backward): only `out` learns on one device.
+struct Cut {
+    inp: user_mlp::Layer,
+    norm: user_mlp::Layer,
+    out: user_mlp::Layer,
+}
+
+impl Cut {
+    fn new(
+        vb: candle_nn::VarBuilder,
+        wrap: &dyn Fn(&str, user_mlp::Layer) -> candle_core::Result<user_mlp::Layer>,
+    ) -> candle_core::Result<Cut> {
+        use user_mlp::{Layer, D, OUT};
+        Ok(Cut {
+            inp: wrap(
+                "inp",
+                Layer(Box::new(candle_nn::linear(D, D, vb.pp("inp"))?)),
+            )?,
+            norm: wrap(
+                "norm",
+                Layer(Box::new(candle_nn::rms_norm(D, 1e-5, vb.pp("norm"))?)),
+            )?,
+            out: wrap(
+                "out",
+                Layer(Box::new(candle_nn::linear(D, OUT, vb.pp("out"))?)),
+            )?,
+        })
+    }
+
+    fn loss(
+        &self,
+        x: &candle_core::Tensor,
+        y: &candle_core::Tensor,
+    ) -> candle_core::Result<candle_core::Tensor> {
+        use candle_core::Module;
+        let h = self.norm.forward(&self.inp.forward(x)?)?;
+        candle_nn::loss::mse(&self.out.forward(&h)?, y)
+    }
+}
+
+/// The values of every parameter of `trainer` (this rank's pieces), by name.
+fn values(trainer: &Trainer) -> R<Vec<(String, Vec<f32>)>> {
+    let mut v = trainer
+        .params()
+        .iter()
+        .map(|p| {
+            Ok((
+                p.name.clone(),
+                p.var.as_tensor().flatten_all()?.to_vec1::<f32>()?,
+            ))
+        })
+        .collect::<R<Vec<_>>>()?;
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(v)
+}
+
+/// Under FSDP the trainer reads the gradient-presence flags together with the loss: until then
+/// the cut parameters carry zero gradients (under clipping, which runs on the device before
+/// the read), and they must leave before the optimizer step, or AdamW's decay would move them.
+/// As on one device: the same losses, and the cut parameters untouched.
+#[test]
+fn parameters_cut_from_the_graph_stay_untouched_under_fsdp_as_on_one_device() -> R<()> {
+    const CUT_STEPS: usize = 4;
+    let cut = ["inp.bias", "inp.weight", "norm.weight"];
+    // One device.
+    let (map, vb) = reference_var_builder(SEED, DType::F32, &Device::Cpu);
+    let vars = TrainVars::local(None, &map, vb);
+    let model = Cut::new(vars.var_builder()?, &no_wrap)?;
+    let mut trainer = Trainer::new(vars, config())?;
+    let before = values(&trainer)?;
+    let one = trainer
+        .fit(
+            CUT_STEPS,
+            |step| batch(step, 0..BATCH),
+            |(x, y)| model.loss(x, y),
+            FitOptions::new(),
+        )?
+        .steps;
+    let after = values(&trainer)?;
+    for ((name, b), (_, a)) in before.iter().zip(&after) {
+        assert_eq!(
+            cut.contains(&name.as_str()),
+            a == b,
+            "one device: {name} should change only if it is not cut"
+        );
+    }
+    // FSDP over dp=2, each layer a unit.
+    let runs = LocalWorld::new(2)
+        .with_timeout(Duration::from_secs(60))
+        .launch(|comm| -> R<_> {
+            let mesh = DeviceMesh::new(comm, &[("dp", 2)])?;
+            let rank = mesh.rank();
+            let fsdp = Fsdp::new(&mesh, FsdpConfig::new(0, GradReduce::Avg))?;
+            let map = FsdpVarMap::new(&fsdp, SEED);
+            let vars = TrainVars::fsdp(&mesh, &fsdp, &map, DType::F32);
+            let wrap = |key: &str, l: user_mlp::Layer| -> candle_core::Result<user_mlp::Layer> {
+                Ok(user_mlp::Layer(Box::new(map.wrap(key, l)?)))
+            };
+            let model = Cut::new(vars.var_builder()?, &wrap)?;
+            let mut trainer = Trainer::new(vars, config())?;
+            let before = values(&trainer)?;
+            let rows = rank * BATCH / 2..(rank + 1) * BATCH / 2;
+            let steps = trainer
+                .fit(
+                    CUT_STEPS,
+                    |step| batch(step, rows.clone()),
+                    |(x, y)| model.loss(x, y),
+                    FitOptions::new(),
+                )?
+                .steps;
+            Ok((steps, before, values(&trainer)?))
+        })
+        .map_err(|e| e.to_string())?;
+    for (rank, (steps, before, after)) in runs.iter().enumerate() {
+        compare_series_f32(
+            &format!("rank {rank}: losses vs one device"),
+            &losses(steps),
+            &losses(&one),
+        )
+        .and_then(|d| d.within(TOL))
+        .map_err(|e| e.to_string())?;
+        for ((name, b), (_, a)) in before.iter().zip(after) {
+            if cut.contains(&name.as_str()) {
+                assert_eq!(a, b, "rank {rank}: the cut {name} moved under FSDP");
+            } else if !b.is_empty() {
+                assert_ne!(a, b, "rank {rank}: {name} did not train");
+            }
+        }
+    }
+    Ok(())
+}
