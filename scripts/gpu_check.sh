@@ -38,11 +38,14 @@
 #   c11     train_gpt --preset small --count-kernels on one GPU: passes only with a kernel count
 #           of the last step (CUPTI, `kernels_per_step` > 0) and GPU phase times from CUDA
 #           events (`gpu_step_ms_median`); the figures go into the table
+#   c12     adamw_bench --preset gpt2: the fused AdamW step's GPU time against a device copy of
+#           the same bytes (its memory-bandwidth floor) and candle-nn's AdamW; the ratio is the
+#           figure (target: at most 2)
 #   e1, e2  train_llama --check: candle-transformers' llama under FSDP, and the candle-nn llama
 #           under FSDP x TP (2x2), rank threads on the GPU, losses and gradients vs the CPU
 #   d       (optional) nccl_bench: all_gather / all_reduce sweep with algbw/busbw like nccl-tests
 #
-# CDT_GPU_CHECK_DEVICE (default cuda) is the --device of c0-c3, c5-c11, e1 and e2 (`cpu` dry-runs the
+# CDT_GPU_CHECK_DEVICE (default cuda) is the --device of c0-c3, c5-c12, e1 and e2 (`cpu` dry-runs the
 # script's own plumbing on a machine whose nvidia-smi is faked; the GPU-only binaries a CPU build
 # lacks then FAIL by name. tests/gpu_check_script.rs dry-runs it with fake binaries).
 # Writes $CDT_GPU_LOG_DIR (default target/gpu_check/): one log per step, gpu_check.json (one
@@ -293,6 +296,9 @@ count_step() { # id limit log
     add_row "$id" PASS "$last_secs" "small: $k kernels in a step ($kms ms of kernels), GPU step $gms ms" "$figures"
 }
 count_step c11 60 c11_count_kernels.log
+# The fused AdamW step of GPT-2 small's parameters against a copy of the same bytes (a
+# measurement: passes when it runs; the ratio is the figure).
+run_step c12 'x the floor' 90 c12_adamw_bench.log "$(exe adamw_bench)" --device "$dev" --preset gpt2 --iters 20
 # Bring your own candle model: candle-transformers' llama through FsdpVarMap, and the candle-nn
 # llama with the drop-ins under FSDP x TP, each against one device on the CPU.
 run_step e1 'check vs one device' 60 e1_llama_transformers.log "$(exe train_llama)" \

@@ -75,6 +75,10 @@ fn fake_bins(bin: &Path) {
     );
     script(&bin.join("train_llama"), "echo 'check vs one device: ok'\n");
     script(
+        &bin.join("adamw_bench"),
+        "echo 'adamw_bench: gpt2 on \"cuda\": 124475904 parameters in 148 tensors'\necho '  fused AdamW 1.000 ms, copy of the same bytes 0.600 ms: 1.67x the floor (5800 GB/s copy, 3500 GB/s AdamW)'\n",
+    );
+    script(
         &bin.join("kernels_cuda_fused"),
         "echo 'ok   gelu F32 [3, 1]: max rel diff 0.00e0'\necho 'cuda_fused: 3 checks passed on Cuda'\n",
     );
@@ -177,6 +181,7 @@ fn gpu_check_passes_only_with_every_required_binary_and_figure() {
         assert_row(&good, id, "PASS", "");
     }
     assert_row(&good, "c11", "PASS", "321 kernels in a step");
+    assert_row(&good, "c12", "PASS", "1.67x the floor");
     assert_row(&good, "c1", "PASS", "max rel loss diff vs CPU 8.9e-8");
     let json = std::fs::read_to_string(dir.path("logs-good/gpu_check.json")).unwrap();
     assert!(
