@@ -56,9 +56,10 @@ fn input_of<'a>(ctx: &OpCtx, posts: &'a [Post], r: usize) -> Result<&'a Tensor> 
 }
 
 /// `t` on `dev`, without a copy when it already is (for reading). A peer's tensor is another
-/// candle device (each rank thread opens its own): candle's `to_device` copies the whole
-/// storage behind a view, so a view smaller than its storage (a peer's chunk of a
-/// reduce_scatter or all_to_all input) is first copied alone, on this thread's stream.
+/// candle device (each rank thread opens its own): candle's `to_device` (like `copy`) copies
+/// the whole storage behind a view, so a view smaller than its storage (a peer's chunk of a
+/// reduce_scatter or all_to_all input) is first compacted alone (`force_contiguous`, on this
+/// thread's stream).
 fn on(ctx: &OpCtx, t: &Tensor, dev: &Device) -> Result<Tensor> {
     if t.device().same_device(dev) {
         return Ok(t.clone());
@@ -66,7 +67,7 @@ fn on(ctx: &OpCtx, t: &Tensor, dev: &Device) -> Result<Tensor> {
     let t = if covers_storage(t) {
         t.clone()
     } else {
-        t.copy().map_err(candle(ctx))?
+        t.force_contiguous().map_err(candle(ctx))?
     };
     t.to_device(dev).map_err(candle(ctx))
 }
@@ -101,9 +102,10 @@ fn own_copy(ctx: &OpCtx, t: &Tensor, dev: &Device) -> Result<Tensor> {
         return empty(ctx, t.shape(), t.dtype(), t);
     }
     if t.device().same_device(dev) {
-        t.copy().map_err(candle(ctx))
+        // Exactly `t`'s elements (`copy` would clone the whole storage behind a view).
+        t.force_contiguous().map_err(candle(ctx))
     } else {
-        t.to_device(dev).map_err(candle(ctx))
+        on(ctx, t, dev)
     }
 }
 
