@@ -175,8 +175,8 @@ fn gpu_check_passes_only_with_every_required_binary_and_figure() {
     let good = gpu_check(&dir, &bin, "good");
     assert_eq!(good.code, Some(0), "{}", good.out);
     for id in [
-        "libs", "a1", "a2", "b", "b2", "k", "c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7", "c8",
-        "c9", "c10", "c11", "e1", "e2", "d",
+        "libs", "a1", "a2", "b", "b2", "k", "k2", "c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7",
+        "c8", "c9", "c10", "c11", "e1", "e2", "d",
     ] {
         assert_row(&good, id, "PASS", "");
     }

@@ -25,7 +25,8 @@
 // - Atomics are plain read-modify-writes: only one fiber runs at a time.
 //
 // Not emulated: timing, memory coalescing, bank conflicts, the memory model beyond barriers
-// (every fiber sees every write at once), inline PTX, cooperative groups, tensor cores.
+// (every fiber sees every write at once), inline PTX, cooperative groups. Warp matrix
+// operations (tensor cores' `nvcuda::wmma`) are emulated by `mma.h` (see there).
 // Device pointers are host pointers.
 
 #pragma once
@@ -48,6 +49,7 @@
 #define __launch_bounds__(...)
 #define __shared__ static thread_local
 #define __constant__ static const
+#define __align__(n) __attribute__((aligned(n)))
 
 // Dynamic shared memory: `CDT_DYN_SHARED(float, buf);` declares `buf` as the launch's dynamic
 // shared memory (an `extern __shared__` array on a GPU).

@@ -142,6 +142,18 @@ XENT_SHIM(bf16, bf16_t, i64, long long)
 FA_SHIM_DIMS(f32, float)
 FA_SHIM_DIMS(bf16, bf16_t)
 
+#define FA_TC_SHIM(D)                                                                         \
+    int emu_fa_fwd_tc_bf16_d##D(EMU_ERR, const bf16_t* q, const bf16_t* k, const bf16_t* v,   \
+                                bf16_t* o, float* lse, int tq, int tk, float scale,           \
+                                int causal) {                                                 \
+        EMU_RUN(cdt_fa_fwd_tc_bf16_d##D, q, k, v, o, lse, tq, tk, scale, causal);             \
+    }
+FA_TC_SHIM(32)
+FA_TC_SHIM(48)
+FA_TC_SHIM(64)
+FA_TC_SHIM(96)
+FA_TC_SHIM(128)
+
 
 int emu_sumsq_partial_f32(EMU_ERR, const unsigned long long* ptrs, const long long* starts, int k,
                           long long chunk, float* partial) {

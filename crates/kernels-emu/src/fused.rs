@@ -218,6 +218,11 @@ shims! {
     emu_fa_bwd_delta_bf16_d128(o: *const bf16, d_o: *const bf16, delta: *mut f32, rows: Ll);
     emu_fa_bwd_dkv_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
     emu_fa_bwd_dq_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_tc_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_tc_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_tc_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_tc_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_tc_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
     emu_xent_bwd_bf16_i64(x: *const bf16, t: *const i64, lg: *const f32, dx: *mut bf16, rows: Ll, n: c_int, ignore: Ll, has_ignore: c_int);
 }
 
@@ -775,6 +780,88 @@ pub fn flash_attn_fwd<T: Dt>(
     // assumes.
     run(&launch, order, |l, e, el| unsafe {
         (fns.fwd)(
+            (l, e, el),
+            q.ptr(),
+            k.ptr(),
+            v.ptr(),
+            o.mut_ptr(),
+            lse.mut_ptr(),
+            tq,
+            tk,
+            scale,
+            c_int::from(causal),
+        )
+    })?;
+    o.check(kn)?;
+    lse.check(kn)
+}
+
+/// The tensor-core forward's shim for head dim `d` (bf16 only).
+fn fa_tc(d: usize) -> Option<FaFwd<bf16>> {
+    Some(match d {
+        32 => emu_fa_fwd_tc_bf16_d32,
+        48 => emu_fa_fwd_tc_bf16_d48,
+        64 => emu_fa_fwd_tc_bf16_d64,
+        96 => emu_fa_fwd_tc_bf16_d96,
+        128 => emu_fa_fwd_tc_bf16_d128,
+        _ => return None,
+    })
+}
+
+/// Warps per block of the tensor-core forward for head dim `d` (`FA_TC_WARPS` of the kernel:
+/// its shared memory fits the 48 KiB static limit), each warp 16 query rows.
+pub fn fa_tc_warps(d: usize) -> usize {
+    if d <= 64 {
+        4
+    } else {
+        2
+    }
+}
+
+/// Flash-attention forward on tensor cores (`cdt_fa_fwd_tc_bf16_d*`: warp matrix products,
+/// bf16 operands, f32 accumulation), with the launch the CUDA op uses: grid
+/// `(ceil(tq / (16 warps)), bh)`, `32 warps` threads ([`fa_tc_warps`]). Same outputs as
+/// [`flash_attn_fwd`] up to rounding (P is rounded to bf16 for the second product).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_fwd_tc(
+    order: Order,
+    q: &Buf<bf16>,
+    k: &Buf<bf16>,
+    v: &Buf<bf16>,
+    o: &mut Buf<bf16>,
+    lse: &mut Buf<f32>,
+    shape: Attn,
+    scale: f32,
+    causal: bool,
+) -> Result<()> {
+    let kn = "flash_attn_fwd_tc";
+    let (_, tq, tk, bh) = shape.check::<bf16>(kn)?;
+    let fwd = fa_tc(shape.d).ok_or_else(|| {
+        args(
+            kn,
+            format!("head dim {} is not one of {FA_HEAD_DIMS:?}", shape.d),
+        )
+    })?;
+    let (nq, nk) = (shape.bh * shape.tq * shape.d, shape.bh * shape.tk * shape.d);
+    need_elems(kn, q.len(), nq)?;
+    need_elems(kn, o.len(), nq)?;
+    need_elems(kn, k.len(), nk)?;
+    need_elems(kn, v.len(), nk)?;
+    need_elems(kn, lse.len(), shape.bh * shape.tq)?;
+    let warps = fa_tc_warps(shape.d);
+    let blocks = u32::try_from(shape.tq.div_ceil(16 * warps).max(1))
+        .map_err(|_| args(kn, format!("{} rows need too many blocks", shape.tq)))?;
+    let launch = Launch {
+        grid: (blocks, bh, 1),
+        block: (32 * warps as u32, 1, 1),
+        shared_bytes: 0,
+    };
+    // SAFETY: block (x, h) reads q and writes o at rows [16 w x, 16 w (x + 1)) ∩ [0, tq) of
+    // head h (h < bh, w the warps), reads k and v rows [0, tk) of head h, writes lse[h tq + i]
+    // for i < tq: all in bounds of the checked lengths; the block has the warps the kernel's
+    // row mapping assumes for this head dim.
+    run(&launch, order, |l, e, el| unsafe {
+        fwd(
             (l, e, el),
             q.ptr(),
             k.ptr(),

@@ -336,3 +336,98 @@ fn unsupported_head_dims_and_short_buffers_are_refused() {
     .unwrap_err();
     assert!(e.to_string().contains("flash_attn_fwd"), "{e}");
 }
+
+/// The tensor-core forward (`cdt_fa_fwd_tc_bf16_*`, warp matrix products under the emulator's
+/// `mma.h`) against the reference and the SIMT forward, on every case: the same bits under
+/// every fiber order (a tile read before its lanes stored it would differ), `o` within bf16
+/// tolerance of the reference (P is rounded to bf16 for the second product), `lse` within f32
+/// summation-order tolerance of the SIMT kernel's, and the same rows without any visible key.
+#[test]
+fn tensor_core_forward_matches_the_reference_and_the_simt_forward() {
+    let mut all = cases();
+    all.push(Case {
+        bh: 1,
+        tq: 8,
+        tk: 5,
+        d: 32,
+        causal: true,
+    });
+    // Several blocks of 64 (d <= 64) and 32 (d > 64) queries, a ragged last key tile.
+    all.push(Case {
+        bh: 2,
+        tq: 150,
+        tk: 150,
+        d: 64,
+        causal: true,
+    });
+    all.push(Case {
+        bh: 1,
+        tq: 70,
+        tk: 97,
+        d: 128,
+        causal: true,
+    });
+    for (i, c) in all.iter().enumerate() {
+        let (nq, nk) = (c.bh * c.tq * c.d, c.bh * c.tk * c.d);
+        let scale = 1.0 / (c.d as f32).sqrt();
+        let seed = 100 + 10 * i as u64;
+        let (q, qf) = as_dt::<bf16>(&values(nq, 2.0, seed));
+        let (k, kf) = as_dt::<bf16>(&values(nk, 2.0, seed + 1));
+        let (v, vf) = as_dt::<bf16>(&values(nk, 1.0, seed + 2));
+        let g = values(nq, 1.0, seed + 3);
+        let [want_o, ..] = reference(c, &qf, &kf, &vf, &g, scale);
+        let shape = Attn {
+            bh: c.bh,
+            tq: c.tq,
+            tk: c.tk,
+            d: c.d,
+        };
+        let what = format!(
+            "tensor cores: bh {} tq {} tk {} d {} causal {}",
+            c.bh, c.tq, c.tk, c.d, c.causal
+        );
+        let (qb, kb, vb) = (
+            Buf::from_slice("q", &q),
+            Buf::from_slice("k", &k),
+            Buf::from_slice("v", &v),
+        );
+        let nan = bf16::from_f32(f32::NAN);
+        let mut outs = Vec::new();
+        for order in ORDERS {
+            let mut o = Buf::filled("o", nq, nan);
+            let mut lse = Buf::filled("lse", c.bh * c.tq, f32::NAN);
+            fused::flash_attn_fwd_tc(
+                order, &qb, &kb, &vb, &mut o, &mut lse, shape, scale, c.causal,
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            outs.push((o.as_slice().to_vec(), lse.as_slice().to_vec()));
+        }
+        for (order, (o, lse)) in ORDERS.iter().zip(&outs).skip(1) {
+            assert!(
+                same_bits(&outs[0].0, o) && same_bits(&outs[0].1, lse),
+                "{what}: {order:?} differs from Forward"
+            );
+        }
+        let (o, lse) = &outs[0];
+        close(&format!("{what} o"), o, &want_o, 2e-2, 1e-2);
+        // The SIMT forward's lse: the same maxima, sums in another order.
+        let mut so = Buf::filled("o", nq, nan);
+        let mut slse = Buf::filled("lse", c.bh * c.tq, f32::NAN);
+        fused::flash_attn_fwd(
+            Order::Forward,
+            &qb,
+            &kb,
+            &vb,
+            &mut so,
+            &mut slse,
+            shape,
+            scale,
+            c.causal,
+        )
+        .unwrap();
+        for (r, (a, b)) in lse.iter().zip(slse.as_slice()).enumerate() {
+            let same = (a.is_infinite() && a == b) || (a - b).abs() <= 1e-3 * b.abs().max(1.0);
+            assert!(same, "{what}: lse row {r}: {a} vs the SIMT kernel's {b}");
+        }
+    }
+}

@@ -293,3 +293,178 @@ __device__ void fa_bwd_dq(const T* __restrict__ q, const T* __restrict__ k,
 
 FA_DIMS(f32, float)
 FA_DIMS(bf16, bf16_t)
+
+// ------------------------------------------------------------------------------------------
+// The forward on tensor cores (bf16 operands, f32 accumulation; sm_80 and newer): the two
+// products of a tile, S = Q K^T and O += P V, are warp matrix operations (16 x 16 x 16); the
+// online softmax runs on the tile of scores the warp stored in shared memory.
+//
+// A block is FA_TC_WARPS(D) warps; warp w owns the 16 queries [q0 + 16 w, q0 + 16 w + 16) and
+// their rows of the score tile S [BM][FA_TC_BN] (f32), of the probabilities P (bf16, as FlashAttention
+// rounds them for the second product) and of the running output O [BM][D] (f32, in shared
+// memory: a per-row rescale of an accumulator fragment would need its opaque element layout).
+// Keys stream through shared memory FA_TC_BN at a time, loaded by the whole block. Per tile,
+// warp w: S rows = its Q rows times the key tile (scaled, masked), the row maxima and sums
+// updated (two lanes per row), its O rows rescaled by exp(m_old - m_new), then O += P V.
+// Rows with nothing visible keep m = -inf and P = 0, as the SIMT kernel does; o and lse are
+// written as it writes them. Warps only read shared rows they wrote, after a __syncwarp; the
+// key tiles are guarded by __syncthreads.
+#if defined(CDT_EMU) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#include <mma.h>
+
+#define FA_TC_BN 32
+#define FA_TC_WARPS(D) ((D) <= 64 ? 4 : 2)
+
+template <int D>
+__device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
+                          const bf16_t* __restrict__ v, bf16_t* __restrict__ o,
+                          float* __restrict__ lse, int tq, int tk, float scale, int causal) {
+    namespace wmma = nvcuda::wmma;
+    constexpr int WARPS = FA_TC_WARPS(D);
+    constexpr int BM = 16 * WARPS;
+    constexpr int BN = FA_TC_BN;
+    static_assert(D % 16 == 0, "the head dim is a multiple of the 16-wide matrix tiles");
+    // Warp matrix loads and stores need 32-byte aligned addresses: every tile below starts at
+    // a multiple of 16 rows and 16 columns of an aligned array.
+    __shared__ __align__(32) bf16_t qs[BM][D];
+    __shared__ __align__(32) bf16_t ks[BN][D];
+    __shared__ __align__(32) bf16_t vs[BN][D];
+    __shared__ __align__(32) float ss[BM][BN];
+    __shared__ __align__(32) bf16_t ps[BM][BN];
+    __shared__ __align__(32) float os[BM][D];
+    __shared__ float ms[BM], ls[BM], alphas[BM];
+    const long long bh = blockIdx.y;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int w0 = warp * 16;  // the warp's first row in the block's tiles
+    const long long q0 = (long long)blockIdx.x * BM;
+    const long long shift = (long long)tk - tq;
+    const bf16_t* qb = q + bh * tq * D;
+    const bf16_t* kb = k + bh * tk * D;
+    const bf16_t* vb = v + bh * tk * D;
+    for (int idx = threadIdx.x; idx < BM * D; idx += blockDim.x) {
+        const int r = idx / D, e = idx % D;
+        const long long i = q0 + r;
+        qs[r][e] = i < tq ? qb[i * D + e] : (bf16_t)0;
+        os[r][e] = 0.f;
+    }
+    for (int r = threadIdx.x; r < BM; r += blockDim.x) {
+        ms[r] = CDT_NEG_INF;
+        ls[r] = 0.f;
+    }
+    __syncthreads();  // rows are initialised by other warps than their owners
+    // The last key (exclusive) any query of the block sees.
+    long long kend = tk;
+    if (causal) {
+        long long last = q0 + BM - 1;
+        if (last > tq - 1) last = tq - 1;
+        kend = last + shift + 1;
+        kend = kend < 0 ? 0 : (kend > tk ? tk : kend);
+    }
+    // Lanes 2r and 2r + 1 own row w0 + r of the softmax; each BN / 2 of its columns.
+    const int sr = w0 + lane / 2, half = lane % 2;
+    const long long si = q0 + sr;
+    for (long long j0 = 0; j0 < kend; j0 += BN) {
+        __syncthreads();  // every warp is done with the previous key tile
+        for (int idx = threadIdx.x; idx < BN * D; idx += blockDim.x) {
+            const int r = idx / D, e = idx % D;
+            const long long j = j0 + r;
+            ks[r][e] = j < tk ? kb[j * D + e] : (bf16_t)0;
+            vs[r][e] = j < tk ? vb[j * D + e] : (bf16_t)0;
+        }
+        __syncthreads();
+        // S = Q K^T for the warp's rows: K^T is K read column-major.
+        for (int nt = 0; nt < BN / 16; ++nt) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+            wmma::fill_fragment(acc, 0.f);
+            for (int kk = 0; kk < D / 16; ++kk) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
+                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&qs[w0][kk * 16], D);
+                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&ks[nt * 16][kk * 16], D);
+                wmma::mma_sync(acc, a, b, acc);
+            }
+            wmma::store_matrix_sync(&ss[w0][nt * 16], acc, BN, wmma::mem_row_major);
+        }
+        __syncwarp();
+        // The online softmax of row sr over this tile's columns.
+        float s[BN / 2];
+        float tmax = CDT_NEG_INF;
+#pragma unroll
+        for (int c = 0; c < BN / 2; ++c) {
+            const int col = half * (BN / 2) + c;
+            const long long j = j0 + col;
+            const bool vis = si < tq && j < tk && (!causal || j <= si + shift);
+            s[c] = vis ? ss[sr][col] * scale : CDT_NEG_INF;
+            tmax = fmaxf(tmax, s[c]);
+        }
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+        const float m_old = ms[sr];
+        const float mn = fmaxf(m_old, tmax);
+        float psum = 0.f;
+#pragma unroll
+        for (int c = 0; c < BN / 2; ++c) {
+            const float p = (mn == CDT_NEG_INF || s[c] == CDT_NEG_INF) ? 0.f : expf(s[c] - mn);
+            psum += p;
+            ps[sr][half * (BN / 2) + c] = from_f32<bf16_t>(p);
+        }
+        psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+        // Nothing visible yet: O and l stay (0), m stays -inf.
+        const float alpha = (mn == CDT_NEG_INF) ? 1.f : (m_old == CDT_NEG_INF ? 0.f : expf(m_old - mn));
+        __syncwarp();  // both lanes of the row read ms[sr] before it changes
+        if (half == 0) {
+            ls[sr] = ls[sr] * alpha + psum;
+            ms[sr] = mn;
+            alphas[sr] = alpha;
+        }
+        __syncwarp();
+        // Rescale the warp's O rows, then O += P V.
+        for (int idx = lane; idx < 16 * D; idx += 32) {
+            const int r = w0 + idx / D, e = idx % D;
+            os[r][e] *= alphas[r];
+        }
+        __syncwarp();
+        for (int dt = 0; dt < D / 16; ++dt) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+            wmma::load_matrix_sync(acc, &os[w0][dt * 16], D, wmma::mem_row_major);
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b;
+                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&ps[w0][kk * 16], BN);
+                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&vs[kk * 16][dt * 16], D);
+                wmma::mma_sync(acc, a, b, acc);
+            }
+            wmma::store_matrix_sync(&os[w0][dt * 16], acc, D, wmma::mem_row_major);
+        }
+        __syncwarp();
+    }
+    __syncwarp();
+    // The warp's rows: o = O / l, lse = m + log l.
+    for (int idx = lane; idx < 16 * D; idx += 32) {
+        const int r = w0 + idx / D, e = idx % D;
+        const long long i = q0 + r;
+        if (i < tq) {
+            const float l = ls[r];
+            o[(bh * tq + i) * D + e] = from_f32<bf16_t>(l > 0.f ? os[r][e] / l : 0.f);
+        }
+    }
+    if (lane < 16) {
+        const int r = w0 + lane;
+        const long long i = q0 + r;
+        if (i < tq) lse[bh * tq + i] = ls[r] > 0.f ? ms[r] + logf(ls[r]) : CDT_NEG_INF;
+    }
+}
+
+// cdt_fa_fwd_tc_bf16_d{D}: the same arguments as cdt_fa_fwd_bf16_d{D}. Launch: grid
+// (ceil(tq / (16 FA_TC_WARPS(D))), BH), block 32 FA_TC_WARPS(D) threads.
+#define FA_TC(D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * FA_TC_WARPS(D)) cdt_fa_fwd_tc_bf16_d##D(  \
+        const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, int tq,     \
+        int tk, float scale, int causal) {                                                    \
+        fa_fwd_tc<D>(q, k, v, o, lse, tq, tk, scale, causal);                                 \
+    }
+FA_TC(32)
+FA_TC(48)
+FA_TC(64)
+FA_TC(96)
+FA_TC(128)
+#endif

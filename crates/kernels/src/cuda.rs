@@ -1280,6 +1280,21 @@ impl Fa {
         Ok(s)
     }
 
+    /// The tensor-core forward's launch: `FA_TC_WARPS(d)` warps a block (4 up to d = 64, else
+    /// 2: the static shared tiles stay under 48 KiB), 16 query rows a warp.
+    fn tc_cfg(&self) -> LaunchConfig {
+        let warps: usize = if self.d <= 64 { 4 } else { 2 };
+        LaunchConfig {
+            grid_dim: (
+                self.tq.div_ceil(16 * warps).max(1) as u32,
+                self.bh as u32,
+                1,
+            ),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
     /// Grid `(ceil(rows / 32), bh)` of 128-thread blocks.
     fn cfg(&self, rows: usize) -> LaunchConfig {
         LaunchConfig {
@@ -1320,8 +1335,29 @@ fn fa_fwd_launch<T: Float>(
     let mut o = alloc_out::<T>(dev, s.bh * s.tq * s.d)?;
     let mut lse = alloc_out::<f32>(dev, s.bh * s.tq)?;
     if s.bh * s.tq > 0 {
-        let name = format!("cdt_fa_fwd_{}_d{}", T::SUFFIX, s.d);
-        let f = dev.get_or_load_custom_func(&name, FLASH_ATTN.name, FLASH_ATTN.ptx)?;
+        // bf16 on tensor cores where the module has them (built for compute_80 or newer) and
+        // `CDT_FLASH_TC` is not `0`; otherwise, and for f32, the SIMT kernel.
+        let tc = (T::SUFFIX == "bf16" && crate::flash::tensor_cores_enabled())
+            .then(|| {
+                let name = format!("cdt_fa_fwd_tc_bf16_d{}", s.d);
+                match dev.get_or_load_custom_func(&name, FLASH_ATTN.name, FLASH_ATTN.ptx) {
+                    Ok(f) => Some(f),
+                    Err(e) => {
+                        tracing::debug!(kernel = %name, error = %e,
+                            "no tensor-core flash forward in this build; the SIMT kernel runs");
+                        None
+                    }
+                }
+            })
+            .flatten();
+        let (f, cfg) = match tc {
+            Some(f) => (f, s.tc_cfg()),
+            None => {
+                let name = format!("cdt_fa_fwd_{}_d{}", T::SUFFIX, s.d);
+                let f = dev.get_or_load_custom_func(&name, FLASH_ATTN.name, FLASH_ATTN.ptx)?;
+                (f, s.cfg(s.tq))
+            }
+        };
         let (tq, tk, c) = (s.tq as i32, s.tk as i32, i32::from(causal));
         let mut b = f.builder();
         b.arg(&qv);
@@ -1337,9 +1373,10 @@ fn fa_fwd_launch<T: Float>(
         // scale, int causal)` with d the head dim it was built for (checked by `Fa::of`): q
         // and o hold bh tq d elements, k and v bh tk d, lse bh tq (contiguous views and fresh
         // allocations of those lengths); block (x, h) touches rows below tq / tk of head h < bh
-        // only, and writes every o and lse element of its rows; the block is the 128 threads
-        // its row mapping assumes.
-        unsafe { b.launch(s.cfg(s.tq)) }.w()?;
+        // only, and writes every o and lse element of its rows; the block is the thread count
+        // its row mapping assumes (128 for the SIMT kernel, 32 FA_TC_WARPS(d) for the tensor-
+        // core one, whose grid covers tq in tiles of 16 FA_TC_WARPS(d) rows: `Fa::tc_cfg`).
+        unsafe { b.launch(cfg) }.w()?;
     }
     Ok((wrap(dev, o), wrap(dev, lse)))
 }

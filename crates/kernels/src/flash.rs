@@ -1,6 +1,8 @@
 //! Attention that never materialises the `[T, T]` scores: the flash-attention CUDA kernels
 //! (`cuda/flash_attn.cu`, SIMT, f32 accumulation, f32 or bf16 operands, a deterministic
-//! backward without atomics) as one graph node with a hand-written backward.
+//! backward without atomics) as one graph node with a hand-written backward. The bf16 forward
+//! runs on tensor cores (warp matrix products, `cdt_fa_fwd_tc_bf16_d*`) unless
+//! `CDT_FLASH_TC=0`.
 //!
 //! [`applies`] says where: CUDA tensors (feature `cuda`) of f32 or bf16, head dims in
 //! [`HEAD_DIMS`], at most 65,535 heads (batch times heads) per call, unless `CDT_FLASH_ATTN=0`
@@ -55,6 +57,14 @@ pub fn applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
 fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("CDT_FLASH_ATTN").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether the bf16 forward runs on tensor cores (`CDT_FLASH_TC` unset or anything but `0`;
+/// `0` keeps the SIMT forward, to compare the two). The backward is SIMT either way.
+#[cfg(feature = "cuda")]
+pub(crate) fn tensor_cores_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CDT_FLASH_TC").map_or(true, |v| v.trim() != "0"))
 }
 
 /// `softmax(scale q k^T [causal]) v` for `q [.., tq, d]`, `k`, `v` `[.., tk, d]` where

@@ -1,0 +1,123 @@
+// The emulator's <mma.h>: CUDA's warp matrix functions (`nvcuda::wmma`) for the shapes and
+// types the kernels use (m16n16k16, bf16 operands, f32 accumulator), with the semantics the
+// CUDA programming guide gives them and nothing more:
+//
+// - Every operation is warp-collective: each emulated lane enters a warp barrier first, so a
+//   call some lanes of the warp skip is a deadlock, as on a GPU.
+// - A fragment's contents are opaque. Each lane here holds the whole tile (computing the same
+//   product redundantly), and fragments expose no element access (`x[]`), so a kernel that
+//   assumes a lane-to-element mapping does not compile.
+// - `store_matrix_sync` writes each element from one lane only (element e from lane e % 32),
+//   so a lane that reads another lane's element of a stored tile without a `__syncwarp()` in
+//   between reads stale memory under some fiber orders, and the tests' bit-for-bit comparison
+//   of orders shows it.
+// - `mma_sync` accumulates in f32, k in ascending order with separately rounded multiplies and
+//   adds (tensor cores use their own order and internal precision: tolerances cover it).
+#pragma once
+
+#include "cuda_emu.h"
+
+namespace nvcuda {
+namespace wmma {
+
+struct row_major {};
+struct col_major {};
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+enum layout_t { mem_row_major, mem_col_major };
+
+namespace detail {
+inline float to_float(float v) { return v; }
+inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <class T> inline T from_float(float v);
+template <> inline float from_float<float>(float v) { return v; }
+}  // namespace detail
+
+template <class Use, int M, int N, int K, class T, class Layout = void>
+struct fragment;
+
+// matrix_a: M x K; matrix_b: K x N; accumulator: M x N. `tile` is row-major in every case.
+template <class T, class Layout>
+struct fragment<matrix_a, 16, 16, 16, T, Layout> {
+    static constexpr int rows = 16, cols = 16;
+    static constexpr bool col_major_src = false;
+    float tile[16 * 16];
+};
+template <class T>
+struct fragment<matrix_a, 16, 16, 16, T, col_major> {
+    static constexpr int rows = 16, cols = 16;
+    static constexpr bool col_major_src = true;
+    float tile[16 * 16];
+};
+template <class T, class Layout>
+struct fragment<matrix_b, 16, 16, 16, T, Layout> {
+    static constexpr int rows = 16, cols = 16;
+    static constexpr bool col_major_src = false;
+    float tile[16 * 16];
+};
+template <class T>
+struct fragment<matrix_b, 16, 16, 16, T, col_major> {
+    static constexpr int rows = 16, cols = 16;
+    static constexpr bool col_major_src = true;
+    float tile[16 * 16];
+};
+template <class T>
+struct fragment<accumulator, 16, 16, 16, T, void> {
+    static constexpr int rows = 16, cols = 16;
+    float tile[16 * 16];
+};
+
+template <class Frag>
+inline void fill_fragment(Frag& f, float v) {
+    emu::warp_barrier();
+    for (float& e : f.tile) e = v;
+}
+
+// A or B operand: (r, c) of the tile at p[r * ldm + c] (row-major) or p[c * ldm + r].
+template <class Frag, class T>
+inline void load_matrix_sync(Frag& f, const T* p, unsigned ldm) {
+    emu::warp_barrier();
+    for (int r = 0; r < Frag::rows; ++r)
+        for (int c = 0; c < Frag::cols; ++c)
+            f.tile[r * Frag::cols + c] = detail::to_float(
+                Frag::col_major_src ? p[(size_t)c * ldm + r] : p[(size_t)r * ldm + c]);
+}
+
+// The accumulator, from f32 memory in the layout given.
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p,
+                             unsigned ldm, layout_t layout) {
+    emu::warp_barrier();
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c)
+            f.tile[r * 16 + c] =
+                layout == mem_row_major ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r];
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f,
+                              unsigned ldm, layout_t layout) {
+    emu::warp_barrier();
+    const unsigned lane = emu::lane_id();
+    for (int e = static_cast<int>(lane); e < 256; e += 32) {
+        const int r = e / 16, c = e % 16;
+        float* dst = layout == mem_row_major ? &p[(size_t)r * ldm + c] : &p[(size_t)c * ldm + r];
+        *dst = f.tile[e];
+    }
+}
+
+template <class A, class B>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const A& a, const B& b,
+                     const fragment<accumulator, 16, 16, 16, float>& c) {
+    emu::warp_barrier();
+    float out[256];
+    for (int m = 0; m < 16; ++m)
+        for (int n = 0; n < 16; ++n) {
+            float acc = c.tile[m * 16 + n];
+            for (int k = 0; k < 16; ++k) acc += a.tile[m * 16 + k] * b.tile[k * 16 + n];
+            out[m * 16 + n] = acc;
+        }
+    for (int i = 0; i < 256; ++i) d.tile[i] = out[i];
+}
+
+}  // namespace wmma
+}  // namespace nvcuda
