@@ -766,20 +766,52 @@ pub fn flash_attn_fwd<T: Dt>(
     causal: bool,
 ) -> Result<()> {
     let kn = "flash_attn_fwd";
-    let (fns, tq, tk, bh) = shape.check::<T>(kn)?;
+    let (fns, _, _, bh) = shape.check::<T>(kn)?;
+    let launch = Attn::blocks(kn, shape.tq, bh)?;
+    // SAFETY: the launch is grid (ceil(tq / 32), bh) of 128 threads, the row mapping of the
+    // SIMT forward.
+    unsafe {
+        fa_fwd_run(
+            kn, fns.fwd, &launch, order, q, k, v, o, lse, shape, scale, causal,
+        )
+    }
+}
+
+/// Checks the buffers' lengths against `shape`, runs the forward kernel `fwd` over `launch`,
+/// and checks the outputs' guard zones.
+///
+/// # Safety
+///
+/// `launch` is the launch `fwd`'s row mapping assumes for `shape` (its grid covers the
+/// queries of `bh` heads and no more, its blocks have the threads the kernel indexes by).
+#[allow(clippy::too_many_arguments)]
+unsafe fn fa_fwd_run<T: Dt>(
+    kn: &'static str,
+    fwd: FaFwd<T>,
+    launch: &Launch,
+    order: Order,
+    q: &Buf<T>,
+    k: &Buf<T>,
+    v: &Buf<T>,
+    o: &mut Buf<T>,
+    lse: &mut Buf<f32>,
+    shape: Attn,
+    scale: f32,
+    causal: bool,
+) -> Result<()> {
+    let (_, tq, tk, _) = shape.check::<T>(kn)?;
     let (nq, nk) = (shape.bh * shape.tq * shape.d, shape.bh * shape.tk * shape.d);
     need_elems(kn, q.len(), nq)?;
     need_elems(kn, o.len(), nq)?;
     need_elems(kn, k.len(), nk)?;
     need_elems(kn, v.len(), nk)?;
     need_elems(kn, lse.len(), shape.bh * shape.tq)?;
-    let launch = Attn::blocks(kn, shape.tq, bh)?;
-    // SAFETY: block (x, h) reads q, writes o at rows [32 x, 32 x + 32) ∩ [0, tq) of head h
-    // (h < bh), reads k and v rows [0, tk) of head h, writes lse[h tq + i] for i < tq: all in
-    // bounds of the checked lengths; the block is the 128 threads the kernel's row mapping
-    // assumes.
-    run(&launch, order, |l, e, el| unsafe {
-        (fns.fwd)(
+    // SAFETY: with the launch the kernel assumes (the caller's promise), block (x, h) reads q
+    // and writes o at its query rows within [0, tq) of head h < bh, reads k and v rows [0, tk)
+    // of head h and writes lse[h tq + i] for its rows i < tq: all in bounds of the lengths
+    // just checked.
+    run(launch, order, |l, e, el| unsafe {
+        fwd(
             (l, e, el),
             q.ptr(),
             k.ptr(),
@@ -835,19 +867,13 @@ pub fn flash_attn_fwd_tc(
     causal: bool,
 ) -> Result<()> {
     let kn = "flash_attn_fwd_tc";
-    let (_, tq, tk, bh) = shape.check::<bf16>(kn)?;
+    let (_, _, _, bh) = shape.check::<bf16>(kn)?;
     let fwd = fa_tc(shape.d).ok_or_else(|| {
         args(
             kn,
             format!("head dim {} is not one of {FA_HEAD_DIMS:?}", shape.d),
         )
     })?;
-    let (nq, nk) = (shape.bh * shape.tq * shape.d, shape.bh * shape.tk * shape.d);
-    need_elems(kn, q.len(), nq)?;
-    need_elems(kn, o.len(), nq)?;
-    need_elems(kn, k.len(), nk)?;
-    need_elems(kn, v.len(), nk)?;
-    need_elems(kn, lse.len(), shape.bh * shape.tq)?;
     let warps = fa_tc_warps(shape.d);
     let blocks = u32::try_from(shape.tq.div_ceil(16 * warps).max(1))
         .map_err(|_| args(kn, format!("{} rows need too many blocks", shape.tq)))?;
@@ -856,26 +882,13 @@ pub fn flash_attn_fwd_tc(
         block: (32 * warps as u32, 1, 1),
         shared_bytes: 0,
     };
-    // SAFETY: block (x, h) reads q and writes o at rows [16 w x, 16 w (x + 1)) ∩ [0, tq) of
-    // head h (h < bh, w the warps), reads k and v rows [0, tk) of head h, writes lse[h tq + i]
-    // for i < tq: all in bounds of the checked lengths; the block has the warps the kernel's
-    // row mapping assumes for this head dim.
-    run(&launch, order, |l, e, el| unsafe {
-        fwd(
-            (l, e, el),
-            q.ptr(),
-            k.ptr(),
-            v.ptr(),
-            o.mut_ptr(),
-            lse.mut_ptr(),
-            tq,
-            tk,
-            scale,
-            c_int::from(causal),
+    // SAFETY: the launch is grid (ceil(tq / (16 w)), bh) of 32 w threads, w the warps the
+    // tensor-core forward is built with for this head dim (FA_TC_WARPS): its row mapping.
+    unsafe {
+        fa_fwd_run(
+            kn, fwd, &launch, order, q, k, v, o, lse, shape, scale, causal,
         )
-    })?;
-    o.check(kn)?;
-    lse.check(kn)
+    }
 }
 
 /// Flash-attention backward: `dq`, `dk`, `dv` from the forward's `o` and `lse` and the
