@@ -21,8 +21,8 @@
 #           fused CUDA kernel against its CPU reference composition, forward and backward, f32
 #           and bf16, uneven and empty shapes, bad input. Passes only on its summary line
 #           `cuda_fused: <n> checks passed` (a run that finds no GPU prints SKIPPED instead)
-#   k2      the same with CDT_FLASH_TC=0: the bf16 attention forward on the SIMT kernel (k runs
-#           it on tensor cores); k alone failing points at cdt_fa_fwd_tc_*
+#   k2      the same with CDT_FLASH_TC=0: bf16 attention on the SIMT kernels (k runs it on
+#           tensor cores); k alone failing points at cdt_fa_*_tc_*
 #   c0      train_gpt --device cuda on one GPU (tokens/s of the tiny preset)
 #   c1-c3   train_gpt --device cuda --check --check-device cpu --check-tol 1e-4 for TP=2, FSDP
 #           dp=2 and FSDP x TP dp=2,tp=2 (rank threads sharing the GPU): every step's loss

@@ -147,6 +147,20 @@ FA_SHIM_DIMS(bf16, bf16_t)
                                 bf16_t* o, float* lse, int tq, int tk, float scale,           \
                                 int causal) {                                                 \
         EMU_RUN(cdt_fa_fwd_tc_bf16_d##D, q, k, v, o, lse, tq, tk, scale, causal);             \
+    }                                                                                         \
+    int emu_fa_bwd_dkv_tc_bf16_d##D(EMU_ERR, const bf16_t* q, const bf16_t* k,                \
+                                    const bf16_t* v, const bf16_t* d_o, const float* lse,     \
+                                    const float* delta, bf16_t* dk, bf16_t* dv, int tq,       \
+                                    int tk, float scale, int causal) {                        \
+        EMU_RUN(cdt_fa_bwd_dkv_tc_bf16_d##D, q, k, v, d_o, lse, delta, dk, dv, tq, tk, scale, \
+                causal);                                                                      \
+    }                                                                                         \
+    int emu_fa_bwd_dq_tc_bf16_d##D(EMU_ERR, const bf16_t* q, const bf16_t* k,                 \
+                                   const bf16_t* v, const bf16_t* d_o, const float* lse,      \
+                                   const float* delta, bf16_t* dq, int tq, int tk,            \
+                                   float scale, int causal) {                                 \
+        EMU_RUN(cdt_fa_bwd_dq_tc_bf16_d##D, q, k, v, d_o, lse, delta, dq, tq, tk, scale,      \
+                causal);                                                                      \
     }
 FA_TC_SHIM(32)
 FA_TC_SHIM(48)

@@ -223,6 +223,16 @@ shims! {
     emu_fa_fwd_tc_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
     emu_fa_fwd_tc_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
     emu_fa_fwd_tc_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dkv_tc_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_tc_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dkv_tc_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_tc_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dkv_tc_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_tc_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dkv_tc_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_tc_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dkv_tc_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_tc_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
     emu_xent_bwd_bf16_i64(x: *const bf16, t: *const i64, lg: *const f32, dx: *mut bf16, rows: Ll, n: c_int, ignore: Ll, has_ignore: c_int);
 }
 
@@ -828,16 +838,61 @@ unsafe fn fa_fwd_run<T: Dt>(
     lse.check(kn)
 }
 
-/// The tensor-core forward's shim for head dim `d` (bf16 only).
-fn fa_tc(d: usize) -> Option<FaFwd<bf16>> {
+/// The tensor-core kernels for head dim `d` (bf16 only): forward, dK/dV and dQ on tensor
+/// cores, delta the SIMT kernel's (a row sum, no product to speed up).
+fn fa_tc(d: usize) -> Option<FaFns<bf16>> {
+    let delta = <bf16 as Dt>::fa(d)?.delta;
     Some(match d {
-        32 => emu_fa_fwd_tc_bf16_d32,
-        48 => emu_fa_fwd_tc_bf16_d48,
-        64 => emu_fa_fwd_tc_bf16_d64,
-        96 => emu_fa_fwd_tc_bf16_d96,
-        128 => emu_fa_fwd_tc_bf16_d128,
+        32 => FaFns {
+            fwd: emu_fa_fwd_tc_bf16_d32,
+            delta,
+            dkv: emu_fa_bwd_dkv_tc_bf16_d32,
+            dq: emu_fa_bwd_dq_tc_bf16_d32,
+        },
+        48 => FaFns {
+            fwd: emu_fa_fwd_tc_bf16_d48,
+            delta,
+            dkv: emu_fa_bwd_dkv_tc_bf16_d48,
+            dq: emu_fa_bwd_dq_tc_bf16_d48,
+        },
+        64 => FaFns {
+            fwd: emu_fa_fwd_tc_bf16_d64,
+            delta,
+            dkv: emu_fa_bwd_dkv_tc_bf16_d64,
+            dq: emu_fa_bwd_dq_tc_bf16_d64,
+        },
+        96 => FaFns {
+            fwd: emu_fa_fwd_tc_bf16_d96,
+            delta,
+            dkv: emu_fa_bwd_dkv_tc_bf16_d96,
+            dq: emu_fa_bwd_dq_tc_bf16_d96,
+        },
+        128 => FaFns {
+            fwd: emu_fa_fwd_tc_bf16_d128,
+            delta,
+            dkv: emu_fa_bwd_dkv_tc_bf16_d128,
+            dq: emu_fa_bwd_dq_tc_bf16_d128,
+        },
         _ => return None,
     })
+}
+
+/// The tensor-core kernels' launch over `rows` (queries, or keys for dK/dV) of `bh` heads:
+/// grid `(ceil(rows / (16 w)), bh)` of `32 w` threads, `w` = [`fa_tc_warps`]`(d)`.
+fn tc_launch(kn: &str, rows: usize, d: usize, bh: u32) -> Result<Launch> {
+    let warps = fa_tc_warps(d);
+    let blocks = u32::try_from(rows.div_ceil(16 * warps).max(1))
+        .map_err(|_| args(kn, format!("{rows} rows need too many blocks")))?;
+    Ok(Launch {
+        grid: (blocks, bh, 1),
+        block: (32 * warps as u32, 1, 1),
+        shared_bytes: 0,
+    })
+}
+
+/// The tensor-core kernels for head dim `d`, or the error naming the head dims there are.
+fn fa_tc_fns(kn: &str, d: usize) -> Result<FaFns<bf16>> {
+    fa_tc(d).ok_or_else(|| args(kn, format!("head dim {d} is not one of {FA_HEAD_DIMS:?}")))
 }
 
 /// Warps per block of the tensor-core forward for head dim `d` (`FA_TC_WARPS` of the kernel:
@@ -868,25 +923,13 @@ pub fn flash_attn_fwd_tc(
 ) -> Result<()> {
     let kn = "flash_attn_fwd_tc";
     let (_, _, _, bh) = shape.check::<bf16>(kn)?;
-    let fwd = fa_tc(shape.d).ok_or_else(|| {
-        args(
-            kn,
-            format!("head dim {} is not one of {FA_HEAD_DIMS:?}", shape.d),
-        )
-    })?;
-    let warps = fa_tc_warps(shape.d);
-    let blocks = u32::try_from(shape.tq.div_ceil(16 * warps).max(1))
-        .map_err(|_| args(kn, format!("{} rows need too many blocks", shape.tq)))?;
-    let launch = Launch {
-        grid: (blocks, bh, 1),
-        block: (32 * warps as u32, 1, 1),
-        shared_bytes: 0,
-    };
+    let fns = fa_tc_fns(kn, shape.d)?;
+    let launch = tc_launch(kn, shape.tq, shape.d, bh)?;
     // SAFETY: the launch is grid (ceil(tq / (16 w)), bh) of 32 w threads, w the warps the
     // tensor-core forward is built with for this head dim (FA_TC_WARPS): its row mapping.
     unsafe {
         fa_fwd_run(
-            kn, fwd, &launch, order, q, k, v, o, lse, shape, scale, causal,
+            kn, fns.fwd, &launch, order, q, k, v, o, lse, shape, scale, causal,
         )
     }
 }
@@ -910,7 +953,84 @@ pub fn flash_attn_bwd<T: Dt>(
     causal: bool,
 ) -> Result<()> {
     let kn = "flash_attn_bwd";
-    let (fns, tq, tk, bh) = shape.check::<T>(kn)?;
+    let (fns, _, _, bh) = shape.check::<T>(kn)?;
+    let launches = [
+        Attn::blocks(kn, shape.tk, bh)?,
+        Attn::blocks(kn, shape.tq, bh)?,
+    ];
+    // SAFETY: grids (ceil(tk / 32), bh) and (ceil(tq / 32), bh) of 128 threads, the SIMT
+    // kernels' row mapping.
+    unsafe {
+        fa_bwd_run(
+            kn, fns, &launches, order, q, k, v, o, lse, d_o, dq, dk, dv, shape, scale, causal,
+        )
+    }
+}
+
+/// Flash-attention backward on tensor cores (`cdt_fa_bwd_{dkv,dq}_tc_bf16_d*`, delta from the
+/// SIMT kernel), with the launches the CUDA op uses: grids `(ceil(tk / (16 w)), bh)` and
+/// `(ceil(tq / (16 w)), bh)` of `32 w` threads ([`fa_tc_warps`]). Same outputs as
+/// [`flash_attn_bwd`] up to rounding (P and dS are rounded to bf16 for their products).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_bwd_tc(
+    order: Order,
+    q: &Buf<bf16>,
+    k: &Buf<bf16>,
+    v: &Buf<bf16>,
+    o: &Buf<bf16>,
+    lse: &Buf<f32>,
+    d_o: &Buf<bf16>,
+    dq: &mut Buf<bf16>,
+    dk: &mut Buf<bf16>,
+    dv: &mut Buf<bf16>,
+    shape: Attn,
+    scale: f32,
+    causal: bool,
+) -> Result<()> {
+    let kn = "flash_attn_bwd_tc";
+    let (_, _, _, bh) = shape.check::<bf16>(kn)?;
+    let fns = fa_tc_fns(kn, shape.d)?;
+    let launches = [
+        tc_launch(kn, shape.tk, shape.d, bh)?,
+        tc_launch(kn, shape.tq, shape.d, bh)?,
+    ];
+    // SAFETY: grids (ceil(tk / (16 w)), bh) and (ceil(tq / (16 w)), bh) of 32 w threads, w the
+    // warps the tensor-core kernels are built with for this head dim: their row mapping.
+    unsafe {
+        fa_bwd_run(
+            kn, fns, &launches, order, q, k, v, o, lse, d_o, dq, dk, dv, shape, scale, causal,
+        )
+    }
+}
+
+/// Checks the buffers' lengths, then runs delta, dK/dV over `launches[0]` and dQ over
+/// `launches[1]`, checking the outputs' guard zones after each.
+///
+/// # Safety
+///
+/// `launches` are the launches `fns.dkv` and `fns.dq` assume for `shape`: grids covering the
+/// keys (dK/dV) and the queries (dQ) of `bh` heads and no more, blocks of the threads the
+/// kernels index by.
+#[allow(clippy::too_many_arguments)]
+unsafe fn fa_bwd_run<T: Dt>(
+    kn: &'static str,
+    fns: FaFns<T>,
+    launches: &[Launch; 2],
+    order: Order,
+    q: &Buf<T>,
+    k: &Buf<T>,
+    v: &Buf<T>,
+    o: &Buf<T>,
+    lse: &Buf<f32>,
+    d_o: &Buf<T>,
+    dq: &mut Buf<T>,
+    dk: &mut Buf<T>,
+    dv: &mut Buf<T>,
+    shape: Attn,
+    scale: f32,
+    causal: bool,
+) -> Result<()> {
+    let (_, tq, tk, _) = shape.check::<T>(kn)?;
     let (nq, nk) = (shape.bh * shape.tq * shape.d, shape.bh * shape.tk * shape.d);
     for len in [q.len(), o.len(), d_o.len(), dq.len()] {
         need_elems(kn, len, nq)?;
@@ -928,11 +1048,10 @@ pub fn flash_attn_bwd<T: Dt>(
     })?;
     delta.check("flash_attn_bwd_delta")?;
     let c = c_int::from(causal);
-    let launch = Attn::blocks(kn, shape.tk, bh)?;
-    // SAFETY: block (x, h) reads k, v and writes dk, dv at key rows [32 x, 32 x + 32) ∩
-    // [0, tk) of head h, reads q, d_o rows [0, tq) and lse, delta [h tq, (h + 1) tq): in
-    // bounds (checked); 128 threads as the kernel assumes.
-    run(&launch, order, |l, e, el| unsafe {
+    // SAFETY: with the launch the kernel assumes (the caller's promise), block (x, h) reads k,
+    // v and writes dk, dv at its key rows within [0, tk) of head h < bh, reads q, d_o rows
+    // [0, tq) and lse, delta [h tq, (h + 1) tq): in bounds of the lengths checked above.
+    run(&launches[0], order, |l, e, el| unsafe {
         (fns.dkv)(
             (l, e, el),
             q.ptr(),
@@ -951,10 +1070,9 @@ pub fn flash_attn_bwd<T: Dt>(
     })?;
     dk.check("flash_attn_bwd_dkv")?;
     dv.check("flash_attn_bwd_dkv")?;
-    let launch = Attn::blocks(kn, shape.tq, bh)?;
-    // SAFETY: block (x, h) reads q, d_o, lse, delta at query rows [32 x, 32 x + 32) ∩ [0, tq)
-    // of head h, k and v rows [0, tk), writes dq at its query rows: in bounds (checked).
-    run(&launch, order, |l, e, el| unsafe {
+    // SAFETY: likewise, block (x, h) reads q, d_o, lse, delta at its query rows within
+    // [0, tq) of head h < bh, k and v rows [0, tk), writes dq at its query rows: in bounds.
+    run(&launches[1], order, |l, e, el| unsafe {
         (fns.dq)(
             (l, e, el),
             q.ptr(),

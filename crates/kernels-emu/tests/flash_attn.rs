@@ -337,13 +337,22 @@ fn unsupported_head_dims_and_short_buffers_are_refused() {
     assert!(e.to_string().contains("flash_attn_fwd"), "{e}");
 }
 
-/// The tensor-core forward (`cdt_fa_fwd_tc_bf16_*`, warp matrix products under the emulator's
-/// `mma.h`) against the reference and the SIMT forward, on every case: the same bits under
-/// every fiber order (a tile read before its lanes stored it would differ), `o` within bf16
-/// tolerance of the reference (P is rounded to bf16 for the second product), `lse` within f32
-/// summation-order tolerance of the SIMT kernel's, and the same rows without any visible key.
+/// The CUDA op launches the tensor-core kernels with the warps these tests run them under.
 #[test]
-fn tensor_core_forward_matches_the_reference_and_the_simt_forward() {
+fn the_cuda_op_launches_the_tensor_core_kernels_as_tested_here() {
+    for d in FA_HEAD_DIMS {
+        assert_eq!(
+            candle_dtensor_kernels::flash::tensor_core_warps(d),
+            fused::fa_tc_warps(d),
+            "head dim {d}"
+        );
+    }
+    assert_eq!(candle_dtensor_kernels::flash::HEAD_DIMS, FA_HEAD_DIMS);
+}
+
+/// The cases of the tensor-core kernels: [`cases`], queries that see no key, several blocks of
+/// 64 (d <= 64) and 32 (d > 64) rows, ragged last tiles.
+fn tensor_core_cases() -> Vec<Case> {
     let mut all = cases();
     all.push(Case {
         bh: 1,
@@ -352,7 +361,6 @@ fn tensor_core_forward_matches_the_reference_and_the_simt_forward() {
         d: 32,
         causal: true,
     });
-    // Several blocks of 64 (d <= 64) and 32 (d > 64) queries, a ragged last key tile.
     all.push(Case {
         bh: 2,
         tq: 150,
@@ -367,7 +375,24 @@ fn tensor_core_forward_matches_the_reference_and_the_simt_forward() {
         d: 128,
         causal: true,
     });
-    for (i, c) in all.iter().enumerate() {
+    all.push(Case {
+        bh: 1,
+        tq: 81,
+        tk: 50,
+        d: 96,
+        causal: false,
+    });
+    all
+}
+
+/// The tensor-core forward (`cdt_fa_fwd_tc_bf16_*`, warp matrix products under the emulator's
+/// `mma.h`) against the reference and the SIMT forward, on every case: the same bits under
+/// every fiber order (a tile read before its lanes stored it would differ), `o` within bf16
+/// tolerance of the reference (P is rounded to bf16 for the second product), `lse` within f32
+/// summation-order tolerance of the SIMT kernel's, and the same rows without any visible key.
+#[test]
+fn tensor_core_forward_matches_the_reference_and_the_simt_forward() {
+    for (i, c) in tensor_core_cases().iter().enumerate() {
         let (nq, nk) = (c.bh * c.tq * c.d, c.bh * c.tk * c.d);
         let scale = 1.0 / (c.d as f32).sqrt();
         let seed = 100 + 10 * i as u64;
@@ -428,6 +453,88 @@ fn tensor_core_forward_matches_the_reference_and_the_simt_forward() {
         for (r, (a, b)) in lse.iter().zip(slse.as_slice()).enumerate() {
             let same = (a.is_infinite() && a == b) || (a - b).abs() <= 1e-3 * b.abs().max(1.0);
             assert!(same, "{what}: lse row {r}: {a} vs the SIMT kernel's {b}");
+        }
+    }
+}
+
+/// The tensor-core backward (`cdt_fa_bwd_{dkv,dq}_tc_bf16_*`) on the tensor-core forward's
+/// `o` and `lse`, against the reference gradients, on every case: the same bits under every
+/// fiber order, dq, dk and dv within bf16 tolerance (P and dS are rounded to bf16 for their
+/// products), exact zeros for the queries that see no key.
+#[test]
+fn tensor_core_backward_matches_the_reference() {
+    for (i, c) in tensor_core_cases().iter().enumerate() {
+        let (nq, nk) = (c.bh * c.tq * c.d, c.bh * c.tk * c.d);
+        let scale = 1.0 / (c.d as f32).sqrt();
+        let seed = 300 + 10 * i as u64;
+        let (q, qf) = as_dt::<bf16>(&values(nq, 2.0, seed));
+        let (k, kf) = as_dt::<bf16>(&values(nk, 2.0, seed + 1));
+        let (v, vf) = as_dt::<bf16>(&values(nk, 1.0, seed + 2));
+        let (g, gf) = as_dt::<bf16>(&values(nq, 1.0, seed + 3));
+        let [_, want_dq, want_dk, want_dv] = reference(c, &qf, &kf, &vf, &gf, scale);
+        let shape = Attn {
+            bh: c.bh,
+            tq: c.tq,
+            tk: c.tk,
+            d: c.d,
+        };
+        let what = format!(
+            "tensor-core backward: bh {} tq {} tk {} d {} causal {}",
+            c.bh, c.tq, c.tk, c.d, c.causal
+        );
+        let (qb, kb, vb, gb) = (
+            Buf::from_slice("q", &q),
+            Buf::from_slice("k", &k),
+            Buf::from_slice("v", &v),
+            Buf::from_slice("d_o", &g),
+        );
+        let nan = bf16::from_f32(f32::NAN);
+        let mut o = Buf::filled("o", nq, nan);
+        let mut lse = Buf::filled("lse", c.bh * c.tq, f32::NAN);
+        fused::flash_attn_fwd_tc(
+            Order::Forward,
+            &qb,
+            &kb,
+            &vb,
+            &mut o,
+            &mut lse,
+            shape,
+            scale,
+            c.causal,
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let mut outs = Vec::new();
+        for order in ORDERS {
+            let (mut dq, mut dk, mut dv) = (
+                Buf::filled("dq", nq, nan),
+                Buf::filled("dk", nk, nan),
+                Buf::filled("dv", nk, nan),
+            );
+            fused::flash_attn_bwd_tc(
+                order, &qb, &kb, &vb, &o, &lse, &gb, &mut dq, &mut dk, &mut dv, shape, scale,
+                c.causal,
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            outs.push([dq, dk, dv].map(|b| b.as_slice().to_vec()));
+        }
+        for (order, out) in ORDERS.iter().zip(&outs).skip(1) {
+            for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(outs[0].iter().zip(out)) {
+                assert!(
+                    same_bits(a, b),
+                    "{what} {name}: {order:?} differs from Forward"
+                );
+            }
+        }
+        let [dq, dk, dv] = &outs[0];
+        close(&format!("{what} dq"), dq, &want_dq, 2e-2, 1e-2);
+        close(&format!("{what} dk"), dk, &want_dk, 2e-2, 1e-2);
+        close(&format!("{what} dv"), dv, &want_dv, 2e-2, 1e-2);
+        if c.causal && c.tq > c.tk {
+            let blind = (c.tq - c.tk) * c.d;
+            assert!(
+                dq[..blind].iter().all(|x| x.to_f32() == 0.0),
+                "{what}: a query that sees no key has a gradient"
+            );
         }
     }
 }

@@ -33,10 +33,11 @@ __device__ __forceinline__ float fa_row_sum(float p) {
     return p;
 }
 
-// The last key (exclusive) any of the queries [q0, q0 + FA_ROWS) sees.
-__device__ __forceinline__ long long fa_key_end(long long q0, int tq, int tk, int causal) {
+// The last key (exclusive) any of the queries [q0, q0 + rows) sees.
+__device__ __forceinline__ long long fa_key_end(long long q0, int tq, int tk, int causal,
+                                                int rows = FA_ROWS) {
     if (!causal) return tk;
-    long long last = q0 + FA_ROWS - 1;
+    long long last = q0 + rows - 1;
     if (last > tq - 1) last = tq - 1;
     long long end = last + (long long)tk - tq + 1;
     return end < 0 ? 0 : (end > tk ? tk : end);
@@ -352,14 +353,7 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
         ls[r] = 0.f;
     }
     __syncthreads();  // rows are initialised by other warps than their owners
-    // The last key (exclusive) any query of the block sees.
-    long long kend = tk;
-    if (causal) {
-        long long last = q0 + BM - 1;
-        if (last > tq - 1) last = tq - 1;
-        kend = last + shift + 1;
-        kend = kend < 0 ? 0 : (kend > tk ? tk : kend);
-    }
+    const long long kend = fa_key_end(q0, tq, tk, causal, BM);
     // Lanes 2r and 2r + 1 own row w0 + r of the softmax; each BN / 2 of its columns.
     const int sr = w0 + lane / 2, half = lane % 2;
     const long long si = q0 + sr;
@@ -454,13 +448,252 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     }
 }
 
-// cdt_fa_fwd_tc_bf16_d{D}: the same arguments as cdt_fa_fwd_bf16_d{D}. Launch: grid
-// (ceil(tq / (16 FA_TC_WARPS(D))), BH), block 32 FA_TC_WARPS(D) threads.
+// The backward on tensor cores: the SIMT kernels' work split (a block per key tile for dK and
+// dV, a block per query tile for dQ; delta from cdt_fa_bwd_delta_bf16_d*), each product of a
+// tile a warp matrix operation: S and dP = dO V^T recomputed, P = exp(S scale - lse) and
+// dS = P (dP - delta) scale formed on the warp's rows in shared memory and rounded to bf16 for
+// the products dV += P^T dO, dK += dS^T Q and dQ += dS K (as FlashAttention-2 rounds them). The
+// accumulators stay in fragments across the loop (no per-row rescale here), and are written
+// out through the warp's rows of a score tile once the loop is done.
+
+// Writes a warp's 16 x D accumulators as rows [r0, r0 + 16) (those below n) of a [n, D] bf16
+// matrix, through `scratch`, a 16 x 16 f32 tile of the warp's own (row stride ld).
+template <int D>
+__device__ __forceinline__ void fa_tc_write_rows(
+    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> (&acc)[D / 16],
+    float* scratch, int ld, bf16_t* __restrict__ out, long long r0, int n, int lane) {
+    namespace wmma = nvcuda::wmma;
+    for (int dt = 0; dt < D / 16; ++dt) {
+        wmma::store_matrix_sync(scratch, acc[dt], ld, wmma::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 256; e += 32) {
+            const int r = e / 16, c = e % 16;
+            if (r0 + r < n) out[(r0 + r) * D + dt * 16 + c] = from_f32<bf16_t>(scratch[r * ld + c]);
+        }
+        __syncwarp();  // read before the next tile overwrites it
+    }
+}
+
+// dK and dV for the keys [blockIdx.x BN, +BN) of head blockIdx.y, BN = 16 FA_TC_WARPS(D); warp
+// w owns keys [16 w, 16 w + 16) of the block. Query tiles of FA_TC_BQ rows stream through
+// shared memory.
+#define FA_TC_BQ 16
+template <int D>
+__device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
+                              const bf16_t* __restrict__ v, const bf16_t* __restrict__ d_o,
+                              const float* __restrict__ lse, const float* __restrict__ delta,
+                              bf16_t* __restrict__ dk, bf16_t* __restrict__ dv, int tq, int tk,
+                              float scale, int causal) {
+    namespace wmma = nvcuda::wmma;
+    constexpr int WARPS = FA_TC_WARPS(D);
+    constexpr int BN = 16 * WARPS;
+    constexpr int BQ = FA_TC_BQ;
+    __shared__ __align__(32) bf16_t ks[BN][D];
+    __shared__ __align__(32) bf16_t vs[BN][D];
+    __shared__ __align__(32) bf16_t qs[BQ][D];
+    __shared__ __align__(32) bf16_t dos[BQ][D];
+    __shared__ __align__(32) float st[BN][BQ];   // S^T, then the output scratch
+    __shared__ __align__(32) float dpt[BN][BQ];  // dP^T
+    __shared__ __align__(32) bf16_t pt[BN][BQ];
+    __shared__ __align__(32) bf16_t dst[BN][BQ];
+    __shared__ float ls[BQ], dl[BQ];
+    const long long bh = blockIdx.y;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int w0 = warp * 16;
+    const long long k0 = (long long)blockIdx.x * BN;
+    const long long shift = (long long)tk - tq;
+    const bf16_t* qb = q + bh * tq * D;
+    const bf16_t* dob = d_o + bh * tq * D;
+    for (int idx = threadIdx.x; idx < BN * D; idx += blockDim.x) {
+        const int r = idx / D, e = idx % D;
+        const long long j = k0 + r;
+        ks[r][e] = j < tk ? k[(bh * tk + j) * D + e] : (bf16_t)0;
+        vs[r][e] = j < tk ? v[(bh * tk + j) * D + e] : (bf16_t)0;
+    }
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> dka[D / 16], dva[D / 16];
+    for (int dt = 0; dt < D / 16; ++dt) {
+        wmma::fill_fragment(dka[dt], 0.f);
+        wmma::fill_fragment(dva[dt], 0.f);
+    }
+    long long i0 = fa_query_begin(k0, tq, tk, causal);
+    i0 -= i0 % BQ;
+    for (; i0 < tq; i0 += BQ) {
+        __syncthreads();  // every warp is done with the previous query tile (and ks, vs loaded)
+        for (int idx = threadIdx.x; idx < BQ * D; idx += blockDim.x) {
+            const int r = idx / D, e = idx % D;
+            const long long i = i0 + r;
+            qs[r][e] = i < tq ? qb[i * D + e] : (bf16_t)0;
+            dos[r][e] = i < tq ? dob[i * D + e] : (bf16_t)0;
+        }
+        for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
+            const long long i = i0 + r;
+            ls[r] = i < tq ? lse[bh * tq + i] : CDT_NEG_INF;
+            dl[r] = i < tq ? delta[bh * tq + i] : 0.f;
+        }
+        __syncthreads();
+        // S^T = K_w Q^T and dP^T = V_w dO^T for the warp's keys: Q^T and dO^T are Q and dO
+        // read column-major.
+        {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc, dpacc;
+            wmma::fill_fragment(sacc, 0.f);
+            wmma::fill_fragment(dpacc, 0.f);
+            for (int kk = 0; kk < D / 16; ++kk) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
+                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&ks[w0][kk * 16], D);
+                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&qs[0][kk * 16], D);
+                wmma::mma_sync(sacc, a, b, sacc);
+                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&vs[w0][kk * 16], D);
+                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&dos[0][kk * 16], D);
+                wmma::mma_sync(dpacc, a, b, dpacc);
+            }
+            wmma::store_matrix_sync(&st[w0][0], sacc, BQ, wmma::mem_row_major);
+            wmma::store_matrix_sync(&dpt[w0][0], dpacc, BQ, wmma::mem_row_major);
+        }
+        __syncwarp();
+        for (int e = lane; e < 16 * BQ; e += 32) {
+            const int r = w0 + e / BQ, c = e % BQ;
+            const long long j = k0 + r, i = i0 + c;
+            const bool vis = j < tk && i < tq && (!causal || j <= i + shift) &&
+                             ls[c] != CDT_NEG_INF;
+            const float p = vis ? expf(st[r][c] * scale - ls[c]) : 0.f;
+            pt[r][c] = from_f32<bf16_t>(p);
+            dst[r][c] = from_f32<bf16_t>(p * (dpt[r][c] - dl[c]) * scale);
+        }
+        __syncwarp();
+        // dV_w += P^T_w dO and dK_w += dS^T_w Q.
+        {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> pa, da;
+            wmma::load_matrix_sync(pa, (const __nv_bfloat16*)&pt[w0][0], BQ);
+            wmma::load_matrix_sync(da, (const __nv_bfloat16*)&dst[w0][0], BQ);
+            for (int dt = 0; dt < D / 16; ++dt) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b;
+                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&dos[0][dt * 16], D);
+                wmma::mma_sync(dva[dt], pa, b, dva[dt]);
+                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&qs[0][dt * 16], D);
+                wmma::mma_sync(dka[dt], da, b, dka[dt]);
+            }
+        }
+    }
+    __syncwarp();
+    fa_tc_write_rows<D>(dva, &st[w0][0], BQ, dv + bh * tk * D, k0 + w0, tk, lane);
+    fa_tc_write_rows<D>(dka, &st[w0][0], BQ, dk + bh * tk * D, k0 + w0, tk, lane);
+}
+
+// dQ for the queries [blockIdx.x BM, +BM) of head blockIdx.y, BM = 16 FA_TC_WARPS(D); warp w
+// owns queries [16 w, 16 w + 16) of the block. Key tiles of FA_TC_BN rows stream through
+// shared memory.
+template <int D>
+__device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
+                             const bf16_t* __restrict__ v, const bf16_t* __restrict__ d_o,
+                             const float* __restrict__ lse, const float* __restrict__ delta,
+                             bf16_t* __restrict__ dq, int tq, int tk, float scale, int causal) {
+    namespace wmma = nvcuda::wmma;
+    constexpr int WARPS = FA_TC_WARPS(D);
+    constexpr int BM = 16 * WARPS;
+    constexpr int BN = FA_TC_BN;
+    __shared__ __align__(32) bf16_t qs[BM][D];
+    __shared__ __align__(32) bf16_t dos[BM][D];
+    __shared__ __align__(32) bf16_t ks[BN][D];
+    __shared__ __align__(32) bf16_t vs[BN][D];
+    __shared__ __align__(32) float ss[BM][BN];  // S, then the output scratch
+    __shared__ __align__(32) float dps[BM][BN];
+    __shared__ __align__(32) bf16_t dss[BM][BN];
+    __shared__ float ls[BM], dl[BM];
+    const long long bh = blockIdx.y;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int w0 = warp * 16;
+    const long long q0 = (long long)blockIdx.x * BM;
+    const long long shift = (long long)tk - tq;
+    const bf16_t* kb = k + bh * tk * D;
+    const bf16_t* vb = v + bh * tk * D;
+    for (int idx = threadIdx.x; idx < BM * D; idx += blockDim.x) {
+        const int r = idx / D, e = idx % D;
+        const long long i = q0 + r;
+        qs[r][e] = i < tq ? q[(bh * tq + i) * D + e] : (bf16_t)0;
+        dos[r][e] = i < tq ? d_o[(bh * tq + i) * D + e] : (bf16_t)0;
+    }
+    for (int r = threadIdx.x; r < BM; r += blockDim.x) {
+        const long long i = q0 + r;
+        ls[r] = i < tq ? lse[bh * tq + i] : CDT_NEG_INF;
+        dl[r] = i < tq ? delta[bh * tq + i] : 0.f;
+    }
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> dqa[D / 16];
+    for (int dt = 0; dt < D / 16; ++dt) wmma::fill_fragment(dqa[dt], 0.f);
+    const long long kend = fa_key_end(q0, tq, tk, causal, BM);
+    for (long long j0 = 0; j0 < kend; j0 += BN) {
+        __syncthreads();  // every warp is done with the previous key tile (and qs, ls loaded)
+        for (int idx = threadIdx.x; idx < BN * D; idx += blockDim.x) {
+            const int r = idx / D, e = idx % D;
+            const long long j = j0 + r;
+            ks[r][e] = j < tk ? kb[j * D + e] : (bf16_t)0;
+            vs[r][e] = j < tk ? vb[j * D + e] : (bf16_t)0;
+        }
+        __syncthreads();
+        // S = Q_w K^T and dP = dO_w V^T: K^T and V^T are K and V read column-major.
+        for (int nt = 0; nt < BN / 16; ++nt) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc, dpacc;
+            wmma::fill_fragment(sacc, 0.f);
+            wmma::fill_fragment(dpacc, 0.f);
+            for (int kk = 0; kk < D / 16; ++kk) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
+                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&qs[w0][kk * 16], D);
+                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&ks[nt * 16][kk * 16], D);
+                wmma::mma_sync(sacc, a, b, sacc);
+                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&dos[w0][kk * 16], D);
+                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&vs[nt * 16][kk * 16], D);
+                wmma::mma_sync(dpacc, a, b, dpacc);
+            }
+            wmma::store_matrix_sync(&ss[w0][nt * 16], sacc, BN, wmma::mem_row_major);
+            wmma::store_matrix_sync(&dps[w0][nt * 16], dpacc, BN, wmma::mem_row_major);
+        }
+        __syncwarp();
+        for (int e = lane; e < 16 * BN; e += 32) {
+            const int r = w0 + e / BN, c = e % BN;
+            const long long i = q0 + r, j = j0 + c;
+            const bool vis = i < tq && j < tk && (!causal || j <= i + shift) &&
+                             ls[r] != CDT_NEG_INF;
+            const float p = vis ? expf(ss[r][c] * scale - ls[r]) : 0.f;
+            dss[r][c] = from_f32<bf16_t>(p * (dps[r][c] - dl[r]) * scale);
+        }
+        __syncwarp();
+        // dQ_w += dS_w K.
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+            wmma::load_matrix_sync(a, (const __nv_bfloat16*)&dss[w0][kk * 16], BN);
+            for (int dt = 0; dt < D / 16; ++dt) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b;
+                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&ks[kk * 16][dt * 16], D);
+                wmma::mma_sync(dqa[dt], a, b, dqa[dt]);
+            }
+        }
+    }
+    __syncwarp();
+    fa_tc_write_rows<D>(dqa, &ss[w0][0], BN, dq + bh * tq * D, q0 + w0, tq, lane);
+}
+
+// cdt_fa_fwd_tc_bf16_d{D}, cdt_fa_bwd_dkv_tc_bf16_d{D}, cdt_fa_bwd_dq_tc_bf16_d{D}: the same
+// arguments as their SIMT namesakes. Launch: grid (ceil(rows / (16 FA_TC_WARPS(D))), BH) with
+// rows tq (fwd, dq) or tk (dkv), block 32 FA_TC_WARPS(D) threads.
 #define FA_TC(D)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * FA_TC_WARPS(D)) cdt_fa_fwd_tc_bf16_d##D(  \
         const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, int tq,     \
         int tk, float scale, int causal) {                                                    \
         fa_fwd_tc<D>(q, k, v, o, lse, tq, tk, scale, causal);                                 \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * FA_TC_WARPS(D))                         \
+        cdt_fa_bwd_dkv_tc_bf16_d##D(const bf16_t* q, const bf16_t* k, const bf16_t* v,        \
+                                    const bf16_t* d_o, const float* lse, const float* delta,  \
+                                    bf16_t* dk, bf16_t* dv, int tq, int tk, float scale,      \
+                                    int causal) {                                             \
+        fa_bwd_dkv_tc<D>(q, k, v, d_o, lse, delta, dk, dv, tq, tk, scale, causal);            \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * FA_TC_WARPS(D))                         \
+        cdt_fa_bwd_dq_tc_bf16_d##D(const bf16_t* q, const bf16_t* k, const bf16_t* v,         \
+                                   const bf16_t* d_o, const float* lse, const float* delta,   \
+                                   bf16_t* dq, int tq, int tk, float scale, int causal) {     \
+        fa_bwd_dq_tc<D>(q, k, v, d_o, lse, delta, dq, tq, tk, scale, causal);                 \
     }
 FA_TC(32)
 FA_TC(48)

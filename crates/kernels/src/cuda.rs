@@ -1280,16 +1280,12 @@ impl Fa {
         Ok(s)
     }
 
-    /// The tensor-core forward's launch: `FA_TC_WARPS(d)` warps a block (4 up to d = 64, else
-    /// 2: the static shared tiles stay under 48 KiB), 16 query rows a warp.
-    fn tc_cfg(&self) -> LaunchConfig {
-        let warps: usize = if self.d <= 64 { 4 } else { 2 };
+    /// The tensor-core kernels' launch over `rows` (queries, or keys for dK/dV):
+    /// [`crate::flash::tensor_core_warps`] warps a block, 16 rows a warp.
+    fn tc_cfg(&self, rows: usize) -> LaunchConfig {
+        let warps = crate::flash::tensor_core_warps(self.d);
         LaunchConfig {
-            grid_dim: (
-                self.tq.div_ceil(16 * warps).max(1) as u32,
-                self.bh as u32,
-                1,
-            ),
+            grid_dim: (rows.div_ceil(16 * warps).max(1) as u32, self.bh as u32, 1),
             block_dim: (32 * warps as u32, 1, 1),
             shared_mem_bytes: 0,
         }
@@ -1317,6 +1313,24 @@ fn held<'a>(
     }
 }
 
+/// Whether the bf16 attention kernels run on tensor cores: `CDT_FLASH_TC` is not `0` and the
+/// module has them (its PTX targets compute_80 or newer, the build's default: the
+/// `cdt_fa_*_tc_bf16_*` kernels are compiled only there).
+fn tensor_cores() -> bool {
+    static BUILT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::flash::tensor_cores_enabled()
+        && *BUILT.get_or_init(|| {
+            let built = FLASH_ATTN.ptx.contains(".entry cdt_fa_fwd_tc_bf16_d");
+            if !built {
+                tracing::info!(
+                    "the flash-attention module has no tensor-core kernels (built for an \
+                     architecture before sm_80): bf16 attention runs on the SIMT kernels"
+                );
+            }
+            built
+        })
+}
+
 fn fa_fwd_launch<T: Float>(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
@@ -1335,29 +1349,12 @@ fn fa_fwd_launch<T: Float>(
     let mut o = alloc_out::<T>(dev, s.bh * s.tq * s.d)?;
     let mut lse = alloc_out::<f32>(dev, s.bh * s.tq)?;
     if s.bh * s.tq > 0 {
-        // bf16 on tensor cores where the module has them (built for compute_80 or newer) and
-        // `CDT_FLASH_TC` is not `0`; otherwise, and for f32, the SIMT kernel.
-        let tc = (T::SUFFIX == "bf16" && crate::flash::tensor_cores_enabled())
-            .then(|| {
-                let name = format!("cdt_fa_fwd_tc_bf16_d{}", s.d);
-                match dev.get_or_load_custom_func(&name, FLASH_ATTN.name, FLASH_ATTN.ptx) {
-                    Ok(f) => Some(f),
-                    Err(e) => {
-                        tracing::debug!(kernel = %name, error = %e,
-                            "no tensor-core flash forward in this build; the SIMT kernel runs");
-                        None
-                    }
-                }
-            })
-            .flatten();
-        let (f, cfg) = match tc {
-            Some(f) => (f, s.tc_cfg()),
-            None => {
-                let name = format!("cdt_fa_fwd_{}_d{}", T::SUFFIX, s.d);
-                let f = dev.get_or_load_custom_func(&name, FLASH_ATTN.name, FLASH_ATTN.ptx)?;
-                (f, s.cfg(s.tq))
-            }
+        let (name, cfg) = if T::SUFFIX == "bf16" && tensor_cores() {
+            (format!("cdt_fa_fwd_tc_bf16_d{}", s.d), s.tc_cfg(s.tq))
+        } else {
+            (format!("cdt_fa_fwd_{}_d{}", T::SUFFIX, s.d), s.cfg(s.tq))
         };
+        let f = dev.get_or_load_custom_func(&name, FLASH_ATTN.name, FLASH_ATTN.ptx)?;
         let (tq, tk, c) = (s.tq as i32, s.tk as i32, i32::from(causal));
         let mut b = f.builder();
         b.arg(&qv);
@@ -1551,15 +1548,18 @@ fn fa_bwd_launch<T: Float>(
     let (tq, tk, c) = (s.tq as i32, s.tk as i32, i32::from(causal));
     // dK and dV (a block per key tile), then dQ (a block per query tile): the same inputs, their
     // own outputs and grid.
+    // bf16 on tensor cores (`tensor_cores`), as the forward.
+    let tc = T::SUFFIX == "bf16" && tensor_cores();
     for (pass, outs, rows) in [
         ("dkv", vec![&mut dk, &mut dv], s.tk),
         ("dq", vec![&mut dq], s.tq),
     ] {
-        let f = dev.get_or_load_custom_func(
-            &format!("cdt_fa_bwd_{pass}_{sfx}"),
-            FLASH_ATTN.name,
-            FLASH_ATTN.ptx,
-        )?;
+        let (name, cfg) = if tc {
+            (format!("cdt_fa_bwd_{pass}_tc_{sfx}"), s.tc_cfg(rows))
+        } else {
+            (format!("cdt_fa_bwd_{pass}_{sfx}"), s.cfg(rows))
+        };
+        let f = dev.get_or_load_custom_func(&name, FLASH_ATTN.name, FLASH_ATTN.ptx)?;
         let mut b = f.builder();
         b.arg(&qv);
         b.arg(&kv);
@@ -1578,8 +1578,10 @@ fn fa_bwd_launch<T: Float>(
         // float scale, int causal)` and `cdt_fa_bwd_dq_*_d{d}(.., T* dq, ..)`, the outputs in
         // that order: lengths as in the forward (checked above), delta written by the launch
         // before on the same stream; block (x, h) writes its key rows (dkv) or query rows (dq)
-        // below tk / tq of head h only, every element of them.
-        unsafe { b.launch(s.cfg(rows)) }.w()?;
+        // below tk / tq of head h only, every element of them; the launch is the one the kernel
+        // indexes by (`Fa::cfg` for the SIMT kernels, `Fa::tc_cfg` for the tensor-core ones,
+        // whose arguments are the same).
+        unsafe { b.launch(cfg) }.w()?;
     }
     Ok([wrap(dev, dq), wrap(dev, dk), wrap(dev, dv)])
 }

@@ -1,8 +1,8 @@
 //! Attention that never materialises the `[T, T]` scores: the flash-attention CUDA kernels
 //! (`cuda/flash_attn.cu`, SIMT, f32 accumulation, f32 or bf16 operands, a deterministic
-//! backward without atomics) as one graph node with a hand-written backward. The bf16 forward
-//! runs on tensor cores (warp matrix products, `cdt_fa_fwd_tc_bf16_d*`) unless
-//! `CDT_FLASH_TC=0`.
+//! backward without atomics) as one graph node with a hand-written backward. In bf16 the
+//! forward and the backward's products run on tensor cores (warp matrix products,
+//! `cdt_fa_*_tc_bf16_d*`) unless `CDT_FLASH_TC=0`.
 //!
 //! [`applies`] says where: CUDA tensors (feature `cuda`) of f32 or bf16, head dims in
 //! [`HEAD_DIMS`], at most 65,535 heads (batch times heads) per call, unless `CDT_FLASH_ATTN=0`
@@ -20,6 +20,18 @@ type CResult<T> = candle_core::Result<T>;
 
 /// The head dims the kernels are built for (one template instance each).
 pub const HEAD_DIMS: [usize; 5] = [32, 48, 64, 96, 128];
+
+/// Warps per block of the tensor-core kernels for head dim `d` (`FA_TC_WARPS` of
+/// `cuda/flash_attn.cu`): 4 up to d = 64, else 2, so their static shared tiles stay under
+/// 48 KiB; each warp owns 16 rows (queries, or keys for dK/dV). The CUDA op launches by it; the
+/// emulator's tests check it against the launch they run the kernels under.
+pub fn tensor_core_warps(d: usize) -> usize {
+    if d <= 64 {
+        4
+    } else {
+        2
+    }
+}
 
 /// Whether [`attention`] runs `q [.., tq, d]`, `k`, `v` `[.., tk, d]`: CUDA (feature `cuda`),
 /// f32 or bf16 alike, a head dim of [`HEAD_DIMS`], equal leading dims whose product is at most
@@ -59,8 +71,8 @@ fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("CDT_FLASH_ATTN").map_or(true, |v| v.trim() != "0"))
 }
 
-/// Whether the bf16 forward runs on tensor cores (`CDT_FLASH_TC` unset or anything but `0`;
-/// `0` keeps the SIMT forward, to compare the two). The backward is SIMT either way.
+/// Whether bf16 attention (forward and backward) may run on tensor cores (`CDT_FLASH_TC` unset
+/// or anything but `0`; `0` keeps the SIMT kernels, to compare the two).
 #[cfg(feature = "cuda")]
 pub(crate) fn tensor_cores_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
