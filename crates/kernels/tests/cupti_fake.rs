@@ -91,7 +91,24 @@ fn counts_kernels_through_cupti_and_survives_a_misbehaving_library() {
     }
     let c = counter.take().unwrap();
     assert_eq!(c.malformed, 1, "{c:?}");
+    // A buffer this client never supplied: not read, not freed, reported.
+    unsafe {
+        mode(5);
+        run(3);
+    }
+    let c = counter.take().unwrap();
+    assert_eq!((c.kernels, c.malformed), (0, 1), "{c:?}");
+    // An iteration that hands back an earlier record: stops, reported (no endless loop).
+    unsafe {
+        mode(6);
+        run(3);
+    }
+    let c = counter.take().unwrap();
+    assert_eq!((c.kernels, c.malformed), (0, 1), "{c:?}");
     unsafe { mode(0) };
+    // Counting goes on after both.
+    unsafe { run(2) };
+    assert_eq!(counter.take().unwrap().kernels, 2);
 
     // Dropping the counter turns the records off; a new one can start.
     drop(counter);

@@ -68,9 +68,49 @@ fn candidates() -> Vec<String> {
     names
 }
 
+/// Function `name` of `lib`, or what the loader said, naming it.
+///
+/// # Safety
+///
+/// `T` is the type of the function `name` in `lib`.
+unsafe fn sym<T: Copy>(lib: &libloading::Library, name: &str) -> Result<T, String> {
+    let c = format!("{name}\0");
+    // SAFETY: the caller's promise.
+    match unsafe { lib.get::<T>(c.as_bytes()) } {
+        Ok(f) => Ok(*f),
+        Err(e) => Err(match std::error::Error::source(&e) {
+            Some(why) => format!("no {name} ({e}: {why})"),
+            None => format!("no {name} ({e})"),
+        }),
+    }
+}
+
+/// The functions of a loaded library, or the first one it lacks.
+///
+/// # Safety
+///
+/// `lib` is a CUPTI library: each symbol read is the CUPTI function of that name, whose C
+/// signature (cupti_activity.h, unchanged since CUDA 5.5) is the function type it is read as.
+unsafe fn resolve(lib: libloading::Library) -> Result<Api, String> {
+    // SAFETY: the caller's promise; the pointers are copied out while `lib`, moved into `Api`
+    // with them, is alive.
+    unsafe {
+        Ok(Api {
+            register: sym(&lib, "cuptiActivityRegisterCallbacks")?,
+            enable: sym(&lib, "cuptiActivityEnable")?,
+            disable: sym(&lib, "cuptiActivityDisable")?,
+            flush_all: sym(&lib, "cuptiActivityFlushAll")?,
+            next_record: sym(&lib, "cuptiActivityGetNextRecord")?,
+            dropped: sym(&lib, "cuptiActivityGetNumDroppedRecords")?,
+            _lib: lib,
+        })
+    }
+}
+
+/// The first candidate that loads and has every function; otherwise what each one lacked.
 fn load() -> Result<Api, ProfileError> {
     let names = candidates();
-    let mut last = String::from("no candidate");
+    let mut failures = Vec::new();
     for name in &names {
         // SAFETY: loading CUPTI runs its initialisers, which only set up the library; the
         // handle is kept in `API` for the rest of the process, so no resolved function
@@ -78,36 +118,20 @@ fn load() -> Result<Api, ProfileError> {
         let lib = match unsafe { libloading::Library::new(name) } {
             Ok(l) => l,
             Err(e) => {
-                last = e.to_string();
+                failures.push(format!("{name}: {e}"));
                 continue;
             }
         };
-        let missing = |e: libloading::Error| ProfileError::NoCupti {
-            tried: name.clone(),
-            message: e.to_string(),
-        };
-        // SAFETY: each symbol is the CUPTI function of that name, whose C signature
-        // (cupti_activity.h, unchanged since CUDA 5.5) is the function type it is read as;
-        // the pointers are copied out while `lib`, moved into `Api` with them, is alive.
-        unsafe {
-            return Ok(Api {
-                register: *lib
-                    .get(b"cuptiActivityRegisterCallbacks\0")
-                    .map_err(missing)?,
-                enable: *lib.get(b"cuptiActivityEnable\0").map_err(missing)?,
-                disable: *lib.get(b"cuptiActivityDisable\0").map_err(missing)?,
-                flush_all: *lib.get(b"cuptiActivityFlushAll\0").map_err(missing)?,
-                next_record: *lib.get(b"cuptiActivityGetNextRecord\0").map_err(missing)?,
-                dropped: *lib
-                    .get(b"cuptiActivityGetNumDroppedRecords\0")
-                    .map_err(missing)?,
-                _lib: lib,
-            });
+        // SAFETY: a library loaded under a CUPTI name is taken for CUPTI; one that lacks a
+        // function is passed over (the next candidate is tried).
+        match unsafe { resolve(lib) } {
+            Ok(api) => return Ok(api),
+            Err(e) => failures.push(format!("{name}: {e}")),
         }
     }
     Err(ProfileError::NoCupti {
         tried: names.join(", "),
-        message: last,
+        message: failures.join("; "),
     })
 }
 
@@ -130,21 +154,34 @@ fn check(call: &'static str, code: CuptiResult) -> Result<(), ProfileError> {
 /// Called by CUPTI with valid out-pointers.
 unsafe extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, max: *mut usize) {
     let words: Box<[u64]> = vec![0u64; BUF_WORDS].into_boxed_slice();
+    let ptr = Box::into_raw(words).cast::<u8>();
+    ours().push(ptr as usize);
     // SAFETY: CUPTI passes valid, writable out-pointers. The buffer is leaked here and
-    // reclaimed, with the same length, in `buffer_completed`, the only place CUPTI hands it
-    // back.
+    // reclaimed, with the same length, in `buffer_completed`, which frees only buffers listed
+    // in `OURS` (each once: it takes them off the list).
     unsafe {
-        *buffer = Box::into_raw(words).cast::<u8>();
+        *buffer = ptr;
         *size = BUF_BYTES;
         *max = 0; // as many records as fit
     }
+}
+
+/// The buffers `buffer_requested` handed out and CUPTI has not handed back: the only ones
+/// `buffer_completed` reads and frees (callbacks are process-wide, so a buffer another CUPTI
+/// client requested before ours replaced its callbacks could come back to ours).
+static OURS: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
+fn ours() -> std::sync::MutexGuard<'static, Vec<usize>> {
+    OURS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// CUPTI hands back a buffer with `valid` bytes of records: count the kernels, free it.
 ///
 /// # Safety
 ///
-/// `buffer` is one `buffer_requested` allocated, and CUPTI passes it back once.
+/// Called by CUPTI with a buffer and the number of bytes of records in it. Only a buffer
+/// `buffer_requested` handed out (listed in `OURS`) is read and freed; any other is counted
+/// as malformed and left alone.
 unsafe extern "C" fn buffer_completed(
     ctx: *mut std::ffi::c_void,
     stream: u32,
@@ -155,9 +192,24 @@ unsafe extern "C" fn buffer_completed(
     if buffer.is_null() {
         return;
     }
+    {
+        let mut ours = ours();
+        match ours.iter().position(|&p| p == buffer as usize) {
+            Some(i) => {
+                ours.swap_remove(i);
+            }
+            None => {
+                MALFORMED.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
+    }
     if let Ok(api) = api() {
         let valid = valid.min(BUF_BYTES);
         let mut record: *mut u8 = std::ptr::null_mut();
+        // Each record must lie past the previous one: a library that hands the same record
+        // (or an earlier one) again would otherwise keep this loop going.
+        let mut past: Option<usize> = None;
         loop {
             // SAFETY: `buffer` holds `valid` bytes of records CUPTI wrote; `record` is the
             // previous record (null for the first), as the iteration requires.
@@ -169,10 +221,11 @@ unsafe extern "C" fn buffer_completed(
                 break;
             }
             let offset = (record as usize).wrapping_sub(buffer as usize);
-            if offset >= valid || valid - offset < 4 {
+            if offset >= valid || valid - offset < 4 || past.is_some_and(|p| offset <= p) {
                 MALFORMED.fetch_add(1, Ordering::Relaxed);
                 break;
             }
+            past = Some(offset);
             // SAFETY: `record` lies inside the buffer with at least 4 bytes left (checked);
             // unaligned reads copy the bytes out.
             let kind = unsafe { record.cast::<u32>().read_unaligned() };
@@ -201,8 +254,8 @@ unsafe extern "C" fn buffer_completed(
             DROPPED.fetch_add(dropped as u64, Ordering::Relaxed);
         }
     }
-    // SAFETY: `buffer` came from `buffer_requested` as a leaked `Box<[u64]>` of `BUF_WORDS`
-    // words, and CUPTI hands each buffer back once.
+    // SAFETY: `buffer` was in `OURS` (taken off it above, so this runs once per buffer): it
+    // came from `buffer_requested` as a leaked `Box<[u64]>` of `BUF_WORDS` words.
     drop(unsafe {
         Box::from_raw(std::ptr::slice_from_raw_parts_mut(
             buffer.cast::<u64>(),

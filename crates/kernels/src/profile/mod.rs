@@ -30,7 +30,7 @@ pub enum ProfileError {
     NoCupti {
         /// The file names tried, in order.
         tried: String,
-        /// The loader's last error.
+        /// What each candidate lacked (not found, or a CUPTI function missing), `; `-separated.
         message: String,
     },
     /// A CUPTI call failed.

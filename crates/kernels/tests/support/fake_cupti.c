@@ -2,7 +2,8 @@
  * `fake_run(n)` "runs" n kernels; the next cuptiActivityFlushAll writes their records (and
  * one non-kernel record) into a buffer the client supplies and hands it back. `fake_mode`
  * makes it misbehave the ways a real library could: records running past the valid bytes, a
- * truncated kernel record, dropped records, an error from the iteration. */
+ * truncated kernel record, dropped records, an error from the iteration, a buffer the client
+ * never supplied (another client's), an iteration that hands the same record again. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -10,7 +11,9 @@
 typedef void (*req_t)(uint8_t **, size_t *, size_t *);
 typedef void (*done_t)(void *, uint32_t, uint8_t *, size_t, size_t);
 
-enum { REC = 64, MODE_OK = 0, MODE_PAST_END = 1, MODE_TRUNCATED = 2, MODE_DROPPED = 3, MODE_ERROR = 4 };
+enum { REC = 64, MODE_OK = 0, MODE_PAST_END = 1, MODE_TRUNCATED = 2, MODE_DROPPED = 3, MODE_ERROR = 4,
+       MODE_FOREIGN = 5, MODE_STUCK = 6 };
+static uint64_t foreign[(8 * REC) / 8];
 
 static req_t req;
 static done_t done;
@@ -35,7 +38,13 @@ int cuptiActivityFlushAll(uint32_t flag) {
     if (!req || !done || pending == 0) return 0;
     uint8_t *buf = NULL;
     size_t size = 0, max = 0;
-    req(&buf, &size, &max);
+    if (mode == MODE_FOREIGN) { /* a buffer of its own, as another client's would be */
+        buf = (uint8_t *)foreign;
+        size = sizeof foreign;
+        if ((size_t)(pending + 1) * REC > size) pending = (int)(size / REC) - 1;
+    } else {
+        req(&buf, &size, &max);
+    }
     if (!buf || size < (size_t)(pending + 1) * REC) return 1;
     memset(buf, 0, (size_t)(pending + 1) * REC);
     size_t valid = 0;
@@ -63,6 +72,7 @@ int cuptiActivityGetNextRecord(uint8_t *buf, size_t valid, uint8_t **rec) {
         *rec = buf + valid + REC;
         return 0;
     }
+    if (mode == MODE_STUCK && *rec) { *rec = buf; return 0; } /* the first record again */
     if (next >= buf + valid) return 12;
     *rec = next;
     return 0;
