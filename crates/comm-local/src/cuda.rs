@@ -16,10 +16,13 @@
 //!      (an `*_into` write that may alias its input, a release) precedes a peer's read;
 //!   4. it records the op's final event; the caller's stream waits on it in `Work::wait`, so
 //!      the caller's next use (or change) of the input or result follows every read and write;
-//!   5. every tensor the op touched (all posts, the result) stays referenced in the rank's
-//!      [`Retirement`] until that final event has completed on the GPU (checked without
-//!      waiting before each op and after each wait), so no release, by whichever thread drops
-//!      the last reference, can free memory a queued kernel still reads or writes.
+//!   5. the rank's own tensors of the op (its input, its result, its sends and received
+//!      messages) stay referenced in its [`Retirement`] until that final event has completed
+//!      on the GPU, and are released there only on the caller's thread (when it queues an op
+//!      or waits on one), so a free lands on the caller's stream, after the caller's own later
+//!      work; a peer's input is kept by its owner, whose final event follows every read of it.
+//!      A work should be waited on the thread that queued it: the waiting thread's stream is
+//!      the one made to wait for the op.
 //! - **sync**, the first protocol: the issuer synchronizes its stream before queuing, each
 //!   progress thread synchronizes after computing, and every rank departs only when all have.
 //!
@@ -33,7 +36,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream, DriverError};
+use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
 use candle_core::{DType, Device, Shape, Tensor};
 
 use super::backend::{barrier, link_size, Core, Exec};
@@ -58,13 +61,17 @@ fn input_of<'a>(ctx: &OpCtx, posts: &'a [Post], r: usize) -> Result<&'a Tensor> 
 /// `t` on `dev`, without a copy when it already is (for reading). A peer's tensor is another
 /// candle device (each rank thread opens its own): candle's `to_device` (like `copy`) copies
 /// the whole storage behind a view, so a view smaller than its storage (a peer's chunk of a
-/// reduce_scatter or all_to_all input) is first compacted alone (`force_contiguous`, on this
-/// thread's stream).
+/// reduce_scatter or all_to_all input) on the same GPU is first compacted alone
+/// (`force_contiguous`: this thread's stream, which every rank thread's device on that GPU
+/// shares through the primary context, so it is ordered like the copy after it). On another
+/// GPU the compaction would run on this thread's stream in the peer's context, which the
+/// ready events did not order: there the whole storage is copied on `dev`'s stream and the
+/// view taken on the copy.
 fn on(ctx: &OpCtx, t: &Tensor, dev: &Device) -> Result<Tensor> {
     if t.device().same_device(dev) {
         return Ok(t.clone());
     }
-    let t = if covers_storage(t) {
+    let t = if covers_storage(t) || t.device().location() != dev.location() {
         t.clone()
     } else {
         t.force_contiguous().map_err(candle(ctx))?
@@ -232,6 +239,8 @@ pub(crate) fn issue(ctx: &OpCtx, dev: &Device) -> Result<Option<Event>> {
 /// The tensors an op still references, until its final event completed.
 struct Retired {
     done: Event,
+    /// The context of `done` (synchronized before a communicator's remaining entries go).
+    context: Arc<CudaContext>,
     /// Held only for their references: dropped after `done` completed.
     _keep: Vec<Tensor>,
 }
@@ -242,8 +251,15 @@ struct Retired {
 const MAX_RETIRED: usize = 256;
 
 /// One CUDA rank's retired ops, oldest first (`Core::retired`): released once their final
-/// events completed, checked without waiting before each op and after each wait on a work.
-/// Whatever remains when the communicator goes is waited for before it is released.
+/// events completed, checked without waiting when the rank's caller queues an op and after
+/// each wait on a work, always on a caller's thread. That matters: a release frees memory on
+/// the releasing thread's stream (cudarc frees with `cuMemFreeAsync` on candle's per-thread
+/// stream), and only the caller's stream is ordered after the caller's own later work on a
+/// result or an input whose last reference it has since dropped; the pool may hand memory
+/// freed on an idle progress stream to the next allocation at once. The entries hold this
+/// rank's own tensors only (its input, its result, its sends and the messages it received):
+/// a peer's input is kept by that peer, whose final event follows every rank's reads of it.
+/// Whatever remains when the communicator goes is released after its contexts synchronized.
 #[derive(Default)]
 pub(crate) struct Retirement(Mutex<VecDeque<Retired>>);
 
@@ -278,10 +294,18 @@ impl Retirement {
 impl Drop for Retirement {
     fn drop(&mut self) {
         let q = std::mem::take(self.0.get_mut().unwrap_or_else(|e| e.into_inner()));
-        for r in q {
-            // A failed wait leaves a GPU in error; the tensors are released either way.
-            let _ = r.done.synchronize();
+        // Whichever thread drops the communicator releases these: every stream of their
+        // contexts (the callers' included) is drained first. A failed synchronisation leaves
+        // a GPU in error; the tensors are released either way.
+        let mut drained: Vec<&Arc<CudaContext>> = Vec::new();
+        for r in &q {
+            if !drained.iter().any(|c| Arc::ptr_eq(c, &r.context)) {
+                let _ = r.context.synchronize();
+                drained.push(&r.context);
+            }
         }
+        drop(drained);
+        drop(q);
     }
 }
 
@@ -331,7 +355,8 @@ fn exchange<R>(
         ..post
     };
     let posts = e.arrive(desc, post)?;
-    touch_posts(&posts);
+    // This rank's own post only: each peer keeps its own (see `Retirement`).
+    touch_posts(posts.get(e.rank..=e.rank).unwrap_or_default());
     let out = wait_for(ctx, dev, posts.iter().filter_map(|p| p.ready.as_ref()))
         .and_then(|()| compute(&posts));
     drop(posts);
@@ -410,6 +435,8 @@ pub(crate) fn submit(core: &Core, ctx: OpCtx, op: Collective) -> Result<Work<Col
     let device = core.device().clone();
     let bytes = link_size(&op, core.group.size());
     let collective = !matches!(op, Collective::BatchP2p { .. });
+    // On the caller's thread (see `Retirement`): what earlier ops left, once complete.
+    core.retired.reap();
     let (dev, retired) = (device.clone(), core.retired.clone());
     let body = move |e: &Exec| run(e, op, &dev, &retired);
     let work = match bytes {
@@ -448,7 +475,6 @@ fn run(
     if CudaOrder::get() == CudaOrder::Sync {
         return run_op(e, op, dev).map(|o| (o, None));
     }
-    retired.reap();
     TOUCHED.with(|k| k.borrow_mut().clear());
     // The op's own tensors (an `*_into` output, a send) are the issuer's: every path uses
     // them after this wait. (A failure here is a GPU in error; the op still runs, so that the
@@ -459,10 +485,11 @@ fn run(
     if let Ok(o) = &out {
         keep.extend(output_tensors(o));
     }
-    match record(e.ctx, dev) {
-        Ok(done) => {
+    match record(e.ctx, dev).and_then(|done| Ok((done, stream(e.ctx, dev)?))) {
+        Ok((done, s)) => {
             retired.push(Retired {
                 done: done.clone(),
+                context: s.context().clone(),
                 _keep: keep,
             });
             out.map(|o| (o, Some(done)))
