@@ -13,6 +13,8 @@
 //   of orders shows it.
 // - `mma_sync` accumulates in f32, k in ascending order with separately rounded multiplies and
 //   adds (tensor cores use their own order and internal precision: tolerances cover it).
+// - Loads and stores fault (the launch fails) on what the guide leaves undefined: an address
+//   not 256-bit aligned, a leading dimension not a multiple of 16 bytes.
 #pragma once
 
 #include "cuda_emu.h"
@@ -28,6 +30,16 @@ struct accumulator {};
 enum layout_t { mem_row_major, mem_col_major };
 
 namespace detail {
+// The guide's requirements on a load's or store's memory: 256-bit aligned, ldm a multiple of
+// 8 elements for 16-bit types and of 4 for 32-bit ones.
+template <class T>
+inline void check_memory(const char* op, const T* p, unsigned ldm) {
+    if (reinterpret_cast<uintptr_t>(p) % 32 != 0)
+        emu::fault(std::string("wmma::") + op + ": address not 256-bit aligned");
+    if ((ldm * sizeof(T)) % 16 != 0)
+        emu::fault(std::string("wmma::") + op + ": ldm " + std::to_string(ldm) +
+                   " is not a multiple of 16 bytes");
+}
 inline float to_float(float v) { return v; }
 inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <class T> inline T from_float(float v);
@@ -77,6 +89,7 @@ inline void fill_fragment(Frag& f, float v) {
 // A or B operand: (r, c) of the tile at p[r * ldm + c] (row-major) or p[c * ldm + r].
 template <class Frag, class T>
 inline void load_matrix_sync(Frag& f, const T* p, unsigned ldm) {
+    detail::check_memory("load_matrix_sync", p, ldm);
     emu::warp_barrier();
     for (int r = 0; r < Frag::rows; ++r)
         for (int c = 0; c < Frag::cols; ++c)
@@ -87,6 +100,7 @@ inline void load_matrix_sync(Frag& f, const T* p, unsigned ldm) {
 // The accumulator, from f32 memory in the layout given.
 inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p,
                              unsigned ldm, layout_t layout) {
+    detail::check_memory("load_matrix_sync", p, ldm);
     emu::warp_barrier();
     for (int r = 0; r < 16; ++r)
         for (int c = 0; c < 16; ++c)
@@ -96,6 +110,7 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const 
 
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f,
                               unsigned ldm, layout_t layout) {
+    detail::check_memory("store_matrix_sync", p, ldm);
     emu::warp_barrier();
     const unsigned lane = emu::lane_id();
     for (int e = static_cast<int>(lane); e < 256; e += 32) {
