@@ -330,8 +330,13 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     __shared__ __align__(32) bf16_t qs[BM][D];
     __shared__ __align__(32) bf16_t ks[BN][D];
     __shared__ __align__(32) bf16_t vs[BN][D];
-    __shared__ __align__(32) float ss[BM][BN];
-    __shared__ __align__(32) bf16_t ps[BM][BN];
+    // The score and probability rows are padded (SP, PP): the softmax's two lanes per row
+    // read and write column c of 16 rows at once, which at a row stride of 32 words would
+    // fall into one bank 16 times over; 36 words (80 bytes for P) spread the rows over the
+    // banks and keep the 16-byte leading dimension and 32-byte tile alignment wmma needs.
+    constexpr int SP = BN + 4, PP = BN + 8;
+    __shared__ __align__(32) float ss[BM][SP];
+    __shared__ __align__(32) bf16_t ps[BM][PP];
     __shared__ __align__(32) float os[BM][D];
     __shared__ float ms[BM], ls[BM], alphas[BM];
     const long long bh = blockIdx.y;
@@ -377,7 +382,7 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
                 wmma::load_matrix_sync(b, (const __nv_bfloat16*)&ks[nt * 16][kk * 16], D);
                 wmma::mma_sync(acc, a, b, acc);
             }
-            wmma::store_matrix_sync(&ss[w0][nt * 16], acc, BN, wmma::mem_row_major);
+            wmma::store_matrix_sync(&ss[w0][nt * 16], acc, SP, wmma::mem_row_major);
         }
         __syncwarp();
         // The online softmax of row sr over this tile's columns.
@@ -423,7 +428,7 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
             for (int kk = 0; kk < BN / 16; ++kk) {
                 wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b;
-                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&ps[w0][kk * 16], BN);
+                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&ps[w0][kk * 16], PP);
                 wmma::load_matrix_sync(b, (const __nv_bfloat16*)&vs[kk * 16][dt * 16], D);
                 wmma::mma_sync(acc, a, b, acc);
             }
