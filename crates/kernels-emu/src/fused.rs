@@ -124,6 +124,11 @@ pub trait Dt: Element + sealed::Sealed {
     const SOFTMAX_BWD: SoftmaxBwd<Self>;
     #[doc(hidden)]
     fn fa(d: usize) -> Option<FaFns<Self>>;
+    /// The tensor-core kernels (bf16 only; `None` for other types).
+    #[doc(hidden)]
+    fn fa_tc(_d: usize) -> Option<FaFns<Self>> {
+        None
+    }
 }
 
 /// A class-index type of the cross-entropy kernels, with their shims for element type `T`.
@@ -339,6 +344,44 @@ impl Dt for bf16 {
             }),
             _ => None,
         }
+    }
+
+    fn fa_tc(d: usize) -> Option<FaFns<Self>> {
+        // Delta is the SIMT kernel's (a row sum: no product to speed up).
+        let delta = Self::fa(d)?.delta;
+        Some(match d {
+            32 => FaFns {
+                fwd: emu_fa_fwd_tc_bf16_d32,
+                delta,
+                dkv: emu_fa_bwd_dkv_tc_bf16_d32,
+                dq: emu_fa_bwd_dq_tc_bf16_d32,
+            },
+            48 => FaFns {
+                fwd: emu_fa_fwd_tc_bf16_d48,
+                delta,
+                dkv: emu_fa_bwd_dkv_tc_bf16_d48,
+                dq: emu_fa_bwd_dq_tc_bf16_d48,
+            },
+            64 => FaFns {
+                fwd: emu_fa_fwd_tc_bf16_d64,
+                delta,
+                dkv: emu_fa_bwd_dkv_tc_bf16_d64,
+                dq: emu_fa_bwd_dq_tc_bf16_d64,
+            },
+            96 => FaFns {
+                fwd: emu_fa_fwd_tc_bf16_d96,
+                delta,
+                dkv: emu_fa_bwd_dkv_tc_bf16_d96,
+                dq: emu_fa_bwd_dq_tc_bf16_d96,
+            },
+            128 => FaFns {
+                fwd: emu_fa_fwd_tc_bf16_d128,
+                delta,
+                dkv: emu_fa_bwd_dkv_tc_bf16_d128,
+                dq: emu_fa_bwd_dq_tc_bf16_d128,
+            },
+            _ => return None,
+        })
     }
 }
 
@@ -726,9 +769,47 @@ pub struct Attn {
 pub const FA_ROWS: usize = 32;
 const FA_THREADS: u32 = 128;
 
+/// Which flash-attention kernels run: the SIMT ones (f32 and bf16) or the tensor-core ones
+/// (bf16 only), each with the launch the CUDA op gives them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaKernels {
+    /// `cdt_fa_*_{f32,bf16}_d*`: grid `(ceil(rows / 32), bh)` of 128 threads.
+    Simt,
+    /// `cdt_fa_*_tc_bf16_d*` (delta from the SIMT kernel): grid `(ceil(rows / (16 w)), bh)` of
+    /// `32 w` threads, `w` = [`fa_tc_warps`]`(d)`.
+    TensorCores,
+}
+
+impl FaKernels {
+    /// The launch over `rows` (queries, or keys for dK/dV) of `bh` heads of head dim `d`.
+    fn launch(self, k: &str, rows: usize, d: usize, bh: u32) -> Result<Launch> {
+        let (per_block, threads) = match self {
+            FaKernels::Simt => (FA_ROWS, FA_THREADS),
+            FaKernels::TensorCores => (16 * fa_tc_warps(d), 32 * fa_tc_warps(d) as u32),
+        };
+        let blocks = u32::try_from(rows.div_ceil(per_block).max(1))
+            .map_err(|_| args(k, format!("{rows} rows need too many blocks")))?;
+        Ok(Launch {
+            grid: (blocks, bh, 1),
+            block: (threads, 1, 1),
+            shared_bytes: 0,
+        })
+    }
+}
+
 impl Attn {
-    fn check<T: Dt>(&self, k: &str) -> Result<(FaFns<T>, c_int, c_int, u32)> {
-        let fns = T::fa(self.d).ok_or_else(|| {
+    fn check<T: Dt>(&self, k: &str, kernels: FaKernels) -> Result<(FaFns<T>, c_int, c_int, u32)> {
+        if kernels == FaKernels::TensorCores && T::NAME != "bf16" {
+            return Err(args(
+                k,
+                format!("the tensor-core kernels take bf16, not {}", T::NAME),
+            ));
+        }
+        let fns = match kernels {
+            FaKernels::Simt => T::fa(self.d),
+            FaKernels::TensorCores => T::fa_tc(self.d),
+        }
+        .ok_or_else(|| {
             args(
                 k,
                 format!("head dim {} is not one of {FA_HEAD_DIMS:?}", self.d),
@@ -749,23 +830,14 @@ impl Attn {
         }
         Ok((fns, tq, tk, bh))
     }
-
-    fn blocks(k: &str, rows: usize, bh: u32) -> Result<Launch> {
-        let blocks = u32::try_from(rows.div_ceil(FA_ROWS).max(1))
-            .map_err(|_| args(k, format!("{rows} rows need too many blocks")))?;
-        Ok(Launch {
-            grid: (blocks, bh, 1),
-            block: (FA_THREADS, 1, 1),
-            shared_bytes: 0,
-        })
-    }
 }
 
-/// Flash-attention forward: `o = softmax(scale q k^T [causal]) v` and `lse` per query, with
-/// the launch the CUDA op uses (grid `(ceil(tq / 32), bh)`, 128 threads).
+/// Flash-attention forward: `o = softmax(scale q k^T [causal]) v` and `lse` per query, on
+/// `kernels` with the launch the CUDA op gives them.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_fwd<T: Dt>(
     order: Order,
+    kernels: FaKernels,
     q: &Buf<T>,
     k: &Buf<T>,
     v: &Buf<T>,
@@ -776,52 +848,20 @@ pub fn flash_attn_fwd<T: Dt>(
     causal: bool,
 ) -> Result<()> {
     let kn = "flash_attn_fwd";
-    let (fns, _, _, bh) = shape.check::<T>(kn)?;
-    let launch = Attn::blocks(kn, shape.tq, bh)?;
-    // SAFETY: the launch is grid (ceil(tq / 32), bh) of 128 threads, the row mapping of the
-    // SIMT forward.
-    unsafe {
-        fa_fwd_run(
-            kn, fns.fwd, &launch, order, q, k, v, o, lse, shape, scale, causal,
-        )
-    }
-}
-
-/// Checks the buffers' lengths against `shape`, runs the forward kernel `fwd` over `launch`,
-/// and checks the outputs' guard zones.
-///
-/// # Safety
-///
-/// `launch` is the launch `fwd`'s row mapping assumes for `shape` (its grid covers the
-/// queries of `bh` heads and no more, its blocks have the threads the kernel indexes by).
-#[allow(clippy::too_many_arguments)]
-unsafe fn fa_fwd_run<T: Dt>(
-    kn: &'static str,
-    fwd: FaFwd<T>,
-    launch: &Launch,
-    order: Order,
-    q: &Buf<T>,
-    k: &Buf<T>,
-    v: &Buf<T>,
-    o: &mut Buf<T>,
-    lse: &mut Buf<f32>,
-    shape: Attn,
-    scale: f32,
-    causal: bool,
-) -> Result<()> {
-    let (_, tq, tk, _) = shape.check::<T>(kn)?;
+    let (fns, tq, tk, bh) = shape.check::<T>(kn, kernels)?;
     let (nq, nk) = (shape.bh * shape.tq * shape.d, shape.bh * shape.tk * shape.d);
     need_elems(kn, q.len(), nq)?;
     need_elems(kn, o.len(), nq)?;
     need_elems(kn, k.len(), nk)?;
     need_elems(kn, v.len(), nk)?;
     need_elems(kn, lse.len(), shape.bh * shape.tq)?;
-    // SAFETY: with the launch the kernel assumes (the caller's promise), block (x, h) reads q
-    // and writes o at its query rows within [0, tq) of head h < bh, reads k and v rows [0, tk)
-    // of head h and writes lse[h tq + i] for its rows i < tq: all in bounds of the lengths
-    // just checked.
-    run(launch, order, |l, e, el| unsafe {
-        fwd(
+    let launch = kernels.launch(kn, shape.tq, shape.d, bh)?;
+    // SAFETY: the launch is the one `kernels`' forward indexes by (`FaKernels::launch`, the
+    // kernel `check` picked for `kernels`): block (x, h) reads q and writes o at its query rows
+    // within [0, tq) of head h < bh, reads k and v rows [0, tk) of head h and writes
+    // lse[h tq + i] for its rows i < tq, all in bounds of the lengths checked.
+    run(&launch, order, |l, e, el| unsafe {
+        (fns.fwd)(
             (l, e, el),
             q.ptr(),
             k.ptr(),
@@ -838,65 +878,8 @@ unsafe fn fa_fwd_run<T: Dt>(
     lse.check(kn)
 }
 
-/// The tensor-core kernels for head dim `d` (bf16 only): forward, dK/dV and dQ on tensor
-/// cores, delta the SIMT kernel's (a row sum, no product to speed up).
-fn fa_tc(d: usize) -> Option<FaFns<bf16>> {
-    let delta = <bf16 as Dt>::fa(d)?.delta;
-    Some(match d {
-        32 => FaFns {
-            fwd: emu_fa_fwd_tc_bf16_d32,
-            delta,
-            dkv: emu_fa_bwd_dkv_tc_bf16_d32,
-            dq: emu_fa_bwd_dq_tc_bf16_d32,
-        },
-        48 => FaFns {
-            fwd: emu_fa_fwd_tc_bf16_d48,
-            delta,
-            dkv: emu_fa_bwd_dkv_tc_bf16_d48,
-            dq: emu_fa_bwd_dq_tc_bf16_d48,
-        },
-        64 => FaFns {
-            fwd: emu_fa_fwd_tc_bf16_d64,
-            delta,
-            dkv: emu_fa_bwd_dkv_tc_bf16_d64,
-            dq: emu_fa_bwd_dq_tc_bf16_d64,
-        },
-        96 => FaFns {
-            fwd: emu_fa_fwd_tc_bf16_d96,
-            delta,
-            dkv: emu_fa_bwd_dkv_tc_bf16_d96,
-            dq: emu_fa_bwd_dq_tc_bf16_d96,
-        },
-        128 => FaFns {
-            fwd: emu_fa_fwd_tc_bf16_d128,
-            delta,
-            dkv: emu_fa_bwd_dkv_tc_bf16_d128,
-            dq: emu_fa_bwd_dq_tc_bf16_d128,
-        },
-        _ => return None,
-    })
-}
-
-/// The tensor-core kernels' launch over `rows` (queries, or keys for dK/dV) of `bh` heads:
-/// grid `(ceil(rows / (16 w)), bh)` of `32 w` threads, `w` = [`fa_tc_warps`]`(d)`.
-fn tc_launch(kn: &str, rows: usize, d: usize, bh: u32) -> Result<Launch> {
-    let warps = fa_tc_warps(d);
-    let blocks = u32::try_from(rows.div_ceil(16 * warps).max(1))
-        .map_err(|_| args(kn, format!("{rows} rows need too many blocks")))?;
-    Ok(Launch {
-        grid: (blocks, bh, 1),
-        block: (32 * warps as u32, 1, 1),
-        shared_bytes: 0,
-    })
-}
-
-/// The tensor-core kernels for head dim `d`, or the error naming the head dims there are.
-fn fa_tc_fns(kn: &str, d: usize) -> Result<FaFns<bf16>> {
-    fa_tc(d).ok_or_else(|| args(kn, format!("head dim {d} is not one of {FA_HEAD_DIMS:?}")))
-}
-
-/// Warps per block of the tensor-core forward for head dim `d` (`FA_TC_WARPS` of the kernel:
-/// its shared memory fits the 48 KiB static limit), each warp 16 query rows.
+/// Warps per block of the tensor-core kernels for head dim `d` (`FA_TC_WARPS` of the kernels:
+/// their shared memory fits the 48 KiB static limit), each warp 16 rows.
 pub fn fa_tc_warps(d: usize) -> usize {
     if d <= 64 {
         4
@@ -905,40 +888,13 @@ pub fn fa_tc_warps(d: usize) -> usize {
     }
 }
 
-/// Flash-attention forward on tensor cores (`cdt_fa_fwd_tc_bf16_d*`: warp matrix products,
-/// bf16 operands, f32 accumulation), with the launch the CUDA op uses: grid
-/// `(ceil(tq / (16 warps)), bh)`, `32 warps` threads ([`fa_tc_warps`]). Same outputs as
-/// [`flash_attn_fwd`] up to rounding (P is rounded to bf16 for the second product).
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_fwd_tc(
-    order: Order,
-    q: &Buf<bf16>,
-    k: &Buf<bf16>,
-    v: &Buf<bf16>,
-    o: &mut Buf<bf16>,
-    lse: &mut Buf<f32>,
-    shape: Attn,
-    scale: f32,
-    causal: bool,
-) -> Result<()> {
-    let kn = "flash_attn_fwd_tc";
-    let (_, _, _, bh) = shape.check::<bf16>(kn)?;
-    let fns = fa_tc_fns(kn, shape.d)?;
-    let launch = tc_launch(kn, shape.tq, shape.d, bh)?;
-    // SAFETY: the launch is grid (ceil(tq / (16 w)), bh) of 32 w threads, w the warps the
-    // tensor-core forward is built with for this head dim (FA_TC_WARPS): its row mapping.
-    unsafe {
-        fa_fwd_run(
-            kn, fns.fwd, &launch, order, q, k, v, o, lse, shape, scale, causal,
-        )
-    }
-}
-
-/// Flash-attention backward: `dq`, `dk`, `dv` from the forward's `o` and `lse` and the
-/// output's gradient `d_o` (three kernels: delta, dK/dV per key block, dQ per query block).
+/// Flash-attention backward on `kernels`: `dq`, `dk`, `dv` from the forward's `o` and `lse`
+/// and the output's gradient `d_o` (three kernels: delta, dK/dV per key block, dQ per query
+/// block), with the launches the CUDA op gives them.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_bwd<T: Dt>(
     order: Order,
+    kernels: FaKernels,
     q: &Buf<T>,
     k: &Buf<T>,
     v: &Buf<T>,
@@ -953,84 +909,7 @@ pub fn flash_attn_bwd<T: Dt>(
     causal: bool,
 ) -> Result<()> {
     let kn = "flash_attn_bwd";
-    let (fns, _, _, bh) = shape.check::<T>(kn)?;
-    let launches = [
-        Attn::blocks(kn, shape.tk, bh)?,
-        Attn::blocks(kn, shape.tq, bh)?,
-    ];
-    // SAFETY: grids (ceil(tk / 32), bh) and (ceil(tq / 32), bh) of 128 threads, the SIMT
-    // kernels' row mapping.
-    unsafe {
-        fa_bwd_run(
-            kn, fns, &launches, order, q, k, v, o, lse, d_o, dq, dk, dv, shape, scale, causal,
-        )
-    }
-}
-
-/// Flash-attention backward on tensor cores (`cdt_fa_bwd_{dkv,dq}_tc_bf16_d*`, delta from the
-/// SIMT kernel), with the launches the CUDA op uses: grids `(ceil(tk / (16 w)), bh)` and
-/// `(ceil(tq / (16 w)), bh)` of `32 w` threads ([`fa_tc_warps`]). Same outputs as
-/// [`flash_attn_bwd`] up to rounding (P and dS are rounded to bf16 for their products).
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_bwd_tc(
-    order: Order,
-    q: &Buf<bf16>,
-    k: &Buf<bf16>,
-    v: &Buf<bf16>,
-    o: &Buf<bf16>,
-    lse: &Buf<f32>,
-    d_o: &Buf<bf16>,
-    dq: &mut Buf<bf16>,
-    dk: &mut Buf<bf16>,
-    dv: &mut Buf<bf16>,
-    shape: Attn,
-    scale: f32,
-    causal: bool,
-) -> Result<()> {
-    let kn = "flash_attn_bwd_tc";
-    let (_, _, _, bh) = shape.check::<bf16>(kn)?;
-    let fns = fa_tc_fns(kn, shape.d)?;
-    let launches = [
-        tc_launch(kn, shape.tk, shape.d, bh)?,
-        tc_launch(kn, shape.tq, shape.d, bh)?,
-    ];
-    // SAFETY: grids (ceil(tk / (16 w)), bh) and (ceil(tq / (16 w)), bh) of 32 w threads, w the
-    // warps the tensor-core kernels are built with for this head dim: their row mapping.
-    unsafe {
-        fa_bwd_run(
-            kn, fns, &launches, order, q, k, v, o, lse, d_o, dq, dk, dv, shape, scale, causal,
-        )
-    }
-}
-
-/// Checks the buffers' lengths, then runs delta, dK/dV over `launches[0]` and dQ over
-/// `launches[1]`, checking the outputs' guard zones after each.
-///
-/// # Safety
-///
-/// `launches` are the launches `fns.dkv` and `fns.dq` assume for `shape`: grids covering the
-/// keys (dK/dV) and the queries (dQ) of `bh` heads and no more, blocks of the threads the
-/// kernels index by.
-#[allow(clippy::too_many_arguments)]
-unsafe fn fa_bwd_run<T: Dt>(
-    kn: &'static str,
-    fns: FaFns<T>,
-    launches: &[Launch; 2],
-    order: Order,
-    q: &Buf<T>,
-    k: &Buf<T>,
-    v: &Buf<T>,
-    o: &Buf<T>,
-    lse: &Buf<f32>,
-    d_o: &Buf<T>,
-    dq: &mut Buf<T>,
-    dk: &mut Buf<T>,
-    dv: &mut Buf<T>,
-    shape: Attn,
-    scale: f32,
-    causal: bool,
-) -> Result<()> {
-    let (_, tq, tk, _) = shape.check::<T>(kn)?;
+    let (fns, tq, tk, bh) = shape.check::<T>(kn, kernels)?;
     let (nq, nk) = (shape.bh * shape.tq * shape.d, shape.bh * shape.tk * shape.d);
     for len in [q.len(), o.len(), d_o.len(), dq.len()] {
         need_elems(kn, len, nq)?;
@@ -1048,10 +927,11 @@ unsafe fn fa_bwd_run<T: Dt>(
     })?;
     delta.check("flash_attn_bwd_delta")?;
     let c = c_int::from(causal);
-    // SAFETY: with the launch the kernel assumes (the caller's promise), block (x, h) reads k,
-    // v and writes dk, dv at its key rows within [0, tk) of head h < bh, reads q, d_o rows
-    // [0, tq) and lse, delta [h tq, (h + 1) tq): in bounds of the lengths checked above.
-    run(&launches[0], order, |l, e, el| unsafe {
+    let launch = kernels.launch(kn, shape.tk, shape.d, bh)?;
+    // SAFETY: the launch the dK/dV kernel `check` picked for `kernels` indexes by: block
+    // (x, h) reads k, v and writes dk, dv at its key rows within [0, tk) of head h < bh, reads
+    // q, d_o rows [0, tq) and lse, delta [h tq, (h + 1) tq): in bounds of the lengths checked.
+    run(&launch, order, |l, e, el| unsafe {
         (fns.dkv)(
             (l, e, el),
             q.ptr(),
@@ -1070,9 +950,10 @@ unsafe fn fa_bwd_run<T: Dt>(
     })?;
     dk.check("flash_attn_bwd_dkv")?;
     dv.check("flash_attn_bwd_dkv")?;
-    // SAFETY: likewise, block (x, h) reads q, d_o, lse, delta at its query rows within
+    let launch = kernels.launch(kn, shape.tq, shape.d, bh)?;
+    // SAFETY: likewise for dQ: block (x, h) reads q, d_o, lse, delta at its query rows within
     // [0, tq) of head h < bh, k and v rows [0, tk), writes dq at its query rows: in bounds.
-    run(&launches[1], order, |l, e, el| unsafe {
+    run(&launch, order, |l, e, el| unsafe {
         (fns.dq)(
             (l, e, el),
             q.ptr(),

@@ -7,7 +7,7 @@ mod common;
 use candle_core::{Device, Tensor, Var};
 use candle_dtensor_kernels::autodiff::reference;
 use candle_dtensor_kernels::compare::max_rel_diff;
-use candle_dtensor_kernels_emu::fused::{self, Attn, Dt, FA_HEAD_DIMS};
+use candle_dtensor_kernels_emu::fused::{self, Attn, Dt, FaKernels, FA_HEAD_DIMS};
 use candle_dtensor_kernels_emu::{same_bits, Buf, Order, ORDERS};
 use common::{as_dt, values};
 use half::bf16;
@@ -71,7 +71,9 @@ fn reference(c: &Case, q: &[f32], k: &[f32], v: &[f32], g: &[f32], scale: f32) -
     [flat(&o), gr(&qv), gr(&kv), gr(&vv)]
 }
 
-fn run_case<T: Dt>(c: &Case, seed: u64) {
+/// Forward and backward of `c` on `kernels` against the reference, under every fiber order
+/// (the same bits each time); a query that sees no key gets exactly zero output and gradient.
+fn run_case<T: Dt>(c: &Case, seed: u64, kernels: FaKernels) {
     let (nq, nk) = (c.bh * c.tq * c.d, c.bh * c.tk * c.d);
     let scale = 1.0 / (c.d as f32).sqrt();
     let (q, qf) = as_dt::<T>(&values(nq, 2.0, seed));
@@ -86,7 +88,7 @@ fn run_case<T: Dt>(c: &Case, seed: u64) {
         d: c.d,
     };
     let what = format!(
-        "bh {} tq {} tk {} d {} causal {}",
+        "{kernels:?}: bh {} tq {} tk {} d {} causal {}",
         c.bh, c.tq, c.tk, c.d, c.causal
     );
     let mut outs = Vec::new();
@@ -101,18 +103,19 @@ fn run_case<T: Dt>(c: &Case, seed: u64) {
         let mut o = Buf::filled("o", nq, nan);
         let mut lse = Buf::filled("lse", c.bh * c.tq, f32::NAN);
         fused::flash_attn_fwd(
-            order, &qb, &kb, &vb, &mut o, &mut lse, shape, scale, c.causal,
+            order, kernels, &qb, &kb, &vb, &mut o, &mut lse, shape, scale, c.causal,
         )
-        .unwrap();
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
         let (mut dq, mut dk, mut dv) = (
             Buf::filled("dq", nq, nan),
             Buf::filled("dk", nk, nan),
             Buf::filled("dv", nk, nan),
         );
         fused::flash_attn_bwd(
-            order, &qb, &kb, &vb, &o, &lse, &gb, &mut dq, &mut dk, &mut dv, shape, scale, c.causal,
+            order, kernels, &qb, &kb, &vb, &o, &lse, &gb, &mut dq, &mut dk, &mut dv, shape, scale,
+            c.causal,
         )
-        .unwrap();
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
         outs.push([o, dq, dk, dv].map(|b| b.as_slice().to_vec()));
     }
     for (order, out) in ORDERS.iter().zip(&outs).skip(1) {
@@ -137,6 +140,20 @@ fn run_case<T: Dt>(c: &Case, seed: u64) {
     close(&format!("{what} dq"), dq, &want_dq, atol, rtol);
     close(&format!("{what} dk"), dk, &want_dk, atol, rtol);
     close(&format!("{what} dv"), dv, &want_dv, atol, rtol);
+    if c.causal && c.tq > c.tk {
+        // Queries [0, tq - tk) of every head see no key.
+        let blind = (c.tq - c.tk) * c.d;
+        for h in 0..c.bh {
+            let rows = h * c.tq * c.d..h * c.tq * c.d + blind;
+            assert!(
+                o[rows.clone()]
+                    .iter()
+                    .chain(&dq[rows])
+                    .all(|x| x.to_f32() == 0.0),
+                "{what}: a query that sees no key has an output or a gradient"
+            );
+        }
+    }
 }
 
 fn cases() -> Vec<Case> {
@@ -206,14 +223,14 @@ fn cases() -> Vec<Case> {
 #[test]
 fn flash_attention_f32_matches_the_reference() {
     for (i, c) in cases().iter().enumerate() {
-        run_case::<f32>(c, 10 * i as u64 + 1);
+        run_case::<f32>(c, 10 * i as u64 + 1, FaKernels::Simt);
     }
 }
 
 #[test]
 fn flash_attention_bf16_matches_the_reference() {
     for (i, c) in cases().iter().enumerate().filter(|(i, _)| i % 2 == 0) {
-        run_case::<bf16>(c, 10 * i as u64 + 5);
+        run_case::<bf16>(c, 10 * i as u64 + 5, FaKernels::Simt);
     }
 }
 
@@ -244,6 +261,7 @@ fn queries_that_see_no_key_get_zero_and_no_gradient() {
     let mut lse = Buf::filled("lse", c.tq, f32::NAN);
     fused::flash_attn_fwd(
         Order::Forward,
+        FaKernels::Simt,
         &qb,
         &kb,
         &vb,
@@ -268,6 +286,7 @@ fn queries_that_see_no_key_get_zero_and_no_gradient() {
     );
     fused::flash_attn_bwd(
         Order::Forward,
+        FaKernels::Simt,
         &qb,
         &kb,
         &vb,
@@ -301,6 +320,7 @@ fn unsupported_head_dims_and_short_buffers_are_refused() {
     let mut lse = Buf::filled("lse", 4, 0.0f32);
     let e = fused::flash_attn_fwd(
         Order::Forward,
+        FaKernels::Simt,
         &b,
         &b,
         &b,
@@ -325,6 +345,7 @@ fn unsupported_head_dims_and_short_buffers_are_refused() {
     let b = Buf::filled("x", 4 * 32, 0.0f32);
     let e = fused::flash_attn_fwd(
         Order::Forward,
+        FaKernels::Simt,
         &b,
         &b,
         &b,
@@ -336,6 +357,24 @@ fn unsupported_head_dims_and_short_buffers_are_refused() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("flash_attn_fwd"), "{e}");
+    // The tensor-core kernels take bf16 only.
+    let b = Buf::filled("x", 2 * 4 * 32, 0.0f32);
+    let mut o = Buf::filled("o", 2 * 4 * 32, 0.0f32);
+    let mut lse = Buf::filled("lse", 2 * 4, 0.0f32);
+    let e = fused::flash_attn_fwd(
+        Order::Forward,
+        FaKernels::TensorCores,
+        &b,
+        &b,
+        &b,
+        &mut o,
+        &mut lse,
+        shape,
+        1.0,
+        true,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("take bf16, not f32"), "{e}");
 }
 
 /// The CUDA op launches the tensor-core kernels with the warps these tests run them under.
@@ -386,157 +425,14 @@ fn tensor_core_cases() -> Vec<Case> {
     all
 }
 
-/// The tensor-core forward (`cdt_fa_fwd_tc_bf16_*`, warp matrix products under the emulator's
-/// `mma.h`) against the reference and the SIMT forward, on every case: the same bits under
-/// every fiber order (a tile read before its lanes stored it would differ), `o` within bf16
-/// tolerance of the reference (P is rounded to bf16 for the second product), `lse` within f32
-/// summation-order tolerance of the SIMT kernel's, and the same rows without any visible key.
+/// The tensor-core kernels (`cdt_fa_*_tc_bf16_*`, warp matrix products under the emulator's
+/// `mma.h`) on every case, as the SIMT ones: the same bits under every fiber order (a tile read
+/// before its lanes stored it would differ), output and gradients within bf16 tolerance of
+/// the reference (P and dS are rounded to bf16 for their products).
 #[test]
-fn tensor_core_forward_matches_the_reference_and_the_simt_forward() {
+fn tensor_core_kernels_match_the_reference() {
     for (i, c) in tensor_core_cases().iter().enumerate() {
-        let (nq, nk) = (c.bh * c.tq * c.d, c.bh * c.tk * c.d);
-        let scale = 1.0 / (c.d as f32).sqrt();
-        let seed = 100 + 10 * i as u64;
-        let (q, qf) = as_dt::<bf16>(&values(nq, 2.0, seed));
-        let (k, kf) = as_dt::<bf16>(&values(nk, 2.0, seed + 1));
-        let (v, vf) = as_dt::<bf16>(&values(nk, 1.0, seed + 2));
-        let g = values(nq, 1.0, seed + 3);
-        let [want_o, ..] = reference(c, &qf, &kf, &vf, &g, scale);
-        let shape = Attn {
-            bh: c.bh,
-            tq: c.tq,
-            tk: c.tk,
-            d: c.d,
-        };
-        let what = format!(
-            "tensor cores: bh {} tq {} tk {} d {} causal {}",
-            c.bh, c.tq, c.tk, c.d, c.causal
-        );
-        let (qb, kb, vb) = (
-            Buf::from_slice("q", &q),
-            Buf::from_slice("k", &k),
-            Buf::from_slice("v", &v),
-        );
-        let nan = bf16::from_f32(f32::NAN);
-        let mut outs = Vec::new();
-        for order in ORDERS {
-            let mut o = Buf::filled("o", nq, nan);
-            let mut lse = Buf::filled("lse", c.bh * c.tq, f32::NAN);
-            fused::flash_attn_fwd_tc(
-                order, &qb, &kb, &vb, &mut o, &mut lse, shape, scale, c.causal,
-            )
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
-            outs.push((o.as_slice().to_vec(), lse.as_slice().to_vec()));
-        }
-        for (order, (o, lse)) in ORDERS.iter().zip(&outs).skip(1) {
-            assert!(
-                same_bits(&outs[0].0, o) && same_bits(&outs[0].1, lse),
-                "{what}: {order:?} differs from Forward"
-            );
-        }
-        let (o, lse) = &outs[0];
-        close(&format!("{what} o"), o, &want_o, 2e-2, 1e-2);
-        // The SIMT forward's lse: the same maxima, sums in another order.
-        let mut so = Buf::filled("o", nq, nan);
-        let mut slse = Buf::filled("lse", c.bh * c.tq, f32::NAN);
-        fused::flash_attn_fwd(
-            Order::Forward,
-            &qb,
-            &kb,
-            &vb,
-            &mut so,
-            &mut slse,
-            shape,
-            scale,
-            c.causal,
-        )
-        .unwrap();
-        for (r, (a, b)) in lse.iter().zip(slse.as_slice()).enumerate() {
-            let same = (a.is_infinite() && a == b) || (a - b).abs() <= 1e-3 * b.abs().max(1.0);
-            assert!(same, "{what}: lse row {r}: {a} vs the SIMT kernel's {b}");
-        }
-    }
-}
-
-/// The tensor-core backward (`cdt_fa_bwd_{dkv,dq}_tc_bf16_*`) on the tensor-core forward's
-/// `o` and `lse`, against the reference gradients, on every case: the same bits under every
-/// fiber order, dq, dk and dv within bf16 tolerance (P and dS are rounded to bf16 for their
-/// products), exact zeros for the queries that see no key.
-#[test]
-fn tensor_core_backward_matches_the_reference() {
-    for (i, c) in tensor_core_cases().iter().enumerate() {
-        let (nq, nk) = (c.bh * c.tq * c.d, c.bh * c.tk * c.d);
-        let scale = 1.0 / (c.d as f32).sqrt();
-        let seed = 300 + 10 * i as u64;
-        let (q, qf) = as_dt::<bf16>(&values(nq, 2.0, seed));
-        let (k, kf) = as_dt::<bf16>(&values(nk, 2.0, seed + 1));
-        let (v, vf) = as_dt::<bf16>(&values(nk, 1.0, seed + 2));
-        let (g, gf) = as_dt::<bf16>(&values(nq, 1.0, seed + 3));
-        let [_, want_dq, want_dk, want_dv] = reference(c, &qf, &kf, &vf, &gf, scale);
-        let shape = Attn {
-            bh: c.bh,
-            tq: c.tq,
-            tk: c.tk,
-            d: c.d,
-        };
-        let what = format!(
-            "tensor-core backward: bh {} tq {} tk {} d {} causal {}",
-            c.bh, c.tq, c.tk, c.d, c.causal
-        );
-        let (qb, kb, vb, gb) = (
-            Buf::from_slice("q", &q),
-            Buf::from_slice("k", &k),
-            Buf::from_slice("v", &v),
-            Buf::from_slice("d_o", &g),
-        );
-        let nan = bf16::from_f32(f32::NAN);
-        let mut o = Buf::filled("o", nq, nan);
-        let mut lse = Buf::filled("lse", c.bh * c.tq, f32::NAN);
-        fused::flash_attn_fwd_tc(
-            Order::Forward,
-            &qb,
-            &kb,
-            &vb,
-            &mut o,
-            &mut lse,
-            shape,
-            scale,
-            c.causal,
-        )
-        .unwrap_or_else(|e| panic!("{what}: {e}"));
-        let mut outs = Vec::new();
-        for order in ORDERS {
-            let (mut dq, mut dk, mut dv) = (
-                Buf::filled("dq", nq, nan),
-                Buf::filled("dk", nk, nan),
-                Buf::filled("dv", nk, nan),
-            );
-            fused::flash_attn_bwd_tc(
-                order, &qb, &kb, &vb, &o, &lse, &gb, &mut dq, &mut dk, &mut dv, shape, scale,
-                c.causal,
-            )
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
-            outs.push([dq, dk, dv].map(|b| b.as_slice().to_vec()));
-        }
-        for (order, out) in ORDERS.iter().zip(&outs).skip(1) {
-            for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(outs[0].iter().zip(out)) {
-                assert!(
-                    same_bits(a, b),
-                    "{what} {name}: {order:?} differs from Forward"
-                );
-            }
-        }
-        let [dq, dk, dv] = &outs[0];
-        close(&format!("{what} dq"), dq, &want_dq, 2e-2, 1e-2);
-        close(&format!("{what} dk"), dk, &want_dk, 2e-2, 1e-2);
-        close(&format!("{what} dv"), dv, &want_dv, 2e-2, 1e-2);
-        if c.causal && c.tq > c.tk {
-            let blind = (c.tq - c.tk) * c.d;
-            assert!(
-                dq[..blind].iter().all(|x| x.to_f32() == 0.0),
-                "{what}: a query that sees no key has a gradient"
-            );
-        }
+        run_case::<bf16>(c, 100 + 10 * i as u64, FaKernels::TensorCores);
     }
 }
 
@@ -581,10 +477,10 @@ fn tensor_cores_stay_accurate_over_long_sequences() {
             Buf::filled("dk", n, nan),
             Buf::filled("dv", n, nan),
         );
-        let o_ = Order::Forward;
-        fused::flash_attn_fwd_tc(o_, &qb, &kb, &vb, &mut o, &mut lse, shape, scale, true).unwrap();
-        fused::flash_attn_bwd_tc(
-            o_, &qb, &kb, &vb, &o, &lse, &gb, &mut dq, &mut dk, &mut dv, shape, scale, true,
+        let (o_, tc) = (Order::Forward, FaKernels::TensorCores);
+        fused::flash_attn_fwd(o_, tc, &qb, &kb, &vb, &mut o, &mut lse, shape, scale, true).unwrap();
+        fused::flash_attn_bwd(
+            o_, tc, &qb, &kb, &vb, &o, &lse, &gb, &mut dq, &mut dk, &mut dv, shape, scale, true,
         )
         .unwrap();
         let f = |b: &Buf<bf16>| -> Vec<f32> { b.as_slice().iter().map(|x| x.to_f32()).collect() };
