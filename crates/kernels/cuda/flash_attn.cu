@@ -316,6 +316,66 @@ FA_DIMS(bf16, bf16_t)
 #define FA_TC_BN 32
 #define FA_TC_WARPS(D) ((D) <= 64 ? 4 : 2)
 
+// The block loads rows [r0, r0 + R) of a [n, D] bf16 matrix into a shared tile, zeros past n.
+template <int R, int D>
+__device__ __forceinline__ void fa_tc_load_rows(bf16_t (*tile)[D], const bf16_t* m, long long r0,
+                                                int n) {
+    for (int idx = threadIdx.x; idx < R * D; idx += blockDim.x) {
+        const int r = idx / D, e = idx % D;
+        const long long i = r0 + r;
+        tile[r][e] = i < n ? m[i * D + e] : (bf16_t)0;
+    }
+}
+
+// The block loads lse and delta of a head's query rows [i0, i0 + R): -inf and 0 past tq (a
+// row of -inf contributes nothing).
+template <int R>
+__device__ __forceinline__ void fa_tc_load_stats(float* ls, float* dl, const float* lse,
+                                                 const float* delta, long long i0, int tq) {
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        const long long i = i0 + r;
+        ls[r] = i < tq ? lse[i] : CDT_NEG_INF;
+        dl[r] = i < tq ? delta[i] : 0.f;
+    }
+}
+
+// One warp: the 16 x 16 tile a b^T of 16 rows of `a` and 16 rows of `b` (bf16, D wide, row
+// stride D, in shared memory), accumulated in f32 over the head dim, stored at `out` (row
+// stride ld). `b` read column-major is b^T.
+template <int D>
+__device__ __forceinline__ void fa_tc_row_dots(const bf16_t* a, const bf16_t* b, float* out,
+                                               int ld) {
+    namespace wmma = nvcuda::wmma;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.f);
+    for (int kk = 0; kk < D / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, (const __nv_bfloat16*)(a + kk * 16), D);
+        wmma::load_matrix_sync(fb, (const __nv_bfloat16*)(b + kk * 16), D);
+        wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(out, acc, ld, wmma::mem_row_major);
+}
+
+// One warp: acc[dt] += a (16 x K, row stride lda) b (K rows of D, row stride D), both bf16 in
+// shared memory, over the D / 16 column tiles of the accumulators.
+template <int D, int K>
+__device__ __forceinline__ void fa_tc_accumulate(
+    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> (&acc)[D / 16],
+    const bf16_t* a, int lda, const bf16_t* b) {
+    namespace wmma = nvcuda::wmma;
+    for (int kk = 0; kk < K / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+        wmma::load_matrix_sync(fa, (const __nv_bfloat16*)(a + kk * 16), lda);
+        for (int dt = 0; dt < D / 16; ++dt) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
+            wmma::load_matrix_sync(fb, (const __nv_bfloat16*)(b + kk * 16 * D + dt * 16), D);
+            wmma::mma_sync(acc[dt], fa, fb, acc[dt]);
+        }
+    }
+}
+
 template <int D>
 __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                           const bf16_t* __restrict__ v, bf16_t* __restrict__ o,
@@ -347,12 +407,8 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     const bf16_t* qb = q + bh * tq * D;
     const bf16_t* kb = k + bh * tk * D;
     const bf16_t* vb = v + bh * tk * D;
-    for (int idx = threadIdx.x; idx < BM * D; idx += blockDim.x) {
-        const int r = idx / D, e = idx % D;
-        const long long i = q0 + r;
-        qs[r][e] = i < tq ? qb[i * D + e] : (bf16_t)0;
-        os[r][e] = 0.f;
-    }
+    fa_tc_load_rows<BM, D>(qs, qb, q0, tq);
+    for (int idx = threadIdx.x; idx < BM * D; idx += blockDim.x) os[idx / D][idx % D] = 0.f;
     for (int r = threadIdx.x; r < BM; r += blockDim.x) {
         ms[r] = CDT_NEG_INF;
         ls[r] = 0.f;
@@ -364,26 +420,12 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     const long long si = q0 + sr;
     for (long long j0 = 0; j0 < kend; j0 += BN) {
         __syncthreads();  // every warp is done with the previous key tile
-        for (int idx = threadIdx.x; idx < BN * D; idx += blockDim.x) {
-            const int r = idx / D, e = idx % D;
-            const long long j = j0 + r;
-            ks[r][e] = j < tk ? kb[j * D + e] : (bf16_t)0;
-            vs[r][e] = j < tk ? vb[j * D + e] : (bf16_t)0;
-        }
+        fa_tc_load_rows<BN, D>(ks, kb, j0, tk);
+        fa_tc_load_rows<BN, D>(vs, vb, j0, tk);
         __syncthreads();
-        // S = Q K^T for the warp's rows: K^T is K read column-major.
-        for (int nt = 0; nt < BN / 16; ++nt) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.f);
-            for (int kk = 0; kk < D / 16; ++kk) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
-                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&qs[w0][kk * 16], D);
-                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&ks[nt * 16][kk * 16], D);
-                wmma::mma_sync(acc, a, b, acc);
-            }
-            wmma::store_matrix_sync(&ss[w0][nt * 16], acc, SP, wmma::mem_row_major);
-        }
+        // S = Q K^T for the warp's rows.
+        for (int nt = 0; nt < BN / 16; ++nt)
+            fa_tc_row_dots<D>(&qs[w0][0], &ks[nt * 16][0], &ss[w0][nt * 16], SP);
         __syncwarp();
         // The online softmax of row sr over this tile's columns.
         float s[BN / 2];
@@ -509,12 +551,8 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     const long long shift = (long long)tk - tq;
     const bf16_t* qb = q + bh * tq * D;
     const bf16_t* dob = d_o + bh * tq * D;
-    for (int idx = threadIdx.x; idx < BN * D; idx += blockDim.x) {
-        const int r = idx / D, e = idx % D;
-        const long long j = k0 + r;
-        ks[r][e] = j < tk ? k[(bh * tk + j) * D + e] : (bf16_t)0;
-        vs[r][e] = j < tk ? v[(bh * tk + j) * D + e] : (bf16_t)0;
-    }
+    fa_tc_load_rows<BN, D>(ks, k + bh * tk * D, k0, tk);
+    fa_tc_load_rows<BN, D>(vs, v + bh * tk * D, k0, tk);
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> dka[D / 16], dva[D / 16];
     for (int dt = 0; dt < D / 16; ++dt) {
         wmma::fill_fragment(dka[dt], 0.f);
@@ -524,37 +562,13 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     i0 -= i0 % BQ;
     for (; i0 < tq; i0 += BQ) {
         __syncthreads();  // every warp is done with the previous query tile (and ks, vs loaded)
-        for (int idx = threadIdx.x; idx < BQ * D; idx += blockDim.x) {
-            const int r = idx / D, e = idx % D;
-            const long long i = i0 + r;
-            qs[r][e] = i < tq ? qb[i * D + e] : (bf16_t)0;
-            dos[r][e] = i < tq ? dob[i * D + e] : (bf16_t)0;
-        }
-        for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
-            const long long i = i0 + r;
-            ls[r] = i < tq ? lse[bh * tq + i] : CDT_NEG_INF;
-            dl[r] = i < tq ? delta[bh * tq + i] : 0.f;
-        }
+        fa_tc_load_rows<BQ, D>(qs, qb, i0, tq);
+        fa_tc_load_rows<BQ, D>(dos, dob, i0, tq);
+        fa_tc_load_stats<BQ>(ls, dl, lse + bh * tq, delta + bh * tq, i0, tq);
         __syncthreads();
-        // S^T = K_w Q^T and dP^T = V_w dO^T for the warp's keys: Q^T and dO^T are Q and dO
-        // read column-major.
-        {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc, dpacc;
-            wmma::fill_fragment(sacc, 0.f);
-            wmma::fill_fragment(dpacc, 0.f);
-            for (int kk = 0; kk < D / 16; ++kk) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
-                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&ks[w0][kk * 16], D);
-                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&qs[0][kk * 16], D);
-                wmma::mma_sync(sacc, a, b, sacc);
-                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&vs[w0][kk * 16], D);
-                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&dos[0][kk * 16], D);
-                wmma::mma_sync(dpacc, a, b, dpacc);
-            }
-            wmma::store_matrix_sync(&st[w0][0], sacc, BQ, wmma::mem_row_major);
-            wmma::store_matrix_sync(&dpt[w0][0], dpacc, BQ, wmma::mem_row_major);
-        }
+        // S^T = K_w Q^T and dP^T = V_w dO^T for the warp's keys.
+        fa_tc_row_dots<D>(&ks[w0][0], &qs[0][0], &st[w0][0], BQ);
+        fa_tc_row_dots<D>(&vs[w0][0], &dos[0][0], &dpt[w0][0], BQ);
         __syncwarp();
         for (int e = lane; e < 16 * BQ; e += 32) {
             const int r = w0 + e / BQ, c = e % BQ;
@@ -567,18 +581,8 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
         }
         __syncwarp();
         // dV_w += P^T_w dO and dK_w += dS^T_w Q.
-        {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> pa, da;
-            wmma::load_matrix_sync(pa, (const __nv_bfloat16*)&pt[w0][0], BQ);
-            wmma::load_matrix_sync(da, (const __nv_bfloat16*)&dst[w0][0], BQ);
-            for (int dt = 0; dt < D / 16; ++dt) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b;
-                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&dos[0][dt * 16], D);
-                wmma::mma_sync(dva[dt], pa, b, dva[dt]);
-                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&qs[0][dt * 16], D);
-                wmma::mma_sync(dka[dt], da, b, dka[dt]);
-            }
-        }
+        fa_tc_accumulate<D, BQ>(dva, &pt[w0][0], BQ, &dos[0][0]);
+        fa_tc_accumulate<D, BQ>(dka, &dst[w0][0], BQ, &qs[0][0]);
     }
     __syncwarp();
     fa_tc_write_rows<D>(dva, &st[w0][0], BQ, dv + bh * tk * D, k0 + w0, tk, lane);
@@ -612,46 +616,21 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     const long long shift = (long long)tk - tq;
     const bf16_t* kb = k + bh * tk * D;
     const bf16_t* vb = v + bh * tk * D;
-    for (int idx = threadIdx.x; idx < BM * D; idx += blockDim.x) {
-        const int r = idx / D, e = idx % D;
-        const long long i = q0 + r;
-        qs[r][e] = i < tq ? q[(bh * tq + i) * D + e] : (bf16_t)0;
-        dos[r][e] = i < tq ? d_o[(bh * tq + i) * D + e] : (bf16_t)0;
-    }
-    for (int r = threadIdx.x; r < BM; r += blockDim.x) {
-        const long long i = q0 + r;
-        ls[r] = i < tq ? lse[bh * tq + i] : CDT_NEG_INF;
-        dl[r] = i < tq ? delta[bh * tq + i] : 0.f;
-    }
+    fa_tc_load_rows<BM, D>(qs, q + bh * tq * D, q0, tq);
+    fa_tc_load_rows<BM, D>(dos, d_o + bh * tq * D, q0, tq);
+    fa_tc_load_stats<BM>(ls, dl, lse + bh * tq, delta + bh * tq, q0, tq);
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> dqa[D / 16];
     for (int dt = 0; dt < D / 16; ++dt) wmma::fill_fragment(dqa[dt], 0.f);
     const long long kend = fa_key_end(q0, tq, tk, causal, BM);
     for (long long j0 = 0; j0 < kend; j0 += BN) {
         __syncthreads();  // every warp is done with the previous key tile (and qs, ls loaded)
-        for (int idx = threadIdx.x; idx < BN * D; idx += blockDim.x) {
-            const int r = idx / D, e = idx % D;
-            const long long j = j0 + r;
-            ks[r][e] = j < tk ? kb[j * D + e] : (bf16_t)0;
-            vs[r][e] = j < tk ? vb[j * D + e] : (bf16_t)0;
-        }
+        fa_tc_load_rows<BN, D>(ks, kb, j0, tk);
+        fa_tc_load_rows<BN, D>(vs, vb, j0, tk);
         __syncthreads();
-        // S = Q_w K^T and dP = dO_w V^T: K^T and V^T are K and V read column-major.
+        // S = Q_w K^T and dP = dO_w V^T.
         for (int nt = 0; nt < BN / 16; ++nt) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc, dpacc;
-            wmma::fill_fragment(sacc, 0.f);
-            wmma::fill_fragment(dpacc, 0.f);
-            for (int kk = 0; kk < D / 16; ++kk) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
-                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&qs[w0][kk * 16], D);
-                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&ks[nt * 16][kk * 16], D);
-                wmma::mma_sync(sacc, a, b, sacc);
-                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&dos[w0][kk * 16], D);
-                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&vs[nt * 16][kk * 16], D);
-                wmma::mma_sync(dpacc, a, b, dpacc);
-            }
-            wmma::store_matrix_sync(&ss[w0][nt * 16], sacc, BN, wmma::mem_row_major);
-            wmma::store_matrix_sync(&dps[w0][nt * 16], dpacc, BN, wmma::mem_row_major);
+            fa_tc_row_dots<D>(&qs[w0][0], &ks[nt * 16][0], &ss[w0][nt * 16], BN);
+            fa_tc_row_dots<D>(&dos[w0][0], &vs[nt * 16][0], &dps[w0][nt * 16], BN);
         }
         __syncwarp();
         for (int e = lane; e < 16 * BN; e += 32) {
@@ -664,15 +643,7 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
         }
         __syncwarp();
         // dQ_w += dS_w K.
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
-            wmma::load_matrix_sync(a, (const __nv_bfloat16*)&dss[w0][kk * 16], BN);
-            for (int dt = 0; dt < D / 16; ++dt) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b;
-                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&ks[kk * 16][dt * 16], D);
-                wmma::mma_sync(dqa[dt], a, b, dqa[dt]);
-            }
-        }
+        fa_tc_accumulate<D, BN>(dqa, &dss[w0][0], BN, &ks[0][0]);
     }
     __syncwarp();
     fa_tc_write_rows<D>(dqa, &ss[w0][0], BN, dq + bh * tq * D, q0 + w0, tq, lane);
