@@ -17,6 +17,8 @@
 //   not 256-bit aligned, a leading dimension not a multiple of 16 bytes.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda_emu.h"
 
 namespace nvcuda {
@@ -49,29 +51,14 @@ template <> inline float from_float<float>(float v) { return v; }
 template <class Use, int M, int N, int K, class T, class Layout = void>
 struct fragment;
 
-// matrix_a: M x K; matrix_b: K x N; accumulator: M x N. `tile` is row-major in every case.
-template <class T, class Layout>
-struct fragment<matrix_a, 16, 16, 16, T, Layout> {
+// matrix_a: M x K; matrix_b: K x N; accumulator: M x N (all 16 x 16 here). `tile` is
+// row-major in every case; an operand says whether memory holds it column-major.
+template <class Use, class T, class Layout>
+struct fragment<Use, 16, 16, 16, T, Layout> {
+    static_assert(std::is_same<Use, matrix_a>::value || std::is_same<Use, matrix_b>::value,
+                  "an operand fragment is matrix_a or matrix_b");
     static constexpr int rows = 16, cols = 16;
-    static constexpr bool col_major_src = false;
-    float tile[16 * 16];
-};
-template <class T>
-struct fragment<matrix_a, 16, 16, 16, T, col_major> {
-    static constexpr int rows = 16, cols = 16;
-    static constexpr bool col_major_src = true;
-    float tile[16 * 16];
-};
-template <class T, class Layout>
-struct fragment<matrix_b, 16, 16, 16, T, Layout> {
-    static constexpr int rows = 16, cols = 16;
-    static constexpr bool col_major_src = false;
-    float tile[16 * 16];
-};
-template <class T>
-struct fragment<matrix_b, 16, 16, 16, T, col_major> {
-    static constexpr int rows = 16, cols = 16;
-    static constexpr bool col_major_src = true;
+    static constexpr bool col_major_src = std::is_same<Layout, col_major>::value;
     float tile[16 * 16];
 };
 template <class T>
