@@ -3,6 +3,9 @@
 use candle_dtensor_kernels::profile::cupti::KernelCounter;
 use candle_dtensor_kernels::profile::ProfileError;
 
+#[path = "support/cupti.rs"]
+mod support;
+
 #[test]
 fn a_missing_library_is_a_typed_error_naming_the_candidates() {
     let bogus = "/nonexistent/libcupti-for-a-test.so";
@@ -16,9 +19,7 @@ fn a_missing_library_is_a_typed_error_naming_the_candidates() {
         }
         // A machine with a real CUPTI on the loader's path: the fallback names loaded it.
         Ok(_) => assert!(
-            ["libcupti.so", "libcupti.so.13", "libcupti.so.12"]
-                .iter()
-                .any(|n| unsafe { libloading::Library::new(*n) }.is_ok()),
+            support::a_real_cupti_loads(),
             "counting started although no CUPTI can be loaded"
         ),
         Err(other) => panic!("expected NoCupti, got {other}"),

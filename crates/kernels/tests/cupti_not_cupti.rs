@@ -5,6 +5,9 @@
 use candle_dtensor_kernels::profile::cupti::KernelCounter;
 use candle_dtensor_kernels::profile::ProfileError;
 
+#[path = "support/cupti.rs"]
+mod support;
+
 #[test]
 fn a_library_without_the_functions_is_passed_over_and_named() {
     // The C library: always there, never CUPTI.
@@ -24,9 +27,7 @@ fn a_library_without_the_functions_is_passed_over_and_named() {
         }
         // A machine with a real CUPTI on the loader's path: a later candidate loaded it.
         Ok(_) => assert!(
-            ["libcupti.so", "libcupti.so.13", "libcupti.so.12"]
-                .iter()
-                .any(|n| unsafe { libloading::Library::new(*n) }.is_ok()),
+            support::a_real_cupti_loads(),
             "counting started although no CUPTI can be loaded"
         ),
         Err(other) => panic!("expected NoCupti, got {other}"),
