@@ -27,6 +27,9 @@ fn main() {
         // No multiply-add contraction: a kernel's `a * b + c` rounds twice here as nvcc's
         // `__fmul_rn`/`__fadd_rn` do (nvcc does contract plain `a * b + c`: tolerances cover it).
         .flag_if_supported("-ffp-contract=off")
+        // CUDA code reads and writes one buffer through several types (16-byte vector copies
+        // of bf16 tiles); nvcc allows it, so the host compiler must not assume otherwise.
+        .flag_if_supported("-fno-strict-aliasing")
         .file(emu.join("emu.cpp"))
         .file(emu.join("shims.cpp"))
         .compile("cdt_kernels_emu");

@@ -24,7 +24,8 @@
 //   as does a shuffle or __syncthreads some threads of the warp / block exited before.
 // - Atomics are plain read-modify-writes: only one fiber runs at a time.
 //
-// Not emulated: timing, memory coalescing, bank conflicts, the memory model beyond barriers
+// Not emulated: timing, memory coalescing, bank conflicts (but `mma.h` counts those of the warp
+// matrix loads and stores, a performance model), the memory model beyond barriers
 // (every fiber sees every write at once), inline PTX, cooperative groups. Warp matrix
 // operations (tensor cores' `nvcuda::wmma`) are emulated by `mma.h` (see there).
 // Device pointers are host pointers.
@@ -118,6 +119,20 @@ inline T shfl_from(T v, int src, bool valid) {
 inline void __syncthreads() { emu::block_barrier(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barrier(); }
 
+// Warp votes: every lane of the warp (the mask is not checked) gets the same answer.
+inline bool emu_vote(bool pred, bool all) {
+    uint64_t* slots = emu::warp_slots();
+    const unsigned lane = emu::lane_id(), n = emu::warp_lane_count();
+    slots[lane] = pred ? 1 : 0;
+    emu::warp_barrier();
+    bool r = all;
+    for (unsigned i = 0; i < n; ++i) r = all ? (r && slots[i] != 0) : (r || slots[i] != 0);
+    emu::warp_barrier();
+    return r;
+}
+inline int __all_sync(unsigned, int pred) { return emu_vote(pred != 0, true) ? 1 : 0; }
+inline int __any_sync(unsigned, int pred) { return emu_vote(pred != 0, false) ? 1 : 0; }
+
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
     int lane = static_cast<int>(emu::lane_id());
@@ -192,6 +207,12 @@ template <class T>
 inline T atomicCAS(T* p, T cmp, T v) { T old = *p; if (old == cmp) *p = v; return old; }
 inline void __threadfence() {}
 inline void __threadfence_block() {}
+
+// The 16-byte vector type (`uint4`), aligned as on the device.
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
 // bf16 and f16 storage types with round-to-nearest-even conversions (as cuda_bf16.h /
 // cuda_fp16.h do on the device).

@@ -15,6 +15,16 @@
 //   adds (tensor cores use their own order and internal precision: tolerances cover it).
 // - Loads and stores fault (the launch fails) on what the guide leaves undefined: an address
 //   not 256-bit aligned, a leading dimension not a multiple of 16 bytes.
+// - Loads and stores count the shared-memory bank wavefronts the GPU would spend on them
+//   (`emu::bank_stats`): not semantics, a performance model, taken from the SASS nvcc 13
+//   emits for sm_80/sm_90 (`cuobjdump -sass`): a 16-bit operand tile is four 32-bit loads per
+//   lane in the mma.m16n8k16 fragment layout (lane l reads word l % 4 of line l / 4 of an
+//   8 x 8 block; a line is a row of a row-major source, a column of a column-major one), an
+//   f32 accumulator tile four 64-bit accesses per lane (lane l: row l / 4 (+8), columns
+//   2 (l % 4) and the next (+8)). A request takes as many wavefronts as the most distinct
+//   words any of the 32 banks is asked for (a 64-bit request: per half-warp). Every wmma
+//   load and store is counted as a shared-memory access (the kernels use them on shared
+//   tiles only).
 #pragma once
 
 #include <type_traits>
@@ -30,6 +40,78 @@ struct matrix_a {};
 struct matrix_b {};
 struct accumulator {};
 enum layout_t { mem_row_major, mem_col_major };
+
+}  // namespace wmma
+}  // namespace nvcuda
+
+namespace emu {
+// Shared-memory wavefronts of the warp matrix loads and stores run on this OS thread (one
+// count per warp operation), against the fewest the same requests could take.
+struct BankStats {
+    uint64_t operand_requests = 0, operand_wavefronts = 0;
+    uint64_t accumulator_requests = 0, accumulator_wavefronts = 0;
+};
+inline thread_local BankStats bank_stats;
+
+namespace bank {
+// Wavefronts of one request: the word addresses `words[0..n)` (byte address / 4), the most
+// distinct ones any bank is asked for.
+inline uint64_t wavefronts(const uint64_t* words, int n) {
+    uint64_t most = 0;
+    for (int b = 0; b < 32; ++b) {
+        uint64_t seen[64];
+        int k = 0;
+        for (int i = 0; i < n; ++i) {
+            if (words[i] % 32 != static_cast<uint64_t>(b)) continue;
+            bool dup = false;
+            for (int j = 0; j < k; ++j) dup = dup || seen[j] == words[i];
+            if (!dup) seen[k++] = words[i];
+        }
+        if (static_cast<uint64_t>(k) > most) most = k;
+    }
+    return most;
+}
+
+// A 16-bit operand tile: 16 lines of 16 elements, line i at `base + i * line_bytes`.
+inline void operand(const void* base, size_t line_bytes) {
+    if (lane_id() != 0) return;  // once per warp operation
+    const uintptr_t p = reinterpret_cast<uintptr_t>(base);
+    for (int block = 0; block < 4; ++block) {
+        const int l0 = (block % 2) * 8, c0 = (block / 2) * 16;  // byte offset in the line
+        uint64_t words[32];
+        for (int lane = 0; lane < 32; ++lane)
+            words[lane] = (p + (l0 + lane / 4) * line_bytes + c0 + 4 * (lane % 4)) / 4;
+        bank_stats.operand_requests += 1;
+        bank_stats.operand_wavefronts += wavefronts(words, 32);
+    }
+}
+
+// An f32 accumulator tile, element (r, c) at `base + r * rs + c * cs` bytes.
+inline void accumulator(const void* base, size_t rs, size_t cs) {
+    if (lane_id() != 0) return;
+    const uintptr_t p = reinterpret_cast<uintptr_t>(base);
+    for (int part = 0; part < 4; ++part) {
+        const int r0 = (part % 2) * 8, c0 = (part / 2) * 8;
+        uint64_t total = 0;
+        for (int half = 0; half < 2; ++half) {
+            uint64_t words[32];
+            int n = 0;
+            for (int lane = 16 * half; lane < 16 * half + 16; ++lane) {
+                const size_t r = r0 + lane / 4, c = c0 + 2 * (lane % 4);
+                words[n++] = (p + r * rs + c * cs) / 4;
+                words[n++] = (p + r * rs + (c + 1) * cs) / 4;
+            }
+            total += wavefronts(words, n);
+        }
+        bank_stats.accumulator_requests += 1;
+        bank_stats.accumulator_wavefronts += total;
+    }
+}
+}  // namespace bank
+}  // namespace emu
+
+namespace nvcuda {
+namespace wmma {
 
 namespace detail {
 // The guide's requirements on a load's or store's memory: 256-bit aligned, ldm a multiple of
@@ -78,6 +160,7 @@ template <class Frag, class T>
 inline void load_matrix_sync(Frag& f, const T* p, unsigned ldm) {
     detail::check_memory("load_matrix_sync", p, ldm);
     emu::warp_barrier();
+    emu::bank::operand(p, static_cast<size_t>(ldm) * sizeof(T));
     for (int r = 0; r < Frag::rows; ++r)
         for (int c = 0; c < Frag::cols; ++c)
             f.tile[r * Frag::cols + c] = detail::to_float(
@@ -89,6 +172,8 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const 
                              unsigned ldm, layout_t layout) {
     detail::check_memory("load_matrix_sync", p, ldm);
     emu::warp_barrier();
+    emu::bank::accumulator(p, layout == mem_row_major ? ldm * 4 : 4,
+                           layout == mem_row_major ? 4 : ldm * 4);
     for (int r = 0; r < 16; ++r)
         for (int c = 0; c < 16; ++c)
             f.tile[r * 16 + c] =
@@ -99,6 +184,8 @@ inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, 
                               unsigned ldm, layout_t layout) {
     detail::check_memory("store_matrix_sync", p, ldm);
     emu::warp_barrier();
+    emu::bank::accumulator(p, layout == mem_row_major ? ldm * 4 : 4,
+                           layout == mem_row_major ? 4 : ldm * 4);
     const unsigned lane = emu::lane_id();
     for (int e = static_cast<int>(lane); e < 256; e += 32) {
         const int r = e / 16, c = e % 16;

@@ -50,6 +50,17 @@ int run(const char* name, const EmuLaunch* l, char* err, size_t err_len,
 
 extern "C" {
 
+// The shared-memory bank counts of the warp matrix operations run on this OS thread since the
+// last reset (`emu::bank_stats`, mma.h): out = operand requests and wavefronts, accumulator
+// requests and wavefronts.
+void emu_bank_stats(uint64_t* out) {
+    out[0] = emu::bank_stats.operand_requests;
+    out[1] = emu::bank_stats.operand_wavefronts;
+    out[2] = emu::bank_stats.accumulator_requests;
+    out[3] = emu::bank_stats.accumulator_wavefronts;
+}
+void emu_bank_stats_reset() { emu::bank_stats = emu::BankStats{}; }
+
 int emu_selftest_row_sum(EMU_ERR, const float* x, float* y, int n) { EMU_RUN(row_sum, x, y, n); }
 int emu_selftest_racy(EMU_ERR, float* y) { EMU_RUN(racy, y); }
 int emu_selftest_deadlock(EMU_ERR, float* y) { EMU_RUN(deadlock, y); }

@@ -183,17 +183,43 @@ impl Element for i64 {
 pub struct Buf<T: Element> {
     name: &'static str,
     data: Vec<T>,
+    /// Where the interior starts in `data` (at least [`GUARD`]).
+    start: usize,
     len: usize,
 }
 
 impl<T: Element> Buf<T> {
     /// A buffer holding `v`.
     pub fn from_slice(name: &'static str, v: &[T]) -> Self {
-        let mut data = vec![T::GUARD; v.len() + 2 * GUARD];
-        data[GUARD..GUARD + v.len()].copy_from_slice(v);
+        Self::placed(name, v, |_| 0)
+    }
+
+    /// A buffer holding `v` whose first element is one element past a 16-byte boundary, for
+    /// the paths kernels take when a pointer does not allow 16-byte vector accesses.
+    pub fn misaligned(name: &'static str, v: &[T]) -> Self {
+        let size = std::mem::size_of::<T>();
+        assert!(
+            size < 16,
+            "an element of 16 bytes or more is never one past a boundary"
+        );
+        Self::placed(name, v, |at| {
+            (0..16 / size)
+                .find(|s| (at + s * size) % 16 == size)
+                .expect("an element size that is a power of two below 16 reaches every residue")
+        })
+    }
+
+    /// The interior starts `shift(address after the front guard zone)` elements (below 16)
+    /// past the front guard zone, chosen on the allocation itself.
+    fn placed(name: &'static str, v: &[T], shift: impl FnOnce(usize) -> usize) -> Self {
+        const SLACK: usize = 16;
+        let mut data = vec![T::GUARD; v.len() + 2 * GUARD + SLACK];
+        let start = GUARD + shift(data[GUARD..].as_ptr() as usize).min(SLACK);
+        data[start..start + v.len()].copy_from_slice(v);
         Self {
             name,
             data,
+            start,
             len: v.len(),
         }
     }
@@ -205,7 +231,7 @@ impl<T: Element> Buf<T> {
 
     /// Its elements.
     pub fn as_slice(&self) -> &[T] {
-        &self.data[GUARD..GUARD + self.len]
+        &self.data[self.start..self.start + self.len]
     }
 
     /// Its length in elements.
@@ -220,20 +246,25 @@ impl<T: Element> Buf<T> {
 
     /// A pointer to its first element, for a kernel that reads it.
     pub(crate) fn ptr(&self) -> *const T {
-        self.data[GUARD..].as_ptr()
+        self.data[self.start..].as_ptr()
     }
 
     /// A pointer to its first element, for a kernel that writes it.
     pub(crate) fn mut_ptr(&mut self) -> *mut T {
-        self.data[GUARD..].as_mut_ptr()
+        self.data[self.start..].as_mut_ptr()
+    }
+
+    /// Whether its first element is 16-byte aligned.
+    pub fn is_aligned_16(&self) -> bool {
+        (self.ptr() as usize) % 16 == 0
     }
 
     /// [`EmuError::OutOfBounds`] if a guard zone changed (the element nearest the buffer
     /// first).
     pub fn check(&self, kernel: &str) -> Result<()> {
         let same = |a: &T| a == &T::GUARD || bits_eq(a, &T::GUARD);
-        let before = &self.data[..GUARD];
-        let after = &self.data[GUARD + self.len..];
+        let before = &self.data[..self.start];
+        let after = &self.data[self.start + self.len..];
         let oob = |side, offset| EmuError::OutOfBounds {
             kernel: kernel.to_string(),
             buffer: self.name.to_string(),
@@ -281,7 +312,60 @@ pub(crate) fn need_elems(kernel: &str, len: usize, need: usize) -> Result<()> {
     Ok(())
 }
 
+/// Shared-memory bank wavefronts of the warp matrix loads and stores (`nvcuda::wmma`) of the
+/// launches a closure ran ([`count_banks`]): a performance model, not semantics. It takes the
+/// access pattern nvcc 13 compiles those operations to on sm_80/sm_90 (read from the SASS):
+/// a 16-bit operand tile is four 32-bit loads per lane in the `mma.m16n8k16` fragment layout,
+/// an f32 accumulator tile four 64-bit accesses per lane; a request costs as many wavefronts as
+/// the most distinct words one of the 32 banks is asked for (`emu/mma.h`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BankStats {
+    /// 32-bit operand load requests (four per 16 x 16 tile).
+    pub operand_requests: u64,
+    /// Their wavefronts (one each when conflict-free).
+    pub operand_wavefronts: u64,
+    /// 64-bit accumulator load and store requests (four per tile).
+    pub accumulator_requests: u64,
+    /// Their wavefronts (two each when conflict-free: 256 bytes).
+    pub accumulator_wavefronts: u64,
+}
+
+impl BankStats {
+    /// Operand wavefronts per request: 1 when conflict-free, n for n-way conflicts.
+    pub fn operand_ways(&self) -> f64 {
+        self.operand_wavefronts as f64 / self.operand_requests.max(1) as f64
+    }
+
+    /// Accumulator wavefronts per request over the two a conflict-free request takes.
+    pub fn accumulator_ways(&self) -> f64 {
+        self.accumulator_wavefronts as f64 / (2 * self.accumulator_requests).max(1) as f64
+    }
+}
+
+/// Runs `f` and returns what the warp matrix operations of the launches it ran on this
+/// thread counted (launches run on the calling thread; other threads' are not counted).
+pub fn count_banks<R>(f: impl FnOnce() -> R) -> (R, BankStats) {
+    // SAFETY: touches only the calling thread's counters (a thread_local of the emulator).
+    unsafe { emu_bank_stats_reset() };
+    let r = f();
+    let mut out = [0u64; 4];
+    // SAFETY: as above; `out` holds the 4 counters the function writes.
+    unsafe { emu_bank_stats(out.as_mut_ptr()) };
+    let [operand_requests, operand_wavefronts, accumulator_requests, accumulator_wavefronts] = out;
+    (
+        r,
+        BankStats {
+            operand_requests,
+            operand_wavefronts,
+            accumulator_requests,
+            accumulator_wavefronts,
+        },
+    )
+}
+
 extern "C" {
+    fn emu_bank_stats(out: *mut u64);
+    fn emu_bank_stats_reset();
     fn emu_selftest_row_sum(
         l: *const RawLaunch,
         err: *mut c_char,
