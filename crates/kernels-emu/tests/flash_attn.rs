@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor, Var};
 use candle_dtensor_kernels::autodiff::reference;
 use candle_dtensor_kernels::compare::max_rel_diff;
 use candle_dtensor_kernels_emu::fused::{self, Attn, Dt, FaKernels, FA_HEAD_DIMS};
-use candle_dtensor_kernels_emu::{same_bits, Buf, Order, ORDERS};
+use candle_dtensor_kernels_emu::{count_banks, same_bits, BankStats, Buf, Order, ORDERS};
 use common::{as_dt, values};
 use half::bf16;
 
@@ -74,6 +74,17 @@ fn reference(c: &Case, q: &[f32], k: &[f32], v: &[f32], g: &[f32], scale: f32) -
 /// Forward and backward of `c` on `kernels` against the reference, under every fiber order
 /// (the same bits each time); a query that sees no key gets exactly zero output and gradient.
 fn run_case<T: Dt>(c: &Case, seed: u64, kernels: FaKernels) {
+    run_case_placed(c, seed, kernels, Buf::<T>::from_slice);
+}
+
+/// As [`run_case`], with q and v placed by `place_qv` (k and d_o as usual), so that one launch
+/// can read aligned and misaligned inputs.
+fn run_case_placed<T: Dt>(
+    c: &Case,
+    seed: u64,
+    kernels: FaKernels,
+    place_qv: fn(&'static str, &[T]) -> Buf<T>,
+) {
     let (nq, nk) = (c.bh * c.tq * c.d, c.bh * c.tk * c.d);
     let scale = 1.0 / (c.d as f32).sqrt();
     let (q, qf) = as_dt::<T>(&values(nq, 2.0, seed));
@@ -94,9 +105,9 @@ fn run_case<T: Dt>(c: &Case, seed: u64, kernels: FaKernels) {
     let mut outs = Vec::new();
     for order in ORDERS {
         let (qb, kb, vb, gb) = (
-            Buf::from_slice("q", &q),
+            place_qv("q", &q),
             Buf::from_slice("k", &k),
-            Buf::from_slice("v", &v),
+            place_qv("v", &v),
             Buf::from_slice("d_o", &g),
         );
         let nan = T::from_f32(f32::NAN);
@@ -494,6 +505,110 @@ fn tensor_cores_stay_accurate_over_long_sequences() {
             assert!(
                 r <= 1e-2,
                 "t {t} d {d} {name}: max rel diff {r:e} > 1e-2 (NaN fails too)"
+            );
+        }
+    }
+}
+
+/// The tensor-core kernels read their tiles with 16-byte vector loads when a pointer allows
+/// it and element by element when it does not (a tensor whose storage offset is not a
+/// multiple of 8 elements): the same results either way, here with q and v one element past
+/// a 16-byte boundary and k and d_o aligned in the same launches.
+#[test]
+fn tensor_core_kernels_read_misaligned_inputs() {
+    let probe = Buf::<bf16>::misaligned("probe", &[bf16::ZERO; 8]);
+    assert!(!probe.is_aligned_16(), "the misaligned buffer is aligned");
+    assert!(Buf::from_slice("probe", &[bf16::ZERO; 8]).is_aligned_16());
+    for (i, c) in tensor_core_cases()
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % 3 == 0)
+    {
+        run_case_placed::<bf16>(
+            c,
+            700 + 10 * i as u64,
+            FaKernels::TensorCores,
+            Buf::misaligned,
+        );
+    }
+}
+
+/// Forward and backward of the tensor-core kernels on a causal case with several tiles each
+/// way, counting the shared-memory bank wavefronts of their warp matrix operations.
+fn tc_bank_stats(d: usize) -> (BankStats, BankStats) {
+    let (t, bh) = (150usize, 2usize);
+    let n = bh * t * d;
+    let scale = 1.0 / (d as f32).sqrt();
+    let x = |seed| Buf::from_slice("x", &as_dt::<bf16>(&values(n, 1.0, seed)).0);
+    let (qb, kb, vb, gb) = (x(1), x(2), x(3), x(4));
+    let shape = Attn {
+        bh,
+        tq: t,
+        tk: t,
+        d,
+    };
+    let nan = bf16::from_f32(f32::NAN);
+    let mut o = Buf::filled("o", n, nan);
+    let mut lse = Buf::filled("lse", bh * t, f32::NAN);
+    let (o_, tc) = (Order::Forward, FaKernels::TensorCores);
+    let ((), fwd) = count_banks(|| {
+        fused::flash_attn_fwd(o_, tc, &qb, &kb, &vb, &mut o, &mut lse, shape, scale, true).unwrap()
+    });
+    let (mut dq, mut dk, mut dv) = (
+        Buf::filled("dq", n, nan),
+        Buf::filled("dk", n, nan),
+        Buf::filled("dv", n, nan),
+    );
+    let ((), bwd) = count_banks(|| {
+        fused::flash_attn_bwd(
+            o_, tc, &qb, &kb, &vb, &o, &lse, &gb, &mut dq, &mut dk, &mut dv, shape, scale, true,
+        )
+        .unwrap()
+    });
+    (fwd, bwd)
+}
+
+/// The tensor-core kernels' warp matrix loads of bf16 tiles from shared memory are free of bank
+/// conflicts, and their f32 accumulator tiles nearly so, in the emulator's model of the code
+/// nvcc compiles them to ([`count_banks`]): the tiles' rows are padded so that the 8 rows one
+/// load instruction reads fall into different banks (unpadded, a 64-wide head puts all 8 in
+/// the same banks: 8 wavefronts a load).
+#[test]
+fn tensor_core_tiles_are_read_without_bank_conflicts() {
+    let all: Vec<_> = FA_HEAD_DIMS
+        .iter()
+        .map(|&d| (d, tc_bank_stats(d)))
+        .collect();
+    // Every head dim's figures, in any failure's message.
+    let summary: String = all
+        .iter()
+        .map(|(d, (fwd, bwd))| {
+            format!(
+                "\n  d {d}: forward operand {:.2}-way, accumulator {:.2}-way; backward operand \
+                 {:.2}-way, accumulator {:.2}-way",
+                fwd.operand_ways(),
+                fwd.accumulator_ways(),
+                bwd.operand_ways(),
+                bwd.accumulator_ways()
+            )
+        })
+        .collect();
+    for &(d, (fwd, bwd)) in &all {
+        for (what, st) in [("forward", fwd), ("backward", bwd)] {
+            assert!(
+                st.operand_requests > 0 && st.accumulator_requests > 0,
+                "{what} d {d}: nothing counted: {st:?}"
+            );
+            assert_eq!(
+                st.operand_wavefronts,
+                st.operand_requests,
+                "d {d}: the {what}'s operand loads conflict ({:.2}-way){summary}",
+                st.operand_ways()
+            );
+            assert!(
+                st.accumulator_ways() <= 2.0,
+                "d {d}: the {what}'s accumulator tiles {:.2}-way{summary}",
+                st.accumulator_ways()
             );
         }
     }

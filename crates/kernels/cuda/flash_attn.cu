@@ -301,12 +301,13 @@ FA_DIMS(bf16, bf16_t)
 // online softmax runs on the tile of scores the warp stored in shared memory.
 //
 // A block is FA_TC_WARPS(D) warps; warp w owns the 16 queries [q0 + 16 w, q0 + 16 w + 16) and
-// their rows of the score tile S [BM][FA_TC_BN] (f32), of the probabilities P (bf16, as FlashAttention
-// rounds them for the second product) and of the running output O [BM][D] (f32, in shared
-// memory: a per-row rescale of an accumulator fragment would need its opaque element layout).
-// Keys stream through shared memory FA_TC_BN at a time, loaded by the whole block. Per tile,
-// warp w: S rows = its Q rows times the key tile (scaled, masked), the row maxima and sums
-// updated (two lanes per row), its O rows rescaled by exp(m_old - m_new), then O += P V.
+// their rows of the score tile S [BM][FA_TC_BN] (f32), of the probabilities P (bf16, as
+// FlashAttention rounds them for the second product; written over the row's scores) and of the
+// running output O [BM][D] (f32, in shared memory: a per-row rescale of an accumulator fragment
+// would need its opaque element layout). Keys stream through shared memory FA_TC_BN at a time,
+// loaded by the whole block. Per tile, warp w: S rows = its Q rows times the key tile (scaled,
+// masked), the row maxima and sums updated (two lanes per row), its O rows rescaled by
+// exp(m_old - m_new) unless no row's maximum moved, then O += P V.
 // Rows with nothing visible keep m = -inf and P = 0, as the SIMT kernel does; o and lse are
 // written as it writes them. Warps only read shared rows they wrote, after a __syncwarp; the
 // key tiles are guarded by __syncthreads.
@@ -316,14 +317,38 @@ FA_DIMS(bf16, bf16_t)
 #define FA_TC_BN 32
 #define FA_TC_WARPS(D) ((D) <= 64 ? 4 : 2)
 
-// The block loads rows [r0, r0 + R) of a [n, D] bf16 matrix into a shared tile, zeros past n.
+// Shared tiles of bf16 operands have rows of D + FA_TC_PAD elements. A warp matrix load reads
+// 8 rows at once, one 32-bit word of each per lane group (nvcc compiles it to four 32-bit loads
+// per lane in the mma.m16n8k16 fragment layout); at a row stride that is a multiple of 128 bytes
+// (D = 64, 128) all 8 rows fall into the same 4 banks, an 8-way conflict. 16 bytes more per row
+// put them in 8 different bank groups for every head dim (the emulator's test
+// `tensor_core_tiles_are_read_without_bank_conflicts` counts it), and keep the 16-byte rows and
+// 32-byte tile starts the loads need.
+#define FA_TC_PAD 8
+
+// The block loads rows [r0, r0 + R) of a [n, D] bf16 matrix into a shared tile of row stride
+// D + FA_TC_PAD, zeros past n: 16-byte vector loads when `m` allows them (it is 16-byte
+// aligned: every row then is, D being a multiple of 8), else element by element (a tensor
+// whose storage offset is not a multiple of 8 elements). Coalesced either way.
 template <int R, int D>
-__device__ __forceinline__ void fa_tc_load_rows(bf16_t (*tile)[D], const bf16_t* m, long long r0,
-                                                int n) {
-    for (int idx = threadIdx.x; idx < R * D; idx += blockDim.x) {
-        const int r = idx / D, e = idx % D;
-        const long long i = r0 + r;
-        tile[r][e] = i < n ? m[i * D + e] : (bf16_t)0;
+__device__ __forceinline__ void fa_tc_load_rows(bf16_t* tile, const bf16_t* __restrict__ m,
+                                                long long r0, int n) {
+    constexpr int LD = D + FA_TC_PAD;
+    if ((reinterpret_cast<unsigned long long>(m) & 15ull) == 0) {
+        constexpr int C = D / 8;  // 16-byte chunks a row
+        for (int idx = threadIdx.x; idx < R * C; idx += blockDim.x) {
+            const int r = idx / C, c = idx % C;
+            const long long i = r0 + r;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (i < n) v = __ldg(reinterpret_cast<const uint4*>(m + i * D) + c);
+            *reinterpret_cast<uint4*>(tile + r * LD + c * 8) = v;
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < R * D; idx += blockDim.x) {
+            const int r = idx / D, e = idx % D;
+            const long long i = r0 + r;
+            tile[r * LD + e] = i < n ? m[i * D + e] : (bf16_t)0;
+        }
     }
 }
 
@@ -340,37 +365,39 @@ __device__ __forceinline__ void fa_tc_load_stats(float* ls, float* dl, const flo
 }
 
 // One warp: the 16 x 16 tile a b^T of 16 rows of `a` and 16 rows of `b` (bf16, D wide, row
-// stride D, in shared memory), accumulated in f32 over the head dim, stored at `out` (row
-// stride ld). `b` read column-major is b^T.
+// stride D + FA_TC_PAD, in shared memory), accumulated in f32 over the head dim, stored at
+// `out` (row stride ld). `b` read column-major is b^T.
 template <int D>
 __device__ __forceinline__ void fa_tc_row_dots(const bf16_t* a, const bf16_t* b, float* out,
                                                int ld) {
     namespace wmma = nvcuda::wmma;
+    constexpr int LD = D + FA_TC_PAD;
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
     wmma::fill_fragment(acc, 0.f);
     for (int kk = 0; kk < D / 16; ++kk) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
-        wmma::load_matrix_sync(fa, (const __nv_bfloat16*)(a + kk * 16), D);
-        wmma::load_matrix_sync(fb, (const __nv_bfloat16*)(b + kk * 16), D);
+        wmma::load_matrix_sync(fa, (const __nv_bfloat16*)(a + kk * 16), LD);
+        wmma::load_matrix_sync(fb, (const __nv_bfloat16*)(b + kk * 16), LD);
         wmma::mma_sync(acc, fa, fb, acc);
     }
     wmma::store_matrix_sync(out, acc, ld, wmma::mem_row_major);
 }
 
-// One warp: acc[dt] += a (16 x K, row stride lda) b (K rows of D, row stride D), both bf16 in
-// shared memory, over the D / 16 column tiles of the accumulators.
+// One warp: acc[dt] += a (16 x K, row stride lda) b (K rows of D, row stride D + FA_TC_PAD),
+// both bf16 in shared memory, over the D / 16 column tiles of the accumulators.
 template <int D, int K>
 __device__ __forceinline__ void fa_tc_accumulate(
     nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> (&acc)[D / 16],
     const bf16_t* a, int lda, const bf16_t* b) {
     namespace wmma = nvcuda::wmma;
+    constexpr int LD = D + FA_TC_PAD;
     for (int kk = 0; kk < K / 16; ++kk) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
         wmma::load_matrix_sync(fa, (const __nv_bfloat16*)(a + kk * 16), lda);
         for (int dt = 0; dt < D / 16; ++dt) {
             wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
-            wmma::load_matrix_sync(fb, (const __nv_bfloat16*)(b + kk * 16 * D + dt * 16), D);
+            wmma::load_matrix_sync(fb, (const __nv_bfloat16*)(b + kk * 16 * LD + dt * 16), LD);
             wmma::mma_sync(acc[dt], fa, fb, acc[dt]);
         }
     }
@@ -384,20 +411,24 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     constexpr int WARPS = FA_TC_WARPS(D);
     constexpr int BM = 16 * WARPS;
     constexpr int BN = FA_TC_BN;
+    constexpr int LD = D + FA_TC_PAD;
     static_assert(D % 16 == 0, "the head dim is a multiple of the 16-wide matrix tiles");
     // Warp matrix loads and stores need 32-byte aligned addresses: every tile below starts at
     // a multiple of 16 rows and 16 columns of an aligned array.
-    __shared__ __align__(32) bf16_t qs[BM][D];
-    __shared__ __align__(32) bf16_t ks[BN][D];
-    __shared__ __align__(32) bf16_t vs[BN][D];
-    // The score and probability rows are padded (SP, PP): the softmax's two lanes per row
-    // read and write column c of 16 rows at once, which at a row stride of 32 words would
-    // fall into one bank 16 times over; 36 words (80 bytes for P) spread the rows over the
-    // banks and keep the 16-byte leading dimension and 32-byte tile alignment wmma needs.
-    constexpr int SP = BN + 4, PP = BN + 8;
+    __shared__ __align__(32) bf16_t qs[BM][LD];
+    __shared__ __align__(32) bf16_t ks[BN][LD];
+    __shared__ __align__(32) bf16_t vs[BN][LD];
+    // Score rows of SP words. A row's probabilities (bf16) then overwrite its first BN / 2
+    // words: P is read as a 16-bit operand of row stride 2 SP elements (36 words: its 8-row
+    // loads hit 8 different bank groups), and S is stored by the accumulator's 64-bit accesses
+    // (2-way at this stride). The softmax's two lanes per row take alternate columns, so a
+    // warp's 32 reads of one step cover 16 rows at 4 words apart plus 1: 2-way.
+    constexpr int SP = BN + 4;
     __shared__ __align__(32) float ss[BM][SP];
-    __shared__ __align__(32) bf16_t ps[BM][PP];
-    __shared__ __align__(32) float os[BM][D];
+    // The running output, f32, padded so that the accumulator's 64-bit accesses (4 rows of 8
+    // words per half-warp) are conflict-free: D + 8 words is 8 (mod 32) for every head dim.
+    constexpr int OP = D + 8;
+    __shared__ __align__(32) float os[BM][OP];
     __shared__ float ms[BM], ls[BM], alphas[BM];
     const long long bh = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -407,7 +438,7 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     const bf16_t* qb = q + bh * tq * D;
     const bf16_t* kb = k + bh * tk * D;
     const bf16_t* vb = v + bh * tk * D;
-    fa_tc_load_rows<BM, D>(qs, qb, q0, tq);
+    fa_tc_load_rows<BM, D>(&qs[0][0], qb, q0, tq);
     for (int idx = threadIdx.x; idx < BM * D; idx += blockDim.x) os[idx / D][idx % D] = 0.f;
     for (int r = threadIdx.x; r < BM; r += blockDim.x) {
         ms[r] = CDT_NEG_INF;
@@ -415,13 +446,14 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     }
     __syncthreads();  // rows are initialised by other warps than their owners
     const long long kend = fa_key_end(q0, tq, tk, causal, BM);
-    // Lanes 2r and 2r + 1 own row w0 + r of the softmax; each BN / 2 of its columns.
+    // Lanes 2r and 2r + 1 own row w0 + r of the softmax; lane 2r + h its columns 2c + h.
     const int sr = w0 + lane / 2, half = lane % 2;
     const long long si = q0 + sr;
+    bf16_t* const prow = reinterpret_cast<bf16_t*>(&ss[sr][0]);
     for (long long j0 = 0; j0 < kend; j0 += BN) {
         __syncthreads();  // every warp is done with the previous key tile
-        fa_tc_load_rows<BN, D>(ks, kb, j0, tk);
-        fa_tc_load_rows<BN, D>(vs, vb, j0, tk);
+        fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0, tk);
+        fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0, tk);
         __syncthreads();
         // S = Q K^T for the warp's rows.
         for (int nt = 0; nt < BN / 16; ++nt)
@@ -432,7 +464,7 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
         float tmax = CDT_NEG_INF;
 #pragma unroll
         for (int c = 0; c < BN / 2; ++c) {
-            const int col = half * (BN / 2) + c;
+            const int col = 2 * c + half;
             const long long j = j0 + col;
             const bool vis = si < tq && j < tk && (!causal || j <= si + shift);
             s[c] = vis ? ss[sr][col] * scale : CDT_NEG_INF;
@@ -441,40 +473,44 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
         tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
         const float m_old = ms[sr];
         const float mn = fmaxf(m_old, tmax);
+        __syncwarp();  // the row's scores are read (P overwrites them) and ms[sr] by both lanes
         float psum = 0.f;
 #pragma unroll
         for (int c = 0; c < BN / 2; ++c) {
             const float p = (mn == CDT_NEG_INF || s[c] == CDT_NEG_INF) ? 0.f : expf(s[c] - mn);
             psum += p;
-            ps[sr][half * (BN / 2) + c] = from_f32<bf16_t>(p);
+            prow[2 * c + half] = from_f32<bf16_t>(p);
         }
         psum += __shfl_xor_sync(0xffffffffu, psum, 1);
         // Nothing visible yet: O and l stay (0), m stays -inf.
         const float alpha = (mn == CDT_NEG_INF) ? 1.f : (m_old == CDT_NEG_INF ? 0.f : expf(m_old - mn));
-        __syncwarp();  // both lanes of the row read ms[sr] before it changes
         if (half == 0) {
             ls[sr] = ls[sr] * alpha + psum;
             ms[sr] = mn;
             alphas[sr] = alpha;
         }
         __syncwarp();
-        // Rescale the warp's O rows, then O += P V.
-        for (int idx = lane; idx < 16 * D; idx += 32) {
-            const int r = w0 + idx / D, e = idx % D;
-            os[r][e] *= alphas[r];
+        // Rescale the warp's O rows (not when no row's maximum moved: alpha is exactly 1 for
+        // every row, the common case once the running maxima settle), then O += P V.
+        if (!__all_sync(0xffffffffu, alpha == 1.f)) {
+            for (int idx = lane; idx < 16 * D; idx += 32) {
+                const int r = w0 + idx / D, e = idx % D;
+                os[r][e] *= alphas[r];
+            }
+            __syncwarp();
         }
-        __syncwarp();
+        const bf16_t* pw = reinterpret_cast<const bf16_t*>(&ss[w0][0]);
         for (int dt = 0; dt < D / 16; ++dt) {
             wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::load_matrix_sync(acc, &os[w0][dt * 16], D, wmma::mem_row_major);
+            wmma::load_matrix_sync(acc, &os[w0][dt * 16], OP, wmma::mem_row_major);
             for (int kk = 0; kk < BN / 16; ++kk) {
                 wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b;
-                wmma::load_matrix_sync(a, (const __nv_bfloat16*)&ps[w0][kk * 16], PP);
-                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&vs[kk * 16][dt * 16], D);
+                wmma::load_matrix_sync(a, (const __nv_bfloat16*)(pw + kk * 16), 2 * SP);
+                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&vs[kk * 16][dt * 16], LD);
                 wmma::mma_sync(acc, a, b, acc);
             }
-            wmma::store_matrix_sync(&os[w0][dt * 16], acc, D, wmma::mem_row_major);
+            wmma::store_matrix_sync(&os[w0][dt * 16], acc, OP, wmma::mem_row_major);
         }
         __syncwarp();
     }
@@ -535,14 +571,20 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     constexpr int WARPS = FA_TC_WARPS(D);
     constexpr int BN = 16 * WARPS;
     constexpr int BQ = FA_TC_BQ;
-    __shared__ __align__(32) bf16_t ks[BN][D];
-    __shared__ __align__(32) bf16_t vs[BN][D];
-    __shared__ __align__(32) bf16_t qs[BQ][D];
-    __shared__ __align__(32) bf16_t dos[BQ][D];
-    __shared__ __align__(32) float st[BN][BQ];   // S^T, then the output scratch
-    __shared__ __align__(32) float dpt[BN][BQ];  // dP^T
-    __shared__ __align__(32) bf16_t pt[BN][BQ];
-    __shared__ __align__(32) bf16_t dst[BN][BQ];
+    constexpr int LD = D + FA_TC_PAD;
+    __shared__ __align__(32) bf16_t ks[BN][LD];
+    __shared__ __align__(32) bf16_t vs[BN][LD];
+    __shared__ __align__(32) bf16_t qs[BQ][LD];
+    __shared__ __align__(32) bf16_t dos[BQ][LD];
+    // S^T and dP^T (then the output scratch): 16 words a row, so the elementwise pass's 32
+    // lanes read two whole rows conflict-free (the accumulator stores are 2-way).
+    __shared__ __align__(32) float st[BN][BQ];
+    __shared__ __align__(32) float dpt[BN][BQ];
+    // P^T and dS^T, 16-bit operands: rows of BQ + FA_TC_PAD elements (12 words) put a load's
+    // 8 rows in 8 bank groups (8 words would pair them up).
+    constexpr int PT = BQ + FA_TC_PAD;
+    __shared__ __align__(32) bf16_t pt[BN][PT];
+    __shared__ __align__(32) bf16_t dst[BN][PT];
     __shared__ float ls[BQ], dl[BQ];
     const long long bh = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -551,8 +593,8 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     const long long shift = (long long)tk - tq;
     const bf16_t* qb = q + bh * tq * D;
     const bf16_t* dob = d_o + bh * tq * D;
-    fa_tc_load_rows<BN, D>(ks, k + bh * tk * D, k0, tk);
-    fa_tc_load_rows<BN, D>(vs, v + bh * tk * D, k0, tk);
+    fa_tc_load_rows<BN, D>(&ks[0][0], k + bh * tk * D, k0, tk);
+    fa_tc_load_rows<BN, D>(&vs[0][0], v + bh * tk * D, k0, tk);
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> dka[D / 16], dva[D / 16];
     for (int dt = 0; dt < D / 16; ++dt) {
         wmma::fill_fragment(dka[dt], 0.f);
@@ -562,8 +604,8 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     i0 -= i0 % BQ;
     for (; i0 < tq; i0 += BQ) {
         __syncthreads();  // every warp is done with the previous query tile (and ks, vs loaded)
-        fa_tc_load_rows<BQ, D>(qs, qb, i0, tq);
-        fa_tc_load_rows<BQ, D>(dos, dob, i0, tq);
+        fa_tc_load_rows<BQ, D>(&qs[0][0], qb, i0, tq);
+        fa_tc_load_rows<BQ, D>(&dos[0][0], dob, i0, tq);
         fa_tc_load_stats<BQ>(ls, dl, lse + bh * tq, delta + bh * tq, i0, tq);
         __syncthreads();
         // S^T = K_w Q^T and dP^T = V_w dO^T for the warp's keys.
@@ -581,8 +623,8 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
         }
         __syncwarp();
         // dV_w += P^T_w dO and dK_w += dS^T_w Q.
-        fa_tc_accumulate<D, BQ>(dva, &pt[w0][0], BQ, &dos[0][0]);
-        fa_tc_accumulate<D, BQ>(dka, &dst[w0][0], BQ, &qs[0][0]);
+        fa_tc_accumulate<D, BQ>(dva, &pt[w0][0], PT, &dos[0][0]);
+        fa_tc_accumulate<D, BQ>(dka, &dst[w0][0], PT, &qs[0][0]);
     }
     __syncwarp();
     fa_tc_write_rows<D>(dva, &st[w0][0], BQ, dv + bh * tk * D, k0 + w0, tk, lane);
@@ -601,13 +643,17 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     constexpr int WARPS = FA_TC_WARPS(D);
     constexpr int BM = 16 * WARPS;
     constexpr int BN = FA_TC_BN;
-    __shared__ __align__(32) bf16_t qs[BM][D];
-    __shared__ __align__(32) bf16_t dos[BM][D];
-    __shared__ __align__(32) bf16_t ks[BN][D];
-    __shared__ __align__(32) bf16_t vs[BN][D];
-    __shared__ __align__(32) float ss[BM][BN];  // S, then the output scratch
-    __shared__ __align__(32) float dps[BM][BN];
-    __shared__ __align__(32) bf16_t dss[BM][BN];
+    constexpr int LD = D + FA_TC_PAD;
+    __shared__ __align__(32) bf16_t qs[BM][LD];
+    __shared__ __align__(32) bf16_t dos[BM][LD];
+    __shared__ __align__(32) bf16_t ks[BN][LD];
+    __shared__ __align__(32) bf16_t vs[BN][LD];
+    // S and dP, rows of SP words (accumulator stores 2-way). dS (bf16) then overwrites each S
+    // row's first BN / 2 words and is read as a 16-bit operand of row stride 2 SP elements
+    // (36 words: conflict-free). S is also the output scratch.
+    constexpr int SP = BN + 4;
+    __shared__ __align__(32) float ss[BM][SP];
+    __shared__ __align__(32) float dps[BM][SP];
     __shared__ float ls[BM], dl[BM];
     const long long bh = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -616,37 +662,48 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     const long long shift = (long long)tk - tq;
     const bf16_t* kb = k + bh * tk * D;
     const bf16_t* vb = v + bh * tk * D;
-    fa_tc_load_rows<BM, D>(qs, q + bh * tq * D, q0, tq);
-    fa_tc_load_rows<BM, D>(dos, d_o + bh * tq * D, q0, tq);
+    fa_tc_load_rows<BM, D>(&qs[0][0], q + bh * tq * D, q0, tq);
+    fa_tc_load_rows<BM, D>(&dos[0][0], d_o + bh * tq * D, q0, tq);
     fa_tc_load_stats<BM>(ls, dl, lse + bh * tq, delta + bh * tq, q0, tq);
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> dqa[D / 16];
     for (int dt = 0; dt < D / 16; ++dt) wmma::fill_fragment(dqa[dt], 0.f);
     const long long kend = fa_key_end(q0, tq, tk, causal, BM);
     for (long long j0 = 0; j0 < kend; j0 += BN) {
         __syncthreads();  // every warp is done with the previous key tile (and qs, ls loaded)
-        fa_tc_load_rows<BN, D>(ks, kb, j0, tk);
-        fa_tc_load_rows<BN, D>(vs, vb, j0, tk);
+        fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0, tk);
+        fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0, tk);
         __syncthreads();
         // S = Q_w K^T and dP = dO_w V^T.
         for (int nt = 0; nt < BN / 16; ++nt) {
-            fa_tc_row_dots<D>(&qs[w0][0], &ks[nt * 16][0], &ss[w0][nt * 16], BN);
-            fa_tc_row_dots<D>(&dos[w0][0], &vs[nt * 16][0], &dps[w0][nt * 16], BN);
+            fa_tc_row_dots<D>(&qs[w0][0], &ks[nt * 16][0], &ss[w0][nt * 16], SP);
+            fa_tc_row_dots<D>(&dos[w0][0], &vs[nt * 16][0], &dps[w0][nt * 16], SP);
         }
         __syncwarp();
-        for (int e = lane; e < 16 * BN; e += 32) {
-            const int r = w0 + e / BN, c = e % BN;
+        // dS of the warp's rows, one row a step, lane l on column l. Its bf16 goes over the
+        // row's scores, two columns a word: lane l < BN / 2 writes columns 2l and 2l + 1 (from
+        // lanes 2l and 2l + 1) into word l, the one word of the row it read itself, so no lane
+        // writes what another still has to read.
+        static_assert(BN == 32, "one score row a warp step");
+        for (int t = 0; t < 16; ++t) {
+            const int r = w0 + t, c = lane;
             const long long i = q0 + r, j = j0 + c;
             const bool vis = i < tq && j < tk && (!causal || j <= i + shift) &&
                              ls[r] != CDT_NEG_INF;
             const float p = vis ? expf(ss[r][c] * scale - ls[r]) : 0.f;
-            dss[r][c] = from_f32<bf16_t>(p * (dps[r][c] - dl[r]) * scale);
+            const float ds = p * (dps[r][c] - dl[r]) * scale;
+            const float lo = __shfl_sync(0xffffffffu, ds, (2 * lane) % 32);
+            const float hi = __shfl_sync(0xffffffffu, ds, (2 * lane + 1) % 32);
+            if (lane < BN / 2)
+                reinterpret_cast<unsigned*>(&ss[r][0])[lane] =
+                    (unsigned)from_f32<bf16_t>(lo) | ((unsigned)from_f32<bf16_t>(hi) << 16);
         }
         __syncwarp();
         // dQ_w += dS_w K.
-        fa_tc_accumulate<D, BN>(dqa, &dss[w0][0], BN, &ks[0][0]);
+        fa_tc_accumulate<D, BN>(dqa, reinterpret_cast<const bf16_t*>(&ss[w0][0]), 2 * SP,
+                                &ks[0][0]);
     }
     __syncwarp();
-    fa_tc_write_rows<D>(dqa, &ss[w0][0], BN, dq + bh * tq * D, q0 + w0, tq, lane);
+    fa_tc_write_rows<D>(dqa, &ss[w0][0], SP, dq + bh * tq * D, q0 + w0, tq, lane);
 }
 
 // cdt_fa_fwd_tc_bf16_d{D}, cdt_fa_bwd_dkv_tc_bf16_d{D}, cdt_fa_bwd_dq_tc_bf16_d{D}: the same

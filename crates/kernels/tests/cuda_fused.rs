@@ -551,16 +551,20 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
         }
     }
     // Flash attention (head dims the kernels are built for): every one of them, several key
-    // tiles, fewer queries than keys, a GPT-2-long sequence; the node must really be the
-    // flash one (`flash::applies`), or the case fails instead of testing the fallback.
-    for (b, h, t, s, d, causal) in [
-        (1, 2, 70, 70, 64, true),
-        (2, 1, 17, 75, 32, true),
-        (1, 3, 40, 40, 48, true),
-        (1, 1, 45, 45, 96, false),
-        (1, 1, 64, 64, 128, true),
-        (2, 3, 33, 100, 64, false),
-        (1, 2, 1024, 1024, 64, true),
+    // tiles, fewer queries than keys, a GPT-2-long sequence, q and v one element into their
+    // storage (the tensor-core kernels then read them element by element instead of 16 bytes
+    // at a time); the node must really be the flash one (`flash::applies`), or the case fails
+    // instead of testing the fallback.
+    for (b, h, t, s, d, causal, offset) in [
+        (1, 2, 70, 70, 64, true, false),
+        (2, 1, 17, 75, 32, true, false),
+        (1, 3, 40, 40, 48, true, false),
+        (1, 1, 45, 45, 96, false, false),
+        (1, 1, 64, 64, 128, true, false),
+        (2, 3, 33, 100, 64, false, false),
+        (1, 2, 1024, 1024, 64, true, false),
+        (1, 2, 70, 70, 64, true, true),
+        (1, 1, 45, 50, 128, false, true),
     ] {
         let q = values(&[b, h, t, d], 0.5, 45);
         let k = values(&[b, h, s, d], 0.5, 46);
@@ -579,7 +583,14 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
                 dev,
                 dtype,
                 &[q, k, v],
-                &|x| autodiff::sdpa_local(&x[0], &x[1], &x[2], causal, scale),
+                &|x| {
+                    let (q, v) = if offset {
+                        (one_element_in(&x[0])?, one_element_in(&x[2])?)
+                    } else {
+                        (x[0].clone(), x[2].clone())
+                    };
+                    autodiff::sdpa_local(&q, &x[1], &v, causal, scale)
+                },
                 &|x| reference::sdpa(&x[0], &x[1], &x[2], causal, scale),
                 limit,
             ),
@@ -588,8 +599,9 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
             )),
             Err(e) => Err(e),
         };
+        let at = if offset { " q, v at offset 1" } else { "" };
         rep.record(
-            &format!("flash attention {dtype:?} [{b}, {h}, {t}/{s}, {d}] causal {causal}"),
+            &format!("flash attention {dtype:?} [{b}, {h}, {t}/{s}, {d}] causal {causal}{at}"),
             outcome,
         );
     }
@@ -605,6 +617,25 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
             limit,
         ),
     );
+}
+
+/// `x` as a contiguous view one element into a larger storage (an offset no 16-byte access
+/// fits), its gradient flowing back to `x`.
+fn one_element_in(x: &Tensor) -> R<Tensor> {
+    let flat = x.flatten_all()?;
+    let pad = flat.narrow(0, 0, 1)?.zeros_like()?;
+    let view = Tensor::cat(&[&pad, &flat], 0)?
+        .narrow(0, 1, flat.elem_count())?
+        .reshape(x.shape())?;
+    let (_, layout) = view.storage_and_layout();
+    if layout.start_offset() != 1 || !layout.is_contiguous() {
+        return Err(candle_core::Error::msg(format!(
+            "the offset view has start offset {} (contiguous {}), not 1",
+            layout.start_offset(),
+            layout.is_contiguous()
+        )));
+    }
+    Ok(view)
 }
 
 /// The global gradient norm and clip coefficient on CUDA against the CPU's (f64) values.
