@@ -26,7 +26,9 @@
 //
 // Not emulated: timing, memory coalescing, bank conflicts (but `mma.h` counts those of the warp
 // matrix loads and stores, a performance model), the memory model beyond barriers
-// (every fiber sees every write at once), inline PTX, cooperative groups. Warp matrix
+// (every fiber sees every write at once), inline PTX (a kernel wraps the instructions it
+// uses and the emulator provides them: `mma.h` has ldmatrix and mma.sync for `mma_sync.cuh`),
+// cooperative groups. Warp matrix
 // operations (tensor cores' `nvcuda::wmma`) are emulated by `mma.h` (see there).
 // Device pointers are host pointers.
 

@@ -210,3 +210,101 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const A& a, co
 
 }  // namespace wmma
 }  // namespace nvcuda
+
+// The PTX warp-level matrix instructions the kernels use through `mma_sync.cuh`: ldmatrix
+// (m8n8, x4, b16, optionally transposed) and mma.sync.m16n8k16 (bf16 operands, f32
+// accumulators), with the register layouts of the PTX ISA. g = lane / 4, t = lane % 4:
+//
+// - ldmatrix.x4: lanes 8i..8i+7 give the row addresses of 8 x 8 matrix i (16 bytes each,
+//   16-byte aligned); register i of lane l receives row g of matrix i, elements 2t and 2t + 1
+//   (the lower one in the low half), or with .trans column g, elements (rows) 2t and 2t + 1.
+// - mma.sync.m16n8k16.row.col: A (16 x 16) in a[0..4]: (g, 2t..2t+1), (g + 8, 2t..),
+//   (g, 2t + 8..), (g + 8, 2t + 8..); B (16 x 8) in b[0..2]: (k 2t..2t+1, n g), (k 2t + 8.., n g);
+//   C and D (16 x 8) in c[0..4]: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+//
+// Each is warp-collective (every lane enters a warp barrier; one skipped is a deadlock), the
+// operands of all lanes gathered through the warp's exchange slots. An ldmatrix row address
+// that is not 16-byte aligned faults. ldmatrix counts its bank wavefronts like a wmma load
+// (one request per 8 x 8 matrix: 8 rows of 16 bytes).
+namespace emu {
+namespace detail_mma {
+// Every lane's `n` 32-bit words, gathered: all[lane * n + i].
+template <int N>
+inline void gather(const uint32_t (&mine)[N], uint32_t (&all)[32 * N]) {
+    uint64_t* slots = warp_slots();
+    const unsigned lane = lane_id(), n = warp_lane_count();
+    if (n != 32) fault("a warp matrix instruction in a warp of " + std::to_string(n) + " threads");
+    for (int i = 0; i < N; ++i) {
+        slots[lane] = mine[i];
+        warp_barrier();
+        for (unsigned l = 0; l < 32; ++l) all[l * N + i] = static_cast<uint32_t>(slots[l]);
+        warp_barrier();
+    }
+}
+inline float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+inline float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+}  // namespace detail_mma
+
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
+    if (reinterpret_cast<uintptr_t>(row) % 16 != 0)
+        fault("ldmatrix: a row address not 16-byte aligned");
+    uint64_t* slots = warp_slots();
+    const unsigned lane = lane_id();
+    if (warp_lane_count() != 32) fault("ldmatrix in a warp that is not whole");
+    slots[lane] = reinterpret_cast<uintptr_t>(row);
+    warp_barrier();
+    if (lane == 0) {
+        for (int m = 0; m < 4; ++m) {
+            uint64_t words[32];
+            for (int i = 0; i < 32; ++i) words[i] = (slots[8 * m + i / 4] + 4 * (i % 4)) / 4;
+            bank_stats.operand_requests += 1;
+            bank_stats.operand_wavefronts += bank::wavefronts(words, 32);
+        }
+    }
+    const unsigned g = lane / 4, t = lane % 4;
+    for (int m = 0; m < 4; ++m) {
+        uint16_t e[2];
+        for (int h = 0; h < 2; ++h) {
+            const uint16_t* p = trans
+                ? reinterpret_cast<const uint16_t*>(slots[8 * m + 2 * t + h]) + g
+                : reinterpret_cast<const uint16_t*>(slots[8 * m + g]) + 2 * t + h;
+            e[h] = *p;
+        }
+        r[m] = static_cast<uint32_t>(e[0]) | (static_cast<uint32_t>(e[1]) << 16);
+    }
+    warp_barrier();
+}
+
+// d = a b + c (f32, k ascending, each product and sum rounded: the tolerances cover the
+// tensor cores' own order and precision).
+inline void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                           const float (&c)[4]) {
+    uint32_t ab[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    uint32_t all[32 * 6];
+    detail_mma::gather<6>(ab, all);
+    float A[16][16], B[16][8];
+    for (unsigned l = 0; l < 32; ++l) {
+        const unsigned g = l / 4, t = l % 4;
+        const uint32_t* w = &all[l * 6];
+        for (int i = 0; i < 4; ++i) {
+            const unsigned row = g + 8 * (i % 2), col = 2 * t + 8 * (i / 2);
+            A[row][col] = detail_mma::bf16_lo(w[i]);
+            A[row][col + 1] = detail_mma::bf16_hi(w[i]);
+        }
+        for (int i = 0; i < 2; ++i) {
+            const unsigned k = 2 * t + 8 * i;
+            B[k][g] = detail_mma::bf16_lo(w[4 + i]);
+            B[k + 1][g] = detail_mma::bf16_hi(w[4 + i]);
+        }
+    }
+    const unsigned g = lane_id() / 4, t = lane_id() % 4;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const unsigned row = g + 8 * (i / 2), col = 2 * t + i % 2;
+        float acc = c[i];
+        for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+        out[i] = acc;
+    }
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+}  // namespace emu

@@ -398,11 +398,16 @@ fn the_cuda_op_launches_the_tensor_core_kernels_as_tested_here() {
             "head dim {d}"
         );
     }
+    assert_eq!(
+        candle_dtensor_kernels::flash::TENSOR_CORE_FORWARD_WARPS,
+        fused::FA_TC_FORWARD_WARPS
+    );
     assert_eq!(candle_dtensor_kernels::flash::HEAD_DIMS, FA_HEAD_DIMS);
 }
 
 /// The cases of the tensor-core kernels: [`cases`], queries that see no key, several blocks of
-/// 64 (d <= 64) and 32 (d > 64) rows, ragged last tiles.
+/// 64 queries (forward) and of 64 (d <= 64) or 32 (d > 64) rows (backward), several key tiles
+/// of 64 (forward), ragged last tiles.
 fn tensor_core_cases() -> Vec<Case> {
     let mut all = cases();
     all.push(Case {
@@ -596,7 +601,7 @@ fn tensor_core_tiles_are_read_without_bank_conflicts() {
     for &(d, (fwd, bwd)) in &all {
         for (what, st) in [("forward", fwd), ("backward", bwd)] {
             assert!(
-                st.operand_requests > 0 && st.accumulator_requests > 0,
+                st.operand_requests > 0,
                 "{what} d {d}: nothing counted: {st:?}"
             );
             assert_eq!(

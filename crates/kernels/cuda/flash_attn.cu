@@ -296,23 +296,25 @@ FA_DIMS(f32, float)
 FA_DIMS(bf16, bf16_t)
 
 // ------------------------------------------------------------------------------------------
-// The forward on tensor cores (bf16 operands, f32 accumulation; sm_80 and newer): the two
-// products of a tile, S = Q K^T and O += P V, are warp matrix operations (16 x 16 x 16); the
-// online softmax runs on the tile of scores the warp stored in shared memory.
+// The forward on tensor cores (bf16 operands, f32 accumulation; sm_80 and newer), as
+// FlashAttention-2 computes it: everything of a warp's 16 queries stays in registers. The warp
+// matrix instructions are PTX's (mma_sync.cuh: ldmatrix and mma.sync.m16n8k16, whose register
+// layouts are documented), so the scores S = Q K^T come out in a known layout: each lane holds
+// two rows (g and g + 8 of the warp's 16) and two adjacent columns of every 8-key slice, the
+// online softmax runs on them with two shuffles across the 4 lanes of a row, the
+// probabilities P become the A operand of O += P V without leaving registers (rounded to bf16
+// as FlashAttention rounds them), and the running output O is rescaled in registers.
 //
-// A block is FA_TC_WARPS(D) warps; warp w owns the 16 queries [q0 + 16 w, q0 + 16 w + 16) and
-// their rows of the score tile S [BM][FA_TC_BN] (f32), of the probabilities P (bf16, as
-// FlashAttention rounds them for the second product; written over the row's scores) and of the
-// running output O [BM][D] (f32, in shared memory: a per-row rescale of an accumulator fragment
-// would need its opaque element layout). Keys stream through shared memory FA_TC_BN at a time,
-// loaded by the whole block. Per tile, warp w: S rows = its Q rows times the key tile (scaled,
-// masked), the row maxima and sums updated (two lanes per row), its O rows rescaled by
-// exp(m_old - m_new) unless no row's maximum moved, then O += P V.
-// Rows with nothing visible keep m = -inf and P = 0, as the SIMT kernel does; o and lse are
-// written as it writes them. Warps only read shared rows they wrote, after a __syncwarp; the
-// key tiles are guarded by __syncthreads.
+// A block is FA_TCF_WARPS warps of 16 queries; keys stream through shared memory FA_TCF_BN at a
+// time (K and V tiles loaded by the whole block, 16 bytes a thread when aligned; rows padded so
+// that each 8-row ldmatrix phase hits 8 different bank groups). The queries' fragments are
+// loaded once, through the key tile. Scores are kept in the log2 domain (s scale log2 e) for
+// exp2. Rows with nothing visible keep m = -inf and P = 0, as the SIMT kernel does; o and lse
+// are written as it writes them (o must be 4-byte aligned: two bf16 a store).
 #if defined(CDT_EMU) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #include <mma.h>
+
+#include "mma_sync.cuh"
 
 #define FA_TC_BN 32
 #define FA_TC_WARPS(D) ((D) <= 64 ? 4 : 2)
@@ -403,135 +405,155 @@ __device__ __forceinline__ void fa_tc_accumulate(
     }
 }
 
+#define FA_TCF_WARPS 4
+#define FA_TCF_BN 64
+
 template <int D>
 __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                           const bf16_t* __restrict__ v, bf16_t* __restrict__ o,
                           float* __restrict__ lse, int tq, int tk, float scale, int causal) {
-    namespace wmma = nvcuda::wmma;
-    constexpr int WARPS = FA_TC_WARPS(D);
-    constexpr int BM = 16 * WARPS;
-    constexpr int BN = FA_TC_BN;
+    constexpr int BM = 16 * FA_TCF_WARPS;
+    constexpr int BN = FA_TCF_BN;
     constexpr int LD = D + FA_TC_PAD;
-    static_assert(D % 16 == 0, "the head dim is a multiple of the 16-wide matrix tiles");
-    // Warp matrix loads and stores need 32-byte aligned addresses: every tile below starts at
-    // a multiple of 16 rows and 16 columns of an aligned array.
-    __shared__ __align__(32) bf16_t qs[BM][LD];
-    __shared__ __align__(32) bf16_t ks[BN][LD];
-    __shared__ __align__(32) bf16_t vs[BN][LD];
-    // Score rows of SP words. A row's probabilities (bf16) then overwrite its first BN / 2
-    // words: P is read as a 16-bit operand of row stride 2 SP elements (36 words: its 8-row
-    // loads hit 8 different bank groups), and S is stored by the accumulator's 64-bit accesses
-    // (2-way at this stride). The softmax's two lanes per row take alternate columns, so a
-    // warp's 32 reads of one step cover 16 rows at 4 words apart plus 1: 2-way.
-    constexpr int SP = BN + 4;
-    __shared__ __align__(32) float ss[BM][SP];
-    // The running output, f32, padded so that the accumulator's 64-bit accesses (4 rows of 8
-    // words per half-warp) are conflict-free: D + 8 words is 8 (mod 32) for every head dim.
-    constexpr int OP = D + 8;
-    __shared__ __align__(32) float os[BM][OP];
-    __shared__ float ms[BM], ls[BM], alphas[BM];
+    constexpr int KS = D / 16;  // 16-wide steps over the head dim (S = Q K^T)
+    constexpr int NS = BN / 8;  // 8-key slices of a score tile
+    constexpr int NO = D / 8;   // 8-wide slices of the output
+    static_assert(D % 16 == 0, "the head dim is a multiple of the 16-wide matrix steps");
+    static_assert(BM == BN, "the queries are staged through the key tile");
+    constexpr unsigned FULL = 0xffffffffu;
+    __shared__ __align__(128) bf16_t ks[BN][LD];
+    __shared__ __align__(128) bf16_t vs[BN][LD];
     const long long bh = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int w0 = warp * 16;  // the warp's first row in the block's tiles
+    const int g = lane / 4, t = lane % 4;
     const long long q0 = (long long)blockIdx.x * BM;
     const long long shift = (long long)tk - tq;
-    const bf16_t* qb = q + bh * tq * D;
     const bf16_t* kb = k + bh * tk * D;
     const bf16_t* vb = v + bh * tk * D;
-    fa_tc_load_rows<BM, D>(&qs[0][0], qb, q0, tq);
-    for (int idx = threadIdx.x; idx < BM * D; idx += blockDim.x) os[idx / D][idx % D] = 0.f;
-    for (int r = threadIdx.x; r < BM; r += blockDim.x) {
-        ms[r] = CDT_NEG_INF;
-        ls[r] = 0.f;
-    }
-    __syncthreads();  // rows are initialised by other warps than their owners
+    // The warp's queries as A fragments, loaded once (through the key tile).
+    fa_tc_load_rows<BM, D>(&ks[0][0], q + bh * tq * D, q0, tq);
+    __syncthreads();
+    unsigned qa[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+        cdt_ldsm_x4(qa[kk], &ks[warp * 16 + lane % 16][kk * 16 + (lane / 16) * 8]);
+    float acc[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    // Rows g and g + 8 of the warp: running maximum (log2 domain) and this lane's part of the
+    // running sum (its columns; the 4 lanes of a row add theirs at the end).
+    const long long row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    float m[2] = {CDT_NEG_INF, CDT_NEG_INF}, l[2] = {0.f, 0.f};
+    const float sl2 = scale * 1.4426950408889634f;
     const long long kend = fa_key_end(q0, tq, tk, causal, BM);
-    // Lanes 2r and 2r + 1 own row w0 + r of the softmax; lane 2r + h its columns 2c + h.
-    const int sr = w0 + lane / 2, half = lane % 2;
-    const long long si = q0 + sr;
-    bf16_t* const prow = reinterpret_cast<bf16_t*>(&ss[sr][0]);
     for (long long j0 = 0; j0 < kend; j0 += BN) {
-        __syncthreads();  // every warp is done with the previous key tile
+        __syncthreads();  // every warp is done with the previous tiles (or the queries)
         fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0, tk);
         fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0, tk);
         __syncthreads();
-        // S = Q K^T for the warp's rows.
-        for (int nt = 0; nt < BN / 16; ++nt)
-            fa_tc_row_dots<D>(&qs[w0][0], &ks[nt * 16][0], &ss[w0][nt * 16], SP);
-        __syncwarp();
-        // The online softmax of row sr over this tile's columns.
-        float s[BN / 2];
-        float tmax = CDT_NEG_INF;
+        // S = Q K^T: two 8-key slices a step (one ldmatrix.x4: both slices' B fragments).
+        float s[NS][4];
 #pragma unroll
-        for (int c = 0; c < BN / 2; ++c) {
-            const int col = 2 * c + half;
-            const long long j = j0 + col;
-            const bool vis = si < tq && j < tk && (!causal || j <= si + shift);
-            s[c] = vis ? ss[sr][col] * scale : CDT_NEG_INF;
-            tmax = fmaxf(tmax, s[c]);
-        }
-        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-        const float m_old = ms[sr];
-        const float mn = fmaxf(m_old, tmax);
-        __syncwarp();  // the row's scores are read (P overwrites them) and ms[sr] by both lanes
-        float psum = 0.f;
+        for (int nt = 0; nt < NS; ++nt)
 #pragma unroll
-        for (int c = 0; c < BN / 2; ++c) {
-            const float p = (mn == CDT_NEG_INF || s[c] == CDT_NEG_INF) ? 0.f : expf(s[c] - mn);
-            psum += p;
-            prow[2 * c + half] = from_f32<bf16_t>(p);
-        }
-        psum += __shfl_xor_sync(0xffffffffu, psum, 1);
-        // Nothing visible yet: O and l stay (0), m stays -inf.
-        const float alpha = (mn == CDT_NEG_INF) ? 1.f : (m_old == CDT_NEG_INF ? 0.f : expf(m_old - mn));
-        if (half == 0) {
-            ls[sr] = ls[sr] * alpha + psum;
-            ms[sr] = mn;
-            alphas[sr] = alpha;
-        }
-        __syncwarp();
-        // Rescale the warp's O rows (not when no row's maximum moved: alpha is exactly 1 for
-        // every row, the common case once the running maxima settle), then O += P V.
-        if (!__all_sync(0xffffffffu, alpha == 1.f)) {
-            for (int idx = lane; idx < 16 * D; idx += 32) {
-                const int r = w0 + idx / D, e = idx % D;
-                os[r][e] *= alphas[r];
+            for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NS; nt += 2) {
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                unsigned kf[4];
+                cdt_ldsm_x4(kf, &ks[nt * 8 + lane % 8 + (lane / 16) * 8][kk * 16 + ((lane / 8) % 2) * 8]);
+                const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+                cdt_mma_bf16(s[nt], qa[kk], b0);
+                cdt_mma_bf16(s[nt + 1], qa[kk], b1);
             }
-            __syncwarp();
         }
-        const bf16_t* pw = reinterpret_cast<const bf16_t*>(&ss[w0][0]);
-        for (int dt = 0; dt < D / 16; ++dt) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::load_matrix_sync(acc, &os[w0][dt * 16], OP, wmma::mem_row_major);
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> b;
-                wmma::load_matrix_sync(a, (const __nv_bfloat16*)(pw + kk * 16), 2 * SP);
-                wmma::load_matrix_sync(b, (const __nv_bfloat16*)&vs[kk * 16][dt * 16], LD);
-                wmma::mma_sync(acc, a, b, acc);
+        // Mask and scale; the tile's row maxima over the row's 4 lanes.
+        float tmax[2] = {CDT_NEG_INF, CDT_NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e / 2;
+                const long long j = j0 + nt * 8 + 2 * t + e % 2;
+                const bool vis = row[h] < tq && j < tk && (!causal || j <= row[h] + shift);
+                s[nt][e] = vis ? s[nt][e] * sl2 : CDT_NEG_INF;
+                tmax[h] = fmaxf(tmax[h], s[nt][e]);
             }
-            wmma::store_matrix_sync(&os[w0][dt * 16], acc, OP, wmma::mem_row_major);
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(FULL, tmax[h], 1));
+            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(FULL, tmax[h], 2));
+            const float mn = fmaxf(m[h], tmax[h]);
+            // Nothing visible yet: O and l stay 0, m stays -inf.
+            alpha[h] = mn == CDT_NEG_INF ? 1.f : exp2f(m[h] - mn);
+            m[h] = mn;
+            l[h] *= alpha[h];
         }
-        __syncwarp();
+        // P = exp2(s - m), summed in f32, rounded to bf16 as the A operand of P V: slices 2kk
+        // and 2kk + 1 are the 16 keys of step kk, in the A layout already.
+        unsigned pa[NS / 2][4];
+#pragma unroll
+        for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e / 2;
+                const float p = m[h] == CDT_NEG_INF ? 0.f : exp2f(s[nt][e] - m[h]);
+                s[nt][e] = p;
+                l[h] += p;
+            }
+#pragma unroll
+        for (int kk = 0; kk < NS / 2; ++kk) {
+            pa[kk][0] = cdt_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+            pa[kk][1] = cdt_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+            pa[kk][2] = cdt_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[kk][3] = cdt_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            acc[n][0] *= alpha[0];
+            acc[n][1] *= alpha[0];
+            acc[n][2] *= alpha[1];
+            acc[n][3] *= alpha[1];
+        }
+        // O += P V: two 8-wide output slices a step (one ldmatrix.x4.trans of V).
+#pragma unroll
+        for (int kk = 0; kk < NS / 2; ++kk)
+#pragma unroll
+            for (int n = 0; n < NO; n += 2) {
+                unsigned vf[4];
+                cdt_ldsm_x4_t(vf, &vs[kk * 16 + lane % 8 + ((lane / 8) % 2) * 8][n * 8 + (lane / 16) * 8]);
+                const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+                cdt_mma_bf16(acc[n], pa[kk], b0);
+                cdt_mma_bf16(acc[n + 1], pa[kk], b1);
+            }
     }
-    __syncwarp();
-    // The warp's rows: o = O / l, lse = m + log l.
-    for (int idx = lane; idx < 16 * D; idx += 32) {
-        const int r = w0 + idx / D, e = idx % D;
-        const long long i = q0 + r;
+    // o = O / l, lse = m ln 2 + log l, for rows g and g + 8.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(FULL, l[h], 1);
+        l[h] += __shfl_xor_sync(FULL, l[h], 2);
+        const long long i = row[h];
         if (i < tq) {
-            const float l = ls[r];
-            o[(bh * tq + i) * D + e] = from_f32<bf16_t>(l > 0.f ? os[r][e] / l : 0.f);
+            const float lh = l[h];
+            bf16_t* orow = o + (bh * tq + i) * D;
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                const float a = lh > 0.f ? acc[n][2 * h] / lh : 0.f;
+                const float b = lh > 0.f ? acc[n][2 * h + 1] / lh : 0.f;
+                *reinterpret_cast<unsigned*>(orow + n * 8 + 2 * t) = cdt_pack_bf16(a, b);
+            }
+            if (t == 0)
+                lse[bh * tq + i] = lh > 0.f ? m[h] * 0.6931471805599453f + logf(lh) : CDT_NEG_INF;
         }
-    }
-    if (lane < 16) {
-        const int r = w0 + lane;
-        const long long i = q0 + r;
-        if (i < tq) lse[bh * tq + i] = ls[r] > 0.f ? ms[r] + logf(ls[r]) : CDT_NEG_INF;
     }
 }
 
-// The backward on tensor cores: the SIMT kernels' work split (a block per key tile for dK and
+// The backward on tensor cores, with nvcuda::wmma (16 x 16 x 16 warp matrix operations whose
+// fragments are opaque, so scores go through shared memory): the SIMT kernels' work split (a block per key tile for dK and
 // dV, a block per query tile for dQ; delta from cdt_fa_bwd_delta_bf16_d*), each product of a
 // tile a warp matrix operation: S and dP = dO V^T recomputed, P = exp(S scale - lse) and
 // dS = P (dP - delta) scale formed on the warp's rows in shared memory and rounded to bf16 for
@@ -707,10 +729,11 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
 }
 
 // cdt_fa_fwd_tc_bf16_d{D}, cdt_fa_bwd_dkv_tc_bf16_d{D}, cdt_fa_bwd_dq_tc_bf16_d{D}: the same
-// arguments as their SIMT namesakes. Launch: grid (ceil(rows / (16 FA_TC_WARPS(D))), BH) with
-// rows tq (fwd, dq) or tk (dkv), block 32 FA_TC_WARPS(D) threads.
+// arguments as their SIMT namesakes. Launch: the forward grid (ceil(tq / (16 FA_TCF_WARPS)),
+// BH), block 32 FA_TCF_WARPS threads; the backward's grid (ceil(rows / (16 FA_TC_WARPS(D))),
+// BH) with rows tq (dq) or tk (dkv), block 32 FA_TC_WARPS(D) threads.
 #define FA_TC(D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * FA_TC_WARPS(D)) cdt_fa_fwd_tc_bf16_d##D(  \
+    extern "C" __global__ void __launch_bounds__(32 * FA_TCF_WARPS) cdt_fa_fwd_tc_bf16_d##D(    \
         const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, int tq,     \
         int tk, float scale, int causal) {                                                    \
         fa_fwd_tc<D>(q, k, v, o, lse, tq, tk, scale, causal);                                 \
