@@ -24,12 +24,11 @@
 //   as does a shuffle or __syncthreads some threads of the warp / block exited before.
 // - Atomics are plain read-modify-writes: only one fiber runs at a time.
 //
-// Not emulated: timing, memory coalescing, bank conflicts (but `mma.h` counts those of the warp
-// matrix loads and stores, a performance model), the memory model beyond barriers
-// (every fiber sees every write at once), inline PTX (a kernel wraps the instructions it
-// uses and the emulator provides them: `mma.h` has ldmatrix and mma.sync for `mma_sync.cuh`),
-// cooperative groups. Warp matrix
-// operations (tensor cores' `nvcuda::wmma`) are emulated by `mma.h` (see there).
+// Not emulated: timing, memory coalescing, bank conflicts (but `mma.h` counts those of
+// ldmatrix, a performance model), the memory model beyond barriers (every fiber sees every
+// write at once), inline PTX (a kernel wraps the instructions it uses and the emulator
+// provides them: `mma.h` has ldmatrix and mma.sync for `mma_sync.cuh`), cooperative groups,
+// `nvcuda::wmma`.
 // Device pointers are host pointers.
 
 #pragma once

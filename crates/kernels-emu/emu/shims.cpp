@@ -50,14 +50,11 @@ int run(const char* name, const EmuLaunch* l, char* err, size_t err_len,
 
 extern "C" {
 
-// The shared-memory bank counts of the warp matrix operations run on this OS thread since the
-// last reset (`emu::bank_stats`, mma.h): out = operand requests and wavefronts, accumulator
-// requests and wavefronts.
+// The shared-memory bank counts of the ldmatrix instructions run on this OS thread since the
+// last reset (`emu::bank_stats`, mma.h): out = requests and wavefronts.
 void emu_bank_stats(uint64_t* out) {
-    out[0] = emu::bank_stats.operand_requests;
-    out[1] = emu::bank_stats.operand_wavefronts;
-    out[2] = emu::bank_stats.accumulator_requests;
-    out[3] = emu::bank_stats.accumulator_wavefronts;
+    out[0] = emu::bank_stats.requests;
+    out[1] = emu::bank_stats.wavefronts;
 }
 void emu_bank_stats_reset() { emu::bank_stats = emu::BankStats{}; }
 

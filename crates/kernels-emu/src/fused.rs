@@ -776,28 +776,16 @@ pub enum FaKernels {
     /// `cdt_fa_*_{f32,bf16}_d*`: grid `(ceil(rows / 32), bh)` of 128 threads.
     Simt,
     /// `cdt_fa_*_tc_bf16_d*` (delta from the SIMT kernel): grid `(ceil(rows / (16 w)), bh)` of
-    /// `32 w` threads, `w` = [`FA_TC_FORWARD_WARPS`] for the forward and
-    /// [`fa_tc_warps`]`(d)` for the backward.
+    /// `32 w` threads, `w` = [`FA_TC_WARPS`].
     TensorCores,
 }
 
-/// Which flash-attention kernel a launch is for (the tensor-core forward and backward differ).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum FaPass {
-    Forward,
-    Backward,
-}
-
 impl FaKernels {
-    /// The launch over `rows` (queries, or keys for dK/dV) of `bh` heads of head dim `d`.
-    fn launch(self, k: &str, pass: FaPass, rows: usize, d: usize, bh: u32) -> Result<Launch> {
-        let warps = match pass {
-            FaPass::Forward => FA_TC_FORWARD_WARPS,
-            FaPass::Backward => fa_tc_warps(d),
-        };
+    /// The launch over `rows` (queries, or keys for dK/dV) of `bh` heads.
+    fn launch(self, k: &str, rows: usize, bh: u32) -> Result<Launch> {
         let (per_block, threads) = match self {
             FaKernels::Simt => (FA_ROWS, FA_THREADS),
-            FaKernels::TensorCores => (16 * warps, 32 * warps as u32),
+            FaKernels::TensorCores => (16 * FA_TC_WARPS, 32 * FA_TC_WARPS as u32),
         };
         let blocks = u32::try_from(rows.div_ceil(per_block).max(1))
             .map_err(|_| args(k, format!("{rows} rows need too many blocks")))?;
@@ -867,7 +855,7 @@ pub fn flash_attn_fwd<T: Dt>(
     need_elems(kn, k.len(), nk)?;
     need_elems(kn, v.len(), nk)?;
     need_elems(kn, lse.len(), shape.bh * shape.tq)?;
-    let launch = kernels.launch(kn, FaPass::Forward, shape.tq, shape.d, bh)?;
+    let launch = kernels.launch(kn, shape.tq, bh)?;
     // SAFETY: the launch is the one `kernels`' forward indexes by (`FaKernels::launch`, the
     // kernel `check` picked for `kernels`): block (x, h) reads q and writes o at its query rows
     // within [0, tq) of head h < bh, reads k and v rows [0, tk) of head h and writes
@@ -890,19 +878,9 @@ pub fn flash_attn_fwd<T: Dt>(
     lse.check(kn)
 }
 
-/// Warps per block of the tensor-core forward (`FA_TCF_WARPS` of the kernels), each warp 16
-/// queries, for every head dim.
-pub const FA_TC_FORWARD_WARPS: usize = 4;
-
-/// Warps per block of the tensor-core backward kernels for head dim `d` (`FA_TC_WARPS` of the
-/// kernels: their shared memory fits the 48 KiB static limit), each warp 16 rows.
-pub fn fa_tc_warps(d: usize) -> usize {
-    if d <= 64 {
-        4
-    } else {
-        2
-    }
-}
+/// Warps per block of the tensor-core kernels (`FA_TCF_WARPS` of the kernels), forward and
+/// backward, every head dim; each warp 16 rows.
+pub const FA_TC_WARPS: usize = 4;
 
 /// Flash-attention backward on `kernels`: `dq`, `dk`, `dv` from the forward's `o` and `lse`
 /// and the output's gradient `d_o` (three kernels: delta, dK/dV per key block, dQ per query
@@ -943,7 +921,7 @@ pub fn flash_attn_bwd<T: Dt>(
     })?;
     delta.check("flash_attn_bwd_delta")?;
     let c = c_int::from(causal);
-    let launch = kernels.launch(kn, FaPass::Backward, shape.tk, shape.d, bh)?;
+    let launch = kernels.launch(kn, shape.tk, bh)?;
     // SAFETY: the launch the dK/dV kernel `check` picked for `kernels` indexes by: block
     // (x, h) reads k, v and writes dk, dv at its key rows within [0, tk) of head h < bh, reads
     // q, d_o rows [0, tq) and lse, delta [h tq, (h + 1) tq): in bounds of the lengths checked.
@@ -966,7 +944,7 @@ pub fn flash_attn_bwd<T: Dt>(
     })?;
     dk.check("flash_attn_bwd_dkv")?;
     dv.check("flash_attn_bwd_dkv")?;
-    let launch = kernels.launch(kn, FaPass::Backward, shape.tq, shape.d, bh)?;
+    let launch = kernels.launch(kn, shape.tq, bh)?;
     // SAFETY: likewise for dQ: block (x, h) reads q, d_o, lse, delta at its query rows within
     // [0, tq) of head h < bh, k and v rows [0, tk), writes dq at its query rows: in bounds.
     run(&launch, order, |l, e, el| unsafe {

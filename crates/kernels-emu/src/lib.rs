@@ -312,53 +312,41 @@ pub(crate) fn need_elems(kernel: &str, len: usize, need: usize) -> Result<()> {
     Ok(())
 }
 
-/// Shared-memory bank wavefronts of the warp matrix loads and stores (`nvcuda::wmma`) of the
-/// launches a closure ran ([`count_banks`]): a performance model, not semantics. It takes the
-/// access pattern nvcc 13 compiles those operations to on sm_80/sm_90 (read from the SASS):
-/// a 16-bit operand tile is four 32-bit loads per lane in the `mma.m16n8k16` fragment layout,
-/// an f32 accumulator tile four 64-bit accesses per lane; a request costs as many wavefronts as
-/// the most distinct words one of the 32 banks is asked for (`emu/mma.h`).
+/// Shared-memory bank wavefronts of the `ldmatrix` loads (`mma_sync.cuh`) of the launches a
+/// closure ran ([`count_banks`]): a performance model, not semantics. Each 8 x 8 matrix of an
+/// `ldmatrix` is one request of 8 rows of 16 bytes; it costs as many wavefronts as the most
+/// distinct 4-byte words one of the 32 banks is asked for (`emu/mma.h`): 1 when its rows fall
+/// into different banks, up to 8.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BankStats {
-    /// 32-bit operand load requests (four per 16 x 16 tile).
-    pub operand_requests: u64,
-    /// Their wavefronts (one each when conflict-free).
-    pub operand_wavefronts: u64,
-    /// 64-bit accumulator load and store requests (four per tile).
-    pub accumulator_requests: u64,
-    /// Their wavefronts (two each when conflict-free: 256 bytes).
-    pub accumulator_wavefronts: u64,
+    /// 8 x 8 matrix loads (four per `ldmatrix.x4`).
+    pub requests: u64,
+    /// Their wavefronts.
+    pub wavefronts: u64,
 }
 
 impl BankStats {
-    /// Operand wavefronts per request: 1 when conflict-free, n for n-way conflicts.
-    pub fn operand_ways(&self) -> f64 {
-        self.operand_wavefronts as f64 / self.operand_requests.max(1) as f64
-    }
-
-    /// Accumulator wavefronts per request over the two a conflict-free request takes.
-    pub fn accumulator_ways(&self) -> f64 {
-        self.accumulator_wavefronts as f64 / (2 * self.accumulator_requests).max(1) as f64
+    /// Wavefronts per request: 1 when conflict-free, n for n-way conflicts.
+    pub fn ways(&self) -> f64 {
+        self.wavefronts as f64 / self.requests.max(1) as f64
     }
 }
 
-/// Runs `f` and returns what the warp matrix operations of the launches it ran on this
-/// thread counted (launches run on the calling thread; other threads' are not counted).
+/// Runs `f` and returns what the `ldmatrix` loads of the launches it ran on this thread
+/// counted (launches run on the calling thread; other threads' are not counted).
 pub fn count_banks<R>(f: impl FnOnce() -> R) -> (R, BankStats) {
     // SAFETY: touches only the calling thread's counters (a thread_local of the emulator).
     unsafe { emu_bank_stats_reset() };
     let r = f();
-    let mut out = [0u64; 4];
-    // SAFETY: as above; `out` holds the 4 counters the function writes.
+    let mut out = [0u64; 2];
+    // SAFETY: as above; `out` holds the 2 counters the function writes.
     unsafe { emu_bank_stats(out.as_mut_ptr()) };
-    let [operand_requests, operand_wavefronts, accumulator_requests, accumulator_wavefronts] = out;
+    let [requests, wavefronts] = out;
     (
         r,
         BankStats {
-            operand_requests,
-            operand_wavefronts,
-            accumulator_requests,
-            accumulator_wavefronts,
+            requests,
+            wavefronts,
         },
     )
 }

@@ -312,20 +312,14 @@ FA_DIMS(bf16, bf16_t)
 // exp2. Rows with nothing visible keep m = -inf and P = 0, as the SIMT kernel does; o and lse
 // are written as it writes them (o must be 4-byte aligned: two bf16 a store).
 #if defined(CDT_EMU) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-#include <mma.h>
-
 #include "mma_sync.cuh"
 
-#define FA_TC_BN 32
-#define FA_TC_WARPS(D) ((D) <= 64 ? 4 : 2)
-
-// Shared tiles of bf16 operands have rows of D + FA_TC_PAD elements. A warp matrix load reads
-// 8 rows at once, one 32-bit word of each per lane group (nvcc compiles it to four 32-bit loads
-// per lane in the mma.m16n8k16 fragment layout); at a row stride that is a multiple of 128 bytes
-// (D = 64, 128) all 8 rows fall into the same 4 banks, an 8-way conflict. 16 bytes more per row
-// put them in 8 different bank groups for every head dim (the emulator's test
-// `tensor_core_tiles_are_read_without_bank_conflicts` counts it), and keep the 16-byte rows and
-// 32-byte tile starts the loads need.
+// Shared tiles of bf16 operands have rows of D + FA_TC_PAD elements. An ldmatrix phase reads 8
+// rows of 16 bytes; at a row stride that is a multiple of 128 bytes (D = 64, 128) all 8 fall
+// into the same 4 banks, an 8-way conflict. 16 bytes more per row put them in 8 different bank
+// groups for every head dim (counted by the emulator's test
+// `tensor_core_tiles_are_read_without_bank_conflicts`), and keep every row 16-byte aligned as
+// ldmatrix needs.
 #define FA_TC_PAD 8
 
 // The block loads rows [r0, r0 + R) of a [n, D] bf16 matrix into a shared tile of row stride
@@ -354,54 +348,21 @@ __device__ __forceinline__ void fa_tc_load_rows(bf16_t* tile, const bf16_t* __re
     }
 }
 
-// The block loads lse and delta of a head's query rows [i0, i0 + R): -inf and 0 past tq (a
-// row of -inf contributes nothing).
-template <int R>
-__device__ __forceinline__ void fa_tc_load_stats(float* ls, float* dl, const float* lse,
-                                                 const float* delta, long long i0, int tq) {
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        const long long i = i0 + r;
-        ls[r] = i < tq ? lse[i] : CDT_NEG_INF;
-        dl[r] = i < tq ? delta[i] : 0.f;
-    }
-}
-
-// One warp: the 16 x 16 tile a b^T of 16 rows of `a` and 16 rows of `b` (bf16, D wide, row
-// stride D + FA_TC_PAD, in shared memory), accumulated in f32 over the head dim, stored at
-// `out` (row stride ld). `b` read column-major is b^T.
+// Writes a warp's 16 x D accumulators (mma.sync C layout: rows g and g + 8, columns 2t and
+// 2t + 1 of each 8-wide slice) as bf16 rows row[0], row[1] (those below n) of a [n, D] matrix,
+// two elements a 4-byte store (`out` must be 4-byte aligned).
 template <int D>
-__device__ __forceinline__ void fa_tc_row_dots(const bf16_t* a, const bf16_t* b, float* out,
-                                               int ld) {
-    namespace wmma = nvcuda::wmma;
-    constexpr int LD = D + FA_TC_PAD;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::fill_fragment(acc, 0.f);
-    for (int kk = 0; kk < D / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
-        wmma::load_matrix_sync(fa, (const __nv_bfloat16*)(a + kk * 16), LD);
-        wmma::load_matrix_sync(fb, (const __nv_bfloat16*)(b + kk * 16), LD);
-        wmma::mma_sync(acc, fa, fb, acc);
-    }
-    wmma::store_matrix_sync(out, acc, ld, wmma::mem_row_major);
-}
-
-// One warp: acc[dt] += a (16 x K, row stride lda) b (K rows of D, row stride D + FA_TC_PAD),
-// both bf16 in shared memory, over the D / 16 column tiles of the accumulators.
-template <int D, int K>
-__device__ __forceinline__ void fa_tc_accumulate(
-    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> (&acc)[D / 16],
-    const bf16_t* a, int lda, const bf16_t* b) {
-    namespace wmma = nvcuda::wmma;
-    constexpr int LD = D + FA_TC_PAD;
-    for (int kk = 0; kk < K / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
-        wmma::load_matrix_sync(fa, (const __nv_bfloat16*)(a + kk * 16), lda);
-        for (int dt = 0; dt < D / 16; ++dt) {
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
-            wmma::load_matrix_sync(fb, (const __nv_bfloat16*)(b + kk * 16 * LD + dt * 16), LD);
-            wmma::mma_sync(acc[dt], fa, fb, acc[dt]);
-        }
+__device__ __forceinline__ void fa_mma_write_rows(const float (&acc)[D / 8][4],
+                                                  bf16_t* __restrict__ out,
+                                                  const long long (&row)[2], int n, int t) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (row[h] >= n) continue;
+        bf16_t* r = out + row[h] * D;
+#pragma unroll
+        for (int s = 0; s < D / 8; ++s)
+            *reinterpret_cast<unsigned*>(r + s * 8 + 2 * t) =
+                cdt_pack_bf16(acc[s][2 * h], acc[s][2 * h + 1]);
     }
 }
 
@@ -552,200 +513,261 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     }
 }
 
-// The backward on tensor cores, with nvcuda::wmma (16 x 16 x 16 warp matrix operations whose
-// fragments are opaque, so scores go through shared memory): the SIMT kernels' work split (a block per key tile for dK and
-// dV, a block per query tile for dQ; delta from cdt_fa_bwd_delta_bf16_d*), each product of a
-// tile a warp matrix operation: S and dP = dO V^T recomputed, P = exp(S scale - lse) and
-// dS = P (dP - delta) scale formed on the warp's rows in shared memory and rounded to bf16 for
-// the products dV += P^T dO, dK += dS^T Q and dQ += dS K (as FlashAttention-2 rounds them). The
-// accumulators stay in fragments across the loop (no per-row rescale here), and are written
-// out through the warp's rows of a score tile once the loop is done.
+// The backward on tensor cores, on ldmatrix and mma.sync as the forward: the SIMT kernels' work
+// split (delta from cdt_fa_bwd_delta_bf16_d*; a block per key tile for dK and dV, a block per
+// query tile for dQ), every product a tensor-core one and everything of a warp's 16 rows in
+// registers. S and dP = dO V^T are recomputed, P = exp(S scale - lse) and
+// dS = P (dP - delta) scale formed on the accumulators and rounded to bf16 as the A operands
+// of dV += P^T dO, dK += dS^T Q and dQ += dS K (as FlashAttention-2 rounds them).
 
-// Writes a warp's 16 x D accumulators as rows [r0, r0 + 16) (those below n) of a [n, D] bf16
-// matrix, through `scratch`, a 16 x 16 f32 tile of the warp's own (row stride ld).
-template <int D>
-__device__ __forceinline__ void fa_tc_write_rows(
-    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> (&acc)[D / 16],
-    float* scratch, int ld, bf16_t* __restrict__ out, long long r0, int n, int lane) {
-    namespace wmma = nvcuda::wmma;
-    for (int dt = 0; dt < D / 16; ++dt) {
-        wmma::store_matrix_sync(scratch, acc[dt], ld, wmma::mem_row_major);
-        __syncwarp();
-        for (int e = lane; e < 256; e += 32) {
-            const int r = e / 16, c = e % 16;
-            if (r0 + r < n) out[(r0 + r) * D + dt * 16 + c] = from_f32<bf16_t>(scratch[r * ld + c]);
-        }
-        __syncwarp();  // read before the next tile overwrites it
-    }
-}
-
-// dK and dV for the keys [blockIdx.x BN, +BN) of head blockIdx.y, BN = 16 FA_TC_WARPS(D); warp
-// w owns keys [16 w, 16 w + 16) of the block. Query tiles of FA_TC_BQ rows stream through
-// shared memory.
-#define FA_TC_BQ 16
+// dK and dV for the keys [blockIdx.x BN, +BN) of head blockIdx.y, BN = 16 FA_TCF_WARPS; warp
+// w owns keys [16 w, 16 w + 16) and their dK and dV accumulators. The block's K and V stay in
+// shared memory; query tiles of FA_TCK_BQ(D) rows (Q, dO, lse, delta) stream through it. The
+// warp computes S^T = K Q^T and dP^T = V dO^T, so that its keys are the rows of the
+// accumulators and P^T, dS^T are already the A operands of the two products.
+#define FA_TCK_BQ(D) ((D) <= 64 ? 32 : 16)
 template <int D>
 __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                               const bf16_t* __restrict__ v, const bf16_t* __restrict__ d_o,
                               const float* __restrict__ lse, const float* __restrict__ delta,
                               bf16_t* __restrict__ dk, bf16_t* __restrict__ dv, int tq, int tk,
                               float scale, int causal) {
-    namespace wmma = nvcuda::wmma;
-    constexpr int WARPS = FA_TC_WARPS(D);
-    constexpr int BN = 16 * WARPS;
-    constexpr int BQ = FA_TC_BQ;
+    constexpr int BN = 16 * FA_TCF_WARPS;
+    constexpr int BQ = FA_TCK_BQ(D);
     constexpr int LD = D + FA_TC_PAD;
-    __shared__ __align__(32) bf16_t ks[BN][LD];
-    __shared__ __align__(32) bf16_t vs[BN][LD];
-    __shared__ __align__(32) bf16_t qs[BQ][LD];
-    __shared__ __align__(32) bf16_t dos[BQ][LD];
-    // S^T and dP^T (then the output scratch): 16 words a row, so the elementwise pass's 32
-    // lanes read two whole rows conflict-free (the accumulator stores are 2-way).
-    __shared__ __align__(32) float st[BN][BQ];
-    __shared__ __align__(32) float dpt[BN][BQ];
-    // P^T and dS^T, 16-bit operands: rows of BQ + FA_TC_PAD elements (12 words) put a load's
-    // 8 rows in 8 bank groups (8 words would pair them up).
-    constexpr int PT = BQ + FA_TC_PAD;
-    __shared__ __align__(32) bf16_t pt[BN][PT];
-    __shared__ __align__(32) bf16_t dst[BN][PT];
-    __shared__ float ls[BQ], dl[BQ];
+    constexpr int KS = D / 16, NQ = BQ / 8, NO = D / 8;
+    constexpr float LOG2E = 1.4426950408889634f;
+    __shared__ __align__(128) bf16_t ks[BN][LD];
+    __shared__ __align__(128) bf16_t vs[BN][LD];
+    __shared__ __align__(128) bf16_t qs[BQ][LD];
+    __shared__ __align__(128) bf16_t dos[BQ][LD];
+    __shared__ float ls[BQ], dl[BQ];  // the tile's lse (log2 domain) and delta
     const long long bh = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int w0 = warp * 16;
+    const int g = lane / 4, t = lane % 4;
     const long long k0 = (long long)blockIdx.x * BN;
     const long long shift = (long long)tk - tq;
     const bf16_t* qb = q + bh * tq * D;
     const bf16_t* dob = d_o + bh * tq * D;
     fa_tc_load_rows<BN, D>(&ks[0][0], k + bh * tk * D, k0, tk);
     fa_tc_load_rows<BN, D>(&vs[0][0], v + bh * tk * D, k0, tk);
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> dka[D / 16], dva[D / 16];
-    for (int dt = 0; dt < D / 16; ++dt) {
-        wmma::fill_fragment(dka[dt], 0.f);
-        wmma::fill_fragment(dva[dt], 0.f);
-    }
+    const long long krow[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
+    const float sl2 = scale * LOG2E;
+    float dka[NO][4], dva[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.f;
     long long i0 = fa_query_begin(k0, tq, tk, causal);
     i0 -= i0 % BQ;
     for (; i0 < tq; i0 += BQ) {
-        __syncthreads();  // every warp is done with the previous query tile (and ks, vs loaded)
+        __syncthreads();  // every warp is done with the previous query tile (and K, V loaded)
         fa_tc_load_rows<BQ, D>(&qs[0][0], qb, i0, tq);
         fa_tc_load_rows<BQ, D>(&dos[0][0], dob, i0, tq);
-        fa_tc_load_stats<BQ>(ls, dl, lse + bh * tq, delta + bh * tq, i0, tq);
-        __syncthreads();
-        // S^T = K_w Q^T and dP^T = V_w dO^T for the warp's keys.
-        fa_tc_row_dots<D>(&ks[w0][0], &qs[0][0], &st[w0][0], BQ);
-        fa_tc_row_dots<D>(&vs[w0][0], &dos[0][0], &dpt[w0][0], BQ);
-        __syncwarp();
-        for (int e = lane; e < 16 * BQ; e += 32) {
-            const int r = w0 + e / BQ, c = e % BQ;
-            const long long j = k0 + r, i = i0 + c;
-            const bool vis = j < tk && i < tq && (!causal || j <= i + shift) &&
-                             ls[c] != CDT_NEG_INF;
-            const float p = vis ? expf(st[r][c] * scale - ls[c]) : 0.f;
-            pt[r][c] = from_f32<bf16_t>(p);
-            dst[r][c] = from_f32<bf16_t>(p * (dpt[r][c] - dl[c]) * scale);
+        for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
+            const long long i = i0 + r;
+            ls[r] = i < tq ? lse[bh * tq + i] * LOG2E : CDT_NEG_INF;
+            dl[r] = i < tq ? delta[bh * tq + i] : 0.f;
         }
-        __syncwarp();
-        // dV_w += P^T_w dO and dK_w += dS^T_w Q.
-        fa_tc_accumulate<D, BQ>(dva, &pt[w0][0], PT, &dos[0][0]);
-        fa_tc_accumulate<D, BQ>(dka, &dst[w0][0], PT, &qs[0][0]);
+        __syncthreads();
+        // S^T = K_w Q^T and dP^T = V_w dO^T: two 8-query slices a step.
+        float st[NQ][4], dpt[NQ][4];
+#pragma unroll
+        for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+            unsigned ka[4], va[4];
+            cdt_ldsm_x4(ka, &ks[warp * 16 + lane % 16][kk * 16 + (lane / 16) * 8]);
+            cdt_ldsm_x4(va, &vs[warp * 16 + lane % 16][kk * 16 + (lane / 16) * 8]);
+#pragma unroll
+            for (int nt = 0; nt < NQ; nt += 2) {
+                const int r = nt * 8 + lane % 8 + (lane / 16) * 8;
+                const int c = kk * 16 + ((lane / 8) % 2) * 8;
+                unsigned qf[4], df[4];
+                cdt_ldsm_x4(qf, &qs[r][c]);
+                cdt_ldsm_x4(df, &dos[r][c]);
+                const unsigned q0f[2] = {qf[0], qf[1]}, q1f[2] = {qf[2], qf[3]};
+                const unsigned d0f[2] = {df[0], df[1]}, d1f[2] = {df[2], df[3]};
+                cdt_mma_bf16(st[nt], ka, q0f);
+                cdt_mma_bf16(st[nt + 1], ka, q1f);
+                cdt_mma_bf16(dpt[nt], va, d0f);
+                cdt_mma_bf16(dpt[nt + 1], va, d1f);
+            }
+        }
+        // P^T and dS^T on the accumulators: row = key krow[h], column = query i0 + c.
+#pragma unroll
+        for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e / 2, c = nt * 8 + 2 * t + e % 2;
+                const long long i = i0 + c, j = krow[h];
+                const bool vis = j < tk && i < tq && (!causal || j <= i + shift) &&
+                                 ls[c] != CDT_NEG_INF;
+                const float p = vis ? exp2f(st[nt][e] * sl2 - ls[c]) : 0.f;
+                st[nt][e] = p;
+                dpt[nt][e] = p * (dpt[nt][e] - dl[c]) * scale;
+            }
+        // dV += P^T dO and dK += dS^T Q: 16 queries a step, dO and Q read transposed.
+#pragma unroll
+        for (int kk = 0; kk < NQ / 2; ++kk) {
+            const unsigned pa[4] = {cdt_pack_bf16(st[2 * kk][0], st[2 * kk][1]),
+                                    cdt_pack_bf16(st[2 * kk][2], st[2 * kk][3]),
+                                    cdt_pack_bf16(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                                    cdt_pack_bf16(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+            const unsigned sa[4] = {cdt_pack_bf16(dpt[2 * kk][0], dpt[2 * kk][1]),
+                                    cdt_pack_bf16(dpt[2 * kk][2], dpt[2 * kk][3]),
+                                    cdt_pack_bf16(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                                    cdt_pack_bf16(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+#pragma unroll
+            for (int n = 0; n < NO; n += 2) {
+                const int r = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
+                const int c = n * 8 + (lane / 16) * 8;
+                unsigned df[4], qf[4];
+                cdt_ldsm_x4_t(df, &dos[r][c]);
+                cdt_ldsm_x4_t(qf, &qs[r][c]);
+                const unsigned d0f[2] = {df[0], df[1]}, d1f[2] = {df[2], df[3]};
+                const unsigned q0f[2] = {qf[0], qf[1]}, q1f[2] = {qf[2], qf[3]};
+                cdt_mma_bf16(dva[n], pa, d0f);
+                cdt_mma_bf16(dva[n + 1], pa, d1f);
+                cdt_mma_bf16(dka[n], sa, q0f);
+                cdt_mma_bf16(dka[n + 1], sa, q1f);
+            }
+        }
     }
-    __syncwarp();
-    fa_tc_write_rows<D>(dva, &st[w0][0], BQ, dv + bh * tk * D, k0 + w0, tk, lane);
-    fa_tc_write_rows<D>(dka, &st[w0][0], BQ, dk + bh * tk * D, k0 + w0, tk, lane);
+    fa_mma_write_rows<D>(dva, dv + bh * tk * D, krow, tk, t);
+    fa_mma_write_rows<D>(dka, dk + bh * tk * D, krow, tk, t);
 }
 
-// dQ for the queries [blockIdx.x BM, +BM) of head blockIdx.y, BM = 16 FA_TC_WARPS(D); warp w
-// owns queries [16 w, 16 w + 16) of the block. Key tiles of FA_TC_BN rows stream through
-// shared memory.
+// dQ for the queries [blockIdx.x BM, +BM) of head blockIdx.y, on ldmatrix and mma.sync as the
+// forward: BM = 16 FA_TCF_WARPS, warp w owns queries [16 w, 16 w + 16), whose Q and dO rows it
+// holds as A fragments, and their dQ accumulators. Key tiles of FA_TCQ_BN(D) rows stream
+// through shared memory (K and V; the queries are staged through them first). Per tile, in
+// registers: S = Q K^T and dP = dO V^T, P = exp(S scale - lse), dS = P (dP - delta) scale,
+// rounded to bf16 as the A operand of dQ += dS K.
+#define FA_TCQ_BN(D) ((D) <= 64 ? 64 : 32)
 template <int D>
 __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                              const bf16_t* __restrict__ v, const bf16_t* __restrict__ d_o,
                              const float* __restrict__ lse, const float* __restrict__ delta,
                              bf16_t* __restrict__ dq, int tq, int tk, float scale, int causal) {
-    namespace wmma = nvcuda::wmma;
-    constexpr int WARPS = FA_TC_WARPS(D);
-    constexpr int BM = 16 * WARPS;
-    constexpr int BN = FA_TC_BN;
+    constexpr int BM = 16 * FA_TCF_WARPS;
+    constexpr int BN = FA_TCQ_BN(D);
     constexpr int LD = D + FA_TC_PAD;
-    __shared__ __align__(32) bf16_t qs[BM][LD];
-    __shared__ __align__(32) bf16_t dos[BM][LD];
-    __shared__ __align__(32) bf16_t ks[BN][LD];
-    __shared__ __align__(32) bf16_t vs[BN][LD];
-    // S and dP, rows of SP words (accumulator stores 2-way). dS (bf16) then overwrites each S
-    // row's first BN / 2 words and is read as a 16-bit operand of row stride 2 SP elements
-    // (36 words: conflict-free). S is also the output scratch.
-    constexpr int SP = BN + 4;
-    __shared__ __align__(32) float ss[BM][SP];
-    __shared__ __align__(32) float dps[BM][SP];
-    __shared__ float ls[BM], dl[BM];
+    constexpr int KS = D / 16, NS = BN / 8, NO = D / 8;
+    static_assert(BN <= BM, "the key tiles hold the staged queries");
+    constexpr unsigned FULL = 0xffffffffu;
+    constexpr float LOG2E = 1.4426950408889634f;
+    __shared__ __align__(128) bf16_t ks[BM][LD];
+    __shared__ __align__(128) bf16_t vs[BM][LD];
     const long long bh = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int w0 = warp * 16;
+    const int g = lane / 4, t = lane % 4;
     const long long q0 = (long long)blockIdx.x * BM;
     const long long shift = (long long)tk - tq;
     const bf16_t* kb = k + bh * tk * D;
     const bf16_t* vb = v + bh * tk * D;
-    fa_tc_load_rows<BM, D>(&qs[0][0], q + bh * tq * D, q0, tq);
-    fa_tc_load_rows<BM, D>(&dos[0][0], d_o + bh * tq * D, q0, tq);
-    fa_tc_load_stats<BM>(ls, dl, lse + bh * tq, delta + bh * tq, q0, tq);
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> dqa[D / 16];
-    for (int dt = 0; dt < D / 16; ++dt) wmma::fill_fragment(dqa[dt], 0.f);
+    fa_tc_load_rows<BM, D>(&ks[0][0], q + bh * tq * D, q0, tq);
+    fa_tc_load_rows<BM, D>(&vs[0][0], d_o + bh * tq * D, q0, tq);
+    __syncthreads();
+    unsigned qa[KS][4], da[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        cdt_ldsm_x4(qa[kk], &ks[warp * 16 + lane % 16][kk * 16 + (lane / 16) * 8]);
+        cdt_ldsm_x4(da[kk], &vs[warp * 16 + lane % 16][kk * 16 + (lane / 16) * 8]);
+    }
+    // Rows g and g + 8: lse (log2 domain) and delta; a row with lse -inf sees no key.
+    const long long row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    float l2[2], dl[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l2[h] = row[h] < tq ? lse[bh * tq + row[h]] * LOG2E : CDT_NEG_INF;
+        dl[h] = row[h] < tq ? delta[bh * tq + row[h]] : 0.f;
+    }
+    const float sl2 = scale * LOG2E;
+    float acc[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
     const long long kend = fa_key_end(q0, tq, tk, causal, BM);
     for (long long j0 = 0; j0 < kend; j0 += BN) {
-        __syncthreads();  // every warp is done with the previous key tile (and qs, ls loaded)
+        __syncthreads();  // every warp is done with the previous tiles (or the queries)
         fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0, tk);
         fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0, tk);
         __syncthreads();
-        // S = Q_w K^T and dP = dO_w V^T.
-        for (int nt = 0; nt < BN / 16; ++nt) {
-            fa_tc_row_dots<D>(&qs[w0][0], &ks[nt * 16][0], &ss[w0][nt * 16], SP);
-            fa_tc_row_dots<D>(&dos[w0][0], &vs[nt * 16][0], &dps[w0][nt * 16], SP);
+        float s[NS][4], dp[NS][4];
+#pragma unroll
+        for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NS; nt += 2) {
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                const int r = nt * 8 + lane % 8 + (lane / 16) * 8;
+                const int c = kk * 16 + ((lane / 8) % 2) * 8;
+                unsigned kf[4], vf[4];
+                cdt_ldsm_x4(kf, &ks[r][c]);
+                cdt_ldsm_x4(vf, &vs[r][c]);
+                const unsigned k0[2] = {kf[0], kf[1]}, k1[2] = {kf[2], kf[3]};
+                const unsigned v0[2] = {vf[0], vf[1]}, v1[2] = {vf[2], vf[3]};
+                cdt_mma_bf16(s[nt], qa[kk], k0);
+                cdt_mma_bf16(s[nt + 1], qa[kk], k1);
+                cdt_mma_bf16(dp[nt], da[kk], v0);
+                cdt_mma_bf16(dp[nt + 1], da[kk], v1);
+            }
         }
-        __syncwarp();
-        // dS of the warp's rows, one row a step, lane l on column l. Its bf16 goes over the
-        // row's scores, two columns a word: lane l < BN / 2 writes columns 2l and 2l + 1 (from
-        // lanes 2l and 2l + 1) into word l, the one word of the row it read itself, so no lane
-        // writes what another still has to read.
-        static_assert(BN == 32, "one score row a warp step");
-        for (int t = 0; t < 16; ++t) {
-            const int r = w0 + t, c = lane;
-            const long long i = q0 + r, j = j0 + c;
-            const bool vis = i < tq && j < tk && (!causal || j <= i + shift) &&
-                             ls[r] != CDT_NEG_INF;
-            const float p = vis ? expf(ss[r][c] * scale - ls[r]) : 0.f;
-            const float ds = p * (dps[r][c] - dl[r]) * scale;
-            const float lo = __shfl_sync(0xffffffffu, ds, (2 * lane) % 32);
-            const float hi = __shfl_sync(0xffffffffu, ds, (2 * lane + 1) % 32);
-            if (lane < BN / 2)
-                reinterpret_cast<unsigned*>(&ss[r][0])[lane] =
-                    (unsigned)from_f32<bf16_t>(lo) | ((unsigned)from_f32<bf16_t>(hi) << 16);
+        // dS = P (dP - delta) scale, P = exp2(s scale log2 e - lse log2 e), masked.
+#pragma unroll
+        for (int nt = 0; nt < NS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e / 2;
+                const long long j = j0 + nt * 8 + 2 * t + e % 2;
+                const bool vis = row[h] < tq && j < tk && (!causal || j <= row[h] + shift) &&
+                                 l2[h] != CDT_NEG_INF;
+                const float p = vis ? exp2f(s[nt][e] * sl2 - l2[h]) : 0.f;
+                s[nt][e] = p * (dp[nt][e] - dl[h]) * scale;
+            }
+        // dQ += dS K: dS as A fragments (16 keys a step), K read transposed.
+#pragma unroll
+        for (int kk = 0; kk < NS / 2; ++kk) {
+            const unsigned a[4] = {cdt_pack_bf16(s[2 * kk][0], s[2 * kk][1]),
+                                   cdt_pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                                   cdt_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                   cdt_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int n = 0; n < NO; n += 2) {
+                unsigned kf[4];
+                cdt_ldsm_x4_t(kf, &ks[kk * 16 + lane % 8 + ((lane / 8) % 2) * 8][n * 8 + (lane / 16) * 8]);
+                const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+                cdt_mma_bf16(acc[n], a, b0);
+                cdt_mma_bf16(acc[n + 1], a, b1);
+            }
         }
-        __syncwarp();
-        // dQ_w += dS_w K.
-        fa_tc_accumulate<D, BN>(dqa, reinterpret_cast<const bf16_t*>(&ss[w0][0]), 2 * SP,
-                                &ks[0][0]);
     }
-    __syncwarp();
-    fa_tc_write_rows<D>(dqa, &ss[w0][0], SP, dq + bh * tq * D, q0 + w0, tq, lane);
+    fa_mma_write_rows<D>(acc, dq + bh * tq * D, row, tq, t);
 }
 
 // cdt_fa_fwd_tc_bf16_d{D}, cdt_fa_bwd_dkv_tc_bf16_d{D}, cdt_fa_bwd_dq_tc_bf16_d{D}: the same
-// arguments as their SIMT namesakes. Launch: the forward grid (ceil(tq / (16 FA_TCF_WARPS)),
-// BH), block 32 FA_TCF_WARPS threads; the backward's grid (ceil(rows / (16 FA_TC_WARPS(D))),
-// BH) with rows tq (dq) or tk (dkv), block 32 FA_TC_WARPS(D) threads.
+// arguments as their SIMT namesakes. Launch: grid (ceil(rows / (16 FA_TCF_WARPS)), BH) with
+// rows tq (fwd, dq) or tk (dkv), block 32 FA_TCF_WARPS threads.
 #define FA_TC(D)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * FA_TCF_WARPS) cdt_fa_fwd_tc_bf16_d##D(    \
         const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, int tq,     \
         int tk, float scale, int causal) {                                                    \
         fa_fwd_tc<D>(q, k, v, o, lse, tq, tk, scale, causal);                                 \
     }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * FA_TC_WARPS(D))                         \
+    extern "C" __global__ void __launch_bounds__(32 * FA_TCF_WARPS)                           \
         cdt_fa_bwd_dkv_tc_bf16_d##D(const bf16_t* q, const bf16_t* k, const bf16_t* v,        \
                                     const bf16_t* d_o, const float* lse, const float* delta,  \
                                     bf16_t* dk, bf16_t* dv, int tq, int tk, float scale,      \
                                     int causal) {                                             \
         fa_bwd_dkv_tc<D>(q, k, v, d_o, lse, delta, dk, dv, tq, tk, scale, causal);            \
     }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * FA_TC_WARPS(D))                         \
+    extern "C" __global__ void __launch_bounds__(32 * FA_TCF_WARPS)                           \
         cdt_fa_bwd_dq_tc_bf16_d##D(const bf16_t* q, const bf16_t* k, const bf16_t* v,         \
                                    const bf16_t* d_o, const float* lse, const float* delta,   \
                                    bf16_t* dq, int tq, int tk, float scale, int causal) {     \

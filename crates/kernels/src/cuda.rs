@@ -1280,10 +1280,10 @@ impl Fa {
         Ok(s)
     }
 
-    /// A tensor-core kernel's launch over `rows` (queries, or keys for dK/dV), `warps` warps a
-    /// block ([`crate::flash::TENSOR_CORE_FORWARD_WARPS`] for the forward,
-    /// [`crate::flash::tensor_core_warps`] for the backward), 16 rows a warp.
-    fn tc_cfg(&self, rows: usize, warps: usize) -> LaunchConfig {
+    /// The tensor-core kernels' launch over `rows` (queries, or keys for dK/dV):
+    /// [`crate::flash::TENSOR_CORE_WARPS`] warps a block, 16 rows a warp.
+    fn tc_cfg(&self, rows: usize) -> LaunchConfig {
+        let warps = crate::flash::TENSOR_CORE_WARPS;
         LaunchConfig {
             grid_dim: (rows.div_ceil(16 * warps).max(1) as u32, self.bh as u32, 1),
             block_dim: (32 * warps as u32, 1, 1),
@@ -1350,11 +1350,7 @@ fn fa_fwd_launch<T: Float>(
     let mut lse = alloc_out::<f32>(dev, s.bh * s.tq)?;
     if s.bh * s.tq > 0 {
         let (name, cfg) = if T::SUFFIX == "bf16" && tensor_cores() {
-            let warps = crate::flash::TENSOR_CORE_FORWARD_WARPS;
-            (
-                format!("cdt_fa_fwd_tc_bf16_d{}", s.d),
-                s.tc_cfg(s.tq, warps),
-            )
+            (format!("cdt_fa_fwd_tc_bf16_d{}", s.d), s.tc_cfg(s.tq))
         } else {
             (format!("cdt_fa_fwd_{}_d{}", T::SUFFIX, s.d), s.cfg(s.tq))
         };
@@ -1560,8 +1556,7 @@ fn fa_bwd_launch<T: Float>(
         ("dq", vec![&mut dq], s.tq),
     ] {
         let (name, cfg) = if tc {
-            let warps = crate::flash::tensor_core_warps(s.d);
-            (format!("cdt_fa_bwd_{pass}_tc_{sfx}"), s.tc_cfg(rows, warps))
+            (format!("cdt_fa_bwd_{pass}_tc_{sfx}"), s.tc_cfg(rows))
         } else {
             (format!("cdt_fa_bwd_{pass}_{sfx}"), s.cfg(rows))
         };

@@ -21,22 +21,11 @@ type CResult<T> = candle_core::Result<T>;
 /// The head dims the kernels are built for (one template instance each).
 pub const HEAD_DIMS: [usize; 5] = [32, 48, 64, 96, 128];
 
-/// Warps per block of the tensor-core forward (`FA_TCF_WARPS` of `cuda/flash_attn.cu`), for
-/// every head dim; each warp owns 16 queries. The CUDA op launches by it; the emulator's tests
-/// check it against the launch they run the kernel under.
-pub const TENSOR_CORE_FORWARD_WARPS: usize = 4;
-
-/// Warps per block of the tensor-core backward kernels for head dim `d` (`FA_TC_WARPS` of
-/// `cuda/flash_attn.cu`): 4 up to d = 64, else 2, so their static shared tiles stay under
-/// 48 KiB; each warp owns 16 rows (queries for dQ, keys for dK/dV). The CUDA op launches by it;
-/// the emulator's tests check it against the launch they run the kernels under.
-pub fn tensor_core_warps(d: usize) -> usize {
-    if d <= 64 {
-        4
-    } else {
-        2
-    }
-}
+/// Warps per block of the tensor-core attention kernels (`FA_TCF_WARPS` of
+/// `cuda/flash_attn.cu`), forward and backward, every head dim; each warp owns 16 rows
+/// (queries, or keys for dK/dV). The CUDA op launches by it; the emulator's tests check it
+/// against the launches they run the kernels under.
+pub const TENSOR_CORE_WARPS: usize = 4;
 
 /// Whether [`attention`] runs `q [.., tq, d]`, `k`, `v` `[.., tk, d]`: CUDA (feature `cuda`),
 /// f32 or bf16 alike, a head dim of [`HEAD_DIMS`], equal leading dims whose product is at most
