@@ -16,18 +16,19 @@
 //! over `--iters` after `--warmup`.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
-use std::time::Instant;
-
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_dtensor::kernels::multi_tensor::{adamw_step, AdamWStep};
-use candle_dtensor::kernels::profile::{Mark, Stamp};
 use candle_dtensor::models::GptConfig;
 use candle_dtensor::train::device::DeviceSpec;
 use candle_nn::Optimizer;
 use clap::Parser;
 
+#[path = "common/device_timing.rs"]
+mod device_timing;
 #[path = "common/logging.rs"]
 mod logging;
+
+use device_timing::{median, stats, time};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -82,54 +83,6 @@ pub(crate) fn shapes(cfg: &GptConfig) -> Vec<Vec<usize>> {
         s.push(vec![cfg.vocab, d]);
     }
     s
-}
-
-/// Median, p10 and p90 (nearest rank) of `ms`.
-fn stats(ms: &[f64]) -> serde_json::Value {
-    let mut v = ms.to_vec();
-    v.sort_by(f64::total_cmp);
-    let at = |q: f64| v[((q * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)];
-    serde_json::json!({ "median": at(0.5), "p10": at(0.1), "p90": at(0.9), "n": v.len() })
-}
-
-/// Milliseconds of each of `iters` calls of `f` after `warmup`: GPU time between timing marks
-/// on CUDA, wall time otherwise.
-fn time(dev: &Device, warmup: usize, iters: usize, mut f: impl FnMut() -> R<()>) -> R<Vec<f64>> {
-    for _ in 0..warmup {
-        f()?;
-    }
-    dev.synchronize()?;
-    let mut marks = Vec::new();
-    let mut wall = Vec::new();
-    let mut start = Mark::record(dev)?;
-    for _ in 0..iters {
-        let t = Instant::now();
-        f()?;
-        match start.take() {
-            Some(s) => {
-                let end = Mark::record(dev)?.ok_or("a CUDA device gave no timing mark")?;
-                marks.push((s, end));
-                start = Mark::record(dev)?;
-            }
-            None => {
-                dev.synchronize()?;
-                wall.push(t.elapsed().as_secs_f64() * 1e3);
-            }
-        }
-    }
-    if marks.is_empty() {
-        return Ok(wall);
-    }
-    if let Some((_, last)) = marks.last() {
-        last.wait()?;
-    }
-    marks
-        .iter()
-        .map(|(a, b)| {
-            b.ms_since(a)?
-                .ok_or_else(|| "a timing mark unread after waiting".into())
-        })
-        .collect()
 }
 
 pub(crate) fn run(args: &Args) -> R<serde_json::Value> {
@@ -207,7 +160,7 @@ pub(crate) fn run(args: &Args) -> R<serde_json::Value> {
             Ok(opt.step(&store)?)
         })?)
     };
-    let med = |x: &[f64]| stats(x)["median"].as_f64().unwrap_or(f64::NAN);
+    let med = median;
     let bytes = 28.0 * n as f64;
     let out = serde_json::json!({
         "bench": "adamw",

@@ -35,7 +35,7 @@ export CARGO_PROFILE_RELEASE_DEBUG=0
 export CARGO_PROFILE_RELEASE_STRIP=symbols
 out="$CARGO_TARGET_DIR/bin"
 stubs="$CARGO_TARGET_DIR/stubs"
-examples=(nccl_check nccl_bench nccl_local_cuda train_gpt train_llama adamw_bench)
+examples=(nccl_check nccl_bench nccl_local_cuda train_gpt train_llama adamw_bench attn_bench)
 
 echo "== 1/4 libraries with --features nccl,cuda (nvcc $("$CUDA_HOME/bin/nvcc" --version | grep -o 'release [0-9.]*'), sm_$CUDA_COMPUTE_CAP)"
 cargo build --release --features nccl,cuda --lib

@@ -16,11 +16,15 @@
 #                   target/peers-venv/bin/python of scripts/peers/setup_torch.sh)
 #   --device D      cuda (default) or cpu (a dry run of the whole pipeline without a GPU)
 #   --out DIR       output folder (default target/gpu_bench; git-ignored)
-#   --quick         3 + 5 steps per run, presets small and gpt2, real run 40 steps, budget 240 s
+#   --quick         3 + 5 steps per run, presets small and gpt2, real run 40 steps, attention at one
+#                   shape, budget 240 s
 #
 # What runs, in priority order (the issue's targets first), each a separate process under its
 # own timeout, while the --budget (default 480 s) lasts: a bf16 / tf32 / f32 GEMM rate
-# (8192^3 torch.matmul, CUDA events); then for presets {small, gpt2, gpt2-medium} x precisions
+# (8192^3 torch.matmul, CUDA events); attention alone, bf16 and causal, forward and forward +
+# backward: attn_bench (from the binaries' folder) beside torch's scaled_dot_product_attention
+# at GPT-2 small's and medium's shapes and a 128-wide head (--no-attention leaves it out); then
+# for presets {small, gpt2, gpt2-medium} x precisions
 # {f32, tf32, bf16}: train_gpt --device cuda --precision P --preset X --batch 8 --seq-len T,
 # the twin in eager mode (SDPA attention) and the twin under torch.compile, 5 warm-up + 30
 # measured steps each; with --real-text the nanoGPT-shaped byte model (6 layers, 6 heads, 384
@@ -52,7 +56,7 @@ while (($#)); do
         --device) device="$2"; shift ;;
         --out) out="$2"; shift ;;
         --quick) quick=1 ;;
-        -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
         *) rest+=("$1") ;;
     esac
     shift
@@ -120,8 +124,13 @@ fi
 text_sha="$(sed -n 's/^TEXT_SHA256=//p' scripts/real_text.sh | head -n 1)"
 
 quick_args=()
-((quick)) && quick_args=(--steps 5 --warmup 3 --presets small,gpt2 --real-steps 40 --real-eval-every 20
-                         --real-eval-batches 2 --budget 240)
+if ((quick)); then
+    quick_args=(--steps 5 --warmup 3 --presets small,gpt2 --real-steps 40 --real-eval-every 20
+                --real-eval-batches 2 --budget 240 --attn-iters 5)
+    # Attention at GPT-2 small's shape on a GPU; a small one for a dry run on the CPU.
+    if [[ "$device" == cuda* ]]; then quick_args+=(--attn-shapes "8,12,1024,64")
+    else quick_args+=(--attn-shapes "1,2,128,64"); fi
+fi
 say "train_gpt: $bin${built:+ ($built)}; python: $python; device: $device ($gpu_name); out: $out"
 CDT_OURS_LD_LIBRARY_PATH="$ours_ld" "$python" scripts/peers/gpu_bench.py \
     --train-gpt "$bin" --python "$python" --device "$device" --out "$out" \

@@ -2,7 +2,8 @@
 """The driver of scripts/gpu_bench.sh (run that; it finds the binaries, the libraries and the
 python): train_gpt ("ours") side by side with its PyTorch twin (train_gpt_torch.py) in eager
 mode and under torch.compile, for presets x precisions, plus a bf16/tf32/f32 GEMM rate measured
-in the same run and, with --real-text, the nanoGPT-shaped byte model on real text, ours vs the
+in the same run, attention alone (examples/attn_bench.rs beside torch's
+scaled_dot_product_attention, bf16, causal, forward and forward + backward) and, with --real-text, the nanoGPT-shaped byte model on real text, ours vs the
 twin. Writes OUT/gpu_bench.json (everything) and OUT/table.md (gpu_bench_report.py's Markdown).
 
 Every run is a separate process under its own timeout; a run that fails, runs out of memory or
@@ -400,6 +401,39 @@ class Bench:
                 rec.update(status="failed", error=f"unreadable GEMM output: {e}")
         return rec
 
+    def attention(self):
+        """Attention alone (examples/attn_bench.rs) beside torch's scaled_dot_product_attention
+        on the same shapes, bf16, causal: forward and forward + backward per call."""
+        a = self.a
+        rec = {"shapes": a.attn_shapes, "dtype": "bf16", "causal": True}
+        for side in ("ours", "torch"):
+            if self.left() < a.min_run_s:
+                rec[side] = {"status": "skipped", "error": "budget"}
+                continue
+            out, err = (os.path.join(self.logs, f"attention.{side}.out"),
+                        os.path.join(self.logs, f"attention.{side}.log"))
+            if side == "ours":
+                if not os.access(a.attn_bench, os.X_OK):
+                    rec[side] = {"status": "failed", "error": f"no attn_bench binary at {a.attn_bench}"}
+                    continue
+                cmd = [a.attn_bench, "--device", a.device, "--shapes", a.attn_shapes, "--dtype", "bf16",
+                       "--iters", str(a.attn_iters), "--json"]
+                env = self.ours_env
+            else:
+                cmd = [a.python, "-c", ATTN_CODE, a.device, a.attn_shapes, str(a.attn_iters)]
+                env = None
+            self.say(f"attention ({side}): {a.attn_shapes}")
+            res = run_cmd(cmd, out, err, min(120 * a.timeout_scale, self.left()), env=env)
+            status, error = status_of(res, err)
+            r = {"status": status, "error": error, "seconds": res["seconds"], "command": cmd}
+            if status == "ok":
+                try:
+                    r.update(json.loads(read_text(out).strip().splitlines()[-1]))
+                except (ValueError, IndexError) as e:
+                    r.update(status="failed", error=f"unreadable attention output: {e}")
+            rec[side] = r
+        return rec
+
     def real_text(self):
         a = self.a
         rec = {"status": "failed", "steps": a.real_steps, "eval_every": a.real_eval_every, "precision": a.real_precision,
@@ -522,6 +556,55 @@ print(json.dumps(out))
 """
 
 
+ATTN_CODE = r"""
+import json, sys, time, torch
+import torch.nn.functional as F
+dev, shapes, iters = sys.argv[1], sys.argv[2], int(sys.argv[3])
+cuda = dev.startswith("cuda")
+d = torch.device(dev)
+def sync():
+    if cuda: torch.cuda.synchronize(d)
+def stats(ms):
+    v = sorted(ms)
+    at = lambda q: v[min(round(q * (len(v) - 1)), len(v) - 1)]
+    return {"median": at(0.5), "p10": at(0.1), "p90": at(0.9), "n": len(v)}
+def timed(f, warmup=3):
+    for _ in range(warmup):
+        f()
+    sync()
+    ms = []
+    for _ in range(iters):
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record(); f(); e1.record(); sync()
+            ms.append(e0.elapsed_time(e1))
+        else:
+            t0 = time.perf_counter(); f(); ms.append((time.perf_counter() - t0) * 1e3)
+    return ms
+cases = []
+for s in shapes.split(";"):
+    if not s.strip():
+        continue
+    b, h, t, hd = (int(x) for x in s.split(","))
+    q, k, v = (torch.randn(b, h, t, hd, device=d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(b, h, t, hd, device=d, dtype=torch.bfloat16)
+    fwd = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    def fb():
+        q.grad = k.grad = v.grad = None  # no accumulation into earlier gradients
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o.backward(g)
+    fwd_bwd = timed(fb)
+    flops = 4.0 * b * h * t * t * hd / 2
+    med = lambda ms: stats(ms)["median"]
+    cases.append({"b": b, "h": h, "t": t, "d": hd, "forward_ms": stats(fwd), "forward_backward_ms": stats(fwd_bwd),
+                  "forward_tflops": flops / (med(fwd) / 1e3) / 1e12,
+                  "forward_backward_tflops": 3.5 * flops / (med(fwd_bwd) / 1e3) / 1e12})
+    del q, k, v, g
+print(json.dumps({"torch": torch.__version__, "kernels": "torch sdpa (its default backend choice)",
+                  "timing": "CUDA events" if cuda else "wall", "cases": cases}))
+"""
+
+
 def parse_batch(text):
     out = {}
     for part in filter(None, (text or "").split(",")):
@@ -566,7 +649,12 @@ def main(argv=None):
     p.add_argument("--gemm-size", type=int, help="N of the N^3 GEMMs (default 8192 on CUDA, 512 on the CPU)")
     p.add_argument("--gemm-iters", type=int, default=40)
     p.add_argument("--no-gemm", action="store_true")
-    p.add_argument("--no-matrix", action="store_true", help="only the GEMM rate and --real-text")
+    p.add_argument("--no-matrix", action="store_true", help="only the GEMM rate, attention and --real-text")
+    p.add_argument("--attn-bench", help="the attn_bench binary (default: beside --train-gpt)")
+    p.add_argument("--attn-shapes", default="8,12,1024,64;8,16,1024,64;4,8,2048,128",
+                   help="B,H,T,D;... shapes of the attention comparison (bf16, causal)")
+    p.add_argument("--attn-iters", type=int, default=20)
+    p.add_argument("--no-attention", action="store_true", help="leave out the attention comparison")
     p.add_argument("--real-text", action="store_true")
     p.add_argument("--text", default="target/real_text/shakespeare.txt")
     p.add_argument("--text-sha256", default="", help="the text's expected SHA-256 (gpu_bench.sh passes real_text.sh's)")
@@ -587,6 +675,8 @@ def main(argv=None):
         sys.exit("--steps must be >= 1 and --warmup >= 0")
     if a.gemm_size is None:
         a.gemm_size = 8192 if a.device.startswith("cuda") else 512
+    if a.attn_bench is None:
+        a.attn_bench = os.path.join(os.path.dirname(os.path.abspath(a.train_gpt)), "attn_bench")
     os.makedirs(a.out, exist_ok=True)
 
     b = Bench(a)
@@ -620,6 +710,12 @@ def main(argv=None):
         g = doc["gemm"]
         doc["torch"] = g.get("torch")
         b.say(f"gemm: {g.get('status')} {g.get('tflops') or g.get('error')}")
+        save()
+    if not a.no_attention:
+        doc["attention"] = b.attention()
+        for side in ("ours", "torch"):
+            r = doc["attention"].get(side) or {}
+            b.say(f"attention ({side}): {r.get('status')} {r.get('error') or ''}")
         save()
     order = [] if a.no_matrix else priority(presets, precisions, sides)
     if a.real_text and "REAL" not in order:

@@ -219,6 +219,46 @@ def targets(doc):
     return out
 
 
+def attention_lines(att):
+    """The attention comparison (ours: examples/attn_bench.rs; torch's SDPA) as Markdown lines:
+    one row per shape, medians in ms, ours over torch (above 1: ours slower), TFLOP/s."""
+    if not att:
+        return []
+    lines = ["", f"Attention alone ({att.get('dtype', '?')}, {'causal' if att.get('causal') else 'not causal'}; ours: "
+                 f"{(att.get('ours') or {}).get('kernels', '?')}; torch: scaled_dot_product_attention):"]
+    sides = {k: att.get(k) or {} for k in ("ours", "torch")}
+    for k, r in sides.items():
+        if r.get("status") != "ok":
+            lines.append(f"- {k}: {r.get('status', 'missing')}: {r.get('error', '')}")
+    cases = {k: {(c["b"], c["h"], c["t"], c["d"]): c for c in r.get("cases", [])} for k, r in sides.items()
+             if r.get("status") == "ok"}
+    shapes = list(dict.fromkeys(list(cases.get("ours", {})) + list(cases.get("torch", {}))))
+    if not shapes:
+        return lines
+    lines.append("")
+    lines.append("| B, H, T, D | forward ms: ours | torch | ours/torch | forward + backward ms: ours | torch "
+                 "| ours/torch | TFLOP/s fwd+bwd: ours | torch |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def med(side, shape, key):
+        c = cases.get(side, {}).get(shape)
+        return None if c is None else (c.get(key) or {}).get("median")
+
+    def num(x, f="{:.3f}"):
+        return "-" if not finite(x) else f.format(x)
+
+    for sh in shapes:
+        row = [", ".join(str(x) for x in sh)]
+        for key in ("forward_ms", "forward_backward_ms"):
+            o, t = med("ours", sh, key), med("torch", sh, key)
+            row += [num(o), num(t), fmt_ratio(o / t if finite(o) and finite(t) and t > 0 else None)]
+        for side in ("ours", "torch"):
+            c = cases.get(side, {}).get(sh) or {}
+            row.append(num(c.get("forward_backward_tflops"), "{:.3g}"))
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def markdown(doc):
     lines = []
     g = doc.get("gemm") or {}
@@ -262,6 +302,7 @@ def markdown(doc):
         for r in failed:
             lines.append(f"- {r['preset']} {r['precision']} {r['side']}: {r.get('status')}"
                          f"{': ' + r['error'] if r.get('error') else ''}")
+    lines += attention_lines(doc.get("attention"))
     rt = doc.get("real_text")
     if rt:
         lines.append("")

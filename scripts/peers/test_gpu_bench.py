@@ -196,10 +196,12 @@ class Driver(unittest.TestCase):
     def tearDown(self):
         self.tmp.cleanup()
 
-    def drive(self, *extra):
+    def drive(self, *extra, attention=False):
         args = ["--train-gpt", self.bin, "--device", "cpu", "--out", self.out, "--sides", "ours",
                 "--presets", "tiny,small", "--precisions", "f32,bf16", "--no-gemm", "--steps", "4",
                 "--warmup", "2", "--min-run-s", "0", *extra]
+        if not attention:
+            args.append("--no-attention")
         with open(os.devnull, "w") as null:
             saved = sys.stdout, sys.stderr
             sys.stdout = sys.stderr = null
@@ -253,6 +255,43 @@ class Driver(unittest.TestCase):
         d = self.drive("--budget", "0", "--min-run-s", "1")
         self.assertEqual({r["status"] for r in d["runs"]}, {"skipped"})
         self.assertFalse(os.path.exists(os.path.join(self.tmp.name, "calls")))
+
+    def script(self, name, text):
+        path = os.path.join(self.tmp.name, name)
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)
+        return path
+
+    def test_attention_side_by_side(self):
+        case = '{"b":1,"h":2,"t":64,"d":64,"forward_ms":{"median":%s},"forward_backward_ms":{"median":%s},' \
+               '"forward_backward_tflops":%s}'
+        # attn_bench beside train_gpt (found there by default) and a "python" that answers as the
+        # torch snippet would, whatever it is asked.
+        self.script("attn_bench", "#!/usr/bin/env bash\necho '{\"kernels\":\"tensor cores\",\"cases\":[%s]}'\n"
+                    % (case % (2.0, 6.0, 1.5)))
+        py = self.script("python", "#!/usr/bin/env bash\necho '{\"torch\":\"2.11\",\"cases\":[%s]}'\n"
+                         % (case % (1.0, 3.0, 3.0)))
+        d = self.drive("--presets", "tiny", "--precisions", "f32", "--python", py,
+                       "--attn-shapes", "1,2,64,64", attention=True)
+        att = d["attention"]
+        self.assertEqual(att["ours"]["status"], "ok", att["ours"].get("error"))
+        self.assertEqual(att["torch"]["status"], "ok", att["torch"].get("error"))
+        self.assertIn("1,2,64,64", att["ours"]["command"])
+        with open(os.path.join(self.out, "table.md")) as f:
+            md = f.read()
+        self.assertIn("ours: tensor cores", md)
+        self.assertIn("| 1, 2, 64, 64 | 2.000 | 1.000 | 2.00x | 6.000 | 3.000 | 2.00x | 1.5 | 3 |", md)
+
+    def test_attention_without_the_binary_fails_its_side_only(self):
+        py = self.script("python", "#!/usr/bin/env bash\necho '{\"cases\":[]}'\n")
+        d = self.drive("--presets", "tiny", "--precisions", "f32", "--python", py, attention=True)
+        self.assertEqual(d["attention"]["ours"]["status"], "failed")
+        self.assertIn("no attn_bench binary", d["attention"]["ours"]["error"])
+        self.assertEqual(d["attention"]["torch"]["status"], "ok")
+        self.assertEqual(d["runs"][0]["status"], "ok", d["runs"][0].get("error"))
+        with open(os.path.join(self.out, "table.md")) as f:
+            self.assertIn("- ours: failed: no attn_bench binary", f.read())
 
     def test_has_flag(self):
         h = "      --mixed-precision <MIXED_PRECISION>\n          as with --precision bf16\n"

@@ -1316,7 +1316,7 @@ fn held<'a>(
 /// Whether the bf16 attention kernels run on tensor cores: `CDT_FLASH_TC` is not `0` and the
 /// module has them (its PTX targets compute_80 or newer, the build's default: the
 /// `cdt_fa_*_tc_bf16_*` kernels are compiled only there).
-fn tensor_cores() -> bool {
+pub(crate) fn tensor_cores() -> bool {
     static BUILT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     crate::flash::tensor_cores_enabled()
         && *BUILT.get_or_init(|| {

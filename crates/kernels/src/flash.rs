@@ -73,6 +73,21 @@ pub(crate) fn tensor_cores_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("CDT_FLASH_TC").map_or(true, |v| v.trim() != "0"))
 }
 
+/// Which kernels [`attention`] (and `autodiff::sdpa_local`, which takes it where it applies)
+/// runs for these operands: `"tensor cores"` (bf16 on CUDA with the module built for sm_80 or
+/// newer and `CDT_FLASH_TC` not `0`), `"simt"` (the other flash kernels) or `"composition"`
+/// ([`applies`] is false: candle's matmuls around the fused softmax). For benchmarks and logs.
+pub fn kernels_for(q: &Tensor, k: &Tensor, v: &Tensor) -> &'static str {
+    if !applies(q, k, v) {
+        return "composition";
+    }
+    #[cfg(feature = "cuda")]
+    if q.dtype() == candle_core::DType::BF16 && crate::cuda::tensor_cores() {
+        return "tensor cores";
+    }
+    "simt"
+}
+
 /// `softmax(scale q k^T [causal]) v` for `q [.., tq, d]`, `k`, `v` `[.., tk, d]` where
 /// [`applies`] holds (causal: key j is seen by query i iff `j <= i + tk - tq`; a query that
 /// sees no key gets 0), as one graph node whose backward is the flash-attention backward.

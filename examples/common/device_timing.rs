@@ -1,0 +1,71 @@
+//! Timing of device work for the kernel benchmarks (`adamw_bench`, `attn_bench`): GPU time
+//! between CUDA timing events (`kernels::profile::Mark`) on CUDA, wall time after a device
+//! synchronisation elsewhere; summaries as median, p10 and p90.
+
+use std::time::Instant;
+
+use candle_core::Device;
+use candle_dtensor::kernels::profile::{Mark, Stamp};
+
+type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// Median, p10 and p90 (nearest rank) of `ms`.
+pub fn stats(ms: &[f64]) -> serde_json::Value {
+    let mut v = ms.to_vec();
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((q * (v.len() - 1) as f64).round() as usize).min(v.len() - 1)];
+    serde_json::json!({ "median": at(0.5), "p10": at(0.1), "p90": at(0.9), "n": v.len() })
+}
+
+/// The median of `ms` (NaN for none).
+pub fn median(ms: &[f64]) -> f64 {
+    if ms.is_empty() {
+        return f64::NAN;
+    }
+    stats(ms)["median"].as_f64().unwrap_or(f64::NAN)
+}
+
+/// Milliseconds of each of `iters` calls of `f` after `warmup`: GPU time between timing marks
+/// on CUDA, wall time otherwise.
+pub fn time(
+    dev: &Device,
+    warmup: usize,
+    iters: usize,
+    mut f: impl FnMut() -> R<()>,
+) -> R<Vec<f64>> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    dev.synchronize()?;
+    let mut marks = Vec::new();
+    let mut wall = Vec::new();
+    let mut start = Mark::record(dev)?;
+    for _ in 0..iters {
+        let t = Instant::now();
+        f()?;
+        match start.take() {
+            Some(s) => {
+                let end = Mark::record(dev)?.ok_or("a CUDA device gave no timing mark")?;
+                marks.push((s, end));
+                start = Mark::record(dev)?;
+            }
+            None => {
+                dev.synchronize()?;
+                wall.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+    }
+    if marks.is_empty() {
+        return Ok(wall);
+    }
+    if let Some((_, last)) = marks.last() {
+        last.wait()?;
+    }
+    marks
+        .iter()
+        .map(|(a, b)| {
+            b.ms_since(a)?
+                .ok_or_else(|| "a timing mark unread after waiting".into())
+        })
+        .collect()
+}
