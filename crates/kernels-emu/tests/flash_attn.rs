@@ -77,13 +77,43 @@ fn run_case<T: Dt>(c: &Case, seed: u64, kernels: FaKernels) {
     run_case_placed(c, seed, kernels, Buf::<T>::from_slice);
 }
 
-/// As [`run_case`], with q and v placed by `place_qv` (k and d_o as usual), so that one launch
-/// can read aligned and misaligned inputs.
+/// The forward's lse per query row (`[bh, tq]`): log of the sum of exp(scale q.k) over the keys
+/// the row sees, -inf for a row that sees none.
+fn reference_lse(c: &Case, q: &[f32], k: &[f32], scale: f32) -> Vec<f32> {
+    let shift = c.tk as i64 - c.tq as i64;
+    let mut out = Vec::with_capacity(c.bh * c.tq);
+    for h in 0..c.bh {
+        for i in 0..c.tq {
+            let qi = &q[(h * c.tq + i) * c.d..][..c.d];
+            let s: Vec<f64> = (0..c.tk)
+                .filter(|&j| !c.causal || j as i64 <= i as i64 + shift)
+                .map(|j| {
+                    let kj = &k[(h * c.tk + j) * c.d..][..c.d];
+                    f64::from(scale)
+                        * qi.iter()
+                            .zip(kj)
+                            .map(|(a, b)| f64::from(a * b))
+                            .sum::<f64>()
+                })
+                .collect();
+            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            out.push(if s.is_empty() {
+                f32::NEG_INFINITY
+            } else {
+                (m + s.iter().map(|x| (x - m).exp()).sum::<f64>().ln()) as f32
+            });
+        }
+    }
+    out
+}
+
+/// As [`run_case`], with q and v (inputs) and o and dq (outputs) placed by `place` (k, d_o,
+/// dk and dv as usual), so that one launch reads and writes aligned and misaligned buffers.
 fn run_case_placed<T: Dt>(
     c: &Case,
     seed: u64,
     kernels: FaKernels,
-    place_qv: fn(&'static str, &[T]) -> Buf<T>,
+    place: fn(&'static str, &[T]) -> Buf<T>,
 ) {
     let (nq, nk) = (c.bh * c.tq * c.d, c.bh * c.tk * c.d);
     let scale = 1.0 / (c.d as f32).sqrt();
@@ -102,23 +132,23 @@ fn run_case_placed<T: Dt>(
         "{kernels:?}: bh {} tq {} tk {} d {} causal {}",
         c.bh, c.tq, c.tk, c.d, c.causal
     );
-    let mut outs = Vec::new();
+    let (mut outs, mut lses) = (Vec::new(), Vec::new());
     for order in ORDERS {
         let (qb, kb, vb, gb) = (
-            place_qv("q", &q),
+            place("q", &q),
             Buf::from_slice("k", &k),
-            place_qv("v", &v),
+            place("v", &v),
             Buf::from_slice("d_o", &g),
         );
         let nan = T::from_f32(f32::NAN);
-        let mut o = Buf::filled("o", nq, nan);
+        let mut o = place("o", &vec![nan; nq]);
         let mut lse = Buf::filled("lse", c.bh * c.tq, f32::NAN);
         fused::flash_attn_fwd(
             order, kernels, &qb, &kb, &vb, &mut o, &mut lse, shape, scale, c.causal,
         )
         .unwrap_or_else(|e| panic!("{what}: {e}"));
         let (mut dq, mut dk, mut dv) = (
-            Buf::filled("dq", nq, nan),
+            place("dq", &vec![nan; nq]),
             Buf::filled("dk", nk, nan),
             Buf::filled("dv", nk, nan),
         );
@@ -127,7 +157,15 @@ fn run_case_placed<T: Dt>(
             c.causal,
         )
         .unwrap_or_else(|e| panic!("{what}: {e}"));
+        lses.push(lse.as_slice().to_vec());
         outs.push([o, dq, dk, dv].map(|b| b.as_slice().to_vec()));
+    }
+    for (order, lse) in ORDERS.iter().zip(&lses).skip(1) {
+        assert!(
+            same_bits(&lses[0], lse),
+            "{what} lse [{}]: {order:?} differs from Forward",
+            T::NAME
+        );
     }
     for (order, out) in ORDERS.iter().zip(&outs).skip(1) {
         for (name, (a, b)) in ["o", "dq", "dk", "dv"].iter().zip(outs[0].iter().zip(out)) {
@@ -148,6 +186,23 @@ fn run_case_placed<T: Dt>(
     };
     let [o, dq, dk, dv] = &outs[0];
     close(&format!("{what} o"), o, &want_o, atol, rtol);
+    // lse: f32 on both sides (of the same rounded inputs); -inf exactly where a row sees no key.
+    for (i, (got, want)) in lses[0]
+        .iter()
+        .zip(reference_lse(c, &qf, &kf, scale))
+        .enumerate()
+    {
+        let ok = if want == f32::NEG_INFINITY {
+            *got == f32::NEG_INFINITY
+        } else {
+            (got - want).abs() <= 1e-4 + 1e-4 * want.abs()
+        };
+        assert!(
+            ok,
+            "{what} lse [{}] row {i}: {got} vs reference {want}",
+            T::NAME
+        );
+    }
     close(&format!("{what} dq"), dq, &want_dq, atol, rtol);
     close(&format!("{what} dk"), dk, &want_dk, atol, rtol);
     close(&format!("{what} dv"), dv, &want_dv, atol, rtol);
@@ -509,8 +564,9 @@ fn tensor_cores_stay_accurate_over_long_sequences() {
 
 /// The tensor-core kernels read their tiles with 16-byte vector loads when a pointer allows
 /// it and element by element when it does not (a tensor whose storage offset is not a
-/// multiple of 8 elements): the same results either way, here with q and v one element past
-/// a 16-byte boundary and k and d_o aligned in the same launches.
+/// multiple of 8 elements), and write two bf16 a store where the output allows it: the same
+/// results either way, here with q, v, o and dq one element past a 16-byte boundary and k,
+/// d_o, dk and dv aligned in the same launches.
 #[test]
 fn tensor_core_kernels_read_misaligned_inputs() {
     let probe = Buf::<bf16>::misaligned("probe", &[bf16::ZERO; 8]);

@@ -310,7 +310,7 @@ FA_DIMS(bf16, bf16_t)
 // that each 8-row ldmatrix phase hits 8 different bank groups). The queries' fragments are
 // loaded once, through the key tile. Scores are kept in the log2 domain (s scale log2 e) for
 // exp2. Rows with nothing visible keep m = -inf and P = 0, as the SIMT kernel does; o and lse
-// are written as it writes them (o must be 4-byte aligned: two bf16 a store).
+// are written as it writes them.
 #if defined(CDT_EMU) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #include "mma_sync.cuh"
 
@@ -349,20 +349,49 @@ __device__ __forceinline__ void fa_tc_load_rows(bf16_t* tile, const bf16_t* __re
 }
 
 // Writes a warp's 16 x D accumulators (mma.sync C layout: rows g and g + 8, columns 2t and
-// 2t + 1 of each 8-wide slice) as bf16 rows row[0], row[1] (those below n) of a [n, D] matrix,
-// two elements a 4-byte store (`out` must be 4-byte aligned).
+// 2t + 1 of each 8-wide slice), row h's times mul[h], as bf16 rows row[0], row[1] (those below
+// n) of a [n, D] matrix: two elements a 4-byte store where `out` is 4-byte aligned (the op's
+// outputs are fresh allocations), one at a time otherwise.
 template <int D>
 __device__ __forceinline__ void fa_mma_write_rows(const float (&acc)[D / 8][4],
                                                   bf16_t* __restrict__ out,
-                                                  const long long (&row)[2], int n, int t) {
+                                                  const long long (&row)[2],
+                                                  const float (&mul)[2], int n, int t) {
+    const bool pairs = (reinterpret_cast<unsigned long long>(out) & 3ull) == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         if (row[h] >= n) continue;
         bf16_t* r = out + row[h] * D;
 #pragma unroll
-        for (int s = 0; s < D / 8; ++s)
-            *reinterpret_cast<unsigned*>(r + s * 8 + 2 * t) =
-                cdt_pack_bf16(acc[s][2 * h], acc[s][2 * h + 1]);
+        for (int s = 0; s < D / 8; ++s) {
+            const float a = acc[s][2 * h] * mul[h], b = acc[s][2 * h + 1] * mul[h];
+            if (pairs) {
+                *reinterpret_cast<unsigned*>(r + s * 8 + 2 * t) = cdt_pack_bf16(a, b);
+            } else {
+                r[s * 8 + 2 * t] = from_f32<bf16_t>(a);
+                r[s * 8 + 2 * t + 1] = from_f32<bf16_t>(b);
+            }
+        }
+    }
+}
+
+// acc (16 x D) += s m: `s` the warp's 16 x 8 NS accumulator slices (C layout), rounded to bf16
+// as the A operand 16 columns a step; `m` an 8 NS x D bf16 tile in shared memory (row stride
+// D + FA_TC_PAD), read transposed by ldmatrix as the B operand. P V in the forward, dS K in
+// dQ.
+template <int D, int NS>
+__device__ __forceinline__ void fa_mma_acc_times_tile(float (&acc)[D / 8][4], const float (&s)[NS][4],
+                                                      const bf16_t (*m)[D + FA_TC_PAD], int lane) {
+#pragma unroll
+    for (int kk = 0; kk < NS / 2; ++kk) {
+        unsigned a[4];
+        cdt_acc_to_a(a, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+            unsigned b[4];
+            cdt_ldsm_x4_t(b, &m[kk * 16 + lane % 8 + ((lane / 8) % 2) * 8][n * 8 + (lane / 16) * 8]);
+            cdt_mma_bf16_x2(acc[n], acc[n + 1], a, b);
+        }
     }
 }
 
@@ -426,9 +455,7 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
             for (int kk = 0; kk < KS; ++kk) {
                 unsigned kf[4];
                 cdt_ldsm_x4(kf, &ks[nt * 8 + lane % 8 + (lane / 16) * 8][kk * 16 + ((lane / 8) % 2) * 8]);
-                const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-                cdt_mma_bf16(s[nt], qa[kk], b0);
-                cdt_mma_bf16(s[nt + 1], qa[kk], b1);
+                cdt_mma_bf16_x2(s[nt], s[nt + 1], qa[kk], kf);
             }
         }
         // Mask and scale; the tile's row maxima over the row's 4 lanes.
@@ -456,7 +483,6 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
         }
         // P = exp2(s - m), summed in f32, rounded to bf16 as the A operand of P V: slices 2kk
         // and 2kk + 1 are the 16 keys of step kk, in the A layout already.
-        unsigned pa[NS / 2][4];
 #pragma unroll
         for (int nt = 0; nt < NS; ++nt)
 #pragma unroll
@@ -467,50 +493,27 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
                 l[h] += p;
             }
 #pragma unroll
-        for (int kk = 0; kk < NS / 2; ++kk) {
-            pa[kk][0] = cdt_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-            pa[kk][1] = cdt_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-            pa[kk][2] = cdt_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[kk][3] = cdt_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
-#pragma unroll
         for (int n = 0; n < NO; ++n) {
             acc[n][0] *= alpha[0];
             acc[n][1] *= alpha[0];
             acc[n][2] *= alpha[1];
             acc[n][3] *= alpha[1];
         }
-        // O += P V: two 8-wide output slices a step (one ldmatrix.x4.trans of V).
-#pragma unroll
-        for (int kk = 0; kk < NS / 2; ++kk)
-#pragma unroll
-            for (int n = 0; n < NO; n += 2) {
-                unsigned vf[4];
-                cdt_ldsm_x4_t(vf, &vs[kk * 16 + lane % 8 + ((lane / 8) % 2) * 8][n * 8 + (lane / 16) * 8]);
-                const unsigned b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-                cdt_mma_bf16(acc[n], pa[kk], b0);
-                cdt_mma_bf16(acc[n + 1], pa[kk], b1);
-            }
+        // O += P V.
+        fa_mma_acc_times_tile<D, NS>(acc, s, vs, lane);
     }
     // o = O / l, lse = m ln 2 + log l, for rows g and g + 8.
+    float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         l[h] += __shfl_xor_sync(FULL, l[h], 1);
         l[h] += __shfl_xor_sync(FULL, l[h], 2);
-        const long long i = row[h];
-        if (i < tq) {
-            const float lh = l[h];
-            bf16_t* orow = o + (bh * tq + i) * D;
-#pragma unroll
-            for (int n = 0; n < NO; ++n) {
-                const float a = lh > 0.f ? acc[n][2 * h] / lh : 0.f;
-                const float b = lh > 0.f ? acc[n][2 * h + 1] / lh : 0.f;
-                *reinterpret_cast<unsigned*>(orow + n * 8 + 2 * t) = cdt_pack_bf16(a, b);
-            }
-            if (t == 0)
-                lse[bh * tq + i] = lh > 0.f ? m[h] * 0.6931471805599453f + logf(lh) : CDT_NEG_INF;
-        }
+        inv[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        if (t == 0 && row[h] < tq)
+            lse[bh * tq + row[h]] =
+                l[h] > 0.f ? m[h] * 0.6931471805599453f + logf(l[h]) : CDT_NEG_INF;
     }
+    fa_mma_write_rows<D>(acc, o + bh * tq * D, row, inv, tq, t);
 }
 
 // The backward on tensor cores, on ldmatrix and mma.sync as the forward: the SIMT kernels' work
@@ -536,6 +539,7 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     constexpr int BQ = FA_TCK_BQ(D);
     constexpr int LD = D + FA_TC_PAD;
     constexpr int KS = D / 16, NQ = BQ / 8, NO = D / 8;
+    static_assert(D % 16 == 0 && BQ % 16 == 0, "16-wide matrix steps over D and the query tile");
     constexpr float LOG2E = 1.4426950408889634f;
     __shared__ __align__(128) bf16_t ks[BN][LD];
     __shared__ __align__(128) bf16_t vs[BN][LD];
@@ -588,12 +592,8 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
                 unsigned qf[4], df[4];
                 cdt_ldsm_x4(qf, &qs[r][c]);
                 cdt_ldsm_x4(df, &dos[r][c]);
-                const unsigned q0f[2] = {qf[0], qf[1]}, q1f[2] = {qf[2], qf[3]};
-                const unsigned d0f[2] = {df[0], df[1]}, d1f[2] = {df[2], df[3]};
-                cdt_mma_bf16(st[nt], ka, q0f);
-                cdt_mma_bf16(st[nt + 1], ka, q1f);
-                cdt_mma_bf16(dpt[nt], va, d0f);
-                cdt_mma_bf16(dpt[nt + 1], va, d1f);
+                cdt_mma_bf16_x2(st[nt], st[nt + 1], ka, qf);
+                cdt_mma_bf16_x2(dpt[nt], dpt[nt + 1], va, df);
             }
         }
         // P^T and dS^T on the accumulators: row = key krow[h], column = query i0 + c.
@@ -609,17 +609,14 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
                 st[nt][e] = p;
                 dpt[nt][e] = p * (dpt[nt][e] - dl[c]) * scale;
             }
-        // dV += P^T dO and dK += dS^T Q: 16 queries a step, dO and Q read transposed.
+        // dV += P^T dO and dK += dS^T Q, in one pass over the query steps (two calls of
+        // fa_mma_acc_times_tile made ptxas spill at d = 64): 16 queries a step, dO and Q read
+        // transposed.
 #pragma unroll
         for (int kk = 0; kk < NQ / 2; ++kk) {
-            const unsigned pa[4] = {cdt_pack_bf16(st[2 * kk][0], st[2 * kk][1]),
-                                    cdt_pack_bf16(st[2 * kk][2], st[2 * kk][3]),
-                                    cdt_pack_bf16(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                                    cdt_pack_bf16(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-            const unsigned sa[4] = {cdt_pack_bf16(dpt[2 * kk][0], dpt[2 * kk][1]),
-                                    cdt_pack_bf16(dpt[2 * kk][2], dpt[2 * kk][3]),
-                                    cdt_pack_bf16(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                                    cdt_pack_bf16(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+            unsigned pa[4], sa[4];
+            cdt_acc_to_a(pa, st[2 * kk], st[2 * kk + 1]);
+            cdt_acc_to_a(sa, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
             for (int n = 0; n < NO; n += 2) {
                 const int r = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
@@ -627,17 +624,14 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
                 unsigned df[4], qf[4];
                 cdt_ldsm_x4_t(df, &dos[r][c]);
                 cdt_ldsm_x4_t(qf, &qs[r][c]);
-                const unsigned d0f[2] = {df[0], df[1]}, d1f[2] = {df[2], df[3]};
-                const unsigned q0f[2] = {qf[0], qf[1]}, q1f[2] = {qf[2], qf[3]};
-                cdt_mma_bf16(dva[n], pa, d0f);
-                cdt_mma_bf16(dva[n + 1], pa, d1f);
-                cdt_mma_bf16(dka[n], sa, q0f);
-                cdt_mma_bf16(dka[n + 1], sa, q1f);
+                cdt_mma_bf16_x2(dva[n], dva[n + 1], pa, df);
+                cdt_mma_bf16_x2(dka[n], dka[n + 1], sa, qf);
             }
         }
     }
-    fa_mma_write_rows<D>(dva, dv + bh * tk * D, krow, tk, t);
-    fa_mma_write_rows<D>(dka, dk + bh * tk * D, krow, tk, t);
+    const float one[2] = {1.f, 1.f};
+    fa_mma_write_rows<D>(dva, dv + bh * tk * D, krow, one, tk, t);
+    fa_mma_write_rows<D>(dka, dk + bh * tk * D, krow, one, tk, t);
 }
 
 // dQ for the queries [blockIdx.x BM, +BM) of head blockIdx.y, on ldmatrix and mma.sync as the
@@ -656,8 +650,8 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     constexpr int BN = FA_TCQ_BN(D);
     constexpr int LD = D + FA_TC_PAD;
     constexpr int KS = D / 16, NS = BN / 8, NO = D / 8;
+    static_assert(D % 16 == 0 && BN % 16 == 0, "16-wide matrix steps over D and the key tile");
     static_assert(BN <= BM, "the key tiles hold the staged queries");
-    constexpr unsigned FULL = 0xffffffffu;
     constexpr float LOG2E = 1.4426950408889634f;
     __shared__ __align__(128) bf16_t ks[BM][LD];
     __shared__ __align__(128) bf16_t vs[BM][LD];
@@ -711,12 +705,8 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
                 unsigned kf[4], vf[4];
                 cdt_ldsm_x4(kf, &ks[r][c]);
                 cdt_ldsm_x4(vf, &vs[r][c]);
-                const unsigned k0[2] = {kf[0], kf[1]}, k1[2] = {kf[2], kf[3]};
-                const unsigned v0[2] = {vf[0], vf[1]}, v1[2] = {vf[2], vf[3]};
-                cdt_mma_bf16(s[nt], qa[kk], k0);
-                cdt_mma_bf16(s[nt + 1], qa[kk], k1);
-                cdt_mma_bf16(dp[nt], da[kk], v0);
-                cdt_mma_bf16(dp[nt + 1], da[kk], v1);
+                cdt_mma_bf16_x2(s[nt], s[nt + 1], qa[kk], kf);
+                cdt_mma_bf16_x2(dp[nt], dp[nt + 1], da[kk], vf);
             }
         }
         // dS = P (dP - delta) scale, P = exp2(s scale log2 e - lse log2 e), masked.
@@ -731,24 +721,11 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
                 const float p = vis ? exp2f(s[nt][e] * sl2 - l2[h]) : 0.f;
                 s[nt][e] = p * (dp[nt][e] - dl[h]) * scale;
             }
-        // dQ += dS K: dS as A fragments (16 keys a step), K read transposed.
-#pragma unroll
-        for (int kk = 0; kk < NS / 2; ++kk) {
-            const unsigned a[4] = {cdt_pack_bf16(s[2 * kk][0], s[2 * kk][1]),
-                                   cdt_pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                                   cdt_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                   cdt_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-            for (int n = 0; n < NO; n += 2) {
-                unsigned kf[4];
-                cdt_ldsm_x4_t(kf, &ks[kk * 16 + lane % 8 + ((lane / 8) % 2) * 8][n * 8 + (lane / 16) * 8]);
-                const unsigned b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-                cdt_mma_bf16(acc[n], a, b0);
-                cdt_mma_bf16(acc[n + 1], a, b1);
-            }
-        }
+        // dQ += dS K.
+        fa_mma_acc_times_tile<D, NS>(acc, s, ks, lane);
     }
-    fa_mma_write_rows<D>(acc, dq + bh * tq * D, row, tq, t);
+    const float one[2] = {1.f, 1.f};
+    fa_mma_write_rows<D>(acc, dq + bh * tq * D, row, one, tq, t);
 }
 
 // cdt_fa_fwd_tc_bf16_d{D}, cdt_fa_bwd_dkv_tc_bf16_d{D}, cdt_fa_bwd_dq_tc_bf16_d{D}: the same

@@ -55,3 +55,22 @@ __device__ __forceinline__ void cdt_mma_bf16(float (&d)[4], const unsigned (&a)[
 __device__ __forceinline__ unsigned cdt_pack_bf16(float lo, float hi) {
     return (unsigned)from_f32<bf16_t>(lo) | ((unsigned)from_f32<bf16_t>(hi) << 16);
 }
+
+// d0 += a b[0..2] and d1 += a b[2..4]: two 8-column slices whose B fragments one ldmatrix.x4
+// loaded (registers 0-1 the first slice's, 2-3 the second's).
+__device__ __forceinline__ void cdt_mma_bf16_x2(float (&d0)[4], float (&d1)[4],
+                                                const unsigned (&a)[4], const unsigned (&b)[4]) {
+    const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+    cdt_mma_bf16(d0, a, b0);
+    cdt_mma_bf16(d1, a, b1);
+}
+
+// The A operand (16 x 16, rounded to bf16) of two adjacent 8-column accumulator slices `lo` and
+// `hi`: the C layout of their 16 columns is the A layout, register by register.
+__device__ __forceinline__ void cdt_acc_to_a(unsigned (&a)[4], const float (&lo)[4],
+                                             const float (&hi)[4]) {
+    a[0] = cdt_pack_bf16(lo[0], lo[1]);
+    a[1] = cdt_pack_bf16(lo[2], lo[3]);
+    a[2] = cdt_pack_bf16(hi[0], hi[1]);
+    a[3] = cdt_pack_bf16(hi[2], hi[3]);
+}

@@ -1372,8 +1372,7 @@ fn fa_fwd_launch<T: Float>(
         // allocations of those lengths); block (x, h) touches rows below tq / tk of head h < bh
         // only, and writes every o and lse element of its rows; the block is the thread count
         // its row mapping assumes (128 for the SIMT kernel, 32 FA_TCF_WARPS for the tensor-
-        // core one, whose grid covers tq in tiles of 16 FA_TCF_WARPS rows: `Fa::tc_cfg`); o is
-        // a fresh allocation, aligned for the tensor-core kernel's 4-byte stores.
+        // core one, whose grid covers tq in tiles of 16 FA_TCF_WARPS rows: `Fa::tc_cfg`).
         unsafe { b.launch(cfg) }.w()?;
     }
     Ok((wrap(dev, o), wrap(dev, lse)))
