@@ -3,6 +3,7 @@
 #
 #   scripts/gpu_check.sh --bin-dir target/gpu/bin        # prebuilt (scripts/build_gpu.sh): the usual way
 #   scripts/gpu_check.sh --bin-tar target/gpu/gpu_bins.tar.xz
+#   CDT_GPU_LOG_DIR="$OUT/gpu_check" scripts/gpu_check.sh --bin-dir target/gpu/bin --budget 420
 #   scripts/gpu_check.sh                                 # build here first (needs a toolkit; slow)
 #
 # Steps (each bounded by a timeout; a failing step does not stop the others). Every step is
@@ -47,6 +48,10 @@
 #           under FSDP x TP (2x2), rank threads on the GPU, losses and gradients vs the CPU
 #   d       (optional) nccl_bench: all_gather / all_reduce sweep with algbw/busbw like nccl-tests
 #
+# --budget SECONDS (or CDT_GPU_CHECK_BUDGET): the whole run's time. A step starts only with
+# 15 s or more left (else it is recorded as SKIP, "budget") and its timeout is cut to what is
+# left, so the table prints within the budget; the exit status is then 3 unless a step failed.
+# gpu_check.json is rewritten after every step, so a run cut short keeps what it did.
 # CDT_GPU_CHECK_DEVICE (default cuda) is the --device of c0-c3, c5-c12, e1 and e2 (`cpu` dry-runs the
 # script's own plumbing on a machine whose nvidia-smi is faked; the GPU-only binaries a CPU build
 # lacks then FAIL by name. tests/gpu_check_script.rs dry-runs it with fake binaries).
@@ -58,17 +63,20 @@ cd "$(dirname "$0")/.."
 build=1
 bin=target/release
 bin_tar=""
+budget="${CDT_GPU_CHECK_BUDGET:-0}"
 while (($#)); do
     case "$1" in
         --no-build) build=0 ;;
         --bin-dir) build=0; bin="$2"; shift ;;
         --bin-tar) build=0; bin_tar="$2"; shift ;;
-        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+        --budget) budget="$2"; shift ;;
+        -h|--help) sed -n '2,59p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
 done
 
+[[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: --budget takes whole seconds, not '$budget'" >&2; exit 2; }
 t_start=$(date +%s)
 dev="${CDT_GPU_CHECK_DEVICE:-cuda}"
 logdir="${CDT_GPU_LOG_DIR:-target/gpu_check}"
@@ -79,6 +87,27 @@ add_row() { # step result seconds detail [json-figures]
     local detail="${4//\\/\\\\}"
     detail="${detail//\"/\\\"}"
     json+=("{\"step\":\"$1\",\"result\":\"$2\",\"seconds\":$3,\"detail\":\"$detail\"${5:+,$5}}")
+    write_json
+}
+# gpu_check.json, rewritten after every step: a run cut short (a device lease that ends, an
+# outer timeout) still leaves the steps done so far.
+write_json() {
+    local total=$(( $(date +%s) - t_start ))
+    {
+        printf '{"date":"%s","gpus":%s,"gpu":"%s","seconds":%s,"budget":%s,"steps":[' \
+            "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${ngpu:-0}" "${gpu_name:-}" "$total" "$budget"
+        (IFS=,; printf '%s' "${json[*]}")
+        printf ']}\n'
+    } > "$logdir/gpu_check.json.tmp" && mv "$logdir/gpu_check.json.tmp" "$logdir/gpu_check.json"
+}
+# With a --budget: whether it is spent for the next step (under 15 s left), which is then
+# recorded as SKIP instead of run, so that the table still prints in time.
+budget_spent() { # id
+    ((budget > 0)) || return 1
+    local left=$(( budget - ($(date +%s) - t_start) ))
+    ((left >= 15)) && return 1
+    add_row "$1" SKIP 0 "budget: ${left}s left of --budget ${budget}s"
+    return 0
 }
 
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
@@ -117,8 +146,12 @@ export LD_LIBRARY_PATH="$cuda_lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 step() { # name timeout-seconds log command...
     local name="$1" limit="$2" log="$3"
     shift 3
-    local t0 rc
+    local t0 rc left
     t0=$(date +%s)
+    if ((budget > 0)); then
+        left=$(( budget - (t0 - t_start) ))
+        ((limit > left)) && limit=$left
+    fi
     echo "== $name: $*"
     timeout --kill-after=10 "$limit" "$@" > "$logdir/$log" 2>&1
     rc=$?
@@ -179,6 +212,7 @@ run_step() { # [optional] id summary-grep timeout log command...
     if [[ "$1" == optional ]]; then need=optional; shift; fi
     local id="$1" pat="$2" limit="$3" log="$4"
     shift 4
+    budget_spent "$id" && return
     local gone; gone="$(missing_bins "$@")"
     if [[ -n "$gone" ]]; then
         if [[ "$need" == optional ]]; then
@@ -209,6 +243,7 @@ check_tol=1e-4
 train_step() { # id limit log mesh extra-args...
     local id="$1" limit="$2" log="$3" mesh="$4"
     shift 4
+    budget_spent "$id" && return
     local tg; tg="$(exe train_gpt)"
     if [[ ! -x "$tg" ]]; then
         add_row "$id" FAIL 0 "required binary missing: train_gpt (not in $bin)"
@@ -276,6 +311,7 @@ train_step c10 60 c10_train_pp_zbv.log pp=2 --layers 4 --microbatches 4 --pp-sch
 # Counted, not estimated: the kernels of one step (CUPTI) and the GPU time of its phases.
 count_step() { # id limit log
     local id="$1" limit="$2" log="$3" rc=0 tg
+    budget_spent "$id" && return
     tg="$(exe train_gpt)"
     if [[ ! -x "$tg" ]]; then
         add_row "$id" FAIL 0 "required binary missing: train_gpt (not in $bin)"
@@ -324,16 +360,15 @@ if [[ -f "$logdir/d_nccl_bench.log" ]]; then
 fi
 
 total=$(( $(date +%s) - t_start ))
-{
-    printf '{"date":"%s","gpus":%s,"gpu":"%s","seconds":%s,"steps":[' \
-        "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$ngpu" "$gpu_name" "$total"
-    (IFS=,; printf '%s' "${json[*]}")
-    printf ']}\n'
-} > "$logdir/gpu_check.json"
+write_json
 echo
 echo "== gpu_check: $ngpu x $gpu_name, $total s total, logs and gpu_check.json in $logdir"
 printf '%-6s %-5s %7s  %s\n' step result time detail
 for r in "${rows[@]}"; do echo "$r"; done
 if printf '%s\n' "${rows[@]}" | grep -q ' FAIL '; then
     exit 1
+fi
+# Steps the budget left out: not a failure, not a complete check either.
+if printf '%s\n' "${rows[@]}" | grep -q ' SKIP .*budget: '; then
+    exit 3
 fi

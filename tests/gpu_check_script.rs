@@ -97,6 +97,11 @@ struct Run {
 
 /// Runs scripts/gpu_check.sh with the fakes, `FAKE_TG=mode`, killed after 120 s.
 fn gpu_check(dir: &Scratch, bin: &Path, mode: &str) -> Run {
+    gpu_check_env(dir, bin, mode, &[])
+}
+
+/// [`gpu_check`] with more environment variables.
+fn gpu_check_env(dir: &Scratch, bin: &Path, mode: &str, env: &[(&str, &str)]) -> Run {
     let fake_path = dir.path("path");
     std::fs::create_dir_all(&fake_path).unwrap();
     script(&fake_path.join("nvidia-smi"), NVIDIA_SMI);
@@ -116,6 +121,7 @@ fn gpu_check(dir: &Scratch, bin: &Path, mode: &str) -> Run {
         .env("CDT_GPU_CHECK_DEVICE", "cpu")
         .env("CDT_GPU_LOG_DIR", dir.path(&format!("logs-{mode}")))
         .env("FAKE_TG", mode)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(out_file.try_clone().unwrap())
         .stderr(out_file)
@@ -259,4 +265,27 @@ fn gpu_check_passes_only_with_every_required_binary_and_figure() {
     let r = gpu_check(&dir, &bin, "good");
     assert_eq!(r.code, Some(0), "{}", r.out);
     assert_row(&r, "d", "SKIP", "optional step: nccl_bench not built");
+}
+
+#[test]
+fn a_spent_budget_skips_steps_and_still_writes_the_table_and_the_json() {
+    let dir = Scratch::new("budget");
+    let bin = dir.path("bin");
+    fake_bins(&bin);
+    // 1 s: under the 15 s a step needs to start, so every step after libs is left out.
+    let r = gpu_check_env(&dir, &bin, "good", &[("CDT_GPU_CHECK_BUDGET", "1")]);
+    assert_eq!(r.code, Some(3), "{}", r.out);
+    for id in ["a1", "b", "k", "c0", "c11", "c12", "e1", "c4"] {
+        assert_row(&r, id, "SKIP", "budget: ");
+    }
+    assert_row(&r, "libs", "PASS", "");
+    let json = std::fs::read_to_string(dir.path("logs-good").join("gpu_check.json"))
+        .expect("gpu_check.json written");
+    assert!(
+        json.contains("\"budget\":1") && json.contains("\"step\":\"c12\",\"result\":\"SKIP\""),
+        "{json}"
+    );
+    // A budget that is not whole seconds is a usage error.
+    let bad = gpu_check_env(&dir, &bin, "good", &[("CDT_GPU_CHECK_BUDGET", "5m")]);
+    assert_eq!(bad.code, Some(2), "{}", bad.out);
 }
