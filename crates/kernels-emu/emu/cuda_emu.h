@@ -120,20 +120,6 @@ inline T shfl_from(T v, int src, bool valid) {
 inline void __syncthreads() { emu::block_barrier(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barrier(); }
 
-// Warp votes: every lane of the warp (the mask is not checked) gets the same answer.
-inline bool emu_vote(bool pred, bool all) {
-    uint64_t* slots = emu::warp_slots();
-    const unsigned lane = emu::lane_id(), n = emu::warp_lane_count();
-    slots[lane] = pred ? 1 : 0;
-    emu::warp_barrier();
-    bool r = all;
-    for (unsigned i = 0; i < n; ++i) r = all ? (r && slots[i] != 0) : (r || slots[i] != 0);
-    emu::warp_barrier();
-    return r;
-}
-inline int __all_sync(unsigned, int pred) { return emu_vote(pred != 0, true) ? 1 : 0; }
-inline int __any_sync(unsigned, int pred) { return emu_vote(pred != 0, false) ? 1 : 0; }
-
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
     int lane = static_cast<int>(emu::lane_id());

@@ -6,7 +6,7 @@
 mod common;
 use candle_core::{Device, Tensor, Var};
 use candle_dtensor_kernels::autodiff::reference;
-use candle_dtensor_kernels::compare::max_rel_diff;
+use candle_dtensor_kernels::compare::{max_rel_diff, nan_max};
 use candle_dtensor_kernels_emu::fused::{self, Attn, Dt, FaKernels, FA_HEAD_DIMS};
 use candle_dtensor_kernels_emu::{count_banks, same_bits, BankStats, Buf, Order, ORDERS};
 use common::{as_dt, values};
@@ -96,7 +96,7 @@ fn reference_lse(c: &Case, q: &[f32], k: &[f32], scale: f32) -> Vec<f32> {
                             .sum::<f64>()
                 })
                 .collect();
-            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let m = s.iter().copied().fold(f64::NEG_INFINITY, nan_max);
             out.push(if s.is_empty() {
                 f32::NEG_INFINITY
             } else {
@@ -375,72 +375,44 @@ fn queries_that_see_no_key_get_zero_and_no_gradient() {
 
 #[test]
 fn unsupported_head_dims_and_short_buffers_are_refused() {
-    let shape = Attn {
+    // The forward on `kernels` over f32 buffers of `len` elements (lse of bh tq), its error.
+    let refused = |kernels: FaKernels, shape: Attn, len: usize| {
+        let b = Buf::filled("x", len, 0.0f32);
+        let mut o = Buf::filled("o", len, 0.0f32);
+        let mut lse = Buf::filled("lse", shape.bh * shape.tq, 0.0f32);
+        fused::flash_attn_fwd(
+            Order::Forward,
+            kernels,
+            &b,
+            &b,
+            &b,
+            &mut o,
+            &mut lse,
+            shape,
+            1.0,
+            true,
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    let one = |d| Attn {
         bh: 1,
         tq: 4,
         tk: 4,
-        d: 40,
+        d,
     };
-    let b = Buf::filled("x", 4 * 40, 0.0f32);
-    let mut o = Buf::filled("o", 4 * 40, 0.0f32);
-    let mut lse = Buf::filled("lse", 4, 0.0f32);
-    let e = fused::flash_attn_fwd(
-        Order::Forward,
-        FaKernels::Simt,
-        &b,
-        &b,
-        &b,
-        &mut o,
-        &mut lse,
-        shape,
-        1.0,
-        true,
-    )
-    .unwrap_err();
+    let e = refused(FaKernels::Simt, one(40), 4 * 40);
     assert!(
-        e.to_string().contains("head dim 40")
-            && e.to_string().contains(&format!("{FA_HEAD_DIMS:?}")),
+        e.contains("head dim 40") && e.contains(&format!("{FA_HEAD_DIMS:?}")),
         "{e}"
     );
-    let shape = Attn {
-        bh: 2,
-        tq: 4,
-        tk: 4,
-        d: 32,
-    };
-    let b = Buf::filled("x", 4 * 32, 0.0f32);
-    let e = fused::flash_attn_fwd(
-        Order::Forward,
-        FaKernels::Simt,
-        &b,
-        &b,
-        &b,
-        &mut o,
-        &mut lse,
-        shape,
-        1.0,
-        true,
-    )
-    .unwrap_err();
-    assert!(e.to_string().contains("flash_attn_fwd"), "{e}");
+    // Two heads over buffers for one.
+    let two = Attn { bh: 2, ..one(32) };
+    let e = refused(FaKernels::Simt, two, 4 * 32);
+    assert!(e.contains("flash_attn_fwd"), "{e}");
     // The tensor-core kernels take bf16 only.
-    let b = Buf::filled("x", 2 * 4 * 32, 0.0f32);
-    let mut o = Buf::filled("o", 2 * 4 * 32, 0.0f32);
-    let mut lse = Buf::filled("lse", 2 * 4, 0.0f32);
-    let e = fused::flash_attn_fwd(
-        Order::Forward,
-        FaKernels::TensorCores,
-        &b,
-        &b,
-        &b,
-        &mut o,
-        &mut lse,
-        shape,
-        1.0,
-        true,
-    )
-    .unwrap_err();
-    assert!(e.to_string().contains("take bf16, not f32"), "{e}");
+    let e = refused(FaKernels::TensorCores, two, 2 * 4 * 32);
+    assert!(e.contains("take bf16, not f32"), "{e}");
 }
 
 /// The CUDA op launches the tensor-core kernels with the warps these tests run them under.

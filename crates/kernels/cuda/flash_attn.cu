@@ -375,6 +375,45 @@ __device__ __forceinline__ void fa_mma_write_rows(const float (&acc)[D / 8][4],
     }
 }
 
+// Zeroes N accumulator slices (mma.sync C fragments).
+template <int N>
+__device__ __forceinline__ void fa_zero(float (&a)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[n][e] = 0.f;
+}
+
+// The A fragments of the 16 rows [r0, r0 + 16) of a bf16 tile in shared memory (row stride
+// D + FA_TC_PAD), one per 16-wide step over the head dim.
+template <int D>
+__device__ __forceinline__ void fa_ldsm_rows(unsigned (&a)[D / 16][4],
+                                             const bf16_t (*tile)[D + FA_TC_PAD], int r0,
+                                             int lane) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        cdt_ldsm_x4(a[kk], &tile[r0 + lane % 16][kk * 16 + (lane / 16) * 8]);
+}
+
+// s (16 x 8 NS) += a b^T over the head dim: `a` the A fragments of a warp's 16 rows
+// (fa_ldsm_rows), `b` a tile of 8 NS rows in shared memory whose rows are the product's
+// columns, read by ldmatrix as the B operand, two 8-row slices a load. S = Q K^T and
+// dP = dO V^T.
+template <int D, int NS>
+__device__ __forceinline__ void fa_mma_rows_dot_tile(float (&s)[NS][4],
+                                                     const unsigned (&a)[D / 16][4],
+                                                     const bf16_t (*b)[D + FA_TC_PAD], int lane) {
+#pragma unroll
+    for (int nt = 0; nt < NS; nt += 2) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned f[4];
+            cdt_ldsm_x4(f, &b[nt * 8 + lane % 8 + (lane / 16) * 8][kk * 16 + ((lane / 8) % 2) * 8]);
+            cdt_mma_bf16_x2(s[nt], s[nt + 1], a[kk], f);
+        }
+    }
+}
+
 // acc (16 x D) += s m: `s` the warp's 16 x 8 NS accumulator slices (C layout), rounded to bf16
 // as the A operand 16 columns a step; `m` an 8 NS x D bf16 tile in shared memory (row stride
 // D + FA_TC_PAD), read transposed by ldmatrix as the B operand. P V in the forward, dS K in
@@ -424,14 +463,9 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     fa_tc_load_rows<BM, D>(&ks[0][0], q + bh * tq * D, q0, tq);
     __syncthreads();
     unsigned qa[KS][4];
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
-        cdt_ldsm_x4(qa[kk], &ks[warp * 16 + lane % 16][kk * 16 + (lane / 16) * 8]);
+    fa_ldsm_rows<D>(qa, ks, warp * 16, lane);
     float acc[NO][4];
-#pragma unroll
-    for (int n = 0; n < NO; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    fa_zero(acc);
     // Rows g and g + 8 of the warp: running maximum (log2 domain) and this lane's part of the
     // running sum (its columns; the 4 lanes of a row add theirs at the end).
     const long long row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
@@ -443,21 +477,10 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
         fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0, tk);
         fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0, tk);
         __syncthreads();
-        // S = Q K^T: two 8-key slices a step (one ldmatrix.x4: both slices' B fragments).
+        // S = Q K^T.
         float s[NS][4];
-#pragma unroll
-        for (int nt = 0; nt < NS; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NS; nt += 2) {
-#pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                unsigned kf[4];
-                cdt_ldsm_x4(kf, &ks[nt * 8 + lane % 8 + (lane / 16) * 8][kk * 16 + ((lane / 8) % 2) * 8]);
-                cdt_mma_bf16_x2(s[nt], s[nt + 1], qa[kk], kf);
-            }
-        }
+        fa_zero(s);
+        fa_mma_rows_dot_tile<D, NS>(s, qa, ks, lane);
         // Mask and scale; the tile's row maxima over the row's 4 lanes.
         float tmax[2] = {CDT_NEG_INF, CDT_NEG_INF};
 #pragma unroll
@@ -558,10 +581,8 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     const long long krow[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
     const float sl2 = scale * LOG2E;
     float dka[NO][4], dva[NO][4];
-#pragma unroll
-    for (int n = 0; n < NO; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.f;
+    fa_zero(dka);
+    fa_zero(dva);
     long long i0 = fa_query_begin(k0, tq, tk, causal);
     i0 -= i0 % BQ;
     for (; i0 < tq; i0 += BQ) {
@@ -576,10 +597,8 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
         __syncthreads();
         // S^T = K_w Q^T and dP^T = V_w dO^T: two 8-query slices a step.
         float st[NQ][4], dpt[NQ][4];
-#pragma unroll
-        for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
+        fa_zero(st);
+        fa_zero(dpt);
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
             unsigned ka[4], va[4];
@@ -666,11 +685,8 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     fa_tc_load_rows<BM, D>(&vs[0][0], d_o + bh * tq * D, q0, tq);
     __syncthreads();
     unsigned qa[KS][4], da[KS][4];
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-        cdt_ldsm_x4(qa[kk], &ks[warp * 16 + lane % 16][kk * 16 + (lane / 16) * 8]);
-        cdt_ldsm_x4(da[kk], &vs[warp * 16 + lane % 16][kk * 16 + (lane / 16) * 8]);
-    }
+    fa_ldsm_rows<D>(qa, ks, warp * 16, lane);
+    fa_ldsm_rows<D>(da, vs, warp * 16, lane);
     // Rows g and g + 8: lse (log2 domain) and delta; a row with lse -inf sees no key.
     const long long row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
     float l2[2], dl[2];
@@ -681,34 +697,19 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     }
     const float sl2 = scale * LOG2E;
     float acc[NO][4];
-#pragma unroll
-    for (int n = 0; n < NO; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    fa_zero(acc);
     const long long kend = fa_key_end(q0, tq, tk, causal, BM);
     for (long long j0 = 0; j0 < kend; j0 += BN) {
         __syncthreads();  // every warp is done with the previous tiles (or the queries)
         fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0, tk);
         fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0, tk);
         __syncthreads();
+        // S = Q K^T and dP = dO V^T.
         float s[NS][4], dp[NS][4];
-#pragma unroll
-        for (int nt = 0; nt < NS; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NS; nt += 2) {
-#pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                const int r = nt * 8 + lane % 8 + (lane / 16) * 8;
-                const int c = kk * 16 + ((lane / 8) % 2) * 8;
-                unsigned kf[4], vf[4];
-                cdt_ldsm_x4(kf, &ks[r][c]);
-                cdt_ldsm_x4(vf, &vs[r][c]);
-                cdt_mma_bf16_x2(s[nt], s[nt + 1], qa[kk], kf);
-                cdt_mma_bf16_x2(dp[nt], dp[nt + 1], da[kk], vf);
-            }
-        }
+        fa_zero(s);
+        fa_zero(dp);
+        fa_mma_rows_dot_tile<D, NS>(s, qa, ks, lane);
+        fa_mma_rows_dot_tile<D, NS>(dp, da, vs, lane);
         // dS = P (dP - delta) scale, P = exp2(s scale log2 e - lse log2 e), masked.
 #pragma unroll
         for (int nt = 0; nt < NS; ++nt)
