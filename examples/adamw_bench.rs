@@ -24,11 +24,11 @@ use candle_nn::Optimizer;
 use clap::Parser;
 
 #[path = "common/device_timing.rs"]
-mod device_timing;
+pub(crate) mod device_timing;
 #[path = "common/logging.rs"]
 mod logging;
 
-use device_timing::{median, stats, time};
+use device_timing::{median, stats, time, Reps};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -41,12 +41,8 @@ pub(crate) struct Args {
     /// The GPT preset whose parameter shapes are updated (tiny, small, gpt2, gpt2-medium).
     #[arg(long, default_value = "gpt2")]
     pub(crate) preset: String,
-    /// Measured steps of each kind.
-    #[arg(long, default_value_t = 20)]
-    pub(crate) iters: usize,
-    /// Steps of each kind before measuring.
-    #[arg(long, default_value_t = 3)]
-    pub(crate) warmup: usize,
+    #[command(flatten)]
+    pub(crate) reps: Reps,
     /// Leave out candle-nn's AdamW (it needs as much memory again for its temporaries).
     #[arg(long)]
     pub(crate) no_candle_nn: bool,
@@ -86,9 +82,7 @@ pub(crate) fn shapes(cfg: &GptConfig) -> Vec<Vec<usize>> {
 }
 
 pub(crate) fn run(args: &Args) -> R<serde_json::Value> {
-    if args.iters == 0 {
-        return Err("--iters must be at least 1".into());
-    }
+    args.reps.check()?;
     let spec: DeviceSpec = args.device.parse()?;
     let dev = spec.device_for(0)?;
     let cfg = GptConfig::preset(&args.preset)?;
@@ -117,7 +111,7 @@ pub(crate) fn run(args: &Args) -> R<serde_json::Value> {
     // Matrices decay, vectors do not (train_gpt's default policy).
     let decay: Vec<bool> = shapes.iter().map(|s| s.len() >= 2).collect();
     let mut t = 0;
-    let fused = time(&dev, args.warmup, args.iters, || {
+    let fused = time(&dev, args.reps, || {
         t += 1;
         let step = AdamWStep {
             lr: 1e-4,
@@ -135,9 +129,7 @@ pub(crate) fn run(args: &Args) -> R<serde_json::Value> {
     let copy_elems = n * 7 / 2;
     let src = Tensor::zeros(copy_elems, DType::F32, &dev)?;
     let dst = Tensor::zeros(copy_elems, DType::F32, &dev)?;
-    let copy = time(&dev, args.warmup, args.iters, || {
-        Ok(dst.slice_set(&src, 0, 0)?)
-    })?;
+    let copy = time(&dev, args.reps, || Ok(dst.slice_set(&src, 0, 0)?))?;
     drop((src, dst));
     let candle_nn_ms = if args.no_candle_nn {
         None
@@ -156,9 +148,7 @@ pub(crate) fn run(args: &Args) -> R<serde_json::Value> {
                 ..Default::default()
             },
         )?;
-        Some(time(&dev, args.warmup, args.iters, || {
-            Ok(opt.step(&store)?)
-        })?)
+        Some(time(&dev, args.reps, || Ok(opt.step(&store)?))?)
     };
     let med = median;
     let bytes = 28.0 * n as f64;

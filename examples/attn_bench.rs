@@ -26,11 +26,11 @@ use candle_dtensor::train::device::DeviceSpec;
 use clap::Parser;
 
 #[path = "common/device_timing.rs"]
-mod device_timing;
+pub(crate) mod device_timing;
 #[path = "common/logging.rs"]
 mod logging;
 
-use device_timing::{median, stats, time};
+use device_timing::{median, stats, time, Reps};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -52,12 +52,8 @@ pub(crate) struct Args {
     /// Attention over every key (the default is causal).
     #[arg(long)]
     pub(crate) no_causal: bool,
-    /// Measured calls of each kind per shape.
-    #[arg(long, default_value_t = 20)]
-    pub(crate) iters: usize,
-    /// Calls of each kind before measuring.
-    #[arg(long, default_value_t = 3)]
-    pub(crate) warmup: usize,
+    #[command(flatten)]
+    pub(crate) reps: Reps,
     /// Print one JSON object.
     #[arg(long)]
     pub(crate) json: bool,
@@ -92,9 +88,7 @@ pub(crate) fn forward_flops([b, h, t, d]: [usize; 4], causal: bool) -> f64 {
 }
 
 pub(crate) fn run(args: &Args) -> R<serde_json::Value> {
-    if args.iters == 0 {
-        return Err("--iters must be at least 1".into());
-    }
+    args.reps.check()?;
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
         "f32" => DType::F32,
@@ -126,11 +120,11 @@ pub(crate) fn run(args: &Args) -> R<serde_json::Value> {
             k.as_tensor(),
             v.as_tensor(),
         ));
-        let fwd = time(&dev, args.warmup, args.iters, || {
+        let fwd = time(&dev, args.reps, || {
             sdpa_local(q.as_tensor(), k.as_tensor(), v.as_tensor(), causal, scale)?;
             Ok(())
         })?;
-        let fwd_bwd = time(&dev, args.warmup, args.iters, || {
+        let fwd_bwd = time(&dev, args.reps, || {
             let o = sdpa_local(q.as_tensor(), k.as_tensor(), v.as_tensor(), causal, scale)?;
             (o * &g)?.sum_all()?.backward()?;
             Ok(())

@@ -64,8 +64,10 @@ fn shapes_are_the_models_and_a_cpu_run_reports_the_floor_ratio() {
     let args = adamw_bench::Args {
         device: "cpu".into(),
         preset: "tiny".into(),
-        iters: 3,
-        warmup: 1,
+        reps: adamw_bench::device_timing::Reps {
+            iters: 3,
+            warmup: 1,
+        },
         no_candle_nn: false,
         json: true,
     };
@@ -81,6 +83,12 @@ fn shapes_are_the_models_and_a_cpu_run_reports_the_floor_ratio() {
         assert!(v.is_finite() && v > 0.0, "{key} = {v} in {r}");
     }
     assert_eq!(r["fused_adamw_ms"]["n"].as_u64(), Some(3), "{r}");
-    let bad = adamw_bench::Args { iters: 0, ..args };
+    let bad = adamw_bench::Args {
+        reps: adamw_bench::device_timing::Reps {
+            iters: 0,
+            warmup: 1,
+        },
+        ..args
+    };
     assert!(adamw_bench::run(&bad).is_err(), "--iters 0 refused");
 }

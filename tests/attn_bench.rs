@@ -27,8 +27,10 @@ fn shapes_parse_and_a_cpu_run_reports_every_shape() {
         shapes: "1,2,33,16;2,1,8,32".into(),
         dtype: "f32".into(),
         no_causal: false,
-        iters: 3,
-        warmup: 1,
+        reps: attn_bench::device_timing::Reps {
+            iters: 3,
+            warmup: 1,
+        },
         json: true,
     };
     let r = attn_bench::run(&args).expect("runs on the CPU");
@@ -44,7 +46,10 @@ fn shapes_parse_and_a_cpu_run_reports_every_shape() {
     }
     for bad in [
         attn_bench::Args {
-            iters: 0,
+            reps: attn_bench::device_timing::Reps {
+                iters: 0,
+                warmup: 1,
+            },
             ..args.clone()
         },
         attn_bench::Args {

@@ -9,6 +9,28 @@ use candle_dtensor::kernels::profile::{Mark, Stamp};
 
 type R<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
+/// How many times a benchmark repeats each timed call (`--iters`, `--warmup`), flattened into
+/// each benchmark's own flags.
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct Reps {
+    /// Measured repetitions of each kind.
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// Repetitions of each kind before measuring.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+}
+
+impl Reps {
+    /// An error unless at least one repetition is measured.
+    pub fn check(&self) -> R<()> {
+        if self.iters == 0 {
+            return Err("--iters must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
 /// Median, p10 and p90 (nearest rank) of `ms`.
 pub fn stats(ms: &[f64]) -> serde_json::Value {
     let mut v = ms.to_vec();
@@ -25,14 +47,10 @@ pub fn median(ms: &[f64]) -> f64 {
     stats(ms)["median"].as_f64().unwrap_or(f64::NAN)
 }
 
-/// Milliseconds of each of `iters` calls of `f` after `warmup`: GPU time between timing marks
-/// on CUDA, wall time otherwise.
-pub fn time(
-    dev: &Device,
-    warmup: usize,
-    iters: usize,
-    mut f: impl FnMut() -> R<()>,
-) -> R<Vec<f64>> {
+/// Milliseconds of each of `reps.iters` calls of `f` after `reps.warmup`: GPU time between
+/// timing marks on CUDA, wall time otherwise.
+pub fn time(dev: &Device, reps: Reps, mut f: impl FnMut() -> R<()>) -> R<Vec<f64>> {
+    let Reps { iters, warmup } = reps;
     for _ in 0..warmup {
         f()?;
     }
