@@ -2,9 +2,10 @@
 # A static profile of the fused CUDA kernels, without a GPU: compiles a kernel source to a cubin
 # for one architecture with the pip CUDA toolkit, and prints per kernel what ptxas used
 # (registers, shared memory, spills) and the machine instructions by kind that matter for
-# speed (tensor-core HMMA, shared LDS/LDSM/STS, generic LD, global LDG/STG, barriers), read
-# from `cuobjdump -sass`. It is how docs/ARCHITECTURE.md's figures for the tensor-core
-# attention were read (no spills, LDSM per HMMA); it says nothing of the time a kernel takes.
+# speed (tensor-core HMMA, shared LDS/LDSM/STS, generic LD, global LDG/STG, asynchronous
+# copies LDGSTS and their DEPBAR waits, barriers), read from `cuobjdump -sass`. It is how
+# docs/ARCHITECTURE.md's figures for the tensor-core attention were read (no spills, LDSM
+# per HMMA); it says nothing of the time a kernel takes.
 #
 #   scripts/kernel_profile.sh                          # flash_attn.cu, the _tc_ kernels, sm_90
 #   scripts/kernel_profile.sh --arch 80 --filter 'cdt_fa_fwd_'
@@ -68,6 +69,6 @@ while IFS=$'\t' read -r name regs smem spill; do
     awk -v f="$name" '/Function : /{ p = ($3 == f) } p' "$work/k.sass" \
         | grep -oE '^\s+/\*[0-9a-f]+\*/\s+(@!?U?P[0-9T] )?[A-Z0-9]+(\.[A-Z0-9_]+)*' \
         | awk '{ print $NF }' \
-        | grep -E '^(HMMA|LDSM|LDS|STS|LD|ST|LDG|STG|BAR|SHFL)(\.|$)' \
+        | grep -E '^(HMMA|LDSM|LDS|STS|LD|ST|LDG|STG|LDGSTS|LDGDEPBAR|DEPBAR|BAR|SHFL)(\.|$)' \
         | sort | uniq -c | sort -rn | awk '{ printf "  %s %s", $2, $1 } END { print "" }'
 done < "$work/usage.tsv"

@@ -23,11 +23,18 @@
 //   Reading a lane no thread runs (a partial last warp) is undefined on a GPU and fails the launch,
 //   as does a shuffle or __syncthreads some threads of the warp / block exited before.
 // - Atomics are plain read-modify-writes: only one fiber runs at a time.
+// - cp.async (sm_80's asynchronous copy from global to shared memory, `emu::cp_async` and its
+//   commit and wait): the source is read at issue, the destination filled with 0xFF bytes (a
+//   bf16 or f32 NaN) at issue and written when the issuing thread waits for the copy's group
+//   (`cp_async_wait`). A GPU writes it at some moment in between, so a kernel that reads the
+//   tile before waiting and a barrier, or issues a copy into a tile other warps still read,
+//   reads NaN here. A thread that exits with copies it never waited for fails the launch.
 //
 // Not emulated: timing, memory coalescing, bank conflicts (but `mma.h` counts those of
 // ldmatrix, a performance model), the memory model beyond barriers (every fiber sees every
 // write at once), inline PTX (a kernel wraps the instructions it uses and the emulator
-// provides them: `mma.h` has ldmatrix and mma.sync for `mma_sync.cuh`), cooperative groups,
+// provides them: `mma.h` has ldmatrix and mma.sync, and this header cp.async, for
+// `mma_sync.cuh`), cooperative groups,
 // `nvcuda::wmma`.
 // Device pointers are host pointers.
 
@@ -80,6 +87,13 @@ struct LaunchError {
 };
 
 void* dyn_shared();
+// cp.async.{ca,cg}.shared.global [dst], [src], cp_size, src_size: `cp_size` bytes (4, 8 or 16,
+// both addresses aligned to it), the first `src_size` from `src`, the rest zeros.
+void cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size);
+// cp.async.commit_group: the calling thread's copies since the last commit become a group.
+void cp_async_commit();
+// cp.async.wait_group `pending`: the calling thread's groups but the newest `pending` land.
+void cp_async_wait(unsigned pending);
 void block_barrier();
 void warp_barrier();
 // Exchange slot of the calling lane, in its warp's 32 slots (8 bytes each).

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <deque>
 #include <memory>
 #include <numeric>
 #include <sstream>
@@ -40,6 +41,18 @@ struct Fiber {
     St st = St::Ready;
 };
 
+// A thread's cp.async copies: the bytes read at issue, written to `dst` when the thread waits
+// for their group.
+struct AsyncCopy {
+    unsigned char* dst;
+    unsigned size;
+    unsigned char data[16];
+};
+struct AsyncState {
+    std::vector<AsyncCopy> open;                  // issued since the last commit
+    std::deque<std::vector<AsyncCopy>> groups;  // committed, oldest first
+};
+
 struct Block {
     const std::function<void()>* body = nullptr;
     unsigned n = 0;
@@ -48,6 +61,7 @@ struct Block {
     std::vector<Fiber> fibers;
     std::vector<uint64_t> slots;
     std::vector<unsigned char> dyn;
+    std::vector<AsyncState> async;  // per thread
     std::string fault;
 };
 
@@ -75,6 +89,9 @@ void set_index(unsigned t) {
 void trampoline() {
     Block* b = g_block;
     (*b->body)();
+    const AsyncState& a = b->async[b->cur];
+    if (!a.open.empty() || !a.groups.empty())
+        fault("the thread exited with cp.async copies it never waited for");
     b->fibers[b->cur].st = St::Done;
     // Returning resumes uc_link: the scheduler.
 }
@@ -136,6 +153,46 @@ void fault(const std::string& what) {
 }
 
 void* dyn_shared() { return g_block->dyn.data(); }
+
+void cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size) {
+    if (cp_size != 4 && cp_size != 8 && cp_size != 16) {
+        fault("cp.async of " + std::to_string(cp_size) + " bytes (4, 8 or 16)");
+        return;
+    }
+    if (src_size > cp_size) {
+        fault("cp.async reads " + std::to_string(src_size) + " source bytes of a " +
+              std::to_string(cp_size) + "-byte copy");
+        return;
+    }
+    if (reinterpret_cast<uintptr_t>(dst) % cp_size != 0 ||
+        (src_size > 0 && reinterpret_cast<uintptr_t>(src) % cp_size != 0)) {
+        fault("cp.async of " + std::to_string(cp_size) +
+              " bytes from or to an address not aligned to its size");
+        return;
+    }
+    AsyncCopy c;
+    c.dst = static_cast<unsigned char*>(dst);
+    c.size = cp_size;
+    std::memset(c.data, 0, sizeof c.data);
+    if (src_size > 0) std::memcpy(c.data, src, src_size);
+    // Until the thread waits, the destination holds neither its old bytes nor the new ones.
+    std::memset(c.dst, 0xFF, cp_size);
+    g_block->async[g_block->cur].open.push_back(c);
+}
+
+void cp_async_commit() {
+    AsyncState& a = g_block->async[g_block->cur];
+    a.groups.push_back(std::move(a.open));
+    a.open.clear();
+}
+
+void cp_async_wait(unsigned pending) {
+    AsyncState& a = g_block->async[g_block->cur];
+    while (a.groups.size() > pending) {
+        for (const AsyncCopy& c : a.groups.front()) std::memcpy(c.dst, c.data, c.size);
+        a.groups.pop_front();
+    }
+}
 void block_barrier() { yield(St::BlockWait); }
 void warp_barrier() { yield(St::WarpWait); }
 uint64_t* warp_slots() { return &g_block->slots[(g_block->cur / 32) * 32]; }
@@ -171,6 +228,7 @@ void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, Order 
     char* stack_base = stacks(n);
     b.slots.assign(((n + 31) / 32) * 32, 0);
     b.dyn.resize(std::max<size_t>(shared_bytes, 1));
+    b.async.resize(n);
     blockDim = block;
     gridDim = grid;
     g_block = &b;
@@ -187,6 +245,10 @@ void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, Order 
             for (unsigned bx = 0; bx < grid.x; ++bx) {
                 blockIdx = dim3(bx, by, bz);
                 std::fill(b.dyn.begin(), b.dyn.end(), 0xFF);
+                for (AsyncState& a : b.async) {
+                    a.open.clear();
+                    a.groups.clear();
+                }
                 for (unsigned t = 0; t < n; ++t) {
                     Fiber& f = b.fibers[t];
                     getcontext(&f.ctx);

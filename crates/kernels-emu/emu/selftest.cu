@@ -66,3 +66,24 @@ __global__ void reuse_race(const float* x, float* y) {
     const float b = selftest_block_sum_no_lead(2.f * x[threadIdx.x], buf);
     y[threadIdx.x] = a + 10.f * b;
 }
+
+// cp.async (emu::cp_async): thread t copies x[4t, 4t + 4) into shared memory as one 16-byte
+// copy, then writes the sum of its neighbour's four to y[t]. `mode`: 0 waits for the copy
+// and meets a barrier before reading (correct); 1 reads after the barrier without waiting;
+// 2 copies no source bytes (zero fill); 3 exits without waiting; 4 copies to a misaligned
+// address.
+__global__ void async_copy(const float* x, float* y, int mode) {
+    __shared__ __align__(16) float buf[4 * 1024 + 4];
+    const unsigned t = threadIdx.x, nb = (t + 1) % blockDim.x;
+    float* dst = buf + 4 * t + (mode == 4 ? 1 : 0);
+    emu::cp_async(dst, x + 4 * t, 16, mode == 2 ? 0 : 16);
+    emu::cp_async_commit();
+    if (mode == 3) return;
+    if (mode != 1) emu::cp_async_wait(0);
+    __syncthreads();
+    y[t] = buf[4 * nb] + buf[4 * nb + 1] + buf[4 * nb + 2] + buf[4 * nb + 3];
+    if (mode == 1) {
+        __syncthreads();  // every thread has read before any waits
+        emu::cp_async_wait(0);
+    }
+}

@@ -64,6 +64,9 @@ int emu_selftest_deadlock(EMU_ERR, float* y) { EMU_RUN(deadlock, y); }
 int emu_selftest_dyn(EMU_ERR, float* y) { EMU_RUN(dyn, y); }
 int emu_selftest_unguarded(EMU_ERR, float* y) { EMU_RUN(unguarded, y); }
 int emu_selftest_reuse_race(EMU_ERR, const float* x, float* y) { EMU_RUN(reuse_race, x, y); }
+int emu_selftest_async_copy(EMU_ERR, const float* x, float* y, int mode) {
+    EMU_RUN(async_copy, x, y, mode);
+}
 
 
 #define GELU_SHIM(NAME, T)                                                                    \

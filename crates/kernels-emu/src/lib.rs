@@ -393,6 +393,14 @@ extern "C" {
         err_len: usize,
         y: *mut f32,
     ) -> c_int;
+    fn emu_selftest_async_copy(
+        l: *const RawLaunch,
+        err: *mut c_char,
+        err_len: usize,
+        x: *const f32,
+        y: *mut f32,
+        mode: c_int,
+    ) -> c_int;
 }
 
 /// The emulator's own kernels (`emu/selftest.cu`): a correct block reduction and one kernel
@@ -490,6 +498,39 @@ pub mod selftest {
         // reads x[t] only.
         per_thread("reuse_race", launch, order, y, |l, e, el, y| unsafe {
             emu_selftest_reuse_race(l, e, el, x.ptr(), y)
+        })
+    }
+
+    /// How [`async_copy`] uses its cp.async copy.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum AsyncCopy {
+        /// Waits for the copy, then a barrier, then reads (correct).
+        WaitThenRead = 0,
+        /// Reads after the barrier without waiting for the copy.
+        ReadWithoutWait = 1,
+        /// Copies no source bytes: the destination is zero-filled.
+        ZeroFill = 2,
+        /// Exits without waiting for the copy.
+        ExitWithoutWait = 3,
+        /// Copies 16 bytes to an address 4 bytes past a 16-byte boundary.
+        Misaligned = 4,
+    }
+
+    /// Thread `t` copies `x[4t..4t + 4]` into shared memory with one 16-byte cp.async and
+    /// writes the sum of thread `t + 1`'s four to `y[t]`, as `how` says: at most 1024 threads
+    /// of one 1-D block.
+    pub fn async_copy(
+        launch: &Launch,
+        order: Order,
+        how: AsyncCopy,
+        x: &Buf<f32>,
+        y: &mut Buf<f32>,
+    ) -> Result<()> {
+        need_elems("async_copy", x.len(), 4 * launch.block.0 as usize)?;
+        // SAFETY: per_thread checks the single 1-D block (at most 1024 threads, the shared
+        // array's size) and y; x is checked above; thread t reads x[4t..4t + 4] only.
+        per_thread("async_copy", launch, order, y, |l, e, el, y| unsafe {
+            emu_selftest_async_copy(l, e, el, x.ptr(), y, how as c_int)
         })
     }
 

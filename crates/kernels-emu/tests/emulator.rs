@@ -135,3 +135,38 @@ fn warps_drift_apart_between_barriers_so_a_reused_shared_array_races() {
         "every order gave the same result: warps ran in step"
     );
 }
+
+#[test]
+fn an_async_copy_lands_only_when_its_thread_waits() {
+    use selftest::AsyncCopy;
+    let n = 96;
+    let x: Vec<f32> = (0..4 * n).map(|i| i as f32 + 1.0).collect();
+    let x = Buf::from_slice("x", &x);
+    let run = |how, order| {
+        let mut y = Buf::filled("y", n, -1.0);
+        selftest::async_copy(&Launch::linear(1, n as u32, 0), order, how, &x, &mut y)
+            .map(|()| y.as_slice().to_vec())
+    };
+    for order in ORDERS {
+        let y = run(AsyncCopy::WaitThenRead, order).unwrap();
+        for (t, v) in y.iter().enumerate() {
+            let nb = ((t + 1) % n) as f32;
+            // x[4 nb + i] = 4 nb + i + 1, summed over i < 4.
+            assert_eq!(*v, 16.0 * nb + 10.0, "thread {t} under {order:?}");
+        }
+        let y = run(AsyncCopy::ReadWithoutWait, order).unwrap();
+        assert!(y.iter().all(|v| v.is_nan()), "{order:?}: {y:?}");
+        let y = run(AsyncCopy::ZeroFill, order).unwrap();
+        assert!(y.iter().all(|v| *v == 0.0), "{order:?}: {y:?}");
+    }
+    let e = run(AsyncCopy::ExitWithoutWait, Order::Forward).unwrap_err();
+    assert!(
+        matches!(&e, EmuError::Launch(m) if m.contains("never waited for")),
+        "{e}"
+    );
+    let e = run(AsyncCopy::Misaligned, Order::Forward).unwrap_err();
+    assert!(
+        matches!(&e, EmuError::Launch(m) if m.contains("not aligned")),
+        "{e}"
+    );
+}

@@ -306,8 +306,9 @@ FA_DIMS(bf16, bf16_t)
 // as FlashAttention rounds them), and the running output O is rescaled in registers.
 //
 // A block is FA_TCF_WARPS warps of 16 queries; keys stream through shared memory FA_TCF_BN at a
-// time (K and V tiles loaded by the whole block, 16 bytes a thread when aligned; rows padded so
-// that each 8-row ldmatrix phase hits 8 different bank groups). The queries' fragments are
+// time (K and V tiles copied by the whole block with cp.async, 16 bytes a thread when aligned,
+// each tile's copy overlapping the products of the one before it; rows padded so that each
+// 8-row ldmatrix phase hits 8 different bank groups). The queries' fragments are
 // loaded once, through the key tile. Scores are kept in the log2 domain (s scale log2 e) for
 // exp2. Rows with nothing visible keep m = -inf and P = 0, as the SIMT kernel does; o and lse
 // are written as it writes them.
@@ -322,10 +323,14 @@ FA_DIMS(bf16, bf16_t)
 // ldmatrix needs.
 #define FA_TC_PAD 8
 
-// The block loads rows [r0, r0 + R) of a [n, D] bf16 matrix into a shared tile of row stride
-// D + FA_TC_PAD, zeros past n: 16-byte vector loads when `m` allows them (it is 16-byte
-// aligned: every row then is, D being a multiple of 8), else element by element (a tensor
-// whose storage offset is not a multiple of 8 elements). Coalesced either way.
+// The block's copy of rows [r0, r0 + R) of a [n, D] bf16 matrix into a shared tile of row
+// stride D + FA_TC_PAD, zeros past n, issued as one cp.async group of each thread: 16-byte
+// copies that bypass the registers when `m` allows them (it is 16-byte aligned: every row then
+// is, D being a multiple of 8), else element by element through registers (a tensor whose
+// storage offset is not a multiple of 8 elements). Coalesced either way. The tile is complete
+// once every thread waited for its groups and passed a barrier (fa_tc_tiles_landed); until
+// then the warps go on computing, which is what lets a kernel copy the next tile while it
+// works on this one.
 template <int R, int D>
 __device__ __forceinline__ void fa_tc_load_rows(bf16_t* tile, const bf16_t* __restrict__ m,
                                                 long long r0, int n) {
@@ -335,9 +340,8 @@ __device__ __forceinline__ void fa_tc_load_rows(bf16_t* tile, const bf16_t* __re
         for (int idx = threadIdx.x; idx < R * C; idx += blockDim.x) {
             const int r = idx / C, c = idx % C;
             const long long i = r0 + r;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (i < n) v = __ldg(reinterpret_cast<const uint4*>(m + i * D) + c);
-            *reinterpret_cast<uint4*>(tile + r * LD + c * 8) = v;
+            const bool in = i < n;
+            cdt_cp_async_16(tile + r * LD + c * 8, in ? m + i * D + c * 8 : m, in);
         }
     } else {
         for (int idx = threadIdx.x; idx < R * D; idx += blockDim.x) {
@@ -346,6 +350,14 @@ __device__ __forceinline__ void fa_tc_load_rows(bf16_t* tile, const bf16_t* __re
             tile[r * LD + e] = i < n ? m[i * D + e] : (bf16_t)0;
         }
     }
+    cdt_cp_async_commit();
+}
+
+// Every tile the block's threads copied so far is complete and visible to all of them, and
+// every warp is past its reads of tiles before this point.
+__device__ __forceinline__ void fa_tc_tiles_landed() {
+    cdt_cp_async_wait<0>();
+    __syncthreads();
 }
 
 // Writes a warp's 16 x D accumulators (mma.sync C layout: rows g and g + 8, columns 2t and
@@ -461,7 +473,7 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     const bf16_t* vb = v + bh * tk * D;
     // The warp's queries as A fragments, loaded once (through the key tile).
     fa_tc_load_rows<BM, D>(&ks[0][0], q + bh * tq * D, q0, tq);
-    __syncthreads();
+    fa_tc_tiles_landed();
     unsigned qa[KS][4];
     fa_ldsm_rows<D>(qa, ks, warp * 16, lane);
     float acc[NO][4];
@@ -472,11 +484,13 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     float m[2] = {CDT_NEG_INF, CDT_NEG_INF}, l[2] = {0.f, 0.f};
     const float sl2 = scale * 1.4426950408889634f;
     const long long kend = fa_key_end(q0, tq, tk, causal, BM);
+    // FlashAttention-2's software pipeline: a tile's V is copied while the warps compute its
+    // S = Q K^T, the next tile's K while they compute this one's softmax and P V.
+    __syncthreads();  // every warp holds its queries: the key tile is free
+    if (kend > 0) fa_tc_load_rows<BN, D>(&ks[0][0], kb, 0, tk);
     for (long long j0 = 0; j0 < kend; j0 += BN) {
-        __syncthreads();  // every warp is done with the previous tiles (or the queries)
-        fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0, tk);
+        fa_tc_tiles_landed();  // this tile's K; every warp is done with the previous V
         fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0, tk);
-        __syncthreads();
         // S = Q K^T.
         float s[NS][4];
         fa_zero(s);
@@ -493,6 +507,8 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
                 s[nt][e] = vis ? s[nt][e] * sl2 : CDT_NEG_INF;
                 tmax[h] = fmaxf(tmax[h], s[nt][e]);
             }
+        fa_tc_tiles_landed();  // this tile's V; every warp is done with K
+        if (j0 + BN < kend) fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0 + BN, tk);
         float alpha[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -550,8 +566,30 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
 // w owns keys [16 w, 16 w + 16) and their dK and dV accumulators. The block's K and V stay in
 // shared memory; query tiles of FA_TCK_BQ(D) rows (Q, dO, lse, delta) stream through it. The
 // warp computes S^T = K Q^T and dP^T = V dO^T, so that its keys are the rows of the
-// accumulators and P^T, dS^T are already the A operands of the two products.
+// accumulators and P^T, dS^T are already the A operands of the two products. Where two query
+// tiles fit the 48 KB of static shared memory beside K and V (head dims up to 96), the next one
+// is copied (cp.async) while the warps work on this one.
 #define FA_TCK_BQ(D) ((D) <= 64 ? 32 : 16)
+
+// The block's copies (cp.async groups) of query tile [i0, i0 + BQ) for the dK/dV kernel: its Q
+// and dO rows, and its lse and delta as they are (zeros past tq).
+template <int D, int BQ>
+__device__ __forceinline__ void fa_tck_load_queries(bf16_t (*qs)[D + FA_TC_PAD],
+                                                    bf16_t (*dos)[D + FA_TC_PAD], float* ls,
+                                                    float* dl, const bf16_t* qb,
+                                                    const bf16_t* dob, const float* lse,
+                                                    const float* delta, long long i0, int tq) {
+    fa_tc_load_rows<BQ, D>(&qs[0][0], qb, i0, tq);
+    fa_tc_load_rows<BQ, D>(&dos[0][0], dob, i0, tq);
+    for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
+        const long long i = i0 + r;
+        const bool in = i < tq;
+        cdt_cp_async_4(&ls[r], in ? lse + i : lse, in);
+        cdt_cp_async_4(&dl[r], in ? delta + i : delta, in);
+    }
+    cdt_cp_async_commit();
+}
+
 template <int D>
 __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                               const bf16_t* __restrict__ v, const bf16_t* __restrict__ d_o,
@@ -563,12 +601,15 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     constexpr int LD = D + FA_TC_PAD;
     constexpr int KS = D / 16, NQ = BQ / 8, NO = D / 8;
     static_assert(D % 16 == 0 && BQ % 16 == 0, "16-wide matrix steps over D and the query tile");
+    // Query tiles in flight: K and V, plus per tile Q, dO, lse and delta.
+    constexpr int KV_BYTES = 2 * BN * LD * 2, TILE_BYTES = 2 * BQ * LD * 2 + 2 * BQ * 4;
+    constexpr int ST = KV_BYTES + 2 * TILE_BYTES <= 48 * 1024 ? 2 : 1;
     constexpr float LOG2E = 1.4426950408889634f;
     __shared__ __align__(128) bf16_t ks[BN][LD];
     __shared__ __align__(128) bf16_t vs[BN][LD];
-    __shared__ __align__(128) bf16_t qs[BQ][LD];
-    __shared__ __align__(128) bf16_t dos[BQ][LD];
-    __shared__ float ls[BQ], dl[BQ];  // the tile's lse (log2 domain) and delta
+    __shared__ __align__(128) bf16_t qs[ST][BQ][LD];
+    __shared__ __align__(128) bf16_t dos[ST][BQ][LD];
+    __shared__ float lss[ST][BQ], dls[ST][BQ];  // the tiles' lse and delta
     const long long bh = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -576,6 +617,8 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     const long long shift = (long long)tk - tq;
     const bf16_t* qb = q + bh * tq * D;
     const bf16_t* dob = d_o + bh * tq * D;
+    const float* lseb = lse + bh * tq;
+    const float* deltab = delta + bh * tq;
     fa_tc_load_rows<BN, D>(&ks[0][0], k + bh * tk * D, k0, tk);
     fa_tc_load_rows<BN, D>(&vs[0][0], v + bh * tk * D, k0, tk);
     const long long krow[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
@@ -585,16 +628,26 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     fa_zero(dva);
     long long i0 = fa_query_begin(k0, tq, tk, causal);
     i0 -= i0 % BQ;
-    for (; i0 < tq; i0 += BQ) {
-        __syncthreads();  // every warp is done with the previous query tile (and K, V loaded)
-        fa_tc_load_rows<BQ, D>(&qs[0][0], qb, i0, tq);
-        fa_tc_load_rows<BQ, D>(&dos[0][0], dob, i0, tq);
-        for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
-            const long long i = i0 + r;
-            ls[r] = i < tq ? lse[bh * tq + i] * LOG2E : CDT_NEG_INF;
-            dl[r] = i < tq ? delta[bh * tq + i] : 0.f;
+    if (ST == 2 && i0 < tq)
+        fa_tck_load_queries<D, BQ>(qs[0], dos[0], lss[0], dls[0], qb, dob, lseb, deltab, i0, tq);
+    for (int b = 0; i0 < tq; i0 += BQ, b = (b + 1) % ST) {
+        if (ST == 1) {
+            __syncthreads();  // every warp is done with the previous query tile
+            fa_tck_load_queries<D, BQ>(qs[0], dos[0], lss[0], dls[0], qb, dob, lseb, deltab, i0,
+                                       tq);
         }
-        __syncthreads();
+        // This query tile (and K and V the first time); every warp is done with the previous
+        // tile, so with the other buffer.
+        fa_tc_tiles_landed();
+        if (ST == 2 && i0 + BQ < tq) {
+            const int nb = (b + 1) % ST;
+            fa_tck_load_queries<D, BQ>(qs[nb], dos[nb], lss[nb], dls[nb], qb, dob, lseb, deltab,
+                                       i0 + BQ, tq);
+        }
+        const bf16_t(*qt)[LD] = qs[b];
+        const bf16_t(*dot)[LD] = dos[b];
+        const float* ls = lss[b];
+        const float* dl = dls[b];
         // S^T = K_w Q^T and dP^T = V_w dO^T: two 8-query slices a step.
         float st[NQ][4], dpt[NQ][4];
         fa_zero(st);
@@ -609,8 +662,8 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
                 const int r = nt * 8 + lane % 8 + (lane / 16) * 8;
                 const int c = kk * 16 + ((lane / 8) % 2) * 8;
                 unsigned qf[4], df[4];
-                cdt_ldsm_x4(qf, &qs[r][c]);
-                cdt_ldsm_x4(df, &dos[r][c]);
+                cdt_ldsm_x4(qf, &qt[r][c]);
+                cdt_ldsm_x4(df, &dot[r][c]);
                 cdt_mma_bf16_x2(st[nt], st[nt + 1], ka, qf);
                 cdt_mma_bf16_x2(dpt[nt], dpt[nt + 1], va, df);
             }
@@ -624,7 +677,7 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
                 const long long i = i0 + c, j = krow[h];
                 const bool vis = j < tk && i < tq && (!causal || j <= i + shift) &&
                                  ls[c] != CDT_NEG_INF;
-                const float p = vis ? exp2f(st[nt][e] * sl2 - ls[c]) : 0.f;
+                const float p = vis ? exp2f(st[nt][e] * sl2 - ls[c] * LOG2E) : 0.f;
                 st[nt][e] = p;
                 dpt[nt][e] = p * (dpt[nt][e] - dl[c]) * scale;
             }
@@ -641,13 +694,14 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
                 const int r = kk * 16 + lane % 8 + ((lane / 8) % 2) * 8;
                 const int c = n * 8 + (lane / 16) * 8;
                 unsigned df[4], qf[4];
-                cdt_ldsm_x4_t(df, &dos[r][c]);
-                cdt_ldsm_x4_t(qf, &qs[r][c]);
+                cdt_ldsm_x4_t(df, &dot[r][c]);
+                cdt_ldsm_x4_t(qf, &qt[r][c]);
                 cdt_mma_bf16_x2(dva[n], dva[n + 1], pa, df);
                 cdt_mma_bf16_x2(dka[n], dka[n + 1], sa, qf);
             }
         }
     }
+    cdt_cp_async_wait<0>();  // K and V, when no query sees these keys: no copy outlives the block
     const float one[2] = {1.f, 1.f};
     fa_mma_write_rows<D>(dva, dv + bh * tk * D, krow, one, tk, t);
     fa_mma_write_rows<D>(dka, dk + bh * tk * D, krow, one, tk, t);
@@ -658,7 +712,8 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
 // holds as A fragments, and their dQ accumulators. Key tiles of FA_TCQ_BN(D) rows stream
 // through shared memory (K and V; the queries are staged through them first). Per tile, in
 // registers: S = Q K^T and dP = dO V^T, P = exp(S scale - lse), dS = P (dP - delta) scale,
-// rounded to bf16 as the A operand of dQ += dS K.
+// rounded to bf16 as the A operand of dQ += dS K. K has two buffers, so that the next tile's K
+// and V are copied (cp.async) while the warps compute this tile's dS and dQ += dS K.
 #define FA_TCQ_BN(D) ((D) <= 64 ? 64 : 32)
 template <int D>
 __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
@@ -670,9 +725,9 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     constexpr int LD = D + FA_TC_PAD;
     constexpr int KS = D / 16, NS = BN / 8, NO = D / 8;
     static_assert(D % 16 == 0 && BN % 16 == 0, "16-wide matrix steps over D and the key tile");
-    static_assert(BN <= BM, "the key tiles hold the staged queries");
+    static_assert(BN <= BM && 2 * BN >= BM, "the two key buffers hold the staged queries");
     constexpr float LOG2E = 1.4426950408889634f;
-    __shared__ __align__(128) bf16_t ks[BM][LD];
+    __shared__ __align__(128) bf16_t ks[2 * BN][LD];  // K of tile i in rows [(i % 2) BN, +BN)
     __shared__ __align__(128) bf16_t vs[BM][LD];
     const long long bh = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -683,7 +738,7 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     const bf16_t* vb = v + bh * tk * D;
     fa_tc_load_rows<BM, D>(&ks[0][0], q + bh * tq * D, q0, tq);
     fa_tc_load_rows<BM, D>(&vs[0][0], d_o + bh * tq * D, q0, tq);
-    __syncthreads();
+    fa_tc_tiles_landed();
     unsigned qa[KS][4], da[KS][4];
     fa_ldsm_rows<D>(qa, ks, warp * 16, lane);
     fa_ldsm_rows<D>(da, vs, warp * 16, lane);
@@ -699,17 +754,28 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     float acc[NO][4];
     fa_zero(acc);
     const long long kend = fa_key_end(q0, tq, tk, causal, BM);
-    for (long long j0 = 0; j0 < kend; j0 += BN) {
-        __syncthreads();  // every warp is done with the previous tiles (or the queries)
-        fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0, tk);
-        fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0, tk);
-        __syncthreads();
+    __syncthreads();  // every warp holds its queries: the tiles are free
+    if (kend > 0) {
+        fa_tc_load_rows<BN, D>(&ks[0][0], kb, 0, tk);
+        fa_tc_load_rows<BN, D>(&vs[0][0], vb, 0, tk);
+    }
+    int buf = 0;  // which K buffer holds this tile
+    for (long long j0 = 0; j0 < kend; j0 += BN, buf ^= 1) {
+        // This tile's K and V; every warp is done with the previous tile, so with the other
+        // K buffer.
+        fa_tc_tiles_landed();
+        const bf16_t(*kt)[LD] = ks + buf * BN;
         // S = Q K^T and dP = dO V^T.
         float s[NS][4], dp[NS][4];
         fa_zero(s);
         fa_zero(dp);
-        fa_mma_rows_dot_tile<D, NS>(s, qa, ks, lane);
         fa_mma_rows_dot_tile<D, NS>(dp, da, vs, lane);
+        fa_mma_rows_dot_tile<D, NS>(s, qa, kt, lane);
+        __syncthreads();  // every warp is done with V
+        if (j0 + BN < kend) {
+            fa_tc_load_rows<BN, D>(&ks[(buf ^ 1) * BN][0], kb, j0 + BN, tk);
+            fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0 + BN, tk);
+        }
         // dS = P (dP - delta) scale, P = exp2(s scale log2 e - lse log2 e), masked.
 #pragma unroll
         for (int nt = 0; nt < NS; ++nt)
@@ -723,7 +789,7 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
                 s[nt][e] = p * (dp[nt][e] - dl[h]) * scale;
             }
         // dQ += dS K.
-        fa_mma_acc_times_tile<D, NS>(acc, s, ks, lane);
+        fa_mma_acc_times_tile<D, NS>(acc, s, kt, lane);
     }
     const float one[2] = {1.f, 1.f};
     fa_mma_write_rows<D>(acc, dq + bh * tq * D, row, one, tq, t);

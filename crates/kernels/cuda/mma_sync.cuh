@@ -1,4 +1,4 @@
-// The PTX warp-level matrix instructions the tensor-core attention forward uses, with the
+// The PTX instructions the tensor-core attention uses: warp-level matrix products, with the
 // register layouts the PTX ISA documents (unlike `nvcuda::wmma` fragments, whose element
 // layout is opaque): g = lane / 4, t = lane % 4.
 //
@@ -11,8 +11,17 @@
 //   a[3] = (g + 8, 2t + 8..); B (16 x 8): b[0] = (k 2t..2t+1, n g), b[1] = (k 2t + 8.., n g);
 //   D (16 x 8): d[0] = (g, 2t), d[1] = (g, 2t + 1), d[2] = (g + 8, 2t), d[3] = (g + 8, 2t + 1).
 //
+// - cdt_cp_async_16(dst, src, fill): cp.async.cg.shared.global, 16 bytes from global `src` to
+//   shared `dst` (both 16-byte aligned) without passing through registers, or 16 zero bytes
+//   when `fill` is false (src-size 0: `src` is not read). cdt_cp_async_commit() closes the
+//   thread's copies since the last commit into a group; cdt_cp_async_wait<N>() returns once
+//   all but the newest N of the thread's groups landed. Other threads see a copy only after
+//   its issuer waited and a barrier. cdt_cp_async_4: the same for 4 bytes
+//   (cp.async.ca, 4-byte aligned).
+//
 // Under the emulator (CDT_EMU) they are `emu::ldmatrix_x4` and `emu::mma_bf16_16816`
-// (emu/mma.h), which implement those layouts on whole warps.
+// (emu/mma.h), which implement those layouts on whole warps, and `emu::cp_async*`
+// (cuda_emu.h), whose destination reads as NaN until the issuer waits.
 #pragma once
 #include "common.cuh"
 
@@ -48,6 +57,42 @@ __device__ __forceinline__ void cdt_mma_bf16(float (&d)[4], const unsigned (&a)[
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+#if defined(CDT_EMU)
+__device__ __forceinline__ void cdt_cp_async_16(void* dst, const void* src, bool fill) {
+    emu::cp_async(dst, src, 16, fill ? 16 : 0);
+}
+__device__ __forceinline__ void cdt_cp_async_4(void* dst, const void* src, bool fill) {
+    emu::cp_async(dst, src, 4, fill ? 4 : 0);
+}
+__device__ __forceinline__ void cdt_cp_async_commit() { emu::cp_async_commit(); }
+template <int N>
+__device__ __forceinline__ void cdt_cp_async_wait() {
+    emu::cp_async_wait(N);
+}
+#else
+__device__ __forceinline__ void cdt_cp_async_16(void* dst, const void* src, bool fill) {
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :
+                 : "r"(addr), "l"(src), "r"(fill ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cdt_cp_async_4(void* dst, const void* src, bool fill) {
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :
+                 : "r"(addr), "l"(src), "r"(fill ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cdt_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cdt_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 #endif
 
