@@ -776,16 +776,18 @@ pub enum FaKernels {
     /// `cdt_fa_*_{f32,bf16}_d*`: grid `(ceil(rows / 32), bh)` of 128 threads.
     Simt,
     /// `cdt_fa_*_tc_bf16_d*` (delta from the SIMT kernel): grid `(ceil(rows / (16 w)), bh)` of
-    /// `32 w` threads, `w` = [`FA_TC_WARPS`].
+    /// `32 w` threads, `w` = [`FA_TC_FWD_WARPS`] for the forward, [`FA_TC_BWD_WARPS`] for the
+    /// backward kernels.
     TensorCores,
 }
 
 impl FaKernels {
-    /// The launch over `rows` (queries, or keys for dK/dV) of `bh` heads.
-    fn launch(self, k: &str, rows: usize, bh: u32) -> Result<Launch> {
+    /// The launch over `rows` (queries, or keys for dK/dV) of `bh` heads; `tc_warps` the
+    /// tensor-core kernel's warps a block.
+    fn launch(self, k: &str, rows: usize, bh: u32, tc_warps: usize) -> Result<Launch> {
         let (per_block, threads) = match self {
             FaKernels::Simt => (FA_ROWS, FA_THREADS),
-            FaKernels::TensorCores => (16 * FA_TC_WARPS, 32 * FA_TC_WARPS as u32),
+            FaKernels::TensorCores => (16 * tc_warps, 32 * tc_warps as u32),
         };
         let blocks = u32::try_from(rows.div_ceil(per_block).max(1))
             .map_err(|_| args(k, format!("{rows} rows need too many blocks")))?;
@@ -855,7 +857,7 @@ pub fn flash_attn_fwd<T: Dt>(
     need_elems(kn, k.len(), nk)?;
     need_elems(kn, v.len(), nk)?;
     need_elems(kn, lse.len(), shape.bh * shape.tq)?;
-    let launch = kernels.launch(kn, shape.tq, bh)?;
+    let launch = kernels.launch(kn, shape.tq, bh, FA_TC_FWD_WARPS)?;
     // SAFETY: the launch is the one `kernels`' forward indexes by (`FaKernels::launch`, the
     // kernel `check` picked for `kernels`): block (x, h) reads q and writes o at its query rows
     // within [0, tq) of head h < bh, reads k and v rows [0, tk) of head h and writes
@@ -878,9 +880,13 @@ pub fn flash_attn_fwd<T: Dt>(
     lse.check(kn)
 }
 
-/// Warps per block of the tensor-core kernels (`FA_TCF_WARPS` of the kernels), forward and
-/// backward, every head dim; each warp 16 rows.
-pub const FA_TC_WARPS: usize = 4;
+/// Warps per block of the tensor-core forward (`FA_TC_FWD_WARPS` of the kernels), every head
+/// dim; each warp 16 queries.
+pub const FA_TC_FWD_WARPS: usize = 8;
+
+/// Warps per block of the tensor-core backward kernels (`FA_TC_BWD_WARPS`), every head dim;
+/// each warp 16 rows.
+pub const FA_TC_BWD_WARPS: usize = 4;
 
 /// Flash-attention backward on `kernels`: `dq`, `dk`, `dv` from the forward's `o` and `lse`
 /// and the output's gradient `d_o` (three kernels: delta, dK/dV per key block, dQ per query
@@ -921,7 +927,7 @@ pub fn flash_attn_bwd<T: Dt>(
     })?;
     delta.check("flash_attn_bwd_delta")?;
     let c = c_int::from(causal);
-    let launch = kernels.launch(kn, shape.tk, bh)?;
+    let launch = kernels.launch(kn, shape.tk, bh, FA_TC_BWD_WARPS)?;
     // SAFETY: the launch the dK/dV kernel `check` picked for `kernels` indexes by: block
     // (x, h) reads k, v and writes dk, dv at its key rows within [0, tk) of head h < bh, reads
     // q, d_o rows [0, tq) and lse, delta [h tq, (h + 1) tq): in bounds of the lengths checked.
@@ -944,7 +950,7 @@ pub fn flash_attn_bwd<T: Dt>(
     })?;
     dk.check("flash_attn_bwd_dkv")?;
     dv.check("flash_attn_bwd_dkv")?;
-    let launch = kernels.launch(kn, shape.tq, bh)?;
+    let launch = kernels.launch(kn, shape.tq, bh, FA_TC_BWD_WARPS)?;
     // SAFETY: likewise for dQ: block (x, h) reads q, d_o, lse, delta at its query rows within
     // [0, tq) of head h < bh, k and v rows [0, tk), writes dq at its query rows: in bounds.
     run(&launch, order, |l, e, el| unsafe {

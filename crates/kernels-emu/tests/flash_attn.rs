@@ -419,14 +419,19 @@ fn unsupported_head_dims_and_short_buffers_are_refused() {
 #[test]
 fn the_cuda_op_launches_the_tensor_core_kernels_as_tested_here() {
     assert_eq!(
-        candle_dtensor_kernels::flash::TENSOR_CORE_WARPS,
-        fused::FA_TC_WARPS
+        candle_dtensor_kernels::flash::TENSOR_CORE_FWD_WARPS,
+        fused::FA_TC_FWD_WARPS
+    );
+    assert_eq!(
+        candle_dtensor_kernels::flash::TENSOR_CORE_BWD_WARPS,
+        fused::FA_TC_BWD_WARPS
     );
     assert_eq!(candle_dtensor_kernels::flash::HEAD_DIMS, FA_HEAD_DIMS);
 }
 
-/// The cases of the tensor-core kernels: [`cases`], queries that see no key, several blocks of
-/// 64 rows, several key and query tiles, ragged last tiles.
+/// The cases of the tensor-core kernels: [`cases`], queries that see no key, several blocks (128
+/// queries a forward block, 64 rows a backward one), warps whose queries end before a causal
+/// key tile (they skip it) or lie past tq, several key and query tiles, ragged last tiles.
 fn tensor_core_cases() -> Vec<Case> {
     let mut all = cases();
     all.push(Case {
@@ -456,6 +461,13 @@ fn tensor_core_cases() -> Vec<Case> {
         tk: 50,
         d: 96,
         causal: false,
+    });
+    all.push(Case {
+        bh: 1,
+        tq: 260,
+        tk: 260,
+        d: 48,
+        causal: true,
     });
     all
 }

@@ -305,7 +305,7 @@ FA_DIMS(bf16, bf16_t)
 // probabilities P become the A operand of O += P V without leaving registers (rounded to bf16
 // as FlashAttention rounds them), and the running output O is rescaled in registers.
 //
-// A block is FA_TCF_WARPS warps of 16 queries; keys stream through shared memory FA_TCF_BN at a
+// A block is FA_TC_FWD_WARPS warps of 16 queries; keys stream through shared memory FA_TCF_BN at a
 // time (K and V tiles copied by the whole block with cp.async, 16 bytes a thread when aligned,
 // each tile's copy overlapping the products of the one before it; rows padded so that each
 // 8-row ldmatrix phase hits 8 different bank groups). The queries' fragments are
@@ -364,16 +364,15 @@ __device__ __forceinline__ void fa_tc_tiles_landed() {
 // 2t + 1 of each 8-wide slice), row h's times mul[h], as bf16 rows row[0], row[1] (those below
 // n) of a [n, D] matrix: two elements a 4-byte store where `out` is 4-byte aligned (the op's
 // outputs are fresh allocations), one at a time otherwise.
-template <int D>
+template <int D, typename Row>
 __device__ __forceinline__ void fa_mma_write_rows(const float (&acc)[D / 8][4],
-                                                  bf16_t* __restrict__ out,
-                                                  const long long (&row)[2],
+                                                  bf16_t* __restrict__ out, const Row (&row)[2],
                                                   const float (&mul)[2], int n, int t) {
     const bool pairs = (reinterpret_cast<unsigned long long>(out) & 3ull) == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         if (row[h] >= n) continue;
-        bf16_t* r = out + row[h] * D;
+        bf16_t* r = out + (long long)row[h] * D;
 #pragma unroll
         for (int s = 0; s < D / 8; ++s) {
             const float a = acc[s][2 * h] * mul[h], b = acc[s][2 * h + 1] * mul[h];
@@ -446,51 +445,73 @@ __device__ __forceinline__ void fa_mma_acc_times_tile(float (&acc)[D / 8][4], co
     }
 }
 
-#define FA_TCF_WARPS 4
+// Warps a block: 8 in the forward (128 queries share each K and V tile copied, as in
+// FlashAttention-2's forward), 4 in the backward kernels (whose register and shared-memory
+// needs are larger).
+#define FA_TC_FWD_WARPS 8
+#define FA_TC_BWD_WARPS 4
+// Forward blocks an SM must hold at once (__launch_bounds__'s second argument: at most 65536 /
+// (32 FA_TC_FWD_WARPS blocks) registers a thread, 128 for 2 blocks): 16 warps an SM up to
+// D = 64, as with the 4-warp blocks before; the larger head dims need more registers.
+#define FA_TC_FWD_BLOCKS(D) ((D) <= 64 ? 2 : 1)
 #define FA_TCF_BN 64
 
 template <int D>
 __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                           const bf16_t* __restrict__ v, bf16_t* __restrict__ o,
                           float* __restrict__ lse, int tq, int tk, float scale, int causal) {
-    constexpr int BM = 16 * FA_TCF_WARPS;
+    constexpr int BM = 16 * FA_TC_FWD_WARPS;
     constexpr int BN = FA_TCF_BN;
     constexpr int LD = D + FA_TC_PAD;
     constexpr int KS = D / 16;  // 16-wide steps over the head dim (S = Q K^T)
     constexpr int NS = BN / 8;  // 8-key slices of a score tile
     constexpr int NO = D / 8;   // 8-wide slices of the output
     static_assert(D % 16 == 0, "the head dim is a multiple of the 16-wide matrix steps");
-    static_assert(BM == BN, "the queries are staged through the key tile");
+    static_assert(BM <= 2 * BN, "the queries are staged through the K and V tiles");
     constexpr unsigned FULL = 0xffffffffu;
-    __shared__ __align__(128) bf16_t ks[BN][LD];
-    __shared__ __align__(128) bf16_t vs[BN][LD];
+    __shared__ __align__(128) bf16_t kv[2 * BN][LD];  // K in rows [0, BN), V in [BN, 2 BN)
+    bf16_t(*ks)[LD] = kv;
+    bf16_t(*vs)[LD] = kv + BN;
     const long long bh = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const long long q0 = (long long)blockIdx.x * BM;
-    const long long shift = (long long)tk - tq;
+    // Row and key indices fit an int (tq, tk < 2^31, checked by the op): 32-bit arithmetic
+    // keeps the loop's registers within the 128 that two blocks an SM allow.
+    const int q0 = blockIdx.x * BM;
+    const int shift = tk - tq;
     const bf16_t* kb = k + bh * tk * D;
     const bf16_t* vb = v + bh * tk * D;
-    // The warp's queries as A fragments, loaded once (through the key tile).
-    fa_tc_load_rows<BM, D>(&ks[0][0], q + bh * tq * D, q0, tq);
+    // The warp's queries as A fragments, loaded once (through the K and V tiles).
+    fa_tc_load_rows<BM, D>(&kv[0][0], q + bh * tq * D, q0, tq);
     fa_tc_tiles_landed();
     unsigned qa[KS][4];
-    fa_ldsm_rows<D>(qa, ks, warp * 16, lane);
+    fa_ldsm_rows<D>(qa, kv, warp * 16, lane);
     float acc[NO][4];
     fa_zero(acc);
     // Rows g and g + 8 of the warp: running maximum (log2 domain) and this lane's part of the
     // running sum (its columns; the 4 lanes of a row add theirs at the end).
-    const long long row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
     float m[2] = {CDT_NEG_INF, CDT_NEG_INF}, l[2] = {0.f, 0.f};
     const float sl2 = scale * 1.4426950408889634f;
-    const long long kend = fa_key_end(q0, tq, tk, causal, BM);
+    const int kend = (int)fa_key_end(q0, tq, tk, causal, BM);
+    // The keys the warp's own queries see end at wkend (0 for a warp past tq): a key tile
+    // beyond it changes none of the warp's rows (every score masked, P = 0, alpha = 1), so the
+    // warp skips its products and takes part only in the copies and barriers. Under the
+    // causal mask that is most of the diagonal tiles for the block's first warps.
+    const int wrow = q0 + warp * 16;
+    const int wkend = wrow >= tq ? 0 : (int)fa_key_end(wrow, tq, tk, causal, 16);
     // FlashAttention-2's software pipeline: a tile's V is copied while the warps compute its
     // S = Q K^T, the next tile's K while they compute this one's softmax and P V.
-    __syncthreads();  // every warp holds its queries: the key tile is free
+    __syncthreads();  // every warp holds its queries: the tiles are free
     if (kend > 0) fa_tc_load_rows<BN, D>(&ks[0][0], kb, 0, tk);
-    for (long long j0 = 0; j0 < kend; j0 += BN) {
+    for (int j0 = 0; j0 < kend; j0 += BN) {
         fa_tc_tiles_landed();  // this tile's K; every warp is done with the previous V
         fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0, tk);
+        if (j0 >= wkend) {
+            fa_tc_tiles_landed();  // as the warps that compute: V landed, K is free
+            if (j0 + BN < kend) fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0 + BN, tk);
+            continue;
+        }
         // S = Q K^T.
         float s[NS][4];
         fa_zero(s);
@@ -502,7 +523,7 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int h = e / 2;
-                const long long j = j0 + nt * 8 + 2 * t + e % 2;
+                const int j = j0 + nt * 8 + 2 * t + e % 2;
                 const bool vis = row[h] < tq && j < tk && (!causal || j <= row[h] + shift);
                 s[nt][e] = vis ? s[nt][e] * sl2 : CDT_NEG_INF;
                 tmax[h] = fmaxf(tmax[h], s[nt][e]);
@@ -562,7 +583,7 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
 // dS = P (dP - delta) scale formed on the accumulators and rounded to bf16 as the A operands
 // of dV += P^T dO, dK += dS^T Q and dQ += dS K (as FlashAttention-2 rounds them).
 
-// dK and dV for the keys [blockIdx.x BN, +BN) of head blockIdx.y, BN = 16 FA_TCF_WARPS; warp
+// dK and dV for the keys [blockIdx.x BN, +BN) of head blockIdx.y, BN = 16 FA_TC_BWD_WARPS; warp
 // w owns keys [16 w, 16 w + 16) and their dK and dV accumulators. The block's K and V stay in
 // shared memory; query tiles of FA_TCK_BQ(D) rows (Q, dO, lse, delta) stream through it. The
 // warp computes S^T = K Q^T and dP^T = V dO^T, so that its keys are the rows of the
@@ -596,7 +617,7 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
                               const float* __restrict__ lse, const float* __restrict__ delta,
                               bf16_t* __restrict__ dk, bf16_t* __restrict__ dv, int tq, int tk,
                               float scale, int causal) {
-    constexpr int BN = 16 * FA_TCF_WARPS;
+    constexpr int BN = 16 * FA_TC_BWD_WARPS;
     constexpr int BQ = FA_TCK_BQ(D);
     constexpr int LD = D + FA_TC_PAD;
     constexpr int KS = D / 16, NQ = BQ / 8, NO = D / 8;
@@ -708,7 +729,7 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
 }
 
 // dQ for the queries [blockIdx.x BM, +BM) of head blockIdx.y, on ldmatrix and mma.sync as the
-// forward: BM = 16 FA_TCF_WARPS, warp w owns queries [16 w, 16 w + 16), whose Q and dO rows it
+// forward: BM = 16 FA_TC_BWD_WARPS, warp w owns queries [16 w, 16 w + 16), whose Q and dO rows it
 // holds as A fragments, and their dQ accumulators. Key tiles of FA_TCQ_BN(D) rows stream
 // through shared memory (K and V; the queries are staged through them first). Per tile, in
 // registers: S = Q K^T and dP = dO V^T, P = exp(S scale - lse), dS = P (dP - delta) scale,
@@ -720,7 +741,7 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
                              const bf16_t* __restrict__ v, const bf16_t* __restrict__ d_o,
                              const float* __restrict__ lse, const float* __restrict__ delta,
                              bf16_t* __restrict__ dq, int tq, int tk, float scale, int causal) {
-    constexpr int BM = 16 * FA_TCF_WARPS;
+    constexpr int BM = 16 * FA_TC_BWD_WARPS;
     constexpr int BN = FA_TCQ_BN(D);
     constexpr int LD = D + FA_TC_PAD;
     constexpr int KS = D / 16, NS = BN / 8, NO = D / 8;
@@ -796,22 +817,23 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
 }
 
 // cdt_fa_fwd_tc_bf16_d{D}, cdt_fa_bwd_dkv_tc_bf16_d{D}, cdt_fa_bwd_dq_tc_bf16_d{D}: the same
-// arguments as their SIMT namesakes. Launch: grid (ceil(rows / (16 FA_TCF_WARPS)), BH) with
-// rows tq (fwd, dq) or tk (dkv), block 32 FA_TCF_WARPS threads.
+// arguments as their SIMT namesakes. Launch: grid (ceil(rows / (16 w)), BH) with rows tq (fwd,
+// dq) or tk (dkv), block 32 w threads; w = FA_TC_FWD_WARPS for the forward, FA_TC_BWD_WARPS for
+// the backward kernels.
 #define FA_TC(D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * FA_TCF_WARPS) cdt_fa_fwd_tc_bf16_d##D(    \
-        const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, int tq,     \
-        int tk, float scale, int causal) {                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * FA_TC_FWD_WARPS, FA_TC_FWD_BLOCKS(D))    \
+        cdt_fa_fwd_tc_bf16_d##D(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, \
+                                float* lse, int tq, int tk, float scale, int causal) {        \
         fa_fwd_tc<D>(q, k, v, o, lse, tq, tk, scale, causal);                                 \
     }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * FA_TCF_WARPS)                           \
+    extern "C" __global__ void __launch_bounds__(32 * FA_TC_BWD_WARPS)                        \
         cdt_fa_bwd_dkv_tc_bf16_d##D(const bf16_t* q, const bf16_t* k, const bf16_t* v,        \
                                     const bf16_t* d_o, const float* lse, const float* delta,  \
                                     bf16_t* dk, bf16_t* dv, int tq, int tk, float scale,      \
                                     int causal) {                                             \
         fa_bwd_dkv_tc<D>(q, k, v, d_o, lse, delta, dk, dv, tq, tk, scale, causal);            \
     }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * FA_TCF_WARPS)                           \
+    extern "C" __global__ void __launch_bounds__(32 * FA_TC_BWD_WARPS)                        \
         cdt_fa_bwd_dq_tc_bf16_d##D(const bf16_t* q, const bf16_t* k, const bf16_t* v,         \
                                    const bf16_t* d_o, const float* lse, const float* delta,   \
                                    bf16_t* dq, int tq, int tk, float scale, int causal) {     \

@@ -1280,10 +1280,10 @@ impl Fa {
         Ok(s)
     }
 
-    /// The tensor-core kernels' launch over `rows` (queries, or keys for dK/dV):
-    /// [`crate::flash::TENSOR_CORE_WARPS`] warps a block, 16 rows a warp.
-    fn tc_cfg(&self, rows: usize) -> LaunchConfig {
-        let warps = crate::flash::TENSOR_CORE_WARPS;
+    /// The tensor-core kernels' launch over `rows` (queries, or keys for dK/dV): `warps` warps
+    /// a block ([`crate::flash::TENSOR_CORE_FWD_WARPS`] for the forward,
+    /// [`crate::flash::TENSOR_CORE_BWD_WARPS`] for the backward kernels), 16 rows a warp.
+    fn tc_cfg(&self, rows: usize, warps: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (rows.div_ceil(16 * warps).max(1) as u32, self.bh as u32, 1),
             block_dim: (32 * warps as u32, 1, 1),
@@ -1350,7 +1350,10 @@ fn fa_fwd_launch<T: Float>(
     let mut lse = alloc_out::<f32>(dev, s.bh * s.tq)?;
     if s.bh * s.tq > 0 {
         let (name, cfg) = if T::SUFFIX == "bf16" && tensor_cores() {
-            (format!("cdt_fa_fwd_tc_bf16_d{}", s.d), s.tc_cfg(s.tq))
+            (
+                format!("cdt_fa_fwd_tc_bf16_d{}", s.d),
+                s.tc_cfg(s.tq, crate::flash::TENSOR_CORE_FWD_WARPS),
+            )
         } else {
             (format!("cdt_fa_fwd_{}_d{}", T::SUFFIX, s.d), s.cfg(s.tq))
         };
@@ -1371,8 +1374,9 @@ fn fa_fwd_launch<T: Float>(
         // and o hold bh tq d elements, k and v bh tk d, lse bh tq (contiguous views and fresh
         // allocations of those lengths); block (x, h) touches rows below tq / tk of head h < bh
         // only, and writes every o and lse element of its rows; the block is the thread count
-        // its row mapping assumes (128 for the SIMT kernel, 32 FA_TCF_WARPS for the tensor-
-        // core one, whose grid covers tq in tiles of 16 FA_TCF_WARPS rows: `Fa::tc_cfg`).
+        // its row mapping assumes (128 for the SIMT kernel, 32 FA_TC_FWD_WARPS for the
+        // tensor-core one, whose grid covers tq in tiles of 16 FA_TC_FWD_WARPS rows:
+        // `Fa::tc_cfg`).
         unsafe { b.launch(cfg) }.w()?;
     }
     Ok((wrap(dev, o), wrap(dev, lse)))
@@ -1555,7 +1559,10 @@ fn fa_bwd_launch<T: Float>(
         ("dq", vec![&mut dq], s.tq),
     ] {
         let (name, cfg) = if tc {
-            (format!("cdt_fa_bwd_{pass}_tc_{sfx}"), s.tc_cfg(rows))
+            (
+                format!("cdt_fa_bwd_{pass}_tc_{sfx}"),
+                s.tc_cfg(rows, crate::flash::TENSOR_CORE_BWD_WARPS),
+            )
         } else {
             (format!("cdt_fa_bwd_{pass}_{sfx}"), s.cfg(rows))
         };

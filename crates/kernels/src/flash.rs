@@ -21,11 +21,14 @@ type CResult<T> = candle_core::Result<T>;
 /// The head dims the kernels are built for (one template instance each).
 pub const HEAD_DIMS: [usize; 5] = [32, 48, 64, 96, 128];
 
-/// Warps per block of the tensor-core attention kernels (`FA_TCF_WARPS` of
-/// `cuda/flash_attn.cu`), forward and backward, every head dim; each warp owns 16 rows
-/// (queries, or keys for dK/dV). The CUDA op launches by it; the emulator's tests check it
-/// against the launches they run the kernels under.
-pub const TENSOR_CORE_WARPS: usize = 4;
+/// Warps per block of the tensor-core attention forward (`FA_TC_FWD_WARPS` of
+/// `cuda/flash_attn.cu`), every head dim; each warp owns 16 queries. The CUDA op launches by
+/// it; the emulator's tests check it against the launches they run the kernels under.
+pub const TENSOR_CORE_FWD_WARPS: usize = 8;
+
+/// Warps per block of the tensor-core attention backward kernels (`FA_TC_BWD_WARPS`), dK/dV
+/// and dQ, every head dim; each warp owns 16 rows (keys for dK/dV, queries for dQ).
+pub const TENSOR_CORE_BWD_WARPS: usize = 4;
 
 /// Whether [`attention`] runs `q [.., tq, d]`, `k`, `v` `[.., tk, d]`: CUDA (feature `cuda`),
 /// f32 or bf16 alike, a head dim of [`HEAD_DIMS`], equal leading dims whose product is at most
