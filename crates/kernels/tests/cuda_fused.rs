@@ -551,7 +551,7 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
         }
     }
     // Flash attention (head dims the kernels are built for): every one of them, several key
-    // tiles, fewer queries than keys, a GPT-2-long sequence, q and v one element into their
+    // tiles, fewer queries than keys, a GPT-2-long sequence, several forward blocks, q and v one element into their
     // storage (the tensor-core kernels then read them element by element instead of 16 bytes
     // at a time); the node must really be the flash one (`flash::applies`), or the case fails
     // instead of testing the fallback.
@@ -563,6 +563,10 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
         (1, 1, 64, 64, 128, true, false),
         (2, 3, 33, 100, 64, false, false),
         (1, 2, 1024, 1024, 64, true, false),
+        // Several 128-query forward blocks whose first warps skip causal key tiles, with and
+        // without the bottom-right shift of tq < tk.
+        (1, 2, 300, 300, 128, true, false),
+        (1, 1, 200, 333, 96, true, false),
         (1, 2, 70, 70, 64, true, true),
         (1, 1, 45, 50, 128, false, true),
     ] {
