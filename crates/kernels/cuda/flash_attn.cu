@@ -753,8 +753,9 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     const long long bh = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const long long q0 = (long long)blockIdx.x * BM;
-    const long long shift = (long long)tk - tq;
+    // Row and key indices in ints, as the forward's (tq, tk < 2^31).
+    const int q0 = blockIdx.x * BM;
+    const int shift = tk - tq;
     const bf16_t* kb = k + bh * tk * D;
     const bf16_t* vb = v + bh * tk * D;
     fa_tc_load_rows<BM, D>(&ks[0][0], q + bh * tq * D, q0, tq);
@@ -764,7 +765,7 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     fa_ldsm_rows<D>(qa, ks, warp * 16, lane);
     fa_ldsm_rows<D>(da, vs, warp * 16, lane);
     // Rows g and g + 8: lse (log2 domain) and delta; a row with lse -inf sees no key.
-    const long long row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+    const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
     float l2[2], dl[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -774,14 +775,14 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     const float sl2 = scale * LOG2E;
     float acc[NO][4];
     fa_zero(acc);
-    const long long kend = fa_key_end(q0, tq, tk, causal, BM);
+    const int kend = (int)fa_key_end(q0, tq, tk, causal, BM);
     __syncthreads();  // every warp holds its queries: the tiles are free
     if (kend > 0) {
         fa_tc_load_rows<BN, D>(&ks[0][0], kb, 0, tk);
         fa_tc_load_rows<BN, D>(&vs[0][0], vb, 0, tk);
     }
     int buf = 0;  // which K buffer holds this tile
-    for (long long j0 = 0; j0 < kend; j0 += BN, buf ^= 1) {
+    for (int j0 = 0; j0 < kend; j0 += BN, buf ^= 1) {
         // This tile's K and V; every warp is done with the previous tile, so with the other
         // K buffer.
         fa_tc_tiles_landed();
@@ -803,7 +804,7 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int h = e / 2;
-                const long long j = j0 + nt * 8 + 2 * t + e % 2;
+                const int j = j0 + nt * 8 + 2 * t + e % 2;
                 const bool vis = row[h] < tq && j < tk && (!causal || j <= row[h] + shift) &&
                                  l2[h] != CDT_NEG_INF;
                 const float p = vis ? exp2f(s[nt][e] * sl2 - l2[h]) : 0.f;
