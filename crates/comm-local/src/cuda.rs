@@ -40,6 +40,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaEvent, CudaStre
 use candle_core::{DType, Device, Shape, Tensor};
 
 use super::backend::{barrier, link_size, Core, Exec};
+use super::bounded;
 use super::group::{Message, Post};
 use super::order::CudaOrder;
 use candle_dtensor_comm_core::kit::desc::{check_recv, OpDesc, ShapeRule};
@@ -219,12 +220,29 @@ fn wait_for<'a>(
 }
 
 /// Waits on the host for everything queued on every stream of `dev`'s context: the fallback
-/// where an event could not be recorded or exchanged.
+/// where an event could not be recorded or exchanged. At most the op's timeout: a GPU that has
+/// not finished by then fails the op (its work is not known to be done).
 fn sync_all(ctx: &OpCtx, dev: &Device) -> Result<()> {
-    stream(ctx, dev)?
-        .context()
-        .synchronize()
-        .map_err(driver(ctx, "synchronizing the context"))
+    let context = stream(ctx, dev)?.context().clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    if !bounded::run_within(ctx.timeout, move || {
+        let _ = tx.send(context.synchronize());
+    }) {
+        return Err(CommError::Aborted {
+            ctx: ctx.clone(),
+            reason: format!(
+                "the GPU did not finish its queued work within {:?} (synchronizing the context)",
+                ctx.timeout
+            ),
+        });
+    }
+    match rx.try_recv() {
+        Ok(r) => r.map_err(driver(ctx, "synchronizing the context")),
+        Err(_) => Err(CommError::Aborted {
+            ctx: ctx.clone(),
+            reason: "the context synchronisation gave no result".into(),
+        }),
+    }
 }
 
 /// The issuing thread's side of queuing an op on a CUDA rank (`Core::submit`): under `events`
@@ -241,6 +259,8 @@ struct Retired {
     done: Event,
     /// The context of `done` (synchronized before a communicator's remaining entries go).
     context: Arc<CudaContext>,
+    /// The op's timeout: how long a host wait for `done` may take.
+    timeout: std::time::Duration,
     /// Held only for their references: dropped after `done` completed.
     _keep: Vec<Tensor>,
 }
@@ -260,6 +280,8 @@ const MAX_RETIRED: usize = 256;
 /// rank's own tensors only (its input, its result, its sends and the messages it received):
 /// a peer's input is kept by that peer, whose final event follows every rank's reads of it.
 /// Whatever remains when the communicator goes is released after its contexts synchronized.
+/// Every host wait here is bounded by the op's timeout (`bounded`); past it the entry's tensors
+/// are leaked rather than freed while the GPU may still use them.
 #[derive(Default)]
 pub(crate) struct Retirement(Mutex<VecDeque<Retired>>);
 
@@ -284,7 +306,17 @@ impl Retirement {
                 break;
             }
             if !done {
-                let _ = front.done.synchronize();
+                let (ev, limit) = (front.done.clone(), front.timeout);
+                if !bounded::poll_until(limit, || ev.try_is_complete().unwrap_or(true)) {
+                    tracing::error!(
+                        held = q.len(),
+                        limit = ?limit,
+                        "a retired op's final event did not complete in time: its tensors \
+                         are leaked, not released"
+                    );
+                    std::mem::forget(q.pop_front());
+                    continue;
+                }
             }
             q.pop_front();
         }
@@ -297,15 +329,32 @@ impl Drop for Retirement {
         // Whichever thread drops the communicator releases these: every stream of their
         // contexts (the callers' included) is drained first. A failed synchronisation leaves
         // a GPU in error; the tensors are released either way.
-        let mut drained: Vec<&Arc<CudaContext>> = Vec::new();
+        if q.is_empty() {
+            return;
+        }
+        let mut contexts: Vec<Arc<CudaContext>> = Vec::new();
         for r in &q {
-            if !drained.iter().any(|c| Arc::ptr_eq(c, &r.context)) {
-                let _ = r.context.synchronize();
-                drained.push(&r.context);
+            if !contexts.iter().any(|c| Arc::ptr_eq(c, &r.context)) {
+                contexts.push(r.context.clone());
             }
         }
-        drop(drained);
-        drop(q);
+        let limit = q.iter().map(|r| r.timeout).max().unwrap_or_default();
+        let drained = bounded::run_within(limit, move || {
+            for c in &contexts {
+                let _ = c.synchronize();
+            }
+        });
+        if drained {
+            drop(q);
+        } else {
+            tracing::error!(
+                held = q.len(),
+                limit = ?limit,
+                "the GPU did not drain when a communicator went: its ops' tensors are leaked, \
+                 not released"
+            );
+            std::mem::forget(q);
+        }
     }
 }
 
@@ -490,6 +539,7 @@ fn run(
             retired.push(Retired {
                 done: done.clone(),
                 context: s.context().clone(),
+                timeout: e.ctx.timeout,
                 _keep: keep,
             });
             out.map(|o| (o, Some(done)))

@@ -10,6 +10,8 @@
 //! launcher reports the rank that failed first and why.
 
 mod backend;
+#[cfg(any(feature = "cuda", test))]
+mod bounded;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod group;
