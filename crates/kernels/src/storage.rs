@@ -403,7 +403,8 @@ fn names() -> &'static Mutex<HashMap<usize, Arc<str>>> {
     NAMES.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-pub(crate) fn storage_key(t: &Tensor) -> usize {
+/// The identity of the storage behind `t` (equal for two views of one storage, while it lives).
+pub fn storage_key(t: &Tensor) -> usize {
     let (g, _) = t.storage_and_layout();
     std::ptr::from_ref::<Storage>(&*g) as usize
 }

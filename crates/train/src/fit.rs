@@ -97,6 +97,7 @@
 //! steps and continue from the latest complete checkpoint. A corrupt or missing file is a
 //! [`TrainerError::Checkpoint`] naming it (every chunk has a CRC-32).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -104,6 +105,7 @@ use std::time::Instant;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_dtensor_comm::{CommError, ReduceOp, Work};
+use candle_dtensor_kernels::multi_tensor::grad_norm_clip;
 use candle_dtensor_kernels::profile::{Mark, Phases};
 use candle_dtensor_mesh::{DeviceMesh, MeshError};
 use candle_nn::var_builder::SimpleBackend;
@@ -1143,6 +1145,72 @@ impl LossRead {
     }
 }
 
+/// A gradient's sum of squares in f64, `[]` (an f64 copy of the gradient, squared and summed):
+/// the CPU path of the global norm, and the CUDA path's for gradients the multi-tensor kernel
+/// does not take.
+fn sum_sq_f64(g: &Tensor) -> candle_core::Result<Tensor> {
+    g.to_dtype(DType::F64)?.sqr()?.sum_all()
+}
+
+/// How [`local_sq_fused`] covers a list of gradients: `groups` (indices with one copies count
+/// and one dtype, f32 or bf16, each gradient's storage its own: one multi-tensor launch pair
+/// each, in first-seen order) and `single` (the others: another dtype, or a storage two of the
+/// gradients share, which the kernel refuses). Empty gradients are in neither.
+#[derive(Debug, PartialEq)]
+struct NormPlan {
+    groups: Vec<((usize, DType), Vec<usize>)>,
+    single: Vec<usize>,
+}
+
+fn norm_plan(grads: &[(Tensor, usize)]) -> NormPlan {
+    use candle_dtensor_kernels::storage::storage_key;
+    let mut seen: HashMap<usize, usize> = HashMap::new();
+    for (g, _) in grads {
+        *seen.entry(storage_key(g)).or_default() += 1;
+    }
+    let mut plan = NormPlan {
+        groups: Vec::new(),
+        single: Vec::new(),
+    };
+    for (i, (g, copies)) in grads.iter().enumerate() {
+        if g.elem_count() == 0 {
+            continue;
+        }
+        let own = seen.get(&storage_key(g)) == Some(&1);
+        if !own || !matches!(g.dtype(), DType::F32 | DType::BF16) {
+            plan.single.push(i);
+            continue;
+        }
+        let key = (*copies, g.dtype());
+        match plan.groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(i),
+            None => plan.groups.push((key, vec![i])),
+        }
+    }
+    plan
+}
+
+/// The sum over `grads` of each gradient's sum of squares divided by its copies, f64 `[1]` on
+/// `device`, through the multi-tensor norm kernel (`kernels::multi_tensor::grad_norm_clip`: two
+/// launches per [`norm_plan`] group, f32 sums, as PyTorch's foreach norm) instead of an f64 copy
+/// of every gradient and about five launches each (740 a GPT-2 step). No host read.
+pub(crate) fn local_sq_fused(grads: &[(Tensor, usize)], device: &Device) -> Result<Tensor> {
+    let plan = norm_plan(grads);
+    let mut total = Tensor::zeros(1, DType::F64, device)?;
+    for ((copies, _), idx) in &plan.groups {
+        let gs: Vec<Tensor> = idx.iter().map(|&i| grads[i].0.clone()).collect();
+        let norm = grad_norm_clip(&gs, None)?
+            .narrow(0, 0, 1)?
+            .to_dtype(DType::F64)?;
+        total = (total + (norm.sqr()? / *copies as f64)?)?;
+    }
+    for &i in &plan.single {
+        let (g, copies) = &grads[i];
+        total = (total + (sum_sq_f64(g)?.reshape(1)? / *copies as f64)?)?;
+    }
+    Ok(total)
+}
+
 /// The training step around a user's forward (see the module docs).
 pub struct Trainer {
     params: Vec<TrainParam>,
@@ -1403,22 +1471,27 @@ impl Trainer {
     /// The global sum of squares of the gradients (f64 `[1]` on the parameters' device, after
     /// the all_reduce over the mesh): [`Trainer::grad_norm`] without its host read.
     fn grad_norm_sq(&self, grads: &GradStore) -> Result<Tensor> {
-        let mut local: Option<Tensor> = None;
-        for (p, div) in self.params.iter().zip(&self.divisors) {
-            let Some(g) = grads.get(&p.var) else { continue };
-            let sq = g
-                .to_dtype(DType::F64)?
-                .sqr()?
-                .sum_all()?
-                .broadcast_div(div)?;
-            local = Some(match local {
-                None => sq,
-                Some(acc) => (acc + sq)?,
-            });
-        }
-        let local = match local {
-            Some(t) => t.reshape(1)?,
-            None => Tensor::zeros(1, DType::F64, &self.device)?,
+        let local = if self.device.is_cuda() {
+            let present: Vec<(Tensor, usize)> = self
+                .params
+                .iter()
+                .filter_map(|p| grads.get(&p.var).map(|g| (g.clone(), p.copies)))
+                .collect();
+            local_sq_fused(&present, &self.device)?
+        } else {
+            let mut local: Option<Tensor> = None;
+            for (p, div) in self.params.iter().zip(&self.divisors) {
+                let Some(g) = grads.get(&p.var) else { continue };
+                let sq = sum_sq_f64(g)?.broadcast_div(div)?;
+                local = Some(match local {
+                    None => sq,
+                    Some(acc) => (acc + sq)?,
+                });
+            }
+            match local {
+                Some(t) => t.reshape(1)?,
+                None => Tensor::zeros(1, DType::F64, &self.device)?,
+            }
         };
         Ok(match &self.mesh {
             Some(m) if m.num_ranks() > 1 => {
@@ -1924,5 +1997,85 @@ impl Trainer {
             }
         }
         Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grad(n: usize, seed: f32, dtype: DType) -> Tensor {
+        let v: Vec<f32> = (0..n).map(|i| ((i as f32 + seed) * 0.37).sin()).collect();
+        Tensor::from_vec(v, n, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    }
+
+    /// The gradients of the tests: copies 1, 2 and 4, f32, bf16 and f64, an empty one, and two
+    /// views of one storage.
+    fn mixed() -> Vec<(Tensor, usize)> {
+        let shared = grad(40, 9.0, DType::F32);
+        vec![
+            (grad(33, 1.0, DType::F32), 1),
+            (grad(7, 2.0, DType::BF16), 2),
+            (grad(50, 3.0, DType::F32), 4),
+            (grad(12, 4.0, DType::F64), 1),
+            (grad(0, 5.0, DType::F32), 1),
+            (grad(21, 6.0, DType::F32), 1),
+            (shared.narrow(0, 0, 25).unwrap(), 1),
+            (shared.narrow(0, 25, 15).unwrap(), 2),
+            (grad(9, 7.0, DType::BF16), 2),
+        ]
+    }
+
+    #[test]
+    fn the_norm_plan_groups_by_copies_and_dtype_and_keeps_shared_storages_apart() {
+        let plan = norm_plan(&mixed());
+        assert_eq!(
+            plan,
+            NormPlan {
+                groups: vec![
+                    ((1, DType::F32), vec![0, 5]),
+                    ((2, DType::BF16), vec![1, 8]),
+                    ((4, DType::F32), vec![2]),
+                ],
+                single: vec![3, 6, 7],
+            }
+        );
+    }
+
+    #[test]
+    fn the_fused_sum_of_squares_is_the_per_gradient_one() {
+        let grads = mixed();
+        let fused = local_sq_fused(&grads, &Device::Cpu).unwrap();
+        assert_eq!(fused.dims(), [1]);
+        let got = fused.to_vec1::<f64>().unwrap()[0];
+        let want: f64 = grads
+            .iter()
+            .map(|(g, c)| sum_sq_f64(g).unwrap().to_scalar::<f64>().unwrap() / *c as f64)
+            .sum();
+        assert!(want > 1.0, "{want}");
+        // The kernel's norm is f32.
+        assert!(
+            approx::relative_eq!(got, want, max_relative = 1e-6),
+            "{got} vs {want}"
+        );
+        // No gradient at all: zero.
+        let none = local_sq_fused(&[], &Device::Cpu).unwrap();
+        assert_eq!(none.to_vec1::<f64>().unwrap(), [0.0]);
+    }
+
+    #[test]
+    fn a_nan_gradient_makes_the_fused_sum_nan() {
+        let mut grads = mixed();
+        let mut v = vec![0.5f32; 10];
+        v[3] = f32::NAN;
+        grads.push((Tensor::from_vec(v, 10, &Device::Cpu).unwrap(), 1));
+        let got = local_sq_fused(&grads, &Device::Cpu)
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap()[0];
+        assert!(got.is_nan(), "{got}");
     }
 }

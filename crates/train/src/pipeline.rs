@@ -1521,27 +1521,33 @@ pub(crate) fn train_rank_pp(
             // Over the stage group (tp or ep): a sharded parameter's squares (tp's pieces, ep's
             // experts) add up over its ranks; a replicated one's are the same on each, so each
             // rank counts 1/size of them.
-            let mut sq = 0.0f64;
-            for (i, g) in grads.iter().enumerate() {
+            let counted = grads.iter().enumerate().filter_map(|(i, g)| {
                 if tied.as_ref().is_some_and(|t| t.is_copy(i)) {
-                    continue;
+                    return None;
                 }
-                let share = if store.params()[i]
+                let sharded = store.params()[i]
                     .tensor
                     .placements()
                     .iter()
-                    .any(|p| p.is_shard())
-                {
-                    1.0
-                } else {
-                    1.0 / stage_size as f64
-                };
+                    .any(|p| p.is_shard());
+                Some((g, if sharded { 1 } else { stage_size }))
+            });
+            let mut sq = 0.0f64;
+            if dev.is_cuda() {
+                // The multi-tensor norm kernel and one host read, instead of one per parameter.
+                let present: Vec<(Tensor, usize)> =
+                    counted.map(|(g, copies)| (g.clone(), copies)).collect();
                 candle_dtensor_kernels::storage::note_host_read();
-                sq += share
-                    * g.to_dtype(DType::F64)?
-                        .sqr()?
-                        .sum_all()?
-                        .to_scalar::<f64>()?;
+                sq = crate::fit::local_sq_fused(&present, &dev)?.to_vec1::<f64>()?[0];
+            } else {
+                for (g, copies) in counted {
+                    candle_dtensor_kernels::storage::note_host_read();
+                    sq += (1.0 / copies as f64)
+                        * g.to_dtype(DType::F64)?
+                            .sqr()?
+                            .sum_all()?
+                            .to_scalar::<f64>()?;
+                }
             }
             if let Some(tc) = stage_comm.as_ref() {
                 sq = sum_over(tc, sq, &dev, ReduceOp::Sum)?;
