@@ -10,7 +10,7 @@
 use std::cell::{Cell, RefCell};
 use std::sync::Mutex;
 
-use candle_core::{CustomOp1, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
+use candle_core::{CustomOp1, CustomOp2, CustomOp3, DType, Error, Layout, Shape, Tensor};
 
 use crate::storage::{from_host_vec, output_of, with_slice, DeviceStorage};
 
@@ -412,6 +412,166 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
     }
 }
 
+/// Whether [`linear_in`] applies: [`linear_applies`]'s conditions on any device (its backward
+/// is GEMMs, casts and a row sum, all candle ops), outside [`splittable_forward`] (whose
+/// deferred weight gradients take [`linear`]'s node), `w` and `b` in `x`'s dtype and a compute
+/// dtype other than it.
+pub fn linear_in_applies(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> bool {
+    let all: Vec<&Tensor> = [x, w].into_iter().chain(b).collect();
+    !split_forward()
+        && all.iter().any(|t| t.track_op())
+        && all
+            .iter()
+            .all(|t| t.elem_count() > 0 && t.dtype() == x.dtype())
+        && x.rank() >= 2
+        && compute != x.dtype()
+}
+
+thread_local! {
+    /// [`linear_in`] nodes built on this thread since [`take_linear_in_nodes`].
+    static LINEAR_IN_NODES: Cell<usize> = const { Cell::new(0) };
+}
+
+/// How many [`linear_in`] graph nodes (mixed-precision linears as one node) this thread built
+/// since the last call, and resets the count: a diagnostic, with which tests check that a
+/// model's linears took the one-node path (their cast operands are inside the node, not in the
+/// graph).
+pub fn take_linear_in_nodes() -> usize {
+    LINEAR_IN_NODES.with(|c| c.replace(0))
+}
+
+/// [`linear_in`]'s graph node: `(x, w)` or `(x, w, b)`, keeping the operands it cast for its
+/// backward (as the cast nodes of the plain composition keep them). Its forward makes the
+/// output from the product by the cast back and the bias add themselves.
+struct LinearIn {
+    /// The product in the compute dtype, `[.., out]`, until the forward takes it.
+    product: Mutex<Option<Tensor>>,
+    /// The output's dtype (`x`'s).
+    out_dtype: DType,
+    bias: Option<Tensor>,
+    /// `x` as `[rows, in]` and `w`, in the compute dtype (detached).
+    xc: Tensor,
+    wc: Tensor,
+}
+
+impl LinearIn {
+    fn output<S: DeviceStorage>(&self, _: &S, _: &Layout) -> CResult<(S, Shape)> {
+        let y = self
+            .product
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| Error::msg("fused-linear-in: output already taken"))?;
+        let s = crate::storage::output_cast_add::<S>(&y, self.out_dtype, self.bias.as_ref())?;
+        Ok((s, y.shape().clone()))
+    }
+
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        g: &Tensor,
+        bias: bool,
+    ) -> CResult<(Tensor, Tensor, Option<Tensor>)> {
+        let out = w.dim(0)?;
+        let g2 = g.contiguous()?.reshape(((), out))?;
+        let gc = g2.to_dtype(self.wc.dtype())?;
+        let dx = gc
+            .matmul(&self.wc)?
+            .to_dtype(x.dtype())?
+            .reshape(x.shape())?;
+        let dw = gc.t()?.matmul(&self.xc)?.to_dtype(w.dtype())?;
+        let db = if bias {
+            Some(crate::fused::row_sum(&g2, out)?)
+        } else {
+            None
+        };
+        Ok((dx, dw, db))
+    }
+}
+
+impl CustomOp2 for LinearIn {
+    fn name(&self) -> &'static str {
+        "fused-linear-in"
+    }
+
+    crate::device_fwd2!(output, first_only);
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.grads(x, w, g, false)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl CustomOp3 for LinearIn {
+    fn name(&self) -> &'static str {
+        "fused-linear-in"
+    }
+
+    crate::device_fwd3!(output, first_only);
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = self.grads(x, w, g, true)?;
+        Ok((Some(dx), Some(dw), db))
+    }
+}
+
+/// `x @ w^T (+ b)` with the product in `compute` (bf16 under a mixed-precision policy): `x`
+/// and `w` cast to it, the product cast back to `x`'s dtype, the bias added there. As one
+/// graph node with edges to `x`, `w` and `b` only where [`linear_in_applies`]; otherwise the
+/// plain composition (casts around [`linear`]). The plain composition on CUDA is about nine
+/// graph nodes (two casts, a transpose, reshapes, the matmul, a cast back, the broadcast bias
+/// add), and candle's backward adds a `zeros_like` and an add for every edge of them: full
+/// passes over the activation that this node does not make. The node's forward casts the
+/// product back and adds the bias into its own storage (no copy of a finished output). The cast
+/// operands are kept for the backward, as the plain composition's cast nodes keep them.
+pub fn linear_in(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> CResult<Tensor> {
+    let out_dtype = x.dtype();
+    if !linear_in_applies(x, w, b, compute) {
+        let y = linear(&x.to_dtype(compute)?, &w.to_dtype(compute)?, None)?.to_dtype(out_dtype)?;
+        return match b {
+            Some(b) => crate::fused::add(&y, b),
+            None => Ok(y),
+        };
+    }
+    let dims = x.dims().to_vec();
+    let inner = dims[dims.len() - 1];
+    let rows: usize = dims[..dims.len() - 1].iter().product();
+    let x = x.contiguous()?;
+    let xc = x.detach().reshape((rows, inner))?.to_dtype(compute)?;
+    let wc = w.detach().to_dtype(compute)?;
+    let mut out = dims;
+    if let Some(last) = out.last_mut() {
+        *last = w.dim(0)?;
+    }
+    let product = xc.matmul(&wc.t()?)?.reshape(out)?;
+    let node = LinearIn {
+        product: Mutex::new(Some(product)),
+        out_dtype,
+        bias: b.map(|b| b.detach()),
+        xc,
+        wc,
+    };
+    LINEAR_IN_NODES.with(|c| c.set(c.get() + 1));
+    match b {
+        Some(b) => x.apply_op3(w, b, node),
+        None => x.apply_op2(w, node),
+    }
+}
+
 /// Scaled dot-product attention `softmax(scale * q k^T [+ causal mask]) v` on `[B, H, T, d]`
 /// f32 pieces, as one graph node. The backward recomputes the probabilities (one matmul and a
 /// softmax) instead of keeping them, so the `[B, H, T, S]` matrix is never held between passes.
@@ -440,7 +600,7 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f32) -> CRe
 }
 
 /// Splits a packed `[B, T, H, 3, d]` projection into contiguous `q`, `k`, `v` of `[B, H, T, d]`.
-fn unpack_qkv(x: &Tensor) -> CResult<(Tensor, Tensor, Tensor)> {
+pub(crate) fn unpack_qkv(x: &Tensor) -> CResult<(Tensor, Tensor, Tensor)> {
     let part = |i: usize| -> CResult<Tensor> {
         x.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2)?.contiguous()
     };

@@ -364,6 +364,39 @@ pub fn output_of<S: DeviceStorage>(t: &Tensor) -> Result<S> {
     }
 }
 
+/// The elements of `y` cast to `dtype`, plus `bias` (of `dtype`, broadcast over `y`'s leading
+/// dims) when given, as a fresh storage of backend `S`: the output of a node whose last steps
+/// are a cast and a bias add, computed from its precomputed product (a mixed-precision
+/// linear). One pass (the cast writes the fresh storage), two with the bias; no copy of a
+/// finished output as [`output_of`] makes.
+pub fn output_cast_add<S: DeviceStorage>(
+    y: &Tensor,
+    dtype: DType,
+    bias: Option<&Tensor>,
+) -> Result<S> {
+    let (g, l) = y.storage_and_layout();
+    let s = backend_of::<S>(&g, "node output")?;
+    if s.dtype() == RELEASED_DTYPE {
+        return Err(released_error("node output"));
+    }
+    let out = s.to_dtype(l, dtype)?;
+    let Some(b) = bias else { return Ok(out) };
+    let (bg, bl) = b.storage_and_layout();
+    let bs = backend_of::<S>(&bg, "node bias")?;
+    if bs.dtype() != dtype {
+        return Err(Error::msg(format!(
+            "node bias: {:?}, not the output's {dtype:?}",
+            bs.dtype()
+        )));
+    }
+    let shape = y.shape();
+    out.binary_impl::<candle_core::op::Add>(
+        bs,
+        &Layout::contiguous(shape),
+        &bl.broadcast_as(shape)?,
+    )
+}
+
 // --------------------------------------------------------------------------------------------
 // Lengths and the released state.
 

@@ -41,6 +41,64 @@ fn linear_matches() {
     );
 }
 
+/// The mixed-precision linear (bf16 operands, f32 output and bias) as one node gives what the
+/// plain composition (casts around the bf16 product, the bias added in f32) gives, forward and
+/// every gradient; where it does not apply it is that composition.
+#[test]
+fn linear_in_matches_the_cast_composition() {
+    use candle_core::DType;
+    let plain = |t: &[Tensor], bias: bool| -> candle_core::Result<Tensor> {
+        let y = t[0]
+            .to_dtype(DType::BF16)?
+            .broadcast_matmul(&t[1].to_dtype(DType::BF16)?.t()?)?
+            .to_dtype(DType::F32)?;
+        if bias {
+            y.broadcast_add(&t[2])
+        } else {
+            Ok(y)
+        }
+    };
+    for xs in [vec![5, 7], vec![2, 3, 7], vec![1, 4, 33]] {
+        let inner = xs[xs.len() - 1];
+        let (x, w, b) = (randn(&xs), randn(&[6, inner]), randn(&[6]));
+        assert!(region::linear_in_applies(
+            &Var::from_tensor(&x).unwrap(),
+            &w,
+            None,
+            DType::BF16
+        ));
+        check(
+            &format!("linear_in+bias {xs:?}"),
+            &[x.clone(), w.clone(), b],
+            &|t| region::linear_in(&t[0], &t[1], Some(&t[2]), DType::BF16),
+            &|t| plain(t, true),
+            1e-6,
+        );
+        check(
+            &format!("linear_in {xs:?}"),
+            &[x, w],
+            &|t| region::linear_in(&t[0], &t[1], None, DType::BF16),
+            &|t| plain(t, false),
+            1e-6,
+        );
+    }
+    // Not applicable: untracked inputs, a compute dtype equal to x's, inside a splittable
+    // forward (whose linears defer their weight gradients).
+    let (x, w) = (randn(&[3, 4]), randn(&[2, 4]));
+    assert!(!region::linear_in_applies(&x, &w, None, DType::BF16));
+    let xv = Var::from_tensor(&x).unwrap();
+    assert!(!region::linear_in_applies(&xv, &w, None, DType::F32));
+    assert!(!region::splittable_forward(|| region::linear_in_applies(
+        &xv,
+        &w,
+        None,
+        DType::BF16
+    )));
+    let y = region::linear_in(&x, &w, None, DType::BF16).unwrap();
+    let want = plain(&[x, w], false).unwrap();
+    close(&y, &want, 0.0, "linear_in (plain)");
+}
+
 #[test]
 fn sdpa_matches() {
     for causal in [false, true] {

@@ -4,7 +4,9 @@
 //! parallel, context parallel, expert parallel, a pipeline stage).
 //!
 //! - The linear's GEMM is candle's bf16 product (operands cast to bf16, f32 out), not the f32
-//!   one; without the policy it is the f32 one, bit for bit.
+//!   one; without the policy it is the f32 one, bit for bit. Most linears are one graph node
+//!   (`region::linear_in`) whose bf16 operands live inside it: the graph count adds 3 (two
+//!   operands and the product, as the plain composition shows them) per such node.
 //! - Norms compute in f32 even on bf16 inputs (FSDP's bf16 parameters); attention's softmax and
 //!   the loss in f32: no reduction over a last dim of size 1 (a norm's or softmax's statistics,
 //!   the loss's log-sum-exp) is bf16 anywhere in the graph, while the GEMMs' operands and
@@ -38,11 +40,20 @@ use candle_dtensor_train::data::Corpus;
 use common::{micro_gpt, R};
 
 /// What the graph behind a loss holds: bf16 tensors in all, and the shapes of bf16 tensors
-/// whose last dim is 1 (a reduction's statistics).
+/// whose last dim is 1 (a reduction's statistics); and the mixed-precision linear nodes built
+/// for it (`region::take_linear_in_nodes`).
 #[derive(Debug, Default)]
 struct GraphDtypes {
     bf16: usize,
     bf16_reductions: Vec<Vec<usize>>,
+    linear_in_nodes: usize,
+}
+
+impl GraphDtypes {
+    /// bf16 GEMM tensors: those in the graph, and 3 for each one-node linear.
+    fn gemm_bf16(&self) -> usize {
+        self.bf16 + 3 * self.linear_in_nodes
+    }
 }
 
 fn graph_dtypes(loss: &Tensor) -> GraphDtypes {
@@ -120,6 +131,7 @@ fn run(layout: Layout, p: Precision) -> Run {
                 let y = Tensor::from_vec(y, (8, 16), &Device::Cpu)?;
                 let x = candle_dtensor_core::distribute_tensor(&x, &mesh, &rep)?;
                 let y = candle_dtensor_core::distribute_tensor(&y, &mesh, &rep)?;
+                candle_dtensor_core::region::take_linear_in_nodes();
                 let logits = stage.forward(StageInput::Ids(&x))?;
                 let loss = stage.loss(&logits, &y)?;
                 return finish(&loss, logits.dtype(), &store, None);
@@ -135,6 +147,7 @@ fn run(layout: Layout, p: Precision) -> Run {
             let (gpt, store) = Gpt::build(&cfg, &mesh, &plan, 7, DType::F32, fsdp.as_ref())?;
             let (x, y) = common::gpt_batch(&corpus, 0, (8, 16, 11), &gpt, &mesh)?;
             let logits_dtype = gpt.forward(&x)?.dtype();
+            candle_dtensor_core::region::take_linear_in_nodes();
             let loss = gpt.loss(&x, &y)?;
             finish(&loss, logits_dtype, &store, fsdp.as_ref())
         })
@@ -146,7 +159,8 @@ fn run(layout: Layout, p: Precision) -> Run {
 
 fn finish(loss: &DTensor, logits_dtype: DType, store: &ParamStore, fsdp: Option<&Fsdp>) -> R<Run> {
     assert_eq!(loss.dtype(), DType::F32, "the loss computes in f32");
-    let graph = graph_dtypes(loss.to_local());
+    let mut graph = graph_dtypes(loss.to_local());
+    graph.linear_in_nodes = candle_dtensor_core::region::take_linear_in_nodes();
     let full = loss.redistribute(&vec![Placement::Replicate; loss.mesh().ndim()])?;
     let mut grads = full.to_local().backward()?;
     if let Some(f) = fsdp {
@@ -179,15 +193,29 @@ fn rel(a: f32, b: f32) -> f32 {
 fn every_layout_runs_gemms_in_bf16_and_the_rest_in_f32() {
     let one_bf16 = run(Layout::One, Precision::Bf16);
     let one_f32 = run(Layout::One, Precision::F32);
-    assert_eq!(one_f32.graph.bf16, 0, "{:?}", one_f32.graph);
+    assert_eq!(one_f32.graph.gemm_bf16(), 0, "{:?}", one_f32.graph);
     assert_ne!(one_bf16.loss, one_f32.loss, "bf16 must change the rounding");
     assert!(rel(one_bf16.loss, one_f32.loss) < 5e-3);
     let gemms = micro_gpt().n_layers * 6 + 1;
-    assert!(one_bf16.graph.bf16 >= 3 * gemms, "{:?}", one_bf16.graph);
+    assert!(
+        one_bf16.graph.gemm_bf16() >= 3 * gemms,
+        "{:?}",
+        one_bf16.graph
+    );
+    // The block's four linears are one node each.
+    assert!(
+        one_bf16.graph.linear_in_nodes >= 4 * micro_gpt().n_layers,
+        "{:?}",
+        one_bf16.graph
+    );
     let moe_one = run(Layout::OneMoe, Precision::Bf16);
     // Every block's MLP is a mixture of experts: two expert GEMMs per block in place of the
     // dense MLP's two (the router stays f32).
-    assert!(moe_one.graph.bf16 >= 3 * gemms, "{:?}", moe_one.graph);
+    assert!(
+        moe_one.graph.gemm_bf16() >= 3 * gemms,
+        "{:?}",
+        moe_one.graph
+    );
     for layout in [
         Layout::One,
         Layout::Dp2,
@@ -205,10 +233,10 @@ fn every_layout_runs_gemms_in_bf16_and_the_rest_in_f32() {
             &one_bf16
         };
         assert!(
-            r.graph.bf16 >= one.graph.bf16,
-            "{layout:?}: {} bf16 tensors, {} on one device",
-            r.graph.bf16,
-            one.graph.bf16
+            r.graph.gemm_bf16() >= one.graph.gemm_bf16(),
+            "{layout:?}: {:?}, on one device {:?}",
+            r.graph,
+            one.graph
         );
         assert!(
             r.graph.bf16_reductions.is_empty(),

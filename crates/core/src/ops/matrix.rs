@@ -149,18 +149,28 @@ impl DTensor {
             return self.linear_with_layout(w, b, input_layout);
         }
         let op = Op::Linear { bias: b.is_some() };
-        let gemm = move |x: &Tensor, w: &Tensor| -> candle_core::Result<Tensor> {
-            cast(
-                &linear_local(&cast(x, compute)?, &cast(w, compute)?, None)?,
-                out,
-            )
-        };
+        // One graph node where the region applies (`region::linear_in`: edges to x, w and b
+        // only); else the casts around `linear_local`, and the bias added in x's dtype.
+        let gemm =
+            move |x: &Tensor, w: &Tensor, b: Option<&Tensor>| -> candle_core::Result<Tensor> {
+                if crate::region::linear_in_applies(x, w, b, compute) {
+                    return crate::region::linear_in(x, w, b, compute);
+                }
+                let y = cast(
+                    &linear_local(&cast(x, compute)?, &cast(w, compute)?, None)?,
+                    out,
+                )?;
+                match b {
+                    Some(b) => crate::fused::add(&y, b),
+                    None => Ok(y),
+                }
+            };
         match b {
             Some(b) => run1_with(&op, &[self, w, b], &[input_layout], |p| {
-                crate::fused::add(&gemm(&p.locals[0], &p.locals[1])?, &p.locals[2])
+                gemm(&p.locals[0], &p.locals[1], Some(&p.locals[2]))
             }),
             None => run1_with(&op, &[self, w], &[input_layout], |p| {
-                gemm(&p.locals[0], &p.locals[1])
+                gemm(&p.locals[0], &p.locals[1], None)
             }),
         }
     }
