@@ -104,9 +104,14 @@ pub fn packed_sdpa_local(qkv: &Tensor, causal: bool, scale: f64) -> CResult<Tens
         return crate::region::packed_sdpa(qkv, causal, scale as f32);
     }
     if qkv.elem_count() > 0 && fused::device_applies(qkv) && !qkv.device().is_cpu() {
-        // CUDA: split as the reference does, then `sdpa_local` (the fused softmax).
+        // CUDA: flash attention as one node over the packed projection where it applies;
+        // else split as the reference does, then `sdpa_local` (the fused softmax).
         let part = |i: usize| qkv.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2);
-        return sdpa_local(&part(0)?, &part(1)?, &part(2)?, causal, scale)?.transpose(1, 2);
+        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        if scale > 0.0 && crate::flash::applies(&q, &k, &v) {
+            return crate::flash::packed_attention(qkv, causal, scale as f32);
+        }
+        return sdpa_local(&q, &k, &v, causal, scale)?.transpose(1, 2);
     }
     reference::packed_sdpa(qkv, causal, scale)
 }

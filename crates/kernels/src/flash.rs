@@ -91,6 +91,58 @@ pub fn kernels_for(q: &Tensor, k: &Tensor, v: &Tensor) -> &'static str {
     "simt"
 }
 
+/// Attention on a packed projection `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` (contiguous), where
+/// [`applies`] holds for its q, k and v (`[B, H, T, d]`), as one graph node over `qkv`: the
+/// flash kernels on q, k and v unpacked (three copies, made again in the backward rather than
+/// kept), the output written as `[B, T, H, d]` by the node's one copy, and the backward's
+/// dq, dk and dv stacked straight into the packed gradient. Split into views and handed to
+/// [`attention`], the same attention costs graph edges for every narrow, squeeze and transpose
+/// (candle's backward of a narrow zero-pads its gradient to the whole `qkv`), and a copy of the
+/// transposed output before the next GEMM.
+///
+/// # Errors
+///
+/// As [`attention`].
+pub fn packed_attention(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        let x = qkv.contiguous()?;
+        let (q, k, v) = crate::region::unpack_qkv(&x.detach())?;
+        let (o, lse) = crate::cuda::flash_fwd(&q, &k, &v, causal, scale)?;
+        drop((q, k, v));
+        let y = o.transpose(1, 2)?;
+        if !x.track_op() {
+            return y.contiguous();
+        }
+        crate::region::node1("flash-attention-packed", &x, y, move |x, g| {
+            let (q, k, v) = crate::region::unpack_qkv(x)?;
+            let g = g.transpose(1, 2)?.contiguous()?;
+            let (dq, dk, dv) = crate::cuda::flash_bwd(&q, &k, &v, &o, &lse, &g, causal, scale)?;
+            // [B, H, T, d] x 3 -> [B, T, H, 3, d].
+            Tensor::stack(
+                &[
+                    dq.transpose(1, 2)?,
+                    dk.transpose(1, 2)?,
+                    dv.transpose(1, 2)?,
+                ],
+                3,
+            )
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (causal, scale);
+        Err(crate::error::KernelError::UnsupportedDType {
+            op: "flash_attention",
+            device: "CPU",
+            dtype: qkv.dtype(),
+            supported: "CUDA tensors (a build with the `cuda` feature)",
+            shape: qkv.dims().to_vec(),
+        }
+        .into())
+    }
+}
+
 /// `softmax(scale q k^T [causal]) v` for `q [.., tq, d]`, `k`, `v` `[.., tk, d]` where
 /// [`applies`] holds (causal: key j is seen by query i iff `j <= i + tk - tq`; a query that
 /// sees no key gets 0), as one graph node whose backward is the flash-attention backward.

@@ -609,18 +609,29 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
             outcome,
         );
     }
-    let qkv = values(&[2, 9, 3, 3, 8], 0.5, 44);
-    rep.record(
-        &format!("packed_sdpa_local {dtype:?} [2, 9, 3, 3, 8] causal"),
-        compare_within(
-            dev,
-            dtype,
-            &[qkv],
-            &|x| autodiff::packed_sdpa_local(&x[0], true, 0.35),
-            &|x| reference::packed_sdpa(&x[0], true, 0.35),
-            limit,
-        ),
-    );
+    // The packed form: head dim 8 (the fused softmax), and flash head dims, where it is one
+    // node over the packed projection (`flash::packed_attention`), causal and not, several
+    // forward blocks.
+    for (shape, causal) in [
+        ([2, 9, 3, 3, 8], true),
+        ([2, 70, 3, 3, 64], true),
+        ([1, 150, 2, 3, 32], false),
+        ([1, 200, 2, 3, 128], true),
+    ] {
+        let qkv = values(&shape, 0.5, 44);
+        let scale = 1.0 / (shape[4] as f64).sqrt();
+        rep.record(
+            &format!("packed_sdpa_local {dtype:?} {shape:?} causal {causal}"),
+            compare_within(
+                dev,
+                dtype,
+                &[qkv],
+                &|x| autodiff::packed_sdpa_local(&x[0], causal, scale),
+                &|x| reference::packed_sdpa(&x[0], causal, scale),
+                limit,
+            ),
+        );
+    }
 }
 
 /// `x` as a contiguous view one element into a larger storage (an offset no 16-byte access
