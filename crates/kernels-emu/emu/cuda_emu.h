@@ -95,6 +95,9 @@ void cp_async_commit();
 // cp.async.wait_group `pending`: the calling thread's groups but the newest `pending` land.
 void cp_async_wait(unsigned pending);
 void block_barrier();
+// __syncthreads_or: a block barrier that also returns whether any thread passed a non-zero
+// predicate.
+int block_barrier_or(int predicate);
 void warp_barrier();
 // Exchange slot of the calling lane, in its warp's 32 slots (8 bytes each).
 uint64_t* warp_slots();
@@ -132,6 +135,7 @@ inline T shfl_from(T v, int src, bool valid) {
 }  // namespace emu
 
 inline void __syncthreads() { emu::block_barrier(); }
+inline int __syncthreads_or(int predicate) { return emu::block_barrier_or(predicate); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barrier(); }
 
 template <class T>

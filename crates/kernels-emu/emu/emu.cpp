@@ -62,6 +62,9 @@ struct Block {
     std::vector<uint64_t> slots;
     std::vector<unsigned char> dyn;
     std::vector<AsyncState> async;  // per thread
+    // __syncthreads_or: the predicates ORed since the last block barrier's release, and the
+    // result of that release (read by each thread right after it).
+    int vote_acc = 0, vote_result = 0;
     std::string fault;
 };
 
@@ -194,6 +197,11 @@ void cp_async_wait(unsigned pending) {
     }
 }
 void block_barrier() { yield(St::BlockWait); }
+int block_barrier_or(int predicate) {
+    g_block->vote_acc |= predicate != 0;
+    yield(St::BlockWait);
+    return g_block->vote_result;
+}
 void warp_barrier() { yield(St::WarpWait); }
 uint64_t* warp_slots() { return &g_block->slots[(g_block->cur / 32) * 32]; }
 unsigned lane_id() { return g_block->cur % 32; }
@@ -249,6 +257,7 @@ void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, Order 
                     a.open.clear();
                     a.groups.clear();
                 }
+                b.vote_acc = b.vote_result = 0;
                 for (unsigned t = 0; t < n; ++t) {
                     Fiber& f = b.fibers[t];
                     getcontext(&f.ctx);
@@ -355,6 +364,8 @@ void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, Order 
                             "__syncthreads after some threads of the block exited "
                             "(undefined on a GPU)")};
                     }
+                    b.vote_result = b.vote_acc;
+                    b.vote_acc = 0;
                     for (auto& f : b.fibers) f.st = St::Ready;
                 }
             }

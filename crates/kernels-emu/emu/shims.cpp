@@ -11,6 +11,7 @@
 #include "norm.cu"
 #include "softmax.cu"
 #include "flash_attn.cu"
+#include "embedding.cu"
 #include "multi_tensor.cu"
 
 namespace {
@@ -78,6 +79,14 @@ int emu_selftest_async_copy(EMU_ERR, const float* x, float* y, int mode) {
     }
 GELU_SHIM(f32, float)
 GELU_SHIM(bf16, bf16_t)
+
+#define EMB_SHIM(NAME, T)                                                                     \
+    int emu_embedding_bwd_##NAME(EMU_ERR, const unsigned* ids, int n, const T* g, T* dtable,  \
+                                 int d, int vocab) {                                          \
+        EMU_RUN(cdt_embedding_bwd_##NAME, ids, n, g, dtable, d, vocab);                       \
+    }
+EMB_SHIM(f32, float)
+EMB_SHIM(bf16, bf16_t)
 
 #define NORM_SHIM(NAME, T)                                                                    \
     int emu_norm_fwd_##NAME(EMU_ERR, const T* x, const T* w, const T* b, T* y,                \

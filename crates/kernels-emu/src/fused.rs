@@ -16,6 +16,7 @@ type Ll = std::ffi::c_longlong;
 type Head = (*const RawLaunch, *mut c_char, usize);
 type GeluFwd<T> = unsafe fn(Head, *const T, *mut T, Ll) -> c_int;
 type GeluBwd<T> = unsafe fn(Head, *const T, *const T, *mut T, Ll) -> c_int;
+type EmbBwd<T> = unsafe fn(Head, *const u32, c_int, *const T, *mut T, c_int, c_int) -> c_int;
 type NormFwd<T> =
     unsafe fn(Head, *const T, *const T, *const T, *mut T, Ll, c_int, f32, c_int) -> c_int;
 type NormBwdDx<T> =
@@ -111,6 +112,8 @@ pub trait Dt: Element + sealed::Sealed {
     #[doc(hidden)]
     const GELU_BWD: GeluBwd<Self>;
     #[doc(hidden)]
+    const EMB_BWD: EmbBwd<Self>;
+    #[doc(hidden)]
     const NORM_FWD: NormFwd<Self>;
     #[doc(hidden)]
     const NORM_BWD_DX: NormBwdDx<Self>;
@@ -164,6 +167,8 @@ shims! {
     emu_gelu_bwd_f32(x: *const f32, g: *const f32, dx: *mut f32, len: Ll);
     emu_gelu_fwd_bf16(x: *const bf16, y: *mut bf16, len: Ll);
     emu_gelu_bwd_bf16(x: *const bf16, g: *const bf16, dx: *mut bf16, len: Ll);
+    emu_embedding_bwd_f32(ids: *const u32, n: c_int, g: *const f32, dtable: *mut f32, d: c_int, vocab: c_int);
+    emu_embedding_bwd_bf16(ids: *const u32, n: c_int, g: *const bf16, dtable: *mut bf16, d: c_int, vocab: c_int);
     emu_norm_fwd_f32(x: *const f32, w: *const f32, b: *const f32, y: *mut f32, rows: Ll, n: c_int, eps: f32, center: c_int);
     emu_norm_fwd_bf16(x: *const bf16, w: *const bf16, b: *const bf16, y: *mut bf16, rows: Ll, n: c_int, eps: f32, center: c_int);
     emu_norm_bwd_dx_f32(x: *const f32, w: *const f32, g: *const f32, dx: *mut f32, stats: *mut f32, rows: Ll, n: c_int, eps: f32, center: c_int);
@@ -251,6 +256,7 @@ impl Dt for f32 {
     }
     const GELU_FWD: GeluFwd<Self> = emu_gelu_fwd_f32;
     const GELU_BWD: GeluBwd<Self> = emu_gelu_bwd_f32;
+    const EMB_BWD: EmbBwd<Self> = emu_embedding_bwd_f32;
     const NORM_FWD: NormFwd<Self> = emu_norm_fwd_f32;
     const NORM_BWD_DX: NormBwdDx<Self> = emu_norm_bwd_dx_f32;
     const NORM_BWD_PARTIAL: NormBwdPartial<Self> = emu_norm_bwd_partial_f32;
@@ -304,6 +310,7 @@ impl Dt for bf16 {
     }
     const GELU_FWD: GeluFwd<Self> = emu_gelu_fwd_bf16;
     const GELU_BWD: GeluBwd<Self> = emu_gelu_bwd_bf16;
+    const EMB_BWD: EmbBwd<Self> = emu_embedding_bwd_bf16;
     const NORM_FWD: NormFwd<Self> = emu_norm_fwd_bf16;
     const NORM_BWD_DX: NormBwdDx<Self> = emu_norm_bwd_dx_bf16;
     const NORM_BWD_PARTIAL: NormBwdPartial<Self> = emu_norm_bwd_partial_bf16;
@@ -454,6 +461,50 @@ pub fn gelu_bwd<T: Dt>(
         T::GELU_BWD((l, e, el), x.ptr(), g.ptr(), dx.mut_ptr(), len)
     })?;
     dx.check(k)
+}
+
+/// Threads a block of the embedding backward (`EMB_THREADS` of the kernel; the CUDA op's
+/// launch, checked equal by the tests).
+pub const EMB_THREADS: u32 = 256;
+
+/// The embedding lookup's backward: `dtable[v] += sum of g[j] over the positions j with
+/// ids[j] == v` (in position order), for `ids` of `n` positions, `g` `[n, d]` and `dtable`
+/// `[vocab, d]`; an id >= vocab is skipped. Launched as the CUDA op launches it: a block of
+/// [`EMB_THREADS`] per position.
+pub fn embedding_bwd<T: Dt>(
+    order: Order,
+    ids: &Buf<u32>,
+    g: &Buf<T>,
+    dtable: &mut Buf<T>,
+    d: usize,
+    vocab: usize,
+) -> Result<()> {
+    let k = "embedding_bwd";
+    let n = ids.len();
+    need_elems(k, g.len(), n * d)?;
+    need_elems(k, dtable.len(), vocab * d)?;
+    let int = |what: &str, v: usize| {
+        c_int::try_from(v).map_err(|_| args(k, format!("{what} {v} beyond a C int")))
+    };
+    let (nc, dc, vc) = (int("positions", n)?, int("dim", d)?, int("vocab", vocab)?);
+    if n == 0 {
+        return Ok(());
+    }
+    let launch = Launch {
+        grid: (
+            u32::try_from(n).map_err(|_| args(k, format!("{n} positions")))?,
+            1,
+            1,
+        ),
+        block: (EMB_THREADS, 1, 1),
+        shared_bytes: 0,
+    };
+    // SAFETY: block j reads ids[0..n) and, for positions i holding its id, g[i d .. (i + 1) d);
+    // it writes dtable[id d .. (id + 1) d) for an id < vocab only: in bounds (checked).
+    run(&launch, order, |l, e, el| unsafe {
+        T::EMB_BWD((l, e, el), ids.ptr(), nc, g.ptr(), dtable.mut_ptr(), dc, vc)
+    })?;
+    dtable.check(k)
 }
 
 /// The shape of a row kernel's data: `rows` rows of `n`.

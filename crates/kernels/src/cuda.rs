@@ -55,6 +55,10 @@ const MULTI_TENSOR: Module = Module {
     name: "cdt_multi_tensor",
     ptx: ptx::MULTI_TENSOR,
 };
+const EMBEDDING: Module = Module {
+    name: "cdt_embedding",
+    ptx: ptx::EMBEDDING,
+};
 
 /// The longest row the row kernels take (their row length is a 32-bit `int`).
 pub const MAX_ROW: usize = i32::MAX as usize;
@@ -1457,6 +1461,114 @@ impl candle_core::CustomOp1 for Handover {
 
 fn hand_over(like: &Tensor, s: CudaStorage, shape: Shape) -> Result<Tensor> {
     like.apply_op1_no_bwd(&Handover(std::sync::Mutex::new(Some((s, shape)))))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding backward
+
+/// The gradient of `table [vocab, d]` (f32 or bf16) from an embedding lookup's output gradient
+/// `g [n, d]` at u32 `ids [n]`: zeros plus, for each id, its positions' gradient rows summed in
+/// position order (`embedding.cu`: a block per position, the first position of an id sums for
+/// it; no atomics, the same bits on every run). An id >= vocab contributes nothing.
+pub(crate) fn embedding_grad(table: &Tensor, ids: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let op = "embedding backward";
+    let (vocab, d) = table.dims2()?;
+    let n = ids.elem_count();
+    let g = g.contiguous()?;
+    let ids = ids.contiguous()?;
+    if g.dims() != [n, d] {
+        return Err(mismatch(
+            op,
+            format!(
+                "gradient of shape {:?} for {n} ids of a [{vocab}, {d}] table",
+                g.dims()
+            ),
+        ));
+    }
+    let int = |what: &'static str, v: usize| {
+        i32::try_from(v).map_err(|_| {
+            candle_core::Error::from(KernelError::TooLarge {
+                op,
+                what,
+                value: v,
+                limit: i32::MAX as usize,
+                shape: vec![vocab, d],
+            })
+        })
+    };
+    let (n_arg, d_arg, v_arg) = (
+        int("positions", n)?,
+        int("a row length", d)?,
+        int("a vocabulary", vocab)?,
+    );
+    let (is, il) = ids.storage_and_layout();
+    let (gs, gl) = g.storage_and_layout();
+    let (candle_core::Storage::Cuda(is), candle_core::Storage::Cuda(gs)) = (&*is, &*gs) else {
+        return Err(mismatch(op, "ids and gradient are not CUDA tensors".into()));
+    };
+    let dev = &gs.device;
+    let out = dev.zeros_impl(&Shape::from((vocab, d)), table.dtype())?;
+    if n > 0 && d > 0 {
+        let (a, b) = il
+            .contiguous_offsets()
+            .ok_or_else(|| KernelError::NotContiguous {
+                op,
+                operand: "ids",
+                shape: il.dims().to_vec(),
+            })?;
+        let CudaStorageSlice::U32(iv) = &is.slice else {
+            return Err(mismatch(op, format!("ids are {:?}, not u32", is.dtype())));
+        };
+        let iv = iv
+            .try_slice(a..b)
+            .ok_or_else(|| mismatch(op, "the ids' view lies outside their storage".into()))?;
+        by_float!(
+            table.dtype(),
+            op,
+            &Shape::from((vocab, d)),
+            embedding_launch(dev, &iv, n_arg, gs, gl, &out, d_arg, v_arg)
+        )?;
+    }
+    hand_over(table, out, Shape::from((vocab, d)))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn embedding_launch<T: Float>(
+    dev: &CudaDevice,
+    ids: &CudaView<'_, u32>,
+    n: i32,
+    g: &CudaStorage,
+    gl: &Layout,
+    out: &CudaStorage,
+    d: i32,
+    vocab: i32,
+) -> Result<()> {
+    let op = "embedding backward";
+    let gv = view::<T>(g, gl, op, "grad")?;
+    let ov = T::of(&out.slice)
+        .ok_or_else(|| mismatch(op, format!("the table gradient is not {}", T::SUFFIX)))?;
+    let name = format!("cdt_embedding_bwd_{}", T::SUFFIX);
+    let f = dev.get_or_load_custom_func(&name, EMBEDDING.name, EMBEDDING.ptx)?;
+    let mut b = f.builder();
+    b.arg(ids);
+    b.arg(&n);
+    b.arg(&gv);
+    b.arg(ov);
+    b.arg(&d);
+    b.arg(&vocab);
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (crate::fused::EMBEDDING_BWD_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: `cdt_embedding_bwd_*(const unsigned* ids, int n, const T* g, T* dtable, int d,
+    // int vocab)`: ids holds n u32, g n d elements of T (contiguous views of those lengths,
+    // checked by the caller's shape test), dtable vocab d (a fresh allocation); block j < n
+    // reads ids and the rows of g at positions holding ids[j], and writes row ids[j] < vocab
+    // of dtable only, as the first position holding it (no other block writes that row). The
+    // block size is the EMB_THREADS the kernel's launch bounds declare.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
 }
 
 /// `(o, lse)`: attention of contiguous `q [.., tq, d]`, `k`, `v` `[.., tk, d]` (f32 or bf16,

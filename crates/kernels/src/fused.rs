@@ -1158,6 +1158,89 @@ pub fn add(x: &Tensor, b: &Tensor) -> CResult<Tensor> {
     }
 }
 
+/// Threads a block of the CUDA embedding backward (`EMB_THREADS` of `cuda/embedding.cu`).
+pub const EMBEDDING_BWD_THREADS: u32 = 256;
+
+/// The lookup `table[ids]` as a graph node whose backward is the embedding kernel.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Embedding;
+
+impl CustomOp2 for Embedding {
+    fn name(&self) -> &'static str {
+        "fused-embedding"
+    }
+
+    fn cpu_fwd(
+        &self,
+        t: &CpuStorage,
+        tl: &Layout,
+        ids: &CpuStorage,
+        il: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let out = t.index_select(ids, tl, il, 0)?;
+        Ok((out, Shape::from((il.shape().elem_count(), tl.dims()[1]))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        t: &candle_core::CudaStorage,
+        tl: &Layout,
+        ids: &candle_core::CudaStorage,
+        il: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let out = t.index_select(ids, tl, il, 0)?;
+        Ok((out, Shape::from((il.shape().elem_count(), tl.dims()[1]))))
+    }
+
+    fn bwd(
+        &self,
+        table: &Tensor,
+        ids: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if table.device().is_cuda() {
+            return Ok((Some(crate::cuda::embedding_grad(table, ids, g)?), None));
+        }
+        // The node is built on CUDA only; elsewhere candle's own backward of the lookup.
+        let dt = table.zeros_like()?.index_add(ids, &g.contiguous()?, 0)?;
+        Ok((Some(dt), None))
+    }
+}
+
+/// `table[ids]`: rows of `table [V, D]` at the u32 `ids` (any shape), `[.., D]`. candle's
+/// `index_select`; on CUDA (an f32 or bf16 table that tracks gradients) as one node whose
+/// backward is the embedding kernel (`cuda/embedding.cu`: a block per position, each id's rows
+/// summed in position order by its first position, no atomics) instead of candle's
+/// `index_add`, whose CUDA kernel runs one thread per column of the table, each walking every
+/// position in turn (768 threads for a GPT-2 step's 8192 positions).
+///
+/// # Errors
+///
+/// As `index_select`: ids that are not u32, or out of range.
+pub fn embedding(table: &Tensor, ids: &Tensor) -> CResult<Tensor> {
+    let flat = ids.flatten_all()?;
+    let mut dims = ids.dims().to_vec();
+    dims.push(table.dim(1)?);
+    let node = table.device().is_cuda()
+        && matches!(table.dtype(), DType::F32 | DType::BF16)
+        && flat.dtype() == DType::U32
+        && table.rank() == 2
+        && table.track_op()
+        && flat.elem_count() > 0;
+    if !node {
+        return table.index_select(&flat, 0)?.reshape(dims);
+    }
+    table
+        .contiguous()?
+        .apply_op2(&flat.contiguous()?, Embedding)?
+        .reshape(dims)
+}
+
 /// Checks the operands of the MoE combine kernels and returns `(m, d)`: `y` `[M, D]` and
 /// `gates` `[N, k]` f32 on the CPU, every slot below `N * k`.
 fn combine_dims(

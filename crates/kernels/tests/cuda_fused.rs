@@ -634,6 +634,43 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
     }
 }
 
+/// The embedding lookup (`fused::embedding`: on CUDA one node whose backward is the embedding
+/// kernel) against candle's `index_select` on the CPU: repeated ids, a token repeated past one
+/// shared-memory chunk of ids, head dims under and over one column pass, ids shaped `[B, T]`.
+fn embedding(dev: &Device, dtype: DType, rep: &mut Report) {
+    let limit = if dtype == DType::BF16 { 2e-2 } else { 2e-5 };
+    for (vocab, d, shape) in [
+        (50, 33, vec![7]),
+        (37, 768, vec![4, 700]),
+        (1000, 1100, vec![2, 9]),
+    ] {
+        let n: usize = shape.iter().product();
+        let ids: Vec<u32> = (0..n as u32)
+            .map(|i| (i * 7 + i / 13) % vocab as u32)
+            .collect();
+        let outcome = (|| -> R<String> {
+            let cpu_ids = Tensor::from_vec(ids.clone(), shape.as_slice(), &Device::Cpu)?;
+            let dev_ids = cpu_ids.to_device(dev)?;
+            compare_within(
+                dev,
+                dtype,
+                &[values(&[vocab, d], 1.0, 51)],
+                &|x| fused::embedding(&x[0], &dev_ids),
+                &|x| {
+                    let mut dims = shape.clone();
+                    dims.push(d);
+                    x[0].index_select(&cpu_ids.flatten_all()?, 0)?.reshape(dims)
+                },
+                limit,
+            )
+        })();
+        rep.record(
+            &format!("embedding {dtype:?} [{vocab}, {d}] ids {shape:?}"),
+            outcome,
+        );
+    }
+}
+
 /// `x` as a contiguous view one element into a larger storage (an offset no 16-byte access
 /// fits), its gradient flowing back to `x`.
 fn one_element_in(x: &Tensor) -> R<Tensor> {
@@ -814,6 +851,7 @@ fn fused_cuda_kernels_match_the_cpu_reference() {
         row_kernels(&dev, dtype, &mut rep);
         cross_entropy(&dev, dtype, &mut rep);
         attention(&dev, dtype, &mut rep);
+        embedding(&dev, dtype, &mut rep);
     }
     bad_input(&dev, &mut rep);
     multi_tensor_cases(&dev, &mut rep);

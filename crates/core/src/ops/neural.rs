@@ -307,8 +307,8 @@ impl DTensor {
                 let mut out_dims = ids.dims().to_vec();
                 out_dims.push(w.dim(1)?);
                 if vdims.is_empty() {
-                    return w
-                        .index_select(&ids.flatten_all()?.to_dtype(DType::U32)?, 0)?
+                    // On CUDA one node whose backward is the embedding kernel.
+                    return crate::fused::embedding(w, &ids.to_dtype(DType::U32)?)?
                         .reshape(out_dims);
                 }
                 if rows == 0 {
@@ -317,9 +317,7 @@ impl DTensor {
                     return crate::node::graph_zeros(w, &out_dims);
                 }
                 let (local, inside) = local_ids(ids, off, rows)?;
-                let looked = w
-                    .index_select(&local.flatten_all()?, 0)?
-                    .reshape(out_dims)?;
+                let looked = crate::fused::embedding(w, &local)?.reshape(out_dims)?;
                 looked.broadcast_mul(&inside.to_dtype(w.dtype())?.unsqueeze(D::Minus1)?)
             },
         )

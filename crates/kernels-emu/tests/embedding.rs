@@ -1,0 +1,119 @@
+//! The embedding backward kernel (`crates/kernels/cuda/embedding.cu`) under the emulator:
+//! each touched row of the table's gradient is its earlier value plus the sum, in position
+//! order, of the gradient rows of the positions holding that id, bit for bit (f32 and bf16,
+//! the sum in f32); untouched rows and out-of-range ids are left alone; the same bits under
+//! every fiber order.
+use candle_dtensor_kernels_emu::fused::{self, Dt};
+use candle_dtensor_kernels_emu::{same_bits, Buf, ORDERS};
+use half::bf16;
+
+/// The kernel's result, computed on the host in the kernel's order.
+fn reference<T: Dt>(ids: &[u32], g: &[T], init: &[T], d: usize, vocab: usize) -> Vec<T> {
+    let mut out = init.to_vec();
+    let mut done = vec![false; vocab];
+    for (j, &id) in ids.iter().enumerate() {
+        let v = id as usize;
+        if v >= vocab || done[v] {
+            continue;
+        }
+        done[v] = true;
+        for e in 0..d {
+            let mut acc = 0f32;
+            for (i, _) in ids.iter().enumerate().skip(j).filter(|(_, &x)| x == id) {
+                acc += g[i * d + e].to_f32();
+            }
+            out[v * d + e] = T::from_f32(out[v * d + e].to_f32() + acc);
+        }
+    }
+    out
+}
+
+fn values<T: Dt>(n: usize, seed: u32) -> Vec<T> {
+    (0..n)
+        .map(|i| {
+            T::from_f32((((i as u32).wrapping_mul(2654435761) ^ seed) % 2001) as f32 / 1000.0 - 1.0)
+        })
+        .collect()
+}
+
+fn case<T: Dt>(ids: &[u32], d: usize, vocab: usize) {
+    let g = values::<T>(ids.len() * d, 7);
+    let init = values::<T>(vocab * d, 11);
+    let want = reference(ids, &g, &init, d, vocab);
+    let mut first: Option<Vec<T>> = None;
+    for order in ORDERS {
+        let mut dt = Buf::from_slice("dtable", &init);
+        fused::embedding_bwd(
+            order,
+            &Buf::from_slice("ids", ids),
+            &Buf::from_slice("g", &g),
+            &mut dt,
+            d,
+            vocab,
+        )
+        .unwrap();
+        let got = dt.as_slice().to_vec();
+        assert!(
+            same_bits(&got, &want),
+            "{} n={} d={d} vocab={vocab} {order:?}: differs from the reference",
+            T::NAME,
+            ids.len()
+        );
+        if let Some(f) = &first {
+            assert!(
+                same_bits(f, &got),
+                "{order:?}: another order gave other bits"
+            );
+        }
+        first = Some(got);
+    }
+}
+
+/// Ids with repeats: a small vocabulary over many positions (several shared-memory chunks of
+/// ids, a token repeated hundreds of times), a head dim over two column passes, ids past the
+/// vocabulary, a single position.
+#[test]
+fn the_embedding_backward_sums_each_ids_rows_in_order() {
+    let many: Vec<u32> = (0..2500u32).map(|i| (i * 7 + i / 13) % 37).collect();
+    for (ids, d, vocab) in [
+        (many.clone(), 20, 37),
+        (vec![3, 1, 3, 3, 0, 9, 1], 1100, 12),
+        (vec![5, 40, 5, 2, 41], 33, 40),
+        (vec![0], 7, 1),
+    ] {
+        case::<f32>(&ids, d, vocab);
+        case::<bf16>(&ids, d, vocab);
+    }
+}
+
+/// A NaN in one position's gradient reaches its id's row only.
+#[test]
+fn a_nan_gradient_reaches_only_its_row() {
+    let ids = [2u32, 0, 2, 1];
+    let d = 5;
+    let mut g = values::<f32>(ids.len() * d, 3);
+    g[2 * d + 4] = f32::NAN; // position 2, id 2, column 4
+    let mut dt = Buf::filled("dtable", 3 * d, 0f32);
+    fused::embedding_bwd(
+        ORDERS[0],
+        &Buf::from_slice("ids", &ids),
+        &Buf::from_slice("g", &g),
+        &mut dt,
+        d,
+        3,
+    )
+    .unwrap();
+    let out = dt.as_slice();
+    for (i, v) in out.iter().enumerate() {
+        assert_eq!(v.is_nan(), i == 2 * d + 4, "element {i}: {v}");
+    }
+}
+
+/// The CUDA op launches the kernel with the block size run here.
+#[test]
+fn the_cuda_op_launches_the_embedding_backward_as_tested_here() {
+    assert_eq!(
+        candle_dtensor_kernels::fused::EMBEDDING_BWD_THREADS,
+        fused::EMB_THREADS
+    );
+}
