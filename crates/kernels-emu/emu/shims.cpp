@@ -12,6 +12,7 @@
 #include "softmax.cu"
 #include "flash_attn.cu"
 #include "embedding.cu"
+#include "reduce.cu"
 #include "multi_tensor.cu"
 
 namespace {
@@ -87,6 +88,16 @@ GELU_SHIM(bf16, bf16_t)
     }
 EMB_SHIM(f32, float)
 EMB_SHIM(bf16, bf16_t)
+
+#define COL_SUM_SHIM(NAME, T)                                                                 \
+    int emu_col_sum_partial_##NAME(EMU_ERR, const T* x, float* part, long long rows, int n) { \
+        EMU_RUN(cdt_col_sum_partial_##NAME, x, part, rows, n);                                \
+    }                                                                                         \
+    int emu_col_sum_final_##NAME(EMU_ERR, const float* part, T* out, int chunks, int n) {     \
+        EMU_RUN(cdt_col_sum_final_##NAME, part, out, chunks, n);                              \
+    }
+COL_SUM_SHIM(f32, float)
+COL_SUM_SHIM(bf16, bf16_t)
 
 #define NORM_SHIM(NAME, T)                                                                    \
     int emu_norm_fwd_##NAME(EMU_ERR, const T* x, const T* w, const T* b, T* y,                \

@@ -17,6 +17,8 @@ type Head = (*const RawLaunch, *mut c_char, usize);
 type GeluFwd<T> = unsafe fn(Head, *const T, *mut T, Ll) -> c_int;
 type GeluBwd<T> = unsafe fn(Head, *const T, *const T, *mut T, Ll) -> c_int;
 type EmbBwd<T> = unsafe fn(Head, *const u32, c_int, *const T, *mut T, c_int, c_int) -> c_int;
+type ColSumPartial<T> = unsafe fn(Head, *const T, *mut f32, Ll, c_int) -> c_int;
+type ColSumFinal<T> = unsafe fn(Head, *const f32, *mut T, c_int, c_int) -> c_int;
 type NormFwd<T> =
     unsafe fn(Head, *const T, *const T, *const T, *mut T, Ll, c_int, f32, c_int) -> c_int;
 type NormBwdDx<T> =
@@ -114,6 +116,10 @@ pub trait Dt: Element + sealed::Sealed {
     #[doc(hidden)]
     const EMB_BWD: EmbBwd<Self>;
     #[doc(hidden)]
+    const COL_SUM_PARTIAL: ColSumPartial<Self>;
+    #[doc(hidden)]
+    const COL_SUM_FINAL: ColSumFinal<Self>;
+    #[doc(hidden)]
     const NORM_FWD: NormFwd<Self>;
     #[doc(hidden)]
     const NORM_BWD_DX: NormBwdDx<Self>;
@@ -169,6 +175,10 @@ shims! {
     emu_gelu_bwd_bf16(x: *const bf16, g: *const bf16, dx: *mut bf16, len: Ll);
     emu_embedding_bwd_f32(ids: *const u32, n: c_int, g: *const f32, dtable: *mut f32, d: c_int, vocab: c_int);
     emu_embedding_bwd_bf16(ids: *const u32, n: c_int, g: *const bf16, dtable: *mut bf16, d: c_int, vocab: c_int);
+    emu_col_sum_partial_f32(x: *const f32, part: *mut f32, rows: Ll, n: c_int);
+    emu_col_sum_final_f32(part: *const f32, out: *mut f32, chunks: c_int, n: c_int);
+    emu_col_sum_partial_bf16(x: *const bf16, part: *mut f32, rows: Ll, n: c_int);
+    emu_col_sum_final_bf16(part: *const f32, out: *mut bf16, chunks: c_int, n: c_int);
     emu_norm_fwd_f32(x: *const f32, w: *const f32, b: *const f32, y: *mut f32, rows: Ll, n: c_int, eps: f32, center: c_int);
     emu_norm_fwd_bf16(x: *const bf16, w: *const bf16, b: *const bf16, y: *mut bf16, rows: Ll, n: c_int, eps: f32, center: c_int);
     emu_norm_bwd_dx_f32(x: *const f32, w: *const f32, g: *const f32, dx: *mut f32, stats: *mut f32, rows: Ll, n: c_int, eps: f32, center: c_int);
@@ -257,6 +267,8 @@ impl Dt for f32 {
     const GELU_FWD: GeluFwd<Self> = emu_gelu_fwd_f32;
     const GELU_BWD: GeluBwd<Self> = emu_gelu_bwd_f32;
     const EMB_BWD: EmbBwd<Self> = emu_embedding_bwd_f32;
+    const COL_SUM_PARTIAL: ColSumPartial<Self> = emu_col_sum_partial_f32;
+    const COL_SUM_FINAL: ColSumFinal<Self> = emu_col_sum_final_f32;
     const NORM_FWD: NormFwd<Self> = emu_norm_fwd_f32;
     const NORM_BWD_DX: NormBwdDx<Self> = emu_norm_bwd_dx_f32;
     const NORM_BWD_PARTIAL: NormBwdPartial<Self> = emu_norm_bwd_partial_f32;
@@ -311,6 +323,8 @@ impl Dt for bf16 {
     const GELU_FWD: GeluFwd<Self> = emu_gelu_fwd_bf16;
     const GELU_BWD: GeluBwd<Self> = emu_gelu_bwd_bf16;
     const EMB_BWD: EmbBwd<Self> = emu_embedding_bwd_bf16;
+    const COL_SUM_PARTIAL: ColSumPartial<Self> = emu_col_sum_partial_bf16;
+    const COL_SUM_FINAL: ColSumFinal<Self> = emu_col_sum_final_bf16;
     const NORM_FWD: NormFwd<Self> = emu_norm_fwd_bf16;
     const NORM_BWD_DX: NormBwdDx<Self> = emu_norm_bwd_dx_bf16;
     const NORM_BWD_PARTIAL: NormBwdPartial<Self> = emu_norm_bwd_partial_bf16;
@@ -505,6 +519,59 @@ pub fn embedding_bwd<T: Dt>(
         T::EMB_BWD((l, e, el), ids.ptr(), nc, g.ptr(), dtable.mut_ptr(), dc, vc)
     })?;
     dtable.check(k)
+}
+
+/// Threads a block and rows a partial of the column sum (`CS_THREADS`, `CS_ROWS` of
+/// `cuda/reduce.cu`; the CUDA op's launch, checked equal by the tests).
+pub const COL_SUM_THREADS: u32 = 256;
+/// See [`COL_SUM_THREADS`].
+pub const COL_SUM_ROWS: usize = 256;
+
+/// Column sums `out[c] = sum over r of x[r, c]` of a `[rows, n]` matrix, by the two kernels
+/// launched as the CUDA op launches them (partials of [`COL_SUM_ROWS`] rows, then their sum in
+/// chunk order).
+pub fn col_sum<T: Dt>(
+    order: Order,
+    x: &Buf<T>,
+    out: &mut Buf<T>,
+    rows: usize,
+    n: usize,
+) -> Result<()> {
+    let k = "col_sum";
+    need_elems(k, x.len(), rows * n)?;
+    need_elems(k, out.len(), n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let chunks = rows.div_ceil(COL_SUM_ROWS).max(1);
+    let nc = c_int::try_from(n).map_err(|_| args(k, format!("{n} columns")))?;
+    let cc = c_int::try_from(chunks).map_err(|_| args(k, format!("{chunks} chunks")))?;
+    let rl = ll(k, "rows", rows)?;
+    let bx = u32::try_from(n.div_ceil(COL_SUM_THREADS as usize))
+        .map_err(|_| args(k, format!("{n} columns")))?;
+    let by = u32::try_from(chunks).map_err(|_| args(k, format!("{chunks} chunks")))?;
+    let mut part = Buf::filled("part", chunks * n, f32::NAN);
+    let partial = Launch {
+        grid: (bx, by, 1),
+        block: (COL_SUM_THREADS, 1, 1),
+        shared_bytes: 0,
+    };
+    // SAFETY: block (bx, by) reads x[r n + c] for r < rows, c < n, and writes part[by n + c],
+    // by < chunks: in bounds (checked above, part allocated for chunks n).
+    run(&partial, order, |l, e, el| unsafe {
+        T::COL_SUM_PARTIAL((l, e, el), x.ptr(), part.mut_ptr(), rl, nc)
+    })?;
+    part.check(k)?;
+    let fin = Launch {
+        grid: (bx, 1, 1),
+        block: (COL_SUM_THREADS, 1, 1),
+        shared_bytes: 0,
+    };
+    // SAFETY: thread c < n reads part[k n + c] for k < chunks and writes out[c]: in bounds.
+    run(&fin, order, |l, e, el| unsafe {
+        T::COL_SUM_FINAL((l, e, el), part.ptr(), out.mut_ptr(), cc, nc)
+    })?;
+    out.check(k)
 }
 
 /// The shape of a row kernel's data: `rows` rows of `n`.

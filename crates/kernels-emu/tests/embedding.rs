@@ -1,4 +1,5 @@
-//! The embedding backward kernel (`crates/kernels/cuda/embedding.cu`) under the emulator:
+//! The embedding backward kernel (`crates/kernels/cuda/embedding.cu`) and the bias-gradient
+//! column sum (`cuda/reduce.cu`) under the emulator. The embedding backward:
 //! each touched row of the table's gradient is its earlier value plus the sum, in position
 //! order, of the gradient rows of the positions holding that id, bit for bit (f32 and bf16,
 //! the sum in f32); untouched rows and out-of-range ids are left alone; the same bits under
@@ -115,5 +116,62 @@ fn the_cuda_op_launches_the_embedding_backward_as_tested_here() {
     assert_eq!(
         candle_dtensor_kernels::fused::EMBEDDING_BWD_THREADS,
         fused::EMB_THREADS
+    );
+}
+
+/// The column sum's result on the host, in the kernels' order: rows in order within each chunk
+/// of `COL_SUM_ROWS`, then the chunks' partials in order.
+fn col_sum_reference<T: Dt>(x: &[T], rows: usize, n: usize) -> Vec<T> {
+    (0..n)
+        .map(|c| {
+            let mut total = 0f32;
+            for r0 in (0..rows.max(1)).step_by(fused::COL_SUM_ROWS) {
+                let mut part = 0f32;
+                for r in r0..(r0 + fused::COL_SUM_ROWS).min(rows) {
+                    part += x[r * n + c].to_f32();
+                }
+                total += part;
+            }
+            T::from_f32(total)
+        })
+        .collect()
+}
+
+fn col_sum_case<T: Dt>(rows: usize, n: usize) {
+    let x = values::<T>(rows * n, 5);
+    let want = col_sum_reference(&x, rows, n);
+    for order in ORDERS {
+        let mut out = Buf::filled("out", n, T::from_f32(f32::NAN));
+        fused::col_sum(order, &Buf::from_slice("x", &x), &mut out, rows, n).unwrap();
+        assert!(
+            same_bits(out.as_slice(), &want),
+            "{} rows={rows} n={n} {order:?}: differs from the reference",
+            T::NAME
+        );
+    }
+}
+
+/// The bias-gradient column sum (`cuda/reduce.cu`): one row, rows within one chunk, several
+/// chunks with a ragged last one, columns past one block; no rows gives zeros.
+#[test]
+fn the_column_sum_adds_rows_in_chunk_order() {
+    for (rows, n) in [(1, 5), (100, 300), (600, 33), (257, 1)] {
+        col_sum_case::<f32>(rows, n);
+        col_sum_case::<bf16>(rows, n);
+    }
+    let mut out = Buf::filled("out", 4, f32::NAN);
+    fused::col_sum(ORDERS[0], &Buf::from_slice("x", &[0f32; 0]), &mut out, 0, 4).unwrap();
+    assert_eq!(out.as_slice(), [0.0; 4]);
+}
+
+/// The CUDA op launches the column sum with the block and chunk sizes run here.
+#[test]
+fn the_cuda_op_launches_the_column_sum_as_tested_here() {
+    assert_eq!(
+        (
+            candle_dtensor_kernels::fused::COL_SUM_THREADS,
+            candle_dtensor_kernels::fused::COL_SUM_ROWS
+        ),
+        (fused::COL_SUM_THREADS, fused::COL_SUM_ROWS)
     );
 }

@@ -59,6 +59,10 @@ const EMBEDDING: Module = Module {
     name: "cdt_embedding",
     ptx: ptx::EMBEDDING,
 };
+const REDUCE: Module = Module {
+    name: "cdt_reduce",
+    ptx: ptx::REDUCE,
+};
 
 /// The longest row the row kernels take (their row length is a 32-bit `int`).
 pub const MAX_ROW: usize = i32::MAX as usize;
@@ -1461,6 +1465,104 @@ impl candle_core::CustomOp1 for Handover {
 
 fn hand_over(like: &Tensor, s: CudaStorage, shape: Shape) -> Result<Tensor> {
     like.apply_op1_no_bwd(&Handover(std::sync::Mutex::new(Some((s, shape)))))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Column sum (bias gradients)
+
+/// `out[c] = sum over rows of g[r, c]` for `g` (f32 or bf16, any shape whose element count `n`
+/// divides) viewed as `[rows, n]`, of g's dtype: `reduce.cu`'s two kernels (f32 partials of
+/// [`crate::fused::COL_SUM_ROWS`] rows, then their sum in order).
+pub(crate) fn col_sum(g: &Tensor, n: usize) -> Result<Tensor> {
+    let op = "column sum";
+    let g = g.contiguous()?;
+    let rows = g.elem_count() / n;
+    let chunks = rows.div_ceil(crate::fused::COL_SUM_ROWS).max(1);
+    let too_large = |what: &'static str, value: usize, limit: usize| {
+        candle_core::Error::from(KernelError::TooLarge {
+            op,
+            what,
+            value,
+            limit,
+            shape: vec![rows, n],
+        })
+    };
+    let n_arg = i32::try_from(n).map_err(|_| too_large("a row length", n, i32::MAX as usize))?;
+    if chunks > 65_535 {
+        return Err(too_large("row chunks (grid dim y)", chunks, 65_535));
+    }
+    let (gs, gl) = g.storage_and_layout();
+    let candle_core::Storage::Cuda(gs) = &*gs else {
+        return Err(mismatch(op, "the gradient is not a CUDA tensor".into()));
+    };
+    let out = by_float!(
+        g.dtype(),
+        op,
+        gl.shape(),
+        col_sum_launch(gs, gl, rows, n_arg, chunks)
+    )?;
+    hand_over(&g, out, Shape::from(n))
+}
+
+fn col_sum_launch<T: Float>(
+    g: &CudaStorage,
+    gl: &Layout,
+    rows: usize,
+    n: i32,
+    chunks: usize,
+) -> Result<CudaStorage> {
+    let op = "column sum";
+    let dev = &g.device;
+    let gv = view::<T>(g, gl, op, "x")?;
+    let mut part = alloc_out::<f32>(dev, chunks * n as usize)?;
+    let mut out = alloc_out::<T>(dev, n as usize)?;
+    let threads = crate::fused::COL_SUM_THREADS;
+    let bx = (n as u32).div_ceil(threads);
+    let (rows_arg, chunks_arg) = (rows as i64, chunks as i32);
+    let f = dev.get_or_load_custom_func(
+        &format!("cdt_col_sum_partial_{}", T::SUFFIX),
+        REDUCE.name,
+        REDUCE.ptx,
+    )?;
+    {
+        let mut b = f.builder();
+        b.arg(&gv);
+        b.arg(&mut part);
+        b.arg(&rows_arg);
+        b.arg(&n);
+        let cfg = LaunchConfig {
+            grid_dim: (bx, chunks as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `cdt_col_sum_partial_*(const T* x, float* part, long long rows, int n)`: x
+        // holds rows n elements (a contiguous view), part chunks n floats (fresh); thread
+        // column c < n of block row `by` < chunks reads x[r n + c] for its rows r < rows and
+        // writes part[by n + c], every element of part once.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    let f = dev.get_or_load_custom_func(
+        &format!("cdt_col_sum_final_{}", T::SUFFIX),
+        REDUCE.name,
+        REDUCE.ptx,
+    )?;
+    {
+        let mut b = f.builder();
+        b.arg(&part);
+        b.arg(&mut out);
+        b.arg(&chunks_arg);
+        b.arg(&n);
+        let cfg = LaunchConfig {
+            grid_dim: (bx, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `cdt_col_sum_final_*(const float* part, T* out, int chunks, int n)`: part
+        // holds chunks n floats written by the launch before on the same stream, out n
+        // elements (fresh); thread c < n reads part[k n + c] and writes out[c].
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(wrap(dev, out))
 }
 
 // ---------------------------------------------------------------------------------------------

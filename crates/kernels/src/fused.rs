@@ -1084,11 +1084,21 @@ pub fn pick_masked(x: &Tensor, ids: &Tensor, inside: &Tensor) -> CResult<Tensor>
     apply1(x, PickMasked { ids, inside })
 }
 
-/// Sums the rows of a contiguous f32 tensor viewed as `[rows, n]`: the gradient of a bias
-/// broadcast over leading dims. candle's `sum(0)` walks that layout with a strided index
+/// Sums the rows of a tensor viewed as `[rows, n]`: the gradient of a bias broadcast over
+/// leading dims. On the CPU (f32) candle's `sum(0)` walks that layout with a strided index
 /// (several ns per element); this adds whole rows, which vectorizes. Rows are added in order,
-/// as candle does.
+/// as candle does. On CUDA (f32, bf16) the column-sum kernels (`cuda/reduce.cu`: a warp's
+/// threads on adjacent columns, so every load is coalesced, where candle's reduction walks each
+/// column at a stride of n; f32 partials of 256 rows added in order, deterministic).
 pub fn row_sum(g: &Tensor, n: usize) -> CResult<Tensor> {
+    #[cfg(feature = "cuda")]
+    if g.device().is_cuda()
+        && matches!(g.dtype(), DType::F32 | DType::BF16)
+        && n > 0
+        && g.elem_count() % n == 0
+    {
+        return crate::cuda::col_sum(g, n);
+    }
     if !applies(g) || n == 0 || g.elem_count() % n != 0 {
         return g.reshape(((), n))?.sum(0);
     }
@@ -1157,6 +1167,11 @@ pub fn add(x: &Tensor, b: &Tensor) -> CResult<Tensor> {
         x.broadcast_add(b)
     }
 }
+
+/// Threads a block of the CUDA column sum (`CS_THREADS` of `cuda/reduce.cu`).
+pub const COL_SUM_THREADS: u32 = 256;
+/// Rows each partial of the CUDA column sum adds (`CS_ROWS` of `cuda/reduce.cu`).
+pub const COL_SUM_ROWS: usize = 256;
 
 /// Threads a block of the CUDA embedding backward (`EMB_THREADS` of `cuda/embedding.cu`).
 pub const EMBEDDING_BWD_THREADS: u32 = 256;

@@ -634,6 +634,34 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
     }
 }
 
+/// The bias-gradient column sum (`fused::row_sum`: on CUDA `reduce.cu`) against candle's sum
+/// over the leading dim on the CPU: one row, a ragged chunk of rows, columns past one block.
+fn column_sums(dev: &Device, dtype: DType, rep: &mut Report) {
+    let limit = if dtype == DType::BF16 { 1e-2 } else { 1e-5 };
+    for (shape, n) in [
+        (vec![1, 5], 5),
+        (vec![600, 33], 33),
+        (vec![2, 300, 7], 7),
+        (vec![3, 1100], 1100),
+    ] {
+        let outcome = (|| -> R<String> {
+            let x = values(&shape, 1.0, 61).to_dtype(dtype)?;
+            let want = x.to_dtype(DType::F32)?.reshape(((), n))?.sum(0)?;
+            let got = fused::row_sum(&x.to_device(dev)?, n)?;
+            let d = max_rel_diff(&got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?, &want)?;
+            // NaN fails (the comparison is false).
+            if d <= limit {
+                Ok(format!("max rel diff {d:.2e}"))
+            } else {
+                Err(candle_core::Error::msg(format!(
+                    "max rel diff {d:e} > {limit:e}"
+                )))
+            }
+        })();
+        rep.record(&format!("row_sum {dtype:?} {shape:?} over {n}"), outcome);
+    }
+}
+
 /// The embedding lookup (`fused::embedding`: on CUDA one node whose backward is the embedding
 /// kernel) against candle's `index_select` on the CPU: repeated ids, a token repeated past one
 /// shared-memory chunk of ids, head dims under and over one column pass, ids shaped `[B, T]`.
@@ -852,6 +880,7 @@ fn fused_cuda_kernels_match_the_cpu_reference() {
         cross_entropy(&dev, dtype, &mut rep);
         attention(&dev, dtype, &mut rep);
         embedding(&dev, dtype, &mut rep);
+        column_sums(&dev, dtype, &mut rep);
     }
     bad_input(&dev, &mut rep);
     multi_tensor_cases(&dev, &mut rep);
