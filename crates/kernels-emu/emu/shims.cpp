@@ -13,6 +13,7 @@
 #include "flash_attn.cu"
 #include "embedding.cu"
 #include "reduce.cu"
+#include "cast.cu"
 #include "multi_tensor.cu"
 
 namespace {
@@ -98,6 +99,11 @@ EMB_SHIM(bf16, bf16_t)
     }
 COL_SUM_SHIM(f32, float)
 COL_SUM_SHIM(bf16, bf16_t)
+
+int emu_cast_add_rows_bf16_f32(EMU_ERR, const bf16_t* y, const float* b, float* out, long long len,
+                               int n) {
+    EMU_RUN(cdt_cast_add_rows_bf16_f32, y, b, out, len, n);
+}
 
 #define NORM_SHIM(NAME, T)                                                                    \
     int emu_norm_fwd_##NAME(EMU_ERR, const T* x, const T* w, const T* b, T* y,                \

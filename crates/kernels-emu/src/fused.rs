@@ -175,6 +175,7 @@ shims! {
     emu_gelu_bwd_bf16(x: *const bf16, g: *const bf16, dx: *mut bf16, len: Ll);
     emu_embedding_bwd_f32(ids: *const u32, n: c_int, g: *const f32, dtable: *mut f32, d: c_int, vocab: c_int);
     emu_embedding_bwd_bf16(ids: *const u32, n: c_int, g: *const bf16, dtable: *mut bf16, d: c_int, vocab: c_int);
+    emu_cast_add_rows_bf16_f32(y: *const bf16, b: *const f32, out: *mut f32, len: Ll, n: c_int);
     emu_col_sum_partial_f32(x: *const f32, part: *mut f32, rows: Ll, n: c_int);
     emu_col_sum_final_f32(part: *const f32, out: *mut f32, chunks: c_int, n: c_int);
     emu_col_sum_partial_bf16(x: *const bf16, part: *mut f32, rows: Ll, n: c_int);
@@ -519,6 +520,36 @@ pub fn embedding_bwd<T: Dt>(
         T::EMB_BWD((l, e, el), ids.ptr(), nc, g.ptr(), dtable.mut_ptr(), dc, vc)
     })?;
     dtable.check(k)
+}
+
+/// `out[i] = f32(y[i]) + b[i % n]` (no bias: `b` `None`) for a bf16 `y` of rows of `n`
+/// (`cuda/cast.cu`: a mixed-precision linear's output in one pass), any 1-D launch.
+pub fn cast_add_rows(
+    launch: &Launch,
+    order: Order,
+    y: &Buf<bf16>,
+    b: Option<&Buf<f32>>,
+    out: &mut Buf<f32>,
+    n: usize,
+) -> Result<()> {
+    let k = "cast_add_rows";
+    one_d(k, launch)?;
+    need_elems(k, out.len(), y.len())?;
+    if let Some(b) = b {
+        need_elems(k, b.len(), n)?;
+    }
+    if n == 0 || y.len() % n != 0 {
+        return Err(args(k, format!("{} elements are not rows of {n}", y.len())));
+    }
+    let nc = c_int::try_from(n).map_err(|_| args(k, format!("{n} columns")))?;
+    let len = ll(k, "len", y.len())?;
+    let bp = b.map_or(std::ptr::null(), |b| b.ptr());
+    // SAFETY: element i < len reads y[i] and (a bias given) b[i % n], writes out[i]: in bounds
+    // (checked); a null b is never read.
+    run(launch, order, |l, e, el| unsafe {
+        emu_cast_add_rows_bf16_f32((l, e, el), y.ptr(), bp, out.mut_ptr(), len, nc)
+    })?;
+    out.check(k)
 }
 
 /// Threads a block and rows a partial of the column sum (`CS_THREADS`, `CS_ROWS` of

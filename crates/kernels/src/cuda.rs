@@ -63,6 +63,10 @@ const REDUCE: Module = Module {
     name: "cdt_reduce",
     ptx: ptx::REDUCE,
 };
+const CAST: Module = Module {
+    name: "cdt_cast",
+    ptx: ptx::CAST,
+};
 
 /// The longest row the row kernels take (their row length is a 32-bit `int`).
 pub const MAX_ROW: usize = i32::MAX as usize;
@@ -1465,6 +1469,65 @@ impl candle_core::CustomOp1 for Handover {
 
 fn hand_over(like: &Tensor, s: CudaStorage, shape: Shape) -> Result<Tensor> {
     like.apply_op1_no_bwd(&Handover(std::sync::Mutex::new(Some((s, shape)))))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cast and bias add (a mixed-precision linear's output)
+
+/// `f32(y) + b` for a bf16 `y [.., n]` and an f32 bias `b [n]` (or none), as a fresh f32
+/// storage of y's shape: one pass (`cast.cu`). `None` where it does not apply (other dtypes, a
+/// bias of another length or device): the caller casts and adds itself.
+pub(crate) fn cast_add_rows(y: &Tensor, b: Option<&Tensor>) -> Result<Option<CudaStorage>> {
+    let op = "cast and bias add";
+    let n = *y.dims().last().unwrap_or(&0);
+    let fits = y.dtype() == DType::BF16
+        && y.device().is_cuda()
+        && n > 0
+        && i32::try_from(n).is_ok()
+        && b.is_none_or(|b| {
+            b.dtype() == DType::F32 && b.dims() == [n] && b.device().same_device(y.device())
+        });
+    if !fits || y.elem_count() == 0 {
+        return Ok(None);
+    }
+    let y = y.contiguous()?;
+    let b = b.map(|b| b.contiguous()).transpose()?;
+    let (ys, yl) = y.storage_and_layout();
+    let candle_core::Storage::Cuda(ys) = &*ys else {
+        return Ok(None);
+    };
+    let dev = &ys.device;
+    let yv = view::<bf16>(ys, yl, op, "y")?;
+    let len = y.elem_count();
+    let mut out = alloc_out::<f32>(dev, len)?;
+    let bias = b.as_ref().map(|b| b.storage_and_layout());
+    let bv = match &bias {
+        Some((bs, bl)) => match &**bs {
+            candle_core::Storage::Cuda(bs) => Some(view::<f32>(bs, bl, op, "bias")?),
+            _ => return Ok(None),
+        },
+        None => None,
+    };
+    let (len_arg, n_arg) = (len as i64, n as i32);
+    let f = dev.get_or_load_custom_func("cdt_cast_add_rows_bf16_f32", CAST.name, CAST.ptx)?;
+    {
+        let mut bld = f.builder();
+        bld.arg(&yv);
+        let null: u64 = 0;
+        match &bv {
+            Some(bv) => bld.arg(bv),
+            None => bld.arg(&null),
+        };
+        bld.arg(&mut out);
+        bld.arg(&len_arg);
+        bld.arg(&n_arg);
+        // SAFETY: `cdt_cast_add_rows_bf16_f32(const bf16* y, const float* b, float* out, long
+        // long len, int n)`: y holds len bf16 (a contiguous view), out len f32 (fresh), b
+        // either null (a 64-bit zero, which the kernel tests) or n f32 (a contiguous view of a
+        // bias of n elements); element i < len reads y[i] and b[i % n] and writes out[i].
+        unsafe { bld.launch(elem_cfg(len)) }.w()?;
+    }
+    Ok(Some(wrap(dev, out)))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -444,8 +444,9 @@ pub fn take_linear_in_nodes() -> usize {
 /// backward (as the cast nodes of the plain composition keep them). Its forward makes the
 /// output from the product by the cast back and the bias add themselves.
 struct LinearIn {
-    /// The product in the compute dtype, `[.., out]`, until the forward takes it.
-    product: Mutex<Option<Tensor>>,
+    /// The output, until the forward takes it: the product in the compute dtype, `[.., out]`,
+    /// or (CUDA, bf16 product, f32 output) the output itself, made from it in one pass.
+    output: Mutex<Option<LinearInOut>>,
     /// The output's dtype (`x`'s).
     out_dtype: DType,
     bias: Option<Tensor>,
@@ -454,16 +455,36 @@ struct LinearIn {
     wc: Tensor,
 }
 
+/// What [`LinearIn`]'s forward hands out.
+enum LinearInOut {
+    /// The product in the compute dtype: the forward casts it and adds the bias.
+    Product(Tensor),
+    /// The finished output (cast and bias added by `cuda::cast_add_rows`), moved out as it is.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Ready(candle_core::Storage, Shape),
+}
+
 impl LinearIn {
     fn output<S: DeviceStorage>(&self, _: &S, _: &Layout) -> CResult<(S, Shape)> {
-        let y = self
-            .product
+        let out = self
+            .output
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .ok_or_else(|| Error::msg("fused-linear-in: output already taken"))?;
-        let s = crate::storage::output_cast_add::<S>(&y, self.out_dtype, self.bias.as_ref())?;
-        Ok((s, y.shape().clone()))
+        match out {
+            LinearInOut::Product(y) => {
+                let s =
+                    crate::storage::output_cast_add::<S>(&y, self.out_dtype, self.bias.as_ref())?;
+                Ok((s, y.shape().clone()))
+            }
+            LinearInOut::Ready(s, shape) => Ok((
+                S::take(s).ok_or_else(|| {
+                    Error::msg("fused-linear-in: the output is on another device than x")
+                })?,
+                shape,
+            )),
+        }
     }
 
     fn grads(
@@ -558,10 +579,22 @@ pub fn linear_in(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> 
         *last = w.dim(0)?;
     }
     let product = xc.matmul(&wc.t()?)?.reshape(out)?;
+    let bias = b.map(|b| b.detach());
+    #[cfg(feature = "cuda")]
+    let ready = match out_dtype {
+        DType::F32 => crate::cuda::cast_add_rows(&product, bias.as_ref())?,
+        _ => None,
+    };
+    #[cfg(not(feature = "cuda"))]
+    let ready: Option<candle_core::CudaStorage> = None;
+    let output = match ready {
+        Some(s) => LinearInOut::Ready(candle_core::Storage::Cuda(s), product.shape().clone()),
+        None => LinearInOut::Product(product),
+    };
     let node = LinearIn {
-        product: Mutex::new(Some(product)),
+        output: Mutex::new(Some(output)),
         out_dtype,
-        bias: b.map(|b| b.detach()),
+        bias,
         xc,
         wc,
     };

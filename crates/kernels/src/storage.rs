@@ -134,6 +134,8 @@ fn cpu_len(s: &CpuStorage) -> usize {
 pub trait DeviceStorage: BackendStorage<Device: BackendDevice<Storage = Self>> + Sized {
     /// `s` if it is this backend's storage.
     fn of(s: &Storage) -> Option<&Self>;
+    /// `s` itself if it is this backend's storage (moved, not copied).
+    fn take(s: Storage) -> Option<Self>;
     /// Number of elements held.
     fn len(&self) -> usize;
     /// Whether nothing is held.
@@ -160,6 +162,13 @@ impl DeviceStorage for CpuStorage {
         }
     }
 
+    fn take(s: Storage) -> Option<Self> {
+        match s {
+            Storage::Cpu(c) => Some(c),
+            _ => None,
+        }
+    }
+
     fn len(&self) -> usize {
         cpu_len(self)
     }
@@ -173,6 +182,13 @@ impl DeviceStorage for CpuStorage {
 /// (its device cannot be reached, so `zeros` and `upload` fail here too).
 impl DeviceStorage for CudaStorage {
     fn of(s: &Storage) -> Option<&Self> {
+        match s {
+            Storage::Cuda(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    fn take(s: Storage) -> Option<Self> {
         match s {
             Storage::Cuda(c) => Some(c),
             _ => None,

@@ -634,6 +634,43 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
     }
 }
 
+/// The mixed-precision linear (`region::linear_in`, bf16 GEMM, f32 in and out: on CUDA its
+/// output made by `cast.cu`) against the plain composition on the CPU, forward and backward,
+/// with and without a bias, 2-D and 3-D inputs.
+fn mixed_linear(dev: &Device, rep: &mut Report) {
+    use candle_dtensor_kernels::region;
+    for xs in [vec![5, 7], vec![2, 33, 70]] {
+        let inner = xs[xs.len() - 1];
+        for bias in [true, false] {
+            let mut inputs = vec![values(&xs, 1.0, 71), values(&[40, inner], 0.5, 72)];
+            if bias {
+                inputs.push(values(&[40], 1.0, 73));
+            }
+            let outcome = compare_within(
+                dev,
+                DType::F32,
+                &inputs,
+                &|x| region::linear_in(&x[0], &x[1], x.get(2), DType::BF16),
+                &|x| {
+                    let y = x[0]
+                        .to_dtype(DType::BF16)?
+                        .broadcast_matmul(&x[1].to_dtype(DType::BF16)?.t()?)?
+                        .to_dtype(DType::F32)?;
+                    match x.get(2) {
+                        Some(b) => y.broadcast_add(b),
+                        None => Ok(y),
+                    }
+                },
+                1e-2,
+            );
+            rep.record(
+                &format!("linear_in bf16 {xs:?} x [40, {inner}] bias {bias}"),
+                outcome,
+            );
+        }
+    }
+}
+
 /// The bias-gradient column sum (`fused::row_sum`: on CUDA `reduce.cu`) against candle's sum
 /// over the leading dim on the CPU: one row, a ragged chunk of rows, columns past one block.
 fn column_sums(dev: &Device, dtype: DType, rep: &mut Report) {
@@ -881,6 +918,9 @@ fn fused_cuda_kernels_match_the_cpu_reference() {
         attention(&dev, dtype, &mut rep);
         embedding(&dev, dtype, &mut rep);
         column_sums(&dev, dtype, &mut rep);
+        if dtype == DType::F32 {
+            mixed_linear(&dev, &mut rep);
+        }
     }
     bad_input(&dev, &mut rep);
     multi_tensor_cases(&dev, &mut rep);

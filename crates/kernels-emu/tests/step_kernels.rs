@@ -1,9 +1,11 @@
-//! The embedding backward kernel (`crates/kernels/cuda/embedding.cu`) and the bias-gradient
-//! column sum (`cuda/reduce.cu`) under the emulator. The embedding backward:
-//! each touched row of the table's gradient is its earlier value plus the sum, in position
-//! order, of the gradient rows of the positions holding that id, bit for bit (f32 and bf16,
-//! the sum in f32); untouched rows and out-of-range ids are left alone; the same bits under
-//! every fiber order.
+//! Kernels of a GPU training step outside the row and attention families, under the emulator:
+//! the embedding backward (`crates/kernels/cuda/embedding.cu`), the bias-gradient column sum
+//! (`cuda/reduce.cu`) and the mixed-precision linear's output pass (`cuda/cast.cu`).
+//!
+//! The embedding backward: each touched row of the table's gradient is its earlier value plus
+//! the sum, in position order, of the gradient rows of the positions holding that id, bit for
+//! bit (f32 and bf16, the sum in f32); untouched rows and out-of-range ids are left alone; the
+//! same bits under every fiber order.
 use candle_dtensor_kernels_emu::fused::{self, Dt};
 use candle_dtensor_kernels_emu::{same_bits, Buf, ORDERS};
 use half::bf16;
@@ -174,4 +176,39 @@ fn the_cuda_op_launches_the_column_sum_as_tested_here() {
         ),
         (fused::COL_SUM_THREADS, fused::COL_SUM_ROWS)
     );
+}
+
+/// The mixed-precision linear's output pass (`cuda/cast.cu`): the bf16 product widened exactly
+/// and the bias added in f32, with and without a bias, a grid smaller than the elements.
+#[test]
+fn the_cast_and_bias_add_is_one_exact_pass() {
+    use candle_dtensor_kernels_emu::Launch;
+    let (rows, n) = (13, 7);
+    let y = values::<bf16>(rows * n, 9);
+    let b = values::<f32>(n, 4);
+    for bias in [Some(&b), None] {
+        let want: Vec<f32> = y
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v.to_f32() + bias.map_or(0.0, |b| b[i % n]))
+            .collect();
+        for order in ORDERS {
+            let mut out = Buf::filled("out", rows * n, f32::NAN);
+            let bb = bias.map(|b| Buf::from_slice("b", b));
+            fused::cast_add_rows(
+                &Launch::linear(2, 32, 0),
+                order,
+                &Buf::from_slice("y", &y),
+                bb.as_ref(),
+                &mut out,
+                n,
+            )
+            .unwrap();
+            assert!(
+                same_bits(out.as_slice(), &want),
+                "bias {} {order:?}",
+                bias.is_some()
+            );
+        }
+    }
 }
