@@ -352,7 +352,8 @@ pub struct RankReport {
     /// parameters and gradients in flight).
     pub param_grad_optim_bytes: usize,
     /// Peak activation memory of this rank: the most bytes the autograd graph of one of its
-    /// losses kept for backward, over the steps (and micro-batches) run
+    /// losses kept for backward, over the steps (and micro-batches) measured: this run's first
+    /// step and every step that is a multiple of [`GRAPH_SAMPLE_EVERY`]
     /// ([`candle_dtensor_core::debug::graph_bytes`]; what [`GptConfig::ac`] reduces).
     pub peak_activation_bytes: usize,
     /// (params + grads + optimizer state) / N + the largest unit's unsharded parameters, from
@@ -557,13 +558,22 @@ impl Setup {
 }
 
 /// Forward, backward (with FSDP's gradient reduction) and clipping of step `step`: the
+/// Steps between two measurements of the autograd graph's bytes
+/// ([`TrainReport::peak_activation_bytes`]): the measurement walks the whole graph on the host,
+/// a second walk besides backward's, which on a GPU delays the step's launches where the host
+/// is the bottleneck (small models); the graph of a model's step is the same from step to step
+/// but for the expert dispatch's sizes.
+pub const GRAPH_SAMPLE_EVERY: usize = 16;
+
 /// trainer's step before the optimizer's update. Also returns the most autograd-graph bytes
-/// one of its losses kept on this rank ([`candle_dtensor_core::debug::graph_bytes`]).
+/// one of its losses kept on this rank ([`candle_dtensor_core::debug::graph_bytes`]) when
+/// `measure_graph`, else 0 (see [`GRAPH_SAMPLE_EVERY`]).
 fn forward_backward(
     s: &mut Setup,
     cfg: &TrainConfig,
     corpus: &Corpus,
     step: usize,
+    measure_graph: bool,
 ) -> std::result::Result<(Gradients, usize), TrainerError> {
     let all_r = vec![Placement::Replicate; s.mesh.ndim()];
     let (gpt, mesh) = (&s.gpt, &s.mesh);
@@ -571,8 +581,10 @@ fn forward_backward(
     let graph = std::cell::Cell::new(0usize);
     // This rank's loss as the model returns it: its graph is what backward keeps.
     let measured = |loss: DTensor| -> candle_core::Result<DTensor> {
-        let b = candle_dtensor_core::debug::graph_bytes(loss.to_local());
-        graph.set(graph.get().max(b));
+        if measure_graph {
+            let b = candle_dtensor_core::debug::graph_bytes(loss.to_local());
+            graph.set(graph.get().max(b));
+        }
         Ok(loss)
     };
     if cfg.grad_accum <= 1 {
@@ -889,7 +901,8 @@ fn train_rank_spmd(
         let t0 = Instant::now();
         let last = step + 1 == cfg.steps;
         let mode = last.then(CommDebugMode::start);
-        let res = forward_backward(&mut s, cfg, &corpus, step);
+        let measure_graph = step == start || step.is_multiple_of(GRAPH_SAMPLE_EVERY);
+        let res = forward_backward(&mut s, cfg, &corpus, step, measure_graph);
         let out = match rep_dim {
             None => res?,
             Some(rep_dim) => {
