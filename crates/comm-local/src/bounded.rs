@@ -11,17 +11,20 @@ use std::time::{Duration, Instant};
 /// Polls `done` until it answers true or `limit` passed (backing off from 20 us to 5 ms between
 /// polls); whether it answered true.
 pub(crate) fn poll_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + limit;
+    // A limit past what an Instant can hold (Duration::MAX as a timeout) is no limit.
+    let deadline = Instant::now().checked_add(limit);
     let mut pause = Duration::from_micros(20);
     loop {
         if done() {
             return true;
         }
         let now = Instant::now();
-        if now >= deadline {
-            return false;
-        }
-        std::thread::sleep(pause.min(deadline - now));
+        let left = match deadline {
+            Some(d) if now >= d => return false,
+            Some(d) => d - now,
+            None => pause,
+        };
+        std::thread::sleep(pause.min(left));
         pause = (pause * 2).min(Duration::from_millis(5));
     }
 }
@@ -60,6 +63,16 @@ mod tests {
         let took = t0.elapsed();
         assert!(took >= Duration::from_millis(50), "{took:?}");
         assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    #[test]
+    fn an_unbounded_limit_does_not_overflow() {
+        let polls = Cell::new(0);
+        assert!(poll_until(Duration::MAX, || {
+            polls.set(polls.get() + 1);
+            polls.get() == 2
+        }));
+        assert!(run_within(Duration::MAX, || {}));
     }
 
     #[test]

@@ -223,6 +223,15 @@ fn wait_for<'a>(
 /// where an event could not be recorded or exchanged. At most the op's timeout: a GPU that has
 /// not finished by then fails the op (its work is not known to be done).
 fn sync_all(ctx: &OpCtx, dev: &Device) -> Result<()> {
+    let r = sync_all_within(ctx, dev);
+    if r.is_err() {
+        // The op's tensors may still be in use on the GPU: `run` leaks them.
+        UNDRAINED.with(|u| u.set(true));
+    }
+    r
+}
+
+fn sync_all_within(ctx: &OpCtx, dev: &Device) -> Result<()> {
     let context = stream(ctx, dev)?.context().clone();
     let (tx, rx) = std::sync::mpsc::channel();
     if !bounded::run_within(ctx.timeout, move || {
@@ -361,6 +370,10 @@ impl Drop for Retirement {
 thread_local! {
     /// The tensors of the op running on this progress thread (`exchange`, `batch_p2p`).
     static TOUCHED: RefCell<Vec<Tensor>> = const { RefCell::new(Vec::new()) };
+    /// A host drain (`sync_all`) of the op running on this progress thread failed or timed out:
+    /// what it was to make complete may still run on the GPU, so the op's tensors are leaked
+    /// rather than retired (a retirement's final event does not cover a peer's reads).
+    static UNDRAINED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Keeps `t` referenced until the running op's final event completes.
@@ -529,10 +542,17 @@ fn run(
     // them after this wait. (A failure here is a GPU in error; the op still runs, so that the
     // peers fail with it rather than wait for this rank.)
     let ready = wait_for(e.ctx, dev, e.ready.iter());
+    UNDRAINED.with(|u| u.set(false));
     let out = run_op(e, op, dev).and_then(|o| ready.map(|()| o));
     let mut keep = TOUCHED.with(|k| std::mem::take(&mut *k.borrow_mut()));
     if let Ok(o) = &out {
         keep.extend(output_tensors(o));
+    }
+    if UNDRAINED.with(|u| u.replace(false)) {
+        // A drain inside the op gave up: nothing says the GPU is done with these.
+        tracing::error!(rank = e.rank, op = ?e.ctx.op, "the GPU did not drain; the op's tensors are leaked, not released");
+        std::mem::forget(keep);
+        return out.map(|o| (o, None));
     }
     match record(e.ctx, dev).and_then(|done| Ok((done, stream(e.ctx, dev)?))) {
         Ok((done, s)) => {
@@ -549,7 +569,13 @@ fn run(
             // caller then has nothing to wait for.
             tracing::warn!(rank = e.rank, op = ?e.ctx.op, error = %err, "no final event; drained the GPU");
             let drained = sync_all(e.ctx, dev);
-            drop(keep);
+            if drained.is_ok() {
+                drop(keep);
+            } else {
+                // Not known to be done on the GPU: leaked, never freed under it.
+                UNDRAINED.with(|u| u.set(false));
+                std::mem::forget(keep);
+            }
             let o = out?;
             drained?;
             Ok((o, None))

@@ -507,29 +507,30 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     for (int j0 = 0; j0 < kend; j0 += BN) {
         fa_tc_tiles_landed();  // this tile's K; every warp is done with the previous V
         fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0, tk);
-        if (j0 >= wkend) {
-            fa_tc_tiles_landed();  // as the warps that compute: V landed, K is free
-            if (j0 + BN < kend) fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0 + BN, tk);
-            continue;
-        }
-        // S = Q K^T.
+        // Warp-uniform (the warp's rows decide); every warp reaches both barriers of the tile
+        // from the same call sites, computing or not.
+        const bool work = j0 < wkend;
         float s[NS][4];
-        fa_zero(s);
-        fa_mma_rows_dot_tile<D, NS>(s, qa, ks, lane);
-        // Mask and scale; the tile's row maxima over the row's 4 lanes.
         float tmax[2] = {CDT_NEG_INF, CDT_NEG_INF};
+        if (work) {
+            // S = Q K^T.
+            fa_zero(s);
+            fa_mma_rows_dot_tile<D, NS>(s, qa, ks, lane);
+            // Mask and scale; the tile's row maxima over the row's 4 lanes.
 #pragma unroll
-        for (int nt = 0; nt < NS; ++nt)
+            for (int nt = 0; nt < NS; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int h = e / 2;
-                const int j = j0 + nt * 8 + 2 * t + e % 2;
-                const bool vis = row[h] < tq && j < tk && (!causal || j <= row[h] + shift);
-                s[nt][e] = vis ? s[nt][e] * sl2 : CDT_NEG_INF;
-                tmax[h] = fmaxf(tmax[h], s[nt][e]);
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int h = e / 2;
+                    const int j = j0 + nt * 8 + 2 * t + e % 2;
+                    const bool vis = row[h] < tq && j < tk && (!causal || j <= row[h] + shift);
+                    s[nt][e] = vis ? s[nt][e] * sl2 : CDT_NEG_INF;
+                    tmax[h] = fmaxf(tmax[h], s[nt][e]);
+                }
+        }
         fa_tc_tiles_landed();  // this tile's V; every warp is done with K
         if (j0 + BN < kend) fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0 + BN, tk);
+        if (!work) continue;
         float alpha[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

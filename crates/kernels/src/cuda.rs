@@ -80,12 +80,19 @@ const ELEM_MAX_BLOCKS: usize = 1 << 16;
 trait Float: DeviceRepr + Copy + 'static {
     const SUFFIX: &'static str;
     fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>>;
+    fn of_mut(s: &mut CudaStorageSlice) -> Option<&mut CudaSlice<Self>>;
     fn wrap(s: CudaSlice<Self>) -> CudaStorageSlice;
 }
 
 impl Float for f32 {
     const SUFFIX: &'static str = "f32";
     fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>> {
+        match s {
+            CudaStorageSlice::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn of_mut(s: &mut CudaStorageSlice) -> Option<&mut CudaSlice<Self>> {
         match s {
             CudaStorageSlice::F32(v) => Some(v),
             _ => None,
@@ -99,6 +106,12 @@ impl Float for f32 {
 impl Float for bf16 {
     const SUFFIX: &'static str = "bf16";
     fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>> {
+        match s {
+            CudaStorageSlice::BF16(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn of_mut(s: &mut CudaStorageSlice) -> Option<&mut CudaSlice<Self>> {
         match s {
             CudaStorageSlice::BF16(v) => Some(v),
             _ => None,
@@ -1672,7 +1685,7 @@ pub(crate) fn embedding_grad(table: &Tensor, ids: &Tensor, g: &Tensor) -> Result
         return Err(mismatch(op, "ids and gradient are not CUDA tensors".into()));
     };
     let dev = &gs.device;
-    let out = dev.zeros_impl(&Shape::from((vocab, d)), table.dtype())?;
+    let mut out = dev.zeros_impl(&Shape::from((vocab, d)), table.dtype())?;
     if n > 0 && d > 0 {
         let (a, b) = il
             .contiguous_offsets()
@@ -1691,7 +1704,7 @@ pub(crate) fn embedding_grad(table: &Tensor, ids: &Tensor, g: &Tensor) -> Result
             table.dtype(),
             op,
             &Shape::from((vocab, d)),
-            embedding_launch(dev, &iv, n_arg, gs, gl, &out, d_arg, v_arg)
+            embedding_launch(dev, &iv, n_arg, gs, gl, &mut out, d_arg, v_arg)
         )?;
     }
     hand_over(table, out, Shape::from((vocab, d)))
@@ -1704,13 +1717,14 @@ fn embedding_launch<T: Float>(
     n: i32,
     g: &CudaStorage,
     gl: &Layout,
-    out: &CudaStorage,
+    out: &mut CudaStorage,
     d: i32,
     vocab: i32,
 ) -> Result<()> {
     let op = "embedding backward";
     let gv = view::<T>(g, gl, op, "grad")?;
-    let ov = T::of(&out.slice)
+    // Passed as written (`&mut`): cudarc then records the launch as a write of it.
+    let ov = T::of_mut(&mut out.slice)
         .ok_or_else(|| mismatch(op, format!("the table gradient is not {}", T::SUFFIX)))?;
     let name = format!("cdt_embedding_bwd_{}", T::SUFFIX);
     let f = dev.get_or_load_custom_func(&name, EMBEDDING.name, EMBEDDING.ptx)?;

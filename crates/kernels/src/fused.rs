@@ -1089,13 +1089,15 @@ pub fn pick_masked(x: &Tensor, ids: &Tensor, inside: &Tensor) -> CResult<Tensor>
 /// (several ns per element); this adds whole rows, which vectorizes. Rows are added in order,
 /// as candle does. On CUDA (f32, bf16) the column-sum kernels (`cuda/reduce.cu`: a warp's
 /// threads on adjacent columns, so every load is coalesced, where candle's reduction walks each
-/// column at a stride of n; f32 partials of 256 rows added in order, deterministic).
+/// column at a stride of n; f32 partials of 256 rows added in order, deterministic), up to
+/// 65,535 partials (16.7M rows; candle's sum beyond).
 pub fn row_sum(g: &Tensor, n: usize) -> CResult<Tensor> {
     #[cfg(feature = "cuda")]
     if g.device().is_cuda()
         && matches!(g.dtype(), DType::F32 | DType::BF16)
         && n > 0
         && g.elem_count() % n == 0
+        && (g.elem_count() / n).div_ceil(COL_SUM_ROWS) <= 65_535
     {
         return crate::cuda::col_sum(g, n);
     }
