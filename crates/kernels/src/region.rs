@@ -299,13 +299,79 @@ struct Linear {
     bias: Option<Tensor>,
 }
 
-impl Linear {
+/// What the two linear nodes ([`Linear`], [`LinearIn`]) have of their own: the output their
+/// forward hands out and the gradients `(dx, dw, db)` (`dw` `None`: deferred); [`LinearNode`]
+/// makes either a graph node over `(x, w)` or `(x, w, b)`.
+trait LinearParts: Send + Sync {
+    const NAME: &'static str;
+    fn output<S: DeviceStorage>(&self, s: &S) -> CResult<(S, Shape)>;
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        g: &Tensor,
+        bias: bool,
+    ) -> CResult<(Tensor, Option<Tensor>, Option<Tensor>)>;
+}
+
+/// A linear node (see [`LinearParts`]).
+struct LinearNode<L>(L);
+
+impl<L: LinearParts> LinearNode<L> {
     fn output<S: DeviceStorage>(&self, s: &S, _: &Layout) -> CResult<(S, Shape)> {
+        self.0.output(s)
+    }
+}
+
+impl<L: LinearParts> CustomOp2 for LinearNode<L> {
+    fn name(&self) -> &'static str {
+        L::NAME
+    }
+
+    crate::device_fwd2!(output, first_only);
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.0.grads(x, w, g, false)?;
+        Ok((Some(dx), dw))
+    }
+}
+
+impl<L: LinearParts> CustomOp3 for LinearNode<L> {
+    fn name(&self) -> &'static str {
+        L::NAME
+    }
+
+    crate::device_fwd3!(output, first_only);
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = self.0.grads(x, w, g, true)?;
+        Ok((Some(dx), dw, db))
+    }
+}
+
+impl LinearParts for Linear {
+    const NAME: &'static str = "fused-linear";
+
+    fn output<S: DeviceStorage>(&self, s: &S) -> CResult<(S, Shape)> {
         output_storage(s, &self.out, self.bias.as_ref())
     }
 
     /// `(dx, dw, db)`: `dx = g @ w`, `dw = g^T @ x` (or deferred), `db` = `g` summed over rows.
     fn grads(
+        &self,
         x: &Tensor,
         w: &Tensor,
         g: &Tensor,
@@ -323,45 +389,6 @@ impl Linear {
             None
         };
         Ok((dx, dw, db))
-    }
-}
-
-impl CustomOp2 for Linear {
-    fn name(&self) -> &'static str {
-        "fused-linear"
-    }
-
-    crate::device_fwd2!(output, first_only);
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        g: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = Linear::grads(x, w, g, false)?;
-        Ok((Some(dx), dw))
-    }
-}
-
-impl CustomOp3 for Linear {
-    fn name(&self) -> &'static str {
-        "fused-linear"
-    }
-
-    crate::device_fwd3!(output, first_only);
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _b: &Tensor,
-        _res: &Tensor,
-        g: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = Linear::grads(x, w, g, true)?;
-        Ok((Some(dx), dw, db))
     }
 }
 
@@ -407,8 +434,8 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
         bias: bias.filter(|_| fuse_bias),
     };
     match b {
-        Some(b) => x.apply_op3(w, b, node),
-        None => x.apply_op2(w, node),
+        Some(b) => x.apply_op3(w, b, LinearNode(node)),
+        None => x.apply_op2(w, LinearNode(node)),
     }
 }
 
@@ -464,8 +491,10 @@ enum LinearInOut {
     Ready(candle_core::Storage, Shape),
 }
 
-impl LinearIn {
-    fn output<S: DeviceStorage>(&self, _: &S, _: &Layout) -> CResult<(S, Shape)> {
+impl LinearParts for LinearIn {
+    const NAME: &'static str = "fused-linear-in";
+
+    fn output<S: DeviceStorage>(&self, _: &S) -> CResult<(S, Shape)> {
         let out = self
             .output
             .lock()
@@ -493,7 +522,7 @@ impl LinearIn {
         w: &Tensor,
         g: &Tensor,
         bias: bool,
-    ) -> CResult<(Tensor, Tensor, Option<Tensor>)> {
+    ) -> CResult<(Tensor, Option<Tensor>, Option<Tensor>)> {
         let out = w.dim(0)?;
         let g2 = g.contiguous()?.reshape(((), out))?;
         let gc = g2.to_dtype(self.wc.dtype())?;
@@ -507,46 +536,7 @@ impl LinearIn {
         } else {
             None
         };
-        Ok((dx, dw, db))
-    }
-}
-
-impl CustomOp2 for LinearIn {
-    fn name(&self) -> &'static str {
-        "fused-linear-in"
-    }
-
-    crate::device_fwd2!(output, first_only);
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        g: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.grads(x, w, g, false)?;
-        Ok((Some(dx), Some(dw)))
-    }
-}
-
-impl CustomOp3 for LinearIn {
-    fn name(&self) -> &'static str {
-        "fused-linear-in"
-    }
-
-    crate::device_fwd3!(output, first_only);
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _b: &Tensor,
-        _res: &Tensor,
-        g: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = self.grads(x, w, g, true)?;
-        Ok((Some(dx), Some(dw), db))
+        Ok((dx, Some(dw), db))
     }
 }
 
@@ -600,8 +590,8 @@ pub fn linear_in(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> 
     };
     LINEAR_IN_NODES.with(|c| c.set(c.get() + 1));
     match b {
-        Some(b) => x.apply_op3(w, b, node),
-        None => x.apply_op2(w, node),
+        Some(b) => x.apply_op3(w, b, LinearNode(node)),
+        None => x.apply_op2(w, LinearNode(node)),
     }
 }
 
