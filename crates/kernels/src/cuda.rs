@@ -1455,18 +1455,18 @@ impl CustomOp3 for FaFwd {
     }
 }
 
-/// Hands over a storage computed by another node (an op's second output) as a tensor of
-/// `shape`: the input only picks the device.
+/// Hands over a storage computed outside a node (an op's second output, a kernel's result) as
+/// a tensor of `shape`, without a copy: the input only picks the device.
 struct Handover(std::sync::Mutex<Option<(CudaStorage, Shape)>>);
 
 impl candle_core::CustomOp1 for Handover {
     fn name(&self) -> &'static str {
-        "flash-attention-output"
+        "handed-over-output"
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
         Err(mismatch(
-            "flash_attention",
+            "hand over",
             "a CUDA output handed to a CPU tensor".into(),
         ))
     }
@@ -1476,7 +1476,7 @@ impl candle_core::CustomOp1 for Handover {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
-            .ok_or_else(|| mismatch("flash_attention", "an output handed over twice".into()))
+            .ok_or_else(|| mismatch("hand over", "an output handed over twice".into()))
     }
 }
 
