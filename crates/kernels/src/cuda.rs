@@ -1494,6 +1494,7 @@ pub(crate) fn cast_add_rows(y: &Tensor, b: Option<&Tensor>) -> Result<Option<Cud
     let op = "cast and bias add";
     let n = *y.dims().last().unwrap_or(&0);
     let fits = y.dtype() == DType::BF16
+        && crate::fused::cuda_enabled()
         && y.device().is_cuda()
         && n > 0
         && i32::try_from(n).is_ok()

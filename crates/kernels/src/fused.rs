@@ -64,7 +64,9 @@ pub fn device_applies(t: &Tensor) -> bool {
 }
 
 /// Whether the fused CUDA path is on (`CDT_FUSED_CUDA` unset or anything but `0`): the row
-/// kernels here and the optimizer's one-launch AdamW (`candle_dtensor_train::optim`).
+/// kernels here, the embedding backward, the bias column sum, the mixed-precision linear's
+/// output pass, the trainer's multi-tensor gradient norm and the optimizer's one-launch AdamW
+/// (`candle_dtensor_train`). `0` takes candle's ops for all of them.
 pub fn cuda_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("CDT_FUSED_CUDA").map_or(true, |v| v.trim() != "0"))
@@ -1094,6 +1096,7 @@ pub fn pick_masked(x: &Tensor, ids: &Tensor, inside: &Tensor) -> CResult<Tensor>
 pub fn row_sum(g: &Tensor, n: usize) -> CResult<Tensor> {
     #[cfg(feature = "cuda")]
     if g.device().is_cuda()
+        && cuda_enabled()
         && matches!(g.dtype(), DType::F32 | DType::BF16)
         && n > 0
         && g.elem_count() % n == 0
@@ -1243,7 +1246,8 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> CResult<Tensor> {
     let flat = ids.flatten_all()?;
     let mut dims = ids.dims().to_vec();
     dims.push(table.dim(1)?);
-    let node = table.device().is_cuda()
+    let node = on_cuda(table)
+        && cuda_enabled()
         && matches!(table.dtype(), DType::F32 | DType::BF16)
         && flat.dtype() == DType::U32
         && table.rank() == 2

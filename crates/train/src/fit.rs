@@ -1471,7 +1471,7 @@ impl Trainer {
     /// The global sum of squares of the gradients (f64 `[1]` on the parameters' device, after
     /// the all_reduce over the mesh): [`Trainer::grad_norm`] without its host read.
     fn grad_norm_sq(&self, grads: &GradStore) -> Result<Tensor> {
-        let local = if self.device.is_cuda() {
+        let local = if self.device.is_cuda() && candle_dtensor_kernels::fused::cuda_enabled() {
             let present: Vec<(Tensor, usize)> = self
                 .params
                 .iter()

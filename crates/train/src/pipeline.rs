@@ -1533,7 +1533,7 @@ pub(crate) fn train_rank_pp(
                 Some((g, if sharded { 1 } else { stage_size }))
             });
             let mut sq = 0.0f64;
-            if dev.is_cuda() {
+            if dev.is_cuda() && candle_dtensor_kernels::fused::cuda_enabled() {
                 // The multi-tensor norm kernel and one host read, instead of one per parameter.
                 let present: Vec<(Tensor, usize)> =
                     counted.map(|(g, copies)| (g.clone(), copies)).collect();
