@@ -314,6 +314,18 @@ trait LinearParts: Send + Sync {
     ) -> CResult<(Tensor, Option<Tensor>, Option<Tensor>)>;
 }
 
+/// The output gradient `g` of a linear as `[rows, out]`, and the bias gradient (`g` summed
+/// over rows) when there is a bias: what both linear nodes' backwards start from.
+fn rows_and_bias_grad(g: &Tensor, out: usize, bias: bool) -> CResult<(Tensor, Option<Tensor>)> {
+    let g2 = g.contiguous()?.reshape(((), out))?;
+    let db = if bias {
+        Some(crate::fused::row_sum(&g2, out)?)
+    } else {
+        None
+    };
+    Ok((g2, db))
+}
+
 /// A linear node (see [`LinearParts`]).
 struct LinearNode<L>(L);
 
@@ -378,16 +390,10 @@ impl LinearParts for Linear {
         bias: bool,
     ) -> CResult<(Tensor, Option<Tensor>, Option<Tensor>)> {
         let inner = x.dim(candle_core::D::Minus1)?;
-        let out = w.dim(0)?;
-        let g2 = g.contiguous()?.reshape(((), out))?;
+        let (g2, db) = rows_and_bias_grad(g, w.dim(0)?, bias)?;
         let x2 = x.reshape(((), inner))?;
         let dx = g2.matmul(w)?.reshape(x.shape())?;
         let dw = weight_grad(w, &x2, &g2)?;
-        let db = if bias {
-            Some(crate::fused::row_sum(&g2, out)?)
-        } else {
-            None
-        };
         Ok((dx, dw, db))
     }
 }
@@ -523,19 +529,13 @@ impl LinearParts for LinearIn {
         g: &Tensor,
         bias: bool,
     ) -> CResult<(Tensor, Option<Tensor>, Option<Tensor>)> {
-        let out = w.dim(0)?;
-        let g2 = g.contiguous()?.reshape(((), out))?;
+        let (g2, db) = rows_and_bias_grad(g, w.dim(0)?, bias)?;
         let gc = g2.to_dtype(self.wc.dtype())?;
         let dx = gc
             .matmul(&self.wc)?
             .to_dtype(x.dtype())?
             .reshape(x.shape())?;
         let dw = gc.t()?.matmul(&self.xc)?.to_dtype(w.dtype())?;
-        let db = if bias {
-            Some(crate::fused::row_sum(&g2, out)?)
-        } else {
-            None
-        };
         Ok((dx, Some(dw), db))
     }
 }
