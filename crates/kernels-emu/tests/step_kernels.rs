@@ -74,7 +74,7 @@ fn case<T: Dt>(ids: &[u32], d: usize, vocab: usize) {
 
 /// Ids with repeats: a small vocabulary over many positions (several shared-memory chunks of
 /// ids, a token repeated hundreds of times), a head dim over two column passes, ids past the
-/// vocabulary, a single position.
+/// vocabulary (`u32::MAX` among them), a single position.
 #[test]
 fn the_embedding_backward_sums_each_ids_rows_in_order() {
     let many: Vec<u32> = (0..2500u32).map(|i| (i * 7 + i / 13) % 37).collect();
@@ -82,6 +82,8 @@ fn the_embedding_backward_sums_each_ids_rows_in_order() {
         (many.clone(), 20, 37),
         (vec![3, 1, 3, 3, 0, 9, 1], 1100, 12),
         (vec![5, 40, 5, 2, 41], 33, 40),
+        // u32::MAX: the id a vocab-parallel lookup gives other shards' positions.
+        (vec![u32::MAX, 2, u32::MAX, 0, 2, u32::MAX], 9, 3),
         (vec![0], 7, 1),
     ] {
         case::<f32>(&ids, d, vocab);

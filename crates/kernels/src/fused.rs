@@ -1239,6 +1239,9 @@ impl CustomOp2 for Embedding {
 /// `index_add`, whose CUDA kernel runs one thread per column of the table, each walking every
 /// position in turn (768 threads for a GPT-2 step's 8192 positions).
 ///
+/// An id of `u32::MAX` looks up a zero row and gets no gradient, as in candle's `index_select`
+/// (a vocab-parallel lookup gives it to the positions another shard owns).
+///
 /// # Errors
 ///
 /// As `index_select`: ids that are not u32, or out of range.

@@ -711,8 +711,16 @@ fn embedding(dev: &Device, dtype: DType, rep: &mut Report) {
         (1000, 1100, vec![2, 9]),
     ] {
         let n: usize = shape.iter().product();
+        // Every fifth id u32::MAX: a zero row, no gradient (a vocab-parallel lookup's ids
+        // of other shards).
         let ids: Vec<u32> = (0..n as u32)
-            .map(|i| (i * 7 + i / 13) % vocab as u32)
+            .map(|i| {
+                if i % 5 == 4 {
+                    u32::MAX
+                } else {
+                    (i * 7 + i / 13) % vocab as u32
+                }
+            })
             .collect();
         let outcome = (|| -> R<String> {
             let cpu_ids = Tensor::from_vec(ids.clone(), shape.as_slice(), &Device::Cpu)?;

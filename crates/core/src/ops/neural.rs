@@ -6,7 +6,7 @@
 //! `softmax_last_dim`, `layer_norm`, `rms_norm` and `sdpa` run without a backward and silently
 //! cut the graph (candle#2168, #3011), so they are never used here.
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 
 use candle_dtensor_strategies::layout::local_shape_and_offset;
 use candle_dtensor_strategies::{DTensorSpec, Op, Placement};
@@ -166,6 +166,17 @@ pub(crate) fn local_ids(ids: &Tensor, off: usize, len: usize) -> CResult<(Tensor
     Ok((local, inside.to_dtype(DType::F32)?))
 }
 
+/// The ids in `[off, off + len)` shifted to `[0, len)` as u32, every other id `u32::MAX`: the
+/// id candle's `index_select` reads as a zero row and whose gradient its `index_add` (and the
+/// CUDA embedding backward) skips.
+pub(crate) fn shard_ids(ids: &Tensor, off: usize, len: usize) -> CResult<Tensor> {
+    let ids = ids.to_dtype(DType::I64)?;
+    let inside = ids.ge(off as f64)?.mul(&ids.lt((off + len) as f64)?)?;
+    let shifted = ids.affine(1.0, -(off as f64))?;
+    let skip = Tensor::full(i64::from(u32::MAX), ids.shape(), ids.device())?;
+    inside.where_cond(&shifted, &skip)?.to_dtype(DType::U32)
+}
+
 impl DTensor {
     /// Softmax over `dim`. Over a sharded `dim` the data stays put: the global max and sum of
     /// exponentials come from two small all_reduces of the reduced shape.
@@ -316,9 +327,10 @@ impl DTensor {
                     // backward collectives.
                     return crate::node::graph_zeros(w, &out_dims);
                 }
-                let (local, inside) = local_ids(ids, off, rows)?;
-                let looked = crate::fused::embedding(w, &local)?.reshape(out_dims)?;
-                looked.broadcast_mul(&inside.to_dtype(w.dtype())?.unsqueeze(D::Minus1)?)
+                // Ids of other shards look up u32::MAX: a zero row, skipped by the backward
+                // (no mask multiply, and no block of the CUDA embedding backward summing every
+                // other shard's position into one row).
+                crate::fused::embedding(w, &shard_ids(ids, off, rows)?)?.reshape(out_dims)
             },
         )
     }
