@@ -17,6 +17,7 @@ type Head = (*const RawLaunch, *mut c_char, usize);
 type GeluFwd<T> = unsafe fn(Head, *const T, *mut T, Ll) -> c_int;
 type GeluBwd<T> = unsafe fn(Head, *const T, *const T, *mut T, Ll) -> c_int;
 type EmbBwd<T> = unsafe fn(Head, *const u32, c_int, *const T, *mut T, c_int, c_int) -> c_int;
+type AddRows<T> = unsafe fn(Head, *mut T, *const T, Ll, c_int) -> c_int;
 type ColSumPartial<T> = unsafe fn(Head, *const T, *mut f32, Ll, c_int) -> c_int;
 type ColSumFinal<T> = unsafe fn(Head, *const f32, *mut T, c_int, c_int) -> c_int;
 type NormFwd<T> =
@@ -116,6 +117,8 @@ pub trait Dt: Element + sealed::Sealed {
     #[doc(hidden)]
     const EMB_BWD: EmbBwd<Self>;
     #[doc(hidden)]
+    const ADD_ROWS: AddRows<Self>;
+    #[doc(hidden)]
     const COL_SUM_PARTIAL: ColSumPartial<Self>;
     #[doc(hidden)]
     const COL_SUM_FINAL: ColSumFinal<Self>;
@@ -176,6 +179,8 @@ shims! {
     emu_embedding_bwd_f32(ids: *const u32, n: c_int, g: *const f32, dtable: *mut f32, d: c_int, vocab: c_int);
     emu_embedding_bwd_bf16(ids: *const u32, n: c_int, g: *const bf16, dtable: *mut bf16, d: c_int, vocab: c_int);
     emu_cast_add_rows_bf16_f32(y: *const bf16, b: *const f32, out: *mut f32, len: Ll, n: c_int);
+    emu_add_rows_f32(y: *mut f32, b: *const f32, len: Ll, n: c_int);
+    emu_add_rows_bf16(y: *mut bf16, b: *const bf16, len: Ll, n: c_int);
     emu_col_sum_partial_f32(x: *const f32, part: *mut f32, rows: Ll, n: c_int);
     emu_col_sum_final_f32(part: *const f32, out: *mut f32, chunks: c_int, n: c_int);
     emu_col_sum_partial_bf16(x: *const bf16, part: *mut f32, rows: Ll, n: c_int);
@@ -268,6 +273,7 @@ impl Dt for f32 {
     const GELU_FWD: GeluFwd<Self> = emu_gelu_fwd_f32;
     const GELU_BWD: GeluBwd<Self> = emu_gelu_bwd_f32;
     const EMB_BWD: EmbBwd<Self> = emu_embedding_bwd_f32;
+    const ADD_ROWS: AddRows<Self> = emu_add_rows_f32;
     const COL_SUM_PARTIAL: ColSumPartial<Self> = emu_col_sum_partial_f32;
     const COL_SUM_FINAL: ColSumFinal<Self> = emu_col_sum_final_f32;
     const NORM_FWD: NormFwd<Self> = emu_norm_fwd_f32;
@@ -324,6 +330,7 @@ impl Dt for bf16 {
     const GELU_FWD: GeluFwd<Self> = emu_gelu_fwd_bf16;
     const GELU_BWD: GeluBwd<Self> = emu_gelu_bwd_bf16;
     const EMB_BWD: EmbBwd<Self> = emu_embedding_bwd_bf16;
+    const ADD_ROWS: AddRows<Self> = emu_add_rows_bf16;
     const COL_SUM_PARTIAL: ColSumPartial<Self> = emu_col_sum_partial_bf16;
     const COL_SUM_FINAL: ColSumFinal<Self> = emu_col_sum_final_bf16;
     const NORM_FWD: NormFwd<Self> = emu_norm_fwd_bf16;
@@ -550,6 +557,30 @@ pub fn cast_add_rows(
         emu_cast_add_rows_bf16_f32((l, e, el), y.ptr(), bp, out.mut_ptr(), len, nc)
     })?;
     out.check(k)
+}
+
+/// `y[i] += b[i % n]` in place (the sum in f32, rounded once to `T`) for `y` of rows of `n`
+/// (`cuda/cast.cu`: a linear's bias added to its fresh product), any 1-D launch.
+pub fn add_rows<T: Dt>(
+    launch: &Launch,
+    order: Order,
+    y: &mut Buf<T>,
+    b: &Buf<T>,
+    n: usize,
+) -> Result<()> {
+    let k = "add_rows";
+    one_d(k, launch)?;
+    need_elems(k, b.len(), n)?;
+    if n == 0 || y.len() % n != 0 {
+        return Err(args(k, format!("{} elements are not rows of {n}", y.len())));
+    }
+    let nc = c_int::try_from(n).map_err(|_| args(k, format!("{n} columns")))?;
+    let len = ll(k, "len", y.len())?;
+    // SAFETY: element i < len reads and writes y[i] and reads b[i % n]: in bounds (checked).
+    run(launch, order, |l, e, el| unsafe {
+        T::ADD_ROWS((l, e, el), y.mut_ptr(), b.ptr(), len, nc)
+    })?;
+    y.check(k)
 }
 
 /// Threads a block and rows a partial of the column sum (`CS_THREADS`, `CS_ROWS` of

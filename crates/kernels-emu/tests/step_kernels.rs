@@ -1,6 +1,7 @@
 //! Kernels of a GPU training step outside the row and attention families, under the emulator:
 //! the embedding backward (`crates/kernels/cuda/embedding.cu`), the bias-gradient column sum
-//! (`cuda/reduce.cu`) and the mixed-precision linear's output pass (`cuda/cast.cu`).
+//! (`cuda/reduce.cu`), the mixed-precision linear's output pass and a linear's in-place bias add
+//! (`cuda/cast.cu`).
 //!
 //! The embedding backward: each touched row of the table's gradient is its earlier value plus
 //! the sum, in position order, of the gradient rows of the positions holding that id, bit for
@@ -213,4 +214,35 @@ fn the_cast_and_bias_add_is_one_exact_pass() {
             );
         }
     }
+}
+
+/// A linear's bias added in place (`cuda/cast.cu`): each element the f32 sum of itself and its
+/// column's bias, rounded once, a grid smaller than the elements.
+#[test]
+fn the_bias_is_added_in_place_row_by_row() {
+    use candle_dtensor_kernels_emu::Launch;
+    fn check<T: Dt>() {
+        let (rows, n) = (11, 9);
+        let y = values::<T>(rows * n, 5);
+        let b = values::<T>(n, 6);
+        let want: Vec<T> = y
+            .iter()
+            .enumerate()
+            .map(|(i, v)| T::from_f32(v.to_f32() + b[i % n].to_f32()))
+            .collect();
+        for order in ORDERS {
+            let mut out = Buf::from_slice("y", &y);
+            fused::add_rows(
+                &Launch::linear(3, 32, 0),
+                order,
+                &mut out,
+                &Buf::from_slice("b", &b),
+                n,
+            )
+            .unwrap();
+            assert!(same_bits(out.as_slice(), &want), "{} {order:?}", T::NAME);
+        }
+    }
+    check::<f32>();
+    check::<bf16>();
 }

@@ -1544,6 +1544,102 @@ pub(crate) fn cast_add_rows(y: &Tensor, b: Option<&Tensor>) -> Result<Option<Cud
     Ok(Some(wrap(dev, out)))
 }
 
+/// `x2 @ w^T (+ b)` for a contiguous `x2 [rows, in]`, `w [out, in]` and a bias `b [out]`, all
+/// of one dtype (f32 or bf16) on one CUDA device, as a fresh storage `[rows, out]` a linear's
+/// graph node hands out as its own: candle's GEMM called on the storages (no tensor owns the
+/// product, so the node takes it without a copy) and the bias added in place (`cast.cu`), one
+/// pass where a broadcast add writes a second tensor. `None` where it does not apply (other
+/// dtypes or shapes, an empty operand, the fused CUDA path off): the caller computes it with
+/// tensor ops.
+pub(crate) fn linear_out(
+    x2: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+) -> Result<Option<CudaStorage>> {
+    let op = "linear";
+    let dt = x2.dtype();
+    let (Ok((rows, inner)), Ok((out_n, w_inner))) = (x2.dims2(), w.dims2()) else {
+        return Ok(None);
+    };
+    let fits = crate::fused::cuda_enabled()
+        && matches!(dt, DType::F32 | DType::BF16)
+        && x2.device().is_cuda()
+        && w.device().same_device(x2.device())
+        && w.dtype() == dt
+        && w_inner == inner
+        && rows > 0
+        && inner > 0
+        && out_n > 0
+        && i32::try_from(out_n).is_ok()
+        && x2.is_contiguous()
+        && b.is_none_or(|b| {
+            b.dtype() == dt && b.dims() == [out_n] && b.device().same_device(x2.device())
+        });
+    if !fits {
+        return Ok(None);
+    }
+    let wt = w.t()?;
+    let mut out = {
+        let (xs, xl) = x2.storage_and_layout();
+        let (ws, wl) = wt.storage_and_layout();
+        let (candle_core::Storage::Cuda(xs), candle_core::Storage::Cuda(ws)) = (&*xs, &*ws) else {
+            return Ok(None);
+        };
+        // As `Tensor::matmul` calls it for `[rows, in] @ [in, out]`: one batch, m = rows,
+        // n = out, k = in, the transposed weight's strided layout.
+        xs.matmul(ws, (1, rows, out_n, inner), xl, wl)?
+    };
+    if let Some(b) = b {
+        let b = b.contiguous()?;
+        let (bs, bl) = b.storage_and_layout();
+        let candle_core::Storage::Cuda(bs) = &*bs else {
+            return Ok(None);
+        };
+        by_float!(
+            dt,
+            op,
+            &Shape::from((rows, out_n)),
+            add_rows_launch(&mut out, bs, bl, rows * out_n, out_n as i32)
+        )?;
+    }
+    Ok(Some(out))
+}
+
+fn add_rows_launch<T: Float>(
+    y: &mut CudaStorage,
+    b: &CudaStorage,
+    bl: &Layout,
+    len: usize,
+    n: i32,
+) -> Result<()> {
+    let op = "linear bias add";
+    let dev = y.device.clone();
+    let bv = view::<T>(b, bl, op, "bias")?;
+    let yv = T::of_mut(&mut y.slice)
+        .ok_or_else(|| mismatch(op, format!("the product is not {}", T::SUFFIX)))?;
+    if yv.len() != len {
+        return Err(mismatch(
+            op,
+            format!("a product of {} elements for {len}", yv.len()),
+        ));
+    }
+    let name = format!("cdt_add_rows_{}", T::SUFFIX);
+    let f = dev.get_or_load_custom_func(&name, CAST.name, CAST.ptx)?;
+    let len_arg = len as i64;
+    let mut bld = f.builder();
+    // Passed as written (`&mut`): cudarc then records the launch as a write of it.
+    bld.arg(yv);
+    bld.arg(&bv);
+    bld.arg(&len_arg);
+    bld.arg(&n);
+    // SAFETY: `cdt_add_rows_*(T* y, const T* b, long long len, int n)`: y holds exactly len
+    // elements of T (checked above; the GEMM's fresh output), b n of them (a contiguous view of
+    // a bias of n elements, checked by the caller); element i < len reads and writes y[i] and
+    // reads b[i % n].
+    unsafe { bld.launch(elem_cfg(len)) }.w()?;
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // Column sum (bias gradients)
 

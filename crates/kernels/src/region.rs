@@ -28,6 +28,15 @@ fn output_storage<S: DeviceStorage>(
         .unwrap_or_else(|e| e.into_inner())
         .take()
         .ok_or_else(|| Error::msg("fused region: output already taken"))?;
+    output_from(like, y, bias)
+}
+
+/// [`output_storage`] of the output `y` itself.
+fn output_from<S: DeviceStorage>(
+    like: &S,
+    y: Tensor,
+    bias: Option<&Tensor>,
+) -> CResult<(S, Shape)> {
     let Some(b) = bias else {
         return Ok((output_of::<S>(&y)?, y.shape().clone()));
     };
@@ -160,17 +169,24 @@ impl CustomOp3 for Region<WithOutput> {
 
 /// Whether a region applies: CPU tensors that track gradients (untracked inputs just run the
 /// plain ops, which record nothing). Regions on CUDA tensors would be correct (their nodes
-/// have a CUDA forward) but their backward kernels are CPU ones; CUDA runs the plain ops.
+/// have a CUDA forward) but most of their backward kernels are CPU ones; CUDA runs the plain
+/// ops, except for [`linear`] (see [`linear_applies`]) and the attention of `crate::flash`.
 fn tracked(ts: &[&Tensor]) -> bool {
     ts.iter().all(|t| t.device().is_cpu()) && ts.iter().any(|t| t.track_op())
 }
 
 /// Whether [`linear`] applies: tensors one of which tracks gradients, `x` of rank >= 2 and no
-/// empty operand (empty pieces take the plain path, which keeps the graph edges), on the CPU,
-/// or on any device inside [`splittable_forward`].
+/// empty operand (empty pieces take the plain path, which keeps the graph edges), on the CPU
+/// or on CUDA (its backward is GEMMs and the bias column sum, which run there; off with
+/// `CDT_FUSED_CUDA=0`), or on any device inside [`splittable_forward`].
 pub fn linear_applies(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> bool {
     let all: Vec<&Tensor> = [x, w].into_iter().chain(b).collect();
-    let on_device = tracked(&all) || (split_forward() && all.iter().any(|t| t.track_op()));
+    let on_cuda = cfg!(feature = "cuda")
+        && all.iter().all(|t| t.device().is_cuda())
+        && crate::fused::cuda_enabled()
+        && all.iter().any(|t| t.track_op());
+    let on_device =
+        tracked(&all) || on_cuda || (split_forward() && all.iter().any(|t| t.track_op()));
     on_device && x.rank() >= 2 && all.iter().all(|t| t.elem_count() > 0)
 }
 
@@ -294,9 +310,42 @@ fn weight_grad(w: &Tensor, x2: &Tensor, g2: &Tensor) -> CResult<Option<Tensor>> 
 
 /// [`linear`]'s graph node: `(x, w)` or `(x, w, b)`.
 struct Linear {
-    out: Mutex<Option<Tensor>>,
+    /// The output, until the forward takes it: a tensor the forward copies (adding `bias` on
+    /// the way), or (CUDA) a storage the forward takes as it is.
+    out: Mutex<Option<NodeOutput>>,
     /// An f32 bias added while the output is copied into the node's storage (CPU only).
     bias: Option<Tensor>,
+}
+
+/// What a linear node's forward hands out.
+enum NodeOutput {
+    /// A tensor: the forward makes the node's storage from it (see each node's `output`).
+    Tensor(Tensor),
+    /// The finished output, moved out as it is: made as a storage (`cuda::linear_out`,
+    /// `cuda::cast_add_rows`), which no tensor owns.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Ready(candle_core::Storage, Shape),
+}
+
+impl NodeOutput {
+    /// Takes the output out of a node's slot (once: candle runs a node's forward once).
+    fn take(slot: &Mutex<Option<NodeOutput>>, node: &str) -> CResult<NodeOutput> {
+        slot.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| Error::msg(format!("{node}: output already taken")))
+    }
+
+    /// The storage of a [`NodeOutput::Ready`] output, as backend `S`.
+    fn ready<S: DeviceStorage>(
+        s: candle_core::Storage,
+        shape: Shape,
+        node: &str,
+    ) -> CResult<(S, Shape)> {
+        let s = S::take(s)
+            .ok_or_else(|| Error::msg(format!("{node}: the output is on another device than x")))?;
+        Ok((s, shape))
+    }
 }
 
 /// What the two linear nodes ([`Linear`], [`LinearIn`]) have of their own: the output their
@@ -378,7 +427,10 @@ impl LinearParts for Linear {
     const NAME: &'static str = "fused-linear";
 
     fn output<S: DeviceStorage>(&self, s: &S) -> CResult<(S, Shape)> {
-        output_storage(s, &self.out, self.bias.as_ref())
+        match NodeOutput::take(&self.out, Self::NAME)? {
+            NodeOutput::Tensor(y) => output_from(s, y, self.bias.as_ref()),
+            NodeOutput::Ready(st, shape) => NodeOutput::ready(st, shape, Self::NAME),
+        }
     }
 
     /// `(dx, dw, db)`: `dx = g @ w`, `dw = g^T @ x` (or deferred), `db` = `g` summed over rows.
@@ -430,10 +482,26 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
         && x.dtype() == candle_core::DType::F32
         && b.is_some_and(|b| b.dtype() == candle_core::DType::F32);
     let bias = b.map(|b| b.detach());
-    let y = if fuse_bias {
-        compute(&x.detach(), &w.detach(), None)?
+    // On CUDA the product is made as a storage the node takes without a copy, the bias added
+    // to it in place.
+    #[cfg(feature = "cuda")]
+    let ready = if x.device().is_cuda() {
+        let mut dims = x.dims().to_vec();
+        let last = dims.len() - 1;
+        let rows: usize = dims[..last].iter().product();
+        let x2 = x.detach().reshape((rows, dims[last]))?;
+        dims[last] = w.dim(0)?;
+        crate::cuda::linear_out(&x2, &w.detach(), bias.as_ref())?
+            .map(|st| NodeOutput::Ready(candle_core::Storage::Cuda(st), Shape::from(dims)))
     } else {
-        compute(&x.detach(), &w.detach(), bias.as_ref())?
+        None
+    };
+    #[cfg(not(feature = "cuda"))]
+    let ready: Option<NodeOutput> = None;
+    let y = match ready {
+        Some(r) => r,
+        None if fuse_bias => NodeOutput::Tensor(compute(&x.detach(), &w.detach(), None)?),
+        None => NodeOutput::Tensor(compute(&x.detach(), &w.detach(), bias.as_ref())?),
     };
     let node = Linear {
         out: Mutex::new(Some(y)),
@@ -477,9 +545,10 @@ pub fn take_linear_in_nodes() -> usize {
 /// backward (as the cast nodes of the plain composition keep them). Its forward makes the
 /// output from the product by the cast back and the bias add themselves.
 struct LinearIn {
-    /// The output, until the forward takes it: the product in the compute dtype, `[.., out]`,
-    /// or (CUDA, bf16 product, f32 output) the output itself, made from it in one pass.
-    output: Mutex<Option<LinearInOut>>,
+    /// The output, until the forward takes it: the product in the compute dtype, `[.., out]`
+    /// (a tensor), or (CUDA, bf16 product, f32 output) the output itself, made from it in one
+    /// pass.
+    output: Mutex<Option<NodeOutput>>,
     /// The output's dtype (`x`'s).
     out_dtype: DType,
     bias: Option<Tensor>,
@@ -488,37 +557,18 @@ struct LinearIn {
     wc: Tensor,
 }
 
-/// What [`LinearIn`]'s forward hands out.
-enum LinearInOut {
-    /// The product in the compute dtype: the forward casts it and adds the bias.
-    Product(Tensor),
-    /// The finished output (cast and bias added by `cuda::cast_add_rows`), moved out as it is.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Ready(candle_core::Storage, Shape),
-}
-
 impl LinearParts for LinearIn {
     const NAME: &'static str = "fused-linear-in";
 
     fn output<S: DeviceStorage>(&self, _: &S) -> CResult<(S, Shape)> {
-        let out = self
-            .output
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| Error::msg("fused-linear-in: output already taken"))?;
-        match out {
-            LinearInOut::Product(y) => {
+        match NodeOutput::take(&self.output, Self::NAME)? {
+            // The product: cast and the bias added into the node's storage.
+            NodeOutput::Tensor(y) => {
                 let s =
                     crate::storage::output_cast_add::<S>(&y, self.out_dtype, self.bias.as_ref())?;
                 Ok((s, y.shape().clone()))
             }
-            LinearInOut::Ready(s, shape) => Ok((
-                S::take(s).ok_or_else(|| {
-                    Error::msg("fused-linear-in: the output is on another device than x")
-                })?,
-                shape,
-            )),
+            NodeOutput::Ready(st, shape) => NodeOutput::ready(st, shape, Self::NAME),
         }
     }
 
@@ -578,8 +628,8 @@ pub fn linear_in(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> 
     #[cfg(not(feature = "cuda"))]
     let ready: Option<candle_core::CudaStorage> = None;
     let output = match ready {
-        Some(s) => LinearInOut::Ready(candle_core::Storage::Cuda(s), product.shape().clone()),
-        None => LinearInOut::Product(product),
+        Some(s) => NodeOutput::Ready(candle_core::Storage::Cuda(s), product.shape().clone()),
+        None => NodeOutput::Tensor(product),
     };
     let node = LinearIn {
         output: Mutex::new(Some(output)),

@@ -672,6 +672,39 @@ fn mixed_linear(dev: &Device, rep: &mut Report) {
     }
 }
 
+/// The one-node linear (`region::linear`: on CUDA its product made on the storages and the
+/// bias added in place, `cast.cu`) in f32 and bf16 against candle's matmul and broadcast add on
+/// the CPU, forward and backward, with and without a bias, 2-D and 3-D inputs, uneven widths.
+fn plain_linear(dev: &Device, dtype: DType, rep: &mut Report) {
+    use candle_dtensor_kernels::region;
+    for xs in [vec![5, 7], vec![2, 33, 70], vec![1, 1]] {
+        let inner = xs[xs.len() - 1];
+        for bias in [true, false] {
+            let mut inputs = vec![values(&xs, 1.0, 81), values(&[37, inner], 0.5, 82)];
+            if bias {
+                inputs.push(values(&[37], 1.0, 83));
+            }
+            let outcome = compare(
+                dev,
+                dtype,
+                &inputs,
+                &|x| region::linear(&x[0], &x[1], x.get(2)),
+                &|x| {
+                    let y = x[0].broadcast_matmul(&x[1].t()?)?;
+                    match x.get(2) {
+                        Some(b) => y.broadcast_add(b),
+                        None => Ok(y),
+                    }
+                },
+            );
+            rep.record(
+                &format!("linear {dtype:?} {xs:?} x [37, {inner}] bias {bias}"),
+                outcome,
+            );
+        }
+    }
+}
+
 /// The bias-gradient column sum (`fused::row_sum`: on CUDA `reduce.cu`) against candle's sum
 /// over the leading dim on the CPU: one row, a ragged chunk of rows, columns past one block.
 fn column_sums(dev: &Device, dtype: DType, rep: &mut Report) {
@@ -927,6 +960,7 @@ fn fused_cuda_kernels_match_the_cpu_reference() {
         attention(&dev, dtype, &mut rep);
         embedding(&dev, dtype, &mut rep);
         column_sums(&dev, dtype, &mut rep);
+        plain_linear(&dev, dtype, &mut rep);
         if dtype == DType::F32 {
             mixed_linear(&dev, &mut rep);
         }
