@@ -380,6 +380,31 @@ impl DTensor {
         )
     }
 
+    /// `self` with its spec's dtype set to `dtype`, the local piece unchanged: for an op whose
+    /// sharding strategies want its inputs in one dtype while its local computation takes
+    /// (or makes) another itself (`linear_with_layout_to`: a bf16 activation and f32
+    /// weights). Placements, shape and managed gradient dims are kept.
+    pub(crate) fn relabelled(&self, dtype: DType) -> Result<DTensor> {
+        let target = crate::convert::sdtype(dtype).ok_or_else(|| {
+            crate::error::invalid(
+                "relabel",
+                self.mesh_rank(),
+                format!("unsupported dtype {dtype:?}"),
+            )
+        })?;
+        let mut spec = self.inner.spec.clone();
+        spec.meta.dtype = target;
+        Ok(DTensor {
+            inner: Arc::new(Inner {
+                local: self.inner.local.clone(),
+                spec,
+                mesh: self.inner.mesh.clone(),
+                ctx: self.inner.ctx.clone(),
+                managed: self.inner.managed.clone(),
+            }),
+        })
+    }
+
     /// Gradient ownership: marks mesh dims on which whoever owns this tensor reduces its
     /// gradient itself (FSDP reduce-scatters the gradients of the parameters it gathered), so
     /// dispatch must not add its own gradient all_reduce there. Only for leaves such as

@@ -172,3 +172,128 @@ fn matmul_in_bf16_is_the_bf16_product() {
         close(&y, &want, 1e-6).unwrap();
     }
 }
+
+/// bf16 activations between two tensor-parallel linears (`linear_with_layout_to`, autocast's
+/// data flow): a column-parallel `fc1` from an f32 input to a bf16 output sharded on its
+/// features, then a row-parallel `fc2` from that bf16 piece to an f32 partial sum, reduced in
+/// f32. Against one device's composition (casts around bf16 products, f32 biases added before
+/// the one rounding), forward and the f32 gradients of every weight, bias and the input, on
+/// tp = 1, 2, 3 with a hidden width of 7 (uneven pieces). The values are small integers, so
+/// every product and sum here is exact in bf16 and every layout must agree with one device to
+/// the bit: this checks the plumbing (dtypes, placements, the f32 reduction); where bf16 rounds
+/// is `kernels/tests/region.rs`'s, bit for bit against the composition.
+#[test]
+fn bf16_activations_between_tp_linears_match_one_device() {
+    const BF: DType = DType::BF16;
+    let (n, d, h) = (5, 6, 7);
+    let ints = |shape: &[usize], k: usize| {
+        let len: usize = shape.iter().product();
+        let v: Vec<f32> = (0..len).map(|i| ((i * 7 + k) % 3) as f32 - 1.0).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    };
+    let (x, w1, b1, w2, b2) = (
+        ints(&[n, d], 0),
+        ints(&[h, d], 1),
+        ints(&[h], 2),
+        ints(&[d, h], 0),
+        ints(&[d], 1),
+    );
+    // One device: fc1's f32 sum rounded once to bf16; fc2 from that bf16 activation.
+    let reference = |x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor, b2: &Tensor| {
+        let a = bf16_linear(x, w1, b1)?.to_dtype(BF)?;
+        a.matmul(&w2.to_dtype(BF)?.t()?)?
+            .to_dtype(DType::F32)?
+            .broadcast_add(b2)
+    };
+    let vars: Vec<Var> = [&x, &w1, &b1, &w2, &b2]
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect();
+    let v: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+    let want = reference(v[0], v[1], v[2], v[3], v[4]).unwrap();
+    let seed = ints(&[n, d], 2);
+    let g = (&want * &seed)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let want_g: Vec<Tensor> = vars.iter().map(|v| g.get(v).unwrap().clone()).collect();
+    let placements = [Rep, S(0), S(0), S(1), Rep];
+    for tp in 1..=3 {
+        let res = on_mesh(&[tp], |mesh| {
+            // Each input's piece as a leaf of its own; the expected gradient is that piece of
+            // one device's.
+            let mut leaves = Vec::new();
+            let mut ds = Vec::new();
+            let mut want_pieces = Vec::new();
+            for (i, full) in [&x, &w1, &b1, &w2, &b2].into_iter().enumerate() {
+                let pl = placements[i];
+                let piece = candle_dtensor_core::distribute_tensor(full, &mesh, &[pl])?;
+                let leaf = Var::from_tensor(piece.to_local())?;
+                ds.push(DTensor::from_local_with_shape(
+                    leaf.as_tensor(),
+                    &mesh,
+                    &[pl],
+                    full.dims(),
+                )?);
+                leaves.push(leaf);
+                let wp = candle_dtensor_core::distribute_tensor(&want_g[i], &mesh, &[pl])?;
+                want_pieces.push(wp.to_local().clone());
+            }
+            let (xd, w1d, b1d, w2d, b2d) = (&ds[0], &ds[1], &ds[2], &ds[3], &ds[4]);
+            let a = xd.linear_with_layout_to(w1d, Some(b1d), Some(&[Rep]), BF, BF)?;
+            let a_dtype = a.dtype();
+            let a_pl = a.placements().to_vec();
+            let mode = CommDebugMode::start();
+            let y = a.linear_with_layout_to(w2d, None, Some(&[S(1)]), BF, DType::F32)?;
+            let y = y.redistribute(&[Rep])?;
+            let fwd_bytes: Vec<u64> = mode
+                .records()
+                .iter()
+                .filter(|r| r.phase == Phase::Forward && r.kind == "all_reduce")
+                .map(|r| r.bytes)
+                .collect();
+            let y = y.add(b2d)?;
+            let seed_d = DTensor::from_local(&seed, &mesh, &[Rep])?;
+            let loss = y.mul(&seed_d)?.sum_all()?;
+            let grads = loss.backward()?;
+            let gs: Vec<Tensor> = leaves
+                .iter()
+                .map(|l| {
+                    grads
+                        .get(l)
+                        .cloned()
+                        .ok_or_else(|| "a leaf without gradient".into())
+                })
+                .collect::<R<_>>()?;
+            Ok((
+                a_dtype,
+                a_pl,
+                fwd_bytes,
+                y.to_local().clone(),
+                gs,
+                want_pieces,
+            ))
+        })
+        .unwrap();
+        for (rank, (a_dtype, a_pl, fwd_bytes, y, gs, want_g)) in res.into_iter().enumerate() {
+            let what = format!("tp {tp} rank {rank}");
+            assert_eq!(a_dtype, BF, "{what}: fc1's output dtype");
+            assert_eq!(a_pl, vec![S(1)], "{what}: fc1's output placement");
+            if tp > 1 {
+                assert_eq!(
+                    fwd_bytes,
+                    vec![4 * (n * d) as u64],
+                    "{what}: fc2 reduces in f32"
+                );
+            }
+            close(&y, &want, 1e-6).unwrap_or_else(|e| panic!("{what}: output: {e}"));
+            let names = ["x", "w1", "b1", "w2", "b2"];
+            for ((g, w), name) in gs.iter().zip(&want_g).zip(names) {
+                assert_eq!(g.dtype(), DType::F32, "{what}: {name}'s gradient dtype");
+                close(g, w, 1e-6).unwrap_or_else(|e| panic!("{what}: {name}'s gradient: {e}"));
+            }
+        }
+    }
+}

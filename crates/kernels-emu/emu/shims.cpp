@@ -105,12 +105,13 @@ int emu_cast_add_rows_bf16_f32(EMU_ERR, const bf16_t* y, const float* b, float* 
     EMU_RUN(cdt_cast_add_rows_bf16_f32, y, b, out, len, n);
 }
 
-#define ADD_ROWS_SHIM(NAME, T)                                                                \
-    int emu_add_rows_##NAME(EMU_ERR, T* y, const T* b, long long len, int n) {                \
+#define ADD_ROWS_SHIM(NAME, T, B)                                                             \
+    int emu_add_rows_##NAME(EMU_ERR, T* y, const B* b, long long len, int n) {                \
         EMU_RUN(cdt_add_rows_##NAME, y, b, len, n);                                           \
     }
-ADD_ROWS_SHIM(f32, float)
-ADD_ROWS_SHIM(bf16, bf16_t)
+ADD_ROWS_SHIM(f32, float, float)
+ADD_ROWS_SHIM(bf16, bf16_t, bf16_t)
+ADD_ROWS_SHIM(bf16_f32, bf16_t, float)
 
 #define NORM_SHIM(NAME, T)                                                                    \
     int emu_norm_fwd_##NAME(EMU_ERR, const T* x, const T* w, const T* b, T* y,                \

@@ -181,6 +181,7 @@ shims! {
     emu_cast_add_rows_bf16_f32(y: *const bf16, b: *const f32, out: *mut f32, len: Ll, n: c_int);
     emu_add_rows_f32(y: *mut f32, b: *const f32, len: Ll, n: c_int);
     emu_add_rows_bf16(y: *mut bf16, b: *const bf16, len: Ll, n: c_int);
+    emu_add_rows_bf16_f32(y: *mut bf16, b: *const f32, len: Ll, n: c_int);
     emu_col_sum_partial_f32(x: *const f32, part: *mut f32, rows: Ll, n: c_int);
     emu_col_sum_final_f32(part: *const f32, out: *mut f32, chunks: c_int, n: c_int);
     emu_col_sum_partial_bf16(x: *const bf16, part: *mut f32, rows: Ll, n: c_int);
@@ -579,6 +580,30 @@ pub fn add_rows<T: Dt>(
     // SAFETY: element i < len reads and writes y[i] and reads b[i % n]: in bounds (checked).
     run(launch, order, |l, e, el| unsafe {
         T::ADD_ROWS((l, e, el), y.mut_ptr(), b.ptr(), len, nc)
+    })?;
+    y.check(k)
+}
+
+/// [`add_rows`] of an f32 bias into a bf16 `y` (`cdt_add_rows_bf16_f32`: the f32 sum rounded
+/// once to bf16).
+pub fn add_rows_f32_bias(
+    launch: &Launch,
+    order: Order,
+    y: &mut Buf<bf16>,
+    b: &Buf<f32>,
+    n: usize,
+) -> Result<()> {
+    let k = "add_rows_bf16_f32";
+    one_d(k, launch)?;
+    need_elems(k, b.len(), n)?;
+    if n == 0 || y.len() % n != 0 {
+        return Err(args(k, format!("{} elements are not rows of {n}", y.len())));
+    }
+    let nc = c_int::try_from(n).map_err(|_| args(k, format!("{n} columns")))?;
+    let len = ll(k, "len", y.len())?;
+    // SAFETY: element i < len reads and writes y[i] and reads b[i % n]: in bounds (checked).
+    run(launch, order, |l, e, el| unsafe {
+        emu_add_rows_bf16_f32((l, e, el), y.mut_ptr(), b.ptr(), len, nc)
     })?;
     y.check(k)
 }

@@ -245,4 +245,28 @@ fn the_bias_is_added_in_place_row_by_row() {
     }
     check::<f32>();
     check::<bf16>();
+    // An f32 bias into a bf16 product: the f32 sum, rounded once.
+    let (rows, n) = (6, 13);
+    let y = values::<bf16>(rows * n, 7);
+    let b = values::<f32>(n, 8);
+    let want: Vec<bf16> = y
+        .iter()
+        .enumerate()
+        .map(|(i, v)| bf16::from_f32(v.to_f32() + b[i % n]))
+        .collect();
+    for order in ORDERS {
+        let mut out = Buf::from_slice("y", &y);
+        fused::add_rows_f32_bias(
+            &Launch::linear(2, 32, 0),
+            order,
+            &mut out,
+            &Buf::from_slice("b", &b),
+            n,
+        )
+        .unwrap();
+        assert!(
+            same_bits(out.as_slice(), &want),
+            "bf16 + f32 bias {order:?}"
+        );
+    }
 }

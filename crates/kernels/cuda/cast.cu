@@ -17,19 +17,22 @@ extern "C" __global__ void cdt_cast_add_rows_bf16_f32(const bf16_t* __restrict__
 // A linear's bias, added in place to its product: y[i] += b[i % n] (the sum in f32, rounded
 // once to T), elementwise, grid-stride. The product is a fresh GEMM output the linear's graph
 // node then hands out as its own storage, so adding in place saves the copy a broadcast add
-// into a new tensor makes.
-template <typename T>
-__device__ void add_rows(T* __restrict__ y, const T* __restrict__ b, long long len, int n) {
+// into a new tensor makes. The bias is of T, or f32 for a bf16 product whose output stays bf16
+// (a mixed-precision linear feeding another bf16 op: the f32 master bias added before the one
+// rounding).
+template <typename T, typename B>
+__device__ void add_rows(T* __restrict__ y, const B* __restrict__ b, long long len, int n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < len;
          i += (long long)gridDim.x * blockDim.x) {
         y[i] = from_f32<T>(to_f32(y[i]) + to_f32(b[i % n]));
     }
 }
 
-#define ADD_ROWS(NAME, T)                                                                      \
-    extern "C" __global__ void cdt_add_rows_##NAME(T* y, const T* b, long long len, int n) {   \
-        add_rows<T>(y, b, len, n);                                                             \
+#define ADD_ROWS(NAME, T, B)                                                                   \
+    extern "C" __global__ void cdt_add_rows_##NAME(T* y, const B* b, long long len, int n) {   \
+        add_rows<T, B>(y, b, len, n);                                                          \
     }
 
-ADD_ROWS(f32, float)
-ADD_ROWS(bf16, bf16_t)
+ADD_ROWS(f32, float, float)
+ADD_ROWS(bf16, bf16_t, bf16_t)
+ADD_ROWS(bf16_f32, bf16_t, float)

@@ -1544,13 +1544,13 @@ pub(crate) fn cast_add_rows(y: &Tensor, b: Option<&Tensor>) -> Result<Option<Cud
     Ok(Some(wrap(dev, out)))
 }
 
-/// `x2 @ w^T (+ b)` for a contiguous `x2 [rows, in]`, `w [out, in]` and a bias `b [out]`, all
-/// of one dtype (f32 or bf16) on one CUDA device, as a fresh storage `[rows, out]` a linear's
-/// graph node hands out as its own: candle's GEMM called on the storages (no tensor owns the
-/// product, so the node takes it without a copy) and the bias added in place (`cast.cu`), one
-/// pass where a broadcast add writes a second tensor. `None` where it does not apply (other
-/// dtypes or shapes, an empty operand, the fused CUDA path off): the caller computes it with
-/// tensor ops.
+/// `x2 @ w^T (+ b)` for a contiguous `x2 [rows, in]`, `w [out, in]` of one dtype (f32 or bf16)
+/// and a bias `b [out]` of that dtype (or f32 for bf16: the sum in f32, rounded once) on one
+/// CUDA device, as a fresh storage `[rows, out]` a linear's graph node hands out as its own:
+/// candle's GEMM called on the storages (no tensor owns the product, so the node takes it
+/// without a copy) and the bias added in place (`cast.cu`), one pass where a broadcast add
+/// writes a second tensor. `None` where it does not apply (other dtypes or shapes, an empty
+/// operand, the fused CUDA path off): the caller computes it with tensor ops.
 pub(crate) fn linear_out(
     x2: &Tensor,
     w: &Tensor,
@@ -1573,7 +1573,9 @@ pub(crate) fn linear_out(
         && i32::try_from(out_n).is_ok()
         && x2.is_contiguous()
         && b.is_none_or(|b| {
-            b.dtype() == dt && b.dims() == [out_n] && b.device().same_device(x2.device())
+            (b.dtype() == dt || (dt == DType::BF16 && b.dtype() == DType::F32))
+                && b.dims() == [out_n]
+                && b.device().same_device(x2.device())
         });
     if !fits {
         return Ok(None);
@@ -1595,17 +1597,23 @@ pub(crate) fn linear_out(
         let candle_core::Storage::Cuda(bs) = &*bs else {
             return Ok(None);
         };
-        by_float!(
-            dt,
-            op,
-            &Shape::from((rows, out_n)),
-            add_rows_launch(&mut out, bs, bl, rows * out_n, out_n as i32)
-        )?;
+        let (len, n) = (rows * out_n, out_n as i32);
+        match (dt, b.dtype()) {
+            (DType::F32, DType::F32) => add_rows_launch::<f32, f32>(&mut out, bs, bl, len, n)?,
+            (DType::BF16, DType::BF16) => add_rows_launch::<bf16, bf16>(&mut out, bs, bl, len, n)?,
+            (DType::BF16, DType::F32) => add_rows_launch::<bf16, f32>(&mut out, bs, bl, len, n)?,
+            (y, b) => {
+                return Err(mismatch(
+                    op,
+                    format!("a {b:?} bias for a {y:?} product (checked above)"),
+                ))
+            }
+        }
     }
     Ok(Some(out))
 }
 
-fn add_rows_launch<T: Float>(
+fn add_rows_launch<T: Float, B: Float>(
     y: &mut CudaStorage,
     b: &CudaStorage,
     bl: &Layout,
@@ -1614,7 +1622,7 @@ fn add_rows_launch<T: Float>(
 ) -> Result<()> {
     let op = "linear bias add";
     let dev = y.device.clone();
-    let bv = view::<T>(b, bl, op, "bias")?;
+    let bv = view::<B>(b, bl, op, "bias")?;
     let yv = T::of_mut(&mut y.slice)
         .ok_or_else(|| mismatch(op, format!("the product is not {}", T::SUFFIX)))?;
     if yv.len() != len {
@@ -1623,7 +1631,11 @@ fn add_rows_launch<T: Float>(
             format!("a product of {} elements for {len}", yv.len()),
         ));
     }
-    let name = format!("cdt_add_rows_{}", T::SUFFIX);
+    let name = if T::SUFFIX == B::SUFFIX {
+        format!("cdt_add_rows_{}", T::SUFFIX)
+    } else {
+        format!("cdt_add_rows_{}_{}", T::SUFFIX, B::SUFFIX)
+    };
     let f = dev.get_or_load_custom_func(&name, CAST.name, CAST.ptx)?;
     let len_arg = len as i64;
     let mut bld = f.builder();
@@ -1632,10 +1644,11 @@ fn add_rows_launch<T: Float>(
     bld.arg(&bv);
     bld.arg(&len_arg);
     bld.arg(&n);
-    // SAFETY: `cdt_add_rows_*(T* y, const T* b, long long len, int n)`: y holds exactly len
-    // elements of T (checked above; the GEMM's fresh output), b n of them (a contiguous view of
-    // a bias of n elements, checked by the caller); element i < len reads and writes y[i] and
-    // reads b[i % n].
+    // SAFETY: `cdt_add_rows_*(T* y, const B* b, long long len, int n)` (the name's suffixes
+    // are T's, then B's where it differs: f32, bf16, bf16_f32 exist): y holds exactly len
+    // elements of T (checked above; the GEMM's fresh output), b n elements of B (a contiguous
+    // view of a bias of n elements, checked by the caller); element i < len reads and writes
+    // y[i] and reads b[i % n].
     unsafe { bld.launch(elem_cfg(len)) }.w()?;
     Ok(())
 }
@@ -1647,6 +1660,12 @@ fn add_rows_launch<T: Float>(
 /// divides) viewed as `[rows, n]`, of g's dtype: `reduce.cu`'s two kernels (f32 partials of
 /// [`crate::fused::COL_SUM_ROWS`] rows, then their sum in order).
 pub(crate) fn col_sum(g: &Tensor, n: usize) -> Result<Tensor> {
+    col_sum_as(g, n, g.dtype())
+}
+
+/// [`col_sum`] with the sums in `dtype`: g's own, or f32 for a bf16 `g` (the f32 partials
+/// added by the f32 final kernel: no rounding of the sum to bf16, and no cast pass over g).
+pub(crate) fn col_sum_as(g: &Tensor, n: usize, dtype: DType) -> Result<Tensor> {
     let op = "column sum";
     let g = g.contiguous()?;
     let rows = g.elem_count() / n;
@@ -1668,16 +1687,21 @@ pub(crate) fn col_sum(g: &Tensor, n: usize) -> Result<Tensor> {
     let candle_core::Storage::Cuda(gs) = &*gs else {
         return Err(mismatch(op, "the gradient is not a CUDA tensor".into()));
     };
-    let out = by_float!(
-        g.dtype(),
-        op,
-        gl.shape(),
-        col_sum_launch(gs, gl, rows, n_arg, chunks)
-    )?;
+    let out = match (g.dtype(), dtype) {
+        (DType::F32, DType::F32) => col_sum_launch::<f32, f32>(gs, gl, rows, n_arg, chunks)?,
+        (DType::BF16, DType::BF16) => col_sum_launch::<bf16, bf16>(gs, gl, rows, n_arg, chunks)?,
+        (DType::BF16, DType::F32) => col_sum_launch::<bf16, f32>(gs, gl, rows, n_arg, chunks)?,
+        (DType::F32 | DType::BF16, other) => {
+            return Err(unsupported(op, other, "the input's dtype or f32", gl.shape()).into())
+        }
+        (other, _) => return Err(unsupported(op, other, "f32 or bf16", gl.shape()).into()),
+    };
     hand_over(&g, out, Shape::from(n))
 }
 
-fn col_sum_launch<T: Float>(
+/// The two column-sum launches: partials read from `g` (of T), the final sums written as O
+/// (T, or f32: `cdt_col_sum_final_f32` reads the same f32 partials whatever T was).
+fn col_sum_launch<T: Float, O: Float>(
     g: &CudaStorage,
     gl: &Layout,
     rows: usize,
@@ -1688,7 +1712,7 @@ fn col_sum_launch<T: Float>(
     let dev = &g.device;
     let gv = view::<T>(g, gl, op, "x")?;
     let mut part = alloc_out::<f32>(dev, chunks * n as usize)?;
-    let mut out = alloc_out::<T>(dev, n as usize)?;
+    let mut out = alloc_out::<O>(dev, n as usize)?;
     let threads = crate::fused::COL_SUM_THREADS;
     let bx = (n as u32).div_ceil(threads);
     let (rows_arg, chunks_arg) = (rows as i64, chunks as i32);
@@ -1715,7 +1739,7 @@ fn col_sum_launch<T: Float>(
         unsafe { b.launch(cfg) }.w()?;
     }
     let f = dev.get_or_load_custom_func(
-        &format!("cdt_col_sum_final_{}", T::SUFFIX),
+        &format!("cdt_col_sum_final_{}", O::SUFFIX),
         REDUCE.name,
         REDUCE.ptx,
     )?;
@@ -1730,9 +1754,10 @@ fn col_sum_launch<T: Float>(
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: `cdt_col_sum_final_*(const float* part, T* out, int chunks, int n)`: part
-        // holds chunks n floats written by the launch before on the same stream, out n
-        // elements (fresh); thread c < n reads part[k n + c] and writes out[c].
+        // SAFETY: `cdt_col_sum_final_*(const float* part, O* out, int chunks, int n)` (the
+        // name's suffix is O's): part holds chunks n floats written by the launch before on the
+        // same stream, out n elements of O (fresh); thread c < n reads part[k n + c] and writes
+        // out[c].
         unsafe { b.launch(cfg) }.w()?;
     }
     Ok(wrap(dev, out))

@@ -309,10 +309,15 @@ impl UnaryKernel for Gelu {
     }
 }
 
-/// GELU (tanh form) with a fused kernel where [`device_applies`], candle's otherwise.
+/// GELU (tanh form) with a fused kernel where [`device_applies`], candle's otherwise. A bf16
+/// CPU tensor takes the f32 kernel between two casts: f32 arithmetic and one rounding to bf16,
+/// forward and backward, as the CUDA kernel computes bf16 (candle's bf16 backward is a chain of
+/// bf16 ops, each rounding), so a bf16 policy's GELU gives the CPU what it gives the GPU.
 pub fn gelu(x: &Tensor) -> CResult<Tensor> {
     if device_applies(x) {
         apply1(x, Gelu)
+    } else if x.dtype() == DType::BF16 && x.device().is_cpu() {
+        apply1(&x.to_dtype(DType::F32)?, Gelu)?.to_dtype(DType::BF16)
     } else {
         x.gelu()
     }
@@ -1095,13 +1100,7 @@ pub fn pick_masked(x: &Tensor, ids: &Tensor, inside: &Tensor) -> CResult<Tensor>
 /// 65,535 partials (16.7M rows; candle's sum beyond).
 pub fn row_sum(g: &Tensor, n: usize) -> CResult<Tensor> {
     #[cfg(feature = "cuda")]
-    if g.device().is_cuda()
-        && cuda_enabled()
-        && matches!(g.dtype(), DType::F32 | DType::BF16)
-        && n > 0
-        && g.elem_count() % n == 0
-        && (g.elem_count() / n).div_ceil(COL_SUM_ROWS) <= 65_535
-    {
+    if col_sum_fits(g, n) {
         return crate::cuda::col_sum(g, n);
     }
     if !applies(g) || n == 0 || g.elem_count() % n != 0 {
@@ -1118,6 +1117,31 @@ pub fn row_sum(g: &Tensor, n: usize) -> CResult<Tensor> {
         acc
     })?;
     Tensor::from_vec(acc, n, g.device())
+}
+
+/// Whether the CUDA column sum takes `g` viewed as `[rows, n]`.
+#[cfg(feature = "cuda")]
+fn col_sum_fits(g: &Tensor, n: usize) -> bool {
+    g.device().is_cuda()
+        && cuda_enabled()
+        && matches!(g.dtype(), DType::F32 | DType::BF16)
+        && n > 0
+        && g.elem_count() % n == 0
+        && (g.elem_count() / n).div_ceil(COL_SUM_ROWS) <= 65_535
+}
+
+/// [`row_sum`] with the sums in `dtype`: the f32 bias gradient of a bf16 output gradient, with
+/// no rounding of the sums to bf16. On CUDA the column-sum kernels read the bf16 rows and keep
+/// their f32 sums (no cast pass over `g`); elsewhere `g` is cast first.
+pub fn row_sum_as(g: &Tensor, n: usize, dtype: DType) -> CResult<Tensor> {
+    if g.dtype() == dtype {
+        return row_sum(g, n);
+    }
+    #[cfg(feature = "cuda")]
+    if col_sum_fits(g, n) && g.dtype() == DType::BF16 && dtype == DType::F32 {
+        return crate::cuda::col_sum_as(g, n, dtype);
+    }
+    row_sum(&g.to_dtype(dtype)?, n)
 }
 
 /// `x + b` where `b`'s shape is a suffix of `x`'s (a bias or a position table broadcast over

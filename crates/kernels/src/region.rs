@@ -354,24 +354,28 @@ impl NodeOutput {
 trait LinearParts: Send + Sync {
     const NAME: &'static str;
     fn output<S: DeviceStorage>(&self, s: &S) -> CResult<(S, Shape)>;
+    /// `bias`: the bias's dtype, when there is one (its gradient's).
     fn grads(
         &self,
         x: &Tensor,
         w: &Tensor,
         g: &Tensor,
-        bias: bool,
+        bias: Option<DType>,
     ) -> CResult<(Tensor, Option<Tensor>, Option<Tensor>)>;
 }
 
 /// The output gradient `g` of a linear as `[rows, out]`, and the bias gradient (`g` summed
-/// over rows) when there is a bias: what both linear nodes' backwards start from.
-fn rows_and_bias_grad(g: &Tensor, out: usize, bias: bool) -> CResult<(Tensor, Option<Tensor>)> {
+/// over rows, in the bias's dtype `bias`) when there is a bias: what both linear nodes'
+/// backwards start from.
+fn rows_and_bias_grad(
+    g: &Tensor,
+    out: usize,
+    bias: Option<DType>,
+) -> CResult<(Tensor, Option<Tensor>)> {
     let g2 = g.contiguous()?.reshape(((), out))?;
-    let db = if bias {
-        Some(crate::fused::row_sum(&g2, out)?)
-    } else {
-        None
-    };
+    let db = bias
+        .map(|dt| crate::fused::row_sum_as(&g2, out, dt))
+        .transpose()?;
     Ok((g2, db))
 }
 
@@ -398,7 +402,7 @@ impl<L: LinearParts> CustomOp2 for LinearNode<L> {
         _res: &Tensor,
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.0.grads(x, w, g, false)?;
+        let (dx, dw, _) = self.0.grads(x, w, g, None)?;
         Ok((Some(dx), dw))
     }
 }
@@ -414,11 +418,11 @@ impl<L: LinearParts> CustomOp3 for LinearNode<L> {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         _res: &Tensor,
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = self.0.grads(x, w, g, true)?;
+        let (dx, dw, db) = self.0.grads(x, w, g, Some(b.dtype()))?;
         Ok((Some(dx), dw, db))
     }
 }
@@ -439,7 +443,7 @@ impl LinearParts for Linear {
         x: &Tensor,
         w: &Tensor,
         g: &Tensor,
-        bias: bool,
+        bias: Option<DType>,
     ) -> CResult<(Tensor, Option<Tensor>, Option<Tensor>)> {
         let inner = x.dim(candle_core::D::Minus1)?;
         let (g2, db) = rows_and_bias_grad(g, w.dim(0)?, bias)?;
@@ -513,19 +517,26 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
     }
 }
 
-/// Whether [`linear_in`] applies: [`linear_applies`]'s conditions on any device (its backward
-/// is GEMMs, casts and a row sum, all candle ops), outside [`splittable_forward`] (whose
-/// deferred weight gradients take [`linear`]'s node), `w` and `b` in `x`'s dtype and a compute
-/// dtype other than it.
+/// Whether [`linear_in`] applies: [`linear_to_applies`] with the output in `x`'s dtype and `w`
+/// and `b` in it too.
 pub fn linear_in_applies(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> bool {
+    w.dtype() == x.dtype() && linear_to_applies(x, w, b, compute)
+}
+
+/// Whether [`linear_to`] applies (any output dtype): [`linear_applies`]'s conditions on any
+/// device (its backward is GEMMs, casts and a row sum, all candle ops), outside
+/// [`splittable_forward`] (whose deferred weight gradients take [`linear`]'s node), float `x`
+/// and `w`, `b` in `w`'s dtype and a compute dtype other than `w`'s.
+pub fn linear_to_applies(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> bool {
     let all: Vec<&Tensor> = [x, w].into_iter().chain(b).collect();
     !split_forward()
         && all.iter().any(|t| t.track_op())
-        && all
-            .iter()
-            .all(|t| t.elem_count() > 0 && t.dtype() == x.dtype())
+        && all.iter().all(|t| t.elem_count() > 0)
+        && x.dtype().is_float()
+        && w.dtype().is_float()
+        && b.is_none_or(|b| b.dtype() == w.dtype())
         && x.rank() >= 2
-        && compute != x.dtype()
+        && compute != w.dtype()
 }
 
 thread_local! {
@@ -549,7 +560,7 @@ struct LinearIn {
     /// (a tensor), or (CUDA, bf16 product, f32 output) the output itself, made from it in one
     /// pass.
     output: Mutex<Option<NodeOutput>>,
-    /// The output's dtype (`x`'s).
+    /// The output's dtype.
     out_dtype: DType,
     bias: Option<Tensor>,
     /// `x` as `[rows, in]` and `w`, in the compute dtype (detached).
@@ -577,8 +588,10 @@ impl LinearParts for LinearIn {
         x: &Tensor,
         w: &Tensor,
         g: &Tensor,
-        bias: bool,
+        bias: Option<DType>,
     ) -> CResult<(Tensor, Option<Tensor>, Option<Tensor>)> {
+        // The output gradient (of the output's dtype) in the compute dtype (no op when the
+        // output is in it), the bias gradient summed from it in the bias's dtype.
         let (g2, db) = rows_and_bias_grad(g, w.dim(0)?, bias)?;
         let gc = g2.to_dtype(self.wc.dtype())?;
         let dx = gc
@@ -600,12 +613,39 @@ impl LinearParts for LinearIn {
 /// product back and adds the bias into its own storage (no copy of a finished output). The cast
 /// operands are kept for the backward, as the plain composition's cast nodes keep them.
 pub fn linear_in(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> CResult<Tensor> {
-    let out_dtype = x.dtype();
-    if !linear_in_applies(x, w, b, compute) {
-        let y = linear(&x.to_dtype(compute)?, &w.to_dtype(compute)?, None)?.to_dtype(out_dtype)?;
+    if w.dtype() != x.dtype() || b.is_some_and(|b| b.dtype() != x.dtype()) {
+        return Err(Error::msg(format!(
+            "linear_in: x {:?}, w {:?}, b {:?}: w and b must be in x's dtype (linear_to takes \
+             others)",
+            x.dtype(),
+            w.dtype(),
+            b.map(Tensor::dtype)
+        )));
+    }
+    linear_to(x, w, b, compute, x.dtype())
+}
+
+/// [`linear_in`] with `x` in any float dtype and the output in `out`: `x @ w^T (+ b)` with `w`
+/// and `b` in one dtype (the master weights'), `x` and `w` cast to `compute` (no op for an `x`
+/// already in it), the product in `compute`, the bias added in `b`'s dtype and the sum cast
+/// to `out` (rounded once). A mixed-precision policy's linear whose input or output is a bf16
+/// activation (autocast's data flow: the QKV projection feeding bf16 attention, the MLP's
+/// `fc1 -> GELU -> fc2` in bf16) with no cast of that activation outside the node. One node
+/// where [`linear_to_applies`], else the plain composition. Its backward: the output gradient
+/// in `compute`, `dx` in `x`'s dtype, `dw` in `w`'s, the bias gradient summed in `b`'s (f32
+/// from a bf16 gradient on CUDA without a cast pass).
+pub fn linear_to(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    compute: DType,
+    out: DType,
+) -> CResult<Tensor> {
+    if !linear_to_applies(x, w, b, compute) {
+        let y = linear(&x.to_dtype(compute)?, &w.to_dtype(compute)?, None)?;
         return match b {
-            Some(b) => crate::fused::add(&y, b),
-            None => Ok(y),
+            Some(b) => crate::fused::add(&y.to_dtype(b.dtype())?, b)?.to_dtype(out),
+            None => y.to_dtype(out),
         };
     }
     let dims = x.dims().to_vec();
@@ -614,26 +654,47 @@ pub fn linear_in(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> 
     let x = x.contiguous()?;
     let xc = x.detach().reshape((rows, inner))?.to_dtype(compute)?;
     let wc = w.detach().to_dtype(compute)?;
-    let mut out = dims;
-    if let Some(last) = out.last_mut() {
+    let mut out_dims = dims;
+    if let Some(last) = out_dims.last_mut() {
         *last = w.dim(0)?;
     }
-    let product = xc.matmul(&wc.t()?)?.reshape(out)?;
     let bias = b.map(|b| b.detach());
+    let out_shape = Shape::from(out_dims.clone());
+    // On CUDA the output as a storage the node takes as it is: the product in the output's
+    // dtype with the bias added in place, or the bf16 product cast to f32 and the bias added in
+    // one pass.
     #[cfg(feature = "cuda")]
-    let ready = match out_dtype {
-        DType::F32 => crate::cuda::cast_add_rows(&product, bias.as_ref())?,
-        _ => None,
+    let ready = if !x.device().is_cuda() {
+        None
+    } else if out == compute {
+        crate::cuda::linear_out(&xc, &wc, bias.as_ref())?
+    } else {
+        None
     };
     #[cfg(not(feature = "cuda"))]
     let ready: Option<candle_core::CudaStorage> = None;
     let output = match ready {
-        Some(s) => NodeOutput::Ready(candle_core::Storage::Cuda(s), product.shape().clone()),
-        None => NodeOutput::Tensor(product),
+        Some(s) => NodeOutput::Ready(candle_core::Storage::Cuda(s), out_shape),
+        None => {
+            let product = xc.matmul(&wc.t()?)?.reshape(out_dims)?;
+            #[cfg(feature = "cuda")]
+            let cast = match out {
+                DType::F32 if product.device().is_cuda() => {
+                    crate::cuda::cast_add_rows(&product, bias.as_ref())?
+                }
+                _ => None,
+            };
+            #[cfg(not(feature = "cuda"))]
+            let cast: Option<candle_core::CudaStorage> = None;
+            match cast {
+                Some(s) => NodeOutput::Ready(candle_core::Storage::Cuda(s), out_shape),
+                None => NodeOutput::Tensor(product),
+            }
+        }
     };
     let node = LinearIn {
         output: Mutex::new(Some(output)),
-        out_dtype,
+        out_dtype: out,
         bias,
         xc,
         wc,

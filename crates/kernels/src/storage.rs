@@ -380,11 +380,12 @@ pub fn output_of<S: DeviceStorage>(t: &Tensor) -> Result<S> {
     }
 }
 
-/// The elements of `y` cast to `dtype`, plus `bias` (of `dtype`, broadcast over `y`'s leading
-/// dims) when given, as a fresh storage of backend `S`: the output of a node whose last steps
-/// are a cast and a bias add, computed from its precomputed product (a mixed-precision
-/// linear). One pass (the cast writes the fresh storage), two with the bias; no copy of a
-/// finished output as [`output_of`] makes.
+/// The elements of `y` plus `bias` (broadcast over `y`'s leading dims, the sum in the bias's
+/// dtype) when given, cast to `dtype`, as a fresh storage of backend `S`: the output of a node
+/// whose last steps are a bias add and a cast, computed from its precomputed product (a
+/// mixed-precision linear). One pass (the cast writes the fresh storage), two with a bias in
+/// `dtype`, three with one in another dtype (an f32 bias of a bf16 output: added in f32, then
+/// rounded once); no copy of a finished output as [`output_of`] makes.
 pub fn output_cast_add<S: DeviceStorage>(
     y: &Tensor,
     dtype: DType,
@@ -395,22 +396,21 @@ pub fn output_cast_add<S: DeviceStorage>(
     if s.dtype() == RELEASED_DTYPE {
         return Err(released_error("node output"));
     }
-    let out = s.to_dtype(l, dtype)?;
-    let Some(b) = bias else { return Ok(out) };
+    let Some(b) = bias else {
+        return s.to_dtype(l, dtype);
+    };
     let (bg, bl) = b.storage_and_layout();
     let bs = backend_of::<S>(&bg, "node bias")?;
-    if bs.dtype() != dtype {
-        return Err(Error::msg(format!(
-            "node bias: {:?}, not the output's {dtype:?}",
-            bs.dtype()
-        )));
-    }
     let shape = y.shape();
-    out.binary_impl::<candle_core::op::Add>(
-        bs,
-        &Layout::contiguous(shape),
-        &bl.broadcast_as(shape)?,
-    )
+    let whole = Layout::contiguous(shape);
+    let sum = s
+        .to_dtype(l, bs.dtype())?
+        .binary_impl::<candle_core::op::Add>(bs, &whole, &bl.broadcast_as(shape)?)?;
+    if sum.dtype() == dtype {
+        Ok(sum)
+    } else {
+        sum.to_dtype(&whole, dtype)
+    }
 }
 
 // --------------------------------------------------------------------------------------------

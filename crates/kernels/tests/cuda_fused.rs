@@ -668,6 +668,41 @@ fn mixed_linear(dev: &Device, rep: &mut Report) {
                 &format!("linear_in bf16 {xs:?} x [40, {inner}] bias {bias}"),
                 outcome,
             );
+            // bf16 activations (`region::linear_to`): a bf16 x into an f32 output, an f32 x
+            // into a bf16 output (on CUDA the product made on the storages and the f32 bias
+            // added in place, `cast.cu`), a bf16 x into a bf16 output.
+            for (x_dt, out) in [
+                (DType::BF16, DType::F32),
+                (DType::F32, DType::BF16),
+                (DType::BF16, DType::BF16),
+            ] {
+                let outcome = compare_within(
+                    dev,
+                    DType::F32,
+                    &inputs,
+                    &|x| {
+                        region::linear_to(&x[0].to_dtype(x_dt)?, &x[1], x.get(2), DType::BF16, out)?
+                            .to_dtype(DType::F32)
+                    },
+                    &|x| {
+                        let y = x[0]
+                            .to_dtype(x_dt)?
+                            .to_dtype(DType::BF16)?
+                            .broadcast_matmul(&x[1].to_dtype(DType::BF16)?.t()?)?
+                            .to_dtype(DType::F32)?;
+                        let y = match x.get(2) {
+                            Some(b) => y.broadcast_add(b)?,
+                            None => y,
+                        };
+                        y.to_dtype(out)?.to_dtype(DType::F32)
+                    },
+                    2e-2,
+                );
+                rep.record(
+                    &format!("linear_to x {x_dt:?} -> {out:?} {xs:?} x [40, {inner}] bias {bias}"),
+                    outcome,
+                );
+            }
         }
     }
 }
@@ -730,6 +765,30 @@ fn column_sums(dev: &Device, dtype: DType, rep: &mut Report) {
             }
         })();
         rep.record(&format!("row_sum {dtype:?} {shape:?} over {n}"), outcome);
+        // The f32 sums of bf16 rows (`row_sum_as`: a bf16 output gradient's f32 bias
+        // gradient), which f32 partials keep to f32's precision.
+        if dtype == DType::BF16 {
+            let outcome = (|| -> R<String> {
+                let x = values(&shape, 1.0, 62).to_dtype(DType::BF16)?;
+                let want = x.to_dtype(DType::F32)?.reshape(((), n))?.sum(0)?;
+                let got = fused::row_sum_as(&x.to_device(dev)?, n, DType::F32)?;
+                if got.dtype() != DType::F32 {
+                    candle_core::bail!("sums in {:?}, not f32", got.dtype());
+                }
+                let d = max_rel_diff(&got.to_device(&Device::Cpu)?, &want)?;
+                if d <= 1e-5 {
+                    Ok(format!("max rel diff {d:.2e}"))
+                } else {
+                    Err(candle_core::Error::msg(format!(
+                        "max rel diff {d:e} > 1e-5"
+                    )))
+                }
+            })();
+            rep.record(
+                &format!("row_sum_as bf16 -> f32 {shape:?} over {n}"),
+                outcome,
+            );
+        }
     }
 }
 

@@ -24,6 +24,22 @@ fn gelu_matches_candle() {
     );
 }
 
+/// A bf16 CPU GELU is the f32 kernel between casts: forward and backward each rounded once to
+/// bf16 (as the CUDA kernel computes bf16), bit for bit.
+#[test]
+fn bf16_gelu_on_the_cpu_rounds_once() {
+    let bf = |t: &Tensor| t.to_dtype(DType::BF16).and_then(|t| t.to_dtype(DType::F32));
+    check(
+        "gelu bf16",
+        &[randn(&[4, 33], 3.0)],
+        &|t| fused::gelu(&t[0].to_dtype(DType::BF16)?)?.to_dtype(DType::F32),
+        // The same ops on values rounded to bf16 where the bf16 path rounds: the input, the
+        // output and (the casts' backward) the upstream gradient and the input gradient.
+        &|t| bf(&fused::gelu(&bf(&t[0])?)?),
+        0.0,
+    );
+}
+
 #[test]
 fn softmax_and_log_softmax_match() {
     for shape in [vec![5, 17], vec![2, 3, 4, 9], vec![1, 1]] {

@@ -99,6 +99,83 @@ fn linear_in_matches_the_cast_composition() {
     close(&y, &want, 0.0, "linear_in (plain)");
 }
 
+/// The linear of bf16 activations (`linear_to`: x in bf16 or f32, w and b f32, the output in
+/// bf16 or f32) as one node gives what the plain composition gives (casts around the bf16
+/// product, the bias added in f32, the sum rounded once to the output's dtype), forward and
+/// every gradient; where it does not apply it is that composition.
+#[test]
+fn linear_to_matches_the_cast_composition() {
+    use candle_core::DType;
+    const BF: DType = DType::BF16;
+    let plain = |x: &Tensor, w: &Tensor, b: Option<&Tensor>, out: DType| {
+        let y = x
+            .to_dtype(BF)?
+            .broadcast_matmul(&w.to_dtype(BF)?.t()?)?
+            .to_dtype(DType::F32)?;
+        let y = match b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        y.to_dtype(out)
+    };
+    for (x_dt, out) in [(BF, DType::F32), (DType::F32, BF), (BF, BF)] {
+        for xs in [vec![5, 7], vec![2, 3, 7], vec![1, 4, 33]] {
+            let inner = xs[xs.len() - 1];
+            let (x, w, b) = (randn(&xs), randn(&[6, inner]), randn(&[6]));
+            let what = format!("linear_to x {x_dt:?} -> {out:?} {xs:?}");
+            check(
+                &format!("{what} +bias"),
+                &[x.clone(), w.clone(), b],
+                &|t| {
+                    region::linear_to(&t[0].to_dtype(x_dt)?, &t[1], Some(&t[2]), BF, out)?
+                        .to_dtype(DType::F32)
+                },
+                &|t| plain(&t[0].to_dtype(x_dt)?, &t[1], Some(&t[2]), out)?.to_dtype(DType::F32),
+                1e-6,
+            );
+            check(
+                &what,
+                &[x, w],
+                &|t| {
+                    region::linear_to(&t[0].to_dtype(x_dt)?, &t[1], None, BF, out)?
+                        .to_dtype(DType::F32)
+                },
+                &|t| plain(&t[0].to_dtype(x_dt)?, &t[1], None, out)?.to_dtype(DType::F32),
+                1e-6,
+            );
+        }
+    }
+    // The node applies to a bf16 x with f32 weights, not to a compute dtype equal to w's, nor
+    // to a bias in another dtype than w's.
+    let (x, w, b) = (randn(&[3, 4]), randn(&[2, 4]), randn(&[2]));
+    let xv = Var::from_tensor(&x).unwrap();
+    let xb = xv.to_dtype(BF).unwrap();
+    assert!(region::linear_to_applies(&xb, &w, Some(&b), BF));
+    assert!(!region::linear_to_applies(
+        &xb,
+        &w.to_dtype(BF).unwrap(),
+        None,
+        BF
+    ));
+    assert!(!region::linear_to_applies(
+        &xv,
+        &w,
+        Some(&b.to_dtype(BF).unwrap()),
+        BF
+    ));
+    // linear_in keeps its contract: w and b in x's dtype.
+    assert!(region::linear_in(&xb, &w, None, BF).is_err());
+    // Not applicable (untracked): the composition.
+    let y = region::linear_to(&x.to_dtype(BF).unwrap(), &w, Some(&b), BF, BF).unwrap();
+    let want = plain(&x.to_dtype(BF).unwrap(), &w, Some(&b), BF).unwrap();
+    close(
+        &y.to_dtype(DType::F32).unwrap(),
+        &want.to_dtype(DType::F32).unwrap(),
+        0.0,
+        "linear_to (plain)",
+    );
+}
+
 #[test]
 fn sdpa_matches() {
     for causal in [false, true] {

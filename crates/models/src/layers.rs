@@ -75,17 +75,32 @@ impl Linear {
         })
     }
 
-    /// Applies the layer (its GEMM in the current [`precision`] policy's dtype).
+    /// Applies the layer (its GEMM in the current [`precision`] policy's dtype), the output in
+    /// `x`'s dtype.
     pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
+        self.apply(x, None)
+    }
+
+    /// [`Linear::forward`] with the output in `out`, from an `x` in any float dtype (bf16
+    /// activations under a mixed-precision policy: [`precision::linear_to`]).
+    pub fn forward_to(&self, x: &DTensor, out: candle_core::DType) -> Result<DTensor> {
+        self.apply(x, Some(out))
+    }
+
+    fn apply(&self, x: &DTensor, out: Option<candle_core::DType>) -> Result<DTensor> {
+        let linear = |b: Option<&DTensor>, layout: Option<&[Placement]>| match out {
+            Some(dt) => precision::linear_to(x, &self.weight, b, layout, dt),
+            None => precision::linear(x, &self.weight, b, layout),
+        };
         match (self.style, self.roles.tp) {
             (ParallelStyle::Colwise, Some(_)) => {
                 let layout = self.roles.with_tp(x.placements(), Placement::Replicate);
-                precision::linear(x, &self.weight, self.bias.as_ref(), Some(&layout))
+                linear(self.bias.as_ref(), Some(&layout))
             }
             (ParallelStyle::Rowwise, Some(_)) => {
                 let last = x.rank().saturating_sub(1);
                 let layout = self.roles.with_tp(x.placements(), Placement::Shard(last));
-                let y = precision::linear(x, &self.weight, None, Some(&layout))?;
+                let y = linear(None, Some(&layout))?;
                 let out = if self.sp && y.rank() == 3 {
                     Placement::Shard(1)
                 } else {
@@ -97,7 +112,7 @@ impl Linear {
                     None => Ok(y),
                 }
             }
-            _ => precision::linear(x, &self.weight, self.bias.as_ref(), None),
+            _ => linear(self.bias.as_ref(), None),
         }
     }
 }
@@ -289,11 +304,20 @@ impl Attention {
     pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
         let (b, t, d) = (x.dim(0)?, x.dim(1)?, x.dim(2)?);
         let (h, hd) = (self.n_heads, d / self.n_heads);
-        let qkv = self.qkv.forward(x)?;
+        let bf16 = precision::local_gemm_dtype();
+        // On CUDA under a bf16 policy the attention (flash, or the ring of context
+        // parallelism) reads q/k/v in bf16: the projection hands them over in bf16 and the
+        // output projection reads the attention's bf16 output (no casts between them).
+        let lowp = bf16.is_some()
+            && x.to_local().device().is_cuda()
+            && cp::current_layout().0 != cp::SeqLayout::LoadBalanced;
+        let qkv = match precision::activation_dtype() {
+            Some(dt) if lowp => self.qkv.forward_to(x, dt)?,
+            _ => self.qkv.forward(x)?,
+        };
         // The QKV weight is laid out head by head ([H, 3, d] rows), so a column shard of the
         // projection holds whole heads and the packed attention runs on it locally.
         let qkv = qkv.reshape(&[b, t, h, 3, hd])?;
-        let bf16 = precision::local_gemm_dtype();
         let y = match cp_dim(&qkv) {
             // Context parallelism: ring attention on the sequence pieces. The compiler would
             // often re-shard q/k/v to the heads or the batch instead (fewer bytes on the
@@ -316,22 +340,26 @@ impl Attention {
                     None,
                     cp::Strategy::Exchange(cp::current_variant()),
                 )?;
-                precision::cast(&y.transpose(1, 2)?, x.dtype())?
+                // Back in the master dtype, or (bf16 activations) as the ring made it: the
+                // output projection reads either.
+                let y = y.transpose(1, 2)?;
+                if lowp {
+                    y
+                } else {
+                    precision::cast(&y, x.dtype())?
+                }
             }
             // Mixed precision: QK^T and PV in bf16, the masked softmax in f32. The
             // load-balanced context-parallel order (attention not sharded on the sequence
             // here) needs the stored-order mask of `packed_sdpa`: f32 there.
             // On CUDA the fused attention (flash attention, or the fused scaled softmax for
             // other head dims) takes bf16 operands, accumulates in f32 and computes the softmax
-            // in f32 from bf16 scores, as autocast does: q/k/v go in as bf16, the output comes
-            // back in the master dtype, and no [T, T] mask is built on the host.
-            None if bf16.is_some()
-                && qkv.to_local().device().is_cuda()
-                && cp::current_layout().0 != cp::SeqLayout::LoadBalanced =>
-            {
-                let lowp = precision::cast(&qkv, bf16.unwrap_or(x.dtype()))?;
-                let y = keep_cp_sequence(&lowp.packed_sdpa(true, None)?, x)?;
-                precision::cast(&y, x.dtype())?
+            // in f32 from bf16 scores, as autocast does: q/k/v come from the projection in
+            // bf16, the bf16 output goes to the output projection as it is, and no [T, T] mask
+            // is built on the host.
+            None if lowp => {
+                let qkv = precision::cast(&qkv, bf16.unwrap_or(x.dtype()))?;
+                keep_cp_sequence(&qkv.packed_sdpa(true, None)?, x)?
             }
             None if bf16.is_some() && cp::current_layout().0 != cp::SeqLayout::LoadBalanced => {
                 keep_cp_sequence(&mixed_attention(&qkv, hd)?, x)?
@@ -339,7 +367,7 @@ impl Attention {
             None => keep_cp_sequence(&qkv.packed_sdpa(true, None)?, x)?,
         };
         let y = y.reshape(&[b, t, d])?;
-        self.proj.forward(&y)
+        self.proj.forward_to(&y, x.dtype())
     }
 }
 
@@ -435,14 +463,21 @@ impl Mlp {
         })
     }
 
-    /// Applies the block.
+    /// Applies the block. Under a bf16 policy the hidden activation is bf16 (autocast's: the
+    /// first linear hands it over in bf16, GELU reads and writes bf16 with f32 arithmetic,
+    /// SiLU and the gate product are candle's bf16 ops, the second linear reads it and writes
+    /// the output in `x`'s dtype).
     pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
-        let h = self.fc1.forward(x)?;
+        let up = |l: &Linear| match precision::activation_dtype() {
+            Some(dt) => l.forward_to(x, dt),
+            None => l.forward(x),
+        };
+        let h = up(&self.fc1)?;
         let h = match &self.fc3 {
-            Some(fc3) => h.silu()?.mul(&fc3.forward(x)?)?,
+            Some(fc3) => h.silu()?.mul(&up(fc3)?)?,
             None => h.gelu()?,
         };
-        self.fc2.forward(&h)
+        self.fc2.forward_to(&h, x.dtype())
     }
 }
 

@@ -6,9 +6,19 @@
 //! |---|---|---|---|
 //! | GEMMs: linears, LM head, experts | f32 | f32 inputs, TF32 tensor cores (CUDA) | bf16 inputs, f32 accumulation, f32 out |
 //! | attention `QK^T`, `PV` | f32 | as GEMMs | bf16 inputs, f32 accumulation, f32 out |
-//! | attention softmax, norms, GELU / SiLU, loss, optimizer | f32 | f32 | f32 |
+//! | attention softmax, norms, loss, optimizer | f32 | f32 | f32 |
+//! | GELU / SiLU of the dense MLP | f32 | f32 | bf16 in and out (GELU: f32 arithmetic, one rounding) |
 //! | mixture-of-experts router (its top-k is sensitive to rounding) | f32 | as GEMMs | f32 |
-//! | activations between ops, master weights, their gradients | f32 | f32 | f32 |
+//! | the MLP's hidden activation; on CUDA the QKV projection's output and attention's output | f32 | f32 | bf16 (and their gradients) |
+//! | other activations (the residual stream, norms' outputs, logits), master weights, their gradients | f32 | f32 | f32 |
+//!
+//! The bf16 activations follow autocast's data flow: a linear whose output feeds a bf16
+//! consumer (attention's bf16 products, the MLP's GELU and second GEMM) hands it bf16, and the
+//! linear after it reads bf16 and writes f32 into the residual stream
+//! ([`DTensor::linear_with_layout_to`]: one node each, no cast of the activation between
+//! them). The bias is added in f32 before the one rounding to bf16, so attention's inputs are
+//! the same bits as a cast of the f32 output would give; the GELU reads its input rounded to
+//! bf16, as autocast's does.
 //!
 //! The master weights are f32 variables; a bf16 GEMM casts its pieces inside the op
 //! ([`DTensor::linear_with_layout_in`]), after dispatch has placed them, so the gradient of a
@@ -274,6 +284,34 @@ pub(crate) fn linear(
     let w = cast(w, dt)?;
     let b = b.map(|b| cast(b, dt)).transpose()?;
     Ok(x.linear_with_layout_in(&w, b.as_ref(), layout, compute)?)
+}
+
+/// [`linear`] with the output in `out` and `x` in any float dtype: the weight and bias cast to
+/// the scope's master dtype (FSDP's gathered bf16 parameters cast up; no op otherwise), the
+/// product in the policy's GEMM dtype, the bias added in the master dtype and the sum rounded
+/// to `out` (`DTensor::linear_with_layout_to`: one node, no cast of the activation outside
+/// it). For bf16 activations between a GEMM and its bf16 consumer ([`activation_dtype`]).
+pub(crate) fn linear_to(
+    x: &DTensor,
+    w: &DTensor,
+    b: Option<&DTensor>,
+    layout: Option<&[Placement]>,
+    out: DType,
+) -> Result<DTensor> {
+    let Some((_, master)) = current() else {
+        return cast(&linear(x, w, b, layout)?, out);
+    };
+    let compute = gemm_dtype(w.dtype());
+    let w = cast(w, master)?;
+    let b = b.map(|b| cast(b, master)).transpose()?;
+    Ok(x.linear_with_layout_to(&w, b.as_ref(), layout, compute, out)?)
+}
+
+/// The dtype of the activations a GEMM hands to a bf16 consumer under the current policy
+/// (autocast's data flow): bf16 for `bf16` (the QKV projection's output on CUDA, the MLP's
+/// hidden activation and its GELU), `None` (the master dtype) otherwise.
+pub(crate) fn activation_dtype() -> Option<DType> {
+    local_gemm_dtype()
 }
 
 /// `a @ b` (activations) under the current policy: in bf16 for `bf16`, back in `a`'s dtype.

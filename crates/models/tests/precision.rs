@@ -319,3 +319,83 @@ fn the_linear_runs_in_bf16_and_the_norm_in_f32() {
         })
         .unwrap();
 }
+
+/// The dense MLP under the bf16 policy hands bf16 activations between its linears (autocast's
+/// data flow): `fc1`'s f32 sum rounded once to bf16, GELU in f32 arithmetic on it, rounded to
+/// bf16, `fc2` reading that and writing f32, as one device's composition computes it; without
+/// a policy, f32 throughout.
+#[test]
+fn the_mlp_hands_bf16_activations_between_its_linears() {
+    use candle_dtensor_models::layers::Mlp;
+    const BF: DType = DType::BF16;
+    LocalWorld::new(1)
+        .launch(|comm| -> R<()> {
+            let mesh = DeviceMesh::new(comm, &[("dp", 1)])?;
+            let mut store = ParamStore::new(&mesh, 5, DType::F32);
+            let mut b = Builder {
+                store: &mut store,
+                roles: MeshRoles::of(&mesh)?,
+                plan: TpPlan::new(),
+            };
+            let mlp = Mlp::new(&mut b, "mlp", 16, 40, false, 0.5, 0.5)?;
+            // Non-zero biases: a bf16 product plus a zero bias would need no rounding.
+            for (name, n) in [("mlp.fc1.bias", 40), ("mlp.fc2.bias", 16)] {
+                let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.61).cos() * 0.3).collect();
+                store
+                    .get(name)
+                    .ok_or("no bias")?
+                    .var
+                    .set(&Tensor::from_vec(v, n, &Device::Cpu)?)?;
+            }
+            let rep = vec![Placement::Replicate; 1];
+            let xs: Vec<f32> = (0..48).map(|i| (i as f32 * 0.37).sin() * 1.3).collect();
+            let x = Tensor::from_vec(xs, (3, 16), &Device::Cpu)?;
+            let xd = DTensor::from_local(&x, &mesh, &rep)?;
+            let local = |l: &Linear| -> R<(Tensor, Tensor)> {
+                Ok((
+                    l.weight.to_local().clone(),
+                    l.bias.as_ref().ok_or("bias")?.to_local().clone(),
+                ))
+            };
+            let ((w1, b1), (w2, b2)) = (local(&mlp.fc1)?, local(&mlp.fc2)?);
+            let gelu = candle_dtensor_core::gelu_local;
+            let want_f32 = {
+                let h = gelu(&x.matmul(&w1.t()?)?.broadcast_add(&b1)?)?;
+                h.matmul(&w2.t()?)?.broadcast_add(&b2)?
+            };
+            let want_bf16 = {
+                let h = x
+                    .to_dtype(BF)?
+                    .matmul(&w1.to_dtype(BF)?.t()?)?
+                    .to_dtype(DType::F32)?
+                    .broadcast_add(&b1)?
+                    .to_dtype(BF)?;
+                let h = gelu(&h.to_dtype(DType::F32)?)?.to_dtype(BF)?;
+                h.matmul(&w2.to_dtype(BF)?.t()?)?
+                    .to_dtype(DType::F32)?
+                    .broadcast_add(&b2)?
+            };
+            let diff = |a: &Tensor, b: &Tensor| -> R<f32> {
+                Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+            };
+            assert!(diff(&want_f32, &want_bf16)? > 1e-3);
+            let plain = mlp.forward(&xd)?;
+            assert_eq!(plain.dtype(), DType::F32);
+            assert!(diff(plain.to_local(), &want_f32)? <= 1e-6);
+            let _bf16 = precision::scope(Precision::Bf16, DType::F32);
+            let y = mlp.forward(&xd)?;
+            assert_eq!(y.dtype(), DType::F32);
+            assert!(diff(y.to_local(), &want_bf16)? <= 1e-6);
+            // The hidden activation in the graph is bf16: GELU's output, [3, 40].
+            let hidden_bf16 = y
+                .to_local()
+                .sum_all()?
+                .sorted_nodes()
+                .iter()
+                .filter(|t| t.dtype() == BF && t.dims() == [3, 40])
+                .count();
+            assert!(hidden_bf16 >= 1, "no bf16 hidden activation in the graph");
+            Ok(())
+        })
+        .unwrap();
+}

@@ -175,6 +175,73 @@ impl DTensor {
         }
     }
 
+    /// [`DTensor::linear_with_layout_in`] with `self` in any float dtype and the output in
+    /// `out` (autocast's data flow for bf16 activations: the QKV projection's output feeding
+    /// bf16 attention, the MLP's `fc1 -> GELU -> fc2` in bf16, with no cast of the activation
+    /// outside the op). `w` and `b` share one dtype (the master weights'); each rank casts its
+    /// pieces of `x` (no op for one already in `compute`) and `w` to `compute`, multiplies,
+    /// adds the bias in its own dtype and rounds the sum to `out`, as one graph node
+    /// (`region::linear_to`). Placements are chosen as for a linear of `w`'s dtype; so the
+    /// collectives dispatch adds run on the pieces as they are (a bf16 `x`'s all_gather in
+    /// bf16, the gradient sync of a replicated weight in its own dtype). With `x` and `out`
+    /// both in `w`'s dtype this is [`DTensor::linear_with_layout_in`].
+    pub fn linear_with_layout_to(
+        &self,
+        w: &DTensor,
+        b: Option<&DTensor>,
+        input_layout: Option<&[Placement]>,
+        compute: DType,
+        out: DType,
+    ) -> Result<DTensor> {
+        let master = w.dtype();
+        if self.dtype() == master && out == master {
+            return self.linear_with_layout_in(w, b, input_layout, compute);
+        }
+        if let Some(b) = b.filter(|b| b.dtype() != master) {
+            return Err(crate::error::invalid(
+                "linear",
+                self.mesh_rank(),
+                format!(
+                    "bias of {:?} for a weight of {master:?} (they share one dtype)",
+                    b.dtype()
+                ),
+            ));
+        }
+        if !self.dtype().is_float() || !out.is_float() {
+            return Err(crate::error::invalid(
+                "linear",
+                self.mesh_rank(),
+                format!("x of {:?} to {out:?}: float dtypes only", self.dtype()),
+            ));
+        }
+        // The strategies see x in the weight's dtype; the local op converts it.
+        let x = if self.dtype() == master {
+            self.clone()
+        } else {
+            self.relabelled(master)?
+        };
+        let op = Op::Linear { bias: b.is_some() };
+        let y = match b {
+            Some(b) => run1_with(&op, &[&x, w, b], &[input_layout], |p| {
+                crate::region::linear_to(
+                    &p.locals[0],
+                    &p.locals[1],
+                    Some(&p.locals[2]),
+                    compute,
+                    out,
+                )
+            }),
+            None => run1_with(&op, &[&x, w], &[input_layout], |p| {
+                crate::region::linear_to(&p.locals[0], &p.locals[1], None, compute, out)
+            }),
+        }?;
+        if out == master {
+            Ok(y)
+        } else {
+            y.relabelled(out)
+        }
+    }
+
     /// [`DTensor::matmul`] computed in `compute`: the local pieces are cast to `compute`, multiplied
     /// and the product cast back to `self`'s dtype (see [`DTensor::linear_with_layout_in`]).
     pub fn matmul_in(&self, rhs: &DTensor, compute: DType) -> Result<DTensor> {
