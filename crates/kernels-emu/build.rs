@@ -1,7 +1,92 @@
 //! Compiles the CUDA execution-model emulator (`emu/emu.cpp`) and the launch shims
-//! (`emu/shims.cpp`, which include the kernels' own `.cu` sources from `crates/kernels/cuda`,
-//! unchanged) as C++17 into one static library.
-use std::path::PathBuf;
+//! (`emu/shims.cpp`, which include the kernels' own `.cu` sources from `crates/kernels/cuda`)
+//! as C++17 into one static library. The sources are compiled as written, with one addition
+//! per line that declares `__shared__` arrays (see [`instrument`]).
+use std::path::{Path, PathBuf};
+
+/// `src` with a call to `emu::fresh_shared` for each array a line declares `__shared__`,
+/// appended to that line (line numbers stay the kernel's): the emulator fills the array with
+/// 0xFF bytes when the first thread of a block reaches it, so a read before the block's first
+/// write shows (as NaN for floats) instead of the previous block's values.
+///
+/// # Panics
+///
+/// A `__shared__` declaration without its `;` on the same line (not written in these sources;
+/// the build would otherwise miss it).
+fn instrument(src: &str, file: &str) -> String {
+    let mut out = String::with_capacity(src.len() + 1024);
+    for (i, line) in src.lines().enumerate() {
+        let code = line.split("//").next().unwrap_or("");
+        let at = code.find("__shared__");
+        let Some(at) = at.filter(|_| !code.trim_start().starts_with('#')) else {
+            out.push_str(line);
+            out.push('\n');
+            continue;
+        };
+        let decl = &code[at + "__shared__".len()..];
+        let end = decl.find(';').unwrap_or_else(|| {
+            panic!(
+                "{file}:{}: a __shared__ declaration must end on its line",
+                i + 1
+            )
+        });
+        let decl = &decl[..end];
+        // Declarators: split at commas outside brackets; each one's name is the last
+        // identifier before its first `[` (the type and `__align__(n)` come before it in the
+        // first one).
+        let mut calls = String::new();
+        let mut depth = 0i32;
+        let mut start = 0;
+        let bytes = decl.as_bytes();
+        for k in 0..=bytes.len() {
+            let c = bytes.get(k).copied().unwrap_or(b',');
+            match c {
+                b'[' | b'(' => depth += 1,
+                b']' | b')' => depth -= 1,
+                b',' if depth == 0 => {
+                    let d = &decl[start..k.min(decl.len())];
+                    let head = d.split('[').next().unwrap_or(d);
+                    let name = head
+                        .rsplit(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_'))
+                        .find(|t| !t.is_empty())
+                        .unwrap_or_else(|| panic!("{file}:{}: no name in `{d}`", i + 1));
+                    calls.push_str(&format!(" ::emu::fresh_shared({name}, sizeof({name}));"));
+                    start = k + 1;
+                }
+                _ => {}
+            }
+        }
+        // Right after the declaration's `;`: before a trailing comment or a macro body's
+        // continuation backslash.
+        let semi = at + "__shared__".len() + end + 1;
+        out.push_str(&line[..semi]);
+        out.push_str(&calls);
+        out.push_str(&line[semi..]);
+        out.push('\n');
+    }
+    out
+}
+
+/// Copies the kernel sources of `from` into `to`, instrumented ([`instrument`]).
+fn instrumented_copy(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("create the instrumented sources' directory");
+    let entries = std::fs::read_dir(from).expect("read a kernel source directory");
+    for entry in entries {
+        let path = entry.expect("a directory entry").path();
+        let ext = path.extension().and_then(|e| e.to_str());
+        if !matches!(ext, Some("cu" | "cuh")) {
+            continue;
+        }
+        let name = path
+            .file_name()
+            .expect("a file name")
+            .to_string_lossy()
+            .into_owned();
+        let src = std::fs::read_to_string(&path).expect("read a kernel source");
+        std::fs::write(to.join(&name), instrument(&src, &name))
+            .expect("write an instrumented kernel source");
+    }
+}
 
 fn main() {
     let dir =
@@ -10,11 +95,15 @@ fn main() {
     let cuda = dir.join("../kernels/cuda");
     println!("cargo:rerun-if-changed={}", emu.display());
     println!("cargo:rerun-if-changed={}", cuda.display());
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("cuda");
+    instrumented_copy(&cuda, &out);
+    // The emulator's own test kernels (`selftest.cu`), instrumented the same way.
+    instrumented_copy(&emu.join("selftest"), &out);
     cc::Build::new()
         .cpp(true)
         .std("c++17")
         .include(&emu)
-        .include(&cuda)
+        .include(&out)
         .define("CDT_EMU", None)
         .flag("-include")
         .flag(emu.join("cuda_emu.h").to_str().expect("a UTF-8 path"))

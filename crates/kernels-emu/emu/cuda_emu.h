@@ -10,6 +10,11 @@
 //   shared by the running block's threads, as on a GPU; blocks never overlap. Launches on
 //   different OS threads (parallel tests) are independent. Dynamic shared memory (`CDT_DYN_SHARED`) is
 //   filled with 0xFF bytes (a float NaN) before every block, so reading it uninitialised shows.
+//   So is static shared memory: the build compiles each kernel source with a call to
+//   `emu::fresh_shared` after every `__shared__` declaration (build.rs), which fills the
+//   array with 0xFF bytes the first time a thread of the block passes it. Without that a read
+//   before the block's first write would see the previous block's (or launch's) values, which
+//   on a GPU are another block's garbage.
 // - A barrier that some live threads of the block (or warp) never reach is a deadlock on a GPU;
 //   here the scheduler finds that no thread can run and the launch fails, naming the kernel,
 //   block and waiting threads (`emu::LaunchError`).
@@ -87,6 +92,9 @@ struct LaunchError {
 };
 
 void* dyn_shared();
+// A static `__shared__` array of `bytes` at `p`, reached by a thread of the running block: the
+// first call of the block fills it with 0xFF bytes (see the header's notes).
+void fresh_shared(void* p, size_t bytes);
 // cp.async.{ca,cg}.shared.global [dst], [src], cp_size, src_size: `cp_size` bytes (4, 8 or 16,
 // both addresses aligned to it), the first `src_size` from `src`, the rest zeros.
 void cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size);

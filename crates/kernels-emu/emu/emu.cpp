@@ -61,6 +61,8 @@ struct Block {
     std::vector<Fiber> fibers;
     std::vector<uint64_t> slots;
     std::vector<unsigned char> dyn;
+    // Static shared arrays the running block has reached (and so poisoned).
+    std::vector<void*> fresh;
     std::vector<AsyncState> async;  // per thread
     // __syncthreads_or: the predicates ORed since the last block barrier's release, and the
     // result of that release (read by each thread right after it).
@@ -156,6 +158,13 @@ void fault(const std::string& what) {
 }
 
 void* dyn_shared() { return g_block->dyn.data(); }
+
+void fresh_shared(void* p, size_t bytes) {
+    std::vector<void*>& seen = g_block->fresh;
+    if (std::find(seen.begin(), seen.end(), p) != seen.end()) return;
+    seen.push_back(p);
+    std::memset(p, 0xFF, bytes);
+}
 
 void cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size) {
     if (cp_size != 4 && cp_size != 8 && cp_size != 16) {
@@ -253,6 +262,7 @@ void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, Order 
             for (unsigned bx = 0; bx < grid.x; ++bx) {
                 blockIdx = dim3(bx, by, bz);
                 std::fill(b.dyn.begin(), b.dyn.end(), 0xFF);
+                b.fresh.clear();
                 for (AsyncState& a : b.async) {
                     a.open.clear();
                     a.groups.clear();

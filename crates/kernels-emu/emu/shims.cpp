@@ -1,5 +1,6 @@
 // Launch shims: one `extern "C"` function per kernel the Rust side tests, running it under the
-// emulator. The kernels' sources are included unchanged.
+// emulator. The kernels' sources are included as written, each `__shared__` declaration followed
+// by a call poisoning its array (build.rs instruments them into OUT_DIR).
 
 #include <cstdio>
 #include <exception>
@@ -67,6 +68,7 @@ int emu_selftest_deadlock(EMU_ERR, float* y) { EMU_RUN(deadlock, y); }
 int emu_selftest_dyn(EMU_ERR, float* y) { EMU_RUN(dyn, y); }
 int emu_selftest_unguarded(EMU_ERR, float* y) { EMU_RUN(unguarded, y); }
 int emu_selftest_reuse_race(EMU_ERR, const float* x, float* y) { EMU_RUN(reuse_race, x, y); }
+int emu_selftest_stale_shared(EMU_ERR, float* y, int mode) { EMU_RUN(stale_shared, y, mode); }
 int emu_selftest_async_copy(EMU_ERR, const float* x, float* y, int mode) {
     EMU_RUN(async_copy, x, y, mode);
 }

@@ -380,6 +380,13 @@ extern "C" {
         err_len: usize,
         y: *mut f32,
     ) -> c_int;
+    fn emu_selftest_stale_shared(
+        l: *const RawLaunch,
+        err: *mut c_char,
+        err_len: usize,
+        y: *mut f32,
+        mode: c_int,
+    ) -> c_int;
     fn emu_selftest_reuse_race(
         l: *const RawLaunch,
         err: *mut c_char,
@@ -403,7 +410,7 @@ extern "C" {
     ) -> c_int;
 }
 
-/// The emulator's own kernels (`emu/selftest.cu`): a correct block reduction and one kernel
+/// The emulator's own kernels (`emu/selftest/selftest.cu`): a correct block reduction and one kernel
 /// per kind of bug the emulator must report. Used by `tests/emulator.rs`.
 pub mod selftest {
     use super::*;
@@ -488,6 +495,37 @@ pub mod selftest {
         per_thread("dyn", launch, order, y, |l, e, el, y| unsafe {
             emu_selftest_dyn(l, e, el, y)
         })
+    }
+
+    /// A static `__shared__` array of 64 floats read before the block writes it (`written`
+    /// false: each thread copies its slot to `y`, then writes it), or after thread 0 wrote it
+    /// all (`written` true: slot t holds t). Thread t of block b writes `y[b * block.x + t]`;
+    /// a 1-D launch of at most 64 threads a block.
+    pub fn stale_shared(
+        launch: &Launch,
+        order: Order,
+        y: &mut Buf<f32>,
+        written: bool,
+    ) -> Result<()> {
+        let k = "stale_shared";
+        if launch.grid.1 != 1
+            || launch.grid.2 != 1
+            || launch.block.1 != 1
+            || launch.block.2 != 1
+            || launch.block.0 > 64
+        {
+            return Err(EmuError::Args {
+                kernel: k.into(),
+                what: "a 1-D launch of at most 64 threads a block".into(),
+            });
+        }
+        need_elems(k, y.len(), launch.grid.0 as usize * launch.block.0 as usize)?;
+        // SAFETY: thread t of block b writes y[b * block.x + t] only, below grid.x * block.x <=
+        // y.len() (checked above), and reads its own 64-slot shared array within block.x <= 64.
+        run(launch, order, |l, e, el| unsafe {
+            emu_selftest_stale_shared(l, e, el, y.mut_ptr(), c_int::from(written))
+        })?;
+        y.check(k)
     }
 
     /// Two block sums through one shared array without the barrier between them: thread `t`

@@ -80,6 +80,26 @@ fn unwritten_dynamic_shared_memory_reads_as_nan() {
     assert!(y.as_slice().iter().all(|v| v.is_nan()));
 }
 
+/// Static shared memory is NaN to a block that reads it before writing it, in every block
+/// (without the poisoning the second block would read the first one's ones), and a thread's
+/// writes stay when the others reach the declaration after them.
+#[test]
+fn unwritten_static_shared_memory_reads_as_nan_in_every_block() {
+    for order in candle_dtensor_kernels_emu::ORDERS {
+        let mut y = Buf::filled("y", 2 * 16, 0.0);
+        selftest::stale_shared(&Launch::linear(2, 16, 0), order, &mut y, false).unwrap();
+        assert!(
+            y.as_slice().iter().all(|v| v.is_nan()),
+            "{order:?}: {:?}",
+            y.as_slice()
+        );
+        let mut y = Buf::filled("y", 2 * 16, f32::NAN);
+        selftest::stale_shared(&Launch::linear(2, 16, 0), order, &mut y, true).unwrap();
+        let want: Vec<f32> = (0..32).map(|i| (i % 16) as f32).collect();
+        assert_eq!(y.as_slice(), want.as_slice(), "{order:?}");
+    }
+}
+
 #[test]
 fn a_write_past_the_end_is_caught() {
     let mut y = Buf::filled("y", 100, 0.0);

@@ -87,3 +87,23 @@ __global__ void async_copy(const float* x, float* y, int mode) {
         emu::cp_async_wait(0);
     }
 }
+
+// A static shared array read before the block writes it (mode 0: each thread reads its slot,
+// then, after a barrier, writes it; on a GPU the read is another block's or kernel's garbage,
+// here NaN in every block, the second one included), or read after one thread wrote all of it
+// (mode 1: the other threads' passing the declaration later must not wipe those writes).
+// Thread t of block b writes y[b * blockDim.x + t]; blockDim.x <= 64.
+__global__ void stale_shared(float* y, int mode) {
+    __shared__ float buf[64];
+    const unsigned t = threadIdx.x, out = blockIdx.x * blockDim.x + t;
+    if (mode == 0) {
+        y[out] = buf[t];
+        __syncthreads();
+        buf[t] = 1.f;
+    } else {
+        if (t == 0)
+            for (unsigned i = 0; i < blockDim.x; ++i) buf[i] = (float)i;
+        __syncthreads();
+        y[out] = buf[t];
+    }
+}
