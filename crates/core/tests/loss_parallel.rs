@@ -76,3 +76,58 @@ fn class_sharded_cross_entropy_matches_single_device() {
     check(&[2, 2], vec![S(1), S(1)], 4, 9, 101);
     check(&[2, 2], vec![R, S(1)], 3, 10, 102);
 }
+
+/// bf16 logits give an f32 loss (autocast's: the loss computed in f32), on one device and with
+/// the classes or the rows sharded: the f32 loss of the bf16 values, and their gradient in
+/// bf16.
+#[test]
+fn bf16_logits_give_an_f32_loss() {
+    use Placement::{Replicate as R, Shard as S};
+    let (n, c) = (6, 11);
+    let mut rng = Rng::new(7);
+    let logits = tensor(&mut rng, &[n, c], Domain::Normal)
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let targets = tensor(&mut rng, &[n], Domain::IdsI64(c));
+    let (want_loss, want_grad) = reference(&logits.to_dtype(DType::F32).unwrap(), &targets);
+    for (world, pl) in [(1, R), (2, S(1)), (3, S(1)), (2, S(0)), (3, S(0))] {
+        let out = on_mesh(&[world], |mesh| {
+            let x = distribute_tensor(&logits, &mesh, &[pl])?;
+            let leaf = Var::from_tensor(x.to_local())?;
+            let x = DTensor::from_local_with_shape(leaf.as_tensor(), &mesh, &[pl], &[n, c])?;
+            let tpl = if pl == S(0) { S(0) } else { R };
+            let t = distribute_tensor(&targets, &mesh, &[tpl])?;
+            let loss = x.cross_entropy_with_layout(&t, Some(&[pl]))?;
+            let spec_f32 = format!("{:?}", loss.spec().meta.dtype) == "F32";
+            let loss = loss.redistribute(&all_r(1))?;
+            let grads = loss.backward()?;
+            let g = grads
+                .get(&leaf)
+                .cloned()
+                .unwrap_or(leaf.as_tensor().zeros_like()?);
+            let g_dtype = g.dtype();
+            let g = DTensor::from_local_with_shape(&g, &mesh, &[pl], &[n, c])?.full_tensor()?;
+            Ok((
+                loss.dtype(),
+                spec_f32,
+                loss.to_local().to_scalar::<f32>()?,
+                g_dtype,
+                g,
+            ))
+        })
+        .unwrap();
+        for (rank, (dt, spec_f32, loss, g_dtype, g)) in out.into_iter().enumerate() {
+            let what = format!("world {world} {pl:?} rank {rank}");
+            assert_eq!(dt, DType::F32, "{what}: the loss's dtype");
+            assert!(spec_f32, "{what}: the loss's spec dtype");
+            assert!(
+                (loss - want_loss).abs() <= 1e-5 * (1.0 + want_loss.abs()),
+                "{what}: loss {loss} vs {want_loss}"
+            );
+            assert_eq!(g_dtype, DType::BF16, "{what}: the gradient's dtype");
+            // The f32 gradient rounded once to bf16 (2^-9 relative).
+            close(&g.to_dtype(DType::F32).unwrap(), &want_grad, 1e-2)
+                .unwrap_or_else(|e| panic!("{what}: grad: {e}"));
+        }
+    }
+}

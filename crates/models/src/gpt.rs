@@ -331,13 +331,29 @@ pub(crate) fn lm_logits(
     roles: &MeshRoles,
     plan: &TpPlan,
 ) -> Result<DTensor> {
-    let logits = match (head, tok) {
-        (Some(h), _) => h.forward(x)?,
-        (None, Some(tok)) => {
+    lm_logits_to(x, head, tok, roles, plan, None)
+}
+
+/// [`lm_logits`] with the logits in `out` (`None`: `x`'s dtype).
+fn lm_logits_to(
+    x: &DTensor,
+    head: Option<&Linear>,
+    tok: Option<&Embedding>,
+    roles: &MeshRoles,
+    plan: &TpPlan,
+    out: Option<DType>,
+) -> Result<DTensor> {
+    let logits = match (head, tok, out) {
+        (Some(h), _, None) => h.forward(x)?,
+        (Some(h), _, Some(dt)) => h.forward_to(x, dt)?,
+        (None, Some(tok), _) => {
             let layout = roles.with_tp(x.placements(), Placement::Replicate);
-            precision::linear(x, &tok.weight, None, Some(&layout))?
+            match out {
+                Some(dt) => precision::linear_to(x, &tok.weight, None, Some(&layout), dt)?,
+                None => precision::linear(x, &tok.weight, None, Some(&layout))?,
+            }
         }
-        (None, None) => {
+        (None, None, _) => {
             return Err(ModelError::Config(
                 "the LM head: neither an untied head nor the token table to tie".into(),
             ))
@@ -602,6 +618,19 @@ impl Gpt {
     /// are in that stored order ([`Gpt::forward`] restores the natural one; [`Gpt::loss`]
     /// stores the targets alike, the mean being order-free).
     pub fn forward_aux(&self, ids: &DTensor) -> Result<(DTensor, Option<DTensor>)> {
+        self.forward_logits(ids, false)
+    }
+
+    /// [`Gpt::forward_aux`]; with `loss_logits`, the logits in the dtype the loss reads
+    /// ([`Gpt::loss`]): under the bf16 policy on CUDA, where the fused cross-entropy takes
+    /// them (logits not sharded on the vocabulary), bf16 as the LM head's GEMM makes them
+    /// (autocast's: no f32 copy of the `[B, T, V]` logits, and a bf16 gradient into the
+    /// head's backward); in the master dtype otherwise.
+    fn forward_logits(
+        &self,
+        ids: &DTensor,
+        loss_logits: bool,
+    ) -> Result<(DTensor, Option<DTensor>)> {
         let _precision = precision::scope(self.cfg.precision, self.dtype);
         let t = ids.dim(1)?;
         if t > self.cfg.seq_len {
@@ -685,12 +714,20 @@ impl Gpt {
             }
         }
         let x = self.ln_f.forward(&x)?;
-        let logits = lm_logits(
+        let vocab_sharded = self.plan.loss_parallel && self.roles.tp.is_some();
+        let out = precision::activation_dtype().filter(|_| {
+            loss_logits
+                && !vocab_sharded
+                && x.to_local().device().is_cuda()
+                && candle_dtensor_core::fused::cuda_enabled()
+        });
+        let logits = lm_logits_to(
             &x,
             self.head.as_ref(),
             Some(&self.tok_emb),
             &self.roles,
             &self.plan,
+            out,
         )?;
         Ok((logits, aux))
     }
@@ -728,7 +765,7 @@ impl Gpt {
     /// Mean next-token cross-entropy of ids `[B, T]` against targets `[B, T]`, plus the
     /// mixture-of-experts blocks' load-balancing loss ([`Gpt::last_aux_loss`]).
     pub fn loss(&self, ids: &DTensor, targets: &DTensor) -> Result<DTensor> {
-        let (logits, aux) = self.forward_aux(ids)?;
+        let (logits, aux) = self.forward_logits(ids, true)?;
         let stored;
         let cp_plan = self.context_parallel(ids)?;
         let targets = match &cp_plan {
@@ -749,8 +786,12 @@ impl Gpt {
             }
             _ => (logits.reshape(&[b * t, v])?, targets.reshape(&[b * t])?),
         };
-        // Mixed precision: the loss in f32.
-        let logits = if logits.dtype() == DType::F32 {
+        // Mixed precision: the loss in f32. The fused cross-entropy computes it in f32 from
+        // bf16 logits (on CUDA, the vocabulary not sharded); anything else takes f32 logits.
+        let fused_bf16 = logits.dtype() == DType::BF16
+            && candle_dtensor_core::fused::cross_entropy_applies(logits.to_local())
+            && !logits.is_sharded_on(1);
+        let logits = if logits.dtype() == DType::F32 || fused_bf16 {
             logits
         } else {
             logits.to_dtype(DType::F32)?

@@ -9,8 +9,8 @@
 //! | attention softmax, norms, loss, optimizer | f32 | f32 | f32 |
 //! | GELU / SiLU of the dense MLP | f32 | f32 | bf16 in and out (GELU: f32 arithmetic, one rounding) |
 //! | mixture-of-experts router (its top-k is sensitive to rounding) | f32 | as GEMMs | f32 |
-//! | the MLP's hidden activation; on CUDA the QKV projection's output and attention's output | f32 | f32 | bf16 (and their gradients) |
-//! | other activations (the residual stream, norms' outputs, logits), master weights, their gradients | f32 | f32 | f32 |
+//! | the MLP's hidden activation; on CUDA the QKV projection's output, attention's output and the logits (where the fused cross-entropy reads them: vocabulary not sharded) | f32 | f32 | bf16 (and their gradients) |
+//! | other activations (the residual stream, norms' outputs, other logits), master weights, their gradients | f32 | f32 | f32 |
 //!
 //! The bf16 activations follow autocast's data flow: a linear whose output feeds a bf16
 //! consumer (attention's bf16 products, the MLP's GELU and second GEMM) hands it bf16, and the

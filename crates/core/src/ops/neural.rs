@@ -335,7 +335,9 @@ impl DTensor {
         )
     }
 
-    /// Mean cross-entropy of `self` (logits `[N, C]`) against integer `targets [N]`.
+    /// Mean cross-entropy of `self` (logits `[N, C]`) against integer `targets [N]`, in the
+    /// logits' dtype, or in f32 for bf16 / f16 logits (as autocast computes the loss: the fused
+    /// node reads them and computes in f32; elsewhere they are cast to f32 first).
     ///
     /// With the logits sharded on the class dim this is loss-parallel: three all_reduces of N
     /// values (max, sum of exponentials, target logit) and no gather of the classes; the
@@ -358,18 +360,37 @@ impl DTensor {
             let global_n = p.sharding.input_specs[0].meta.shape[0];
             let over_n = |sum: Tensor| sum.affine(1.0 / global_n as f64, 0.0);
             let (cdims, off, cols) = sharded_range(p, &p.sharding.input_specs[0], 1)?;
+            let half = matches!(x.dtype(), DType::BF16 | DType::F16);
             if cdims.is_empty() {
                 let n = x.dim(0)?;
                 // The fused node: f32 on the CPU, f32/bf16 on CUDA (no host read of the
-                // targets or the loss there).
+                // targets or the loss there); bf16 logits give their f32 per-row losses'
+                // f32 mean.
                 if fused::cross_entropy_applies(x) && x.track_op() && n > 0 && x.dim(1)? > 0 {
-                    let mean = fused::cross_entropy(x, t)?;
+                    let mean = if half {
+                        fused::cross_entropy_rows(x, t, None)?
+                            .sum_all()?
+                            .affine(1.0 / n as f64, 0.0)?
+                    } else {
+                        fused::cross_entropy(x, t)?
+                    };
                     return if n == global_n {
                         Ok(mean)
                     } else {
                         mean.affine(n as f64 / global_n as f64, 0.0)
                     };
                 }
+            }
+            // Half-precision logits outside the fused node: the loss computed in f32.
+            let x32;
+            let x = if half {
+                x32 = x.to_dtype(DType::F32)?;
+                &x32
+            } else {
+                x
+            };
+            if cdims.is_empty() {
+                let n = x.dim(0)?;
                 if n == 0 {
                     // No rows here: a zero that stays in the graph.
                     return crate::node::graph_zeros(x, &[]);

@@ -1,4 +1,5 @@
-//! cross_entropy: `logits [N, C]`, `targets [N]` (integer) -> scalar mean loss.
+//! cross_entropy: `logits [N, C]`, `targets [N]` (integer) -> scalar mean loss, in the logits'
+//! dtype, or f32 for half-precision (bf16, f16) logits (autocast's: the loss computed in f32).
 //!
 //! Rows `[out, logits, targets]`:
 //! * batch: `[P(sum), S(0), S(0)]`: each rank sums its rows' losses and divides by the GLOBAL N
@@ -11,7 +12,7 @@ use super::{expect_int, meta, s, PSUM, R};
 use crate::cost::CollectiveKind;
 use crate::error::{Result, StrategyError};
 use crate::op::Op;
-use crate::spec::{shape_str, TensorMeta};
+use crate::spec::{shape_str, DType, TensorMeta};
 use crate::strategy::{StrategyRow, TensorRef};
 
 pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
@@ -33,7 +34,11 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
             ),
         ));
     }
-    Ok(vec![meta(&[], logits.dtype)])
+    let out = match logits.dtype {
+        DType::BF16 | DType::F16 => DType::F32,
+        d => d,
+    };
+    Ok(vec![meta(&[], out)])
 }
 
 pub(super) fn rows(_op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec<StrategyRow> {
