@@ -268,15 +268,10 @@ pub fn vocab_parallel_embedding(
             // No rows here: zeros that stay in the graph of the (empty) table.
             return crate::node::graph_zeros(weight, &out_dims);
         }
-        let (local, inside) = crate::ops::neural::local_ids(ids, off, rows)?;
-        let looked = weight
-            .index_select(&local.flatten_all()?, 0)?
-            .reshape(out_dims.as_slice())?;
-        looked.broadcast_mul(
-            &inside
-                .to_dtype(weight.dtype())?
-                .unsqueeze(candle_core::D::Minus1)?,
-        )
+        // Other ranks' ids look up u32::MAX: a zero row, skipped by the backward (as
+        // `DTensor::embedding`'s vocab-parallel lookup).
+        let local = crate::ops::neural::shard_ids(ids, off, rows)?;
+        crate::fused::embedding(weight, &local)?.reshape(out_dims.as_slice())
     })()
     .ctx(&op, g.rank())?;
     reduce_from_group(&local, g)

@@ -18,8 +18,8 @@ extern "C" __global__ void cdt_cast_add_rows_bf16_f32(const bf16_t* __restrict__
 // once to T), elementwise, grid-stride. The product is a fresh GEMM output the linear's graph
 // node then hands out as its own storage, so adding in place saves the copy a broadcast add
 // into a new tensor makes. The bias is of T, or f32 for a bf16 product whose output stays bf16
-// (a mixed-precision linear feeding another bf16 op: the f32 master bias added before the one
-// rounding).
+// (a mixed-precision linear feeding another bf16 op: the f32 master bias added to the bf16
+// product in f32, then rounded).
 template <typename T, typename B>
 __device__ void add_rows(T* __restrict__ y, const B* __restrict__ b, long long len, int n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < len;

@@ -1545,7 +1545,8 @@ pub(crate) fn cast_add_rows(y: &Tensor, b: Option<&Tensor>) -> Result<Option<Cud
 }
 
 /// `x2 @ w^T (+ b)` for a contiguous `x2 [rows, in]`, `w [out, in]` of one dtype (f32 or bf16)
-/// and a bias `b [out]` of that dtype (or f32 for bf16: the sum in f32, rounded once) on one
+/// and a bias `b [out]` of that dtype (or f32 for bf16: the bf16 product plus the bias in f32,
+/// then rounded) on one
 /// CUDA device, as a fresh storage `[rows, out]` a linear's graph node hands out as its own:
 /// candle's GEMM called on the storages (no tensor owns the product, so the node takes it
 /// without a copy) and the bias added in place (`cast.cu`), one pass where a broadcast add
@@ -1572,6 +1573,9 @@ pub(crate) fn linear_out(
         && out_n > 0
         && i32::try_from(out_n).is_ok()
         && x2.is_contiguous()
+        // A column-narrowed weight is a layout candle's GEMM refuses: the caller's tensor path
+        // then reports it (or copies where it may).
+        && w.is_contiguous()
         && b.is_none_or(|b| {
             (b.dtype() == dt || (dt == DType::BF16 && b.dtype() == DType::F32))
                 && b.dims() == [out_n]

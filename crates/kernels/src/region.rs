@@ -627,8 +627,9 @@ pub fn linear_in(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> 
 
 /// [`linear_in`] with `x` in any float dtype and the output in `out`: `x @ w^T (+ b)` with `w`
 /// and `b` in one dtype (the master weights'), `x` and `w` cast to `compute` (no op for an `x`
-/// already in it), the product in `compute`, the bias added in `b`'s dtype and the sum cast
-/// to `out` (rounded once). A mixed-precision policy's linear whose input or output is a bf16
+/// already in it), the product in `compute`, the bias added in `b`'s dtype to the product and
+/// the sum cast to `out` (candle's bf16 GEMM writes its product in bf16, so a bf16 output is
+/// rounded twice: the product, then product plus bias; autocast's bias epilogue rounds once). A mixed-precision policy's linear whose input or output is a bf16
 /// activation (autocast's data flow: the QKV projection feeding bf16 attention, the MLP's
 /// `fc1 -> GELU -> fc2` in bf16) with no cast of that activation outside the node. One node
 /// where [`linear_to_applies`], else the plain composition. Its backward: the output gradient

@@ -16,9 +16,10 @@
 //! consumer (attention's bf16 products, the MLP's GELU and second GEMM) hands it bf16, and the
 //! linear after it reads bf16 and writes f32 into the residual stream
 //! ([`DTensor::linear_with_layout_to`]: one node each, no cast of the activation between
-//! them). The bias is added in f32 before the one rounding to bf16, so attention's inputs are
-//! the same bits as a cast of the f32 output would give; the GELU reads its input rounded to
-//! bf16, as autocast's does.
+//! them). The f32 bias is added to the GEMM's bf16 product in f32 and the sum rounded to bf16
+//! (candle's GEMM writes bf16, so that is two roundings where autocast's bias epilogue makes
+//! one). Attention's inputs are the same bits a cast of the f32 projection output gave; the
+//! GELU reads its input rounded to bf16, as autocast's does.
 //!
 //! The master weights are f32 variables; a bf16 GEMM casts its pieces inside the op
 //! ([`DTensor::linear_with_layout_in`]), after dispatch has placed them, so the gradient of a
