@@ -463,12 +463,22 @@ impl Mlp {
         })
     }
 
-    /// Applies the block. Under a bf16 policy the hidden activation is bf16 (autocast's: the
-    /// first linear hands it over in bf16, GELU reads and writes bf16 with f32 arithmetic,
-    /// SiLU and the gate product are candle's bf16 ops, the second linear reads it and writes
-    /// the output in `x`'s dtype).
+    /// Applies the block. Under a bf16 policy on CUDA the hidden activation is bf16
+    /// ([`Mlp::forward_with`]); elsewhere it is in `x`'s dtype (on the CPU, whose bf16
+    /// arithmetic converts element by element, bf16 hidden activations made the `small` bf16
+    /// step 14% slower: BENCHMARKS.md).
     pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
-        let up = |l: &Linear| match precision::activation_dtype() {
+        let hidden = precision::activation_dtype().filter(|_| x.to_local().device().is_cuda());
+        self.forward_with(x, hidden)
+    }
+
+    /// Applies the block with its hidden activation in `hidden` (`None`: `x`'s dtype):
+    /// autocast's data flow for bf16. The first linear hands the activation over in `hidden`,
+    /// GELU reads and writes it (bf16 with f32 arithmetic and one rounding), SiLU and the gate
+    /// product are candle's ops in it, and the second linear reads it and writes the output
+    /// in `x`'s dtype. Each linear is one node (`DTensor::linear_with_layout_to`).
+    pub fn forward_with(&self, x: &DTensor, hidden: Option<candle_core::DType>) -> Result<DTensor> {
+        let up = |l: &Linear| match hidden {
             Some(dt) => l.forward_to(x, dt),
             None => l.forward(x),
         };

@@ -7,14 +7,16 @@
 //! | GEMMs: linears, LM head, experts | f32 | f32 inputs, TF32 tensor cores (CUDA) | bf16 inputs, f32 accumulation, f32 out |
 //! | attention `QK^T`, `PV` | f32 | as GEMMs | bf16 inputs, f32 accumulation, f32 out |
 //! | attention softmax, norms, loss, optimizer | f32 | f32 | f32 |
-//! | GELU / SiLU of the dense MLP | f32 | f32 | bf16 in and out (GELU: f32 arithmetic, one rounding) |
+//! | GELU / SiLU of the dense MLP | f32 | f32 | on CUDA bf16 in and out (GELU: f32 arithmetic, one rounding); f32 on the CPU |
 //! | mixture-of-experts router (its top-k is sensitive to rounding) | f32 | as GEMMs | f32 |
-//! | the MLP's hidden activation; on CUDA the QKV projection's output, attention's output and the logits (where the fused cross-entropy reads them: vocabulary not sharded) | f32 | f32 | bf16 (and their gradients) |
+//! | on CUDA: the MLP's hidden activation, the QKV projection's output, attention's output and the logits (where the fused cross-entropy reads them: vocabulary not sharded) | f32 | f32 | bf16 (and their gradients) |
 //! | other activations (the residual stream, norms' outputs, other logits), master weights, their gradients | f32 | f32 | f32 |
 //!
-//! The bf16 activations follow autocast's data flow: a linear whose output feeds a bf16
-//! consumer (attention's bf16 products, the MLP's GELU and second GEMM) hands it bf16, and the
-//! linear after it reads bf16 and writes f32 into the residual stream
+//! The bf16 activations follow autocast's data flow on CUDA (on the CPU, whose bf16
+//! arithmetic converts element by element, they made the step slower and stay f32): a linear
+//! whose output feeds a bf16 consumer (attention's bf16 products, the MLP's GELU and second
+//! GEMM, the fused loss) hands it bf16, and the linear after it reads bf16 and writes f32
+//! into the residual stream
 //! ([`DTensor::linear_with_layout_to`]: one node each, no cast of the activation between
 //! them). The f32 bias is added to the GEMM's bf16 product in f32 and the sum rounded to bf16
 //! (candle's GEMM writes bf16, so that is two roundings where autocast's bias epilogue makes
@@ -309,8 +311,9 @@ pub(crate) fn linear_to(
 }
 
 /// The dtype of the activations a GEMM hands to a bf16 consumer under the current policy
-/// (autocast's data flow): bf16 for `bf16` (the QKV projection's output on CUDA, the MLP's
-/// hidden activation and its GELU), `None` (the master dtype) otherwise.
+/// (autocast's data flow; the layers use it on CUDA): bf16 for `bf16` (the QKV projection's
+/// output, the MLP's hidden activation and its GELU, the logits), `None` (the master dtype)
+/// otherwise.
 pub(crate) fn activation_dtype() -> Option<DType> {
     local_gemm_dtype()
 }

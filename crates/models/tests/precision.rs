@@ -320,10 +320,11 @@ fn the_linear_runs_in_bf16_and_the_norm_in_f32() {
         .unwrap();
 }
 
-/// The dense MLP under the bf16 policy hands bf16 activations between its linears (autocast's
-/// data flow): `fc1`'s f32 sum rounded once to bf16, GELU in f32 arithmetic on it, rounded to
-/// bf16, `fc2` reading that and writing f32, as one device's composition computes it; without
-/// a policy, f32 throughout.
+/// The dense MLP with a bf16 hidden activation (`Mlp::forward_with`, what `forward` picks under
+/// the bf16 policy on CUDA: autocast's data flow): `fc1`'s bf16 product plus its f32 bias
+/// rounded to bf16, GELU in f32 arithmetic on it, rounded to bf16, `fc2` reading that and
+/// writing f32, as one device's composition computes it. Without a policy f32 throughout; on
+/// the CPU `forward` keeps the hidden activation f32 under the bf16 policy too.
 #[test]
 fn the_mlp_hands_bf16_activations_between_its_linears() {
     use candle_dtensor_models::layers::Mlp;
@@ -383,7 +384,23 @@ fn the_mlp_hands_bf16_activations_between_its_linears() {
             assert_eq!(plain.dtype(), DType::F32);
             assert!(diff(plain.to_local(), &want_f32)? <= 1e-6);
             let _bf16 = precision::scope(Precision::Bf16, DType::F32);
-            let y = mlp.forward(&xd)?;
+            // On the CPU `forward` keeps the hidden activation in f32: the bf16 GEMMs of
+            // `linear_in` around an f32 GELU.
+            let want_cpu = {
+                let h = x
+                    .to_dtype(BF)?
+                    .matmul(&w1.to_dtype(BF)?.t()?)?
+                    .to_dtype(DType::F32)?
+                    .broadcast_add(&b1)?;
+                gelu(&h)?
+                    .to_dtype(BF)?
+                    .matmul(&w2.to_dtype(BF)?.t()?)?
+                    .to_dtype(DType::F32)?
+                    .broadcast_add(&b2)?
+            };
+            assert!(diff(&want_cpu, &want_bf16)? > 0.0);
+            assert!(diff(mlp.forward(&xd)?.to_local(), &want_cpu)? <= 1e-6);
+            let y = mlp.forward_with(&xd, Some(BF))?;
             assert_eq!(y.dtype(), DType::F32);
             assert!(diff(y.to_local(), &want_bf16)? <= 1e-6);
             // The hidden activation in the graph is bf16: GELU's output, [3, 40].
