@@ -530,6 +530,26 @@ pub fn embedding_bwd<T: Dt>(
     dtable.check(k)
 }
 
+/// The checks of a 1-D elementwise launch over `y_len` elements viewed as rows of `n` with a
+/// bias of `b_len` elements (when given): the kernel's `(n, len)` arguments.
+fn rows_args(
+    k: &str,
+    launch: &Launch,
+    y_len: usize,
+    b_len: Option<usize>,
+    n: usize,
+) -> Result<(c_int, Ll)> {
+    one_d(k, launch)?;
+    if let Some(b_len) = b_len {
+        need_elems(k, b_len, n)?;
+    }
+    if n == 0 || y_len % n != 0 {
+        return Err(args(k, format!("{y_len} elements are not rows of {n}")));
+    }
+    let nc = c_int::try_from(n).map_err(|_| args(k, format!("{n} columns")))?;
+    Ok((nc, ll(k, "len", y_len)?))
+}
+
 /// `out[i] = f32(y[i]) + b[i % n]` (no bias: `b` `None`) for a bf16 `y` of rows of `n`
 /// (`cuda/cast.cu`: a mixed-precision linear's output in one pass), any 1-D launch.
 pub fn cast_add_rows(
@@ -541,16 +561,8 @@ pub fn cast_add_rows(
     n: usize,
 ) -> Result<()> {
     let k = "cast_add_rows";
-    one_d(k, launch)?;
     need_elems(k, out.len(), y.len())?;
-    if let Some(b) = b {
-        need_elems(k, b.len(), n)?;
-    }
-    if n == 0 || y.len() % n != 0 {
-        return Err(args(k, format!("{} elements are not rows of {n}", y.len())));
-    }
-    let nc = c_int::try_from(n).map_err(|_| args(k, format!("{n} columns")))?;
-    let len = ll(k, "len", y.len())?;
+    let (nc, len) = rows_args(k, launch, y.len(), b.map(Buf::len), n)?;
     let bp = b.map_or(std::ptr::null(), |b| b.ptr());
     // SAFETY: element i < len reads y[i] and (a bias given) b[i % n], writes out[i]: in bounds
     // (checked); a null b is never read.
@@ -569,19 +581,12 @@ pub fn add_rows<T: Dt>(
     b: &Buf<T>,
     n: usize,
 ) -> Result<()> {
-    let k = "add_rows";
-    one_d(k, launch)?;
-    need_elems(k, b.len(), n)?;
-    if n == 0 || y.len() % n != 0 {
-        return Err(args(k, format!("{} elements are not rows of {n}", y.len())));
-    }
-    let nc = c_int::try_from(n).map_err(|_| args(k, format!("{n} columns")))?;
-    let len = ll(k, "len", y.len())?;
+    let (nc, len) = rows_args("add_rows", launch, y.len(), Some(b.len()), n)?;
     // SAFETY: element i < len reads and writes y[i] and reads b[i % n]: in bounds (checked).
     run(launch, order, |l, e, el| unsafe {
         T::ADD_ROWS((l, e, el), y.mut_ptr(), b.ptr(), len, nc)
     })?;
-    y.check(k)
+    y.check("add_rows")
 }
 
 /// [`add_rows`] of an f32 bias into a bf16 `y` (`cdt_add_rows_bf16_f32`: the f32 sum rounded
@@ -594,13 +599,7 @@ pub fn add_rows_f32_bias(
     n: usize,
 ) -> Result<()> {
     let k = "add_rows_bf16_f32";
-    one_d(k, launch)?;
-    need_elems(k, b.len(), n)?;
-    if n == 0 || y.len() % n != 0 {
-        return Err(args(k, format!("{} elements are not rows of {n}", y.len())));
-    }
-    let nc = c_int::try_from(n).map_err(|_| args(k, format!("{n} columns")))?;
-    let len = ll(k, "len", y.len())?;
+    let (nc, len) = rows_args(k, launch, y.len(), Some(b.len()), n)?;
     // SAFETY: element i < len reads and writes y[i] and reads b[i % n]: in bounds (checked).
     run(launch, order, |l, e, el| unsafe {
         emu_add_rows_bf16_f32((l, e, el), y.mut_ptr(), b.ptr(), len, nc)
