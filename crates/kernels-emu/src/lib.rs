@@ -410,8 +410,8 @@ extern "C" {
     ) -> c_int;
 }
 
-/// The emulator's own kernels (`emu/selftest/selftest.cu`): a correct block reduction and one kernel
-/// per kind of bug the emulator must report. Used by `tests/emulator.rs`.
+/// The emulator's own kernels (`emu/selftest/selftest.cu`): a correct block reduction and one
+/// kernel per kind of bug the emulator must report. Used by `tests/emulator.rs`.
 pub mod selftest {
     use super::*;
 

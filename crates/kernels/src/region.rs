@@ -604,8 +604,9 @@ impl LinearParts for LinearIn {
 }
 
 /// `x @ w^T (+ b)` with the product in `compute` (bf16 under a mixed-precision policy): `x`
-/// and `w` cast to it, the product cast back to `x`'s dtype, the bias added there. As one
-/// graph node with edges to `x`, `w` and `b` only where [`linear_in_applies`]; otherwise the
+/// and `w` cast to it, the product cast back to `x`'s dtype, the bias added there ([`linear_to`]
+/// with `x`'s dtype out). As one graph node with edges to `x`, `w` and `b` only where
+/// [`linear_to_applies`] (for `w` and `b` in `x`'s dtype, [`linear_in_applies`]); otherwise the
 /// plain composition (casts around [`linear`]). The plain composition on CUDA is about nine
 /// graph nodes (two casts, a transpose, reshapes, the matmul, a cast back, the broadcast bias
 /// add), and candle's backward adds a `zeros_like` and an add for every edge of them: full
@@ -613,25 +614,17 @@ impl LinearParts for LinearIn {
 /// product back and adds the bias into its own storage (no copy of a finished output). The cast
 /// operands are kept for the backward, as the plain composition's cast nodes keep them.
 pub fn linear_in(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> CResult<Tensor> {
-    if w.dtype() != x.dtype() || b.is_some_and(|b| b.dtype() != x.dtype()) {
-        return Err(Error::msg(format!(
-            "linear_in: x {:?}, w {:?}, b {:?}: w and b must be in x's dtype (linear_to takes \
-             others)",
-            x.dtype(),
-            w.dtype(),
-            b.map(Tensor::dtype)
-        )));
-    }
     linear_to(x, w, b, compute, x.dtype())
 }
 
 /// [`linear_in`] with `x` in any float dtype and the output in `out`: `x @ w^T (+ b)` with `w`
 /// and `b` in one dtype (the master weights'), `x` and `w` cast to `compute` (no op for an `x`
 /// already in it), the product in `compute`, the bias added in `b`'s dtype to the product and
-/// the sum cast to `out` (candle's bf16 GEMM writes its product in bf16, so a bf16 output is
-/// rounded twice: the product, then product plus bias; autocast's bias epilogue rounds once). A mixed-precision policy's linear whose input or output is a bf16
-/// activation (autocast's data flow: the QKV projection feeding bf16 attention, the MLP's
-/// `fc1 -> GELU -> fc2` in bf16) with no cast of that activation outside the node. One node
+/// the sum cast to `out`. candle's bf16 GEMM writes its product in bf16, so a bf16 output is
+/// rounded twice (the product, then product plus bias; autocast's bias epilogue rounds once).
+/// A mixed-precision policy's linear whose input or output is a bf16 activation (autocast's
+/// data flow: the QKV projection feeding bf16 attention, the MLP's `fc1 -> GELU -> fc2` in
+/// bf16) with no cast of that activation outside the node. One node
 /// where [`linear_to_applies`], else the plain composition. Its backward: the output gradient
 /// in `compute`, `dx` in `x`'s dtype, `dw` in `w`'s, the bias gradient summed in `b`'s (f32
 /// from a bf16 gradient on CUDA without a cast pass).
