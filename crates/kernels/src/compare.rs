@@ -3,9 +3,9 @@
 //! Every check the project ships (train_gpt's and train_llama's `--check`, the GPU examples,
 //! the kernel and model tests) goes through these helpers, so they share one rule:
 //!
-//! - **NaN and infinity are failures**, never a difference of zero. A `fold(0.0, f64::max)`
-//!   drops NaN (`f64::max` returns the other operand), which is how a run whose losses were all
-//!   NaN used to report a difference of 0; [`nan_max`] propagates NaN instead.
+//! - **NaN and infinity are failures**, never a difference of zero. A running maximum taken
+//!   with `f64::max` drops NaN (it returns the other operand), which is how a run whose losses
+//!   were all NaN used to report a difference of 0; [`nan_max`] propagates NaN instead.
 //! - **Lengths must agree**: two series of different lengths are a [`Mismatch::Length`], not a
 //!   comparison of the shorter prefix (a run that stopped early is not a run that matched).
 //! - **A tolerance is part of the check**: [`SeriesDiff::within`] turns a difference into a
@@ -242,8 +242,10 @@ mod tests {
     fn fold_with_nan_max_keeps_nan() {
         let v = [0.1, f64::NAN, 0.3];
         assert!(v.iter().copied().fold(0.0, nan_max).is_nan());
-        // The bug this module exists for: f64::max drops it.
-        assert_eq!(v.iter().copied().fold(0.0, f64::max), 0.3);
+        // The bug this module exists for: f64::max returns the other operand, so a running
+        // maximum built on it loses the NaN.
+        assert_eq!(f64::max(f64::NAN, 0.3), 0.3);
+        assert_eq!(f64::max(0.3, f64::NAN), 0.3);
     }
 
     #[test]
