@@ -385,7 +385,7 @@ pub fn output_of<S: DeviceStorage>(t: &Tensor) -> Result<S> {
 /// whose last steps are a bias add and a cast, computed from its precomputed product (a
 /// mixed-precision linear). One pass (the cast writes the fresh storage), two with a bias in
 /// `dtype`, three with one in another dtype (an f32 bias of a bf16 output: added in f32, then
-/// rounded once); no copy of a finished output as [`output_of`] makes.
+/// the sum rounded to bf16); no copy of a finished output as [`output_of`] makes.
 pub fn output_cast_add<S: DeviceStorage>(
     y: &Tensor,
     dtype: DType,

@@ -154,15 +154,20 @@ fn normalize(p: &Prepared, dim: usize, log: bool) -> CResult<Tensor> {
     }
 }
 
+/// `(ids - off)` where `off <= ids < off + len`, else `other`, as u32; and the in-range mask
+/// (u8). The two forms below choose `other`.
+fn shift_into(ids: &Tensor, off: usize, len: usize, other: i64) -> CResult<(Tensor, Tensor)> {
+    let ids = ids.to_dtype(DType::I64)?;
+    let inside = ids.ge(off as f64)?.mul(&ids.lt((off + len) as f64)?)?;
+    let shifted = ids.affine(1.0, -(off as f64))?;
+    let other = Tensor::full(other, ids.shape(), ids.device())?;
+    let local = inside.where_cond(&shifted, &other)?.to_dtype(DType::U32)?;
+    Ok((local, inside))
+}
+
 /// `(ids - off)` where `off <= ids < off + len`, else 0, as u32; and the in-range mask (f32).
 pub(crate) fn local_ids(ids: &Tensor, off: usize, len: usize) -> CResult<(Tensor, Tensor)> {
-    let ids = ids.to_dtype(DType::I64)?;
-    let lo = ids.ge(off as f64)?;
-    let hi = ids.lt((off + len) as f64)?;
-    let inside = lo.mul(&hi)?;
-    let shifted = ids.affine(1.0, -(off as f64))?;
-    let zeros = shifted.zeros_like()?;
-    let local = inside.where_cond(&shifted, &zeros)?.to_dtype(DType::U32)?;
+    let (local, inside) = shift_into(ids, off, len, 0)?;
     Ok((local, inside.to_dtype(DType::F32)?))
 }
 
@@ -170,11 +175,7 @@ pub(crate) fn local_ids(ids: &Tensor, off: usize, len: usize) -> CResult<(Tensor
 /// id candle's `index_select` reads as a zero row and whose gradient its `index_add` (and the
 /// CUDA embedding backward) skips.
 pub(crate) fn shard_ids(ids: &Tensor, off: usize, len: usize) -> CResult<Tensor> {
-    let ids = ids.to_dtype(DType::I64)?;
-    let inside = ids.ge(off as f64)?.mul(&ids.lt((off + len) as f64)?)?;
-    let shifted = ids.affine(1.0, -(off as f64))?;
-    let skip = Tensor::full(i64::from(u32::MAX), ids.shape(), ids.device())?;
-    inside.where_cond(&shifted, &skip)?.to_dtype(DType::U32)
+    Ok(shift_into(ids, off, len, i64::from(u32::MAX))?.0)
 }
 
 impl DTensor {
