@@ -4,6 +4,10 @@
 //! per line that declares `__shared__` arrays (see [`instrument`]).
 use std::path::{Path, PathBuf};
 
+#[path = "sigcheck.rs"]
+#[allow(dead_code)]
+mod sigcheck;
+
 /// `src` with a call to `emu::fresh_shared` for each array a line declares `__shared__`,
 /// appended to that line (line numbers stay the kernel's): the emulator fills the array with
 /// 0xFF bytes when the first thread of a block reaches it, so a read before the block's first
@@ -99,11 +103,37 @@ fn main() {
     instrumented_copy(&cuda, &out);
     // The emulator's own test kernels (`selftest.cu`), instrumented the same way.
     instrumented_copy(&emu.join("selftest"), &out);
-    cc::Build::new()
+    // The launchers' declarations as static_asserts on the kernels' parameters, which
+    // `shims.cpp` includes after the kernels (see sigcheck.rs).
+    let sigs = dir.join("../kernels/src/launch_sigs.rs");
+    println!("cargo:rerun-if-changed={}", sigs.display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        dir.join("sigcheck.rs").display()
+    );
+    let checks =
+        sigcheck::cpp(sigcheck::DECLS).unwrap_or_else(|e| panic!("{}: {e}", sigs.display()));
+    std::fs::write(out.join("launch_sigs.inc"), checks).expect("write launch_sigs.inc");
+    // The compiler and include paths, for tests/launch_sigs.rs to compile wrong declarations.
+    let mut build = cc_build(&emu, &out);
+    let cxx = build.get_compiler();
+    println!("cargo:rustc-env=CDT_EMU_CXX={}", cxx.path().display());
+    println!("cargo:rustc-env=CDT_EMU_DIR={}", emu.display());
+    println!("cargo:rustc-env=CDT_EMU_OUT={}", out.display());
+    build
+        .file(emu.join("emu.cpp"))
+        .file(emu.join("shims.cpp"))
+        .compile("cdt_kernels_emu");
+}
+
+/// The emulator's C++ build: the kernels as `shims.cpp` includes them, under `cuda_emu.h`.
+fn cc_build(emu: &Path, out: &Path) -> cc::Build {
+    let mut build = cc::Build::new();
+    build
         .cpp(true)
         .std("c++17")
-        .include(&emu)
-        .include(&out)
+        .include(emu)
+        .include(out)
         .define("CDT_EMU", None)
         .flag("-include")
         .flag(emu.join("cuda_emu.h").to_str().expect("a UTF-8 path"))
@@ -118,8 +148,6 @@ fn main() {
         .flag_if_supported("-ffp-contract=off")
         // CUDA code reads and writes one buffer through several types (16-byte vector copies
         // of bf16 tiles); nvcc allows it, so the host compiler must not assume otherwise.
-        .flag_if_supported("-fno-strict-aliasing")
-        .file(emu.join("emu.cpp"))
-        .file(emu.join("shims.cpp"))
-        .compile("cdt_kernels_emu");
+        .flag_if_supported("-fno-strict-aliasing");
+    build
 }

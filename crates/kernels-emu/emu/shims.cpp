@@ -111,8 +111,8 @@ int emu_cast_add_rows_bf16_f32(EMU_ERR, const bf16_t* y, const float* b, float* 
     int emu_add_rows_##NAME(EMU_ERR, T* y, const B* b, long long len, int n) {                \
         EMU_RUN(cdt_add_rows_##NAME, y, b, len, n);                                           \
     }
-ADD_ROWS_SHIM(f32, float, float)
-ADD_ROWS_SHIM(bf16, bf16_t, bf16_t)
+ADD_ROWS_SHIM(f32_f32, float, float)
+ADD_ROWS_SHIM(bf16_bf16, bf16_t, bf16_t)
 ADD_ROWS_SHIM(bf16_f32, bf16_t, float)
 
 #define NORM_SHIM(NAME, T)                                                                    \
@@ -235,3 +235,7 @@ int emu_adamw_f32(EMU_ERR, const unsigned long long* ps, const unsigned long lon
 }
 
 }  // extern "C"
+
+// Every launcher's declaration (crates/kernels/src/launch_sigs.rs) checked against its kernels'
+// parameter types: written by build.rs (sigcheck.rs) into the instrumented sources' directory.
+#include "launch_sigs.inc"

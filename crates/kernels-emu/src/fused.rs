@@ -179,8 +179,8 @@ shims! {
     emu_embedding_bwd_f32(ids: *const u32, n: c_int, g: *const f32, dtable: *mut f32, d: c_int, vocab: c_int);
     emu_embedding_bwd_bf16(ids: *const u32, n: c_int, g: *const bf16, dtable: *mut bf16, d: c_int, vocab: c_int);
     emu_cast_add_rows_bf16_f32(y: *const bf16, b: *const f32, out: *mut f32, len: Ll, n: c_int);
-    emu_add_rows_f32(y: *mut f32, b: *const f32, len: Ll, n: c_int);
-    emu_add_rows_bf16(y: *mut bf16, b: *const bf16, len: Ll, n: c_int);
+    emu_add_rows_f32_f32(y: *mut f32, b: *const f32, len: Ll, n: c_int);
+    emu_add_rows_bf16_bf16(y: *mut bf16, b: *const bf16, len: Ll, n: c_int);
     emu_add_rows_bf16_f32(y: *mut bf16, b: *const f32, len: Ll, n: c_int);
     emu_col_sum_partial_f32(x: *const f32, part: *mut f32, rows: Ll, n: c_int);
     emu_col_sum_final_f32(part: *const f32, out: *mut f32, chunks: c_int, n: c_int);
@@ -274,7 +274,7 @@ impl Dt for f32 {
     const GELU_FWD: GeluFwd<Self> = emu_gelu_fwd_f32;
     const GELU_BWD: GeluBwd<Self> = emu_gelu_bwd_f32;
     const EMB_BWD: EmbBwd<Self> = emu_embedding_bwd_f32;
-    const ADD_ROWS: AddRows<Self> = emu_add_rows_f32;
+    const ADD_ROWS: AddRows<Self> = emu_add_rows_f32_f32;
     const COL_SUM_PARTIAL: ColSumPartial<Self> = emu_col_sum_partial_f32;
     const COL_SUM_FINAL: ColSumFinal<Self> = emu_col_sum_final_f32;
     const NORM_FWD: NormFwd<Self> = emu_norm_fwd_f32;
@@ -331,7 +331,7 @@ impl Dt for bf16 {
     const GELU_FWD: GeluFwd<Self> = emu_gelu_fwd_bf16;
     const GELU_BWD: GeluBwd<Self> = emu_gelu_bwd_bf16;
     const EMB_BWD: EmbBwd<Self> = emu_embedding_bwd_bf16;
-    const ADD_ROWS: AddRows<Self> = emu_add_rows_bf16;
+    const ADD_ROWS: AddRows<Self> = emu_add_rows_bf16_bf16;
     const COL_SUM_PARTIAL: ColSumPartial<Self> = emu_col_sum_partial_bf16;
     const COL_SUM_FINAL: ColSumFinal<Self> = emu_col_sum_final_bf16;
     const NORM_FWD: NormFwd<Self> = emu_norm_fwd_bf16;

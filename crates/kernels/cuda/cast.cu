@@ -19,7 +19,8 @@ extern "C" __global__ void cdt_cast_add_rows_bf16_f32(const bf16_t* __restrict__
 // node then hands out as its own storage, so adding in place saves the copy a broadcast add
 // into a new tensor makes. The bias is of T, or f32 for a bf16 product whose output stays bf16
 // (a mixed-precision linear feeding another bf16 op: the f32 master bias added to the bf16
-// product in f32, then rounded).
+// product in f32, then rounded). Named cdt_add_rows_{T}_{B} for every pair of f32 and bf16 (the
+// launcher's declaration in crates/kernels/src/launch_sigs.rs covers them all).
 template <typename T, typename B>
 __device__ void add_rows(T* __restrict__ y, const B* __restrict__ b, long long len, int n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < len;
@@ -33,6 +34,7 @@ __device__ void add_rows(T* __restrict__ y, const B* __restrict__ b, long long l
         add_rows<T, B>(y, b, len, n);                                                          \
     }
 
-ADD_ROWS(f32, float, float)
-ADD_ROWS(bf16, bf16_t, bf16_t)
+ADD_ROWS(f32_f32, float, float)
+ADD_ROWS(f32_bf16, float, bf16_t)
+ADD_ROWS(bf16_bf16, bf16_t, bf16_t)
 ADD_ROWS(bf16_f32, bf16_t, float)

@@ -16,7 +16,7 @@
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{
@@ -76,16 +76,15 @@ const MAX_GRID_X: usize = i32::MAX as usize;
 const ELEM_THREADS: usize = 256;
 const ELEM_MAX_BLOCKS: usize = 1 << 16;
 
-/// A float type the kernels take: its name suffix and its variant of candle's CUDA storage.
-trait Float: DeviceRepr + Copy + 'static {
-    const SUFFIX: &'static str;
+/// A float type the kernels take: its variant of candle's CUDA storage (its suffix in kernel
+/// names is [`Elem`]'s).
+trait Float: Elem {
     fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>>;
     fn of_mut(s: &mut CudaStorageSlice) -> Option<&mut CudaSlice<Self>>;
     fn wrap(s: CudaSlice<Self>) -> CudaStorageSlice;
 }
 
 impl Float for f32 {
-    const SUFFIX: &'static str = "f32";
     fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>> {
         match s {
             CudaStorageSlice::F32(v) => Some(v),
@@ -104,7 +103,6 @@ impl Float for f32 {
 }
 
 impl Float for bf16 {
-    const SUFFIX: &'static str = "bf16";
     fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>> {
         match s {
             CudaStorageSlice::BF16(v) => Some(v),
@@ -248,6 +246,185 @@ fn same_shape(op: &'static str, a: &Layout, b: &Layout, what: &str) -> Result<()
 }
 
 // ---------------------------------------------------------------------------------------------
+// Typed launches
+
+/// An element type of a kernel parameter: its suffix in kernel names (`launch_sigs.rs`).
+trait Elem: DeviceRepr + Copy + 'static {
+    const SUFFIX: &'static str;
+}
+
+impl Elem for f32 {
+    const SUFFIX: &'static str = "f32";
+}
+impl Elem for bf16 {
+    const SUFFIX: &'static str = "bf16";
+}
+impl Elem for u32 {
+    const SUFFIX: &'static str = "u32";
+}
+impl Elem for i64 {
+    const SUFFIX: &'static str = "i64";
+}
+impl Elem for u64 {
+    const SUFFIX: &'static str = "u64";
+}
+
+/// A device buffer of `E` a kernel reads (`const E*`), pushed as cudarc pushes it (the launch
+/// recorded as a read of it).
+trait ArgIn<E> {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>);
+}
+
+impl<E> ArgIn<E> for CudaSlice<E> {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+
+impl<E> ArgIn<E> for CudaView<'_, E> {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+
+/// A device buffer of `E` a kernel writes (`E*`), pushed as written (`&mut`: cudarc records
+/// the launch as a write of it).
+trait ArgOut<E> {
+    fn push<'a>(&'a mut self, b: &mut LaunchArgs<'a>);
+}
+
+impl<E> ArgOut<E> for CudaSlice<E> {
+    fn push<'a>(&'a mut self, b: &mut LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+
+impl<E> ArgOut<E> for CudaViewMut<'_, E> {
+    fn push<'a>(&'a mut self, b: &mut LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+
+/// A raw device address of `E` elements a kernel reads (`const E*`; 0 is null), for a buffer
+/// no typed slice holds (an offset into a storage of several dtypes' views).
+#[derive(Clone, Copy)]
+struct DevAddr<E>(u64, std::marker::PhantomData<E>);
+
+impl<E> DevAddr<E> {
+    const NULL: Self = DevAddr(0, std::marker::PhantomData);
+
+    fn new(addr: u64) -> Self {
+        DevAddr(addr, std::marker::PhantomData)
+    }
+}
+
+/// The null pointer an absent `Opt` parameter is passed as.
+static NULL_PTR: u64 = 0;
+
+/// The launcher `launcher`'s instance `actual` of placeholder `dom` is one of `allowed`, the
+/// instances the kernels are built for (and `launch_sigs.rs`'s C++ check covers).
+fn check_instance(
+    launcher: &'static str,
+    actual: &[(&str, String)],
+    dom: &str,
+    allowed: &[&str],
+) -> Result<()> {
+    match actual.iter().find(|(k, _)| *k == dom) {
+        Some((_, v)) if allowed.contains(&v.as_str()) => Ok(()),
+        Some((_, v)) => Err(mismatch(
+            launcher,
+            format!("no kernel for {dom} = {v} (built for {allowed:?})"),
+        )),
+        None => Err(mismatch(
+            launcher,
+            format!("internal: the kernel name's placeholder {dom} is not a parameter"),
+        )),
+    }
+}
+
+/// One typed launcher per line of `launch_sigs.rs`, which says why (and what the emulator's
+/// build checks against the kernels). `launch::NAME::<generics>(dev, cfg, values.., params..)`
+/// loads the kernel its name and the instances make from its module (cached by candle per
+/// device) and launches it on `dev`'s stream.
+///
+/// Each launcher is `unsafe`: the types make every argument's layout the kernel's, but the
+/// caller guarantees what they cannot: every buffer holds the elements the kernel reads or
+/// writes for the scalars given, no written buffer aliases another argument, and `cfg` is the
+/// launch the kernel's indexing assumes (its block size, and a grid covering its work).
+mod launch {
+    use super::{
+        check_instance, AdamWConsts, ArgIn, ArgOut, CudaDevice, DevAddr, Elem, LaunchConfig,
+        Result, WrapErr, CAST, EMBEDDING, FLASH_ATTN, GELU, MULTI_TENSOR, NORM, NULL_PTR, REDUCE,
+        SOFTMAX,
+    };
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    use half::bf16;
+
+    macro_rules! cuda_kernels {
+        (@ty In $e:ident) => { &dyn ArgIn<$e> };
+        (@ty Out $e:ident) => { &mut dyn ArgOut<$e> };
+        (@ty Opt $e:ident) => { Option<&dyn ArgIn<$e>> };
+        (@ty Addr $e:ident) => { DevAddr<$e> };
+        (@ty i64) => { i64 };
+        (@ty i32) => { i32 };
+        (@ty f32) => { f32 };
+        (@ty AdamWConsts) => { AdamWConsts };
+        (@push $b:ident In $p:ident) => { $p.push(&mut $b) };
+        (@push $b:ident Out $p:ident) => { $p.push(&mut $b) };
+        (@push $b:ident Opt $p:ident) => {
+            match $p {
+                Some(x) => x.push(&mut $b),
+                None => {
+                    $b.arg(&NULL_PTR);
+                }
+            }
+        };
+        (@push $b:ident Addr $p:ident) => { $b.arg(&$p.0) };
+        (@push $b:ident $k:ident $p:ident) => { $b.arg(&$p) };
+        ($( $launcher:ident < $($g:ident),* > $([ $($v:ident),* ])? = $module:ident $name:literal
+            $( [ $dom:ident : $($inst:tt)+ ] )*
+            ( $( $p:ident : $k:ident $(< $e:ident >)? ),* $(,)? ) ; )*) => {
+            $(
+                #[doc = concat!("Launches `", $name, "` (`launch_sigs.rs`).")]
+                #[allow(clippy::too_many_arguments)]
+                pub(super) unsafe fn $launcher<$($g: Elem),*>(
+                    dev: &CudaDevice,
+                    cfg: LaunchConfig,
+                    $($($v: usize,)*)?
+                    $( $p: cuda_kernels!(@ty $k $($e)?) ),*
+                ) -> Result<()> {
+                    let actual: &[(&str, String)] = &[
+                        $( (stringify!($g), <$g as Elem>::SUFFIX.to_string()), )*
+                        $($( (stringify!($v), $v.to_string()), )*)?
+                    ];
+                    $( check_instance(
+                        stringify!($launcher),
+                        actual,
+                        stringify!($dom),
+                        &[$( stringify!($inst) ),+],
+                    )?; )*
+                    let mut name = String::from($name);
+                    for (k, v) in actual {
+                        name = name.replace(&format!("{{{k}}}"), v);
+                    }
+                    let f = dev.get_or_load_custom_func(&name, $module.name, $module.ptx)?;
+                    let mut b = f.builder();
+                    $( cuda_kernels!(@push b $k $p); )*
+                    // SAFETY: the arguments are the kernel's parameters in order and layout
+                    // (`launch_sigs.rs`, checked against the kernel by the emulator's build);
+                    // what they hold and the launch shape are the caller's (this fn's
+                    // contract).
+                    unsafe { b.launch(cfg) }.w()?;
+                    Ok(())
+                }
+            )*
+        };
+    }
+
+    include!("launch_sigs.rs");
+}
+
+// ---------------------------------------------------------------------------------------------
 // GELU
 
 fn gelu_launch<T: Float>(
@@ -269,24 +446,14 @@ fn gelu_launch<T: Float>(
         .map(|(gs, gl)| view::<T>(gs, gl, op, "grad"))
         .transpose()?;
     let mut out = alloc_out::<T>(dev, len)?;
-    let len_arg = len as i64;
-    let name = match gv {
-        None => format!("cdt_gelu_fwd_{}", T::SUFFIX),
-        Some(_) => format!("cdt_gelu_bwd_{}", T::SUFFIX),
-    };
-    let f = dev.get_or_load_custom_func(&name, GELU.name, GELU.ptx)?;
-    {
-        let mut b = f.builder();
-        b.arg(&xv);
-        if let Some(gv) = &gv {
-            b.arg(gv);
+    let (cfg, len_arg) = (elem_cfg(len), len as i64);
+    // SAFETY: x, g and out hold `len` elements of T; the kernel (grid-stride) touches indices
+    // below `len` only.
+    unsafe {
+        match &gv {
+            None => launch::gelu_fwd::<T>(dev, cfg, &xv, &mut out, len_arg)?,
+            Some(gv) => launch::gelu_bwd::<T>(dev, cfg, &xv, gv, &mut out, len_arg)?,
         }
-        b.arg(&mut out);
-        b.arg(&len_arg);
-        // SAFETY: the arguments match the kernel's signature (`const T*[, const T*], T*, long
-        // long`); every pointer holds `len` elements of T and the kernel touches indices below
-        // `len` only.
-        unsafe { b.launch(elem_cfg(len)) }.w()?;
     }
     Ok(wrap(dev, out))
 }
@@ -323,22 +490,21 @@ fn softmax_launch<T: Float>(
     let mut out = alloc_out::<T>(dev, rows * n)?;
     let (rows_arg, n_arg, t_arg) = (rows as i64, n as i32, t as i64);
     let (causal_arg, log_arg) = (i32::from(causal), i32::from(log));
-    let name = format!("cdt_softmax_fwd_{}", T::SUFFIX);
-    let f = dev.get_or_load_custom_func(&name, SOFTMAX.name, SOFTMAX.ptx)?;
-    {
-        let mut b = f.builder();
-        b.arg(&xv);
-        b.arg(&mut out);
-        b.arg(&rows_arg);
-        b.arg(&n_arg);
-        b.arg(&t_arg);
-        b.arg(&scale);
-        b.arg(&causal_arg);
-        b.arg(&log_arg);
-        // SAFETY: arguments as `cdt_softmax_fwd_*` declares them (const T*, T*, long long, int,
-        // long long, float, int, int); x and out hold rows * n elements; t > 0 because
-        // rows > 0 is the product of the leading dims, t among them.
-        unsafe { b.launch(row_cfg(rows, n)) }.w()?;
+    // SAFETY: x and out hold rows * n elements, one block a row (grid-stride); t > 0 because
+    // rows > 0 is the product of the leading dims, t among them.
+    unsafe {
+        launch::softmax_fwd::<T>(
+            dev,
+            row_cfg(rows, n),
+            &xv,
+            &mut out,
+            rows_arg,
+            n_arg,
+            t_arg,
+            scale,
+            causal_arg,
+            log_arg,
+        )?;
     }
     Ok(wrap(dev, out))
 }
@@ -385,20 +551,19 @@ fn softmax_bwd_launch<T: Float>(
     let gv = view::<T>(g, gl, op, "grad")?;
     let mut out = alloc_out::<T>(dev, rows * n)?;
     let (rows_arg, n_arg, log_arg) = (rows as i64, n as i32, i32::from(log));
-    let name = format!("cdt_softmax_bwd_{}", T::SUFFIX);
-    let f = dev.get_or_load_custom_func(&name, SOFTMAX.name, SOFTMAX.ptx)?;
-    {
-        let mut b = f.builder();
-        b.arg(&yv);
-        b.arg(&gv);
-        b.arg(&mut out);
-        b.arg(&rows_arg);
-        b.arg(&n_arg);
-        b.arg(&scale);
-        b.arg(&log_arg);
-        // SAFETY: arguments as `cdt_softmax_bwd_*` declares them (const T*, const T*, T*, long
-        // long, int, float, int); y, g and out hold rows * n elements (same shapes, checked).
-        unsafe { b.launch(row_cfg(rows, n)) }.w()?;
+    // SAFETY: y, g and out hold rows * n elements (same shapes, checked), one block a row.
+    unsafe {
+        launch::softmax_bwd::<T>(
+            dev,
+            row_cfg(rows, n),
+            &yv,
+            &gv,
+            &mut out,
+            rows_arg,
+            n_arg,
+            scale,
+            log_arg,
+        )?;
     }
     Ok(wrap(dev, out))
 }
@@ -442,27 +607,22 @@ fn norm_launch<T: Float>(
         .map(|(bs, bl)| view::<T>(bs, bl, op, "bias"))
         .transpose()?;
     let mut out = alloc_out::<T>(dev, rows * n)?;
-    let (rows_arg, n_arg, center_arg, null) = (rows as i64, n as i32, i32::from(center), 0u64);
-    let name = format!("cdt_norm_fwd_{}", T::SUFFIX);
-    let f = dev.get_or_load_custom_func(&name, NORM.name, NORM.ptx)?;
-    {
-        let mut bld = f.builder();
-        bld.arg(&xv);
-        bld.arg(&wv);
-        match &bv {
-            Some(bv) => bld.arg(bv),
-            // A null `const T*`: the kernel adds no bias.
-            None => bld.arg(&null),
-        };
-        bld.arg(&mut out);
-        bld.arg(&rows_arg);
-        bld.arg(&n_arg);
-        bld.arg(&eps);
-        bld.arg(&center_arg);
-        // SAFETY: arguments as `cdt_norm_fwd_*` declares them (const T* x, const T* w, const
-        // T* b or null, T* y, long long, int, float, int); x and y hold rows * n elements, w
-        // and b n (checked).
-        unsafe { bld.launch(row_cfg(rows, n)) }.w()?;
+    let (rows_arg, n_arg, center_arg) = (rows as i64, n as i32, i32::from(center));
+    // SAFETY: x and y hold rows * n elements, w and b (null: no bias) n (checked), one block a
+    // row.
+    unsafe {
+        launch::norm_fwd::<T>(
+            dev,
+            row_cfg(rows, n),
+            &xv,
+            &wv,
+            bv.as_ref().map(|b| b as &dyn ArgIn<T>),
+            &mut out,
+            rows_arg,
+            n_arg,
+            eps,
+            center_arg,
+        )?;
     }
     Ok(wrap(dev, out))
 }
@@ -522,24 +682,11 @@ fn norm_bwd_launch<T: Float>(
     }
     let mut out = alloc_out::<T>(dev, total)?;
     let n_arg = n as i32;
-    let final_f = dev.get_or_load_custom_func(
-        &format!("cdt_norm_bwd_final_{}", T::SUFFIX),
-        NORM.name,
-        NORM.ptx,
-    )?;
     if rows == 0 {
         // No rows: dw = db = 0 (the final stage adds no chunk).
-        let (chunks_arg, null) = (0i32, 0u64);
-        {
-            let mut b = final_f.builder();
-            b.arg(&null);
-            b.arg(&mut out);
-            b.arg(&chunks_arg);
-            b.arg(&n_arg);
-            // SAFETY: `cdt_norm_bwd_final_*(const float* part, T* wb, int chunks, int n)`;
-            // with chunks 0 the kernel never reads `part` and writes wb[0 .. 2n), all of `out`.
-            unsafe { b.launch(elem_cfg(n)) }.w()?;
-        }
+        // SAFETY: with chunks 0 the kernel never reads `part` (null) and writes wb[0 .. 2n),
+        // all of `out`.
+        unsafe { launch::norm_bwd_final::<T>(dev, elem_cfg(n), None, &mut out, 0, n_arg)? };
         return Ok(wrap(dev, out));
     }
     let xv = view::<T>(x, xl, op, "x")?;
@@ -549,68 +696,66 @@ fn norm_bwd_launch<T: Float>(
     let mut stats = alloc_out::<f32>(dev, 2 * rows)?;
     let (rows_arg, center_arg) = (rows as i64, i32::from(center));
     {
-        let f = dev.get_or_load_custom_func(
-            &format!("cdt_norm_bwd_dx_{}", T::SUFFIX),
-            NORM.name,
-            NORM.ptx,
-        )?;
         let mut dx = out.slice_mut(..rn);
-        let mut b = f.builder();
-        b.arg(&xv);
-        b.arg(&wv);
-        b.arg(&gv);
-        b.arg(&mut dx);
-        b.arg(&mut stats);
-        b.arg(&rows_arg);
-        b.arg(&n_arg);
-        b.arg(&eps);
-        b.arg(&center_arg);
-        // SAFETY: `cdt_norm_bwd_dx_*(const T* x, const T* w, const T* g, T* dx, float* stats,
-        // long long rows, int n, float eps, int center)`; x, g and dx hold rows * n elements,
-        // w n, stats 2 * rows: each row's block writes its dx row and its two stats.
-        unsafe { b.launch(row_cfg(rows, n)) }.w()?;
+        // SAFETY: x, g and dx hold rows * n elements, w n, stats 2 * rows: each row's block
+        // writes its dx row and its two stats.
+        unsafe {
+            launch::norm_bwd_dx::<T>(
+                dev,
+                row_cfg(rows, n),
+                &xv,
+                &wv,
+                &gv,
+                &mut dx,
+                &mut stats,
+                rows_arg,
+                n_arg,
+                eps,
+                center_arg,
+            )?;
+        }
     }
     let per_chunk = norm_chunk_rows(rows);
     let chunks = rows.div_ceil(per_chunk);
     let mut part = alloc_out::<f32>(dev, chunks * 2 * n)?;
     {
-        let f = dev.get_or_load_custom_func(
-            &format!("cdt_norm_bwd_partial_{}", T::SUFFIX),
-            NORM.name,
-            NORM.ptx,
-        )?;
-        let per_chunk_arg = per_chunk as i64;
-        let mut b = f.builder();
-        b.arg(&xv);
-        b.arg(&gv);
-        b.arg(&stats);
-        b.arg(&mut part);
-        b.arg(&rows_arg);
-        b.arg(&n_arg);
-        b.arg(&per_chunk_arg);
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(32) as u32, chunks as u32, 1),
             block_dim: (32, 8, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: `cdt_norm_bwd_partial_*(const T* x, const T* g, const float* stats, float*
-        // part, long long rows, int n, long long per_chunk)` with block (32, 8) as the kernel
-        // requires (NB_TX, NB_TY) and grid (ceil(n / 32), chunks), chunks <= 64; block
-        // (tile, chunk) reads rows of its chunk below `rows` and writes part[chunk][0..2][tile
-        // columns below n]: every element of part (chunks * 2 * n) is written.
-        unsafe { b.launch(cfg) }.w()?;
+        // SAFETY: block (32, 8) as the kernel requires (NB_TX, NB_TY) and grid (ceil(n / 32),
+        // chunks), chunks <= 64; block (tile, chunk) reads rows of its chunk below `rows` and
+        // writes part[chunk][0..2][tile columns below n]: every element of part
+        // (chunks * 2 * n) is written.
+        unsafe {
+            launch::norm_bwd_partial::<T>(
+                dev,
+                cfg,
+                &xv,
+                &gv,
+                &stats,
+                &mut part,
+                rows_arg,
+                n_arg,
+                per_chunk as i64,
+            )?;
+        }
     }
     {
-        let chunks_arg = chunks as i32;
         let mut wb = out.slice_mut(rn..);
-        let mut b = final_f.builder();
-        b.arg(&part);
-        b.arg(&mut wb);
-        b.arg(&chunks_arg);
-        b.arg(&n_arg);
-        // SAFETY: `cdt_norm_bwd_final_*(const float* part, T* wb, int chunks, int n)`: part
-        // holds chunks * 2 * n floats, wb the last 2 * n elements of out; columns below n.
-        unsafe { b.launch(elem_cfg(n)) }.w()?;
+        // SAFETY: part holds chunks * 2 * n floats, wb the last 2 * n elements of out; columns
+        // below n.
+        unsafe {
+            launch::norm_bwd_final::<T>(
+                dev,
+                elem_cfg(n),
+                Some(&part),
+                &mut wb,
+                chunks as i32,
+                n_arg,
+            )?;
+        }
     }
     Ok(wrap(dev, out))
 }
@@ -647,13 +792,6 @@ impl<'a> Targets<'a> {
             _ => Err(unsupported(op, s.dtype(), "u32 or i64 targets", l.shape()).into()),
         }
     }
-
-    fn suffix(&self) -> &'static str {
-        match self {
-            Self::U32(_) => "u32",
-            Self::I64(_) => "i64",
-        }
-    }
 }
 
 /// `(ignore, has_ignore)` kernel arguments.
@@ -685,25 +823,18 @@ fn xent_launch<T: Float>(
     let mut out = alloc_out::<f32>(dev, 2 * rows)?;
     let (rows_arg, n_arg) = (rows as i64, n as i32);
     let (ignore_arg, has_ignore) = ignore_args(ignore);
-    let name = format!("cdt_xent_fwd_{}_{}", T::SUFFIX, tv.suffix());
-    let f = dev.get_or_load_custom_func(&name, SOFTMAX.name, SOFTMAX.ptx)?;
-    {
-        let mut b = f.builder();
-        b.arg(&xv);
+    let cfg = row_cfg(rows, n);
+    // SAFETY: x holds rows * n elements, tgt rows, out 2 * rows (each row's block writes its
+    // two). A target outside [0, n) is never used as an index.
+    unsafe {
         match &tv {
-            Targets::U32(v) => b.arg(v),
-            Targets::I64(v) => b.arg(v),
-        };
-        b.arg(&mut out);
-        b.arg(&rows_arg);
-        b.arg(&n_arg);
-        b.arg(&ignore_arg);
-        b.arg(&has_ignore);
-        // SAFETY: arguments as `cdt_xent_fwd_*_*` declares them (const T* x, const I* tgt,
-        // float* out, long long rows, int n, long long ignore, int has_ignore) with I the
-        // targets' type named by the suffix; x holds rows * n elements, tgt rows, out 2 * rows
-        // (each row's block writes its two). A target outside [0, n) is never used as an index.
-        unsafe { b.launch(row_cfg(rows, n)) }.w()?;
+            Targets::U32(t) => launch::xent_fwd::<T, u32>(
+                dev, cfg, &xv, t, &mut out, rows_arg, n_arg, ignore_arg, has_ignore,
+            )?,
+            Targets::I64(t) => launch::xent_fwd::<T, i64>(
+                dev, cfg, &xv, t, &mut out, rows_arg, n_arg, ignore_arg, has_ignore,
+            )?,
+        }
     }
     Ok(wrap(dev, out))
 }
@@ -754,26 +885,18 @@ fn xent_bwd_launch<T: Float>(
     let mut out = alloc_out::<T>(dev, rows * n)?;
     let (rows_arg, n_arg) = (rows as i64, n as i32);
     let (ignore_arg, has_ignore) = ignore_args(ignore);
-    let name = format!("cdt_xent_bwd_{}_{}", T::SUFFIX, tv.suffix());
-    let f = dev.get_or_load_custom_func(&name, SOFTMAX.name, SOFTMAX.ptx)?;
-    {
-        let mut b = f.builder();
-        b.arg(&xv);
+    let cfg = row_cfg(rows, n);
+    // SAFETY: x and dx hold rows * n elements, tgt rows, lg 2 * rows (checked); each row's
+    // block writes its whole dx row.
+    unsafe {
         match &tv {
-            Targets::U32(v) => b.arg(v),
-            Targets::I64(v) => b.arg(v),
-        };
-        b.arg(&lgv);
-        b.arg(&mut out);
-        b.arg(&rows_arg);
-        b.arg(&n_arg);
-        b.arg(&ignore_arg);
-        b.arg(&has_ignore);
-        // SAFETY: arguments as `cdt_xent_bwd_*_*` declares them (const T* x, const I* tgt,
-        // const float* lg, T* dx, long long rows, int n, long long ignore, int has_ignore);
-        // x and dx hold rows * n elements, tgt rows, lg 2 * rows (checked); each row's block
-        // writes its whole dx row.
-        unsafe { b.launch(row_cfg(rows, n)) }.w()?;
+            Targets::U32(t) => launch::xent_bwd::<T, u32>(
+                dev, cfg, &xv, t, &lgv, &mut out, rows_arg, n_arg, ignore_arg, has_ignore,
+            )?,
+            Targets::I64(t) => launch::xent_bwd::<T, i64>(
+                dev, cfg, &xv, t, &lgv, &mut out, rows_arg, n_arg, ignore_arg, has_ignore,
+            )?,
+        }
     }
     Ok(wrap(dev, out))
 }
@@ -1008,9 +1131,9 @@ pub(crate) fn grad_norm(
         .first()
         .map(|(s, _)| s.dtype())
         .ok_or_else(|| mismatch(op, "no gradients".into()))?;
-    let suffix = match dtype {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
+    let bf16 = match dtype {
+        DType::F32 => false,
+        DType::BF16 => true,
         other => return Err(unsupported(op, other, "f32 or bf16", &Shape::from(0)).into()),
     };
     let stream = dev.cuda_stream();
@@ -1041,19 +1164,10 @@ pub(crate) fn grad_norm(
     starts.push(total as i64);
     let max_norm = max_norm.unwrap_or(0.0) as f32;
     let mut out = alloc_out::<f32>(dev, 2)?;
-    let finish =
-        dev.get_or_load_custom_func("cdt_norm_finish", MULTI_TENSOR.name, MULTI_TENSOR.ptx)?;
     if total == 0 {
         // Nothing to sum: the finish kernel with no partials writes norm 0, coefficient 1.
-        let (blocks_arg, null) = (0i32, 0u64);
-        let mut b = finish.builder();
-        b.arg(&null);
-        b.arg(&blocks_arg);
-        b.arg(&max_norm);
-        b.arg(&mut out);
-        // SAFETY: `cdt_norm_finish(const float* partial, int blocks, float max_norm, float*
-        // out)`; with blocks 0 `partial` is never read; out holds 2 floats.
-        unsafe { b.launch(row_cfg(1, 32)) }.w()?;
+        // SAFETY: with blocks 0 `partial` (null) is never read; out holds 2 floats.
+        unsafe { launch::norm_finish(dev, row_cfg(1, 32), None, 0, max_norm, &mut out)? };
         drop(guards);
         return Ok(wrap(dev, out));
     }
@@ -1062,36 +1176,36 @@ pub(crate) fn grad_norm(
     let ptrs_dev = dev.clone_htod(&ptrs)?;
     let starts_dev = dev.clone_htod(&starts)?;
     let mut partial = alloc_out::<f32>(dev, blocks)?;
-    {
-        let f = dev.get_or_load_custom_func(
-            &format!("cdt_sumsq_partial_{suffix}"),
-            MULTI_TENSOR.name,
-            MULTI_TENSOR.ptx,
-        )?;
-        let (k_arg, chunk_arg) = (parts.len() as i32, chunk as i64);
-        let mut b = f.builder();
-        b.arg(&ptrs_dev);
-        b.arg(&starts_dev);
-        b.arg(&k_arg);
-        b.arg(&chunk_arg);
-        b.arg(&mut partial);
-        // SAFETY: `cdt_sumsq_partial_*(const unsigned long long* ptrs, const long long*
-        // starts, int k, long long chunk, float* partial)`: ptrs[i] is the address of the
-        // first element of part i, which holds starts[i + 1] - starts[i] elements of the
-        // kernel's type (checked above; the storages stay borrowed, and their read events
-        // are recorded by `guards` after this launch); blocks = ceil(total / chunk), each
-        // writing partial[its index].
-        unsafe { b.launch(row_cfg(blocks, 1024)) }.w()?;
+    let (cfg, k, chunk) = (row_cfg(blocks, 1024), parts.len() as i32, chunk as i64);
+    // SAFETY: ptrs[i] is the address of the first element of part i, which holds
+    // starts[i + 1] - starts[i] elements of the kernel's type (checked above; the storages
+    // stay borrowed, and their read events are recorded by `guards` after this launch);
+    // blocks = ceil(total / chunk), each writing partial[its index].
+    unsafe {
+        if bf16 {
+            launch::sumsq_partial::<bf16>(
+                dev,
+                cfg,
+                &ptrs_dev,
+                &starts_dev,
+                k,
+                chunk,
+                &mut partial,
+            )?;
+        } else {
+            launch::sumsq_partial::<f32>(dev, cfg, &ptrs_dev, &starts_dev, k, chunk, &mut partial)?;
+        }
     }
-    {
-        let blocks_arg = blocks as i32;
-        let mut b = finish.builder();
-        b.arg(&partial);
-        b.arg(&blocks_arg);
-        b.arg(&max_norm);
-        b.arg(&mut out);
-        // SAFETY: as above, with `blocks` partials.
-        unsafe { b.launch(row_cfg(1, 1024)) }.w()?;
+    // SAFETY: as above, with `blocks` partials.
+    unsafe {
+        launch::norm_finish(
+            dev,
+            row_cfg(1, 1024),
+            Some(&partial),
+            blocks as i32,
+            max_norm,
+            &mut out,
+        )?;
     }
     // Record the reads of every part on the stream after the launch that made them.
     drop(guards);
@@ -1173,6 +1287,9 @@ pub(crate) fn adamw(
     }
     let coef_ptr = match coef {
         Some((s, l)) => {
+            if s.dtype() != DType::F32 {
+                return Err(unsupported(op, s.dtype(), "an f32 gradient scale", l.shape()).into());
+            }
             let (a, _) = l
                 .contiguous_offsets()
                 .filter(|(a, b)| b > a)
@@ -1184,9 +1301,9 @@ pub(crate) fn adamw(
                 })?;
             let (ptr, guard) = float_ptr(s, a, &stream)?;
             guards.push(guard);
-            ptr
+            DevAddr::new(ptr)
         }
-        None => 0,
+        None => DevAddr::NULL,
     };
     let chunk = sumsq_chunk(total);
     let blocks = total.div_ceil(chunk);
@@ -1198,27 +1315,25 @@ pub(crate) fn adamw(
         dev.clone_htod(&vs)?,
     );
     let starts_dev = dev.clone_htod(&starts)?;
-    let f = dev.get_or_load_custom_func("cdt_adamw_f32", MULTI_TENSOR.name, MULTI_TENSOR.ptx)?;
-    let (k_arg, chunk_arg) = (sets.len() as i32, chunk as i64);
-    {
-        let mut b = f.builder();
-        b.arg(&ps);
-        b.arg(&gs);
-        b.arg(&ms);
-        b.arg(&vs);
-        b.arg(&starts_dev);
-        b.arg(&k_arg);
-        b.arg(&chunk_arg);
-        b.arg(&coef_ptr);
-        b.arg(&consts);
-        // SAFETY: `cdt_adamw_f32(const u64* ps, gs, ms, vs, const long long* starts, int k,
-        // long long chunk, const float* coef, AdamWConsts c)`: entry i of each table is the
-        // address of the first element of a contiguous f32 buffer of starts[i + 1] - starts[i]
-        // elements (checked above; the storages stay borrowed until `guards` is dropped after
-        // the launch); coef is null or one readable f32; blocks = ceil(total / chunk) cover the
-        // concatenation, each element read and written by one thread only (the written
-        // buffers are distinct storages).
-        unsafe { b.launch(row_cfg(blocks, 1024)) }.w()?;
+    // SAFETY: entry i of each table is the address of the first element of a contiguous f32
+    // buffer of starts[i + 1] - starts[i] elements (checked above; the storages stay borrowed
+    // until `guards` is dropped after the launch); coef is null or one readable f32;
+    // blocks = ceil(total / chunk) cover the concatenation, each element read and written by
+    // one thread only (the written buffers are distinct storages).
+    unsafe {
+        launch::adamw(
+            dev,
+            row_cfg(blocks, 1024),
+            &ps,
+            &gs,
+            &ms,
+            &vs,
+            &starts_dev,
+            sets.len() as i32,
+            chunk as i64,
+            coef_ptr,
+            consts,
+        )?;
     }
     drop(guards);
     Ok(())
@@ -1374,35 +1489,27 @@ fn fa_fwd_launch<T: Float>(
     let mut o = alloc_out::<T>(dev, s.bh * s.tq * s.d)?;
     let mut lse = alloc_out::<f32>(dev, s.bh * s.tq)?;
     if s.bh * s.tq > 0 {
-        let (name, cfg) = if T::SUFFIX == "bf16" && tensor_cores() {
-            (
-                format!("cdt_fa_fwd_tc_bf16_d{}", s.d),
-                s.tc_cfg(s.tq, crate::flash::TENSOR_CORE_FWD_WARPS),
-            )
-        } else {
-            (format!("cdt_fa_fwd_{}_d{}", T::SUFFIX, s.d), s.cfg(s.tq))
-        };
-        let f = dev.get_or_load_custom_func(&name, FLASH_ATTN.name, FLASH_ATTN.ptx)?;
         let (tq, tk, c) = (s.tq as i32, s.tk as i32, i32::from(causal));
-        let mut b = f.builder();
-        b.arg(&qv);
-        b.arg(&kv);
-        b.arg(&vv);
-        b.arg(&mut o);
-        b.arg(&mut lse);
-        b.arg(&tq);
-        b.arg(&tk);
-        b.arg(&scale);
-        b.arg(&c);
-        // SAFETY: `cdt_fa_fwd_*_d{d}(const T* q, k, v, T* o, float* lse, int tq, int tk, float
-        // scale, int causal)` with d the head dim it was built for (checked by `Fa::of`): q
-        // and o hold bh tq d elements, k and v bh tk d, lse bh tq (contiguous views and fresh
-        // allocations of those lengths); block (x, h) touches rows below tq / tk of head h < bh
-        // only, and writes every o and lse element of its rows; the block is the thread count
-        // its row mapping assumes (128 for the SIMT kernel, 32 FA_TC_FWD_WARPS for the
-        // tensor-core one, whose grid covers tq in tiles of 16 FA_TC_FWD_WARPS rows:
+        // SAFETY: the kernel is built for head dim d (checked by `Fa::of`; the launcher refuses
+        // others): q and o hold bh tq d elements, k and v bh tk d, lse bh tq (contiguous views
+        // and fresh allocations of those lengths); block (x, h) touches rows below tq / tk of
+        // head h < bh only, and writes every o and lse element of its rows; the block is the
+        // thread count its row mapping assumes (128 for the SIMT kernel, 32 FA_TC_FWD_WARPS for
+        // the tensor-core one, whose grid covers tq in tiles of 16 FA_TC_FWD_WARPS rows:
         // `Fa::tc_cfg`).
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe {
+            if T::SUFFIX == "bf16" && tensor_cores() {
+                let cfg = s.tc_cfg(s.tq, crate::flash::TENSOR_CORE_FWD_WARPS);
+                launch::fa_fwd_tc::<T>(
+                    dev, cfg, s.d, &qv, &kv, &vv, &mut o, &mut lse, tq, tk, scale, c,
+                )?;
+            } else {
+                let cfg = s.cfg(s.tq);
+                launch::fa_fwd::<T>(
+                    dev, cfg, s.d, &qv, &kv, &vv, &mut o, &mut lse, tq, tk, scale, c,
+                )?;
+            }
+        }
     }
     Ok((wrap(dev, o), wrap(dev, lse)))
 }
@@ -1522,24 +1629,19 @@ pub(crate) fn cast_add_rows(y: &Tensor, b: Option<&Tensor>) -> Result<Option<Cud
         },
         None => None,
     };
-    let (len_arg, n_arg) = (len as i64, n as i32);
-    let f = dev.get_or_load_custom_func("cdt_cast_add_rows_bf16_f32", CAST.name, CAST.ptx)?;
-    {
-        let mut bld = f.builder();
-        bld.arg(&yv);
-        let null: u64 = 0;
-        match &bv {
-            Some(bv) => bld.arg(bv),
-            None => bld.arg(&null),
-        };
-        bld.arg(&mut out);
-        bld.arg(&len_arg);
-        bld.arg(&n_arg);
-        // SAFETY: `cdt_cast_add_rows_bf16_f32(const bf16* y, const float* b, float* out, long
-        // long len, int n)`: y holds len bf16 (a contiguous view), out len f32 (fresh), b
-        // either null (a 64-bit zero, which the kernel tests) or n f32 (a contiguous view of a
-        // bias of n elements); element i < len reads y[i] and b[i % n] and writes out[i].
-        unsafe { bld.launch(elem_cfg(len)) }.w()?;
+    // SAFETY: y holds len bf16 (a contiguous view), out len f32 (fresh), b either null (which
+    // the kernel tests) or n f32 (a contiguous view of a bias of n elements); element i < len
+    // reads y[i] and b[i % n] and writes out[i].
+    unsafe {
+        launch::cast_add_rows(
+            dev,
+            elem_cfg(len),
+            &yv,
+            bv.as_ref().map(|b| b as &dyn ArgIn<f32>),
+            &mut out,
+            len as i64,
+            n as i32,
+        )?;
     }
     Ok(Some(wrap(dev, out)))
 }
@@ -1635,26 +1737,10 @@ fn add_rows_launch<T: Float, B: Float>(
             format!("a product of {} elements for {len}", yv.len()),
         ));
     }
-    let name = if T::SUFFIX == B::SUFFIX {
-        format!("cdt_add_rows_{}", T::SUFFIX)
-    } else {
-        format!("cdt_add_rows_{}_{}", T::SUFFIX, B::SUFFIX)
-    };
-    let f = dev.get_or_load_custom_func(&name, CAST.name, CAST.ptx)?;
-    let len_arg = len as i64;
-    let mut bld = f.builder();
-    // Passed as written (`&mut`): cudarc then records the launch as a write of it.
-    bld.arg(yv);
-    bld.arg(&bv);
-    bld.arg(&len_arg);
-    bld.arg(&n);
-    // SAFETY: `cdt_add_rows_*(T* y, const B* b, long long len, int n)` (the name's suffixes
-    // are T's, then B's where it differs: f32, bf16, bf16_f32 exist): y holds exactly len
-    // elements of T (checked above; the GEMM's fresh output), b n elements of B (a contiguous
-    // view of a bias of n elements, checked by the caller); element i < len reads and writes
-    // y[i] and reads b[i % n].
-    unsafe { bld.launch(elem_cfg(len)) }.w()?;
-    Ok(())
+    // SAFETY: y holds exactly len elements of T (checked above; the GEMM's fresh output), b n
+    // elements of B (a contiguous view of a bias of n elements, checked by the caller); element
+    // i < len reads and writes y[i] and reads b[i % n].
+    unsafe { launch::add_rows::<T, B>(&dev, elem_cfg(len), yv, &bv, len as i64, n) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1719,51 +1805,19 @@ fn col_sum_launch<T: Float, O: Float>(
     let mut out = alloc_out::<O>(dev, n as usize)?;
     let threads = crate::fused::COL_SUM_THREADS;
     let bx = (n as u32).div_ceil(threads);
-    let (rows_arg, chunks_arg) = (rows as i64, chunks as i32);
-    let f = dev.get_or_load_custom_func(
-        &format!("cdt_col_sum_partial_{}", T::SUFFIX),
-        REDUCE.name,
-        REDUCE.ptx,
-    )?;
-    {
-        let mut b = f.builder();
-        b.arg(&gv);
-        b.arg(&mut part);
-        b.arg(&rows_arg);
-        b.arg(&n);
-        let cfg = LaunchConfig {
-            grid_dim: (bx, chunks as u32, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: `cdt_col_sum_partial_*(const T* x, float* part, long long rows, int n)`: x
-        // holds rows n elements (a contiguous view), part chunks n floats (fresh); thread
-        // column c < n of block row `by` < chunks reads x[r n + c] for its rows r < rows and
-        // writes part[by n + c], every element of part once.
-        unsafe { b.launch(cfg) }.w()?;
-    }
-    let f = dev.get_or_load_custom_func(
-        &format!("cdt_col_sum_final_{}", O::SUFFIX),
-        REDUCE.name,
-        REDUCE.ptx,
-    )?;
-    {
-        let mut b = f.builder();
-        b.arg(&part);
-        b.arg(&mut out);
-        b.arg(&chunks_arg);
-        b.arg(&n);
-        let cfg = LaunchConfig {
-            grid_dim: (bx, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: `cdt_col_sum_final_*(const float* part, O* out, int chunks, int n)` (the
-        // name's suffix is O's): part holds chunks n floats written by the launch before on the
-        // same stream, out n elements of O (fresh); thread c < n reads part[k n + c] and writes
-        // out[c].
-        unsafe { b.launch(cfg) }.w()?;
-    }
+    let cfg = |grid_y: usize| LaunchConfig {
+        grid_dim: (bx, grid_y as u32, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: x holds rows n elements (a contiguous view), part chunks n floats (fresh); thread
+    // column c < n of block row `by` < chunks reads x[r n + c] for its rows r < rows and writes
+    // part[by n + c], every element of part once.
+    unsafe { launch::col_sum_partial::<T>(dev, cfg(chunks), &gv, &mut part, rows as i64, n)? };
+    // SAFETY: `cdt_col_sum_final_{O}` (the final sums' type, whatever T was): part holds chunks
+    // n floats written by the launch before on the same stream, out n elements of O (fresh);
+    // thread c < n reads part[k n + c] and writes out[c].
+    unsafe { launch::col_sum_final::<O>(dev, cfg(1), &part, &mut out, chunks as i32, n)? };
     Ok(wrap(dev, out))
 }
 
@@ -1852,28 +1906,17 @@ fn embedding_launch<T: Float>(
     // Passed as written (`&mut`): cudarc then records the launch as a write of it.
     let ov = T::of_mut(&mut out.slice)
         .ok_or_else(|| mismatch(op, format!("the table gradient is not {}", T::SUFFIX)))?;
-    let name = format!("cdt_embedding_bwd_{}", T::SUFFIX);
-    let f = dev.get_or_load_custom_func(&name, EMBEDDING.name, EMBEDDING.ptx)?;
-    let mut b = f.builder();
-    b.arg(ids);
-    b.arg(&n);
-    b.arg(&gv);
-    b.arg(ov);
-    b.arg(&d);
-    b.arg(&vocab);
     let cfg = LaunchConfig {
         grid_dim: (n as u32, 1, 1),
         block_dim: (crate::fused::EMBEDDING_BWD_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: `cdt_embedding_bwd_*(const unsigned* ids, int n, const T* g, T* dtable, int d,
-    // int vocab)`: ids holds n u32, g n d elements of T (contiguous views of those lengths,
-    // checked by the caller's shape test), dtable vocab d (a fresh allocation); block j < n
-    // reads ids and the rows of g at positions holding ids[j], and writes row ids[j] < vocab
-    // of dtable only, as the first position holding it (no other block writes that row). The
-    // block size is the EMB_THREADS the kernel's launch bounds declare.
-    unsafe { b.launch(cfg) }.w()?;
-    Ok(())
+    // SAFETY: ids holds n u32, g n d elements of T (contiguous views of those lengths, checked
+    // by the caller's shape test), dtable vocab d (a fresh allocation); block j < n reads ids
+    // and the rows of g at positions holding ids[j], and writes row ids[j] < vocab of dtable
+    // only, as the first position holding it (no other block writes that row). The block size
+    // is the EMB_THREADS the kernel's launch bounds declare.
+    unsafe { launch::embedding_bwd::<T>(dev, cfg, ids, n, &gv, ov, d, vocab) }
 }
 
 /// `(o, lse)`: attention of contiguous `q [.., tq, d]`, `k`, `v` `[.., tk, d]` (f32 or bf16,
@@ -1949,63 +1992,43 @@ fn fa_bwd_launch<T: Float>(
     let mut dk = alloc_out::<T>(dev, nk)?;
     let mut dv = alloc_out::<T>(dev, nk)?;
     let mut delta = alloc_out::<f32>(dev, rows)?;
-    let sfx = format!("{}_d{}", T::SUFFIX, s.d);
-    {
-        let f = dev.get_or_load_custom_func(
-            &format!("cdt_fa_bwd_delta_{sfx}"),
-            FLASH_ATTN.name,
-            FLASH_ATTN.ptx,
-        )?;
-        let rows_arg = rows as i64;
-        let mut b = f.builder();
-        b.arg(&ov);
-        b.arg(&dov);
-        b.arg(&mut delta);
-        b.arg(&rows_arg);
-        // SAFETY: `cdt_fa_bwd_delta_*(const T* o, const T* d_o, float* delta, long long
-        // rows)`: o and d_o hold rows d elements, delta rows; grid-stride over rows.
-        unsafe { b.launch(elem_cfg(rows)) }.w()?;
+    // SAFETY: o and d_o hold rows d elements, delta rows; grid-stride over rows.
+    unsafe {
+        launch::fa_bwd_delta::<T>(dev, elem_cfg(rows), s.d, &ov, &dov, &mut delta, rows as i64)?;
     }
     let (tq, tk, c) = (s.tq as i32, s.tk as i32, i32::from(causal));
     // dK and dV (a block per key tile), then dQ (a block per query tile): the same inputs, their
-    // own outputs and grid.
-    // bf16 on tensor cores (`tensor_cores`), as the forward.
+    // own outputs and grid; bf16 on tensor cores (`tensor_cores`), as the forward.
     let tc = T::SUFFIX == "bf16" && tensor_cores();
-    for (pass, outs, rows) in [
-        ("dkv", vec![&mut dk, &mut dv], s.tk),
-        ("dq", vec![&mut dq], s.tq),
-    ] {
-        let (name, cfg) = if tc {
-            (
-                format!("cdt_fa_bwd_{pass}_tc_{sfx}"),
-                s.tc_cfg(rows, crate::flash::TENSOR_CORE_BWD_WARPS),
-            )
+    let (dkv_cfg, dq_cfg) = if tc {
+        let w = crate::flash::TENSOR_CORE_BWD_WARPS;
+        (s.tc_cfg(s.tk, w), s.tc_cfg(s.tq, w))
+    } else {
+        (s.cfg(s.tk), s.cfg(s.tq))
+    };
+    let (qv, kv, vv, dov) = (&qv, &kv, &vv, &dov);
+    // SAFETY: lengths as in the forward (checked above), delta written by the launch before on
+    // the same stream; block (x, h) writes its key rows (dkv) or query rows (dq) below tk / tq
+    // of head h only, every element of them; the launch is the one the kernel indexes by
+    // (`Fa::cfg` for the SIMT kernels, `Fa::tc_cfg` for the tensor-core ones).
+    unsafe {
+        if tc {
+            launch::fa_bwd_dkv_tc::<T>(
+                dev, dkv_cfg, s.d, qv, kv, vv, dov, &lsev, &delta, &mut dk, &mut dv, tq, tk, scale,
+                c,
+            )?;
+            launch::fa_bwd_dq_tc::<T>(
+                dev, dq_cfg, s.d, qv, kv, vv, dov, &lsev, &delta, &mut dq, tq, tk, scale, c,
+            )?;
         } else {
-            (format!("cdt_fa_bwd_{pass}_{sfx}"), s.cfg(rows))
-        };
-        let f = dev.get_or_load_custom_func(&name, FLASH_ATTN.name, FLASH_ATTN.ptx)?;
-        let mut b = f.builder();
-        b.arg(&qv);
-        b.arg(&kv);
-        b.arg(&vv);
-        b.arg(&dov);
-        b.arg(&lsev);
-        b.arg(&delta);
-        for out in outs {
-            b.arg(out);
+            launch::fa_bwd_dkv::<T>(
+                dev, dkv_cfg, s.d, qv, kv, vv, dov, &lsev, &delta, &mut dk, &mut dv, tq, tk, scale,
+                c,
+            )?;
+            launch::fa_bwd_dq::<T>(
+                dev, dq_cfg, s.d, qv, kv, vv, dov, &lsev, &delta, &mut dq, tq, tk, scale, c,
+            )?;
         }
-        b.arg(&tq);
-        b.arg(&tk);
-        b.arg(&scale);
-        b.arg(&c);
-        // SAFETY: `cdt_fa_bwd_dkv_*_d{d}(q, k, v, d_o, lse, delta, T* dk, T* dv, int tq, int tk,
-        // float scale, int causal)` and `cdt_fa_bwd_dq_*_d{d}(.., T* dq, ..)`, the outputs in
-        // that order: lengths as in the forward (checked above), delta written by the launch
-        // before on the same stream; block (x, h) writes its key rows (dkv) or query rows (dq)
-        // below tk / tq of head h only, every element of them; the launch is the one the kernel
-        // indexes by (`Fa::cfg` for the SIMT kernels, `Fa::tc_cfg` for the tensor-core ones,
-        // whose arguments are the same).
-        unsafe { b.launch(cfg) }.w()?;
     }
     Ok([wrap(dev, dq), wrap(dev, dk), wrap(dev, dv)])
 }
