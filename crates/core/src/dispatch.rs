@@ -28,10 +28,16 @@ pub(crate) struct Prepared {
     managed: SmallVec<[usize; 4]>,
 }
 
-fn grad_mask(target: &DTensorSpec, sharding: &OpSharding) -> GradMask {
+/// The mesh dims on which the input of spec `target` needs the gradient sync (see the module
+/// docs). Dims of one rank (`mesh_shape[m] == 1`: `dp=1`, a tensor-parallel job's trivial
+/// data-parallel dim) are left out: the all_reduce of one rank's gradient is that gradient, and
+/// the sync's graph node would cost a copy of the input forward and an edge backward (every
+/// parameter, every use). All ranks of a mesh see the same sizes, so their graphs stay alike.
+fn grad_mask(target: &DTensorSpec, sharding: &OpSharding, mesh_shape: &[usize]) -> GradMask {
     let mut mask = GradMask::new();
     for (m, p) in target.placements.iter().enumerate() {
         if *p == Placement::Replicate
+            && mesh_shape.get(m).is_some_and(|&n| n > 1)
             && sharding.output_specs.iter().any(|o| {
                 o.meta.dtype.is_float()
                     && o.placements
@@ -104,10 +110,11 @@ pub(crate) fn prepare_with(
             source: Box::new(source),
         })?;
     let mut locals = SmallVec::with_capacity(inputs.len());
+    let mesh_shape = &first.ctx().shape;
     for (i, x) in inputs.iter().enumerate() {
         check_alive(op, x)?;
         let mask = if x.to_local().track_op() {
-            let mut m = grad_mask(&sharding.input_specs[i], &sharding);
+            let mut m = grad_mask(&sharding.input_specs[i], &sharding, mesh_shape);
             m.retain(|d| !x.managed_grad_dims().contains(d));
             m
         } else {
