@@ -97,10 +97,14 @@ impl Linear {
                 let layout = self.roles.with_tp(x.placements(), Placement::Replicate);
                 linear(self.bias.as_ref(), Some(&layout))
             }
-            (ParallelStyle::Rowwise, Some(_)) => {
+            (ParallelStyle::Rowwise, Some(tp)) => {
                 let last = x.rank().saturating_sub(1);
                 let layout = self.roles.with_tp(x.placements(), Placement::Shard(last));
-                let y = linear(None, Some(&layout))?;
+                // The bias is added once, after the reduction of the partial products; on a
+                // `tp` dim of one rank the product is already whole, so the linear adds it (one
+                // node, as for an unsharded linear, instead of a broadcast add over the output).
+                let whole = x.mesh().shape().get(tp) == Some(&1);
+                let y = linear(self.bias.as_ref().filter(|_| whole), Some(&layout))?;
                 let out = if self.sp && y.rank() == 3 {
                     Placement::Shard(1)
                 } else {
@@ -108,8 +112,8 @@ impl Linear {
                 };
                 let y = y.redistribute(&self.roles.with_tp(y.placements(), out))?;
                 match &self.bias {
-                    Some(b) => Ok(y.add(&precision::cast(b, y.dtype())?)?),
-                    None => Ok(y),
+                    Some(b) if !whole => Ok(y.add(&precision::cast(b, y.dtype())?)?),
+                    _ => Ok(y),
                 }
             }
             _ => linear(self.bias.as_ref(), None),
