@@ -360,8 +360,9 @@ fn push(kind: &'static str, mesh_dim: &str, bytes: u64, modeled_us: Option<f64>,
 /// views of them excluded, `t` included. This is the activation memory of a step at the end of its forward
 /// pass, where it peaks: what activation checkpointing and context parallelism shrink.
 ///
-/// Views share their storage and count once. Not counted: tensors a custom op's backward
-/// keeps in its own closure (the runtime's collectives keep shapes only; context-parallel
+/// Views share their storage and count once. Counted too: the pre-activation a linear-GELU
+/// node keeps (`kernels::region::node_held_bytes`; the linear's output in the plain pair's
+/// graph). Not counted: other tensors a custom op's backward keeps in its own closure (the runtime's collectives keep shapes only; context-parallel
 /// attention keeps the log-sum-exp, one float per query row and head),
 /// inputs that track no gradient (token ids), memory freed before the graph was built, and
 /// released storages (`kernels::storage::release`: FSDP's resharded full parameters).
@@ -381,6 +382,9 @@ pub fn graph_bytes(t: &candle_core::Tensor) -> usize {
         .map(|n| key(n))
         .collect();
     let mut extent: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+    // What nodes keep outside the graph that the graph's own tensors used to hold (a
+    // linear-GELU node's pre-activation).
+    let mut held = 0;
     for n in nodes {
         // A released storage (FSDP's full parameters between their unit's forward and
         // backward) holds nothing: counting its shape would charge the parameters as
@@ -396,8 +400,9 @@ pub fn graph_bytes(t: &candle_core::Tensor) -> usize {
         let reach = (layout.start_offset() + n.elem_count()) * n.dtype().size_in_bytes();
         let e = extent.entry(key).or_insert(0);
         *e = (*e).max(reach);
+        held += candle_dtensor_kernels::region::node_held_bytes(n);
     }
-    extent.values().sum()
+    extent.values().sum::<usize>() + held
 }
 
 #[cfg(test)]

@@ -18,14 +18,6 @@ use common::*;
 
 use Placement::{Replicate as Rep, Shard as S};
 
-fn data(shape: &[usize], k: f32) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| ((i as f32 * 0.7312 + k).sin() * 1.37) + 0.01 * i as f32)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
 fn bf16_linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     x.to_dtype(DType::BF16)?
         .matmul(&w.to_dtype(DType::BF16)?.t()?)?

@@ -323,6 +323,79 @@ pub fn gelu(x: &Tensor) -> CResult<Tensor> {
     }
 }
 
+/// Whether [`gelu_storage`] and [`gelu_grad`] take `dtype` on `device`: f32 and bf16 on the
+/// CPU (bf16 through the f32 kernel, as [`gelu`]), or on CUDA with the fused path on.
+pub(crate) fn gelu_fuses(dtype: DType, device: &candle_core::Device) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16)
+        && (device.is_cpu() || (cfg!(feature = "cuda") && device.is_cuda() && cuda_enabled()))
+}
+
+/// [`gelu`] of `x` (where [`gelu_fuses`]) as a fresh storage of backend `S`: a graph node's
+/// output computed in its forward (no copy of a finished tensor), the same bits as [`gelu`]
+/// gives.
+pub(crate) fn gelu_storage<S: crate::storage::DeviceStorage>(x: &Tensor) -> CResult<(S, Shape)> {
+    let x = x.contiguous()?;
+    let shape = x.shape().clone();
+    let storage = if on_cuda(&x) {
+        #[cfg(feature = "cuda")]
+        {
+            let (st, l) = x.storage_and_layout();
+            let candle_core::Storage::Cuda(cs) = &*st else {
+                return Err(Error::msg("gelu: a CUDA tensor without CUDA storage"));
+            };
+            candle_core::Storage::Cuda(crate::cuda::gelu_fwd(cs, l)?.0)
+        }
+        #[cfg(not(feature = "cuda"))]
+        return Err(Error::msg("gelu: a CUDA tensor in a build without `cuda`"));
+    } else {
+        let x32 = x.to_dtype(DType::F32)?;
+        let (y, _) = with_f32(&x32, |v| Gelu.forward(v, &shape))??;
+        match x.dtype() {
+            DType::F32 => candle_core::Storage::Cpu(CpuStorage::F32(y)),
+            DType::BF16 => candle_core::Storage::Cpu(CpuStorage::BF16(
+                y.into_iter().map(half::bf16::from_f32).collect(),
+            )),
+            other => {
+                return Err(crate::error::KernelError::UnsupportedDType {
+                    op: "gelu",
+                    device: "CPU",
+                    dtype: other,
+                    supported: "f32 or bf16",
+                    shape: shape.dims().to_vec(),
+                }
+                .into())
+            }
+        }
+    };
+    let s = S::take(storage).ok_or_else(|| Error::msg("gelu: the output's backend differs"))?;
+    Ok((s, shape))
+}
+
+/// The GELU gradient `g * gelu'(x)` (where [`gelu_fuses`]): what [`gelu`]'s backward gives for
+/// input `x` and output gradient `g` (bf16 on the CPU in f32, rounded once).
+pub(crate) fn gelu_grad(x: &Tensor, g: &Tensor) -> CResult<Tensor> {
+    #[cfg(feature = "cuda")]
+    if on_cuda(x) {
+        return crate::cuda::gelu_backward(x, g);
+    }
+    match x.dtype() {
+        DType::F32 => Gelu.backward(x, x, &g.to_dtype(DType::F32)?),
+        DType::BF16 => {
+            let x32 = x.to_dtype(DType::F32)?;
+            Gelu.backward(&x32, &x32, &g.to_dtype(DType::F32)?)?
+                .to_dtype(DType::BF16)
+        }
+        other => Err(crate::error::KernelError::UnsupportedDType {
+            op: "gelu backward",
+            device: "CPU",
+            dtype: other,
+            supported: "f32 or bf16",
+            shape: x.dims().to_vec(),
+        }
+        .into()),
+    }
+}
+
 /// Softmax over the last dim with optional scale and causal mask (`[.., T, S]`: position
 /// `(i, j)` is masked when `j > i + S - T`).
 struct Softmax {

@@ -458,6 +458,35 @@ impl LinearParts for Linear {
 /// (plain candle ops where [`linear_applies`] is false). Its backward defers the weight's
 /// gradient inside [`defer_weight_grads`].
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
+    match linear_parts(x, w, b)? {
+        Built::Node(x, node) => apply_linear(&x, w, b, node),
+        Built::Plain(y) => Ok(y),
+    }
+}
+
+/// What a linear's one-node path built before applying the node: the node's parts with `x`
+/// as the node takes it (made contiguous), or, where the path does not apply, the plain
+/// composition's result.
+enum Built<L> {
+    Node(Tensor, L),
+    Plain(Tensor),
+}
+
+/// `parts` applied as the linear graph node over `(x, w)` or `(x, w, b)`.
+fn apply_linear<L: LinearParts + 'static>(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    parts: L,
+) -> CResult<Tensor> {
+    match b {
+        Some(b) => x.apply_op3(w, b, LinearNode(parts)),
+        None => x.apply_op2(w, LinearNode(parts)),
+    }
+}
+
+/// [`linear`] up to its node (see [`Built`]).
+fn linear_parts(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Built<Linear>> {
     let compute = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| -> CResult<Tensor> {
         let dims = x.dims().to_vec();
         let inner = *dims
@@ -477,7 +506,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
         y.reshape(out)
     };
     if !linear_applies(x, w, b) {
-        return compute(x, w, b);
+        return compute(x, w, b).map(Built::Plain);
     }
     let x = x.contiguous()?;
     // An f32 bias is added while the output is copied into the node's storage (one pass; a
@@ -511,10 +540,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
         out: Mutex::new(Some(y)),
         bias: bias.filter(|_| fuse_bias),
     };
-    match b {
-        Some(b) => x.apply_op3(w, b, LinearNode(node)),
-        None => x.apply_op2(w, LinearNode(node)),
-    }
+    Ok(Built::Node(x, node))
 }
 
 /// Whether [`linear_in`] applies: [`linear_to_applies`] with the output in `x`'s dtype and `w`
@@ -635,12 +661,27 @@ pub fn linear_to(
     compute: DType,
     out: DType,
 ) -> CResult<Tensor> {
+    match linear_to_parts(x, w, b, compute, out)? {
+        Built::Node(x, node) => apply_linear(&x, w, b, node),
+        Built::Plain(y) => Ok(y),
+    }
+}
+
+/// [`linear_to`] up to its node (see [`Built`]).
+fn linear_to_parts(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    compute: DType,
+    out: DType,
+) -> CResult<Built<LinearIn>> {
     if !linear_to_applies(x, w, b, compute) {
         let y = linear(&x.to_dtype(compute)?, &w.to_dtype(compute)?, None)?;
         return match b {
             Some(b) => crate::fused::add(&y.to_dtype(b.dtype())?, b)?.to_dtype(out),
             None => y.to_dtype(out),
-        };
+        }
+        .map(Built::Plain);
     }
     let dims = x.dims().to_vec();
     let inner = dims[dims.len() - 1];
@@ -694,9 +735,149 @@ pub fn linear_to(
         wc,
     };
     LINEAR_IN_NODES.with(|c| c.set(c.get() + 1));
-    match b {
-        Some(b) => x.apply_op3(w, b, LinearNode(node)),
-        None => x.apply_op2(w, LinearNode(node)),
+    Ok(Built::Node(x, node))
+}
+
+/// `gelu(x @ w^T (+ b))` (GELU's tanh form) as ONE graph node: [`linear`]'s node with the GELU
+/// applied to its output inside it. The pre-activation stays in the node for the backward
+/// (the plain pair's graph keeps it as the linear's output), and the backward computes the
+/// GELU gradient and hands it straight to the linear's gradients: no graph edge between the
+/// two, so no `zeros_like` and add over the `[rows, out]` pre-activation gradient (candle's
+/// backward makes one for every edge), and no separate GELU node. The same bits as
+/// `fused::gelu(linear(x, w, b))` (a gradient's zero may differ in sign: the edge's add turned
+/// -0 into +0). Where the fused GELU does not take the pre-activation's dtype or device, or the
+/// linear is not one node, exactly that pair.
+pub fn linear_gelu(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
+    match linear_parts(x, w, b)? {
+        Built::Node(x, node) => gelu_after(&x, w, b, node, x.dtype()),
+        Built::Plain(y) => crate::fused::gelu(&y),
+    }
+}
+
+/// [`linear_gelu`] for [`linear_to`]: `gelu(x @ w^T (+ b))` with the product in `compute` and
+/// the pre-activation and the output in `out` (the GELU in f32, rounded once to `out`).
+pub fn linear_gelu_to(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    compute: DType,
+    out: DType,
+) -> CResult<Tensor> {
+    match linear_to_parts(x, w, b, compute, out)? {
+        Built::Node(x, node) => gelu_after(&x, w, b, node, out),
+        Built::Plain(y) => crate::fused::gelu(&y),
+    }
+}
+
+/// The node of `parts` with GELU applied to its output of dtype `pre_dtype` ([`linear_gelu`]),
+/// or the linear node followed by the GELU node where the fused GELU does not apply to it.
+fn gelu_after<L: LinearParts + 'static>(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    parts: L,
+    pre_dtype: DType,
+) -> CResult<Tensor> {
+    if !crate::fused::gelu_fuses(pre_dtype, x.device()) {
+        return crate::fused::gelu(&apply_linear(x, w, b, parts)?);
+    }
+    // The linear's output, made as its node would make it, held (untracked) for the GELU.
+    let pre = x.detach().apply_op1_no_bwd(&TakeOutput(&parts))?;
+    let held = Held::default();
+    let (slot, bytes) = (held.0.clone(), crate::storage::held_bytes(&pre));
+    let y = apply_linear(
+        x,
+        w,
+        b,
+        GeluAfter {
+            inner: parts,
+            pre,
+            _held: held,
+        },
+    )?;
+    // Counted as activation memory with the node's output (`node_held_bytes`) until the node
+    // (and with it the entry) is dropped.
+    held_table().insert(y.id(), bytes);
+    *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(y.id());
+    Ok(y)
+}
+
+/// Bytes of tensors graph nodes of this crate hold for their backward outside the graph, by
+/// the id of the node's output: what [`node_held_bytes`] reads.
+fn held_table(
+) -> std::sync::MutexGuard<'static, std::collections::HashMap<candle_core::TensorId, usize>> {
+    static HELD: std::sync::OnceLock<
+        Mutex<std::collections::HashMap<candle_core::TensorId, usize>>,
+    > = std::sync::OnceLock::new();
+    HELD.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// A node's entry in [`held_table`], removed when the node is dropped (with the graph that
+/// holds it): the table holds live nodes only.
+#[derive(Default)]
+struct Held(std::sync::Arc<Mutex<Option<candle_core::TensorId>>>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let id = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(id) = id {
+            held_table().remove(&id);
+        }
+    }
+}
+
+/// Bytes the graph node whose output is `t` keeps for its backward outside the graph (a
+/// linear-GELU node's pre-activation: the plain pair's graph holds it as the linear's output),
+/// 0 for any other tensor. `debug::graph_bytes` adds it, so activation memory counts what the
+/// node holds.
+pub fn node_held_bytes(t: &Tensor) -> usize {
+    held_table().get(&t.id()).copied().unwrap_or(0)
+}
+
+/// A linear's output as its node's forward makes it, without the node: a no-backward op over
+/// `x` (the backend's witness) whose forward is the parts' `output`.
+struct TakeOutput<'a, L>(&'a L);
+
+impl<L: LinearParts> TakeOutput<'_, L> {
+    fn output<S: DeviceStorage>(&self, s: &S, _: &Layout) -> CResult<(S, Shape)> {
+        self.0.output(s)
+    }
+}
+
+impl<L: LinearParts> CustomOp1 for TakeOutput<'_, L> {
+    fn name(&self) -> &'static str {
+        L::NAME
+    }
+
+    crate::device_fwd1!(output);
+}
+
+/// A linear's parts with GELU after it ([`linear_gelu`]): the output is the GELU of the
+/// linear's output `pre`, the backward the linear's from the GELU's gradient.
+struct GeluAfter<L> {
+    inner: L,
+    pre: Tensor,
+    _held: Held,
+}
+
+impl<L: LinearParts> LinearParts for GeluAfter<L> {
+    const NAME: &'static str = "fused-linear-gelu";
+
+    fn output<S: DeviceStorage>(&self, _: &S) -> CResult<(S, Shape)> {
+        crate::fused::gelu_storage::<S>(&self.pre)
+    }
+
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        g: &Tensor,
+        bias: Option<DType>,
+    ) -> CResult<(Tensor, Option<Tensor>, Option<Tensor>)> {
+        let dpre = crate::fused::gelu_grad(&self.pre, g)?;
+        self.inner.grads(x, w, &dpre, bias)
     }
 }
 

@@ -174,6 +174,84 @@ fn linear_to_matches_the_cast_composition() {
     );
 }
 
+/// A linear and its GELU as one node (`linear_gelu`, `linear_gelu_to`) give exactly what the
+/// linear node followed by the fused GELU gives, forward and every gradient (tolerance 0: a
+/// zero gradient may differ only in sign, which `==` ignores), for each dtype case of the
+/// model's MLP (f32; a bf16 GEMM with an f32 or a bf16 output; a bf16 input), with and without
+/// a bias, 2-D and 3-D; the graph holds one node fewer (no pre-activation); and where the node
+/// does not apply (untracked operands) it is that pair.
+#[test]
+fn linear_gelu_is_the_linear_then_gelu_in_one_node() {
+    use candle_core::DType;
+    use candle_dtensor_kernels::fused::gelu;
+    const BF: DType = DType::BF16;
+    const F32: DType = DType::F32;
+    type F = Box<dyn Fn(&[Tensor], bool) -> candle_core::Result<Tensor>>;
+    // (name, op(inputs, with bias)): the fused op if `fused`, else the pair.
+    let op = |fused: bool, case: &'static str| -> F {
+        Box::new(move |t: &[Tensor], bias: bool| {
+            let b = if bias { Some(&t[2]) } else { None };
+            let y = match (case, fused) {
+                ("f32", true) => region::linear_gelu(&t[0], &t[1], b)?,
+                ("f32", false) => gelu(&region::linear(&t[0], &t[1], b)?)?,
+                ("bf16 gemm -> f32", true) => region::linear_gelu_to(&t[0], &t[1], b, BF, F32)?,
+                ("bf16 gemm -> f32", false) => gelu(&region::linear_to(&t[0], &t[1], b, BF, F32)?)?,
+                ("bf16 gemm -> bf16", true) => region::linear_gelu_to(&t[0], &t[1], b, BF, BF)?,
+                ("bf16 gemm -> bf16", false) => gelu(&region::linear_to(&t[0], &t[1], b, BF, BF)?)?,
+                (_, true) => region::linear_gelu_to(&t[0].to_dtype(BF)?, &t[1], b, BF, BF)?,
+                (_, false) => gelu(&region::linear_to(&t[0].to_dtype(BF)?, &t[1], b, BF, BF)?)?,
+            };
+            y.to_dtype(F32)
+        })
+    };
+    for case in ["f32", "bf16 gemm -> f32", "bf16 gemm -> bf16", "bf16 x"] {
+        let (fused, pair) = (op(true, case), op(false, case));
+        for xs in [vec![5, 7], vec![2, 3, 7]] {
+            let (x, w, b) = (randn(&xs), randn(&[6, 7]), randn(&[6]));
+            for bias in [true, false] {
+                let inputs = if bias {
+                    vec![x.clone(), w.clone(), b.clone()]
+                } else {
+                    vec![x.clone(), w.clone()]
+                };
+                check(
+                    &format!("linear_gelu {case} {xs:?} bias {bias}"),
+                    &inputs,
+                    &|t| fused(t, bias),
+                    &|t| pair(t, bias),
+                    0.0,
+                );
+            }
+            // Fewer nodes: the pre-activation is not in the graph (and on the CPU a bf16
+            // GELU's casts to and from its f32 kernel are not either).
+            let vars: Vec<Var> = [&x, &w, &b]
+                .iter()
+                .map(|t| Var::from_tensor(t).unwrap())
+                .collect();
+            let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let nodes = |f: &F| {
+                f(&ts, true)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .sorted_nodes()
+                    .len()
+            };
+            let fewer = if case.ends_with("f32") { 1 } else { 3 };
+            assert_eq!(
+                nodes(&fused) + fewer,
+                nodes(&pair),
+                "{case} {xs:?}: the fused graph should lack the pre-activation"
+            );
+        }
+    }
+    // Untracked operands: no node, the pair's values.
+    let (x, w, b) = (randn(&[4, 5]), randn(&[3, 5]), randn(&[3]));
+    let fused = region::linear_gelu(&x, &w, Some(&b)).unwrap();
+    let pair = gelu(&region::linear(&x, &w, Some(&b)).unwrap()).unwrap();
+    close(&fused, &pair, 0.0, "untracked linear_gelu");
+}
+
 #[test]
 fn sdpa_matches() {
     for causal in [false, true] {

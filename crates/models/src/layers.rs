@@ -78,17 +78,30 @@ impl Linear {
     /// Applies the layer (its GEMM in the current [`precision`] policy's dtype), the output in
     /// `x`'s dtype.
     pub fn forward(&self, x: &DTensor) -> Result<DTensor> {
-        self.apply(x, None)
+        self.apply(x, None, false)
     }
 
     /// [`Linear::forward`] with the output in `out`, from an `x` in any float dtype (bf16
     /// activations under a mixed-precision policy: [`precision::linear_to`]).
     pub fn forward_to(&self, x: &DTensor, out: candle_core::DType) -> Result<DTensor> {
-        self.apply(x, Some(out))
+        self.apply(x, Some(out), false)
     }
 
-    fn apply(&self, x: &DTensor, out: Option<candle_core::DType>) -> Result<DTensor> {
-        let linear = |b: Option<&DTensor>, layout: Option<&[Placement]>| match out {
+    /// GELU of [`Linear::forward`] (`out` `None`) or [`Linear::forward_to`], with the GELU in
+    /// the linear's graph node where the output is whole on every rank
+    /// ([`precision::linear_gelu`]: no edge between them for candle's backward to pay); after
+    /// the reduction for a row-parallel linear.
+    pub fn forward_gelu(&self, x: &DTensor, out: Option<candle_core::DType>) -> Result<DTensor> {
+        self.apply(x, out, true)
+    }
+
+    fn apply(&self, x: &DTensor, out: Option<candle_core::DType>, gelu: bool) -> Result<DTensor> {
+        let linear = |b: Option<&DTensor>, layout: Option<&[Placement]>| match (out, gelu) {
+            (_, true) => precision::linear_gelu(x, &self.weight, b, layout, out),
+            (Some(dt), false) => precision::linear_to(x, &self.weight, b, layout, dt),
+            (None, false) => precision::linear(x, &self.weight, b, layout),
+        };
+        let plain = |b: Option<&DTensor>, layout: Option<&[Placement]>| match out {
             Some(dt) => precision::linear_to(x, &self.weight, b, layout, dt),
             None => precision::linear(x, &self.weight, b, layout),
         };
@@ -104,16 +117,21 @@ impl Linear {
                 // `tp` dim of one rank the product is already whole, so the linear adds it (one
                 // node, as for an unsharded linear, instead of a broadcast add over the output).
                 let whole = x.mesh().shape().get(tp) == Some(&1);
-                let y = linear(self.bias.as_ref().filter(|_| whole), Some(&layout))?;
+                let y = plain(self.bias.as_ref().filter(|_| whole), Some(&layout))?;
                 let out = if self.sp && y.rank() == 3 {
                     Placement::Shard(1)
                 } else {
                     Placement::Replicate
                 };
                 let y = y.redistribute(&self.roles.with_tp(y.placements(), out))?;
-                match &self.bias {
-                    Some(b) if !whole => Ok(y.add(&precision::cast(b, y.dtype())?)?),
-                    _ => Ok(y),
+                let y = match &self.bias {
+                    Some(b) if !whole => y.add(&precision::cast(b, y.dtype())?)?,
+                    _ => y,
+                };
+                if gelu {
+                    Ok(y.gelu()?)
+                } else {
+                    Ok(y)
                 }
             }
             _ => linear(self.bias.as_ref(), None),
@@ -480,16 +498,18 @@ impl Mlp {
     /// autocast's data flow for bf16. The first linear hands the activation over in `hidden`,
     /// GELU reads and writes it (bf16 with f32 arithmetic and one rounding), SiLU and the gate
     /// product are candle's ops in it, and the second linear reads it and writes the output
-    /// in `x`'s dtype. Each linear is one node (`DTensor::linear_with_layout_to`).
+    /// in `x`'s dtype. Each linear is one node (`DTensor::linear_with_layout_to`); the first
+    /// and its GELU are one node together ([`Linear::forward_gelu`]) unless the first is
+    /// row-parallel.
     pub fn forward_with(&self, x: &DTensor, hidden: Option<candle_core::DType>) -> Result<DTensor> {
         let up = |l: &Linear| match hidden {
             Some(dt) => l.forward_to(x, dt),
             None => l.forward(x),
         };
-        let h = up(&self.fc1)?;
         let h = match &self.fc3 {
-            Some(fc3) => h.silu()?.mul(&up(fc3)?)?,
-            None => h.gelu()?,
+            Some(fc3) => up(&self.fc1)?.silu()?.mul(&up(fc3)?)?,
+            // fc1 and its GELU as one graph node where they can be.
+            None => self.fc1.forward_gelu(x, hidden)?,
         };
         self.fc2.forward_to(&h, x.dtype())
     }

@@ -310,6 +310,34 @@ pub(crate) fn linear_to(
     Ok(x.linear_with_layout_to(&w, b.as_ref(), layout, compute, out)?)
 }
 
+/// `gelu(x W^T (+ b))` under the current policy: [`linear`] (`out` `None`) or [`linear_to`]
+/// (`out` given) with the GELU of the output in the linear's graph node where it can be
+/// (`DTensor::linear_gelu_with_layout_to`); the same values as the linear followed by GELU.
+pub(crate) fn linear_gelu(
+    x: &DTensor,
+    w: &DTensor,
+    b: Option<&DTensor>,
+    layout: Option<&[Placement]>,
+    out: Option<DType>,
+) -> Result<DTensor> {
+    let compute = gemm_dtype(w.dtype());
+    match (out, current()) {
+        (None, _) => {
+            let dt = x.dtype();
+            let w = cast(w, dt)?;
+            let b = b.map(|b| cast(b, dt)).transpose()?;
+            Ok(x.linear_gelu_with_layout_to(&w, b.as_ref(), layout, compute, dt)?)
+        }
+        (Some(out), Some((_, master))) => {
+            let w = cast(w, master)?;
+            let b = b.map(|b| cast(b, master)).transpose()?;
+            Ok(x.linear_gelu_with_layout_to(&w, b.as_ref(), layout, compute, out)?)
+        }
+        // No policy: `linear_to`'s cast of the output, then the GELU.
+        (Some(out), None) => Ok(linear_to(x, w, b, layout, out)?.gelu()?),
+    }
+}
+
 /// The dtype of the activations a GEMM hands to a bf16 consumer under the current policy
 /// (autocast's data flow; the layers use it on CUDA): bf16 for `bf16` (the QKV projection's
 /// output, the MLP's hidden activation and its GELU, the logits), `None` (the master dtype)

@@ -38,6 +38,43 @@ pub(crate) fn linear_local(
     }
 }
 
+/// The local piece of [`DTensor::linear_gelu_with_layout_to`]: the linear's local op, as each
+/// of the linear methods runs it for these dtypes, with the GELU after it in its node where
+/// that op is one node (`region::linear_gelu*`), else followed by the fused GELU.
+fn local_linear_gelu(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    compute: DType,
+    out: DType,
+) -> candle_core::Result<Tensor> {
+    let master = w.dtype();
+    if x.dtype() == master && out == master {
+        if compute == master {
+            // `linear_with_layout`'s `linear_local`.
+            if crate::region::linear_applies(x, w, b) {
+                return crate::region::linear_gelu(x, w, b);
+            }
+            return crate::fused::gelu(&linear_local(x, w, b)?);
+        }
+        // `linear_with_layout_in`'s one node, or its casts around `linear_local`.
+        if crate::region::linear_in_applies(x, w, b, compute) {
+            return crate::region::linear_gelu_to(x, w, b, compute, out);
+        }
+        let y = cast(
+            &linear_local(&cast(x, compute)?, &cast(w, compute)?, None)?,
+            out,
+        )?;
+        let y = match b {
+            Some(b) => crate::fused::add(&y, b)?,
+            None => y,
+        };
+        return crate::fused::gelu(&y);
+    }
+    // `linear_with_layout_to`'s `region::linear_to`.
+    crate::region::linear_gelu_to(x, w, b, compute, out)
+}
+
 /// `beta * bias + alpha * (a @ b)` on local pieces.
 fn baddbmm_local(
     bias: &Tensor,
@@ -235,6 +272,62 @@ impl DTensor {
                 crate::region::linear_to(&p.locals[0], &p.locals[1], None, compute, out)
             }),
         }?;
+        if out == master {
+            Ok(y)
+        } else {
+            y.relabelled(out)
+        }
+    }
+
+    /// `gelu(x W^T (+ b))` (GELU's tanh form): [`DTensor::linear_with_layout_to`] (placements
+    /// as for a linear of `w`'s dtype, the GEMM in `compute`, the output in `out`) with the GELU
+    /// of its output in the same graph node (`region::linear_gelu`: no edge between the linear
+    /// and the GELU, whose backward candle would pay as a `zeros_like` and an add over the
+    /// pre-activation), the same values as the linear followed by [`DTensor::gelu`]. Where the
+    /// compiler makes the linear's output a partial sum (a row-parallel piece, whose GELU is
+    /// not the piece of the GELU), exactly that pair: the GELU after the reduction.
+    pub fn linear_gelu_with_layout_to(
+        &self,
+        w: &DTensor,
+        b: Option<&DTensor>,
+        input_layout: Option<&[Placement]>,
+        compute: DType,
+        out: DType,
+    ) -> Result<DTensor> {
+        let master = w.dtype();
+        let unfused = || -> Result<DTensor> {
+            self.linear_with_layout_to(w, b, input_layout, compute, out)?
+                .gelu()
+        };
+        if b.is_some_and(|b| b.dtype() != master) || !self.dtype().is_float() || !out.is_float() {
+            // The linear's own typed errors.
+            return unfused();
+        }
+        // The strategies see x in the weight's dtype, as for the linear.
+        let x = if self.dtype() == master {
+            self.clone()
+        } else {
+            self.relabelled(master)?
+        };
+        let op = Op::Linear { bias: b.is_some() };
+        let inputs: Vec<&DTensor> = [&x, w].into_iter().chain(b).collect();
+        let specs: Vec<_> = inputs.iter().map(|t| t.spec()).collect();
+        let partial = candle_dtensor_strategies::global_propagator()
+            .propagate_pinned(&op, &specs, x.ctx().topology(), &[input_layout])
+            .map(|s| {
+                s.output_specs
+                    .iter()
+                    .any(|o| o.placements.iter().any(|q| q.is_partial()))
+            })
+            // A refused placement: the linear's own error.
+            .unwrap_or(true);
+        if partial {
+            return unfused();
+        }
+        let y = run1_with(&op, &inputs, &[input_layout], |p| {
+            let b = p.locals.get(2);
+            local_linear_gelu(&p.locals[0], &p.locals[1], b, compute, out)
+        })?;
         if out == master {
             Ok(y)
         } else {

@@ -949,3 +949,13 @@ pub fn assert_no_failures(what: &str, fails: &[String]) {
         );
     }
 }
+
+/// Smooth deterministic f32 values of `shape` on the CPU (a sine of the index, phase `k`, plus a
+/// slow ramp): distinct, of size ~1, the same on every rank.
+pub fn data(shape: &[usize], k: f32) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| ((i as f32 * 0.7312 + k).sin() * 1.37) + 0.01 * i as f32)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
