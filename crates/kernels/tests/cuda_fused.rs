@@ -740,6 +740,64 @@ fn plain_linear(dev: &Device, dtype: DType, rep: &mut Report) {
     }
 }
 
+/// A linear and its GELU as one node (`region::linear_gelu`: the GELU kernel writes the node's
+/// storage from the linear's product, and the backward hands the GELU gradient to the linear's
+/// GEMMs; `linear_gelu_to`: the bf16 GEMM, the pre-activation and the output in bf16, as the
+/// MLP runs under a bf16 policy) against candle's matmul, bias add and GELU on the CPU, forward
+/// and backward, with and without a bias, 2-D and 3-D inputs, uneven widths.
+fn linear_gelu(dev: &Device, dtype: DType, rep: &mut Report) {
+    use candle_dtensor_kernels::region;
+    for xs in [vec![5, 7], vec![2, 33, 70]] {
+        let inner = xs[xs.len() - 1];
+        for bias in [true, false] {
+            let mut inputs = vec![values(&xs, 1.0, 91), values(&[37, inner], 0.5, 92)];
+            if bias {
+                inputs.push(values(&[37], 1.0, 93));
+            }
+            let reference = |x: &[Tensor], gemm: DType, out: DType| -> R<Tensor> {
+                let y = x[0]
+                    .to_dtype(gemm)?
+                    .broadcast_matmul(&x[1].to_dtype(gemm)?.t()?)?
+                    .to_dtype(DType::F32)?;
+                let y = match x.get(2) {
+                    Some(b) => y.broadcast_add(b)?,
+                    None => y,
+                };
+                y.to_dtype(out)?.to_dtype(DType::F32)?.gelu()
+            };
+            let outcome = compare(
+                dev,
+                dtype,
+                &inputs,
+                &|x| region::linear_gelu(&x[0], &x[1], x.get(2)),
+                &|x| reference(x, DType::F32, DType::F32),
+            );
+            rep.record(
+                &format!("linear_gelu {dtype:?} {xs:?} x [37, {inner}] bias {bias}"),
+                outcome,
+            );
+            if dtype == DType::F32 {
+                let outcome = compare_within(
+                    dev,
+                    DType::F32,
+                    &inputs,
+                    &|x| {
+                        region::linear_gelu_to(&x[0], &x[1], x.get(2), DType::BF16, DType::BF16)?
+                            .to_dtype(DType::F32)
+                    },
+                    &|x| reference(x, DType::BF16, DType::BF16),
+                    // bf16 roundings of the product, the pre-activation and the GELU.
+                    3e-2,
+                );
+                rep.record(
+                    &format!("linear_gelu_to bf16 {xs:?} x [37, {inner}] bias {bias}"),
+                    outcome,
+                );
+            }
+        }
+    }
+}
+
 /// The bias-gradient column sum (`fused::row_sum`: on CUDA `reduce.cu`) against candle's sum
 /// over the leading dim on the CPU: one row, a ragged chunk of rows, columns past one block.
 fn column_sums(dev: &Device, dtype: DType, rep: &mut Report) {
@@ -1020,6 +1078,7 @@ fn fused_cuda_kernels_match_the_cpu_reference() {
         embedding(&dev, dtype, &mut rep);
         column_sums(&dev, dtype, &mut rep);
         plain_linear(&dev, dtype, &mut rep);
+        linear_gelu(&dev, dtype, &mut rep);
         if dtype == DType::F32 {
             mixed_linear(&dev, &mut rep);
         }
