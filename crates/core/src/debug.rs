@@ -362,8 +362,9 @@ fn push(kind: &'static str, mesh_dim: &str, bytes: u64, modeled_us: Option<f64>,
 ///
 /// Views share their storage and count once. Counted too: the pre-activation a linear-GELU
 /// node keeps (`kernels::region::node_held_bytes`; the linear's output in the plain pair's
-/// graph). Not counted: other tensors a custom op's backward keeps in its own closure (the runtime's collectives keep shapes only; context-parallel
-/// attention keeps the log-sum-exp, one float per query row and head),
+/// graph). Not counted: other tensors a custom op's backward keeps in its own closure (the
+/// runtime's collectives keep shapes only; context-parallel attention keeps the log-sum-exp,
+/// one float per query row and head; a mixed-precision linear its operands cast to bf16),
 /// inputs that track no gradient (token ids), memory freed before the graph was built, and
 /// released storages (`kernels::storage::release`: FSDP's resharded full parameters).
 /// On a DTensor pass its local piece: `graph_bytes(&loss.to_local())` is this rank's share.
