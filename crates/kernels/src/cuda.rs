@@ -77,8 +77,8 @@ const ELEM_THREADS: usize = 256;
 const ELEM_MAX_BLOCKS: usize = 1 << 16;
 
 /// A float type the kernels take: its variant of candle's CUDA storage (its suffix in kernel
-/// names is [`Elem`]'s).
-trait Float: Elem {
+/// names is [`KernelElem`]'s).
+trait Float: KernelElem {
     fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>>;
     fn of_mut(s: &mut CudaStorageSlice) -> Option<&mut CudaSlice<Self>>;
     fn wrap(s: CudaSlice<Self>) -> CudaStorageSlice;
@@ -249,23 +249,23 @@ fn same_shape(op: &'static str, a: &Layout, b: &Layout, what: &str) -> Result<()
 // Typed launches
 
 /// An element type of a kernel parameter: its suffix in kernel names (`launch_sigs.rs`).
-trait Elem: DeviceRepr + Copy + 'static {
+trait KernelElem: DeviceRepr + Copy + 'static {
     const SUFFIX: &'static str;
 }
 
-impl Elem for f32 {
+impl KernelElem for f32 {
     const SUFFIX: &'static str = "f32";
 }
-impl Elem for bf16 {
+impl KernelElem for bf16 {
     const SUFFIX: &'static str = "bf16";
 }
-impl Elem for u32 {
+impl KernelElem for u32 {
     const SUFFIX: &'static str = "u32";
 }
-impl Elem for i64 {
+impl KernelElem for i64 {
     const SUFFIX: &'static str = "i64";
 }
-impl Elem for u64 {
+impl KernelElem for u64 {
     const SUFFIX: &'static str = "u64";
 }
 
@@ -325,12 +325,12 @@ static NULL_PTR: u64 = 0;
 /// instances the kernels are built for (and `launch_sigs.rs`'s C++ check covers).
 fn check_instance(
     launcher: &'static str,
-    actual: &[(&str, String)],
+    actual: &[(&str, std::borrow::Cow<'static, str>)],
     dom: &str,
     allowed: &[&str],
 ) -> Result<()> {
     match actual.iter().find(|(k, _)| *k == dom) {
-        Some((_, v)) if allowed.contains(&v.as_str()) => Ok(()),
+        Some((_, v)) if allowed.contains(&v.as_ref()) => Ok(()),
         Some((_, v)) => Err(mismatch(
             launcher,
             format!("no kernel for {dom} = {v} (built for {allowed:?})"),
@@ -353,12 +353,13 @@ fn check_instance(
 /// launch the kernel's indexing assumes (its block size, and a grid covering its work).
 mod launch {
     use super::{
-        check_instance, AdamWConsts, ArgIn, ArgOut, CudaDevice, DevAddr, Elem, LaunchConfig,
+        check_instance, AdamWConsts, ArgIn, ArgOut, CudaDevice, DevAddr, KernelElem, LaunchConfig,
         Result, WrapErr, CAST, EMBEDDING, FLASH_ATTN, GELU, MULTI_TENSOR, NORM, NULL_PTR, REDUCE,
         SOFTMAX,
     };
     use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
     use half::bf16;
+    use std::borrow::Cow;
 
     macro_rules! cuda_kernels {
         (@ty In $e:ident) => { &dyn ArgIn<$e> };
@@ -387,15 +388,17 @@ mod launch {
             $(
                 #[doc = concat!("Launches `", $name, "` (`launch_sigs.rs`).")]
                 #[allow(clippy::too_many_arguments)]
-                pub(super) unsafe fn $launcher<$($g: Elem),*>(
+                pub(super) unsafe fn $launcher<$($g: KernelElem),*>(
                     dev: &CudaDevice,
                     cfg: LaunchConfig,
                     $($($v: usize,)*)?
                     $( $p: cuda_kernels!(@ty $k $($e)?) ),*
                 ) -> Result<()> {
-                    let actual: &[(&str, String)] = &[
-                        $( (stringify!($g), <$g as Elem>::SUFFIX.to_string()), )*
-                        $($( (stringify!($v), $v.to_string()), )*)?
+                    // Each placeholder's instance: a type's suffix (no allocation), a value's
+                    // digits.
+                    let actual: &[(&str, Cow<'static, str>)] = &[
+                        $( (stringify!($g), Cow::Borrowed(<$g as KernelElem>::SUFFIX)), )*
+                        $($( (stringify!($v), Cow::Owned($v.to_string())), )*)?
                     ];
                     $( check_instance(
                         stringify!($launcher),
@@ -405,7 +408,7 @@ mod launch {
                     )?; )*
                     let mut name = String::from($name);
                     for (k, v) in actual {
-                        name = name.replace(&format!("{{{k}}}"), v);
+                        name = name.replace(&format!("{{{k}}}"), v.as_ref());
                     }
                     let f = dev.get_or_load_custom_func(&name, $module.name, $module.ptx)?;
                     let mut b = f.builder();

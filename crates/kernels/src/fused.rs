@@ -374,26 +374,15 @@ pub(crate) fn gelu_storage<S: crate::storage::DeviceStorage>(x: &Tensor) -> CRes
 /// The GELU gradient `g * gelu'(x)` (where [`gelu_fuses`]): what [`gelu`]'s backward gives for
 /// input `x` and output gradient `g` (bf16 on the CPU in f32, rounded once).
 pub(crate) fn gelu_grad(x: &Tensor, g: &Tensor) -> CResult<Tensor> {
-    #[cfg(feature = "cuda")]
-    if on_cuda(x) {
-        return crate::cuda::gelu_backward(x, g);
+    // `Gelu::backward` is the fused node's own (the CUDA kernel on CUDA, the f32 loop on the
+    // CPU); a bf16 CPU input goes through f32 as `gelu`'s casts around the node do.
+    if x.dtype() == DType::BF16 && !on_cuda(x) {
+        let x32 = x.to_dtype(DType::F32)?;
+        return Gelu
+            .backward(&x32, &x32, &g.to_dtype(DType::F32)?)?
+            .to_dtype(DType::BF16);
     }
-    match x.dtype() {
-        DType::F32 => Gelu.backward(x, x, &g.to_dtype(DType::F32)?),
-        DType::BF16 => {
-            let x32 = x.to_dtype(DType::F32)?;
-            Gelu.backward(&x32, &x32, &g.to_dtype(DType::F32)?)?
-                .to_dtype(DType::BF16)
-        }
-        other => Err(crate::error::KernelError::UnsupportedDType {
-            op: "gelu backward",
-            device: "CPU",
-            dtype: other,
-            supported: "f32 or bf16",
-            shape: x.dims().to_vec(),
-        }
-        .into()),
-    }
+    Gelu.backward(x, x, g)
 }
 
 /// Softmax over the last dim with optional scale and causal mask (`[.., T, S]`: position

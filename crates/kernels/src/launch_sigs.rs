@@ -17,10 +17,11 @@
 //   launcher<Generics>[values] = MODULE "c_name_{Generic}_{value}" [Placeholder: instances..]..
 //       (param: Kind, ..);
 //
-// - Generics are element types (`Elem`: f32 bf16 u32 i64 u64), values `usize` arguments of the
-//   launcher; each `{X}` of the name is replaced by the generic's suffix or the value. Every
-//   placeholder lists its instances: the launcher refuses others (a typed error, before any
-//   launch), and the C++ check covers every combination, each of which the sources must define.
+// - Generics are element types (`KernelElem` in cuda.rs: f32 bf16 u32 i64 u64), values
+//   `usize` arguments of the launcher; each `{X}` of the name is replaced by the generic's
+//   suffix or the value. Every placeholder lists its instances: the launcher refuses others (a
+//   typed error, before any launch), and the C++ check covers every combination, each of
+//   which the sources must define.
 // - Kinds: `In<E>` (`const E*`, a device buffer read), `Out<E>` (`E*`, written), `Opt<E>`
 //   (`const E*` or null), `Addr<E>` (`const E*` given as a raw device address, 0 for null),
 //   `i64` (`long long`), `i32` (`int`), `f32` (`float`), `AdamWConsts` (the struct, by value).

@@ -38,41 +38,50 @@ pub(crate) fn linear_local(
     }
 }
 
-/// The local piece of [`DTensor::linear_gelu_with_layout_to`]: the linear's local op, as each
-/// of the linear methods runs it for these dtypes, with the GELU after it in its node where
-/// that op is one node (`region::linear_gelu*`), else followed by the fused GELU.
-fn local_linear_gelu(
+/// The local piece of a linear whose GEMM runs in `compute` and whose output is in `out`, as
+/// each of the linear methods runs it for these dtypes (`linear_with_layout`'s `linear_local`,
+/// `linear_with_layout_in`'s one node or its casts, `linear_with_layout_to`'s
+/// `region::linear_to`), with the GELU after it when `gelu` (in the linear's node where that
+/// op is one node, `region::linear_gelu*`, else the fused GELU after it): the local op of
+/// [`DTensor::linear_gelu_with_layout_to`].
+fn local_linear_act(
     x: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
     compute: DType,
     out: DType,
+    gelu: bool,
 ) -> candle_core::Result<Tensor> {
+    let act = |y: Tensor| if gelu { crate::fused::gelu(&y) } else { Ok(y) };
     let master = w.dtype();
     if x.dtype() == master && out == master {
         if compute == master {
-            // `linear_with_layout`'s `linear_local`.
-            if crate::region::linear_applies(x, w, b) {
+            if gelu && crate::region::linear_applies(x, w, b) {
                 return crate::region::linear_gelu(x, w, b);
             }
-            return crate::fused::gelu(&linear_local(x, w, b)?);
+            return act(linear_local(x, w, b)?);
         }
-        // `linear_with_layout_in`'s one node, or its casts around `linear_local`.
         if crate::region::linear_in_applies(x, w, b, compute) {
-            return crate::region::linear_gelu_to(x, w, b, compute, out);
+            return if gelu {
+                crate::region::linear_gelu_to(x, w, b, compute, out)
+            } else {
+                crate::region::linear_in(x, w, b, compute)
+            };
         }
         let y = cast(
             &linear_local(&cast(x, compute)?, &cast(w, compute)?, None)?,
             out,
         )?;
-        let y = match b {
+        return act(match b {
             Some(b) => crate::fused::add(&y, b)?,
             None => y,
-        };
-        return crate::fused::gelu(&y);
+        });
     }
-    // `linear_with_layout_to`'s `region::linear_to`.
-    crate::region::linear_gelu_to(x, w, b, compute, out)
+    if gelu {
+        crate::region::linear_gelu_to(x, w, b, compute, out)
+    } else {
+        crate::region::linear_to(x, w, b, compute, out)
+    }
 }
 
 /// `beta * bias + alpha * (a @ b)` on local pieces.
@@ -295,13 +304,11 @@ impl DTensor {
         out: DType,
     ) -> Result<DTensor> {
         let master = w.dtype();
-        let unfused = || -> Result<DTensor> {
-            self.linear_with_layout_to(w, b, input_layout, compute, out)?
-                .gelu()
-        };
         if b.is_some_and(|b| b.dtype() != master) || !self.dtype().is_float() || !out.is_float() {
             // The linear's own typed errors.
-            return unfused();
+            return self
+                .linear_with_layout_to(w, b, input_layout, compute, out)?
+                .gelu();
         }
         // The strategies see x in the weight's dtype, as for the linear.
         let x = if self.dtype() == master {
@@ -311,27 +318,30 @@ impl DTensor {
         };
         let op = Op::Linear { bias: b.is_some() };
         let inputs: Vec<&DTensor> = [&x, w].into_iter().chain(b).collect();
-        let specs: Vec<_> = inputs.iter().map(|t| t.spec()).collect();
-        let partial = candle_dtensor_strategies::global_propagator()
-            .propagate_pinned(&op, &specs, x.ctx().topology(), &[input_layout])
-            .map(|s| {
-                s.output_specs
-                    .iter()
-                    .any(|o| o.placements.iter().any(|q| q.is_partial()))
-            })
-            // A refused placement: the linear's own error.
-            .unwrap_or(true);
-        if partial {
-            return unfused();
-        }
+        // Whether the compiler made the output a partial sum: then the local op is the linear
+        // alone, and the GELU follows the reduction.
+        let partial = std::cell::Cell::new(false);
         let y = run1_with(&op, &inputs, &[input_layout], |p| {
-            let b = p.locals.get(2);
-            local_linear_gelu(&p.locals[0], &p.locals[1], b, compute, out)
+            let part = p
+                .sharding
+                .output_specs
+                .iter()
+                .any(|o| o.placements.iter().any(|q| q.is_partial()));
+            partial.set(part);
+            local_linear_act(
+                &p.locals[0],
+                &p.locals[1],
+                p.locals.get(2),
+                compute,
+                out,
+                !part,
+            )
         })?;
-        if out == master {
-            Ok(y)
+        let y = if out == master { y } else { y.relabelled(out)? };
+        if partial.get() {
+            y.gelu()
         } else {
-            y.relabelled(out)
+            Ok(y)
         }
     }
 
