@@ -58,6 +58,7 @@ fn c_param(kind: &str, elem: &str) -> Result<String, String> {
         "i32" => "int".into(),
         "f32" => "float".into(),
         "AdamWConsts" => "AdamWConsts".into(),
+        "FaRows" => "FaRows".into(),
         other => return Err(format!("unknown parameter kind `{other}`")),
     })
 }

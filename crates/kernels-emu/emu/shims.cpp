@@ -163,26 +163,31 @@ XENT_SHIM(bf16, bf16_t, u32, unsigned int)
 XENT_SHIM(bf16, bf16_t, i64, long long)
 
 
+// The flash-attention shims take the kernels' FaRows as one array, in the kernels' order.
 #define FA_SHIM(NAME, T, D)                                                                   \
     int emu_fa_fwd_##NAME##_d##D(EMU_ERR, const T* q, const T* k, const T* v, T* o,           \
-                                 float* lse, int tq, int tk, float scale, int causal) {       \
-        EMU_RUN(cdt_fa_fwd_##NAME##_d##D, q, k, v, o, lse, tq, tk, scale, causal);            \
+                                 float* lse, const FaRows* fr, int tq, int tk, float scale,    \
+                                 int causal) {                                                \
+        EMU_RUN(cdt_fa_fwd_##NAME##_d##D, q, k, v, o, lse, fr[0], fr[1], fr[2], fr[3], tq, tk,    \
+                scale, causal);                                                               \
     }                                                                                         \
     int emu_fa_bwd_delta_##NAME##_d##D(EMU_ERR, const T* o, const T* d_o, float* delta,       \
-                                       long long rows) {                                      \
-        EMU_RUN(cdt_fa_bwd_delta_##NAME##_d##D, o, d_o, delta, rows);                         \
+                                       const FaRows* fr, long long rows, int tq) {             \
+        EMU_RUN(cdt_fa_bwd_delta_##NAME##_d##D, o, d_o, delta, fr[0], fr[1], rows, tq);         \
     }                                                                                         \
     int emu_fa_bwd_dkv_##NAME##_d##D(EMU_ERR, const T* q, const T* k, const T* v,             \
                                      const T* d_o, const float* lse, const float* delta,      \
-                                     T* dk, T* dv, int tq, int tk, float scale, int causal) { \
-        EMU_RUN(cdt_fa_bwd_dkv_##NAME##_d##D, q, k, v, d_o, lse, delta, dk, dv, tq, tk,       \
-                scale, causal);                                                               \
+                                     T* dkv, const FaRows* fr, int tq, int tk, float scale,    \
+                                     int causal) {                                            \
+        EMU_RUN(cdt_fa_bwd_dkv_##NAME##_d##D, q, k, v, d_o, lse, delta, dkv, fr[0], fr[1],      \
+                fr[2], fr[3], fr[4], fr[5], tq, tk, scale, causal);                               \
     }                                                                                         \
     int emu_fa_bwd_dq_##NAME##_d##D(EMU_ERR, const T* q, const T* k, const T* v,              \
                                     const T* d_o, const float* lse, const float* delta,       \
-                                    T* dq, int tq, int tk, float scale, int causal) {         \
-        EMU_RUN(cdt_fa_bwd_dq_##NAME##_d##D, q, k, v, d_o, lse, delta, dq, tq, tk, scale,     \
-                causal);                                                                      \
+                                    T* dq, const FaRows* fr, int tq, int tk, float scale,      \
+                                    int causal) {                                             \
+        EMU_RUN(cdt_fa_bwd_dq_##NAME##_d##D, q, k, v, d_o, lse, delta, dq, fr[0], fr[1], fr[2],  \
+                fr[3], fr[4], tq, tk, scale, causal);                                           \
     }
 #define FA_SHIM_DIMS(NAME, T) \
     FA_SHIM(NAME, T, 32) FA_SHIM(NAME, T, 48) FA_SHIM(NAME, T, 64) FA_SHIM(NAME, T, 96) FA_SHIM(NAME, T, 128)
@@ -191,23 +196,24 @@ FA_SHIM_DIMS(bf16, bf16_t)
 
 #define FA_TC_SHIM(D)                                                                         \
     int emu_fa_fwd_tc_bf16_d##D(EMU_ERR, const bf16_t* q, const bf16_t* k, const bf16_t* v,   \
-                                bf16_t* o, float* lse, int tq, int tk, float scale,           \
-                                int causal) {                                                 \
-        EMU_RUN(cdt_fa_fwd_tc_bf16_d##D, q, k, v, o, lse, tq, tk, scale, causal);             \
+                                bf16_t* o, float* lse, const FaRows* fr, int tq, int tk,       \
+                                float scale, int causal) {                                    \
+        EMU_RUN(cdt_fa_fwd_tc_bf16_d##D, q, k, v, o, lse, fr[0], fr[1], fr[2], fr[3], tq, tk,     \
+                scale, causal);                                                               \
     }                                                                                         \
     int emu_fa_bwd_dkv_tc_bf16_d##D(EMU_ERR, const bf16_t* q, const bf16_t* k,                \
                                     const bf16_t* v, const bf16_t* d_o, const float* lse,     \
-                                    const float* delta, bf16_t* dk, bf16_t* dv, int tq,       \
+                                    const float* delta, bf16_t* dkv, const FaRows* fr, int tq, \
                                     int tk, float scale, int causal) {                        \
-        EMU_RUN(cdt_fa_bwd_dkv_tc_bf16_d##D, q, k, v, d_o, lse, delta, dk, dv, tq, tk, scale, \
-                causal);                                                                      \
+        EMU_RUN(cdt_fa_bwd_dkv_tc_bf16_d##D, q, k, v, d_o, lse, delta, dkv, fr[0], fr[1], fr[2], \
+                fr[3], fr[4], fr[5], tq, tk, scale, causal);                                     \
     }                                                                                         \
     int emu_fa_bwd_dq_tc_bf16_d##D(EMU_ERR, const bf16_t* q, const bf16_t* k,                 \
                                    const bf16_t* v, const bf16_t* d_o, const float* lse,      \
-                                   const float* delta, bf16_t* dq, int tq, int tk,            \
-                                   float scale, int causal) {                                 \
-        EMU_RUN(cdt_fa_bwd_dq_tc_bf16_d##D, q, k, v, d_o, lse, delta, dq, tq, tk, scale,      \
-                causal);                                                                      \
+                                   const float* delta, bf16_t* dq, const FaRows* fr, int tq,   \
+                                   int tk, float scale, int causal) {                         \
+        EMU_RUN(cdt_fa_bwd_dq_tc_bf16_d##D, q, k, v, d_o, lse, delta, dq, fr[0], fr[1], fr[2],   \
+                fr[3], fr[4], tq, tk, scale, causal);                                           \
     }
 FA_TC_SHIM(32)
 FA_TC_SHIM(48)

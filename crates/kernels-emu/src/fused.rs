@@ -12,6 +12,10 @@ use half::bf16;
 
 use crate::{need_elems, run, Buf, Element, EmuError, Launch, Order, RawLaunch, Result};
 
+#[path = "../../kernels/src/fa_rows.rs"]
+mod fa_rows;
+pub use fa_rows::{check_bwd, check_disjoint, check_fwd, FaBwdRows, FaRows, MAX_ROW_STRIDE};
+
 type Ll = std::ffi::c_longlong;
 type Head = (*const RawLaunch, *mut c_char, usize);
 type GeluFwd<T> = unsafe fn(Head, *const T, *mut T, Ll) -> c_int;
@@ -36,12 +40,13 @@ type FaFwd<T> = unsafe fn(
     *const T,
     *mut T,
     *mut f32,
+    *const FaRows,
     c_int,
     c_int,
     f32,
     c_int,
 ) -> c_int;
-type FaDelta<T> = unsafe fn(Head, *const T, *const T, *mut f32, Ll) -> c_int;
+type FaDelta<T> = unsafe fn(Head, *const T, *const T, *mut f32, *const FaRows, Ll, c_int) -> c_int;
 type FaDkv<T> = unsafe fn(
     Head,
     *const T,
@@ -51,7 +56,7 @@ type FaDkv<T> = unsafe fn(
     *const f32,
     *const f32,
     *mut T,
-    *mut T,
+    *const FaRows,
     c_int,
     c_int,
     f32,
@@ -66,6 +71,7 @@ type FaDq<T> = unsafe fn(
     *const f32,
     *const f32,
     *mut T,
+    *const FaRows,
     c_int,
     c_int,
     f32,
@@ -205,61 +211,61 @@ shims! {
     emu_xent_bwd_f32_u32(x: *const f32, t: *const u32, lg: *const f32, dx: *mut f32, rows: Ll, n: c_int, ignore: Ll, has_ignore: c_int);
     emu_xent_bwd_f32_i64(x: *const f32, t: *const i64, lg: *const f32, dx: *mut f32, rows: Ll, n: c_int, ignore: Ll, has_ignore: c_int);
     emu_xent_bwd_bf16_u32(x: *const bf16, t: *const u32, lg: *const f32, dx: *mut bf16, rows: Ll, n: c_int, ignore: Ll, has_ignore: c_int);
-    emu_fa_fwd_f32_d32(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_delta_f32_d32(o: *const f32, d_o: *const f32, delta: *mut f32, rows: Ll);
-    emu_fa_bwd_dkv_f32_d32(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dk: *mut f32, dv: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_f32_d32(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_f32_d48(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_delta_f32_d48(o: *const f32, d_o: *const f32, delta: *mut f32, rows: Ll);
-    emu_fa_bwd_dkv_f32_d48(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dk: *mut f32, dv: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_f32_d48(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_f32_d64(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_delta_f32_d64(o: *const f32, d_o: *const f32, delta: *mut f32, rows: Ll);
-    emu_fa_bwd_dkv_f32_d64(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dk: *mut f32, dv: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_f32_d64(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_f32_d96(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_delta_f32_d96(o: *const f32, d_o: *const f32, delta: *mut f32, rows: Ll);
-    emu_fa_bwd_dkv_f32_d96(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dk: *mut f32, dv: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_f32_d96(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_f32_d128(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_delta_f32_d128(o: *const f32, d_o: *const f32, delta: *mut f32, rows: Ll);
-    emu_fa_bwd_dkv_f32_d128(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dk: *mut f32, dv: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_f32_d128(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_delta_bf16_d32(o: *const bf16, d_o: *const bf16, delta: *mut f32, rows: Ll);
-    emu_fa_bwd_dkv_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_delta_bf16_d48(o: *const bf16, d_o: *const bf16, delta: *mut f32, rows: Ll);
-    emu_fa_bwd_dkv_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_delta_bf16_d64(o: *const bf16, d_o: *const bf16, delta: *mut f32, rows: Ll);
-    emu_fa_bwd_dkv_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_delta_bf16_d96(o: *const bf16, d_o: *const bf16, delta: *mut f32, rows: Ll);
-    emu_fa_bwd_dkv_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_delta_bf16_d128(o: *const bf16, d_o: *const bf16, delta: *mut f32, rows: Ll);
-    emu_fa_bwd_dkv_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_tc_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_tc_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_tc_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_tc_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_fwd_tc_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dkv_tc_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_tc_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dkv_tc_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_tc_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dkv_tc_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_tc_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dkv_tc_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_tc_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dkv_tc_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dk: *mut bf16, dv: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
-    emu_fa_bwd_dq_tc_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_f32_d32(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_f32_d32(o: *const f32, d_o: *const f32, delta: *mut f32, l: *const FaRows, rows: Ll, tq: c_int);
+    emu_fa_bwd_dkv_f32_d32(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dkv: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_f32_d32(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_f32_d48(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_f32_d48(o: *const f32, d_o: *const f32, delta: *mut f32, l: *const FaRows, rows: Ll, tq: c_int);
+    emu_fa_bwd_dkv_f32_d48(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dkv: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_f32_d48(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_f32_d64(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_f32_d64(o: *const f32, d_o: *const f32, delta: *mut f32, l: *const FaRows, rows: Ll, tq: c_int);
+    emu_fa_bwd_dkv_f32_d64(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dkv: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_f32_d64(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_f32_d96(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_f32_d96(o: *const f32, d_o: *const f32, delta: *mut f32, l: *const FaRows, rows: Ll, tq: c_int);
+    emu_fa_bwd_dkv_f32_d96(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dkv: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_f32_d96(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_f32_d128(q: *const f32, k: *const f32, v: *const f32, o: *mut f32, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_f32_d128(o: *const f32, d_o: *const f32, delta: *mut f32, l: *const FaRows, rows: Ll, tq: c_int);
+    emu_fa_bwd_dkv_f32_d128(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dkv: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_f32_d128(q: *const f32, k: *const f32, v: *const f32, d_o: *const f32, lse: *const f32, delta: *const f32, dq: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_bf16_d32(o: *const bf16, d_o: *const bf16, delta: *mut f32, l: *const FaRows, rows: Ll, tq: c_int);
+    emu_fa_bwd_dkv_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dkv: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_bf16_d48(o: *const bf16, d_o: *const bf16, delta: *mut f32, l: *const FaRows, rows: Ll, tq: c_int);
+    emu_fa_bwd_dkv_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dkv: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_bf16_d64(o: *const bf16, d_o: *const bf16, delta: *mut f32, l: *const FaRows, rows: Ll, tq: c_int);
+    emu_fa_bwd_dkv_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dkv: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_bf16_d96(o: *const bf16, d_o: *const bf16, delta: *mut f32, l: *const FaRows, rows: Ll, tq: c_int);
+    emu_fa_bwd_dkv_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dkv: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_delta_bf16_d128(o: *const bf16, d_o: *const bf16, delta: *mut f32, l: *const FaRows, rows: Ll, tq: c_int);
+    emu_fa_bwd_dkv_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dkv: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_tc_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_tc_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_tc_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_tc_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_fwd_tc_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, o: *mut bf16, lse: *mut f32, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dkv_tc_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dkv: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_tc_bf16_d32(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dkv_tc_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dkv: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_tc_bf16_d48(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dkv_tc_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dkv: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_tc_bf16_d64(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dkv_tc_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dkv: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_tc_bf16_d96(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dkv_tc_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dkv: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
+    emu_fa_bwd_dq_tc_bf16_d128(q: *const bf16, k: *const bf16, v: *const bf16, d_o: *const bf16, lse: *const f32, delta: *const f32, dq: *mut bf16, l: *const FaRows, tq: c_int, tk: c_int, scale: f32, causal: c_int);
     emu_xent_bwd_bf16_i64(x: *const bf16, t: *const i64, lg: *const f32, dx: *mut bf16, rows: Ll, n: c_int, ignore: Ll, has_ignore: c_int);
 }
 
@@ -1039,7 +1045,8 @@ impl Attn {
 }
 
 /// Flash-attention forward: `o = softmax(scale q k^T [causal]) v` and `lse` per query, on
-/// `kernels` with the launch the CUDA op gives them.
+/// `kernels` with the launch the CUDA op gives them; every operand a contiguous
+/// `[bh, t, d]` ([`flash_attn_fwd_rows`] with [`FaRows::contiguous`]).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_fwd<T: Dt>(
     order: Order,
@@ -1053,19 +1060,52 @@ pub fn flash_attn_fwd<T: Dt>(
     scale: f32,
     causal: bool,
 ) -> Result<()> {
+    let (lq, lk) = (
+        FaRows::contiguous(shape.tq, shape.d),
+        FaRows::contiguous(shape.tk, shape.d),
+    );
+    flash_attn_fwd_rows(
+        order,
+        kernels,
+        (q, k, v),
+        o,
+        lse,
+        [lq, lk, lk, lq],
+        shape,
+        scale,
+        causal,
+    )
+}
+
+/// [`flash_attn_fwd`] with each operand placed by its [`FaRows`] (`rows`: q, k, v, o), so q,
+/// k and v may be views of one buffer (a packed projection). Every row must lie in its buffer.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_fwd_rows<T: Dt>(
+    order: Order,
+    kernels: FaKernels,
+    (q, k, v): (&Buf<T>, &Buf<T>, &Buf<T>),
+    o: &mut Buf<T>,
+    lse: &mut Buf<f32>,
+    rows: [FaRows; 4],
+    shape: Attn,
+    scale: f32,
+    causal: bool,
+) -> Result<()> {
     let kn = "flash_attn_fwd";
     let (fns, tq, tk, bh) = shape.check::<T>(kn, kernels)?;
-    let (nq, nk) = (shape.bh * shape.tq * shape.d, shape.bh * shape.tk * shape.d);
-    need_elems(kn, q.len(), nq)?;
-    need_elems(kn, o.len(), nq)?;
-    need_elems(kn, k.len(), nk)?;
-    need_elems(kn, v.len(), nk)?;
+    check_fwd(
+        &rows,
+        (shape.bh, shape.tq, shape.tk, shape.d),
+        [q.len(), k.len(), v.len(), o.len()],
+    )
+    .map_err(|e| args(kn, e))?;
     need_elems(kn, lse.len(), shape.bh * shape.tq)?;
     let launch = kernels.launch(kn, shape.tq, bh, FA_TC_FWD_WARPS)?;
     // SAFETY: the launch is the one `kernels`' forward indexes by (`FaKernels::launch`, the
     // kernel `check` picked for `kernels`): block (x, h) reads q and writes o at its query rows
     // within [0, tq) of head h < bh, reads k and v rows [0, tk) of head h and writes
-    // lse[h tq + i] for its rows i < tq, all in bounds of the lengths checked.
+    // lse[h tq + i] for its rows i < tq; every row of every head lies in its buffer
+    // (`check_in`), o's rows do not overlap (`check_disjoint`), and `rows` outlives the call.
     run(&launch, order, |l, e, el| unsafe {
         (fns.fwd)(
             (l, e, el),
@@ -1074,6 +1114,7 @@ pub fn flash_attn_fwd<T: Dt>(
             v.ptr(),
             o.mut_ptr(),
             lse.mut_ptr(),
+            rows.as_ptr(),
             tq,
             tk,
             scale,
@@ -1094,7 +1135,8 @@ pub const FA_TC_BWD_WARPS: usize = 4;
 
 /// Flash-attention backward on `kernels`: `dq`, `dk`, `dv` from the forward's `o` and `lse`
 /// and the output's gradient `d_o` (three kernels: delta, dK/dV per key block, dQ per query
-/// block), with the launches the CUDA op gives them.
+/// block), with the launches the CUDA op gives them; every operand a contiguous `[bh, t, d]`.
+/// dK and dV are written into one buffer (as the CUDA op writes them) and copied out.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_bwd<T: Dt>(
     order: Order,
@@ -1113,28 +1155,100 @@ pub fn flash_attn_bwd<T: Dt>(
     causal: bool,
 ) -> Result<()> {
     let kn = "flash_attn_bwd";
+    let nk = shape.bh * shape.tk * shape.d;
+    need_elems(kn, dk.len(), nk)?;
+    need_elems(kn, dv.len(), nk)?;
+    let mut dkv = Buf::filled("dkv", 2 * nk, T::GUARD);
+    flash_attn_bwd_rows(
+        order,
+        kernels,
+        (q, k, v, o, lse, d_o),
+        dq,
+        Some(&mut dkv),
+        FaBwdRows::contiguous(shape.bh, shape.tq, shape.tk, shape.d),
+        shape,
+        scale,
+        causal,
+    )?;
+    let (dks, dvs) = dkv.as_slice().split_at(nk);
+    for (out, part) in [(dk, dks), (dv, dvs)] {
+        // SAFETY: `out` holds at least nk elements (checked above), `part` exactly nk, and the
+        // two are different allocations.
+        unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), out.mut_ptr(), nk) };
+    }
+    Ok(())
+}
+
+/// The inputs of [`flash_attn_bwd_rows`]: q, k, v, the forward's o and lse, the output's
+/// gradient.
+pub type FaBwdInputs<'a, T> = (
+    &'a Buf<T>,
+    &'a Buf<T>,
+    &'a Buf<T>,
+    &'a Buf<T>,
+    &'a Buf<f32>,
+    &'a Buf<T>,
+);
+
+/// [`flash_attn_bwd`] with each operand placed by its [`FaRows`]: the inputs may be views of
+/// one buffer, and dK, dV are written into `dkv`, or, when it is `None`, into `dq`'s buffer
+/// beside dQ (the packed gradient of a packed projection). Every row must lie in its buffer
+/// and the written rows must not overlap.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_bwd_rows<T: Dt>(
+    order: Order,
+    kernels: FaKernels,
+    (q, k, v, o, lse, d_o): FaBwdInputs<'_, T>,
+    dq: &mut Buf<T>,
+    mut dkv: Option<&mut Buf<T>>,
+    rows: FaBwdRows,
+    shape: Attn,
+    scale: f32,
+    causal: bool,
+) -> Result<()> {
+    let kn = "flash_attn_bwd";
     let (fns, tq, tk, bh) = shape.check::<T>(kn, kernels)?;
-    let (nq, nk) = (shape.bh * shape.tq * shape.d, shape.bh * shape.tk * shape.d);
-    for len in [q.len(), o.len(), d_o.len(), dq.len()] {
-        need_elems(kn, len, nq)?;
-    }
-    for len in [k.len(), v.len(), dk.len(), dv.len()] {
-        need_elems(kn, len, nk)?;
-    }
-    let rows = shape.bh * shape.tq;
-    need_elems(kn, lse.len(), rows)?;
-    let mut delta = Buf::filled("delta", rows, f32::NAN);
-    let rows_ll = ll(kn, "rows", rows)?;
-    // SAFETY: grid-stride over rows < bh tq: reads o, d_o rows, writes delta[row] (sized rows).
+    check_bwd(
+        &rows,
+        (shape.bh, shape.tq, shape.tk, shape.d),
+        [q.len(), k.len(), v.len(), o.len(), d_o.len(), dq.len()],
+        dkv.as_ref().map(|b| b.len()),
+    )
+    .map_err(|e| args(kn, e))?;
+    let rows_n = shape.bh * shape.tq;
+    need_elems(kn, lse.len(), rows_n)?;
+    let mut delta = Buf::filled("delta", rows_n, f32::NAN);
+    let rows_ll = ll(kn, "rows", rows_n)?;
+    let (od, dq_r) = (
+        [rows.o, rows.d_o],
+        [rows.q, rows.k, rows.v, rows.d_o, rows.dq],
+    );
+    let dkv_r = [rows.q, rows.k, rows.v, rows.d_o, rows.dk, rows.dv];
+    // SAFETY: grid-stride over rows < bh tq: reads o's and d_o's row (in bounds: `check_in`),
+    // writes delta[row] (sized rows).
     run(&Launch::linear(4, 64, 0), order, |l, e, el| unsafe {
-        (fns.delta)((l, e, el), o.ptr(), d_o.ptr(), delta.mut_ptr(), rows_ll)
+        (fns.delta)(
+            (l, e, el),
+            o.ptr(),
+            d_o.ptr(),
+            delta.mut_ptr(),
+            od.as_ptr(),
+            rows_ll,
+            tq,
+        )
     })?;
     delta.check("flash_attn_bwd_delta")?;
     let c = c_int::from(causal);
     let launch = kernels.launch(kn, shape.tk, bh, FA_TC_BWD_WARPS)?;
+    let dkv_ptr = match dkv.as_mut() {
+        Some(b) => b.mut_ptr(),
+        None => dq.mut_ptr(),
+    };
     // SAFETY: the launch the dK/dV kernel `check` picked for `kernels` indexes by: block
     // (x, h) reads k, v and writes dk, dv at its key rows within [0, tk) of head h < bh, reads
-    // q, d_o rows [0, tq) and lse, delta [h tq, (h + 1) tq): in bounds of the lengths checked.
+    // q, d_o rows [0, tq) and lse, delta [h tq, (h + 1) tq): every row in its buffer
+    // (`check_in`), the written rows apart (`check_disjoint`, with dQ's when they share a
+    // buffer, which this launch does not write).
     run(&launch, order, |l, e, el| unsafe {
         (fns.dkv)(
             (l, e, el),
@@ -1144,19 +1258,21 @@ pub fn flash_attn_bwd<T: Dt>(
             d_o.ptr(),
             lse.ptr(),
             delta.ptr(),
-            dk.mut_ptr(),
-            dv.mut_ptr(),
+            dkv_ptr,
+            dkv_r.as_ptr(),
             tq,
             tk,
             scale,
             c,
         )
     })?;
-    dk.check("flash_attn_bwd_dkv")?;
-    dv.check("flash_attn_bwd_dkv")?;
+    if let Some(b) = dkv.as_ref() {
+        b.check("flash_attn_bwd_dkv")?;
+    }
     let launch = kernels.launch(kn, shape.tq, bh, FA_TC_BWD_WARPS)?;
     // SAFETY: likewise for dQ: block (x, h) reads q, d_o, lse, delta at its query rows within
-    // [0, tq) of head h < bh, k and v rows [0, tk), writes dq at its query rows: in bounds.
+    // [0, tq) of head h < bh, k and v rows [0, tk), writes dq at its query rows: in bounds,
+    // apart from dK's and dV's.
     run(&launch, order, |l, e, el| unsafe {
         (fns.dq)(
             (l, e, el),
@@ -1167,6 +1283,7 @@ pub fn flash_attn_bwd<T: Dt>(
             lse.ptr(),
             delta.ptr(),
             dq.mut_ptr(),
+            dq_r.as_ptr(),
             tq,
             tk,
             scale,

@@ -1,8 +1,11 @@
 // Attention that never materialises the T x T scores (flash-attention style, SIMT, f32
 // accumulation), forward and backward, for f32 and bf16 and head dims 32, 48, 64, 96, 128.
 //
-// Layout: q [BH, tq, D], k and v [BH, tk, D], o and the gradients likewise, contiguous; lse and
-// delta [BH, tq] in f32. Causal: key j is visible to query i iff j <= i + (tk - tq) (the
+// Layout: q holds BH heads of tq rows of D, k and v BH heads of tk rows, o and the gradients
+// like their inputs; each tensor is placed by its own FaRows (below), so q, k and v may be the
+// three parts of one packed projection [B, T, H, 3, D] and o may be written as [B, T, H, D]
+// (no unpacking or transposing copies around the op); a row's D elements are contiguous. lse
+// and delta are [BH, tq] in f32, contiguous. Causal: key j is visible to query i iff j <= i + (tk - tq) (the
 // bottom-right alignment of the CPU reference's mask). A query that sees no key (tq > tk only)
 // gets output 0 and lse -inf, and contributes no gradient.
 //
@@ -25,6 +28,24 @@
 #define FA_TPR 4
 #define FA_TILE 32
 #define FA_THREADS (FA_ROWS * FA_TPR)
+
+// Where a tensor's rows lie, in elements: head bh = b heads + h starts at off + b sb + h sh and
+// its row i at that + i st. A contiguous [BH, T, D] is {0, T D, 0, D, 1}; the q part of a packed
+// [B, T, H, 3, D] is {0, T H 3 D, 3 D, H 3 D, H} (k: off D, v: off 2 D). The launcher checks
+// that every row of every head lies in the tensor's buffer and that the rows written do not
+// overlap.
+struct FaRows {
+    long long off, sb, sh, st;
+    int heads;
+};
+// As `fa_rows.rs` lays it out (the launchers pass it by value, the emulator by pointer).
+static_assert(sizeof(FaRows) == 40 && alignof(FaRows) == 8, "FaRows is fa_rows.rs's layout");
+
+// The first element of head bh (< 65536, the grid's y limit: 32-bit division).
+__device__ __forceinline__ long long fa_head(const FaRows& l, long long bh) {
+    const int b = (int)bh / l.heads, h = (int)bh % l.heads;
+    return l.off + b * l.sb + h * l.sh;
+}
 
 // The partial dot products of a row's FA_TPR lanes, summed (every lane gets the sum).
 __device__ __forceinline__ float fa_row_sum(float p) {
@@ -50,20 +71,23 @@ __device__ __forceinline__ long long fa_query_begin(long long k0, int tq, int tk
     return first < 0 ? 0 : first;
 }
 
-// Loads rows [r0, r0 + FA_TILE) of a [n, D] matrix (zeros past n) into a shared tile, as f32.
+// Loads rows [r0, r0 + FA_TILE) of an n-row matrix of row stride ld (zeros past n) into a
+// shared tile, as f32.
 template <typename T, int D>
-__device__ __forceinline__ void fa_load_tile(float (*tile)[D], const T* m, long long r0, int n) {
+__device__ __forceinline__ void fa_load_tile(float (*tile)[D], const T* m, long long ld,
+                                             long long r0, int n) {
     for (int idx = threadIdx.x; idx < FA_TILE * D; idx += blockDim.x) {
         const int rr = idx / D, e = idx % D;
         const long long r = r0 + rr;
-        tile[rr][e] = r < n ? to_f32(m[r * D + e]) : 0.f;
+        tile[rr][e] = r < n ? to_f32(m[r * ld + e]) : 0.f;
     }
 }
 
 template <typename T, int D>
 __device__ void fa_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                       T* __restrict__ o, float* __restrict__ lse, int tq, int tk, float scale,
-                       int causal) {
+                       T* __restrict__ o, float* __restrict__ lse, const FaRows& lq,
+                       const FaRows& lk, const FaRows& lv, const FaRows& lo, int tq, int tk,
+                       float scale, int causal) {
     constexpr int DS = D / FA_TPR;
     __shared__ float ks[FA_TILE][D];
     __shared__ float vs[FA_TILE][D];
@@ -72,9 +96,9 @@ __device__ void fa_fwd(const T* __restrict__ q, const T* __restrict__ k, const T
     const long long q0 = (long long)blockIdx.x * FA_ROWS;
     const long long i = q0 + r;
     const bool active = i < tq;
-    const T* qr_ptr = q + (bh * tq + (active ? i : 0)) * D + sub * DS;
-    const T* kb = k + bh * tk * D;
-    const T* vb = v + bh * tk * D;
+    const T* qr_ptr = q + fa_head(lq, bh) + (active ? i : 0) * lq.st + sub * DS;
+    const T* kb = k + fa_head(lk, bh);
+    const T* vb = v + fa_head(lv, bh);
     const long long shift = (long long)tk - tq;
     float qr[DS], acc[DS];
 #pragma unroll
@@ -86,8 +110,8 @@ __device__ void fa_fwd(const T* __restrict__ q, const T* __restrict__ k, const T
     const long long kend = fa_key_end(q0, tq, tk, causal);
     for (long long j0 = 0; j0 < kend; j0 += FA_TILE) {
         __syncthreads();  // the previous tile is consumed
-        fa_load_tile<T, D>(ks, kb, j0, tk);
-        fa_load_tile<T, D>(vs, vb, j0, tk);
+        fa_load_tile<T, D>(ks, kb, lk.st, j0, tk);
+        fa_load_tile<T, D>(vs, vb, lv.st, j0, tk);
         __syncthreads();
         float s[FA_TILE];
         float tmax = CDT_NEG_INF;
@@ -119,32 +143,39 @@ __device__ void fa_fwd(const T* __restrict__ q, const T* __restrict__ k, const T
     }
     if (active) {
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        T* orow = o + (bh * tq + i) * D + sub * DS;
+        T* orow = o + fa_head(lo, bh) + i * lo.st + sub * DS;
 #pragma unroll
         for (int e = 0; e < DS; ++e) orow[e] = from_f32<T>(acc[e] * inv);
         if (sub == 0) lse[bh * tq + i] = l > 0.f ? m + logf(l) : CDT_NEG_INF;
     }
 }
 
-// delta[row] = sum_e dO[row, e] O[row, e], rows = BH tq (grid-stride, a thread per row).
+// delta[row] = sum_e dO[row, e] O[row, e], rows = BH tq, row = bh tq + i (grid-stride, a
+// thread per row).
 template <typename T, int D>
 __device__ void fa_bwd_delta(const T* __restrict__ o, const T* __restrict__ d_o,
-                             float* __restrict__ delta, long long rows) {
+                             float* __restrict__ delta, const FaRows& lo, const FaRows& ldo,
+                             long long rows, int tq) {
     for (long long row = blockIdx.x * (long long)blockDim.x + threadIdx.x; row < rows;
          row += (long long)gridDim.x * blockDim.x) {
+        const long long bh = row / tq, i = row % tq;
+        const T* orow = o + fa_head(lo, bh) + i * lo.st;
+        const T* drow = d_o + fa_head(ldo, bh) + i * ldo.st;
         float s = 0.f;
-        for (int e = 0; e < D; ++e) s += to_f32(o[row * D + e]) * to_f32(d_o[row * D + e]);
+        for (int e = 0; e < D; ++e) s += to_f32(orow[e]) * to_f32(drow[e]);
         delta[row] = s;
     }
 }
 
-// dK, dV for the keys [blockIdx.x FA_ROWS, +FA_ROWS) of head blockIdx.y.
+// dK, dV for the keys [blockIdx.x FA_ROWS, +FA_ROWS) of head blockIdx.y, both written to `dkv`
+// (placed by ldk and ldv).
 template <typename T, int D>
 __device__ void fa_bwd_dkv(const T* __restrict__ q, const T* __restrict__ k,
                            const T* __restrict__ v, const T* __restrict__ d_o,
                            const float* __restrict__ lse, const float* __restrict__ delta,
-                           T* __restrict__ dk, T* __restrict__ dv, int tq, int tk, float scale,
-                           int causal) {
+                           T* __restrict__ dkv, const FaRows& lq, const FaRows& lk,
+                           const FaRows& lv, const FaRows& ldo, const FaRows& ldk,
+                           const FaRows& ldv, int tq, int tk, float scale, int causal) {
     constexpr int DS = D / FA_TPR;
     __shared__ float qs[FA_TILE][D];
     __shared__ float dos[FA_TILE][D];
@@ -154,24 +185,26 @@ __device__ void fa_bwd_dkv(const T* __restrict__ q, const T* __restrict__ k,
     const long long k0 = (long long)blockIdx.x * FA_ROWS;
     const long long j = k0 + r;
     const bool active = j < tk;
-    const long long koff = (bh * tk + (active ? j : 0)) * D + sub * DS;
+    const long long jr = (active ? j : 0), col = sub * DS;
+    const T* krow = k + fa_head(lk, bh) + jr * lk.st + col;
+    const T* vrow = v + fa_head(lv, bh) + jr * lv.st + col;
     const long long shift = (long long)tk - tq;
     float kr[DS], vr[DS], dka[DS], dva[DS];
 #pragma unroll
     for (int e = 0; e < DS; ++e) {
-        kr[e] = active ? to_f32(k[koff + e]) : 0.f;
-        vr[e] = active ? to_f32(v[koff + e]) : 0.f;
+        kr[e] = active ? to_f32(krow[e]) : 0.f;
+        vr[e] = active ? to_f32(vrow[e]) : 0.f;
         dka[e] = 0.f;
         dva[e] = 0.f;
     }
-    const T* qb = q + bh * tq * D;
-    const T* dob = d_o + bh * tq * D;
+    const T* qb = q + fa_head(lq, bh);
+    const T* dob = d_o + fa_head(ldo, bh);
     long long i0 = fa_query_begin(k0, tq, tk, causal);
     i0 -= i0 % FA_TILE;
     for (; i0 < tq; i0 += FA_TILE) {
         __syncthreads();
-        fa_load_tile<T, D>(qs, qb, i0, tq);
-        fa_load_tile<T, D>(dos, dob, i0, tq);
+        fa_load_tile<T, D>(qs, qb, lq.st, i0, tq);
+        fa_load_tile<T, D>(dos, dob, ldo.st, i0, tq);
         for (int idx = threadIdx.x; idx < FA_TILE; idx += blockDim.x) {
             const long long ii = i0 + idx;
             ls[idx] = ii < tq ? lse[bh * tq + ii] : CDT_NEG_INF;
@@ -201,10 +234,12 @@ __device__ void fa_bwd_dkv(const T* __restrict__ q, const T* __restrict__ k,
         }
     }
     if (active) {
+        T* dkr = dkv + fa_head(ldk, bh) + j * ldk.st + col;
+        T* dvr = dkv + fa_head(ldv, bh) + j * ldv.st + col;
 #pragma unroll
         for (int e = 0; e < DS; ++e) {
-            dk[koff + e] = from_f32<T>(dka[e]);
-            dv[koff + e] = from_f32<T>(dva[e]);
+            dkr[e] = from_f32<T>(dka[e]);
+            dvr[e] = from_f32<T>(dva[e]);
         }
     }
 }
@@ -214,7 +249,9 @@ template <typename T, int D>
 __device__ void fa_bwd_dq(const T* __restrict__ q, const T* __restrict__ k,
                           const T* __restrict__ v, const T* __restrict__ d_o,
                           const float* __restrict__ lse, const float* __restrict__ delta,
-                          T* __restrict__ dq, int tq, int tk, float scale, int causal) {
+                          T* __restrict__ dq, const FaRows& lq, const FaRows& lk,
+                          const FaRows& lv, const FaRows& ldo, const FaRows& ldq, int tq, int tk,
+                          float scale, int causal) {
     constexpr int DS = D / FA_TPR;
     __shared__ float ks[FA_TILE][D];
     __shared__ float vs[FA_TILE][D];
@@ -223,24 +260,26 @@ __device__ void fa_bwd_dq(const T* __restrict__ q, const T* __restrict__ k,
     const long long q0 = (long long)blockIdx.x * FA_ROWS;
     const long long i = q0 + r;
     const bool active = i < tq;
-    const long long qoff = (bh * tq + (active ? i : 0)) * D + sub * DS;
+    const long long ir = (active ? i : 0), col = sub * DS;
+    const T* qrow = q + fa_head(lq, bh) + ir * lq.st + col;
+    const T* dorow = d_o + fa_head(ldo, bh) + ir * ldo.st + col;
     const long long shift = (long long)tk - tq;
     const float li = active ? lse[bh * tq + i] : CDT_NEG_INF;
     const float di = active ? delta[bh * tq + i] : 0.f;
     float qr[DS], dor[DS], dqa[DS];
 #pragma unroll
     for (int e = 0; e < DS; ++e) {
-        qr[e] = active ? to_f32(q[qoff + e]) : 0.f;
-        dor[e] = active ? to_f32(d_o[qoff + e]) : 0.f;
+        qr[e] = active ? to_f32(qrow[e]) : 0.f;
+        dor[e] = active ? to_f32(dorow[e]) : 0.f;
         dqa[e] = 0.f;
     }
-    const T* kb = k + bh * tk * D;
-    const T* vb = v + bh * tk * D;
+    const T* kb = k + fa_head(lk, bh);
+    const T* vb = v + fa_head(lv, bh);
     const long long kend = fa_key_end(q0, tq, tk, causal);
     for (long long j0 = 0; j0 < kend; j0 += FA_TILE) {
         __syncthreads();
-        fa_load_tile<T, D>(ks, kb, j0, tk);
-        fa_load_tile<T, D>(vs, vb, j0, tk);
+        fa_load_tile<T, D>(ks, kb, lk.st, j0, tk);
+        fa_load_tile<T, D>(vs, vb, lv.st, j0, tk);
         __syncthreads();
 #pragma unroll 4
         for (int jj = 0; jj < FA_TILE; ++jj) {
@@ -261,33 +300,39 @@ __device__ void fa_bwd_dq(const T* __restrict__ q, const T* __restrict__ k,
         }
     }
     if (active) {
+        T* dqr = dq + fa_head(ldq, bh) + i * ldq.st + col;
 #pragma unroll
-        for (int e = 0; e < DS; ++e) dq[qoff + e] = from_f32<T>(dqa[e]);
+        for (int e = 0; e < DS; ++e) dqr[e] = from_f32<T>(dqa[e]);
     }
 }
 
 // Entry points: cdt_fa_{fwd,bwd_delta,bwd_dkv,bwd_dq}_{f32,bf16}_d{D}. Launch: fwd and bwd_dq
 // grid (ceil(tq / FA_ROWS), BH), bwd_dkv grid (ceil(tk / FA_ROWS), BH), block FA_THREADS (128);
-// bwd_delta any 1-D launch (grid-stride over BH tq rows).
+// bwd_delta any 1-D launch (grid-stride over BH tq rows). Each tensor is placed by its FaRows;
+// dK and dV are both written to `dkv`, placed by ldk and ldv.
 #define FA(NAME, T, D)                                                                       \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) cdt_fa_fwd_##NAME##_d##D(        \
-        const T* q, const T* k, const T* v, T* o, float* lse, int tq, int tk, float scale,    \
-        int causal) {                                                                        \
-        fa_fwd<T, D>(q, k, v, o, lse, tq, tk, scale, causal);                                \
+        const T* q, const T* k, const T* v, T* o, float* lse, FaRows lq, FaRows lk, FaRows lv, \
+        FaRows lo, int tq, int tk, float scale, int causal) {                                \
+        fa_fwd<T, D>(q, k, v, o, lse, lq, lk, lv, lo, tq, tk, scale, causal);                \
     }                                                                                        \
-    extern "C" __global__ void cdt_fa_bwd_delta_##NAME##_d##D(const T* o, const T* d_o,       \
-                                                              float* delta, long long rows) { \
-        fa_bwd_delta<T, D>(o, d_o, delta, rows);                                             \
+    extern "C" __global__ void cdt_fa_bwd_delta_##NAME##_d##D(                                \
+        const T* o, const T* d_o, float* delta, FaRows lo, FaRows ldo, long long rows, int tq) { \
+        fa_bwd_delta<T, D>(o, d_o, delta, lo, ldo, rows, tq);                                \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) cdt_fa_bwd_dkv_##NAME##_d##D(    \
         const T* q, const T* k, const T* v, const T* d_o, const float* lse,                  \
-        const float* delta, T* dk, T* dv, int tq, int tk, float scale, int causal) {          \
-        fa_bwd_dkv<T, D>(q, k, v, d_o, lse, delta, dk, dv, tq, tk, scale, causal);           \
+        const float* delta, T* dkv, FaRows lq, FaRows lk, FaRows lv, FaRows ldo, FaRows ldk,  \
+        FaRows ldv, int tq, int tk, float scale, int causal) {                               \
+        fa_bwd_dkv<T, D>(q, k, v, d_o, lse, delta, dkv, lq, lk, lv, ldo, ldk, ldv, tq, tk,    \
+                         scale, causal);                                                     \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) cdt_fa_bwd_dq_##NAME##_d##D(     \
         const T* q, const T* k, const T* v, const T* d_o, const float* lse,                  \
-        const float* delta, T* dq, int tq, int tk, float scale, int causal) {                 \
-        fa_bwd_dq<T, D>(q, k, v, d_o, lse, delta, dq, tq, tk, scale, causal);                \
+        const float* delta, T* dq, FaRows lq, FaRows lk, FaRows lv, FaRows ldo, FaRows ldq,   \
+        int tq, int tk, float scale, int causal) {                                           \
+        fa_bwd_dq<T, D>(q, k, v, d_o, lse, delta, dq, lq, lk, lv, ldo, ldq, tq, tk, scale,    \
+                        causal);                                                             \
     }
 
 #define FA_DIMS(NAME, T) FA(NAME, T, 32) FA(NAME, T, 48) FA(NAME, T, 64) FA(NAME, T, 96) FA(NAME, T, 128)
@@ -323,31 +368,36 @@ FA_DIMS(bf16, bf16_t)
 // ldmatrix needs.
 #define FA_TC_PAD 8
 
-// The block's copy of rows [r0, r0 + R) of a [n, D] bf16 matrix into a shared tile of row
-// stride D + FA_TC_PAD, zeros past n, issued as one cp.async group of each thread: 16-byte
-// copies that bypass the registers when `m` allows them (it is 16-byte aligned: every row then
-// is, D being a multiple of 8), else element by element through registers (a tensor whose
-// storage offset is not a multiple of 8 elements). Coalesced either way. The tile is complete
+// The block's copy of rows [r0, r0 + R) of an n-row bf16 matrix of row stride ld into a shared
+// tile of row stride D + FA_TC_PAD, zeros past n, issued as one cp.async group of each thread:
+// 16-byte copies that bypass the registers when `m` and ld allow them (m 16-byte aligned and ld
+// a multiple of 8: every row then is, D being a multiple of 8), else element by element through
+// registers (a tensor whose storage offset or row stride is not a multiple of 8 elements). Coalesced either way. The tile is complete
 // once every thread waited for its groups and passed a barrier (fa_tc_tiles_landed); until
 // then the warps go on computing, which is what lets a kernel copy the next tile while it
 // works on this one.
+//
+// ld is below FA_TC_MAX_LD (the launcher checks it), so that an offset within the R rows fits
+// 32 bits: a thread's offsets are then one register each, where the tile loop of the d = 64
+// forward is at the 128 registers two blocks an SM allow.
+#define FA_TC_MAX_LD (1 << 24)
 template <int R, int D>
 __device__ __forceinline__ void fa_tc_load_rows(bf16_t* tile, const bf16_t* __restrict__ m,
-                                                long long r0, int n) {
+                                                int ld, long long r0, int n) {
     constexpr int LD = D + FA_TC_PAD;
-    if ((reinterpret_cast<unsigned long long>(m) & 15ull) == 0) {
+    const bf16_t* base = m + r0 * ld;
+    const long long left = n - r0;  // rows of the matrix from r0 on
+    if ((reinterpret_cast<unsigned long long>(m) & 15ull) == 0 && (ld & 7) == 0) {
         constexpr int C = D / 8;  // 16-byte chunks a row
         for (int idx = threadIdx.x; idx < R * C; idx += blockDim.x) {
             const int r = idx / C, c = idx % C;
-            const long long i = r0 + r;
-            const bool in = i < n;
-            cdt_cp_async_16(tile + r * LD + c * 8, in ? m + i * D + c * 8 : m, in);
+            const bool in = r < left;
+            cdt_cp_async_16(tile + r * LD + c * 8, in ? base + (r * ld + c * 8) : m, in);
         }
     } else {
         for (int idx = threadIdx.x; idx < R * D; idx += blockDim.x) {
             const int r = idx / D, e = idx % D;
-            const long long i = r0 + r;
-            tile[r * LD + e] = i < n ? m[i * D + e] : (bf16_t)0;
+            tile[r * LD + e] = r < left ? base[r * ld + e] : (bf16_t)0;
         }
     }
     cdt_cp_async_commit();
@@ -362,17 +412,18 @@ __device__ __forceinline__ void fa_tc_tiles_landed() {
 
 // Writes a warp's 16 x D accumulators (mma.sync C layout: rows g and g + 8, columns 2t and
 // 2t + 1 of each 8-wide slice), row h's times mul[h], as bf16 rows row[0], row[1] (those below
-// n) of a [n, D] matrix: two elements a 4-byte store where `out` is 4-byte aligned (the op's
-// outputs are fresh allocations), one at a time otherwise.
+// n) of an n-row matrix of row stride ld: two elements a 4-byte store where `out` is 4-byte
+// aligned and ld even (the op's outputs are fresh allocations), one at a time otherwise.
 template <int D, typename Row>
 __device__ __forceinline__ void fa_mma_write_rows(const float (&acc)[D / 8][4],
-                                                  bf16_t* __restrict__ out, const Row (&row)[2],
-                                                  const float (&mul)[2], int n, int t) {
-    const bool pairs = (reinterpret_cast<unsigned long long>(out) & 3ull) == 0;
+                                                  bf16_t* __restrict__ out, long long ld,
+                                                  const Row (&row)[2], const float (&mul)[2], int n,
+                                                  int t) {
+    const bool pairs = (reinterpret_cast<unsigned long long>(out) & 3ull) == 0 && (ld & 1) == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         if (row[h] >= n) continue;
-        bf16_t* r = out + (long long)row[h] * D;
+        bf16_t* r = out + (long long)row[h] * ld;
 #pragma unroll
         for (int s = 0; s < D / 8; ++s) {
             const float a = acc[s][2 * h] * mul[h], b = acc[s][2 * h + 1] * mul[h];
@@ -459,7 +510,9 @@ __device__ __forceinline__ void fa_mma_acc_times_tile(float (&acc)[D / 8][4], co
 template <int D>
 __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                           const bf16_t* __restrict__ v, bf16_t* __restrict__ o,
-                          float* __restrict__ lse, int tq, int tk, float scale, int causal) {
+                          float* __restrict__ lse, const FaRows& lq, const FaRows& lk,
+                          const FaRows& lv, const FaRows& lo, int tq, int tk, float scale,
+                          int causal) {
     constexpr int BM = 16 * FA_TC_FWD_WARPS;
     constexpr int BN = FA_TCF_BN;
     constexpr int LD = D + FA_TC_PAD;
@@ -479,10 +532,11 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     // keeps the loop's registers within the 128 that two blocks an SM allow.
     const int q0 = blockIdx.x * BM;
     const int shift = tk - tq;
-    const bf16_t* kb = k + bh * tk * D;
-    const bf16_t* vb = v + bh * tk * D;
+    const bf16_t* kb = k + fa_head(lk, bh);
+    const bf16_t* vb = v + fa_head(lv, bh);
+    const int kst = (int)lk.st, vst = (int)lv.st;  // < FA_TC_MAX_LD
     // The warp's queries as A fragments, loaded once (through the K and V tiles).
-    fa_tc_load_rows<BM, D>(&kv[0][0], q + bh * tq * D, q0, tq);
+    fa_tc_load_rows<BM, D>(&kv[0][0], q + fa_head(lq, bh), (int)lq.st, q0, tq);
     fa_tc_tiles_landed();
     unsigned qa[KS][4];
     fa_ldsm_rows<D>(qa, kv, warp * 16, lane);
@@ -503,10 +557,10 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
     // FlashAttention-2's software pipeline: a tile's V is copied while the warps compute its
     // S = Q K^T, the next tile's K while they compute this one's softmax and P V.
     __syncthreads();  // every warp holds its queries: the tiles are free
-    if (kend > 0) fa_tc_load_rows<BN, D>(&ks[0][0], kb, 0, tk);
+    if (kend > 0) fa_tc_load_rows<BN, D>(&ks[0][0], kb, kst, 0, tk);
     for (int j0 = 0; j0 < kend; j0 += BN) {
         fa_tc_tiles_landed();  // this tile's K; every warp is done with the previous V
-        fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0, tk);
+        fa_tc_load_rows<BN, D>(&vs[0][0], vb, vst, j0, tk);
         // Warp-uniform (the warp's rows decide); every warp reaches both barriers of the tile
         // from the same call sites, computing or not.
         const bool work = j0 < wkend;
@@ -529,7 +583,7 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
                 }
         }
         fa_tc_tiles_landed();  // this tile's V; every warp is done with K
-        if (j0 + BN < kend) fa_tc_load_rows<BN, D>(&ks[0][0], kb, j0 + BN, tk);
+        if (j0 + BN < kend) fa_tc_load_rows<BN, D>(&ks[0][0], kb, kst, j0 + BN, tk);
         if (!work) continue;
         float alpha[2];
 #pragma unroll
@@ -574,7 +628,7 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
             lse[bh * tq + row[h]] =
                 l[h] > 0.f ? m[h] * 0.6931471805599453f + logf(l[h]) : CDT_NEG_INF;
     }
-    fa_mma_write_rows<D>(acc, o + bh * tq * D, row, inv, tq, t);
+    fa_mma_write_rows<D>(acc, o + fa_head(lo, bh), lo.st, row, inv, tq, t);
 }
 
 // The backward on tensor cores, on ldmatrix and mma.sync as the forward: the SIMT kernels' work
@@ -598,11 +652,12 @@ __device__ void fa_fwd_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict
 template <int D, int BQ>
 __device__ __forceinline__ void fa_tck_load_queries(bf16_t (*qs)[D + FA_TC_PAD],
                                                     bf16_t (*dos)[D + FA_TC_PAD], float* ls,
-                                                    float* dl, const bf16_t* qb,
-                                                    const bf16_t* dob, const float* lse,
-                                                    const float* delta, long long i0, int tq) {
-    fa_tc_load_rows<BQ, D>(&qs[0][0], qb, i0, tq);
-    fa_tc_load_rows<BQ, D>(&dos[0][0], dob, i0, tq);
+                                                    float* dl, const bf16_t* qb, int qst,
+                                                    const bf16_t* dob, int dost,
+                                                    const float* lse, const float* delta,
+                                                    long long i0, int tq) {
+    fa_tc_load_rows<BQ, D>(&qs[0][0], qb, qst, i0, tq);
+    fa_tc_load_rows<BQ, D>(&dos[0][0], dob, dost, i0, tq);
     for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
         const long long i = i0 + r;
         const bool in = i < tq;
@@ -616,8 +671,9 @@ template <int D>
 __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                               const bf16_t* __restrict__ v, const bf16_t* __restrict__ d_o,
                               const float* __restrict__ lse, const float* __restrict__ delta,
-                              bf16_t* __restrict__ dk, bf16_t* __restrict__ dv, int tq, int tk,
-                              float scale, int causal) {
+                              bf16_t* __restrict__ dkv, const FaRows& lq, const FaRows& lk,
+                              const FaRows& lv, const FaRows& ldo, const FaRows& ldk,
+                              const FaRows& ldv, int tq, int tk, float scale, int causal) {
     constexpr int BN = 16 * FA_TC_BWD_WARPS;
     constexpr int BQ = FA_TCK_BQ(D);
     constexpr int LD = D + FA_TC_PAD;
@@ -637,12 +693,13 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     const int g = lane / 4, t = lane % 4;
     const long long k0 = (long long)blockIdx.x * BN;
     const long long shift = (long long)tk - tq;
-    const bf16_t* qb = q + bh * tq * D;
-    const bf16_t* dob = d_o + bh * tq * D;
+    const bf16_t* qb = q + fa_head(lq, bh);
+    const bf16_t* dob = d_o + fa_head(ldo, bh);
+    const int qst = (int)lq.st, dost = (int)ldo.st;  // < FA_TC_MAX_LD
     const float* lseb = lse + bh * tq;
     const float* deltab = delta + bh * tq;
-    fa_tc_load_rows<BN, D>(&ks[0][0], k + bh * tk * D, k0, tk);
-    fa_tc_load_rows<BN, D>(&vs[0][0], v + bh * tk * D, k0, tk);
+    fa_tc_load_rows<BN, D>(&ks[0][0], k + fa_head(lk, bh), (int)lk.st, k0, tk);
+    fa_tc_load_rows<BN, D>(&vs[0][0], v + fa_head(lv, bh), (int)lv.st, k0, tk);
     const long long krow[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
     const float sl2 = scale * LOG2E;
     float dka[NO][4], dva[NO][4];
@@ -651,20 +708,21 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     long long i0 = fa_query_begin(k0, tq, tk, causal);
     i0 -= i0 % BQ;
     if (ST == 2 && i0 < tq)
-        fa_tck_load_queries<D, BQ>(qs[0], dos[0], lss[0], dls[0], qb, dob, lseb, deltab, i0, tq);
+        fa_tck_load_queries<D, BQ>(qs[0], dos[0], lss[0], dls[0], qb, qst, dob, dost, lseb,
+                                   deltab, i0, tq);
     for (int b = 0; i0 < tq; i0 += BQ, b = (b + 1) % ST) {
         if (ST == 1) {
             __syncthreads();  // every warp is done with the previous query tile
-            fa_tck_load_queries<D, BQ>(qs[0], dos[0], lss[0], dls[0], qb, dob, lseb, deltab, i0,
-                                       tq);
+            fa_tck_load_queries<D, BQ>(qs[0], dos[0], lss[0], dls[0], qb, qst, dob, dost, lseb,
+                                       deltab, i0, tq);
         }
         // This query tile (and K and V the first time); every warp is done with the previous
         // tile, so with the other buffer.
         fa_tc_tiles_landed();
         if (ST == 2 && i0 + BQ < tq) {
             const int nb = (b + 1) % ST;
-            fa_tck_load_queries<D, BQ>(qs[nb], dos[nb], lss[nb], dls[nb], qb, dob, lseb, deltab,
-                                       i0 + BQ, tq);
+            fa_tck_load_queries<D, BQ>(qs[nb], dos[nb], lss[nb], dls[nb], qb, qst, dob, dost,
+                                       lseb, deltab, i0 + BQ, tq);
         }
         const bf16_t(*qt)[LD] = qs[b];
         const bf16_t(*dot)[LD] = dos[b];
@@ -725,8 +783,8 @@ __device__ void fa_bwd_dkv_tc(const bf16_t* __restrict__ q, const bf16_t* __rest
     }
     cdt_cp_async_wait<0>();  // K and V, when no query sees these keys: no copy outlives the block
     const float one[2] = {1.f, 1.f};
-    fa_mma_write_rows<D>(dva, dv + bh * tk * D, krow, one, tk, t);
-    fa_mma_write_rows<D>(dka, dk + bh * tk * D, krow, one, tk, t);
+    fa_mma_write_rows<D>(dva, dkv + fa_head(ldv, bh), ldv.st, krow, one, tk, t);
+    fa_mma_write_rows<D>(dka, dkv + fa_head(ldk, bh), ldk.st, krow, one, tk, t);
 }
 
 // dQ for the queries [blockIdx.x BM, +BM) of head blockIdx.y, on ldmatrix and mma.sync as the
@@ -741,7 +799,9 @@ template <int D>
 __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                              const bf16_t* __restrict__ v, const bf16_t* __restrict__ d_o,
                              const float* __restrict__ lse, const float* __restrict__ delta,
-                             bf16_t* __restrict__ dq, int tq, int tk, float scale, int causal) {
+                             bf16_t* __restrict__ dq, const FaRows& lq, const FaRows& lk,
+                             const FaRows& lv, const FaRows& ldo, const FaRows& ldq, int tq,
+                             int tk, float scale, int causal) {
     constexpr int BM = 16 * FA_TC_BWD_WARPS;
     constexpr int BN = FA_TCQ_BN(D);
     constexpr int LD = D + FA_TC_PAD;
@@ -757,10 +817,11 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     // Row and key indices in ints, as the forward's (tq, tk < 2^31).
     const int q0 = blockIdx.x * BM;
     const int shift = tk - tq;
-    const bf16_t* kb = k + bh * tk * D;
-    const bf16_t* vb = v + bh * tk * D;
-    fa_tc_load_rows<BM, D>(&ks[0][0], q + bh * tq * D, q0, tq);
-    fa_tc_load_rows<BM, D>(&vs[0][0], d_o + bh * tq * D, q0, tq);
+    const bf16_t* kb = k + fa_head(lk, bh);
+    const bf16_t* vb = v + fa_head(lv, bh);
+    const int kst = (int)lk.st, vst = (int)lv.st;  // < FA_TC_MAX_LD
+    fa_tc_load_rows<BM, D>(&ks[0][0], q + fa_head(lq, bh), (int)lq.st, q0, tq);
+    fa_tc_load_rows<BM, D>(&vs[0][0], d_o + fa_head(ldo, bh), (int)ldo.st, q0, tq);
     fa_tc_tiles_landed();
     unsigned qa[KS][4], da[KS][4];
     fa_ldsm_rows<D>(qa, ks, warp * 16, lane);
@@ -779,8 +840,8 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
     const int kend = (int)fa_key_end(q0, tq, tk, causal, BM);
     __syncthreads();  // every warp holds its queries: the tiles are free
     if (kend > 0) {
-        fa_tc_load_rows<BN, D>(&ks[0][0], kb, 0, tk);
-        fa_tc_load_rows<BN, D>(&vs[0][0], vb, 0, tk);
+        fa_tc_load_rows<BN, D>(&ks[0][0], kb, kst, 0, tk);
+        fa_tc_load_rows<BN, D>(&vs[0][0], vb, vst, 0, tk);
     }
     int buf = 0;  // which K buffer holds this tile
     for (int j0 = 0; j0 < kend; j0 += BN, buf ^= 1) {
@@ -796,8 +857,8 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
         fa_mma_rows_dot_tile<D, NS>(s, qa, kt, lane);
         __syncthreads();  // every warp is done with V
         if (j0 + BN < kend) {
-            fa_tc_load_rows<BN, D>(&ks[(buf ^ 1) * BN][0], kb, j0 + BN, tk);
-            fa_tc_load_rows<BN, D>(&vs[0][0], vb, j0 + BN, tk);
+            fa_tc_load_rows<BN, D>(&ks[(buf ^ 1) * BN][0], kb, kst, j0 + BN, tk);
+            fa_tc_load_rows<BN, D>(&vs[0][0], vb, vst, j0 + BN, tk);
         }
         // dS = P (dP - delta) scale, P = exp2(s scale log2 e - lse log2 e), masked.
 #pragma unroll
@@ -815,7 +876,7 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
         fa_mma_acc_times_tile<D, NS>(acc, s, kt, lane);
     }
     const float one[2] = {1.f, 1.f};
-    fa_mma_write_rows<D>(acc, dq + bh * tq * D, row, one, tq, t);
+    fa_mma_write_rows<D>(acc, dq + fa_head(ldq, bh), ldq.st, row, one, tq, t);
 }
 
 // cdt_fa_fwd_tc_bf16_d{D}, cdt_fa_bwd_dkv_tc_bf16_d{D}, cdt_fa_bwd_dq_tc_bf16_d{D}: the same
@@ -825,21 +886,26 @@ __device__ void fa_bwd_dq_tc(const bf16_t* __restrict__ q, const bf16_t* __restr
 #define FA_TC(D)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * FA_TC_FWD_WARPS, FA_TC_FWD_BLOCKS(D))    \
         cdt_fa_fwd_tc_bf16_d##D(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, \
-                                float* lse, int tq, int tk, float scale, int causal) {        \
-        fa_fwd_tc<D>(q, k, v, o, lse, tq, tk, scale, causal);                                 \
+                                float* lse, FaRows lq, FaRows lk, FaRows lv, FaRows lo,       \
+                                int tq, int tk, float scale, int causal) {                    \
+        fa_fwd_tc<D>(q, k, v, o, lse, lq, lk, lv, lo, tq, tk, scale, causal);                 \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(32 * FA_TC_BWD_WARPS)                        \
         cdt_fa_bwd_dkv_tc_bf16_d##D(const bf16_t* q, const bf16_t* k, const bf16_t* v,        \
                                     const bf16_t* d_o, const float* lse, const float* delta,  \
-                                    bf16_t* dk, bf16_t* dv, int tq, int tk, float scale,      \
+                                    bf16_t* dkv, FaRows lq, FaRows lk, FaRows lv, FaRows ldo, \
+                                    FaRows ldk, FaRows ldv, int tq, int tk, float scale,      \
                                     int causal) {                                             \
-        fa_bwd_dkv_tc<D>(q, k, v, d_o, lse, delta, dk, dv, tq, tk, scale, causal);            \
+        fa_bwd_dkv_tc<D>(q, k, v, d_o, lse, delta, dkv, lq, lk, lv, ldo, ldk, ldv, tq, tk,     \
+                         scale, causal);                                                      \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(32 * FA_TC_BWD_WARPS)                        \
         cdt_fa_bwd_dq_tc_bf16_d##D(const bf16_t* q, const bf16_t* k, const bf16_t* v,         \
                                    const bf16_t* d_o, const float* lse, const float* delta,   \
-                                   bf16_t* dq, int tq, int tk, float scale, int causal) {     \
-        fa_bwd_dq_tc<D>(q, k, v, d_o, lse, delta, dq, tq, tk, scale, causal);                 \
+                                   bf16_t* dq, FaRows lq, FaRows lk, FaRows lv, FaRows ldo,   \
+                                   FaRows ldq, int tq, int tk, float scale, int causal) {     \
+        fa_bwd_dq_tc<D>(q, k, v, d_o, lse, delta, dq, lq, lk, lv, ldo, ldq, tq, tk, scale,     \
+                        causal);                                                              \
     }
 FA_TC(32)
 FA_TC(48)

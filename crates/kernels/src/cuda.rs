@@ -25,6 +25,7 @@ use candle_core::{
 use half::bf16;
 
 use crate::error::KernelError;
+use crate::fa_rows::{check_bwd, check_fwd, FaBwdRows, FaRows};
 
 type Result<T> = candle_core::Result<T>;
 
@@ -79,12 +80,14 @@ const ELEM_MAX_BLOCKS: usize = 1 << 16;
 /// A float type the kernels take: its variant of candle's CUDA storage (its suffix in kernel
 /// names is [`KernelElem`]'s).
 trait Float: KernelElem {
+    const DTYPE: DType;
     fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>>;
     fn of_mut(s: &mut CudaStorageSlice) -> Option<&mut CudaSlice<Self>>;
     fn wrap(s: CudaSlice<Self>) -> CudaStorageSlice;
 }
 
 impl Float for f32 {
+    const DTYPE: DType = DType::F32;
     fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>> {
         match s {
             CudaStorageSlice::F32(v) => Some(v),
@@ -103,6 +106,7 @@ impl Float for f32 {
 }
 
 impl Float for bf16 {
+    const DTYPE: DType = DType::BF16;
     fn of(s: &CudaStorageSlice) -> Option<&CudaSlice<Self>> {
         match s {
             CudaStorageSlice::BF16(v) => Some(v),
@@ -353,9 +357,9 @@ fn check_instance(
 /// launch the kernel's indexing assumes (its block size, and a grid covering its work).
 mod launch {
     use super::{
-        check_instance, AdamWConsts, ArgIn, ArgOut, CudaDevice, DevAddr, KernelElem, LaunchConfig,
-        Result, WrapErr, CAST, EMBEDDING, FLASH_ATTN, GELU, MULTI_TENSOR, NORM, NULL_PTR, REDUCE,
-        SOFTMAX,
+        check_instance, AdamWConsts, ArgIn, ArgOut, CudaDevice, DevAddr, FaRows, KernelElem,
+        LaunchConfig, Result, WrapErr, CAST, EMBEDDING, FLASH_ATTN, GELU, MULTI_TENSOR, NORM,
+        NULL_PTR, REDUCE, SOFTMAX,
     };
     use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
     use half::bf16;
@@ -370,6 +374,7 @@ mod launch {
         (@ty i32) => { i32 };
         (@ty f32) => { f32 };
         (@ty AdamWConsts) => { AdamWConsts };
+        (@ty FaRows) => { FaRows };
         (@push $b:ident In $p:ident) => { $p.push(&mut $b) };
         (@push $b:ident Out $p:ident) => { $p.push(&mut $b) };
         (@push $b:ident Opt $p:ident) => {
@@ -1234,6 +1239,12 @@ pub(crate) struct AdamWConsts {
 // nine floats (36 bytes, 4-byte aligned); passed by value as a kernel parameter.
 unsafe impl DeviceRepr for AdamWConsts {}
 
+// SAFETY: a `#[repr(C)]` struct of four i64 and an i32 (`fa_rows.rs`), laid out as the
+// kernel's `struct FaRows` of four `long long` and an `int` (40 bytes with the tail padding
+// both give it, 8-byte aligned); passed by value as a kernel parameter. Whatever its values,
+// the launchers check them (`check_fwd`, `check_bwd`) before a launch.
+unsafe impl DeviceRepr for FaRows {}
+
 /// One AdamW step in place over every `(param, grad, m, v)` of `sets` (contiguous f32 storages
 /// on `dev`, each quadruple of one length), in one launch; `coef` a device f32 whose first
 /// element multiplies every gradient (the clip coefficient), or none.
@@ -1394,6 +1405,12 @@ impl Fa {
             tk: kd[r - 2],
             d: qd[r - 1],
         };
+        s.checked(op, qd)
+    }
+
+    /// `self` where the kernels take it (`shape`: the operand named in an error).
+    fn checked(self, op: &'static str, shape: &[usize]) -> Result<Self> {
+        let (s, qd) = (self, shape);
         for (what, value, limit) in [
             ("the heads (batch x heads)", s.bh, FA_MAX_HEADS),
             ("the queries", s.tq, i32::MAX as usize),
@@ -1474,6 +1491,7 @@ pub(crate) fn tensor_cores() -> bool {
         })
 }
 
+/// The forward on contiguous q, k, v: `(o, lse)`, o contiguous like q.
 fn fa_fwd_launch<T: Float>(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
@@ -1489,32 +1507,56 @@ fn fa_fwd_launch<T: Float>(
         view::<T>(k.0, k.1, op, "k")?,
         view::<T>(v.0, v.1, op, "v")?,
     );
-    let mut o = alloc_out::<T>(dev, s.bh * s.tq * s.d)?;
+    let (lq, lk) = (FaRows::contiguous(s.tq, s.d), FaRows::contiguous(s.tk, s.d));
+    let ins: [(&dyn ArgIn<T>, usize); 3] = [(&qv, qv.len()), (&kv, kv.len()), (&vv, vv.len())];
+    let (o, lse) = fa_fwd_rows(op, dev, s, ins, [lq, lk, lk, lq], causal, scale)?;
+    Ok((wrap(dev, o), wrap(dev, lse)))
+}
+
+/// The forward on q, k and v placed by `rows[..3]` in their buffers (`ins`: each with its
+/// length), o written as `rows[3]` places it into a fresh buffer of `bh tq d` elements:
+/// `(o, lse)`. The placements are checked against the buffers first (`check_fwd`).
+#[allow(clippy::too_many_arguments)]
+fn fa_fwd_rows<T: Float>(
+    op: &'static str,
+    dev: &CudaDevice,
+    s: Fa,
+    ins: [(&dyn ArgIn<T>, usize); 3],
+    rows: [FaRows; 4],
+    causal: bool,
+    scale: f32,
+) -> Result<(CudaSlice<T>, CudaSlice<f32>)> {
+    let [(q, nq), (k, nk), (v, nv)] = ins;
+    let o_len = s.bh * s.tq * s.d;
+    check_fwd(&rows, (s.bh, s.tq, s.tk, s.d), [nq, nk, nv, o_len]).map_err(|e| mismatch(op, e))?;
+    let mut o = alloc_out::<T>(dev, o_len)?;
     let mut lse = alloc_out::<f32>(dev, s.bh * s.tq)?;
     if s.bh * s.tq > 0 {
         let (tq, tk, c) = (s.tq as i32, s.tk as i32, i32::from(causal));
-        // SAFETY: the kernel is built for head dim d (checked by `Fa::of`; the launcher refuses
-        // others): q and o hold bh tq d elements, k and v bh tk d, lse bh tq (contiguous views
-        // and fresh allocations of those lengths); block (x, h) touches rows below tq / tk of
-        // head h < bh only, and writes every o and lse element of its rows; the block is the
-        // thread count its row mapping assumes (128 for the SIMT kernel, 32 FA_TC_FWD_WARPS for
-        // the tensor-core one, whose grid covers tq in tiles of 16 FA_TC_FWD_WARPS rows:
-        // `Fa::tc_cfg`).
+        let [lq, lk, lv, lo] = rows;
+        // SAFETY: the kernel is built for head dim d (`Fa::checked`; the launcher refuses
+        // others). Every row of bh heads of q (tq rows), k and v (tk rows) lies in its buffer,
+        // and o's bh tq rows of d lie in its o_len = bh tq d elements without overlapping
+        // (`check_fwd`), so they cover o; lse holds bh tq. Block (x, h) touches rows below
+        // tq / tk of head h < bh only, and writes every o and lse element of its rows; the
+        // block is the thread count its row mapping assumes (128 for the SIMT kernel,
+        // 32 FA_TC_FWD_WARPS for the tensor-core one, whose grid covers tq in tiles of
+        // 16 FA_TC_FWD_WARPS rows: `Fa::tc_cfg`).
         unsafe {
             if T::SUFFIX == "bf16" && tensor_cores() {
                 let cfg = s.tc_cfg(s.tq, crate::flash::TENSOR_CORE_FWD_WARPS);
                 launch::fa_fwd_tc::<T>(
-                    dev, cfg, s.d, &qv, &kv, &vv, &mut o, &mut lse, tq, tk, scale, c,
+                    dev, cfg, s.d, q, k, v, &mut o, &mut lse, lq, lk, lv, lo, tq, tk, scale, c,
                 )?;
             } else {
                 let cfg = s.cfg(s.tq);
                 launch::fa_fwd::<T>(
-                    dev, cfg, s.d, &qv, &kv, &vv, &mut o, &mut lse, tq, tk, scale, c,
+                    dev, cfg, s.d, q, k, v, &mut o, &mut lse, lq, lk, lv, lo, tq, tk, scale, c,
                 )?;
             }
         }
     }
-    Ok((wrap(dev, o), wrap(dev, lse)))
+    Ok((o, lse))
 }
 
 /// The forward as a graph node of no backward: the output `o` (q's shape), with `lse`
@@ -1948,56 +1990,78 @@ pub(crate) fn flash_fwd(
     Ok((o, lse))
 }
 
+/// The gradients of a backward launch: dQ in its own buffer and dK, dV in one (`[2, ..]`), or
+/// all three in one packed buffer.
+enum FaGrads {
+    Split(CudaStorage, CudaStorage),
+    Packed(CudaStorage),
+}
+
+/// The backward on q, k, v, o and d_o placed by `rows` in their buffers (`ins`: each with its
+/// length) and lse (`[bh tq]` f32). `packed`: dQ, dK and dV written as `rows` places them into
+/// one fresh buffer of `3 bh tq d` elements (tq = tk); else dQ into one of `bh tq d` and dK, dV
+/// into one of `2 bh tk d`. The placements are checked against the buffers first
+/// (`check_bwd`).
 #[allow(clippy::too_many_arguments)]
-fn fa_bwd_launch<T: Float>(
-    q: (&CudaStorage, &Layout),
-    k: (&CudaStorage, &Layout),
-    v: (&CudaStorage, &Layout),
-    o: (&CudaStorage, &Layout),
-    d_o: (&CudaStorage, &Layout),
-    lse: (&CudaStorage, &Layout),
+fn fa_bwd_rows<T: Float>(
+    op: &'static str,
+    dev: &CudaDevice,
+    s: Fa,
+    ins: [(&dyn ArgIn<T>, usize); 5],
+    lse: &CudaView<'_, f32>,
+    rows: FaBwdRows,
+    packed: bool,
     causal: bool,
     scale: f32,
-) -> Result<[CudaStorage; 3]> {
-    let op = "flash_attention backward";
-    let dev = &q.0.device;
-    let s = Fa::of(op, q.1, k.1, v.1)?;
-    same_shape(op, q.1, o.1, "the output")?;
-    same_shape(op, q.1, d_o.1, "the output gradient")?;
-    if lse.1.shape().elem_count() != s.bh * s.tq || lse.0.dtype() != DType::F32 {
+) -> Result<FaGrads> {
+    let [(q, nq), (k, nk), (v, nv), (o, no), (d_o, ndo)] = ins;
+    let (lq, lk) = (s.bh * s.tq * s.d, s.bh * s.tk * s.d);
+    let (dq_len, dkv_len) = if packed {
+        (3 * lq, None)
+    } else {
+        (lq, Some(2 * lk))
+    };
+    check_bwd(
+        &rows,
+        (s.bh, s.tq, s.tk, s.d),
+        [nq, nk, nv, no, ndo, dq_len],
+        dkv_len,
+    )
+    .map_err(|e| mismatch(op, e))?;
+    let nrows = s.bh * s.tq;
+    if lse.len() != nrows {
         return Err(mismatch(
             op,
-            format!(
-                "lse of {:?} {:?}, not {} f32",
-                lse.1.dims(),
-                lse.0.dtype(),
-                s.bh * s.tq
-            ),
+            format!("lse of {} elements, not {nrows}", lse.len()),
         ));
     }
-    let (qv, kv, vv) = (
-        view::<T>(q.0, q.1, op, "q")?,
-        view::<T>(k.0, k.1, op, "k")?,
-        view::<T>(v.0, v.1, op, "v")?,
-    );
-    let (ov, dov) = (
-        view::<T>(o.0, o.1, op, "o")?,
-        view::<T>(d_o.0, d_o.1, op, "d_o")?,
-    );
-    let lsev = view::<f32>(lse.0, lse.1, op, "lse")?;
-    let (nq, nk, rows) = (s.bh * s.tq * s.d, s.bh * s.tk * s.d, s.bh * s.tq);
-    if rows == 0 || s.tk == 0 {
+    if nrows == 0 || s.tk == 0 {
         // Nothing attended to: every gradient is zero.
-        let z = |l: &Layout| dev.zeros_impl(l.shape(), q.0.dtype());
-        return Ok([z(q.1)?, z(k.1)?, z(v.1)?]);
+        let z = |n: usize| dev.zeros_impl(&Shape::from(n), T::DTYPE);
+        return Ok(match dkv_len {
+            None => FaGrads::Packed(z(dq_len)?),
+            Some(n) => FaGrads::Split(z(dq_len)?, z(n)?),
+        });
     }
-    let mut dq = alloc_out::<T>(dev, nq)?;
-    let mut dk = alloc_out::<T>(dev, nk)?;
-    let mut dv = alloc_out::<T>(dev, nk)?;
-    let mut delta = alloc_out::<f32>(dev, rows)?;
-    // SAFETY: o and d_o hold rows d elements, delta rows; grid-stride over rows.
+    let mut dq = alloc_out::<T>(dev, dq_len)?;
+    let mut dkv_own = dkv_len.map(|n| alloc_out::<T>(dev, n)).transpose()?;
+    let mut delta = alloc_out::<f32>(dev, nrows)?;
+    let [ro, rdo] = [rows.o, rows.d_o];
+    // SAFETY: o's and d_o's rows of bh heads lie in their buffers (`check_bwd`); delta holds
+    // nrows = bh tq; grid-stride over the rows, each written once.
     unsafe {
-        launch::fa_bwd_delta::<T>(dev, elem_cfg(rows), s.d, &ov, &dov, &mut delta, rows as i64)?;
+        launch::fa_bwd_delta::<T>(
+            dev,
+            elem_cfg(nrows),
+            s.d,
+            o,
+            d_o,
+            &mut delta,
+            ro,
+            rdo,
+            nrows as i64,
+            s.tq as i32,
+        )?;
     }
     let (tq, tk, c) = (s.tq as i32, s.tk as i32, i32::from(causal));
     // dK and dV (a block per key tile), then dQ (a block per query tile): the same inputs, their
@@ -2009,42 +2073,111 @@ fn fa_bwd_launch<T: Float>(
     } else {
         (s.cfg(s.tk), s.cfg(s.tq))
     };
-    let (qv, kv, vv, dov) = (&qv, &kv, &vv, &dov);
-    // SAFETY: lengths as in the forward (checked above), delta written by the launch before on
-    // the same stream; block (x, h) writes its key rows (dkv) or query rows (dq) below tk / tq
-    // of head h only, every element of them; the launch is the one the kernel indexes by
-    // (`Fa::cfg` for the SIMT kernels, `Fa::tc_cfg` for the tensor-core ones).
+    let FaBwdRows {
+        q: rq,
+        k: rk,
+        v: rv,
+        dq: rdq,
+        dk: rdk,
+        dv: rdv,
+        ..
+    } = rows;
+    // SAFETY: every row read lies in its buffer, and the rows written (dK's and dV's into
+    // their buffer, dQ's into its own, or all three into one packed buffer) lie in it without
+    // overlapping (`check_bwd`); written buffers are fresh, so no written row aliases an
+    // input. Their rows (bh heads of tq or tk rows of d) number exactly the buffers' lengths,
+    // so the two launches cover them. delta is written by the launch before on the same
+    // stream; block (x, h) writes its key rows (dkv) or query rows (dq) below tk / tq of head
+    // h only, every element of them; the launch is the one the kernel indexes by (`Fa::cfg`
+    // for the SIMT kernels, `Fa::tc_cfg` for the tensor-core ones). The dK/dV launch and the
+    // dQ launch write disjoint rows of a shared buffer, in stream order.
     unsafe {
+        let dkv: &mut CudaSlice<T> = match dkv_own.as_mut() {
+            Some(b) => b,
+            None => &mut dq,
+        };
         if tc {
             launch::fa_bwd_dkv_tc::<T>(
-                dev, dkv_cfg, s.d, qv, kv, vv, dov, &lsev, &delta, &mut dk, &mut dv, tq, tk, scale,
-                c,
-            )?;
-            launch::fa_bwd_dq_tc::<T>(
-                dev, dq_cfg, s.d, qv, kv, vv, dov, &lsev, &delta, &mut dq, tq, tk, scale, c,
+                dev, dkv_cfg, s.d, q, k, v, d_o, lse, &delta, dkv, rq, rk, rv, rdo, rdk, rdv, tq,
+                tk, scale, c,
             )?;
         } else {
             launch::fa_bwd_dkv::<T>(
-                dev, dkv_cfg, s.d, qv, kv, vv, dov, &lsev, &delta, &mut dk, &mut dv, tq, tk, scale,
-                c,
+                dev, dkv_cfg, s.d, q, k, v, d_o, lse, &delta, dkv, rq, rk, rv, rdo, rdk, rdv, tq,
+                tk, scale, c,
             )?;
+        }
+        if tc {
+            launch::fa_bwd_dq_tc::<T>(
+                dev, dq_cfg, s.d, q, k, v, d_o, lse, &delta, &mut dq, rq, rk, rv, rdo, rdq, tq, tk,
+                scale, c,
+            )?;
+        } else {
             launch::fa_bwd_dq::<T>(
-                dev, dq_cfg, s.d, qv, kv, vv, dov, &lsev, &delta, &mut dq, tq, tk, scale, c,
+                dev, dq_cfg, s.d, q, k, v, d_o, lse, &delta, &mut dq, rq, rk, rv, rdo, rdq, tq, tk,
+                scale, c,
             )?;
         }
     }
-    Ok([wrap(dev, dq), wrap(dev, dk), wrap(dev, dv)])
+    Ok(match dkv_own {
+        Some(dkv) => FaGrads::Split(wrap(dev, dq), wrap(dev, dkv)),
+        None => FaGrads::Packed(wrap(dev, dq)),
+    })
+}
+
+/// The backward on contiguous operands: dQ, and dK, dV in one storage (`[2, ..k]`).
+#[allow(clippy::too_many_arguments)]
+fn fa_bwd_launch<T: Float>(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    o: (&CudaStorage, &Layout),
+    d_o: (&CudaStorage, &Layout),
+    lse: (&CudaStorage, &Layout),
+    causal: bool,
+    scale: f32,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let op = "flash_attention backward";
+    let dev = &q.0.device;
+    let s = Fa::of(op, q.1, k.1, v.1)?;
+    same_shape(op, q.1, o.1, "the output")?;
+    same_shape(op, q.1, d_o.1, "the output gradient")?;
+    if lse.0.dtype() != DType::F32 {
+        return Err(mismatch(op, format!("lse of {:?}, not f32", lse.0.dtype())));
+    }
+    let (qv, kv, vv) = (
+        view::<T>(q.0, q.1, op, "q")?,
+        view::<T>(k.0, k.1, op, "k")?,
+        view::<T>(v.0, v.1, op, "v")?,
+    );
+    let (ov, dov) = (
+        view::<T>(o.0, o.1, op, "o")?,
+        view::<T>(d_o.0, d_o.1, op, "d_o")?,
+    );
+    let lsev = view::<f32>(lse.0, lse.1, op, "lse")?;
+    let ins: [(&dyn ArgIn<T>, usize); 5] = [
+        (&qv, qv.len()),
+        (&kv, kv.len()),
+        (&vv, vv.len()),
+        (&ov, ov.len()),
+        (&dov, dov.len()),
+    ];
+    let rows = FaBwdRows::contiguous(s.bh, s.tq, s.tk, s.d);
+    match fa_bwd_rows(op, dev, s, ins, &lsev, rows, false, causal, scale)? {
+        FaGrads::Split(dq, dkv) => Ok((dq, dkv)),
+        FaGrads::Packed(_) => Err(mismatch(op, "internal: a packed gradient".into())),
+    }
 }
 
 /// The backward as a graph node over `(q, k, v)` holding the forward's `o`, `lse` and the
-/// output gradient: `dq` is its output, `dk` and `dv` are handed over through `dkv`.
+/// output gradient: `dq` is its output, dK and dV (one storage) are handed over through `dkv`.
 struct FaBwd {
     causal: bool,
     scale: f32,
     o: Tensor,
     d_o: Tensor,
     lse: Tensor,
-    dkv: std::sync::Mutex<Option<(CudaStorage, CudaStorage)>>,
+    dkv: std::sync::Mutex<Option<CudaStorage>>,
 }
 
 impl CustomOp3 for FaBwd {
@@ -2082,7 +2215,7 @@ impl CustomOp3 for FaBwd {
         let (os, ol) = self.o.storage_and_layout();
         let (gs, gl) = self.d_o.storage_and_layout();
         let (ls, ll) = self.lse.storage_and_layout();
-        let [dq, dk, dv] = by_float!(
+        let (dq, dkv) = by_float!(
             q.dtype(),
             op,
             ql.shape(),
@@ -2097,13 +2230,13 @@ impl CustomOp3 for FaBwd {
                 self.scale,
             )
         )?;
-        *self.dkv.lock().unwrap_or_else(|e| e.into_inner()) = Some((dk, dv));
+        *self.dkv.lock().unwrap_or_else(|e| e.into_inner()) = Some(dkv);
         Ok((dq, ql.shape().clone()))
     }
 }
 
 /// `(dq, dk, dv)` of [`flash_fwd`] from its inputs, output `o`, `lse` and the output gradient
-/// `g` (all contiguous made here).
+/// `g` (all contiguous made here). dK and dV are views of one storage.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_bwd(
     q: &Tensor,
@@ -2125,13 +2258,248 @@ pub(crate) fn flash_bwd(
         dkv: std::sync::Mutex::new(None),
     };
     let dq = q.apply_op3_no_bwd(&k, &v, &node)?;
-    let (dk, dv) = node
+    let dkv = node
         .dkv
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .take()
         .ok_or_else(|| mismatch("flash_attention backward", "no dk/dv written".into()))?;
-    let dk = hand_over(&k, dk, k.shape().clone())?;
-    let dv = hand_over(&v, dv, v.shape().clone())?;
-    Ok((dq, dk, dv))
+    let mut dims = vec![2];
+    dims.extend_from_slice(k.dims());
+    let dkv = hand_over(&k, dkv, Shape::from(dims))?;
+    Ok((dq, dkv.get(0)?, dkv.get(1)?))
+}
+
+/// The whole slice of a storage of `T` (its rows placed by `FaRows`, checked against its
+/// length), or an error naming the operand.
+fn whole<'a, T: Float>(
+    op: &'static str,
+    c: &'a CudaStorage,
+    what: &str,
+) -> Result<&'a CudaSlice<T>> {
+    T::of(&c.slice).ok_or_else(|| {
+        mismatch(
+            op,
+            format!(
+                "{what} is {:?}, the kernels' operands {}",
+                c.dtype(),
+                T::SUFFIX
+            ),
+        )
+    })
+}
+
+/// Where part `part` of a packed `[B, T, H, 3, d]` (or, `part` `None`, a `[B, T, H, d]`) lies
+/// as heads `b H + h` of T rows: read from the layout (a unit-stride last dim, any other
+/// strides and offset).
+fn head_rows(op: &'static str, l: &Layout, part: Option<usize>) -> Result<FaRows> {
+    let (dims, st) = (l.dims(), l.stride());
+    let rank = if part.is_some() { 5 } else { 4 };
+    if dims.len() != rank || st[rank - 1] != 1 || part.is_some_and(|_| dims[3] != 3) {
+        return Err(mismatch(
+            op,
+            format!(
+                "a layout of {dims:?} strides {st:?}: [B, T, H{}, d] with a unit-stride last dim",
+                if part.is_some() { ", 3" } else { "" }
+            ),
+        ));
+    }
+    let i = |v: usize| {
+        i64::try_from(v).map_err(|_| mismatch(op, format!("a stride or offset {v} beyond i64")))
+    };
+    let heads = i32::try_from(dims[2])
+        .map_err(|_| mismatch(op, format!("{} heads beyond i32", dims[2])))?;
+    Ok(FaRows {
+        off: i(l.start_offset() + part.map_or(0, |p| p * st[3]))?,
+        sb: i(st[0])?,
+        sh: i(st[2])?,
+        st: i(st[1])?,
+        heads: heads.max(1),
+    })
+}
+
+/// Attention on a packed projection `qkv [B, T, H, 3, d]` -> `o [B, T, H, d]` as one graph
+/// node: the forward kernel reads q, k and v where the projection holds them and writes o as
+/// `[B, T, H, d]`; the backward kernels read the projection, o and its gradient as they are
+/// and write dQ, dK and dV into one packed gradient. No copy unpacks, transposes or stacks
+/// anything; the node's output is the kernel's storage. `lse` (`[B H, T]` f32) is kept for
+/// the backward.
+struct FaPacked {
+    causal: bool,
+    scale: f32,
+    lse: std::sync::Mutex<Option<CudaStorage>>,
+}
+
+impl FaPacked {
+    const OP: &'static str = "flash_attention (packed)";
+
+    /// The shape of the attention and the rows of q, k and v in `l`.
+    fn shape(l: &Layout) -> Result<(Fa, [FaRows; 3])> {
+        let [q, k, v] = [0, 1, 2].map(|p| head_rows(Self::OP, l, Some(p)));
+        // Checked first: a layout of rank 5 (`head_rows`).
+        let (q, k, v) = (q?, k?, v?);
+        let dims = l.dims();
+        let s = Fa {
+            bh: dims[0] * dims[2],
+            tq: dims[1],
+            tk: dims[1],
+            d: dims[4],
+        }
+        .checked(Self::OP, dims)?;
+        Ok((s, [q, k, v]))
+    }
+}
+
+/// [`FaPacked`]'s forward on a storage of `T`.
+fn fa_packed_fwd<T: Float>(
+    node: &FaPacked,
+    x: &CudaStorage,
+    l: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let (s, [q, k, v]) = FaPacked::shape(l)?;
+    let dims = l.dims();
+    let (b, t, h, d) = (dims[0], dims[1], dims[2], dims[4]);
+    let xs = whole::<T>(FaPacked::OP, x, "qkv")?;
+    let ins: [(&dyn ArgIn<T>, usize); 3] = [(xs, xs.len()), (xs, xs.len()), (xs, xs.len())];
+    let o_rows = FaRows::interleaved(t, h, 1, 0, d);
+    let dev = &x.device;
+    let (o, lse) = fa_fwd_rows(
+        FaPacked::OP,
+        dev,
+        s,
+        ins,
+        [q, k, v, o_rows],
+        node.causal,
+        node.scale,
+    )?;
+    *node.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(wrap(dev, lse));
+    Ok((wrap(dev, o), Shape::from((b, t, h, d))))
+}
+
+/// [`FaPacked`]'s backward on storages of `T`: the packed gradient.
+fn fa_packed_bwd<T: Float>(
+    node: &FaPacked,
+    x: (&CudaStorage, &Layout),
+    o: (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let op = "flash_attention (packed) backward";
+    let (s, [rq, rk, rv]) = FaPacked::shape(x.1)?;
+    let out_dims = o.1.dims();
+    let want = [x.1.dims()[0], s.tq, x.1.dims()[2], s.d];
+    if out_dims != want || g.1.dims() != want {
+        return Err(mismatch(
+            op,
+            format!(
+                "output {out_dims:?} and gradient {:?}, not {want:?}",
+                g.1.dims()
+            ),
+        ));
+    }
+    let (ro, rg) = (head_rows(op, o.1, None)?, head_rows(op, g.1, None)?);
+    let (xs, os, gs) = (
+        whole::<T>(op, x.0, "qkv")?,
+        whole::<T>(op, o.0, "o")?,
+        whole::<T>(op, g.0, "the gradient")?,
+    );
+    let lse = node.lse.lock().unwrap_or_else(|e| e.into_inner());
+    let lse = lse
+        .as_ref()
+        .ok_or_else(|| mismatch(op, "no forward ran (no lse)".into()))?;
+    let lsev = match &lse.slice {
+        CudaStorageSlice::F32(v) => v.as_view(),
+        _ => return Err(mismatch(op, "lse is not f32".into())),
+    };
+    let (t, h, d) = (s.tq, x.1.dims()[2], s.d);
+    let part = |p| FaRows::interleaved(t, h, 3, p, d);
+    let rows = FaBwdRows {
+        q: rq,
+        k: rk,
+        v: rv,
+        o: ro,
+        d_o: rg,
+        dq: part(0),
+        dk: part(1),
+        dv: part(2),
+    };
+    let ins: [(&dyn ArgIn<T>, usize); 5] = [
+        (xs, xs.len()),
+        (xs, xs.len()),
+        (xs, xs.len()),
+        (os, os.len()),
+        (gs, gs.len()),
+    ];
+    match fa_bwd_rows(
+        op,
+        &x.0.device,
+        s,
+        ins,
+        &lsev,
+        rows,
+        true,
+        node.causal,
+        node.scale,
+    )? {
+        FaGrads::Packed(dx) => Ok(dx),
+        FaGrads::Split(..) => Err(mismatch(op, "internal: a split gradient".into())),
+    }
+}
+
+impl candle_core::CustomOp1 for FaPacked {
+    fn name(&self) -> &'static str {
+        "flash-attention-packed"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Err(mismatch(
+            Self::OP,
+            "the flash-attention kernels run on CUDA only".into(),
+        ))
+    }
+
+    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        by_float!(x.dtype(), Self::OP, l.shape(), fa_packed_fwd(self, x, l))
+    }
+
+    fn bwd(&self, x: &Tensor, o: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let op = "flash_attention (packed) backward";
+        // A gradient whose last dim is strided (never made by the ops here) is copied first.
+        let g = if g.stride().last() == Some(&1) {
+            g.clone()
+        } else {
+            g.contiguous()?
+        };
+        let dx = {
+            let (xs, xl) = x.storage_and_layout();
+            let (os, ol) = o.storage_and_layout();
+            let (gs, gl) = g.storage_and_layout();
+            let (xc, oc, gc) = (
+                held(op, "qkv", &xs)?,
+                held(op, "o", &os)?,
+                held(op, "the gradient", &gs)?,
+            );
+            by_float!(
+                xc.dtype(),
+                op,
+                xl.shape(),
+                fa_packed_bwd(self, (xc, xl), (oc, ol), (gc, gl))
+            )?
+        };
+        hand_over(x, dx, x.shape().clone()).map(Some)
+    }
+}
+
+/// Attention on a packed projection `qkv [B, T, H, 3, d]` (f32 or bf16, a unit-stride last
+/// dim) -> `[B, T, H, d]`, as one graph node when `qkv` tracks gradients ([`FaPacked`]).
+pub(crate) fn flash_packed(qkv: &Tensor, causal: bool, scale: f32) -> Result<Tensor> {
+    let node = FaPacked {
+        causal,
+        scale,
+        lse: std::sync::Mutex::new(None),
+    };
+    if qkv.track_op() {
+        qkv.apply_op1(node)
+    } else {
+        qkv.apply_op1_no_bwd(&node)
+    }
 }

@@ -92,13 +92,15 @@ pub fn kernels_for(q: &Tensor, k: &Tensor, v: &Tensor) -> &'static str {
 }
 
 /// Attention on a packed projection `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` (contiguous), where
-/// [`applies`] holds for its q, k and v (`[B, H, T, d]`), as one graph node over `qkv`: the
-/// flash kernels on q, k and v unpacked (three copies, made again in the backward rather than
-/// kept), the output written as `[B, T, H, d]` by the node's one copy, and the backward's
-/// dq, dk and dv stacked straight into the packed gradient. Split into views and handed to
-/// [`attention`], the same attention costs graph edges for every narrow, squeeze and transpose
-/// (candle's backward of a narrow zero-pads its gradient to the whole `qkv`), and a copy of the
-/// transposed output before the next GEMM.
+/// [`applies`] holds for its q, k and v (`[B, H, T, d]`), as one graph node over `qkv`. The
+/// kernels read q, k and v where the projection holds them and write the output as
+/// `[B, T, H, d]`; the backward reads the projection, the output and its gradient as they are
+/// and writes dq, dk and dv straight into the packed gradient (each operand placed by a
+/// `FaRows`: `crates/kernels/src/fa_rows.rs`). No copy unpacks, transposes or stacks anything,
+/// and the node's output is the kernel's. Split into views and handed to [`attention`], the
+/// same attention costs graph edges for every narrow, squeeze and transpose (candle's backward
+/// of a narrow zero-pads its gradient to the whole `qkv`), and copies of q, k, v and of the
+/// transposed output.
 ///
 /// # Errors
 ///
@@ -106,28 +108,13 @@ pub fn kernels_for(q: &Tensor, k: &Tensor, v: &Tensor) -> &'static str {
 pub fn packed_attention(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tensor> {
     #[cfg(feature = "cuda")]
     {
-        let x = qkv.contiguous()?;
-        let (q, k, v) = crate::region::unpack_qkv(&x.detach())?;
-        let (o, lse) = crate::cuda::flash_fwd(&q, &k, &v, causal, scale)?;
-        drop((q, k, v));
-        let y = o.transpose(1, 2)?;
-        if !x.track_op() {
-            return y.contiguous();
-        }
-        crate::region::node1("flash-attention-packed", &x, y, move |x, g| {
-            let (q, k, v) = crate::region::unpack_qkv(x)?;
-            let g = g.transpose(1, 2)?.contiguous()?;
-            let (dq, dk, dv) = crate::cuda::flash_bwd(&q, &k, &v, &o, &lse, &g, causal, scale)?;
-            // [B, H, T, d] x 3 -> [B, T, H, 3, d].
-            Tensor::stack(
-                &[
-                    dq.transpose(1, 2)?,
-                    dk.transpose(1, 2)?,
-                    dv.transpose(1, 2)?,
-                ],
-                3,
-            )
-        })
+        // A no-op for the projection's reshaped output; the kernels need a unit-stride head dim.
+        let x = if qkv.stride().last() == Some(&1) {
+            qkv.clone()
+        } else {
+            qkv.contiguous()?
+        };
+        crate::cuda::flash_packed(&x, causal, scale)
     }
     #[cfg(not(feature = "cuda"))]
     {

@@ -24,7 +24,7 @@
 //   which the sources must define.
 // - Kinds: `In<E>` (`const E*`, a device buffer read), `Out<E>` (`E*`, written), `Opt<E>`
 //   (`const E*` or null), `Addr<E>` (`const E*` given as a raw device address, 0 for null),
-//   `i64` (`long long`), `i32` (`int`), `f32` (`float`), `AdamWConsts` (the struct, by value).
+//   `i64` (`long long`), `i32` (`int`), `f32` (`float`), `AdamWConsts` and `FaRows` (the structs, by value).
 cuda_kernels! {
     gelu_fwd<T> = GELU "cdt_gelu_fwd_{T}" [T: f32 bf16]
         (x: In<T>, y: Out<T>, len: i64);
@@ -73,24 +73,28 @@ cuda_kernels! {
         (y: Out<T>, b: In<B>, len: i64, n: i32);
 
     fa_fwd<T>[d] = FLASH_ATTN "cdt_fa_fwd_{T}_d{d}" [T: f32 bf16] [d: 32 48 64 96 128]
-        (q: In<T>, k: In<T>, v: In<T>, o: Out<T>, lse: Out<f32>, tq: i32, tk: i32, scale: f32,
-         causal: i32);
+        (q: In<T>, k: In<T>, v: In<T>, o: Out<T>, lse: Out<f32>, lq: FaRows, lk: FaRows,
+         lv: FaRows, lo: FaRows, tq: i32, tk: i32, scale: f32, causal: i32);
     fa_fwd_tc<T>[d] = FLASH_ATTN "cdt_fa_fwd_tc_{T}_d{d}" [T: bf16] [d: 32 48 64 96 128]
-        (q: In<T>, k: In<T>, v: In<T>, o: Out<T>, lse: Out<f32>, tq: i32, tk: i32, scale: f32,
-         causal: i32);
+        (q: In<T>, k: In<T>, v: In<T>, o: Out<T>, lse: Out<f32>, lq: FaRows, lk: FaRows,
+         lv: FaRows, lo: FaRows, tq: i32, tk: i32, scale: f32, causal: i32);
     fa_bwd_delta<T>[d] = FLASH_ATTN "cdt_fa_bwd_delta_{T}_d{d}" [T: f32 bf16]
         [d: 32 48 64 96 128]
-        (o: In<T>, d_o: In<T>, delta: Out<f32>, rows: i64);
+        (o: In<T>, d_o: In<T>, delta: Out<f32>, lo: FaRows, ldo: FaRows, rows: i64, tq: i32);
     fa_bwd_dkv<T>[d] = FLASH_ATTN "cdt_fa_bwd_dkv_{T}_d{d}" [T: f32 bf16] [d: 32 48 64 96 128]
-        (q: In<T>, k: In<T>, v: In<T>, d_o: In<T>, lse: In<f32>, delta: In<f32>, dk: Out<T>,
-         dv: Out<T>, tq: i32, tk: i32, scale: f32, causal: i32);
+        (q: In<T>, k: In<T>, v: In<T>, d_o: In<T>, lse: In<f32>, delta: In<f32>, dkv: Out<T>,
+         lq: FaRows, lk: FaRows, lv: FaRows, ldo: FaRows, ldk: FaRows, ldv: FaRows, tq: i32,
+         tk: i32, scale: f32, causal: i32);
     fa_bwd_dkv_tc<T>[d] = FLASH_ATTN "cdt_fa_bwd_dkv_tc_{T}_d{d}" [T: bf16] [d: 32 48 64 96 128]
-        (q: In<T>, k: In<T>, v: In<T>, d_o: In<T>, lse: In<f32>, delta: In<f32>, dk: Out<T>,
-         dv: Out<T>, tq: i32, tk: i32, scale: f32, causal: i32);
+        (q: In<T>, k: In<T>, v: In<T>, d_o: In<T>, lse: In<f32>, delta: In<f32>, dkv: Out<T>,
+         lq: FaRows, lk: FaRows, lv: FaRows, ldo: FaRows, ldk: FaRows, ldv: FaRows, tq: i32,
+         tk: i32, scale: f32, causal: i32);
     fa_bwd_dq<T>[d] = FLASH_ATTN "cdt_fa_bwd_dq_{T}_d{d}" [T: f32 bf16] [d: 32 48 64 96 128]
         (q: In<T>, k: In<T>, v: In<T>, d_o: In<T>, lse: In<f32>, delta: In<f32>, dq: Out<T>,
-         tq: i32, tk: i32, scale: f32, causal: i32);
+         lq: FaRows, lk: FaRows, lv: FaRows, ldo: FaRows, ldq: FaRows, tq: i32, tk: i32,
+         scale: f32, causal: i32);
     fa_bwd_dq_tc<T>[d] = FLASH_ATTN "cdt_fa_bwd_dq_tc_{T}_d{d}" [T: bf16] [d: 32 48 64 96 128]
         (q: In<T>, k: In<T>, v: In<T>, d_o: In<T>, lse: In<f32>, delta: In<f32>, dq: Out<T>,
-         tq: i32, tk: i32, scale: f32, causal: i32);
+         lq: FaRows, lk: FaRows, lv: FaRows, ldo: FaRows, ldq: FaRows, tq: i32, tk: i32,
+         scale: f32, causal: i32);
 }

@@ -28,6 +28,8 @@ pub mod compare;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod error;
+#[cfg(feature = "cuda")]
+mod fa_rows;
 pub mod flash;
 pub mod fused;
 pub mod multi_tensor;

@@ -632,6 +632,21 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
             ),
         );
     }
+    // A view of the projection (rows of another length than its T, at an offset): the kernels
+    // read it in place (`FaRows` from its strides), without making it contiguous.
+    let qkv = values(&[2, 40, 3, 3, 64], 0.5, 45);
+    let view = |x: &Tensor| x.narrow(1, 3, 33);
+    rep.record(
+        &format!("packed_sdpa_local {dtype:?} on a view [2, 3..36 of 40, 3, 3, 64] causal"),
+        compare_within(
+            dev,
+            dtype,
+            &[qkv],
+            &|x| autodiff::packed_sdpa_local(&view(&x[0])?, true, 0.125),
+            &|x| reference::packed_sdpa(&view(&x[0])?, true, 0.125),
+            limit,
+        ),
+    );
 }
 
 /// The mixed-precision linear (`region::linear_in`, bf16 GEMM, f32 in and out: on CUDA its
