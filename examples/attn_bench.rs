@@ -17,10 +17,16 @@
 //! and sum are O(B H T D), against the attention's O(B H T^2 D)). FLOPs as FlashAttention
 //! counts them: 4 B H T^2 D for the forward (half of it under the causal mask), 2.5 times that
 //! for the backward.
+//!
+//! Each shape is timed twice: on separate `q`, `k`, `v` `[B, H, T, D]` (the kernels alone), and
+//! packed (`packed_*` keys), as a GPT layer runs it: `packed_sdpa_local` on the QKV
+//! projection's `[B, T, H, 3, D]` with the output `[B, T, H, D]` (what the output projection
+//! reads), so whatever the op spends besides the kernels (unpacking, transposes, copies) shows
+//! as the difference.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 use candle_core::{DType, Tensor, Var};
-use candle_dtensor::kernels::autodiff::sdpa_local;
+use candle_dtensor::kernels::autodiff::{packed_sdpa_local, sdpa_local};
 use candle_dtensor::kernels::flash;
 use candle_dtensor::train::device::DeviceSpec;
 use clap::Parser;
@@ -129,6 +135,19 @@ pub(crate) fn run(args: &Args) -> R<serde_json::Value> {
             (o * &g)?.sum_all()?.backward()?;
             Ok(())
         })?;
+        // Packed: the QKV projection's layout in, the merged heads out.
+        let qkv =
+            Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, t, h, 3, d), &dev)?.to_dtype(dtype)?)?;
+        let g_packed = Tensor::randn(0f32, 1.0, (b, t, h, d), &dev)?.to_dtype(dtype)?;
+        let packed_fwd = time(&dev, args.reps, || {
+            packed_sdpa_local(qkv.as_tensor(), causal, scale)?;
+            Ok(())
+        })?;
+        let packed_fwd_bwd = time(&dev, args.reps, || {
+            let o = packed_sdpa_local(qkv.as_tensor(), causal, scale)?;
+            (o * &g_packed)?.sum_all()?.backward()?;
+            Ok(())
+        })?;
         let flops = forward_flops(shape, causal);
         let tflops = |ms: f64, f: f64| f / (ms / 1e3) / 1e12;
         cases.push(serde_json::json!({
@@ -137,6 +156,8 @@ pub(crate) fn run(args: &Args) -> R<serde_json::Value> {
             "forward_backward_ms": stats(&fwd_bwd),
             "forward_tflops": tflops(median(&fwd), flops),
             "forward_backward_tflops": tflops(median(&fwd_bwd), 3.5 * flops),
+            "packed_forward_ms": stats(&packed_fwd),
+            "packed_forward_backward_ms": stats(&packed_fwd_bwd),
         }));
     }
     kernels.dedup();
@@ -167,7 +188,8 @@ fn main() {
                 let t = |k: &str| c[k].as_f64().unwrap_or(f64::NAN);
                 println!(
                     "  [{}, {}, {}, {}]: forward {:.3} ms ({:.1} TFLOP/s), forward + backward \
-                     {:.3} ms ({:.1} TFLOP/s)",
+                     {:.3} ms ({:.1} TFLOP/s); packed: forward {:.3} ms, forward + backward \
+                     {:.3} ms",
                     c["b"],
                     c["h"],
                     c["t"],
@@ -176,6 +198,8 @@ fn main() {
                     t("forward_tflops"),
                     f("forward_backward_ms"),
                     t("forward_backward_tflops"),
+                    f("packed_forward_ms"),
+                    f("packed_forward_backward_ms"),
                 );
             }
         }

@@ -38,7 +38,13 @@ fn shapes_parse_and_a_cpu_run_reports_every_shape() {
     let cases = r["cases"].as_array().expect("cases");
     assert_eq!(cases.len(), 2, "{r}");
     for c in cases {
-        assert_eq!(c["forward_ms"]["n"].as_u64(), Some(3), "{c}");
+        for key in [
+            "forward_ms",
+            "packed_forward_ms",
+            "packed_forward_backward_ms",
+        ] {
+            assert_eq!(c[key]["n"].as_u64(), Some(3), "{key} in {c}");
+        }
         for key in ["forward_tflops", "forward_backward_tflops"] {
             let v = c[key].as_f64().unwrap_or(f64::NAN);
             assert!(v.is_finite() && v > 0.0, "{key} = {v} in {c}");

@@ -594,12 +594,26 @@ for s in shapes.split(";"):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         o.backward(g)
     fwd_bwd = timed(fb)
+    # Packed, as a GPT layer runs it (nanoGPT's views): the QKV projection [B, T, H, 3, D] split
+    # and transposed into SDPA, the output transposed back to [B, T, H, D] and made contiguous
+    # for the output projection.
+    qkv = torch.randn(b, t, h, 3, hd, device=d, dtype=torch.bfloat16, requires_grad=True)
+    gp = torch.randn(b, t, h, hd, device=d, dtype=torch.bfloat16)
+    def packed():
+        pq, pk, pv = (x.transpose(1, 2) for x in qkv.unbind(3))
+        return F.scaled_dot_product_attention(pq, pk, pv, is_causal=True).transpose(1, 2).contiguous()
+    pfwd = timed(packed)
+    def pfb():
+        qkv.grad = None
+        packed().backward(gp)
+    pfwd_bwd = timed(pfb)
     flops = 4.0 * b * h * t * t * hd / 2
     med = lambda ms: stats(ms)["median"]
     cases.append({"b": b, "h": h, "t": t, "d": hd, "forward_ms": stats(fwd), "forward_backward_ms": stats(fwd_bwd),
                   "forward_tflops": flops / (med(fwd) / 1e3) / 1e12,
-                  "forward_backward_tflops": 3.5 * flops / (med(fwd_bwd) / 1e3) / 1e12})
-    del q, k, v, g
+                  "forward_backward_tflops": 3.5 * flops / (med(fwd_bwd) / 1e3) / 1e12,
+                  "packed_forward_ms": stats(pfwd), "packed_forward_backward_ms": stats(pfwd_bwd)})
+    del q, k, v, g, qkv, gp
 print(json.dumps({"torch": torch.__version__, "kernels": "torch sdpa (its default backend choice)",
                   "timing": "CUDA events" if cuda else "wall", "cases": cases}))
 """

@@ -247,15 +247,31 @@ def attention_lines(att):
     def num(x, f="{:.3f}"):
         return "-" if not finite(x) else f.format(x)
 
-    for sh in shapes:
-        row = [", ".join(str(x) for x in sh)]
-        for key in ("forward_ms", "forward_backward_ms"):
+    def ratio_cells(sh, keys):
+        row = []
+        for key in keys:
             o, t = med("ours", sh, key), med("torch", sh, key)
             row += [num(o), num(t), fmt_ratio(o / t if finite(o) and finite(t) and t > 0 else None)]
+        return row
+
+    for sh in shapes:
+        row = [", ".join(str(x) for x in sh)] + ratio_cells(sh, ("forward_ms", "forward_backward_ms"))
         for side in ("ours", "torch"):
             c = cases.get(side, {}).get(sh) or {}
             row.append(num(c.get("forward_backward_tflops"), "{:.3g}"))
         lines.append("| " + " | ".join(row) + " |")
+    packed = ("packed_forward_ms", "packed_forward_backward_ms")
+    if any(med(side, sh, packed[0]) is not None for side in ("ours", "torch") for sh in shapes):
+        lines.append("")
+        lines.append("Packed, as a GPT layer runs it: the QKV projection [B, T, H, 3, D] in, [B, T, H, D] out "
+                     "(ours: one node reading and writing them in place; torch: unbind, transposes, SDPA, "
+                     "a contiguous copy of the output):")
+        lines.append("")
+        lines.append("| B, H, T, D | forward ms: ours | torch | ours/torch | forward + backward ms: ours | torch "
+                     "| ours/torch |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|")
+        for sh in shapes:
+            lines.append("| " + " | ".join([", ".join(str(x) for x in sh)] + ratio_cells(sh, packed)) + " |")
     return lines
 
 

@@ -265,13 +265,14 @@ class Driver(unittest.TestCase):
 
     def test_attention_side_by_side(self):
         case = '{"b":1,"h":2,"t":64,"d":64,"forward_ms":{"median":%s},"forward_backward_ms":{"median":%s},' \
-               '"forward_backward_tflops":%s}'
+               '"forward_backward_tflops":%s,"packed_forward_ms":{"median":%s},' \
+               '"packed_forward_backward_ms":{"median":%s}}'
         # attn_bench beside train_gpt (found there by default) and a "python" that answers as the
         # torch snippet would, whatever it is asked.
         self.script("attn_bench", "#!/usr/bin/env bash\necho '{\"kernels\":\"tensor cores\",\"cases\":[%s]}'\n"
-                    % (case % (2.0, 6.0, 1.5)))
+                    % (case % (2.0, 6.0, 1.5, 2.5, 7.0)))
         py = self.script("python", "#!/usr/bin/env bash\necho '{\"torch\":\"2.11\",\"cases\":[%s]}'\n"
-                         % (case % (1.0, 3.0, 3.0)))
+                         % (case % (1.0, 3.0, 3.0, 2.0, 4.0)))
         d = self.drive("--presets", "tiny", "--precisions", "f32", "--python", py,
                        "--attn-shapes", "1,2,64,64", attention=True)
         att = d["attention"]
@@ -282,6 +283,9 @@ class Driver(unittest.TestCase):
             md = f.read()
         self.assertIn("ours: tensor cores", md)
         self.assertIn("| 1, 2, 64, 64 | 2.000 | 1.000 | 2.00x | 6.000 | 3.000 | 2.00x | 1.5 | 3 |", md)
+        # The packed form, its own table.
+        self.assertIn("Packed, as a GPT layer runs it", md)
+        self.assertIn("| 1, 2, 64, 64 | 2.500 | 2.000 | 1.25x | 7.000 | 4.000 | 1.75x |", md)
 
     def test_attention_without_the_binary_fails_its_side_only(self):
         py = self.script("python", "#!/usr/bin/env bash\necho '{\"cases\":[]}'\n")
