@@ -116,6 +116,37 @@ pub fn packed_sdpa_local(qkv: &Tensor, causal: bool, scale: f64) -> CResult<Tens
     reference::packed_sdpa(qkv, causal, scale)
 }
 
+/// [`packed_sdpa_local`] on the projection as the QKV linear makes it: `qkv [B, T, 3 heads d]`
+/// -> `[B, T, heads d]`. On CUDA where `flash::applies_flat`, one flash node over the flat
+/// projection (no reshape nodes around it); elsewhere [`packed_sdpa_local`] between the two
+/// reshapes, the same values.
+///
+/// # Errors
+///
+/// `qkv` is not `[B, T, W]` with `W` a multiple of `3 heads`; as [`packed_sdpa_local`].
+pub fn packed_sdpa_local_flat(
+    qkv: &Tensor,
+    heads: usize,
+    causal: bool,
+    scale: f64,
+) -> CResult<Tensor> {
+    let (b, t, w) = match qkv.dims() {
+        &[b, t, w] if heads > 0 && w % (3 * heads) == 0 => (b, t, w),
+        dims => {
+            return Err(crate::error::KernelError::Mismatch {
+                op: "packed_sdpa_flat",
+                detail: format!("qkv {dims:?}: [B, T, 3 x {heads} heads x d]"),
+            }
+            .into())
+        }
+    };
+    if qkv.elem_count() > 0 && scale > 0.0 && crate::flash::applies_flat(qkv, heads) {
+        return crate::flash::packed_attention_flat(qkv, heads, causal, scale as f32);
+    }
+    let d = w / (3 * heads);
+    packed_sdpa_local(&qkv.reshape((b, t, heads, 3, d))?, causal, scale)?.reshape((b, t, heads * d))
+}
+
 /// The same ops built from candle primitives only (every dtype; the reference the fused kernels
 /// are tested against).
 pub mod reference {

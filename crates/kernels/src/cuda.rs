@@ -2289,28 +2289,66 @@ fn whole<'a, T: Float>(
     })
 }
 
-/// Where part `part` of a packed `[B, T, H, 3, d]` (or, `part` `None`, a `[B, T, H, d]`) lies
-/// as heads `b H + h` of T rows: read from the layout (a unit-stride last dim, any other
-/// strides and offset).
-fn head_rows(op: &'static str, l: &Layout, part: Option<usize>) -> Result<FaRows> {
+/// The dims and strides of `l` seen as heads: `[B, T, H, 3, d]` (`packed`) or `[B, T, H, d]`,
+/// either as they are or, `flat` = `Some(H)`, from a `[B, T, 3 H d]` or `[B, T, H d]` layout
+/// (the views are free: the last dim is unit-stride).
+fn heads_view(
+    op: &'static str,
+    l: &Layout,
+    flat: Option<usize>,
+    packed: bool,
+) -> Result<(Vec<usize>, Vec<usize>)> {
     let (dims, st) = (l.dims(), l.stride());
-    let rank = if part.is_some() { 5 } else { 4 };
-    if dims.len() != rank || st[rank - 1] != 1 || part.is_some_and(|_| dims[3] != 3) {
-        return Err(mismatch(
+    let parts = if packed { 3 } else { 1 };
+    let bad = || {
+        let want = match (flat, packed) {
+            (Some(h), true) => format!("[B, T, 3 x {h} heads x d]"),
+            (Some(h), false) => format!("[B, T, {h} heads x d]"),
+            (None, true) => "[B, T, H, 3, d]".to_string(),
+            (None, false) => "[B, T, H, d]".to_string(),
+        };
+        mismatch(
             op,
-            format!(
-                "a layout of {dims:?} strides {st:?}: [B, T, H{}, d] with a unit-stride last dim",
-                if part.is_some() { ", 3" } else { "" }
-            ),
-        ));
+            format!("a layout of {dims:?} strides {st:?}: {want} with a unit-stride last dim"),
+        )
+    };
+    let Some(h) = flat else {
+        let rank = if packed { 5 } else { 4 };
+        if dims.len() != rank || st[rank - 1] != 1 || (packed && dims[3] != 3) {
+            return Err(bad());
+        }
+        return Ok((dims.to_vec(), st.to_vec()));
+    };
+    if dims.len() != 3 || st[2] != 1 || h == 0 || dims[2] % (parts * h) != 0 {
+        return Err(bad());
     }
+    let d = dims[2] / (parts * h);
+    Ok(if packed {
+        (
+            vec![dims[0], dims[1], h, 3, d],
+            vec![st[0], st[1], 3 * d, d, 1],
+        )
+    } else {
+        (vec![dims[0], dims[1], h, d], vec![st[0], st[1], d, 1])
+    })
+}
+
+/// Where part `part` of a heads view (`heads_view`: `[B, T, H, 3, d]`, or, `part` `None`,
+/// `[B, T, H, d]`, of dims `dims` and strides `st` from element `start`) lies as heads
+/// `b H + h` of T rows.
+fn head_rows(
+    op: &'static str,
+    (dims, st): (&[usize], &[usize]),
+    start: usize,
+    part: Option<usize>,
+) -> Result<FaRows> {
     let i = |v: usize| {
         i64::try_from(v).map_err(|_| mismatch(op, format!("a stride or offset {v} beyond i64")))
     };
     let heads = i32::try_from(dims[2])
         .map_err(|_| mismatch(op, format!("{} heads beyond i32", dims[2])))?;
     Ok(FaRows {
-        off: i(l.start_offset() + part.map_or(0, |p| p * st[3]))?,
+        off: i(start + part.map_or(0, |p| p * st[3]))?,
         sb: i(st[0])?,
         sh: i(st[2])?,
         st: i(st[1])?,
@@ -2319,7 +2357,9 @@ fn head_rows(op: &'static str, l: &Layout, part: Option<usize>) -> Result<FaRows
 }
 
 /// Attention on a packed projection `qkv [B, T, H, 3, d]` -> `o [B, T, H, d]` as one graph
-/// node: the forward kernel reads q, k and v where the projection holds them and writes o as
+/// node (or, `flat` = `Some(H)`, on the projection as the linear makes it, `[B, T, 3 H d]` ->
+/// `[B, T, H d]`, the same memory seen without the reshapes and their graph edges): the
+/// forward kernel reads q, k and v where the projection holds them and writes o as
 /// `[B, T, H, d]`; the backward kernels read the projection, o and its gradient as they are
 /// and write dQ, dK and dV into one packed gradient. No copy unpacks, transposes or stacks
 /// anything; the node's output is the kernel's storage. `lse` (`[B H, T]` f32) is kept for
@@ -2327,6 +2367,7 @@ fn head_rows(op: &'static str, l: &Layout, part: Option<usize>) -> Result<FaRows
 struct FaPacked {
     causal: bool,
     scale: f32,
+    flat: Option<usize>,
     lse: std::sync::Mutex<Option<CudaStorage>>,
 }
 
@@ -2334,19 +2375,26 @@ impl FaPacked {
     const OP: &'static str = "flash_attention (packed)";
 
     /// The shape of the attention and the rows of q, k and v in `l`.
-    fn shape(l: &Layout) -> Result<(Fa, [FaRows; 3])> {
-        let [q, k, v] = [0, 1, 2].map(|p| head_rows(Self::OP, l, Some(p)));
-        // Checked first: a layout of rank 5 (`head_rows`).
-        let (q, k, v) = (q?, k?, v?);
-        let dims = l.dims();
+    fn shape(&self, l: &Layout) -> Result<(Fa, [FaRows; 3])> {
+        let (dims, st) = heads_view(Self::OP, l, self.flat, true)?;
+        let view = (dims.as_slice(), st.as_slice());
+        let [q, k, v] = [0, 1, 2].map(|p| head_rows(Self::OP, view, l.start_offset(), Some(p)));
         let s = Fa {
             bh: dims[0] * dims[2],
             tq: dims[1],
             tk: dims[1],
             d: dims[4],
         }
-        .checked(Self::OP, dims)?;
-        Ok((s, [q, k, v]))
+        .checked(Self::OP, l.dims())?;
+        Ok((s, [q?, k?, v?]))
+    }
+
+    /// The output's shape for heads `[b, t, h, d]`.
+    fn out_shape(&self, [b, t, h, d]: [usize; 4]) -> Shape {
+        match self.flat {
+            Some(_) => Shape::from((b, t, h * d)),
+            None => Shape::from((b, t, h, d)),
+        }
     }
 }
 
@@ -2356,8 +2404,8 @@ fn fa_packed_fwd<T: Float>(
     x: &CudaStorage,
     l: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
-    let (s, [q, k, v]) = FaPacked::shape(l)?;
-    let dims = l.dims();
+    let (s, [q, k, v]) = node.shape(l)?;
+    let (dims, _) = heads_view(FaPacked::OP, l, node.flat, true)?;
     let (b, t, h, d) = (dims[0], dims[1], dims[2], dims[4]);
     let xs = whole::<T>(FaPacked::OP, x, "qkv")?;
     let ins: [(&dyn ArgIn<T>, usize); 3] = [(xs, xs.len()), (xs, xs.len()), (xs, xs.len())];
@@ -2373,7 +2421,7 @@ fn fa_packed_fwd<T: Float>(
         node.scale,
     )?;
     *node.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(wrap(dev, lse));
-    Ok((wrap(dev, o), Shape::from((b, t, h, d))))
+    Ok((wrap(dev, o), node.out_shape([b, t, h, d])))
 }
 
 /// [`FaPacked`]'s backward on storages of `T`: the packed gradient.
@@ -2384,19 +2432,25 @@ fn fa_packed_bwd<T: Float>(
     g: (&CudaStorage, &Layout),
 ) -> Result<CudaStorage> {
     let op = "flash_attention (packed) backward";
-    let (s, [rq, rk, rv]) = FaPacked::shape(x.1)?;
-    let out_dims = o.1.dims();
-    let want = [x.1.dims()[0], s.tq, x.1.dims()[2], s.d];
-    if out_dims != want || g.1.dims() != want {
+    let (s, [rq, rk, rv]) = node.shape(x.1)?;
+    let (xd, _) = heads_view(op, x.1, node.flat, true)?;
+    let (b, h) = (xd[0], xd[2]);
+    let want = node.out_shape([b, s.tq, h, s.d]);
+    if o.1.shape() != &want || g.1.shape() != &want {
         return Err(mismatch(
             op,
             format!(
-                "output {out_dims:?} and gradient {:?}, not {want:?}",
+                "output {:?} and gradient {:?}, not {want:?}",
+                o.1.dims(),
                 g.1.dims()
             ),
         ));
     }
-    let (ro, rg) = (head_rows(op, o.1, None)?, head_rows(op, g.1, None)?);
+    let rows_of = |l: &Layout| -> Result<FaRows> {
+        let (dims, st) = heads_view(op, l, node.flat, false)?;
+        head_rows(op, (&dims, &st), l.start_offset(), None)
+    };
+    let (ro, rg) = (rows_of(o.1)?, rows_of(g.1)?);
     let (xs, os, gs) = (
         whole::<T>(op, x.0, "qkv")?,
         whole::<T>(op, o.0, "o")?,
@@ -2410,7 +2464,7 @@ fn fa_packed_bwd<T: Float>(
         CudaStorageSlice::F32(v) => v.as_view(),
         _ => return Err(mismatch(op, "lse is not f32".into())),
     };
-    let (t, h, d) = (s.tq, x.1.dims()[2], s.d);
+    let (t, d) = (s.tq, s.d);
     let part = |p| FaRows::interleaved(t, h, 3, p, d);
     let rows = FaBwdRows {
         q: rq,
@@ -2490,11 +2544,18 @@ impl candle_core::CustomOp1 for FaPacked {
 }
 
 /// Attention on a packed projection `qkv [B, T, H, 3, d]` (f32 or bf16, a unit-stride last
-/// dim) -> `[B, T, H, d]`, as one graph node when `qkv` tracks gradients ([`FaPacked`]).
-pub(crate) fn flash_packed(qkv: &Tensor, causal: bool, scale: f32) -> Result<Tensor> {
+/// dim) -> `[B, T, H, d]`, or, `flat` = `Some(H)`, on `qkv [B, T, 3 H d]` -> `[B, T, H d]`, as
+/// one graph node when `qkv` tracks gradients ([`FaPacked`]).
+pub(crate) fn flash_packed(
+    qkv: &Tensor,
+    flat: Option<usize>,
+    causal: bool,
+    scale: f32,
+) -> Result<Tensor> {
     let node = FaPacked {
         causal,
         scale,
+        flat,
         lse: std::sync::Mutex::new(None),
     };
     if qkv.track_op() {

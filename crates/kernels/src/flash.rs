@@ -34,29 +34,52 @@ pub const TENSOR_CORE_BWD_WARPS: usize = 4;
 /// f32 or bf16 alike, a head dim of [`HEAD_DIMS`], equal leading dims whose product is at most
 /// 65,535, lengths below 2^31, and `CDT_FLASH_ATTN` not `0`.
 pub fn applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    let (qd, kd) = (q.dims(), k.dims());
+    let r = qd.len();
+    k.dtype() == q.dtype()
+        && v.dtype() == q.dtype()
+        && r >= 2
+        && kd.len() == r
+        && v.dims() == kd
+        && qd[..r - 2] == kd[..r - 2]
+        && qd[r - 1] == kd[r - 1]
+        && applies_to(
+            q,
+            qd[..r - 2].iter().product(),
+            qd[r - 2],
+            kd[r - 2],
+            qd[r - 1],
+        )
+}
+
+/// Whether [`packed_attention_flat`] runs `qkv [B, T, 3 heads d]` on the flash kernels: as
+/// [`applies`] for its `B heads` heads of `T` queries and keys of dim `d`.
+pub fn applies_flat(qkv: &Tensor, heads: usize) -> bool {
+    match qkv.dims() {
+        &[b, t, w] if heads > 0 && w % (3 * heads) == 0 => {
+            applies_to(qkv, b * heads, t, t, w / (3 * heads))
+        }
+        _ => false,
+    }
+}
+
+/// [`applies`] for `bh` heads of `tq` queries and `tk` keys of dim `d`, of `x`'s device and
+/// dtype.
+fn applies_to(x: &Tensor, bh: usize, tq: usize, tk: usize, d: usize) -> bool {
     #[cfg(feature = "cuda")]
     {
         use candle_core::DType;
-        let (qd, kd) = (q.dims(), k.dims());
-        let r = qd.len();
         enabled()
-            && q.device().is_cuda()
-            && matches!(q.dtype(), DType::F32 | DType::BF16)
-            && k.dtype() == q.dtype()
-            && v.dtype() == q.dtype()
-            && r >= 2
-            && kd.len() == r
-            && v.dims() == kd
-            && qd[..r - 2] == kd[..r - 2]
-            && qd[r - 1] == kd[r - 1]
-            && HEAD_DIMS.contains(&qd[r - 1])
-            && qd[..r - 2].iter().product::<usize>() <= crate::cuda::FA_MAX_HEADS
-            && qd[r - 2] <= i32::MAX as usize
-            && kd[r - 2] <= i32::MAX as usize
+            && x.device().is_cuda()
+            && matches!(x.dtype(), DType::F32 | DType::BF16)
+            && HEAD_DIMS.contains(&d)
+            && bh <= crate::cuda::FA_MAX_HEADS
+            && tq <= i32::MAX as usize
+            && tk <= i32::MAX as usize
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (q, k, v);
+        let _ = (x, bh, tq, tk, d);
         false
     }
 }
@@ -114,11 +137,48 @@ pub fn packed_attention(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tenso
         } else {
             qkv.contiguous()?
         };
-        crate::cuda::flash_packed(&x, causal, scale)
+        crate::cuda::flash_packed(&x, None, causal, scale)
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (causal, scale);
+        Err(crate::error::KernelError::UnsupportedDType {
+            op: "flash_attention",
+            device: "CPU",
+            dtype: qkv.dtype(),
+            supported: "CUDA tensors (a build with the `cuda` feature)",
+            shape: qkv.dims().to_vec(),
+        }
+        .into())
+    }
+}
+
+/// [`packed_attention`] on the projection as the QKV linear makes it, `qkv [B, T, 3 heads d]`
+/// (each head's q, k, v side by side) -> `[B, T, heads d]`: the same node over the same memory,
+/// without the reshapes to and from `[B, T, heads, 3, d]`, whose graph nodes each cost an edge
+/// (a zero-filled gradient and an add of it) in candle's backward. Where [`applies_flat`].
+///
+/// # Errors
+///
+/// As [`attention`]; a width that is not `3 heads d`.
+pub fn packed_attention_flat(
+    qkv: &Tensor,
+    heads: usize,
+    causal: bool,
+    scale: f32,
+) -> CResult<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        let x = if qkv.stride().last() == Some(&1) {
+            qkv.clone()
+        } else {
+            qkv.contiguous()?
+        };
+        crate::cuda::flash_packed(&x, Some(heads), causal, scale)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (heads, causal, scale);
         Err(crate::error::KernelError::UnsupportedDType {
             op: "flash_attention",
             device: "CPU",

@@ -632,6 +632,38 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
             ),
         );
     }
+    // The projection as the QKV linear makes it, [B, T, 3 H d] -> [B, T, H d]: the same node
+    // without the reshapes (`flash::packed_attention_flat`), uneven T, several forward blocks.
+    for (b, t, h, d) in [(2, 70, 3, 64), (1, 150, 2, 128)] {
+        let qkv = values(&[b, t, 3 * h * d], 0.5, 46);
+        let scale = 1.0 / (d as f64).sqrt();
+        rep.record(
+            &format!("packed_sdpa_local_flat {dtype:?} [{b}, {t}, 3 x {h} x {d}] causal"),
+            compare_within(
+                dev,
+                dtype,
+                &[qkv],
+                &|x| {
+                    if !candle_dtensor_kernels::flash::applies_flat(&x[0], h)
+                        && x[0].device().is_cuda()
+                    {
+                        return Err(candle_core::Error::msg(
+                            "flash::applies_flat is false: the flat node was not tested",
+                        ));
+                    }
+                    autodiff::packed_sdpa_local_flat(&x[0], h, true, scale)
+                },
+                &|x| {
+                    reference::packed_sdpa(&x[0].reshape((b, t, h, 3, d))?, true, scale)?.reshape((
+                        b,
+                        t,
+                        h * d,
+                    ))
+                },
+                limit,
+            ),
+        );
+    }
     // A view of the projection (rows of another length than its T, at an offset): the kernels
     // read it in place (`FaRows` from its strides), without making it contiguous.
     let qkv = values(&[2, 40, 3, 3, 64], 0.5, 45);

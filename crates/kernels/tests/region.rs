@@ -273,6 +273,32 @@ fn sdpa_matches() {
 }
 
 #[test]
+fn packed_sdpa_on_the_flat_projection_matches() {
+    use candle_dtensor_kernels::autodiff::packed_sdpa_local_flat;
+    for causal in [false, true] {
+        // [B, T, 3 H d] with H = 3 heads of d = 4.
+        check(
+            &format!("packed_sdpa_local_flat causal={causal}"),
+            &[randn(&[2, 5, 36])],
+            &|x| packed_sdpa_local_flat(&x[0], 3, causal, 0.5),
+            &|x| {
+                reference::packed_sdpa(&x[0].reshape((2, 5, 3, 3, 4))?, causal, 0.5)?
+                    .reshape((2, 5, 12))
+            },
+            TOL,
+        );
+    }
+    // A width that is not 3 heads of whole head dims, no heads, another rank: typed errors.
+    let x = randn(&[2, 5, 36]);
+    for (x, heads) in [(&x, 5), (&x, 0), (&randn(&[5, 36]), 3)] {
+        let e = packed_sdpa_local_flat(x, heads, true, 0.5)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("packed_sdpa_flat") && e.contains("heads"), "{e}");
+    }
+}
+
+#[test]
 fn add_rows_matches_broadcast_add() {
     use candle_dtensor_kernels::fused;
     // (x shape, b shape): a bias, a position table, the swapped order, a scalar-like row and an
