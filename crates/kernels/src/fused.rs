@@ -844,14 +844,44 @@ impl UnaryKernel for CrossEntropy {
 /// or the loss.
 pub fn cross_entropy(x: &Tensor, targets: &Tensor) -> CResult<Tensor> {
     if on_cuda(x) {
-        let n = x.dim(0)?;
+        let n = x.elem_count() / last_dim(x.shape(), "cross_entropy")?.max(1);
         return cross_entropy_rows(x, targets, None)?
             .sum_all()?
             .affine(1.0 / n.max(1) as f64, 0.0)?
             .to_dtype(x.dtype());
     }
-    let targets = targets.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+    let targets = targets
+        .flatten_all()?
+        .to_dtype(DType::U32)?
+        .to_vec1::<u32>()?;
     apply1(x, CrossEntropy { targets })
+}
+
+/// This rank's share of the mean cross-entropy over `global_rows` rows: the fused node's mean
+/// over its own rows of logits `[.., C]` (any leading dims: no reshape node before the node)
+/// against `targets` (one class id per row, any shape), times `rows / global_rows`, so that
+/// the ranks' shares sum to the global mean. bf16 logits give their f32 per-row losses' f32
+/// mean ([`cross_entropy_rows`]); f32 logits [`cross_entropy`]. Where
+/// [`cross_entropy_applies`], for logits with rows and classes.
+///
+/// # Errors
+///
+/// As [`cross_entropy_rows`].
+pub fn cross_entropy_share(x: &Tensor, targets: &Tensor, global_rows: usize) -> CResult<Tensor> {
+    let c = last_dim(x.shape(), "cross_entropy")?;
+    let n = x.elem_count() / c.max(1);
+    let mean = if matches!(x.dtype(), DType::BF16 | DType::F16) {
+        cross_entropy_rows(x, targets, None)?
+            .sum_all()?
+            .affine(1.0 / n as f64, 0.0)?
+    } else {
+        cross_entropy(x, targets)?
+    };
+    if n == global_rows {
+        Ok(mean)
+    } else {
+        mean.affine(n as f64 / global_rows as f64, 0.0)
+    }
 }
 
 /// Softmax cross-entropy of each row of logits `[N, C]` against its class id, as one node with
@@ -1003,8 +1033,10 @@ pub fn cross_entropy_applies(x: &Tensor) -> bool {
     device_applies(x)
 }
 
-/// Per-row softmax cross-entropy `[N]` (f32) of logits `[N, C]` (C > 0) against integer class
-/// ids `[N]` (u32 or i64 as they are, other integer types converted to i64), as one fused node
+/// Per-row softmax cross-entropy `[N]` (f32) of logits `[N, C]` (C > 0; or `[.., C]`, its
+/// leading dims the N rows, with no reshape node before the node) against integer class ids,
+/// one per row in any shape (u32 or i64 as they are, other integer types converted to i64),
+/// as one fused node
 /// (see `CrossEntropyRows`); rows whose target equals `ignore_index` have loss 0 and no
 /// gradient. The mean over rows (or over the rows not ignored) is the caller's: the per-row
 /// form is what a sharded batch or a token mask needs.
@@ -1018,14 +1050,19 @@ pub fn cross_entropy_rows(
     ignore_index: Option<i64>,
 ) -> CResult<Tensor> {
     let op = "cross_entropy";
-    let (n, c) = logits.dims2()?;
-    if c == 0 {
+    let dims = logits.dims();
+    let c = *dims.last().unwrap_or(&0);
+    if dims.len() < 2 || c == 0 {
         return Err(crate::error::KernelError::Mismatch {
             op,
-            detail: format!("logits {:?} have no classes", logits.dims()),
+            detail: format!(
+                "logits {:?} have no classes or no rows: [N, C] or [.., C], C > 0",
+                logits.dims()
+            ),
         }
         .into());
     }
+    let n = logits.elem_count() / c;
     if targets.elem_count() != n {
         return Err(crate::error::KernelError::Mismatch {
             op,

@@ -414,6 +414,27 @@ fn cross_entropy(dev: &Device, dtype: DType, rep: &mut Report) {
             &|v| ce_reference(&v[0], &ids, None)?.mean_all()?.reshape(1),
         ),
     );
+    // Logits [B, T, C] as the GPT's head makes them (no reshape before the node): a rank's
+    // share of the mean over 40 rows, against the rows' reference.
+    let (b, t, c) = (2, 9, 1000);
+    let ids = class_ids(b * t, c, None);
+    let x = values(&[b, t, c], 2.0, 6);
+    let t_dev = Tensor::from_vec(ids.clone(), (b, t), dev).unwrap();
+    rep.record(
+        &format!("cross_entropy_share {dtype:?} [{b}, {t}, {c}] of 40 rows"),
+        compare(
+            dev,
+            dtype,
+            &[x],
+            &|v| fused::cross_entropy_share(&v[0], &t_dev, 40)?.reshape(1),
+            &|v| {
+                ce_reference(&v[0].reshape((b * t, c))?, &ids, None)?
+                    .sum_all()?
+                    .affine(1.0 / 40.0, 0.0)?
+                    .reshape(1)
+            },
+        ),
+    );
     // No rows.
     let e = Tensor::zeros((0, 9), DType::F32, &Device::Cpu).unwrap();
     rep.record(

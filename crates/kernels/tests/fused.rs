@@ -219,6 +219,66 @@ fn cross_entropy_mean_is_the_mean_of_the_rows() {
     assert!(d < 1e-6, "{d}");
 }
 
+/// Logits `[B, T, C]` (no reshape before the node) give the bits of the same rows as `[B T, C]`:
+/// the per-row losses, the mean, a rank's share of a larger mean, and their gradients.
+#[test]
+fn cross_entropy_takes_leading_dims_as_rows() {
+    let (b, t, c) = (2, 3, 11);
+    let x3 = randn(&[b, t, c], 2.0);
+    let x2 = x3.reshape((b * t, c)).unwrap();
+    let ids = class_ids(b * t, c, None);
+    let (t2, t3) = (
+        Tensor::new(ids.as_slice(), &Device::Cpu).unwrap(),
+        Tensor::from_vec(ids.clone(), (b, t), &Device::Cpu).unwrap(),
+    );
+    type Loss = fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>;
+    let cases: [(&str, Loss); 3] = [
+        ("rows", |x, t| {
+            fused::cross_entropy_rows(x, t, None)?.sum_all()
+        }),
+        ("mean", |x, t| fused::cross_entropy(x, t)),
+        ("share of 10 rows", |x, t| {
+            fused::cross_entropy_share(x, t, 10)
+        }),
+    ];
+    let bits = |t: &Tensor| -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    for (what, f) in cases {
+        let (v2, v3) = (
+            candle_core::Var::from_tensor(&x2).unwrap(),
+            candle_core::Var::from_tensor(&x3).unwrap(),
+        );
+        let (l2, l3) = (
+            f(v2.as_tensor(), &t2).unwrap(),
+            f(v3.as_tensor(), &t3).unwrap(),
+        );
+        assert_eq!(bits(&l2), bits(&l3), "{what}: loss");
+        let (g2, g3) = (l2.backward().unwrap(), l3.backward().unwrap());
+        let (g2, g3) = (
+            g2.get(v2.as_tensor()).unwrap(),
+            g3.get(v3.as_tensor()).unwrap(),
+        );
+        assert_eq!(
+            g3.dims(),
+            [b, t, c],
+            "{what}: the gradient has the logits' shape"
+        );
+        assert_eq!(bits(g2), bits(g3), "{what}: gradient");
+    }
+    // The share: the mean times rows / global rows.
+    let share = fused::cross_entropy_share(&x3, &t3, 10).unwrap();
+    let mean = fused::cross_entropy(&x3, &t3).unwrap();
+    let want = mean.affine(6.0 / 10.0, 0.0).unwrap();
+    assert_eq!(bits(&share), bits(&want));
+}
+
 #[test]
 fn cross_entropy_rows_refuses_bad_input() {
     let x = randn(&[3, 5], 1.0);

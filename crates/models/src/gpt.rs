@@ -777,12 +777,40 @@ impl Gpt {
         };
         let (b, t, v) = (logits.dim(0)?, logits.dim(1)?, logits.dim(2)?);
         let _l = candle_dtensor_core::debug::label("loss");
+        let ce = match cp_plan {
+            None => whole_rows_loss(&logits, targets)?,
+            Some(_) => None,
+        };
+        let ce = match ce {
+            Some(ce) => ce,
+            None => self.dispatched_loss(&logits, targets, cp_plan.is_some(), (b, t, v))?,
+        };
+        *self.last_aux.lock().unwrap_or_else(|e| e.into_inner()) = aux.clone();
+        match aux {
+            Some(a) => {
+                let _l = candle_dtensor_core::debug::label("moe_aux");
+                Ok(ce.add(&a)?)
+            }
+            None => Ok(ce),
+        }
+    }
+
+    /// The mean cross-entropy of `logits [B, T, V]` against `targets [B, T]` through the
+    /// dispatched ops: rows flattened to `[B T, V]`, then `cross_entropy` (loss-parallel on a
+    /// vocabulary shard; on their rows under context parallelism, `cp`).
+    fn dispatched_loss(
+        &self,
+        logits: &DTensor,
+        targets: &DTensor,
+        cp: bool,
+        (b, t, v): (usize, usize, usize),
+    ) -> Result<DTensor> {
         // Context parallelism: the batch and the sequence are sharded by different mesh dims,
         // a merge the compiler cannot express without moving the logits (a nested strided
         // shard), so each rank flattens its own rows and they are declared one row shard.
-        let (logits, targets) = match &cp_plan {
-            Some(_) if evenly_sharded_rows(&logits) && evenly_sharded_rows(targets) => {
-                (flatten_rows(&logits)?, flatten_rows(targets)?)
+        let (logits, targets) = match cp {
+            true if evenly_sharded_rows(logits) && evenly_sharded_rows(targets) => {
+                (flatten_rows(logits)?, flatten_rows(targets)?)
             }
             _ => (logits.reshape(&[b * t, v])?, targets.reshape(&[b * t])?),
         };
@@ -798,18 +826,56 @@ impl Gpt {
         };
         // Loss-parallel: keep the logits where they are (sharded on the vocab dim). Context
         // parallelism: keep them on their rows too.
-        let layout =
-            (self.plan.loss_parallel || cp_plan.is_some()).then(|| logits.placements().to_vec());
-        let ce = logits.cross_entropy_with_layout(&targets, layout.as_deref())?;
-        *self.last_aux.lock().unwrap_or_else(|e| e.into_inner()) = aux.clone();
-        match aux {
-            Some(a) => {
-                let _l = candle_dtensor_core::debug::label("moe_aux");
-                Ok(ce.add(&a)?)
-            }
-            None => Ok(ce),
-        }
+        let layout = (self.plan.loss_parallel || cp).then(|| logits.placements().to_vec());
+        Ok(logits.cross_entropy_with_layout(&targets, layout.as_deref())?)
     }
+}
+
+/// The mean cross-entropy of `logits [B, T, V]` against `targets [B, T]` as one local fused
+/// node on the logits as the head made them, where every rank holds whole rows: on each mesh
+/// dim both are batch-sharded, or the dim has one rank (then anything it holds is whole). Each rank's share of the global mean
+/// ([`fused::cross_entropy_share`](candle_dtensor_core::fused::cross_entropy_share)) is a
+/// partial sum over the batch-sharding dims, as the dispatched `cross_entropy` makes it, but
+/// without the `[B T, V]` reshape before it, whose backward edge zero-fills and adds a gradient
+/// of the logits' size (the step's largest tensor: 0.8 GB for GPT-2 at 8 x 1024 in bf16).
+/// `None` where it does not apply (a sharded vocabulary or sequence, replicated rows on
+/// several ranks, logits the fused node does not take): the dispatched path.
+fn whole_rows_loss(logits: &DTensor, targets: &DTensor) -> Result<Option<DTensor>> {
+    use candle_dtensor_core::fused;
+    let shape = logits.mesh().shape();
+    let mut out = Vec::with_capacity(shape.len());
+    for (m, (l, t)) in logits
+        .placements()
+        .iter()
+        .zip(targets.placements())
+        .enumerate()
+    {
+        out.push(match (l, t) {
+            // One rank holds everything of a dim of one rank, whatever its placement says.
+            _ if shape[m] == 1 => Placement::Replicate,
+            (Placement::Shard(0), Placement::Shard(0)) => {
+                Placement::Partial(candle_dtensor_core::ReduceOp::Sum)
+            }
+            _ => return Ok(None),
+        });
+    }
+    let (x, y) = (logits.to_local(), targets.to_local());
+    let rows = x.elem_count() / logits.dim(2)?.max(1);
+    if logits.shape().len() != 3
+        || !fused::cross_entropy_applies(x)
+        || !x.track_op()
+        || rows == 0
+        || logits.dim(2)? == 0
+    {
+        return Ok(None);
+    }
+    let ce = fused::cross_entropy_share(x, y, logits.dim(0)? * logits.dim(1)?)?;
+    Ok(Some(DTensor::from_local_with_shape(
+        &ce,
+        logits.mesh(),
+        &out,
+        &[],
+    )?))
 }
 
 #[cfg(test)]
@@ -871,5 +937,136 @@ mod preset_tests {
         );
         assert!(e.contains("n_layers (layers) = 0"), "{e}");
         GptConfig::gpt2().validate(4).unwrap();
+    }
+}
+
+#[cfg(test)]
+mod whole_rows_loss_tests {
+    use super::*;
+    use candle_core::{Device, Var};
+    use candle_dtensor_comm::LocalWorld;
+    use candle_dtensor_core::distribute_tensor;
+    use std::time::Duration;
+
+    type R<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+    /// The loss (its global value) and the gradient of this rank's piece of the logits.
+    type Seen = (f32, Vec<f32>);
+
+    /// A mesh, the logits' placements, the batch, and whether `whole_rows_loss` takes it.
+    type Case = (Vec<(&'static str, usize)>, Vec<Placement>, usize, bool);
+
+    /// The loss of logits `[b, t, v]` placed by `pl` (targets alike) through
+    /// `whole_rows_loss` (`None` when it declines) and through the dispatched reshape and
+    /// `cross_entropy`.
+    fn both(
+        mesh: &DeviceMesh,
+        pl: &[Placement],
+        (b, t, v): (usize, usize, usize),
+    ) -> R<Option<[Seen; 2]>> {
+        let x: Vec<f32> = (0..b * t * v)
+            .map(|i| ((i * 7919 % 613) as f32 / 613.0 - 0.5) * 4.0)
+            .collect();
+        let full = Tensor::from_vec(x, (b, t, v), &Device::Cpu)?;
+        let ids: Vec<u32> = (0..b * t).map(|i| (i * 31 % v) as u32).collect();
+        // The targets follow the logits' rows (a vocabulary shard leaves them replicated).
+        let tpl: Vec<Placement> = pl
+            .iter()
+            .map(|p| match p {
+                Placement::Shard(0) => *p,
+                _ => Placement::Replicate,
+            })
+            .collect();
+        let targets = distribute_tensor(&Tensor::from_vec(ids, (b, t), &Device::Cpu)?, mesh, &tpl)?;
+        let all_r = vec![Placement::Replicate; pl.len()];
+        let run = |whole: bool| -> R<Option<Seen>> {
+            let var = Var::from_tensor(distribute_tensor(&full, mesh, pl)?.to_local())?;
+            let logits = DTensor::from_local_with_shape(var.as_tensor(), mesh, pl, full.dims())?;
+            let ce = if whole {
+                match whole_rows_loss(&logits, &targets)? {
+                    Some(ce) => ce,
+                    None => return Ok(None),
+                }
+            } else {
+                logits
+                    .reshape(&[b * t, v])?
+                    .cross_entropy_with_layout(&targets.reshape(&[b * t])?, None)?
+            };
+            let loss = ce.redistribute(&all_r)?;
+            let grads = loss.to_local().backward()?;
+            let g = grads.get(var.as_tensor()).ok_or("no gradient")?;
+            Ok(Some((
+                loss.to_local().to_scalar::<f32>()?,
+                g.flatten_all()?.to_vec1()?,
+            )))
+        };
+        let Some(whole) = run(true)? else {
+            return Ok(None);
+        };
+        Ok(Some([
+            whole,
+            run(false)?.ok_or("the dispatched loss always runs")?,
+        ]))
+    }
+
+    /// Where it applies (one rank, batch shards even and uneven, a dim of one rank beside
+    /// them), the loss on whole rows is the dispatched loss to the bit, value and gradient; it
+    /// declines rows replicated on several ranks and a sharded vocabulary.
+    #[test]
+    fn whole_rows_loss_is_the_dispatched_loss() {
+        let s = Placement::Shard;
+        let cases: Vec<Case> = vec![
+            (vec![("dp", 1)], vec![s(0)], 4, true),
+            (vec![("tp", 1)], vec![s(2)], 4, true),
+            (vec![("dp", 2)], vec![s(0)], 4, true),
+            (vec![("dp", 2)], vec![s(0)], 3, true),
+            (
+                vec![("dp", 2), ("tp", 1)],
+                vec![s(0), Placement::Replicate],
+                5,
+                true,
+            ),
+            (vec![("dp", 2)], vec![Placement::Replicate], 4, false),
+            (vec![("tp", 2)], vec![s(2)], 4, false),
+        ];
+        for (dims, pl, b, taken) in cases {
+            let world: usize = dims.iter().map(|d| d.1).product();
+            let what = format!("{dims:?} {pl:?} batch {b}");
+            let outs = LocalWorld::new(world)
+                .with_timeout(Duration::from_secs(60))
+                .launch(|comm| -> R<Option<[Seen; 2]>> {
+                    let mesh = DeviceMesh::new(comm, &dims)?;
+                    both(&mesh, &pl, (b, 3, 8))
+                })
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            for out in outs {
+                let Some([(l, g), (l2, g2)]) = out else {
+                    assert!(!taken, "{what}: declined");
+                    continue;
+                };
+                assert!(taken, "{what}: taken");
+                assert!(l.is_finite() && g.iter().any(|&x| x != 0.0), "{what}: {l}");
+                if b % world == 0 {
+                    assert_eq!(l.to_bits(), l2.to_bits(), "{what}: loss {l} vs {l2}");
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&g), bits(&g2), "{what}: gradient");
+                } else {
+                    // Uneven batches: the dispatched reshape re-chunks the flattened rows
+                    // (ceil(9 / 2) = 5 rows on rank 0, not 2 x 3), moving logits between
+                    // ranks, so its partial sums group the rows differently; whole rows
+                    // stay where they are. The same mean, to rounding.
+                    assert!(
+                        (l - l2).abs() <= 1e-6 * l2.abs(),
+                        "{what}: loss {l} vs {l2}"
+                    );
+                    for (a, w) in g.iter().zip(&g2) {
+                        assert!(
+                            (a - w).abs() <= 1e-6 * w.abs().max(1e-3),
+                            "{what}: {a} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -368,18 +368,7 @@ impl DTensor {
                 // targets or the loss there); bf16 logits give their f32 per-row losses'
                 // f32 mean.
                 if fused::cross_entropy_applies(x) && x.track_op() && n > 0 && x.dim(1)? > 0 {
-                    let mean = if half {
-                        fused::cross_entropy_rows(x, t, None)?
-                            .sum_all()?
-                            .affine(1.0 / n as f64, 0.0)?
-                    } else {
-                        fused::cross_entropy(x, t)?
-                    };
-                    return if n == global_n {
-                        Ok(mean)
-                    } else {
-                        mean.affine(n as f64 / global_n as f64, 0.0)
-                    };
+                    return fused::cross_entropy_share(x, t, global_n);
                 }
             }
             // Half-precision logits outside the fused node: the loss computed in f32.
