@@ -117,9 +117,10 @@ pub fn packed_sdpa_local(qkv: &Tensor, causal: bool, scale: f64) -> CResult<Tens
 }
 
 /// [`packed_sdpa_local`] on the projection as the QKV linear makes it: `qkv [B, T, 3 heads d]`
-/// -> `[B, T, heads d]`. On CUDA where `flash::applies_flat`, one flash node over the flat
-/// projection (no reshape nodes around it); elsewhere [`packed_sdpa_local`] between the two
-/// reshapes, the same values.
+/// -> `[B, T, heads d]`. One node over the flat projection, with no reshape nodes around it,
+/// where [`packed_sdpa_local`] has one: f32 on the CPU (`region::packed_sdpa_flat`), and on
+/// CUDA where `flash::applies_flat`; elsewhere [`packed_sdpa_local`] between the two reshapes.
+/// The same values either way.
 ///
 /// # Errors
 ///
@@ -140,6 +141,9 @@ pub fn packed_sdpa_local_flat(
             .into())
         }
     };
+    if qkv.elem_count() > 0 && scale > 0.0 && fused::applies(qkv) {
+        return crate::region::packed_sdpa_flat(qkv, heads, causal, scale as f32);
+    }
     if qkv.elem_count() > 0 && scale > 0.0 && crate::flash::applies_flat(qkv, heads) {
         return crate::flash::packed_attention_flat(qkv, heads, causal, scale as f32);
     }

@@ -921,13 +921,52 @@ pub(crate) fn unpack_qkv(x: &Tensor) -> CResult<(Tensor, Tensor, Tensor)> {
 /// head split, the transposes and the merge of heads cost no graph edges, and the backward
 /// writes the packed gradient directly.
 pub fn packed_sdpa(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tensor> {
+    packed_sdpa_in(qkv, None, causal, scale)
+}
+
+/// [`packed_sdpa`] on the projection as the QKV linear makes it, `qkv [B, T, 3 heads d]` ->
+/// `[B, T, heads d]`: the same node, its views of the packed layout taken inside it, so the
+/// reshapes to and from `[B, T, heads, 3, d]` cost no graph edges either.
+///
+/// # Errors
+///
+/// `qkv` is not `[B, T, 3 heads d]`.
+pub fn packed_sdpa_flat(qkv: &Tensor, heads: usize, causal: bool, scale: f32) -> CResult<Tensor> {
+    packed_sdpa_in(qkv, Some(heads), causal, scale)
+}
+
+/// [`packed_sdpa`] (`flat` `None`) or [`packed_sdpa_flat`] (`Some(heads)`).
+fn packed_sdpa_in(qkv: &Tensor, flat: Option<usize>, causal: bool, scale: f32) -> CResult<Tensor> {
+    // The packed view [B, T, H, 3, d] the node computes on, and the output's shape.
+    let (five, out): (Vec<usize>, Vec<usize>) = match (flat, qkv.dims()) {
+        (None, &[b, t, h, 3, d]) => (vec![b, t, h, 3, d], vec![b, t, h, d]),
+        (Some(h), &[b, t, w]) if h > 0 && w % (3 * h) == 0 => {
+            let d = w / (3 * h);
+            (vec![b, t, h, 3, d], vec![b, t, h * d])
+        }
+        (_, dims) => {
+            return Err(crate::error::KernelError::Mismatch {
+                op: "packed_sdpa",
+                detail: format!(
+                    "qkv {dims:?}: [B, T, H, 3, d], or [B, T, 3 x heads x d] with {flat:?} heads"
+                ),
+            }
+            .into())
+        }
+    };
+    let heads_out = vec![five[0], five[1], five[2], five[4]];
     let probs = move |q: &Tensor, k: &Tensor| -> CResult<Tensor> {
         let s = q.matmul(&k.t()?)?;
         crate::fused::scaled_causal_softmax(&s, scale, causal).map(|p| p.detach())
     };
+    let (five_f, out_f) = (five.clone(), out.clone());
     let forward = move |x: &Tensor| -> CResult<Tensor> {
-        let (q, k, v) = unpack_qkv(x)?;
-        probs(&q, &k)?.matmul(&v)?.transpose(1, 2)?.contiguous()
+        let (q, k, v) = unpack_qkv(&x.reshape(five_f.as_slice())?)?;
+        probs(&q, &k)?
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape(out_f.as_slice())
     };
     let x = qkv.contiguous()?;
     if !tracked(&[&x]) {
@@ -935,15 +974,18 @@ pub fn packed_sdpa(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tensor> {
     }
     let y = forward(&x.detach())?;
     node1("fused-packed-sdpa", &x, y, move |x, g| {
-        let (q, k, v) = unpack_qkv(x)?;
-        let g = g.transpose(1, 2)?.contiguous()?;
+        let (q, k, v) = unpack_qkv(&x.reshape(five.as_slice())?)?;
+        let g = g
+            .reshape(heads_out.as_slice())?
+            .transpose(1, 2)?
+            .contiguous()?;
         let p = probs(&q, &k)?;
         let dv = p.t()?.matmul(&g)?;
         let dp = g.matmul(&v.t()?)?;
         let ds = softmax_backward(&p, &dp, scale)?;
         let dq = ds.matmul(&k)?;
         let dk = ds.t()?.matmul(&q)?;
-        // [B, H, T, d] x 3 -> [B, T, H, 3, d].
+        // [B, H, T, d] x 3 -> [B, T, H, 3, d], as the input's shape.
         Tensor::stack(
             &[
                 dq.transpose(1, 2)?,
@@ -951,7 +993,8 @@ pub fn packed_sdpa(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tensor> {
                 dv.transpose(1, 2)?,
             ],
             3,
-        )
+        )?
+        .reshape(x.shape())
     })
 }
 
