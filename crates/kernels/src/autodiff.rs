@@ -144,7 +144,11 @@ pub fn packed_sdpa_local_flat(
     if qkv.elem_count() > 0 && scale > 0.0 && fused::applies(qkv) {
         return crate::region::packed_sdpa_flat(qkv, heads, causal, scale as f32);
     }
-    if qkv.elem_count() > 0 && scale > 0.0 && crate::flash::applies_flat(qkv, heads) {
+    if qkv.elem_count() > 0
+        && scale > 0.0
+        && fused::device_applies(qkv)
+        && crate::flash::applies_flat(qkv, heads)
+    {
         return crate::flash::packed_attention_flat(qkv, heads, causal, scale as f32);
     }
     let d = w / (3 * heads);

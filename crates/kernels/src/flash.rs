@@ -131,13 +131,7 @@ pub fn kernels_for(q: &Tensor, k: &Tensor, v: &Tensor) -> &'static str {
 pub fn packed_attention(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tensor> {
     #[cfg(feature = "cuda")]
     {
-        // A no-op for the projection's reshaped output; the kernels need a unit-stride head dim.
-        let x = if qkv.stride().last() == Some(&1) {
-            qkv.clone()
-        } else {
-            qkv.contiguous()?
-        };
-        crate::cuda::flash_packed(&x, None, causal, scale)
+        crate::cuda::flash_packed(&in_place(qkv)?, None, causal, scale)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -150,6 +144,22 @@ pub fn packed_attention(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tenso
             shape: qkv.dims().to_vec(),
         }
         .into())
+    }
+}
+
+/// `qkv` as the packed kernels read it in place: itself where its head dim is unit-stride and
+/// its rows (dim 1) lie less than `fa_rows::MAX_ROW_STRIDE` elements apart (always, for the
+/// projection's output), else a contiguous copy.
+#[cfg(feature = "cuda")]
+fn in_place(qkv: &Tensor) -> CResult<Tensor> {
+    let st = qkv.stride();
+    let rows_ok = st
+        .get(1)
+        .is_some_and(|&s| (s as u64) < crate::fa_rows::MAX_ROW_STRIDE as u64);
+    if st.last() == Some(&1) && rows_ok {
+        Ok(qkv.clone())
+    } else {
+        qkv.contiguous()
     }
 }
 
@@ -169,12 +179,7 @@ pub fn packed_attention_flat(
 ) -> CResult<Tensor> {
     #[cfg(feature = "cuda")]
     {
-        let x = if qkv.stride().last() == Some(&1) {
-            qkv.clone()
-        } else {
-            qkv.contiguous()?
-        };
-        crate::cuda::flash_packed(&x, Some(heads), causal, scale)
+        crate::cuda::flash_packed(&in_place(qkv)?, Some(heads), causal, scale)
     }
     #[cfg(not(feature = "cuda"))]
     {

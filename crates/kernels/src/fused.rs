@@ -837,8 +837,8 @@ impl UnaryKernel for CrossEntropy {
     }
 }
 
-/// Mean cross-entropy of logits `[N, C]` (N, C > 0) against integer targets `[N]`, in the
-/// logits' dtype. On the CPU (f32) one graph node (see `CrossEntropy`); on CUDA (f32/bf16, see
+/// Mean cross-entropy of logits `[N, C]` (N, C > 0; or `[.., C]`, the leading dims the rows)
+/// against integer targets, one per row in any shape, in the logits' dtype. On the CPU (f32) one graph node (see `CrossEntropy`); on CUDA (f32/bf16, see
 /// [`device_applies`]) the mean of [`cross_entropy_rows`] (f32 per row and summed in f32, then
 /// cast, as the composition's result has the logits' dtype), with no host read of the targets
 /// or the loss.
