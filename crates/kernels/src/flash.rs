@@ -136,14 +136,7 @@ pub fn packed_attention(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tenso
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (causal, scale);
-        Err(crate::error::KernelError::UnsupportedDType {
-            op: "flash_attention",
-            device: "CPU",
-            dtype: qkv.dtype(),
-            supported: "CUDA tensors (a build with the `cuda` feature)",
-            shape: qkv.dims().to_vec(),
-        }
-        .into())
+        Err(without_cuda(qkv))
     }
 }
 
@@ -184,14 +177,7 @@ pub fn packed_attention_flat(
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (heads, causal, scale);
-        Err(crate::error::KernelError::UnsupportedDType {
-            op: "flash_attention",
-            device: "CPU",
-            dtype: qkv.dtype(),
-            supported: "CUDA tensors (a build with the `cuda` feature)",
-            shape: qkv.dims().to_vec(),
-        }
-        .into())
+        Err(without_cuda(qkv))
     }
 }
 
@@ -219,13 +205,19 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f32) -
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (k, v, causal, scale);
-        Err(crate::error::KernelError::UnsupportedDType {
-            op: "flash_attention",
-            device: "CPU",
-            dtype: q.dtype(),
-            supported: "CUDA tensors (a build with the `cuda` feature)",
-            shape: q.dims().to_vec(),
-        }
-        .into())
+        Err(without_cuda(q))
     }
+}
+
+/// The error of a flash entry point in a build without the `cuda` feature, for operand `x`.
+#[cfg(not(feature = "cuda"))]
+fn without_cuda(x: &Tensor) -> candle_core::Error {
+    crate::error::KernelError::UnsupportedDType {
+        op: "flash_attention",
+        device: "CPU",
+        dtype: x.dtype(),
+        supported: "CUDA tensors (a build with the `cuda` feature)",
+        shape: x.dims().to_vec(),
+    }
+    .into()
 }

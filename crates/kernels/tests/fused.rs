@@ -3,7 +3,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_dtensor_kernels::{autodiff::reference, fused};
-use common::{check, randn};
+use common::{bits, check, randn};
 
 #[test]
 fn gelu_matches_candle() {
@@ -241,15 +241,6 @@ fn cross_entropy_takes_leading_dims_as_rows() {
             fused::cross_entropy_share(x, t, 10)
         }),
     ];
-    let bits = |t: &Tensor| -> Vec<u32> {
-        t.flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
-    };
     for (what, f) in cases {
         let (v2, v3) = (
             candle_core::Var::from_tensor(&x2).unwrap(),

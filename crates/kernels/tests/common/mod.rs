@@ -49,3 +49,15 @@ pub fn check(name: &str, inputs: &[Tensor], fast: Op, slow: Op, tol: f32) {
         close(a, b, tol, &format!("{name} grad {i}"));
     }
 }
+
+/// The f32 elements of `t` as bits (row-major), for comparisons to the bit.
+#[allow(dead_code)] // not every test binary compares bits
+pub fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
