@@ -1171,11 +1171,9 @@ pub fn flash_attn_bwd<T: Dt>(
         causal,
     )?;
     let (dks, dvs) = dkv.as_slice().split_at(nk);
-    for (out, part) in [(dk, dks), (dv, dvs)] {
-        // SAFETY: `out` holds at least nk elements (checked above), `part` exactly nk, and the
-        // two are different allocations.
-        unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), out.mut_ptr(), nk) };
-    }
+    // `out` holds at least nk elements (checked above).
+    dk.as_mut_slice()[..nk].copy_from_slice(dks);
+    dv.as_mut_slice()[..nk].copy_from_slice(dvs);
     Ok(())
 }
 

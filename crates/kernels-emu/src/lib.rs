@@ -234,6 +234,11 @@ impl<T: Element> Buf<T> {
         &self.data[self.start..self.start + self.len]
     }
 
+    /// Its elements, to write on the host (the guard zones stay out of reach).
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [T] {
+        &mut self.data[self.start..self.start + self.len]
+    }
+
     /// Its length in elements.
     pub fn len(&self) -> usize {
         self.len

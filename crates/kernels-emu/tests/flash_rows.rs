@@ -488,48 +488,42 @@ fn placements_out_of_bounds_or_overlapping_are_refused() {
     let mut o = Buf::filled("o", bh * t * d, f32::NAN);
     let mut lse = Buf::filled("lse", bh * t, f32::NAN);
     let out = FaRows::interleaved(t, 2, 1, 0, d);
-    let e = fused::flash_attn_fwd_rows(
-        Order::Forward,
-        FaKernels::Simt,
-        (&short, &short, &short),
-        &mut o,
-        &mut lse,
-        [part(0), part(1), part(2), out],
-        shape,
-        1.0,
-        true,
-    )
-    .unwrap_err()
-    .to_string();
+    // The SIMT forward on one buffer for q, k and v, and the backward into one packed gradient.
+    let mut fwd = |qkv: &Buf<f32>, o_rows: FaRows| {
+        fused::flash_attn_fwd_rows(
+            Order::Forward,
+            FaKernels::Simt,
+            (qkv, qkv, qkv),
+            &mut o,
+            &mut lse,
+            [part(0), part(1), part(2), o_rows],
+            shape,
+            1.0,
+            true,
+        )
+        .map_err(|e| e.to_string())
+    };
+    let e = fwd(&short, out).unwrap_err();
     assert!(e.contains("v: rows"), "{e}");
-    let e = fused::flash_attn_fwd_rows(
-        Order::Forward,
-        FaKernels::Simt,
-        (&x, &x, &x),
-        &mut o,
-        &mut lse,
-        [part(0), part(1), part(2), close],
-        shape,
-        1.0,
-        true,
-    )
-    .unwrap_err()
-    .to_string();
+    let e = fwd(&x, close).unwrap_err();
     assert!(e.contains("overlap"), "{e}");
-    fused::flash_attn_fwd_rows(
-        Order::Forward,
-        FaKernels::Simt,
-        (&x, &x, &x),
-        &mut o,
-        &mut lse,
-        [part(0), part(1), part(2), out],
-        shape,
-        1.0,
-        true,
-    )
-    .unwrap();
+    fwd(&x, out).unwrap();
     let mut dx = Buf::filled("dqkv", n, f32::NAN);
     let g = Buf::from_slice("g", &vec![0f32; bh * t * d]);
+    let mut bwd = |rows: FaBwdRows, shape: Attn| {
+        fused::flash_attn_bwd_rows(
+            Order::Forward,
+            FaKernels::Simt,
+            (&x, &x, &x, &o, &lse, &g),
+            &mut dx,
+            None,
+            rows,
+            shape,
+            1.0,
+            true,
+        )
+        .map_err(|e| e.to_string())
+    };
     let rows = FaBwdRows {
         q: part(0),
         k: part(1),
@@ -540,38 +534,13 @@ fn placements_out_of_bounds_or_overlapping_are_refused() {
         dk: part(0),
         dv: part(2),
     };
-    let e = fused::flash_attn_bwd_rows(
-        Order::Forward,
-        FaKernels::Simt,
-        (&x, &x, &x, &o, &lse, &g),
-        &mut dx,
-        None,
-        rows,
-        shape,
-        1.0,
-        true,
-    )
-    .unwrap_err()
-    .to_string();
+    let e = bwd(rows, shape).unwrap_err();
     assert!(e.contains("may overlap"), "{e}");
     // One buffer for all three gradients needs as many keys as queries.
-    let uneven = Attn { tk: t - 1, ..shape };
     let rows = FaBwdRows {
         dk: part(1),
         ..rows
     };
-    let e = fused::flash_attn_bwd_rows(
-        Order::Forward,
-        FaKernels::Simt,
-        (&x, &x, &x, &o, &lse, &g),
-        &mut dx,
-        None,
-        rows,
-        uneven,
-        1.0,
-        true,
-    )
-    .unwrap_err()
-    .to_string();
+    let e = bwd(rows, Attn { tk: t - 1, ..shape }).unwrap_err();
     assert!(e.contains("tq = tk"), "{e}");
 }

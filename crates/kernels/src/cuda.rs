@@ -2374,8 +2374,8 @@ struct FaPacked {
 impl FaPacked {
     const OP: &'static str = "flash_attention (packed)";
 
-    /// The shape of the attention and the rows of q, k and v in `l`.
-    fn shape(&self, l: &Layout) -> Result<(Fa, [FaRows; 3])> {
+    /// The shape of the attention, its batch and heads, and the rows of q, k and v in `l`.
+    fn shape(&self, l: &Layout) -> Result<(Fa, (usize, usize), [FaRows; 3])> {
         let (dims, st) = heads_view(Self::OP, l, self.flat, true)?;
         let view = (dims.as_slice(), st.as_slice());
         let [q, k, v] = [0, 1, 2].map(|p| head_rows(Self::OP, view, l.start_offset(), Some(p)));
@@ -2386,7 +2386,7 @@ impl FaPacked {
             d: dims[4],
         }
         .checked(Self::OP, l.dims())?;
-        Ok((s, [q?, k?, v?]))
+        Ok((s, (dims[0], dims[2]), [q?, k?, v?]))
     }
 
     /// The output's shape for heads `[b, t, h, d]`.
@@ -2404,9 +2404,8 @@ fn fa_packed_fwd<T: Float>(
     x: &CudaStorage,
     l: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
-    let (s, [q, k, v]) = node.shape(l)?;
-    let (dims, _) = heads_view(FaPacked::OP, l, node.flat, true)?;
-    let (b, t, h, d) = (dims[0], dims[1], dims[2], dims[4]);
+    let (s, (b, h), [q, k, v]) = node.shape(l)?;
+    let (t, d) = (s.tq, s.d);
     let xs = whole::<T>(FaPacked::OP, x, "qkv")?;
     let ins: [(&dyn ArgIn<T>, usize); 3] = [(xs, xs.len()), (xs, xs.len()), (xs, xs.len())];
     let o_rows = FaRows::interleaved(t, h, 1, 0, d);
@@ -2432,9 +2431,7 @@ fn fa_packed_bwd<T: Float>(
     g: (&CudaStorage, &Layout),
 ) -> Result<CudaStorage> {
     let op = "flash_attention (packed) backward";
-    let (s, [rq, rk, rv]) = node.shape(x.1)?;
-    let (xd, _) = heads_view(op, x.1, node.flat, true)?;
-    let (b, h) = (xd[0], xd[2]);
+    let (s, (b, h), [rq, rk, rv]) = node.shape(x.1)?;
     let want = node.out_shape([b, s.tq, h, s.d]);
     if o.1.shape() != &want || g.1.shape() != &want {
         return Err(mismatch(

@@ -174,10 +174,10 @@ pub fn check_disjoint(
                 continue;
             }
             let same = a.sb == b.sb && a.sh == b.sh && a.st == b.st && a.heads == b.heads;
-            let period = a.steps(bh, t).first().map(|s| s.0);
-            let slots = match period {
+            let steps = a.steps(bh, t);
+            let slots = match steps.first().map(|s| s.0) {
                 Some(p) if same && p > 0 => {
-                    let all = a.steps(bh, t).iter().all(|&(s, _)| s % p == 0);
+                    let all = steps.iter().all(|&(s, _)| s % p == 0);
                     let (ca, cb) = (a.off.rem_euclid(p), b.off.rem_euclid(p));
                     let fits = ca + d as i64 <= p && cb + d as i64 <= p;
                     let apart = ca + d as i64 <= cb || cb + d as i64 <= ca;

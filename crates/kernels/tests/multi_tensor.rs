@@ -1,6 +1,9 @@
 //! The multi-tensor AdamW step and the global gradient norm on the CPU: AdamW bitwise equal to
 //! candle-nn's `AdamW` (decay on and off, several steps, clipping by the device coefficient),
 //! and the refusals of bad operands.
+#[allow(dead_code)] // this binary uses `bits` only
+mod common;
+use common::bits;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_dtensor_kernels::multi_tensor::{adamw_step, grad_norm_clip, scale_grads, AdamWStep};
@@ -15,16 +18,6 @@ fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
                 .wrapping_add(1_442_695_040_888_963_407);
             ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
         })
-        .collect()
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
         .collect()
 }
 
