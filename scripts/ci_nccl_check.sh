@@ -83,7 +83,9 @@ echo "== cargo clippy --workspace --features nccl,cuda --all-targets -- -D warni
 cargo clippy "${patch[@]}" --workspace --features nccl,cuda --all-targets -- -D warnings
 
 echo "== default build has no CUDA"
-if cargo tree --workspace -e normal --prefix none | grep -q '^cudarc '; then
+# grep reads all of cargo tree's output (no -q): under pipefail an early exit would leave cargo
+# a broken pipe and the pipeline read as "not found".
+if cargo tree --workspace -e normal --prefix none | grep '^cudarc ' >/dev/null; then
     echo "ci_nccl_check.sh: cudarc is in the default dependency tree" >&2
     exit 1
 fi

@@ -365,10 +365,18 @@ echo
 echo "== gpu_check: $ngpu x $gpu_name, $total s total, logs and gpu_check.json in $logdir"
 printf '%-6s %-5s %7s  %s\n' step result time detail
 for r in "${rows[@]}"; do echo "$r"; done
-if printf '%s\n' "${rows[@]}" | grep -q ' FAIL '; then
+# Matched in the shell, not by `printf | grep -q`: under pipefail, grep -q exiting at its first
+# match can leave printf a broken pipe, and the failed pipeline then read as "no FAIL row" (a
+# run with failed steps exited 0 in CI's dry run, 2026-12-06).
+failed=0 budget_skips=0
+for r in "${rows[@]}"; do
+    if [[ "$r" == *" FAIL "* ]]; then failed=1; fi
+    if [[ "$r" == *" SKIP "*"budget: "* ]]; then budget_skips=1; fi
+done
+if ((failed)); then
     exit 1
 fi
 # Steps the budget left out: not a failure, not a complete check either.
-if printf '%s\n' "${rows[@]}" | grep -q ' SKIP .*budget: '; then
+if ((budget_skips)); then
     exit 3
 fi
