@@ -369,12 +369,17 @@ fn embedding() {
 
 #[test]
 fn cross_entropy() {
-    family("cross_entropy", 22, |rng, _| {
-        let (n, c) = (rng.dim(), rng.range(2, 13));
+    // Logits [.., C] with 0-3 leading dims (rows [N], a language model's [B, T], ...).
+    family("cross_entropy", 30, |rng, _| {
+        let nd = [1, 1, 2, 2, 3, 0][rng.below(6)];
+        let lead = rng.shape(nd);
+        let c = rng.range(2, 13);
         let tgt = any_ids(rng, 0.5, c);
+        let mut shape = lead.clone();
+        shape.push(c);
         Spec::new(
             Op::CrossEntropy,
-            vec![normal(rng, &[n, c]), iin(rng, &[n], tgt)],
+            vec![normal(rng, &shape), iin(rng, &lead, tgt)],
         )
     });
 }
@@ -872,6 +877,26 @@ fn uneven_batch_reductions_move_nothing() {
                 Op::CrossEntropy,
                 &[2, 3],
                 "[5, 9] S(0),S(0); [5] ids64:9 S(0),S(0)",
+                "P(sum),P(sum)",
+            ),
+            // [B, T, V] logits: the batch and the sequence sharded by different mesh dims (as
+            // context parallelism lays them), unevenly and emptily, need no merge.
+            lay(
+                Op::CrossEntropy,
+                &[2, 4],
+                "[3, 7, 9] S(0),S(1); [3, 7] ids64:9 S(0),S(1)",
+                "P(sum),P(sum)",
+            ),
+            lay(
+                Op::CrossEntropy,
+                &[4],
+                "[2, 3, 5] S(1); [2, 3] ids:5 S(1)",
+                "P(sum)",
+            ),
+            lay(
+                Op::CrossEntropy,
+                &[2, 2],
+                "[9, 2, 6] S(0),S(0); [9, 2] ids:6 S(0),S(0)",
                 "P(sum),P(sum)",
             ),
             lay(

@@ -453,20 +453,8 @@ impl GptStage {
     ///
     /// A failed op.
     pub fn loss(&self, logits: &DTensor, targets: &DTensor) -> Result<DTensor> {
-        let (b, t, v) = (logits.dim(0)?, logits.dim(1)?, logits.dim(2)?);
         let _l = candle_dtensor_core::debug::label("loss");
-        let logits = logits.reshape(&[b * t, v])?;
-        let logits = if logits.dtype() == DType::F32 {
-            logits
-        } else {
-            logits.to_dtype(DType::F32)?
-        };
-        let targets = targets.reshape(&[b * t])?;
         // Loss-parallel (as `Gpt::loss`): the logits stay sharded on the vocab.
-        let layout = self
-            .plan
-            .loss_parallel
-            .then(|| logits.placements().to_vec());
-        Ok(logits.cross_entropy_with_layout(&targets, layout.as_deref())?)
+        crate::gpt::token_loss(logits, targets, self.plan.loss_parallel)
     }
 }

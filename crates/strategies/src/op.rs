@@ -678,11 +678,18 @@ op_table! { name, a, i, shapes;
         parse: Ok(Op::Embedding),
         kinds: index_or_float(i == 0, shapes, 1, 0),
         example: "--shapes 3x4,11x6";
-    /// Inputs `logits [N, C]`, `targets [N]` (integer) -> scalar mean loss.
+    /// Inputs `logits [.., C]`, `targets [..]` (integer, the logits' leading dims) -> scalar
+    /// mean loss over every row.
     CrossEntropy => Op::CrossEntropy,
         name: "cross_entropy", names: &["cross_entropy"], family: Loss, inputs: Some(2),
         parse: Ok(Op::CrossEntropy),
-        kinds: index_or_float(i == 1, shapes, 0, 1),
+        // Class ids below C, the logits' last dim.
+        kinds: index_or_float(
+            i == 1,
+            shapes,
+            0,
+            shapes.first().map_or(1, |s| s.len().saturating_sub(1)),
+        ),
         example: "--shapes 7x9,7";
     /// View/reshape to `shape` (same numel).
     Reshape: {

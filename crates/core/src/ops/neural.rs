@@ -336,14 +336,18 @@ impl DTensor {
         )
     }
 
-    /// Mean cross-entropy of `self` (logits `[N, C]`) against integer `targets [N]`, in the
-    /// logits' dtype, or in f32 for bf16 / f16 logits (as autocast computes the loss: the fused
-    /// node reads them and computes in f32; elsewhere they are cast to f32 first).
+    /// Mean cross-entropy of `self` (logits `[.., C]`: `[N, C]`, or a language model's
+    /// `[B, T, V]` as its head makes them) against integer `targets` (the logits' leading dims,
+    /// one class id a row), over every row, in the logits' dtype, or in f32 for bf16 / f16
+    /// logits (as autocast computes the loss: the fused node reads them and computes in f32;
+    /// elsewhere they are cast to f32 first).
     ///
-    /// With the logits sharded on the class dim this is loss-parallel: three all_reduces of N
-    /// values (max, sum of exponentials, target logit) and no gather of the classes; the
-    /// backward needs no communication at all. With the batch sharded (evenly or not) each rank
-    /// divides the sum of its rows' losses by the global N: a free partial sum.
+    /// With the logits sharded on the class dim this is loss-parallel: three all_reduces of
+    /// one value a row (max, sum of exponentials, target logit) and no gather of the classes;
+    /// the backward needs no communication at all. With the rows sharded on any leading dims
+    /// (the batch, the sequence, evenly or not) each rank divides the sum of its rows' losses
+    /// by the global row count: a free partial sum. Logits with leading dims need no flattening
+    /// reshape, whose backward would zero-fill and add a gradient of the logits' size.
     pub fn cross_entropy(&self, targets: &DTensor) -> Result<DTensor> {
         self.cross_entropy_with_layout(targets, None)
     }
@@ -357,40 +361,40 @@ impl DTensor {
     ) -> Result<DTensor> {
         run1_with(&Op::CrossEntropy, &[self, targets], &[logits_layout], |p| {
             let (x, t) = (&p.locals[0], &p.locals[1]);
-            // The mean is over the GLOBAL batch: local rows' losses summed, over N.
-            let global_n = p.sharding.input_specs[0].meta.shape[0];
+            let global = &p.sharding.input_specs[0].meta.shape;
+            let classes = global.len() - 1;
+            // The mean is over every GLOBAL row: local rows' losses summed, over that count.
+            let global_n: usize = global[..classes].iter().product();
             let over_n = |sum: Tensor| sum.affine(1.0 / global_n as f64, 0.0);
-            let (cdims, off, cols) = sharded_range(p, &p.sharding.input_specs[0], 1)?;
-            let half = matches!(x.dtype(), DType::BF16 | DType::F16);
+            let (cdims, off, cols) = sharded_range(p, &p.sharding.input_specs[0], classes)?;
+            let n: usize = x.dims()[..classes].iter().product();
             if cdims.is_empty() {
-                let n = x.dim(0)?;
                 // The fused node: f32 on the CPU, f32/bf16 on CUDA (no host read of the
-                // targets or the loss there); bf16 logits give their f32 per-row losses'
-                // f32 mean.
-                if fused::cross_entropy_applies(x) && x.track_op() && n > 0 && x.dim(1)? > 0 {
+                // targets or the loss there), on the logits' own layout (any leading dims);
+                // bf16 logits give their f32 per-row losses' f32 mean.
+                if fused::cross_entropy_applies(x) && x.track_op() && n > 0 && cols > 0 {
                     return fused::cross_entropy_share(x, t, global_n);
                 }
             }
             // Half-precision logits outside the fused node: the loss computed in f32.
-            let x32;
-            let x = if half {
-                x32 = x.to_dtype(DType::F32)?;
-                &x32
-            } else {
-                x
+            let x = match x.dtype() {
+                DType::BF16 | DType::F16 => x.to_dtype(DType::F32)?,
+                _ => x.clone(),
             };
             if cdims.is_empty() {
-                let n = x.dim(0)?;
                 if n == 0 {
-                    // No rows here: a zero that stays in the graph.
-                    return crate::node::graph_zeros(x, &[]);
+                    // No rows here: a zero that stays in the graph, so every rank runs the
+                    // same backward.
+                    return crate::node::graph_zeros(&x, &[]);
                 }
-                let lsm = log_softmax_local(x, 1)?;
-                let picked = lsm.gather(&t.to_dtype(DType::U32)?.unsqueeze(1)?, 1)?;
+                let lsm = log_softmax_local(&x, classes)?;
+                let picked = lsm.gather(&t.to_dtype(DType::U32)?.unsqueeze(classes)?, classes)?;
                 return over_n(picked.neg()?.sum_all()?);
             }
+            // Loss-parallel: rows as `[n, cols]` (a view of this rank's class shard).
+            let x = x.reshape((n, cols))?;
+            let t = t.reshape(n)?;
             let ax = axes(p, &cdims)?;
-            let n = x.dim(0)?;
             // Global row max (no gradient needed: the loss is shift-invariant).
             let mut m = if cols == 0 || n == 0 {
                 Tensor::full(f32::NEG_INFINITY, (n, 1), x.device())?.to_dtype(x.dtype())?
@@ -404,17 +408,17 @@ impl DTensor {
             // an empty piece contributes zeros that stay in the graph, so every rank runs the
             // same backward collectives.
             let (mut s_all, mut picked) = if cols == 0 {
-                let z = crate::node::graph_zeros(x, &[n, 1])?;
+                let z = crate::node::graph_zeros(&x, &[n, 1])?;
                 (z.clone(), z)
-            } else if fused::applies(x) && x.track_op() && n > 0 {
-                let (local, inside) = local_ids(t, off, cols)?;
+            } else if fused::applies(&x) && x.track_op() && n > 0 {
+                let (local, inside) = local_ids(&t, off, cols)?;
                 (
-                    fused::sum_exp_shifted(x, &m)?,
-                    fused::pick_masked(x, &local, &inside)?,
+                    fused::sum_exp_shifted(&x, &m)?,
+                    fused::pick_masked(&x, &local, &inside)?,
                 )
             } else {
                 let e = x.broadcast_sub(&m)?.exp()?;
-                let (local, inside) = local_ids(t, off, cols)?;
+                let (local, inside) = local_ids(&t, off, cols)?;
                 let picked = x
                     .gather(&local.unsqueeze(1)?, 1)?
                     .broadcast_mul(&inside.to_dtype(x.dtype())?.unsqueeze(1)?)?;
@@ -476,8 +480,9 @@ pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> 
                 .reshape(dims)?
         }
         Op::CrossEntropy => {
-            let lsm = reference::log_softmax(x, 1)?;
-            lsm.gather(&inputs[1].to_dtype(DType::U32)?.unsqueeze(1)?, 1)?
+            let c = x.rank() - 1;
+            let lsm = reference::log_softmax(x, c)?;
+            lsm.gather(&inputs[1].to_dtype(DType::U32)?.unsqueeze(c)?, c)?
                 .neg()?
                 .mean_all()?
         }
