@@ -609,6 +609,50 @@ fn packed_sdpa() {
     });
 }
 
+/// Attention on the flat projection `[B, T, 3 H d]`: random heads and head dims, so the
+/// features' shards fall between heads on some meshes and inside them on others (then the
+/// compiler must move the projection).
+#[test]
+fn flat_sdpa() {
+    family("flat_sdpa", 22, |rng, i| {
+        let (b, t, h, d) = (
+            rng.range(1, 4),
+            rng.range(1, 6),
+            rng.range(1, 6),
+            rng.range(1, 4),
+        );
+        let scale = any_scale(rng);
+        Spec::new(
+            Op::FlatSdpa {
+                heads: h,
+                causal: i % 2 == 0,
+                scale,
+            },
+            vec![normal(rng, &[b, t, 3 * h * d])],
+        )
+    });
+}
+
+/// A column-parallel QKV projection's output as it is: feature shards of whole heads (one or
+/// two mesh dims, 2-3 heads a rank) and batch shards, even or not, move nothing.
+#[test]
+fn flat_attention_on_whole_heads_moves_nothing() {
+    let flat = |heads| Op::FlatSdpa {
+        heads,
+        causal: true,
+        scale: None,
+    };
+    check_layouts(
+        "flat_sdpa_heads",
+        vec![
+            lay(flat(6), &[3], "[2, 5, 36] S(2)", "S(2)"),
+            lay(flat(4), &[2, 2], "[2, 3, 24] S(2),S(2)", "S(2),S(2)"),
+            lay(flat(6), &[2, 3], "[3, 4, 72] S(0),S(2)", "S(0),S(2)"),
+            lay(flat(2), &[4], "[5, 3, 12] S(0)", "S(0)"),
+        ],
+    );
+}
+
 #[test]
 fn index_select() {
     family("index_select", 22, |rng, _| {

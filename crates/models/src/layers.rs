@@ -337,18 +337,25 @@ impl Attention {
             Some(dt) if lowp => self.qkv.forward_to(x, dt)?,
             _ => self.qkv.forward(x)?,
         };
-        // Where each rank holds whole heads of whole sequences, attention on the projection as
-        // it is (f32 and TF32 policies, and bf16 on CUDA: the paths that take `packed_sdpa`):
-        // no reshapes to and from [B, T, H, 3, hd] and their graph edges.
+        // Where no mesh dim shards the sequence or holds a partial sum, attention on the
+        // projection as it is (f32 and TF32 policies, and bf16 on CUDA: the paths that take
+        // `packed_sdpa`): `flat_sdpa`, no reshapes to and from [B, T, H, 3, hd] and their graph
+        // edges. Its strategies keep batch shards and feature shards of whole heads (a
+        // column-parallel projection) where they are.
         let balanced = cp::current_layout().0 == cp::SeqLayout::LoadBalanced;
-        if !balanced && (lowp || bf16.is_none()) {
+        let whole_sequences = qkv.placements().iter().all(|p| {
+            matches!(
+                p,
+                Placement::Replicate | Placement::Shard(0) | Placement::Shard(2)
+            )
+        });
+        if !balanced && whole_sequences && (lowp || bf16.is_none()) {
             let qkv = match bf16 {
                 Some(d) if lowp => precision::cast(&qkv, d)?,
-                _ => qkv.clone(),
+                _ => qkv,
             };
-            if let Some(y) = flat_attention(&qkv, h, hd)? {
-                return self.proj.forward_to(&keep_cp_sequence(&y, x)?, x.dtype());
-            }
+            let y = qkv.flat_sdpa(h, true, None)?;
+            return self.proj.forward_to(&keep_cp_sequence(&y, x)?, x.dtype());
         }
         // The QKV weight is laid out head by head ([H, 3, d] rows), so a column shard of the
         // projection holds whole heads and the packed attention runs on it locally.
@@ -404,43 +411,6 @@ impl Attention {
         let y = y.reshape(&[b, t, d])?;
         self.proj.forward_to(&y, x.dtype())
     }
-}
-
-/// Causal attention on the flat projection `qkv [B, T, 3 H hd]` -> `[B, T, H hd]` as one local
-/// op (`autodiff::packed_sdpa_local_flat`: on CUDA one flash node over the projection as the
-/// linear made it), where every rank holds whole heads of whole sequences: on each mesh dim the
-/// projection is replicated, sharded on the batch, or sharded on its features with the `heads`
-/// divisible by the ranks sharing them (the QKV weight is laid out head by head, so an even
-/// feature shard is whole heads). The output keeps the projection's placements: batch for
-/// batch, the heads' features for theirs. `None` elsewhere (a sequence-sharded or partial
-/// projection, heads split unevenly): the caller takes the dispatched reshape and
-/// `packed_sdpa`, which re-shard as they must.
-fn flat_attention(qkv: &DTensor, heads: usize, hd: usize) -> Result<Option<DTensor>> {
-    let shape = qkv.mesh().shape();
-    let mut split = 1;
-    for (m, p) in qkv.placements().iter().enumerate() {
-        match p {
-            Placement::Replicate | Placement::Shard(0) => {}
-            Placement::Shard(2) => split *= shape[m],
-            _ => return Ok(None),
-        }
-    }
-    if qkv.shape().len() != 3 || split == 0 || heads % split != 0 {
-        return Ok(None);
-    }
-    let y = candle_dtensor_kernels::autodiff::packed_sdpa_local_flat(
-        qkv.to_local(),
-        heads / split,
-        true,
-        1.0 / (hd as f64).sqrt(),
-    )?;
-    let global = [qkv.dim(0)?, qkv.dim(1)?, heads * hd];
-    Ok(Some(DTensor::from_local_with_shape(
-        &y,
-        qkv.mesh(),
-        qkv.placements(),
-        &global,
-    )?))
 }
 
 /// Causal attention on `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` under a mixed-precision policy:
@@ -645,138 +615,5 @@ impl Block {
             self.mlp.forward(&self.ln2.forward(&x)?)?
         };
         Ok((x.add(&m)?, aux))
-    }
-}
-
-#[cfg(test)]
-mod flat_attention_tests {
-    use super::*;
-    use candle_core::{Device, Tensor, Var};
-    use candle_dtensor_comm::LocalWorld;
-    use candle_dtensor_core::distribute_tensor;
-    use candle_dtensor_kernels::autodiff::reference;
-    use candle_dtensor_mesh::DeviceMesh;
-    use std::time::Duration;
-
-    type R<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
-
-    /// An output and a gradient, as one rank sees them.
-    type Seen = (Vec<f32>, Vec<f32>);
-
-    /// A mesh, the projection's placements, its heads, and whether `flat_attention` takes it.
-    type Case = (Vec<(&'static str, usize)>, Vec<Placement>, usize, bool);
-
-    /// Distinct values, scaled so the softmax is not flat.
-    fn values(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| (((i * 7919 + seed * 104_729) % 1013) as f32 / 1013.0 - 0.5) * 2.0)
-            .collect()
-    }
-
-    /// The attention of `flat_attention` and of the dispatched reshape, `packed_sdpa`, reshape,
-    /// on one projection (global `[b, t, 3 h hd]`, placed by `pl`): the whole output, and the
-    /// gradient of this rank's piece of the projection; `None` when `flat_attention` declines.
-    fn both(
-        mesh: &DeviceMesh,
-        pl: &[Placement],
-        (b, t, h, hd): (usize, usize, usize, usize),
-    ) -> R<Option<[Seen; 2]>> {
-        let n = b * t * 3 * h * hd;
-        let full = Tensor::from_vec(values(n, 1), (b, t, 3 * h * hd), &Device::Cpu)?;
-        let gy = Tensor::from_vec(values(b * t * h * hd, 2), (b, t, h * hd), &Device::Cpu)?;
-        let run = |flat: bool| -> R<Option<Seen>> {
-            // This rank's piece as a variable, so its gradient is this rank's.
-            let var = Var::from_tensor(distribute_tensor(&full, mesh, pl)?.to_local())?;
-            let qkv = DTensor::from_local_with_shape(var.as_tensor(), mesh, pl, full.dims())?;
-            let y = if flat {
-                match flat_attention(&qkv, h, hd)? {
-                    Some(y) => y,
-                    None => return Ok(None),
-                }
-            } else {
-                qkv.reshape(&[b, t, h, 3, hd])?
-                    .packed_sdpa(true, None)?
-                    .reshape(&[b, t, h * hd])?
-            };
-            assert_eq!(
-                y.placements(),
-                qkv.placements(),
-                "the output keeps the placements"
-            );
-            let full_y = y.full_tensor()?;
-            let g = distribute_tensor(&gy, mesh, pl)?;
-            let loss = (y.to_local() * g.to_local())?.sum_all()?;
-            let grads = loss.backward()?;
-            let dx = grads.get(var.as_tensor()).ok_or("no gradient")?;
-            Ok(Some((
-                full_y.flatten_all()?.to_vec1()?,
-                dx.flatten_all()?.to_vec1()?,
-            )))
-        };
-        let Some(flat) = run(true)? else {
-            return Ok(None);
-        };
-        let dispatched = run(false)?.ok_or("the dispatched path always runs")?;
-        Ok(Some([flat, dispatched]))
-    }
-
-    /// On every layout it takes (replicated, batch- and head-sharded, both, uneven batches),
-    /// `flat_attention` is the dispatched attention to the bit, outputs and gradients, and the
-    /// output is one device's attention; it declines sequence shards and heads split unevenly.
-    #[test]
-    fn flat_attention_is_the_dispatched_attention() {
-        let s = Placement::Shard;
-        let r = Placement::Replicate;
-        let cases: Vec<Case> = vec![
-            (vec![("tp", 1)], vec![s(2)], 4, true),
-            (vec![("tp", 2)], vec![s(2)], 4, true),
-            (vec![("tp", 2)], vec![r], 4, true),
-            (vec![("dp", 2)], vec![s(0)], 4, true),
-            (vec![("dp", 2), ("tp", 2)], vec![s(0), s(2)], 4, true),
-            (vec![("a", 2), ("b", 2)], vec![s(2), s(2)], 4, true),
-            (vec![("tp", 3)], vec![s(0)], 2, true),
-            // Declined: heads split unevenly, a sequence shard.
-            (vec![("tp", 2)], vec![s(2)], 3, false),
-            (vec![("cp", 2)], vec![s(1)], 4, false),
-        ];
-        for (dims, pl, h, taken) in cases {
-            let world: usize = dims.iter().map(|d| d.1).product();
-            let (b, t, hd) = (5, 7, 8);
-            let what = format!("{dims:?} {pl:?} {h} heads");
-            let outs = LocalWorld::new(world)
-                .with_timeout(Duration::from_secs(60))
-                .launch(|comm| -> R<Option<[Seen; 2]>> {
-                    let mesh = DeviceMesh::new(comm, &dims)?;
-                    both(&mesh, &pl, (b, t, h, hd))
-                })
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
-            // One device's attention, from candle's reference.
-            let full = Tensor::from_vec(
-                values(b * t * 3 * h * hd, 1),
-                (b, t, h, 3, hd),
-                &Device::Cpu,
-            )
-            .unwrap();
-            let want: Vec<f32> = reference::packed_sdpa(&full, true, 1.0 / (hd as f64).sqrt())
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            for out in outs {
-                let Some([(y, dx), (y2, dx2)]) = out else {
-                    assert!(!taken, "{what}: declined");
-                    continue;
-                };
-                assert!(taken, "{what}: taken");
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&y), bits(&y2), "{what}: outputs");
-                assert_eq!(bits(&dx), bits(&dx2), "{what}: gradients");
-                assert!(dx.iter().any(|&x| x != 0.0), "{what}: a gradient");
-                for (i, (a, w)) in y.iter().zip(&want).enumerate() {
-                    assert!((a - w).abs() <= 1e-5, "{what}: element {i}: {a} vs {w}");
-                }
-            }
-        }
     }
 }

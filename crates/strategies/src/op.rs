@@ -947,6 +947,22 @@ op_table! { name, a, i, shapes;
         name: "packed_sdpa", names: &["packed_sdpa"], family: Attention, inputs: Some(1),
         parse: Ok(Op::PackedSdpa { causal: a.causal, scale: None }),
         example: "--shapes 2x5x3x3x4 --causal";
+    /// Attention on the flat projection `qkv [B, T, 3 H d]` as a fused QKV linear makes it
+    /// (laid out head by head: each head's q, k, v rows side by side, the packed `[H, 3, d]`
+    /// flattened) -> `[B, T, H d]`, with `heads` = H. [`Op::PackedSdpa`] without the reshapes
+    /// to and from `[B, T, H, 3, d]` (views, but each a graph node whose backward zero-fills
+    /// and adds a gradient of its size).
+    FlatSdpa: {
+        /// Heads (H).
+        heads: usize,
+        /// Causal mask.
+        causal: bool,
+        /// Softmax scale (default `1/sqrt(d)`).
+        scale: Option<Scalar>,
+    } => Op::FlatSdpa { .. },
+        name: "flat_sdpa", names: &["flat_sdpa"], family: Attention, inputs: Some(1),
+        parse: Ok(Op::FlatSdpa { heads: a.count_or(name, 1)?, causal: a.causal, scale: None }),
+        example: "--shapes 2x5x36 --scalar 3 --causal";
     /// `src.index_select(ids, dim)`; `ids` is 1-D integer.
     IndexSelect: {
         /// Indexed dim of `src`.

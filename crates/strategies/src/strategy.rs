@@ -66,6 +66,10 @@ pub struct StrategyRow {
     /// row's mesh dim size must divide (the op re-shards that dim over this mesh dim itself,
     /// e.g. the heads of all-to-all context parallelism).
     pub requires_divides: SmallVec<[(TensorRef, usize); 1]>,
+    /// `(tensor, dim, unit)`: every local size of `tensor`'s `dim` in the chosen N-d
+    /// combination is a multiple of `unit` (e.g. a flat `[.., 3 H d]` projection sharded only
+    /// between whole heads: `unit = 3 d`).
+    pub requires_multiple: SmallVec<[(TensorRef, usize, usize); 1]>,
     /// Whether `Shard(d)` may be replaced by `StridedShard { dim: d, sf }` throughout the row
     /// (true when the op does not care about the order of indices along sharded dims).
     pub strided_ok: bool,
@@ -82,6 +86,7 @@ impl StrategyRow {
             requires_nonempty: SmallVec::new(),
             requires_sole: SmallVec::new(),
             requires_divides: SmallVec::new(),
+            requires_multiple: SmallVec::new(),
             strided_ok: true,
         }
     }
@@ -114,6 +119,13 @@ impl StrategyRow {
     /// [`StrategyRow::requires_divides`]).
     pub fn divides(mut self, tensor: TensorRef, dim: usize) -> Self {
         self.requires_divides.push((tensor, dim));
+        self
+    }
+
+    /// Requires every local size of `tensor`'s `dim` to be a multiple of `unit` (see
+    /// [`StrategyRow::requires_multiple`]).
+    pub fn multiple_of(mut self, tensor: TensorRef, dim: usize, unit: usize) -> Self {
+        self.requires_multiple.push((tensor, dim, unit));
         self
     }
 

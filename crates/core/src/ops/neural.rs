@@ -12,8 +12,8 @@ use candle_dtensor_strategies::layout::local_shape_and_offset;
 use candle_dtensor_strategies::{DTensorSpec, Op, Placement};
 
 pub use candle_dtensor_kernels::autodiff::{
-    layer_norm_local, log_softmax_local, packed_sdpa_local, reference, rms_norm_local, sdpa_local,
-    softmax_local,
+    layer_norm_local, log_softmax_local, packed_sdpa_local, packed_sdpa_local_flat, reference,
+    rms_norm_local, sdpa_local, softmax_local,
 };
 
 use crate::collectives::{self, Axis};
@@ -294,6 +294,48 @@ impl DTensor {
         })
     }
 
+    /// Attention on the flat projection: `self` is `qkv [B, T, 3 H d]` as a fused QKV linear
+    /// makes it, laid out head by head (head `h`'s q, k, v at features `[3 h d, 3 (h + 1) d)`:
+    /// `[B, T, H, 3, d]` flattened), with `heads` = H; the output is `[B, T, H d]`. What
+    /// `qkv.reshape([B, T, H, 3, d]).packed_sdpa(..).reshape([B, T, H d])` computes, without
+    /// the two reshapes, whose backward edges each zero-fill and add a gradient of their size.
+    /// On CUDA one flash-attention node reads the projection in place.
+    ///
+    /// Shardable on the batch, or on the features between whole heads (the ranks sharing
+    /// them divide `heads`): a column-parallel QKV linear's output as it is. A sequence shard
+    /// is gathered (context parallelism: [`DTensor::packed_sdpa`]).
+    pub fn flat_sdpa(&self, heads: usize, causal: bool, scale: Option<f64>) -> Result<DTensor> {
+        let width = *self.shape().last().unwrap_or(&0);
+        let d = width
+            .checked_div(heads.saturating_mul(3))
+            .unwrap_or(0)
+            .max(1);
+        let s = scale.unwrap_or(1.0 / (d as f64).sqrt());
+        let op = Op::FlatSdpa {
+            heads,
+            causal,
+            scale: scale.map(Into::into),
+        };
+        run1(&op, &[self], |p| {
+            let x = &p.locals[0];
+            // Whole heads here: the strategies shard the features only between heads.
+            let (b, t, local_heads) = (x.dim(0)?, x.dim(1)?, x.dim(2)? / (3 * d));
+            let balanced = crate::cp::current_layout().0 == crate::cp::SeqLayout::LoadBalanced;
+            if causal && balanced {
+                // The load-balanced sequence order needs its stored-order mask (as
+                // `packed_sdpa`).
+                let packed = x.reshape((b, t, local_heads, 3, d))?;
+                let part = |i: usize| packed.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2);
+                if let Some(y) =
+                    crate::cp::stored_order_attention(&part(0)?, &part(1)?, &part(2)?, causal, s)?
+                {
+                    return y.transpose(1, 2)?.reshape((b, t, local_heads * d));
+                }
+            }
+            packed_sdpa_local_flat(x, local_heads, causal, s)
+        })
+    }
+
     /// Embedding lookup: `self` is the integer ids `[..]`, `weight` is `[V, D]`; the output is
     /// `[.., D]`. With the table sharded on the vocab dim (vocab-parallel), each rank looks up
     /// the ids it owns and the output is a masked partial sum (one all_reduce when needed).
@@ -458,6 +500,11 @@ pub(crate) fn apply(op: &Op, x: &[&DTensor]) -> Result<Vec<DTensor>> {
         Op::CrossEntropy => a.cross_entropy(x[1])?,
         Op::Sdpa { causal, scale } => a.sdpa(x[1], x[2], *causal, scale.map(|s| s.get()))?,
         Op::PackedSdpa { causal, scale } => a.packed_sdpa(*causal, scale.map(|s| s.get()))?,
+        Op::FlatSdpa {
+            heads,
+            causal,
+            scale,
+        } => a.flat_sdpa(*heads, *causal, scale.map(|s| s.get()))?,
         _ => return Err(super::wrong_family(op, x)),
     }])
 }
@@ -495,6 +542,26 @@ pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> 
             let d = x.dim(4)? as f64;
             let s = scale.map(|s| s.get()).unwrap_or(1.0 / d.sqrt());
             reference::packed_sdpa(x, *causal, s)?
+        }
+        Op::FlatSdpa {
+            heads,
+            causal,
+            scale,
+        } => {
+            let (b, t, w) = x.dims3()?;
+            let d = match w.checked_div(heads.saturating_mul(3)) {
+                Some(d) if d > 0 && w % (3 * heads) == 0 => d,
+                _ => candle_core::bail!(
+                    "flat_sdpa: qkv {:?} is not [B, T, 3 x {heads} x d]",
+                    x.dims()
+                ),
+            };
+            let s = scale.map(|s| s.get()).unwrap_or(1.0 / (d as f64).sqrt());
+            reference::packed_sdpa(&x.reshape((b, t, *heads, 3, d))?, *causal, s)?.reshape((
+                b,
+                t,
+                heads * d,
+            ))?
         }
         _ => return Err(super::ref_wrong_family(op)),
     }])

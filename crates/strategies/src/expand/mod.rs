@@ -319,8 +319,30 @@ impl<'a> Problem<'a> {
         }
     }
 
-    /// Checks `requires_even` / `requires_sole` / `requires_divides` / `requires_nonempty` of the
-    /// chosen rows.
+    /// The local sizes of `t`'s dim `d` under the chosen rows (each distinct size once).
+    fn piece_sizes_of(&self, t: TensorRef, d: usize, rows: &[usize]) -> SmallVec<[usize; 4]> {
+        let pl = self.placements_of(t, rows);
+        let n = self.tensor_ctx(t).shape.get(d).copied().unwrap_or(0);
+        let mut sizes: SmallVec<[usize; 4]> = smallvec::smallvec![n];
+        for (mm, p) in pl.iter().enumerate() {
+            let size = self.mesh.dim_size(mm);
+            if size > 1 && p.shards(d) {
+                let mut next: SmallVec<[usize; 4]> = SmallVec::new();
+                for &l in &sizes {
+                    for s in piece_sizes(l, size, p) {
+                        if !next.contains(&s) {
+                            next.push(s);
+                        }
+                    }
+                }
+                sizes = next;
+            }
+        }
+        sizes
+    }
+
+    /// Checks `requires_even` / `requires_sole` / `requires_divides` / `requires_nonempty` /
+    /// `requires_multiple` of the chosen rows.
     fn requirements_ok(&self, rows: &[usize]) -> bool {
         for m in 0..self.mesh.ndim() {
             let row = &self.rows[self.row_of(rows, m)];
@@ -372,24 +394,17 @@ impl<'a> Problem<'a> {
                 }
             }
             for &(t, d) in &row.requires_nonempty {
-                let pl = self.placements_of(t, rows);
-                let n = self.tensor_ctx(t).shape.get(d).copied().unwrap_or(0);
-                let mut sizes: SmallVec<[usize; 4]> = smallvec::smallvec![n];
-                for (mm, p) in pl.iter().enumerate() {
-                    let size = self.mesh.dim_size(mm);
-                    if size > 1 && p.shards(d) {
-                        let mut next: SmallVec<[usize; 4]> = SmallVec::new();
-                        for &l in &sizes {
-                            for s in piece_sizes(l, size, p) {
-                                if !next.contains(&s) {
-                                    next.push(s);
-                                }
-                            }
-                        }
-                        sizes = next;
-                    }
+                if self.piece_sizes_of(t, d, rows).contains(&0) {
+                    return false;
                 }
-                if sizes.contains(&0) {
+            }
+            for &(t, d, unit) in &row.requires_multiple {
+                let unit = unit.max(1);
+                if self
+                    .piece_sizes_of(t, d, rows)
+                    .iter()
+                    .any(|&l| l % unit != 0)
+                {
                     return false;
                 }
             }

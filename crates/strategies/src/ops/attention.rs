@@ -1,6 +1,8 @@
 //! Scaled dot-product attention `q [B, H, T, d]`, `k [B, H, S, d]`, `v [B, H, S, dv]` ->
 //! `[B, H, T, dv]`: shard the batch or the heads on all four tensors alike. The packed form
-//! `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` shards the batch (dim 0) or the heads (dim 2).
+//! `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` shards the batch (dim 0) or the heads (dim 2). The
+//! flat form `qkv [B, T, 3 H d]` -> `[B, T, H d]` shards the batch or, between whole heads
+//! only, the features (dim 2).
 
 use super::{expect_same_dtype, meta, s};
 use crate::cost::CollectiveKind;
@@ -10,8 +12,10 @@ use crate::spec::TensorMeta;
 use crate::strategy::{StrategyRow, TensorRef};
 
 pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
-    if matches!(op, Op::PackedSdpa { .. }) {
-        return packed_metas(op, inputs);
+    match op {
+        Op::PackedSdpa { .. } => return packed_metas(op, inputs),
+        Op::FlatSdpa { heads, .. } => return flat_metas(op, inputs[0], *heads),
+        _ => {}
     }
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     expect_same_dtype(op, q, k)?;
@@ -34,8 +38,10 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
 }
 
 pub(super) fn rows(op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Vec<StrategyRow> {
-    if matches!(op, Op::PackedSdpa { .. }) {
-        return packed_rows(inputs[0]);
+    match op {
+        Op::PackedSdpa { .. } => return packed_rows(inputs[0]),
+        Op::FlatSdpa { heads, .. } => return flat_rows(inputs[0], *heads),
+        _ => {}
     }
     let mut rows: Vec<StrategyRow> = (0..2)
         .map(|d| StrategyRow::new(&[s(d)], &[s(d), s(d), s(d)]))
@@ -123,4 +129,35 @@ fn packed_rows(x: &TensorMeta) -> Vec<StrategyRow> {
         [third, third, third, third],
     ));
     rows
+}
+
+fn flat_metas(op: &Op, x: &TensorMeta, heads: usize) -> Result<Vec<TensorMeta>> {
+    let ok =
+        x.ndim() == 3 && heads > 0 && x.shape[2] > 0 && x.shape[2] % heads.saturating_mul(3) == 0;
+    if !ok || !x.dtype.is_float() {
+        return Err(StrategyError::shape(
+            op,
+            format!("expects a float flat qkv [B, T, 3 x {heads} heads x d] (d > 0), got {x}"),
+        ));
+    }
+    let out = [x.shape[0], x.shape[1], x.shape[2] / 3];
+    Ok(vec![meta(&out, x.dtype)])
+}
+
+fn flat_rows(x: &TensorMeta, heads: usize) -> Vec<StrategyRow> {
+    // The batch; or the features between whole heads: every piece of the projection whole
+    // heads' q, k, v (3 d each), every piece of the output the same heads (d each), which
+    // even pieces of both guarantee. No context-parallel rows: a sequence shard of the flat
+    // form is gathered (`packed_sdpa` has them).
+    let d = x.shape[2] / (3 * heads);
+    let (i, o) = (TensorRef::Input(0), TensorRef::Output(0));
+    vec![
+        StrategyRow::new(&[s(0)], &[s(0)]),
+        StrategyRow::new(&[s(2)], &[s(2)])
+            .even(i, 2)
+            .even(o, 2)
+            .multiple_of(i, 2, 3 * d)
+            .multiple_of(o, 2, d)
+            .no_strided(),
+    ]
 }

@@ -109,6 +109,45 @@ fn norms_attention_loss_index() {
              [+all_to_all 4096 B]"
         ]
     );
+    // The flat projection: the batch, or the features between whole heads (the row carries
+    // the requirement; the expander checks it on the whole mesh below).
+    let flat = |heads| Op::FlatSdpa {
+        heads,
+        causal: true,
+        scale: None,
+    };
+    assert_eq!(
+        table(&flat(4), &[(&[2, 8, 48], F)]),
+        ["S(0) <- S(0)", "S(2) <- S(2)"]
+    );
+    let choose = |heads: usize, mesh: &str, shape: &[usize], given: &str| {
+        let topo = MeshTopology::parse(mesh).unwrap();
+        let pl = candle_dtensor_strategies::parse_placements(given).unwrap();
+        let x = DTensorSpec::new(shape, F, &pl);
+        let s = propagate_with(&flat(heads), &[&x], &topo, ExpandMethod::Auto).unwrap();
+        (
+            candle_dtensor_strategies::format_placements(&s.input_specs[0].placements),
+            candle_dtensor_strategies::format_placements(&s.output_specs[0].placements),
+        )
+    };
+    // Whole heads on each rank: kept (one mesh dim, two nested ones).
+    assert_eq!(
+        choose(4, "tp=2", &[2, 8, 48], "S(2)"),
+        ("S(2)".into(), "S(2)".into())
+    );
+    assert_eq!(
+        choose(4, "dp=2,tp=2", &[2, 8, 48], "S(2),S(2)"),
+        ("S(2),S(2)".into(), "S(2),S(2)".into())
+    );
+    // 3 heads on 2 ranks (18 features, 9 each: half a head) and 2 heads on 4 ranks: the
+    // features cannot stay sharded, on either tensor.
+    for (heads, mesh, shape) in [(3, "tp=2", [2, 8, 18]), (2, "tp=4", [4, 8, 24])] {
+        let (i, o) = choose(heads, mesh, &shape, "S(2)");
+        assert!(
+            !i.contains("S(2)") && !o.contains("S(2)"),
+            "{heads} heads on {mesh}: {i} -> {o}"
+        );
+    }
     let t = table(&Op::CrossEntropy, &[(&[4, 16], F), (&[4], DType::I64)]);
     assert_eq!(
         t,
