@@ -147,3 +147,72 @@ fn flat_sdpa_refuses_heads_that_do_not_divide_the_projection() {
         assert!(e.contains("flat_sdpa") && e.contains("[2, 3, 24]"), "{e}");
     }
 }
+
+/// In the load-balanced context-parallel order (a `cp::layout_scope`, the sequence whole on
+/// each rank, as after the compiler gathered it) `flat_sdpa` masks by the global positions: on
+/// the stored-order projection it gives one device's causal attention on the natural order,
+/// rows stored alike, on a batch-sharded mesh too; and the same bits as the packed path.
+#[test]
+fn flat_sdpa_in_the_load_balanced_order_masks_global_positions() {
+    use candle_dtensor_core::cp::{layout_scope, load_balanced_order, SeqLayout};
+    let (b, t, h, hd, cp) = (2, 8, 2, 4, 2);
+    let order = load_balanced_order(t, cp).unwrap();
+    assert_ne!(
+        order,
+        (0..t).collect::<Vec<_>>(),
+        "the order is a real permutation"
+    );
+    let ids = Tensor::from_vec(
+        order.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+        t,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let natural = Tensor::from_vec(
+        values(b * t * 3 * h * hd, 3),
+        (b, t, 3 * h * hd),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let stored = natural.index_select(&ids, 1).unwrap();
+    let want = candle_dtensor_core::reference::packed_sdpa(
+        &natural.reshape((b, t, h, 3, hd)).unwrap(),
+        true,
+        1.0 / (hd as f64).sqrt(),
+    )
+    .unwrap()
+    .reshape((b, t, h * hd))
+    .unwrap()
+    .index_select(&ids, 1)
+    .unwrap();
+    for (shape, pl) in [
+        (vec![1], Placement::Replicate),
+        (vec![2], Placement::Shard(0)),
+    ] {
+        let out = on_mesh(&shape, |mesh| {
+            let _order = layout_scope(SeqLayout::LoadBalanced, cp);
+            let x = distribute_tensor(&stored, &mesh, &[pl])?;
+            let flat = x.flat_sdpa(h, true, None)?.full_tensor()?;
+            let packed = x
+                .reshape(&[b, t, h, 3, hd])?
+                .packed_sdpa(true, None)?
+                .reshape(&[b, t, h * hd])?
+                .full_tensor()?;
+            Ok((flat, packed))
+        })
+        .unwrap();
+        for (flat, packed) in out {
+            close(&flat, &want, 1e-5).unwrap_or_else(|e| panic!("mesh {shape:?}: {e}"));
+            let bits = |x: &Tensor| -> Vec<u32> {
+                x.flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            assert_eq!(bits(&flat), bits(&packed), "mesh {shape:?}");
+        }
+    }
+}

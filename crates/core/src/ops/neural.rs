@@ -97,6 +97,20 @@ fn sharded_range(
     Ok((dims, off[dim], shape[dim]))
 }
 
+/// Causal attention on a packed `[B, T, H, 3, d]` projection whose sequence is stored in the
+/// load-balanced context-parallel order (`cp::layout_scope`), with the mask of the global
+/// positions: `[B, T, H, d]`. `None` outside that order, or where the stored-order path does
+/// not apply (then the plain local attention is right).
+fn stored_order_packed(packed: &Tensor, causal: bool, scale: f64) -> CResult<Option<Tensor>> {
+    if !(causal && crate::cp::current_layout().0 == crate::cp::SeqLayout::LoadBalanced) {
+        return Ok(None);
+    }
+    let part = |i: usize| packed.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2);
+    crate::cp::stored_order_attention(&part(0)?, &part(1)?, &part(2)?, causal, scale)?
+        .map(|y| y.transpose(1, 2))
+        .transpose()
+}
+
 fn axes(p: &Prepared, dims: &[usize]) -> CResult<Vec<Axis>> {
     dims.iter()
         .map(|&m| {
@@ -270,27 +284,15 @@ impl DTensor {
             // [B, T, H, 3, d] -> q, k, v [B, H, T, d]; the output back to [B, T, H, d].
             let x = &p.locals[0];
             let part = |i: usize| x.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2);
-            let y = match context_parallel(p, 1)? {
-                Some((ax, t, cp)) => cp.run(&part(0)?, &part(1)?, &part(2)?, &ax, t, causal, s)?,
-                None => {
-                    let balanced =
-                        crate::cp::current_layout().0 == crate::cp::SeqLayout::LoadBalanced;
-                    if !(causal && balanced) {
-                        return packed_sdpa_local(x, causal, s);
-                    }
-                    match crate::cp::stored_order_attention(
-                        &part(0)?,
-                        &part(1)?,
-                        &part(2)?,
-                        causal,
-                        s,
-                    )? {
-                        Some(y) => y,
-                        None => return packed_sdpa_local(x, causal, s),
-                    }
-                }
-            };
-            y.transpose(1, 2)
+            match context_parallel(p, 1)? {
+                Some((ax, t, cp)) => cp
+                    .run(&part(0)?, &part(1)?, &part(2)?, &ax, t, causal, s)?
+                    .transpose(1, 2),
+                None => match stored_order_packed(x, causal, s)? {
+                    Some(y) => Ok(y),
+                    None => packed_sdpa_local(x, causal, s),
+                },
+            }
         })
     }
 
@@ -320,16 +322,11 @@ impl DTensor {
             let x = &p.locals[0];
             // Whole heads here: the strategies shard the features only between heads.
             let (b, t, local_heads) = (x.dim(0)?, x.dim(1)?, x.dim(2)? / (3 * d));
-            let balanced = crate::cp::current_layout().0 == crate::cp::SeqLayout::LoadBalanced;
-            if causal && balanced {
-                // The load-balanced sequence order needs its stored-order mask (as
-                // `packed_sdpa`).
+            // The load-balanced sequence order needs its stored-order mask (as `packed_sdpa`).
+            if causal && crate::cp::current_layout().0 == crate::cp::SeqLayout::LoadBalanced {
                 let packed = x.reshape((b, t, local_heads, 3, d))?;
-                let part = |i: usize| packed.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2);
-                if let Some(y) =
-                    crate::cp::stored_order_attention(&part(0)?, &part(1)?, &part(2)?, causal, s)?
-                {
-                    return y.transpose(1, 2)?.reshape((b, t, local_heads * d));
+                if let Some(y) = stored_order_packed(&packed, causal, s)? {
+                    return y.reshape((b, t, local_heads * d));
                 }
             }
             packed_sdpa_local_flat(x, local_heads, causal, s)
@@ -414,7 +411,9 @@ impl DTensor {
                 // The fused node: f32 on the CPU, f32/bf16 on CUDA (no host read of the
                 // targets or the loss there), on the logits' own layout (any leading dims);
                 // bf16 logits give their f32 per-row losses' f32 mean.
-                if fused::cross_entropy_applies(x) && x.track_op() && n > 0 && cols > 0 {
+                // (Rows of logits, `[.., C]` with leading dims: the CUDA node takes no `[C]`.)
+                let rows = classes >= 1;
+                if rows && fused::cross_entropy_applies(x) && x.track_op() && n > 0 && cols > 0 {
                     return fused::cross_entropy_share(x, t, global_n);
                 }
             }
@@ -527,7 +526,9 @@ pub(crate) fn single_device(op: &Op, inputs: &[Tensor]) -> CResult<Vec<Tensor>> 
                 .reshape(dims)?
         }
         Op::CrossEntropy => {
-            let c = x.rank() - 1;
+            let Some(c) = x.rank().checked_sub(1) else {
+                candle_core::bail!("cross_entropy: logits must be [.., C], got a scalar")
+            };
             let lsm = reference::log_softmax(x, c)?;
             lsm.gather(&inputs[1].to_dtype(DType::U32)?.unsqueeze(c)?, c)?
                 .neg()?

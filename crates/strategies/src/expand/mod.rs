@@ -5,8 +5,8 @@
 //! inputs of the cheapest redistribution plan from the current placements to the chosen ones
 //! ([`crate::plan`], bytes tracked per input along the plan), plus the op's internal comms, plus
 //! the all_reduce that will materialize any `MaskPartial` output (so the three index-op plans
-//! compete fairly). Rows with `requires_even` / `requires_sole` / `requires_nonempty` are checked
-//! against the full combination.
+//! compete fairly). Rows with `requires_even` / `requires_sole` / `requires_divides` /
+//! `requires_nonempty` / `requires_multiple` are checked against the full combination.
 //!
 //! Stages, all exact for that cost (the minimum over every combination of rows):
 //! 1. fast path: if the current placements already match a row on every mesh dim and that costs

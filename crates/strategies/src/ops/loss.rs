@@ -51,7 +51,12 @@ pub(super) fn rows(_op: &Op, inputs: &[&TensorMeta], _outs: &[TensorMeta]) -> Ve
     let logits = inputs[0];
     let classes = logits.ndim() - 1;
     let n_rows: usize = logits.shape[..classes].iter().product();
-    let n_bytes = (n_rows * logits.dtype.size_in_bytes()) as u64;
+    // Half-precision logits are reduced in f32 (the loss is computed in f32).
+    let reduced = match logits.dtype {
+        DType::BF16 | DType::F16 => DType::F32,
+        d => d,
+    };
+    let n_bytes = (n_rows * reduced.size_in_bytes()) as u64;
     let mut rows: Vec<StrategyRow> = (0..classes)
         .map(|d| StrategyRow::new(&[PSUM], &[s(d), s(d)]))
         .collect();
@@ -76,7 +81,7 @@ mod tests {
         assert_eq!(rows[1].internal.len(), 3);
         assert_eq!(rows[1].internal[0].bytes, 16);
         // [B, T, V] logits: a row for each leading dim; the internal all_reduces carry one
-        // value a row.
+        // value a row, in f32 for bf16 logits (6 rows: 24 bytes).
         let l = TensorMeta::new(&[2, 3, 16], DType::BF16);
         let t = TensorMeta::new(&[2, 3], DType::U32);
         let rows = single_dim_strategies(&Op::CrossEntropy, &[&l, &t]).unwrap();
@@ -86,7 +91,7 @@ mod tests {
             [
                 "P(sum) <- S(0), S(0)",
                 "P(sum) <- S(1), S(1)",
-                "R <- S(2), R [+all_reduce 12 B] [+all_reduce 12 B] [+all_reduce 12 B]"
+                "R <- S(2), R [+all_reduce 24 B] [+all_reduce 24 B] [+all_reduce 24 B]"
             ]
         );
         // A single row of logits [C] against a scalar target.
