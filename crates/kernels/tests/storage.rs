@@ -218,3 +218,90 @@ fn host_staging_round_trips_every_dtype() {
 fn retaining_freed_memory_is_a_no_op_on_the_cpu() {
     assert!(!candle_dtensor_kernels::storage::retain_freed_memory(&Device::Cpu).unwrap());
 }
+
+/// What a [`Probe`]'s backward saw: the gradient it received and the one it returned, kept
+/// alive so that their storages can be compared (a freed storage's address can come back).
+#[derive(Default)]
+struct Seen {
+    received: std::sync::Mutex<Option<Tensor>>,
+    returned: std::sync::Mutex<Option<Tensor>>,
+}
+
+/// An identity node whose backward doubles the gradient and records it in [`Seen`].
+struct Probe(std::sync::Arc<Seen>);
+
+impl candle_core::CustomOp1 for Probe {
+    fn name(&self) -> &'static str {
+        "probe"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        assert!(
+            l.is_contiguous() && l.start_offset() == 0,
+            "the test's input is an owner"
+        );
+        Ok((s.clone(), l.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        *self.0.received.lock().unwrap() = Some(g.clone());
+        let out = g.affine(2., 0.)?;
+        *self.0.returned.lock().unwrap() = Some(out.clone());
+        Ok(Some(out))
+    }
+}
+
+/// The workspace builds candle-core with vendor/candle-core.patch (vendor/README.md): the first
+/// gradient reaching an intermediate tensor is stored as it is, not added into a fresh
+/// `zeros_like`, while each variable's gradient stays a storage of its own (the optimizers and
+/// gradient reductions rely on it). Here the gradient `b` returns for the reshape reaches `a`
+/// in the same storage (the reshape's backward is a view); without the patch it arrives in the
+/// zero-filled sum's new buffer. Fails if the `[patch.crates-io]` entry is dropped, or if
+/// variables lose their own storages.
+#[test]
+fn backward_stores_first_gradients_and_keeps_variables_apart() {
+    use candle_core::Var;
+    let x = Var::new(&[1f32, 2., 3., 4.], &Device::Cpu).unwrap();
+    let y = Var::new(&[5f32, 6., 7., 8.], &Device::Cpu).unwrap();
+    let (a, b) = (
+        std::sync::Arc::new(Seen::default()),
+        std::sync::Arc::new(Seen::default()),
+    );
+    // Both variables receive the add's gradient.
+    let s = (x.as_tensor() + y.as_tensor()).unwrap();
+    let pa = s.apply_op1(Probe(a.clone())).unwrap();
+    let r = pa.reshape((2, 2)).unwrap();
+    let loss = r.apply_op1(Probe(b.clone())).unwrap().sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    let returned_by_b = b
+        .returned
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("b's backward ran");
+    let received_by_a = a
+        .received
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("a's backward ran");
+    assert!(
+        storage::same_storage(&received_by_a, &returned_by_b),
+        "the reshape's gradient is stored as the view it is"
+    );
+    let (gx, gy) = (
+        grads.get(x.as_tensor()).unwrap(),
+        grads.get(y.as_tensor()).unwrap(),
+    );
+    assert!(
+        !storage::same_storage(gx, gy),
+        "each variable's gradient is its own storage"
+    );
+    // d/dx of sum(b(reshape(a(x + y)))) with both probes doubling: 4 everywhere.
+    assert_eq!(gx.to_vec1::<f32>().unwrap(), [4f32; 4]);
+    assert_eq!(gy.to_vec1::<f32>().unwrap(), [4f32; 4]);
+}
