@@ -890,6 +890,39 @@ fn shorter_timeout(c: &Comm) -> Duration {
     c.timeout().min(c.options().bootstrap_timeout)
 }
 
+/// Threads of this process whose name starts with `prefix` (0 where `/proc/self/task` cannot
+/// be read): the largest count of three listings, because one listing can skip a live thread
+/// when another thread exits while it is read (the kernel walks the thread list by position),
+/// and a test binary's other tests start and end threads all the time. For leak checks, wait
+/// for several zero counts in a row ([`no_threads_named`]).
+pub fn threads_named(prefix: &str) -> usize {
+    let listed = || {
+        std::fs::read_dir("/proc/self/task")
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+                    .filter(|c| c.starts_with(prefix))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    (0..3).map(|_| listed()).max().unwrap_or(0)
+}
+
+/// Whether the threads named `prefix*` are gone within `limit`: five zero counts of
+/// [`threads_named`] in a row, so that one count that missed a thread cannot pass.
+pub fn no_threads_named(prefix: &str, limit: Duration) -> bool {
+    let mut zeros = 0;
+    eventually(limit, || {
+        zeros = if threads_named(prefix) == 0 {
+            zeros + 1
+        } else {
+            0
+        };
+        zeros >= 5
+    })
+}
+
 /// Polls `f` until it holds or `limit` passes; returns whether it held.
 pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let start = Instant::now();

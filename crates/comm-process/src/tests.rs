@@ -296,25 +296,11 @@ pub(crate) static LIVE: Mutex<Vec<std::sync::Weak<Transport>>> = Mutex::new(Vec:
 
 #[test]
 fn no_thread_outlives_its_communicator() {
-    /// Threads whose name starts with `prefix`, by one listing of `/proc/self/task`.
-    fn listed(prefix: &str) -> usize {
-        std::fs::read_dir("/proc/self/task")
-            .map(|d| {
-                d.filter_map(|e| e.ok())
-                    .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
-                    .filter(|c| c.starts_with(prefix))
-                    .count()
-            })
-            .unwrap_or(0)
-    }
-    /// A listing of `/proc/self/task` can skip a live thread when another one exits while it
-    /// is read (the kernel walks the thread list by position), and the other tests of this
-    /// binary start and end threads all the time: once, a reader still within its last read
-    /// tick was missed, the wait ended, and the assertion's own listing then saw it. So a count
-    /// is the largest of three listings, and the wait ends only after five zero counts in a row.
-    fn threads(prefix: &str) -> usize {
-        (0..3).map(|_| listed(prefix)).max().unwrap_or(0)
-    }
+    // Counted as the conformance kit counts them: one listing of /proc/self/task can skip a
+    // live thread while other tests' threads exit (once, a reader still within its last read
+    // tick was missed and the assertion's own listing then saw it), so a count is the largest
+    // of three and the wait takes five zero counts in a row.
+    use candle_dtensor_comm_conformance::{no_threads_named, threads_named};
     if !cfg!(target_os = "linux") {
         return;
     }
@@ -326,20 +312,10 @@ fn no_thread_outlives_its_communicator() {
     }));
     // Threads exit within a read tick (100 ms); the wait is long only so that a loaded machine
     // cannot fail it (it ends as soon as they are gone).
-    let t0 = Instant::now();
-    let mut zeros = 0;
-    while zeros < 5 && t0.elapsed() < Duration::from_secs(30) {
-        zeros = if threads("cdt-leakp") == 0 {
-            zeros + 1
-        } else {
-            0
-        };
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert_eq!(
-        threads("cdt-leakp"),
-        0,
-        "progress or reader threads left behind"
+    assert!(
+        no_threads_named("cdt-leakp", Duration::from_secs(30)),
+        "{} progress or reader threads left behind",
+        threads_named("cdt-leakp")
     );
 }
 

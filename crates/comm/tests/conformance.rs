@@ -404,28 +404,10 @@ mod faults {
         assert!(matches!(e, LocalWorldError::Launch(_)), "{e}");
     }
 
-    /// Threads whose name starts with `prefix`: the largest count of three listings of
-    /// `/proc/self/task`, because one listing can skip a live thread when another thread exits
-    /// while it is read (the kernel walks the thread list by position), and the other tests of
-    /// this binary start and end threads all the time.
-    #[cfg(target_os = "linux")]
-    fn threads_named(prefix: &str) -> usize {
-        let listed = || {
-            std::fs::read_dir("/proc/self/task")
-                .map(|d| {
-                    d.filter_map(|e| e.ok())
-                        .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
-                        .filter(|c| c.starts_with(prefix))
-                        .count()
-                })
-                .unwrap_or(0)
-        };
-        (0..3).map(|_| listed()).max().unwrap_or(0)
-    }
-
     #[cfg(target_os = "linux")]
     #[test]
     fn no_progress_thread_outlives_its_world() {
+        use candle_dtensor_comm::conformance::{no_threads_named, threads_named};
         // Progress threads are named "cdt-<comm>-r<rank>". After the launch returns, every
         // communicator is gone, so every progress thread must exit, including after failures.
         let ok = LocalWorld::new(3)
@@ -459,18 +441,8 @@ mod faults {
         // Threads exit within milliseconds; the wait is long only so that a loaded machine
         // cannot fail it (it ends as soon as they are gone).
         for prefix in ["cdt-leakok-", "cdt-leaksub-", "cdt-leakbad-"] {
-            // Five zero counts in a row, so that one count that missed a thread cannot pass.
-            let mut zeros = 0;
-            let gone = eventually(Duration::from_secs(30), || {
-                zeros = if threads_named(prefix) == 0 {
-                    zeros + 1
-                } else {
-                    0
-                };
-                zeros >= 5
-            });
             assert!(
-                gone,
+                no_threads_named(prefix, Duration::from_secs(30)),
                 "{} progress threads named {prefix}* still run after their world ended",
                 threads_named(prefix)
             );

@@ -13,6 +13,11 @@ use common::*;
 /// An output and a gradient, as one rank sees them.
 type Seen = (Vec<f32>, Vec<f32>);
 
+/// The bits of `v`, for comparisons that must be exact.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// Distinct values, scaled so the softmax is not flat.
 fn values(n: usize, seed: usize) -> Vec<f32> {
     (0..n)
@@ -115,7 +120,6 @@ fn flat_sdpa_is_the_dispatched_attention() {
                 );
             }
             if whole {
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&y), bits(&y2), "{what}: outputs");
                 assert_eq!(bits(&dx), bits(&dx2), "{what}: gradients");
             } else {
@@ -203,16 +207,12 @@ fn flat_sdpa_in_the_load_balanced_order_masks_global_positions() {
         .unwrap();
         for (flat, packed) in out {
             close(&flat, &want, 1e-5).unwrap_or_else(|e| panic!("mesh {shape:?}: {e}"));
-            let bits = |x: &Tensor| -> Vec<u32> {
-                x.flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect()
-            };
-            assert_eq!(bits(&flat), bits(&packed), "mesh {shape:?}");
+            let as_vec = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(
+                bits(&as_vec(&flat)),
+                bits(&as_vec(&packed)),
+                "mesh {shape:?}"
+            );
         }
     }
 }
