@@ -16,6 +16,28 @@ for tool in git sha256sum; do
     }
 done
 
+# The hash list itself, pinned: a change to a vendored file that also rewrote the list must
+# change this line too, in plain sight.
+list_sha256=add788a504080fa526bc03f1667821e25799cfbe1e9ec144691841eafa2423e0
+if [[ "$(sha256sum <vendor/candle-core.upstream.sha256 | cut -d ' ' -f 1)" != "$list_sha256" ]]; then
+    echo "check_vendor.sh: vendor/candle-core.upstream.sha256 is not the recorded list of the" \
+        "published crate's files (sha256 $list_sha256)" >&2
+    exit 1
+fi
+# The patch touches src/backprop.rs and nothing else (vendor/README.md).
+touched=$(git apply --numstat -p1 vendor/candle-core.patch | cut -f 3)
+if [[ "$touched" != "src/backprop.rs" ]]; then
+    echo "check_vendor.sh: vendor/candle-core.patch must change src/backprop.rs only; it" \
+        "changes: $(echo "$touched" | tr '\n' ' ')" >&2
+    exit 1
+fi
+# Only regular files (a symlink would be hashed through its target).
+odd=$(find vendor/candle-core ! -type d ! -type f)
+if [[ -n "$odd" ]]; then
+    echo "check_vendor.sh: vendor/candle-core holds files that are not regular: $odd" >&2
+    exit 1
+fi
+
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cp -r vendor/candle-core "$tmp/c"
