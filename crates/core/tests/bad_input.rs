@@ -697,3 +697,38 @@ fn new_ops_refuse_bad_input() {
         Ok(bad)
     });
 }
+
+/// Unary maps candle has no integer form of (its kernels `todo!()` there: a panic reachable
+/// from safe code) are refused on integer DTensors with a typed error naming the op, the rank
+/// and the input; the maps candle computes on integers (relu, gelu, gelu_erf, silu, abs) give
+/// its single-device result.
+#[test]
+fn unary_maps_without_an_integer_form_refuse_integers() {
+    use candle_dtensor_strategies::UnaryOp;
+    let data = Tensor::new(&[1u32, 2, 3, 4], &Device::Cpu).unwrap();
+    check_on(&[2], "integer unary", |m| {
+        let x = distribute_tensor(&data, &m, &p("S(0)"))?;
+        let mut bad = Vec::new();
+        for u in UnaryOp::ALL.iter().copied() {
+            let what = format!("{u} of u32");
+            let got = x.unary(u);
+            if u.float_only() {
+                let also = ["[4] u32 S(0)", "needs a float input"];
+                if let Err(e) = expect_err(got, u.name(), m.rank(), &also, &what) {
+                    bad.push(e);
+                }
+                continue;
+            }
+            match got.and_then(|y| y.full_tensor()) {
+                Ok(y) => {
+                    let want = reference_apply(&Op::Unary(u), std::slice::from_ref(&data))?;
+                    if y.to_vec1::<u32>()? != want.to_vec1::<u32>()? {
+                        bad.push(format!("{what}: not the single-device result"));
+                    }
+                }
+                Err(e) => bad.push(format!("{what}: refused: {e}")),
+            }
+        }
+        Ok(bad)
+    });
+}

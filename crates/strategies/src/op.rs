@@ -121,6 +121,16 @@ named_enum!(
 );
 
 impl UnaryOp {
+    /// Whether the map needs a float input: candle computes `relu`, `gelu`, `gelu_erf`,
+    /// `silu` and `abs` on integers too, and has no integer form of the others (its kernels
+    /// panic with `todo!` there).
+    pub fn float_only(self) -> bool {
+        !matches!(
+            self,
+            UnaryOp::Relu | UnaryOp::Gelu | UnaryOp::GeluErf | UnaryOp::Silu | UnaryOp::Abs
+        )
+    }
+
     /// Linear maps keep `P(sum)` and `P(avg)`.
     pub fn is_linear(self) -> bool {
         matches!(self, UnaryOp::Neg)

@@ -16,7 +16,7 @@
 use super::{
     broadcast_shapes, expect_same_dtype, meta, pointwise_shard_rows, PAVG, PMAX, PMIN, PSUM, R,
 };
-use crate::error::Result;
+use crate::error::{Result, StrategyError};
 use crate::op::{BinaryOp, Monotonicity, Op, ScalarOp};
 use crate::placement::{Placement, ReduceOp};
 use crate::spec::{DType, TensorMeta};
@@ -35,6 +35,10 @@ pub(super) fn metas(op: &Op, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> 
             };
             Ok(vec![meta(&shape, dtype)])
         }
+        Op::Unary(u) if u.float_only() && !inputs[0].dtype.is_float() => Err(StrategyError::shape(
+            op,
+            format!("needs a float input, got {}", inputs[0]),
+        )),
         _ => Ok(vec![inputs[0].clone()]),
     }
 }
