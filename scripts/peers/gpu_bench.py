@@ -659,7 +659,8 @@ def main(argv=None):
     p.add_argument("--mem-interval", type=float, default=1.0)
     p.add_argument("--no-count-kernels", dest="count_kernels", action="store_false",
                    help="do not count the last step's kernels (train_gpt --count-kernels, the twin's "
-                        "torch.profiler): by default both sides count, under CUPTI, in their last step only")
+                        "torch.profiler): by default both sides count, under CUPTI, in their last step only; "
+                        "never with --device cpu")
     p.add_argument("--gemm-size", type=int, help="N of the N^3 GEMMs (default 8192 on CUDA, 512 on the CPU)")
     p.add_argument("--gemm-iters", type=int, default=40)
     p.add_argument("--no-gemm", action="store_true")
@@ -689,6 +690,10 @@ def main(argv=None):
         sys.exit("--steps must be >= 1 and --warmup >= 0")
     if a.gemm_size is None:
         a.gemm_size = 8192 if a.device.startswith("cuda") else 512
+    if not a.device.startswith("cuda"):
+        # Both sides count GPU kernels under CUPTI and refuse --count-kernels on the CPU: a dry
+        # run there would fail every run of ours and leave the twins' kernel columns as errors.
+        a.count_kernels = False
     if a.attn_bench is None:
         a.attn_bench = os.path.join(os.path.dirname(os.path.abspath(a.train_gpt)), "attn_bench")
     os.makedirs(a.out, exist_ok=True)
