@@ -305,3 +305,133 @@ fn backward_stores_first_gradients_and_keeps_variables_apart() {
     assert_eq!(gx.to_vec1::<f32>().unwrap(), [4f32; 4]);
     assert_eq!(gy.to_vec1::<f32>().unwrap(), [4f32; 4]);
 }
+
+/// `a` forward; backward hands back a tensor of the forward as the gradient of `a`: `a`
+/// itself (`own`), or `b` (a rule such as `d/dx (x y) = y`, with no multiply left).
+struct Echo {
+    own: bool,
+}
+
+impl candle_core::CustomOp2 for Echo {
+    fn name(&self) -> &'static str {
+        "echo"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+        _s2: &candle_core::CpuStorage,
+        _l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        assert!(
+            l.is_contiguous() && l.start_offset() == 0,
+            "the test's input is an owner"
+        );
+        Ok((s.clone(), l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        _g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(if self.own { a.clone() } else { b.clone() }), None))
+    }
+}
+
+/// Variables' first gradients are stored as they come too (vendor/README.md), with no zero
+/// fill and add, and then separated: a gradient two variables would share, or one that is a
+/// variable's own value, is replaced by a copy, so each variable's gradient is a storage of its
+/// own that no variable's value shares (AdamW refuses shared storages; reductions and clipping
+/// take each gradient as its own). Fails if variables keep the zero-and-add path (the first
+/// assertion) or if the separation is dropped (the others).
+#[test]
+fn variables_take_their_first_gradient_as_it_comes_but_never_share_it() {
+    use candle_core::Var;
+    let dev = Device::Cpu;
+    // One variable, one consumer: the probe's returned gradient is the variable's.
+    let w = Var::new(&[1f32, -2., 3.], &dev).unwrap();
+    let seen = std::sync::Arc::new(Seen::default());
+    let loss = w
+        .as_tensor()
+        .apply_op1(Probe(seen.clone()))
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let grads = loss.backward().unwrap();
+    let returned = seen
+        .returned
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("the backward ran");
+    let gw = grads.get(w.as_tensor()).unwrap();
+    assert!(
+        storage::same_storage(gw, &returned),
+        "a variable's whole first gradient is stored without a copy"
+    );
+    assert_eq!(gw.to_vec1::<f32>().unwrap(), [2f32; 3]);
+
+    // Two variables fed by one add: the first in the backward's order keeps the tensor, the
+    // other gets a copy; both have the value.
+    let x = Var::new(&[1f32, 2.], &dev).unwrap();
+    let y = Var::new(&[3f32, 4.], &dev).unwrap();
+    let seen = std::sync::Arc::new(Seen::default());
+    let loss = (x.as_tensor() + y.as_tensor())
+        .unwrap()
+        .apply_op1(Probe(seen.clone()))
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let grads = loss.backward().unwrap();
+    let returned = seen
+        .returned
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("the backward ran");
+    let (gx, gy) = (
+        grads.get(x.as_tensor()).unwrap(),
+        grads.get(y.as_tensor()).unwrap(),
+    );
+    assert!(!storage::same_storage(gx, gy), "x and y share a gradient");
+    assert!(
+        storage::same_storage(gx, &returned) || storage::same_storage(gy, &returned),
+        "one of them keeps the add's gradient as it came"
+    );
+    assert_eq!(gx.to_vec1::<f32>().unwrap(), [2f32; 2]);
+    assert_eq!(gy.to_vec1::<f32>().unwrap(), [2f32; 2]);
+
+    // A rule handing a variable's value back as a gradient, its own (u) or another's (v's
+    // value as w's gradient): each gradient is a copy, with the value.
+    let u = Var::new(&[5f32, 6.], &dev).unwrap();
+    let v = Var::new(&[7f32, 8.], &dev).unwrap();
+    let w = Var::new(&[9f32, 10.], &dev).unwrap();
+    let own = u
+        .as_tensor()
+        .apply_op2(v.as_tensor(), Echo { own: true })
+        .unwrap();
+    let other = w
+        .as_tensor()
+        .apply_op2(v.as_tensor(), Echo { own: false })
+        .unwrap();
+    let loss = (own.sum_all().unwrap() + other.sum_all().unwrap()).unwrap();
+    let grads = loss.backward().unwrap();
+    let (gu, gw) = (
+        grads.get(u.as_tensor()).unwrap(),
+        grads.get(w.as_tensor()).unwrap(),
+    );
+    for (name, g) in [("u", gu), ("w", gw)] {
+        for (value_name, value) in [("u", &u), ("v", &v), ("w", &w)] {
+            assert!(
+                !storage::same_storage(g, value.as_tensor()),
+                "{name}'s gradient shares {value_name}'s value"
+            );
+        }
+    }
+    assert_eq!(gu.to_vec1::<f32>().unwrap(), [5f32, 6.]);
+    assert_eq!(gw.to_vec1::<f32>().unwrap(), [7f32, 8.]);
+}

@@ -663,6 +663,7 @@ impl Tensor {
                 };
             }
         }
+        grads.separate_variables(&sorted_nodes)?;
         Ok(grads)
     }
 }
@@ -678,13 +679,13 @@ impl GradStore {
     }
 
     /// Adds `grad` to the gradient of `tensor` (candle-dtensor patch, see `vendor/README.md`).
-    /// The first contribution to an intermediate tensor is stored as it is when it is the
-    /// whole of a storage (contiguous from offset 0, every element of the storage), else as a
-    /// fresh copy: no `zeros_like` to add it into, which cost a zero fill and an add of the
-    /// gradient's size on every graph edge. Variables (the leaves the caller reads) keep the
-    /// zero-and-add path, so each variable's gradient is a storage of its own, as before.
-    /// Shapes, dtypes and devices are checked as the add checked them. Every stored gradient
-    /// is contiguous, as before (rules such as `index_add` and `scatter` require it).
+    /// The first contribution to a tensor is stored as it is when it is the whole of a
+    /// storage (contiguous from offset 0, every element of the storage), else as a fresh copy:
+    /// no `zeros_like` to add it into, which cost a zero fill and an add of the gradient's size
+    /// on every graph edge. Variables' gradients are then made storages of their own by
+    /// [`GradStore::separate_variables`] at the end of the backward pass. Shapes, dtypes and
+    /// devices are checked as the add checked them. Every stored gradient is contiguous, as
+    /// before (rules such as `index_add` and `scatter` require it).
     fn accumulate(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
         self.accumulate_signed(tensor, grad, false)
     }
@@ -697,8 +698,7 @@ impl GradStore {
     fn accumulate_signed(&mut self, tensor: &Tensor, grad: &Tensor, neg: bool) -> Result<()> {
         // Empty gradients take the old path too: candle hands an empty tensor's view back
         // from `affine` with its (not contiguous) strides, and some rules require contiguity.
-        let fits = !tensor.is_variable()
-            && grad.elem_count() > 0
+        let fits = grad.elem_count() > 0
             && grad.shape() == tensor.shape()
             && grad.dtype() == tensor.dtype()
             && grad.device().same_device(tensor.device());
@@ -722,6 +722,30 @@ impl GradStore {
                 } else {
                     sum_grad.add(grad)?
                 };
+            }
+        }
+        Ok(())
+    }
+
+    /// After the backward pass (candle-dtensor patch): every variable's gradient becomes a
+    /// storage of its own, shared with no other variable's gradient and with no variable's
+    /// value, as the zero-and-add path made it. A first contribution is stored as it came, so
+    /// two variables fed by one node (`a + b`) would receive one tensor, and a rule returning
+    /// one of its inputs as a gradient would hand a variable's value over as a gradient;
+    /// optimizers, gradient reductions and clipping take each variable's gradient as its own.
+    /// A gradient that would share is replaced by a copy, in the order of `nodes` (the
+    /// backward's deterministic order), so the first variable keeps the stored tensor.
+    fn separate_variables(&mut self, nodes: &[&Tensor]) -> Result<()> {
+        let vars = nodes.iter().filter(|n| n.is_variable());
+        let mut taken: std::collections::HashSet<usize> =
+            vars.clone().map(|v| v.storage_key()).collect();
+        for v in vars {
+            if let Some(g) = self.0.get_mut(&v.id()) {
+                if !taken.insert(g.storage_key()) {
+                    let own = g.affine(1., 0.)?;
+                    taken.insert(own.storage_key());
+                    *g = own;
+                }
             }
         }
         Ok(())
