@@ -1091,7 +1091,7 @@ pub fn cross_entropy_rows(
     let t = targets.flatten_all()?;
     let t = match t.dtype() {
         DType::U32 | DType::I64 => t.contiguous()?,
-        _ => t.to_dtype(DType::I64)?,
+        _ => crate::storage::ids_as(op, &t, DType::I64)?,
     };
     logits
         .contiguous()?

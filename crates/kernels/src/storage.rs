@@ -452,6 +452,32 @@ fn names() -> &'static Mutex<HashMap<usize, Arc<str>>> {
     NAMES.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// Integer ids (token ids, class ids, gather and select indices) as `to` (u32 or i64), for an
+/// index kernel on their device. candle 0.11.1's CUDA backend has no cast from i16 or i32 (its
+/// `cast.cu` has none), so there the conversion would fail inside the launch as a missing
+/// kernel: on CUDA those dtypes are refused here with a typed error naming the op and the
+/// shape. Other dtypes are cast (a no-op when `ids` already has `to`).
+///
+/// # Errors
+///
+/// i16 or i32 ids on a CUDA device; a failed cast.
+pub fn ids_as(op: &'static str, ids: &Tensor, to: DType) -> candle_core::Result<Tensor> {
+    if ids.dtype() == to {
+        return Ok(ids.clone());
+    }
+    if ids.device().is_cuda() && matches!(ids.dtype(), DType::I16 | DType::I32) {
+        return Err(crate::error::KernelError::UnsupportedDType {
+            op,
+            device: "CUDA",
+            dtype: ids.dtype(),
+            supported: "u8, u32 or i64 ids (candle 0.11.1 has no CUDA cast from i16 or i32)",
+            shape: ids.dims().to_vec(),
+        }
+        .into());
+    }
+    ids.to_dtype(to)
+}
+
 /// The identity of the storage behind `t` (equal for two views of one storage, while it lives).
 pub fn storage_key(t: &Tensor) -> usize {
     let (g, _) = t.storage_and_layout();

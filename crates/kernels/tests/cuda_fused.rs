@@ -483,6 +483,40 @@ fn out_of_range_is_nan(dev: &Device, x: &Tensor) -> R<String> {
     }
 }
 
+/// candle 0.11.1 has no CUDA cast from i16 or i32: such ids are refused with a typed error
+/// naming the op, dtype and shape (`storage::ids_as`), not left to fail inside the launch as a
+/// missing kernel; u8 ids are cast and give the loss u32 ids give.
+fn narrow_int_ids(dev: &Device, x: &Tensor) -> R<String> {
+    let x = x.to_device(dev)?;
+    let want: Vec<f32> =
+        fused::cross_entropy_rows(&x, &Tensor::new(&[0u32, 7, 39], dev)?, None)?.to_vec1()?;
+    let got: Vec<f32> =
+        fused::cross_entropy_rows(&x, &Tensor::new(&[0u8, 7, 39], dev)?, None)?.to_vec1()?;
+    if got != want {
+        candle_core::bail!("u8 ids: {got:?}, u32 ids: {want:?}");
+    }
+    let mut msgs = Vec::new();
+    for t in [
+        Tensor::new(&[0i32, 7, 39], dev)?,
+        Tensor::new(&[0i16, 7, 39], dev)?,
+    ] {
+        match fused::cross_entropy_rows(&x, &t, None) {
+            Ok(_) => candle_core::bail!("{:?} ids ran", t.dtype()),
+            Err(e) => {
+                let msg = e.to_string();
+                if !(msg.contains("cross_entropy")
+                    && msg.contains(&format!("{:?}", t.dtype()))
+                    && msg.contains("[3]"))
+                {
+                    candle_core::bail!("error does not name op, dtype and shape: {msg}");
+                }
+                msgs.push(msg);
+            }
+        }
+    }
+    Ok(msgs.join("; "))
+}
+
 fn norm_grads_repeat(dev: &Device) -> R<String> {
     let x = values(&[4096, 96], 1.0, 23).to_device(dev)?;
     let w = Var::from_tensor(&values(&[96], 1.0, 24).to_device(dev)?)?;
@@ -533,6 +567,10 @@ fn bad_input(dev: &Device, rep: &mut Report) {
     rep.record(
         "cross_entropy_rows: an out-of-range id gives NaN on CUDA",
         out_of_range_is_nan(dev, &x),
+    );
+    rep.record(
+        "i32 / i16 ids on CUDA: typed error naming op, dtype, shape; u8 ids cast",
+        narrow_int_ids(dev, &x),
     );
     rep.record(
         "layer_norm backward is bitwise repeatable",

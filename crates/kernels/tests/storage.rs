@@ -435,3 +435,23 @@ fn variables_take_their_first_gradient_as_it_comes_but_never_share_it() {
     assert_eq!(gu.to_vec1::<f32>().unwrap(), [5f32, 6.]);
     assert_eq!(gw.to_vec1::<f32>().unwrap(), [7f32, 8.]);
 }
+
+/// `ids_as` on the CPU, where every integer dtype casts: i16 and i32 ids become the asked
+/// dtype with their values, and ids already in it are returned as they are (same storage).
+/// (The CUDA refusal of i16 / i32 is checked on a GPU: `cuda_fused.rs`.)
+#[test]
+fn ids_cast_on_the_cpu_and_pass_through_in_their_dtype() {
+    let dev = Device::Cpu;
+    for t in [
+        Tensor::new(&[3i32, 0, 7], &dev).unwrap(),
+        Tensor::new(&[3i16, 0, 7], &dev).unwrap(),
+        Tensor::new(&[3u8, 0, 7], &dev).unwrap(),
+    ] {
+        let u = storage::ids_as("test", &t, DType::U32).unwrap();
+        assert_eq!(u.dtype(), DType::U32);
+        assert_eq!(u.to_vec1::<u32>().unwrap(), [3, 0, 7], "{:?}", t.dtype());
+    }
+    let t = Tensor::new(&[1i64, 2], &dev).unwrap();
+    let same = storage::ids_as("test", &t, DType::I64).unwrap();
+    assert!(storage::same_storage(&t, &same));
+}

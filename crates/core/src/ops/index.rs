@@ -206,7 +206,7 @@ impl DTensor {
     pub fn index_select(&self, ids: &DTensor, dim: usize) -> Result<DTensor> {
         run1(&Op::IndexSelect { dim }, &[self, ids], |p| {
             let (src, idx) = (&p.locals[0], &p.locals[1]);
-            let idx_u = idx.to_dtype(DType::U32)?;
+            let idx_u = crate::storage::ids_as("index_select", idx, DType::U32)?;
             match plan(p, dim)? {
                 Plan::Local => src.index_select(&idx_u, dim),
                 Plan::Masked(off, len) => {
@@ -249,7 +249,7 @@ impl DTensor {
             let idx = &p.locals[1];
             let src = &gather_source(&p.locals[0], idx, dim)?;
             match plan(p, dim)? {
-                Plan::Local => src.gather(&idx.to_dtype(DType::U32)?, dim),
+                Plan::Local => src.gather(&crate::storage::ids_as("gather", idx, DType::U32)?, dim),
                 Plan::Masked(off, len) => {
                     if len == 0 {
                         return crate::node::graph_zeros(src, idx.dims());

@@ -171,7 +171,11 @@ fn normalize(p: &Prepared, dim: usize, log: bool) -> CResult<Tensor> {
 /// `(ids - off)` where `off <= ids < off + len`, else `other`, as u32; and the in-range mask
 /// (u8). The two forms below choose `other`.
 fn shift_into(ids: &Tensor, off: usize, len: usize, other: i64) -> CResult<(Tensor, Tensor)> {
-    let ids = ids.to_dtype(DType::I64)?;
+    let ids = crate::storage::ids_as(
+        "sharded lookup (embedding, index_select, gather, cross_entropy)",
+        ids,
+        DType::I64,
+    )?;
     let inside = ids.ge(off as f64)?.mul(&ids.lt((off + len) as f64)?)?;
     let shifted = ids.affine(1.0, -(off as f64))?;
     let other = Tensor::full(other, ids.shape(), ids.device())?;
@@ -359,8 +363,11 @@ impl DTensor {
                 out_dims.push(w.dim(1)?);
                 if vdims.is_empty() {
                     // On CUDA one node whose backward is the embedding kernel.
-                    return crate::fused::embedding(w, &ids.to_dtype(DType::U32)?)?
-                        .reshape(out_dims);
+                    return crate::fused::embedding(
+                        w,
+                        &crate::storage::ids_as("embedding", ids, DType::U32)?,
+                    )?
+                    .reshape(out_dims);
                 }
                 if rows == 0 {
                     // No rows here: zeros that stay in the graph, so every rank runs the same
@@ -429,7 +436,8 @@ impl DTensor {
                     return crate::node::graph_zeros(&x, &[]);
                 }
                 let lsm = log_softmax_local(&x, classes)?;
-                let picked = lsm.gather(&t.to_dtype(DType::U32)?.unsqueeze(classes)?, classes)?;
+                let t = crate::storage::ids_as("cross_entropy", t, DType::U32)?;
+                let picked = lsm.gather(&t.unsqueeze(classes)?, classes)?;
                 return over_n(picked.neg()?.sum_all()?);
             }
             // Loss-parallel: rows as `[n, cols]` (a view of this rank's class shard).
