@@ -29,7 +29,9 @@
 #           dp=2 and FSDP x TP dp=2,tp=2 (rank threads sharing the GPU): every step's loss
 #           within 1e-4 relative of the same model trained on the CPU. Passes only when
 #           train_gpt exits 0 (its own check: no NaN, the same steps, the tolerance), its JSON
-#           says check_passed true and max_rel_loss_diff is a number <= 1e-4
+#           says check_passed true and max_rel_loss_diff is a number <= 1e-4. c2 clips
+#           (--clip 0.5): the clip coefficient, computed on the GPU, multiplies the gradients
+#           inside the one-launch AdamW (the trainer's own step defers clipping to it)
 #   c4      dtrun --nproc 1 -- train_gpt --backend nccl --device cuda (the NCCL backend end to end)
 #   c5, c6  as c1-c3 for HSDP replicate=2,shard=2 and an MoE layer over ep=2 (experts=4, top_k=2)
 #   c7      train_gpt --preset small on one GPU (tokens/s of a model big enough to time)
@@ -296,7 +298,7 @@ CDT_FLASH_TC=0 run_step k2 'cuda_fused: [0-9]+ checks passed' 180 k2_cuda_fused_
     "$(exe kernels_cuda_fused)" --nocapture --test-threads=1
 train_step c0 45 c0_train_single.log tp=1 --device "$dev" --no-fsdp --steps 20
 train_step c1 60 c1_train_tp2.log tp=2 --device "$dev" --no-fsdp --steps 10 --check --check-device cpu --check-tol "$check_tol"
-train_step c2 60 c2_train_fsdp2.log dp=2 --device "$dev" --steps 10 --check --check-device cpu --check-tol "$check_tol"
+train_step c2 60 c2_train_fsdp2.log dp=2 --device "$dev" --steps 10 --clip 0.5 --check --check-device cpu --check-tol "$check_tol"
 train_step c3 70 c3_train_fsdp_tp.log dp=2,tp=2 --device "$dev" --steps 10 --check --check-device cpu --check-tol "$check_tol"
 train_step c5 60 c5_train_hsdp.log replicate=2,shard=2 --hsdp --device "$dev" --steps 6 --check --check-device cpu --check-tol "$check_tol"
 train_step c6 60 c6_train_moe.log ep=2 --moe experts=4,top_k=2 --device "$dev" --no-fsdp --steps 6 --check --check-device cpu --check-tol "$check_tol"

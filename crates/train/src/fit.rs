@@ -939,6 +939,11 @@ fn gpu_mark(device: &Device) -> Option<Mark> {
 /// [`Trainer::forward_backward`]'s result, for [`Trainer::apply`].
 pub struct Gradients {
     grads: GradStore,
+    /// The clip coefficient (f64 `[1]` on the device) not yet applied to `grads`: set only by
+    /// the trainer's own steps ([`Trainer::step`], the run loop), which hand these gradients
+    /// straight to [`Trainer::apply`], where AdamW multiplies them as it reads them. Gradients
+    /// a caller sees ([`Trainer::forward_backward`]) are clipped already, and this is `None`.
+    clip: Option<Tensor>,
     loss: f32,
     grad_norm: Option<f64>,
     clipped: bool,
@@ -1063,11 +1068,29 @@ impl Opt {
         }
     }
 
-    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        match self {
-            Opt::AdamW(o) => o.step(grads),
-            Opt::Sgd(o) => o.step(grads),
+    /// One update; `clip`: a clip coefficient not yet applied to `grads` (only AdamW's steps
+    /// are given one: [`Trainer::forward_backward_to_apply`]).
+    fn step(&mut self, grads: &GradStore, clip: Option<&Tensor>) -> candle_core::Result<()> {
+        match (self, clip) {
+            (Opt::AdamW(o), clip) => o.step_clipped(grads, clip),
+            (Opt::Sgd(o), None) => o.step(grads),
+            (Opt::Sgd(_), Some(_)) => Err(candle_core::Error::Msg(
+                "internal: SGD was given gradients whose clipping was deferred".into(),
+            )),
         }
+    }
+}
+
+/// A one-micro-batch step's forward as the accumulating loop's `forward(i)`.
+fn one_micro_batch(
+    forward: impl FnOnce() -> candle_core::Result<Tensor>,
+) -> impl FnMut(usize) -> candle_core::Result<Tensor> {
+    let mut forward = Some(forward);
+    move |_| match forward.take() {
+        Some(f) => f(),
+        None => Err(candle_core::Error::Msg(
+            "internal: the forward of a one-micro-batch step ran twice".into(),
+        )),
     }
 }
 
@@ -1504,8 +1527,15 @@ impl Trainer {
     /// Scales every gradient so that the global norm is at most `max_norm`, on the device: the
     /// factor `max_norm / (norm + 1e-6)` where the norm exceeds `max_norm`, else 1 (so an
     /// unclipped gradient is unchanged, bit for bit), computed and applied without a host read.
-    /// Returns the global sum of squares before clipping (read with the loss). Collective.
-    fn clip(&self, grads: &mut GradStore, max_norm: f64) -> Result<Tensor> {
+    /// Returns the global sum of squares before clipping (read with the loss) and, with
+    /// `defer`, the factor (f64 `[1]`) instead of scaling the gradients (the optimizer applies
+    /// it). Collective.
+    fn clip(
+        &self,
+        grads: &mut GradStore,
+        max_norm: f64,
+        defer: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let sq = self.grad_norm_sq(grads)?;
         let norm = sq.sqrt()?;
         let over = norm.gt(max_norm)?;
@@ -1514,6 +1544,9 @@ impl Trainer {
         let factor = Tensor::full(max_norm, 1, &dev)?.div(&(norm + 1e-6)?)?;
         let one = Tensor::ones(1, DType::F64, &dev)?;
         let factor = over.where_cond(&factor, &one)?;
+        if defer {
+            return Ok((sq, Some(factor)));
+        }
         let mut cast: Vec<(DType, Tensor)> = Vec::new();
         for p in &self.params {
             if let Some(g) = grads.get(&p.var) {
@@ -1531,7 +1564,7 @@ impl Trainer {
                 grads.insert(&p.var, scaled);
             }
         }
-        Ok(sq)
+        Ok((sq, None))
     }
 
     /// Forward (`forward`: this rank's loss), backward, FSDP's gradient reduction, the
@@ -1545,13 +1578,7 @@ impl Trainer {
         &mut self,
         forward: impl FnOnce() -> candle_core::Result<Tensor>,
     ) -> Result<Gradients> {
-        let mut forward = Some(forward);
-        self.forward_backward_accum(&[1], |_| match forward.take() {
-            Some(f) => f(),
-            None => Err(candle_core::Error::Msg(
-                "internal: the forward of a one-micro-batch step ran twice".into(),
-            )),
-        })
+        self.forward_backward_accum(&[1], one_micro_batch(forward))
     }
 
     /// Gradient accumulation: [`Trainer::forward_backward`] over `tokens.len()` micro-batches
@@ -1587,7 +1614,30 @@ impl Trainer {
     pub fn forward_backward_accum(
         &mut self,
         tokens: &[usize],
+        forward: impl FnMut(usize) -> candle_core::Result<Tensor>,
+    ) -> Result<Gradients> {
+        self.forward_backward_steps(tokens, forward, false)
+    }
+
+    /// [`Trainer::forward_backward_accum`] for a step whose gradients go straight to
+    /// [`Trainer::apply`], unseen: clipping, when configured, is left to the optimizer's update
+    /// (AdamW; one pass over the gradients and, on CUDA, one launch per parameter fewer),
+    /// with the same results.
+    pub(crate) fn forward_backward_to_apply(
+        &mut self,
+        tokens: &[usize],
+        forward: impl FnMut(usize) -> candle_core::Result<Tensor>,
+    ) -> Result<Gradients> {
+        let defer = matches!(self.opt, Opt::AdamW(_));
+        self.forward_backward_steps(tokens, forward, defer)
+    }
+
+    /// The body of the two above; `defer_clip`: leave the clip coefficient to `apply`.
+    fn forward_backward_steps(
+        &mut self,
+        tokens: &[usize],
         mut forward: impl FnMut(usize) -> candle_core::Result<Tensor>,
+        defer_clip: bool,
     ) -> Result<Gradients> {
         let k = tokens.len();
         let total: usize = tokens.iter().sum();
@@ -1653,8 +1703,13 @@ impl Trainer {
         };
         // The norm (and clipping) stay on the device; the sum of squares is read with the loss,
         // in one host read.
+        let mut clip = None;
         let norm_sq = match self.cfg.clip {
-            Some(c) => Some(self.clip(&mut grads, c)?),
+            Some(c) => {
+                let (sq, factor) = self.clip(&mut grads, c, defer_clip)?;
+                clip = factor;
+                Some(sq)
+            }
             None if self.cfg.grad_norm_every > 0
                 && self.step.is_multiple_of(self.cfg.grad_norm_every) =>
             {
@@ -1675,6 +1730,7 @@ impl Trainer {
         let clipped = matches!((self.cfg.clip, grad_norm), (Some(c), Some(n)) if n > c);
         Ok(Gradients {
             grads,
+            clip,
             loss,
             grad_norm,
             clipped,
@@ -1732,7 +1788,7 @@ impl Trainer {
         }
         let lr = self.lr_at(self.step);
         self.opt.set_learning_rate(lr);
-        self.opt.step(&g.grads)?;
+        self.opt.step(&g.grads, g.clip.as_ref())?;
         if let Some(f) = &self.fsdp {
             // Units no wrapper drives see the updated parameters at their next use.
             f.gather_undriven()?;
@@ -1816,7 +1872,7 @@ impl Trainer {
         &mut self,
         forward: impl FnOnce() -> candle_core::Result<Tensor>,
     ) -> Result<StepInfo> {
-        let g = self.forward_backward(forward)?;
+        let g = self.forward_backward_to_apply(&[1], one_micro_batch(forward))?;
         self.apply(g)
     }
 
@@ -1832,7 +1888,7 @@ impl Trainer {
         tokens: &[usize],
         forward: impl FnMut(usize) -> candle_core::Result<Tensor>,
     ) -> Result<StepInfo> {
-        let g = self.forward_backward_accum(tokens, forward)?;
+        let g = self.forward_backward_to_apply(tokens, forward)?;
         self.apply(g)
     }
 

@@ -126,8 +126,19 @@ impl Elem for f64 {
 /// candle-nn's tensor ops on one element: `t * c` and `t + c` are candle's
 /// `affine(mul, add)`, i.e. `x * T::from_f64(mul) + T::from_f64(add)`, so the `+ zero` terms
 /// are kept (they turn -0.0 into +0.0 exactly as candle does).
-fn update<T: Elem>(theta: &mut [T], g: &[T], m: &mut [T], v: &mut [T], c: Consts) {
+///
+/// `scale`: a clip coefficient multiplying each gradient element first, as clipping's
+/// `g.broadcast_mul(coefficient)` in the gradient's dtype did before the update (same bits).
+fn update<T: Elem>(
+    theta: &mut [T],
+    g: &[T],
+    m: &mut [T],
+    v: &mut [T],
+    c: Consts,
+    scale: Option<f64>,
+) {
     let zero = T::cast(0.0);
+    let scale = scale.map(T::cast);
     let one = T::cast(1.0);
     let b1 = T::cast(c.beta1);
     let one_b1 = T::cast(1.0 - c.beta1);
@@ -139,6 +150,7 @@ fn update<T: Elem>(theta: &mut [T], g: &[T], m: &mut [T], v: &mut [T], c: Consts
     let eps = T::cast(c.eps);
     let lr = T::cast(c.lr);
     for (((th, &gi), mi), vi) in theta.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let gi = scale.map_or(gi, |s| gi * s);
         // next_m = (m * beta1) + (g * (1 - beta1))
         let next_m = (*mi * b1 + zero) + (gi * one_b1 + zero);
         // next_v = (v * beta2) + (g.sqr() * (1 - beta2))
@@ -164,6 +176,7 @@ fn step_fused<T: Elem>(
     m: &mut [T],
     v: &mut [T],
     consts: Consts,
+    scale: Option<f64>,
 ) -> Result<()> {
     update_with::<T>(var.as_tensor(), g, |theta, g| {
         if g.len() != theta.len() || m.len() != theta.len() || v.len() != theta.len() {
@@ -175,7 +188,7 @@ fn step_fused<T: Elem>(
                 v.len()
             )));
         }
-        update(theta, g, m, v, consts);
+        update(theta, g, m, v, consts, scale);
         Ok(())
     })
 }
@@ -230,6 +243,33 @@ impl Optimizer for AdamW {
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.step_clipped(grads, None)
+    }
+}
+
+impl AdamW {
+    /// [`Optimizer::step`] with gradient clipping fused into the update: `clip`, the clip
+    /// coefficient (an f64 `[1]` tensor on the parameters' device, computed there), multiplies
+    /// every gradient as the update reads it, instead of a scaled copy of every gradient made
+    /// before. The results are the bits of scaling first (`g * coefficient` in the gradient's
+    /// dtype, then the update). CUDA f32 parameters: the one-launch kernel reads the
+    /// coefficient on the device (no host read, no pass over the gradients); CPU f32 / f64:
+    /// inside the element loop (the coefficient read from host memory); other dtypes scale
+    /// each gradient first.
+    ///
+    /// # Errors
+    ///
+    /// A gradient whose shape is not its parameter's, a coefficient that is not one element,
+    /// a failed op.
+    pub fn step_clipped(&mut self, grads: &GradStore, clip: Option<&Tensor>) -> Result<()> {
+        if let Some(c) = clip {
+            if c.elem_count() != 1 {
+                return Err(Error::msg(format!(
+                    "adamw: a clip coefficient of shape {:?} (one element)",
+                    c.dims()
+                )));
+            }
+        }
         self.step_t += 1;
         let p = &self.params;
         let t = self.step_t as i32;
@@ -246,8 +286,10 @@ impl Optimizer for AdamW {
             decay: 1.0,
             ..consts
         };
-        let fused = self.step_cuda_fused(grads)?;
+        let fused = self.step_cuda_fused(grads, clip)?;
         let p = &self.params;
+        // The coefficient where the CPU loop reads it, once.
+        let mut host_scale: Option<f64> = None;
         for (i, s) in self.vars.iter_mut().enumerate() {
             if fused.contains(&i) {
                 continue;
@@ -275,9 +317,28 @@ impl Optimizer for AdamW {
                 contiguous = g.contiguous()?;
                 &contiguous
             };
+            let scale = match (clip, &s.moments) {
+                (Some(c), Moments::F32 { .. } | Moments::F64 { .. }) => match host_scale {
+                    Some(f) => Some(f),
+                    None => {
+                        let f = c.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
+                        host_scale = Some(f);
+                        Some(f)
+                    }
+                },
+                _ => None,
+            };
+            let scaled;
+            let g = match (clip, &s.moments) {
+                (Some(c), Moments::Tensors { .. }) => {
+                    scaled = g.broadcast_mul(&c.reshape(())?.to_dtype(g.dtype())?)?;
+                    &scaled
+                }
+                _ => g,
+            };
             match &mut s.moments {
-                Moments::F32 { m, v } => step_fused(&s.var, g, m, v, consts)?,
-                Moments::F64 { m, v } => step_fused(&s.var, g, m, v, consts)?,
+                Moments::F32 { m, v } => step_fused(&s.var, g, m, v, consts, scale)?,
+                Moments::F64 { m, v } => step_fused(&s.var, g, m, v, consts, scale)?,
                 Moments::Tensors { m, v } => {
                     // candle-nn 0.11.1's AdamW::step, verbatim.
                     let (beta1, beta2, lr) = (p.beta1, p.beta2, p.lr);
@@ -297,15 +358,14 @@ impl Optimizer for AdamW {
         }
         Ok(())
     }
-}
 
-impl AdamW {
     /// The f32 variables on a CUDA device, all updated by one launch per decay group
     /// (`kernels::multi_tensor::adamw_step`: the CPU path's arithmetic, element by element, no
     /// host read) instead of candle-nn's nine tensor ops each. Returns the indices it updated
     /// (none when the fused CUDA path is off, `CDT_FUSED_CUDA=0`, or the kernel refuses the
     /// set, e.g. two gradients sharing a storage: those then take the per-variable path).
-    fn step_cuda_fused(&self, grads: &GradStore) -> Result<Vec<usize>> {
+    /// `clip`: the clip coefficient (f64 `[1]`), read by the kernel on the device.
+    fn step_cuda_fused(&self, grads: &GradStore, clip: Option<&Tensor>) -> Result<Vec<usize>> {
         if !candle_dtensor_kernels::fused::cuda_enabled() {
             return Ok(Vec::new());
         }
@@ -345,7 +405,16 @@ impl AdamW {
             weight_decay: p.weight_decay,
             t: self.step_t,
         };
-        match adamw_step(&params, &gs, &ms, &vs, &decay, &step, None) {
+        // The kernel reads the coefficient as element 1 of `[norm, coefficient]` (f32,
+        // `multi_tensor::grad_norm_clip`'s form); element 0 is not read.
+        let norm_clip = match clip {
+            Some(c) => {
+                let c = c.reshape(1)?.to_dtype(DType::F32)?;
+                Some(Tensor::cat(&[&c, &c], 0)?)
+            }
+            None => None,
+        };
+        match adamw_step(&params, &gs, &ms, &vs, &decay, &step, norm_clip.as_ref()) {
             Ok(()) => Ok(picked),
             Err(e) => {
                 // Refused before any launch (the checks come first): the per-variable path.
@@ -750,5 +819,60 @@ mod tests {
                 "{dtype:?}"
             );
         }
+    }
+
+    /// `step_clipped` with a coefficient gives the bits of multiplying every gradient by it
+    /// first (clipping's `broadcast_mul` in the gradient's dtype) and stepping: f32 and f64
+    /// (the coefficient inside the CPU loop), bf16 (the tensor path), a transposed gradient,
+    /// coefficients below and at 1. Fails if the coefficient is dropped or applied twice.
+    #[test]
+    fn a_fused_clip_coefficient_is_clipping_first() {
+        let specs: Vec<(Vec<usize>, DType)> = vec![
+            (vec![37, 13], DType::F32),
+            (vec![5, 6], DType::F64),
+            (vec![8, 3], DType::BF16),
+        ];
+        let init: Vec<Tensor> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, (d, t))| tensor(d, 300 + i as u64, 1.0, *t))
+            .collect();
+        let fused_vars: Vec<Var> = init.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+        let first_vars: Vec<Var> = init.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+        let params = ParamsAdamW {
+            weight_decay: 0.1,
+            ..ParamsAdamW::default()
+        };
+        let mut fused = AdamW::new(fused_vars.clone(), params.clone()).unwrap();
+        let mut first = AdamW::new(first_vars.clone(), params).unwrap();
+        for (step, coef) in [0.37f64, 1.0, 0.0123, 0.9].into_iter().enumerate() {
+            let c = Tensor::new(&[coef], &Device::Cpu).unwrap();
+            let (mut g_fused, mut g_first) = (empty_grads(), empty_grads());
+            for (i, (d, t)) in specs.iter().enumerate() {
+                let g = if i == 0 {
+                    tensor(&[d[1], d[0]], 40 + step as u64 * 7, 3.0, *t)
+                        .t()
+                        .unwrap()
+                } else {
+                    tensor(d, 40 + step as u64 * 7 + i as u64, 3.0, *t)
+                };
+                let scaled = g
+                    .broadcast_mul(&c.reshape(()).unwrap().to_dtype(*t).unwrap())
+                    .unwrap();
+                g_fused.insert(fused_vars[i].as_tensor(), g);
+                g_first.insert(first_vars[i].as_tensor(), scaled);
+            }
+            fused.step_clipped(&g_fused, Some(&c)).unwrap();
+            first.step(&g_first).unwrap();
+            for (i, (a, b)) in fused_vars.iter().zip(&first_vars).enumerate() {
+                assert_eq!(
+                    bits(a.as_tensor()),
+                    bits(b.as_tensor()),
+                    "var {i} step {step}"
+                );
+            }
+        }
+        let bad = Tensor::new(&[1f64, 1.0], &Device::Cpu).unwrap();
+        assert!(fused.step_clipped(&empty_grads(), Some(&bad)).is_err());
     }
 }

@@ -588,7 +588,7 @@ fn forward_backward(
         Ok(loss)
     };
     if cfg.grad_accum <= 1 {
-        let g = s.trainer.forward_backward(|| {
+        let g = s.trainer.forward_backward_to_apply(&[1], |_| {
             let (x, y) = global_batch(gpt, mesh, corpus, step as u64, cfg.batch, cfg.seed)?;
             // Replicated: the loss is the global mean on every rank.
             Ok(measured(gpt.loss(&x, &y)?)?
@@ -605,7 +605,7 @@ fn forward_backward(
     let t = gpt.cfg.seq_len;
     let (xs, ys) = corpus.batch(step as u64, cfg.batch, t, cfg.seed);
     let tokens = vec![micro * t; cfg.grad_accum];
-    let g = s.trainer.forward_backward_accum(&tokens, |i| {
+    let g = s.trainer.forward_backward_to_apply(&tokens, |i| {
         let rows = i * micro * t..(i + 1) * micro * t;
         let (x, y) = distribute_batch(gpt, mesh, &xs[rows.clone()], &ys[rows], micro)?;
         Ok(measured(gpt.loss(&x, &y)?)?

@@ -618,3 +618,62 @@ fn parameters_cut_from_the_graph_stay_untouched_under_fsdp_as_on_one_device() ->
     }
     Ok(())
 }
+
+/// A run's parameters by name, its losses and whether each step clipped.
+type ClippedRun = (Vec<(String, Vec<f32>)>, Vec<f32>, Vec<bool>);
+
+/// `layout`'s parameters (this rank's) and losses after `STEPS` clipped steps, driven either
+/// by `Trainer::step` (clipping left to AdamW's update: the coefficient multiplies each
+/// gradient as the update reads it) or by `forward_backward` + `apply` (the gradients clipped
+/// first, as a caller sees them).
+fn clipped_run(mesh: Option<&DeviceMesh>, layout: Layout, fused: bool) -> R<ClippedRun> {
+    let (dpi, dpn) = match mesh {
+        Some(m) => layout.data_parallel(&m.coordinate()),
+        None => (0, 1),
+    };
+    let rows = BATCH / dpn;
+    let rows = dpi * rows..(dpi + 1) * rows;
+    let (model, mut trainer) = model_and_trainer(mesh, layout, SEED, config())?;
+    let (mut losses, mut clipped) = (Vec::new(), Vec::new());
+    for step in 0..STEPS {
+        let (x, y) = batch(step, rows.clone())?;
+        let info = if fused {
+            trainer.step(|| model.loss(&x, &y))?
+        } else {
+            let g = trainer.forward_backward(|| model.loss(&x, &y))?;
+            trainer.apply(g)?
+        };
+        losses.push(info.loss);
+        clipped.push(info.grad_norm.ok_or("clipping computes the norm")? > CLIP);
+    }
+    Ok((values(&trainer)?, losses, clipped))
+}
+
+/// Clipping inside the optimizer's update (`Trainer::step`, `fit`, train_gpt's loop) gives the
+/// bits of clipping the gradients first (`forward_backward` then `apply`), on one device and
+/// under FSDP over `dp=2`, every step clipped. Fails if the deferred coefficient is dropped
+/// (the first step's update differs) or applied twice.
+#[test]
+fn clipping_fused_into_the_update_gives_the_bits_of_clipping_first() -> R<()> {
+    let one = |fused| clipped_run(None, Layout::One, fused);
+    let (a, b) = (one(true)?, one(false)?);
+    assert!(a.2.iter().all(|&c| c), "every step clips: {:?}", a.2);
+    assert_eq!(a.1, b.1, "one device: losses");
+    assert_eq!(a.0, b.0, "one device: parameters");
+    let fsdp = |fused| {
+        LocalWorld::new(2)
+            .with_timeout(Duration::from_secs(60))
+            .launch(move |comm| -> R<_> {
+                let mesh = DeviceMesh::new(comm, &Layout::Fsdp.dims())?;
+                clipped_run(Some(&mesh), Layout::Fsdp, fused)
+            })
+            .map_err(|e| format!("fsdp: {e}"))
+    };
+    let (a, b) = (fsdp(true)?, fsdp(false)?);
+    for (rank, (a, b)) in a.iter().zip(&b).enumerate() {
+        assert!(a.2.iter().all(|&c| c), "rank {rank}: every step clips");
+        assert_eq!(a.1, b.1, "rank {rank}: losses");
+        assert_eq!(a.0, b.0, "rank {rank}: parameters");
+    }
+    Ok(())
+}
