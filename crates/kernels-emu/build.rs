@@ -146,6 +146,9 @@ fn cc_build(emu: &Path, out: &Path) -> cc::Build {
         // No multiply-add contraction: a kernel's `a * b + c` rounds twice here as nvcc's
         // `__fmul_rn`/`__fadd_rn` do (nvcc does contract plain `a * b + c`: tolerances cover it).
         .flag_if_supported("-ffp-contract=off")
+        // Frame pointers: `warp_barrier_aligned` tells where a lane stands by walking its
+        // frames' return addresses (emu.cpp `call_site`).
+        .flag("-fno-omit-frame-pointer")
         // CUDA code reads and writes one buffer through several types (16-byte vector copies
         // of bf16 tiles); nvcc allows it, so the host compiler must not assume otherwise.
         .flag_if_supported("-fno-strict-aliasing");

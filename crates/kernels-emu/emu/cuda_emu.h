@@ -107,6 +107,12 @@ void block_barrier();
 // predicate.
 int block_barrier_or(int predicate);
 void warp_barrier();
+// The warp barrier of a `.aligned` warp instruction (mma.sync, ldmatrix): every lane of the
+// warp must reach it from the same place, as the GPU requires all of them to execute that
+// one instruction together. Records the calling lane's place (the return addresses of its
+// call chain, which the build keeps with -fno-omit-frame-pointer); the scheduler fails the
+// launch when lanes meet there from different places.
+void warp_barrier_aligned();
 // Exchange slot of the calling lane, in its warp's 32 slots (8 bytes each).
 uint64_t* warp_slots();
 unsigned lane_id();

@@ -39,6 +39,9 @@ enum class St { Ready, BlockWait, WarpWait, Done };
 struct Fiber {
     ucontext_t ctx;
     St st = St::Ready;
+    // At a `.aligned` warp barrier: where the lane is (a hash of its call chain's return
+    // addresses); 0 at any other barrier.
+    uint64_t site = 0;
 };
 
 // A thread's cp.async copies: the bytes read at issue, written to `dst` when the thread waits
@@ -56,6 +59,7 @@ struct AsyncState {
 struct Block {
     const std::function<void()>* body = nullptr;
     unsigned n = 0;
+    char* stack_base = nullptr;
     unsigned cur = 0;
     ucontext_t sched;
     std::vector<Fiber> fibers;
@@ -211,7 +215,38 @@ int block_barrier_or(int predicate) {
     yield(St::BlockWait);
     return g_block->vote_result;
 }
-void warp_barrier() { yield(St::WarpWait); }
+void warp_barrier() {
+    g_block->fibers[g_block->cur].site = 0;
+    yield(St::WarpWait);
+}
+
+// Where the calling lane stands: the return addresses of its frames, walked through the frame
+// pointers (the emulator's build keeps them) while they lie in this fiber's own stack, hashed.
+// Code inlined at two call sites sits at two addresses, so two different places give two
+// different chains.
+__attribute__((noinline)) uint64_t call_site() {
+    const Block* b = g_block;
+    const char* lo = b->stack_base + static_cast<size_t>(b->cur) * kStack;
+    const char* hi = lo + kStack;
+    auto inside = [&](const void* p) {
+        const char* c = static_cast<const char*>(p);
+        return c >= lo && c + 2 * sizeof(void*) <= hi;
+    };
+    void* const* fp = static_cast<void* const*>(__builtin_frame_address(0));
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the addresses
+    for (int depth = 0; depth < 32 && inside(fp); ++depth) {
+        h = (h ^ reinterpret_cast<uintptr_t>(fp[1])) * 1099511628211ull;
+        void* const* next = static_cast<void* const*>(fp[0]);
+        if (next <= fp) break;
+        fp = next;
+    }
+    return h | 1;  // never 0, which marks the other barriers
+}
+
+void warp_barrier_aligned() {
+    g_block->fibers[g_block->cur].site = call_site();
+    yield(St::WarpWait);
+}
 uint64_t* warp_slots() { return &g_block->slots[(g_block->cur / 32) * 32]; }
 unsigned lane_id() { return g_block->cur % 32; }
 unsigned warp_lane_count() {
@@ -243,6 +278,7 @@ void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, Order 
     b.n = n;
     b.fibers.resize(n);
     char* stack_base = stacks(n);
+    b.stack_base = stack_base;
     b.slots.assign(((n + 31) / 32) * 32, 0);
     b.dyn.resize(std::max<size_t>(shared_bytes, 1));
     b.async.resize(n);
@@ -297,6 +333,22 @@ void launch(const char* name, dim3 grid, dim3 block, size_t shared_bytes, Order 
                                 name, b,
                                 "a warp sync or shuffle after some lanes of the warp exited "
                                 "(undefined on a GPU)")};
+                        }
+                        // A `.aligned` instruction (mma.sync, ldmatrix) needs every lane at
+                        // that one instruction: all of them at the same place.
+                        uint64_t site = b.fibers[w * 32].site;
+                        for (unsigned t = w * 32; t < end; ++t) {
+                            if (b.fibers[t].site != site) {
+                                throw LaunchError{describe(
+                                    name, b,
+                                    ("lanes " + std::to_string(w * 32) + " and " +
+                                     std::to_string(t) +
+                                     " of a warp meet at a warp-wide matrix instruction "
+                                     "(mma.sync / ldmatrix, .aligned) from different places, "
+                                     "or one of them at another warp sync (undefined on a "
+                                     "GPU)")
+                                        .c_str())};
+                            }
                         }
                         for (unsigned t = w * 32; t < end; ++t)
                             if (b.fibers[t].st == St::WarpWait) b.fibers[t].st = St::Ready;

@@ -14,7 +14,9 @@
 //
 // Each is warp-collective: every lane enters a warp barrier, so a call some lanes skip is a
 // deadlock, as on a GPU; the operands of all lanes are gathered through the warp's exchange
-// slots. An ldmatrix row address that is not 16-byte aligned faults (the launch fails).
+// slots. Both are `.aligned`: the lanes must execute the same instruction together, so their
+// barriers (`warp_barrier_aligned`) fail the launch when lanes of one warp arrive from
+// different places (call chains), e.g. an mma in each branch of a lane-dependent `if`. An ldmatrix row address that is not 16-byte aligned faults (the launch fails).
 // mma.sync accumulates in f32, k in ascending order with separately rounded multiplies and
 // adds (tensor cores use their own order and internal precision: tolerances cover it).
 //
@@ -67,12 +69,12 @@ inline void gather(const uint32_t (&mine)[N], uint32_t (&all)[32 * N]) {
     if (n != 32) fault("a warp matrix instruction in a warp of " + std::to_string(n) + " threads");
     for (int i = 0; i < N; i += 2) {
         slots[lane] = static_cast<uint64_t>(mine[i]) | (static_cast<uint64_t>(mine[i + 1]) << 32);
-        warp_barrier();
+        warp_barrier_aligned();
         for (unsigned l = 0; l < 32; ++l) {
             all[l * N + i] = static_cast<uint32_t>(slots[l]);
             all[l * N + i + 1] = static_cast<uint32_t>(slots[l] >> 32);
         }
-        warp_barrier();
+        warp_barrier_aligned();
     }
 }
 inline float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
@@ -86,7 +88,7 @@ inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
     const unsigned lane = lane_id();
     if (warp_lane_count() != 32) fault("ldmatrix in a warp that is not whole");
     slots[lane] = reinterpret_cast<uintptr_t>(row);
-    warp_barrier();
+    warp_barrier_aligned();
     if (lane == 0) {
         for (int m = 0; m < 4; ++m) {
             uint64_t words[32];
@@ -106,7 +108,7 @@ inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
         }
         r[m] = static_cast<uint32_t>(e[0]) | (static_cast<uint32_t>(e[1]) << 16);
     }
-    warp_barrier();
+    warp_barrier_aligned();
 }
 
 // d = a b + c (f32, k ascending, each product and sum rounded: the tolerances cover the

@@ -413,6 +413,13 @@ extern "C" {
         y: *mut f32,
         mode: c_int,
     ) -> c_int;
+    fn emu_selftest_divergent_mma(
+        l: *const RawLaunch,
+        err: *mut c_char,
+        err_len: usize,
+        y: *mut f32,
+        mode: c_int,
+    ) -> c_int;
 }
 
 /// The emulator's own kernels (`emu/selftest/selftest.cu`): a correct block reduction and one
@@ -574,6 +581,38 @@ pub mod selftest {
         // array's size) and y; x is checked above; thread t reads x[4t..4t + 4] only.
         per_thread("async_copy", launch, order, y, |l, e, el, y| unsafe {
             emu_selftest_async_copy(l, e, el, x.ptr(), y, how as c_int)
+        })
+    }
+
+    /// Where the lanes of one warp reach a warp-wide matrix instruction (`.aligned`) from.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum MatrixSites {
+        /// Every lane through one call of `mma.sync` (correct).
+        One = 0,
+        /// Half the lanes through one call of `mma.sync`, half through another.
+        TwoMma = 1,
+        /// Half the lanes through one call of `ldmatrix`, half through another.
+        TwoLdmatrix = 2,
+    }
+
+    /// One warp (a 1-D block of 32 threads) runs a bf16 `mma.sync` (or `ldmatrix`) reached
+    /// from the places `sites` says; thread `t` writes its first accumulator to `y[t]`.
+    pub fn divergent_mma(
+        launch: &Launch,
+        order: Order,
+        y: &mut Buf<f32>,
+        sites: MatrixSites,
+    ) -> Result<()> {
+        if launch.block.0 != 32 {
+            return Err(EmuError::Args {
+                kernel: "divergent_mma".into(),
+                what: "one warp: a block of 32 threads".into(),
+            });
+        }
+        // SAFETY: per_thread checks the single 1-D block (32 threads) and y; thread t writes
+        // y[t] only and reads its warp's 512-byte shared tile at lane * 16 bytes.
+        per_thread("divergent_mma", launch, order, y, |l, e, el, y| unsafe {
+            emu_selftest_divergent_mma(l, e, el, y, sites as c_int)
         })
     }
 

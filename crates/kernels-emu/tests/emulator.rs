@@ -190,3 +190,33 @@ fn an_async_copy_lands_only_when_its_thread_waits() {
         "{e}"
     );
 }
+
+/// `mma.sync` and `ldmatrix` are `.aligned`: every lane of the warp must execute that one
+/// instruction together. Lanes reaching them from two places (an mma in each branch of a
+/// lane-dependent `if`) fail the launch, naming the instruction, where the barrier count alone
+/// let them meet and mix their operands; one place for all lanes runs, under every order.
+#[test]
+fn lanes_reaching_a_matrix_instruction_from_different_places_fail() {
+    use selftest::MatrixSites;
+    for order in ORDERS {
+        let mut y = Buf::filled("y", 32, f32::NAN);
+        selftest::divergent_mma(&Launch::linear(1, 32, 0), order, &mut y, MatrixSites::One)
+            .unwrap();
+        // Row g of A (all ones) times column of B (all ones) over k = 16: 16 everywhere.
+        assert!(
+            y.as_slice().iter().all(|&v| v == 16.0),
+            "{order:?}: {:?}",
+            y.as_slice()
+        );
+        for sites in [MatrixSites::TwoMma, MatrixSites::TwoLdmatrix] {
+            let mut y = Buf::filled("y", 32, f32::NAN);
+            let e = selftest::divergent_mma(&Launch::linear(1, 32, 0), order, &mut y, sites)
+                .unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.contains("divergent_mma") && msg.contains("from different places"),
+                "{order:?} {sites:?}: {msg}"
+            );
+        }
+    }
+}

@@ -107,3 +107,49 @@ __global__ void stale_shared(float* y, int mode) {
         y[out] = buf[t];
     }
 }
+
+// A warp-wide matrix instruction (.aligned) reached by the lanes of one warp from different
+// places: `mode` 0, every lane through one call (fine); 1, the lower half through
+// `selftest_mma_a` and the upper half through `selftest_mma_b` (undefined on a GPU: the
+// emulator must fail the launch); 2, the same split for an ldmatrix. y[t]: lane t's first
+// accumulator.
+#include "mma.h"
+
+__attribute__((noinline)) void selftest_mma_a(float (&d)[4], const unsigned (&a)[4],
+                                              const unsigned (&b)[2]) {
+    emu::mma_bf16_16816(d, a, b, d);
+}
+__attribute__((noinline)) void selftest_mma_b(float (&d)[4], const unsigned (&a)[4],
+                                              const unsigned (&b)[2]) {
+    emu::mma_bf16_16816(d, a, b, d);
+    d[0] += 1.f;
+}
+__attribute__((noinline)) void selftest_ldsm_a(unsigned (&r)[4], const void* row) {
+    emu::ldmatrix_x4(r, row, false);
+}
+__attribute__((noinline)) void selftest_ldsm_b(unsigned (&r)[4], const void* row) {
+    emu::ldmatrix_x4(r, row, true);
+}
+__global__ void divergent_mma(float* y, int mode) {
+    __shared__ __align__(16) unsigned short tile[32 * 8];
+    const unsigned lane = threadIdx.x % 32;
+    for (unsigned i = lane; i < 32 * 8; i += 32) tile[i] = 0x3f80;  // bf16 1.0
+    __syncwarp();
+    unsigned a[4] = {0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u};
+    unsigned b[2] = {0x3f803f80u, 0x3f803f80u};
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    if (mode == 2) {
+        unsigned r[4];
+        const void* row = &tile[(lane % 32) * 8];
+        if (lane < 16)
+            selftest_ldsm_a(r, row);
+        else
+            selftest_ldsm_b(r, row);
+        d[0] = static_cast<float>(r[0] & 0xffffu);
+    } else if (mode == 1 && lane >= 16) {
+        selftest_mma_b(d, a, b);
+    } else {
+        selftest_mma_a(d, a, b);
+    }
+    y[threadIdx.x] = d[0];
+}
