@@ -7,6 +7,9 @@
 use candle_core::Device;
 use candle_dtensor::kernels::profile::cupti::{KernelCount, KernelCounter};
 
+/// Kernel names kept in the summary (most GPU time first).
+const TOP: usize = 30;
+
 /// Counts rank 0's last step; started and read from its step callback.
 #[derive(Debug)]
 pub(crate) struct KernelWindow {
@@ -61,6 +64,13 @@ impl KernelWindow {
                 "ranks_in_process": ranks_in_process,
                 "dropped_records": c.dropped,
                 "malformed_records": c.malformed,
+                // Where the step's GPU time went: the kernels by name, most time first (empty
+                // where this CUPTI's records are not known to carry names).
+                "top": c.by_name.iter().take(TOP).map(|k| serde_json::json!({
+                    "name": k.name,
+                    "count": k.count,
+                    "ms": k.busy_ns as f64 / 1e6,
+                })).collect::<Vec<_>>(),
             }),
             Some(Err(e)) => serde_json::json!({ "error": e }),
             None => serde_json::json!({ "error": "the run ended before its last step" }),

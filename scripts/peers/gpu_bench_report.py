@@ -275,6 +275,48 @@ def attention_lines(att):
     return lines
 
 
+TOP_ROWS = 12
+
+
+def top_kernels_lines(rows, n=TOP_ROWS):
+    """Where a step's GPU time goes: for each preset and precision whose run of ours names its
+    kernels (train_gpt --count-kernels: CUPTI's records of the last step), ours and the eager
+    twin's (torch.profiler) kernels by GPU time side by side, n rows, the names shortened to
+    60 characters. Empty when no run has names."""
+    out = []
+    for (preset, prec), sides in rows.items():
+        tops = {}
+        for side in ("ours", "eager"):
+            entry = sides.get(side)
+            k = entry[0].get("kernels") if entry else None
+            if isinstance(k, dict) and k.get("top"):
+                tops[side] = k["top"]
+        if "ours" not in tops:
+            continue
+        out.append("")
+        out.append(f"Where the GPU time of a {preset} {prec} step goes (its last step; kernels by GPU "
+                   f"time, count x, ms):")
+        out.append("")
+        out.append("| # | ours | x | ms | eager | x | ms |")
+        out.append("|---:|---|---:|---:|---|---:|---:|")
+
+        def part(side, i):
+            t = tops.get(side, [])
+            if i >= len(t):
+                return "| | |"
+            e = t[i]
+            name = str(e.get("name", "?")).replace("|", "/")
+            if len(name) > 60:
+                name = name[:57] + "..."
+            ms = e.get("ms")
+            return f"`{name}` | {e.get('count', '?')} | {ms:.3f}" if finite(ms) else f"`{name}` | ? | ?"
+
+        rows_n = min(n, max(len(t) for t in tops.values()))
+        for i in range(rows_n):
+            out.append(f"| {i + 1} | {part('ours', i)} | {part('eager', i)} |")
+    return out
+
+
 def markdown(doc):
     lines = []
     g = doc.get("gemm") or {}
@@ -318,6 +360,7 @@ def markdown(doc):
         for r in failed:
             lines.append(f"- {r['preset']} {r['precision']} {r['side']}: {r.get('status')}"
                          f"{': ' + r['error'] if r.get('error') else ''}")
+    lines += top_kernels_lines(rows)
     lines += attention_lines(doc.get("attention"))
     rt = doc.get("real_text")
     if rt:

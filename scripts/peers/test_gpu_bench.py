@@ -130,6 +130,55 @@ class Report(unittest.TestCase):
         self.assertEqual(cells[8], "7.2")
         self.assertEqual(cells[11], "1")
 
+    def test_top_kernels_side_by_side(self):
+        long = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off"
+        ours = run("gpt2", "bf16", "ours", [30.0] * 5)
+        ours["kernels"] = {"kernels_per_step": 900, "kernel_ms_per_step": 28.0,
+                           "top": [{"name": long, "count": 96, "ms": 12.5},
+                                   {"name": "cdt_fa_bwd_dkv_tc_bf16_d64", "count": 12, "ms": 3.25}]}
+        eager = run("gpt2", "bf16", "eager", [25.0] * 5)
+        eager["kernels"] = {"kernels_per_step": 1500, "kernel_ms_per_step": 24.0,
+                            "top": [{"name": "ampere_bf16_s16816gemm|x", "count": 97, "ms": 11.0}]}
+        small = run("small", "f32", "ours", [5.0] * 5)
+        small["kernels"] = {"kernels_per_step": 400, "kernel_ms_per_step": 3.0}
+        md = rep.markdown(doc([ours, eager, small]))
+        self.assertIn("Where the GPU time of a gpt2 bf16 step goes", md)
+        self.assertNotIn("of a small f32 step goes", md, "no names, no table")
+        lines = md.splitlines()
+        i = lines.index("| # | ours | x | ms | eager | x | ms |")
+        first = [c.strip() for c in lines[i + 2].strip("|").split("|")]
+        self.assertEqual(first[0], "1")
+        self.assertTrue(first[1].startswith("`sm90_xmma_gemm") and first[1].endswith("...`"), first[1])
+        self.assertEqual(first[2:4], ["96", "12.500"])
+        self.assertEqual(first[4:7], ["`ampere_bf16_s16816gemm/x`", "97", "11.000"])
+        second = [c.strip() for c in lines[i + 3].strip("|").split("|")]
+        self.assertEqual(second[1:4], ["`cdt_fa_bwd_dkv_tc_bf16_d64`", "12", "3.250"])
+        self.assertEqual(second[4:7], ["", "", ""])
+        self.assertFalse(lines[i + 4].startswith("| 3 |"), "as many rows as the longer list")
+
+    def test_twin_kernel_names_ranked_by_time(self):
+        class Dev:
+            CUDA, CPU = "cuda", "cpu"
+
+        class Ev:
+            def __init__(self, name, us, dev=Dev.CUDA):
+                self.name, self.device_type = name, dev
+                self.time_range = type("R", (), {"elapsed_us": lambda _s, us=us: us})()
+
+        class Prof:
+            def events(self):
+                return [Ev("gemm", 10.0), Ev("softmax", 4.0), Ev("gemm", 5.0), Ev("Memcpy HtoD", 99.0),
+                        Ev("aten::mm", 50.0, Dev.CPU), Ev("x" * 130, 4.0)]
+
+        torch = type("T", (), {"autograd": type("A", (), {"DeviceType": Dev})})
+        k = twin.count_kernels(Prof(), torch, top=2)
+        self.assertEqual(k["kernels_per_step"], 4)
+        self.assertAlmostEqual(k["kernel_ms_per_step"], 0.023)
+        self.assertEqual([(t["name"], t["count"]) for t in k["top"]], [("gemm", 2), ("softmax", 1)])
+        self.assertAlmostEqual(k["top"][0]["ms"], 0.015)
+        names = [t["name"] for t in twin.count_kernels(Prof(), torch)["top"]]
+        self.assertIn("x" * 120 + "...", names)
+
     def test_real_text(self):
         real = {"status": "ok", "steps": 500, "batch": 64, "seq_len": 256, "precision": "f32",
                 "text_bytes": 5057198, "wall_s": {"ours": 60.0, "twin": 30.0}, "max_rel_diff_eval": 0.01,

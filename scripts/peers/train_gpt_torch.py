@@ -447,18 +447,26 @@ def model_config(args):
     return cfg
 
 
-def count_kernels(prof, torch):
+def count_kernels(prof, torch, top=30):
     """The GPU kernels in a finished torch.profiler run (its CUDA-device events less the
-    memory copies and sets), and their summed time, as train_gpt --count-kernels reports them."""
+    memory copies and sets), their summed time and the `top` names by time (names cut to 120
+    characters), as train_gpt --count-kernels reports them."""
     n, busy_us = 0, 0.0
+    by_name = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         if e.name.startswith(("Memcpy", "Memset")):
             continue
+        us = e.time_range.elapsed_us()
         n += 1
-        busy_us += e.time_range.elapsed_us()
-    return {"kernels_per_step": n, "kernel_ms_per_step": busy_us / 1e3, "source": "torch.profiler"}
+        busy_us += us
+        name = e.name if len(e.name) <= 120 else e.name[:120] + "..."
+        count, total = by_name.get(name, (0, 0.0))
+        by_name[name] = (count + 1, total + us)
+    ranked = sorted(by_name.items(), key=lambda kv: (-kv[1][1], kv[0]))[:top]
+    return {"kernels_per_step": n, "kernel_ms_per_step": busy_us / 1e3, "source": "torch.profiler",
+            "top": [{"name": k, "count": c, "ms": us / 1e3} for k, (c, us) in ranked]}
 
 
 def main(argv=None):

@@ -2,27 +2,12 @@
 //! system C compiler): loading, the buffer round trip, counting, and the bounds checks against
 //! a library that misbehaves. One test function: CUPTI's state is process-global.
 
-use std::path::PathBuf;
-use std::process::Command;
-
-use candle_dtensor_kernels::profile::cupti::{KernelCount, KernelCounter};
+use candle_dtensor_kernels::profile::cupti::{KernelCount, KernelCounter, KernelTime};
 use candle_dtensor_kernels::profile::ProfileError;
 
-fn build_fake() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake_cupti");
-    std::fs::create_dir_all(&dir).expect("a scratch directory");
-    let out = dir.join("libfakecupti.so");
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support/fake_cupti.c");
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let status = Command::new(&cc)
-        .args(["-shared", "-fPIC", "-O1", "-o"])
-        .arg(&out)
-        .arg(&src)
-        .status()
-        .unwrap_or_else(|e| panic!("{cc} could not run ({e}): a C compiler is needed"));
-    assert!(status.success(), "{cc} failed on {}", src.display());
-    out
-}
+#[path = "support/cupti.rs"]
+mod support;
+use support::build_fake;
 
 type Run = unsafe extern "C" fn(i32);
 
@@ -53,9 +38,17 @@ fn counts_kernels_through_cupti_and_survives_a_misbehaving_library() {
             kernels: 7,
             busy_ns: 7 * 250,
             dropped: 0,
-            malformed: 0
+            malformed: 0,
+            by_name: [("gemm", 3), ("(unnamed)", 2), ("softmax", 2)]
+                .map(|(name, count)| KernelTime {
+                    name: name.into(),
+                    count,
+                    busy_ns: count * 250
+                })
+                .to_vec(),
         },
-        "seven kernel records of 250 ns; the memcpy record is not a kernel"
+        "seven kernel records of 250 ns, named gemm, softmax, none in turn, most time first \
+         (ties by name); the memcpy record is not a kernel"
     );
     assert_eq!(
         counter.take().unwrap(),
@@ -77,6 +70,8 @@ fn counts_kernels_through_cupti_and_survives_a_misbehaving_library() {
     }
     let c = counter.take().unwrap();
     assert_eq!((c.kernels, c.busy_ns, c.malformed), (3, 750, 1), "{c:?}");
+    let named: u64 = c.by_name.iter().map(|k| k.count).sum();
+    assert_eq!(named, 3, "only whole records are named: {:?}", c.by_name);
     // Dropped records are reported.
     unsafe {
         mode(3);

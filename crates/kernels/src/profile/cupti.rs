@@ -10,6 +10,11 @@
 //!
 //! Only the kernel records are enabled (`CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL`, which does
 //! not serialize kernels); the cost is one record written per kernel by CUPTI.
+//!
+//! Each kernel's name is read too, where the library's API version is one whose kernel records
+//! are known to keep it at [`NAME_AT`] (`cuptiGetVersion` from CUDA 10.0 through 13.x:
+//! `CUpti_ActivityKernel4` to `CUpti_ActivityKernel10`, offsets taken with `offsetof` on the
+//! CUDA 13.0 headers), so a count says where the time went ([`KernelCount::by_name`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -30,6 +35,16 @@ const END_OF_BUFFER: i32 = 12;
 const START_AT: usize = 16;
 const END_AT: usize = 24;
 const KERNEL_RECORD_MIN: usize = 32;
+/// The offset of `name` (a `const char*`, null or a NUL-terminated string CUPTI owns) in
+/// `CUpti_ActivityKernel4` through `CUpti_ActivityKernel10` (all 104; their sizes 144-216 bytes),
+/// and the bytes a record needs for it to be read.
+const NAME_AT: usize = 104;
+const NAMED_RECORD_MIN: usize = NAME_AT + 8;
+/// The CUPTI API versions (`cuptiGetVersion`) whose kernel records are those: 12 (CUDA 10.0)
+/// to 28 (CUDA 12.9 update 1), then CUDA 13.x's `13yyzz`.
+const NAMED_VERSIONS: [std::ops::RangeInclusive<u32>; 2] = [12..=28, 130_000..=139_999];
+/// Names longer than this are cut (cuBLAS's and templates' can run to hundreds of bytes).
+const NAME_MAX: usize = 120;
 /// Each activity buffer: 8 MiB, 8-byte aligned (a `u64` allocation).
 const BUF_WORDS: usize = 1 << 20;
 const BUF_BYTES: usize = BUF_WORDS * 8;
@@ -47,6 +62,9 @@ struct Api {
     flush_all: unsafe extern "C" fn(u32) -> CuptiResult,
     next_record: unsafe extern "C" fn(*mut u8, usize, *mut *mut u8) -> CuptiResult,
     dropped: unsafe extern "C" fn(*mut std::ffi::c_void, u32, *mut usize) -> CuptiResult,
+    /// Whether kernel records carry a name at [`NAME_AT`]: the library's `cuptiGetVersion`
+    /// is one of [`NAMED_VERSIONS`] (false without the function).
+    names: bool,
 }
 
 static API: OnceLock<Result<Api, ProfileError>> = OnceLock::new();
@@ -56,6 +74,8 @@ static KERNELS: AtomicU64 = AtomicU64::new(0);
 static BUSY_NS: AtomicU64 = AtomicU64::new(0);
 static DROPPED: AtomicU64 = AtomicU64::new(0);
 static MALFORMED: AtomicU64 = AtomicU64::new(0);
+/// Kernels and their summed time by name, since the last take.
+static BY_NAME: std::sync::Mutex<Vec<KernelTime>> = std::sync::Mutex::new(Vec::new());
 
 fn candidates() -> Vec<String> {
     let mut names = Vec::new();
@@ -93,9 +113,16 @@ unsafe fn sym<T: Copy>(lib: &libloading::Library, name: &str) -> Result<T, Strin
 /// signature (cupti_activity.h, unchanged since CUDA 5.5) is the function type it is read as.
 unsafe fn resolve(lib: libloading::Library) -> Result<Api, String> {
     // SAFETY: the caller's promise; the pointers are copied out while `lib`, moved into `Api`
-    // with them, is alive.
+    // with them, is alive. `cuptiGetVersion(uint32_t*)` writes one u32 through a valid pointer.
     unsafe {
+        let version: Option<unsafe extern "C" fn(*mut u32) -> CuptiResult> =
+            sym(&lib, "cuptiGetVersion").ok();
+        let names = version.is_some_and(|get| {
+            let mut v = 0u32;
+            get(&mut v) == SUCCESS && NAMED_VERSIONS.iter().any(|r| r.contains(&v))
+        });
         Ok(Api {
+            names,
             register: sym(&lib, "cuptiActivityRegisterCallbacks")?,
             enable: sym(&lib, "cuptiActivityEnable")?,
             disable: sym(&lib, "cuptiActivityDisable")?,
@@ -245,7 +272,53 @@ unsafe extern "C" fn buffer_completed(
                 )
             };
             KERNELS.fetch_add(1, Ordering::Relaxed);
-            BUSY_NS.fetch_add(end.saturating_sub(start), Ordering::Relaxed);
+            let ns = end.saturating_sub(start);
+            BUSY_NS.fetch_add(ns, Ordering::Relaxed);
+            let name = if !api.names {
+                None
+            } else if valid - offset < NAMED_RECORD_MIN {
+                Some(String::from("(record too short for a name)"))
+            } else {
+                // SAFETY: a kernel record of a library whose API version writes
+                // `CUpti_ActivityKernel4`..`10` records (checked at load), with at least
+                // `NAMED_RECORD_MIN` bytes inside the buffer (checked): its `name` is the
+                // pointer at `NAME_AT`, null or a NUL-terminated string CUPTI keeps alive at
+                // least while it hands the buffer back.
+                unsafe {
+                    let p = record
+                        .add(NAME_AT)
+                        .cast::<*const std::ffi::c_char>()
+                        .read_unaligned();
+                    Some(if p.is_null() {
+                        String::from("(unnamed)")
+                    } else {
+                        let mut n = std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned();
+                        if n.len() > NAME_MAX {
+                            let mut cut = NAME_MAX;
+                            while !n.is_char_boundary(cut) {
+                                cut -= 1;
+                            }
+                            n.truncate(cut);
+                            n.push_str("...");
+                        }
+                        n
+                    })
+                }
+            };
+            if let Some(name) = name {
+                let mut by = BY_NAME.lock().unwrap_or_else(|e| e.into_inner());
+                match by.iter_mut().find(|k| k.name == name) {
+                    Some(k) => {
+                        k.count += 1;
+                        k.busy_ns += ns;
+                    }
+                    None => by.push(KernelTime {
+                        name,
+                        count: 1,
+                        busy_ns: ns,
+                    }),
+                }
+            }
         }
         let mut dropped = 0usize;
         // SAFETY: `ctx` and `stream` are the ones CUPTI passed for this buffer; `dropped` is a
@@ -264,8 +337,20 @@ unsafe extern "C" fn buffer_completed(
     });
 }
 
+/// The kernels of one name: how many ran and their summed GPU time.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct KernelTime {
+    /// The kernel's name as CUPTI gives it (mangled where the compiler mangled it), cut to
+    /// 120 bytes.
+    pub name: String,
+    /// Kernels of this name that ran.
+    pub count: u64,
+    /// Their summed GPU time, nanoseconds.
+    pub busy_ns: u64,
+}
+
 /// Kernels counted since the counter started (or since the last [`KernelCounter::take`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct KernelCount {
     /// Kernels that ran (one record each).
     pub kernels: u64,
@@ -277,6 +362,9 @@ pub struct KernelCount {
     /// Records that could not be read (an unexpected CUPTI result or layout): when non-zero
     /// the counts are low.
     pub malformed: u64,
+    /// The same kernels by name, most GPU time first (ties by name); empty where the
+    /// library's records are not known to carry names (see the module docs).
+    pub by_name: Vec<KernelTime>,
 }
 
 /// Counts every kernel the process runs while it lives (see the module docs).
@@ -340,6 +428,12 @@ impl KernelCounter {
             busy_ns: BUSY_NS.swap(0, Ordering::AcqRel),
             dropped: DROPPED.swap(0, Ordering::AcqRel),
             malformed: MALFORMED.swap(0, Ordering::AcqRel),
+            by_name: {
+                let mut by =
+                    std::mem::take(&mut *BY_NAME.lock().unwrap_or_else(|e| e.into_inner()));
+                by.sort_by(|a, b| b.busy_ns.cmp(&a.busy_ns).then_with(|| a.name.cmp(&b.name)));
+                by
+            },
         })
     }
 }

@@ -3,15 +3,19 @@
  * one non-kernel record) into a buffer the client supplies and hands it back. `fake_mode`
  * makes it misbehave the ways a real library could: records running past the valid bytes, a
  * truncated kernel record, dropped records, an error from the iteration, a buffer the client
- * never supplied (another client's), an iteration that hands the same record again. */
+ * never supplied (another client's), an iteration that hands the same record again. Kernel
+ * records are CUpti_ActivityKernel10-sized (216 bytes) with the name pointer at offset 104:
+ * kernel i is "gemm", "softmax" or unnamed (null) as i % 3 is 0, 1 or 2. cuptiGetVersion
+ * answers $FAKE_CUPTI_VERSION, else 130001 (CUDA 13.0 update 1). */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef void (*req_t)(uint8_t **, size_t *, size_t *);
 typedef void (*done_t)(void *, uint32_t, uint8_t *, size_t, size_t);
 
-enum { REC = 64, MODE_OK = 0, MODE_PAST_END = 1, MODE_TRUNCATED = 2, MODE_DROPPED = 3, MODE_ERROR = 4,
+enum { REC = 216, MODE_OK = 0, MODE_PAST_END = 1, MODE_TRUNCATED = 2, MODE_DROPPED = 3, MODE_ERROR = 4,
        MODE_FOREIGN = 5, MODE_STUCK = 6 };
 static uint64_t foreign[(8 * REC) / 8];
 
@@ -21,6 +25,13 @@ static int enabled;
 static int pending;
 static int mode;
 static uint64_t clock_ns = 1000;
+static const char *names[3] = {"gemm", "softmax", NULL};
+
+int cuptiGetVersion(uint32_t *version) {
+    const char *v = getenv("FAKE_CUPTI_VERSION");
+    *version = v ? (uint32_t)strtoul(v, NULL, 10) : 130001u;
+    return 0;
+}
 
 void fake_run(int n) { if (enabled) pending += n; }
 void fake_mode(int m) { mode = m; }
@@ -56,6 +67,7 @@ int cuptiActivityFlushAll(uint32_t flag) {
         put_u32(r, 10);
         put_u64(r + 16, clock_ns);
         put_u64(r + 24, clock_ns + 250); /* every kernel 250 ns */
+        memcpy(r + 104, &names[i % 3], sizeof(const char *));
         clock_ns += 1000;
         valid += REC;
     }
