@@ -227,6 +227,18 @@ struct Seen {
     returned: std::sync::Mutex<Option<Tensor>>,
 }
 
+/// The forward of the identity nodes below: a copy of the input, which is an owner.
+fn owner_copy(
+    s: &candle_core::CpuStorage,
+    l: &candle_core::Layout,
+) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    assert!(
+        l.is_contiguous() && l.start_offset() == 0,
+        "the test's input is an owner"
+    );
+    Ok((s.clone(), l.shape().clone()))
+}
+
 /// An identity node whose backward doubles the gradient and records it in [`Seen`].
 struct Probe(std::sync::Arc<Seen>);
 
@@ -240,11 +252,7 @@ impl candle_core::CustomOp1 for Probe {
         s: &candle_core::CpuStorage,
         l: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        assert!(
-            l.is_contiguous() && l.start_offset() == 0,
-            "the test's input is an owner"
-        );
-        Ok((s.clone(), l.shape().clone()))
+        owner_copy(s, l)
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -324,11 +332,7 @@ impl candle_core::CustomOp2 for Echo {
         _s2: &candle_core::CpuStorage,
         _l2: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        assert!(
-            l.is_contiguous() && l.start_offset() == 0,
-            "the test's input is an owner"
-        );
-        Ok((s.clone(), l.shape().clone()))
+        owner_copy(s, l)
     }
 
     fn bwd(
