@@ -21,7 +21,33 @@ type CResult<T> = candle_core::Result<T>;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct GradNorm {
     others: Vec<Tensor>,
+    /// Per one of `others`, the storage it reads: [`Storage::Own`] its own, or that of the
+    /// operand (0: candle's, 1..: `others[i - 1]`) already holding it (gradients that are
+    /// views of one buffer, as FSDP's shard gradients of a unit are).
+    shares: Vec<Shared>,
     max_norm: Option<f64>,
+}
+
+/// Where an operand's storage is locked from (see [`GradNorm::shares`]).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Shared {
+    Own,
+    Of(usize),
+}
+
+/// For `tensors`, whether each one's storage is its own so far ([`Shared::Own`]) or that of an
+/// earlier one ([`Shared::Of`] its index), computed before any lock is held: each storage is
+/// then read-locked once per launch, never twice by one thread.
+fn shared_storages(tensors: &[Tensor]) -> Vec<Shared> {
+    let keys: Vec<usize> = tensors.iter().map(crate::storage::storage_key).collect();
+    keys.iter()
+        .enumerate()
+        .map(|(i, k)| match keys[..i].iter().position(|e| e == k) {
+            Some(j) => Shared::Of(j),
+            None => Shared::Own,
+        })
+        .collect()
 }
 
 /// The clip coefficient of a norm: `min(1, max_norm / (norm + 1e-6))`, 1 without a maximum.
@@ -48,20 +74,39 @@ impl CustomOp1 for GradNorm {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> CResult<(candle_core::CudaStorage, Shape)> {
-        // The others' storages, read-locked for the launch (the first is locked by candle; no
-        // other shares its lock: `grad_norm_clip` refused repeated storages).
-        let guards: Vec<_> = self.others.iter().map(|t| t.storage_and_layout()).collect();
-        let mut parts = vec![(s, l)];
-        for (g, gl) in &guards {
-            match &**g {
-                candle_core::Storage::Cuda(c) => parts.push((c, *gl)),
-                other => {
-                    return Err(Error::msg(format!(
-                        "grad_norm: gradients on CUDA and on {:?}",
-                        other.device().location()
-                    )))
+        // The others' storages, each read-locked once for the launch: the first operand's is
+        // locked by candle, and an operand sharing an earlier one's storage reads it through
+        // that lock (`shares`, computed before any lock was taken).
+        let guards: Vec<Option<_>> = self
+            .others
+            .iter()
+            .zip(&self.shares)
+            .map(|(t, sh)| (*sh == Shared::Own).then(|| t.storage_and_layout().0))
+            .collect();
+        let mut stores: Vec<&candle_core::CudaStorage> = vec![s];
+        for (i, g) in guards.iter().enumerate() {
+            let st = match (g, self.shares[i]) {
+                (_, Shared::Of(j)) => stores[j],
+                (Some(g), Shared::Own) => match &**g {
+                    candle_core::Storage::Cuda(c) => c,
+                    other => {
+                        return Err(Error::msg(format!(
+                            "grad_norm: gradients on CUDA and on {:?}",
+                            other.device().location()
+                        )))
+                    }
+                },
+                (None, Shared::Own) => {
+                    return Err(Error::msg(
+                        "grad_norm: internal: an own storage left unlocked",
+                    ))
                 }
-            }
+            };
+            stores.push(st);
+        }
+        let mut parts = vec![(s, l)];
+        for (i, t) in self.others.iter().enumerate() {
+            parts.push((stores[i + 1], t.layout()));
         }
         let out = crate::cuda::grad_norm(&s.device, &parts, self.max_norm)?;
         Ok((out, Shape::from(2)))
@@ -72,12 +117,13 @@ impl CustomOp1 for GradNorm {
 /// (1 when `max_norm` is `None`), as an f32 tensor `[norm, coefficient]` on the gradients'
 /// device, outside the graph. On CUDA (f32 or bf16 gradients, all of one dtype; f32 sums) two
 /// launches and no host read; on the CPU an f64 sum per gradient. Strided gradients are made
-/// contiguous first.
+/// contiguous first. Gradients may be views of one buffer (FSDP's shard gradients of a unit
+/// are): each is summed over its own elements.
 ///
 /// # Errors
 ///
 /// No gradients, gradients on several devices or (on CUDA) of several dtypes or of a dtype
-/// other than f32/bf16, or one storage given twice.
+/// other than f32/bf16.
 pub fn grad_norm_clip(grads: &[Tensor], max_norm: Option<f64>) -> CResult<Tensor> {
     let op = "grad_norm";
     let first = grads.first().ok_or_else(|| KernelError::Mismatch {
@@ -114,17 +160,11 @@ pub fn grad_norm_clip(grads: &[Tensor], max_norm: Option<f64>) -> CResult<Tensor
         .iter()
         .map(|g| g.detach().contiguous())
         .collect::<CResult<_>>()?;
-    let mut keys: Vec<usize> = grads.iter().map(crate::storage::storage_key).collect();
-    keys.sort_unstable();
-    if keys.windows(2).any(|w| w[0] == w[1]) {
-        return Err(KernelError::Mismatch {
-            op,
-            detail: "two gradients share one storage (pass each once)".into(),
-        }
-        .into());
-    }
+    // Operand j + 1's storage as the node sees it: 0 is candle's first operand.
+    let shares = shared_storages(&grads)[1..].to_vec();
     let node = GradNorm {
         others: grads[1..].to_vec(),
+        shares,
         max_norm,
     };
     grads[0].apply_op1_no_bwd(&node)
@@ -217,7 +257,8 @@ pub fn adamw_reference(
 }
 
 /// One AdamW step of every parameter in place, with their gradients and moments (f32, all on
-/// one device; each parameter, moment and gradient a storage of its own): on CUDA one launch
+/// one device; each parameter and moment a storage of its own; gradients, only read, may be
+/// views of one buffer): on CUDA one launch
 /// for all of them (plus four small uploads of the address tables), no host read; on the CPU
 /// [`adamw_reference`] per parameter. `decay[i]` false leaves parameter i without weight decay.
 /// `norm_clip`: [`grad_norm_clip`]'s result, whose coefficient then multiplies every gradient
@@ -232,7 +273,7 @@ pub fn adamw_reference(
 ///
 /// Lists of different lengths, a dtype other than f32, a parameter and its gradient/moments of
 /// different lengths, a strided or offset parameter or moment, tensors on several devices, or
-/// two of the tensors sharing a storage.
+/// a parameter, moment or the coefficient sharing a storage with another of the tensors.
 pub fn adamw_step(
     params: &[Tensor],
     grads: &[Tensor],
@@ -307,19 +348,26 @@ pub fn adamw_step(
         .iter()
         .map(|g| g.detach().contiguous())
         .collect::<CResult<_>>()?;
-    let mut keys: Vec<usize> = params
+    // Parameters and moments are written: each a storage of its own, shared with nothing.
+    // Gradients are only read, so they may be views of one buffer (FSDP's shard gradients of
+    // a unit are), but never of a written storage.
+    let mut written: Vec<usize> = params
         .iter()
-        .chain(&grads)
         .chain(m)
         .chain(v)
         .chain(norm_clip)
         .map(crate::storage::storage_key)
         .collect();
-    keys.sort_unstable();
-    if keys.windows(2).any(|w| w[0] == w[1]) {
+    written.sort_unstable();
+    let grad_keys: Vec<usize> = grads.iter().map(crate::storage::storage_key).collect();
+    if written.windows(2).any(|w| w[0] == w[1])
+        || grad_keys.iter().any(|k| written.binary_search(k).is_ok())
+    {
         return Err(KernelError::Mismatch {
             op,
-            detail: "two of the tensors share one storage".into(),
+            detail: "a parameter, moment or the clip coefficient shares a storage with another \
+                     of the tensors"
+                .into(),
         }
         .into());
     }
@@ -395,28 +443,42 @@ fn adamw_cuda(
         if idx.is_empty() {
             continue;
         }
-        let guards: Vec<[_; 4]> = idx
+        // Every storage read-locked once for the launch: parameters and moments are distinct
+        // (checked by the caller); gradients sharing a buffer read it through one lock.
+        let group_grads: Vec<Tensor> = idx.iter().map(|&i| grads[i].clone()).collect();
+        let shares = shared_storages(&group_grads);
+        let guards: Vec<[Option<_>; 4]> = idx
             .iter()
-            .map(|&i| {
+            .zip(&shares)
+            .map(|(&i, sh)| {
                 [
-                    params[i].storage_and_layout(),
-                    grads[i].storage_and_layout(),
-                    m[i].storage_and_layout(),
-                    v[i].storage_and_layout(),
+                    Some(params[i].storage_and_layout().0),
+                    (*sh == Shared::Own).then(|| grads[i].storage_and_layout().0),
+                    Some(m[i].storage_and_layout().0),
+                    Some(v[i].storage_and_layout().0),
                 ]
             })
             .collect();
-        let sets = guards
-            .iter()
-            .map(|[a, b, c, d]| {
-                Ok([
-                    (cuda(&a.0)?, a.1),
-                    (cuda(&b.0)?, b.1),
-                    (cuda(&c.0)?, c.1),
-                    (cuda(&d.0)?, d.1),
-                ])
-            })
-            .collect::<CResult<Vec<_>>>()?;
+        let mut sets: Vec<[(&candle_core::CudaStorage, &Layout); 4]> =
+            Vec::with_capacity(idx.len());
+        for (k, (&i, gs)) in idx.iter().zip(&guards).enumerate() {
+            let own = |j: usize| -> CResult<&candle_core::CudaStorage> {
+                match &gs[j] {
+                    Some(g) => cuda(g),
+                    None => Err(Error::msg("adamw: internal: an own storage left unlocked")),
+                }
+            };
+            let grad = match shares[k] {
+                Shared::Own => own(1)?,
+                Shared::Of(e) => sets[e][1].0,
+            };
+            sets.push([
+                (own(0)?, params[i].layout()),
+                (grad, grads[i].layout()),
+                (own(2)?, m[i].layout()),
+                (own(3)?, v[i].layout()),
+            ]);
+        }
         let [beta1, one_beta1, beta2, one_beta2, scale_m, scale_v, dec, eps, lr] =
             step.consts(group);
         let consts = crate::cuda::AdamWConsts {

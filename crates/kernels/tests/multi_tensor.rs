@@ -169,7 +169,19 @@ fn adamw_step_refuses_bad_operands() {
         None,
     )
     .unwrap_err();
-    assert!(e.to_string().contains("share one storage"), "{e}");
+    assert!(e.to_string().contains("shares a storage"), "{e}");
+    // A gradient that is the parameter itself (written while read).
+    let e = adamw_step(
+        std::slice::from_ref(&p),
+        std::slice::from_ref(&p),
+        std::slice::from_ref(&m),
+        std::slice::from_ref(&v),
+        &[true],
+        &step,
+        None,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("shares a storage"), "{e}");
     // Another dtype.
     let h = p.to_dtype(DType::F64).unwrap();
     let e = adamw_step(
@@ -191,4 +203,51 @@ fn adamw_step_refuses_bad_operands() {
     let view = big.narrow(0, 4, 4).unwrap();
     let e = adamw_step(&[view], &[g], &[m], &[v], &[true], &step, None).unwrap_err();
     assert!(e.to_string().contains("must be contiguous"), "{e}");
+}
+
+/// Gradients are only read, so they may be views of one buffer (FSDP hands out a unit's shard
+/// gradients so): the step and the norm over such views equal those over separate copies.
+#[test]
+fn gradients_may_be_views_of_one_buffer() {
+    let dev = Device::Cpu;
+    let buf = Tensor::from_vec(values(30, 5, 1.0), 30, &dev).unwrap();
+    let views = [
+        buf.narrow(0, 0, 12).unwrap().reshape((3, 4)).unwrap(),
+        buf.narrow(0, 12, 18).unwrap(),
+    ];
+    let copies: Vec<Tensor> = views.iter().map(|g| g.copy().unwrap()).collect();
+    let step = AdamWStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        t: 1,
+    };
+    let run = |grads: &[Tensor]| -> Vec<Vec<f32>> {
+        let params: Vec<Tensor> = grads
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                Tensor::from_vec(values(g.elem_count(), 9 + i as u64, 1.0), g.shape(), &dev)
+                    .unwrap()
+            })
+            .collect();
+        let zeros = |t: &Tensor| t.zeros_like().unwrap();
+        let m: Vec<Tensor> = params.iter().map(zeros).collect();
+        let v: Vec<Tensor> = params.iter().map(zeros).collect();
+        adamw_step(&params, grads, &m, &v, &[true, false], &step, None).unwrap();
+        params
+            .iter()
+            .map(|p| p.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .collect()
+    };
+    assert_eq!(run(&views), run(&copies));
+    let norm = |g: &[Tensor]| {
+        grad_norm_clip(g, Some(1.0))
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    assert_eq!(norm(&views), norm(&copies));
 }

@@ -97,7 +97,6 @@
 //! steps and continue from the latest complete checkpoint. A corrupt or missing file is a
 //! [`TrainerError::Checkpoint`] naming it (every chunk has a CRC-32).
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -1176,9 +1175,9 @@ fn sum_sq_f64(g: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// How [`local_sq_fused`] covers a list of gradients: `groups` (indices with one copies count
-/// and one dtype, f32 or bf16, each gradient's storage its own: one multi-tensor launch pair
-/// each, in first-seen order) and `single` (the others: another dtype, or a storage two of the
-/// gradients share, which the kernel refuses). Empty gradients are in neither.
+/// and one dtype, f32 or bf16: one multi-tensor launch pair each, in first-seen order; views
+/// of one buffer, as FSDP's shard gradients of a unit are, included) and `single` (another
+/// dtype). Empty gradients are in neither.
 #[derive(Debug, PartialEq)]
 struct NormPlan {
     groups: Vec<((usize, DType), Vec<usize>)>,
@@ -1186,11 +1185,6 @@ struct NormPlan {
 }
 
 fn norm_plan(grads: &[(Tensor, usize)]) -> NormPlan {
-    use candle_dtensor_kernels::storage::storage_key;
-    let mut seen: HashMap<usize, usize> = HashMap::new();
-    for (g, _) in grads {
-        *seen.entry(storage_key(g)).or_default() += 1;
-    }
     let mut plan = NormPlan {
         groups: Vec::new(),
         single: Vec::new(),
@@ -1199,8 +1193,7 @@ fn norm_plan(grads: &[(Tensor, usize)]) -> NormPlan {
         if g.elem_count() == 0 {
             continue;
         }
-        let own = seen.get(&storage_key(g)) == Some(&1);
-        if !own || !matches!(g.dtype(), DType::F32 | DType::BF16) {
+        if !matches!(g.dtype(), DType::F32 | DType::BF16) {
             plan.single.push(i);
             continue;
         }
@@ -2086,17 +2079,18 @@ mod tests {
     }
 
     #[test]
-    fn the_norm_plan_groups_by_copies_and_dtype_and_keeps_shared_storages_apart() {
+    fn the_norm_plan_groups_by_copies_and_dtype_views_of_one_buffer_included() {
         let plan = norm_plan(&mixed());
         assert_eq!(
             plan,
             NormPlan {
                 groups: vec![
-                    ((1, DType::F32), vec![0, 5]),
+                    ((1, DType::F32), vec![0, 5, 6]),
                     ((2, DType::BF16), vec![1, 8]),
                     ((4, DType::F32), vec![2]),
+                    ((2, DType::F32), vec![7]),
                 ],
-                single: vec![3, 6, 7],
+                single: vec![3],
             }
         );
     }

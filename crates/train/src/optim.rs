@@ -363,7 +363,8 @@ impl AdamW {
     /// (`kernels::multi_tensor::adamw_step`: the CPU path's arithmetic, element by element, no
     /// host read) instead of candle-nn's nine tensor ops each. Returns the indices it updated
     /// (none when the fused CUDA path is off, `CDT_FUSED_CUDA=0`, or the kernel refuses the
-    /// set, e.g. two gradients sharing a storage: those then take the per-variable path).
+    /// set, e.g. a gradient sharing a parameter's storage: those then take the per-variable
+    /// path; gradients that are views of one buffer are accepted).
     /// `clip`: the clip coefficient (f64 `[1]`), read by the kernel on the device.
     fn step_cuda_fused(&self, grads: &GradStore, clip: Option<&Tensor>) -> Result<Vec<usize>> {
         if !candle_dtensor_kernels::fused::cuda_enabled() {
