@@ -1548,7 +1548,8 @@ impl Trainer {
                 let f = match cast.iter().find(|(d, _)| *d == g.dtype()) {
                     Some((_, f)) => f.clone(),
                     None => {
-                        let f = factor.to_dtype(g.dtype())?;
+                        // A scalar: a rank-0 gradient keeps its shape.
+                        let f = factor.to_dtype(g.dtype())?.reshape(())?;
                         cast.push((g.dtype(), f.clone()));
                         f
                     }

@@ -677,3 +677,45 @@ fn clipping_fused_into_the_update_gives_the_bits_of_clipping_first() -> R<()> {
     }
     Ok(())
 }
+
+/// A scalar (rank-0) parameter trains under clipping whether the gradients are clipped before
+/// `apply` (`forward_backward`) or inside AdamW's update (`step`), to the same bits: the clip
+/// factor once turned the scalar's gradient into `[1]`, which AdamW refused.
+#[test]
+fn a_scalar_parameter_trains_under_clipping_both_ways() -> R<()> {
+    use candle_core::Tensor;
+    use candle_nn::{Init, VarBuilder, VarMap};
+    let run = |fused: bool| -> R<Vec<f32>> {
+        let map = VarMap::new();
+        let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+        let scale = vb.get_with_hints((), "scale", Init::Const(3.0))?;
+        let bias = vb.get_with_hints(4, "bias", Init::Const(0.5))?;
+        let vars = TrainVars::local(None, &map, vb);
+        let mut trainer = Trainer::new(
+            vars,
+            TrainerConfig {
+                clip: Some(0.1),
+                ..TrainerConfig::default()
+            },
+        )?;
+        let x = Tensor::new(&[1f32, -2.0, 0.5, 4.0], &Device::Cpu)?;
+        let loss = || (x.broadcast_mul(&scale)? + &bias)?.sqr()?.mean_all();
+        for _ in 0..3 {
+            if fused {
+                trainer.step(loss)?;
+            } else {
+                let g = trainer.forward_backward(loss)?;
+                assert_eq!(
+                    g.grads().get(&scale).map(|t| t.dims().to_vec()),
+                    Some(vec![])
+                );
+                trainer.apply(g)?;
+            }
+        }
+        Ok(vec![scale.to_scalar::<f32>()?])
+    };
+    let (a, b) = (run(true)?, run(false)?);
+    assert_eq!(a, b);
+    assert_ne!(a, [3.0], "the scalar trained");
+    Ok(())
+}

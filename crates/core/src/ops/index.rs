@@ -142,7 +142,9 @@ fn rma_select(
     select: impl Fn(&Tensor, &Tensor) -> CResult<Tensor>,
     scatter_back: crate::node::Backward,
 ) -> CResult<Tensor> {
-    let id_vals: Vec<u32> = ids.to_dtype(DType::U32)?.flatten_all()?.to_vec1()?;
+    let id_vals: Vec<u32> = crate::storage::ids_as("gather or index_select ids", ids, DType::U32)?
+        .flatten_all()?
+        .to_vec1()?;
     let mut unique: BTreeMap<usize, u32> = BTreeMap::new();
     for &v in &id_vals {
         if v as usize >= l {

@@ -39,7 +39,9 @@ fn owned_rows(p: &Prepared, dim: usize) -> CResult<Option<(usize, usize)>> {
 
 /// The index values as `u64`, checked against `bound` (the global size of the written dim).
 fn index_values(index: &Tensor, bound: usize, op: &str) -> CResult<Vec<u64>> {
-    let v: Vec<i64> = index.to_dtype(DType::I64)?.flatten_all()?.to_vec1()?;
+    let v: Vec<i64> = crate::storage::ids_as("scatter index", index, DType::I64)?
+        .flatten_all()?
+        .to_vec1()?;
     v.iter()
         .map(|&i| {
             if i < 0 || i as usize >= bound {
