@@ -349,8 +349,8 @@ impl candle_core::CustomOp2 for Echo {
 /// Variables' first gradients are stored as they come too (vendor/README.md), with no zero
 /// fill and add, and then separated: a gradient two variables would share, or one that is a
 /// variable's own value, is replaced by a copy, so each variable's gradient is a storage of its
-/// own that no variable's value shares (AdamW refuses shared storages; reductions and clipping
-/// take each gradient as its own). Fails if variables keep the zero-and-add path (the first
+/// own that no variable's value shares (AdamW refuses a gradient sharing a parameter's
+/// storage; reductions and accumulators take each gradient as its own). Fails if variables keep the zero-and-add path (the first
 /// assertion) or if the separation is dropped (the others).
 #[test]
 fn variables_take_their_first_gradient_as_it_comes_but_never_share_it() {
