@@ -21,7 +21,7 @@ type CResult<T> = candle_core::Result<T>;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct GradNorm {
     others: Vec<Tensor>,
-    /// Per one of `others`, the storage it reads: [`Storage::Own`] its own, or that of the
+    /// Per one of `others`, the storage it reads: [`Shared::Own`] its own, or that of the
     /// operand (0: candle's, 1..: `others[i - 1]`) already holding it (gradients that are
     /// views of one buffer, as FSDP's shard gradients of a unit are).
     shares: Vec<Shared>,
