@@ -158,30 +158,21 @@ fn adamw_step_refuses_bad_operands() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("its gradient [3]"), "{e}");
-    // The same storage twice (a parameter as its own moment).
-    let e = adamw_step(
-        std::slice::from_ref(&p),
-        std::slice::from_ref(&g),
-        std::slice::from_ref(&p),
-        std::slice::from_ref(&v),
-        &[true],
-        &step,
-        None,
-    )
-    .unwrap_err();
-    assert!(e.to_string().contains("shares a storage"), "{e}");
-    // A gradient that is the parameter itself (written while read).
-    let e = adamw_step(
-        std::slice::from_ref(&p),
-        std::slice::from_ref(&p),
-        std::slice::from_ref(&m),
-        std::slice::from_ref(&v),
-        &[true],
-        &step,
-        None,
-    )
-    .unwrap_err();
-    assert!(e.to_string().contains("shares a storage"), "{e}");
+    // The same storage twice: a parameter as its own moment, and a gradient that is the
+    // parameter itself (written while read).
+    for (what, grad, moment) in [("moment", &g, &p), ("gradient", &p, &m)] {
+        let e = adamw_step(
+            std::slice::from_ref(&p),
+            std::slice::from_ref(grad),
+            std::slice::from_ref(moment),
+            std::slice::from_ref(&v),
+            &[true],
+            &step,
+            None,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("shares a storage"), "{what}: {e}");
+    }
     // Another dtype.
     let h = p.to_dtype(DType::F64).unwrap();
     let e = adamw_step(

@@ -346,6 +346,21 @@ impl candle_core::CustomOp2 for Echo {
     }
 }
 
+/// The gradients of `sum(probe(x))` and the gradient the probe's backward returned (kept
+/// alive, so that storages can be compared).
+fn through_probe(x: &Tensor) -> (candle_core::backprop::GradStore, Tensor) {
+    let seen = std::sync::Arc::new(Seen::default());
+    let loss = x.apply_op1(Probe(seen.clone())).unwrap().sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    let returned = seen
+        .returned
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("the backward ran");
+    (grads, returned)
+}
+
 /// Variables' first gradients are stored as they come too (vendor/README.md), with no zero
 /// fill and add, and then separated: a gradient two variables would share, or one that is a
 /// variable's own value, is replaced by a copy, so each variable's gradient is a storage of its
@@ -358,20 +373,7 @@ fn variables_take_their_first_gradient_as_it_comes_but_never_share_it() {
     let dev = Device::Cpu;
     // One variable, one consumer: the probe's returned gradient is the variable's.
     let w = Var::new(&[1f32, -2., 3.], &dev).unwrap();
-    let seen = std::sync::Arc::new(Seen::default());
-    let loss = w
-        .as_tensor()
-        .apply_op1(Probe(seen.clone()))
-        .unwrap()
-        .sum_all()
-        .unwrap();
-    let grads = loss.backward().unwrap();
-    let returned = seen
-        .returned
-        .lock()
-        .unwrap()
-        .clone()
-        .expect("the backward ran");
+    let (grads, returned) = through_probe(w.as_tensor());
     let gw = grads.get(w.as_tensor()).unwrap();
     assert!(
         storage::same_storage(gw, &returned),
@@ -383,20 +385,7 @@ fn variables_take_their_first_gradient_as_it_comes_but_never_share_it() {
     // other gets a copy; both have the value.
     let x = Var::new(&[1f32, 2.], &dev).unwrap();
     let y = Var::new(&[3f32, 4.], &dev).unwrap();
-    let seen = std::sync::Arc::new(Seen::default());
-    let loss = (x.as_tensor() + y.as_tensor())
-        .unwrap()
-        .apply_op1(Probe(seen.clone()))
-        .unwrap()
-        .sum_all()
-        .unwrap();
-    let grads = loss.backward().unwrap();
-    let returned = seen
-        .returned
-        .lock()
-        .unwrap()
-        .clone()
-        .expect("the backward ran");
+    let (grads, returned) = through_probe(&(x.as_tensor() + y.as_tensor()).unwrap());
     let (gx, gy) = (
         grads.get(x.as_tensor()).unwrap(),
         grads.get(y.as_tensor()).unwrap(),
