@@ -1042,6 +1042,18 @@ fn grad_norm_case(dev: &Device, dtype: DType, sizes: &[usize], max: Option<f64>)
     }
 }
 
+/// The AdamW hyper-parameters of the CUDA cases, at step `t`.
+fn adamw_at(t: usize) -> multi_tensor::AdamWStep {
+    multi_tensor::AdamWStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        t,
+    }
+}
+
 /// Three AdamW steps of the same parameters on CUDA (one launch per step and decay group) and
 /// on the CPU, with clipping by a coefficient computed once on the device and used by both:
 /// bitwise equal (the kernel rounds every operation as the CPU does).
@@ -1068,14 +1080,7 @@ fn adamw_case(dev: &Device) -> R<String> {
     );
     let (pd, md, vd) = (make(500, 1.0, dev)?, zeros(dev)?, zeros(dev)?);
     for t in 1..=3 {
-        let step = multi_tensor::AdamWStep {
-            lr: 1e-2,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            t,
-        };
+        let step = adamw_at(t);
         let gc = make(600 + 10 * t as u64, 4.0, &Device::Cpu)?;
         let gd: Vec<Tensor> = gc.iter().map(|g| g.to_device(dev)).collect::<R<_>>()?;
         let clip_d = multi_tensor::grad_norm_clip(&gd, Some(1.0))?;
@@ -1116,14 +1121,7 @@ fn shared_storage_views(dev: &Device) -> R<String> {
     if norm(&views)? != norm(&copies)? {
         candle_core::bail!("grad_norm_clip over views differs from over copies");
     }
-    let step = multi_tensor::AdamWStep {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        t: 1,
-    };
+    let step = adamw_at(1);
     let run = |grads: &[Tensor]| -> R<Vec<Vec<u32>>> {
         let params: Vec<Tensor> = grads
             .iter()
