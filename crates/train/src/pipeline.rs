@@ -1560,19 +1560,18 @@ pub(crate) fn train_rank_pp(
         } else {
             None
         };
-        if let (Some(max), Some(norm)) = (cfg.clip, grad_norm) {
-            if norm > max {
-                // As the library trainer clips.
-                let scale = max / (norm + 1e-6);
-                for g in grads.iter_mut() {
-                    *g = g.affine(scale, 0.0)?;
-                }
+        // As the library trainer clips, inside AdamW's update: the coefficient multiplies each
+        // gradient as the update reads it, instead of a scaled copy of every gradient first.
+        let clip = match (cfg.clip, grad_norm) {
+            (Some(max), Some(norm)) if norm > max => {
+                Some(Tensor::new(&[max / (norm + 1e-6)], &dev)?)
             }
-        }
+            _ => None,
+        };
         let lr = cfg.schedule.map_or(cfg.lr, |s| s.lr_at(step));
         opt.set_learning_rate(lr);
         let t_bwd = Instant::now();
-        opt.step(&grad_store(&opt_vars, grads, &dev)?)?;
+        opt.step_clipped(&grad_store(&opt_vars, grads, &dev)?, clip.as_ref())?;
         let t_opt = Instant::now();
         // The step's loss: the last stages' scaled micro-batch losses and the other stages'
         // scaled balancing losses, summed over the world (the ranks of a stage group hold the
