@@ -180,6 +180,23 @@ inline T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
     return emu::shfl_from(v, src, true);
 }
 
+// Bit l of the result is set where lane l of the warp passed a non-zero predicate, exchanged
+// through the warp's slots as a shuffle is (so every lane must reach it, and lanes meet there
+// before any reads the votes). Lanes past a partial last warp vote no.
+inline unsigned __ballot_sync(unsigned, int predicate) {
+    uint64_t* slots = emu::warp_slots();
+    slots[emu::lane_id()] = predicate != 0 ? 1 : 0;
+    emu::warp_barrier();
+    unsigned r = 0;
+    for (unsigned l = 0; l < emu::warp_lane_count(); ++l) {
+        r |= static_cast<unsigned>(slots[l] != 0) << l;
+    }
+    emu::warp_barrier();
+    return r;
+}
+// 1 + the index of the lowest set bit, 0 for 0.
+inline int __ffs(int x) { return __builtin_ffs(x); }
+
 // Math: the device intrinsics as their exact host equivalents.
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }

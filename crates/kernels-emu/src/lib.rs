@@ -420,6 +420,13 @@ extern "C" {
         y: *mut f32,
         mode: c_int,
     ) -> c_int;
+    fn emu_selftest_ballot(
+        l: *const RawLaunch,
+        err: *mut c_char,
+        err_len: usize,
+        x: *const f32,
+        y: *mut f32,
+    ) -> c_int;
 }
 
 /// The emulator's own kernels (`emu/selftest/selftest.cu`): a correct block reduction and one
@@ -613,6 +620,17 @@ pub mod selftest {
         // y[t] only and reads its warp's 512-byte shared tile at lane * 16 bytes.
         per_thread("divergent_mma", launch, order, y, |l, e, el, y| unsafe {
             emu_selftest_divergent_mma(l, e, el, y, sites as c_int)
+        })
+    }
+
+    /// Thread `t` of one 1-D block votes `x[t] > 0` with `__ballot_sync` and writes, as the
+    /// bits of `y[t]`, its warp's mask plus `__ffs` of it (`mask + lowest voting lane + 1`).
+    pub fn ballot(launch: &Launch, order: Order, x: &Buf<f32>, y: &mut Buf<f32>) -> Result<()> {
+        need_elems("ballot", x.len(), launch.block.0 as usize)?;
+        // SAFETY: per_thread checks the single 1-D block and y; x is checked above; thread t
+        // reads x[t] only.
+        per_thread("ballot", launch, order, y, |l, e, el, y| unsafe {
+            emu_selftest_ballot(l, e, el, x.ptr(), y)
         })
     }
 

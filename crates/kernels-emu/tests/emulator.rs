@@ -220,3 +220,39 @@ fn lanes_reaching_a_matrix_instruction_from_different_places_fail() {
         }
     }
 }
+
+/// `__ballot_sync` gives each lane its warp's votes, lane l as bit l, and the missing lanes of
+/// a partial last warp vote no; `__ffs` names the lowest voter (plus one), 0 for none.
+#[test]
+fn a_ballot_is_the_warps_votes() {
+    for threads in [32usize, 64, 40] {
+        // Votes that differ between the two warps, lane 31 of the second voting.
+        let x: Vec<f32> = (0..threads)
+            .map(|t| if t % 3 == 0 || t % 7 == 1 { 1.0 } else { -1.0 })
+            .collect();
+        let mut want = vec![0u32; threads];
+        for (t, w) in want.iter_mut().enumerate() {
+            let warp = t / 32 * 32;
+            let mask = (warp..threads.min(warp + 32))
+                .filter(|&u| x[u] > 0.0)
+                .fold(0u32, |m, u| m | 1 << (u - warp));
+            *w = mask.wrapping_add(if mask == 0 {
+                0
+            } else {
+                mask.trailing_zeros() + 1
+            });
+        }
+        for order in ORDERS {
+            let mut y = Buf::filled("y", threads, f32::NAN);
+            selftest::ballot(
+                &Launch::linear(1, threads as u32, 0),
+                order,
+                &Buf::from_slice("x", &x),
+                &mut y,
+            )
+            .unwrap();
+            let got: Vec<u32> = y.as_slice().iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, want, "{threads} threads, {order:?}");
+        }
+    }
+}

@@ -108,6 +108,14 @@ __global__ void stale_shared(float* y, int mode) {
     }
 }
 
+// y[t] holds (as bits) the ballot of x[u] > 0 over the lanes u of thread t's warp; a partial
+// last warp's missing lanes vote no. Then y[t] += the lowest voting lane's __ffs, so a wrong
+// __ffs shows too: y[t] = mask + __ffs(mask), as an unsigned.
+__global__ void ballot(const float* x, float* y) {
+    const unsigned m = __ballot_sync(0xffffffffu, x[threadIdx.x] > 0.f);
+    y[threadIdx.x] = __uint_as_float(m + static_cast<unsigned>(__ffs(static_cast<int>(m))));
+}
+
 // A warp-wide matrix instruction (.aligned) reached by the lanes of one warp from different
 // places: `mode` 0, every lane through one call (fine); 1, the lower half through
 // `selftest_mma_a` and the upper half through `selftest_mma_b` (undefined on a GPU: the
