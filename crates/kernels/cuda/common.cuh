@@ -7,6 +7,12 @@
 
 typedef unsigned short bf16_t;
 
+// The most threads a row kernel (softmax, cross-entropy, norms: `row_cfg` gives up to 1024)
+// or a multi-tensor kernel (1024) is launched with. As their `__launch_bounds__` it keeps the
+// compiler within the registers a block of 1024 threads may have (64 a thread): an edit that
+// went past them would otherwise fail only at launch on a GPU (too many resources requested),
+// which the emulator cannot see.
+#define CDT_ROW_BOUNDS __launch_bounds__(1024)
 #define CDT_NEG_INF (__int_as_float(0xff800000))
 #define CDT_NAN (__int_as_float(0x7fc00000))
 

@@ -385,6 +385,10 @@ template <int R, int D>
 __device__ __forceinline__ void fa_tc_load_rows(bf16_t* tile, const bf16_t* __restrict__ m,
                                                 int ld, long long r0, int n) {
     constexpr int LD = D + FA_TC_PAD;
+    // The largest offset, (R - 1) ld + D - 1 with ld < FA_TC_MAX_LD, fits an int (with R = 128
+    // rows, with about 16.8 million to spare: a taller tile needs a smaller FA_TC_MAX_LD).
+    static_assert((long long)(R - 1) * (FA_TC_MAX_LD - 1) + D <= 2147483647LL,
+                  "a tile row offset past an int");
     const bf16_t* base = m + r0 * ld;
     const long long left = n - r0;  // rows of the matrix from r0 on
     if ((reinterpret_cast<unsigned long long>(m) & 15ull) == 0 && (ld & 7) == 0) {

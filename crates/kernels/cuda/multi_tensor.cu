@@ -38,8 +38,9 @@ __device__ void sumsq_partial(const unsigned long long* __restrict__ ptrs,
 
 // out[0] = sqrt(sum of partials), out[1] = the clip coefficient min(1, max_norm / (norm +
 // 1e-6)) (1 when max_norm <= 0: no clipping). One block; partials added in a fixed order.
-extern "C" __global__ void cdt_norm_finish(const float* __restrict__ partial, int blocks,
-                                           float max_norm, float* __restrict__ out) {
+extern "C" __global__ void CDT_ROW_BOUNDS cdt_norm_finish(const float* __restrict__ partial,
+                                                          int blocks, float max_norm,
+                                                          float* __restrict__ out) {
     __shared__ float buf[32];
     float acc = 0.f;
     for (int i = threadIdx.x; i < blocks; i += blockDim.x) acc += partial[i];
@@ -51,15 +52,17 @@ extern "C" __global__ void cdt_norm_finish(const float* __restrict__ partial, in
     }
 }
 
-extern "C" __global__ void cdt_sumsq_partial_f32(const unsigned long long* ptrs,
-                                                 const long long* starts, int k,
-                                                 long long chunk, float* partial) {
+extern "C" __global__ void CDT_ROW_BOUNDS cdt_sumsq_partial_f32(const unsigned long long* ptrs,
+                                                                const long long* starts, int k,
+                                                                long long chunk,
+                                                                float* partial) {
     sumsq_partial<float>(ptrs, starts, k, chunk, partial);
 }
 
-extern "C" __global__ void cdt_sumsq_partial_bf16(const unsigned long long* ptrs,
-                                                  const long long* starts, int k,
-                                                  long long chunk, float* partial) {
+extern "C" __global__ void CDT_ROW_BOUNDS cdt_sumsq_partial_bf16(const unsigned long long* ptrs,
+                                                                 const long long* starts, int k,
+                                                                 long long chunk,
+                                                                 float* partial) {
     sumsq_partial<bf16_t>(ptrs, starts, k, chunk, partial);
 }
 
@@ -74,13 +77,11 @@ struct AdamWConsts {
 // element by element, `+ 0` terms included), so no multiply-add is contracted and the result
 // is bitwise the CPU's. `coef`: null, or a device scalar multiplying every gradient first
 // (the clip coefficient of cdt_norm_finish's out[1]).
-extern "C" __global__ void cdt_adamw_f32(const unsigned long long* __restrict__ ps,
-                                         const unsigned long long* __restrict__ gs,
-                                         const unsigned long long* __restrict__ ms,
-                                         const unsigned long long* __restrict__ vs,
-                                         const long long* __restrict__ starts, int k,
-                                         long long chunk, const float* __restrict__ coef,
-                                         AdamWConsts c) {
+extern "C" __global__ void CDT_ROW_BOUNDS cdt_adamw_f32(
+    const unsigned long long* __restrict__ ps, const unsigned long long* __restrict__ gs,
+    const unsigned long long* __restrict__ ms, const unsigned long long* __restrict__ vs,
+    const long long* __restrict__ starts, int k, long long chunk, const float* __restrict__ coef,
+    AdamWConsts c) {
     const long long total = starts[k];
     const long long c0 = (long long)blockIdx.x * chunk;
     const long long c1 = c0 + chunk < total ? c0 + chunk : total;

@@ -131,24 +131,23 @@ __device__ void norm_bwd_final(const float* __restrict__ part, T* __restrict__ w
 }
 
 #define NORM(NAME, T)                                                                        \
-    extern "C" __global__ void cdt_norm_fwd_##NAME(const T* x, const T* w, const T* b, T* y,  \
-                                                   long long rows, int n, float eps,         \
-                                                   int center) {                             \
+    extern "C" __global__ void CDT_ROW_BOUNDS cdt_norm_fwd_##NAME(                           \
+        const T* x, const T* w, const T* b, T* y, long long rows, int n, float eps,          \
+        int center) {                                                                        \
         norm_fwd<T>(x, w, b, y, rows, n, eps, center);                                       \
     }                                                                                        \
-    extern "C" __global__ void cdt_norm_bwd_dx_##NAME(const T* x, const T* w, const T* g,     \
-                                                      T* dx, float* stats, long long rows,   \
-                                                      int n, float eps, int center) {        \
+    extern "C" __global__ void CDT_ROW_BOUNDS cdt_norm_bwd_dx_##NAME(                        \
+        const T* x, const T* w, const T* g, T* dx, float* stats, long long rows, int n,      \
+        float eps, int center) {                                                             \
         norm_bwd_dx<T>(x, w, g, dx, stats, rows, n, eps, center);                            \
     }                                                                                        \
-    extern "C" __global__ void cdt_norm_bwd_partial_##NAME(const T* x, const T* g,            \
-                                                           const float* stats, float* part,  \
-                                                           long long rows, int n,            \
-                                                           long long per_chunk) {            \
+    extern "C" __global__ void CDT_ROW_BOUNDS cdt_norm_bwd_partial_##NAME(                   \
+        const T* x, const T* g, const float* stats, float* part, long long rows, int n,      \
+        long long per_chunk) {                                                               \
         norm_bwd_partial<T>(x, g, stats, part, rows, n, per_chunk);                          \
     }                                                                                        \
-    extern "C" __global__ void cdt_norm_bwd_final_##NAME(const float* part, T* wb, int chunks, \
-                                                         int n) {                            \
+    extern "C" __global__ void CDT_ROW_BOUNDS cdt_norm_bwd_final_##NAME(                     \
+        const float* part, T* wb, int chunks, int n) {                                       \
         norm_bwd_final<T>(part, wb, chunks, n);                                              \
     }
 

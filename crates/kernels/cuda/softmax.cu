@@ -130,24 +130,23 @@ __device__ void xent_bwd(const T* __restrict__ x, const I* __restrict__ tgt,
 }
 
 #define SOFTMAX(NAME, T)                                                                     \
-    extern "C" __global__ void cdt_softmax_fwd_##NAME(const T* x, T* y, long long rows, int n, \
-                                                      long long t, float scale, int causal,   \
-                                                      int log_out) {                         \
+    extern "C" __global__ void CDT_ROW_BOUNDS cdt_softmax_fwd_##NAME(                        \
+        const T* x, T* y, long long rows, int n, long long t, float scale, int causal,       \
+        int log_out) {                                                                       \
         softmax_fwd<T>(x, y, rows, n, t, scale, causal, log_out);                            \
     }                                                                                        \
-    extern "C" __global__ void cdt_softmax_bwd_##NAME(const T* y, const T* g, T* dx,          \
-                                                      long long rows, int n, float scale,     \
-                                                      int log_out) {                         \
+    extern "C" __global__ void CDT_ROW_BOUNDS cdt_softmax_bwd_##NAME(                        \
+        const T* y, const T* g, T* dx, long long rows, int n, float scale, int log_out) {    \
         softmax_bwd<T>(y, g, dx, rows, n, scale, log_out);                                   \
     }
 
 #define XENT(NAME, T, INAME, I)                                                              \
-    extern "C" __global__ void cdt_xent_fwd_##NAME##_##INAME(                                \
+    extern "C" __global__ void CDT_ROW_BOUNDS cdt_xent_fwd_##NAME##_##INAME(                 \
         const T* x, const I* tgt, float* out, long long rows, int n, long long ignore,       \
         int has_ignore) {                                                                    \
         xent_fwd<T, I>(x, tgt, out, rows, n, ignore, has_ignore);                            \
     }                                                                                        \
-    extern "C" __global__ void cdt_xent_bwd_##NAME##_##INAME(                                \
+    extern "C" __global__ void CDT_ROW_BOUNDS cdt_xent_bwd_##NAME##_##INAME(                 \
         const T* x, const I* tgt, const float* lg, T* dx, long long rows, int n,             \
         long long ignore, int has_ignore) {                                                  \
         xent_bwd<T, I>(x, tgt, lg, dx, rows, n, ignore, has_ignore);                         \
