@@ -69,13 +69,31 @@ fn applies_to(x: &Tensor, bh: usize, tq: usize, tk: usize, d: usize) -> bool {
     #[cfg(feature = "cuda")]
     {
         use candle_core::DType;
-        enabled()
-            && x.device().is_cuda()
-            && matches!(x.dtype(), DType::F32 | DType::BF16)
-            && HEAD_DIMS.contains(&d)
+        if !(enabled() && x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16)) {
+            return false;
+        }
+        let fits = HEAD_DIMS.contains(&d)
             && bh <= crate::cuda::FA_MAX_HEADS
             && tq <= i32::MAX as usize
-            && tk <= i32::MAX as usize
+            && tk <= i32::MAX as usize;
+        if !fits {
+            // The composition then materialises [bh, tq, tk] scores: say so once, since it is
+            // a memory and speed cliff a user would otherwise only see in the profile.
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::warn!(
+                    bh,
+                    tq,
+                    tk,
+                    d,
+                    head_dims = ?HEAD_DIMS,
+                    max_heads = crate::cuda::FA_MAX_HEADS,
+                    "CUDA attention outside the flash kernels' shapes: it falls back to \
+                     matmul-softmax-matmul with [T, T] scores (said once a process)"
+                );
+            });
+        }
+        fits
     }
     #[cfg(not(feature = "cuda"))]
     {
