@@ -2679,6 +2679,14 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     // Activation checkpointing, and the most graph bytes one of rank 0's losses kept for
     // backward (the ranks of a layout hold equal pieces).
     summary["ac"] = serde_json::json!(gpt.ac.name());
+    // What the three phases (host and GPU) are: a pipeline's forwards and backwards
+    // interleave, so its first phase is the whole schedule and its second the gradients'
+    // reductions and norm.
+    summary["phase_split"] = serde_json::json!(if cfg.pipeline.is_some() {
+        ["schedule", "reductions", "optimizer"]
+    } else {
+        ["forward", "backward", "optimizer"]
+    });
     // Device-to-host reads per step on rank 0 (each a host synchronisation on a GPU): the loss
     // with the gradient norm, FSDP's gradient-presence flags (one read for all units), the MoE balancing
     // loss, the pipeline's scalars. Not counted: reads inside candle's ops and a backend's

@@ -265,6 +265,10 @@ train_step() { # id limit log mesh extra-args...
     ((rc == 0)) || problems+=("exit $rc$( ((rc == 1)) && echo ' (check failed)'); $(grep -E 'check failed|error|panick' "$f" | head -n 1 | cut -c1-80)")
     is_num "$ms" || problems+=("step_ms_median missing")
     is_num "$tps" || problems+=("tokens_per_s missing")
+    # Every layout times its phases with CUDA events on a GPU (pipelines included).
+    if [[ "$dev" == cuda* ]] && ! is_num "$(num "$f" gpu_step_ms_median)"; then
+        problems+=("gpu_phases missing (no CUDA timing events)")
+    fi
     if ((checked)); then
         if ! is_num "$diff"; then
             problems+=("max_rel_loss_diff missing or not a number")

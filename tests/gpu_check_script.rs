@@ -31,10 +31,13 @@ esac
 /// A fake train_gpt: its JSON summary as the real one prints it; `FAKE_TG` picks a fault for
 /// the `--check` runs (`nofigure`: no max_rel_loss_diff; `nullfigure`: null; `exit1`: a figure
 /// within tolerance but exit status 1, the real binary's failed check) or for `--count-kernels`
-/// (`nokernels`: the counter's error instead of a count).
+/// (`nokernels`: the counter's error instead of a count), or for every run (`nophases`: no GPU
+/// phase times).
 const TRAIN_GPT: &str = r#"check=0 count=0
 for a in "$@"; do [ "$a" = --check ] && check=1; [ "$a" = --count-kernels ] && count=1; done
 echo "train_gpt: some log line on stderr" >&2
+gp='"gpu_phases":{"gpu_step_ms_median":1.25,"steps":8},'
+[ "${FAKE_TG:-good}" = nophases ] && gp=''
 if [ "$count" = 1 ]; then
   if [ "${FAKE_TG:-good}" = nokernels ]; then
     echo '{"final_loss":5.25,"gpu_phases":{"gpu_step_ms_median":1.25,"steps":8},"kernels":{"error":"kernel counting: cannot load CUPTI"},"step_ms_median":1.5,"tokens_per_s":1000.0}'
@@ -44,16 +47,16 @@ if [ "$count" = 1 ]; then
   exit 0
 fi
 if [ "$check" = 0 ]; then
-  echo '{"final_loss":5.25,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":null}'
+  echo '{"final_loss":5.25,'"$gp"'"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":null}'
   exit 0
 fi
 case "${FAKE_TG:-good}" in
-  nofigure) echo '{"final_loss":5.25,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":true}' ;;
-  nullfigure) echo '{"final_loss":5.25,"max_rel_loss_diff":null,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":true}' ;;
-  exit1) echo '{"final_loss":5.25,"max_rel_loss_diff":1.0e-9,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":false}'
+  nofigure) echo '{"final_loss":5.25,'"$gp"'"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":true}' ;;
+  nullfigure) echo '{"final_loss":5.25,'"$gp"'"max_rel_loss_diff":null,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":true}' ;;
+  exit1) echo '{"final_loss":5.25,'"$gp"'"max_rel_loss_diff":1.0e-9,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":false}'
          echo "train_gpt: check failed: against the single-device reference: loss per step: element 1 is not finite" >&2
          exit 1 ;;
-  *) echo '{"final_loss":5.25,"max_rel_loss_diff":8.9e-8,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":true}' ;;
+  *) echo '{"final_loss":5.25,'"$gp"'"max_rel_loss_diff":8.9e-8,"step_ms_median":1.5,"tokens_per_s":1000.0,"check_passed":true}' ;;
 esac
 "#;
 
@@ -205,6 +208,18 @@ fn gpu_check_passes_only_with_every_required_binary_and_figure() {
         // The steps without --check need no such figure.
         assert_row(&r, "c0", "PASS", "");
     }
+
+    // On a CUDA device, a layout without GPU phase times (CUDA timing events) fails, whether
+    // checked or not; with them every step passes.
+    let cuda = [("CDT_GPU_CHECK_DEVICE", "cuda")];
+    let r = gpu_check_env(&dir, &bin, "good", &cuda);
+    assert_eq!(r.code, Some(0), "{}", r.out);
+    let r = gpu_check_env(&dir, &bin, "nophases", &cuda);
+    assert_eq!(r.code, Some(1), "{}", r.out);
+    for id in ["c0", "c1", "c7", "c10"] {
+        assert_row(&r, id, "FAIL", "gpu_phases missing");
+    }
+    assert_row(&r, "a1", "PASS", "");
 
     // No kernel count (CUPTI missing on the GPU machine): c11 fails, naming why.
     let r = gpu_check(&dir, &bin, "nokernels");

@@ -98,6 +98,11 @@ fn gpu_counters_are_absent_or_refused_on_the_cpu() {
         .expect("trains")
         .expect("a summary");
     assert!(s.get("gpu_phases").is_none(), "GPU times on the CPU: {s}");
+    assert_eq!(
+        s["phase_split"],
+        serde_json::json!(["forward", "backward", "optimizer"]),
+        "{s}"
+    );
     assert!(
         s.get("kernels").is_none(),
         "a kernel count without the flag: {s}"

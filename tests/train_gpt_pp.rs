@@ -69,6 +69,12 @@ fn pipelined_runs_match_one_device_and_report_bubbles() {
             other => panic!("{mesh} {schedule}: {other:?}"),
         };
         assert_eq!(s["check_passed"], true, "{mesh} {schedule}: {s}");
+        // Forwards and backwards interleave: the first phase is the whole schedule.
+        assert_eq!(
+            s["phase_split"],
+            serde_json::json!(["schedule", "reductions", "optimizer"]),
+            "{s}"
+        );
         // 8 sequences in m micro-batches.
         assert_eq!(
             s["micro_batch"].as_u64(),

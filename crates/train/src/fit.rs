@@ -920,15 +920,44 @@ pub struct GpuPhases {
 }
 
 /// The GPU timing marks of one step, kept until they can be read without waiting.
-type StepMarks = Phases<Mark>;
+pub(crate) type StepMarks = Phases<Mark>;
 
 /// Records a timing mark on `device` (`None` on the CPU). A failure to record only turns the
 /// step's GPU times off (logged): timing never fails a step.
-fn gpu_mark(device: &Device) -> Option<Mark> {
+pub(crate) fn gpu_mark(device: &Device) -> Option<Mark> {
     match Mark::record(device) {
         Ok(m) => m,
         Err(e) => {
             tracing::warn!(error = %e, "no GPU timing mark for this step");
+            None
+        }
+    }
+}
+
+/// Reads and forgets a pending step's GPU times (the step and its marks); `wait` first waits
+/// for them (a host synchronisation), else a step whose marks the device has not reached yet
+/// gives `None`. A failure to read only loses that step's times (logged).
+pub(crate) fn take_gpu_phases(
+    pending: &mut Option<(usize, StepMarks)>,
+    wait: bool,
+) -> Option<GpuPhases> {
+    let (step, marks) = pending.take()?;
+    let read = (|| {
+        if wait {
+            if let Some(end) = marks.end() {
+                end.wait()?;
+            }
+        }
+        marks.ms()
+    })();
+    match read {
+        Ok(Some(phase_ms)) => Some(GpuPhases { step, phase_ms }),
+        Ok(None) => {
+            tracing::debug!(step, "GPU times not complete yet; skipped");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(step, error = %e, "GPU times unreadable");
             None
         }
     }
@@ -1835,26 +1864,7 @@ impl Trainer {
 
     /// Reads and forgets the pending step's GPU times; `wait` first waits for them.
     fn take_gpu_phases(&mut self, wait: bool) -> Option<GpuPhases> {
-        let (step, marks) = self.pending_gpu.take()?;
-        let read = (|| {
-            if wait {
-                if let Some(end) = marks.end() {
-                    end.wait()?;
-                }
-            }
-            marks.ms()
-        })();
-        match read {
-            Ok(Some(phase_ms)) => Some(GpuPhases { step, phase_ms }),
-            Ok(None) => {
-                tracing::debug!(step, "GPU times not complete yet; skipped");
-                None
-            }
-            Err(e) => {
-                tracing::warn!(step, error = %e, "GPU times unreadable");
-                None
-            }
-        }
+        take_gpu_phases(&mut self.pending_gpu, wait)
     }
 
     /// One whole step: [`Trainer::forward_backward`] then [`Trainer::apply`].

@@ -167,6 +167,7 @@ use candle_core::{DType, Device, Shape, Tensor, TensorId, Var};
 use candle_dtensor_comm::{Comm, ReduceOp, Work};
 use candle_dtensor_core::debug::{self, CommDebugMode, Phase};
 use candle_dtensor_core::{DTensor, Placement};
+use candle_dtensor_kernels::profile::Phases;
 use candle_dtensor_kernels::region::{self, DeferredWeightGrad};
 use candle_dtensor_kernels::storage;
 use candle_dtensor_mesh::DeviceMesh;
@@ -182,6 +183,7 @@ use candle_dtensor_parallel::tp_plan::{MeshRoles, TpPlan};
 use candle_nn::{Optimizer, ParamsAdamW};
 
 use crate::checkpoint::{self, CheckpointError, CheckpointVar, StoreCheckpoint, Which};
+use crate::fit::{gpu_mark, take_gpu_phases, StepMarks};
 use crate::optim::AdamW;
 use crate::trainer::{RankReport, RunError, StepInfo, TrainConfig};
 
@@ -1398,10 +1400,19 @@ pub(crate) fn train_rank_pp(
         .enumerate()
         .map(|(i, v)| (v.as_tensor().id(), i))
         .collect();
+    // The last step's GPU timing marks, read one step later (as the trainer's).
+    let mut pending_gpu: Option<(usize, StepMarks)> = None;
     for step in start..cfg.steps {
         // The collectives of the last step, in the report (as the other layouts count them).
         let mode = (step + 1 == cfg.steps).then(CommDebugMode::start);
         let t0 = Instant::now();
+        // GPU time split as the host time is: the schedule (its forwards and backwards
+        // interleave, so they are one span, reported as the first phase), the reductions and
+        // the gradient norm, the optimizer.
+        let mut marks = gpu_mark(&dev).map(Phases::new);
+        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&dev)) {
+            m.forward_start(s);
+        }
         if let Some(f) = &fsdp {
             f.gather(&vars)?;
         }
@@ -1448,6 +1459,9 @@ pub(crate) fn train_rank_pp(
         let run = run_schedule(&mut stage, &lay.schedule, &comms)
             .map_err(|e| RunError::Pipeline(Box::new(e)))?;
         let fwd_bwd = t0.elapsed();
+        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&dev)) {
+            m.forward_end(s);
+        }
         let deferred_weight_grads = stage.deferred_count;
         let peak_deferred_bytes = stage.peak_deferred_bytes;
         // This rank's busy time and, per kind of action (F, B, I, W), its time and count.
@@ -1570,9 +1584,20 @@ pub(crate) fn train_rank_pp(
         };
         let lr = cfg.schedule.map_or(cfg.lr, |s| s.lr_at(step));
         opt.set_learning_rate(lr);
+        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&dev)) {
+            m.backward_end(s);
+        }
         let t_bwd = Instant::now();
         opt.step_clipped(&grad_store(&opt_vars, grads, &dev)?, clip.as_ref())?;
         let t_opt = Instant::now();
+        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&dev)) {
+            m.optimizer_end(s);
+        }
+        // The previous step's times: complete by now on its stream (every step reads its
+        // gradient norm or loss back), else skipped rather than waited for.
+        let gpu_phases = take_gpu_phases(&mut pending_gpu, false);
+        pending_gpu = marks.map(|m| (step, m));
+        report.gpu_phase_ms.extend(gpu_phases);
         // The step's loss: the last stages' scaled micro-batch losses and the other stages'
         // scaled balancing losses, summed over the world (the ranks of a stage group hold the
         // same losses: the first of them counts them).
@@ -1679,8 +1704,7 @@ pub(crate) fn train_rank_pp(
             exposed_comm_ms: 0.0,
             peak_bytes: report.param_grad_optim_bytes,
             host_reads,
-            // Not measured: a pipeline step interleaves its micro-batches' phases.
-            gpu_phases: None,
+            gpu_phases,
         });
         if let Some(dir) = &cfg.save_dir {
             let done = step + 1;
@@ -1692,5 +1716,9 @@ pub(crate) fn train_rank_pp(
             }
         }
     }
+    // The last step's GPU times: one wait, after training.
+    report
+        .gpu_phase_ms
+        .extend(take_gpu_phases(&mut pending_gpu, true));
     Ok(report)
 }

@@ -342,10 +342,12 @@ pub struct RankReport {
     /// Time the compute thread waited on collectives, per step (ms).
     pub exposed_comm_ms: Vec<f64>,
     /// Per step: milliseconds in forward (data to loss), backward (including FSDP's gradient
-    /// reduction and clipping) and the optimizer step.
+    /// reduction and clipping) and the optimizer step. With a pipeline, whose forwards and
+    /// backwards interleave: the schedule, the gradients' reductions and norm, the optimizer.
     pub phase_ms: Vec<[f64; 3]>,
     /// GPU time of each step's phases, as `phase_ms` splits host time, from CUDA timing
-    /// events ([`StepInfo::gpu_phases`]; empty on the CPU). Each names its step.
+    /// events ([`StepInfo::gpu_phases`]; empty on the CPU), pipelines included. Each names its
+    /// step.
     pub gpu_phase_ms: Vec<GpuPhases>,
     /// Peak bytes held in parameters + gradients + optimizer state on this rank (counted from
     /// the tensors: shards, their gradients, AdamW's two moments, and FSDP's unsharded
