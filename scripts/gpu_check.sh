@@ -39,7 +39,10 @@
 #           the CPU under the same policy, within 2e-2 and 2e-3 (train_gpt's defaults for them)
 #   c10     train_gpt pipelined over pp=2 with the zero-bubble ZB-V schedule (rank threads on the
 #           GPU; on CUDA the linears become region nodes only under a split backward) --check
-#           against the CPU like c1-c3
+#           against the CPU like c1-c3 (a pipeline's GPU phases are the schedule, the
+#           reductions and the optimizer: the summary's `phase_split`)
+#           Every one of c0-c3 and c5-c10 also fails, on a CUDA device, without GPU phase times
+#           from CUDA events in its summary (`gpu_phases`, `gpu_step_ms_median`).
 #   c11     train_gpt --preset small --count-kernels on one GPU: passes only with a kernel count
 #           of the last step (CUPTI, `kernels_per_step` > 0) and GPU phase times from CUDA
 #           events (`gpu_step_ms_median`); the figures go into the table

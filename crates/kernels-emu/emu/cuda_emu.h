@@ -182,8 +182,12 @@ inline T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
 
 // Bit l of the result is set where lane l of the warp passed a non-zero predicate, exchanged
 // through the warp's slots as a shuffle is (so every lane must reach it, and lanes meet there
-// before any reads the votes). Lanes past a partial last warp vote no.
-inline unsigned __ballot_sync(unsigned, int predicate) {
+// before any reads the votes). Lanes past a partial last warp vote no. Only the full mask is
+// emulated: a partial one (lanes outside it need not arrive on a GPU) fails the launch.
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+    if (mask != 0xffffffffu) {
+        emu::fault("__ballot_sync with a mask other than 0xffffffff (not emulated)");
+    }
     uint64_t* slots = emu::warp_slots();
     slots[emu::lane_id()] = predicate != 0 ? 1 : 0;
     emu::warp_barrier();

@@ -73,7 +73,9 @@ int emu_selftest_async_copy(EMU_ERR, const float* x, float* y, int mode) {
     EMU_RUN(async_copy, x, y, mode);
 }
 int emu_selftest_divergent_mma(EMU_ERR, float* y, int mode) { EMU_RUN(divergent_mma, y, mode); }
-int emu_selftest_ballot(EMU_ERR, const float* x, float* y) { EMU_RUN(ballot, x, y); }
+int emu_selftest_ballot(EMU_ERR, const float* x, float* y, unsigned lanes) {
+    EMU_RUN(ballot, x, y, lanes);
+}
 
 
 #define GELU_SHIM(NAME, T)                                                                    \

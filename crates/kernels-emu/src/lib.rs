@@ -426,6 +426,7 @@ extern "C" {
         err_len: usize,
         x: *const f32,
         y: *mut f32,
+        lanes: u32,
     ) -> c_int;
 }
 
@@ -623,14 +624,21 @@ pub mod selftest {
         })
     }
 
-    /// Thread `t` of one 1-D block votes `x[t] > 0` with `__ballot_sync` and writes, as the
-    /// bits of `y[t]`, its warp's mask plus `__ffs` of it (`mask + lowest voting lane + 1`).
-    pub fn ballot(launch: &Launch, order: Order, x: &Buf<f32>, y: &mut Buf<f32>) -> Result<()> {
+    /// Thread `t` of one 1-D block votes `x[t] > 0` with `__ballot_sync(lanes, ..)` and
+    /// writes, as the bits of `y[t]`, its warp's mask plus `__ffs` of it (`mask + lowest voting
+    /// lane + 1`).
+    pub fn ballot(
+        launch: &Launch,
+        order: Order,
+        x: &Buf<f32>,
+        y: &mut Buf<f32>,
+        lanes: u32,
+    ) -> Result<()> {
         need_elems("ballot", x.len(), launch.block.0 as usize)?;
         // SAFETY: per_thread checks the single 1-D block and y; x is checked above; thread t
         // reads x[t] only.
         per_thread("ballot", launch, order, y, |l, e, el, y| unsafe {
-            emu_selftest_ballot(l, e, el, x.ptr(), y)
+            emu_selftest_ballot(l, e, el, x.ptr(), y, lanes)
         })
     }
 

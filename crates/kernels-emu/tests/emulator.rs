@@ -249,10 +249,23 @@ fn a_ballot_is_the_warps_votes() {
                 order,
                 &Buf::from_slice("x", &x),
                 &mut y,
+                u32::MAX,
             )
             .unwrap();
             let got: Vec<u32> = y.as_slice().iter().map(|v| v.to_bits()).collect();
             assert_eq!(got, want, "{threads} threads, {order:?}");
         }
     }
+    // A partial mask (legal on a GPU, where lanes outside it need not arrive) is not
+    // emulated: the launch fails rather than counting every lane's vote.
+    let mut y = Buf::filled("y", 32, f32::NAN);
+    let e = selftest::ballot(
+        &Launch::linear(1, 32, 0),
+        ORDERS[0],
+        &Buf::filled("x", 32, 1.0f32),
+        &mut y,
+        0xffff,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("__ballot_sync with a mask"), "{e}");
 }

@@ -110,9 +110,10 @@ __global__ void stale_shared(float* y, int mode) {
 
 // y[t] holds (as bits) the ballot of x[u] > 0 over the lanes u of thread t's warp; a partial
 // last warp's missing lanes vote no. Then y[t] += the lowest voting lane's __ffs, so a wrong
-// __ffs shows too: y[t] = mask + __ffs(mask), as an unsigned.
-__global__ void ballot(const float* x, float* y) {
-    const unsigned m = __ballot_sync(0xffffffffu, x[threadIdx.x] > 0.f);
+// __ffs shows too: y[t] = mask + __ffs(mask), as an unsigned. `lanes`: the ballot's mask
+// argument (only 0xffffffff is emulated).
+__global__ void ballot(const float* x, float* y, unsigned lanes) {
+    const unsigned m = __ballot_sync(lanes, x[threadIdx.x] > 0.f);
     y[threadIdx.x] = __uint_as_float(m + static_cast<unsigned>(__ffs(static_cast<int>(m))));
 }
 
