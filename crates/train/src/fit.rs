@@ -934,6 +934,20 @@ pub(crate) fn gpu_mark(device: &Device) -> Option<Mark> {
     }
 }
 
+/// Records a mark on `device` into a timed step's `marks` with `put` (one of [`Phases`]'
+/// setters); nothing when the step is not timed (the CPU, or its first mark failed).
+pub(crate) fn gpu_mark_into(
+    marks: &mut Option<StepMarks>,
+    device: &Device,
+    put: fn(&mut StepMarks, Mark),
+) {
+    if let Some(m) = marks.as_mut() {
+        if let Some(s) = gpu_mark(device) {
+            put(m, s);
+        }
+    }
+}
+
 /// Reads and forgets a pending step's GPU times (the step and its marks); `wait` first waits
 /// for them (a host synchronisation), else a step whose marks the device has not reached yet
 /// gives `None`. A failure to read only loses that step's times (logged).
@@ -1741,9 +1755,7 @@ impl Trainer {
             None => None,
         };
         let t_bwd = Instant::now();
-        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&self.device)) {
-            m.backward_end(s);
-        }
+        gpu_mark_into(&mut marks, &self.device, StepMarks::backward_end);
         let (loss, norm_sq, flag_values) =
             read.read_all(norm_sq.as_ref(), flags.as_ref().and_then(|p| p.flags()))?;
         if let (Some(f), Some(p)) = (&self.fsdp, flags) {
@@ -1778,13 +1790,9 @@ impl Trainer {
         marks: &mut Option<StepMarks>,
     ) -> Result<(GradStore, Tensor)> {
         let t = Instant::now();
-        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&self.device)) {
-            m.forward_start(s);
-        }
+        gpu_mark_into(marks, &self.device, StepMarks::forward_start);
         let loss = forward(i)?;
-        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&self.device)) {
-            m.forward_end(s);
-        }
+        gpu_mark_into(marks, &self.device, StepMarks::forward_end);
         *fwd += t.elapsed();
         check_loss(&loss)?;
         let loss = if k == 1 {
@@ -1818,9 +1826,7 @@ impl Trainer {
         }
         let t_opt = Instant::now();
         let mut marks = g.marks;
-        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&self.device)) {
-            m.optimizer_end(s);
-        }
+        gpu_mark_into(&mut marks, &self.device, StepMarks::optimizer_end);
         // The previous step's marks: complete since this step's loss read (same stream).
         let gpu_phases = self.take_gpu_phases(false);
         self.pending_gpu = marks.map(|m| (self.step, m));

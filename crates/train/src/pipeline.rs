@@ -183,7 +183,7 @@ use candle_dtensor_parallel::tp_plan::{MeshRoles, TpPlan};
 use candle_nn::{Optimizer, ParamsAdamW};
 
 use crate::checkpoint::{self, CheckpointError, CheckpointVar, StoreCheckpoint, Which};
-use crate::fit::{gpu_mark, take_gpu_phases, StepMarks};
+use crate::fit::{gpu_mark, gpu_mark_into, take_gpu_phases, StepMarks};
 use crate::optim::AdamW;
 use crate::trainer::{RankReport, RunError, StepInfo, TrainConfig};
 
@@ -1410,9 +1410,7 @@ pub(crate) fn train_rank_pp(
         // interleave, so they are one span, reported as the first phase), the reductions and
         // the gradient norm, the optimizer.
         let mut marks = gpu_mark(&dev).map(Phases::new);
-        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&dev)) {
-            m.forward_start(s);
-        }
+        gpu_mark_into(&mut marks, &dev, StepMarks::forward_start);
         if let Some(f) = &fsdp {
             f.gather(&vars)?;
         }
@@ -1459,9 +1457,7 @@ pub(crate) fn train_rank_pp(
         let run = run_schedule(&mut stage, &lay.schedule, &comms)
             .map_err(|e| RunError::Pipeline(Box::new(e)))?;
         let fwd_bwd = t0.elapsed();
-        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&dev)) {
-            m.forward_end(s);
-        }
+        gpu_mark_into(&mut marks, &dev, StepMarks::forward_end);
         let deferred_weight_grads = stage.deferred_count;
         let peak_deferred_bytes = stage.peak_deferred_bytes;
         // This rank's busy time and, per kind of action (F, B, I, W), its time and count.
@@ -1584,15 +1580,11 @@ pub(crate) fn train_rank_pp(
         };
         let lr = cfg.schedule.map_or(cfg.lr, |s| s.lr_at(step));
         opt.set_learning_rate(lr);
-        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&dev)) {
-            m.backward_end(s);
-        }
+        gpu_mark_into(&mut marks, &dev, StepMarks::backward_end);
         let t_bwd = Instant::now();
         opt.step_clipped(&grad_store(&opt_vars, grads, &dev)?, clip.as_ref())?;
         let t_opt = Instant::now();
-        if let (Some(m), Some(s)) = (marks.as_mut(), gpu_mark(&dev)) {
-            m.optimizer_end(s);
-        }
+        gpu_mark_into(&mut marks, &dev, StepMarks::optimizer_end);
         // The previous step's times: complete by now on its stream (every step reads its
         // gradient norm or loss back), else skipped rather than waited for.
         let gpu_phases = take_gpu_phases(&mut pending_gpu, false);
