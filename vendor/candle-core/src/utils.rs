@@ -380,6 +380,14 @@ pub fn init_global_threadpool() {
 }
 
 fn default_num_threads() -> usize {
+    // Every CPU matmul asks (`get_num_threads`), and on Linux without a CPU mask or preferred
+    // CPUs the count reads and parses /proc/cpuinfo: tens of microseconds a matmul. It is
+    // computed once, as rayon sizes its pool once (candle-dtensor's patch).
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(count_default_threads)
+}
+
+fn count_default_threads() -> usize {
     let physical = {
         #[cfg(target_os = "macos")]
         {
