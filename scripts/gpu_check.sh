@@ -22,8 +22,10 @@
 #           fused CUDA kernel against its CPU reference composition, forward and backward, f32
 #           and bf16, uneven and empty shapes, bad input. Passes only on its summary line
 #           `cuda_fused: <n> checks passed` (a run that finds no GPU prints SKIPPED instead)
-#   k2      the same with CDT_FLASH_TC=0: bf16 attention on the SIMT kernels (k runs it on
-#           tensor cores); k alone failing points at cdt_fa_*_tc_*
+#   k2      the same with CDT_FLASH_TC=0 and CDT_CUBLASLT=0: bf16 attention on the SIMT
+#           kernels (k runs it on tensor cores) and the linears as candle's GEMM plus a bias
+#           pass (k runs them as cuBLASLt matmuls with the bias in the epilogue); k alone
+#           failing points at cdt_fa_*_tc_* or at cuBLASLt (the row names say which)
 #   c0      train_gpt --device cuda on one GPU (tokens/s of the tiny preset)
 #   c1-c3   train_gpt --device cuda --check --check-device cpu --check-tol 1e-4 for TP=2, FSDP
 #           dp=2 and FSDP x TP dp=2,tp=2 (rank threads sharing the GPU): every step's loss
@@ -301,7 +303,7 @@ CDT_LOCAL_CUDA_ORDER=sync run_step b2 'nccl_local_cuda:' 70 b2_local_cuda_sync.l
 # printed with --nocapture).
 run_step k 'cuda_fused: [0-9]+ checks passed' 180 k_cuda_fused.log "$(exe kernels_cuda_fused)" \
     --nocapture --test-threads=1
-CDT_FLASH_TC=0 run_step k2 'cuda_fused: [0-9]+ checks passed' 180 k2_cuda_fused_simt.log \
+CDT_FLASH_TC=0 CDT_CUBLASLT=0 run_step k2 'cuda_fused: [0-9]+ checks passed' 180 k2_cuda_fused_simt.log \
     "$(exe kernels_cuda_fused)" --nocapture --test-threads=1
 train_step c0 45 c0_train_single.log tp=1 --device "$dev" --no-fsdp --steps 20
 train_step c1 60 c1_train_tp2.log tp=2 --device "$dev" --no-fsdp --steps 10 --check --check-device cpu --check-tol "$check_tol"

@@ -232,7 +232,7 @@ fn wrap<T: Float>(dev: &CudaDevice, out: CudaSlice<T>) -> CudaStorage {
 }
 
 /// `len` uninitialized elements for a kernel to write.
-fn alloc_out<T: Float>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+pub(crate) fn alloc_out<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
     // SAFETY: every caller launches, on this device's stream, a kernel that writes each of the
     // `len` elements before anything reads them (stream order); the slice is not read on the
     // host before that.
@@ -1692,20 +1692,31 @@ pub(crate) fn cast_add_rows(y: &Tensor, b: Option<&Tensor>) -> Result<Option<Cud
 }
 
 /// `x2 @ w^T (+ b)` for a contiguous `x2 [rows, in]`, `w [out, in]` of one dtype (f32 or bf16)
-/// and a bias `b [out]` of that dtype (or f32 for bf16: the bf16 product plus the bias in f32,
-/// then rounded) on one
-/// CUDA device, as a fresh storage `[rows, out]` a linear's graph node hands out as its own:
-/// candle's GEMM called on the storages (no tensor owns the product, so the node takes it
-/// without a copy) and the bias added in place (`cast.cu`), one pass where a broadcast add
-/// writes a second tensor. `None` where it does not apply (other dtypes or shapes, an empty
-/// operand, the fused CUDA path off): the caller computes it with tensor ops.
+/// and a bias `b [out]` of that dtype (or f32 for bf16), on one CUDA device, as a fresh storage
+/// `[rows, out]` of dtype `out` (the operands' dtype, or f32 for bf16 operands) that a linear's
+/// graph node hands out as its own (no tensor owns it, so the node takes it without a copy).
+///
+/// First as one cuBLASLt matmul with the bias in its epilogue (`crate::cublaslt`: the sum
+/// rounded once, no second pass). Where cuBLASLt is off or refuses, for `out` the operands'
+/// dtype: candle's GEMM called on the storages and the bias added in place (`cast.cu`; for a
+/// bf16 product and an f32 bias, the bf16 product plus the bias in f32, then rounded), one pass
+/// where a broadcast add writes a second tensor. `None` otherwise (other dtypes or shapes, an
+/// empty operand, the fused CUDA path off, or cuBLASLt not taking a widening `out`): the caller
+/// computes it with tensor ops.
 pub(crate) fn linear_out(
     x2: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
+    out: DType,
 ) -> Result<Option<CudaStorage>> {
     let op = "linear";
     let dt = x2.dtype();
+    if let Some(y) = crate::cublaslt::linear(x2, w, b, out)? {
+        return Ok(Some(y));
+    }
+    if out != dt {
+        return Ok(None);
+    }
     let (Ok((rows, inner)), Ok((out_n, w_inner))) = (x2.dims2(), w.dims2()) else {
         return Ok(None);
     };

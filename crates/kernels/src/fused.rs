@@ -64,12 +64,27 @@ pub fn device_applies(t: &Tensor) -> bool {
 }
 
 /// Whether the fused CUDA path is on (`CDT_FUSED_CUDA` unset or anything but `0`): the row
-/// kernels here, the embedding backward, the bias column sum, the mixed-precision linear's
-/// output pass, the trainer's multi-tensor gradient norm and the optimizer's one-launch AdamW
+/// kernels here, the embedding backward, the bias column sum, the linears' bias epilogue
+/// (cuBLASLt; also off alone with `CDT_CUBLASLT=0`) or output pass, the trainer's multi-tensor gradient norm and the optimizer's one-launch AdamW
 /// (`candle_dtensor_train`). `0` takes candle's ops for all of them.
 pub fn cuda_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("CDT_FUSED_CUDA").map_or(true, |v| v.trim() != "0"))
+}
+
+/// `(matmuls, refused)`: how many linears ran as one cuBLASLt matmul with the bias in its
+/// epilogue in this process, and how many shape/dtype plans cuBLASLt refused (those linears
+/// took candle's GEMM and a bias pass). `(0, 0)` without the `cuda` feature, or with
+/// `CDT_CUBLASLT=0` (the path off) or `CDT_FUSED_CUDA=0`. A diagnostic for GPU checks.
+pub fn cublaslt_counts() -> (u64, u64) {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cublaslt::counts()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        (0, 0)
+    }
 }
 
 /// Whether `t` lives on a CUDA device (always false without the `cuda` feature, where no

@@ -26,6 +26,8 @@ pub mod storage;
 pub mod autodiff;
 pub mod compare;
 #[cfg(feature = "cuda")]
+mod cublaslt;
+#[cfg(feature = "cuda")]
 mod cuda;
 pub mod error;
 #[cfg(feature = "cuda")]

@@ -524,7 +524,7 @@ fn linear_parts(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Built<Lin
         let rows: usize = dims[..last].iter().product();
         let x2 = x.detach().reshape((rows, dims[last]))?;
         dims[last] = w.dim(0)?;
-        crate::cuda::linear_out(&x2, &w.detach(), bias.as_ref())?
+        crate::cuda::linear_out(&x2, &w.detach(), bias.as_ref(), x2.dtype())?
             .map(|st| NodeOutput::Ready(candle_core::Storage::Cuda(st), Shape::from(dims)))
     } else {
         None
@@ -646,8 +646,10 @@ pub fn linear_in(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> 
 /// [`linear_in`] with `x` in any float dtype and the output in `out`: `x @ w^T (+ b)` with `w`
 /// and `b` in one dtype (the master weights'), `x` and `w` cast to `compute` (no op for an `x`
 /// already in it), the product in `compute`, the bias added in `b`'s dtype to the product and
-/// the sum cast to `out`. candle's bf16 GEMM writes its product in bf16, so a bf16 output is
-/// rounded twice (the product, then product plus bias; autocast's bias epilogue rounds once).
+/// the sum cast to `out`. On CUDA that is one cuBLASLt matmul with the bias in its epilogue
+/// (`crate::cublaslt`: the f32 accumulator plus the bias, rounded once to `out`, as autocast's
+/// `addmm` does); where cuBLASLt is off or refuses, candle's bf16 GEMM writes its product in
+/// bf16, so a bf16 output is rounded twice (the product, then product plus bias).
 /// A mixed-precision policy's linear whose input or output is a bf16 activation (autocast's
 /// data flow: the QKV projection feeding bf16 attention, the MLP's `fc1 -> GELU -> fc2` in
 /// bf16) with no cast of that activation outside the node. One node
@@ -695,14 +697,13 @@ fn linear_to_parts(
     }
     let bias = b.map(|b| b.detach());
     let out_shape = Shape::from(out_dims.clone());
-    // On CUDA the output as a storage the node takes as it is: the product in the output's
-    // dtype with the bias added in place, or the bf16 product cast to f32 and the bias added in
-    // one pass.
+    // On CUDA the output as a storage the node takes as it is: one cuBLASLt matmul with the
+    // bias in its epilogue (a bf16 product written as f32 where `out` is wider), else the
+    // product in the output's dtype with the bias added in place, or the bf16 product cast to
+    // f32 and the bias added in one pass (below).
     #[cfg(feature = "cuda")]
-    let ready = if !x.device().is_cuda() {
-        None
-    } else if out == compute {
-        crate::cuda::linear_out(&xc, &wc, bias.as_ref())?
+    let ready = if x.device().is_cuda() && (out == compute || out == DType::F32) {
+        crate::cuda::linear_out(&xc, &wc, bias.as_ref(), out)?
     } else {
         None
     };

@@ -1215,6 +1215,30 @@ fn marks_case(dev: &Device) -> R<String> {
     Ok(format!("a 2048^3 matmul: {ms:.3} ms between marks"))
 }
 
+/// Whether the linears above took cuBLASLt (`crate::cublaslt`, unless `CDT_CUBLASLT=0`):
+/// their values were checked with the other cases; this says the path was taken at all, and
+/// how many shape/dtype plans cuBLASLt refused (those ran as candle's GEMM and a bias pass,
+/// checked too). Fails when the path is on and not one linear took it.
+fn cublaslt_case() -> R<String> {
+    let (matmuls, refused) = candle_dtensor_kernels::fused::cublaslt_counts();
+    let off = std::env::var("CDT_CUBLASLT").is_ok_and(|v| v.trim() == "0");
+    if off {
+        if matmuls != 0 {
+            candle_core::bail!("CDT_CUBLASLT=0, yet {matmuls} linears ran on cuBLASLt");
+        }
+        return Ok("off (CDT_CUBLASLT=0): the linears ran as candle's GEMM and a bias pass".into());
+    }
+    if matmuls == 0 {
+        candle_core::bail!(
+            "no linear ran on cuBLASLt ({refused} plans refused; see the warnings): every one \
+             fell back to candle's GEMM and a bias pass"
+        );
+    }
+    Ok(format!(
+        "{matmuls} matmuls, {refused} shape/dtype plans refused (those fell back)"
+    ))
+}
+
 #[test]
 fn fused_cuda_kernels_match_the_cpu_reference() {
     let Some(dev) = cuda_device() else {
@@ -1239,6 +1263,7 @@ fn fused_cuda_kernels_match_the_cpu_reference() {
             mixed_linear(&dev, &mut rep);
         }
     }
+    rep.record("linears on cuBLASLt's bias epilogue", cublaslt_case());
     bad_input(&dev, &mut rep);
     multi_tensor_cases(&dev, &mut rep);
     rep.record("memory pool keeps freed memory", pool_case(&dev));

@@ -18,9 +18,10 @@
 //! GEMM, the fused loss) hands it bf16, and the linear after it reads bf16 and writes f32
 //! into the residual stream
 //! ([`DTensor::linear_with_layout_to`]: one node each, no cast of the activation between
-//! them). The f32 bias is added to the GEMM's bf16 product in f32 and the sum rounded to bf16
-//! (candle's GEMM writes bf16, so that is two roundings where autocast's bias epilogue makes
-//! one). Attention's inputs are the same bits a cast of the f32 projection output gave; the
+//! them). On CUDA the GEMM and the f32 bias are one cuBLASLt matmul with the bias in its
+//! epilogue: the f32 accumulator plus the bias, rounded once, as autocast's `addmm`; where
+//! cuBLASLt refuses a shape (or `CDT_CUBLASLT=0`), the f32 bias is added to candle's bf16
+//! product in f32 and the sum rounded to bf16 (two roundings). Attention's inputs are the same bits a cast of the f32 projection output gave; the
 //! GELU reads its input rounded to bf16, as autocast's does.
 //!
 //! The master weights are f32 variables; a bf16 GEMM casts its pieces inside the op

@@ -1,0 +1,513 @@
+//! A linear's GEMM with its bias in cuBLASLt's epilogue (feature `cuda`): `x2 @ w^T + b` as one
+//! `cublasLtMatmul`, the bias added to the f32 accumulator and the sum rounded once to the
+//! output dtype, which may be wider than the inputs (bf16 operands, f32 output).
+//!
+//! candle's GEMM (`cublasGemmStridedBatchedEx`) writes the product in the operands' dtype, so
+//! a linear on it paid a second pass over its output for the bias (`cast.cu`), and a bf16 GEMM
+//! whose output feeds f32 wrote a bf16 product and read it back to widen it; a bf16 output was
+//! rounded twice (the product, then product plus bias). PyTorch's `addmm` (and so autocast's
+//! linear) takes the bias epilogue too.
+//!
+//! The compute type follows candle's switches, so a policy's GEMMs stay what it chose: f32
+//! operands compute in f32, or TF32 where `candle_core::cuda::gemm_reduced_precision_f32` is on;
+//! bf16 operands accumulate in f32 (`..._bf16` on: candle's reduced-precision bf16 compute).
+//!
+//! A plan (descriptors, layouts and the algorithm cuBLASLt's heuristic picked) is made once per
+//! device, shape, dtypes and operand alignment, and kept; the bias address is the only
+//! attribute set per call. Each device has one handle and one workspace (32 MiB on compute
+//! capability 9 and later, 4 MiB before, as NVIDIA recommends), used only on that device's one
+//! stream, so the workspace is never in use by two GEMMs at once. The state of a device lives
+//! as long as the process (a device created and dropped in a loop would keep its workspace).
+//!
+//! Anything cuBLASLt refuses (no algorithm for a shape or dtype mix, an error status) makes
+//! [`linear`] return `None`: the caller takes candle's GEMM and the separate bias pass, as
+//! before, and the refusal is logged once per shape. `CDT_CUBLASLT=0` turns the path off.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::mem::size_of;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::cuda_backend::cudarc::cublaslt::result::{self as lt, CublasError};
+use candle_core::cuda_backend::cudarc::cublaslt::sys;
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+use candle_core::{CudaDevice, CudaStorage, DType, Tensor};
+use half::bf16;
+
+type Result<T> = candle_core::Result<T>;
+
+/// Whether the path is on: `CDT_CUBLASLT` unset or anything but `0`, and the fused CUDA path on
+/// (`CDT_FUSED_CUDA`).
+pub(crate) fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CDT_CUBLASLT").map_or(true, |v| v.trim() != "0"))
+        && crate::fused::cuda_enabled()
+}
+
+/// cuBLASLt matmuls enqueued, and plans refused, in this process ([`counts`]).
+static MATMULS: AtomicU64 = AtomicU64::new(0);
+static REFUSED: AtomicU64 = AtomicU64::new(0);
+
+/// `(matmuls enqueued, plans refused)` in this process so far: whether the linears took this
+/// path (`crate::fused::cublaslt_counts`).
+pub(crate) fn counts() -> (u64, u64) {
+    (
+        MATMULS.load(Ordering::Relaxed),
+        REFUSED.load(Ordering::Relaxed),
+    )
+}
+
+/// What one plan is for: the GEMM `D [m, n] = op(A) op(B)` in cuBLASLt's column-major terms
+/// (`m` the linear's output features, `n` its rows, `k` its input features), the dtypes, the
+/// compute type and the operands' address alignments (the heuristic picks an algorithm for
+/// them).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+struct Key {
+    m: u64,
+    n: u64,
+    k: u64,
+    input: DType,
+    out: DType,
+    bias: Option<DType>,
+    compute: u32,
+    align: [u32; 4],
+}
+
+/// A matmul descriptor, destroyed on drop.
+struct Desc(sys::cublasLtMatmulDesc_t);
+/// A matrix layout, destroyed on drop.
+struct MatLayout(sys::cublasLtMatrixLayout_t);
+/// A handle, destroyed on drop.
+struct Handle(sys::cublasLtHandle_t);
+
+impl Drop for Desc {
+    fn drop(&mut self) {
+        // SAFETY: made by `create_matmul_desc` and destroyed only here.
+        let _ = unsafe { lt::destroy_matmul_desc(self.0) };
+    }
+}
+impl Drop for MatLayout {
+    fn drop(&mut self) {
+        // SAFETY: made by `create_matrix_layout` and destroyed only here.
+        let _ = unsafe { lt::destroy_matrix_layout(self.0) };
+    }
+}
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: made by `create_handle` and destroyed only here.
+        let _ = unsafe { lt::destroy_handle(self.0) };
+    }
+}
+
+struct Plan {
+    desc: Desc,
+    a: MatLayout,
+    b: MatLayout,
+    d: MatLayout,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+/// A device's cuBLASLt state: its handle, workspace and plans (`None`: refused, not retried).
+struct DeviceLt {
+    handle: Handle,
+    workspace: CudaSlice<u8>,
+    plans: HashMap<Key, Option<Plan>>,
+}
+
+// SAFETY: the handle, descriptors and layouts are pointers to cuBLASLt's host-side objects,
+// which it lets any host thread use; every use goes through the `Mutex` that holds the
+// `DeviceLt`, so no two threads touch them at once, and the device memory they name (the
+// workspace) is used only on the device's stream.
+unsafe impl Send for DeviceLt {}
+
+type Devices = Mutex<HashMap<candle_core::cuda_backend::DeviceId, Arc<Mutex<DeviceLt>>>>;
+
+fn devices() -> &'static Devices {
+    static DEVICES: OnceLock<Devices> = OnceLock::new();
+    DEVICES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The device's state, made at its first use.
+fn device_lt(dev: &CudaDevice) -> Result<Arc<Mutex<DeviceLt>>> {
+    let mut all = devices().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = all.get(&dev.id()) {
+        return Ok(d.clone());
+    }
+    let stream = dev.cuda_stream();
+    stream.context().bind_to_thread().w()?;
+    let major = stream
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        .w()?;
+    let size = if major >= 9 { 32 << 20 } else { 4 << 20 };
+    // SAFETY: cuBLASLt only ever writes the workspace before reading it.
+    let workspace = unsafe { stream.alloc::<u8>(size) }.w()?;
+    let handle = Handle(lt::create_handle().map_err(|e| lt_error("cublasLtCreate", e))?);
+    let d = Arc::new(Mutex::new(DeviceLt {
+        handle,
+        workspace,
+        plans: HashMap::new(),
+    }));
+    all.insert(dev.id(), d.clone());
+    Ok(d)
+}
+
+fn lt_error(call: &'static str, e: CublasError) -> candle_core::Error {
+    crate::error::KernelError::Mismatch {
+        op: "cuBLASLt linear",
+        detail: format!("{call} failed: {e:?}"),
+    }
+    .into()
+}
+
+fn data_type(dt: DType) -> Option<sys::cudaDataType> {
+    match dt {
+        DType::F32 => Some(sys::cudaDataType_t::CUDA_R_32F),
+        DType::BF16 => Some(sys::cudaDataType_t::CUDA_R_16BF),
+        _ => None,
+    }
+}
+
+/// The compute type candle's own GEMM would use for operands of `input` (its switches).
+fn compute_type(input: DType) -> sys::cublasComputeType_t {
+    use sys::cublasComputeType_t as C;
+    match input {
+        DType::F32 if candle_core::cuda::gemm_reduced_precision_f32() => {
+            C::CUBLAS_COMPUTE_32F_FAST_TF32
+        }
+        DType::BF16 if candle_core::cuda::gemm_reduced_precision_bf16() => {
+            C::CUBLAS_COMPUTE_32F_FAST_16BF
+        }
+        _ => C::CUBLAS_COMPUTE_32F,
+    }
+}
+
+/// The largest power of two up to 256 dividing `addr` (cuBLASLt's alignment preferences).
+fn alignment(addr: u64) -> u32 {
+    1 << addr.trailing_zeros().min(8)
+}
+
+/// Sets a descriptor attribute from a value.
+///
+/// # Safety
+/// `T` must be the type cuBLASLt documents for `attr`.
+unsafe fn set_desc<T>(
+    desc: &Desc,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> std::result::Result<(), CublasError> {
+    // SAFETY: the caller's; `value` is alive for the call and `size_of::<T>()` bytes long.
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc.0,
+            attr,
+            value as *const T as *const c_void,
+            size_of::<T>(),
+        )
+    }
+}
+
+/// Makes the plan of `key`, the bias address set (the heuristic reads its alignment).
+fn make_plan(
+    handle: &Handle,
+    key: &Key,
+    bias_ptr: Option<u64>,
+    workspace: usize,
+) -> std::result::Result<Plan, CublasError> {
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    use sys::cublasLtMatmulPreferenceAttributes_t as P;
+    // `data_type` of the dtypes was checked by the caller.
+    let ty = |dt: DType| data_type(dt).unwrap_or(sys::cudaDataType_t::CUDA_R_32F);
+    let compute = compute_type(key.input);
+    let desc = Desc(lt::create_matmul_desc(
+        compute,
+        sys::cudaDataType_t::CUDA_R_32F,
+    )?);
+    // A = w, stored column-major as [k, m] (its rows are the output features): used transposed.
+    // B = x2, column-major [k, n]: as it is. D = y, column-major [m, n].
+    use candle_core::cuda_backend::cudarc::cublas::sys::cublasOperation_t as Op;
+    let (trans_a, trans_b) = (Op::CUBLAS_OP_T, Op::CUBLAS_OP_N);
+    // SAFETY (every `set_desc` and `set_matmul_pref_attribute` below): the value's type is the
+    // one cuBLAS documents for the attribute (cublasOperation_t, uint32_t epilogue, a device
+    // pointer, cudaDataType (int32), uint64_t workspace bytes, uint32_t alignments), and the
+    // descriptor / preference is alive.
+    unsafe {
+        set_desc(&desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &trans_a)?;
+        set_desc(&desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &trans_b)?;
+        if let (Some(bias), Some(ptr)) = (key.bias, bias_ptr) {
+            set_desc(
+                &desc,
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                &sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+            )?;
+            set_desc(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &ty(bias))?;
+            set_desc(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr)?;
+        }
+    }
+    let a = MatLayout(lt::create_matrix_layout(
+        ty(key.input),
+        key.k,
+        key.m,
+        key.k as i64,
+    )?);
+    let b = MatLayout(lt::create_matrix_layout(
+        ty(key.input),
+        key.k,
+        key.n,
+        key.k as i64,
+    )?);
+    let d = MatLayout(lt::create_matrix_layout(
+        ty(key.out),
+        key.m,
+        key.n,
+        key.m as i64,
+    )?);
+    struct Pref(sys::cublasLtMatmulPreference_t);
+    impl Drop for Pref {
+        fn drop(&mut self) {
+            // SAFETY: made by `create_matmul_pref` and destroyed only here.
+            let _ = unsafe { lt::destroy_matmul_pref(self.0) };
+        }
+    }
+    let pref = Pref(lt::create_matmul_pref()?);
+    let ws = workspace as u64;
+    let set_pref = |attr: P, v: &dyn Fn() -> (*const c_void, usize)| {
+        let (p, n) = v();
+        // SAFETY: see above.
+        unsafe { lt::set_matmul_pref_attribute(pref.0, attr, p, n) }
+    };
+    set_pref(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &|| {
+        (&ws as *const u64 as *const c_void, size_of::<u64>())
+    })?;
+    let [al_a, al_b, al_d, _] = &key.align;
+    for (attr, v) in [
+        (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, al_a),
+        (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, al_b),
+        (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_d),
+        (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_d),
+    ] {
+        set_pref(attr, &|| {
+            (v as *const u32 as *const c_void, size_of::<u32>())
+        })?;
+    }
+    // SAFETY: every object is alive; D serves as C (beta is 0).
+    let heuristic =
+        unsafe { lt::get_matmul_algo_heuristic(handle.0, desc.0, a.0, b.0, d.0, d.0, pref.0)? };
+    Ok(Plan {
+        desc,
+        a,
+        b,
+        d,
+        algo: heuristic.algo,
+    })
+}
+
+/// A device address of a contiguous float operand's first element, and its read guard.
+macro_rules! float_addr {
+    ($s:expr, $l:expr, $stream:expr) => {{
+        let start = $l.start_offset();
+        match &$s.slice {
+            CudaStorageSlice::F32(v) => {
+                let (p, g) = v.device_ptr($stream);
+                Some((p + (start * 4) as u64, g))
+            }
+            CudaStorageSlice::BF16(v) => {
+                let (p, g) = v.device_ptr($stream);
+                Some((p + (start * 2) as u64, g))
+            }
+            _ => None,
+        }
+    }};
+}
+
+/// `x2 @ w^T (+ b)` as one cuBLASLt matmul with the bias in its epilogue, as a fresh storage
+/// `[rows, out]` of dtype `out`: `x2 [rows, in]` and `w [out, in]` contiguous, of one dtype
+/// (f32 or bf16) on one CUDA device; `b [out]` f32 or of the operands' dtype; `out` the
+/// operands' dtype or f32. `None` where it does not apply or cuBLASLt refuses (see the module
+/// docs): the caller computes it another way.
+pub(crate) fn linear(
+    x2: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    out: DType,
+) -> Result<Option<CudaStorage>> {
+    let input = x2.dtype();
+    let (Ok((rows, inner)), Ok((out_n, w_inner))) = (x2.dims2(), w.dims2()) else {
+        return Ok(None);
+    };
+    let fits = enabled()
+        && data_type(input).is_some()
+        && (out == input || out == DType::F32)
+        && w.dtype() == input
+        && x2.device().is_cuda()
+        && w.device().same_device(x2.device())
+        && w_inner == inner
+        && rows > 0
+        && inner > 0
+        && out_n > 0
+        && i64::try_from(rows.max(inner).max(out_n)).is_ok()
+        && x2.is_contiguous()
+        && w.is_contiguous()
+        && b.is_none_or(|b| {
+            (b.dtype() == input || b.dtype() == DType::F32)
+                && b.dims() == [out_n]
+                && b.is_contiguous()
+                && b.device().same_device(x2.device())
+        });
+    if !fits {
+        return Ok(None);
+    }
+    let (xs, xl) = x2.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    let (candle_core::Storage::Cuda(xs), candle_core::Storage::Cuda(ws)) = (&*xs, &*ws) else {
+        return Ok(None);
+    };
+    let bias = b.map(|b| b.storage_and_layout());
+    let bias_cuda = match &bias {
+        Some((bs, bl)) => match &**bs {
+            candle_core::Storage::Cuda(bs) => Some((bs, bl)),
+            _ => return Ok(None),
+        },
+        None => None,
+    };
+    let dev = &xs.device;
+    let state = match device_lt(dev) {
+        Ok(s) => s,
+        Err(e) => {
+            // No handle or workspace: every linear of this device takes the path before. Said
+            // once a process; each call tries again (a later call may find memory).
+            static SAID: AtomicBool = AtomicBool::new(false);
+            if !SAID.swap(true, Ordering::Relaxed) {
+                tracing::warn!(error = %e, "cuBLASLt unavailable: the linears run as candle's GEMM and a bias pass");
+            }
+            REFUSED.fetch_add(1, Ordering::Relaxed);
+            return Ok(None);
+        }
+    };
+    let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+    let stream = dev.cuda_stream();
+    stream.context().bind_to_thread().w()?;
+    let len = rows * out_n;
+    let mut y = match out {
+        DType::F32 => Output::F32(crate::cuda::alloc_out::<f32>(dev, len)?),
+        _ => Output::Bf16(crate::cuda::alloc_out::<bf16>(dev, len)?),
+    };
+    let Some((xp, xg)) = float_addr!(xs, xl, &stream) else {
+        return Ok(None);
+    };
+    let Some((wp, wg)) = float_addr!(ws, wl, &stream) else {
+        return Ok(None);
+    };
+    let bias_addr = match bias_cuda {
+        Some((bs, bl)) => match float_addr!(bs, bl, &stream) {
+            Some(a) => Some(a),
+            None => return Ok(None),
+        },
+        None => None,
+    };
+    let (yp, yg) = match &mut y {
+        Output::F32(v) => v.device_ptr_mut(&stream),
+        Output::Bf16(v) => v.device_ptr_mut(&stream),
+    };
+    let bias_ptr = bias_addr.as_ref().map(|(p, _)| *p);
+    let key = Key {
+        m: out_n as u64,
+        n: rows as u64,
+        k: inner as u64,
+        input,
+        out,
+        bias: b.map(|b| b.dtype()),
+        compute: compute_type(input) as u32,
+        align: [
+            alignment(wp),
+            alignment(xp),
+            alignment(yp),
+            bias_ptr.map_or(256, alignment),
+        ],
+    };
+    let DeviceLt {
+        handle,
+        workspace,
+        plans,
+    } = &mut *state;
+    let ws_size = workspace.len();
+    let plan = plans.entry(key).or_insert_with(|| {
+        match make_plan(handle, &key, bias_ptr, ws_size) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                REFUSED.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    ?key,
+                    error = ?e,
+                    "cuBLASLt has no plan for this linear: it runs as candle's GEMM and a bias pass"
+                );
+                None
+            }
+        }
+    });
+    let Some(plan) = plan.as_ref() else {
+        return Ok(None);
+    };
+    let (alpha, beta) = (1f32, 0f32);
+    let (wsp, wsg) = workspace.device_ptr_mut(&stream);
+    // SAFETY: the plan was made for these shapes, dtypes and alignments (the key): A is w's
+    // `out x in` elements, B x2's `rows x in`, D y's fresh `rows x out`, all contiguous at the
+    // addresses taken above (with their guards, which record this use on the stream when
+    // dropped after the enqueue); the bias pointer set here is `out` elements of the plan's
+    // bias dtype; alpha and beta are f32 as the scale type; C is D with beta 0 (not read); the
+    // workspace holds `ws_size` bytes and only this device's stream uses it.
+    let status = unsafe {
+        let set = match bias_ptr {
+            Some(p) => set_desc(
+                &plan.desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                &p,
+            ),
+            None => Ok(()),
+        };
+        set.and_then(|()| {
+            lt::matmul(
+                handle.0,
+                plan.desc.0,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                wp as *const c_void,
+                plan.a.0,
+                xp as *const c_void,
+                plan.b.0,
+                yp as *const c_void,
+                plan.d.0,
+                yp as *mut c_void,
+                plan.d.0,
+                &plan.algo,
+                wsp as *mut c_void,
+                ws_size,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        })
+    };
+    drop((xg, wg, yg, wsg, bias_addr));
+    if let Err(e) = status {
+        tracing::warn!(?key, error = ?e, "cuBLASLt matmul failed: the linear runs as candle's GEMM and a bias pass");
+        plans.insert(key, None);
+        REFUSED.fetch_add(1, Ordering::Relaxed);
+        return Ok(None);
+    }
+    MATMULS.fetch_add(1, Ordering::Relaxed);
+    let slice = match y {
+        Output::F32(v) => CudaStorageSlice::F32(v),
+        Output::Bf16(v) => CudaStorageSlice::BF16(v),
+    };
+    Ok(Some(CudaStorage {
+        slice,
+        device: dev.clone(),
+    }))
+}
+
+enum Output {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<bf16>),
+}
