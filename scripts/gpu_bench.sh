@@ -30,7 +30,8 @@
 # measured steps each; with --real-text the nanoGPT-shaped byte model (6 layers, 6 heads, 384
 # wide, 256 tokens, batch 64, 500 steps, held-out loss every 100) ours vs the twin from the same
 # initial parameters on the text scripts/real_text.sh fetches (target/real_text/shakespeare.txt,
-# checked against real_text.sh's SHA-256; fetch it on a machine with a network and carry it).
+# checked against real_text.sh's SHA-256; fetch it on a machine with a network,
+# `scripts/real_text.sh --fetch-only`, and carry it).
 # A run that fails, runs out of memory or times out is recorded with its error; the rest go on.
 # Budget (guesses for one H100/H200, not measurements): the matrix without torch.compile about
 # 5 minutes, torch.compile 20-90 s per run of compiling; the priority order puts gpt2 and

