@@ -8,16 +8,18 @@
 //! rounded twice (the product, then product plus bias). PyTorch's `addmm` (and so autocast's
 //! linear) takes the bias epilogue too.
 //!
-//! The compute type follows candle's switches, so a policy's GEMMs stay what it chose: f32
-//! operands compute in f32, or TF32 where `candle_core::cuda::gemm_reduced_precision_f32` is on;
-//! bf16 operands accumulate in f32 (`..._bf16` on: candle's reduced-precision bf16 compute).
+//! The compute type follows the policy: f32 operands compute in f32, or TF32 where candle's
+//! `gemm_reduced_precision_f32` switch is on (the `tf32` policy), as candle's own GEMM does;
+//! bf16 operands accumulate in f32. A bf16 output is not split-K reduced in bf16 (the
+//! reduction scheme is limited to none or the compute type), so it is rounded once.
 //!
 //! A plan (descriptors, layouts and the algorithm cuBLASLt's heuristic picked) is made once per
 //! device, shape, dtypes and operand alignment, and kept; the bias address is the only
-//! attribute set per call. Each device has one handle and one workspace (32 MiB on compute
-//! capability 9 and later, 4 MiB before, as NVIDIA recommends), used only on that device's one
-//! stream, so the workspace is never in use by two GEMMs at once. The state of a device lives
-//! as long as the process (a device created and dropped in a loop would keep its workspace).
+//! attribute set per call. Each device and host thread has one handle and one workspace (32 MiB
+//! on compute capability 9 and later, 4 MiB before, as NVIDIA recommends): candle's default
+//! device enqueues on the calling thread's own stream, so a workspace is used on one stream
+//! only and never by two GEMMs at once. That state lives as long as the process (a device
+//! created and dropped in a loop, or a new thread per call, would keep a workspace each).
 //!
 //! Anything cuBLASLt refuses (no algorithm for a shape or dtype mix, an error status) makes
 //! [`linear`] return `None`: the caller takes candle's GEMM and the separate bias pass, as
@@ -72,7 +74,7 @@ struct Key {
     input: DType,
     out: DType,
     bias: Option<DType>,
-    compute: u32,
+    compute: sys::cublasComputeType_t,
     align: [u32; 4],
 }
 
@@ -120,20 +122,25 @@ struct DeviceLt {
 // SAFETY: the handle, descriptors and layouts are pointers to cuBLASLt's host-side objects,
 // which it lets any host thread use; every use goes through the `Mutex` that holds the
 // `DeviceLt`, so no two threads touch them at once, and the device memory they name (the
-// workspace) is used only on the device's stream.
+// workspace) is used only on the stream of the one host thread the state belongs to.
 unsafe impl Send for DeviceLt {}
 
-type Devices = Mutex<HashMap<candle_core::cuda_backend::DeviceId, Arc<Mutex<DeviceLt>>>>;
+/// A device and the host thread using it: candle's default CUDA device enqueues on the
+/// per-thread default stream, so two threads using one `CudaDevice` enqueue on two streams,
+/// and each needs a workspace of its own.
+type DevKey = (candle_core::cuda_backend::DeviceId, std::thread::ThreadId);
+type Devices = Mutex<HashMap<DevKey, Arc<Mutex<DeviceLt>>>>;
 
 fn devices() -> &'static Devices {
     static DEVICES: OnceLock<Devices> = OnceLock::new();
     DEVICES.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// The device's state, made at its first use.
+/// The state of the device on this thread, made at its first use.
 fn device_lt(dev: &CudaDevice) -> Result<Arc<Mutex<DeviceLt>>> {
+    let key = (dev.id(), std::thread::current().id());
     let mut all = devices().lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(d) = all.get(&dev.id()) {
+    if let Some(d) = all.get(&key) {
         return Ok(d.clone());
     }
     let stream = dev.cuda_stream();
@@ -151,7 +158,7 @@ fn device_lt(dev: &CudaDevice) -> Result<Arc<Mutex<DeviceLt>>> {
         workspace,
         plans: HashMap::new(),
     }));
-    all.insert(dev.id(), d.clone());
+    all.insert(key, d.clone());
     Ok(d)
 }
 
@@ -171,15 +178,14 @@ fn data_type(dt: DType) -> Option<sys::cudaDataType> {
     }
 }
 
-/// The compute type candle's own GEMM would use for operands of `input` (its switches).
+/// The compute type of operands of `input`: f32, or TF32 for f32 operands where candle's
+/// switch asks for it (as its own GEMM does); bf16 operands always accumulate in f32 (cuBLASLt
+/// documents the `FAST_*` types for f32 operands only).
 fn compute_type(input: DType) -> sys::cublasComputeType_t {
     use sys::cublasComputeType_t as C;
     match input {
         DType::F32 if candle_core::cuda::gemm_reduced_precision_f32() => {
             C::CUBLAS_COMPUTE_32F_FAST_TF32
-        }
-        DType::BF16 if candle_core::cuda::gemm_reduced_precision_bf16() => {
-            C::CUBLAS_COMPUTE_32F_FAST_16BF
         }
         _ => C::CUBLAS_COMPUTE_32F,
     }
@@ -221,9 +227,9 @@ fn make_plan(
     use sys::cublasLtMatmulPreferenceAttributes_t as P;
     // `data_type` of the dtypes was checked by the caller.
     let ty = |dt: DType| data_type(dt).unwrap_or(sys::cudaDataType_t::CUDA_R_32F);
-    let compute = compute_type(key.input);
+    // The compute type the key was made with (candle's switch may change between calls).
     let desc = Desc(lt::create_matmul_desc(
-        compute,
+        key.compute,
         sys::cudaDataType_t::CUDA_R_32F,
     )?);
     // A = w, stored column-major as [k, m] (its rows are the output features): used transposed.
@@ -282,6 +288,14 @@ fn make_plan(
     set_pref(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &|| {
         (&ws as *const u64 as *const c_void, size_of::<u64>())
     })?;
+    if key.out != DType::F32 {
+        // Split-K partial sums added in the compute type (f32) or not split: never in the
+        // output's bf16, which would round more than once.
+        let scheme = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+        set_pref(P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &|| {
+            (&scheme as *const u32 as *const c_void, size_of::<u32>())
+        })?;
+    }
     let [al_a, al_b, al_d, _] = &key.align;
     for (attr, v) in [
         (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, al_a),
@@ -420,7 +434,7 @@ pub(crate) fn linear(
         input,
         out,
         bias: b.map(|b| b.dtype()),
-        compute: compute_type(input) as u32,
+        compute: compute_type(input),
         align: [
             alignment(wp),
             alignment(xp),
@@ -458,7 +472,7 @@ pub(crate) fn linear(
     // addresses taken above (with their guards, which record this use on the stream when
     // dropped after the enqueue); the bias pointer set here is `out` elements of the plan's
     // bias dtype; alpha and beta are f32 as the scale type; C is D with beta 0 (not read); the
-    // workspace holds `ws_size` bytes and only this device's stream uses it.
+    // workspace holds `ws_size` bytes and only this thread's stream on this device uses it.
     let status = unsafe {
         let set = match bias_ptr {
             Some(p) => set_desc(
