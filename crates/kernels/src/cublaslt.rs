@@ -1,12 +1,15 @@
-//! A linear's GEMM with its bias in cuBLASLt's epilogue (feature `cuda`): `x2 @ w^T + b` as one
-//! `cublasLtMatmul`, the bias added to the f32 accumulator and the sum rounded once to the
-//! output dtype, which may be wider than the inputs (bf16 operands, f32 output).
+//! A linear's GEMMs on cuBLASLt (feature `cuda`): the forward `x2 @ w^T + b` as one
+//! `cublasLtMatmul` with the bias in its epilogue, the bias added to the f32 accumulator and the
+//! sum rounded once to the output dtype, which may be wider than the inputs (bf16 operands,
+//! f32 output); and a mixed-precision linear's backward GEMMs (`dx = g w`, `dw = g^T x`) written
+//! straight into their f32 gradients from bf16 operands ([`gemm`]).
 //!
 //! candle's GEMM (`cublasGemmStridedBatchedEx`) writes the product in the operands' dtype, so
 //! a linear on it paid a second pass over its output for the bias (`cast.cu`), and a bf16 GEMM
 //! whose output feeds f32 wrote a bf16 product and read it back to widen it; a bf16 output was
 //! rounded twice (the product, then product plus bias). PyTorch's `addmm` (and so autocast's
-//! linear) takes the bias epilogue too.
+//! linear) takes the bias epilogue too. In the backward, candle's bf16 GEMMs wrote bf16
+//! gradients that a cast pass widened to f32 (the master weights' and the f32 activations').
 //!
 //! The compute type follows the policy: f32 operands compute in f32, or TF32 where candle's
 //! `gemm_reduced_precision_f32` switch is on (the `tf32` policy), as candle's own GEMM does;
@@ -63,14 +66,17 @@ pub(crate) fn counts() -> (u64, u64) {
 }
 
 /// What one plan is for: the GEMM `D [m, n] = op(A) op(B)` in cuBLASLt's column-major terms
-/// (`m` the linear's output features, `n` its rows, `k` its input features), the dtypes, the
-/// compute type and the operands' address alignments (the heuristic picks an algorithm for
-/// them).
+/// (see [`gemm`]: `m` the row-major product's columns, `n` its rows, `k` the summed dim; A is
+/// the row-major right operand, transposed when `trans_a`, B the left one, transposed when
+/// `trans_b`), the dtypes, the compute type and the operands' address alignments (the
+/// heuristic picks an algorithm for them).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 struct Key {
     m: u64,
     n: u64,
     k: u64,
+    trans_a: bool,
+    trans_b: bool,
     input: DType,
     out: DType,
     bias: Option<DType>,
@@ -232,10 +238,11 @@ fn make_plan(
         key.compute,
         sys::cudaDataType_t::CUDA_R_32F,
     )?);
-    // A = w, stored column-major as [k, m] (its rows are the output features): used transposed.
-    // B = x2, column-major [k, n]: as it is. D = y, column-major [m, n].
+    // A transposed is stored column-major as [k, m] (ld k), else as [m, k] (ld m); B transposed
+    // as [n, k] (ld n), else as [k, n] (ld k); D as [m, n] (ld m).
     use candle_core::cuda_backend::cudarc::cublas::sys::cublasOperation_t as Op;
-    let (trans_a, trans_b) = (Op::CUBLAS_OP_T, Op::CUBLAS_OP_N);
+    let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
+    let (trans_a, trans_b) = (op(key.trans_a), op(key.trans_b));
     // SAFETY (every `set_desc` and `set_matmul_pref_attribute` below): the value's type is the
     // one cuBLAS documents for the attribute (cublasOperation_t, uint32_t epilogue, a device
     // pointer, cudaDataType (int32), uint64_t workspace bytes, uint32_t alignments), and the
@@ -253,17 +260,27 @@ fn make_plan(
             set_desc(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr)?;
         }
     }
+    let (a_rows, a_cols) = if key.trans_a {
+        (key.k, key.m)
+    } else {
+        (key.m, key.k)
+    };
+    let (b_rows, b_cols) = if key.trans_b {
+        (key.n, key.k)
+    } else {
+        (key.k, key.n)
+    };
     let a = MatLayout(lt::create_matrix_layout(
         ty(key.input),
-        key.k,
-        key.m,
-        key.k as i64,
+        a_rows,
+        a_cols,
+        a_rows as i64,
     )?);
     let b = MatLayout(lt::create_matrix_layout(
         ty(key.input),
-        key.k,
-        key.n,
-        key.k as i64,
+        b_rows,
+        b_cols,
+        b_rows as i64,
     )?);
     let d = MatLayout(lt::create_matrix_layout(
         ty(key.out),
@@ -348,46 +365,69 @@ pub(crate) fn linear(
     b: Option<&Tensor>,
     out: DType,
 ) -> Result<Option<CudaStorage>> {
-    let input = x2.dtype();
-    let (Ok((rows, inner)), Ok((out_n, w_inner))) = (x2.dims2(), w.dims2()) else {
+    gemm(x2, false, w, true, b, out)
+}
+
+/// The row-major product `C [M, N] = A @ B (+ bias)` as one cuBLASLt matmul, as a fresh storage
+/// of dtype `out`: `A` is `a` (`[M, K]`) or, with `a_t`, `a`'s transpose (`a` stored `[K, M]`);
+/// `B` is `b` (`[K, N]`) or, with `b_t`, `b`'s transpose (`b` stored `[N, K]`); both contiguous,
+/// of one dtype (f32 or bf16), on one CUDA device; `bias [N]` (added to every row) f32 or of
+/// the operands' dtype; `out` the operands' dtype or f32. A linear is `gemm(x2, false, w, true)`;
+/// its input gradient `gemm(g, false, w, false)`, its weight gradient `gemm(g, true, x2, false)`.
+/// `None` where it does not apply or cuBLASLt refuses (see the module docs).
+///
+/// In cuBLASLt's column-major terms a row-major `[r, c]` matrix is a `[c, r]` one, so `C^T =
+/// B^T A^T`: cuBLASLt's A is `b` (m = N), its B is `a` (n = M), and D is `C` (`[N, M]`, ld N).
+pub(crate) fn gemm(
+    a: &Tensor,
+    a_t: bool,
+    b: &Tensor,
+    b_t: bool,
+    bias: Option<&Tensor>,
+    out: DType,
+) -> Result<Option<CudaStorage>> {
+    let input = a.dtype();
+    let (Ok(ad), Ok(bd)) = (a.dims2(), b.dims2()) else {
         return Ok(None);
     };
+    let (rows, inner) = if a_t { (ad.1, ad.0) } else { ad };
+    let (b_inner, cols) = if b_t { (bd.1, bd.0) } else { bd };
     let fits = enabled()
         && data_type(input).is_some()
         && (out == input || out == DType::F32)
-        && w.dtype() == input
-        && x2.device().is_cuda()
-        && w.device().same_device(x2.device())
-        && w_inner == inner
+        && b.dtype() == input
+        && a.device().is_cuda()
+        && b.device().same_device(a.device())
+        && b_inner == inner
         && rows > 0
         && inner > 0
-        && out_n > 0
-        && i64::try_from(rows.max(inner).max(out_n)).is_ok()
-        && x2.is_contiguous()
-        && w.is_contiguous()
-        && b.is_none_or(|b| {
-            (b.dtype() == input || b.dtype() == DType::F32)
-                && b.dims() == [out_n]
-                && b.is_contiguous()
-                && b.device().same_device(x2.device())
+        && cols > 0
+        && i64::try_from(rows.max(inner).max(cols)).is_ok()
+        && a.is_contiguous()
+        && b.is_contiguous()
+        && bias.is_none_or(|v| {
+            (v.dtype() == input || v.dtype() == DType::F32)
+                && v.dims() == [cols]
+                && v.is_contiguous()
+                && v.device().same_device(a.device())
         });
     if !fits {
         return Ok(None);
     }
-    let (xs, xl) = x2.storage_and_layout();
-    let (ws, wl) = w.storage_and_layout();
-    let (candle_core::Storage::Cuda(xs), candle_core::Storage::Cuda(ws)) = (&*xs, &*ws) else {
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    let (candle_core::Storage::Cuda(sa), candle_core::Storage::Cuda(sb)) = (&*sa, &*sb) else {
         return Ok(None);
     };
-    let bias = b.map(|b| b.storage_and_layout());
-    let bias_cuda = match &bias {
+    let bias_sl = bias.map(|v| v.storage_and_layout());
+    let bias_cuda = match &bias_sl {
         Some((bs, bl)) => match &**bs {
             candle_core::Storage::Cuda(bs) => Some((bs, bl)),
             _ => return Ok(None),
         },
         None => None,
     };
-    let dev = &xs.device;
+    let dev = &sa.device;
     let state = match device_lt(dev) {
         Ok(s) => s,
         Err(e) => {
@@ -404,15 +444,15 @@ pub(crate) fn linear(
     let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
     let stream = dev.cuda_stream();
     stream.context().bind_to_thread().w()?;
-    let len = rows * out_n;
+    let len = rows * cols;
     let mut y = match out {
         DType::F32 => Output::F32(crate::cuda::alloc_out::<f32>(dev, len)?),
         _ => Output::Bf16(crate::cuda::alloc_out::<bf16>(dev, len)?),
     };
-    let Some((xp, xg)) = float_addr!(xs, xl, &stream) else {
+    let Some((pa, ga)) = float_addr!(sa, la, &stream) else {
         return Ok(None);
     };
-    let Some((wp, wg)) = float_addr!(ws, wl, &stream) else {
+    let Some((pb, gb)) = float_addr!(sb, lb, &stream) else {
         return Ok(None);
     };
     let bias_addr = match bias_cuda {
@@ -428,16 +468,18 @@ pub(crate) fn linear(
     };
     let bias_ptr = bias_addr.as_ref().map(|(p, _)| *p);
     let key = Key {
-        m: out_n as u64,
+        m: cols as u64,
         n: rows as u64,
         k: inner as u64,
+        trans_a: b_t,
+        trans_b: a_t,
         input,
         out,
-        bias: b.map(|b| b.dtype()),
+        bias: bias.map(|v| v.dtype()),
         compute: compute_type(input),
         align: [
-            alignment(wp),
-            alignment(xp),
+            alignment(pb),
+            alignment(pa),
             alignment(yp),
             bias_ptr.map_or(256, alignment),
         ],
@@ -467,11 +509,11 @@ pub(crate) fn linear(
     };
     let (alpha, beta) = (1f32, 0f32);
     let (wsp, wsg) = workspace.device_ptr_mut(&stream);
-    // SAFETY: the plan was made for these shapes, dtypes and alignments (the key): A is w's
-    // `out x in` elements, B x2's `rows x in`, D y's fresh `rows x out`, all contiguous at the
-    // addresses taken above (with their guards, which record this use on the stream when
-    // dropped after the enqueue); the bias pointer set here is `out` elements of the plan's
-    // bias dtype; alpha and beta are f32 as the scale type; C is D with beta 0 (not read); the
+    // SAFETY: the plan was made for these shapes, transposes, dtypes and alignments (the key):
+    // cuBLASLt's A is `b`'s `inner x cols` elements, its B `a`'s `rows x inner`, D the fresh
+    // `rows x cols` output, all contiguous at the addresses taken above (with their guards,
+    // which record this use on the stream when dropped after the enqueue); the bias pointer set
+    // here is `cols` elements of the plan's bias dtype; alpha and beta are f32 as the scale type; C is D with beta 0 (not read); the
     // workspace holds `ws_size` bytes and only this thread's stream on this device uses it.
     let status = unsafe {
         let set = match bias_ptr {
@@ -488,9 +530,9 @@ pub(crate) fn linear(
                 plan.desc.0,
                 &alpha as *const f32 as *const c_void,
                 &beta as *const f32 as *const c_void,
-                wp as *const c_void,
+                pb as *const c_void,
                 plan.a.0,
-                xp as *const c_void,
+                pa as *const c_void,
                 plan.b.0,
                 yp as *const c_void,
                 plan.d.0,
@@ -503,7 +545,7 @@ pub(crate) fn linear(
             )
         })
     };
-    drop((xg, wg, yg, wsg, bias_addr));
+    drop((ga, gb, yg, wsg, bias_addr));
     if let Err(e) = status {
         tracing::warn!(?key, error = ?e, "cuBLASLt matmul failed: the linear runs as candle's GEMM and a bias pass");
         plans.insert(key, None);

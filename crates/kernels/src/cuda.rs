@@ -1775,6 +1775,28 @@ pub(crate) fn linear_out(
     Ok(Some(out))
 }
 
+/// `A @ B` as one cuBLASLt matmul written in `out` (`crate::cublaslt::gemm`: `A` is `a`, or its
+/// transpose with `a_t`; `B` is `b`, or its transpose with `b_t`), as a tensor without a graph
+/// node: a linear's backward GEMMs, whose bf16 products go straight into the f32 gradients
+/// (no bf16 write and cast pass). `None` where cuBLASLt is off, does not apply or refuses.
+pub(crate) fn gemm_to(
+    a: &Tensor,
+    a_t: bool,
+    b: &Tensor,
+    b_t: bool,
+    out: DType,
+) -> Result<Option<Tensor>> {
+    let (Ok(ad), Ok(bd)) = (a.dims2(), b.dims2()) else {
+        return Ok(None);
+    };
+    let rows = if a_t { ad.1 } else { ad.0 };
+    let cols = if b_t { bd.0 } else { bd.1 };
+    match crate::cublaslt::gemm(a, a_t, b, b_t, None, out)? {
+        Some(s) => Ok(Some(hand_over(a, s, Shape::from((rows, cols)))?)),
+        None => Ok(None),
+    }
+}
+
 fn add_rows_launch<T: Float, B: Float>(
     y: &mut CudaStorage,
     b: &CudaStorage,

@@ -620,11 +620,25 @@ impl LinearParts for LinearIn {
         // output is in it), the bias gradient summed from it in the bias's dtype.
         let (g2, db) = rows_and_bias_grad(g, w.dim(0)?, bias)?;
         let gc = g2.to_dtype(self.wc.dtype())?;
-        let dx = gc
-            .matmul(&self.wc)?
-            .to_dtype(x.dtype())?
-            .reshape(x.shape())?;
-        let dw = gc.t()?.matmul(&self.xc)?.to_dtype(w.dtype())?;
+        // On CUDA each product written in its gradient's dtype by cuBLASLt (f32 from bf16
+        // operands: one rounding, no bf16 product written and cast); else candle's GEMM in the
+        // compute dtype, then the cast.
+        #[cfg(feature = "cuda")]
+        let (dx, dw) = (
+            crate::cuda::gemm_to(&gc, false, &self.wc, false, x.dtype())?,
+            crate::cuda::gemm_to(&gc, true, &self.xc, false, w.dtype())?,
+        );
+        #[cfg(not(feature = "cuda"))]
+        let (dx, dw): (Option<Tensor>, Option<Tensor>) = (None, None);
+        let dx = match dx {
+            Some(dx) => dx,
+            None => gc.matmul(&self.wc)?.to_dtype(x.dtype())?,
+        }
+        .reshape(x.shape())?;
+        let dw = match dw {
+            Some(dw) => dw,
+            None => gc.t()?.matmul(&self.xc)?.to_dtype(w.dtype())?,
+        };
         Ok((dx, Some(dw), db))
     }
 }
