@@ -42,6 +42,8 @@ use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Tensor};
 use half::bf16;
 
+use crate::gemm_layout::{col_major, ColMajor, Mat};
+
 type Result<T> = candle_core::Result<T>;
 
 /// Whether the path is on: `CDT_CUBLASLT` unset or anything but `0`, and the fused CUDA path on
@@ -65,18 +67,12 @@ pub(crate) fn counts() -> (u64, u64) {
     )
 }
 
-/// What one plan is for: the GEMM `D [m, n] = op(A) op(B)` in cuBLASLt's column-major terms
-/// (see [`gemm`]: `m` the row-major product's columns, `n` its rows, `k` the summed dim; A is
-/// the row-major right operand, transposed when `trans_a`, B the left one, transposed when
-/// `trans_b`), the dtypes, the compute type and the operands' address alignments (the
-/// heuristic picks an algorithm for them).
+/// What one plan is for: the GEMM in cuBLASLt's column-major terms (`crate::gemm_layout`:
+/// shapes, leading dimensions, transposes), the dtypes, the compute type and the operands'
+/// address alignments (the heuristic picks an algorithm for them).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 struct Key {
-    m: u64,
-    n: u64,
-    k: u64,
-    trans_a: bool,
-    trans_b: bool,
+    gemm: ColMajor,
     input: DType,
     out: DType,
     bias: Option<DType>,
@@ -238,11 +234,12 @@ fn make_plan(
         key.compute,
         sys::cudaDataType_t::CUDA_R_32F,
     )?);
-    // A transposed is stored column-major as [k, m] (ld k), else as [m, k] (ld m); B transposed
-    // as [n, k] (ld n), else as [k, n] (ld k); D as [m, n] (ld m).
+    // The layouts, leading dimensions and transposes: `gemm_layout::col_major` (tested there
+    // against a column-major GEMM).
+    let g = &key.gemm;
     use candle_core::cuda_backend::cudarc::cublas::sys::cublasOperation_t as Op;
     let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
-    let (trans_a, trans_b) = (op(key.trans_a), op(key.trans_b));
+    let (trans_a, trans_b) = (op(g.a.trans), op(g.b.trans));
     // SAFETY (every `set_desc` and `set_matmul_pref_attribute` below): the value's type is the
     // one cuBLAS documents for the attribute (cublasOperation_t, uint32_t epilogue, a device
     // pointer, cudaDataType (int32), uint64_t workspace bytes, uint32_t alignments), and the
@@ -260,34 +257,12 @@ fn make_plan(
             set_desc(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr)?;
         }
     }
-    let (a_rows, a_cols) = if key.trans_a {
-        (key.k, key.m)
-    } else {
-        (key.m, key.k)
+    let layout = |dt: DType, mat: &Mat| {
+        lt::create_matrix_layout(ty(dt), mat.rows, mat.cols, mat.ld as i64).map(MatLayout)
     };
-    let (b_rows, b_cols) = if key.trans_b {
-        (key.n, key.k)
-    } else {
-        (key.k, key.n)
-    };
-    let a = MatLayout(lt::create_matrix_layout(
-        ty(key.input),
-        a_rows,
-        a_cols,
-        a_rows as i64,
-    )?);
-    let b = MatLayout(lt::create_matrix_layout(
-        ty(key.input),
-        b_rows,
-        b_cols,
-        b_rows as i64,
-    )?);
-    let d = MatLayout(lt::create_matrix_layout(
-        ty(key.out),
-        key.m,
-        key.n,
-        key.m as i64,
-    )?);
+    let a = layout(key.input, &g.a)?;
+    let b = layout(key.input, &g.b)?;
+    let d = layout(key.out, &g.d)?;
     struct Pref(sys::cublasLtMatmulPreference_t);
     impl Drop for Pref {
         fn drop(&mut self) {
@@ -377,7 +352,8 @@ pub(crate) fn linear(
 /// `None` where it does not apply or cuBLASLt refuses (see the module docs).
 ///
 /// In cuBLASLt's column-major terms a row-major `[r, c]` matrix is a `[c, r]` one, so `C^T =
-/// B^T A^T`: cuBLASLt's A is `b` (m = N), its B is `a` (n = M), and D is `C` (`[N, M]`, ld N).
+/// B^T A^T`: cuBLASLt's A is `b` (m = N), its B is `a` (n = M), and D is `C` (`[N, M]`, ld N);
+/// `crate::gemm_layout::col_major` gives the layouts.
 pub(crate) fn gemm(
     a: &Tensor,
     a_t: bool,
@@ -468,11 +444,7 @@ pub(crate) fn gemm(
     };
     let bias_ptr = bias_addr.as_ref().map(|(p, _)| *p);
     let key = Key {
-        m: cols as u64,
-        n: rows as u64,
-        k: inner as u64,
-        trans_a: b_t,
-        trans_b: a_t,
+        gemm: col_major(rows as u64, cols as u64, inner as u64, a_t, b_t),
         input,
         out,
         bias: bias.map(|v| v.dtype()),

@@ -33,7 +33,10 @@ pub mod error;
 #[cfg(feature = "cuda")]
 mod fa_rows;
 pub mod flash;
+// Used by the cuBLASLt path (feature `cuda`); its tests run everywhere.
 pub mod fused;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod gemm_layout;
 pub mod multi_tensor;
 pub mod profile;
 pub mod region;
