@@ -54,17 +54,20 @@ pub(crate) fn enabled() -> bool {
         && crate::fused::cuda_enabled()
 }
 
-/// cuBLASLt matmuls enqueued, and plans refused, in this process ([`counts`]).
+/// cuBLASLt matmuls enqueued, those of them with the bias in the epilogue, and refusals (plans
+/// cuBLASLt had none for, failed matmuls, devices without a handle), in this process
+/// ([`counts`]).
 static MATMULS: AtomicU64 = AtomicU64::new(0);
+static BIAS_EPILOGUES: AtomicU64 = AtomicU64::new(0);
 static REFUSED: AtomicU64 = AtomicU64::new(0);
 
-/// `(matmuls enqueued, plans refused)` in this process so far: whether the linears took this
-/// path (`crate::fused::cublaslt_counts`).
-pub(crate) fn counts() -> (u64, u64) {
-    (
-        MATMULS.load(Ordering::Relaxed),
-        REFUSED.load(Ordering::Relaxed),
-    )
+/// The counts so far (`crate::fused::cublaslt_counts`): whether the GEMMs took this path.
+pub(crate) fn counts() -> crate::fused::CublasLtCounts {
+    crate::fused::CublasLtCounts {
+        matmuls: MATMULS.load(Ordering::Relaxed),
+        bias_epilogues: BIAS_EPILOGUES.load(Ordering::Relaxed),
+        refused: REFUSED.load(Ordering::Relaxed),
+    }
 }
 
 /// What one plan is for: the GEMM in cuBLASLt's column-major terms (`crate::gemm_layout`:
@@ -411,7 +414,7 @@ pub(crate) fn gemm(
             // once a process; each call tries again (a later call may find memory).
             static SAID: AtomicBool = AtomicBool::new(false);
             if !SAID.swap(true, Ordering::Relaxed) {
-                tracing::warn!(error = %e, "cuBLASLt unavailable: the linears run as candle's GEMM and a bias pass");
+                tracing::warn!(error = %e, "cuBLASLt unavailable: the linears' GEMMs run on candle's (and a bias or cast pass)");
             }
             REFUSED.fetch_add(1, Ordering::Relaxed);
             return Ok(None);
@@ -470,7 +473,7 @@ pub(crate) fn gemm(
                 tracing::warn!(
                     ?key,
                     error = ?e,
-                    "cuBLASLt has no plan for this linear: it runs as candle's GEMM and a bias pass"
+                    "cuBLASLt has no plan for this GEMM: it runs on candle's (and a bias or cast pass)"
                 );
                 None
             }
@@ -519,12 +522,15 @@ pub(crate) fn gemm(
     };
     drop((ga, gb, yg, wsg, bias_addr));
     if let Err(e) = status {
-        tracing::warn!(?key, error = ?e, "cuBLASLt matmul failed: the linear runs as candle's GEMM and a bias pass");
+        tracing::warn!(?key, error = ?e, "cuBLASLt matmul failed: this GEMM runs on candle's (and a bias or cast pass)");
         plans.insert(key, None);
         REFUSED.fetch_add(1, Ordering::Relaxed);
         return Ok(None);
     }
     MATMULS.fetch_add(1, Ordering::Relaxed);
+    if bias.is_some() {
+        BIAS_EPILOGUES.fetch_add(1, Ordering::Relaxed);
+    }
     let slice = match y {
         Output::F32(v) => CudaStorageSlice::F32(v),
         Output::Bf16(v) => CudaStorageSlice::BF16(v),

@@ -72,18 +72,29 @@ pub fn cuda_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("CDT_FUSED_CUDA").map_or(true, |v| v.trim() != "0"))
 }
 
-/// `(matmuls, refused)`: how many linears ran as one cuBLASLt matmul with the bias in its
-/// epilogue in this process, and how many shape/dtype plans cuBLASLt refused (those linears
-/// took candle's GEMM and a bias pass). `(0, 0)` without the `cuda` feature, or with
-/// `CDT_CUBLASLT=0` (the path off) or `CDT_FUSED_CUDA=0`. A diagnostic for GPU checks.
-pub fn cublaslt_counts() -> (u64, u64) {
+/// How the linears' GEMMs used cuBLASLt in this process ([`cublaslt_counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CublasLtCounts {
+    /// GEMMs run as one cuBLASLt matmul: linears' forwards and mixed-precision backwards.
+    pub matmuls: u64,
+    /// Of those, forwards with the bias in the epilogue.
+    pub bias_epilogues: u64,
+    /// Refusals: shape/dtype plans cuBLASLt had no algorithm for, failed matmuls, devices
+    /// without a handle. Those GEMMs ran on candle's (and a bias or cast pass).
+    pub refused: u64,
+}
+
+/// How many GEMMs took cuBLASLt (`kernels/src/cublaslt.rs`) in this process, and how many
+/// times it refused. All zero without the `cuda` feature, or with `CDT_CUBLASLT=0` (the path
+/// off) or `CDT_FUSED_CUDA=0`. A diagnostic for GPU checks.
+pub fn cublaslt_counts() -> CublasLtCounts {
     #[cfg(feature = "cuda")]
     {
         crate::cublaslt::counts()
     }
     #[cfg(not(feature = "cuda"))]
     {
-        (0, 0)
+        CublasLtCounts::default()
     }
 }
 

@@ -1215,27 +1215,31 @@ fn marks_case(dev: &Device) -> R<String> {
     Ok(format!("a 2048^3 matmul: {ms:.3} ms between marks"))
 }
 
-/// Whether the linears above took cuBLASLt (`crate::cublaslt`, unless `CDT_CUBLASLT=0`):
-/// their values were checked with the other cases; this says the path was taken at all, and
-/// how many shape/dtype plans cuBLASLt refused (those ran as candle's GEMM and a bias pass,
-/// checked too). Fails when the path is on and not one linear took it.
+/// Whether the linears above took cuBLASLt (`kernels/src/cublaslt.rs`, unless
+/// `CDT_CUBLASLT=0`): their values and gradients were checked with the other cases; this says
+/// the path was taken at all, forwards with the bias in the epilogue included, and how often
+/// cuBLASLt refused (those GEMMs ran on candle's, checked too). Fails when the path is on and
+/// no forward took the bias epilogue.
 fn cublaslt_case() -> R<String> {
-    let (matmuls, refused) = candle_dtensor_kernels::fused::cublaslt_counts();
+    let c = candle_dtensor_kernels::fused::cublaslt_counts();
     let off = std::env::var("CDT_CUBLASLT").is_ok_and(|v| v.trim() == "0");
     if off {
-        if matmuls != 0 {
-            candle_core::bail!("CDT_CUBLASLT=0, yet {matmuls} linears ran on cuBLASLt");
+        if c.matmuls != 0 {
+            candle_core::bail!("CDT_CUBLASLT=0, yet {} GEMMs ran on cuBLASLt", c.matmuls);
         }
-        return Ok("off (CDT_CUBLASLT=0): the linears ran as candle's GEMM and a bias pass".into());
+        return Ok("off (CDT_CUBLASLT=0): the linears ran on candle's GEMM".into());
     }
-    if matmuls == 0 {
+    if c.bias_epilogues == 0 {
         candle_core::bail!(
-            "no linear ran on cuBLASLt ({refused} plans refused; see the warnings): every one \
-             fell back to candle's GEMM and a bias pass"
+            "no linear's bias went through cuBLASLt's epilogue ({} GEMMs on cuBLASLt, {} \
+             refusals; see the warnings): they fell back to candle's GEMM and a bias pass",
+            c.matmuls,
+            c.refused
         );
     }
     Ok(format!(
-        "{matmuls} matmuls, {refused} shape/dtype plans refused (those fell back)"
+        "{} GEMMs on cuBLASLt, {} with the bias in the epilogue, {} refusals (those fell back)",
+        c.matmuls, c.bias_epilogues, c.refused
     ))
 }
 
