@@ -2716,6 +2716,17 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
             "gpu_step_ms_median": median(&step),
         });
     }
+    // The linears' GEMMs on cuBLASLt (CUDA; absent on the CPU): how many ran there, how many
+    // of them with the bias in the epilogue, and how often cuBLASLt refused a shape (those ran
+    // on candle's GEMM). All zero with CDT_CUBLASLT=0. Every rank thread of this process.
+    if device.is_cuda() {
+        let lt = candle_dtensor::kernels::fused::cublaslt_counts();
+        summary["cublaslt"] = serde_json::json!({
+            "matmuls": lt.matmuls,
+            "bias_epilogues": lt.bias_epilogues,
+            "refused": lt.refused,
+        });
+    }
     if let Some(k) = &kernels {
         let in_process = if args.backend == "local" { world } else { 1 };
         summary["kernels"] = k
