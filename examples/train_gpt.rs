@@ -2717,13 +2717,14 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
         });
     }
     // The linears' GEMMs on cuBLASLt (CUDA; absent on the CPU): how many ran there, how many
-    // of them with the bias in the epilogue, and how often cuBLASLt refused a shape (those ran
-    // on candle's GEMM). All zero with CDT_CUBLASLT=0. Every rank thread of this process.
+    // of them with the bias (forward) or the bias gradient (weight gradient) in the epilogue,
+    // and how often cuBLASLt refused a shape (those ran on candle's GEMM). All zero with CDT_CUBLASLT=0. Every rank thread of this process.
     if device.is_cuda() {
         let lt = candle_dtensor::kernels::fused::cublaslt_counts();
         summary["cublaslt"] = serde_json::json!({
             "matmuls": lt.matmuls,
             "bias_epilogues": lt.bias_epilogues,
+            "bias_grads": lt.bias_grads,
             "refused": lt.refused,
         });
     }

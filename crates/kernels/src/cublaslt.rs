@@ -1,8 +1,9 @@
 //! A linear's GEMMs on cuBLASLt (feature `cuda`): the forward `x2 @ w^T + b` as one
 //! `cublasLtMatmul` with the bias in its epilogue, the bias added to the f32 accumulator and the
 //! sum rounded once to the output dtype, which may be wider than the inputs (bf16 operands,
-//! f32 output); and a mixed-precision linear's backward GEMMs (`dx = g w`, `dw = g^T x`) written
-//! straight into their f32 gradients from bf16 operands ([`gemm`]).
+//! f32 output); a mixed-precision linear's backward GEMMs (`dx = g w`, `dw = g^T x`) written
+//! straight into their f32 gradients from bf16 operands ([`gemm`]); and the weight gradient
+//! with the bias gradient (`g`'s column sums) in its epilogue ([`gemm_epi`], [`Epi::BgradB`]).
 //!
 //! candle's GEMM (`cublasGemmStridedBatchedEx`) writes the product in the operands' dtype, so
 //! a linear on it paid a second pass over its output for the bias (`cast.cu`), and a bf16 GEMM
@@ -54,11 +55,13 @@ pub(crate) fn enabled() -> bool {
         && crate::fused::cuda_enabled()
 }
 
-/// cuBLASLt matmuls enqueued, those of them with the bias in the epilogue, and refusals (plans
+/// cuBLASLt matmuls enqueued, those of them with the bias (or the bias gradient) in the
+/// epilogue, and refusals (plans
 /// cuBLASLt had none for, failed matmuls, devices without a handle), in this process
 /// ([`counts`]).
 static MATMULS: AtomicU64 = AtomicU64::new(0);
 static BIAS_EPILOGUES: AtomicU64 = AtomicU64::new(0);
+static BIAS_GRADS: AtomicU64 = AtomicU64::new(0);
 static REFUSED: AtomicU64 = AtomicU64::new(0);
 
 /// The counts so far (`crate::fused::cublaslt_counts`): whether the GEMMs took this path.
@@ -66,6 +69,7 @@ pub(crate) fn counts() -> crate::fused::CublasLtCounts {
     crate::fused::CublasLtCounts {
         matmuls: MATMULS.load(Ordering::Relaxed),
         bias_epilogues: BIAS_EPILOGUES.load(Ordering::Relaxed),
+        bias_grads: BIAS_GRADS.load(Ordering::Relaxed),
         refused: REFUSED.load(Ordering::Relaxed),
     }
 }
@@ -78,9 +82,28 @@ struct Key {
     gemm: ColMajor,
     input: DType,
     out: DType,
-    bias: Option<DType>,
+    epilogue: EpiKind,
     compute: sys::cublasComputeType_t,
     align: [u32; 4],
+}
+
+/// The epilogue of a plan: none, the bias added (its dtype), or the bias gradient of cuBLASLt's
+/// B operand, the sums of the row-major left factor's columns (written in this dtype).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum EpiKind {
+    None,
+    Bias(DType),
+    BgradB(DType),
+}
+
+/// What a [`gemm_epi`] call adds to the product `C [M, N] = A @ B`.
+pub(crate) enum Epi<'a> {
+    None,
+    /// `bias [N]` added to every row of `C`.
+    Bias(&'a Tensor),
+    /// Also writes `db [M]`, `db[i] = sum over k of A[i, k]`, in the output's dtype: for a
+    /// weight gradient `g^T x` (`A = g^T`), `g`'s column sums, the bias gradient.
+    BgradB,
 }
 
 /// A matmul descriptor, destroyed on drop.
@@ -250,13 +273,15 @@ fn make_plan(
     unsafe {
         set_desc(&desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &trans_a)?;
         set_desc(&desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &trans_b)?;
-        if let (Some(bias), Some(ptr)) = (key.bias, bias_ptr) {
-            set_desc(
-                &desc,
-                A::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                &sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-            )?;
-            set_desc(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &ty(bias))?;
+        use sys::cublasLtEpilogue_t as E;
+        let epi = match key.epilogue {
+            EpiKind::None => None,
+            EpiKind::Bias(dt) => Some((E::CUBLASLT_EPILOGUE_BIAS, dt)),
+            EpiKind::BgradB(dt) => Some((E::CUBLASLT_EPILOGUE_BGRADB, dt)),
+        };
+        if let (Some((epilogue, dt)), Some(ptr)) = (epi, bias_ptr) {
+            set_desc(&desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+            set_desc(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &ty(dt))?;
             set_desc(&desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr)?;
         }
     }
@@ -365,12 +390,30 @@ pub(crate) fn gemm(
     bias: Option<&Tensor>,
     out: DType,
 ) -> Result<Option<CudaStorage>> {
+    let epi = bias.map_or(Epi::None, Epi::Bias);
+    Ok(gemm_epi(a, a_t, b, b_t, epi, out)?.map(|(c, _)| c))
+}
+
+/// [`gemm`] with the epilogue `epi`: the product and, for [`Epi::BgradB`], the `[M]` sums of
+/// `A`'s rows (the bias gradient), both fresh storages of dtype `out`.
+pub(crate) fn gemm_epi(
+    a: &Tensor,
+    a_t: bool,
+    b: &Tensor,
+    b_t: bool,
+    epi: Epi<'_>,
+    out: DType,
+) -> Result<Option<(CudaStorage, Option<CudaStorage>)>> {
     let input = a.dtype();
     let (Ok(ad), Ok(bd)) = (a.dims2(), b.dims2()) else {
         return Ok(None);
     };
     let (rows, inner) = if a_t { (ad.1, ad.0) } else { ad };
     let (b_inner, cols) = if b_t { (bd.1, bd.0) } else { bd };
+    let bias = match &epi {
+        Epi::Bias(v) => Some(*v),
+        _ => None,
+    };
     let fits = enabled()
         && data_type(input).is_some()
         && (out == input || out == DType::F32)
@@ -410,7 +453,7 @@ pub(crate) fn gemm(
     let state = match device_lt(dev) {
         Ok(s) => s,
         Err(e) => {
-            // No handle or workspace: every linear of this device takes the path before. Said
+            // No handle or workspace: every GEMM of this device takes the path before. Said
             // once a process; each call tries again (a later call may find memory).
             static SAID: AtomicBool = AtomicBool::new(false);
             if !SAID.swap(true, Ordering::Relaxed) {
@@ -423,10 +466,17 @@ pub(crate) fn gemm(
     let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
     let stream = dev.cuda_stream();
     stream.context().bind_to_thread().w()?;
-    let len = rows * cols;
-    let mut y = match out {
-        DType::F32 => Output::F32(crate::cuda::alloc_out::<f32>(dev, len)?),
-        _ => Output::Bf16(crate::cuda::alloc_out::<bf16>(dev, len)?),
+    let alloc = |len: usize| -> Result<Output> {
+        Ok(match out {
+            DType::F32 => Output::F32(crate::cuda::alloc_out::<f32>(dev, len)?),
+            _ => Output::Bf16(crate::cuda::alloc_out::<bf16>(dev, len)?),
+        })
+    };
+    let mut y = alloc(rows * cols)?;
+    // The bias gradient: `rows` sums (cuBLASLt's n), written by the epilogue.
+    let mut db = match epi {
+        Epi::BgradB => Some(alloc(rows)?),
+        _ => None,
     };
     let Some((pa, ga)) = float_addr!(sa, la, &stream) else {
         return Ok(None);
@@ -441,22 +491,28 @@ pub(crate) fn gemm(
         },
         None => None,
     };
-    let (yp, yg) = match &mut y {
-        Output::F32(v) => v.device_ptr_mut(&stream),
-        Output::Bf16(v) => v.device_ptr_mut(&stream),
+    let (yp, yg) = y.ptr_mut(&stream);
+    let db_addr = db.as_mut().map(|d| d.ptr_mut(&stream));
+    // The epilogue's vector: the bias read, or the bias gradient written.
+    let vec_ptr = match (&bias_addr, &db_addr) {
+        (Some((p, _)), _) | (None, Some((p, _))) => Some(*p),
+        (None, None) => None,
     };
-    let bias_ptr = bias_addr.as_ref().map(|(p, _)| *p);
     let key = Key {
         gemm: col_major(rows as u64, cols as u64, inner as u64, a_t, b_t),
         input,
         out,
-        bias: bias.map(|v| v.dtype()),
+        epilogue: match (&epi, bias) {
+            (Epi::Bias(_), Some(v)) => EpiKind::Bias(v.dtype()),
+            (Epi::BgradB, _) => EpiKind::BgradB(out),
+            _ => EpiKind::None,
+        },
         compute: compute_type(input),
         align: [
             alignment(pb),
             alignment(pa),
             alignment(yp),
-            bias_ptr.map_or(256, alignment),
+            vec_ptr.map_or(256, alignment),
         ],
     };
     let DeviceLt {
@@ -466,7 +522,7 @@ pub(crate) fn gemm(
     } = &mut *state;
     let ws_size = workspace.len();
     let plan = plans.entry(key).or_insert_with(|| {
-        match make_plan(handle, &key, bias_ptr, ws_size) {
+        match make_plan(handle, &key, vec_ptr, ws_size) {
             Ok(p) => Some(p),
             Err(e) => {
                 REFUSED.fetch_add(1, Ordering::Relaxed);
@@ -484,14 +540,16 @@ pub(crate) fn gemm(
     };
     let (alpha, beta) = (1f32, 0f32);
     let (wsp, wsg) = workspace.device_ptr_mut(&stream);
-    // SAFETY: the plan was made for these shapes, transposes, dtypes and alignments (the key):
-    // cuBLASLt's A is `b`'s `inner x cols` elements, its B `a`'s `rows x inner`, D the fresh
-    // `rows x cols` output, all contiguous at the addresses taken above (with their guards,
-    // which record this use on the stream when dropped after the enqueue); the bias pointer set
-    // here is `cols` elements of the plan's bias dtype; alpha and beta are f32 as the scale type; C is D with beta 0 (not read); the
-    // workspace holds `ws_size` bytes and only this thread's stream on this device uses it.
+    // SAFETY: the plan was made for these shapes, transposes, dtypes, epilogue and alignments
+    // (the key): cuBLASLt's A is `b`'s `inner x cols` elements, its B `a`'s `rows x inner`, D
+    // the fresh `rows x cols` output, all contiguous at the addresses taken above (with their
+    // guards, which record this use on the stream when dropped after the enqueue); the
+    // epilogue's vector set here is the bias, `cols` elements of the plan's bias dtype, or the
+    // fresh bias gradient, `rows` elements of `out`; alpha and beta are f32 as the scale type;
+    // C is D with beta 0 (not read); the workspace holds `ws_size` bytes and only this thread's
+    // stream on this device uses it.
     let status = unsafe {
-        let set = match bias_ptr {
+        let set = match vec_ptr {
             Some(p) => set_desc(
                 &plan.desc,
                 sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
@@ -520,7 +578,7 @@ pub(crate) fn gemm(
             )
         })
     };
-    drop((ga, gb, yg, wsg, bias_addr));
+    drop((ga, gb, yg, wsg, bias_addr, db_addr));
     if let Err(e) = status {
         tracing::warn!(?key, error = ?e, "cuBLASLt matmul failed: this GEMM runs on candle's (and a bias or cast pass)");
         plans.insert(key, None);
@@ -528,20 +586,42 @@ pub(crate) fn gemm(
         return Ok(None);
     }
     MATMULS.fetch_add(1, Ordering::Relaxed);
-    if bias.is_some() {
-        BIAS_EPILOGUES.fetch_add(1, Ordering::Relaxed);
-    }
-    let slice = match y {
-        Output::F32(v) => CudaStorageSlice::F32(v),
-        Output::Bf16(v) => CudaStorageSlice::BF16(v),
+    match key.epilogue {
+        EpiKind::Bias(_) => BIAS_EPILOGUES.fetch_add(1, Ordering::Relaxed),
+        EpiKind::BgradB(_) => BIAS_GRADS.fetch_add(1, Ordering::Relaxed),
+        EpiKind::None => 0,
     };
-    Ok(Some(CudaStorage {
-        slice,
-        device: dev.clone(),
-    }))
+    Ok(Some((y.storage(dev), db.map(|d| d.storage(dev)))))
 }
 
+/// A fresh output buffer of the output's dtype.
 enum Output {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<bf16>),
+}
+
+impl Output {
+    fn ptr_mut<'a>(
+        &'a mut self,
+        stream: &'a candle_core::cuda_backend::cudarc::driver::CudaStream,
+    ) -> (
+        u64,
+        candle_core::cuda_backend::cudarc::driver::SyncOnDrop<'a>,
+    ) {
+        match self {
+            Output::F32(v) => v.device_ptr_mut(stream),
+            Output::Bf16(v) => v.device_ptr_mut(stream),
+        }
+    }
+
+    fn storage(self, dev: &CudaDevice) -> CudaStorage {
+        let slice = match self {
+            Output::F32(v) => CudaStorageSlice::F32(v),
+            Output::Bf16(v) => CudaStorageSlice::BF16(v),
+        };
+        CudaStorage {
+            slice,
+            device: dev.clone(),
+        }
+    }
 }

@@ -1797,6 +1797,30 @@ pub(crate) fn gemm_to(
     }
 }
 
+/// [`gemm_to`] with the bias gradient in cuBLASLt's epilogue: `(A @ B, db)`, `db [M]` the sums
+/// of `A`'s rows (for a weight gradient `g^T x`, `g`'s column sums), both in `out`, from one
+/// matmul (no second pass over `g`). `None` where cuBLASLt is off, does not apply or refuses.
+pub(crate) fn gemm_bgrad_to(
+    a: &Tensor,
+    a_t: bool,
+    b: &Tensor,
+    b_t: bool,
+    out: DType,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let (Ok(ad), Ok(bd)) = (a.dims2(), b.dims2()) else {
+        return Ok(None);
+    };
+    let rows = if a_t { ad.1 } else { ad.0 };
+    let cols = if b_t { bd.0 } else { bd.1 };
+    match crate::cublaslt::gemm_epi(a, a_t, b, b_t, crate::cublaslt::Epi::BgradB, out)? {
+        Some((c, Some(db))) => Ok(Some((
+            hand_over(a, c, Shape::from((rows, cols)))?,
+            hand_over(a, db, Shape::from(rows))?,
+        ))),
+        _ => Ok(None),
+    }
+}
+
 fn add_rows_launch<T: Float, B: Float>(
     y: &mut CudaStorage,
     b: &CudaStorage,

@@ -79,6 +79,8 @@ pub struct CublasLtCounts {
     pub matmuls: u64,
     /// Of those, forwards with the bias in the epilogue.
     pub bias_epilogues: u64,
+    /// Of those, weight gradients with the bias gradient in the epilogue.
+    pub bias_grads: u64,
     /// Refusals: shape/dtype plans cuBLASLt had no algorithm for, failed matmuls, devices
     /// without a handle. Those GEMMs ran on candle's (and a bias or cast pass).
     pub refused: u64,

@@ -284,11 +284,29 @@ pub fn defer_weight_grads<R>(f: impl FnOnce() -> R) -> (R, Vec<DeferredWeightGra
     (r, deferred)
 }
 
+/// Whether [`weight_grad`] would defer `w`'s gradient (inside [`defer_weight_grads`], a
+/// variable weight) rather than compute it now.
+fn defers(w: &Tensor) -> bool {
+    DEFERRED.with(|d| d.borrow().is_some()) && w.track_op()
+}
+
+/// On CUDA, a linear's weight gradient `g2^T x2` (in `out`) with its bias gradient (`g2`'s
+/// column sums, in `out`) from one cuBLASLt matmul, the sums in its epilogue
+/// (`cuda::gemm_bgrad_to`): no second pass over `g2`. `None` elsewhere, where cuBLASLt is off
+/// or refuses, or without the `cuda` feature: the caller computes both apart.
+fn weight_and_bias_grad(g2: &Tensor, x2: &Tensor, out: DType) -> CResult<Option<(Tensor, Tensor)>> {
+    #[cfg(feature = "cuda")]
+    if g2.device().is_cuda() {
+        return crate::cuda::gemm_bgrad_to(g2, true, x2, false, out);
+    }
+    let _ = (g2, x2, out);
+    Ok(None)
+}
+
 /// The weight gradient of a linear node's backward: computed now, or deferred (`None` for a
 /// variable weight, zeros for a computed one) inside [`defer_weight_grads`].
 fn weight_grad(w: &Tensor, x2: &Tensor, g2: &Tensor) -> CResult<Option<Tensor>> {
-    let deferring = DEFERRED.with(|d| d.borrow().is_some());
-    if !deferring || !w.track_op() {
+    if !defers(w) {
         return Ok(Some(g2.t()?.matmul(x2)?));
     }
     let item = DeferredWeightGrad {
@@ -446,8 +464,18 @@ impl LinearParts for Linear {
         bias: Option<DType>,
     ) -> CResult<(Tensor, Option<Tensor>, Option<Tensor>)> {
         let inner = x.dim(candle_core::D::Minus1)?;
-        let (g2, db) = rows_and_bias_grad(g, w.dim(0)?, bias)?;
         let x2 = x.reshape(((), inner))?;
+        let out = w.dim(0)?;
+        // The weight and bias gradients from one matmul where cuBLASLt sums the bias's in its
+        // epilogue (CUDA; a bias of the weight's dtype, the weight's gradient not deferred).
+        if bias == Some(w.dtype()) && !defers(w) {
+            let g2 = g.contiguous()?.reshape(((), out))?;
+            if let Some((dw, db)) = weight_and_bias_grad(&g2, &x2, w.dtype())? {
+                let dx = g2.matmul(w)?.reshape(x.shape())?;
+                return Ok((dx, Some(dw), Some(db)));
+            }
+        }
+        let (g2, db) = rows_and_bias_grad(g, out, bias)?;
         let dx = g2.matmul(w)?.reshape(x.shape())?;
         let dw = weight_grad(w, &x2, &g2)?;
         Ok((dx, dw, db))
@@ -618,7 +646,23 @@ impl LinearParts for LinearIn {
     ) -> CResult<(Tensor, Option<Tensor>, Option<Tensor>)> {
         // The output gradient (of the output's dtype) in the compute dtype (no op when the
         // output is in it), the bias gradient summed from it in the bias's dtype.
-        let (g2, db) = rows_and_bias_grad(g, w.dim(0)?, bias)?;
+        let out = w.dim(0)?;
+        // On CUDA the weight gradient with the bias gradient in cuBLASLt's epilogue, where the
+        // output gradient is already in the compute dtype (a bf16 output: the epilogue sums the
+        // same bf16 values the row sum would, in f32) and the bias is of the weight's dtype.
+        let g2 = g.contiguous()?.reshape(((), out))?;
+        let fused = if bias == Some(w.dtype()) && g2.dtype() == self.wc.dtype() {
+            weight_and_bias_grad(&g2, &self.xc, w.dtype())?
+        } else {
+            None
+        };
+        let (g2, db, fused_dw) = match fused {
+            Some((dw, db)) => (g2, Some(db), Some(dw)),
+            None => {
+                let (g2, db) = rows_and_bias_grad(&g2, out, bias)?;
+                (g2, db, None)
+            }
+        };
         let gc = g2.to_dtype(self.wc.dtype())?;
         // On CUDA each product written in its gradient's dtype by cuBLASLt (f32 from bf16
         // operands: one rounding, no bf16 product written and cast); else candle's GEMM in the
@@ -626,10 +670,13 @@ impl LinearParts for LinearIn {
         #[cfg(feature = "cuda")]
         let (dx, dw) = (
             crate::cuda::gemm_to(&gc, false, &self.wc, false, x.dtype())?,
-            crate::cuda::gemm_to(&gc, true, &self.xc, false, w.dtype())?,
+            match fused_dw {
+                Some(dw) => Some(dw),
+                None => crate::cuda::gemm_to(&gc, true, &self.xc, false, w.dtype())?,
+            },
         );
         #[cfg(not(feature = "cuda"))]
-        let (dx, dw): (Option<Tensor>, Option<Tensor>) = (None, None);
+        let (dx, dw): (Option<Tensor>, Option<Tensor>) = (None, fused_dw);
         let dx = match dx {
             Some(dx) => dx,
             None => gc.matmul(&self.wc)?.to_dtype(x.dtype())?,
