@@ -47,6 +47,18 @@ use crate::gemm_layout::{col_major, ColMajor, Mat};
 
 type Result<T> = candle_core::Result<T>;
 
+/// Whether the bias gradient may go in a weight gradient's epilogue (`BGRADB`):
+/// `CDT_CUBLASLT_BGRAD` unset or anything but `0` (the rest of the path stays on with it `0`).
+fn bgrad_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CDT_CUBLASLT_BGRAD").map_or(true, |v| v.trim() != "0"))
+}
+
+/// The fewest rows and columns of `C` for which the bias gradient goes in the epilogue: tiny
+/// products take the column sum (a cuBLASLt fault with one output feature was reported for
+/// this epilogue, apex issue 1392; such shapes gain nothing from it anyway).
+const BGRAD_MIN_DIM: usize = 8;
+
 /// Whether the path is on: `CDT_CUBLASLT` unset or anything but `0`, and the fused CUDA path on
 /// (`CDT_FUSED_CUDA`).
 pub(crate) fn enabled() -> bool {
@@ -414,6 +426,17 @@ pub(crate) fn gemm_epi(
         Epi::Bias(v) => Some(*v),
         _ => None,
     };
+    // The bias gradient in the epilogue: with plain f32 accumulation only (under TF32 the
+    // epilogue may sum operands rounded to TF32, where the column sum adds exact f32 values),
+    // and not for tiny products (see `BGRAD_MIN_DIM`).
+    if matches!(epi, Epi::BgradB)
+        && (!bgrad_enabled()
+            || compute_type(input) != sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+            || rows < BGRAD_MIN_DIM
+            || cols < BGRAD_MIN_DIM)
+    {
+        return Ok(None);
+    }
     let fits = enabled()
         && data_type(input).is_some()
         && (out == input || out == DType::F32)

@@ -466,16 +466,16 @@ impl LinearParts for Linear {
         let inner = x.dim(candle_core::D::Minus1)?;
         let x2 = x.reshape(((), inner))?;
         let out = w.dim(0)?;
+        let g2 = g.contiguous()?.reshape(((), out))?;
         // The weight and bias gradients from one matmul where cuBLASLt sums the bias's in its
         // epilogue (CUDA; a bias of the weight's dtype, the weight's gradient not deferred).
-        if bias == Some(w.dtype()) && !defers(w) {
-            let g2 = g.contiguous()?.reshape(((), out))?;
+        if bias == Some(w.dtype()) && !defers(w) && g2.device().is_cuda() {
             if let Some((dw, db)) = weight_and_bias_grad(&g2, &x2, w.dtype())? {
                 let dx = g2.matmul(w)?.reshape(x.shape())?;
                 return Ok((dx, Some(dw), Some(db)));
             }
         }
-        let (g2, db) = rows_and_bias_grad(g, out, bias)?;
+        let (g2, db) = rows_and_bias_grad(&g2, out, bias)?;
         let dx = g2.matmul(w)?.reshape(x.shape())?;
         let dw = weight_grad(w, &x2, &g2)?;
         Ok((dx, dw, db))
