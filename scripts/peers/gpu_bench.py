@@ -4,7 +4,9 @@ python): train_gpt ("ours") side by side with its PyTorch twin (train_gpt_torch.
 mode and under torch.compile, for presets x precisions, plus a bf16/tf32/f32 GEMM rate measured
 in the same run, attention alone (examples/attn_bench.rs beside torch's
 scaled_dot_product_attention, bf16, causal, forward and forward + backward) and, with --real-text, the nanoGPT-shaped byte model on real text, ours vs the
-twin. Writes OUT/gpu_bench.json (everything) and OUT/table.md (gpu_bench_report.py's Markdown).
+twin. For gpt2 in bf16 and f32, ours also runs with CDT_CUBLASLT=0 (side "ours-nolt": the
+linears on candle's GEMM and separate bias, cast and column-sum passes), so the run measures
+what the cuBLASLt epilogues gain. Writes OUT/gpu_bench.json (everything) and OUT/table.md (gpu_bench_report.py's Markdown).
 
 Every run is a separate process under its own timeout; a run that fails, runs out of memory or
 times out is recorded with its status and error, and the others go on. Runs go in priority
@@ -58,11 +60,14 @@ def priority(presets, precisions, sides):
     """Runs in the order of the issue's targets, then the rest of the matrix."""
     first = [
         ("gpt2", "bf16", "ours"), ("gpt2", "bf16", "eager"), ("gpt2", "bf16", "compile"),
+        ("gpt2", "bf16", "ours-nolt"),
         ("gpt2-medium", "bf16", "ours"), ("gpt2-medium", "bf16", "eager"), ("gpt2-medium", "bf16", "compile"),
         ("small", "f32", "ours"), ("small", "f32", "eager"), ("small", "bf16", "ours"), ("small", "bf16", "eager"),
         ("gpt2", "f32", "ours"), ("gpt2", "f32", "eager"), ("gpt2", "tf32", "ours"), ("gpt2", "tf32", "eager"),
         "REAL",
+        ("gpt2", "f32", "ours-nolt"),
     ]
+    # The rest of the matrix: the three sides of the table (ours-nolt only where listed above).
     rest = [(p, q, s) for s in ("ours", "eager", "compile") for p in presets for q in precisions]
     # Within the rest: uncompiled runs first (cheap), then compile; small before large.
     rest.sort(key=lambda r: (r[2] == "compile", list(presets).index(r[0]), list(precisions).index(r[1])))
@@ -267,7 +272,7 @@ class Bench:
         limit = min(limit, left)
         total = a.warmup + a.steps
         out, err = os.path.join(self.logs, rid + ".out"), os.path.join(self.logs, rid + ".log")
-        if side == "ours":
+        if side in ("ours", "ours-nolt"):
             if self.ours_help is None:
                 rec.update(status="failed", error=f"train_gpt not runnable: {self.ours_help_error}")
                 return rec
@@ -285,6 +290,9 @@ class Bench:
             if a.count_kernels and has_flag(self.ours_help, "--count-kernels"):
                 cmd.append("--count-kernels")
             env = self.ours_env
+            if side == "ours-nolt":
+                # The linears on candle's GEMM and separate passes (kernels/src/cublaslt.rs).
+                env = dict(env, CDT_CUBLASLT="0")
         else:
             cmd = [a.python, os.path.join(HERE, "train_gpt_torch.py"), "--preset", preset, "--batch", str(batch),
                    "--seq-len", str(cfg["seq_len"]), "--steps", str(total), "--timing-warmup", str(a.warmup),
@@ -309,7 +317,7 @@ class Bench:
         rec["peak_mem_source"] = ("nvidia-smi memory.used above idle" if self.gpu else "peak RSS (ru_maxrss)")
         if status != "ok":
             return rec
-        if side == "ours":
+        if side in ("ours", "ours-nolt"):
             self.figures_ours(rec, out, params)
         else:
             self.figures_twin(rec, os.path.join(self.logs, rid + ".json"), params)
@@ -646,7 +654,9 @@ def main(argv=None):
     p.add_argument("--out", default="target/gpu_bench")
     p.add_argument("--presets", default="small,gpt2,gpt2-medium")
     p.add_argument("--precisions", default="f32,tf32,bf16")
-    p.add_argument("--sides", default="ours,eager,compile")
+    p.add_argument("--sides", default="ours,eager,compile,ours-nolt",
+                   help="ours, eager, compile, and ours-nolt: ours with CDT_CUBLASLT=0 (the linears "
+                        "on candle's GEMM and separate passes), run for gpt2 bf16 and f32 only")
     p.add_argument("--steps", type=int, default=30, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=5, help="steps before the measured ones, left out")
     p.add_argument("--batch", type=parse_batch, default={}, help="PRESET=N,... (default 8 each)")
@@ -685,7 +695,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     presets = parse_list(a.presets, list(twin.PRESETS), "--presets")
     precisions = parse_list(a.precisions, ["f32", "tf32", "bf16"], "--precisions")
-    sides = parse_list(a.sides, list(report.SIDES), "--sides")
+    sides = parse_list(a.sides, list(report.SIDES) + list(report.EXTRA_SIDES), "--sides")
     if a.steps < 1 or a.warmup < 0:
         sys.exit("--steps must be >= 1 and --warmup >= 0")
     if a.gemm_size is None:

@@ -26,6 +26,9 @@ import math
 import sys
 
 SIDES = ("ours", "eager", "compile")
+# Ours again with the linears' GEMMs off cuBLASLt (CDT_CUBLASLT=0: candle's GEMM plus the bias,
+# cast and column-sum passes): what the cuBLASLt epilogues gain, measured in the same run.
+EXTRA_SIDES = ("ours-nolt",)
 PRESET_ORDER = ("tiny", "small", "gpt2", "gpt2-medium")
 PRECISION_ORDER = ("f32", "tf32", "bf16")
 
@@ -317,6 +320,24 @@ def top_kernels_lines(rows, n=TOP_ROWS):
     return out
 
 
+def nolt_lines(rows):
+    """Ours with and without the linears on cuBLASLt (side "ours-nolt", CDT_CUBLASLT=0), for
+    each preset and precision where both ran; empty when none did."""
+    pairs = [(k, s) for k, s in rows.items() if "ours-nolt" in s]
+    if not pairs:
+        return []
+    out = ["", "The linears on cuBLASLt (bias and bias-gradient epilogues, f32 written from bf16) against "
+           "candle's GEMM and separate passes (`CDT_CUBLASLT=0`), ours both times:", "",
+           "| preset | precision | step ms: cuBLASLt | without | without / with |",
+           "|---|---|---|---|---:|"]
+    for (preset, prec), sides in pairs:
+        a, b = sides.get("ours"), sides.get("ours-nolt")
+        fa, fb = (None if a is None else a[1]), (None if b is None else b[1])
+        # tokens/s with over without: above 1, the cuBLASLt path is faster.
+        out.append(f"| {preset} | {prec} | {cell(a, 'ms')} | {cell(b, 'ms')} | {fmt_ratio(ratio(fa, fb))} |")
+    return out
+
+
 def markdown(doc):
     lines = []
     g = doc.get("gemm") or {}
@@ -360,6 +381,7 @@ def markdown(doc):
         for r in failed:
             lines.append(f"- {r['preset']} {r['precision']} {r['side']}: {r.get('status')}"
                          f"{': ' + r['error'] if r.get('error') else ''}")
+    lines += nolt_lines(rows)
     lines += top_kernels_lines(rows)
     lines += attention_lines(doc.get("attention"))
     rt = doc.get("real_text")

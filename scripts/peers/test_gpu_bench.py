@@ -193,6 +193,25 @@ class Report(unittest.TestCase):
         real["max_rel_diff_eval"] = 0.0
         self.assertEqual(verdicts(d)["real run: held-out loss within 2% of the twin's"], "met")
 
+    def test_ours_with_and_without_cublaslt(self):
+        d = doc([run("gpt2", "bf16", "ours", [20.0] * 5), run("gpt2", "bf16", "ours-nolt", [25.0] * 5),
+                 run("gpt2", "bf16", "eager", [22.0] * 5)])
+        md = rep.markdown(d)
+        # tokens/s with over without: 25 / 20.
+        self.assertIn("| gpt2 | bf16 | 20.0 (20.0-20.0) | 25.0 (25.0-25.0) | 1.25x |", md)
+        # The main tables keep their three sides.
+        self.assertIn("| gpt2 | bf16 | 8 x 1024 | 20.0 (20.0-20.0) | 22.0 (22.0-22.0) | not run | 1.10x | - |", md)
+        self.assertNotIn("CDT_CUBLASLT=0`), ours both times", rep.markdown(doc([run("gpt2", "bf16", "ours", [20.0])])))
+
+    def test_ours_nolt_runs_for_gpt2_bf16_and_f32_only(self):
+        order = drv.priority(["small", "gpt2"], ["f32", "bf16"], ["ours", "eager", "compile", "ours-nolt"])
+        nolt = [r for r in order if r != "REAL" and r[2] == "ours-nolt"]
+        self.assertEqual(nolt, [("gpt2", "bf16", "ours-nolt"), ("gpt2", "f32", "ours-nolt")])
+        # Right after the gpt2 bf16 trio it measures.
+        i = order.index(("gpt2", "bf16", "ours-nolt"))
+        self.assertEqual(order[i - 1], ("gpt2", "bf16", "compile"))
+        self.assertNotIn(("gpt2", "bf16", "ours-nolt"), drv.priority(["gpt2"], ["bf16"], ["ours", "eager"]))
+
     def test_main_writes_the_markdown(self):
         with tempfile.TemporaryDirectory() as t:
             p = os.path.join(t, "b.json")
@@ -220,7 +239,7 @@ while (($#)); do
     --steps) steps="$2"; shift ;; --metrics) metrics="$2"; shift ;;
   esac; shift
 done
-echo "$preset $prec" >> "$(dirname "$0")/calls"
+echo "$preset $prec cublaslt=${CDT_CUBLASLT:-on}" >> "$(dirname "$0")/calls"
 if [[ "$preset" == small ]]; then
   echo "Error: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")" >&2; exit 2
 fi
@@ -282,6 +301,18 @@ class Driver(unittest.TestCase):
             md = f.read()
         self.assertIn("| tiny | f32 | 8 x 128 | 14.0 (12.0-15.0) |", md)
         self.assertIn("- tiny bf16 ours: timeout", md)
+
+    def test_ours_nolt_runs_ours_with_cublaslt_off(self):
+        d = self.drive("--presets", "gpt2", "--precisions", "f32", "--sides", "ours,ours-nolt",
+                       "--timeout-scale", "0.05")
+        by = {r["side"]: r for r in d["runs"]}
+        self.assertEqual(sorted(by), ["ours", "ours-nolt"])
+        for side in by:
+            self.assertEqual(by[side]["status"], "ok", by[side].get("error"))
+        with open(os.path.join(self.tmp.name, "calls")) as f:
+            calls = f.read().split("\n")
+        self.assertIn("gpt2 f32 cublaslt=on", calls)
+        self.assertIn("gpt2 f32 cublaslt=0", calls)
 
     def test_summary_median_is_marked_when_the_warmup_is_in_it(self):
         d = self.drive("--presets", "tiny", "--precisions", "f32", "--ours-log-every", "0")
