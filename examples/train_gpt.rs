@@ -2726,6 +2726,7 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
             "bias_epilogues": lt.bias_epilogues,
             "bias_grads": lt.bias_grads,
             "refused": lt.refused,
+            "refusals": candle_dtensor::kernels::fused::cublaslt_refusals(),
         });
     }
     if let Some(k) = &kernels {

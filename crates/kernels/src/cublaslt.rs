@@ -18,16 +18,18 @@
 //! reduction scheme is limited to none or the compute type), so it is rounded once.
 //!
 //! A plan (descriptors, layouts and the algorithm cuBLASLt's heuristic picked) is made once per
-//! device, shape, dtypes and operand alignment, and kept; the bias address is the only
-//! attribute set per call. Each device and host thread has one handle and one workspace (32 MiB
+//! device and thread, shape, transposes, dtypes, epilogue, compute type and operand alignment,
+//! and kept; the epilogue vector's address is the only attribute set per call. Each device and host thread has one handle and one workspace (32 MiB
 //! on compute capability 9 and later, 4 MiB before, as NVIDIA recommends): candle's default
 //! device enqueues on the calling thread's own stream, so a workspace is used on one stream
 //! only and never by two GEMMs at once. That state lives as long as the process (a device
 //! created and dropped in a loop, or a new thread per call, would keep a workspace each).
 //!
-//! Anything cuBLASLt refuses (no algorithm for a shape or dtype mix, an error status) makes
-//! [`linear`] return `None`: the caller takes candle's GEMM and the separate bias pass, as
-//! before, and the refusal is logged once per shape. `CDT_CUBLASLT=0` turns the path off.
+//! Anything cuBLASLt refuses (no algorithm for a shape or dtype mix, an error status, no
+//! handle) makes [`gemm_epi`] return `None`: the caller takes candle's GEMM and the separate
+//! bias, cast or column-sum pass, as before; the refusal is logged once per plan and kept as a
+//! line for checks ([`refusals`]). `CDT_CUBLASLT=0` turns the path off, `CDT_CUBLASLT_BGRAD=0`
+//! the bias-gradient epilogue alone.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -76,6 +78,25 @@ static BIAS_EPILOGUES: AtomicU64 = AtomicU64::new(0);
 static BIAS_GRADS: AtomicU64 = AtomicU64::new(0);
 static REFUSED: AtomicU64 = AtomicU64::new(0);
 
+/// What cuBLASLt refused, one line each (the plan's key and the error), the first
+/// [`REFUSALS_KEPT`] of the process: for checks to print without a log subscriber.
+static REFUSALS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+const REFUSALS_KEPT: usize = 32;
+
+/// Counts a refusal and keeps its line (`what`: the call or the key, `error`: why).
+fn refused(what: String, error: String) {
+    REFUSED.fetch_add(1, Ordering::Relaxed);
+    let mut r = REFUSALS.lock().unwrap_or_else(|e| e.into_inner());
+    if r.len() < REFUSALS_KEPT {
+        r.push(format!("{what}: {error}"));
+    }
+}
+
+/// The refusals kept so far (`crate::fused::cublaslt_refusals`).
+pub(crate) fn refusals() -> Vec<String> {
+    REFUSALS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
 /// The counts so far (`crate::fused::cublaslt_counts`): whether the GEMMs took this path.
 pub(crate) fn counts() -> crate::fused::CublasLtCounts {
     crate::fused::CublasLtCounts {
@@ -100,7 +121,8 @@ struct Key {
 }
 
 /// The epilogue of a plan: none, the bias added (its dtype), or the bias gradient of cuBLASLt's
-/// B operand, the sums of the row-major left factor's columns (written in this dtype).
+/// B operand, the row-major left factor's sums over `k` ([`Epi::BgradB`], written in this
+/// dtype).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 enum EpiKind {
     None,
@@ -481,8 +503,10 @@ pub(crate) fn gemm_epi(
             static SAID: AtomicBool = AtomicBool::new(false);
             if !SAID.swap(true, Ordering::Relaxed) {
                 tracing::warn!(error = %e, "cuBLASLt unavailable: the linears' GEMMs run on candle's (and a bias or cast pass)");
+                refused("no cuBLASLt handle or workspace".into(), e.to_string());
+            } else {
+                REFUSED.fetch_add(1, Ordering::Relaxed);
             }
-            REFUSED.fetch_add(1, Ordering::Relaxed);
             return Ok(None);
         }
     };
@@ -548,7 +572,7 @@ pub(crate) fn gemm_epi(
         match make_plan(handle, &key, vec_ptr, ws_size) {
             Ok(p) => Some(p),
             Err(e) => {
-                REFUSED.fetch_add(1, Ordering::Relaxed);
+                refused(format!("no plan for {key:?}"), format!("{e:?}"));
                 tracing::warn!(
                     ?key,
                     error = ?e,
@@ -605,7 +629,7 @@ pub(crate) fn gemm_epi(
     if let Err(e) = status {
         tracing::warn!(?key, error = ?e, "cuBLASLt matmul failed: this GEMM runs on candle's (and a bias or cast pass)");
         plans.insert(key, None);
-        REFUSED.fetch_add(1, Ordering::Relaxed);
+        refused(format!("cublasLtMatmul of {key:?}"), format!("{e:?}"));
         return Ok(None);
     }
     MATMULS.fetch_add(1, Ordering::Relaxed);

@@ -233,9 +233,11 @@ fn wrap<T: Float>(dev: &CudaDevice, out: CudaSlice<T>) -> CudaStorage {
 
 /// `len` uninitialized elements for a kernel to write.
 pub(crate) fn alloc_out<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
-    // SAFETY: every caller launches, on this device's stream, a kernel that writes each of the
-    // `len` elements before anything reads them (stream order); the slice is not read on the
-    // host before that.
+    // SAFETY: every caller launches, on this device's stream, a kernel (or a cuBLASLt matmul,
+    // which writes every element of its output and of its bias-gradient vector, `cublaslt.rs`)
+    // that writes each of the `len` elements before anything reads them (stream order); the
+    // slice is not read on the host before that, and a caller that fails before the launch
+    // drops it unread.
     unsafe { dev.alloc::<T>(len) }
 }
 

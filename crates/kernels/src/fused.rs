@@ -86,6 +86,20 @@ pub struct CublasLtCounts {
     pub refused: u64,
 }
 
+/// What cuBLASLt refused in this process (the first 32): one line each, the GEMM's plan key
+/// (shapes, layouts, dtypes, epilogue, compute type, alignments) and the error. Empty without
+/// the `cuda` feature. A diagnostic for GPU checks, which may run without a log subscriber.
+pub fn cublaslt_refusals() -> Vec<String> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cublaslt::refusals()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Vec::new()
+    }
+}
+
 /// How many GEMMs took cuBLASLt (`kernels/src/cublaslt.rs`) in this process, and how many
 /// times it refused. All zero without the `cuda` feature, or with `CDT_CUBLASLT=0` (the path
 /// off) or `CDT_FUSED_CUDA=0`. A diagnostic for GPU checks.

@@ -1223,6 +1223,10 @@ fn marks_case(dev: &Device) -> R<String> {
 /// theirs.
 fn cublaslt_case() -> R<String> {
     let c = candle_dtensor_kernels::fused::cublaslt_counts();
+    // What was refused, printed here (this test installs no log subscriber).
+    for r in candle_dtensor_kernels::fused::cublaslt_refusals() {
+        println!("     cuBLASLt refused: {r}");
+    }
     let off = std::env::var("CDT_CUBLASLT").is_ok_and(|v| v.trim() == "0");
     if off {
         if c.matmuls != 0 {
@@ -1233,7 +1237,7 @@ fn cublaslt_case() -> R<String> {
     if c.bias_epilogues == 0 {
         candle_core::bail!(
             "no linear's bias went through cuBLASLt's epilogue ({} GEMMs on cuBLASLt, {} \
-             refusals; see the warnings): they fell back to candle's GEMM and a bias pass",
+             refusals, printed above): they fell back to candle's GEMM and a bias pass",
             c.matmuls,
             c.refused
         );
