@@ -83,6 +83,16 @@ static REFUSED: AtomicU64 = AtomicU64::new(0);
 static REFUSALS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 const REFUSALS_KEPT: usize = 32;
 
+/// Whether cuBLASLt refused a plan of an f32 bias with a bf16 output (not documented either
+/// way): the caller then retries with the bias rounded to bf16 ([`f32_bias_refused`]).
+static F32_BIAS_BF16_OUT_REFUSED: AtomicBool = AtomicBool::new(false);
+
+/// Whether an f32 bias with a bf16 output has been refused in this process: a caller with such
+/// a linear then passes its bias rounded to bf16 instead (as autocast's `addmm` gets it).
+pub(crate) fn f32_bias_refused() -> bool {
+    F32_BIAS_BF16_OUT_REFUSED.load(Ordering::Relaxed)
+}
+
 /// Counts a refusal and keeps its line (`what`: the call or the key, `error`: why).
 fn refused(what: String, error: String) {
     REFUSED.fetch_add(1, Ordering::Relaxed);
@@ -572,6 +582,9 @@ pub(crate) fn gemm_epi(
         match make_plan(handle, &key, vec_ptr, ws_size) {
             Ok(p) => Some(p),
             Err(e) => {
+                if key.out == DType::BF16 && key.epilogue == EpiKind::Bias(DType::F32) {
+                    F32_BIAS_BF16_OUT_REFUSED.store(true, Ordering::Relaxed);
+                }
                 refused(format!("no plan for {key:?}"), format!("{e:?}"));
                 tracing::warn!(
                     ?key,

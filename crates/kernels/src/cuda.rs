@@ -1716,6 +1716,17 @@ pub(crate) fn linear_out(
     if let Some(y) = crate::cublaslt::linear(x2, w, b, out)? {
         return Ok(Some(y));
     }
+    // Where cuBLASLt has no plan for an f32 bias with a bf16 output, the bias rounded to bf16
+    // (as autocast's `addmm` gets it) in the same epilogue: still one pass, one rounding of the
+    // sum.
+    if let Some(b) = b.filter(|b| {
+        out == DType::BF16 && b.dtype() == DType::F32 && crate::cublaslt::f32_bias_refused()
+    }) {
+        let b16 = b.to_dtype(DType::BF16)?;
+        if let Some(y) = crate::cublaslt::linear(x2, w, Some(&b16), out)? {
+            return Ok(Some(y));
+        }
+    }
     if out != dt {
         return Ok(None);
     }
