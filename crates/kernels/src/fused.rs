@@ -75,7 +75,8 @@ pub fn cuda_enabled() -> bool {
 /// How the linears' GEMMs used cuBLASLt in this process ([`cublaslt_counts`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CublasLtCounts {
-    /// GEMMs run as one cuBLASLt matmul: linears' forwards and mixed-precision backwards.
+    /// GEMMs run as one cuBLASLt matmul: linears' forwards, mixed-precision linears' `dx` and
+    /// `dW`, and weight gradients with the bias gradient in the epilogue.
     pub matmuls: u64,
     /// Of those, forwards with the bias in the epilogue.
     pub bias_epilogues: u64,

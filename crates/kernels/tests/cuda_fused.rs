@@ -740,8 +740,9 @@ fn attention(dev: &Device, dtype: DType, rep: &mut Report) {
     );
 }
 
-/// The mixed-precision linear (`region::linear_in`, bf16 GEMM, f32 in and out: on CUDA its
-/// output made by `cast.cu`) against the plain composition on the CPU, forward and backward,
+/// The mixed-precision linear (`region::linear_in`, bf16 GEMM, f32 in and out: on CUDA one
+/// cuBLASLt matmul with the bias in its epilogue and f32 gradients written from bf16 operands,
+/// or with `CDT_CUBLASLT=0` the product widened and the bias added by `cast.cu`) against the plain composition on the CPU, forward and backward,
 /// with and without a bias, 2-D and 3-D inputs.
 fn mixed_linear(dev: &Device, rep: &mut Report) {
     use candle_dtensor_kernels::region;
@@ -775,8 +776,9 @@ fn mixed_linear(dev: &Device, rep: &mut Report) {
                 outcome,
             );
             // bf16 activations (`region::linear_to`): a bf16 x into an f32 output, an f32 x
-            // into a bf16 output (on CUDA the product made on the storages and the f32 bias
-            // added in place, `cast.cu`), a bf16 x into a bf16 output.
+            // into a bf16 output (on CUDA the f32 bias in cuBLASLt's epilogue, and the bias
+            // gradient in the weight gradient's; with `CDT_CUBLASLT=0` the product made on the
+            // storages and the f32 bias added in place, `cast.cu`), a bf16 x into a bf16 output.
             for (x_dt, out) in [
                 (DType::BF16, DType::F32),
                 (DType::F32, DType::BF16),
@@ -813,8 +815,67 @@ fn mixed_linear(dev: &Device, rep: &mut Report) {
     }
 }
 
-/// The one-node linear (`region::linear`: on CUDA its product made on the storages and the
-/// bias added in place, `cast.cu`) in f32 and bf16 against candle's matmul and broadcast add on
+/// GPT-2-small-shaped linears (1024 tokens, width 768), where cuBLASLt picks the algorithms a
+/// training step runs (the small cases above may get others): the QKV projection (f32 x into a
+/// bf16 output, f32 bias: the bias epilogue, and the bias gradient in the weight gradient's),
+/// the MLP's output linear (bf16 x into an f32 output: f32 written from bf16 operands) and an
+/// f32 linear (the f32 policy: f32 bias epilogue and bias-gradient epilogue), forward and
+/// backward against the CPU composition.
+fn gpt2_linears(dev: &Device, rep: &mut Report) {
+    use candle_dtensor_kernels::region;
+    for (inner, out_n, x_dt, out) in [
+        (768, 2304, DType::F32, DType::BF16),
+        (3072, 768, DType::BF16, DType::F32),
+    ] {
+        let inputs = vec![
+            values(&[1024, inner], 1.0, 101),
+            values(&[out_n, inner], 0.02, 102),
+            values(&[out_n], 0.1, 103),
+        ];
+        let outcome = compare_within(
+            dev,
+            DType::F32,
+            &inputs,
+            &|x| {
+                region::linear_to(&x[0].to_dtype(x_dt)?, &x[1], Some(&x[2]), DType::BF16, out)?
+                    .to_dtype(DType::F32)
+            },
+            &|x| {
+                let y = x[0]
+                    .to_dtype(x_dt)?
+                    .to_dtype(DType::BF16)?
+                    .matmul(&x[1].to_dtype(DType::BF16)?.t()?)?
+                    .to_dtype(DType::F32)?
+                    .broadcast_add(&x[2])?;
+                y.to_dtype(out)?.to_dtype(DType::F32)
+            },
+            2e-2,
+        );
+        rep.record(
+            &format!(
+                "gpt2 linear_to x {x_dt:?} -> {out:?} [1024, {inner}] x [{out_n}, {inner}] bias"
+            ),
+            outcome,
+        );
+    }
+    let inputs = vec![
+        values(&[1024, 768], 1.0, 111),
+        values(&[768, 768], 0.02, 112),
+        values(&[768], 0.1, 113),
+    ];
+    let outcome = compare(
+        dev,
+        DType::F32,
+        &inputs,
+        &|x| region::linear(&x[0], &x[1], Some(&x[2])),
+        &|x| x[0].matmul(&x[1].t()?)?.broadcast_add(&x[2]),
+    );
+    rep.record("gpt2 linear f32 [1024, 768] x [768, 768] bias", outcome);
+}
+
+/// The one-node linear (`region::linear`: on CUDA one cuBLASLt matmul with the bias in its
+/// epilogue and the bias gradient in the weight gradient's, or with `CDT_CUBLASLT=0` the
+/// product made on the storages and the bias added in place, `cast.cu`) in f32 and bf16 against candle's matmul and broadcast add on
 /// the CPU, forward and backward, with and without a bias, 2-D and 3-D inputs, uneven widths.
 fn plain_linear(dev: &Device, dtype: DType, rep: &mut Report) {
     use candle_dtensor_kernels::region;
@@ -1273,6 +1334,7 @@ fn fused_cuda_kernels_match_the_cpu_reference() {
         linear_gelu(&dev, dtype, &mut rep);
         if dtype == DType::F32 {
             mixed_linear(&dev, &mut rep);
+            gpt2_linears(&dev, &mut rep);
         }
     }
     rep.record("linears on cuBLASLt's bias epilogue", cublaslt_case());
