@@ -84,14 +84,8 @@ static REFUSALS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 const REFUSALS_KEPT: usize = 32;
 
 /// Whether cuBLASLt refused a plan of an f32 bias with a bf16 output (not documented either
-/// way): the caller then retries with the bias rounded to bf16 ([`f32_bias_refused`]).
+/// way): [`gemm`] then passes such a bias rounded to bf16 (as autocast's `addmm` gets it).
 static F32_BIAS_BF16_OUT_REFUSED: AtomicBool = AtomicBool::new(false);
-
-/// Whether an f32 bias with a bf16 output has been refused in this process: a caller with such
-/// a linear then passes its bias rounded to bf16 instead (as autocast's `addmm` gets it).
-pub(crate) fn f32_bias_refused() -> bool {
-    F32_BIAS_BF16_OUT_REFUSED.load(Ordering::Relaxed)
-}
 
 /// Counts a refusal and keeps its line (`what`: the call or the key, `error`: why).
 fn refused(what: String, error: String) {
@@ -184,11 +178,15 @@ struct Plan {
     algo: sys::cublasLtMatmulAlgo_t,
 }
 
-/// A device's cuBLASLt state: its handle, workspace and plans (`None`: refused, not retried).
+/// A device's cuBLASLt state: its handle, workspace, plans and refusals (not retried).
 struct DeviceLt {
     handle: Handle,
     workspace: CudaSlice<u8>,
-    plans: HashMap<Key, Option<Plan>>,
+    plans: HashMap<Key, Plan>,
+    /// The refused plans' keys with the output's and the epilogue vector's alignment left out
+    /// (those are known only once the outputs exist): a refused GEMM returns before it
+    /// allocates them.
+    refused: std::collections::HashSet<Key>,
 }
 
 // SAFETY: the handle, descriptors and layouts are pointers to cuBLASLt's host-side objects,
@@ -229,6 +227,7 @@ fn device_lt(dev: &CudaDevice) -> Result<Arc<Mutex<DeviceLt>>> {
         handle,
         workspace,
         plans: HashMap::new(),
+        refused: Default::default(),
     }));
     all.insert(key, d.clone());
     Ok(d)
@@ -421,7 +420,10 @@ pub(crate) fn linear(
 /// of one dtype (f32 or bf16), on one CUDA device; `bias [N]` (added to every row) f32 or of
 /// the operands' dtype; `out` the operands' dtype or f32. A linear is `gemm(x2, false, w, true)`;
 /// its input gradient `gemm(g, false, w, false)`, its weight gradient `gemm(g, true, x2, false)`.
-/// `None` where it does not apply or cuBLASLt refuses (see the module docs).
+/// `None` where it does not apply or cuBLASLt refuses (see the module docs). Where cuBLASLt has
+/// no plan for an f32 bias with a bf16 output (NVIDIA documents it neither way), the bias
+/// rounded to bf16, as autocast's `addmm` gets it, in the same epilogue: still one pass and one
+/// rounding of the sum.
 ///
 /// In cuBLASLt's column-major terms a row-major `[r, c]` matrix is a `[c, r]` one, so `C^T =
 /// B^T A^T`: cuBLASLt's A is `b` (m = N), its B is `a` (n = M), and D is `C` (`[N, M]`, ld N);
@@ -435,11 +437,34 @@ pub(crate) fn gemm(
     out: DType,
 ) -> Result<Option<CudaStorage>> {
     let epi = bias.map_or(Epi::None, Epi::Bias);
-    Ok(gemm_epi(a, a_t, b, b_t, epi, out)?.map(|(c, _)| c))
+    if let Some(p) = gemm_epi(a, a_t, b, b_t, epi, out)? {
+        return Ok(Some(p.c));
+    }
+    match bias {
+        Some(v)
+            if out == DType::BF16
+                && v.dtype() == DType::F32
+                && F32_BIAS_BF16_OUT_REFUSED.load(Ordering::Relaxed) =>
+        {
+            let v16 = v.to_dtype(DType::BF16)?;
+            Ok(gemm_epi(a, a_t, b, b_t, Epi::Bias(&v16), out)?.map(|p| p.c))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// What [`gemm_epi`] made: the product `C` (`[rows, cols]` row-major) and, for
+/// [`Epi::BgradB`], the bias gradient (`[rows]`), fresh storages of the output dtype.
+pub(crate) struct Product {
+    pub c: CudaStorage,
+    pub rows: usize,
+    pub cols: usize,
+    pub db: Option<CudaStorage>,
 }
 
 /// [`gemm`] with the epilogue `epi`: the product and, for [`Epi::BgradB`], the `[M]` sums of
-/// `A`'s rows (the bias gradient), both fresh storages of dtype `out`.
+/// `A`'s rows (the bias gradient), both fresh storages of dtype `out` (no retry of a refused
+/// f32 bias: [`gemm`]'s).
 pub(crate) fn gemm_epi(
     a: &Tensor,
     a_t: bool,
@@ -447,7 +472,7 @@ pub(crate) fn gemm_epi(
     b_t: bool,
     epi: Epi<'_>,
     out: DType,
-) -> Result<Option<(CudaStorage, Option<CudaStorage>)>> {
+) -> Result<Option<Product>> {
     let input = a.dtype();
     let (Ok(ad), Ok(bd)) = (a.dims2(), b.dims2()) else {
         return Ok(None);
@@ -523,18 +548,6 @@ pub(crate) fn gemm_epi(
     let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
     let stream = dev.cuda_stream();
     stream.context().bind_to_thread().w()?;
-    let alloc = |len: usize| -> Result<Output> {
-        Ok(match out {
-            DType::F32 => Output::F32(crate::cuda::alloc_out::<f32>(dev, len)?),
-            _ => Output::Bf16(crate::cuda::alloc_out::<bf16>(dev, len)?),
-        })
-    };
-    let mut y = alloc(rows * cols)?;
-    // The bias gradient: `rows` sums (cuBLASLt's n), written by the epilogue.
-    let mut db = match epi {
-        Epi::BgradB => Some(alloc(rows)?),
-        _ => None,
-    };
     let Some((pa, ga)) = float_addr!(sa, la, &stream) else {
         return Ok(None);
     };
@@ -548,14 +561,7 @@ pub(crate) fn gemm_epi(
         },
         None => None,
     };
-    let (yp, yg) = y.ptr_mut(&stream);
-    let db_addr = db.as_mut().map(|d| d.ptr_mut(&stream));
-    // The epilogue's vector: the bias read, or the bias gradient written.
-    let vec_ptr = match (&bias_addr, &db_addr) {
-        (Some((p, _)), _) | (None, Some((p, _))) => Some(*p),
-        (None, None) => None,
-    };
-    let key = Key {
+    let mut key = Key {
         gemm: col_major(rows as u64, cols as u64, inner as u64, a_t, b_t),
         input,
         out,
@@ -565,38 +571,61 @@ pub(crate) fn gemm_epi(
             _ => EpiKind::None,
         },
         compute: compute_type(input),
-        align: [
-            alignment(pb),
-            alignment(pa),
-            alignment(yp),
-            vec_ptr.map_or(256, alignment),
-        ],
+        // The output's and the epilogue vector's alignments are set once they exist.
+        align: [alignment(pb), alignment(pa), 0, 0],
     };
+    let shape_key = key;
+    if state.refused.contains(&shape_key) {
+        return Ok(None);
+    }
+    let alloc = |len: usize| -> Result<Output> {
+        Ok(match out {
+            DType::F32 => Output::F32(crate::cuda::alloc_out::<f32>(dev, len)?),
+            _ => Output::Bf16(crate::cuda::alloc_out::<bf16>(dev, len)?),
+        })
+    };
+    let mut y = alloc(rows * cols)?;
+    // The bias gradient: `rows` sums (cuBLASLt's n), written by the epilogue.
+    let mut db = match epi {
+        Epi::BgradB => Some(alloc(rows)?),
+        _ => None,
+    };
+    let (yp, yg) = y.ptr_mut(&stream);
+    let db_addr = db.as_mut().map(|d| d.ptr_mut(&stream));
+    // The epilogue's vector: the bias read, or the bias gradient written.
+    let vec_ptr = match (&bias_addr, &db_addr) {
+        (Some((p, _)), _) | (None, Some((p, _))) => Some(*p),
+        (None, None) => None,
+    };
+    key.align[2] = alignment(yp);
+    key.align[3] = vec_ptr.map_or(256, alignment);
     let DeviceLt {
         handle,
         workspace,
         plans,
+        refused: refused_shapes,
     } = &mut *state;
     let ws_size = workspace.len();
-    let plan = plans.entry(key).or_insert_with(|| {
-        match make_plan(handle, &key, vec_ptr, ws_size) {
-            Ok(p) => Some(p),
-            Err(e) => {
-                if key.out == DType::BF16 && key.epilogue == EpiKind::Bias(DType::F32) {
-                    F32_BIAS_BF16_OUT_REFUSED.store(true, Ordering::Relaxed);
+    let plan = match plans.entry(key) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            match make_plan(handle, &key, vec_ptr, ws_size) {
+                Ok(p) => v.insert(p),
+                Err(e) => {
+                    if key.out == DType::BF16 && key.epilogue == EpiKind::Bias(DType::F32) {
+                        F32_BIAS_BF16_OUT_REFUSED.store(true, Ordering::Relaxed);
+                    }
+                    refused_shapes.insert(shape_key);
+                    refused(format!("no plan for {key:?}"), format!("{e:?}"));
+                    tracing::warn!(
+                        ?key,
+                        error = ?e,
+                        "cuBLASLt has no plan for this GEMM: it runs on candle's (and a bias or cast pass)"
+                    );
+                    return Ok(None);
                 }
-                refused(format!("no plan for {key:?}"), format!("{e:?}"));
-                tracing::warn!(
-                    ?key,
-                    error = ?e,
-                    "cuBLASLt has no plan for this GEMM: it runs on candle's (and a bias or cast pass)"
-                );
-                None
             }
         }
-    });
-    let Some(plan) = plan.as_ref() else {
-        return Ok(None);
     };
     let (alpha, beta) = (1f32, 0f32);
     let (wsp, wsg) = workspace.device_ptr_mut(&stream);
@@ -641,7 +670,8 @@ pub(crate) fn gemm_epi(
     drop((ga, gb, yg, wsg, bias_addr, db_addr));
     if let Err(e) = status {
         tracing::warn!(?key, error = ?e, "cuBLASLt matmul failed: this GEMM runs on candle's (and a bias or cast pass)");
-        plans.insert(key, None);
+        plans.remove(&key);
+        refused_shapes.insert(shape_key);
         refused(format!("cublasLtMatmul of {key:?}"), format!("{e:?}"));
         return Ok(None);
     }
@@ -651,7 +681,12 @@ pub(crate) fn gemm_epi(
         EpiKind::BgradB(_) => BIAS_GRADS.fetch_add(1, Ordering::Relaxed),
         EpiKind::None => 0,
     };
-    Ok(Some((y.storage(dev), db.map(|d| d.storage(dev)))))
+    Ok(Some(Product {
+        c: y.storage(dev),
+        rows,
+        cols,
+        db: db.map(|d| d.storage(dev)),
+    }))
 }
 
 /// A fresh output buffer of the output's dtype.

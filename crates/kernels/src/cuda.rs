@@ -1716,17 +1716,6 @@ pub(crate) fn linear_out(
     if let Some(y) = crate::cublaslt::linear(x2, w, b, out)? {
         return Ok(Some(y));
     }
-    // Where cuBLASLt has no plan for an f32 bias with a bf16 output, the bias rounded to bf16
-    // (as autocast's `addmm` gets it) in the same epilogue: still one pass, one rounding of the
-    // sum.
-    if let Some(b) = b.filter(|b| {
-        out == DType::BF16 && b.dtype() == DType::F32 && crate::cublaslt::f32_bias_refused()
-    }) {
-        let b16 = b.to_dtype(DType::BF16)?;
-        if let Some(y) = crate::cublaslt::linear(x2, w, Some(&b16), out)? {
-            return Ok(Some(y));
-        }
-    }
     if out != dt {
         return Ok(None);
     }
@@ -1788,50 +1777,30 @@ pub(crate) fn linear_out(
     Ok(Some(out))
 }
 
-/// `A @ B` as one cuBLASLt matmul written in `out` (`crate::cublaslt::gemm`: `A` is `a`, or its
-/// transpose with `a_t`; `B` is `b`, or its transpose with `b_t`), as a tensor without a graph
-/// node: a linear's backward GEMMs, whose bf16 products go straight into the f32 gradients
-/// (no bf16 write and cast pass). `None` where cuBLASLt is off, does not apply or refuses.
+/// `A @ B` as one cuBLASLt matmul written in `out` (`crate::cublaslt::gemm_epi`: `A` is `a`, or
+/// its transpose with `a_t`; `B` is `b`, or its transpose with `b_t`), as a tensor without a
+/// graph node, and with `bgrad` the bias gradient from its epilogue (`[M]`, the sums of `A`'s
+/// rows: for a weight gradient `g^T x`, `g`'s column sums; no second pass over `g`): a linear's
+/// backward GEMMs, whose bf16 products go straight into the f32 gradients (no bf16 write and
+/// cast pass). `None` where cuBLASLt is off, does not apply or refuses.
 pub(crate) fn gemm_to(
     a: &Tensor,
     a_t: bool,
     b: &Tensor,
     b_t: bool,
+    bgrad: bool,
     out: DType,
-) -> Result<Option<Tensor>> {
-    let (Ok(ad), Ok(bd)) = (a.dims2(), b.dims2()) else {
+) -> Result<Option<(Tensor, Option<Tensor>)>> {
+    use crate::cublaslt::Epi;
+    let epi = if bgrad { Epi::BgradB } else { Epi::None };
+    let Some(p) = crate::cublaslt::gemm_epi(a, a_t, b, b_t, epi, out)? else {
         return Ok(None);
     };
-    let rows = if a_t { ad.1 } else { ad.0 };
-    let cols = if b_t { bd.0 } else { bd.1 };
-    match crate::cublaslt::gemm(a, a_t, b, b_t, None, out)? {
-        Some(s) => Ok(Some(hand_over(a, s, Shape::from((rows, cols)))?)),
-        None => Ok(None),
-    }
-}
-
-/// [`gemm_to`] with the bias gradient in cuBLASLt's epilogue: `(A @ B, db)`, `db [M]` the sums
-/// of `A`'s rows (for a weight gradient `g^T x`, `g`'s column sums), both in `out`, from one
-/// matmul (no second pass over `g`). `None` where cuBLASLt is off, does not apply or refuses.
-pub(crate) fn gemm_bgrad_to(
-    a: &Tensor,
-    a_t: bool,
-    b: &Tensor,
-    b_t: bool,
-    out: DType,
-) -> Result<Option<(Tensor, Tensor)>> {
-    let (Ok(ad), Ok(bd)) = (a.dims2(), b.dims2()) else {
-        return Ok(None);
-    };
-    let rows = if a_t { ad.1 } else { ad.0 };
-    let cols = if b_t { bd.0 } else { bd.1 };
-    match crate::cublaslt::gemm_epi(a, a_t, b, b_t, crate::cublaslt::Epi::BgradB, out)? {
-        Some((c, Some(db))) => Ok(Some((
-            hand_over(a, c, Shape::from((rows, cols)))?,
-            hand_over(a, db, Shape::from(rows))?,
-        ))),
-        _ => Ok(None),
-    }
+    let c = hand_over(a, p.c, Shape::from((p.rows, p.cols)))?;
+    let db =
+        p.db.map(|d| hand_over(a, d, Shape::from(p.rows)))
+            .transpose()?;
+    Ok(Some((c, db)))
 }
 
 fn add_rows_launch<T: Float, B: Float>(

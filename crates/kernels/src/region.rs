@@ -292,12 +292,17 @@ fn defers(w: &Tensor) -> bool {
 
 /// On CUDA, a linear's weight gradient `g2^T x2` (in `out`) with its bias gradient (`g2`'s
 /// column sums, in `out`) from one cuBLASLt matmul, the sums in its epilogue
-/// (`cuda::gemm_bgrad_to`): no second pass over `g2`. `None` elsewhere, where cuBLASLt is off
+/// (`cuda::gemm_to`): no second pass over `g2`. `None` elsewhere, where cuBLASLt is off
 /// or refuses, or without the `cuda` feature: the caller computes both apart.
 fn weight_and_bias_grad(g2: &Tensor, x2: &Tensor, out: DType) -> CResult<Option<(Tensor, Tensor)>> {
     #[cfg(feature = "cuda")]
     if g2.device().is_cuda() {
-        return crate::cuda::gemm_bgrad_to(g2, true, x2, false, out);
+        return Ok(
+            match crate::cuda::gemm_to(g2, true, x2, false, true, out)? {
+                Some((dw, Some(db))) => Some((dw, db)),
+                _ => None,
+            },
+        );
     }
     let _ = (g2, x2, out);
     Ok(None)
@@ -469,7 +474,7 @@ impl LinearParts for Linear {
         let g2 = g.contiguous()?.reshape(((), out))?;
         // The weight and bias gradients from one matmul where cuBLASLt sums the bias's in its
         // epilogue (CUDA; a bias of the weight's dtype, the weight's gradient not deferred).
-        if bias == Some(w.dtype()) && !defers(w) && g2.device().is_cuda() {
+        if bias == Some(w.dtype()) && !defers(w) {
             if let Some((dw, db)) = weight_and_bias_grad(&g2, &x2, w.dtype())? {
                 let dx = g2.matmul(w)?.reshape(x.shape())?;
                 return Ok((dx, Some(dw), Some(db)));
@@ -669,10 +674,11 @@ impl LinearParts for LinearIn {
         // compute dtype, then the cast.
         #[cfg(feature = "cuda")]
         let (dx, dw) = (
-            crate::cuda::gemm_to(&gc, false, &self.wc, false, x.dtype())?,
+            crate::cuda::gemm_to(&gc, false, &self.wc, false, false, x.dtype())?.map(|(c, _)| c),
             match fused_dw {
                 Some(dw) => Some(dw),
-                None => crate::cuda::gemm_to(&gc, true, &self.xc, false, w.dtype())?,
+                None => crate::cuda::gemm_to(&gc, true, &self.xc, false, false, w.dtype())?
+                    .map(|(c, _)| c),
             },
         );
         #[cfg(not(feature = "cuda"))]
