@@ -552,3 +552,197 @@ fn an_oversized_control_frame_closes_the_connection_naming_the_peer() {
     .is_empty());
     t.close();
 }
+
+/// Writes to `s` until its send buffer and the peer's window are full (the peer reads
+/// nothing); returns the bytes written. `s` has a write timeout, which ends the filling.
+fn fill(s: &mut std::net::TcpStream) -> usize {
+    use std::io::Write;
+    s.set_write_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let chunk = vec![0xAB_u8; 16 << 10];
+    let mut total = 0;
+    loop {
+        match s.write(&chunk) {
+            Ok(k) => total += k,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return total
+            }
+            Err(e) => panic!("filling a socket: {e}"),
+        }
+    }
+}
+
+/// A connected loopback pair.
+fn socket_pair() -> (std::net::TcpStream, std::net::TcpStream) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (b, _) = l.accept().unwrap();
+    (a, b)
+}
+
+/// Reads from `s` until `n` bytes came or the connection ended.
+fn read_up_to(s: &mut std::net::TcpStream, n: usize) -> (Vec<u8>, Option<std::io::Error>) {
+    use std::io::Read;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    while got.len() < n {
+        let want = (n - got.len()).min(buf.len());
+        match s.read(&mut buf[..want]) {
+            Ok(0) => return (got, None),
+            Ok(k) => got.extend_from_slice(&buf[..k]),
+            Err(e) => return (got, Some(e)),
+        }
+    }
+    (got, None)
+}
+
+/// The unsent count sees bytes a peer has not made room for, and falls to zero once it reads.
+/// The linger waits for exactly that, no longer than its deadline, and not at all for a peer
+/// known gone.
+#[test]
+fn linger_waits_for_a_late_reader_until_its_deadline_and_never_for_a_gone_peer() {
+    let (mut a, mut b) = socket_pair();
+    let total = fill(&mut a);
+    let held = transport::unsent(&a).expect("Linux says how much is unsent");
+    assert!(held > 0, "nothing held back after filling {total} bytes");
+
+    // A peer that never reads holds the linger only until the deadline.
+    let t0 = Instant::now();
+    let left = transport::linger(
+        &[(1, a.try_clone().unwrap())],
+        |_| false,
+        t0 + Duration::from_millis(300),
+    );
+    let took = t0.elapsed();
+    assert_eq!(left, vec![1]);
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    // A peer known gone is not waited for.
+    let t0 = Instant::now();
+    let left = transport::linger(
+        &[(1, a.try_clone().unwrap())],
+        |_| true,
+        t0 + Duration::from_secs(20),
+    );
+    assert!(left.is_empty() && t0.elapsed() < Duration::from_secs(2));
+
+    // A peer that reads late: the linger ends when the last byte is sent.
+    let reader = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        let (got, err) = read_up_to(&mut b, total);
+        (got.len(), err.map(|e| e.to_string()))
+    });
+    let t0 = Instant::now();
+    let left = transport::linger(
+        &[(1, a.try_clone().unwrap())],
+        |_| false,
+        t0 + Duration::from_secs(20),
+    );
+    let took = t0.elapsed();
+    assert!(left.is_empty(), "still held after {took:?}");
+    assert!(took >= Duration::from_millis(250), "{took:?}");
+    assert_eq!(transport::unsent(&a), Some(0));
+    assert_eq!(reader.join().unwrap(), (total, None));
+}
+
+/// The unsent count is asked of sockets in every state a closing rank meets: shut down for
+/// writing, reset by the peer, and after both. It answers or declines; it never misreads.
+#[test]
+fn the_unsent_count_answers_for_shut_down_and_reset_sockets() {
+    use std::io::Write;
+    let (mut a, mut b) = socket_pair();
+    a.write_all(b"hello").unwrap();
+    a.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut waited = Duration::ZERO;
+    while transport::unsent(&a) != Some(0) && waited < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+        waited += Duration::from_millis(5);
+    }
+    assert_eq!(transport::unsent(&a), Some(0));
+    // `b` closes with unread bytes: its kernel resets the connection.
+    b.write_all(b"x").unwrap();
+    drop(b);
+    std::thread::sleep(Duration::from_millis(50));
+    let after_reset = transport::unsent(&a);
+    assert!(after_reset.is_none_or(|n| n < 1 << 20), "{after_reset:?}");
+    let _ = a.shutdown(std::net::Shutdown::Both);
+    let _ = transport::unsent(&a);
+}
+
+/// A closing rank's goodbye queued behind bytes a busy peer has not made room for is sent
+/// before the rank lets its sockets go. Without that, the peer's late bytes left unread make
+/// this rank's kernel reset the connection, which drops the queued goodbye, and the peer takes
+/// a clean close for a crash (what blamed the wrong rank after a kill -9 under load).
+#[test]
+fn a_goodbye_queued_behind_a_full_window_reaches_a_peer_that_reads_late() {
+    use std::io::Write;
+    let (mine, mut peer) = socket_pair();
+    let rdv = Rendezvous {
+        store: Arc::new(TcpStore::connect(&server().1, Duration::from_secs(10)).unwrap()),
+        ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+        token: Token::new(b"t"),
+    };
+    let t = transport::Transport::start(
+        0,
+        (vec![None, Some(mine)], Vec::new()),
+        "linger",
+        String::new(),
+        rdv,
+        1 << 20,
+    )
+    .unwrap();
+    // This rank's bytes fill the peer's window and this rank's send buffer; the peer reads half
+    // of them, making room for the goodbye behind the rest, and stops.
+    let filled = fill(&mut t.stream_to(1));
+    let (first, err) = read_up_to(&mut peer, filled / 2);
+    assert!(err.is_none() && first.len() == filled / 2);
+    std::thread::sleep(Duration::from_millis(50));
+
+    let (dropped_tx, dropped_rx) = std::sync::mpsc::channel::<()>();
+    let peer_side = std::thread::spawn(move || {
+        // A frame this rank's readers will not read once it has closed.
+        std::thread::sleep(Duration::from_millis(300));
+        let h = frame::Header {
+            kind: frame::P2P,
+            step: 0,
+            tag: u64::MAX,
+            len: 8,
+        };
+        peer.write_all(&h.encode()).unwrap();
+        peer.write_all(&[1u8; 8]).unwrap();
+        // Busy until this rank dropped its transport, or for a second.
+        if dropped_rx.recv_timeout(Duration::from_secs(1)).is_ok() {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        read_up_to(&mut peer, usize::MAX)
+    });
+    let t0 = Instant::now();
+    t.close();
+    let closing = t0.elapsed();
+    // The readers stop within a tick of closing; the peer's frame lands after that.
+    std::thread::sleep(Duration::from_millis(400).saturating_sub(t0.elapsed()));
+    drop(t);
+    let _ = dropped_tx.send(());
+    let (rest, err) = peer_side.join().unwrap();
+    let bye = frame::Header {
+        kind: frame::BYE,
+        step: 0,
+        tag: 0,
+        len: 0,
+    }
+    .encode();
+    assert!(
+        rest.len() == filled - filled / 2 + bye.len() && rest.ends_with(&bye),
+        "the peer read {} of {} bytes and then {err:?}; close took {closing:?}",
+        rest.len(),
+        filled - filled / 2 + bye.len()
+    );
+}

@@ -15,8 +15,16 @@
 //! frames (HELLO, FAIL, BYE, AGREE) are small (fixed caps per frame, `frame.rs`) and never
 //! counted, so their number is not bounded per peer (peers are authenticated); no body's
 //! buffer is allocated from its declared length alone (it grows as bytes arrive), and a frame
-//! over its kind's cap or malformed closes that connection. Once the communicator has failed, frames its ops can no longer use are read and dropped, so a failed communicator
-//! never stalls its peers' agreements.
+//! over its kind's cap or malformed closes that connection. Once the communicator has failed,
+//! frames its ops can no longer use are read and dropped, so a failed communicator never stalls
+//! its peers' agreements.
+//!
+//! **Closing.** A rank that closes sends its failure notice (if it owes one) and BYE to every
+//! peer, then waits, up to two seconds, until those bytes have left this host (`linger`),
+//! with its readers still draining. A process that exits with unread bytes makes its kernel
+//! reset the connection and drop what it still queues for sending; without the wait, a BYE
+//! queued behind data a busy peer had not made room for was lost, and that peer blamed this
+//! rank for a failure it had only reported.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Write};
@@ -248,6 +256,14 @@ impl Transport {
         }
     }
 
+    /// Another handle on this rank's socket to `peer` (tests fill it).
+    #[cfg(test)]
+    pub(crate) fn stream_to(&self, peer: usize) -> TcpStream {
+        let w = self.writers[peer].as_ref().expect("a connected peer");
+        let g = w.lock().unwrap_or_else(|e| e.into_inner());
+        g.stream.try_clone().expect("clone a socket")
+    }
+
     /// The current failure, if any.
     pub(crate) fn failure(&self) -> Option<Failure> {
         self.shared.lock().failure.clone()
@@ -314,15 +330,30 @@ impl Transport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        for w in self.writers.iter().flatten() {
+        let mut said = Vec::new();
+        for (peer, w) in self.writers.iter().enumerate() {
+            let Some(w) = w else { continue };
             // A failure notice still on its way goes out before the goodbye.
             if let Some(n) = &notice {
                 let _ = send_notice(w, n);
             }
             let deadline = Instant::now() + NOTICE_LIMIT;
-            let _ = write_frame(w, &h, &[], deadline);
+            let bye = write_frame(w, &h, &[], deadline);
             let g = w.lock().unwrap_or_else(|e| e.into_inner());
             let _ = g.stream.shutdown(Shutdown::Write);
+            if bye.is_ok() {
+                said.push((peer, g.stream.try_clone()));
+            }
+        }
+        // The readers keep draining while this waits, so a peer's window stays open.
+        let streams: Vec<(usize, TcpStream)> = said
+            .into_iter()
+            .filter_map(|(p, s)| s.ok().map(|s| (p, s)))
+            .collect();
+        let gone = |p: usize| self.shared.lock().gone.get(p).is_some_and(Option::is_some);
+        let held = linger(&streams, gone, Instant::now() + NOTICE_LIMIT);
+        if !held.is_empty() {
+            tracing::debug!(comm = %self.name, rank = self.rank, peers = ?held, "closing with a goodbye not yet sent: those peers stopped reading");
         }
         self.shared.closing.store(true, Ordering::Relaxed);
     }
@@ -899,6 +930,66 @@ fn write_all(
         }
     }
     Ok(())
+}
+
+/// Waits until every byte written to each of `streams` (peer rank, socket) has left this host,
+/// checking every few milliseconds until `deadline`; returns the peers whose bytes are still
+/// queued then. A peer for which `gone` holds is not waited for (it will read nothing more).
+///
+/// Why: a process that exits with unread bytes in a socket's receive queue makes its kernel
+/// reset the connection, which drops whatever this end still queues for sending. A goodbye
+/// (or failure notice) queued behind data that a busy peer has not made room for would be
+/// lost, and the peer would take a clean close for a crash and blame this rank for a failure
+/// it only reported. Bytes already sent survive the reset: the peer's kernel holds them and
+/// its reader reads them before it sees the reset. Waiting for them to be sent, not
+/// acknowledged, costs nothing on a healthy connection (acknowledgements may be delayed by
+/// tens of milliseconds). Where the platform cannot say ([`unsent`] is `None`), nothing is
+/// waited for.
+pub(crate) fn linger(
+    streams: &[(usize, TcpStream)],
+    gone: impl Fn(usize) -> bool,
+    deadline: Instant,
+) -> Vec<usize> {
+    let mut pause = Duration::from_micros(100);
+    let mut held: Vec<&(usize, TcpStream)> = streams.iter().collect();
+    loop {
+        held.retain(|(p, s)| !gone(*p) && unsent(s).is_some_and(|n| n > 0));
+        let now = Instant::now();
+        if held.is_empty() || now >= deadline {
+            return held.iter().map(|(p, _)| *p).collect();
+        }
+        std::thread::sleep(pause.min(deadline - now));
+        pause = (pause * 2).min(Duration::from_millis(10));
+    }
+}
+
+/// Bytes written to `s` that this host has not sent yet (Linux's `SIOCOUTQNSD`), or `None`
+/// where the socket or the platform cannot say.
+#[cfg(target_os = "linux")]
+pub(crate) fn unsent(s: &TcpStream) -> Option<usize> {
+    use std::os::fd::AsRawFd;
+    let mut n: libc::c_int = 0;
+    // SAFETY: the descriptor is `s`'s open socket, borrowed for the whole call, and
+    // SIOCOUTQNSD writes exactly one `int` through the pointer, which points at `n`, a live,
+    // aligned `c_int` this frame owns. The kernel validates the descriptor (a socket that was
+    // shut down or reset answers or fails, it is never freed under the call).
+    let r = unsafe {
+        libc::ioctl(
+            s.as_raw_fd(),
+            libc::SIOCOUTQNSD as _,
+            &mut n as *mut libc::c_int,
+        )
+    };
+    if r != 0 {
+        return None;
+    }
+    usize::try_from(n).ok()
+}
+
+/// Bytes written to `s` that this host has not sent yet: unknown on this platform.
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn unsent(_s: &TcpStream) -> Option<usize> {
+    None
 }
 
 /// A reader thread: files frames from `src` until the stream ends or the transport closes.
