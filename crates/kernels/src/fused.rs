@@ -11,6 +11,13 @@
 //! `ops::neural` ([`crate::autodiff::reference`]), which are the reference these kernels are
 //! tested against. [`applies`] says where the CPU kernels run, [`device_applies`] where the
 //! row kernels (GELU, norms, softmax family, cross-entropy) run.
+//!
+//! **SIMD on the CPU.** The loops are written plainly and run inside [`simd`], which compiles
+//! them for AVX-512, AVX2+FMA and the baseline and picks by what the CPU has at run time. Each
+//! loop keeps its order of floating-point operations (Rust neither reassociates nor fuses a
+//! multiply and an add on its own), so every width gives the same bits: elementwise loops and
+//! maxima vectorize, and a sum keeps its one sequential order. A loop that computes
+//! exponentials and sums them is split into the exponentials (vectorized) and the sum.
 
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Error, Layout, Shape, Tensor,
@@ -128,9 +135,12 @@ fn fast_exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
+    // 1.5 * 2^23: adding it rounds to an integer (no SSE4.1 `round` needed), which then sits in
+    // the low bits of the sum's representation.
+    const MAGIC: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    // Round to nearest with the 1.5 * 2^23 trick (no SSE4.1 `round` needed).
-    let n = (x * LOG2E + 12_582_912.0) - 12_582_912.0;
+    let t = x * LOG2E + MAGIC;
+    let n = t - MAGIC;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
@@ -138,7 +148,11 @@ fn fast_exp(x: f32) -> f32 {
                 + r * (0.166_666_67
                     + r * (0.041_666_668
                         + r * (0.008_333_334 + r * (0.001_388_889 + r * 0.000_198_412_7))))));
-    let bits = ((n as i32 + 127) << 23) as u32;
+    // 2^n from the integer n in [-126, 127] read off `t`'s bits (t = MAGIC + n exactly): the
+    // same value as `(n as i32 + 127) << 23`, without a saturating float-to-int conversion,
+    // which keeps the loops around this vectorized.
+    let k = t.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
+    let bits = (k.wrapping_add(127) as u32) << 23;
     p * f32::from_bits(bits)
 }
 
@@ -147,16 +161,45 @@ fn fast_tanh(z: f32) -> f32 {
     1.0 - 2.0 / (fast_exp(2.0 * z) + 1.0)
 }
 
-/// The largest element of a row (`-inf` for an empty one).
+/// Runs `f` with its loops compiled for the widest SIMD instructions this CPU has (AVX-512,
+/// AVX2+FMA, or the baseline), picked at run time (`pulp`); the same bits on every width (see
+/// the module docs). What `f` calls is vectorized only where it is inlined into it.
 #[inline(always)]
-fn row_max(xr: &[f32]) -> f32 {
-    xr.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
+    pulp::Arch::new().dispatch(f)
 }
 
-/// `sum_j exp(x_j - m)` over a row.
+/// Lanes of the maxima below: a multiple of every vector width.
+const LANES: usize = 16;
+
+/// The largest element of a row (`-inf` for an empty one; NaNs are skipped, as `f32::max`
+/// does). Kept per lane, then across lanes: a maximum does not depend on the order it is taken
+/// in, so this is the sequential fold's value, and it vectorizes.
 #[inline(always)]
-fn sum_exp(xr: &[f32], m: f32) -> f32 {
-    xr.iter().map(|&v| fast_exp(v - m)).sum()
+fn row_max(xr: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = xr.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l = l.max(v);
+        }
+    }
+    let m = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    lanes.iter().fold(m, |a, &b| a.max(b))
+}
+
+/// `sum_j exp(x_j - m)` over a row, the exponentials written to `scratch` (vectorized) and
+/// summed in order.
+#[inline(always)]
+fn sum_exp(xr: &[f32], m: f32, scratch: &mut Vec<f32>) -> f32 {
+    scratch.resize(xr.len(), 0.0);
+    for (e, &v) in scratch.iter_mut().zip(xr) {
+        *e = fast_exp(v - m);
+    }
+    scratch.iter().sum()
 }
 
 /// The row walk of every row kernel here: each row of `n` elements of `x`, paired with the next
@@ -194,12 +237,17 @@ fn map_rows2(
 }
 
 /// `x + b` for `b` one row broadcast over the rows of `x` (nothing when `b` is empty).
+#[inline(always)]
 pub(crate) fn add_rows(x: &[f32], b: &[f32]) -> Vec<f32> {
     let n = b.len();
-    let mut y = Vec::with_capacity(x.len());
-    if n > 0 {
-        for row in x.chunks_exact(n) {
-            y.extend(row.iter().zip(b).map(|(&a, &c)| a + c));
+    if n == 0 {
+        return Vec::new();
+    }
+    let rows = x.len() / n;
+    let mut y = vec![0f32; rows * n];
+    for (yr, xr) in y.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+        for ((o, &a), &c) in yr.iter_mut().zip(xr).zip(b) {
+            *o = a + c;
         }
     }
     y
@@ -220,7 +268,8 @@ trait UnaryKernel: Send + Sync + 'static {
     const NODE: &'static str;
     /// The op's name in error messages.
     const OP: &'static str;
-    /// The output and its shape for the elements `x` of an input of `shape`.
+    /// The output and its shape for the elements `x` of an input of `shape`. Runs inside
+    /// [`simd`]: implementations are `#[inline(always)]`, so their loops are compiled there.
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)>;
     /// The gradient of the input `arg`, given the output `res` and its gradient `g`.
     fn backward(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> CResult<Tensor>;
@@ -251,7 +300,8 @@ impl<K: UnaryKernel> CustomOp1 for Fused1<K> {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let (y, shape) = self.0.forward(f32_slice(s, l, K::OP)?, l.shape())?;
+        let x = f32_slice(s, l, K::OP)?;
+        let (y, shape) = simd(|| self.0.forward(x, l.shape()))?;
         Ok((CpuStorage::F32(y), shape))
     }
 
@@ -285,7 +335,7 @@ fn grad_from_output(
 ) -> CResult<Tensor> {
     let n = last_dim(res.shape(), op)?;
     let g = g.contiguous()?;
-    let dx = with_f32(res, |y| with_f32(&g, |g| map_rows2(y, g, n, f)))??;
+    let dx = with_f32(res, |y| with_f32(&g, |g| simd(|| map_rows2(y, g, n, f))))??;
     from_vec(dx, arg.shape(), arg)
 }
 
@@ -298,7 +348,7 @@ fn grad_from_input<E>(
     f: impl FnMut(&[f32], &mut [f32], E),
 ) -> CResult<Tensor> {
     let c = last_dim(arg.shape(), op)?;
-    let dx = with_f32(arg, |x| map_rows(x, c, per_row, f))?;
+    let dx = with_f32(arg, |x| simd(|| map_rows(x, c, per_row, f)))?;
     from_vec(dx, arg.shape(), arg)
 }
 
@@ -312,11 +362,14 @@ impl UnaryKernel for Gelu {
     const NODE: &'static str = "fused-gelu";
     const OP: &'static str = "gelu";
 
+    #[inline(always)]
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
-        let y = x
-            .iter()
-            .map(|&v| 0.5 * v * (1.0 + fast_tanh(GELU_C * (v + GELU_A * v * v * v))))
-            .collect();
+        // A plain loop into a zeroed buffer: `collect` would run in a function of its own,
+        // outside `simd`'s target features.
+        let mut y = vec![0f32; x.len()];
+        for (o, &v) in y.iter_mut().zip(x) {
+            *o = 0.5 * v * (1.0 + fast_tanh(GELU_C * (v + GELU_A * v * v * v)));
+        }
         Ok((y, shape.clone()))
     }
 
@@ -337,15 +390,16 @@ impl UnaryKernel for Gelu {
         let g = g.contiguous()?;
         let dx = with_f32(arg, |x| {
             with_f32(&g, |g| {
-                x.iter()
-                    .zip(g)
-                    .map(|(&v, &gv)| {
+                simd(|| {
+                    let mut dx = vec![0f32; x.len()];
+                    for ((o, &v), &gv) in dx.iter_mut().zip(x).zip(g) {
                         let t = fast_tanh(GELU_C * (v + GELU_A * v * v * v));
                         let d = 0.5 * (1.0 + t)
                             + 0.5 * v * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * v * v);
-                        gv * d
-                    })
-                    .collect::<Vec<f32>>()
+                        *o = gv * d;
+                    }
+                    dx
+                })
             })
         })??;
         from_vec(dx, arg.shape(), arg)
@@ -392,7 +446,7 @@ pub(crate) fn gelu_storage<S: crate::storage::DeviceStorage>(x: &Tensor) -> CRes
         return Err(Error::msg("gelu: a CUDA tensor in a build without `cuda`"));
     } else {
         let x32 = x.to_dtype(DType::F32)?;
-        let (y, _) = with_f32(&x32, |v| Gelu.forward(v, &shape))??;
+        let (y, _) = with_f32(&x32, |v| simd(|| Gelu.forward(v, &shape)))??;
         match x.dtype() {
             DType::F32 => candle_core::Storage::Cpu(CpuStorage::F32(y)),
             DType::BF16 => candle_core::Storage::Cpu(CpuStorage::BF16(
@@ -468,6 +522,7 @@ impl UnaryKernel for Softmax {
     const NODE: &'static str = "fused-softmax";
     const OP: &'static str = "softmax";
 
+    #[inline(always)]
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let n = last_dim(shape, Self::OP)?;
         let t = self.rows_t(shape);
@@ -483,12 +538,10 @@ impl UnaryKernel for Softmax {
             }
             let (xr, yr) = (&xr[..valid], &mut yr[..valid]);
             let m = row_max(xr) * self.scale;
-            let mut sum = 0f32;
             for (o, &v) in yr.iter_mut().zip(xr) {
-                let e = fast_exp(v * self.scale - m);
-                *o = e;
-                sum += e;
+                *o = fast_exp(v * self.scale - m);
             }
+            let sum: f32 = yr.iter().sum();
             let inv = 1.0 / sum;
             for o in yr {
                 *o *= inv;
@@ -539,11 +592,13 @@ impl UnaryKernel for LogSoftmax {
     const NODE: &'static str = "fused-log-softmax";
     const OP: &'static str = "log_softmax";
 
+    #[inline(always)]
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let n = last_dim(shape, Self::OP)?;
+        let mut scratch = Vec::with_capacity(n);
         let y = map_rows(x, n, 0.., |xr, yr, _| {
             let m = row_max(xr);
-            let lse = m + sum_exp(xr, m).ln();
+            let lse = m + sum_exp(xr, m, &mut scratch).ln();
             for (o, &v) in yr.iter_mut().zip(xr) {
                 *o = v - lse;
             }
@@ -579,6 +634,7 @@ pub fn log_softmax_last(x: &Tensor) -> CResult<Tensor> {
     apply1(x, LogSoftmax)
 }
 
+#[inline(always)]
 fn row_stats(xr: &[f32], eps: f32, center: bool) -> (f32, f32) {
     let n = xr.len() as f32;
     let mean = if center {
@@ -597,6 +653,7 @@ struct Norm {
 }
 
 impl Norm {
+    #[inline(always)]
     fn forward(&self, x: &[f32], w: &[f32], b: Option<&[f32]>, n: usize) -> Vec<f32> {
         map_rows(x, n, 0.., |xr, yr, _| {
             let (mean, rstd) = row_stats(xr, self.eps, self.center);
@@ -616,6 +673,7 @@ impl Norm {
     }
 
     /// (dx, dw, db) for x, w and the output gradient g.
+    #[inline(always)]
     fn backward(
         &self,
         x: &[f32],
@@ -629,16 +687,19 @@ impl Norm {
         let mut xhat = vec![0f32; n];
         let dx = map_rows2(x, g, n, |xr, gr, dr| {
             let (mean, rstd) = row_stats(xr, self.eps, self.center);
-            let mut a = 0f32;
-            let mut c = 0f32;
+            // Elementwise (vectorized), then the two sums in order.
             for i in 0..n {
                 let xh = (xr[i] - mean) * rstd;
                 xhat[i] = xh;
-                let gw = gr[i] * w[i];
-                a += gw;
-                c += gw * xh;
                 dw[i] += gr[i] * xh;
                 db[i] += gr[i];
+            }
+            let mut a = 0f32;
+            let mut c = 0f32;
+            for i in 0..n {
+                let gw = gr[i] * w[i];
+                a += gw;
+                c += gw * xhat[i];
             }
             let (a, c) = (a * inv_n, c * inv_n);
             for i in 0..n {
@@ -680,7 +741,7 @@ impl Norm {
             _ => {}
         }
         Ok((
-            CpuStorage::F32(self.forward(x, w, b, n)),
+            CpuStorage::F32(simd(|| self.forward(x, w, b, n))),
             xl.shape().clone(),
         ))
     }
@@ -695,7 +756,9 @@ impl Norm {
         let n = last_dim(x.shape(), "norm")?;
         let g = g.contiguous()?;
         let (dx, dw, db) = with_f32(x, |xs| {
-            with_f32(w, |ws| with_f32(&g, |gs| self.backward(xs, ws, gs, n)))
+            with_f32(w, |ws| {
+                with_f32(&g, |gs| simd(|| self.backward(xs, ws, gs, n)))
+            })
         })???;
         Ok((
             from_vec(dx, x.shape(), x)?,
@@ -848,16 +911,18 @@ impl UnaryKernel for CrossEntropy {
     const NODE: &'static str = "fused-cross-entropy";
     const OP: &'static str = "cross_entropy";
 
+    #[inline(always)]
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let rows = self.targets.len();
         let c = logit_rows(x, shape, (rows, 1), Self::OP, "targets")?;
         let mut total = 0f64;
+        let mut scratch = Vec::with_capacity(c);
         for (xr, &t) in x.chunks_exact(c).zip(&self.targets) {
             let m = row_max(xr);
             let picked = *xr
                 .get(t as usize)
                 .ok_or_else(|| Error::msg(format!("cross_entropy: class id {t} >= {c} classes")))?;
-            total += f64::from(m + sum_exp(xr, m).ln() - picked);
+            total += f64::from(m + sum_exp(xr, m, &mut scratch).ln() - picked);
         }
         Ok((vec![(total / rows as f64) as f32], Shape::from(())))
     }
@@ -999,16 +1064,20 @@ impl CustomOp2 for CrossEntropyRows {
         let targets = ce_targets(ts, tl)?;
         let rows = targets.len();
         let c = logit_rows(x, xl.shape(), (rows, 0), "cross_entropy", "targets")?;
-        let mut out = vec![0f32; 2 * rows];
-        for ((xr, &t), o) in x.chunks_exact(c).zip(&targets).zip(out.chunks_exact_mut(2)) {
-            let m = row_max(xr);
-            let lse = m + sum_exp(xr, m).ln();
-            o[0] = match ce_class(t, self.ignore, c)? {
-                Some(k) => lse - xr[k],
-                None => 0.0,
-            };
-            o[1] = lse;
-        }
+        let out = simd(|| -> CResult<Vec<f32>> {
+            let mut out = vec![0f32; 2 * rows];
+            let mut scratch = Vec::with_capacity(c);
+            for ((xr, &t), o) in x.chunks_exact(c).zip(&targets).zip(out.chunks_exact_mut(2)) {
+                let m = row_max(xr);
+                let lse = m + sum_exp(xr, m, &mut scratch).ln();
+                o[0] = match ce_class(t, self.ignore, c)? {
+                    Some(k) => lse - xr[k],
+                    None => 0.0,
+                };
+                o[1] = lse;
+            }
+            Ok(out)
+        })?;
         Ok((CpuStorage::F32(out), Shape::from((rows, 2))))
     }
 
@@ -1159,14 +1228,15 @@ impl UnaryKernel for SumExpShifted {
     const NODE: &'static str = "fused-sum-exp";
     const OP: &'static str = "sum_exp";
 
+    #[inline(always)]
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let rows = self.m.len();
         let c = logit_rows(x, shape, (rows, 0), Self::OP, "shift")?;
-        let y = x
-            .chunks_exact(c)
-            .zip(&self.m)
-            .map(|(xr, &m)| sum_exp(xr, m))
-            .collect();
+        let mut scratch = Vec::with_capacity(c);
+        let mut y = vec![0f32; rows];
+        for ((o, xr), &m) in y.iter_mut().zip(x.chunks_exact(c)).zip(&self.m) {
+            *o = sum_exp(xr, m, &mut scratch);
+        }
         Ok((y, Shape::from((rows, 1))))
     }
 
@@ -1197,6 +1267,7 @@ impl UnaryKernel for PickMasked {
     const NODE: &'static str = "fused-pick";
     const OP: &'static str = "pick";
 
+    #[inline(always)]
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let rows = self.ids.len();
         let c = logit_rows(x, shape, (rows, 0), Self::OP, "ids")?;
@@ -1250,13 +1321,15 @@ pub fn row_sum(g: &Tensor, n: usize) -> CResult<Tensor> {
     }
     let g = g.contiguous()?;
     let acc = with_f32(&g, |gv| {
-        let mut acc = vec![0f32; n];
-        for row in gv.chunks_exact(n) {
-            for (a, &v) in acc.iter_mut().zip(row) {
-                *a += v;
+        simd(|| {
+            let mut acc = vec![0f32; n];
+            for row in gv.chunks_exact(n) {
+                for (a, &v) in acc.iter_mut().zip(row) {
+                    *a += v;
+                }
             }
-        }
-        acc
+            acc
+        })
     })?;
     Tensor::from_vec(acc, n, g.device())
 }
@@ -1305,7 +1378,7 @@ impl CustomOp2 for AddRows {
     ) -> CResult<(CpuStorage, Shape)> {
         let x = f32_slice(xs, xl, "add_rows")?;
         let b = f32_slice(bs, bl, "add_rows")?;
-        Ok((CpuStorage::F32(add_rows(x, b)), xl.shape().clone()))
+        Ok((CpuStorage::F32(simd(|| add_rows(x, b))), xl.shape().clone()))
     }
 
     fn bwd(
@@ -1582,6 +1655,190 @@ mod tests {
         assert!(worst < 4e-7, "worst relative error {worst}");
         assert_eq!(fast_exp(-200.0), fast_exp(-87.0));
         assert!(fast_exp(200.0).is_finite());
+    }
+
+    /// `fast_exp` as it was before its `2^n` came from `t`'s bits: `(n as i32 + 127) << 23`.
+    fn fast_exp_by_cast(x: f32) -> f32 {
+        const LOG2E: f32 = std::f32::consts::LOG2_E;
+        let x = x.clamp(-87.0, 88.0);
+        let n = (x * LOG2E + 12_582_912.0) - 12_582_912.0;
+        let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
+        let p = 1.0
+            + r * (1.0
+                + r * (0.5
+                    + r * (0.166_666_67
+                        + r * (0.041_666_668
+                            + r * (0.008_333_334 + r * (0.001_388_889 + r * 0.000_198_412_7))))));
+        p * f32::from_bits(((n as i32 + 127) << 23) as u32)
+    }
+
+    /// The exponent read off the rounding sum's bits is the cast's, for every input the clamp
+    /// lets through and beyond: the same bits everywhere (NaN stays NaN).
+    #[test]
+    fn fast_exp_by_bits_is_fast_exp_by_cast() {
+        let mut xs: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            -87.0,
+            88.0,
+            -87.5,
+            88.5,
+            -1e30,
+            1e30,
+            f32::MIN_POSITIVE,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        // Every 2^-10 over the clamp's range and past it, and the neighbours of each
+        // half-integer multiple of ln 2 (where the rounding to n changes).
+        let mut x = -100f32;
+        while x <= 100.0 {
+            xs.push(x);
+            x += 1.0 / 1024.0;
+        }
+        for k in -260..=260 {
+            let edge = (k as f32 + 0.5) * std::f32::consts::LN_2;
+            xs.extend([edge, f32::from_bits(edge.to_bits() + 1), edge.next_down()]);
+        }
+        for &x in &xs {
+            let (a, b) = (fast_exp(x), fast_exp_by_cast(x));
+            assert_eq!(a.to_bits(), b.to_bits(), "fast_exp({x:e}): {a:e} vs {b:e}");
+        }
+        assert!(fast_exp(f32::NAN).is_nan());
+    }
+
+    /// The maximum kept per lane is the sequential fold's (NaNs skipped alike), for rows of
+    /// every length around the lane count.
+    #[test]
+    fn the_lane_maximum_is_the_fold() {
+        for len in 0..70usize {
+            for salt in 0..4u32 {
+                let mut row: Vec<f32> = (0..len as u32)
+                    .map(|i| (i.wrapping_mul(2_654_435_761) ^ salt.wrapping_mul(40_503)) as f32)
+                    .map(|v| (v % 1000.0) - 600.0)
+                    .collect();
+                if salt == 1 && len > 3 {
+                    row[len / 2] = f32::NAN;
+                }
+                if salt == 2 {
+                    row.iter_mut().for_each(|v| *v = f32::NAN);
+                }
+                let fold = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                let lanes = row_max(&row);
+                assert!(
+                    lanes == fold || (lanes.is_nan() && fold.is_nan()),
+                    "len {len} salt {salt}: {lanes} vs {fold}"
+                );
+            }
+        }
+    }
+
+    /// A forward's output as bits: in [`simd`] (wide) and called directly (baseline).
+    type Bits = (Vec<u32>, Vec<u32>);
+    /// A norm backward's (dx, dw, db).
+    type Grads = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// `f` in [`simd`] and called directly, as bits.
+    fn both(f: &dyn Fn() -> Vec<f32>) -> Bits {
+        (bits(&simd(f)), bits(&f()))
+    }
+
+    /// Each kernel's CPU loops give the same bits in [`simd`] (the widest instructions this CPU
+    /// has) as compiled for the baseline (called directly): uneven row lengths, causal and
+    /// scaled softmax, both norms, and every backward. (Meaningful in an optimized build, where
+    /// the loops are vectorized: `cargo test --release`.)
+    #[test]
+    fn every_cpu_kernel_gives_the_same_bits_at_every_simd_width() {
+        for n in [1usize, 7, 16, 33, 130] {
+            let rows = 5;
+            let x = seq(&[rows, n], n as u32);
+            let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let g = seq(&[rows, n], 7 + n as u32);
+            let gs = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let sh = x.shape().clone();
+            let targets: Vec<u32> = (0..rows as u32).map(|r| r % n as u32).collect();
+            let causal = Softmax {
+                scale: 0.37,
+                causal: true,
+            };
+            let plain = Softmax {
+                scale: 1.0,
+                causal: false,
+            };
+            let shifted = SumExpShifted {
+                m: vec![0.25; rows],
+            };
+            let ce = CrossEntropy { targets };
+            let checks: Vec<(&str, Bits)> = vec![
+                ("gelu", both(&|| Gelu.forward(&xs, &sh).unwrap().0)),
+                ("softmax", both(&|| plain.forward(&xs, &sh).unwrap().0)),
+                (
+                    "causal softmax",
+                    both(&|| causal.forward(&xs, &sh).unwrap().0),
+                ),
+                (
+                    "log_softmax",
+                    both(&|| LogSoftmax.forward(&xs, &sh).unwrap().0),
+                ),
+                ("sum_exp", both(&|| shifted.forward(&xs, &sh).unwrap().0)),
+                ("cross_entropy", both(&|| ce.forward(&xs, &sh).unwrap().0)),
+                ("add_rows", both(&|| add_rows(&xs, &gs[..n]))),
+                (
+                    "softmax backward",
+                    both(&|| {
+                        map_rows2(&xs, &gs, n, |y, gr, d| softmax_row_backward(y, gr, d, 0.37))
+                    }),
+                ),
+                (
+                    // The node's backward runs its loop in `simd` itself.
+                    "gelu backward",
+                    (
+                        bits(
+                            &Gelu
+                                .backward(&x, &x, &g)
+                                .unwrap()
+                                .flatten_all()
+                                .unwrap()
+                                .to_vec1()
+                                .unwrap(),
+                        ),
+                        bits(&gelu_backward_baseline(&xs, &gs)),
+                    ),
+                ),
+            ];
+            for (name, (wide, base)) in checks {
+                assert_eq!(wide, base, "{name}, n {n}");
+            }
+            for center in [true, false] {
+                let norm = Norm { eps: 1e-5, center };
+                let (w, b) = (&gs[..n], &xs[..n]);
+                let (wide, base) = both(&|| norm.forward(&xs, w, Some(b), n));
+                assert_eq!(wide, base, "norm (center {center}) forward, n {n}");
+                let back = |(dx, dw, db): Grads| [bits(&dx), bits(&dw), bits(&db)];
+                let wide = back(simd(|| norm.backward(&xs, w, &gs, n)));
+                assert_eq!(
+                    wide,
+                    back(norm.backward(&xs, w, &gs, n)),
+                    "norm (center {center}) backward, n {n}"
+                );
+            }
+        }
+    }
+
+    /// `Gelu::backward`'s loop, outside [`simd`].
+    fn gelu_backward_baseline(x: &[f32], g: &[f32]) -> Vec<f32> {
+        x.iter()
+            .zip(g)
+            .map(|(&v, &gv)| {
+                let t = fast_tanh(GELU_C * (v + GELU_A * v * v * v));
+                gv * (0.5 * (1.0 + t)
+                    + 0.5 * v * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * v * v))
+            })
+            .collect()
     }
 
     fn seq(dims: &[usize], seed: u32) -> Tensor {
