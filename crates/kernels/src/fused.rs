@@ -12,12 +12,17 @@
 //! tested against. [`applies`] says where the CPU kernels run, [`device_applies`] where the
 //! row kernels (GELU, norms, softmax family, cross-entropy) run.
 //!
-//! **SIMD on the CPU.** The loops are written plainly and run inside [`simd`], which compiles
-//! them for AVX-512, AVX2+FMA and the baseline and picks by what the CPU has at run time. Each
-//! loop keeps its order of floating-point operations (Rust neither reassociates nor fuses a
-//! multiply and an add on its own), so every width gives the same bits: elementwise loops and
-//! maxima vectorize, and a sum keeps its one sequential order. A loop that computes
-//! exponentials and sums them is split into the exponentials (vectorized) and the sum.
+//! **SIMD and threads on the CPU.** The loops are written plainly and run inside [`simd`],
+//! which compiles them for AVX-512, AVX2+FMA and the baseline and picks by what the CPU has at
+//! run time. Each loop keeps its order of floating-point operations (Rust neither reassociates
+//! nor fuses a multiply and an add on its own), so every width gives the same bits:
+//! elementwise loops and maxima vectorize, and a sum keeps its one sequential order. A loop
+//! that computes exponentials and sums them is split into the exponentials (vectorized) and
+//! the sum. Row kernels run blocks of about 32K elements of whole rows in parallel on rayon's
+//! pool (the one candle's CPU ops and GEMMs use, `RAYON_NUM_THREADS` threads); rows are
+//! independent, and sums across rows (the norms' weight gradients, the mean loss) stay in row
+//! order, so the thread count changes no bit either. `CDT_CPU_KERNELS=plain` runs them without
+//! either (the baseline loops on the calling thread).
 
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Error, Layout, Shape, Tensor,
@@ -161,12 +166,90 @@ fn fast_tanh(z: f32) -> f32 {
     1.0 - 2.0 / (fast_exp(2.0 * z) + 1.0)
 }
 
+/// Whether the CPU kernels run plain: no SIMD dispatch, one block on the calling thread
+/// (`CDT_CPU_KERNELS=plain`; tests switch it to compare). The same bits either way.
+static PLAIN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn plain() -> bool {
+    static FROM_ENV: std::sync::Once = std::sync::Once::new();
+    FROM_ENV.call_once(|| {
+        if std::env::var("CDT_CPU_KERNELS").is_ok_and(|v| v.trim() == "plain") {
+            PLAIN.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    PLAIN.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Runs `f` with its loops compiled for the widest SIMD instructions this CPU has (AVX-512,
 /// AVX2+FMA, or the baseline), picked at run time (`pulp`); the same bits on every width (see
 /// the module docs). What `f` calls is vectorized only where it is inlined into it.
 #[inline(always)]
 pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
+    if plain() {
+        return f();
+    }
     pulp::Arch::new().dispatch(f)
+}
+
+/// About this many elements of input make one parallel task of a row kernel.
+const PAR_GRAIN: usize = 1 << 15;
+
+/// Runs `f(first_row, a_block, b_block, out_block)` over blocks of whole rows: `a` and `b`
+/// have `n` elements a row (`b` may be empty: then its blocks are), `out` `m`; rows past the
+/// end of the shortest are left out. Each block runs
+/// in [`simd`]; blocks run in parallel on rayon's pool (candle's CPU ops and GEMMs use it too)
+/// when there are several. Every caller's rows are independent of each other, so neither the
+/// blocking nor the thread count changes a bit of the result.
+#[inline(always)]
+fn par_rows2(
+    a: &[f32],
+    b: &[f32],
+    n: usize,
+    out: &mut [f32],
+    m: usize,
+    f: impl Fn(usize, &[f32], &[f32], &mut [f32]) + Sync,
+) {
+    if n == 0 || m == 0 {
+        return;
+    }
+    // The rows all operands have (a non-empty `b` limits them too).
+    let mut rows = (a.len() / n).min(out.len() / m);
+    if !b.is_empty() {
+        rows = rows.min(b.len() / n);
+    }
+    let per = (PAR_GRAIN / n).max(1);
+    let (a, out) = (&a[..rows * n], &mut out[..rows * m]);
+    let b = if b.is_empty() { b } else { &b[..rows * n] };
+    let b_block = if b.is_empty() { 0 } else { per * n };
+    if rows <= per || plain() || rayon::current_num_threads() == 1 {
+        return simd(|| f(0, a, b, out));
+    }
+    use rayon::prelude::*;
+    let out_blocks = out.par_chunks_mut(per * m);
+    let a_blocks = a.par_chunks(per * n);
+    let b_of = |i: usize| {
+        if b_block == 0 {
+            &b[..0]
+        } else {
+            &b[(i * b_block).min(b.len())..((i + 1) * b_block).min(b.len())]
+        }
+    };
+    a_blocks
+        .zip(out_blocks)
+        .enumerate()
+        .for_each(|(i, (ab, ob))| simd(|| f(i * per, ab, b_of(i), ob)));
+}
+
+/// [`par_rows2`] with one input.
+#[inline(always)]
+fn par_rows(
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    m: usize,
+    f: impl Fn(usize, &[f32], &mut [f32]) + Sync,
+) {
+    par_rows2(x, &[], n, out, m, |r, xb, _, ob| f(r, xb, ob));
 }
 
 /// Lanes of the maxima below: a multiple of every vector width.
@@ -202,38 +285,52 @@ fn sum_exp(xr: &[f32], m: f32, scratch: &mut Vec<f32>) -> f32 {
     scratch.iter().sum()
 }
 
-/// The row walk of every row kernel here: each row of `n` elements of `x`, paired with the next
-/// item of `per_row` (the shorter side ends the walk), goes through `f(x_row, out_row, item)`
-/// into a zeroed output of `x`'s length (all zeros when `n == 0`). Generic, so each kernel's
-/// loop is compiled on its own.
+/// The row walk of every row kernel here: each row of `n` elements of `x` goes through
+/// `f(row_index, x_row, out_row)` into a zeroed output of `x`'s length (all zeros when
+/// `n == 0`), in blocks of rows run in parallel ([`par_rows`]). Generic, so each kernel's loop
+/// is compiled on its own.
 #[inline(always)]
-fn map_rows<E>(
-    x: &[f32],
-    n: usize,
-    per_row: impl IntoIterator<Item = E>,
-    mut f: impl FnMut(&[f32], &mut [f32], E),
-) -> Vec<f32> {
+fn map_rows(x: &[f32], n: usize, f: impl Fn(usize, &[f32], &mut [f32]) + Sync) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
-    if n > 0 {
-        for ((xr, or), e) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)).zip(per_row) {
-            f(xr, or, e);
+    par_rows(x, n, &mut out, n, |first, xb, ob| {
+        for (i, (xr, or)) in xb.chunks_exact(n).zip(ob.chunks_exact_mut(n)).enumerate() {
+            f(first + i, xr, or);
         }
-    }
+    });
     out
 }
 
-/// [`map_rows`] over the rows of two arrays of the same layout: `f(a_row, b_row, out_row)`.
+/// [`map_rows`] over the rows of two arrays of the same layout: `f(a_row, b_row, out_row)`
+/// (rows past the shorter array's end stay zero).
 #[inline(always)]
 fn map_rows2(
     a: &[f32],
     b: &[f32],
     n: usize,
-    mut f: impl FnMut(&[f32], &[f32], &mut [f32]),
+    f: impl Fn(&[f32], &[f32], &mut [f32]) + Sync,
 ) -> Vec<f32> {
+    let mut out = vec![0f32; a.len()];
     if n == 0 {
-        return vec![0f32; a.len()];
+        return out;
     }
-    map_rows(a, n, b.chunks_exact(n), |ar, or, br| f(ar, br, or))
+    let rows = (a.len() / n).min(b.len() / n);
+    par_rows2(
+        &a[..rows * n],
+        &b[..rows * n],
+        n,
+        &mut out,
+        n,
+        |_, ab, bb, ob| {
+            for ((ar, br), or) in ab
+                .chunks_exact(n)
+                .zip(bb.chunks_exact(n))
+                .zip(ob.chunks_exact_mut(n))
+            {
+                f(ar, br, or);
+            }
+        },
+    );
+    out
 }
 
 /// `x + b` for `b` one row broadcast over the rows of `x` (nothing when `b` is empty).
@@ -245,11 +342,13 @@ pub(crate) fn add_rows(x: &[f32], b: &[f32]) -> Vec<f32> {
     }
     let rows = x.len() / n;
     let mut y = vec![0f32; rows * n];
-    for (yr, xr) in y.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
-        for ((o, &a), &c) in yr.iter_mut().zip(xr).zip(b) {
-            *o = a + c;
+    par_rows(x, n, &mut y, n, |_, xb, yb| {
+        for (yr, xr) in yb.chunks_exact_mut(n).zip(xb.chunks_exact(n)) {
+            for ((o, &a), &c) in yr.iter_mut().zip(xr).zip(b) {
+                *o = a + c;
+            }
         }
-    }
+    });
     y
 }
 
@@ -268,8 +367,8 @@ trait UnaryKernel: Send + Sync + 'static {
     const NODE: &'static str;
     /// The op's name in error messages.
     const OP: &'static str;
-    /// The output and its shape for the elements `x` of an input of `shape`. Runs inside
-    /// [`simd`]: implementations are `#[inline(always)]`, so their loops are compiled there.
+    /// The output and its shape for the elements `x` of an input of `shape` (loops in
+    /// [`par_rows`] blocks, so in [`simd`]).
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)>;
     /// The gradient of the input `arg`, given the output `res` and its gradient `g`.
     fn backward(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> CResult<Tensor>;
@@ -301,7 +400,7 @@ impl<K: UnaryKernel> CustomOp1 for Fused1<K> {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
         let x = f32_slice(s, l, K::OP)?;
-        let (y, shape) = simd(|| self.0.forward(x, l.shape()))?;
+        let (y, shape) = self.0.forward(x, l.shape())?;
         Ok((CpuStorage::F32(y), shape))
     }
 
@@ -331,24 +430,31 @@ fn grad_from_output(
     res: &Tensor,
     g: &Tensor,
     op: &str,
-    f: impl FnMut(&[f32], &[f32], &mut [f32]),
+    f: impl Fn(&[f32], &[f32], &mut [f32]) + Sync,
 ) -> CResult<Tensor> {
     let n = last_dim(res.shape(), op)?;
     let g = g.contiguous()?;
-    let dx = with_f32(res, |y| with_f32(&g, |g| simd(|| map_rows2(y, g, n, f))))??;
+    let dx = with_f32(res, |y| with_f32(&g, |g| map_rows2(y, g, n, f)))??;
     from_vec(dx, arg.shape(), arg)
 }
 
 /// The gradient of a last-dim row kernel from its input `arg` alone: `f(x_row, dx_row, item)`
-/// on each row paired with the next item of `per_row`, as a tensor like `arg`.
+/// on each row `r` for which `item(r)` gives one (the others stay zero), as a tensor like
+/// `arg`.
 fn grad_from_input<E>(
     arg: &Tensor,
     op: &str,
-    per_row: impl IntoIterator<Item = E>,
-    f: impl FnMut(&[f32], &mut [f32], E),
+    item: impl Fn(usize) -> Option<E> + Sync,
+    f: impl Fn(&[f32], &mut [f32], E) + Sync,
 ) -> CResult<Tensor> {
     let c = last_dim(arg.shape(), op)?;
-    let dx = with_f32(arg, |x| simd(|| map_rows(x, c, per_row, f)))?;
+    let dx = with_f32(arg, |x| {
+        map_rows(x, c, |r, xr, dr| {
+            if let Some(e) = item(r) {
+                f(xr, dr, e)
+            }
+        })
+    })?;
     from_vec(dx, arg.shape(), arg)
 }
 
@@ -362,14 +468,15 @@ impl UnaryKernel for Gelu {
     const NODE: &'static str = "fused-gelu";
     const OP: &'static str = "gelu";
 
-    #[inline(always)]
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         // A plain loop into a zeroed buffer: `collect` would run in a function of its own,
         // outside `simd`'s target features.
         let mut y = vec![0f32; x.len()];
-        for (o, &v) in y.iter_mut().zip(x) {
-            *o = 0.5 * v * (1.0 + fast_tanh(GELU_C * (v + GELU_A * v * v * v)));
-        }
+        par_rows(x, 1, &mut y, 1, |_, xb, yb| {
+            for (o, &v) in yb.iter_mut().zip(xb) {
+                *o = 0.5 * v * (1.0 + fast_tanh(GELU_C * (v + GELU_A * v * v * v)));
+            }
+        });
         Ok((y, shape.clone()))
     }
 
@@ -390,16 +497,17 @@ impl UnaryKernel for Gelu {
         let g = g.contiguous()?;
         let dx = with_f32(arg, |x| {
             with_f32(&g, |g| {
-                simd(|| {
-                    let mut dx = vec![0f32; x.len()];
-                    for ((o, &v), &gv) in dx.iter_mut().zip(x).zip(g) {
+                let n = x.len().min(g.len());
+                let mut dx = vec![0f32; x.len()];
+                par_rows2(&x[..n], &g[..n], 1, &mut dx, 1, |_, xb, gb, ob| {
+                    for ((o, &v), &gv) in ob.iter_mut().zip(xb).zip(gb) {
                         let t = fast_tanh(GELU_C * (v + GELU_A * v * v * v));
                         let d = 0.5 * (1.0 + t)
                             + 0.5 * v * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * v * v);
                         *o = gv * d;
                     }
-                    dx
-                })
+                });
+                dx
             })
         })??;
         from_vec(dx, arg.shape(), arg)
@@ -446,7 +554,7 @@ pub(crate) fn gelu_storage<S: crate::storage::DeviceStorage>(x: &Tensor) -> CRes
         return Err(Error::msg("gelu: a CUDA tensor in a build without `cuda`"));
     } else {
         let x32 = x.to_dtype(DType::F32)?;
-        let (y, _) = with_f32(&x32, |v| simd(|| Gelu.forward(v, &shape)))??;
+        let (y, _) = with_f32(&x32, |v| Gelu.forward(v, &shape))??;
         match x.dtype() {
             DType::F32 => candle_core::Storage::Cpu(CpuStorage::F32(y)),
             DType::BF16 => candle_core::Storage::Cpu(CpuStorage::BF16(
@@ -522,11 +630,10 @@ impl UnaryKernel for Softmax {
     const NODE: &'static str = "fused-softmax";
     const OP: &'static str = "softmax";
 
-    #[inline(always)]
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let n = last_dim(shape, Self::OP)?;
         let t = self.rows_t(shape);
-        let y = map_rows(x, n, 0.., |xr, yr, row| {
+        let y = map_rows(x, n, |row, xr, yr| {
             let valid = if self.causal {
                 let i = row % t;
                 (i + n + 1).saturating_sub(t).min(n)
@@ -592,15 +699,17 @@ impl UnaryKernel for LogSoftmax {
     const NODE: &'static str = "fused-log-softmax";
     const OP: &'static str = "log_softmax";
 
-    #[inline(always)]
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let n = last_dim(shape, Self::OP)?;
-        let mut scratch = Vec::with_capacity(n);
-        let y = map_rows(x, n, 0.., |xr, yr, _| {
-            let m = row_max(xr);
-            let lse = m + sum_exp(xr, m, &mut scratch).ln();
-            for (o, &v) in yr.iter_mut().zip(xr) {
-                *o = v - lse;
+        let mut y = vec![0f32; x.len()];
+        par_rows(x, n, &mut y, n, |_, xb, yb| {
+            let mut scratch = Vec::with_capacity(n);
+            for (xr, yr) in xb.chunks_exact(n).zip(yb.chunks_exact_mut(n)) {
+                let m = row_max(xr);
+                let lse = m + sum_exp(xr, m, &mut scratch).ln();
+                for (o, &v) in yr.iter_mut().zip(xr) {
+                    *o = v - lse;
+                }
             }
         });
         Ok((y, shape.clone()))
@@ -655,7 +764,7 @@ struct Norm {
 impl Norm {
     #[inline(always)]
     fn forward(&self, x: &[f32], w: &[f32], b: Option<&[f32]>, n: usize) -> Vec<f32> {
-        map_rows(x, n, 0.., |xr, yr, _| {
+        map_rows(x, n, |_, xr, yr| {
             let (mean, rstd) = row_stats(xr, self.eps, self.center);
             match b {
                 Some(b) => {
@@ -683,32 +792,63 @@ impl Norm {
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let mut dw = vec![0f32; n];
         let mut db = vec![0f32; n];
+        let mut dx = vec![0f32; x.len()];
+        if n == 0 {
+            return (dx, dw, db);
+        }
         let inv_n = 1.0 / n as f32;
-        let mut xhat = vec![0f32; n];
-        let dx = map_rows2(x, g, n, |xr, gr, dr| {
-            let (mean, rstd) = row_stats(xr, self.eps, self.center);
-            // Elementwise (vectorized), then the two sums in order.
-            for i in 0..n {
-                let xh = (xr[i] - mean) * rstd;
-                xhat[i] = xh;
-                dw[i] += gr[i] * xh;
-                db[i] += gr[i];
-            }
-            let mut a = 0f32;
-            let mut c = 0f32;
-            for i in 0..n {
-                let gw = gr[i] * w[i];
-                a += gw;
-                c += gw * xhat[i];
-            }
-            let (a, c) = (a * inv_n, c * inv_n);
-            for i in 0..n {
-                let gw = gr[i] * w[i];
-                dr[i] = if self.center {
-                    rstd * (gw - a - xhat[i] * c)
-                } else {
-                    rstd * (gw - xhat[i] * c)
-                };
+        let rows = (x.len() / n).min(g.len() / n);
+        let (x, g) = (&x[..rows * n], &g[..rows * n]);
+        // Per row (blocks of rows in parallel): x̂, kept for the weight gradients, and dx.
+        let mut xhat = vec![0f32; rows * n];
+        let body = |xb: &[f32], gb: &[f32], db_: &mut [f32], hb: &mut [f32]| {
+            simd(|| {
+                let rows = xb.chunks_exact(n).zip(gb.chunks_exact(n));
+                for ((xr, gr), (dr, hr)) in
+                    rows.zip(db_.chunks_exact_mut(n).zip(hb.chunks_exact_mut(n)))
+                {
+                    let (mean, rstd) = row_stats(xr, self.eps, self.center);
+                    for (h, &v) in hr.iter_mut().zip(xr) {
+                        *h = (v - mean) * rstd;
+                    }
+                    // The two sums in order.
+                    let mut a = 0f32;
+                    let mut c = 0f32;
+                    for i in 0..n {
+                        let gw = gr[i] * w[i];
+                        a += gw;
+                        c += gw * hr[i];
+                    }
+                    let (a, c) = (a * inv_n, c * inv_n);
+                    for i in 0..n {
+                        let gw = gr[i] * w[i];
+                        dr[i] = if self.center {
+                            rstd * (gw - a - hr[i] * c)
+                        } else {
+                            rstd * (gw - hr[i] * c)
+                        };
+                    }
+                }
+            })
+        };
+        let block = (PAR_GRAIN / n).max(1) * n;
+        let dxr = &mut dx[..rows * n];
+        if plain() || rows * n <= block || rayon::current_num_threads() == 1 {
+            body(x, g, dxr, &mut xhat);
+        } else {
+            use rayon::prelude::*;
+            dxr.par_chunks_mut(block)
+                .zip(xhat.par_chunks_mut(block))
+                .zip(x.par_chunks(block).zip(g.par_chunks(block)))
+                .for_each(|((d, h), (xb, gb))| body(xb, gb, d, h));
+        }
+        // The weight and bias gradients: the rows in order, each row's elements vectorized.
+        simd(|| {
+            for (hr, gr) in xhat.chunks_exact(n).zip(g.chunks_exact(n)) {
+                for i in 0..n {
+                    dw[i] += gr[i] * hr[i];
+                    db[i] += gr[i];
+                }
             }
         });
         (dx, dw, db)
@@ -741,7 +881,7 @@ impl Norm {
             _ => {}
         }
         Ok((
-            CpuStorage::F32(simd(|| self.forward(x, w, b, n))),
+            CpuStorage::F32(self.forward(x, w, b, n)),
             xl.shape().clone(),
         ))
     }
@@ -756,9 +896,7 @@ impl Norm {
         let n = last_dim(x.shape(), "norm")?;
         let g = g.contiguous()?;
         let (dx, dw, db) = with_f32(x, |xs| {
-            with_f32(w, |ws| {
-                with_f32(&g, |gs| simd(|| self.backward(xs, ws, gs, n)))
-            })
+            with_f32(w, |ws| with_f32(&g, |gs| self.backward(xs, ws, gs, n)))
         })???;
         Ok((
             from_vec(dx, x.shape(), x)?,
@@ -911,37 +1049,51 @@ impl UnaryKernel for CrossEntropy {
     const NODE: &'static str = "fused-cross-entropy";
     const OP: &'static str = "cross_entropy";
 
-    #[inline(always)]
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let rows = self.targets.len();
         let c = logit_rows(x, shape, (rows, 1), Self::OP, "targets")?;
-        let mut total = 0f64;
-        let mut scratch = Vec::with_capacity(c);
-        for (xr, &t) in x.chunks_exact(c).zip(&self.targets) {
-            let m = row_max(xr);
-            let picked = *xr
-                .get(t as usize)
-                .ok_or_else(|| Error::msg(format!("cross_entropy: class id {t} >= {c} classes")))?;
-            total += f64::from(m + sum_exp(xr, m, &mut scratch).ln() - picked);
+        if let Some(t) = self.targets.iter().find(|&&t| t as usize >= c) {
+            return Err(Error::msg(format!(
+                "cross_entropy: class id {t} >= {c} classes"
+            )));
         }
+        // Each row's loss (rows in parallel), then their sum in row order.
+        let mut per_row = vec![0f32; rows];
+        par_rows(x, c, &mut per_row, 1, |first, xb, lb| {
+            let mut scratch = Vec::with_capacity(c);
+            for (i, (xr, l)) in xb.chunks_exact(c).zip(lb.iter_mut()).enumerate() {
+                let m = row_max(xr);
+                let picked = xr[self.targets[first + i] as usize];
+                *l = m + sum_exp(xr, m, &mut scratch).ln() - picked;
+            }
+        });
+        let total: f64 = per_row
+            .iter()
+            .map(|&l| f64::from(l))
+            .fold(0.0, |a, b| a + b);
         Ok((vec![(total / rows as f64) as f32], Shape::from(())))
     }
 
     fn backward(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Tensor> {
         let scale = g.to_dtype(DType::F32)?.to_scalar::<f32>()? / self.targets.len() as f32;
-        grad_from_input(arg, Self::OP, &self.targets, |xr, dr, &t| {
-            let m = row_max(xr);
-            for (d, &v) in dr.iter_mut().zip(xr) {
-                *d = fast_exp(v - m);
-            }
-            let inv = scale / dr.iter().sum::<f32>();
-            for d in dr.iter_mut() {
-                *d *= inv;
-            }
-            if let Some(d) = dr.get_mut(t as usize) {
-                *d -= scale;
-            }
-        })
+        grad_from_input(
+            arg,
+            Self::OP,
+            |r| self.targets.get(r),
+            |xr, dr, &t| {
+                let m = row_max(xr);
+                for (d, &v) in dr.iter_mut().zip(xr) {
+                    *d = fast_exp(v - m);
+                }
+                let inv = scale / dr.iter().sum::<f32>();
+                for d in dr.iter_mut() {
+                    *d *= inv;
+                }
+                if let Some(d) = dr.get_mut(t as usize) {
+                    *d -= scale;
+                }
+            },
+        )
     }
 }
 
@@ -1064,20 +1216,23 @@ impl CustomOp2 for CrossEntropyRows {
         let targets = ce_targets(ts, tl)?;
         let rows = targets.len();
         let c = logit_rows(x, xl.shape(), (rows, 0), "cross_entropy", "targets")?;
-        let out = simd(|| -> CResult<Vec<f32>> {
-            let mut out = vec![0f32; 2 * rows];
+        let classes = targets
+            .iter()
+            .map(|&t| ce_class(t, self.ignore, c))
+            .collect::<CResult<Vec<_>>>()?;
+        let mut out = vec![0f32; 2 * rows];
+        par_rows(x, c, &mut out, 2, |first, xb, ob| {
             let mut scratch = Vec::with_capacity(c);
-            for ((xr, &t), o) in x.chunks_exact(c).zip(&targets).zip(out.chunks_exact_mut(2)) {
+            for (i, (xr, o)) in xb.chunks_exact(c).zip(ob.chunks_exact_mut(2)).enumerate() {
                 let m = row_max(xr);
                 let lse = m + sum_exp(xr, m, &mut scratch).ln();
-                o[0] = match ce_class(t, self.ignore, c)? {
+                o[0] = match classes[first + i] {
                     Some(k) => lse - xr[k],
                     None => 0.0,
                 };
                 o[1] = lse;
             }
-            Ok(out)
-        })?;
+        });
         Ok((CpuStorage::F32(out), Shape::from((rows, 2))))
     }
 
@@ -1125,7 +1280,7 @@ impl CustomOp2 for CrossEntropyRows {
         let dx = grad_from_input(
             x,
             "cross_entropy",
-            classes.iter().zip(lg.chunks_exact(2)),
+            |r| Some((classes.get(r)?, lg.get(2 * r..2 * r + 2)?)),
             |xr, dr, (&k, lg)| {
                 let Some(k) = k else { return };
                 let (lse, gv) = (lg[0], lg[1]);
@@ -1228,21 +1383,23 @@ impl UnaryKernel for SumExpShifted {
     const NODE: &'static str = "fused-sum-exp";
     const OP: &'static str = "sum_exp";
 
-    #[inline(always)]
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let rows = self.m.len();
         let c = logit_rows(x, shape, (rows, 0), Self::OP, "shift")?;
-        let mut scratch = Vec::with_capacity(c);
         let mut y = vec![0f32; rows];
-        for ((o, xr), &m) in y.iter_mut().zip(x.chunks_exact(c)).zip(&self.m) {
-            *o = sum_exp(xr, m, &mut scratch);
-        }
+        par_rows(x, c, &mut y, 1, |first, xb, yb| {
+            let mut scratch = Vec::with_capacity(c);
+            for (i, (o, xr)) in yb.iter_mut().zip(xb.chunks_exact(c)).enumerate() {
+                *o = sum_exp(xr, self.m[first + i], &mut scratch);
+            }
+        });
         Ok((y, Shape::from((rows, 1))))
     }
 
     fn backward(&self, arg: &Tensor, _res: &Tensor, g: &Tensor) -> CResult<Tensor> {
         let g = host_f32(g)?;
-        grad_from_input(arg, Self::OP, self.m.iter().zip(&g), |xr, dr, (&m, &gv)| {
+        let item = |r: usize| Some((self.m.get(r)?, g.get(r)?));
+        grad_from_input(arg, Self::OP, item, |xr, dr, (&m, &gv)| {
             for (d, &v) in dr.iter_mut().zip(xr) {
                 *d = gv * fast_exp(v - m);
             }
@@ -1267,7 +1424,6 @@ impl UnaryKernel for PickMasked {
     const NODE: &'static str = "fused-pick";
     const OP: &'static str = "pick";
 
-    #[inline(always)]
     fn forward(&self, x: &[f32], shape: &Shape) -> CResult<(Vec<f32>, Shape)> {
         let rows = self.ids.len();
         let c = logit_rows(x, shape, (rows, 0), Self::OP, "ids")?;
@@ -1378,7 +1534,7 @@ impl CustomOp2 for AddRows {
     ) -> CResult<(CpuStorage, Shape)> {
         let x = f32_slice(xs, xl, "add_rows")?;
         let b = f32_slice(bs, bl, "add_rows")?;
-        Ok((CpuStorage::F32(simd(|| add_rows(x, b))), xl.shape().clone()))
+        Ok((CpuStorage::F32(add_rows(x, b)), xl.shape().clone()))
     }
 
     fn bwd(
@@ -1733,7 +1889,7 @@ mod tests {
         }
     }
 
-    /// A forward's output as bits: in [`simd`] (wide) and called directly (baseline).
+    /// A kernel's output as bits: as usual (SIMD, blocks in parallel) and plain.
     type Bits = (Vec<u32>, Vec<u32>);
     /// A norm backward's (dx, dw, db).
     type Grads = (Vec<f32>, Vec<f32>, Vec<f32>);
@@ -1742,19 +1898,35 @@ mod tests {
         v.iter().map(|x| x.to_bits()).collect()
     }
 
-    /// `f` in [`simd`] and called directly, as bits.
-    fn both(f: &dyn Fn() -> Vec<f32>) -> Bits {
-        (bits(&simd(f)), bits(&f()))
+    /// `f` as usual and plain (no SIMD dispatch, one block on this thread). The switch is the
+    /// process's: other tests running meanwhile may run plain for a moment, which by the
+    /// property checked here changes none of their results.
+    fn usual_and_plain<T>(f: impl Fn() -> T) -> (T, T) {
+        static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(!plain(), "CDT_CPU_KERNELS=plain is set: nothing to compare");
+        let usual = f();
+        PLAIN.store(true, std::sync::atomic::Ordering::Relaxed);
+        let plain_run = f();
+        PLAIN.store(false, std::sync::atomic::Ordering::Relaxed);
+        (usual, plain_run)
     }
 
-    /// Each kernel's CPU loops give the same bits in [`simd`] (the widest instructions this CPU
-    /// has) as compiled for the baseline (called directly): uneven row lengths, causal and
-    /// scaled softmax, both norms, and every backward. (Meaningful in an optimized build, where
-    /// the loops are vectorized: `cargo test --release`.)
+    fn both(f: &dyn Fn() -> Vec<f32>) -> Bits {
+        let (a, b) = usual_and_plain(f);
+        (bits(&a), bits(&b))
+    }
+
+    /// Each kernel gives the same bits as usual (its loops in `simd`, the widest instructions
+    /// this CPU has; blocks of rows in parallel on rayon's pool) as plain (the baseline build's
+    /// loops, one block on the calling thread): rows of uneven lengths, enough of them for
+    /// several blocks, causal and scaled softmax, both norms, every backward. (The loops are
+    /// vectorized in an optimized build: `cargo test --release` checks the widths too.)
     #[test]
-    fn every_cpu_kernel_gives_the_same_bits_at_every_simd_width() {
+    fn every_cpu_kernel_gives_the_same_bits_in_parallel_simd_blocks_as_plain() {
         for n in [1usize, 7, 16, 33, 130] {
-            let rows = 5;
+            // At least three blocks of rows.
+            let rows = 3 * PAR_GRAIN / n + 7;
             let x = seq(&[rows, n], n as u32);
             let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let g = seq(&[rows, n], 7 + n as u32);
@@ -1765,17 +1937,29 @@ mod tests {
                 scale: 0.37,
                 causal: true,
             };
-            let plain = Softmax {
+            let plain_softmax = Softmax {
                 scale: 1.0,
                 causal: false,
             };
             let shifted = SumExpShifted {
-                m: vec![0.25; rows],
+                m: (0..rows).map(|r| r as f32 / rows as f32).collect(),
             };
             let ce = CrossEntropy { targets };
+            let ce_grad = || {
+                let gl = Tensor::new(0.5f32, &candle_core::Device::Cpu).unwrap();
+                ce.backward(&x, &x, &gl)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            };
             let checks: Vec<(&str, Bits)> = vec![
                 ("gelu", both(&|| Gelu.forward(&xs, &sh).unwrap().0)),
-                ("softmax", both(&|| plain.forward(&xs, &sh).unwrap().0)),
+                (
+                    "softmax",
+                    both(&|| plain_softmax.forward(&xs, &sh).unwrap().0),
+                ),
                 (
                     "causal softmax",
                     both(&|| causal.forward(&xs, &sh).unwrap().0),
@@ -1786,6 +1970,7 @@ mod tests {
                 ),
                 ("sum_exp", both(&|| shifted.forward(&xs, &sh).unwrap().0)),
                 ("cross_entropy", both(&|| ce.forward(&xs, &sh).unwrap().0)),
+                ("cross_entropy backward", both(&ce_grad)),
                 ("add_rows", both(&|| add_rows(&xs, &gs[..n]))),
                 (
                     "softmax backward",
@@ -1794,51 +1979,26 @@ mod tests {
                     }),
                 ),
                 (
-                    // The node's backward runs its loop in `simd` itself.
                     "gelu backward",
-                    (
-                        bits(
-                            &Gelu
-                                .backward(&x, &x, &g)
-                                .unwrap()
-                                .flatten_all()
-                                .unwrap()
-                                .to_vec1()
-                                .unwrap(),
-                        ),
-                        bits(&gelu_backward_baseline(&xs, &gs)),
-                    ),
+                    both(&|| {
+                        let dx = Gelu.backward(&x, &x, &g).unwrap();
+                        dx.flatten_all().unwrap().to_vec1().unwrap()
+                    }),
                 ),
             ];
-            for (name, (wide, base)) in checks {
-                assert_eq!(wide, base, "{name}, n {n}");
+            for (name, (usual, plain_run)) in checks {
+                assert_eq!(usual, plain_run, "{name}, n {n}");
             }
             for center in [true, false] {
                 let norm = Norm { eps: 1e-5, center };
                 let (w, b) = (&gs[..n], &xs[..n]);
-                let (wide, base) = both(&|| norm.forward(&xs, w, Some(b), n));
-                assert_eq!(wide, base, "norm (center {center}) forward, n {n}");
+                let (usual, plain_run) = both(&|| norm.forward(&xs, w, Some(b), n));
+                assert_eq!(usual, plain_run, "norm (center {center}) forward, n {n}");
                 let back = |(dx, dw, db): Grads| [bits(&dx), bits(&dw), bits(&db)];
-                let wide = back(simd(|| norm.backward(&xs, w, &gs, n)));
-                assert_eq!(
-                    wide,
-                    back(norm.backward(&xs, w, &gs, n)),
-                    "norm (center {center}) backward, n {n}"
-                );
+                let (usual, plain_run) = usual_and_plain(|| back(norm.backward(&xs, w, &gs, n)));
+                assert_eq!(usual, plain_run, "norm (center {center}) backward, n {n}");
             }
         }
-    }
-
-    /// `Gelu::backward`'s loop, outside [`simd`].
-    fn gelu_backward_baseline(x: &[f32], g: &[f32]) -> Vec<f32> {
-        x.iter()
-            .zip(g)
-            .map(|(&v, &gv)| {
-                let t = fast_tanh(GELU_C * (v + GELU_A * v * v * v));
-                gv * (0.5 * (1.0 + t)
-                    + 0.5 * v * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * v * v))
-            })
-            .collect()
     }
 
     fn seq(dims: &[usize], seed: u32) -> Tensor {
