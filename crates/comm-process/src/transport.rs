@@ -940,8 +940,10 @@ fn write_all(
 /// reset the connection, which drops whatever this end still queues for sending. A goodbye
 /// (or failure notice) queued behind data that a busy peer has not made room for would be
 /// lost, and the peer would take a clean close for a crash and blame this rank for a failure
-/// it only reported. Bytes already sent survive the reset: the peer's kernel holds them and
-/// its reader reads them before it sees the reset. Waiting for them to be sent, not
+/// it only reported. Bytes already sent survive the reset where the link delivers them ahead of
+/// it (loopback and a link that loses nothing; a segment lost and not yet retransmitted is
+/// still lost): the peer's kernel holds them and its reader reads them before it sees the
+/// reset. Waiting for them to be sent, not
 /// acknowledged, costs nothing on a healthy connection (acknowledgements may be delayed by
 /// tens of milliseconds). Where the platform cannot say ([`unsent`] is `None`), nothing is
 /// waited for.
