@@ -493,24 +493,8 @@ fn a_flooding_peer_is_held_to_the_buffer_cap_and_loses_nothing() {
 fn an_oversized_control_frame_closes_the_connection_naming_the_peer() {
     use std::io::{Read, Write};
     crate::test_support::capture_warnings();
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let mut evil = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (t, mut evil) = with_raw_peer("oversized");
     let evil_addr = evil.local_addr().unwrap().to_string();
-    let (mine, _) = l.accept().unwrap();
-    let rdv = Rendezvous {
-        store: Arc::new(TcpStore::connect(&server().1, Duration::from_secs(10)).unwrap()),
-        ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
-        token: Token::new(b"t"),
-    };
-    let t = transport::Transport::start(
-        0,
-        (vec![None, Some(mine)], Vec::new()),
-        "oversized",
-        String::new(),
-        rdv,
-        1 << 20,
-    )
-    .unwrap();
     let h = frame::Header {
         kind: frame::HELLO,
         step: 0,
@@ -583,6 +567,27 @@ fn socket_pair() -> (std::net::TcpStream, std::net::TcpStream) {
     let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
     let (b, _) = l.accept().unwrap();
     (a, b)
+}
+
+/// Rank 0 of a two-rank transport named `name` whose peer, rank 1, is the returned raw socket
+/// (the test speaks for it, frame by frame or not at all).
+fn with_raw_peer(name: &str) -> (Arc<transport::Transport>, std::net::TcpStream) {
+    let (mine, peer) = socket_pair();
+    let rdv = Rendezvous {
+        store: Arc::new(TcpStore::connect(&server().1, Duration::from_secs(10)).unwrap()),
+        ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+        token: Token::new(b"t"),
+    };
+    let t = transport::Transport::start(
+        0,
+        (vec![None, Some(mine)], Vec::new()),
+        name,
+        String::new(),
+        rdv,
+        1 << 20,
+    )
+    .unwrap();
+    (t, peer)
 }
 
 /// Reads from `s` until `n` bytes came or the connection ended.
@@ -684,21 +689,7 @@ fn the_unsent_count_answers_for_shut_down_and_reset_sockets() {
 #[test]
 fn a_goodbye_queued_behind_a_full_window_reaches_a_peer_that_reads_late() {
     use std::io::Write;
-    let (mine, mut peer) = socket_pair();
-    let rdv = Rendezvous {
-        store: Arc::new(TcpStore::connect(&server().1, Duration::from_secs(10)).unwrap()),
-        ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
-        token: Token::new(b"t"),
-    };
-    let t = transport::Transport::start(
-        0,
-        (vec![None, Some(mine)], Vec::new()),
-        "linger",
-        String::new(),
-        rdv,
-        1 << 20,
-    )
-    .unwrap();
+    let (t, mut peer) = with_raw_peer("linger");
     // This rank's bytes fill the peer's window and this rank's send buffer; the peer reads half
     // of them, making room for the goodbye behind the rest, and stops.
     let filled = fill(&mut t.stream_to(1));

@@ -147,18 +147,24 @@ fn fast_exp(x: f32) -> f32 {
     let t = x * LOG2E + MAGIC;
     let n = t - MAGIC;
     let r = x - n * LN2_HI - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (0.166_666_67
-                    + r * (0.041_666_668
-                        + r * (0.008_333_334 + r * (0.001_388_889 + r * 0.000_198_412_7))))));
+    let p = exp_poly(r);
     // 2^n from the integer n in [-126, 127] read off `t`'s bits (t = MAGIC + n exactly): the
     // same value as `(n as i32 + 127) << 23`, without a saturating float-to-int conversion,
     // which keeps the loops around this vectorized.
     let k = t.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
     let bits = (k.wrapping_add(127) as u32) << 23;
     p * f32::from_bits(bits)
+}
+
+/// `exp(r)` for `|r| <= ln 2 / 2`: its Taylor polynomial to degree 7, in Horner form.
+#[inline(always)]
+fn exp_poly(r: f32) -> f32 {
+    1.0 + r
+        * (1.0
+            + r * (0.5
+                + r * (0.166_666_67
+                    + r * (0.041_666_668
+                        + r * (0.008_333_334 + r * (0.001_388_889 + r * 0.000_198_412_7))))))
 }
 
 #[inline(always)]
@@ -1819,13 +1825,7 @@ mod tests {
         let x = x.clamp(-87.0, 88.0);
         let n = (x * LOG2E + 12_582_912.0) - 12_582_912.0;
         let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
-        let p = 1.0
-            + r * (1.0
-                + r * (0.5
-                    + r * (0.166_666_67
-                        + r * (0.041_666_668
-                            + r * (0.008_333_334 + r * (0.001_388_889 + r * 0.000_198_412_7))))));
-        p * f32::from_bits(((n as i32 + 127) << 23) as u32)
+        exp_poly(r) * f32::from_bits(((n as i32 + 127) << 23) as u32)
     }
 
     /// The exponent read off the rounding sum's bits is the cast's, for every input the clamp
