@@ -1,8 +1,9 @@
 //! Attention alone, forward and forward + backward, at the shapes of a GPT preset: the kernels
 //! `autodiff::sdpa_local` runs on this device (the flash-attention kernels on CUDA, on tensor
-//! cores in bf16; candle's composition on the CPU), timed per call. `scripts/gpu_bench.sh`
-//! runs it beside PyTorch's `scaled_dot_product_attention` on the same shapes and GPU (issue
-//! 33: which part of a step falls short of PyTorch's, kernel by kernel).
+//! cores in bf16; on the CPU, candle's matmuls around the fused softmax for split heads and
+//! the packed kernel of `fused::attention` for the `packed_*` cases), timed per call.
+//! `scripts/gpu_bench.sh` runs it beside PyTorch's `scaled_dot_product_attention` on the same
+//! shapes and GPU (issue 33: which part of a step falls short of PyTorch's, kernel by kernel).
 //!
 //! ```text
 //! cargo run --release --example attn_bench -- --device cpu --shapes 1,2,128,64 --json

@@ -976,18 +976,12 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f32) -> CRe
     })
 }
 
-/// Splits a packed `[B, T, H, 3, d]` projection into contiguous `q`, `k`, `v` of `[B, H, T, d]`.
-pub(crate) fn unpack_qkv(x: &Tensor) -> CResult<(Tensor, Tensor, Tensor)> {
-    let part = |i: usize| -> CResult<Tensor> {
-        x.narrow(3, i, 1)?.squeeze(3)?.transpose(1, 2)?.contiguous()
-    };
-    Ok((part(0)?, part(1)?, part(2)?))
-}
-
-/// Attention on a packed projection `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` (f32 CPU, tracked,
-/// non-empty; see `ops::neural::packed_sdpa_local` for the other cases), as one graph node: the
-/// head split, the transposes and the merge of heads cost no graph edges, and the backward
-/// writes the packed gradient directly.
+/// Attention on a packed projection `qkv [B, T, H, 3, d]` -> `[B, T, H, d]` with `scale > 0`,
+/// as one graph node (f32 on the CPU: `autodiff::packed_sdpa_local` sends other dtypes and
+/// devices elsewhere, and this takes the reference composition for them). The kernel reads
+/// each head's q, k and v where they lie in the packed rows and writes the output, and in the
+/// backward the packed gradient, directly: no head split, transpose or merge is copied, no
+/// `[B, H, T, T]` tensor is made, and the (batch, head) pairs run in parallel.
 pub fn packed_sdpa(qkv: &Tensor, causal: bool, scale: f32) -> CResult<Tensor> {
     packed_sdpa_in(qkv, None, causal, scale)
 }
@@ -1003,14 +997,17 @@ pub fn packed_sdpa_flat(qkv: &Tensor, heads: usize, causal: bool, scale: f32) ->
     packed_sdpa_in(qkv, Some(heads), causal, scale)
 }
 
-/// [`packed_sdpa`] (`flat` `None`) or [`packed_sdpa_flat`] (`Some(heads)`).
+/// [`packed_sdpa`] (`flat` `None`) or [`packed_sdpa_flat`] (`Some(heads)`): the CPU kernel
+/// of `fused::attention` for f32 on the CPU, forward and backward, else the reference
+/// composition.
 fn packed_sdpa_in(qkv: &Tensor, flat: Option<usize>, causal: bool, scale: f32) -> CResult<Tensor> {
-    // The packed view [B, T, H, 3, d] the node computes on, and the output's shape.
-    let (five, out): (Vec<usize>, Vec<usize>) = match (flat, qkv.dims()) {
-        (None, &[b, t, h, 3, d]) => (vec![b, t, h, 3, d], vec![b, t, h, d]),
+    use crate::fused::attention::{self, Packed};
+    // The packed layout [B, T, H, 3, d] the node computes on, and the output's shape.
+    let (p, out): (Packed, Vec<usize>) = match (flat, qkv.dims()) {
+        (None, &[b, t, h, 3, d]) => (Packed { b, t, h, d }, vec![b, t, h, d]),
         (Some(h), &[b, t, w]) if h > 0 && w % (3 * h) == 0 => {
             let d = w / (3 * h);
-            (vec![b, t, h, 3, d], vec![b, t, h * d])
+            (Packed { b, t, h, d }, vec![b, t, h * d])
         }
         (_, dims) => {
             return Err(crate::error::KernelError::Mismatch {
@@ -1022,47 +1019,24 @@ fn packed_sdpa_in(qkv: &Tensor, flat: Option<usize>, causal: bool, scale: f32) -
             .into())
         }
     };
-    let heads_out = vec![five[0], five[1], five[2], five[4]];
-    let probs = move |q: &Tensor, k: &Tensor| -> CResult<Tensor> {
-        let s = q.matmul(&k.t()?)?;
-        crate::fused::scaled_causal_softmax(&s, scale, causal).map(|p| p.detach())
-    };
-    let (five_f, out_f) = (five.clone(), out.clone());
-    let forward = move |x: &Tensor| -> CResult<Tensor> {
-        let (q, k, v) = unpack_qkv(&x.reshape(five_f.as_slice())?)?;
-        probs(&q, &k)?
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape(out_f.as_slice())
-    };
-    let x = qkv.contiguous()?;
-    if !tracked(&[&x]) {
-        return forward(&x);
+    // The kernel's softmax takes the row maximum of the unscaled scores as the scaled ones'.
+    if !crate::fused::applies(qkv) || scale.is_nan() || scale <= 0.0 {
+        let five = qkv.reshape((p.b, p.t, p.h, 3, p.d))?;
+        return crate::autodiff::reference::packed_sdpa(&five, causal, f64::from(scale))?
+            .reshape(out);
     }
-    let y = forward(&x.detach())?;
+    let x = qkv.contiguous()?;
+    let y = with_slice::<f32, _>(&x, |s| attention::forward(s, p, causal, scale))??;
+    let y = Tensor::from_vec(y, out, x.device())?;
+    if !tracked(&[&x]) {
+        return Ok(y);
+    }
     node1("fused-packed-sdpa", &x, y, move |x, g| {
-        let (q, k, v) = unpack_qkv(&x.reshape(five.as_slice())?)?;
-        let g = g
-            .reshape(heads_out.as_slice())?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let p = probs(&q, &k)?;
-        let dv = p.t()?.matmul(&g)?;
-        let dp = g.matmul(&v.t()?)?;
-        let ds = softmax_backward(&p, &dp, scale)?;
-        let dq = ds.matmul(&k)?;
-        let dk = ds.t()?.matmul(&q)?;
-        // [B, H, T, d] x 3 -> [B, T, H, 3, d], as the input's shape.
-        Tensor::stack(
-            &[
-                dq.transpose(1, 2)?,
-                dk.transpose(1, 2)?,
-                dv.transpose(1, 2)?,
-            ],
-            3,
-        )?
-        .reshape(x.shape())
+        let g = g.contiguous()?;
+        let dx = with_slice::<f32, _>(x, |xs| {
+            with_slice::<f32, _>(&g, |gs| attention::backward(xs, gs, p, causal, scale))
+        })???;
+        Tensor::from_vec(dx, x.shape(), x.device())
     })
 }
 

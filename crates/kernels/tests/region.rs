@@ -298,6 +298,71 @@ fn packed_sdpa_on_the_flat_projection_matches() {
     }
 }
 
+/// The packed attention kernel against the reference composition, forward and every gradient,
+/// on both layouts: one token, sequences shorter than, equal to and past one or two blocks of
+/// 64 queries (uneven), one and several heads and batches, head dims 1 to 32, causal or not,
+/// and a scale other than 1/sqrt(d).
+#[test]
+fn packed_sdpa_matches_the_reference_across_blocks_heads_and_dims() {
+    use candle_dtensor_kernels::autodiff::packed_sdpa_local_flat;
+    for (b, t, h, d) in [
+        (1, 1, 1, 1),
+        (2, 5, 3, 4),
+        (1, 64, 2, 8),
+        (2, 65, 1, 5),
+        (1, 130, 2, 32),
+        (3, 7, 5, 2),
+    ] {
+        for causal in [false, true] {
+            let what = format!("b {b} t {t} h {h} d {d} causal {causal}");
+            let x = common::randn(&[b, t, h, 3, d], 1.5);
+            check(
+                &format!("packed_sdpa {what}"),
+                std::slice::from_ref(&x),
+                &|x| region::packed_sdpa(&x[0], causal, 0.3),
+                &|x| reference::packed_sdpa(&x[0], causal, 0.3),
+                TOL,
+            );
+            check(
+                &format!("packed_sdpa_local_flat {what}"),
+                &[x.reshape((b, t, 3 * h * d)).unwrap()],
+                &|x| packed_sdpa_local_flat(&x[0], h, causal, 0.3),
+                &|x| {
+                    reference::packed_sdpa(&x[0].reshape((b, t, h, 3, d))?, causal, 0.3)?.reshape((
+                        b,
+                        t,
+                        h * d,
+                    ))
+                },
+                TOL,
+            );
+        }
+    }
+    // An input that tracks no gradient (the node is skipped): the same values.
+    let x = randn(&[2, 70, 3, 3, 4]);
+    let y = region::packed_sdpa(&x, true, 0.5).unwrap();
+    let r = reference::packed_sdpa(&x, true, 0.5).unwrap();
+    close(&y, &r, TOL, "untracked packed_sdpa");
+}
+
+/// Empty pieces (no tokens, no batch, head dim 0) give empty or zero results of the right
+/// shape, and a scale that is not positive takes the reference path (the kernel's softmax
+/// needs `scale > 0`).
+#[test]
+fn packed_sdpa_handles_empty_shapes_and_non_positive_scales() {
+    for dims in [[0usize, 4, 2, 3, 4], [2, 0, 2, 3, 4], [2, 4, 2, 3, 0]] {
+        let x = Tensor::zeros(&dims, candle_core::DType::F32, &Device::Cpu).unwrap();
+        let y = region::packed_sdpa(&x, true, 0.5).unwrap();
+        assert_eq!(y.dims(), &[dims[0], dims[1], dims[2], dims[4]]);
+    }
+    let x = randn(&[2, 6, 2, 3, 4]);
+    for scale in [-0.5f32, 0.0] {
+        let y = region::packed_sdpa(&x, true, scale).unwrap();
+        let r = reference::packed_sdpa(&x, true, f64::from(scale)).unwrap();
+        close(&y, &r, TOL, &format!("packed_sdpa scale {scale}"));
+    }
+}
+
 #[test]
 fn add_rows_matches_broadcast_add() {
     use candle_dtensor_kernels::fused;
