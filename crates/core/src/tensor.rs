@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
+use candle_dtensor_kernels::storage::StreamPoint;
 use candle_dtensor_mesh::DeviceMesh;
 use candle_dtensor_strategies::layout::{local_shape, shard_size_and_offset, strided_indices};
 use candle_dtensor_strategies::{
@@ -467,15 +468,33 @@ impl DTensor {
 
     /// Starts [`DTensor::redistribute`] on a helper thread; [`RedistributeHandle::wait`] joins it.
     /// Useful to overlap a redistribution with unrelated local compute.
+    ///
+    /// On CUDA the helper thread's work runs on its own stream (candle's per-thread stream), so
+    /// it is ordered on the device after the work this thread queued before the call (the
+    /// kernels making `self`), and `wait` orders this thread's later work after the helper's
+    /// (the collectives and copies writing the result), with events: no host synchronisation.
+    /// Collectives issued meanwhile from this thread and the helper may meet in different
+    /// orders on different ranks: issue none on the same communicators until `wait`.
     pub fn redistribute_async(&self, placements: &[Placement]) -> RedistributeHandle {
         let this = self.clone();
         let placements: Placements = placements.iter().copied().collect();
+        let rank = self.mesh_rank();
+        let start = StreamPoint::record(self.device()).ctx("redistribute_async", rank);
         let handle = std::thread::Builder::new()
             .name("dtensor-redistribute".into())
-            .spawn(move || this.redistribute(&placements));
+            .spawn(move || {
+                if let Some(point) = start? {
+                    point
+                        .order_after(this.device())
+                        .ctx("redistribute_async", rank)?;
+                }
+                let out = this.redistribute(&placements)?;
+                let done = StreamPoint::record(out.device()).ctx("redistribute_async", rank)?;
+                Ok((out, done))
+            });
         RedistributeHandle {
             handle: handle.map_err(|e| e.to_string()),
-            rank: self.mesh_rank(),
+            rank,
         }
     }
 
@@ -561,34 +580,46 @@ impl DTensor {
     }
 }
 
+/// What the helper thread of [`DTensor::redistribute_async`] returns: the result, and on CUDA
+/// the point after the helper's work on its stream.
+type Redistributed = Result<(DTensor, Option<StreamPoint>)>;
+
 /// The result of [`DTensor::redistribute_async`].
 pub struct RedistributeHandle {
-    handle: std::result::Result<std::thread::JoinHandle<Result<DTensor>>, String>,
+    handle: std::result::Result<std::thread::JoinHandle<Redistributed>, String>,
     rank: usize,
 }
 
 impl RedistributeHandle {
-    /// Waits for the redistribution.
+    /// Waits for the redistribution; on CUDA, this thread's later work is ordered after it on
+    /// the device.
     ///
     /// # Blocking
     ///
     /// Blocks until the helper thread finishes; every collective on it is bounded by its
     /// communicator's timeout.
     pub fn wait(self) -> Result<DTensor> {
-        match self.handle {
+        let (out, done) = match self.handle {
             Ok(h) => h.join().unwrap_or_else(|_| {
                 Err(invalid(
                     "redistribute_async",
                     self.rank,
                     "the helper thread panicked",
                 ))
-            }),
-            Err(e) => Err(invalid(
-                "redistribute_async",
-                self.rank,
-                format!("could not start a thread: {e}"),
-            )),
+            })?,
+            Err(e) => {
+                return Err(invalid(
+                    "redistribute_async",
+                    self.rank,
+                    format!("could not start a thread: {e}"),
+                ))
+            }
+        };
+        if let Some(done) = done {
+            done.order_after(out.device())
+                .ctx("redistribute_async", self.rank)?;
         }
+        Ok(out)
     }
 }
 

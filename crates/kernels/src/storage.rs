@@ -545,6 +545,7 @@ impl Swap<'_> {
                     if len > 0 {
                         // One block of `len` elements.
                         let from = src_l.start_offset() + start;
+                        copy2d_fits(&out, "refill", 1, len, len, len)?;
                         src_s.copy2d(&mut out, 1, len, len, len, from, at)?;
                     }
                     at += len;
@@ -671,6 +672,7 @@ impl CopyBlocks<'_> {
     fn apply<S: DeviceStorage>(&self, dst: &mut S, dst_l: &Layout) -> Result<()> {
         let (g, src_l) = self.src.storage_and_layout();
         let src = backend_of::<S>(&g, "copy_rows")?;
+        copy2d_fits(dst, "copy_rows", self.d1, self.d2, self.src_s, self.dst_s)?;
         src.copy2d(
             dst,
             self.d1,
@@ -688,6 +690,47 @@ impl candle_core::InplaceOp1 for CopyBlocks<'_> {
         "copy-rows"
     }
     device_inplace1!(apply);
+}
+
+/// Whether candle's CUDA `copy2d` kernel copies `d1` blocks of `d2` elements at block strides
+/// `src_s` and `dst_s` right: it takes the four as `u32` (candle casts them) and indexes in
+/// `u32` (`d1 d2` threads, element `(i / d2) stride + i % d2`), so every count and the largest
+/// index on either side must fit. Offsets travel as pointers and have no such limit.
+fn copy2d_fits_u32(d1: usize, d2: usize, src_s: usize, dst_s: usize) -> bool {
+    if d1 == 0 || d2 == 0 {
+        return true;
+    }
+    let fits = |v: Option<usize>| v.is_some_and(|v| u32::try_from(v).is_ok());
+    let last = |stride: usize| (d1 - 1).checked_mul(stride)?.checked_add(d2 - 1);
+    fits(d1.checked_mul(d2))
+        && fits(Some(src_s))
+        && fits(Some(dst_s))
+        && fits(last(src_s))
+        && fits(last(dst_s))
+}
+
+/// [`copy2d_fits_u32`] where the copy runs on a device (the CPU's `copy2d` indexes in
+/// `usize`): a typed error naming `op` and the sizes instead of a copy of the wrong elements.
+fn copy2d_fits<S: DeviceStorage>(
+    dst: &S,
+    op: &str,
+    d1: usize,
+    d2: usize,
+    src_s: usize,
+    dst_s: usize,
+) -> Result<()> {
+    let on_cpu = matches!(dst.device().location(), candle_core::DeviceLocation::Cpu);
+    if on_cpu || copy2d_fits_u32(d1, d2, src_s, dst_s) {
+        return Ok(());
+    }
+    Err(Error::msg(format!(
+        "{op}: {d1} blocks of {d2} elements at strides {src_s} (source) and {dst_s} \
+         (destination) on {:?}: candle's device copy kernel indexes in 32 bits (at most {} \
+         elements and index {} each)",
+        dst.device().location(),
+        u32::MAX,
+        u32::MAX
+    )))
 }
 
 /// A `[pre, len, post]` view of a shape cut at `dim` (in elements).
@@ -1050,6 +1093,86 @@ pub fn retain_freed_memory(device: &candle_core::Device) -> Result<bool> {
     Ok(false)
 }
 
+/// The number of CUDA devices the driver reports (`CUDA_VISIBLE_DEVICES` applied), without
+/// opening any: no context, cuBLAS handle or memory is made on a GPU to count it, so a GPU
+/// that another process holds in exclusive-process mode is counted too. 0 without the `cuda`
+/// feature, without a driver, or without a GPU.
+pub fn cuda_device_count() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::CudaContext;
+        // The driver bindings panic where the driver library is missing.
+        match std::panic::catch_unwind(CudaContext::device_count) {
+            Ok(Ok(n)) => usize::try_from(n).unwrap_or(0),
+            _ => 0,
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
+/// A point in the work the calling thread has queued on a device, which work queued later by
+/// another thread can be ordered after ([`StreamPoint::order_after`]).
+///
+/// candle runs each host thread's CUDA work on that thread's own stream (the per-thread
+/// default stream), and those streams do not wait for each other: a tensor one thread made is
+/// not safe to read from another thread's kernels until the reader's stream waits for the
+/// maker's. On the CPU every op has finished when it returns: there is no point to record
+/// ([`StreamPoint::record`] gives `None`).
+pub struct StreamPoint {
+    #[cfg(feature = "cuda")]
+    event: candle_core::cuda_backend::cudarc::driver::CudaEvent,
+    #[cfg(not(feature = "cuda"))]
+    never: std::convert::Infallible,
+}
+
+impl StreamPoint {
+    /// The point after the work the calling thread queued on `device` so far: `None` on a
+    /// device whose ops finish before they return (the CPU).
+    ///
+    /// # Errors
+    ///
+    /// The driver refused to create or record an event.
+    pub fn record(device: &candle_core::Device) -> Result<Option<StreamPoint>> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(d) = device {
+            let event = d
+                .cuda_stream()
+                .record_event(None)
+                .map_err(candle_core::Error::wrap)?;
+            return Ok(Some(StreamPoint { event }));
+        }
+        let _ = device;
+        Ok(None)
+    }
+
+    /// Makes the work the calling thread queues on `device` from now on wait (on the device,
+    /// without blocking the host) until the work before this point has finished.
+    ///
+    /// # Errors
+    ///
+    /// `device` is not the CUDA device the point was recorded on, or the driver refused.
+    pub fn order_after(&self, device: &candle_core::Device) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            let candle_core::Device::Cuda(d) = device else {
+                return Err(Error::msg(format!(
+                    "a CUDA stream point cannot order work on {:?}",
+                    device.location()
+                )));
+            };
+            d.cuda_stream()
+                .wait(&self.event)
+                .map_err(candle_core::Error::wrap)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = device;
+            match self.never {}
+        }
+    }
+}
+
 // --------------------------------------------------------------------------------------------
 // Host reads: what a training step reads back from the device.
 
@@ -1068,4 +1191,50 @@ pub fn note_host_read() {
 /// The host reads this thread noted since the last call (and starts counting afresh).
 pub fn take_host_reads() -> usize {
     HOST_READS.with(|c| c.replace(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::copy2d_fits_u32;
+
+    /// The limits of candle's 32-bit device copy: thread count `d1 d2`, each stride, and the
+    /// largest index on either side, each at most `u32::MAX`; one past any of them refused.
+    #[test]
+    fn device_copies_past_32_bit_indices_are_refused() {
+        let max = u32::MAX as usize;
+        assert!(
+            copy2d_fits_u32(0, max + 5, max + 5, max + 5),
+            "nothing to copy"
+        );
+        assert!(copy2d_fits_u32(1, max, max, max));
+        assert!(
+            !copy2d_fits_u32(1, max + 1, max + 1, max + 1),
+            "d1 d2 past u32"
+        );
+        assert!(copy2d_fits_u32(65_536, 65_535, 65_535, 65_535));
+        assert!(
+            !copy2d_fits_u32(65_536, 65_536, 65_536, 65_536),
+            "2^32 threads"
+        );
+        // 2 blocks of 1 element, the second at index `stride`.
+        assert!(copy2d_fits_u32(2, 1, 1, max));
+        assert!(
+            !copy2d_fits_u32(2, 1, 1, max + 1),
+            "a destination stride past u32"
+        );
+        assert!(
+            !copy2d_fits_u32(2, 1, max + 1, 1),
+            "a source stride past u32"
+        );
+        // The last block's last element: (d1 - 1) stride + d2 - 1.
+        assert!(copy2d_fits_u32(3, 2, (max - 1) / 2, 2));
+        assert!(
+            !copy2d_fits_u32(3, 2, max / 2 + 1, 2),
+            "the last index past u32"
+        );
+        assert!(
+            !copy2d_fits_u32(usize::MAX, 2, 1, 1),
+            "overflowing products"
+        );
+    }
 }

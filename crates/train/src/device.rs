@@ -93,12 +93,12 @@ impl DeviceSpec {
         matches!(self, DeviceSpec::Cuda(_))
     }
 
-    /// Number of CUDA devices that open (0 without CUDA support or a driver).
+    /// Number of CUDA devices the driver reports (0 without CUDA support or a driver). None is
+    /// opened to count it: opening every GPU from every rank made a context and a cuBLAS handle
+    /// on each, and on GPUs in exclusive-process mode it failed on those other ranks held, so
+    /// the count came out short and `rank % gpus` put several ranks on one GPU.
     pub fn cuda_device_count() -> usize {
-        if !candle_core::utils::cuda_is_available() {
-            return 0;
-        }
-        (0..64).take_while(|&n| open_cuda(n).is_ok()).count()
+        candle_dtensor_kernels::storage::cuda_device_count()
     }
 
     /// The device of the rank with index `local_rank` among the ranks of this host. A CUDA
