@@ -80,6 +80,19 @@ fn on(ctx: &OpCtx, t: &Tensor, dev: &Device) -> Result<Tensor> {
     t.to_device(dev).map_err(candle(ctx))
 }
 
+/// The pieces joined along dim 0 into a buffer of the result's own. candle's `cat` of one
+/// piece returns that piece, which [`on`] may have passed through uncopied: the caller's input,
+/// a peer's input on the same device, or a view into either (an all_to_all_v where one source
+/// sends rows). A collective's result must not share a storage with an input (the CPU path
+/// always builds a fresh one, and in-place writers such as `storage::fill_from` rely on it),
+/// so one piece is copied.
+fn cat_fresh(ctx: &OpCtx, ts: &[Tensor]) -> Result<Tensor> {
+    match ts {
+        [one] => one.force_contiguous().map_err(candle(ctx)),
+        _ => Tensor::cat(ts, 0).map_err(candle(ctx)),
+    }
+}
+
 /// Whether `t` is a contiguous view of all of its storage (so moving the storage moves only
 /// `t`'s elements).
 fn covers_storage(t: &Tensor) -> bool {
@@ -649,7 +662,7 @@ pub(crate) fn all_gather(e: &Exec, input: Tensor, output: Option<Tensor>) -> Res
         let ts = (0..n)
             .map(|r| on(ctx, &at_least_1d(ctx, input_of(ctx, posts, r)?)?, &dev))
             .collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&ts, 0).map_err(candle(ctx))
+        cat_fresh(ctx, &ts)
     })?;
     deliver(ctx, r, output)
 }
@@ -707,7 +720,7 @@ pub(crate) fn all_to_all(e: &Exec, input: Tensor, output: Option<Tensor>) -> Res
                 on(ctx, &t, &dev)
             })
             .collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&ts, 0).map_err(candle(ctx))
+        cat_fresh(ctx, &ts)
     })?;
     deliver(ctx, r, output)
 }
@@ -753,7 +766,7 @@ pub(crate) fn all_to_all_v(
                 .map_err(candle(ctx))?;
             ts.push(on(ctx, &t, &dev)?);
         }
-        Tensor::cat(&ts, 0).map_err(candle(ctx))
+        cat_fresh(ctx, &ts)
     })
 }
 
