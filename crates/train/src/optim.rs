@@ -415,14 +415,40 @@ impl AdamW {
             }
             None => None,
         };
-        match adamw_step(&params, &gs, &ms, &vs, &decay, &step, norm_clip.as_ref()) {
-            Ok(()) => Ok(picked),
-            Err(e) => {
-                // Refused before any launch (the checks come first): the per-variable path.
-                tracing::debug!(error = %e, "adamw: the one-launch CUDA step refused this set");
-                Ok(Vec::new())
+        // One call per decay group (one launch each), so that an error tells exactly which
+        // variables were not updated: a call that fails updated none of its own (its checks
+        // and uploads come before its launch), and those take the per-variable path. One call
+        // for both groups could fail in the second group's launch after the first group's
+        // had run, and the per-variable path would then step the first group twice.
+        let mut done = Vec::with_capacity(picked.len());
+        for group in [true, false] {
+            let sel: Vec<usize> = (0..picked.len()).filter(|&j| decay[j] == group).collect();
+            if sel.is_empty() {
+                continue;
+            }
+            let take =
+                |ts: &[Tensor]| -> Vec<Tensor> { sel.iter().map(|&j| ts[j].clone()).collect() };
+            let flags = vec![group; sel.len()];
+            let r = adamw_step(
+                &take(&params),
+                &take(&gs),
+                &take(&ms),
+                &take(&vs),
+                &flags,
+                &step,
+                norm_clip.as_ref(),
+            );
+            match r {
+                Ok(()) => done.extend(sel.iter().map(|&j| picked[j])),
+                Err(e) => tracing::debug!(
+                    error = %e,
+                    decay = group,
+                    "adamw: the one-launch CUDA step refused this group; it takes the \
+                     per-variable path"
+                ),
             }
         }
+        Ok(done)
     }
 
     /// AdamW with candle-nn's default hyper-parameters and learning rate `lr`.
