@@ -212,6 +212,7 @@ fn valid(causal: bool, row: usize, t: usize) -> usize {
 /// probabilities `softmax(scale s)` under the mask (zero past each row's valid keys): the
 /// arithmetic of the causal softmax row kernel.
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn probs(
     qkv: &[f32],
     p: Packed,
@@ -264,6 +265,85 @@ fn for_tasks(n: usize, task: impl Fn(usize, &mut [Vec<f32>; 2]) + Sync + Send) {
     );
 }
 
+/// Task `task`'s (batch, head) of [`forward`]: its output rows, block by block. Inlined into
+/// the task's [`simd`] closure, so its softmax loops get the dispatched instructions.
+#[inline(always)]
+fn forward_head(
+    qkv: &[f32],
+    p: Packed,
+    task: usize,
+    causal: bool,
+    scale: f32,
+    dst: Shared,
+    s: &mut Vec<f32>,
+) {
+    let (w, hd_w, hd) = (p.w(), p.hd(), p.head(task));
+    for r0 in (0..p.t).step_by(ROWS) {
+        let rows = ROWS.min(p.t - r0);
+        let keys = if causal { r0 + rows } else { p.t };
+        probs(qkv, p, hd, r0, rows, keys, causal, scale, s);
+        let o = View::new(hd.o + r0 * hd_w, rows, p.d, hd_w, 1);
+        let v = View::new(hd.v, keys, p.d, w, 1);
+        gemm(dst, o, false, s, View::new(0, rows, keys, keys, 1), qkv, v);
+    }
+}
+
+/// Task `task`'s (batch, head) of [`backward`]: its q, k and v gradients, block by block
+/// (inlined as [`forward_head`] is).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn backward_head(
+    qkv: &[f32],
+    g: &[f32],
+    p: Packed,
+    task: usize,
+    causal: bool,
+    scale: f32,
+    dst: Shared,
+    s: &mut Vec<f32>,
+    dp: &mut Vec<f32>,
+) {
+    let (w, hd_w, hd) = (p.w(), p.hd(), p.head(task));
+    for r0 in (0..p.t).step_by(ROWS) {
+        let rows = ROWS.min(p.t - r0);
+        let keys = if causal { r0 + rows } else { p.t };
+        probs(qkv, p, hd, r0, rows, keys, causal, scale, s);
+        let sv = View::new(0, rows, keys, keys, 1);
+        let go = View::new(hd.o + r0 * hd_w, rows, p.d, hd_w, 1);
+        let q = View::new(hd.q + r0 * w, rows, p.d, w, 1);
+        let k = View::new(hd.k, keys, p.d, w, 1);
+        let v = View::new(hd.v, keys, p.d, w, 1);
+        // dP = dO v^T, into the second scratch.
+        dp.clear();
+        dp.resize(rows * keys, 0.0);
+        let dpv = Shared {
+            ptr: dp.as_mut_ptr(),
+            len: dp.len(),
+        };
+        gemm(dpv, sv, false, g, go, qkv, v.t());
+        // dV += P^T dO.
+        gemm(dst, v, true, s, sv.t(), g, go);
+        // dS = scale P (dP - rowsum(P dP)), in place of dP: the softmax backward row kernel's
+        // arithmetic; zero under the mask.
+        for (i, (yr, gr)) in s
+            .chunks_exact(keys)
+            .zip(dp.chunks_exact_mut(keys))
+            .enumerate()
+        {
+            let n = valid(causal, r0 + i, p.t).min(keys);
+            let (yr, (gr, rest)) = (&yr[..n], gr.split_at_mut(n));
+            rest.fill(0.0);
+            let dot: f32 = yr.iter().zip(gr.iter()).map(|(a, b)| a * b).sum();
+            for (d, &y) in gr.iter_mut().zip(yr) {
+                *d = scale * y * (*d - dot);
+            }
+        }
+        // dQ = dS k (this block's rows: written once), dK += dS^T q.
+        gemm(dst, q, false, dp, sv, qkv, k);
+        gemm(dst, k, true, dp, sv.t(), qkv, q);
+    }
+}
+
 fn check_len(what: &str, got: usize, want: Option<usize>, p: Packed) -> CResult<usize> {
     match want {
         Some(n) if n == got => Ok(n),
@@ -291,17 +371,8 @@ pub(crate) fn forward(qkv: &[f32], p: Packed, causal: bool, scale: f32) -> CResu
         ptr: out.as_mut_ptr(),
         len: out.len(),
     };
-    let (w, hd_w) = (p.w(), p.hd());
     for_tasks(p.b * p.h, |task, [s, _]| {
-        let hd = p.head(task);
-        for r0 in (0..p.t).step_by(ROWS) {
-            let rows = ROWS.min(p.t - r0);
-            let keys = if causal { r0 + rows } else { p.t };
-            probs(qkv, p, hd, r0, rows, keys, causal, scale, s);
-            let o = View::new(hd.o + r0 * hd_w, rows, p.d, hd_w, 1);
-            let v = View::new(hd.v, keys, p.d, w, 1);
-            gemm(dst, o, false, s, View::new(0, rows, keys, keys, 1), qkv, v);
-        }
+        forward_head(qkv, p, task, causal, scale, dst, s)
     });
     Ok(out)
 }
@@ -329,47 +400,8 @@ pub(crate) fn backward(
         ptr: dx.as_mut_ptr(),
         len: dx.len(),
     };
-    let (w, hd_w) = (p.w(), p.hd());
     for_tasks(p.b * p.h, |task, [s, dp]| {
-        let hd = p.head(task);
-        for r0 in (0..p.t).step_by(ROWS) {
-            let rows = ROWS.min(p.t - r0);
-            let keys = if causal { r0 + rows } else { p.t };
-            probs(qkv, p, hd, r0, rows, keys, causal, scale, s);
-            let sv = View::new(0, rows, keys, keys, 1);
-            let go = View::new(hd.o + r0 * hd_w, rows, p.d, hd_w, 1);
-            let q = View::new(hd.q + r0 * w, rows, p.d, w, 1);
-            let k = View::new(hd.k, keys, p.d, w, 1);
-            let v = View::new(hd.v, keys, p.d, w, 1);
-            // dP = dO v^T, into the second scratch.
-            dp.clear();
-            dp.resize(rows * keys, 0.0);
-            let dpv = Shared {
-                ptr: dp.as_mut_ptr(),
-                len: dp.len(),
-            };
-            gemm(dpv, sv, false, g, go, qkv, v.t());
-            // dV += P^T dO.
-            gemm(dst, v, true, s, sv.t(), g, go);
-            // dS = scale P (dP - rowsum(P dP)), in place of dP: the softmax backward row
-            // kernel's arithmetic; zero under the mask.
-            for (i, (yr, gr)) in s
-                .chunks_exact(keys)
-                .zip(dp.chunks_exact_mut(keys))
-                .enumerate()
-            {
-                let n = valid(causal, r0 + i, p.t).min(keys);
-                let (yr, (gr, rest)) = (&yr[..n], gr.split_at_mut(n));
-                rest.fill(0.0);
-                let dot: f32 = yr.iter().zip(gr.iter()).map(|(a, b)| a * b).sum();
-                for (d, &y) in gr.iter_mut().zip(yr) {
-                    *d = scale * y * (*d - dot);
-                }
-            }
-            // dQ = dS k (this block's rows: written once), dK += dS^T q.
-            gemm(dst, q, false, dp, sv, qkv, k);
-            gemm(dst, k, true, dp, sv.t(), qkv, q);
-        }
+        backward_head(qkv, g, p, task, causal, scale, dst, s, dp)
     });
     Ok(dx)
 }
