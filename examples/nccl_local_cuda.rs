@@ -10,8 +10,9 @@
 //! communicator with `new_comm("local", &Device::Cuda(..), ..)` and checks: `all_reduce`
 //! (sum/avg/max, f32/bf16/i64, in place), `all_gather_single`, `reduce_scatter_single`,
 //! `all_to_all_single`, `all_to_all_v_single`, `broadcast`, `reduce`, `gather`, `scatter`,
-//! `batch_p2p`, `split`, then DTensor column- and row-parallel matmuls on a `DeviceMesh` and a
-//! shard round trip, all against the same computation on one device. Prints PASS/FAIL per case
+//! `batch_p2p`, `split`, then DTensor column- and row-parallel matmuls on a `DeviceMesh`, a
+//! shard round trip and `redistribute_async` (its helper thread's stream ordered both ways),
+//! all against the same computation on one device. Prints PASS/FAIL per case
 //! and area (`comm`, `dtensor`); `--json` adds a summary line. Exits non-zero when a `comm`
 //! case fails (and, with `--strict`, when a `dtensor` case does).
 
@@ -385,6 +386,34 @@ fn dtensor_cases(c: &Comm, dev: &Device, log: &Log) {
         let xd = distribute_tensor(&xg, &mesh, &[Placement::Shard(0)])?;
         expect("round trip", &xd.full_tensor()?, &xg, 0.0)
     });
+    case(
+        log,
+        me,
+        "dtensor",
+        "redistribute_async ordered after the caller's kernels and before its later ones",
+        || {
+            // The helper thread's work runs on its own stream. Its input comes from a chain of
+            // large matmuls queued just before the call (tens of ms of GPU work), and the
+            // result is read at once on this thread: an unordered helper would gather the
+            // shards before they exist, or this thread would read the result before the
+            // gather wrote it. Every element is exactly scale * 2^-12 (sums of powers of
+            // two); a second scale makes a stale buffer from the first round show.
+            let n = 4096;
+            let a = Tensor::ones((n, n), DType::F32, dev)?.affine(1.0 / n as f64, 0.0)?;
+            for scale in [1.0, 3.0] {
+                let mut x = a.clone();
+                for _ in 0..8 {
+                    x = x.matmul(&a)?;
+                }
+                let xd = distribute_tensor(&x.affine(scale, 0.0)?, &mesh, &[Placement::Shard(0)])?;
+                let y = xd.redistribute_async(&[Placement::Replicate]).wait()?;
+                let got = y.to_local().affine(1.0, 0.0)?;
+                let want = Tensor::full((scale / 4096.0) as f32, (n, n), dev)?;
+                expect("redistribute_async", &got, &want, 0.0)?;
+            }
+            Ok(())
+        },
+    );
 }
 
 #[path = "common/logging.rs"]
