@@ -17,10 +17,11 @@ Same work on both sides: the same preset (crates/models/src/gpt.rs), batch, sequ
 synthetic corpus (train_gpt's, seed 0), AdamW settings (train_gpt's defaults) and steps; the
 twin uses SDPA attention (is_causal) in eager mode and under torch.compile. Step times: the
 wall time of each step with the loss read back (both sides read the loss every step), the
-first --warmup steps left out. Ours' per-step times come from its metrics file (--log-every 1,
-which also computes the gradient norm every step; --ours-log-every 0 turns that off and uses
-the summary's `step_ms` list when train_gpt has one, otherwise `step_ms_median` over all steps,
-warm-up included, recorded as such). Peak memory: on CUDA the device's memory.used sampled by
+first --warmup steps left out. Ours' per-step times come from its summary's `step_ms` list
+(--ours-log-every 0, the default: no gradient norm in its steps, as in the twin's; a train_gpt
+without the list gives `step_ms_median` over all steps, warm-up included, recorded as such);
+--ours-log-every 1 reads them from its metrics file instead, at the cost of a gradient norm
+every step. Peak memory: on CUDA the device's memory.used sampled by
 nvidia-smi every --mem-interval seconds above its idle value before the run (the same for both
 sides; it includes the CUDA context and caching pools), plus the twin's own
 torch.cuda.max_memory_allocated; on the CPU the peak resident set of the process. Kernel
@@ -60,10 +61,12 @@ def priority(presets, precisions, sides):
     """Runs in the order of the issue's targets, then the rest of the matrix."""
     first = [
         ("gpt2", "bf16", "ours"), ("gpt2", "bf16", "eager"), ("gpt2", "bf16", "compile"),
+        # The real run (with --real-text) early: it is one of the issue's targets and needs
+        # about a minute, which the budget would not leave it after the whole matrix.
+        "REAL",
         ("gpt2-medium", "bf16", "ours"), ("gpt2-medium", "bf16", "eager"), ("gpt2-medium", "bf16", "compile"),
         ("small", "f32", "ours"), ("small", "f32", "eager"), ("small", "bf16", "ours"), ("small", "bf16", "eager"),
         ("gpt2", "f32", "ours"), ("gpt2", "f32", "eager"), ("gpt2", "tf32", "ours"), ("gpt2", "tf32", "eager"),
-        "REAL",
         # After every target's runs: ours without the cuBLASLt epilogues, what they gain.
         ("gpt2", "bf16", "ours-nolt"), ("gpt2", "f32", "ours-nolt"),
     ]
@@ -257,7 +260,10 @@ class Bench:
         a = self.a
         cfg, params = self.shape(preset)
         batch = a.batch.get(preset, BATCH.get(preset, 8))
-        rid = f"{preset}.{prec}.{side}"
+        # The run's id, also its files' stem: no dots, since train_gpt names its csv, svg and
+        # job files by replacing the last extension of --out (`gpt2.bf16.ours` and
+        # `gpt2.bf16.ours-nolt` would both write gpt2.bf16.csv).
+        rid = f"{preset}_{prec}_{side}"
         rec = {
             "id": rid, "preset": preset, "precision": prec, "side": side, "batch": batch,
             "seq_len": cfg["seq_len"], "layers": cfg["layers"], "width": cfg["width"], "heads": cfg["heads"],
@@ -664,7 +670,9 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=480, help="seconds for all runs together")
     p.add_argument("--min-run-s", type=float, default=20, help="a run starts only with this much budget left")
     p.add_argument("--timeout-scale", type=float, default=1.0, help="multiplies the per-run timeouts")
-    p.add_argument("--ours-log-every", type=int, default=1)
+    # 0: no gradient norm in ours' steps (the twin computes none); per-step times from the
+    # summary's step_ms list.
+    p.add_argument("--ours-log-every", type=int, default=0)
     p.add_argument("--ours-ld-library-path", default=os.environ.get("CDT_OURS_LD_LIBRARY_PATH", ""))
     p.add_argument("--mem-interval", type=float, default=1.0)
     p.add_argument("--no-count-kernels", dest="count_kernels", action="store_false",

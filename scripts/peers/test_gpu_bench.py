@@ -207,9 +207,11 @@ class Report(unittest.TestCase):
         order = drv.priority(["small", "gpt2"], ["f32", "bf16"], ["ours", "eager", "compile", "ours-nolt"])
         nolt = [r for r in order if r != "REAL" and r[2] == "ours-nolt"]
         self.assertEqual(nolt, [("gpt2", "bf16", "ours-nolt"), ("gpt2", "f32", "ours-nolt")])
-        # After every target's runs (the real run last of them).
+        # After every target's runs.
         i = order.index(("gpt2", "bf16", "ours-nolt"))
-        self.assertEqual(order[i - 1], "REAL")
+        self.assertEqual(order[i - 1], ("gpt2", "f32", "eager"))  # no tf32 asked for here
+        # The real run right after gpt2 bf16's three sides, before the rest of the targets.
+        self.assertEqual(order[order.index("REAL") - 1], ("gpt2", "bf16", "compile"))
         self.assertNotIn(("gpt2", "bf16", "ours-nolt"), drv.priority(["gpt2"], ["bf16"], ["ours", "eager"]))
 
     def test_main_writes_the_markdown(self):
@@ -230,7 +232,8 @@ class Report(unittest.TestCase):
 
 FAKE = r"""#!/usr/bin/env bash
 # A fake train_gpt: --help lists --precision; --preset small runs out of memory; tiny in bf16
-# hangs; anything else writes a metrics file (step_ms 10 + step) and a JSON summary.
+# hangs; anything else writes a JSON summary with step_ms 10 + step (and a metrics file of the
+# same times when asked for one).
 if [[ "$1" == --help ]]; then echo "  --preset <PRESET>"; echo "  --precision <PRECISION>"; exit 0; fi
 preset="" prec="" steps=0 metrics=""
 while (($#)); do
@@ -244,9 +247,16 @@ if [[ "$preset" == small ]]; then
   echo "Error: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")" >&2; exit 2
 fi
 if [[ "$prec" == bf16 ]]; then sleep 60; exit 0; fi
-: > "$metrics"
-for ((i = 0; i < steps; i++)); do echo "{\"step\":$i,\"step_ms\":$((10 + i)),\"loss\":6.0}" >> "$metrics"; done
-echo "{\"params\":PARAMS,\"losses\":[6.2,6.0],\"step_ms_median\":12.0}"
+if [[ -n "$metrics" ]]; then
+  : > "$metrics"
+  for ((i = 0; i < steps; i++)); do echo "{\"step\":$i,\"step_ms\":$((10 + i)),\"loss\":6.0}" >> "$metrics"; done
+fi
+# The summary's per-step list (FAKE_NO_STEP_LIST: a train_gpt from before it had one).
+list=""
+if [[ -z "${FAKE_NO_STEP_LIST:-}" ]]; then
+  list=",\"step_ms\":[$(seq -s, 10 $((9 + steps)))]"
+fi
+echo "{\"params\":PARAMS,\"losses\":[6.2,6.0],\"step_ms_median\":12.0$list}"
 """
 
 
@@ -284,19 +294,19 @@ class Driver(unittest.TestCase):
         # tiny: 60 s x 0.05 = a 3 s timeout for the hanging bf16 run.
         d = self.drive("--timeout-scale", "0.05")
         by = {r["id"]: r for r in d["runs"]}
-        self.assertEqual(sorted(by), ["small.bf16.ours", "small.f32.ours", "tiny.bf16.ours", "tiny.f32.ours"])
-        ok = by["tiny.f32.ours"]
+        self.assertEqual(sorted(by), ["small_bf16_ours", "small_f32_ours", "tiny_bf16_ours", "tiny_f32_ours"])
+        ok = by["tiny_f32_ours"]
         self.assertEqual(ok["status"], "ok", ok.get("error"))
         self.assertEqual(ok["step_ms_measured"], [12, 13, 14, 15])  # warm-up steps 0, 1 left out
         self.assertEqual(ok["figures"]["step_ms"], {"median": 14, "p10": 12, "p90": 15, "n": 4})
         self.assertAlmostEqual(ok["figures"]["tokens_per_s"], 8 * 128 / 0.014)
         self.assertIsNone(ok["figures"]["mfu"])  # --no-gemm
-        self.assertIsNone(by["small.f32.ours"]["figures"])
+        self.assertIsNone(by["small_f32_ours"]["figures"])
         self.assertIn("--precision", ok["command"])
-        self.assertEqual(by["small.f32.ours"]["status"], "oom")
-        self.assertIn("CUDA_ERROR_OUT_OF_MEMORY", by["small.f32.ours"]["error"])
-        self.assertEqual(by["tiny.bf16.ours"]["status"], "timeout")
-        self.assertLess(by["tiny.bf16.ours"]["seconds"], 10)  # SIGTERM, not the SIGKILL 10 s later
+        self.assertEqual(by["small_f32_ours"]["status"], "oom")
+        self.assertIn("CUDA_ERROR_OUT_OF_MEMORY", by["small_f32_ours"]["error"])
+        self.assertEqual(by["tiny_bf16_ours"]["status"], "timeout")
+        self.assertLess(by["tiny_bf16_ours"]["seconds"], 10)  # SIGTERM, not the SIGKILL 10 s later
         with open(os.path.join(self.out, "table.md")) as f:
             md = f.read()
         self.assertIn("| tiny | f32 | 8 x 128 | 14.0 (12.0-15.0) |", md)
@@ -314,8 +324,31 @@ class Driver(unittest.TestCase):
         self.assertIn("gpt2 f32 cublaslt=on", calls)
         self.assertIn("gpt2 f32 cublaslt=0", calls)
 
+    def test_ours_runs_without_metrics_by_default_and_times_steps_from_the_summary(self):
+        d = self.drive("--presets", "tiny", "--precisions", "f32")
+        (r,) = d["runs"]
+        self.assertEqual(r["status"], "ok", r.get("error"))
+        self.assertNotIn("--metrics", r["command"])
+        self.assertEqual(r["command"][r["command"].index("--log-every") + 1], "0")
+        self.assertEqual(r["timing_source"], "summary step_ms list (--log-every 0)")
+        self.assertEqual(r["step_ms_measured"], [12, 13, 14, 15])
+        # Its files are named by its id, which has no dot for train_gpt to take as an extension.
+        self.assertEqual(r["id"], "tiny_f32_ours")
+
+    def test_metrics_file_timing_with_ours_log_every(self):
+        d = self.drive("--presets", "tiny", "--precisions", "f32", "--ours-log-every", "1")
+        (r,) = d["runs"]
+        self.assertEqual(r["status"], "ok", r.get("error"))
+        self.assertIn("--metrics", r["command"])
+        self.assertIn("metrics.jsonl", r["timing_source"])
+        self.assertEqual(r["step_ms_measured"], [12, 13, 14, 15])
+
     def test_summary_median_is_marked_when_the_warmup_is_in_it(self):
-        d = self.drive("--presets", "tiny", "--precisions", "f32", "--ours-log-every", "0")
+        os.environ["FAKE_NO_STEP_LIST"] = "1"
+        try:
+            d = self.drive("--presets", "tiny", "--precisions", "f32", "--ours-log-every", "0")
+        finally:
+            del os.environ["FAKE_NO_STEP_LIST"]
         (r,) = d["runs"]
         self.assertEqual(r["status"], "ok", r.get("error"))
         self.assertNotIn("--metrics", r["command"])
