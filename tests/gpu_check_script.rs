@@ -190,6 +190,16 @@ fn gpu_check_passes_only_with_every_required_binary_and_figure() {
         assert_row(&good, id, "PASS", "");
     }
     assert_row(&good, "c11", "PASS", "321 kernels in a step");
+    // k2 runs after the training checks: a never-run kernel that hangs there cannot take
+    // their budget.
+    let table = good.out.rsplit_once("step   result").map_or("", |t| t.1);
+    let at = |id: &str| {
+        table
+            .lines()
+            .position(|l| l.split_whitespace().next() == Some(id))
+            .unwrap_or_else(|| panic!("no row {id} in:\n{table}"))
+    };
+    assert!(at("k") < at("c0") && at("c11") < at("k2"), "{table}");
     assert_row(&good, "c12", "PASS", "1.67x the floor");
     assert_row(&good, "c1", "PASS", "max rel loss diff vs CPU 8.9e-8");
     let json = std::fs::read_to_string(dir.path("logs-good/gpu_check.json")).unwrap();
