@@ -2689,7 +2689,8 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     });
     // Device-to-host reads per step on rank 0 (each a host synchronisation on a GPU): the loss
     // with the gradient norm, FSDP's gradient-presence flags (one read for all units), the MoE balancing
-    // loss, the pipeline's scalars. Not counted: reads inside candle's ops and a backend's
+    // loss and, per MoE layer, its expert ids and gathered expert counts (the routing is
+    // planned on the host), the pipeline's scalars. Not counted: reads inside candle's ops and a backend's
     // synchronisations inside its collectives (the local backend's CUDA path synchronizes the
     // stream around each collective).
     summary["host_reads_per_step"] = serde_json::json!(report.host_reads);

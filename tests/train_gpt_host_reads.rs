@@ -2,8 +2,10 @@
 //! (`host_reads_per_step`, issue 33 item 4): each is a host synchronisation on a GPU. Exactly
 //! one per step where the trainer reads only the loss, the gradient norm riding along
 //! (clipping included: the norm and the clip factor stay on the device), FSDP's
-//! gradient-presence flags of every unit riding along too; one more for the MoE balancing loss.
-//! Tiny preset (one block: three FSDP units), 3 steps on the CPU.
+//! gradient-presence flags of every unit riding along too; one more for the MoE balancing loss,
+//! and two per MoE layer (its expert ids and the gathered expert counts: the routing is
+//! planned on the host). Tiny preset (one block: three FSDP units, one MoE layer), 3 steps on
+//! the CPU.
 #[path = "../examples/train_gpt.rs"]
 #[allow(dead_code)]
 mod train_gpt;
@@ -42,7 +44,7 @@ fn reads(out: &Scratch, extra: &[&str]) -> Vec<u64> {
 }
 
 #[test]
-fn one_host_read_per_step_with_or_without_fsdp_and_one_more_for_moe() {
+fn one_host_read_per_step_with_or_without_fsdp_and_the_moe_reads_counted() {
     let out = Scratch::new("host_reads");
     for (extra, want) in [
         (&["--mesh", "tp=1", "--no-fsdp"][..], 1),
@@ -53,7 +55,7 @@ fn one_host_read_per_step_with_or_without_fsdp_and_one_more_for_moe() {
         (&["--mesh", "replicate=2,shard=2", "--hsdp"][..], 1),
         (
             &["--mesh", "ep=2", "--no-fsdp", "--moe", "experts=4,top_k=2"][..],
-            1 + 1,
+            1 + 1 + 2,
         ),
     ] {
         assert_eq!(reads(&out, extra), vec![want; 3], "{extra:?}");

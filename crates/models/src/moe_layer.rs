@@ -250,6 +250,8 @@ impl MoeLayer {
         let (bl, tl, d) = local.dims3()?;
         let n = bl * tl;
         let xs = local.reshape((n, d))?;
+        // The routing is planned on the host: one read (a host synchronisation on a GPU).
+        candle_dtensor_kernels::storage::note_host_read();
         let ids: Vec<u32> = idx.to_local().flatten_all()?.to_vec1()?;
         let routing = LocalRouting::new(ids, n, cfg.top_k, cfg.experts).map_err(|reason| {
             MoeError::Config {

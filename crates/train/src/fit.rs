@@ -1819,13 +1819,16 @@ impl Trainer {
         }
         let lr = self.lr_at(self.step);
         self.opt.set_learning_rate(lr);
+        // The optimizer's GPU phase starts here, not at the backward's end: the device is idle
+        // in between while the host reads the loss back.
+        let mut marks = g.marks;
+        gpu_mark_into(&mut marks, &self.device, StepMarks::optimizer_start);
         self.opt.step(&g.grads, g.clip.as_ref())?;
         if let Some(f) = &self.fsdp {
             // Units no wrapper drives see the updated parameters at their next use.
             f.gather_undriven()?;
         }
         let t_opt = Instant::now();
-        let mut marks = g.marks;
         gpu_mark_into(&mut marks, &self.device, StepMarks::optimizer_end);
         // The previous step's marks: complete since this step's loss read (same stream).
         let gpu_phases = self.take_gpu_phases(false);

@@ -19,13 +19,14 @@ pub trait Stamp {
 /// end of the backward (gradients reduced and clipped) and the end of the optimizer step.
 ///
 /// [`Phases::ms`] splits the step as the host-time split does: forward = the forwards' sum,
-/// backward = start to backward end minus the forwards, optimizer = backward end to optimizer
-/// end.
+/// backward = start to backward end minus the forwards, optimizer = optimizer start (or, when
+/// none was recorded, backward end) to optimizer end.
 #[derive(Debug)]
 pub struct Phases<S> {
     start: S,
     forwards: Vec<(S, Option<S>)>,
     backward_end: Option<S>,
+    optimizer_start: Option<S>,
     optimizer_end: Option<S>,
 }
 
@@ -36,6 +37,7 @@ impl<S: Stamp> Phases<S> {
             start,
             forwards: Vec::new(),
             backward_end: None,
+            optimizer_start: None,
             optimizer_end: None,
         }
     }
@@ -57,6 +59,13 @@ impl<S: Stamp> Phases<S> {
     /// The backward ends (gradients reduced and clipped).
     pub fn backward_end(&mut self, s: S) {
         self.backward_end = Some(s);
+    }
+
+    /// The optimizer step starts. Optional: without it the optimizer phase starts at the
+    /// backward's end. With it, what the device spends between the two (idle while the host
+    /// reads the loss back and queues the optimizer) is in no phase.
+    pub fn optimizer_start(&mut self, s: S) {
+        self.optimizer_start = Some(s);
     }
 
     /// The optimizer step ends.
@@ -87,7 +96,8 @@ impl<S: Stamp> Phases<S> {
                 None => return Ok(None),
             }
         }
-        let (Some(to_bwd), Some(o)) = (bwd.ms_since(&self.start)?, opt.ms_since(bwd)?) else {
+        let opt_start = self.optimizer_start.as_ref().unwrap_or(bwd);
+        let (Some(to_bwd), Some(o)) = (bwd.ms_since(&self.start)?, opt.ms_since(opt_start)?) else {
             return Ok(None);
         };
         Ok(Some([fwd, to_bwd - fwd, o]))
@@ -205,6 +215,23 @@ mod tests {
         assert_eq!(p.ms().unwrap(), None);
         now.set(9.0);
         assert_eq!(p.ms().unwrap(), None, "a forward still running");
+    }
+
+    /// With an optimizer start, the gap before it (the device idle during the loss read) is
+    /// in no phase.
+    #[test]
+    fn the_optimizer_phase_starts_at_its_own_mark_when_there_is_one() {
+        let now = Cell::new(100.0);
+        let at = |t| At(t, &now);
+        let mut p = Phases::new(at(0.0));
+        p.forward_start(at(0.0));
+        p.forward_end(at(4.0));
+        p.backward_end(at(10.0));
+        p.optimizer_start(at(13.0));
+        p.optimizer_end(at(15.0));
+        assert_eq!(p.ms().unwrap(), Some([4.0, 6.0, 2.0]));
+        now.set(14.0);
+        assert_eq!(p.ms().unwrap(), None, "the optimizer still running");
     }
 
     #[test]

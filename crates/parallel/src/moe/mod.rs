@@ -423,6 +423,8 @@ impl MoeGroups {
         let t0 = Instant::now();
         let raw = g.comm().all_gather_single(&t)?.wait()?;
         debug::add_comm_wait(t0.elapsed());
+        // The gathered counts are read on the host (a host synchronisation on a GPU).
+        candle_dtensor_kernels::storage::note_host_read();
         let raw: Vec<u32> = raw.to_vec1()?;
         CountTable::parse(&raw, g.size(), local.top_k, local.experts).map_err(|e| {
             let (peer, reason) = match e {
