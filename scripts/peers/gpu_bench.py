@@ -696,7 +696,10 @@ def main(argv=None):
     p.add_argument("--real-eval-batches", type=int, default=8)
     p.add_argument("--real-batch", type=int, default=REAL["batch"], help="sequences per step of the real run")
     p.add_argument("--real-precision", default="f32", choices=["f32", "tf32", "bf16"])
-    p.add_argument("--real-timeout", type=float, default=240)
+    # Each of the real run's processes (init, twin, ours). It runs early in the budget
+    # (priority), so a hang there must not take the rest of it: 500 steps of the 10.7M-parameter
+    # model at batch 64 x 256 should take well under a minute a side on an H100 (a guess).
+    p.add_argument("--real-timeout", type=float, default=150)
     p.add_argument("--gpu-name", default="")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--binaries", default="", help="the binaries' BUILD_INFO, one line")
