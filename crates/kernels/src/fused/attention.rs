@@ -122,6 +122,16 @@ struct Shared {
     len: usize,
 }
 
+impl Shared {
+    /// The buffer `v`, to be written through by tasks (see the `Send` invariant below).
+    fn of(v: &mut [f32]) -> Self {
+        Shared {
+            ptr: v.as_mut_ptr(),
+            len: v.len(),
+        }
+    }
+}
+
 // SAFETY: a `Shared` is made from a buffer that outlives every use of it: `forward`'s output
 // and `backward`'s gradient, kept alive (and not otherwise referenced) until the parallel loop
 // over the tasks returns, or a task's own scratch, used on that task's thread alone. Through
@@ -208,6 +218,15 @@ fn valid(causal: bool, row: usize, t: usize) -> usize {
     }
 }
 
+/// A task's blocks of queries: the first row, the rows (at most [`ROWS`]) and the keys they
+/// see (causal: up to the block's last row).
+fn blocks(p: Packed, causal: bool) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..p.t).step_by(ROWS).map(move |r0| {
+        let rows = ROWS.min(p.t - r0);
+        (r0, rows, if causal { r0 + rows } else { p.t })
+    })
+}
+
 /// One block's scores `s = q k^T` (`rows x keys`, row stride `keys`), then in place the
 /// probabilities `softmax(scale s)` under the mask (zero past each row's valid keys): the
 /// arithmetic of the causal softmax row kernel.
@@ -228,10 +247,7 @@ fn probs(
     s.clear();
     s.resize(rows * keys, 0.0);
     let sv = View::new(0, rows, keys, keys, 1);
-    let out = Shared {
-        ptr: s.as_mut_ptr(),
-        len: s.len(),
-    };
+    let out = Shared::of(s);
     let q = View::new(hd.q + r0 * w, rows, p.d, w, 1);
     let k = View::new(hd.k, keys, p.d, w, 1);
     gemm(out, sv, false, qkv, q, qkv, k.t());
@@ -278,9 +294,7 @@ fn forward_head(
     s: &mut Vec<f32>,
 ) {
     let (w, hd_w, hd) = (p.w(), p.hd(), p.head(task));
-    for r0 in (0..p.t).step_by(ROWS) {
-        let rows = ROWS.min(p.t - r0);
-        let keys = if causal { r0 + rows } else { p.t };
+    for (r0, rows, keys) in blocks(p, causal) {
         probs(qkv, p, hd, r0, rows, keys, causal, scale, s);
         let o = View::new(hd.o + r0 * hd_w, rows, p.d, hd_w, 1);
         let v = View::new(hd.v, keys, p.d, w, 1);
@@ -304,9 +318,7 @@ fn backward_head(
     dp: &mut Vec<f32>,
 ) {
     let (w, hd_w, hd) = (p.w(), p.hd(), p.head(task));
-    for r0 in (0..p.t).step_by(ROWS) {
-        let rows = ROWS.min(p.t - r0);
-        let keys = if causal { r0 + rows } else { p.t };
+    for (r0, rows, keys) in blocks(p, causal) {
         probs(qkv, p, hd, r0, rows, keys, causal, scale, s);
         let sv = View::new(0, rows, keys, keys, 1);
         let go = View::new(hd.o + r0 * hd_w, rows, p.d, hd_w, 1);
@@ -316,10 +328,7 @@ fn backward_head(
         // dP = dO v^T, into the second scratch.
         dp.clear();
         dp.resize(rows * keys, 0.0);
-        let dpv = Shared {
-            ptr: dp.as_mut_ptr(),
-            len: dp.len(),
-        };
+        let dpv = Shared::of(dp);
         gemm(dpv, sv, false, g, go, qkv, v.t());
         // dV += P^T dO.
         gemm(dst, v, true, s, sv.t(), g, go);
@@ -367,10 +376,7 @@ pub(crate) fn forward(qkv: &[f32], p: Packed, causal: bool, scale: f32) -> CResu
     if n == 0 || p.t == 0 {
         return Ok(out);
     }
-    let dst = Shared {
-        ptr: out.as_mut_ptr(),
-        len: out.len(),
-    };
+    let dst = Shared::of(&mut out);
     for_tasks(p.b * p.h, |task, [s, _]| {
         forward_head(qkv, p, task, causal, scale, dst, s)
     });
@@ -396,10 +402,7 @@ pub(crate) fn backward(
     if n == 0 || p.t == 0 {
         return Ok(dx);
     }
-    let dst = Shared {
-        ptr: dx.as_mut_ptr(),
-        len: dx.len(),
-    };
+    let dst = Shared::of(&mut dx);
     for_tasks(p.b * p.h, |task, [s, dp]| {
         backward_head(qkv, g, p, task, causal, scale, dst, s, dp)
     });
