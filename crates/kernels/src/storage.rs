@@ -1151,7 +1151,7 @@ impl StreamPoint {
     ///
     /// # Errors
     ///
-    /// `device` is not the CUDA device the point was recorded on, or the driver refused.
+    /// `device` is not a CUDA device, or the driver refused.
     pub fn order_after(&self, device: &candle_core::Device) -> Result<()> {
         #[cfg(feature = "cuda")]
         {
