@@ -314,3 +314,55 @@ fn a_spent_budget_skips_steps_and_still_writes_the_table_and_the_json() {
     let bad = gpu_check_env(&dir, &bin, "good", &[("CDT_GPU_CHECK_BUDGET", "5m")]);
     assert_eq!(bad.code, Some(2), "{}", bad.out);
 }
+
+/// The runtime-library search (scripts/lib/cuda_libs.sh, sourced by gpu_check.sh and
+/// gpu_bench.sh) takes the major version the binaries link before any other: a directory
+/// searched first that holds another CUDA release's libcublas (.so.12) does not shadow a later
+/// one's .so.13; a library found only in another version is still linked (the binaries then
+/// report it missing by name, through ldd).
+#[test]
+fn the_library_search_prefers_the_linked_major_versions() {
+    let dir = Scratch::new("cuda_libs");
+    let (old, new, out, bin) = (
+        dir.path("old"),
+        dir.path("new"),
+        dir.path("out"),
+        dir.path("bin"),
+    );
+    for d in [&old, &new, &out, &bin] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    for (d, f) in [
+        (&old, "libcublas.so.12"),
+        (&new, "libcublas.so.13"),
+        (&old, "libcuda.so.1"),
+        (&old, "libcurand.so.9"),
+    ] {
+        std::fs::write(d.join(f), "").unwrap();
+    }
+    let lib = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/lib/cuda_libs.sh");
+    let o = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "set -u; source '{}'; cdt_cuda_libs '{}' '{}' ''; echo \"$cuda_lib_path\"",
+            lib.display(),
+            out.display(),
+            bin.display()
+        ))
+        .env(
+            "CDT_CUDA_LIB_DIRS",
+            format!("{}:{}", old.display(), new.display()),
+        )
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let link = |name: &str| std::fs::read_link(out.join(name)).unwrap();
+    assert_eq!(link("libcublas.so"), new.join("libcublas.so.13"));
+    assert_eq!(link("libcuda.so"), old.join("libcuda.so.1"));
+    assert_eq!(link("libcurand.so"), old.join("libcurand.so.9"));
+    let path = String::from_utf8(o.stdout).unwrap();
+    assert!(
+        path.contains(new.to_str().unwrap()) && path.contains(old.to_str().unwrap()),
+        "{path}"
+    );
+}
