@@ -12,8 +12,8 @@
 //! parameter and both moments, 28 bytes per f32 element; a device copy of 3.5 elements per
 //! parameter element into a buffer allocated once moves the same bytes (read plus write),
 //! timed the same way, in the same run. `ratio` is the fused step's median over the copy's. Times are GPU time between CUDA
-//! timing events on CUDA (`kernels::profile::Mark`), wall time on the CPU; medians (p10, p90)
-//! over `--iters` after `--warmup`.
+//! timing events around each call on CUDA (`kernels::profile::Mark`; the device synchronized
+//! between calls), wall time on the CPU; medians (p10, p90) over `--iters` after `--warmup`.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 use candle_core::{DType, Tensor, Var};

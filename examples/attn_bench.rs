@@ -13,7 +13,8 @@
 //! A shape is `B,H,T,D` (batch, heads, sequence, head dim; queries and keys alike); the
 //! default list is GPT-2 small's and medium's attention at batch 8 (12 and 16 heads of 64,
 //! 1024 tokens) and a 128-wide head at 2048 tokens. Times are GPU time between CUDA timing
-//! events on CUDA, wall time on the CPU; medians (p10, p90) over `--iters` after `--warmup`.
+//! events around each call on CUDA (the device synchronized between calls, as the PyTorch
+//! side does), wall time on the CPU; medians (p10, p90) over `--iters` after `--warmup`.
 //! The forward + backward call is `sum(o * g)` differentiated (its extra elementwise product
 //! and sum are O(B H T D), against the attention's O(B H T^2 D)). FLOPs as FlashAttention
 //! counts them: 4 B H T^2 D for the forward (half of it under the causal mask), 2.5 times that
@@ -162,6 +163,13 @@ pub(crate) fn run(args: &Args) -> R<serde_json::Value> {
         }));
     }
     kernels.dedup();
+    // The packed cases: on the CPU (f32) the packed kernel of `fused::attention`, on CUDA the
+    // flash kernels where they apply, as above.
+    let packed_kernels = if dev.is_cpu() && dtype == DType::F32 {
+        "cpu packed kernel".to_string()
+    } else {
+        kernels.join(", ")
+    };
     Ok(serde_json::json!({
         "bench": "attention",
         "device": spec.to_string(),
@@ -169,6 +177,7 @@ pub(crate) fn run(args: &Args) -> R<serde_json::Value> {
         "dtype": args.dtype,
         "causal": causal,
         "kernels": kernels.join(", "),
+        "packed_kernels": packed_kernels,
         "cases": cases,
     }))
 }

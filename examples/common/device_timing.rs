@@ -48,7 +48,8 @@ pub fn median(ms: &[f64]) -> f64 {
 }
 
 /// Milliseconds of each of `reps.iters` calls of `f` after `reps.warmup`: GPU time between
-/// timing marks on CUDA, wall time otherwise.
+/// timing marks around each call on CUDA (the device synchronized between calls), wall time
+/// otherwise.
 pub fn time(dev: &Device, reps: Reps, mut f: impl FnMut() -> R<()>) -> R<Vec<f64>> {
     let Reps { iters, warmup } = reps;
     for _ in 0..warmup {
@@ -65,6 +66,10 @@ pub fn time(dev: &Device, reps: Reps, mut f: impl FnMut() -> R<()>) -> R<Vec<f64
             Some(s) => {
                 let end = Mark::record(dev)?.ok_or("a CUDA device gave no timing mark")?;
                 marks.push((s, end));
+                // Each call starts on an idle device, as the PyTorch side of gpu_bench measures
+                // (events around the call, then a synchronisation): its launch latency is in its
+                // time instead of hidden behind the previous call's queued work.
+                dev.synchronize()?;
                 start = Mark::record(dev)?;
             }
             None => {
