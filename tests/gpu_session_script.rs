@@ -103,7 +103,7 @@ fn session(root: &Path, out: &Path, env: &[(&str, &str)]) -> Run {
         cmd.env(k, v);
     }
     let mut child = cmd.spawn().unwrap();
-    // Bounded: the script's own outer limits are 45 + 65 s with these budgets.
+    // Bounded: the script's own outer limits are 30 + 45 s with these budgets.
     let deadline = Instant::now() + Duration::from_secs(240);
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
@@ -204,7 +204,7 @@ fn a_hanging_check_is_cut_at_its_outer_limit_and_the_benchmark_still_runs() {
     let out = dir.path("out");
     let r = session(&root, &out, &[("FAKE_CHECK", "hang")]);
     assert_eq!(r.code, Some(0), "{}", r.out);
-    // The check's outer limit: its budget (5 s) + 40 s.
+    // The check's outer limit: its budget (5 s) + 25 s.
     assert!(r.secs < 120.0, "took {} s:\n{}", r.secs, r.out);
     assert!(r.out.contains("gpu_check.sh exit 124"), "{}", r.out);
     let names = returned(&out);
