@@ -116,6 +116,19 @@ log="$out/session.log"
 : > "$log"
 # Everything this script and the two scripts print also goes to session.log.
 exec > >(tee -a "$log") 2>&1
+tee_pid=$!
+# At the end: close the pipe to tee and give it up to 5 s to finish, so that the last lines
+# (the summary a reply's output tail keeps) are written before this script returns. Bounded:
+# a process a step left behind may still hold the pipe open.
+finish() {
+    exec >&- 2>&-
+    local i
+    for ((i = 0; i < 50; i++)); do
+        kill -0 "$tee_pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    exit "$1"
+}
 t0=$(date +%s)
 say() { echo "== gpu_session +$(( $(date +%s) - t0 ))s: $*"; }
 
@@ -138,7 +151,7 @@ unpack_text() {
 with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
     shutil.copyfileobj(src, dst)' "$text.xz" "$text"
 }
-unpack_bins || { say "cannot unpack the binaries"; exit 1; }
+unpack_bins || { say "cannot unpack the binaries"; finish 1; }
 [[ -f target/gpu/bin/BUILD_INFO ]] && say "binaries: $(paste -sd' ' target/gpu/bin/BUILD_INFO)"
 unpack_text
 
@@ -204,4 +217,4 @@ if [[ -f "$out/table.md" ]]; then
     echo
 fi
 say "done"
-exit 0
+finish 0
