@@ -6,7 +6,10 @@ in the same run, attention alone (examples/attn_bench.rs beside torch's
 scaled_dot_product_attention, bf16, causal, forward and forward + backward) and, with --real-text, the nanoGPT-shaped byte model on real text, ours vs the
 twin. For gpt2 in bf16 and f32, ours also runs with CDT_CUBLASLT=0 (side "ours-nolt": the
 linears on candle's GEMM and separate bias, cast and column-sum passes), after every target's
-runs, so the run measures what the cuBLASLt epilogues gain when the budget allows. Writes OUT/gpu_bench.json (everything) and OUT/table.md (gpu_bench_report.py's Markdown).
+runs, so the run measures what the cuBLASLt epilogues gain when the budget allows; then small
+in f32 and bf16 with CDT_CUDA_BUFFER_EVENTS=1 (side "ours-events": every buffer with cudarc's two
+events, which train_gpt skips), what skipping them gains in the launch-bound regime. Writes
+OUT/gpu_bench.json (everything) and OUT/table.md (gpu_bench_report.py's Markdown).
 
 Every run is a separate process under its own timeout; a run that fails, runs out of memory or
 times out is recorded with its status and error, and the others go on. Runs go in priority
@@ -53,6 +56,8 @@ TIMEOUTS = {
     "gpt2-medium": (180, 330),
 }
 BATCH = {"tiny": 8, "small": 8, "gpt2": 8, "gpt2-medium": 8}
+# The sides that run train_gpt: ours, and ours again under an environment switch.
+OURS_SIDES = ("ours", "ours-nolt", "ours-events")
 # The real-text model: nanoGPT's shakespeare_char shape on bytes.
 REAL = dict(layers=6, heads=6, width=384, seq_len=256, batch=64)
 
@@ -69,8 +74,12 @@ def priority(presets, precisions, sides):
         ("gpt2", "f32", "ours"), ("gpt2", "f32", "eager"), ("gpt2", "tf32", "ours"), ("gpt2", "tf32", "eager"),
         # After every target's runs: ours without the cuBLASLt epilogues, what they gain.
         ("gpt2", "bf16", "ours-nolt"), ("gpt2", "f32", "ours-nolt"),
+        # Then ours with cudarc's per-buffer events kept, what skipping them gains where the
+        # host's cost per op shows (the launch-bound preset).
+        ("small", "f32", "ours-events"), ("small", "bf16", "ours-events"),
     ]
-    # The rest of the matrix: the three sides of the table (ours-nolt only where listed above).
+    # The rest of the matrix: the three sides of the table (the extra sides only where listed
+    # above).
     rest = [(p, q, s) for s in ("ours", "eager", "compile") for p in presets for q in precisions]
     # Within the rest: uncompiled runs first (cheap), then compile; small before large.
     rest.sort(key=lambda r: (r[2] == "compile", list(presets).index(r[0]), list(precisions).index(r[1])))
@@ -278,7 +287,7 @@ class Bench:
         limit = min(limit, left)
         total = a.warmup + a.steps
         out, err = os.path.join(self.logs, rid + ".out"), os.path.join(self.logs, rid + ".log")
-        if side in ("ours", "ours-nolt"):
+        if side in OURS_SIDES:
             if self.ours_help is None:
                 rec.update(status="failed", error=f"train_gpt not runnable: {self.ours_help_error}")
                 return rec
@@ -299,6 +308,10 @@ class Bench:
             if side == "ours-nolt":
                 # The linears on candle's GEMM and separate passes (kernels/src/cublaslt.rs).
                 env = dict(env, CDT_CUBLASLT="0")
+            elif side == "ours-events":
+                # Every buffer with cudarc's two events (kernels/src/storage.rs,
+                # skip_unused_buffer_events), as before they were skipped.
+                env = dict(env, CDT_CUDA_BUFFER_EVENTS="1")
         else:
             cmd = [a.python, os.path.join(HERE, "train_gpt_torch.py"), "--preset", preset, "--batch", str(batch),
                    "--seq-len", str(cfg["seq_len"]), "--steps", str(total), "--timing-warmup", str(a.warmup),
@@ -323,7 +336,7 @@ class Bench:
         rec["peak_mem_source"] = ("nvidia-smi memory.used above idle" if self.gpu else "peak RSS (ru_maxrss)")
         if status != "ok":
             return rec
-        if side in ("ours", "ours-nolt"):
+        if side in OURS_SIDES:
             self.figures_ours(rec, out, params)
         else:
             self.figures_twin(rec, os.path.join(self.logs, rid + ".json"), params)
@@ -660,9 +673,11 @@ def main(argv=None):
     p.add_argument("--out", default="target/gpu_bench")
     p.add_argument("--presets", default="small,gpt2,gpt2-medium")
     p.add_argument("--precisions", default="f32,tf32,bf16")
-    p.add_argument("--sides", default="ours,eager,compile,ours-nolt",
-                   help="ours, eager, compile, and ours-nolt: ours with CDT_CUBLASLT=0 (the linears "
-                        "on candle's GEMM and separate passes), run for gpt2 bf16 and f32 only")
+    p.add_argument("--sides", default="ours,eager,compile,ours-nolt,ours-events",
+                   help="ours, eager, compile; ours-nolt: ours with CDT_CUBLASLT=0 (the linears "
+                        "on candle's GEMM and separate passes), run for gpt2 bf16 and f32 only; "
+                        "ours-events: ours with CDT_CUDA_BUFFER_EVENTS=1 (cudarc's per-buffer "
+                        "events kept), run for small f32 and bf16 only"),
     p.add_argument("--steps", type=int, default=30, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=5, help="steps before the measured ones, left out")
     p.add_argument("--batch", type=parse_batch, default={}, help="PRESET=N,... (default 8 each)")

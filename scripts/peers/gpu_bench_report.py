@@ -28,7 +28,9 @@ import sys
 SIDES = ("ours", "eager", "compile")
 # Ours again with the linears' GEMMs off cuBLASLt (CDT_CUBLASLT=0: candle's GEMM plus the bias,
 # cast and column-sum passes): what the cuBLASLt epilogues gain, measured in the same run.
-EXTRA_SIDES = ("ours-nolt",)
+# Ours again with cudarc's two events on every buffer (CDT_CUDA_BUFFER_EVENTS=1), which
+# train_gpt otherwise skips: what skipping them gains.
+EXTRA_SIDES = ("ours-nolt", "ours-events")
 PRESET_ORDER = ("tiny", "small", "gpt2", "gpt2-medium")
 PRECISION_ORDER = ("f32", "tf32", "bf16")
 
@@ -320,20 +322,19 @@ def top_kernels_lines(rows, n=TOP_ROWS):
     return out
 
 
-def nolt_lines(rows):
-    """Ours with and without the linears on cuBLASLt (side "ours-nolt", CDT_CUBLASLT=0), for
-    each preset and precision where both ran; empty when none did."""
-    pairs = [(k, s) for k, s in rows.items() if "ours-nolt" in s]
+def extra_side_lines(rows, side, intro, ours_name, side_name):
+    """Ours beside ours under a switch (an extra side), for each preset and precision where
+    that side ran; empty when it ran nowhere."""
+    pairs = [(k, s) for k, s in rows.items() if side in s]
     if not pairs:
         return []
-    out = ["", "The linears on cuBLASLt (bias and bias-gradient epilogues, f32 written from bf16) against "
-           "candle's GEMM and separate passes (`CDT_CUBLASLT=0`), ours both times:", "",
-           "| preset | precision | step ms: cuBLASLt | without | without / with |",
+    out = ["", intro, "",
+           f"| preset | precision | step ms: {ours_name} | {side_name} | {side_name} / {ours_name} |",
            "|---|---|---|---|---:|"]
     for (preset, prec), sides in pairs:
-        a, b = sides.get("ours"), sides.get("ours-nolt")
+        a, b = sides.get("ours"), sides.get(side)
         fa, fb = (None if a is None else a[1]), (None if b is None else b[1])
-        # tokens/s with over without: above 1, the cuBLASLt path is faster.
+        # tokens/s with over without: above 1, ours as train_gpt runs it is faster.
         out.append(f"| {preset} | {prec} | {cell(a, 'ms')} | {cell(b, 'ms')} | {fmt_ratio(ratio(fa, fb))} |")
     return out
 
@@ -381,7 +382,15 @@ def markdown(doc):
         for r in failed:
             lines.append(f"- {r['preset']} {r['precision']} {r['side']}: {r.get('status')}"
                          f"{': ' + r['error'] if r.get('error') else ''}")
-    lines += nolt_lines(rows)
+    lines += extra_side_lines(
+        rows, "ours-nolt",
+        "The linears on cuBLASLt (bias and bias-gradient epilogues, f32 written from bf16) against "
+        "candle's GEMM and separate passes (`CDT_CUBLASLT=0`), ours both times:", "with", "without")
+    lines += extra_side_lines(
+        rows, "ours-events",
+        "Buffers without cudarc's two per-buffer events (train_gpt's default) against with them "
+        "(`CDT_CUDA_BUFFER_EVENTS=1`: `cuEventCreate` twice per allocation, `cuEventDestroy` twice "
+        "per free), ours both times:", "skipped", "kept")
     lines += top_kernels_lines(rows)
     lines += attention_lines(doc.get("attention"))
     rt = doc.get("real_text")

@@ -203,6 +203,22 @@ class Report(unittest.TestCase):
         self.assertIn("| gpt2 | bf16 | 8 x 1024 | 20.0 (20.0-20.0) | 22.0 (22.0-22.0) | not run | 1.10x | - |", md)
         self.assertNotIn("CDT_CUBLASLT=0`), ours both times", rep.markdown(doc([run("gpt2", "bf16", "ours", [20.0])])))
 
+    def test_ours_events_runs_for_small_after_every_target_and_nolt(self):
+        order = drv.priority(["small", "gpt2"], ["f32", "bf16"],
+                             ["ours", "eager", "compile", "ours-nolt", "ours-events"])
+        ev = [r for r in order if r != "REAL" and r[2] == "ours-events"]
+        self.assertEqual(ev, [("small", "f32", "ours-events"), ("small", "bf16", "ours-events")])
+        self.assertEqual(order[order.index(("small", "f32", "ours-events")) - 1], ("gpt2", "f32", "ours-nolt"))
+        self.assertNotIn(("small", "f32", "ours-events"), drv.priority(["small"], ["f32"], ["ours", "eager"]))
+
+    def test_ours_with_and_without_buffer_events(self):
+        d = doc([run("small", "f32", "ours", [8.0] * 5), run("small", "f32", "ours-events", [10.0] * 5)])
+        md = rep.markdown(d)
+        self.assertIn("| preset | precision | step ms: skipped | kept | kept / skipped |", md)
+        # tokens/s skipped over kept: 10 / 8.
+        self.assertIn("| small | f32 | 8.0 (8.0-8.0) | 10.0 (10.0-10.0) | 1.25x |", md)
+        self.assertNotIn("CDT_CUDA_BUFFER_EVENTS=1", rep.markdown(doc([run("small", "f32", "ours", [8.0])])))
+
     def test_ours_nolt_runs_for_gpt2_bf16_and_f32_only(self):
         order = drv.priority(["small", "gpt2"], ["f32", "bf16"], ["ours", "eager", "compile", "ours-nolt"])
         nolt = [r for r in order if r != "REAL" and r[2] == "ours-nolt"]
@@ -242,7 +258,7 @@ while (($#)); do
     --steps) steps="$2"; shift ;; --metrics) metrics="$2"; shift ;;
   esac; shift
 done
-echo "$preset $prec cublaslt=${CDT_CUBLASLT:-on}" >> "$(dirname "$0")/calls"
+echo "$preset $prec cublaslt=${CDT_CUBLASLT:-on} events=${CDT_CUDA_BUFFER_EVENTS:-skipped}" >> "$(dirname "$0")/calls"
 if [[ "$preset" == small ]]; then
   echo "Error: DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")" >&2; exit 2
 fi
@@ -321,8 +337,20 @@ class Driver(unittest.TestCase):
             self.assertEqual(by[side]["status"], "ok", by[side].get("error"))
         with open(os.path.join(self.tmp.name, "calls")) as f:
             calls = f.read().split("\n")
-        self.assertIn("gpt2 f32 cublaslt=on", calls)
-        self.assertIn("gpt2 f32 cublaslt=0", calls)
+        self.assertIn("gpt2 f32 cublaslt=on events=skipped", calls)
+        self.assertIn("gpt2 f32 cublaslt=0 events=skipped", calls)
+
+    def test_ours_events_runs_ours_with_the_buffer_events_kept(self):
+        d = self.drive("--presets", "tiny", "--precisions", "f32", "--sides", "ours,ours-events",
+                       "--timeout-scale", "0.05")
+        # ours-events runs for small only: tiny gets ours alone.
+        self.assertEqual([r["side"] for r in d["runs"]], ["ours"])
+        d = self.drive("--presets", "gpt2", "--precisions", "f32", "--sides", "ours,ours-events",
+                       "--timeout-scale", "0.05")
+        self.assertEqual([r["side"] for r in d["runs"]], ["ours"])
+        order = drv.priority(["small"], ["f32"], ["ours", "ours-events"])
+        self.assertEqual(order, ["REAL", ("small", "f32", "ours"), ("small", "f32", "ours-events")])
+        self.assertEqual(drv.OURS_SIDES, ("ours", "ours-nolt", "ours-events"))
 
     def test_ours_runs_without_metrics_by_default_and_times_steps_from_the_summary(self):
         d = self.drive("--presets", "tiny", "--precisions", "f32")

@@ -667,6 +667,21 @@ impl CudaStreams {
     /// A CUDA error, rendered.
     pub fn new(device: &CudaDevice) -> Result<Self, String> {
         let ctx = device.cuda_stream().context().clone();
+        if !ctx.is_event_tracking() {
+            // A device opened by the runtime skips cudarc's per-buffer events while its
+            // context has one stream (`kernels::storage::skip_unused_buffer_events`). With the
+            // communicator's stream there are two: buffers made from here on carry the events
+            // again, so a buffer whose last handle is dropped on another thread (the watchdog
+            // releasing an operation's tensors) is freed after the reads the caller's stream
+            // queued on it.
+            tracing::debug!("nccl: cudarc buffer events back on for the communicator's stream");
+            // SAFETY: cudarc's caveat is that buffers made while tracking was off stay
+            // untracked. Those are ordered by this backend as every buffer is: the
+            // communicator's stream waits on the caller's (`comm_after_caller`), the caller's
+            // waits on the operation's end event, and an operation's tensors are kept alive
+            // until that event completes.
+            unsafe { ctx.enable_event_tracking() };
+        }
         let comm = ctx.new_stream().map_err(|e| e.to_string())?;
         Ok(CudaStreams {
             device: device.clone(),

@@ -1093,6 +1093,46 @@ pub fn retain_freed_memory(device: &candle_core::Device) -> Result<bool> {
     Ok(false)
 }
 
+/// Stops the buffers candle allocates on `device` from now on from carrying cudarc's two
+/// per-buffer CUDA events, where those events would never be used. Returns whether it did
+/// (`false` on the CPU, without the `cuda` feature, and on a context that already has a
+/// second stream).
+///
+/// cudarc gives every buffer a read and a write event (`cuEventCreate` twice at each
+/// allocation, `cuEventDestroy` twice at each free) so that it can order the buffer's uses
+/// across streams, but it records or waits on them only once a second stream exists in the
+/// context (`is_in_multi_stream_mode`). Until then they are pure host cost on every tensor
+/// candle makes, which is the launch-bound regime's bottleneck. The runtime orders its own
+/// cross-stream work with explicit events (`StreamPoint`, the local backend's collectives, the
+/// NCCL backend's streams), never through these.
+///
+/// A backend that later makes a second stream on this context (NCCL's communicator stream)
+/// turns tracking back on first (`comm-nccl`'s `CudaStreams::new`), so buffers made from then
+/// on are tracked again; those made before it are not, which is why it is for a device just
+/// opened (`train::device::DeviceSpec::device_for`).
+pub fn skip_unused_buffer_events(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        let stream = d.cuda_stream();
+        let ctx = stream.context();
+        if ctx.is_in_multi_stream_mode() {
+            return false;
+        }
+        // SAFETY: cudarc's contract for untracked buffers is that the user orders their uses
+        // across streams (no free before another stream's use ends, no use before the
+        // allocating stream's allocation, no concurrent writes). This context has one stream
+        // in cudarc's sense (the check above), where cudarc itself never records or waits on
+        // the events, so untracked buffers are used exactly as tracked ones would be; the
+        // runtime's other streams (rank threads' per-thread streams, `redistribute_async`'s
+        // helper) are ordered by its own events, and the NCCL backend re-enables tracking
+        // before it makes its stream.
+        unsafe { ctx.disable_event_tracking() };
+        return true;
+    }
+    let _ = device;
+    false
+}
+
 /// The number of CUDA devices the driver reports (`CUDA_VISIBLE_DEVICES` applied), without
 /// opening any: no context, cuBLAS handle or memory is made on a GPU to count it, so a GPU
 /// that another process holds in exclusive-process mode is counted too. 0 without the `cuda`

@@ -37,7 +37,14 @@ const ROWS: [usize; 5] = [1, 31, 33, 1000, 4097];
 
 fn cuda_device() -> Option<Device> {
     match std::panic::catch_unwind(|| Device::new_cuda(0)) {
-        Ok(Ok(d)) => Some(d),
+        Ok(Ok(d)) => {
+            // As train_gpt opens its devices (`DeviceSpec::device_for`): every case below runs
+            // on buffers without cudarc's events.
+            if !candle_dtensor_kernels::storage::skip_unused_buffer_events(&d) {
+                panic!("cuda_fused: a fresh CUDA device kept cudarc's buffer events");
+            }
+            Some(d)
+        }
         Ok(Err(e)) => {
             println!("cuda_fused: SKIPPED, no CUDA device: {e}");
             None
@@ -1252,6 +1259,41 @@ fn pool_case(dev: &Device) -> R<String> {
     Ok("release threshold set; allocation after a free works".into())
 }
 
+/// `storage::skip_unused_buffer_events`: the test's device has cudarc's buffer events off (its
+/// every case ran so); a device whose context already has a second stream keeps them, and
+/// work on it is still right.
+fn buffer_events_case(dev: &Device) -> R<String> {
+    let Device::Cuda(d) = dev else {
+        candle_core::bail!("not a CUDA device");
+    };
+    if d.is_event_tracking() {
+        candle_core::bail!("the test's device still tracks buffer events");
+    }
+    let other = Device::new_cuda(0)?;
+    let Device::Cuda(o) = &other else {
+        candle_core::bail!("new_cuda gave no CUDA device");
+    };
+    let _second = o
+        .cuda_stream()
+        .context()
+        .new_stream()
+        .map_err(candle_core::Error::wrap)?;
+    if candle_dtensor_kernels::storage::skip_unused_buffer_events(&other) {
+        candle_core::bail!("events skipped on a context with two streams");
+    }
+    if !o.is_event_tracking() {
+        candle_core::bail!("a context with two streams lost its buffer events");
+    }
+    let x = Tensor::arange(0f32, 4096.0, &other)?.reshape((64, 64))?;
+    let v = x.matmul(&x.t()?)?.sum_all()?.to_scalar::<f32>()?;
+    let w = Tensor::arange(0f32, 4096.0, &Device::Cpu)?.reshape((64, 64))?;
+    let want = w.matmul(&w.t()?)?.sum_all()?.to_scalar::<f32>()?;
+    if (v - want).abs() > want.abs() * 1e-3 {
+        candle_core::bail!("matmul on the two-stream context: {v}, the CPU {want}");
+    }
+    Ok("off on the test's device; kept on a context with a second stream".into())
+}
+
 /// `profile::Mark`: GPU time between two marks around a known amount of work is positive,
 /// unreadable never after `wait`.
 fn marks_case(dev: &Device) -> R<String> {
@@ -1342,6 +1384,7 @@ fn fused_cuda_kernels_match_the_cpu_reference() {
     multi_tensor_cases(&dev, &mut rep);
     rep.record("memory pool keeps freed memory", pool_case(&dev));
     rep.record("GPU timing marks", marks_case(&dev));
+    rep.record("cudarc buffer events", buffer_events_case(&dev));
     if !rep.failures.is_empty() {
         panic!(
             "cuda_fused: {} of {} checks failed:\n{}",

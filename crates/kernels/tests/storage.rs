@@ -219,6 +219,14 @@ fn retaining_freed_memory_is_a_no_op_on_the_cpu() {
     assert!(!candle_dtensor_kernels::storage::retain_freed_memory(&Device::Cpu).unwrap());
 }
 
+/// cudarc's per-buffer events exist only on CUDA devices: nothing to skip on the CPU.
+#[test]
+fn skipping_buffer_events_is_a_no_op_on_the_cpu() {
+    assert!(!candle_dtensor_kernels::storage::skip_unused_buffer_events(
+        &Device::Cpu
+    ));
+}
+
 /// What a [`Probe`]'s backward saw: the gradient it received and the one it returned, kept
 /// alive so that their storages can be compared (a freed storage's address can come back).
 #[derive(Default)]

@@ -103,7 +103,12 @@ impl DeviceSpec {
 
     /// The device of the rank with index `local_rank` among the ranks of this host. A CUDA
     /// device keeps freed memory in its pool
-    /// (`candle_dtensor_kernels::storage::retain_freed_memory`).
+    /// (`candle_dtensor_kernels::storage::retain_freed_memory`), and its buffers carry no
+    /// cudarc events while its context has one stream
+    /// (`candle_dtensor_kernels::storage::skip_unused_buffer_events`; `CDT_CUDA_BUFFER_EVENTS=1`
+    /// keeps them): code that makes streams of its own on this device's context orders its
+    /// buffers' uses across them itself, or turns cudarc's tracking back on
+    /// (`enable_event_tracking`) before it makes them, as the NCCL backend does.
     ///
     /// # Errors
     ///
@@ -137,6 +142,12 @@ impl DeviceSpec {
         // Freed memory stays in the pool across steps (a failure only costs speed).
         if let Err(e) = candle_dtensor_kernels::storage::retain_freed_memory(&device) {
             tracing::warn!(ordinal, error = %e, "freed GPU memory goes back to the driver");
+        }
+        // No cudarc event pair per buffer while nothing would use them (`CDT_CUDA_BUFFER_EVENTS=1`
+        // keeps them, to measure what they cost).
+        if std::env::var("CDT_CUDA_BUFFER_EVENTS").map_or(true, |v| v.trim() != "1") {
+            let skipped = candle_dtensor_kernels::storage::skip_unused_buffer_events(&device);
+            tracing::debug!(ordinal, skipped, "cudarc per-buffer events");
         }
         Ok(device)
     }
