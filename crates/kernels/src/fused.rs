@@ -616,13 +616,38 @@ impl Softmax {
     }
 }
 
+/// `softmax(scale * x)` of one row, in place (`-inf`-safe: the maximum is subtracted first).
+/// The one copy of this arithmetic: the softmax row kernel and the CPU attention kernel
+/// (`fused::attention`) both call it, so their bits agree.
+#[inline(always)]
+fn softmax_row_in_place(row: &mut [f32], scale: f32) {
+    let m = row_max(row) * scale;
+    for v in row.iter_mut() {
+        *v = fast_exp(*v * scale - m);
+    }
+    let sum: f32 = row.iter().sum();
+    let inv = 1.0 / sum;
+    for v in row {
+        *v *= inv;
+    }
+}
+
+/// The softmax backward of one row, in place of the output gradient:
+/// `g <- scale * y * (g - <y, g>)`. The one copy of this arithmetic, as
+/// [`softmax_row_in_place`] is.
+#[inline(always)]
+fn softmax_row_backward_in_place(yr: &[f32], g: &mut [f32], scale: f32) {
+    let s: f32 = yr.iter().zip(g.iter()).map(|(a, b)| a * b).sum();
+    for (d, &yv) in g.iter_mut().zip(yr) {
+        *d = scale * yv * (*d - s);
+    }
+}
+
 /// The softmax backward of one row: `dx = scale * y * (g - <y, g>)`.
 #[inline(always)]
 fn softmax_row_backward(yr: &[f32], gr: &[f32], dr: &mut [f32], scale: f32) {
-    let s: f32 = yr.iter().zip(gr).map(|(a, b)| a * b).sum();
-    for ((d, &yv), &gv) in dr.iter_mut().zip(yr).zip(gr) {
-        *d = scale * yv * (gv - s);
-    }
+    dr.copy_from_slice(gr);
+    softmax_row_backward_in_place(yr, dr, scale);
 }
 
 /// The backward of `softmax(scale * x)` over the last dim from its output `y` and output
@@ -651,16 +676,9 @@ impl UnaryKernel for Softmax {
             if valid == 0 {
                 return;
             }
-            let (xr, yr) = (&xr[..valid], &mut yr[..valid]);
-            let m = row_max(xr) * self.scale;
-            for (o, &v) in yr.iter_mut().zip(xr) {
-                *o = fast_exp(v * self.scale - m);
-            }
-            let sum: f32 = yr.iter().sum();
-            let inv = 1.0 / sum;
-            for o in yr {
-                *o *= inv;
-            }
+            let yr = &mut yr[..valid];
+            yr.copy_from_slice(&xr[..valid]);
+            softmax_row_in_place(yr, self.scale);
         });
         Ok((y, shape.clone()))
     }

@@ -10,15 +10,15 @@
 //! products, with gemm (the crate candle's CPU matmul runs on) reading and writing the packed
 //! rows through their strides. The backward recomputes the probabilities as the forward did.
 //!
-//! Bits: the softmax and its backward are the row kernels' own arithmetic ([`super::Softmax`],
-//! [`super::softmax_row_backward`]); a task's work does not depend on the number of threads or
+//! Bits: the softmax and its backward are the row kernels' own functions
+//! ([`super::softmax_row_in_place`], [`super::softmax_row_backward_in_place`]); a task's work does not depend on the number of threads or
 //! on which thread runs it, so neither changes a bit. The products differ from a batched matmul
 //! over the full `T x T` scores only in gemm's summation order (ulps).
 //!
 //! The tasks write disjoint elements of one output buffer through a shared pointer: task
 //! `(b, h)` writes only the elements of batch `b` and head `h` (see [`Shared`]).
 
-use super::{fast_exp, plain, row_max, simd};
+use super::{plain, simd, softmax_row_backward_in_place, softmax_row_in_place};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -228,8 +228,8 @@ fn blocks(p: Packed, causal: bool) -> impl Iterator<Item = (usize, usize, usize)
 }
 
 /// One block's scores `s = q k^T` (`rows x keys`, row stride `keys`), then in place the
-/// probabilities `softmax(scale s)` under the mask (zero past each row's valid keys): the
-/// arithmetic of the causal softmax row kernel.
+/// probabilities `softmax(scale s)` under the mask (zero past each row's valid keys), by the
+/// causal softmax row kernel's own function.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn probs(
@@ -255,15 +255,7 @@ fn probs(
         let n = valid(causal, r0 + i, p.t).min(keys);
         let (xr, rest) = row.split_at_mut(n);
         rest.fill(0.0);
-        let m = row_max(xr) * scale;
-        for v in xr.iter_mut() {
-            *v = fast_exp(*v * scale - m);
-        }
-        let sum: f32 = xr.iter().sum();
-        let inv = 1.0 / sum;
-        for v in xr {
-            *v *= inv;
-        }
+        softmax_row_in_place(xr, scale);
     }
 }
 
@@ -332,20 +324,17 @@ fn backward_head(
         gemm(dpv, sv, false, g, go, qkv, v.t());
         // dV += P^T dO.
         gemm(dst, v, true, s, sv.t(), g, go);
-        // dS = scale P (dP - rowsum(P dP)), in place of dP: the softmax backward row kernel's
-        // arithmetic; zero under the mask.
+        // dS = scale P (dP - rowsum(P dP)), in place of dP, by the softmax backward row
+        // kernel's own function; zero under the mask.
         for (i, (yr, gr)) in s
             .chunks_exact(keys)
             .zip(dp.chunks_exact_mut(keys))
             .enumerate()
         {
             let n = valid(causal, r0 + i, p.t).min(keys);
-            let (yr, (gr, rest)) = (&yr[..n], gr.split_at_mut(n));
+            let (gr, rest) = gr.split_at_mut(n);
             rest.fill(0.0);
-            let dot: f32 = yr.iter().zip(gr.iter()).map(|(a, b)| a * b).sum();
-            for (d, &y) in gr.iter_mut().zip(yr) {
-                *d = scale * y * (*d - dot);
-            }
+            softmax_row_backward_in_place(&yr[..n], gr, scale);
         }
         // dQ = dS k (this block's rows: written once), dK += dS^T q.
         gemm(dst, q, false, dp, sv, qkv, k);
