@@ -723,6 +723,22 @@ impl Streams for CudaStreams {
             .wait(&ev.0)
             .map_err(|e| e.to_string())
     }
+
+    fn release_cached_memory(&self) -> Result<(), String> {
+        use cudarc::driver::result;
+        let stream = self.device.cuda_stream();
+        let ctx = stream.context();
+        // The caller's frees complete first, so that their blocks count as unused.
+        stream.synchronize().map_err(|e| e.to_string())?;
+        // SAFETY: `ctx` is the live context of this communicator's device, whose default pool
+        // (candle allocates from it with `cuMemAllocAsync`) exists on every device with memory
+        // pools (an error otherwise); trimming releases only memory that backs no allocation.
+        unsafe {
+            let pool =
+                result::device::get_default_mem_pool(ctx.cu_device()).map_err(|e| e.to_string())?;
+            result::mem_pool::trim_to(pool, 0).map_err(|e| e.to_string())
+        }
+    }
 }
 
 /// The candle CUDA device behind `device`, if it is one.

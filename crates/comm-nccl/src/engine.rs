@@ -94,6 +94,24 @@ pub trait Streams: Send + Sync + 'static {
     ///
     /// A CUDA error.
     fn caller_after(&self, event: &dyn Event) -> std::result::Result<(), String>;
+    /// Hands the device memory that the allocator keeps cached but unused back to the driver.
+    /// Called before NCCL creates a communicator (init, split, shrink), whose buffers NCCL
+    /// allocates outside that cache: a pool that keeps what a training step freed
+    /// (`kernels::storage::retain_freed_memory`) could otherwise leave too little for a
+    /// communicator made mid-run, such as the one a shrink after a lost replica makes.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error (the caller logs it and goes on: NCCL may still find the memory).
+    fn release_cached_memory(&self) -> std::result::Result<(), String>;
+}
+
+/// [`Streams::release_cached_memory`] before a communicator is made; a failure is logged, not
+/// returned (NCCL may still find the memory it needs).
+fn release_before_new_comm(streams: &dyn Streams, comm: &str, rank: usize) {
+    if let Err(e) = streams.release_cached_memory() {
+        tracing::warn!(comm, rank, error = %e, "could not release cached device memory before creating a communicator");
+    }
 }
 
 /// How a work reports its output.
@@ -227,6 +245,7 @@ pub fn init_comm(
         reason: format!("rank {rank}: {reason}"),
     };
     streams.bind().map_err(|e| boot(format!("CUDA: {e}")))?;
+    release_before_new_comm(streams, &ctx.comm, rank);
     let deadline = Instant::now() + ctx.timeout;
     // Boxed and leaked on the timeout paths: NCCL may still write the handle after we gave up.
     let out = Box::new(AtomicUsize::new(0));
@@ -654,6 +673,7 @@ impl Core {
                 reason: format!("rank {}: CUDA: {e}", self.rank),
             })
         })?;
+        release_before_new_comm(&*self.streams, &ctx.comm, self.rank);
         let deadline = Instant::now() + ctx.timeout;
         let out = Box::new(AtomicUsize::new(0));
         let config = spec.raw();
@@ -933,6 +953,7 @@ impl Core {
             comm: self.name.to_string(),
             reason: format!("rank {}: CUDA: {e}", self.rank),
         })?;
+        release_before_new_comm(&*self.streams, &ctx.comm, self.rank);
         let boot = |code: NcclCode, raw: RawComm| {
             super::errors::bootstrap_error(
                 &self.name,

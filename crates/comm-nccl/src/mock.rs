@@ -41,6 +41,8 @@ pub enum Logged {
     MemFree(DevPtr),
     WindowRegister(RawComm, usize),
     WindowDeregister(RawComm, RawWindow),
+    /// `Streams::release_cached_memory` of a [`FakeStreams`] logging to this api.
+    ReleaseCachedMemory,
 }
 
 #[derive(Default)]
@@ -135,6 +137,11 @@ impl MockApi {
     /// Makes every enqueue of `name` fail with `code`.
     pub fn fail_call(&self, name: &'static str, code: NcclCode) {
         self.st().fail_call = Some((name, code));
+    }
+
+    /// Logs a [`FakeStreams`] release (see [`FakeStreams::log_to`]).
+    pub fn log_release(&self) {
+        self.st().log.push(Logged::ReleaseCachedMemory);
     }
 
     pub fn log(&self) -> Vec<Logged> {
@@ -424,6 +431,12 @@ pub struct FakeStreams {
     events: Mutex<Vec<Arc<FakeEvent>>>,
     pub caller_waits: AtomicUsize,
     pub comm_waits: AtomicUsize,
+    /// Calls of `release_cached_memory`.
+    pub releases: AtomicUsize,
+    /// `release_cached_memory` fails (after counting).
+    pub fail_release: std::sync::atomic::AtomicBool,
+    /// Where releases are also logged, in order with the NCCL calls.
+    log: Mutex<Option<Arc<MockApi>>>,
 }
 
 impl FakeStreams {
@@ -432,6 +445,11 @@ impl FakeStreams {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Logs each `release_cached_memory` into `api`'s log too.
+    pub fn log_to(&self, api: Arc<MockApi>) {
+        *self.log.lock().unwrap_or_else(|e| e.into_inner()) = Some(api);
     }
 
     /// Completes every event recorded so far.
@@ -470,6 +488,17 @@ impl Streams for FakeStreams {
             return Err("not a fake event".into());
         }
         self.caller_waits.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn release_cached_memory(&self) -> Result<(), String> {
+        self.releases.fetch_add(1, Ordering::Relaxed);
+        if let Some(api) = &*self.log.lock().unwrap_or_else(|e| e.into_inner()) {
+            api.log_release();
+        }
+        if self.fail_release.load(Ordering::Relaxed) {
+            return Err("the fake pool refused to trim".into());
+        }
         Ok(())
     }
 }

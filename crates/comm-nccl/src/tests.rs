@@ -799,3 +799,62 @@ fn shrink_needs_the_version_and_a_kept_parent() {
     );
     assert_eq!(f.api.count(|l| matches!(l, Logged::Shrink { .. })), 0);
 }
+
+/// Every way a communicator is made (init, split, shrink) first hands the device allocator's
+/// cached memory back (NCCL allocates outside that cache), and a refused release is logged,
+/// not fatal.
+#[test]
+fn new_communicators_release_cached_memory_first() {
+    let first = |log: &[Logged], call: &dyn Fn(&Logged) -> bool| {
+        let r = log.iter().position(|l| *l == Logged::ReleaseCachedMemory);
+        let c = log.iter().position(call);
+        assert!(
+            matches!((r, c), (Some(r), Some(c)) if r < c),
+            "release at {r:?}, the call at {c:?}: {log:?}"
+        );
+    };
+    // Init.
+    let api = Arc::new(MockApi::new());
+    let dev = FakeStreams::default();
+    dev.log_to(api.clone());
+    let id = api.unique_id().unwrap();
+    let spec = ConfigSpec::from_hints("world", &Default::default(), true).unwrap();
+    let c = ctx(OpName::NewComm, 0, Duration::from_secs(5));
+    api.script(RawComm(0x1000), &[NcclCode::IN_PROGRESS]);
+    init_comm(&*api, &dev, &init_args(&id, &spec, &c), &Vec::new).unwrap();
+    first(&api.log(), &|l| matches!(l, Logged::Init { .. }));
+    // A release that fails leaves the init to go on.
+    dev.fail_release.store(true, Ordering::Relaxed);
+    init_comm(&*api, &dev, &init_args(&id, &spec, &c), &Vec::new).unwrap();
+    assert_eq!(dev.releases.load(Ordering::Relaxed), 2);
+    // Split.
+    let f = fixture();
+    f.dev.log_to(f.api.clone());
+    let spec = ConfigSpec::from_hints("row", &Default::default(), true).unwrap();
+    f.api.set_next_shape(1, 2);
+    f.core
+        .split(
+            &ctx(OpName::Split, 4, Duration::from_secs(2)),
+            0,
+            1,
+            2,
+            &spec,
+        )
+        .unwrap();
+    first(&f.api.log(), &|l| matches!(l, Logged::Split { .. }));
+    // Shrink.
+    let f = fixture();
+    f.dev.log_to(f.api.clone());
+    f.api.set_next_shape(0, 3);
+    f.core
+        .shrink(
+            &ctx(OpName::Shrink, 2, Duration::from_secs(2)),
+            &[0],
+            0,
+            3,
+            &spec,
+        )
+        .unwrap();
+    first(&f.api.log(), &|l| matches!(l, Logged::Shrink { .. }));
+    assert_eq!(f.dev.releases.load(Ordering::Relaxed), 1);
+}

@@ -1061,8 +1061,11 @@ pub fn set_from_bytes(t: &Tensor, bytes: &[u8]) -> Result<()> {
 /// handing it back to the driver at every synchronisation (CUDA's default release threshold is
 /// 0): candle allocates every op's output with `cuMemAllocAsync` from that pool, so without
 /// this a step re-obtains its working memory from the driver after each loss read. The caching
-/// allocator PyTorch uses keeps it the same way. Returns whether a pool was set (`false` on
-/// the CPU, and without the `cuda` feature).
+/// allocator PyTorch uses keeps it the same way. What the pool keeps is not available to
+/// allocations outside it: the NCCL backend trims the pool before it creates a communicator
+/// (`comm-nccl`'s `Streams::release_cached_memory`), as PyTorch empties its cache when an
+/// allocation fails. Returns whether a pool was set (`false` on the CPU, and without the
+/// `cuda` feature).
 ///
 /// # Errors
 ///
