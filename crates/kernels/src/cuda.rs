@@ -69,8 +69,13 @@ const CAST: Module = Module {
     ptx: ptx::CAST,
 };
 
-/// The longest row the row kernels take (their row length is a 32-bit `int`).
-pub const MAX_ROW: usize = i32::MAX as usize;
+/// The longest extent a kernel walks with a 32-bit `int` index: `i32::MAX` less 2048, so that
+/// an index one block (at most 1024 threads) or one tile past the last element still fits in
+/// an `int` (a loop `for (int j = threadIdx.x; j < n; j += blockDim.x)` computes `j` up to
+/// `n - 1 + blockDim.x`).
+pub const MAX_INDEX: usize = i32::MAX as usize - 2048;
+/// The longest row the row kernels take (their row index is a 32-bit `int`: [`MAX_INDEX`]).
+pub const MAX_ROW: usize = MAX_INDEX;
 /// The largest grid dim x (rows beyond it are walked grid-stride).
 const MAX_GRID_X: usize = i32::MAX as usize;
 /// Threads of an elementwise block, and the most blocks an elementwise launch uses.
@@ -1098,32 +1103,42 @@ fn sumsq_chunk(total: usize) -> usize {
     total.div_ceil(1024).max(8192)
 }
 
-/// The device address of element `offset` of a float storage, and the guard that records the
-/// read on the stream once the launch using it is enqueued.
+/// The device address of element `range.0` of a float storage, and the guard that records the
+/// read on the stream once the launch using it is enqueued. The elements `range.0..range.1`
+/// must lie in the storage (an error otherwise: a launch would reach past the buffer).
 fn float_ptr<'a>(
+    op: &'static str,
     s: &'a CudaStorage,
-    offset: usize,
+    range: (usize, usize),
     stream: &'a candle_core::cuda_backend::cudarc::driver::CudaStream,
 ) -> Result<(
     u64,
     candle_core::cuda_backend::cudarc::driver::SyncOnDrop<'a>,
 )> {
     use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let (offset, end) = range;
+    let inside = |len: usize| {
+        if offset <= end && end <= len {
+            Ok(())
+        } else {
+            Err(mismatch(
+                op,
+                format!("elements {offset}..{end} of a storage of {len}"),
+            ))
+        }
+    };
     let (base, guard, size) = match &s.slice {
         CudaStorageSlice::F32(v) => {
+            inside(v.len())?;
             let (p, g) = v.device_ptr(stream);
             (p, g, 4)
         }
         CudaStorageSlice::BF16(v) => {
+            inside(v.len())?;
             let (p, g) = v.device_ptr(stream);
             (p, g, 2)
         }
-        _ => {
-            return Err(mismatch(
-                "grad_norm",
-                format!("a gradient of {:?}", s.dtype()),
-            ))
-        }
+        _ => return Err(mismatch(op, format!("a buffer of {:?}", s.dtype()))),
     };
     Ok((base + (offset * size) as u64, guard))
 }
@@ -1165,7 +1180,7 @@ pub(crate) fn grad_norm(
                 operand: "gradient",
                 shape: l.dims().to_vec(),
             })?;
-        let (ptr, guard) = float_ptr(s, a, &stream)?;
+        let (ptr, guard) = float_ptr(op, s, (a, b), &stream)?;
         ptrs.push(ptr);
         guards.push(guard);
         starts.push(total as i64);
@@ -1290,7 +1305,7 @@ pub(crate) fn adamw(
                     ),
                 ));
             }
-            let (ptr, guard) = float_ptr(s, a, &stream)?;
+            let (ptr, guard) = float_ptr(op, s, (a, b), &stream)?;
             tables[i].push(ptr);
             guards.push(guard);
         }
@@ -1306,7 +1321,7 @@ pub(crate) fn adamw(
             if s.dtype() != DType::F32 {
                 return Err(unsupported(op, s.dtype(), "an f32 gradient scale", l.shape()).into());
             }
-            let (a, _) = l
+            let (a, b) = l
                 .contiguous_offsets()
                 .filter(|(a, b)| b > a)
                 .ok_or_else(|| {
@@ -1315,7 +1330,7 @@ pub(crate) fn adamw(
                         "the gradient scale must be a contiguous f32 of one element or more".into(),
                     )
                 })?;
-            let (ptr, guard) = float_ptr(s, a, &stream)?;
+            let (ptr, guard) = float_ptr(op, s, (a, b), &stream)?;
             guards.push(guard);
             DevAddr::new(ptr)
         }
@@ -1415,8 +1430,8 @@ impl Fa {
         let (s, qd) = (self, shape);
         for (what, value, limit) in [
             ("the heads (batch x heads)", s.bh, FA_MAX_HEADS),
-            ("the queries", s.tq, i32::MAX as usize),
-            ("the keys", s.tk, i32::MAX as usize),
+            ("the queries", s.tq, MAX_INDEX),
+            ("the keys", s.tk, MAX_INDEX),
         ] {
             if value > limit {
                 return Err(KernelError::TooLarge {
@@ -1853,7 +1868,11 @@ pub(crate) fn col_sum_as(g: &Tensor, n: usize, dtype: DType) -> Result<Tensor> {
             shape: vec![rows, n],
         })
     };
-    let n_arg = i32::try_from(n).map_err(|_| too_large("a row length", n, i32::MAX as usize))?;
+    // A column index is `blockIdx.x * blockDim.x + threadIdx.x`, up to a block past `n`.
+    let n_arg = i32::try_from(n)
+        .ok()
+        .filter(|_| n <= MAX_INDEX)
+        .ok_or_else(|| too_large("a row length", n, MAX_INDEX))?;
     if chunks > 65_535 {
         return Err(too_large("row chunks (grid dim y)", chunks, 65_535));
     }
@@ -1927,16 +1946,20 @@ pub(crate) fn embedding_grad(table: &Tensor, ids: &Tensor, g: &Tensor) -> Result
             ),
         ));
     }
+    // An element index is a column block's start plus `threadIdx.x`, up to a block past `d`.
     let int = |what: &'static str, v: usize| {
-        i32::try_from(v).map_err(|_| {
-            candle_core::Error::from(KernelError::TooLarge {
-                op,
-                what,
-                value: v,
-                limit: i32::MAX as usize,
-                shape: vec![vocab, d],
+        i32::try_from(v)
+            .ok()
+            .filter(|_| v <= MAX_INDEX)
+            .ok_or_else(|| {
+                candle_core::Error::from(KernelError::TooLarge {
+                    op,
+                    what,
+                    value: v,
+                    limit: MAX_INDEX,
+                    shape: vec![vocab, d],
+                })
             })
-        })
     };
     let (n_arg, d_arg, v_arg) = (
         int("positions", n)?,

@@ -74,8 +74,8 @@ fn applies_to(x: &Tensor, bh: usize, tq: usize, tk: usize, d: usize) -> bool {
         }
         let fits = HEAD_DIMS.contains(&d)
             && bh <= crate::cuda::FA_MAX_HEADS
-            && tq <= i32::MAX as usize
-            && tk <= i32::MAX as usize;
+            && tq <= crate::cuda::MAX_INDEX
+            && tk <= crate::cuda::MAX_INDEX;
         if !fits {
             // The composition then materialises [bh, tq, tk] scores: say so once, since it is
             // a memory and speed cliff a user would otherwise only see in the profile.
