@@ -483,14 +483,22 @@ impl DTensor {
         let handle = std::thread::Builder::new()
             .name("dtensor-redistribute".into())
             .spawn(move || {
-                if let Some(point) = start? {
-                    point
-                        .order_after(this.device())
-                        .ctx("redistribute_async", rank)?;
+                let out = start.and_then(|start| {
+                    if let Some(point) = start {
+                        point
+                            .order_after(this.device())
+                            .ctx("redistribute_async", rank)?;
+                    }
+                    this.redistribute(&placements)
+                });
+                // After the helper's work, failed or not: `wait` orders the caller after it
+                // before the source can be freed on the caller's stream.
+                let done = StreamPoint::record(this.device()).ctx("redistribute_async", rank);
+                Redistributed {
+                    source: this,
+                    out,
+                    done,
                 }
-                let out = this.redistribute(&placements)?;
-                let done = StreamPoint::record(out.device()).ctx("redistribute_async", rank)?;
-                Ok((out, done))
             });
         RedistributeHandle {
             handle: handle.map_err(|e| e.to_string()),
@@ -580,9 +588,17 @@ impl DTensor {
     }
 }
 
-/// What the helper thread of [`DTensor::redistribute_async`] returns: the result, and on CUDA
-/// the point after the helper's work on its stream.
-type Redistributed = Result<(DTensor, Option<StreamPoint>)>;
+/// What the helper thread of [`DTensor::redistribute_async`] returns: the result, on CUDA the
+/// point after the helper's work on its stream, and the source itself. The source comes back
+/// so that, if the caller dropped its own handle meanwhile, its storage is freed on the
+/// caller's thread once the caller's stream waits for that point: freed on the helper's
+/// thread, it would go on the helper's stream, unordered with the caller's later work that
+/// still reads it.
+struct Redistributed {
+    source: DTensor,
+    out: Result<DTensor>,
+    done: Result<Option<StreamPoint>>,
+}
 
 /// The result of [`DTensor::redistribute_async`].
 pub struct RedistributeHandle {
@@ -599,13 +615,13 @@ impl RedistributeHandle {
     /// Blocks until the helper thread finishes; every collective on it is bounded by its
     /// communicator's timeout.
     pub fn wait(self) -> Result<DTensor> {
-        let (out, done) = match self.handle {
-            Ok(h) => h.join().unwrap_or_else(|_| {
-                Err(invalid(
+        let r = match self.handle {
+            Ok(h) => h.join().map_err(|_| {
+                invalid(
                     "redistribute_async",
                     self.rank,
                     "the helper thread panicked",
-                ))
+                )
             })?,
             Err(e) => {
                 return Err(invalid(
@@ -615,11 +631,17 @@ impl RedistributeHandle {
                 ))
             }
         };
-        if let Some(done) = done {
-            done.order_after(out.device())
-                .ctx("redistribute_async", self.rank)?;
-        }
-        Ok(out)
+        let Redistributed { source, out, done } = r;
+        let ordered = match done? {
+            Some(done) => done
+                .order_after(source.device())
+                .ctx("redistribute_async", self.rank),
+            None => Ok(()),
+        };
+        // Dropped here, after the wait above: see `Redistributed`.
+        drop(source);
+        ordered?;
+        out
     }
 }
 

@@ -874,6 +874,28 @@ fn redistribute_async_matches() {
     }
 }
 
+/// `redistribute_async` whose caller dropped its own handle to the source before `wait` (the
+/// helper hands the source back, so that on CUDA it is freed on the caller's stream after the
+/// wait): still the blocking form's values, and a failing redistribution still reports.
+#[test]
+fn redistribute_async_outlives_the_callers_handle() {
+    let x = arange(&[7, 5]);
+    let res = each_rank(&[2, 3], |mesh| {
+        let want = distribute_tensor(&x, &mesh, &[S(0), S(1)])?.redistribute(&[S(1), Rep])?;
+        let h = distribute_tensor(&x, &mesh, &[S(0), S(1)])?.redistribute_async(&[S(1), Rep]);
+        let a = h.wait()?;
+        // Shard -> Partial is refused: the error comes back through `wait`.
+        let bad = distribute_tensor(&x, &mesh, &[S(0), S(1)])?
+            .redistribute_async(&[S(0), Placement::Partial(ReduceOp::Sum)])
+            .wait()
+            .is_err();
+        Ok((close(a.to_local(), want.to_local(), 0.0).is_ok(), bad))
+    });
+    for r in res {
+        assert_eq!(r, (true, true));
+    }
+}
+
 /// The gradient of a Partial leaf read as a DTensor (docs/ARCHITECTURE.md, "Gradients of
 /// Partial values"): its `full_tensor()` is the gradient of the value (here the loss weights)
 /// and its placements say how it is held: `P(sum)` and `P(avg)` mesh dims come back
