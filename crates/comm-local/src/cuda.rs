@@ -120,7 +120,10 @@ fn covers_storage(t: &Tensor) -> bool {
 /// A copy of `t` on `dev` that shares no storage with `t`.
 fn own_copy(ctx: &OpCtx, t: &Tensor, dev: &Device) -> Result<Tensor> {
     if t.elem_count() == 0 {
-        return empty(ctx, t.shape(), t.dtype(), t);
+        // Not a view of `t`: a peer's empty piece is a view of that peer's whole buffer,
+        // which the result would keep alive and, as its last holder, free on this rank's
+        // stream, unordered with the peer's own later use of it.
+        return fresh_empty(ctx, t.shape(), t.dtype(), dev);
     }
     if t.device().same_device(dev) {
         // Exactly `t`'s elements (`copy` would clone the whole storage behind a view).
@@ -135,6 +138,16 @@ fn empty(ctx: &OpCtx, shape: &Shape, dtype: DType, like: &Tensor) -> Result<Tens
     debug_assert_eq!(shape.elem_count(), 0);
     debug_assert_eq!(dtype, like.dtype());
     like.flatten_all()
+        .and_then(|t| t.narrow(0, 0, 0))
+        .and_then(|t| t.reshape(shape.clone()))
+        .map_err(candle(ctx))
+}
+
+/// A zero-element tensor of `shape` on `dev` with a storage of its own (one element: a
+/// zero-byte device allocation is refused by some drivers).
+fn fresh_empty(ctx: &OpCtx, shape: &Shape, dtype: DType, dev: &Device) -> Result<Tensor> {
+    debug_assert_eq!(shape.elem_count(), 0);
+    Tensor::zeros(1, dtype, dev)
         .and_then(|t| t.narrow(0, 0, 0))
         .and_then(|t| t.reshape(shape.clone()))
         .map_err(candle(ctx))
@@ -317,30 +330,42 @@ impl Retirement {
     }
 
     /// Releases the ops whose final events completed (no waiting), and waits for the oldest
-    /// while more than [`MAX_RETIRED`] are held.
+    /// while more than [`MAX_RETIRED`] are held. The lock is not held during that wait: the
+    /// progress thread pushes the next op's entry meanwhile.
     fn reap(&self) {
-        let mut q = self.lock();
-        while let Some(front) = q.front() {
+        loop {
+            let mut q = self.lock();
+            let Some(front) = q.front() else {
+                return;
+            };
             // A GPU in error completes nothing; its tensors are released (waiting would
             // return the error at once).
-            let done = front.done.try_is_complete().unwrap_or(true);
-            if !done && q.len() <= MAX_RETIRED {
-                break;
+            if front.done.try_is_complete().unwrap_or(true) {
+                q.pop_front();
+                continue;
             }
-            if !done {
-                let (ev, limit) = (front.done.clone(), front.timeout);
-                if !bounded::poll_until(limit, || ev.try_is_complete().unwrap_or(true)) {
-                    tracing::error!(
-                        held = q.len(),
-                        limit = ?limit,
-                        "a retired op's final event did not complete in time: its tensors \
-                         are leaked, not released"
-                    );
-                    std::mem::forget(q.pop_front());
-                    continue;
-                }
+            if q.len() <= MAX_RETIRED {
+                return;
             }
-            q.pop_front();
+            let (ev, limit) = (front.done.clone(), front.timeout);
+            drop(q);
+            let completed = bounded::poll_until(limit, || ev.try_is_complete().unwrap_or(true));
+            let mut q = self.lock();
+            // Another caller thread may have reaped it meanwhile.
+            if !q.front().is_some_and(|f| Arc::ptr_eq(&f.done, &ev)) {
+                continue;
+            }
+            if completed {
+                q.pop_front();
+            } else {
+                tracing::error!(
+                    held = q.len(),
+                    limit = ?limit,
+                    "a retired op's final event did not complete in time: its tensors are \
+                     leaked, not released"
+                );
+                std::mem::forget(q.pop_front());
+            }
         }
     }
 }
@@ -383,9 +408,10 @@ impl Drop for Retirement {
 thread_local! {
     /// The tensors of the op running on this progress thread (`exchange`, `batch_p2p`).
     static TOUCHED: RefCell<Vec<Tensor>> = const { RefCell::new(Vec::new()) };
-    /// A host drain (`sync_all`) of the op running on this progress thread failed or timed out:
-    /// what it was to make complete may still run on the GPU, so the op's tensors are leaked
-    /// rather than retired (a retirement's final event does not cover a peer's reads).
+    /// A host drain (`sync_all`) of the op running on this progress thread failed or timed out,
+    /// or a peer failed between the two exchanges (`exchange`): what was to complete may still
+    /// run on the GPU, or a peer may still read this rank's input, so the op's tensors are
+    /// leaked rather than retired (a retirement's final event does not cover a peer's reads).
     static UNDRAINED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
@@ -454,8 +480,14 @@ fn exchange<R>(
     let waited = match &late {
         Ok(reads) => wait_for(ctx, dev, reads.iter().filter_map(|p| p.ready.as_ref())),
         // A peer failed or timed out between the two exchanges: its reads are not ordered
-        // by an event; every stream of the context is drained instead.
-        Err(_) => sync_all(ctx, dev),
+        // by an event; every stream of the context is drained instead. That covers only the
+        // reads already queued in this context: a slower peer may still queue its reads of
+        // this rank's input (or, on another GPU, run them in its own context), so the op's
+        // tensors are leaked rather than released (`run`).
+        Err(_) => {
+            UNDRAINED.with(|u| u.set(true));
+            sync_all(ctx, dev)
+        }
     };
     let departed = e.depart(false);
     let out = out?;
@@ -466,9 +498,14 @@ fn exchange<R>(
     Ok(out)
 }
 
+/// `t` posted for the peers to read, detached from candle's autograd graph: a peer's result
+/// built from it (a copy, a sum, a `cat`) would otherwise record an op on it and so hold this
+/// rank's tensor and everything behind it in this rank's graph, and its last handle could then
+/// go on the peer's thread, freeing this rank's memory on the peer's stream. (The CPU path's
+/// results are detached copies too.)
 fn post(t: &Tensor) -> Post {
     Post {
-        input: Some(t.clone()),
+        input: Some(t.detach()),
         ..Post::default()
     }
 }
@@ -562,13 +599,24 @@ fn run(
         keep.extend(output_tensors(o));
     }
     if UNDRAINED.with(|u| u.replace(false)) {
-        // A drain inside the op gave up: nothing says the GPU is done with these.
-        tracing::error!(rank = e.rank, op = ?e.ctx.op, "the GPU did not drain; the op's tensors are leaked, not released");
+        // Nothing says the GPU, or every peer, is done with these.
+        tracing::error!(rank = e.rank, op = ?e.ctx.op, "the op's tensors may still be in use on the GPU; leaked, not released");
         std::mem::forget(keep);
         return out.map(|o| (o, None));
     }
     match record(e.ctx, dev).and_then(|done| Ok((done, stream(e.ctx, dev)?))) {
         Ok((done, s)) => {
+            if out.is_err() {
+                // A failed op gives its caller no event to wait for, and the caller may write
+                // its input at once, while the peers (which may have succeeded) still read it:
+                // `done` follows their reads, so the host waits for it (bounded) first.
+                let ev = done.clone();
+                if !bounded::poll_until(e.ctx.timeout, || ev.try_is_complete().unwrap_or(true)) {
+                    tracing::error!(rank = e.rank, op = ?e.ctx.op, "a failed op's final event did not complete in time; its tensors are leaked, not released");
+                    std::mem::forget(keep);
+                    return out.map(|o| (o, None));
+                }
+            }
             retired.push(Retired {
                 done: done.clone(),
                 context: s.context().clone(),
@@ -740,7 +788,7 @@ pub(crate) fn all_to_all_v(
         ..OpDesc::tensor(OpName::AllToAllVSingle, &input)
     };
     let p = Post {
-        input: Some(input.clone()),
+        input: Some(input.detach()),
         splits: Some((out_splits.clone(), in_splits)),
         ..Post::default()
     };
@@ -842,7 +890,8 @@ pub(crate) fn scatter(e: &Exec, inputs: Vec<Tensor>, root: usize, dev: &Device) 
     };
     let mine = if e.rank == root {
         Post {
-            inputs,
+            // Detached, as `post` does.
+            inputs: inputs.iter().map(Tensor::detach).collect(),
             ..Post::default()
         }
     } else {
@@ -869,7 +918,8 @@ pub(crate) fn batch_p2p(e: &Exec, ops: Vec<P2POp>, dev: &Device) -> Result<Vec<T
     let mut sends = Vec::new();
     for op in &ops {
         if let P2POp::Send { tensor, peer } = op {
-            let copy = own_copy(ctx, tensor, tensor.device())?;
+            // Detached, as `post` does: the receiver's copy must not hold the sender's graph.
+            let copy = own_copy(ctx, &tensor.detach(), tensor.device())?;
             if events {
                 touch(tensor);
                 touch(&copy);
