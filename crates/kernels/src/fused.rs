@@ -341,6 +341,79 @@ fn map_rows2(
     out
 }
 
+/// `x w^T + b` for row-major `x: [rows, inner]`, `w: [out, inner]` and `b: [out]` (f32,
+/// CPU), as one gemm accumulating into output rows that start as copies of the bias: no zero
+/// fill (candle's matmul makes its output zeroed, then writes it), no separate bias pass and
+/// no second buffer. gemm runs on candle's CPU matmul threads, as `matmul` would.
+///
+/// # Errors
+///
+/// A slice length that does not match the shapes.
+pub(crate) fn linear_bias(
+    x: &[f32],
+    w: &[f32],
+    b: &[f32],
+    rows: usize,
+    inner: usize,
+) -> CResult<Vec<f32>> {
+    let out = b.len();
+    if Some(x.len()) != rows.checked_mul(inner) || Some(w.len()) != out.checked_mul(inner) {
+        return Err(Error::msg(format!(
+            "linear (CPU): x of {} elements for [{rows}, {inner}], w of {} for [{out}, {inner}]",
+            x.len(),
+            w.len()
+        )));
+    }
+    let mut y = Vec::with_capacity(rows * out);
+    for _ in 0..rows {
+        y.extend_from_slice(b);
+    }
+    if y.is_empty() || inner == 0 {
+        // No product to add (an empty sum is the bias alone).
+        return Ok(y);
+    }
+    let threads = if plain() {
+        1
+    } else {
+        candle_core::utils::get_num_threads()
+    };
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // Strides fit isize: each buffer is a live allocation of at most isize::MAX bytes.
+    let (inner_s, out_s) = (inner as isize, out as isize);
+    // SAFETY: `y` is `rows x out` initialized elements (the bias rows above), row stride `out`,
+    // read and written; `x` is `rows x inner` elements, row stride `inner`; `w` read as its
+    // transpose, `inner x out` with column stride `inner` and row stride 1, is its `out x inner`
+    // elements (lengths checked above). `y` is a fresh buffer, so it aliases neither input.
+    unsafe {
+        gemm::gemm(
+            rows,
+            out,
+            inner,
+            y.as_mut_ptr(),
+            1,
+            out_s,
+            true,
+            x.as_ptr(),
+            1,
+            inner_s,
+            w.as_ptr(),
+            inner_s,
+            1,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+    Ok(y)
+}
+
 /// `x + b` for `b` one row broadcast over the rows of `x` (nothing when `b` is empty).
 #[inline(always)]
 pub(crate) fn add_rows(x: &[f32], b: &[f32]) -> Vec<f32> {
@@ -1821,6 +1894,44 @@ pub fn weighted_scatter_add_backward(
 
 #[cfg(test)]
 mod tests {
+
+    /// `linear_bias` against a plain triple loop (f64 sums), including its empty cases, and a
+    /// length that does not match the shapes refused.
+    #[test]
+    fn linear_bias_matches_a_loop() {
+        for (rows, inner, out) in [
+            (0, 3, 2),
+            (3, 0, 2),
+            (3, 2, 0),
+            (1, 1, 1),
+            (5, 7, 3),
+            (4, 600, 5),
+        ] {
+            let f = |n: usize, k: u32| -> Vec<f32> {
+                (0..n)
+                    .map(|i| ((i as u32 * 7 + k) % 13) as f32 / 13.0 - 0.4)
+                    .collect()
+            };
+            let (x, w, b) = (f(rows * inner, 1), f(out * inner, 2), f(out, 3));
+            let y = linear_bias(&x, &w, &b, rows, inner).unwrap();
+            assert_eq!(y.len(), rows * out);
+            for r in 0..rows {
+                for o in 0..out {
+                    let want = b[o] as f64
+                        + (0..inner)
+                            .map(|k| x[r * inner + k] as f64 * w[o * inner + k] as f64)
+                            .sum::<f64>();
+                    let got = y[r * out + o] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "{rows}x{inner}x{out} [{r},{o}]: {got} vs {want}"
+                    );
+                }
+            }
+        }
+        assert!(linear_bias(&[1.0; 5], &[1.0; 6], &[0.0; 2], 2, 3).is_err());
+        assert!(linear_bias(&[1.0; 6], &[1.0; 5], &[0.0; 2], 2, 3).is_err());
+    }
     use super::*;
     use crate::compare::abs_sum;
 

@@ -10,7 +10,9 @@
 use std::cell::{Cell, RefCell};
 use std::sync::Mutex;
 
-use candle_core::{CustomOp1, CustomOp2, CustomOp3, DType, Error, Layout, Shape, Tensor};
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Error, Layout, Shape, Tensor,
+};
 
 use crate::storage::{from_host_vec, output_of, with_slice, DeviceStorage};
 
@@ -345,8 +347,7 @@ enum NodeOutput {
     /// A tensor: the forward makes the node's storage from it (see each node's `output`).
     Tensor(Tensor),
     /// The finished output, moved out as it is: made as a storage (`cuda::linear_out`,
-    /// `cuda::cast_add_rows`), which no tensor owns.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// `cuda::cast_add_rows`, on the CPU `fused::linear_bias`), which no tensor owns.
     Ready(candle_core::Storage, Shape),
 }
 
@@ -566,7 +567,10 @@ fn linear_parts(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Built<Lin
     let ready: Option<NodeOutput> = None;
     let y = match ready {
         Some(r) => r,
-        None if fuse_bias => NodeOutput::Tensor(compute(&x.detach(), &w.detach(), None)?),
+        None if fuse_bias => match cpu_linear_bias(&x, w, bias.as_ref())? {
+            Some(r) => r,
+            None => NodeOutput::Tensor(compute(&x.detach(), &w.detach(), None)?),
+        },
         None => NodeOutput::Tensor(compute(&x.detach(), &w.detach(), bias.as_ref())?),
     };
     let node = Linear {
@@ -574,6 +578,41 @@ fn linear_parts(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Built<Lin
         bias: bias.filter(|_| fuse_bias),
     };
     Ok(Built::Node(x, node))
+}
+
+/// The finished `x @ w^T + b` of a contiguous f32 CPU `x` (`[.., in]`) by
+/// `fused::linear_bias` (one gemm into rows that start as the bias), as a node's ready output;
+/// `None` where it does not apply (a strided weight, shapes the plain path should report), the
+/// caller then takes the matmul and the bias pass.
+fn cpu_linear_bias(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Option<NodeOutput>> {
+    let Some(b) = b else {
+        return Ok(None);
+    };
+    let mut dims = x.dims().to_vec();
+    let Some(&inner) = dims.last() else {
+        return Ok(None);
+    };
+    let (out, w_in) = match w.dims() {
+        &[o, i] => (o, i),
+        _ => return Ok(None),
+    };
+    if !w.is_contiguous() || w.dtype() != DType::F32 || w_in != inner || b.dims() != [out] {
+        return Ok(None);
+    }
+    let rows: usize = dims[..dims.len() - 1].iter().product();
+    let b = b.contiguous()?;
+    let y = with_slice::<f32, _>(x, |xv| {
+        with_slice::<f32, _>(w, |wv| {
+            with_slice::<f32, _>(&b, |bv| crate::fused::linear_bias(xv, wv, bv, rows, inner))
+        })
+    })????;
+    if let Some(last) = dims.last_mut() {
+        *last = out;
+    }
+    Ok(Some(NodeOutput::Ready(
+        candle_core::Storage::Cpu(CpuStorage::F32(y)),
+        Shape::from(dims),
+    )))
 }
 
 /// Whether [`linear_in`] applies: [`linear_to_applies`] with the output in `x`'s dtype and `w`

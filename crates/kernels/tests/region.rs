@@ -41,6 +41,62 @@ fn linear_matches() {
     );
 }
 
+/// The CPU linear with a bias (one gemm accumulating into rows that start as the bias) against
+/// the matmul-then-add composition, forward and every gradient: one output, a sum long enough
+/// for gemm to split it into blocks, 3-D inputs, a strided weight (which takes the plain path),
+/// and empty operands.
+#[test]
+fn linear_bias_matches_on_the_cpu() {
+    let composed = |t: &[Tensor]| t[0].broadcast_matmul(&t[1].t()?)?.broadcast_add(&t[2]);
+    // Empty operands take the plain path (`linear_applies`; `fused::linear_bias`'s own empty
+    // cases are unit-tested beside it). Forward only: candle's backward gives an empty
+    // operand no gradient, the composition's included.
+    for (xs, out) in [(vec![0, 7], 4), (vec![5, 0], 4)] {
+        let inner = *xs.last().unwrap();
+        let (x, w, b) = (randn(&xs), randn(&[out, inner]), randn(&[out]));
+        // Tracked, as in training (the one-node path applies to tracked inputs).
+        let v = |t: &Tensor| Var::from_tensor(t).unwrap().as_tensor().clone();
+        let y = region::linear(&v(&x), &v(&w), Some(&v(&b))).unwrap();
+        let want = composed(&[x, w, b]).unwrap();
+        assert_eq!(y.dims(), want.dims());
+        close(&y, &want, 0.0, &format!("linear+bias {xs:?} -> {out}"));
+    }
+    for (xs, out) in [
+        (vec![5, 7], 1),
+        (vec![3, 1300], 9),
+        (vec![2, 3, 33], 17),
+        (vec![1, 1], 1),
+    ] {
+        let inner = *xs.last().unwrap();
+        let (x, w, b) = (randn(&xs), randn(&[out, inner]), randn(&[out]));
+        check(
+            &format!("linear+bias {xs:?} -> {out}"),
+            &[x, w, b],
+            &|t| region::linear(&t[0], &t[1], Some(&t[2])),
+            &composed,
+            TOL,
+        );
+    }
+    // Exactly the bias where the sum is empty.
+    let b = randn(&[4]);
+    let y = region::linear(&randn(&[3, 0]), &randn(&[4, 0]), Some(&b)).unwrap();
+    close(
+        &y,
+        &b.unsqueeze(0).unwrap().repeat((3, 1)).unwrap(),
+        0.0,
+        "empty sum",
+    );
+    // A strided weight.
+    let w = randn(&[7, 4]).t().unwrap();
+    check(
+        "linear+bias (transposed w)",
+        &[randn(&[5, 7]), w, randn(&[4])],
+        &|t| region::linear(&t[0], &t[1], Some(&t[2])),
+        &composed,
+        TOL,
+    );
+}
+
 /// The mixed-precision linear (bf16 operands, f32 output and bias) as one node gives what the
 /// plain composition (casts around the bf16 product, the bias added in f32) gives, forward and
 /// every gradient; where it does not apply it is that composition.
