@@ -34,8 +34,10 @@
 # `scripts/real_text.sh --fetch-only`, and carry it).
 # A run that fails, runs out of memory or times out is recorded with its error; the rest go on.
 # Budget (guesses for one H100/H200, not measurements): the matrix without torch.compile about
-# 5 minutes, torch.compile 20-90 s per run of compiling; the priority order puts gpt2 and
-# gpt2-medium bf16 with compile, small, gpt2 f32/tf32 and the real run first.
+# 5 minutes, torch.compile 20-90 s per run of compiling; the priority order (gpu_bench.py's
+# `priority`) runs the GEMM rate, then every target that needs only ours and eager (gpt2 bf16,
+# small f32, gpt2 f32 and tf32, gpt2-medium bf16 ours), the real run, gpt2 bf16 under
+# torch.compile, the attention comparison, then the rest.
 #
 # Writes into --out: gpu_bench.json (every run: command, status, error, per-step times, peak
 # memory, losses; the GEMM rates; the real run; GPU, date, commit), table.md (the Markdown of

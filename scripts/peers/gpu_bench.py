@@ -63,15 +63,27 @@ REAL = dict(layers=6, heads=6, width=384, seq_len=256, batch=64)
 
 
 def priority(presets, precisions, sides):
-    """Runs in the order of the issue's targets, then the rest of the matrix."""
+    """Runs in the order of the issue's targets, cheapest first, then the rest of the matrix.
+
+    The budget of one prepared GPU session (gpu_session.sh: 260 s) cannot hold the whole
+    matrix, and a torch.compile run costs a minute or more of compiling where an uncompiled
+    run takes seconds (guesses, never measured). So every target that needs only ours and
+    eager runs first (gpt2 bf16, small f32, gpt2 f32 and tf32, gpt2-medium bf16's MFU, which
+    needs ours alone), then the real run ("REAL", with --real-text), then gpt2 bf16 under
+    torch.compile (the last target), then the attention comparison ("ATTN", a diagnostic) and
+    the rest."""
     first = [
-        ("gpt2", "bf16", "ours"), ("gpt2", "bf16", "eager"), ("gpt2", "bf16", "compile"),
-        # The real run (with --real-text) early: it is one of the issue's targets and needs
-        # about a minute, which the budget would not leave it after the whole matrix.
+        ("gpt2", "bf16", "ours"), ("gpt2", "bf16", "eager"),
+        ("small", "f32", "ours"), ("small", "f32", "eager"),
+        ("gpt2", "f32", "ours"), ("gpt2", "f32", "eager"),
+        ("gpt2", "tf32", "ours"), ("gpt2", "tf32", "eager"),
+        ("gpt2-medium", "bf16", "ours"),
         "REAL",
-        ("gpt2-medium", "bf16", "ours"), ("gpt2-medium", "bf16", "eager"), ("gpt2-medium", "bf16", "compile"),
-        ("small", "f32", "ours"), ("small", "f32", "eager"), ("small", "bf16", "ours"), ("small", "bf16", "eager"),
-        ("gpt2", "f32", "ours"), ("gpt2", "f32", "eager"), ("gpt2", "tf32", "ours"), ("gpt2", "tf32", "eager"),
+        ("gpt2", "bf16", "compile"),
+        "ATTN",
+        ("gpt2-medium", "bf16", "eager"),
+        ("small", "bf16", "ours"), ("small", "bf16", "eager"),
+        ("gpt2-medium", "bf16", "compile"),
         # After every target's runs: ours without the cuBLASLt epilogues, what they gain.
         ("gpt2", "bf16", "ours-nolt"), ("gpt2", "f32", "ours-nolt"),
         # Then ours with cudarc's per-buffer events kept, what skipping them gains where the
@@ -85,7 +97,7 @@ def priority(presets, precisions, sides):
     rest.sort(key=lambda r: (r[2] == "compile", list(presets).index(r[0]), list(precisions).index(r[1])))
     out, seen = [], set()
     for r in first + rest:
-        if r == "REAL":
+        if r in ("REAL", "ATTN"):
             out.append(r)
             continue
         if r in seen or r[0] not in presets or r[1] not in precisions or r[2] not in sides:
@@ -766,16 +778,16 @@ def main(argv=None):
         doc["torch"] = g.get("torch")
         b.say(f"gemm: {g.get('status')} {g.get('tflops') or g.get('error')}")
         save()
-    if not a.no_attention:
-        doc["attention"] = b.attention()
-        for side in ("ours", "torch"):
-            r = doc["attention"].get(side) or {}
-            b.say(f"attention ({side}): {r.get('status')} {r.get('error') or ''}")
-        save()
-    order = [] if a.no_matrix else priority(presets, precisions, sides)
-    if a.real_text and "REAL" not in order:
-        order.append("REAL")
+    order = ["ATTN", "REAL"] if a.no_matrix else priority(presets, precisions, sides)
     for item in order:
+        if item == "ATTN":
+            if not a.no_attention:
+                doc["attention"] = b.attention()
+                for side in ("ours", "torch"):
+                    r = doc["attention"].get(side) or {}
+                    b.say(f"attention ({side}): {r.get('status')} {r.get('error') or ''}")
+                save()
+            continue
         if item == "REAL":
             if a.real_text:
                 doc["real_text"] = b.real_text()

@@ -206,7 +206,7 @@ class Report(unittest.TestCase):
     def test_ours_events_runs_for_small_after_every_target_and_nolt(self):
         order = drv.priority(["small", "gpt2"], ["f32", "bf16"],
                              ["ours", "eager", "compile", "ours-nolt", "ours-events"])
-        ev = [r for r in order if r != "REAL" and r[2] == "ours-events"]
+        ev = [r for r in order if r not in ("REAL", "ATTN") and r[2] == "ours-events"]
         self.assertEqual(ev, [("small", "f32", "ours-events"), ("small", "bf16", "ours-events")])
         self.assertEqual(order[order.index(("small", "f32", "ours-events")) - 1], ("gpt2", "f32", "ours-nolt"))
         self.assertNotIn(("small", "f32", "ours-events"), drv.priority(["small"], ["f32"], ["ours", "eager"]))
@@ -221,14 +221,31 @@ class Report(unittest.TestCase):
 
     def test_ours_nolt_runs_for_gpt2_bf16_and_f32_only(self):
         order = drv.priority(["small", "gpt2"], ["f32", "bf16"], ["ours", "eager", "compile", "ours-nolt"])
-        nolt = [r for r in order if r != "REAL" and r[2] == "ours-nolt"]
+        nolt = [r for r in order if r not in ("REAL", "ATTN") and r[2] == "ours-nolt"]
         self.assertEqual(nolt, [("gpt2", "bf16", "ours-nolt"), ("gpt2", "f32", "ours-nolt")])
         # After every target's runs.
         i = order.index(("gpt2", "bf16", "ours-nolt"))
-        self.assertEqual(order[i - 1], ("gpt2", "f32", "eager"))  # no tf32 asked for here
-        # The real run right after gpt2 bf16's three sides, before the rest of the targets.
-        self.assertEqual(order[order.index("REAL") - 1], ("gpt2", "bf16", "compile"))
+        self.assertEqual(order[i - 1], ("small", "bf16", "eager"))
         self.assertNotIn(("gpt2", "bf16", "ours-nolt"), drv.priority(["gpt2"], ["bf16"], ["ours", "eager"]))
+
+    def test_cheap_target_runs_come_before_compile_the_real_run_and_attention(self):
+        order = drv.priority(["small", "gpt2", "gpt2-medium"], ["f32", "tf32", "bf16"],
+                             ["ours", "eager", "compile", "ours-nolt", "ours-events"])
+        # Every target that needs only ours and eager (gpt2-medium's MFU only ours), in order.
+        self.assertEqual(order[:9], [
+            ("gpt2", "bf16", "ours"), ("gpt2", "bf16", "eager"),
+            ("small", "f32", "ours"), ("small", "f32", "eager"),
+            ("gpt2", "f32", "ours"), ("gpt2", "f32", "eager"),
+            ("gpt2", "tf32", "ours"), ("gpt2", "tf32", "eager"),
+            ("gpt2-medium", "bf16", "ours")])
+        # Then the real run, the one target under torch.compile, and the attention diagnostic.
+        self.assertEqual(order[9:12], ["REAL", ("gpt2", "bf16", "compile"), "ATTN"])
+        # No compile run before the last target's, and every run of the matrix once.
+        runs = [r for r in order if r not in ("REAL", "ATTN")]
+        self.assertEqual(len(runs), len(set(runs)))
+        self.assertEqual(len([r for r in runs if r[2] in ("ours", "eager", "compile")]), 27)
+        first_compile = min(i for i, r in enumerate(order) if r not in ("REAL", "ATTN") and r[2] == "compile")
+        self.assertEqual(order[first_compile], ("gpt2", "bf16", "compile"))
 
     def test_main_writes_the_markdown(self):
         with tempfile.TemporaryDirectory() as t:
@@ -349,7 +366,7 @@ class Driver(unittest.TestCase):
                        "--timeout-scale", "0.05")
         self.assertEqual([r["side"] for r in d["runs"]], ["ours"])
         order = drv.priority(["small"], ["f32"], ["ours", "ours-events"])
-        self.assertEqual(order, ["REAL", ("small", "f32", "ours"), ("small", "f32", "ours-events")])
+        self.assertEqual(order, [("small", "f32", "ours"), "REAL", "ATTN", ("small", "f32", "ours-events")])
         self.assertEqual(drv.OURS_SIDES, ("ours", "ours-nolt", "ours-events"))
 
     def test_ours_runs_without_metrics_by_default_and_times_steps_from_the_summary(self):
