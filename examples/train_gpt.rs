@@ -2691,8 +2691,9 @@ pub(crate) fn real_main(args: &Args) -> Result<Option<serde_json::Value>, Failur
     // with the gradient norm, FSDP's gradient-presence flags (one read for all units), the MoE balancing
     // loss and, per MoE layer, its expert ids and gathered expert counts (the routing is
     // planned on the host), the pipeline's scalars. Not counted: reads inside candle's ops and a backend's
-    // synchronisations inside its collectives (the local backend's CUDA path synchronizes the
-    // stream around each collective).
+    // synchronisations inside its collectives (the local backend's CUDA path orders its
+    // collectives with events and waits on the host only under CDT_LOCAL_CUDA_ORDER=sync, or
+    // when more than 256 finished collectives are still held).
     summary["host_reads_per_step"] = serde_json::json!(report.host_reads);
     // GPU time per phase (CUDA timing events on rank 0's stream; absent on the CPU), and the
     // kernels per step with --count-kernels (CUPTI; every rank thread of this process).
