@@ -199,8 +199,32 @@ fn reduce_tensors(ctx: &OpCtx, ts: &[Tensor], op: ReduceOp) -> Result<Tensor> {
     Ok(acc)
 }
 
+/// Waits on the host for the work this thread queued on `dev` (the `sync` protocol), at most
+/// the op's timeout: an event after that work, polled (`Device::synchronize` would wait without
+/// a bound on a GPU that never finishes).
 fn sync(ctx: &OpCtx, dev: &Device) -> Result<()> {
-    dev.synchronize().map_err(candle(ctx))
+    let ev = record(ctx, dev)?;
+    let mut failed = None;
+    let done = bounded::poll_until(ctx.timeout, || match ev.try_is_complete() {
+        Ok(done) => done,
+        Err(e) => {
+            failed = Some(e);
+            true
+        }
+    });
+    if let Some(e) = failed {
+        return Err(driver(ctx, "waiting for the stream")(e));
+    }
+    if !done {
+        return Err(CommError::Aborted {
+            ctx: ctx.clone(),
+            reason: format!(
+                "the GPU did not finish this rank's queued work within {:?}",
+                ctx.timeout
+            ),
+        });
+    }
+    Ok(())
 }
 
 type Event = Arc<CudaEvent>;
