@@ -1113,7 +1113,16 @@ pub fn retain_freed_memory(device: &candle_core::Device) -> Result<bool> {
 /// turns tracking back on first (`comm-nccl`'s `CudaStreams::new`), so buffers made from then
 /// on are tracked again; those made before it are not, which is why it is for a device just
 /// opened (`train::device::DeviceSpec::device_for`).
-pub fn skip_unused_buffer_events(device: &candle_core::Device) -> bool {
+///
+/// # Safety
+///
+/// cudarc's contract for untracked buffers, which this hands to the caller: whoever makes a
+/// second cudarc stream on this device's context (`CudaContext::new_stream`, `fork`) either
+/// turns tracking back on before making it (`CudaContext::enable_event_tracking`, as the NCCL
+/// backend does) or orders every use of the buffers made meanwhile across the streams itself
+/// (no free before another stream's use ends, no use before the allocation on its stream, no
+/// concurrent writes). Candle's own API makes no second stream on an existing context.
+pub unsafe fn skip_unused_buffer_events(device: &candle_core::Device) -> bool {
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(d) = device {
         let stream = d.cuda_stream();
@@ -1122,13 +1131,12 @@ pub fn skip_unused_buffer_events(device: &candle_core::Device) -> bool {
             return false;
         }
         // SAFETY: cudarc's contract for untracked buffers is that the user orders their uses
-        // across streams (no free before another stream's use ends, no use before the
-        // allocating stream's allocation, no concurrent writes). This context has one stream
-        // in cudarc's sense (the check above), where cudarc itself never records or waits on
-        // the events, so untracked buffers are used exactly as tracked ones would be; the
-        // runtime's other streams (rank threads' per-thread streams, `redistribute_async`'s
-        // helper) are ordered by its own events, and the NCCL backend re-enables tracking
-        // before it makes its stream.
+        // across streams. This context has one stream in cudarc's sense (the check above),
+        // where cudarc itself never records or waits on the events, so untracked buffers are
+        // used exactly as tracked ones would be; a second cudarc stream is the caller's to
+        // handle (this function's `# Safety`). The runtime's other streams (rank threads'
+        // per-thread streams, `redistribute_async`'s helper) are not cudarc's multi-stream
+        // mode and are ordered by its own events either way.
         unsafe { ctx.disable_event_tracking() };
         return true;
     }

@@ -40,7 +40,8 @@ fn cuda_device() -> Option<Device> {
         Ok(Ok(d)) => {
             // As train_gpt opens its devices (`DeviceSpec::device_for`): every case below runs
             // on buffers without cudarc's events.
-            if !candle_dtensor_kernels::storage::skip_unused_buffer_events(&d) {
+            // SAFETY: a fresh device; no test here makes a second cudarc stream on its context.
+            if !unsafe { candle_dtensor_kernels::storage::skip_unused_buffer_events(&d) } {
                 panic!("cuda_fused: a fresh CUDA device kept cudarc's buffer events");
             }
             Some(d)
@@ -1278,7 +1279,8 @@ fn buffer_events_case(dev: &Device) -> R<String> {
         .context()
         .new_stream()
         .map_err(candle_core::Error::wrap)?;
-    if candle_dtensor_kernels::storage::skip_unused_buffer_events(&other) {
+    // SAFETY: refused on a context with a second stream (what this checks): nothing changes.
+    if unsafe { candle_dtensor_kernels::storage::skip_unused_buffer_events(&other) } {
         candle_core::bail!("events skipped on a context with two streams");
     }
     if !o.is_event_tracking() {

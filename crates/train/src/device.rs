@@ -106,9 +106,10 @@ impl DeviceSpec {
     /// (`candle_dtensor_kernels::storage::retain_freed_memory`), and its buffers carry no
     /// cudarc events while its context has one stream
     /// (`candle_dtensor_kernels::storage::skip_unused_buffer_events`; `CDT_CUDA_BUFFER_EVENTS=1`
-    /// keeps them): code that makes streams of its own on this device's context orders its
-    /// buffers' uses across them itself, or turns cudarc's tracking back on
-    /// (`enable_event_tracking`) before it makes them, as the NCCL backend does.
+    /// keeps them). Code that makes cudarc streams of its own on this device's context
+    /// (`CudaContext::new_stream`, below candle's API) turns cudarc's tracking back on
+    /// (`enable_event_tracking`) before it makes them, as the NCCL backend does, or orders its
+    /// buffers' uses across them itself: the contract of that `unsafe` call.
     ///
     /// # Errors
     ///
@@ -146,7 +147,12 @@ impl DeviceSpec {
         // No cudarc event pair per buffer while nothing would use them (`CDT_CUDA_BUFFER_EVENTS=1`
         // keeps them, to measure what they cost).
         if std::env::var("CDT_CUDA_BUFFER_EVENTS").map_or(true, |v| v.trim() != "1") {
-            let skipped = candle_dtensor_kernels::storage::skip_unused_buffer_events(&device);
+            // SAFETY: the device was just opened, on a context of its own (`CudaContext::new`
+            // per device); the runtime's only cudarc stream on it is the NCCL backend's, which
+            // turns tracking back on before making it. A caller making cudarc streams of its
+            // own on it takes on the same contract (this function's docs).
+            let skipped =
+                unsafe { candle_dtensor_kernels::storage::skip_unused_buffer_events(&device) };
             tracing::debug!(ordinal, skipped, "cudarc per-buffer events");
         }
         Ok(device)
