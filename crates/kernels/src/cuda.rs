@@ -1143,9 +1143,58 @@ fn float_ptr<'a>(
     Ok((base + (offset * size) as u64, guard))
 }
 
+/// The host tables of a multi-tensor launch (device addresses as `u64`, element offsets as
+/// `i64`), gathered into one buffer so that a launch's tables cost one allocation and one
+/// host-to-device copy: each is a stream-ordered `cuMemAllocAsync` plus a pageable
+/// `cuMemcpyHtoDAsync` and, later, a free, several microseconds of host time apiece in the
+/// step's optimizer phase, where the GPU waits for the host (AdamW had ten a step).
+#[derive(Default)]
+struct Tables {
+    words: Vec<u64>,
+}
+
+impl Tables {
+    /// Appends device addresses; their range in the buffer.
+    fn addrs(&mut self, v: &[u64]) -> std::ops::Range<usize> {
+        let start = self.words.len();
+        self.words.extend_from_slice(v);
+        start..self.words.len()
+    }
+
+    /// Appends element offsets, stored as their two's-complement bits; their range.
+    fn offsets(&mut self, v: &[i64]) -> std::ops::Range<usize> {
+        let start = self.words.len();
+        // `as u64` keeps the bits of every i64 (and these are never negative).
+        self.words.extend(v.iter().map(|&x| x as u64));
+        start..self.words.len()
+    }
+
+    /// The tables on `dev`'s stream, in one copy.
+    fn upload(&self, dev: &CudaDevice) -> Result<CudaSlice<u64>> {
+        dev.clone_htod(&self.words)
+    }
+}
+
+/// The addresses at `r` of an uploaded [`Tables`] buffer, as the kernel's `const u64*`.
+fn addr_view(buf: &CudaSlice<u64>, r: std::ops::Range<usize>) -> Result<CudaView<'_, u64>> {
+    buf.try_slice(r.clone())
+        .ok_or_else(|| mismatch("tables", format!("internal: range {r:?} of {}", buf.len())))
+}
+
+/// The offsets at `r` of an uploaded [`Tables`] buffer, as the kernel's `const long long*`.
+fn offset_view(buf: &CudaSlice<u64>, r: std::ops::Range<usize>) -> Result<CudaView<'_, i64>> {
+    let len = r.len();
+    let words = addr_view(buf, r)?;
+    // SAFETY: `words` is `len` u64 of device memory; i64 has u64's size and alignment and every
+    // bit pattern is a valid i64, so the same bytes read as `len` i64 (the values `Tables::offsets`
+    // stored as bits). The view borrows `buf`, which outlives every launch that reads it.
+    unsafe { words.transmute::<i64>(len) }
+        .ok_or_else(|| mismatch("tables", format!("internal: {len} offsets do not fit")))
+}
+
 /// `[norm, clip coefficient]` (f32 `[2]`) of the contiguous float tensors `parts` (storage,
-/// layout), all of one dtype on `dev`: two launches and two small uploads (the pointer table and
-/// the prefix sums), no host read.
+/// layout), all of one dtype on `dev`: two launches and one small upload (the pointer table and
+/// the prefix sums, in one buffer), no host read.
 pub(crate) fn grad_norm(
     dev: &CudaDevice,
     parts: &[(&CudaStorage, &Layout)],
@@ -1198,8 +1247,13 @@ pub(crate) fn grad_norm(
     }
     let chunk = sumsq_chunk(total);
     let blocks = total.div_ceil(chunk);
-    let ptrs_dev = dev.clone_htod(&ptrs)?;
-    let starts_dev = dev.clone_htod(&starts)?;
+    let mut tables = Tables::default();
+    let (ptrs_at, starts_at) = (tables.addrs(&ptrs), tables.offsets(&starts));
+    let tables = tables.upload(dev)?;
+    let (ptrs_dev, starts_dev) = (
+        addr_view(&tables, ptrs_at)?,
+        offset_view(&tables, starts_at)?,
+    );
     let mut partial = alloc_out::<f32>(dev, blocks)?;
     let (cfg, k, chunk) = (row_cfg(blocks, 1024), parts.len() as i32, chunk as i64);
     // SAFETY: ptrs[i] is the address of the first element of part i, which holds
@@ -1262,58 +1316,79 @@ unsafe impl DeviceRepr for AdamWConsts {}
 // the launchers check them (`check_fwd`, `check_bwd`) before a launch.
 unsafe impl DeviceRepr for FaRows {}
 
-/// One AdamW step in place over every `(param, grad, m, v)` of `sets` (contiguous f32 storages
-/// on `dev`, each quadruple of one length), in one launch; `coef` a device f32 whose first
-/// element multiplies every gradient (the clip coefficient), or none.
+/// The `(param, grad, m, v)` quadruples of one AdamW launch and its constants (a decay group).
+pub(crate) type AdamWGroup<'a> = (Vec<[(&'a CudaStorage, &'a Layout); 4]>, AdamWConsts);
+
+/// One AdamW step in place over every `(param, grad, m, v)` of each group of `groups`
+/// (contiguous f32 storages on `dev`, each quadruple of one length): one launch per non-empty
+/// group, with that group's constants, and one upload of every group's tables together; `coef`
+/// a device f32 whose first element multiplies every gradient (the clip coefficient), or none.
 ///
 /// The parameters and moments are written through device addresses taken from shared
 /// borrows: no host memory is involved, and the writes are ordered after every earlier use of
 /// those buffers by the device's one stream (each address is taken with `device_ptr`, which
 /// makes the stream wait for earlier writes). The caller (`multi_tensor::adamw_step`) checked
-/// that no two of the written buffers, and no gradient, share a storage.
+/// that no two of the written buffers, and no gradient, share a storage, across all groups.
 pub(crate) fn adamw(
     dev: &CudaDevice,
-    sets: &[[(&CudaStorage, &Layout); 4]],
-    consts: AdamWConsts,
+    groups: &[AdamWGroup<'_>],
     coef: Option<(&CudaStorage, &Layout)>,
 ) -> Result<()> {
     let op = "adamw";
     let stream = dev.cuda_stream();
-    let mut tables: [Vec<u64>; 4] = Default::default();
-    let mut guards = Vec::with_capacity(4 * sets.len() + 1);
-    let mut starts = Vec::with_capacity(sets.len() + 1);
-    let mut total = 0usize;
-    for set in sets {
-        let mut len = None;
-        for (i, (s, l)) in set.iter().enumerate() {
-            if s.dtype() != DType::F32 {
-                return Err(unsupported(op, s.dtype(), "f32", l.shape()).into());
+    let sets_total: usize = groups.iter().map(|(sets, _)| sets.len()).sum();
+    let mut guards = Vec::with_capacity(4 * sets_total + 1);
+    let mut host = Tables::default();
+    // Per group with elements: its tables' ranges in `host`, its set count, its element total.
+    let mut launches = Vec::with_capacity(groups.len());
+    for (sets, consts) in groups {
+        let mut tables: [Vec<u64>; 4] = Default::default();
+        let mut starts = Vec::with_capacity(sets.len() + 1);
+        let mut total = 0usize;
+        for set in sets {
+            let mut len = None;
+            for (i, (s, l)) in set.iter().enumerate() {
+                if s.dtype() != DType::F32 {
+                    return Err(unsupported(op, s.dtype(), "f32", l.shape()).into());
+                }
+                let (a, b) = l
+                    .contiguous_offsets()
+                    .ok_or_else(|| KernelError::NotContiguous {
+                        op,
+                        operand: ["param", "grad", "m", "v"][i],
+                        shape: l.dims().to_vec(),
+                    })?;
+                if *len.get_or_insert(b - a) != b - a {
+                    return Err(mismatch(
+                        op,
+                        format!(
+                            "a parameter and its gradient/moments differ in length ({:?})",
+                            l.dims()
+                        ),
+                    ));
+                }
+                let (ptr, guard) = float_ptr(op, s, (a, b), &stream)?;
+                tables[i].push(ptr);
+                guards.push(guard);
             }
-            let (a, b) = l
-                .contiguous_offsets()
-                .ok_or_else(|| KernelError::NotContiguous {
-                    op,
-                    operand: ["param", "grad", "m", "v"][i],
-                    shape: l.dims().to_vec(),
-                })?;
-            if *len.get_or_insert(b - a) != b - a {
-                return Err(mismatch(
-                    op,
-                    format!(
-                        "a parameter and its gradient/moments differ in length ({:?})",
-                        l.dims()
-                    ),
-                ));
-            }
-            let (ptr, guard) = float_ptr(op, s, (a, b), &stream)?;
-            tables[i].push(ptr);
-            guards.push(guard);
+            starts.push(total as i64);
+            total += len.unwrap_or(0);
         }
         starts.push(total as i64);
-        total += len.unwrap_or(0);
+        if total == 0 {
+            continue;
+        }
+        let [ps, gs, ms, vs] = tables;
+        let at = [
+            host.addrs(&ps),
+            host.addrs(&gs),
+            host.addrs(&ms),
+            host.addrs(&vs),
+            host.offsets(&starts),
+        ];
+        launches.push((at, sets.len(), total, *consts));
     }
-    starts.push(total as i64);
-    if total == 0 {
+    if launches.is_empty() {
         return Ok(());
     }
     let coef_ptr = match coef {
@@ -1336,35 +1411,38 @@ pub(crate) fn adamw(
         }
         None => DevAddr::NULL,
     };
-    let chunk = sumsq_chunk(total);
-    let blocks = total.div_ceil(chunk);
-    let [ps, gs, ms, vs] = tables;
-    let (ps, gs, ms, vs) = (
-        dev.clone_htod(&ps)?,
-        dev.clone_htod(&gs)?,
-        dev.clone_htod(&ms)?,
-        dev.clone_htod(&vs)?,
-    );
-    let starts_dev = dev.clone_htod(&starts)?;
-    // SAFETY: entry i of each table is the address of the first element of a contiguous f32
-    // buffer of starts[i + 1] - starts[i] elements (checked above; the storages stay borrowed
-    // until `guards` is dropped after the launch); coef is null or one readable f32;
-    // blocks = ceil(total / chunk) cover the concatenation, each element read and written by
-    // one thread only (the written buffers are distinct storages).
-    unsafe {
-        launch::adamw(
-            dev,
-            row_cfg(blocks, 1024),
-            &ps,
-            &gs,
-            &ms,
-            &vs,
-            &starts_dev,
-            sets.len() as i32,
-            chunk as i64,
-            coef_ptr,
-            consts,
-        )?;
+    let tables = host.upload(dev)?;
+    for ([ps, gs, ms, vs, starts], k, total, consts) in launches {
+        let (ps, gs, ms, vs) = (
+            addr_view(&tables, ps)?,
+            addr_view(&tables, gs)?,
+            addr_view(&tables, ms)?,
+            addr_view(&tables, vs)?,
+        );
+        let starts = offset_view(&tables, starts)?;
+        let chunk = sumsq_chunk(total);
+        let blocks = total.div_ceil(chunk);
+        // SAFETY: entry i of each table is the address of the first element of a contiguous
+        // f32 buffer of starts[i + 1] - starts[i] elements (checked above; the storages stay
+        // borrowed until `guards` is dropped after the launches); coef is null or one readable
+        // f32; blocks = ceil(total / chunk) cover the group's concatenation, each element read
+        // and written by one thread only (the written buffers are distinct storages, in this
+        // group and across groups).
+        unsafe {
+            launch::adamw(
+                dev,
+                row_cfg(blocks, 1024),
+                &ps,
+                &gs,
+                &ms,
+                &vs,
+                &starts,
+                k as i32,
+                chunk as i64,
+                coef_ptr,
+                consts,
+            )?;
+        }
     }
     drop(guards);
     Ok(())

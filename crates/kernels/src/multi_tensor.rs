@@ -409,7 +409,8 @@ pub fn adamw_step(
     Ok(())
 }
 
-/// The CUDA path of [`adamw_step`]: one launch per decay group (with and without weight decay).
+/// The CUDA path of [`adamw_step`]: one launch per decay group (with and without weight decay),
+/// with one upload of both groups' tables.
 #[cfg(feature = "cuda")]
 fn adamw_cuda(
     params: &[Tensor],
@@ -431,70 +432,72 @@ fn adamw_cuda(
         candle_core::Device::Cuda(d) => d.clone(),
         _ => return Err(Error::msg("adamw: not a CUDA device")),
     };
-    // Read guards on every storage for the launch (distinct storages, checked by the caller).
+    // Read guards on every storage for the launches (distinct storages, checked by the caller).
     let coef = norm_clip.map(|c| c.narrow(0, 1, 1)).transpose()?;
     let coef_guard = coef.as_ref().map(|c| c.storage_and_layout());
     let coef_part = match &coef_guard {
         Some((g, l)) => Some((cuda(g)?, *l)),
         None => None,
     };
-    for group in [true, false] {
-        let idx: Vec<usize> = (0..params.len()).filter(|&i| decay[i] == group).collect();
-        if idx.is_empty() {
-            continue;
-        }
-        // Every storage read-locked once for the launch: parameters and moments are distinct
-        // (checked by the caller); gradients sharing a buffer read it through one lock.
-        let group_grads: Vec<Tensor> = idx.iter().map(|&i| grads[i].clone()).collect();
-        let shares = shared_storages(&group_grads);
-        let guards: Vec<[Option<_>; 4]> = idx
-            .iter()
-            .zip(&shares)
-            .map(|(&i, sh)| {
-                [
-                    Some(params[i].storage_and_layout().0),
-                    (*sh == Shared::Own).then(|| grads[i].storage_and_layout().0),
-                    Some(m[i].storage_and_layout().0),
-                    Some(v[i].storage_and_layout().0),
-                ]
-            })
-            .collect();
-        let mut sets: Vec<[(&candle_core::CudaStorage, &Layout); 4]> =
-            Vec::with_capacity(idx.len());
-        for (k, (&i, gs)) in idx.iter().zip(&guards).enumerate() {
-            let own = |j: usize| -> CResult<&candle_core::CudaStorage> {
-                match &gs[j] {
-                    Some(g) => cuda(g),
-                    None => Err(Error::msg("adamw: internal: an own storage left unlocked")),
-                }
-            };
-            let grad = match shares[k] {
-                Shared::Own => own(1)?,
-                Shared::Of(e) => sets[e][1].0,
-            };
-            sets.push([
-                (own(0)?, params[i].layout()),
-                (grad, grads[i].layout()),
-                (own(2)?, m[i].layout()),
-                (own(3)?, v[i].layout()),
-            ]);
-        }
-        let [beta1, one_beta1, beta2, one_beta2, scale_m, scale_v, dec, eps, lr] =
-            step.consts(group);
-        let consts = crate::cuda::AdamWConsts {
-            beta1,
-            one_beta1,
-            beta2,
-            one_beta2,
-            scale_m,
-            scale_v,
-            decay: dec,
-            eps,
-            lr,
+    // Every storage read-locked once for both launches: parameters and moments are distinct
+    // (checked by the caller); gradients sharing a buffer read it through one lock, in one
+    // decay group or across the two (FSDP's shard gradients of a unit are views of one buffer,
+    // its weights decayed and its biases and norms not).
+    let shares = shared_storages(grads);
+    let guards: Vec<[Option<_>; 4]> = (0..params.len())
+        .zip(&shares)
+        .map(|(i, sh)| {
+            [
+                Some(params[i].storage_and_layout().0),
+                (*sh == Shared::Own).then(|| grads[i].storage_and_layout().0),
+                Some(m[i].storage_and_layout().0),
+                Some(v[i].storage_and_layout().0),
+            ]
+        })
+        .collect();
+    let mut sets: Vec<[(&candle_core::CudaStorage, &Layout); 4]> = Vec::with_capacity(params.len());
+    for (i, gs) in guards.iter().enumerate() {
+        let own = |j: usize| -> CResult<&candle_core::CudaStorage> {
+            match &gs[j] {
+                Some(g) => cuda(g),
+                None => Err(Error::msg("adamw: internal: an own storage left unlocked")),
+            }
         };
-        crate::cuda::adamw(&dev, &sets, consts, coef_part)?;
+        let grad = match shares[i] {
+            Shared::Own => own(1)?,
+            Shared::Of(e) => sets[e][1].0,
+        };
+        sets.push([
+            (own(0)?, params[i].layout()),
+            (grad, grads[i].layout()),
+            (own(2)?, m[i].layout()),
+            (own(3)?, v[i].layout()),
+        ]);
     }
-    Ok(())
+    let groups: Vec<crate::cuda::AdamWGroup<'_>> = [true, false]
+        .into_iter()
+        .map(|group| {
+            let [beta1, one_beta1, beta2, one_beta2, scale_m, scale_v, dec, eps, lr] =
+                step.consts(group);
+            let consts = crate::cuda::AdamWConsts {
+                beta1,
+                one_beta1,
+                beta2,
+                one_beta2,
+                scale_m,
+                scale_v,
+                decay: dec,
+                eps,
+                lr,
+            };
+            let members = (0..params.len())
+                .filter(|&i| decay[i] == group)
+                .map(|i| sets[i])
+                .collect();
+            (members, consts)
+        })
+        .collect();
+    crate::cuda::adamw(&dev, &groups, coef_part)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -1172,7 +1172,8 @@ fn adamw_case(dev: &Device) -> R<String> {
 /// Gradients that are views of one buffer (FSDP's shard gradients of a unit): the CUDA norm
 /// and AdamW read each storage through one lock and give the bits of separate copies. The
 /// first operand shares its buffer with the third (the node's own operand), the second with
-/// the fourth.
+/// the fourth; each buffer's two views are in different AdamW decay groups (a unit's weights
+/// and its biases), whose launches share one upload of their tables and every storage's lock.
 fn shared_storage_views(dev: &Device) -> R<String> {
     let a = values(&[64], 1.0, 71).to_device(dev)?;
     let b = values(&[40], 1.0, 72).to_device(dev)?;
@@ -1205,7 +1206,7 @@ fn shared_storage_views(dev: &Device) -> R<String> {
             grads,
             &m,
             &v,
-            &[true, false, true, false],
+            &[true, false, false, true],
             &step,
             Some(&clip),
         )?;
