@@ -26,6 +26,7 @@ use half::bf16;
 
 use crate::error::KernelError;
 use crate::fa_rows::{check_bwd, check_fwd, FaBwdRows, FaRows};
+use crate::multi_tensor::Tables;
 
 type Result<T> = candle_core::Result<T>;
 
@@ -1143,36 +1144,9 @@ fn float_ptr<'a>(
     Ok((base + (offset * size) as u64, guard))
 }
 
-/// The host tables of a multi-tensor launch (device addresses as `u64`, element offsets as
-/// `i64`), gathered into one buffer so that a launch's tables cost one allocation and one
-/// host-to-device copy: each is a stream-ordered `cuMemAllocAsync` plus a pageable
-/// `cuMemcpyHtoDAsync` and, later, a free, several microseconds of host time apiece in the
-/// step's optimizer phase, where the GPU waits for the host (AdamW had ten a step).
-#[derive(Default)]
-struct Tables {
-    words: Vec<u64>,
-}
-
-impl Tables {
-    /// Appends device addresses; their range in the buffer.
-    fn addrs(&mut self, v: &[u64]) -> std::ops::Range<usize> {
-        let start = self.words.len();
-        self.words.extend_from_slice(v);
-        start..self.words.len()
-    }
-
-    /// Appends element offsets, stored as their two's-complement bits; their range.
-    fn offsets(&mut self, v: &[i64]) -> std::ops::Range<usize> {
-        let start = self.words.len();
-        // `as u64` keeps the bits of every i64 (and these are never negative).
-        self.words.extend(v.iter().map(|&x| x as u64));
-        start..self.words.len()
-    }
-
-    /// The tables on `dev`'s stream, in one copy.
-    fn upload(&self, dev: &CudaDevice) -> Result<CudaSlice<u64>> {
-        dev.clone_htod(&self.words)
-    }
+/// `tables` on `dev`'s stream, in one copy (`multi_tensor::Tables`: why one).
+fn upload_tables(dev: &CudaDevice, tables: &Tables) -> Result<CudaSlice<u64>> {
+    dev.clone_htod(tables.words())
 }
 
 /// The addresses at `r` of an uploaded [`Tables`] buffer, as the kernel's `const u64*`.
@@ -1185,9 +1159,14 @@ fn addr_view(buf: &CudaSlice<u64>, r: std::ops::Range<usize>) -> Result<CudaView
 fn offset_view(buf: &CudaSlice<u64>, r: std::ops::Range<usize>) -> Result<CudaView<'_, i64>> {
     let len = r.len();
     let words = addr_view(buf, r)?;
-    // SAFETY: `words` is `len` u64 of device memory; i64 has u64's size and alignment and every
-    // bit pattern is a valid i64, so the same bytes read as `len` i64 (the values `Tables::offsets`
-    // stored as bits). The view borrows `buf`, which outlives every launch that reads it.
+    const _: () = assert!(
+        std::mem::size_of::<i64>() == std::mem::size_of::<u64>()
+            && std::mem::align_of::<i64>() == std::mem::align_of::<u64>()
+    );
+    // SAFETY: `words` is `len` u64 of device memory; i64 has u64's size and alignment (asserted
+    // above) and every bit pattern is a valid i64, so the same bytes read as `len` i64 (the
+    // values `Tables::offsets` stored as bits). The view borrows `buf`, which outlives every
+    // launch that reads it.
     unsafe { words.transmute::<i64>(len) }
         .ok_or_else(|| mismatch("tables", format!("internal: {len} offsets do not fit")))
 }
@@ -1249,7 +1228,7 @@ pub(crate) fn grad_norm(
     let blocks = total.div_ceil(chunk);
     let mut tables = Tables::default();
     let (ptrs_at, starts_at) = (tables.addrs(&ptrs), tables.offsets(&starts));
-    let tables = tables.upload(dev)?;
+    let tables = upload_tables(dev, &tables)?;
     let (ptrs_dev, starts_dev) = (
         addr_view(&tables, ptrs_at)?,
         offset_view(&tables, starts_at)?,
@@ -1411,7 +1390,7 @@ pub(crate) fn adamw(
         }
         None => DevAddr::NULL,
     };
-    let tables = host.upload(dev)?;
+    let tables = upload_tables(dev, &host)?;
     for ([ps, gs, ms, vs, starts], k, total, consts) in launches {
         let (ps, gs, ms, vs) = (
             addr_view(&tables, ps)?,
