@@ -289,3 +289,96 @@ fn bf16_activations_between_tp_linears_match_one_device() {
         }
     }
 }
+
+/// A weight already in the GEMM's dtype (FSDP's gathered bf16 parameters) with an f32 bias and
+/// f32 activations goes into the node as it is: the same output and gradients, bit for bit, as
+/// the weight cast up to f32 before the op (and back to bf16 inside it), for the linear and the
+/// linear-GELU node, column-parallel over 1-3 ranks (7 rows: uneven pieces). The graph no longer
+/// holds the f32 copy of the weight: exactly its bytes less.
+#[test]
+fn a_bf16_weight_goes_into_the_gemm_as_it_is() {
+    const BF: DType = DType::BF16;
+    let (n, d, h) = (5, 6, 7);
+    let (x, w, b) = (
+        data(&[n, d], 0.0),
+        data(&[h, d], 1.0).to_dtype(BF).unwrap(),
+        data(&[h], 2.0),
+    );
+    let seed = data(&[n, h], 3.0);
+    for gelu in [false, true] {
+        for tp in 1..=3 {
+            let res = on_mesh(&[tp], |mesh| {
+                // (output, gradients of x, w, b, graph bytes) with the weight as it is or cast.
+                let run = |cast_first: bool| -> R<(Tensor, Vec<Tensor>, usize)> {
+                    let xl = Var::from_tensor(&x)?;
+                    let wp = candle_dtensor_core::distribute_tensor(&w, &mesh, &[S(0)])?;
+                    let bp = candle_dtensor_core::distribute_tensor(&b, &mesh, &[S(0)])?;
+                    let (wl, bl) = (
+                        Var::from_tensor(wp.to_local())?,
+                        Var::from_tensor(bp.to_local())?,
+                    );
+                    let xd = DTensor::from_local(xl.as_tensor(), &mesh, &[Rep])?;
+                    let wd =
+                        DTensor::from_local_with_shape(wl.as_tensor(), &mesh, &[S(0)], &[h, d])?;
+                    let bd = DTensor::from_local_with_shape(bl.as_tensor(), &mesh, &[S(0)], &[h])?;
+                    let wd = if cast_first {
+                        wd.to_dtype(DType::F32)?
+                    } else {
+                        wd
+                    };
+                    let y = match (gelu, cast_first) {
+                        (false, true) => {
+                            xd.linear_with_layout_in(&wd, Some(&bd), Some(&[Rep]), BF)?
+                        }
+                        (true, _) => xd.linear_gelu_with_layout_to(
+                            &wd,
+                            Some(&bd),
+                            Some(&[Rep]),
+                            BF,
+                            DType::F32,
+                        )?,
+                        (false, false) => {
+                            xd.linear_with_layout_to(&wd, Some(&bd), Some(&[Rep]), BF, DType::F32)?
+                        }
+                    };
+                    let bytes = candle_dtensor_core::debug::graph_bytes(y.to_local());
+                    let y = y.redistribute(&[Rep])?;
+                    let seed_d = DTensor::from_local(&seed, &mesh, &[Rep])?;
+                    let grads = y.mul(&seed_d)?.sum_all()?.backward()?;
+                    let gs = [&xl, &wl, &bl]
+                        .iter()
+                        .map(|l| {
+                            grads
+                                .get(l)
+                                .cloned()
+                                .ok_or_else(|| "a leaf without gradient".into())
+                        })
+                        .collect::<R<Vec<_>>>()?;
+                    Ok((y.to_local().clone(), gs, bytes))
+                };
+                let piece_rows = candle_dtensor_core::distribute_tensor(&w, &mesh, &[S(0)])?
+                    .to_local()
+                    .dim(0)?;
+                Ok((run(false)?, run(true)?, piece_rows))
+            })
+            .unwrap();
+            for (rank, ((y, gs, bytes), (y_cast, gs_cast, bytes_cast), rows)) in
+                res.into_iter().enumerate()
+            {
+                let what = format!("gelu {gelu} tp {tp} rank {rank}");
+                assert_eq!(y.dtype(), DType::F32, "{what}");
+                close(&y, &y_cast, 0.0).unwrap_or_else(|e| panic!("{what}: output: {e}"));
+                for ((g, gc), name) in gs.iter().zip(&gs_cast).zip(["x", "w", "b"]) {
+                    assert_eq!(g.dtype(), gc.dtype(), "{what}: {name}'s gradient dtype");
+                    close(g, gc, 0.0).unwrap_or_else(|e| panic!("{what}: {name}'s gradient: {e}"));
+                }
+                assert_eq!(gs[1].dtype(), BF, "{what}: the bf16 weight's gradient");
+                assert_eq!(
+                    bytes_cast - bytes,
+                    rows * d * 4,
+                    "{what}: the graph without the f32 copy of the weight piece"
+                );
+            }
+        }
+    }
+}

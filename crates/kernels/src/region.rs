@@ -618,23 +618,32 @@ fn cpu_linear_bias(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Option
 /// Whether [`linear_in`] applies: [`linear_to_applies`] with the output in `x`'s dtype and `w`
 /// and `b` in it too.
 pub fn linear_in_applies(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> bool {
-    w.dtype() == x.dtype() && linear_to_applies(x, w, b, compute)
+    w.dtype() == x.dtype() && linear_to_applies(x, w, b, compute, x.dtype())
 }
 
-/// Whether [`linear_to`] applies (any output dtype): [`linear_applies`]'s conditions on any
-/// device (its backward is GEMMs, casts and a row sum, all candle ops), outside
-/// [`splittable_forward`] (whose deferred weight gradients take [`linear`]'s node), float `x`
-/// and `w`, `b` in `w`'s dtype and a compute dtype other than `w`'s.
-pub fn linear_to_applies(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> bool {
+/// Whether [`linear_to`] applies with the output in `out`: [`linear_applies`]'s conditions on
+/// any device (its backward is GEMMs, casts and a row sum, all candle ops), outside
+/// [`splittable_forward`] (whose deferred weight gradients take [`linear`]'s node), float `x`,
+/// `w` and `b`, and a cast to make: a compute dtype other than `w`'s (f32 master weights, `b`
+/// in `w`'s dtype), or a `w` already in it with an `x` or an output that is not (FSDP's
+/// gathered bf16 parameters, multiplied as they are, with f32 activations in or out and a bias
+/// of any float dtype).
+pub fn linear_to_applies(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    compute: DType,
+    out: DType,
+) -> bool {
     let all: Vec<&Tensor> = [x, w].into_iter().chain(b).collect();
     !split_forward()
         && all.iter().any(|t| t.track_op())
         && all.iter().all(|t| t.elem_count() > 0)
-        && x.dtype().is_float()
-        && w.dtype().is_float()
-        && b.is_none_or(|b| b.dtype() == w.dtype())
+        && all.iter().all(|t| t.dtype().is_float())
+        && out.is_float()
         && x.rank() >= 2
-        && compute != w.dtype()
+        && (compute != w.dtype() || x.dtype() != compute || out != compute)
+        && b.is_none_or(|b| b.dtype() == w.dtype() || w.dtype() == compute)
 }
 
 thread_local! {
@@ -695,13 +704,16 @@ impl LinearParts for LinearIn {
         // output gradient is already in the compute dtype (a bf16 output: the epilogue sums the
         // same bf16 values the row sum would, in f32) and the bias is of the weight's dtype.
         let g2 = g.contiguous()?.reshape(((), out))?;
-        let fused = if bias == Some(w.dtype()) && g2.dtype() == self.wc.dtype() {
-            weight_and_bias_grad(&g2, &self.xc, w.dtype())?
-        } else {
-            None
+        // Both in the bias's dtype: the weight's, or f32 for a bf16 weight taken as it is (its
+        // gradient then rounded once to bf16, as the cast node before the linear did).
+        let fused = match bias {
+            Some(bd) if g2.dtype() == self.wc.dtype() && (bd == w.dtype() || bd == DType::F32) => {
+                weight_and_bias_grad(&g2, &self.xc, bd)?
+            }
+            _ => None,
         };
         let (g2, db, fused_dw) = match fused {
-            Some((dw, db)) => (g2, Some(db), Some(dw)),
+            Some((dw, db)) => (g2, Some(db), Some(dw.to_dtype(w.dtype())?)),
             None => {
                 let (g2, db) = rows_and_bias_grad(&g2, out, bias)?;
                 (g2, db, None)
@@ -750,7 +762,8 @@ pub fn linear_in(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DType) -> 
 }
 
 /// [`linear_in`] with `x` in any float dtype and the output in `out`: `x @ w^T (+ b)` with `w`
-/// and `b` in one dtype (the master weights'), `x` and `w` cast to `compute` (no op for an `x`
+/// and `b` in one dtype (the master weights'), or `w` already in `compute` (FSDP's gathered
+/// bf16 parameters) and `b` in any float dtype; `x` and `w` cast to `compute` (no op for one
 /// already in it), the product in `compute`, the bias added in `b`'s dtype to the product and
 /// the sum cast to `out`. On CUDA that is one cuBLASLt matmul with the bias in its epilogue
 /// (`crate::cublaslt`: the f32 accumulator plus the bias, rounded once to `out`, as autocast's
@@ -783,7 +796,7 @@ fn linear_to_parts(
     compute: DType,
     out: DType,
 ) -> CResult<Built<LinearIn>> {
-    if !linear_to_applies(x, w, b, compute) {
+    if !linear_to_applies(x, w, b, compute, out) {
         let y = linear(&x.to_dtype(compute)?, &w.to_dtype(compute)?, None)?;
         return match b {
             Some(b) => crate::fused::add(&y.to_dtype(b.dtype())?, b)?.to_dtype(out),

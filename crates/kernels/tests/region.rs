@@ -174,51 +174,78 @@ fn linear_to_matches_the_cast_composition() {
         };
         y.to_dtype(out)
     };
-    for (x_dt, out) in [(BF, DType::F32), (DType::F32, BF), (BF, BF)] {
+    // The weight in f32 (master weights) or already in bf16 (FSDP's gathered parameters,
+    // taken as they are, with an f32 bias).
+    let cases = [
+        (BF, DType::F32, DType::F32),
+        (DType::F32, BF, DType::F32),
+        (BF, BF, DType::F32),
+        (DType::F32, DType::F32, DType::F32),
+        (DType::F32, DType::F32, BF),
+        (BF, DType::F32, BF),
+        (DType::F32, BF, BF),
+    ];
+    for (x_dt, out, w_dt) in cases {
         for xs in [vec![5, 7], vec![2, 3, 7], vec![1, 4, 33]] {
             let inner = xs[xs.len() - 1];
             let (x, w, b) = (randn(&xs), randn(&[6, inner]), randn(&[6]));
-            let what = format!("linear_to x {x_dt:?} -> {out:?} {xs:?}");
+            let what = format!("linear_to x {x_dt:?} w {w_dt:?} -> {out:?} {xs:?}");
             check(
                 &format!("{what} +bias"),
                 &[x.clone(), w.clone(), b],
                 &|t| {
-                    region::linear_to(&t[0].to_dtype(x_dt)?, &t[1], Some(&t[2]), BF, out)?
-                        .to_dtype(DType::F32)
+                    let (x, w) = (t[0].to_dtype(x_dt)?, t[1].to_dtype(w_dt)?);
+                    region::linear_to(&x, &w, Some(&t[2]), BF, out)?.to_dtype(DType::F32)
                 },
-                &|t| plain(&t[0].to_dtype(x_dt)?, &t[1], Some(&t[2]), out)?.to_dtype(DType::F32),
+                &|t| {
+                    let (x, w) = (t[0].to_dtype(x_dt)?, t[1].to_dtype(w_dt)?);
+                    plain(&x, &w, Some(&t[2]), out)?.to_dtype(DType::F32)
+                },
                 1e-6,
             );
             check(
                 &what,
                 &[x, w],
                 &|t| {
-                    region::linear_to(&t[0].to_dtype(x_dt)?, &t[1], None, BF, out)?
-                        .to_dtype(DType::F32)
+                    let (x, w) = (t[0].to_dtype(x_dt)?, t[1].to_dtype(w_dt)?);
+                    region::linear_to(&x, &w, None, BF, out)?.to_dtype(DType::F32)
                 },
-                &|t| plain(&t[0].to_dtype(x_dt)?, &t[1], None, out)?.to_dtype(DType::F32),
+                &|t| {
+                    let (x, w) = (t[0].to_dtype(x_dt)?, t[1].to_dtype(w_dt)?);
+                    plain(&x, &w, None, out)?.to_dtype(DType::F32)
+                },
                 1e-6,
             );
         }
     }
-    // The node applies to a bf16 x with f32 weights, not to a compute dtype equal to w's, nor
-    // to a bias in another dtype than w's.
+    // The node applies to a bf16 x with f32 weights; to a weight already in the compute dtype
+    // only where x or the output is not (then with a bias of any float dtype); not to a bias in
+    // another dtype than an f32 weight's.
     let (x, w, b) = (randn(&[3, 4]), randn(&[2, 4]), randn(&[2]));
     let xv = Var::from_tensor(&x).unwrap();
     let xb = xv.to_dtype(BF).unwrap();
-    assert!(region::linear_to_applies(&xb, &w, Some(&b), BF));
-    assert!(!region::linear_to_applies(
+    let wb = w.to_dtype(BF).unwrap();
+    assert!(region::linear_to_applies(&xb, &w, Some(&b), BF, BF));
+    assert!(!region::linear_to_applies(&xb, &wb, None, BF, BF));
+    assert!(region::linear_to_applies(
         &xb,
-        &w.to_dtype(BF).unwrap(),
-        None,
-        BF
+        &wb,
+        Some(&b),
+        BF,
+        DType::F32
     ));
+    assert!(region::linear_to_applies(&xv, &wb, Some(&b), BF, BF));
     assert!(!region::linear_to_applies(
         &xv,
         &w,
         Some(&b.to_dtype(BF).unwrap()),
+        BF,
         BF
     ));
+    // FSDP's case as one node: a bf16 activation in, a bf16 weight as it is, the f32 output.
+    let _ = region::take_linear_in_nodes();
+    let y = region::linear_to(&xb, &wb, Some(&b), BF, DType::F32).unwrap();
+    assert_eq!((region::take_linear_in_nodes(), y.dtype()), (1, DType::F32));
     // Not applicable (untracked): the composition.
     let y = region::linear_to(&x.to_dtype(BF).unwrap(), &w, Some(&b), BF, BF).unwrap();
     let want = plain(&x.to_dtype(BF).unwrap(), &w, Some(&b), BF).unwrap();

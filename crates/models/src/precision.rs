@@ -33,7 +33,11 @@
 //!
 //! FSDP's `param_dtype` (e.g. bf16) is a storage and communication choice: the gathered
 //! parameters are bf16, and the policy casts them up where it computes in f32 (norms, the
-//! embedding sums) and runs the GEMMs in that dtype (`f32` / `tf32` policies) or in bf16.
+//! embedding sums) and runs the GEMMs in that dtype (`f32` / `tf32` policies) or in bf16. A
+//! linear takes its gathered bf16 weight as it is (no f32 copy for the graph to keep until the
+//! backward; the node keeps the gathered buffer, which FSDP releases after the unit's forward
+//! and gathers again before its backward), wherever dispatch never reduces that weight's
+//! gradient (see `gemm_as_stored`), so its reduction stays f32.
 //!
 //! TF32 is candle's process-global reduced-precision f32 GEMM switch
 //! (`candle_core::cuda::set_gemm_reduced_precision_f32`), set by [`Precision::apply`]; on the
@@ -274,9 +278,33 @@ fn gemm_dtype(weight: DType) -> DType {
     }
 }
 
+/// Whether `w` goes into a GEMM computed in `compute` as it is rather than cast to `to` (and,
+/// inside the op, back): a weight already in the GEMM's dtype (FSDP's gathered bf16
+/// parameters under `--mixed-precision bf16`, whose GEMMs run in bf16 under every policy) whose
+/// gradient dispatch never reduces: on every mesh dim of more than one rank it is sharded, or
+/// its owner reduces it (`managed_grad_dims`: FSDP's reduce-scatter, which casts it to f32
+/// first). So every reduction of its gradient stays in f32. The cast it saves made an f32 copy
+/// of the whole gathered weight that the graph kept until the backward: FSDP's release of the
+/// gathered parameters after a unit's forward freed nothing of it. Taken as it is, the weight
+/// the node keeps for its backward is the gathered buffer itself, released after the forward
+/// and gathered again before the backward, as FSDP2 keeps its unsharded bf16 parameters.
+fn gemm_as_stored(w: &DTensor, compute: DType, to: DType) -> bool {
+    if w.dtype() != compute || w.dtype() == to {
+        return false;
+    }
+    let shape = w.mesh().shape();
+    let managed = w.managed_grad_dims();
+    w.placements().iter().enumerate().all(|(d, p)| {
+        shape.get(d).is_none_or(|&n| n <= 1)
+            || managed.contains(&d)
+            || matches!(p, Placement::Shard(_))
+    })
+}
+
 /// `x W^T (+ b)` under the current policy: the weight and bias cast to `x`'s dtype (FSDP's
-/// gathered bf16 parameters cast up; no op otherwise) and the product computed in the policy's
-/// GEMM dtype (bf16) or the weight's stored dtype, back in `x`'s dtype.
+/// gathered bf16 parameters cast up, except a weight the GEMM takes as it is:
+/// [`gemm_as_stored`]; no op otherwise) and the product computed in the policy's GEMM dtype
+/// (bf16) or the weight's stored dtype, back in `x`'s dtype.
 pub(crate) fn linear(
     x: &DTensor,
     w: &DTensor,
@@ -285,6 +313,10 @@ pub(crate) fn linear(
 ) -> Result<DTensor> {
     let compute = gemm_dtype(w.dtype());
     let dt = x.dtype();
+    if gemm_as_stored(w, compute, dt) {
+        let b = b.map(|b| cast(b, dt)).transpose()?;
+        return Ok(x.linear_with_layout_to(w, b.as_ref(), layout, compute, dt)?);
+    }
     let w = cast(w, dt)?;
     let b = b.map(|b| cast(b, dt)).transpose()?;
     Ok(x.linear_with_layout_in(&w, b.as_ref(), layout, compute)?)
@@ -306,9 +338,18 @@ pub(crate) fn linear_to(
         return cast(&linear(x, w, b, layout)?, out);
     };
     let compute = gemm_dtype(w.dtype());
-    let w = cast(w, master)?;
+    let w = cast_unless_stored(w, compute, master)?;
     let b = b.map(|b| cast(b, master)).transpose()?;
     Ok(x.linear_with_layout_to(&w, b.as_ref(), layout, compute, out)?)
+}
+
+/// `w` as the GEMM takes it: as it is where [`gemm_as_stored`], else cast to `master`.
+fn cast_unless_stored(w: &DTensor, compute: DType, master: DType) -> Result<DTensor> {
+    if gemm_as_stored(w, compute, master) {
+        Ok(w.clone())
+    } else {
+        cast(w, master)
+    }
 }
 
 /// `gelu(x W^T (+ b))` under the current policy: [`linear`] (`out` `None`) or [`linear_to`]
@@ -325,12 +366,12 @@ pub(crate) fn linear_gelu(
     match (out, current()) {
         (None, _) => {
             let dt = x.dtype();
-            let w = cast(w, dt)?;
+            let w = cast_unless_stored(w, compute, dt)?;
             let b = b.map(|b| cast(b, dt)).transpose()?;
             Ok(x.linear_gelu_with_layout_to(&w, b.as_ref(), layout, compute, dt)?)
         }
         (Some(out), Some((_, master))) => {
-            let w = cast(w, master)?;
+            let w = cast_unless_stored(w, compute, master)?;
             let b = b.map(|b| cast(b, master)).transpose()?;
             Ok(x.linear_gelu_with_layout_to(&w, b.as_ref(), layout, compute, out)?)
         }

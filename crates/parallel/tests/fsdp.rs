@@ -143,3 +143,48 @@ fn mixed_precision_bf16_tracks_f32() {
         "bf16 must actually change the compute"
     );
 }
+
+/// FSDP's gathered bf16 parameters go into the linears' GEMMs as they are (with `param_dtype`
+/// bf16 the GEMMs run in bf16 under the default policy too), so the graph keeps no f32 copy of
+/// a gathered weight: a step's activation memory with `param_dtype` bf16 is the f32 step's plus
+/// at most the position table's cast, where the cast before each linear kept every linear
+/// weight in f32 until the backward (FSDP's release after each unit's forward then freed
+/// nothing of them). FSDP, FSDP x TP, untied and tied head; the losses still track f32.
+#[test]
+fn mixed_precision_bf16_keeps_no_f32_copy_of_the_gathered_weights() {
+    let steps = 3;
+    let layouts: [(&[(&str, usize)], bool); 3] = [
+        (&[("dp", 2)], false),
+        (&[("dp", 2)], true),
+        (&[("dp", 2), ("tp", 2)], false),
+    ];
+    for (dims, tied) in layouts {
+        let run = |param_dtype: Option<DType>| {
+            let mut c = cfg(spec("dp", None, false, param_dtype), false, steps);
+            c.gpt.tied = tied;
+            train(dims, &c)
+        };
+        let (f32_run, bf16_run) = (run(None), run(Some(DType::BF16)));
+        let g = micro_gpt();
+        let (d, tp) = (
+            g.d_model,
+            dims.iter().find(|(n, _)| *n == "tp").map_or(1, |p| p.1),
+        );
+        // Every linear weight of one rank, in f32: the blocks' 12 d^2 (qkv, out, fc1, fc2),
+        // the LM head's vocab x d.
+        let linears = (g.n_layers * 12 * d * d + g.vocab * d) / tp * 4;
+        let extra = bf16_run
+            .peak_activation_bytes
+            .saturating_sub(f32_run.peak_activation_bytes);
+        // What is still cast up to f32 (small): the position table (seq_len x d), the norms'
+        // weights and biases (4 d a block, 2 d the last) and the linears' biases (9 d a
+        // block); far under the linears.
+        let allowed = (g.seq_len + 16 * g.n_layers + 8) * d * 4;
+        assert!(
+            extra <= allowed && allowed < linears / 4,
+            "{dims:?} tied {tied}: bf16 parameters add {extra} bytes to the graph \
+             (allowed {allowed}; every linear weight in f32 is {linears})"
+        );
+        assert_close(&bf16_run.losses, &f32_run.losses, 2e-2, "bf16 parameters");
+    }
+}

@@ -38,6 +38,23 @@ pub(crate) fn linear_local(
     }
 }
 
+/// Whether a bias of `b`'s dtype may go with a weight of `master` computed in `compute`: a
+/// weight already in the compute dtype (FSDP's gathered bf16 parameters, multiplied as they
+/// are) takes a bias of any float dtype (f32: added to the f32 accumulator as for f32 master
+/// weights).
+fn bias_dtype_ok(master: DType, b: &DTensor, compute: DType) -> bool {
+    b.dtype() == master || (master == compute && b.dtype().is_float())
+}
+
+/// `x` labelled `dtype` for the strategies (its local piece unchanged).
+fn relabel_to(x: &DTensor, dtype: DType) -> Result<DTensor> {
+    if x.dtype() == dtype {
+        Ok(x.clone())
+    } else {
+        x.relabelled(dtype)
+    }
+}
+
 /// The local piece of a linear whose GEMM runs in `compute` and whose output is in `out`, as
 /// each of the linear methods runs it for these dtypes (`linear_with_layout`'s `linear_local`,
 /// `linear_with_layout_in`'s one node or its casts, `linear_with_layout_to`'s
@@ -54,7 +71,7 @@ fn local_linear_act(
 ) -> candle_core::Result<Tensor> {
     let act = |y: Tensor| if gelu { crate::fused::gelu(&y) } else { Ok(y) };
     let master = w.dtype();
-    if x.dtype() == master && out == master {
+    if x.dtype() == master && out == master && b.is_none_or(|b| b.dtype() == master) {
         if compute == master {
             if gelu && crate::region::linear_applies(x, w, b) {
                 return crate::region::linear_gelu(x, w, b);
@@ -224,13 +241,15 @@ impl DTensor {
     /// [`DTensor::linear_with_layout_in`] with `self` in any float dtype and the output in
     /// `out` (autocast's data flow for bf16 activations: the QKV projection's output feeding
     /// bf16 attention, the MLP's `fc1 -> GELU -> fc2` in bf16, with no cast of the activation
-    /// outside the op). `w` and `b` share one dtype (the master weights'); each rank casts its
-    /// pieces of `x` (no op for one already in `compute`) and `w` to `compute`, multiplies,
-    /// adds the bias in its own dtype and rounds the sum to `out`, as one graph node
-    /// (`region::linear_to`). Placements are chosen as for a linear of `w`'s dtype; so the
-    /// collectives dispatch adds run on the pieces as they are (a bf16 `x`'s all_gather in
-    /// bf16, the gradient sync of a replicated weight in its own dtype). With `x` and `out`
-    /// both in `w`'s dtype this is [`DTensor::linear_with_layout_in`].
+    /// outside the op). `w` and `b` share one dtype (the master weights'), or `w` is already
+    /// in `compute` and `b` any float (FSDP's gathered bf16 parameters under a bf16 GEMM,
+    /// multiplied as they are: no f32 copy of the weight for the graph to keep); each rank
+    /// casts its pieces of `x` (no op for one already in `compute`) and `w` to `compute`,
+    /// multiplies, adds the bias in its own dtype and rounds the sum to `out`, as one graph
+    /// node (`region::linear_to`). Placements are chosen as for a linear of `w`'s dtype; so
+    /// the collectives dispatch adds run on the pieces as they are (a bf16 `x`'s all_gather in
+    /// bf16, the gradient sync of a replicated weight in its own dtype). With `x`, `b` and
+    /// `out` all in `w`'s dtype this is [`DTensor::linear_with_layout_in`].
     pub fn linear_with_layout_to(
         &self,
         w: &DTensor,
@@ -240,15 +259,18 @@ impl DTensor {
         out: DType,
     ) -> Result<DTensor> {
         let master = w.dtype();
-        if self.dtype() == master && out == master {
+        let b_master = b.is_none_or(|b| b.dtype() == master);
+        if self.dtype() == master && out == master && b_master {
             return self.linear_with_layout_in(w, b, input_layout, compute);
         }
-        if let Some(b) = b.filter(|b| b.dtype() != master) {
+        if let Some(b) = b.filter(|b| !bias_dtype_ok(master, b, compute)) {
             return Err(crate::error::invalid(
                 "linear",
                 self.mesh_rank(),
                 format!(
-                    "bias of {:?} for a weight of {master:?} (they share one dtype)",
+                    "bias of {:?} for a weight of {master:?} computed in {compute:?} (they \
+                     share one dtype, or the weight is in the compute dtype and the bias a \
+                     float)",
                     b.dtype()
                 ),
             ));
@@ -260,12 +282,10 @@ impl DTensor {
                 format!("x of {:?} to {out:?}: float dtypes only", self.dtype()),
             ));
         }
-        // The strategies see x in the weight's dtype; the local op converts it.
-        let x = if self.dtype() == master {
-            self.clone()
-        } else {
-            self.relabelled(master)?
-        };
+        // The strategies see x (and the bias) in the weight's dtype; the local op converts it.
+        let x = relabel_to(self, master)?;
+        let b = b.map(|b| relabel_to(b, master)).transpose()?;
+        let b = b.as_ref();
         let op = Op::Linear { bias: b.is_some() };
         let y = match b {
             Some(b) => run1_with(&op, &[&x, w, b], &[input_layout], |p| {
@@ -304,18 +324,19 @@ impl DTensor {
         out: DType,
     ) -> Result<DTensor> {
         let master = w.dtype();
-        if b.is_some_and(|b| b.dtype() != master) || !self.dtype().is_float() || !out.is_float() {
+        if b.is_some_and(|b| !bias_dtype_ok(master, b, compute))
+            || !self.dtype().is_float()
+            || !out.is_float()
+        {
             // The linear's own typed errors.
             return self
                 .linear_with_layout_to(w, b, input_layout, compute, out)?
                 .gelu();
         }
-        // The strategies see x in the weight's dtype, as for the linear.
-        let x = if self.dtype() == master {
-            self.clone()
-        } else {
-            self.relabelled(master)?
-        };
+        // The strategies see x (and the bias) in the weight's dtype, as for the linear.
+        let x = relabel_to(self, master)?;
+        let b = b.map(|b| relabel_to(b, master)).transpose()?;
+        let b = b.as_ref();
         let op = Op::Linear { bias: b.is_some() };
         let inputs: Vec<&DTensor> = [&x, w].into_iter().chain(b).collect();
         // Whether the compiler made the output a partial sum: then the local op is the linear
