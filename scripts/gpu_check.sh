@@ -45,8 +45,11 @@
 #           GPU; on CUDA the linears become region nodes only under a split backward) --check
 #           against the CPU like c1-c3 (a pipeline's GPU phases are the schedule, the
 #           reductions and the optimizer: the summary's `phase_split`)
-#           Every one of c0-c3 and c5-c10 also fails, on a CUDA device, without GPU phase times
-#           from CUDA events in its summary (`gpu_phases`, `gpu_step_ms_median`).
+#   c13     (after c4) FSDP dp=2 with --mixed-precision bf16 --precision bf16 --check against
+#           the CPU within 2e-2: the linears take FSDP's gathered bf16 weights as they are (the
+#           cuBLASLt epilogue with an f32 bias, the weight gradient rounded to bf16 after it)
+#           Every one of c0-c3, c5-c10 and c13 also fails, on a CUDA device, without GPU phase
+#           times from CUDA events in its summary (`gpu_phases`, `gpu_step_ms_median`).
 #   c11     train_gpt --preset small --count-kernels on one GPU: passes only with a kernel count
 #           of the last step (CUPTI, `kernels_per_step` > 0) and GPU phase times from CUDA
 #           events (`gpu_step_ms_median`); the figures go into the table
@@ -61,7 +64,7 @@
 # 15 s or more left (else it is recorded as SKIP, "budget") and its timeout is cut to what is
 # left, so the table prints within the budget; the exit status is then 3 unless a step failed.
 # gpu_check.json is rewritten after every step, so a run cut short keeps what it did.
-# CDT_GPU_CHECK_DEVICE (default cuda) is the --device of c0-c3, c5-c12, e1 and e2 (`cpu` dry-runs the
+# CDT_GPU_CHECK_DEVICE (default cuda) is the --device of c0-c3, c5-c13, e1 and e2 (`cpu` dry-runs the
 # script's own plumbing on a machine whose nvidia-smi is faked; the GPU-only binaries a CPU build
 # lacks then FAIL by name. tests/gpu_check_script.rs dry-runs it with fake binaries).
 # Writes $CDT_GPU_LOG_DIR (default target/gpu_check/): one log per step, gpu_check.json (one
@@ -361,6 +364,9 @@ run_step e2 'check vs one device' 60 e2_llama_own_tp.log "$(exe train_llama)" \
     --device "$dev" --model own --ranks 4 --tp 2 --steps 6 --check
 run_step c4 '"final_loss":[-0-9]' 45 c4_train_nccl.log "$(exe dtrun)" --nproc 1 --timeout 40 -- \
     "$(exe train_gpt)" --backend nccl --device cuda --mesh tp=1 --no-fsdp --steps 5 --json
+# FSDP's gathered bf16 parameters straight into the bf16 GEMMs (no f32 copy of a weight; new
+# on 2026-12-07, so after the steps earlier sessions planned around).
+check_tol=2e-2 train_step c13 60 c13_train_fsdp_bf16.log dp=2 --device "$dev" --steps 6 --mixed-precision bf16 --precision bf16 --check --check-device cpu --check-tol 2e-2
 # A benchmark, not a check: optional (SKIP when nccl_bench or dtrun is not built).
 if ((ngpu > 1)); then
     run_step optional d 'peak busbw' 60 d_nccl_bench.log "$(exe dtrun)" --nproc "$ngpu" --timeout 55 -- \

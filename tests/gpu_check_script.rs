@@ -185,7 +185,7 @@ fn gpu_check_passes_only_with_every_required_binary_and_figure() {
     assert_eq!(good.code, Some(0), "{}", good.out);
     for id in [
         "libs", "a1", "a2", "b", "b2", "k", "k2", "c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7",
-        "c8", "c9", "c10", "c11", "e1", "e2", "d",
+        "c8", "c9", "c10", "c13", "c11", "e1", "e2", "d",
     ] {
         assert_row(&good, id, "PASS", "");
     }
@@ -212,7 +212,7 @@ fn gpu_check_passes_only_with_every_required_binary_and_figure() {
     for mode in ["nofigure", "nullfigure"] {
         let r = gpu_check(&dir, &bin, mode);
         assert_eq!(r.code, Some(1), "{}", r.out);
-        for id in ["c1", "c2", "c3", "c5", "c6", "c8", "c9", "c10"] {
+        for id in ["c1", "c2", "c3", "c5", "c6", "c8", "c9", "c10", "c13"] {
             assert_row(&r, id, "FAIL", "max_rel_loss_diff missing");
         }
         // The steps without --check need no such figure.
@@ -226,7 +226,7 @@ fn gpu_check_passes_only_with_every_required_binary_and_figure() {
     assert_eq!(r.code, Some(0), "{}", r.out);
     let r = gpu_check_env(&dir, &bin, "nophases", &cuda);
     assert_eq!(r.code, Some(1), "{}", r.out);
-    for id in ["c0", "c1", "c7", "c10"] {
+    for id in ["c0", "c1", "c7", "c10", "c13"] {
         assert_row(&r, id, "FAIL", "gpu_phases missing");
     }
     assert_row(&r, "a1", "PASS", "");
