@@ -625,9 +625,9 @@ pub fn linear_in_applies(x: &Tensor, w: &Tensor, b: Option<&Tensor>, compute: DT
 /// any device (its backward is GEMMs, casts and a row sum, all candle ops), outside
 /// [`splittable_forward`] (whose deferred weight gradients take [`linear`]'s node), float `x`,
 /// `w` and `b`, and a cast to make: a compute dtype other than `w`'s (f32 master weights, `b`
-/// in `w`'s dtype), or a `w` already in it with an `x` or an output that is not (FSDP's
-/// gathered bf16 parameters, multiplied as they are, with f32 activations in or out and a bias
-/// of any float dtype).
+/// in `w`'s dtype), or a `w` already in it with an `x`, an output or a bias that is not (FSDP's
+/// gathered bf16 parameters, multiplied as they are, with f32 activations in or out, or bf16
+/// ones with an f32 bias added to the product before its one rounding).
 pub fn linear_to_applies(
     x: &Tensor,
     w: &Tensor,
@@ -642,7 +642,10 @@ pub fn linear_to_applies(
         && all.iter().all(|t| t.dtype().is_float())
         && out.is_float()
         && x.rank() >= 2
-        && (compute != w.dtype() || x.dtype() != compute || out != compute)
+        && (compute != w.dtype()
+            || x.dtype() != compute
+            || out != compute
+            || b.is_some_and(|b| b.dtype() != compute))
         && b.is_none_or(|b| b.dtype() == w.dtype() || w.dtype() == compute)
 }
 
@@ -809,7 +812,8 @@ fn linear_to_parts(
     let rows: usize = dims[..dims.len() - 1].iter().product();
     let x = x.contiguous()?;
     let xc = x.detach().reshape((rows, inner))?.to_dtype(compute)?;
-    let wc = w.detach().to_dtype(compute)?;
+    // Contiguous for the GEMMs (a weight already in `compute` is not copied by the cast).
+    let wc = w.detach().to_dtype(compute)?.contiguous()?;
     let mut out_dims = dims;
     if let Some(last) = out_dims.last_mut() {
         *last = w.dim(0)?;

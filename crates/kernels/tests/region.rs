@@ -184,6 +184,7 @@ fn linear_to_matches_the_cast_composition() {
         (DType::F32, DType::F32, BF),
         (BF, DType::F32, BF),
         (DType::F32, BF, BF),
+        (BF, BF, BF),
     ];
     for (x_dt, out, w_dt) in cases {
         for xs in [vec![5, 7], vec![2, 3, 7], vec![1, 4, 33]] {
@@ -227,6 +228,14 @@ fn linear_to_matches_the_cast_composition() {
     let wb = w.to_dtype(BF).unwrap();
     assert!(region::linear_to_applies(&xb, &w, Some(&b), BF, BF));
     assert!(!region::linear_to_applies(&xb, &wb, None, BF, BF));
+    assert!(region::linear_to_applies(&xb, &wb, Some(&b), BF, BF));
+    assert!(!region::linear_to_applies(
+        &xb,
+        &wb,
+        Some(&b.to_dtype(BF).unwrap()),
+        BF,
+        BF
+    ));
     assert!(region::linear_to_applies(
         &xb,
         &wb,
