@@ -673,9 +673,51 @@ struct LinearIn {
     /// The output's dtype.
     out_dtype: DType,
     bias: Option<Tensor>,
-    /// `x` as `[rows, in]` and `w`, in the compute dtype (detached).
+    /// `x` as `[rows, in]`, in the compute dtype (detached).
     xc: Tensor,
-    wc: Tensor,
+    /// `w` in the compute dtype (detached), or `None` under [`recast_weights`]: the backward
+    /// casts its weight operand again.
+    wc: Option<Tensor>,
+    /// The compute dtype.
+    compute: DType,
+}
+
+impl LinearIn {
+    /// `w` in the compute dtype, contiguous: the kept cast, or `w` (the node's weight operand,
+    /// as the backward gets it) cast again.
+    fn weight(&self, w: &Tensor) -> CResult<Tensor> {
+        match &self.wc {
+            Some(wc) => Ok(wc.clone()),
+            None => w.detach().to_dtype(self.compute)?.contiguous(),
+        }
+    }
+}
+
+thread_local! {
+    /// Whether mixed-precision linear nodes built on this thread keep no cast of their weight
+    /// ([`recast_weights`]).
+    static RECAST_WEIGHTS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Restores the previous [`recast_weights`] setting when dropped (also on unwinding).
+struct RecastGuard(bool);
+
+impl Drop for RecastGuard {
+    fn drop(&mut self) {
+        RECAST_WEIGHTS.with(|c| c.set(self.0));
+    }
+}
+
+/// Runs `f` with the mixed-precision linear nodes it builds on this thread (`recast` true)
+/// keeping no copy of their weight cast to the compute dtype: the backward casts the weight
+/// operand again. For a weight whose storage holds its values again by the backward but not in
+/// between: FSDP's gathered parameters, released after their unit's forward and gathered again
+/// before its backward, where a kept bf16 cast would hold half the unsharded weight's bytes of
+/// every linear until its backward. The price is one cast pass over the weight in the backward.
+/// The values are the same either way.
+pub fn recast_weights<R>(recast: bool, f: impl FnOnce() -> R) -> R {
+    let _restore = RecastGuard(RECAST_WEIGHTS.with(|c| c.replace(recast)));
+    f()
 }
 
 impl LinearParts for LinearIn {
@@ -710,7 +752,7 @@ impl LinearParts for LinearIn {
         // Both in the bias's dtype: the weight's, or f32 for a bf16 weight taken as it is (its
         // gradient then rounded once to bf16, as the cast node before the linear did).
         let fused = match bias {
-            Some(bd) if g2.dtype() == self.wc.dtype() && (bd == w.dtype() || bd == DType::F32) => {
+            Some(bd) if g2.dtype() == self.compute && (bd == w.dtype() || bd == DType::F32) => {
                 weight_and_bias_grad(&g2, &self.xc, bd)?
             }
             _ => None,
@@ -722,13 +764,14 @@ impl LinearParts for LinearIn {
                 (g2, db, None)
             }
         };
-        let gc = g2.to_dtype(self.wc.dtype())?;
+        let gc = g2.to_dtype(self.compute)?;
+        let wc = self.weight(w)?;
         // On CUDA each product written in its gradient's dtype by cuBLASLt (f32 from bf16
         // operands: one rounding, no bf16 product written and cast); else candle's GEMM in the
         // compute dtype, then the cast.
         #[cfg(feature = "cuda")]
         let (dx, dw) = (
-            crate::cuda::gemm_to(&gc, false, &self.wc, false, false, x.dtype())?.map(|(c, _)| c),
+            crate::cuda::gemm_to(&gc, false, &wc, false, false, x.dtype())?.map(|(c, _)| c),
             match fused_dw {
                 Some(dw) => Some(dw),
                 None => crate::cuda::gemm_to(&gc, true, &self.xc, false, false, w.dtype())?
@@ -739,7 +782,7 @@ impl LinearParts for LinearIn {
         let (dx, dw): (Option<Tensor>, Option<Tensor>) = (None, fused_dw);
         let dx = match dx {
             Some(dx) => dx,
-            None => gc.matmul(&self.wc)?.to_dtype(x.dtype())?,
+            None => gc.matmul(&wc)?.to_dtype(x.dtype())?,
         }
         .reshape(x.shape())?;
         let dw = match dw {
@@ -851,12 +894,16 @@ fn linear_to_parts(
             }
         }
     };
+    // Kept unless the weight is recast in the backward; a weight already in `compute` is its
+    // own cast (the same storage), kept either way.
+    let keep = w.dtype() == compute || !RECAST_WEIGHTS.with(|c| c.get());
     let node = LinearIn {
         output: Mutex::new(Some(output)),
         out_dtype: out,
         bias,
         xc,
-        wc,
+        wc: keep.then_some(wc),
+        compute,
     };
     LINEAR_IN_NODES.with(|c| c.set(c.get() + 1));
     Ok(Built::Node(x, node))

@@ -655,3 +655,68 @@ fn deferral_scopes_nest_and_end_even_on_panic() {
         "a scope left by a panic still deferred the weight gradient"
     );
 }
+
+/// Under `recast_weights` the mixed-precision node keeps no cast of its weight: the backward
+/// casts the weight operand as its storage holds it then. FSDP releases a gathered weight after
+/// the forward and refills it before the backward; here the refill puts other values in, so
+/// the input gradient shows which weight the backward multiplied by: the kept cast (the old
+/// values) without recast, the refilled values with it. The weight and bias gradients do not
+/// depend on the weight and are the same either way; the output is made in the forward.
+#[test]
+fn recast_weights_casts_the_weight_again_in_the_backward() {
+    use candle_core::DType;
+    use candle_dtensor_kernels::storage;
+    const BF: DType = DType::BF16;
+    let (x, w_a, w_b, b) = (
+        randn(&[2, 5, 7]),
+        randn(&[6, 7]),
+        randn(&[6, 7]),
+        randn(&[6]),
+    );
+    // One device's input gradient of sum(x W^T + b) with the bf16 product, for weight `w`.
+    let dx_for = |w: &Tensor| {
+        let xv = Var::from_tensor(&x).unwrap();
+        let y = xv
+            .to_dtype(BF)
+            .unwrap()
+            .broadcast_matmul(&w.to_dtype(BF).unwrap().t().unwrap())
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        let g = y.sum_all().unwrap().backward().unwrap();
+        g.get(&xv).unwrap().clone()
+    };
+    let (dx_a, dx_b) = (dx_for(&w_a), dx_for(&w_b));
+    let mut others = Vec::new();
+    for recast in [false, true] {
+        let xv = Var::from_tensor(&x).unwrap();
+        let wv = Var::from_tensor(&w_a).unwrap();
+        let bv = Var::from_tensor(&b).unwrap();
+        let _ = region::take_linear_in_nodes();
+        let y = region::recast_weights(recast, || {
+            region::linear_in(xv.as_tensor(), wv.as_tensor(), Some(bv.as_tensor()), BF)
+        })
+        .unwrap();
+        assert_eq!(
+            region::take_linear_in_nodes(),
+            1,
+            "recast {recast}: one node"
+        );
+        storage::release(wv.as_tensor(), "w").unwrap();
+        storage::refill(wv.as_tensor(), &w_b).unwrap();
+        let g = y.sum_all().unwrap().backward().unwrap();
+        let dx = g.get(&xv).unwrap();
+        let want = if recast { &dx_b } else { &dx_a };
+        close(dx, want, 1e-6, &format!("recast {recast}: dx"));
+        others.push((g.get(&wv).unwrap().clone(), g.get(&bv).unwrap().clone()));
+    }
+    close(&others[1].0, &others[0].0, 0.0, "dw");
+    close(&others[1].1, &others[0].1, 0.0, "db");
+    // The setting is scoped: outside it the node keeps its cast again.
+    let xv = Var::from_tensor(&x).unwrap();
+    let wv = Var::from_tensor(&w_a).unwrap();
+    let y = region::linear_in(xv.as_tensor(), wv.as_tensor(), None, BF).unwrap();
+    storage::refill(wv.as_tensor(), &w_b).unwrap();
+    let g = y.sum_all().unwrap().backward().unwrap();
+    close(g.get(&xv).unwrap(), &dx_a, 1e-6, "after the scope: dx");
+}

@@ -37,7 +37,9 @@
 //! linear takes its gathered bf16 weight as it is (no f32 copy for the graph to keep until the
 //! backward; the node keeps the gathered buffer, which FSDP releases after the unit's forward
 //! and gathers again before its backward), wherever dispatch never reduces that weight's
-//! gradient (see `gemm_as_stored`), so its reduction stays f32.
+//! gradient (see `gemm_as_stored`), so its reduction stays f32. With f32 FSDP parameters
+//! under the `bf16` policy the node keeps no bf16 cast of the gathered weight either: the
+//! backward casts it again from the re-gathered buffer (`recast_if_gathered`).
 //!
 //! TF32 is candle's process-global reduced-precision f32 GEMM switch
 //! (`candle_core::cuda::set_gemm_reduced_precision_f32`), set by [`Precision::apply`]; on the
@@ -319,7 +321,18 @@ pub(crate) fn linear(
     }
     let w = cast(w, dt)?;
     let b = b.map(|b| cast(b, dt)).transpose()?;
-    Ok(x.linear_with_layout_in(&w, b.as_ref(), layout, compute)?)
+    recast_if_gathered(&w, compute, || {
+        Ok(x.linear_with_layout_in(&w, b.as_ref(), layout, compute)?)
+    })
+}
+
+/// Runs `f`, a linear of `w` computed in `compute`, with its node keeping no cast of `w` where
+/// FSDP manages `w` (`managed_grad_dims`): its gathered buffer is released after the unit's
+/// forward and gathered again before the backward, which casts it again
+/// (`region::recast_weights`), so no bf16 copy of every unsharded weight lives until then.
+fn recast_if_gathered<R>(w: &DTensor, compute: DType, f: impl FnOnce() -> R) -> R {
+    let gathered = !w.managed_grad_dims().is_empty() && w.dtype() != compute;
+    candle_dtensor_core::region::recast_weights(gathered, f)
 }
 
 /// [`linear`] with the output in `out` and `x` in any float dtype: the weight and bias cast to
@@ -340,7 +353,9 @@ pub(crate) fn linear_to(
     let compute = gemm_dtype(w.dtype());
     let w = cast_unless_stored(w, compute, master)?;
     let b = b.map(|b| cast(b, master)).transpose()?;
-    Ok(x.linear_with_layout_to(&w, b.as_ref(), layout, compute, out)?)
+    recast_if_gathered(&w, compute, || {
+        Ok(x.linear_with_layout_to(&w, b.as_ref(), layout, compute, out)?)
+    })
 }
 
 /// `w` as the GEMM takes it: as it is where [`gemm_as_stored`], else cast to `master`.
@@ -368,12 +383,16 @@ pub(crate) fn linear_gelu(
             let dt = x.dtype();
             let w = cast_unless_stored(w, compute, dt)?;
             let b = b.map(|b| cast(b, dt)).transpose()?;
-            Ok(x.linear_gelu_with_layout_to(&w, b.as_ref(), layout, compute, dt)?)
+            recast_if_gathered(&w, compute, || {
+                Ok(x.linear_gelu_with_layout_to(&w, b.as_ref(), layout, compute, dt)?)
+            })
         }
         (Some(out), Some((_, master))) => {
             let w = cast_unless_stored(w, compute, master)?;
             let b = b.map(|b| cast(b, master)).transpose()?;
-            Ok(x.linear_gelu_with_layout_to(&w, b.as_ref(), layout, compute, out)?)
+            recast_if_gathered(&w, compute, || {
+                Ok(x.linear_gelu_with_layout_to(&w, b.as_ref(), layout, compute, out)?)
+            })
         }
         // No policy: `linear_to`'s cast of the output, then the GELU.
         (Some(out), None) => Ok(linear_to(x, w, b, layout, out)?.gelu()?),
