@@ -25,6 +25,22 @@ fn bf16_linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor
         .broadcast_add(b)
 }
 
+/// The gradient of each leaf, in order (an error naming the first without one).
+fn leaf_grads<'a>(
+    grads: &candle_core::backprop::GradStore,
+    leaves: impl IntoIterator<Item = &'a Var>,
+) -> R<Vec<Tensor>> {
+    leaves
+        .into_iter()
+        .map(|l| {
+            grads
+                .get(l)
+                .cloned()
+                .ok_or_else(|| "a leaf without gradient".into())
+        })
+        .collect()
+}
+
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)
         .unwrap()
@@ -250,15 +266,7 @@ fn bf16_activations_between_tp_linears_match_one_device() {
             let seed_d = DTensor::from_local(&seed, &mesh, &[Rep])?;
             let loss = y.mul(&seed_d)?.sum_all()?;
             let grads = loss.backward()?;
-            let gs: Vec<Tensor> = leaves
-                .iter()
-                .map(|l| {
-                    grads
-                        .get(l)
-                        .cloned()
-                        .ok_or_else(|| "a leaf without gradient".into())
-                })
-                .collect::<R<_>>()?;
+            let gs = leaf_grads(&grads, &leaves)?;
             Ok((
                 a_dtype,
                 a_pl,
@@ -345,15 +353,7 @@ fn a_bf16_weight_goes_into_the_gemm_as_it_is() {
                     let y = y.redistribute(&[Rep])?;
                     let seed_d = DTensor::from_local(&seed, &mesh, &[Rep])?;
                     let grads = y.mul(&seed_d)?.sum_all()?.backward()?;
-                    let gs = [&xl, &wl, &bl]
-                        .iter()
-                        .map(|l| {
-                            grads
-                                .get(l)
-                                .cloned()
-                                .ok_or_else(|| "a leaf without gradient".into())
-                        })
-                        .collect::<R<Vec<_>>>()?;
+                    let gs = leaf_grads(&grads, [&xl, &wl, &bl])?;
                     Ok((y.to_local().clone(), gs, bytes))
                 };
                 let piece_rows = candle_dtensor_core::distribute_tensor(&w, &mesh, &[S(0)])?

@@ -416,3 +416,69 @@ fn the_mlp_hands_bf16_activations_between_its_linears() {
         })
         .unwrap();
 }
+
+/// Under the bf16 policy a linear whose f32 weight FSDP manages (`managed_grad_dims`: released
+/// after the unit's forward, gathered again before its backward) keeps no bf16 cast of it: the
+/// backward casts the weight as its storage holds it then. Here the storage is released and
+/// refilled with other values between the forward and the backward; the input gradient shows
+/// which weight the backward used: the refilled one for a managed weight, the forward's (the
+/// kept cast) for an unmanaged one. The output is the forward's either way.
+#[test]
+fn a_gathered_weight_is_cast_again_in_the_backward() {
+    use candle_core::Var;
+    use candle_dtensor_kernels::storage;
+    LocalWorld::new(1)
+        .launch(|comm| -> R<()> {
+            let mesh = DeviceMesh::new(comm, &[("dp", 1)])?;
+            let rep = vec![Placement::Replicate; 1];
+            let xs: Vec<f32> = (0..48).map(|i| (i as f32 * 0.37).sin() * 1.3).collect();
+            let x = Tensor::from_vec(xs, (3, 16), &Device::Cpu)?;
+            // sum(x W^T)'s input gradient with the bf16 product: ones @ bf16(W), a bf16 GEMM.
+            let dx_for = |w: &Tensor| -> R<Tensor> {
+                Ok(Tensor::ones((3, 8), DType::BF16, &Device::Cpu)?
+                    .matmul(&w.to_dtype(DType::BF16)?)?
+                    .to_dtype(DType::F32)?)
+            };
+            let mut dxs = Vec::new();
+            for managed in [false, true] {
+                let mut store = ParamStore::new(&mesh, 3, DType::F32);
+                let mut b = Builder {
+                    store: &mut store,
+                    roles: MeshRoles::of(&mesh)?,
+                    plan: TpPlan::new(),
+                };
+                let mut lin = Linear::new(&mut b, "fc", 16, 8, false, 0.5)?;
+                if managed {
+                    lin.weight = lin.weight.with_managed_grad_dims(&[0]);
+                }
+                let w_a = lin.weight.to_local().copy()?;
+                let w_b = (&w_a * -1.75)?;
+                let xv = Var::from_tensor(&x)?;
+                let xd = DTensor::from_local(xv.as_tensor(), &mesh, &rep)?;
+                let y = {
+                    let _bf16 = precision::scope(Precision::Bf16, DType::F32);
+                    lin.forward(&xd)?
+                };
+                storage::release(lin.weight.to_local(), "fc.weight")?;
+                storage::refill(lin.weight.to_local(), &w_b)?;
+                let grads = y.to_local().sum_all()?.backward()?;
+                let dx = grads.get(xv.as_tensor()).ok_or("no input gradient")?;
+                let want = dx_for(if managed { &w_b } else { &w_a })?;
+                let d = (dx - &want)?
+                    .abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f32>()?;
+                assert!(d <= 1e-5, "managed {managed}: dx off by {d}");
+                dxs.push(dx.clone());
+            }
+            let d = (&dxs[0] - &dxs[1])?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(d > 1e-3, "the refilled weight must change the gradient");
+            Ok(())
+        })
+        .unwrap();
+}
